@@ -1,0 +1,171 @@
+"""Command-line arguments: Megatron's flags for what exists here, plus ``--omnibal-*``.
+
+Everything that can be wrong with the flags is checked in :func:`validate_args`, before any
+process group, model or data is built.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from omnibal_ext.model.units import PRESETS, LanguageSpec, ModelSpec, VisionSpec, get_preset
+
+
+class ArgumentError(ValueError):
+    """A flag value that cannot work; the message names the flag."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Train an InternVL-style VLM (ViT -> projector -> LLM) with 3D parallelism and OmniBal.",
+        allow_abbrev=False)
+
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="model size preset")
+    for flag, help_ in [
+        ("--vision-num-layers", "ViT layers"), ("--vision-hidden-size", "ViT hidden size"),
+        ("--vision-num-attention-heads", "ViT heads"), ("--vision-ffn-hidden-size", "ViT MLP size"),
+        ("--image-size", "tile side in pixels"), ("--patch-size", "ViT patch side in pixels"),
+        ("--num-layers", "LLM layers"), ("--hidden-size", "LLM hidden size"),
+        ("--num-attention-heads", "LLM heads"), ("--num-query-groups", "LLM key/value heads"),
+        ("--ffn-hidden-size", "LLM MLP size"),
+    ]:
+        g.add_argument(flag, type=int, default=None, help=f"{help_} (default: the preset's)")
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-layout", default=None,
+                   help="units per stage, e.g. 'Iv*3|vPEt*4L' (I vit embed, v ViT layer, P projector, "
+                        "E LLM embed, t LLM layer, L head) or counts '4,8'; default: Megatron's "
+                        "(ViT + projector on stage 0, LLM layers uniform)")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: cuda+NCCL when a GPU is visible, else cpu+gloo")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=2,
+                   help="samples per micro-batch (with --omnibal-isf: target samples per packed group)")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per iteration (default: micro-batch-size x data-parallel size)")
+    g.add_argument("--train-iters", type=int, default=200)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=1e-5)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
+    g.add_argument("--lr-warmup-iters", type=int, default=10)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations (GPU)")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="the same recompute on every stage (full: every layer)")
+    g.add_argument("--recompute-plan", default=None,
+                   help="per-stage recompute, e.g. 'v2s,t3|t0s': per stage vN = first N ViT layers full, "
+                        "tN = first N LLM layers full, trailing s = selective for the others")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", default=None,
+                   help="InternVL meta JSON; default: the built-in digits dataset, made on first run")
+    g.add_argument("--data-cache-dir", default="data_cache", help="where the built-in dataset is written")
+    g.add_argument("--tokenizer-model", default=None, help="local Hugging Face tokenizer folder (default: byte-level)")
+    g.add_argument("--max-num-tiles", type=int, default=6)
+    g.add_argument("--seq-length", type=int, default=512, help="longest sample in tokens")
+    g.add_argument("--num-workers", type=int, default=0)
+
+    g = p.add_argument_group("logging and checkpoints")
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--eval-interval", type=int, default=None, help="evaluate every N iterations")
+    g.add_argument("--eval-iters", type=int, default=4, help="micro-batches... iterations per evaluation")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--exit-interval", type=int, default=None, help="stop (after saving) at this iteration")
+    g.add_argument("--json-log", default=None, help="write per-iteration metrics as JSON lines here")
+
+    g = p.add_argument_group("omnibal")
+    g.add_argument("--omnibal-isf", action="store_true", help="ISF data balancing: one packed group per micro-batch")
+    g.add_argument("--omnibal-isf-qv", type=int, default=None, help="ViT tile cap per group (default: searched)")
+    g.add_argument("--omnibal-isf-qt", type=int, default=None, help="LLM token cap per group (default: searched)")
+    g.add_argument("--omnibal-partition", choices=["none", "auto"], default="none",
+                   help="auto: profile (or read --omnibal-profile), search and apply a balanced layout")
+    g.add_argument("--omnibal-profile", default=None,
+                   help="profile JSON to read for --omnibal-partition/--omnibal-recompute auto; with neither, "
+                        "profile the units, write this file and exit")
+    g.add_argument("--omnibal-recompute", choices=["none", "auto"], default="none",
+                   help="auto: least recompute per stage that fits --omnibal-memory-budget")
+    g.add_argument("--omnibal-memory-budget", type=float, default=None, help="GiB per device")
+    g.add_argument("--omnibal-plan", default=None, help="plan JSON from `omnibal plan` to apply")
+    return p
+
+
+def model_spec_from_args(args) -> ModelSpec:
+    spec = get_preset(args.model)
+    v = {k: getattr(args, a) for k, a in [
+        ("num_layers", "vision_num_layers"), ("hidden_size", "vision_hidden_size"),
+        ("num_attention_heads", "vision_num_attention_heads"), ("ffn_hidden_size", "vision_ffn_hidden_size"),
+        ("image_size", "image_size"), ("patch_size", "patch_size")] if getattr(args, a) is not None}
+    lang = {k: getattr(args, a) for k, a in [
+        ("num_layers", "num_layers"), ("hidden_size", "hidden_size"),
+        ("num_attention_heads", "num_attention_heads"), ("num_query_groups", "num_query_groups"),
+        ("ffn_hidden_size", "ffn_hidden_size")] if getattr(args, a) is not None}
+    return spec.replace(vision=dataclasses.replace(spec.vision, **v), language=dataclasses.replace(spec.language, **lang))
+
+
+def validate_args(args, world_size: int) -> None:
+    """Check flags against each other and the world size; raise ArgumentError naming the flag."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if tp < 1 or pp < 1:
+        raise ArgumentError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
+    if world_size % (tp * pp):
+        raise ArgumentError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp}")
+    args.data_parallel_size = world_size // (tp * pp)
+    spec = model_spec_from_args(args)
+    n_units = 2 + spec.vision.num_layers + 2 + spec.language.num_layers + 1
+    if pp > n_units:
+        raise ArgumentError(
+            f"--pipeline-model-parallel-size {pp} is larger than the model's {n_units} pipeline units "
+            f"({spec.vision.num_layers} ViT layers + {spec.language.num_layers} LLM layers + embeddings, "
+            f"projector and head): some stage would be empty")
+    for name, heads, hidden, groups in [
+        ("--vision-num-attention-heads", spec.vision.num_attention_heads, spec.vision.hidden_size, None),
+        ("--num-attention-heads", spec.language.num_attention_heads, spec.language.hidden_size,
+         spec.language.kv_groups)]:
+        if hidden % heads:
+            raise ArgumentError(f"{name} {heads} does not divide the hidden size {hidden}")
+        if heads % tp or (groups is not None and groups % tp):
+            raise ArgumentError(f"{name} {heads} (key/value groups {groups}) is not divisible by "
+                                f"--tensor-model-parallel-size {tp}")
+    if spec.vision.image_size % spec.vision.patch_size:
+        raise ArgumentError(f"--patch-size {spec.vision.patch_size} does not divide --image-size {spec.vision.image_size}")
+    grid = spec.vision.image_size // spec.vision.patch_size
+    if grid % int(round(1 / spec.downsample_ratio)):
+        raise ArgumentError(f"the ViT patch grid {grid}x{grid} cannot be pixel-shuffled by {spec.downsample_ratio}")
+    mbs, dp = args.micro_batch_size, args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = mbs * dp
+    if args.global_batch_size % (mbs * dp):
+        raise ArgumentError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size {mbs} x "
+            f"data-parallel size {dp}")
+    args.num_microbatches = args.global_batch_size // (mbs * dp)
+    if args.recompute_granularity and args.recompute_plan:
+        raise ArgumentError("give either --recompute-granularity or --recompute-plan, not both")
+    if args.omnibal_recompute == "auto" and (args.recompute_granularity or args.recompute_plan):
+        raise ArgumentError("--omnibal-recompute auto chooses the recompute itself: drop --recompute-*")
+    if args.omnibal_partition == "auto" and args.pipeline_layout:
+        raise ArgumentError("--omnibal-partition auto chooses the layout itself: drop --pipeline-layout")
+    if args.save_interval and not args.save:
+        raise ArgumentError("--save-interval needs --save")
+    args.model_spec = spec
+
+
+def parse_args(argv=None, world_size: int = 1):
+    args = build_parser().parse_args(argv)
+    validate_args(args, world_size)
+    return args

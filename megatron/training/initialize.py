@@ -1,0 +1,65 @@
+"""Process groups, device choice and seeds."""
+from __future__ import annotations
+
+import datetime
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def choose_device(requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: no CUDA device is visible to this process")
+    return torch.device(requested)
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def initialize_distributed(device: torch.device, tp: int, pp: int) -> None:
+    """Start torch.distributed (gloo on CPU, NCCL on GPU) and megatron's model-parallel groups.
+
+    A plain ``python pretrain_vlm.py`` (no torchrun) runs as a world of one.
+    """
+    if device.type == "cpu":
+        from . import cpu_compat
+
+        cpu_compat.apply()
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 2000))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        dist.init_process_group(backend="gloo" if device.type == "cpu" else "nccl",
+                                timeout=datetime.timedelta(minutes=10))
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+
+def set_seeds(seed: int) -> None:
+    """Same seed on every rank: data order and weights do not depend on the parallel layout."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,263 @@
+"""The training loop: megatron-core's pipeline schedule, DDP, optimizer, LR schedule, logging."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from omnibal_ext.model.units import build_units
+
+from megatron.vlm.config import language_config, vision_config
+from megatron.vlm.model import StageRecomputeSettings, VLMStage
+
+from . import checkpointing
+
+
+def dtype_of(args) -> torch.dtype:
+    return torch.bfloat16 if args.bf16 else torch.float32
+
+
+def build_model(args, layout, recompute: list[StageRecomputeSettings], img_context_id: int, device: torch.device):
+    """This rank's pipeline stage, wrapped in megatron's DistributedDataParallel."""
+    spec, tp, pp = args.model_spec, args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    on_cpu = device.type == "cpu"
+    dtype = dtype_of(args)
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    stage_config = language_config(spec, tp, on_cpu, dtype, pp=pp)
+    module = VLMStage(spec, build_units(spec), layout.stage_range(stage), stage_config,
+                      vision_config(spec, tp, on_cpu, dtype), language_config(spec, tp, on_cpu, dtype),
+                      img_context_id=img_context_id, seed=args.seed, recompute=recompute[stage])
+    module.to(device=device, dtype=dtype)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=args.use_distributed_optimizer)
+    return [DistributedDataParallel(config=stage_config, ddp_config=ddp_config, module=module)]
+
+
+def build_optimizer(args, model):
+    config = OptimizerConfig(
+        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
+        bf16=args.bf16, params_dtype=dtype_of(args), use_distributed_optimizer=args.use_distributed_optimizer)
+    optimizer = get_megatron_optimizer(config, model)
+    gbs = args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=min(args.lr_warmup_iters, max(args.train_iters - 1, 0)) * gbs, lr_decay_steps=max(args.train_iters, 1) * gbs,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=max(args.train_iters, 1) * gbs, wd_incr_style="constant")
+    return optimizer, scheduler
+
+
+def _unwrap(model):
+    return model.module if hasattr(model, "module") else model
+
+
+def loss_func(batch: dict, token_correct: torch.Tensor, output_tensor: torch.Tensor):
+    """Sum of answer-token losses, their count, and what the log reports.
+
+    Returns (loss sum, token count, {"lm loss": [sum, count], "answers": [correct, total]}).
+    An answer counts as correct when every one of its tokens is the argmax under teacher
+    forcing, which is exactly when greedy decoding reproduces it.
+    """
+    labels = batch["labels"]
+    mask = labels != -100
+    loss_sum = (output_tensor * mask).sum()
+    num_tokens = mask.sum().to(torch.int)
+    seg = batch["segment_ids"].clamp(min=0)
+    n_samples = int(batch["sample_tokens"].numel())
+    wrong = torch.zeros(n_samples).index_add_(0, seg[mask], (~token_correct[mask]).float())
+    has_answer = torch.zeros(n_samples).index_add_(0, seg[mask], torch.ones(int(mask.sum())))
+    answered = has_answer > 0
+    correct = float((answered & (wrong == 0)).sum())
+    report = {
+        "lm loss": torch.stack([loss_sum.detach().clone().float(), num_tokens.float()]),
+        "answers": torch.tensor([correct, float(answered.sum())]),
+    }
+    return loss_sum, num_tokens, report
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch)
+    head = _unwrap(model).head
+    correct = head.last_token_correct if head is not None else None
+    return output, partial(loss_func, batch, correct)
+
+
+def reduce_reports(reports: list[dict]) -> dict:
+    """Sum the per-micro-batch reports over micro-batches and data-parallel ranks (last stage only)."""
+    if not reports:
+        return {}
+    totals = {k: sum(r[k] for r in reports) for k in reports[0]}
+    for v in totals.values():
+        dist.all_reduce(v, group=parallel_state.get_data_parallel_group())
+    return totals
+
+
+class MetricsLog:
+    """Megatron-style log lines, optional TensorBoard and JSON lines, from the logging rank."""
+
+    def __init__(self, args):
+        self.is_logger = dist.get_rank() == dist.get_world_size() - 1  # a last-stage rank
+        self.writer = None
+        self.json = None
+        if self.is_logger and args.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(args.tensorboard_dir)
+        if self.is_logger and args.json_log:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json_log)), exist_ok=True)
+            self.json = open(args.json_log, "a")
+
+    def log(self, iteration: int, total: int, metrics: dict, prefix: str = "") -> None:
+        if not self.is_logger:
+            return
+        parts = [f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] {prefix}iteration {iteration:8d}/{total:8d}"]
+        fmt = {"consumed samples": "{:12d}", "elapsed time per iteration (ms)": "{:.1f}",
+               "learning rate": "{:.6E}", "global batch size": "{:5d}", "lm loss": "{:.6E}",
+               "answer acc": "{:.4f}", "grad norm": "{:.4f}", "tokens/s": "{:.1f}", "images/s": "{:.1f}",
+               "pad ratio": "{:.4f}", "dist ratio llm": "{:.4f}", "dist ratio vit": "{:.4f}"}
+        for key, value in metrics.items():
+            if value is None:
+                continue
+            parts.append(f"{key}: {fmt.get(key, '{}').format(value)}")
+        print(" | ".join(parts), flush=True)
+        if self.writer:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)):
+                    self.writer.add_scalar(f"{prefix}{key}", value, iteration)
+        if self.json:
+            self.json.write(json.dumps({"iteration": iteration, "prefix": prefix, **metrics}) + "\n")
+            self.json.flush()
+
+    def close(self):
+        if self.writer:
+            self.writer.close()
+        if self.json:
+            self.json.close()
+
+
+def _batch_balance(records: list[dict], balance_fn) -> dict:
+    """Pad/Dist ratios of the micro-batches this iteration trained, across data-parallel ranks."""
+    gathered = [None] * parallel_state.get_data_parallel_world_size()
+    dist.all_gather_object(gathered, records, group=parallel_state.get_data_parallel_group_gloo())
+    per_step = []
+    for j in range(len(records)):
+        tokens = [rank_records[j]["tokens"] for rank_records in gathered]
+        tiles = [rank_records[j]["tiles"] for rank_records in gathered]
+        per_step.append(balance_fn(tokens, tiles, packed=records[j]["packed"]))
+    keys = per_step[0].keys() if per_step else []
+    return {k: sum(s[k] for s in per_step) / len(per_step) for k in keys}
+
+
+def train(args, model, optimizer, scheduler, train_data, valid_data=None, start_iteration: int = 0,
+          consumed_samples: int = 0, balance_fn=None) -> dict:
+    """Run iterations start_iteration+1 .. train_iters; returns a summary for the caller."""
+    config = _unwrap(model[0]).config
+    config.no_sync_func = model[0].no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    forward_backward = get_forward_backward_func()
+    log = MetricsLog(args)
+    is_last = parallel_state.is_pipeline_last_stage()
+    history = []
+    balance_sums, balance_count = {}, 0
+    iteration = start_iteration
+    while iteration < args.train_iters:
+        start = time.perf_counter()
+        for m in model:
+            m.zero_grad_buffer()
+        optimizer.zero_grad()
+        train_data.start_recording()
+        reports = forward_backward(
+            forward_step_func=forward_step, data_iterator=train_data, model=model,
+            num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size, forward_only=False)
+        ok, grad_norm, _ = optimizer.step()
+        records = train_data.stop_recording()
+        scheduler.step(increment=args.global_batch_size)
+        iteration += 1
+        elapsed = time.perf_counter() - start
+        totals = reduce_reports(reports) if is_last else {}
+        samples_tokens = torch.tensor([sum(sum(r["tokens"]) for r in records), sum(sum(r["tiles"]) for r in records),
+                                       sum(len(r["tokens"]) for r in records)], dtype=torch.float64)
+        dist.all_reduce(samples_tokens, group=parallel_state.get_data_parallel_group_gloo())
+        consumed_samples += int(samples_tokens[2])
+        balance = _batch_balance(records, balance_fn) if balance_fn else {}
+        for k, v in balance.items():
+            balance_sums[k] = balance_sums.get(k, 0.0) + v
+        balance_count += bool(balance)
+        metrics = {
+            "consumed samples": consumed_samples,
+            "elapsed time per iteration (ms)": elapsed * 1000,
+            "learning rate": scheduler.get_lr(optimizer.param_groups[0]) if hasattr(scheduler, "get_lr") else None,
+            "global batch size": int(samples_tokens[2]),
+        }
+        if totals:
+            metrics["lm loss"] = float(totals["lm loss"][0] / totals["lm loss"][1].clamp(min=1))
+            metrics["answer acc"] = float(totals["answers"][0] / totals["answers"][1].clamp(min=1))
+        metrics["grad norm"] = float(grad_norm) if grad_norm is not None else None
+        metrics["tokens/s"] = float(samples_tokens[0]) / elapsed
+        metrics["images/s"] = float(samples_tokens[1]) / elapsed
+        metrics.update({k.replace("_", " "): v for k, v in balance.items()})
+        history.append(metrics)
+        if iteration % args.log_interval == 0 or iteration == args.train_iters:
+            log.log(iteration, args.train_iters, metrics)
+        if args.eval_interval and valid_data is not None and (
+                iteration % args.eval_interval == 0 or iteration == args.train_iters):
+            ev = evaluate(args, model, valid_data, forward_backward)
+            if ev:
+                log.log(iteration, args.train_iters, ev, prefix="validation ")
+                metrics.update({f"validation {k}": v for k, v in ev.items()})
+        if args.save and ((args.save_interval and iteration % args.save_interval == 0)
+                          or (args.exit_interval and iteration == args.exit_interval)):
+            save(args, iteration, consumed_samples, model, optimizer, scheduler, train_data)
+        if args.exit_interval and iteration == args.exit_interval:
+            break
+    log.close()
+    summary = {"iterations": iteration, "consumed_samples": consumed_samples, "history": history}
+    if balance_count:
+        summary["balance"] = {k: v / balance_count for k, v in balance_sums.items()}
+    return summary
+
+
+def evaluate(args, model, valid_data, forward_backward) -> dict:
+    for m in model:
+        m.eval()
+    reports = []
+    valid_data.reset()
+    with torch.no_grad():
+        for _ in range(args.eval_iters):
+            reports += forward_backward(
+                forward_step_func=forward_step, data_iterator=valid_data, model=model,
+                num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, forward_only=True)
+    for m in model:
+        m.train()
+    if not parallel_state.is_pipeline_last_stage():
+        return {}
+    totals = reduce_reports(reports)
+    return {"lm loss": float(totals["lm loss"][0] / totals["lm loss"][1].clamp(min=1)),
+            "answer acc": float(totals["answers"][0] / totals["answers"][1].clamp(min=1)),
+            "answers": int(totals["answers"][1])}
+
+
+def parallel_signature(args) -> dict:
+    return {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
+            "dp": args.data_parallel_size}
+
+
+def save(args, iteration, consumed_samples, model, optimizer, scheduler, train_data):
+    checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, {
+        "consumed_samples": consumed_samples, "data": train_data.state_dict(),
+        "parallel": parallel_signature(args)})

@@ -1,0 +1,56 @@
+"""megatron-core TransformerConfigs for the ViT, the LLM and the pipeline stage module."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from omnibal_ext.model.units import ModelSpec
+
+
+def _common(*, tp: int, pp: int, on_cpu: bool, dtype: torch.dtype, seed_init_std: float = 0.02) -> dict:
+    fused = not on_cpu  # kernels that need CUDA (notes/megatron_core_cpu.md)
+    return dict(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=False,
+        use_cpu_initialization=True,  # draw full matrices then split: same weights for every TP size
+        perform_initialization=True,
+        init_method_std=seed_init_std,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=dtype,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        masked_softmax_fusion=fused,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=fused,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        calculate_per_token_loss=True,
+        variable_seq_lengths=True,  # stage outputs change shape along the pipeline
+        moe_token_dispatcher_type="alltoall",  # 0.16.1 rejects variable_seq_lengths otherwise
+        batch_p2p_comm=not on_cpu,  # batched p2p on gloo gives wrong gradients with interleaving
+        deallocate_pipeline_outputs=False,
+    )
+
+
+def vision_config(spec: ModelSpec, tp: int, on_cpu: bool, dtype: torch.dtype) -> TransformerConfig:
+    v = spec.vision
+    return TransformerConfig(
+        num_layers=v.num_layers, hidden_size=v.hidden_size, num_attention_heads=v.num_attention_heads,
+        ffn_hidden_size=v.ffn_hidden_size, add_bias_linear=True, add_qkv_bias=True, gated_linear_unit=False,
+        activation_func=F.gelu, normalization=v.normalization, layernorm_epsilon=1e-6,
+        **_common(tp=tp, pp=1, on_cpu=on_cpu, dtype=dtype))
+
+
+def language_config(spec: ModelSpec, tp: int, on_cpu: bool, dtype: torch.dtype, pp: int = 1) -> TransformerConfig:
+    lang = spec.language
+    return TransformerConfig(
+        num_layers=lang.num_layers, hidden_size=lang.hidden_size, num_attention_heads=lang.num_attention_heads,
+        num_query_groups=lang.kv_groups, ffn_hidden_size=lang.ffn_hidden_size, add_bias_linear=False,
+        gated_linear_unit=lang.swiglu, activation_func=F.silu if lang.swiglu else F.gelu,
+        normalization=lang.normalization, layernorm_epsilon=1e-5,
+        **_common(tp=tp, pp=pp, on_cpu=on_cpu, dtype=dtype))

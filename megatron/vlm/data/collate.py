@@ -1,0 +1,109 @@
+"""Micro-batch collation of dataset samples into the schema the model consumes.
+
+Batch schema (B samples; n_tiles = sum of their tiles)::
+
+    tokens        int64 [b, s]   token ids, pad_id on padding
+    labels        int64 [b, s]   shifted targets, -100 = no loss (padding included)
+    position_ids  int64 [b, s]   0.. within each sample, restarting at each packed sample, 0 on padding
+    segment_ids   int64 [b, s]   index of the sample within the micro-batch (0..B-1), -1 on padding
+    pixel_values  float32 [n_tiles, 3, S, S]   all samples' tiles, concatenated in sample order
+    image_flags   int64 [n_tiles]              1 real tile, 0 dummy tile of a text-only sample
+    sample_tokens int64 [B]      real tokens per sample
+    sample_tiles  int64 [B]      tiles per sample (dummy included)
+
+``collate_padded``: one sample per row (b = B), right padding to the longest sample or ``seq_length``.
+``collate_packed``: all samples in one row (b = 1), in order, padded to a multiple of ``pad_to_multiple``.
+Tiles always follow the order in which their image-context tokens appear in ``tokens`` (row-major).
+"""
+from __future__ import annotations
+
+import torch
+
+from .template import IGNORE_INDEX
+
+BATCH_KEYS = ("tokens", "labels", "position_ids", "segment_ids", "pixel_values", "image_flags",
+              "sample_tokens", "sample_tiles")
+
+
+def _images(samples: list[dict]) -> dict:
+    return {
+        "pixel_values": torch.cat([s["pixel_values"] for s in samples]).to(torch.float32),
+        "image_flags": torch.cat([s["image_flags"] for s in samples]).to(torch.int64),
+        "sample_tokens": torch.tensor([len(s["input_ids"]) for s in samples], dtype=torch.int64),
+        "sample_tiles": torch.tensor([len(s["image_flags"]) for s in samples], dtype=torch.int64),
+    }
+
+
+def _check_samples(samples: list[dict]) -> None:
+    if not samples:
+        raise ValueError("collate: empty micro-batch")
+    for k, s in enumerate(samples):
+        if len(s["input_ids"]) != len(s["labels"]):
+            raise ValueError(f"collate: sample {k} has {len(s['input_ids'])} input_ids but {len(s['labels'])} labels")
+        if len(s["pixel_values"]) != len(s["image_flags"]):
+            raise ValueError(f"collate: sample {k} has {len(s['pixel_values'])} tiles but "
+                             f"{len(s['image_flags'])} image_flags")
+
+
+def collate_padded(samples: list[dict], pad_id: int, seq_length: int | None = None) -> dict:
+    """One sample per row, right-padded to ``seq_length`` (default: the longest sample), in tokens."""
+    _check_samples(samples)
+    longest = max(len(s["input_ids"]) for s in samples)
+    width = longest if seq_length is None else seq_length
+    if longest > width:
+        raise ValueError(f"collate_padded: a sample has {longest} tokens > seq_length {seq_length}")
+    b = len(samples)
+    tokens = torch.full((b, width), pad_id, dtype=torch.int64)
+    labels = torch.full((b, width), IGNORE_INDEX, dtype=torch.int64)
+    position_ids = torch.zeros((b, width), dtype=torch.int64)
+    segment_ids = torch.full((b, width), -1, dtype=torch.int64)
+    for row, s in enumerate(samples):
+        n = len(s["input_ids"])
+        tokens[row, :n] = torch.as_tensor(s["input_ids"])
+        labels[row, :n] = torch.as_tensor(s["labels"])
+        position_ids[row, :n] = torch.arange(n)
+        segment_ids[row, :n] = row
+    return {"tokens": tokens, "labels": labels, "position_ids": position_ids, "segment_ids": segment_ids,
+            **_images(samples)}
+
+
+def collate_packed(samples: list[dict], pad_id: int, pad_to_multiple: int = 1) -> dict:
+    """All samples concatenated in one row (b = 1), padded up to a multiple of ``pad_to_multiple`` tokens."""
+    _check_samples(samples)
+    if pad_to_multiple < 1:
+        raise ValueError(f"collate_packed: pad_to_multiple must be >= 1, got {pad_to_multiple}")
+    lengths = [len(s["input_ids"]) for s in samples]
+    total = sum(lengths)
+    width = -(-total // pad_to_multiple) * pad_to_multiple
+    tokens = torch.full((1, width), pad_id, dtype=torch.int64)
+    labels = torch.full((1, width), IGNORE_INDEX, dtype=torch.int64)
+    position_ids = torch.zeros((1, width), dtype=torch.int64)
+    segment_ids = torch.full((1, width), -1, dtype=torch.int64)
+    start = 0
+    for k, (s, n) in enumerate(zip(samples, lengths)):
+        tokens[0, start:start + n] = torch.as_tensor(s["input_ids"])
+        labels[0, start:start + n] = torch.as_tensor(s["labels"])
+        position_ids[0, start:start + n] = torch.arange(n)
+        segment_ids[0, start:start + n] = k
+        start += n
+    return {"tokens": tokens, "labels": labels, "position_ids": position_ids, "segment_ids": segment_ids,
+            **_images(samples)}
+
+
+def check_batch(batch: dict, img_context_id: int, tokens_per_tile: int) -> None:
+    """Raise ``ValueError`` unless each sample's image-context tokens equal its real tiles x tokens_per_tile.
+
+    Debug helper for the trainer; samples are found through ``segment_ids``.
+    """
+    flags_per_sample = torch.split(batch["image_flags"], batch["sample_tiles"].tolist())
+    for k, flags in enumerate(flags_per_sample):
+        in_sample = batch["segment_ids"] == k
+        ctx = int((batch["tokens"][in_sample] == img_context_id).sum())
+        if int(in_sample.sum()) != int(batch["sample_tokens"][k]):
+            raise ValueError(f"batch: sample {k} has {int(in_sample.sum())} tokens, sample_tokens says "
+                             f"{int(batch['sample_tokens'][k])}")
+        if ctx != int(flags.sum()) * tokens_per_tile:
+            raise ValueError(f"batch: sample {k} has {ctx} image-context tokens but {int(flags.sum())} real tiles "
+                             f"x {tokens_per_tile} tokens per tile")
+    if len(batch["pixel_values"]) != len(batch["image_flags"]):
+        raise ValueError("batch: pixel_values and image_flags differ in length")

@@ -1,0 +1,336 @@
+"""Reader and map-style dataset of InternVL-format instruction data.
+
+Meta JSON (paths relative to the meta file's folder unless absolute)::
+
+    {"name": {"root": "images/", "annotation": "train.jsonl", "repeat_time": 1.0, "length": 1234}, ...}
+
+``repeat_time`` (default 1, > 0): ``floor(r)`` whole copies of the annotation plus ``round(frac(r) * lines)``
+lines drawn without replacement (seeded, kept in file order).  ``length``, when given, must equal the
+number of records in the annotation (a stale meta is an error, not a silent skip).  Sources are
+concatenated in meta order.
+
+Annotation JSONL, one record per non-blank line::
+
+    {"id": ..., "image": "a.png" | ["a.png", "b.png"] | absent, "conversations": [{"from": "human", ...}, ...]}
+
+Validation happens in one pass at construction (``scan_annotations``), before any training: every record
+is parsed, its images' headers are read (``PIL.Image.open(...).size``, no decode), its tile counts and
+its exact token count are computed with the same code ``__getitem__`` uses.  All problems are collected
+and raised together as ``DataValidationError`` whose lines start with ``annotation:line``.
+
+Multi-image records: each image may use ``max(1, max_num_tiles // num_images)`` tiles (InternVL's rule).
+Truncation (``truncate=True``): a sample longer than ``max_seq_length`` is cut at that length, but an
+image block is never split: the cut moves before the first image block that does not fit, and that image
+and the later ones (their tiles too) are dropped.  Text-only samples get one black dummy tile with
+``image_flags`` 0 and no image-context tokens.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .template import (ConversationError, IMAGE_PLACEHOLDER, add_missing_placeholder, count_placeholders,
+                       parse_conversations, plan_conversation)
+from .tiling import black_tile_tensor, count_tiles, dynamic_tiles, tiles_to_tensor
+
+MAX_LISTED_ERRORS = 20
+
+
+class DataValidationError(ValueError):
+    """Problems found in the data before training; each message line names ``file:line``."""
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One entry of the meta JSON, with paths resolved."""
+
+    name: str
+    root: str
+    annotation: str
+    repeat_time: float = 1.0
+    length: int | None = None
+
+
+@dataclass(frozen=True)
+class ReaderConfig:
+    """How records become samples.  Sizes: pixels for ``image_size``, tokens for lengths."""
+
+    image_size: int  # tile side, px
+    tokens_per_tile: int  # image-context tokens per tile
+    max_num_tiles: int  # --max-num-tiles: tiles per image (before the multi-image split), thumbnail excluded
+    max_seq_length: int | None = None  # None: no limit
+    use_thumbnail: bool = True
+    truncate: bool = False
+    min_num_tiles: int = 1
+    system: str | None = None  # system prompt for conversations without their own
+    add_bos: bool = True
+    seed: int = 0  # for fractional repeat_time
+
+    def tiles_per_image_limit(self, num_images: int) -> int:
+        return max(1, self.max_num_tiles // max(1, num_images))
+
+
+def read_meta(meta_path: str) -> list[SourceSpec]:
+    """Parse and check the meta JSON (see module docstring)."""
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise DataValidationError(f"{meta_path}: meta file not found") from None
+    except json.JSONDecodeError as e:
+        raise DataValidationError(f"{meta_path}:{e.lineno}: meta file is not valid JSON ({e.msg})") from None
+    if not isinstance(meta, dict) or not meta:
+        raise DataValidationError(f"{meta_path}: meta must be a non-empty JSON object {{name: {{root, annotation}}}}")
+    base = os.path.dirname(os.path.abspath(meta_path))
+    sources = []
+    for name, entry in meta.items():
+        where = f"{meta_path}: entry {name!r}"
+        if not isinstance(entry, dict) or "annotation" not in entry:
+            raise DataValidationError(f"{where}: needs at least an 'annotation' path")
+        annotation = os.path.normpath(os.path.join(base, entry["annotation"]))
+        root = os.path.normpath(os.path.join(base, entry.get("root", "")))
+        if not os.path.isfile(annotation):
+            raise DataValidationError(f"{where}: annotation file not found: {annotation}")
+        try:
+            repeat = float(entry.get("repeat_time", 1.0))
+        except (TypeError, ValueError):
+            raise DataValidationError(f"{where}: repeat_time must be a number") from None
+        if not (repeat > 0 and math.isfinite(repeat)):
+            raise DataValidationError(f"{where}: repeat_time must be > 0, got {repeat}")
+        length = entry.get("length")
+        if length is not None and (not isinstance(length, int) or length < 0):
+            raise DataValidationError(f"{where}: length must be a non-negative integer")
+        sources.append(SourceSpec(name, root, annotation, repeat, length))
+    return sources
+
+
+def record_images(record: dict) -> list[str]:
+    """The record's image paths: ``image`` as a string, a list of strings, or absent/empty (text-only)."""
+    image = record.get("image")
+    if image is None or image == "" or image == []:
+        return []
+    if isinstance(image, str):
+        return [image]
+    if isinstance(image, list) and all(isinstance(p, str) and p for p in image):
+        return list(image)
+    raise ConversationError("'image' must be a path or a list of paths")
+
+
+@dataclass
+class ScanResult:
+    """Everything the validation pass learned, per record (M records) and per dataset sample (N)."""
+
+    sources: list[SourceSpec]
+    rec_source: np.ndarray  # int64 [M] source index
+    rec_offset: np.ndarray  # int64 [M] byte offset of the line in its annotation
+    rec_line: np.ndarray  # int64 [M] 1-based line number
+    img_ptr: np.ndarray  # int64 [M+1] record r's images are img_*[img_ptr[r]:img_ptr[r+1]]
+    img_width: np.ndarray  # int64 [I] px
+    img_height: np.ndarray  # int64 [I] px
+    img_tiles: np.ndarray  # int64 [I] tiles (thumbnail included)
+    rec_tokens: np.ndarray  # int64 [M] tokens after truncation
+    rec_images_kept: np.ndarray  # int64 [M] images surviving truncation
+    rec_real_tiles: np.ndarray  # int64 [M] tiles of the kept images (= image_flags.sum())
+    rec_tiles: np.ndarray  # int64 [M] tiles fed to the ViT (1 dummy tile when no image is kept)
+    order: np.ndarray  # int64 [N] record index of each dataset sample (repeat_time applied)
+    num_truncated: int
+    num_without_loss: int  # truncated samples left with no answer token
+
+    def where(self, record: int) -> str:
+        return f"{self.sources[self.rec_source[record]].annotation}:{self.rec_line[record]}"
+
+
+def _repeat_indices(n: int, repeat: float, rng: np.random.Generator) -> np.ndarray:
+    whole = int(math.floor(repeat))
+    extra = int(round((repeat - whole) * n))
+    parts = [np.tile(np.arange(n, dtype=np.int64), whole)]
+    if extra:
+        parts.append(np.sort(rng.choice(n, size=extra, replace=False)).astype(np.int64))
+    return np.concatenate(parts)
+
+
+def scan_annotations(meta_path: str, tokenizer, config: ReaderConfig, progress: bool = True) -> ScanResult:
+    """The one validation pass over every annotation of ``meta_path`` (see module docstring)."""
+    from tqdm import tqdm
+
+    sources = read_meta(meta_path)
+    errors: list[str] = []
+    rec_source, rec_offset, rec_line, img_ptr = [], [], [], [0]
+    img_w, img_h, img_t = [], [], []
+    rec_tokens, rec_kept, rec_real, rec_tiles = [], [], [], []
+    order_parts = []
+    num_truncated = num_without_loss = 0
+    for s_idx, src in enumerate(sources):
+        first_record = len(rec_source)
+        bar = tqdm(total=os.path.getsize(src.annotation), unit="B", unit_scale=True, desc=f"scan {src.name}",
+                   disable=not progress, leave=False)
+        with open(src.annotation, "rb") as f:
+            offset = 0
+            for line_no, raw in enumerate(f, start=1):
+                line_offset, offset = offset, offset + len(raw)
+                bar.update(len(raw))
+                if not raw.strip():
+                    continue
+                where = f"{src.annotation}:{line_no}"
+                try:
+                    record = json.loads(raw)
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    errors.append(f"{where}: not valid JSON ({getattr(e, 'msg', e)})")
+                    continue
+                try:
+                    if not isinstance(record, dict):
+                        raise ConversationError("record must be a JSON object")
+                    if "conversations" not in record:
+                        raise ConversationError("missing 'conversations'")
+                    images = record_images(record)
+                    turns = add_missing_placeholder(parse_conversations(record["conversations"]), len(images))
+                    placeholders = count_placeholders(turns)
+                    if placeholders != len(images):
+                        raise ConversationError(
+                            f"{placeholders} {IMAGE_PLACEHOLDER} placeholders but {len(images)} images")
+                except ConversationError as e:
+                    errors.append(f"{where}: {e}")
+                    continue
+                sizes, bad = [], False
+                for rel in images:
+                    path = os.path.join(src.root, rel)
+                    if not os.path.isfile(path):
+                        errors.append(f"{where}: image file not found: {path}")
+                        bad = True
+                        continue
+                    try:
+                        with Image.open(path) as im:
+                            sizes.append(im.size)
+                    except Exception as e:  # noqa: BLE001 - any decoder failure is a data error
+                        errors.append(f"{where}: cannot read image {path}: {e}")
+                        bad = True
+                if bad:
+                    continue
+                limit = config.tiles_per_image_limit(len(images))
+                tiles = [count_tiles(w, h, config.image_size, config.min_num_tiles, limit, config.use_thumbnail)
+                         for w, h in sizes]
+                plan = plan_conversation(turns, tokenizer, tiles, config.tokens_per_tile, config.system,
+                                         config.add_bos)
+                cut, kept = plan.cut_for(config.max_seq_length)
+                if cut < plan.length:
+                    if not config.truncate:
+                        errors.append(f"{where}: sample is {plan.length} tokens ({sum(tiles)} tiles) > "
+                                      f"max_seq_length {config.max_seq_length}; raise the sequence length, "
+                                      "lower --max-num-tiles or allow truncation")
+                        continue
+                    num_truncated += 1
+                    _, labels = plan.materialize(cut)
+                    num_without_loss += int(not (labels != -100).any())
+                rec_source.append(s_idx)
+                rec_offset.append(line_offset)
+                rec_line.append(line_no)
+                for (w, h), t in zip(sizes, tiles):
+                    img_w.append(w)
+                    img_h.append(h)
+                    img_t.append(t)
+                img_ptr.append(len(img_t))
+                real = sum(tiles[:kept])
+                rec_tokens.append(cut)
+                rec_kept.append(kept)
+                rec_real.append(real)
+                rec_tiles.append(real if real > 0 else 1)
+        bar.close()
+        n_records = len(rec_source) - first_record
+        if src.length is not None and src.length != n_records and not errors:
+            errors.append(f"{meta_path}: entry {src.name!r} says length {src.length} but "
+                          f"{src.annotation} has {n_records} records")
+        rng = np.random.default_rng([config.seed, s_idx])
+        order_parts.append(first_record + _repeat_indices(n_records, src.repeat_time, rng))
+    if errors:
+        listed = "\n  ".join(errors[:MAX_LISTED_ERRORS])
+        more = f"\n  ... and {len(errors) - MAX_LISTED_ERRORS} more" if len(errors) > MAX_LISTED_ERRORS else ""
+        raise DataValidationError(f"{len(errors)} problem(s) in the data of {meta_path}:\n  {listed}{more}")
+    if num_truncated:
+        warnings.warn(f"{meta_path}: {num_truncated} sample(s) truncated to max_seq_length "
+                      f"{config.max_seq_length}; {num_without_loss} of them kept no answer token")
+
+    def arr(x):
+        return np.asarray(x, dtype=np.int64)
+
+    order = np.concatenate(order_parts) if order_parts else np.zeros(0, np.int64)
+    return ScanResult(sources, arr(rec_source), arr(rec_offset), arr(rec_line), arr(img_ptr), arr(img_w),
+                      arr(img_h), arr(img_t), arr(rec_tokens), arr(rec_kept), arr(rec_real), arr(rec_tiles),
+                      order.astype(np.int64), num_truncated, num_without_loss)
+
+
+class InternVLDataset(torch.utils.data.Dataset):
+    """Map-style dataset over an InternVL meta JSON; validated in full at construction.
+
+    ``__getitem__(i)`` -> ``{"input_ids": int64 [n], "labels": int64 [n], "pixel_values": float32
+    [k, 3, S, S], "image_flags": int64 [k]}`` with ``n == sample_lengths()[0][i]`` tokens and
+    ``k == sample_lengths()[1][i]`` tiles.
+    """
+
+    def __init__(self, meta_path: str, tokenizer, image_size: int, tokens_per_tile: int, max_num_tiles: int,
+                 max_seq_length: int | None, use_thumbnail: bool = True, truncate: bool = False, *,
+                 system: str | None = None, add_bos: bool = True, seed: int = 0, progress: bool = False) -> None:
+        self.meta_path = meta_path
+        self.tokenizer = tokenizer
+        self.config = ReaderConfig(image_size=image_size, tokens_per_tile=tokens_per_tile,
+                                   max_num_tiles=max_num_tiles, max_seq_length=max_seq_length,
+                                   use_thumbnail=use_thumbnail, truncate=truncate, system=system,
+                                   add_bos=add_bos, seed=seed)
+        self.scan = scan_annotations(meta_path, tokenizer, self.config, progress=progress)
+
+    def __len__(self) -> int:
+        return len(self.scan.order)
+
+    def sample_lengths(self) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens int64 [N], tiles int64 [N]) of every sample, dummy tile counted; no pixel decode."""
+        s = self.scan
+        return s.rec_tokens[s.order].copy(), s.rec_tiles[s.order].copy()
+
+    def sample_real_tiles(self) -> np.ndarray:
+        """int64 [N]: tiles of real images per sample (the sum of its ``image_flags``)."""
+        return self.scan.rec_real_tiles[self.scan.order].copy()
+
+    def where(self, index: int) -> str:
+        """``annotation:line`` of sample ``index``."""
+        return self.scan.where(int(self.scan.order[index]))
+
+    def __getitem__(self, index: int) -> dict:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"sample {index} out of range for {len(self)} samples")
+        s, cfg = self.scan, self.config
+        r = int(s.order[index])
+        src = s.sources[s.rec_source[r]]
+        with open(src.annotation, "rb") as f:
+            f.seek(int(s.rec_offset[r]))
+            record = json.loads(f.readline())
+        images = record_images(record)
+        turns = add_missing_placeholder(parse_conversations(record["conversations"]), len(images))
+        lo, hi = int(s.img_ptr[r]), int(s.img_ptr[r + 1])
+        tiles = [int(t) for t in s.img_tiles[lo:hi]]
+        kept = int(s.rec_images_kept[r])
+        limit = cfg.tiles_per_image_limit(len(images))
+        tiles_made = []
+        for k in range(kept):
+            path = os.path.join(src.root, images[k])
+            with Image.open(path) as im:
+                if im.size != (int(s.img_width[lo + k]), int(s.img_height[lo + k])):
+                    raise DataValidationError(f"{s.where(r)}: image {path} changed size since validation")
+                tiles_made += dynamic_tiles(im, cfg.image_size, cfg.min_num_tiles, limit, cfg.use_thumbnail)
+        plan = plan_conversation(turns, self.tokenizer, tiles, cfg.tokens_per_tile, cfg.system, cfg.add_bos)
+        input_ids, labels = plan.materialize(int(s.rec_tokens[r]))
+        if len(tiles_made) != sum(tiles[:kept]):  # cannot happen unless tiling and counting disagree
+            raise RuntimeError(f"{s.where(r)}: made {len(tiles_made)} tiles, validation counted {sum(tiles[:kept])}")
+        if tiles_made:
+            pixel_values = tiles_to_tensor(tiles_made)
+            image_flags = torch.ones(len(pixel_values), dtype=torch.int64)
+        else:
+            pixel_values = black_tile_tensor(cfg.image_size)
+            image_flags = torch.zeros(1, dtype=torch.int64)
+        return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
+                "pixel_values": pixel_values, "image_flags": image_flags}

@@ -1,0 +1,41 @@
+"""Per-sample length statistics in OmniBal's format, from the reader's validation pass (no pixel decode).
+
+Output: a JSON list, one entry per dataset sample in dataset order (``repeat_time`` applied)::
+
+    {"vit_num": tiles fed to the ViT (1 dummy tile for text-only), "token_num": tokens,
+     "image_flags": tiles of real images}
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from .internvl import ReaderConfig, scan_annotations
+
+
+def stats_records(scan) -> list[dict]:
+    """The stats entries of a ``ScanResult``, in dataset order."""
+    order = scan.order
+    tiles, tokens, real = scan.rec_tiles[order], scan.rec_tokens[order], scan.rec_real_tiles[order]
+    return [{"vit_num": int(v), "token_num": int(t), "image_flags": int(f)} for v, t, f in zip(tiles, tokens, real)]
+
+
+def write_stats(meta_path: str, out_path: str, tokenizer, image_size: int, tokens_per_tile: int,
+                max_num_tiles: int, use_thumbnail: bool = True, *, max_seq_length: int | None = None,
+                truncate: bool = False, system: str | None = None, progress: bool = True) -> int:
+    """Scan ``meta_path`` (validating it) and write its stats JSON to ``out_path``; returns the sample count.
+
+    The reader options must match the training run's for the numbers to match its samples.
+    """
+    config = ReaderConfig(image_size=image_size, tokens_per_tile=tokens_per_tile, max_num_tiles=max_num_tiles,
+                          max_seq_length=max_seq_length, use_thumbnail=use_thumbnail, truncate=truncate,
+                          system=system)
+    scan = scan_annotations(meta_path, tokenizer, config, progress=progress)
+    records = stats_records(scan)
+    folder = os.path.dirname(os.path.abspath(out_path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = out_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(records, f)
+    os.replace(tmp, out_path)
+    return len(records)

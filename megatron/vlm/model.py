@@ -1,0 +1,313 @@
+"""Pipeline stages of an InternVL-style VLM, built from megatron-core parts.
+
+A stage holds a contiguous slice of the unit list (omnibal_ext.model.units): any mix of the ViT
+patch embedding, ViT layers, projector, LLM embedding, LLM layers and output head.  ViT layers
+are placed like any other layer, so a stage may end the ViT and start the LLM.
+
+Stage I/O.  Every stage reads the micro-batch (tokens, tiles, ...) it needs; between stages one
+tensor travels, in megatron's [sequence, batch, hidden] order:
+  inside the ViT           [tokens per tile, tiles, vision hidden]
+  after the projector      [image tokens of all tiles, 1, LLM hidden]
+  inside the LLM           [sequence, micro-batch rows, LLM hidden]
+  out of the last stage    per-token loss [rows, sequence] (fp32)
+The shapes change along the pipeline, so the config sets ``variable_seq_lengths``.
+
+Recompute.  A stage's ViT layers and LLM layers are each split into megatron TransformerBlocks
+("segments"): the first ``*_full_layers`` layers fully recomputed, the rest with selective
+(core-attention) recompute or none, so every stage can get its own plan.
+
+Initialisation is seeded per unit (seed, unit index), so a unit has the same weights whichever
+stage builds it and whatever the tensor-parallel size (megatron's CPU initialisation draws the
+full matrix before splitting it): parallel runs reproduce the serial run.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.enums import AttnMaskType, ModelType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from omnibal_ext.model.units import ModelSpec, Unit
+
+
+@dataclass(frozen=True)
+class StageRecomputeSettings:
+    """Recompute of one pipeline stage (mirrors omnibal_ext.memory.recompute.StageRecompute)."""
+
+    vit_full_layers: int = 0  # first N ViT layers of the stage fully recomputed
+    vit_selective: bool = False  # core-attention recompute for the other ViT layers
+    llm_full_layers: int = 0
+    llm_selective: bool = False
+
+
+def unit_seed(seed: int, unit_index: int) -> int:
+    return (seed * 1_000_003 + 7919 * (unit_index + 1)) % (2**31 - 1)
+
+
+class SeededTransformerLayer(TransformerLayer):
+    """A TransformerLayer whose weights are drawn from a generator seeded by its unit index."""
+
+    def __init__(self, config, submodules, layer_number=1, seed=0, first_unit_index=0, **kwargs):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(unit_seed(seed, first_unit_index + layer_number - 1))
+            super().__init__(config, submodules, layer_number=layer_number, **kwargs)
+
+
+def _layer_spec(normalization: str, mask_type: AttnMaskType, seed: int, first_unit_index: int) -> ModuleSpec:
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization))
+    spec.module = SeededTransformerLayer
+    spec.params = {**spec.params, "seed": seed, "first_unit_index": first_unit_index}
+    attn = spec.submodules.self_attention
+    attn.params = {**attn.params, "attn_mask_type": mask_type}
+    return spec
+
+
+def segment_configs(base: TransformerConfig, num_layers: int, full_layers: int, selective: bool):
+    """Split ``num_layers`` into (num_layers, config) segments carrying their recompute settings."""
+    if full_layers < 0 or full_layers > num_layers:
+        raise ValueError(f"recompute of {full_layers} full layers on a stage with {num_layers} layers")
+    segments = []
+    if full_layers:
+        segments.append((full_layers, dataclasses.replace(
+            base, num_layers=full_layers, recompute_granularity="full", recompute_method="block",
+            recompute_num_layers=full_layers)))
+    rest = num_layers - full_layers
+    if rest:
+        segments.append((rest, dataclasses.replace(
+            base, num_layers=rest, recompute_granularity="selective" if selective else None,
+            recompute_method=None, recompute_num_layers=None)))
+    return segments
+
+
+class VisionEmbedding(torch.nn.Module):
+    """Tiles [n, C, S, S] -> patch tokens plus a class token, with learned positions: [1 + P, n, H]."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        v = spec.vision
+        self.patch = torch.nn.Conv2d(v.in_channels, v.hidden_size, kernel_size=v.patch_size, stride=v.patch_size)
+        self.cls_token = torch.nn.Parameter(torch.randn(1, 1, v.hidden_size) * 0.02)
+        self.position = torch.nn.Parameter(torch.randn(1, v.seq_per_tile, v.hidden_size) * 0.02)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        x = self.patch(pixel_values).flatten(2).transpose(1, 2)  # [n, P, H]
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.position
+        return x.transpose(0, 1).contiguous()  # [1 + P, n, H]
+
+
+class Projector(torch.nn.Module):
+    """ViT output -> drop class token -> pixel shuffle -> LayerNorm -> MLP (tensor parallel).
+
+    [1 + P, n, Hv] -> [n * tokens_per_tile, 1, Hl]
+    """
+
+    def __init__(self, spec: ModelSpec, config: TransformerConfig):
+        super().__init__()
+        self.grid = int(round(spec.vision.patches_per_tile**0.5))
+        self.factor = int(round(1 / spec.downsample_ratio))
+        in_size, hidden = spec.projector_in_size, spec.language.hidden_size
+        self.norm = torch.nn.LayerNorm(in_size)
+        init = config.init_method
+        self.fc1 = tensor_parallel.ColumnParallelLinear(
+            in_size, hidden, config=config, init_method=init, bias=True, gather_output=False)
+        self.fc2 = tensor_parallel.RowParallelLinear(
+            hidden, hidden, config=config, init_method=init, bias=True, input_is_parallel=True,
+            skip_bias_add=False)
+
+    def forward(self, vit_out: torch.Tensor) -> torch.Tensor:
+        x = vit_out[1:].transpose(0, 1)  # [n, P, Hv]
+        n, _, h = x.shape
+        g, f = self.grid, self.factor
+        x = x.reshape(n, g // f, f, g // f, f, h).permute(0, 1, 3, 2, 4, 5)
+        x = x.reshape(n * (g // f) ** 2, f * f * h)
+        x, _ = self.fc1(self.norm(x))
+        x, _ = self.fc2(F.gelu(x))
+        return x.unsqueeze(1)
+
+
+class TextEmbedding(torch.nn.Module):
+    """Token embedding (vocabulary-parallel) with image features written into image-context slots.
+
+    tokens [b, s] and image features [n * T, 1, H] -> [s, b, H].
+    """
+
+    def __init__(self, spec: ModelSpec, config: TransformerConfig, img_context_id: int, tokens_per_tile: int):
+        super().__init__()
+        self.word = tensor_parallel.VocabParallelEmbedding(
+            spec.language.vocab_size, spec.language.hidden_size, init_method=config.init_method,
+            config=config)
+        self.img_context_id = img_context_id
+        self.tokens_per_tile = tokens_per_tile
+
+    def forward(self, tokens, image_features, image_flags):
+        emb = self.word(tokens)  # [b, s, H]
+        feats = image_features.squeeze(1).reshape(len(image_flags), self.tokens_per_tile, -1)
+        feats = feats[image_flags.bool()].reshape(-1, emb.shape[-1])
+        slots = tokens == self.img_context_id
+        if int(slots.sum()) != feats.shape[0]:
+            raise ValueError(
+                f"micro-batch has {int(slots.sum())} image-context tokens but its real tiles give "
+                f"{feats.shape[0]} image features")
+        emb = emb.masked_scatter(slots.unsqueeze(-1), feats.to(emb.dtype))
+        return emb.transpose(0, 1).contiguous()
+
+
+class OutputHead(torch.nn.Module):
+    """Final norm, vocabulary-parallel output layer and cross entropy: [s, b, H] -> loss [b, s]."""
+
+    def __init__(self, spec: ModelSpec, config: TransformerConfig, norm_module):
+        super().__init__()
+        self.norm = norm_module(config=config, hidden_size=spec.language.hidden_size, eps=config.layernorm_epsilon)
+        self.output = tensor_parallel.ColumnParallelLinear(
+            spec.language.hidden_size, spec.language.vocab_size, config=config,
+            init_method=config.init_method, bias=False, gather_output=False)
+        self.last_token_correct = None  # [b, s] bool, argmax == label, set by forward
+
+    def forward(self, hidden, labels):
+        logits, _ = self.output(self.norm(hidden))  # [s, b, V/tp]
+        targets = labels.clamp(min=0).transpose(0, 1).contiguous()
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), targets)
+        self.last_token_correct = _vocab_parallel_argmax_matches(logits.detach(), targets).transpose(0, 1)
+        return loss.transpose(0, 1).contiguous()  # [b, s]
+
+
+def _vocab_parallel_argmax_matches(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Whether the target holds the maximal logit over the whole (tensor-parallel split) vocabulary."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    part = logits.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * part
+    local_max = logits.max(dim=-1).values
+    inside = (targets >= start) & (targets < start + part)
+    idx = (targets - start).clamp(0, part - 1)
+    target_logit = torch.where(inside, logits.gather(-1, idx.unsqueeze(-1)).squeeze(-1), torch.zeros_like(local_max))
+    if tp > 1:
+        torch.distributed.all_reduce(local_max, op=torch.distributed.ReduceOp.MAX, group=group)
+        torch.distributed.all_reduce(target_logit, group=group)
+    return target_logit >= local_max
+
+
+def packed_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal causal mask [b, 1, s, s] (True = masked) from segment ids (-1 = padding).
+
+    Tokens attend only to earlier tokens of the same packed sample; padding attends to itself.
+    """
+    s = segment_ids.shape[1]
+    same = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)
+    causal = torch.ones(s, s, dtype=torch.bool, device=segment_ids.device).tril()
+    allowed = same & causal & (segment_ids.unsqueeze(1) >= 0)
+    allowed |= torch.eye(s, dtype=torch.bool, device=segment_ids.device)
+    return (~allowed).unsqueeze(1)
+
+
+class VLMStage(MegatronModule):
+    """One pipeline stage: the units ``unit_range`` of the model's unit list."""
+
+    def __init__(self, spec: ModelSpec, units: list[Unit], unit_range: range, config: TransformerConfig,
+                 vit_config: TransformerConfig, llm_config: TransformerConfig, img_context_id: int,
+                 seed: int, recompute: StageRecomputeSettings | None = None):
+        super().__init__(config=config)
+        self.model_type = ModelType.encoder_or_decoder
+        # Read by megatron's finalize_model_grads: no weights are shared between stages.
+        self.pre_process = unit_range.start == 0
+        self.post_process = unit_range.stop == len(units)
+        self.share_embeddings_and_output_weights = False
+        recompute = recompute or StageRecomputeSettings()
+        self.spec = spec
+        self.units = [units[i] for i in unit_range]
+        self.kinds = [u.kind for u in self.units]
+        self.first_unit = unit_range.start
+        self.input_tensor = None
+        self.recompute = recompute
+        first = {k: next((u.index for u in self.units if u.kind == k), None) for k in
+                 ("vit_embed", "vit_layer", "projector", "llm_embed", "llm_layer", "llm_head")}
+        n_vit = self.kinds.count("vit_layer")
+        n_llm = self.kinds.count("llm_layer")
+        self.vit_embed = self.projector = self.text_embed = self.head = None
+        if first["vit_embed"] is not None:
+            with _seeded(seed, first["vit_embed"]):
+                self.vit_embed = VisionEmbedding(spec)
+        self.vit_blocks = self._blocks(vit_config, spec.vision.normalization, AttnMaskType.no_mask, seed,
+                                       first["vit_layer"], n_vit, recompute.vit_full_layers, recompute.vit_selective)
+        if first["projector"] is not None:
+            with _seeded(seed, first["projector"]):
+                self.projector = Projector(spec, llm_config)
+        if first["llm_embed"] is not None:
+            with _seeded(seed, first["llm_embed"]):
+                self.text_embed = TextEmbedding(spec, llm_config, img_context_id, spec.tokens_per_tile)
+        self.llm_blocks = self._blocks(llm_config, spec.language.normalization, AttnMaskType.arbitrary, seed,
+                                       first["llm_layer"], n_llm, recompute.llm_full_layers, recompute.llm_selective)
+        if n_llm or first["llm_head"] is not None:
+            kv = spec.language.hidden_size // spec.language.num_attention_heads
+            self.rotary = RotaryEmbedding(kv_channels=kv, rotary_percent=1.0, rotary_base=spec.language.rotary_base,
+                                          use_cpu_initialization=True)
+        if first["llm_head"] is not None:
+            with _seeded(seed, first["llm_head"]):
+                norm = get_gpt_layer_local_spec(normalization=spec.language.normalization).submodules.input_layernorm
+                self.head = OutputHead(spec, llm_config, norm)
+
+    @staticmethod
+    def _blocks(base, normalization, mask_type, seed, first_index, n_layers, full_layers, selective):
+        blocks = torch.nn.ModuleList()
+        offset = 0
+        for n, cfg in segment_configs(base, n_layers, min(full_layers, n_layers), selective):
+            layer = _layer_spec(normalization, mask_type, seed, first_index + offset)
+            blocks.append(TransformerBlock(cfg, layer, post_layer_norm=False))
+            offset += n
+        return blocks
+
+    def set_input_tensor(self, input_tensor):
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0]
+        self.input_tensor = input_tensor
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        kinds = self.kinds
+        x = None if self.vit_embed is not None else self.input_tensor
+        if self.vit_embed is not None:
+            x = self.vit_embed(batch["pixel_values"])
+        for block in self.vit_blocks:
+            x = block(hidden_states=x, attention_mask=None)
+        if self.projector is not None:
+            x = self.projector(x)
+        if self.text_embed is not None:
+            x = self.text_embed(batch["tokens"], x, batch["image_flags"])
+        if self.llm_blocks or self.head is not None:
+            mask, rope = None, None
+            if self.llm_blocks:
+                mask = packed_causal_mask(batch["segment_ids"])
+                s = batch["tokens"].shape[1]
+                rope = self.rotary(int(batch["position_ids"].max()) + 1 if batch["tokens"].shape[0] == 1 else s)
+                rope = rope[batch["position_ids"][0]] if batch["tokens"].shape[0] == 1 else rope[:s]
+            for block in self.llm_blocks:
+                x = block(hidden_states=x, attention_mask=mask, rotary_pos_emb=rope)
+        if self.head is not None:
+            return self.head(x, batch["labels"])
+        assert kinds, "empty stage"
+        return x
+
+
+class _seeded:
+    """Context: draw a unit's parameters from its own seed, leaving the global RNG untouched."""
+
+    def __init__(self, seed: int, unit_index: int):
+        self.seed = unit_seed(seed, unit_index)
+
+    def __enter__(self):
+        self._fork = torch.random.fork_rng(devices=[])
+        self._fork.__enter__()
+        torch.manual_seed(self.seed)
+
+    def __exit__(self, *exc):
+        return self._fork.__exit__(*exc)

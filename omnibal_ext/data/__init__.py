@@ -1,0 +1,27 @@
+"""Data-level balancing: ISF (Iterative Sampling and Filtering) and balanced step assembly.
+
+numpy only (no torch, no megatron).  Modules:
+
+* ``stats``   load/validate per-sample stats (ViT tiles, LLM tokens), resample;
+* ``isf``     ISF grouping (single and multi-group), oversize policies;
+* ``assign``  balanced step assembly across DP ranks (tokens AND tiles), pack files;
+* ``search``  automatic threshold search and the whole plan;
+* ``metrics`` PadRatio, DistRatio, fill, ``step_balance`` for one training step;
+* ``sampler`` ``GroupBatchSampler`` and ``random_groups``;
+* ``cli``     ``omnibal isf stats|search|pack``.
+"""
+from .assign import PackPlan, StepAssembly, assemble_steps, load_pack, save_pack, sp_runs
+from .isf import Grouping, ISFParams, OversizeError, check_partition, isf_group, isf_multi
+from .metrics import dist_ratio_matrix, dist_ratio_one, fill, pad_ratio, step_balance
+from .sampler import GroupBatchSampler, random_groups
+from .search import DataPlan, SearchConfig, SearchResult, plan_isf, plan_isf_multi, random_baseline, search_params
+from .stats import SampleStats, StatsError, from_arrays, load_stats, resample
+
+__all__ = [
+    "PackPlan", "StepAssembly", "assemble_steps", "load_pack", "save_pack", "sp_runs",
+    "Grouping", "ISFParams", "OversizeError", "check_partition", "isf_group", "isf_multi",
+    "dist_ratio_matrix", "dist_ratio_one", "fill", "pad_ratio", "step_balance",
+    "GroupBatchSampler", "random_groups",
+    "DataPlan", "SearchConfig", "SearchResult", "plan_isf", "plan_isf_multi", "random_baseline", "search_params",
+    "SampleStats", "StatsError", "from_arrays", "load_stats", "resample",
+]

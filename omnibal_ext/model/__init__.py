@@ -1,0 +1,1 @@
+"""Model level: the unit list, presets, costs, partition search and pipeline simulation."""

@@ -1,0 +1,59 @@
+"""Per-unit costs: the numbers the partition search, the simulator and the memory planner read.
+
+They come from a profile (measured on a device) or from the analytic cost model (for models too
+large for the machine at hand).  All values are for ONE micro-batch on ONE tensor-parallel rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    name: str  # the unit's stable name (omnibal_ext.model.units)
+    kind: str  # the unit's kind
+    fwd_s: float  # forward time, seconds
+    bwd_s: float  # backward time without recompute, seconds
+    act_bytes: float  # activation bytes kept for backward, no recompute
+    act_bytes_full: float  # kept under full recompute (the unit's input only)
+    act_bytes_selective: float  # kept under selective (core attention) recompute
+    selective_recompute_s: float  # extra backward time of selective recompute, seconds
+    send_bytes: float  # bytes of the unit's output, sent when a stage boundary follows it
+    param_count: int  # parameters of the unit (whole model, before tensor-parallel split)
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Unit costs in pipeline order plus where they came from."""
+
+    units: tuple[UnitCost, ...]
+    source: str = "analytic"  # "analytic", "profile", "calibrated"
+    meta: dict = field(default_factory=dict)  # device, dtype, shapes, versions
+
+    def to_dict(self) -> dict:
+        return {"source": self.source, "meta": self.meta, "units": [dataclasses.asdict(u) for u in self.units]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostTable":
+        names = {f.name for f in dataclasses.fields(UnitCost)}
+        units = []
+        for i, u in enumerate(d["units"]):
+            missing = names - set(u)
+            if missing:
+                raise ValueError(f"cost table unit {i} ({u.get('name', '?')}): missing keys {sorted(missing)}")
+            units.append(UnitCost(**{k: u[k] for k in names}))
+        return cls(tuple(units), d.get("source", "profile"), d.get("meta", {}))
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> "CostTable":
+        with open(path) as f:
+            try:
+                return cls.from_dict(json.load(f))
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"{path}: not a cost table/profile: {e}") from e

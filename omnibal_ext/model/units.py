@@ -1,0 +1,165 @@
+"""The one ordered list of pipeline units of a VLM, and the model sizes it is made from.
+
+Every part of OmniBal speaks of the same units by the same names: the trainer builds a pipeline
+stage from a contiguous slice of the list, the profiler and the cost model give each unit its
+costs, the partition search splits the list, the recompute planner chooses over it and the
+simulator replays it.  The order is fixed::
+
+    vit.embed, vit.layer.0 .. vit.layer.{Lv-1}, projector, llm.embed, llm.layer.0 .. llm.layer.{Ll-1}, llm.head
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+# Unit kinds, in pipeline order, with the one-letter code used by the layout syntax.
+KIND_CODES = {
+    "vit_embed": "I",  # patch embedding of image tiles (+ class token, position embedding)
+    "vit_layer": "v",  # one ViT transformer layer
+    "projector": "P",  # pixel shuffle + MLP into the LLM's hidden size
+    "llm_embed": "E",  # token embedding, image features scattered into image-context positions
+    "llm_layer": "t",  # one LLM transformer layer
+    "llm_head": "L",  # final norm, output layer and loss
+}
+CODE_KINDS = {code: kind for kind, code in KIND_CODES.items()}
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """A ViT encoder (InternViT-style: pre-norm layers over patch tokens of one tile plus a class token)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    image_size: int = 448  # tile side, pixels
+    patch_size: int = 14  # pixels
+    in_channels: int = 3
+    normalization: str = "LayerNorm"  # or "RMSNorm" (InternViT-6B)
+
+    @property
+    def patches_per_tile(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def seq_per_tile(self) -> int:
+        """Tokens the ViT runs per tile: patches plus the class token."""
+        return self.patches_per_tile + 1
+
+
+@dataclass(frozen=True)
+class LanguageSpec:
+    """A GPT decoder (InternLM2 / Llama style: RMSNorm, SwiGLU, grouped-query attention, RoPE)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    num_query_groups: int | None = None  # None: multi-head attention
+    vocab_size: int = 384  # padded vocabulary (rows of the embedding and output layer)
+    swiglu: bool = True
+    normalization: str = "RMSNorm"
+    rotary_base: int = 10000
+
+    @property
+    def kv_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A whole VLM: ViT -> projector (pixel shuffle by ``downsample_ratio``, then an MLP) -> LLM."""
+
+    name: str
+    vision: VisionSpec
+    language: LanguageSpec
+    downsample_ratio: float = 0.5
+
+    @property
+    def tokens_per_tile(self) -> int:
+        """LLM image-context tokens one tile becomes after pixel shuffle."""
+        return int(round(self.vision.patches_per_tile * self.downsample_ratio**2))
+
+    @property
+    def projector_in_size(self) -> int:
+        return int(round(self.vision.hidden_size / self.downsample_ratio**2))
+
+    def replace(self, **changes) -> "ModelSpec":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelSpec":
+        return cls(
+            name=d["name"],
+            vision=VisionSpec(**d["vision"]),
+            language=LanguageSpec(**d["language"]),
+            downsample_ratio=d.get("downsample_ratio", 0.5),
+        )
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One entry of the pipeline unit list."""
+
+    name: str  # stable name, e.g. "vit.layer.3"
+    kind: str  # one of KIND_CODES
+    index: int  # position in the unit list
+    layer: int | None = None  # layer number within its encoder/decoder for *_layer kinds
+
+    @property
+    def code(self) -> str:
+        return KIND_CODES[self.kind]
+
+
+def build_units(spec: ModelSpec) -> list[Unit]:
+    """The ordered unit list of ``spec``."""
+    entries: list[tuple[str, str, int | None]] = [("vit.embed", "vit_embed", None)]
+    entries += [(f"vit.layer.{i}", "vit_layer", i) for i in range(spec.vision.num_layers)]
+    entries += [("projector", "projector", None), ("llm.embed", "llm_embed", None)]
+    entries += [(f"llm.layer.{i}", "llm_layer", i) for i in range(spec.language.num_layers)]
+    entries += [("llm.head", "llm_head", None)]
+    return [Unit(name, kind, i, layer) for i, (name, kind, layer) in enumerate(entries)]
+
+
+# --------------------------------------------------------------------------------------------
+# Presets.  Sizes of the paper's models are the published ones (InternVL-Chat-V1.5 family):
+# InternViT-6B (45 layers used, hidden 3200, 25 heads, MLP 12800, 448px tiles, patch 14, RMSNorm),
+# InternLM2-20B (48 layers, hidden 6144, 48 heads, 8 KV heads, MLP 16384, vocabulary 92544),
+# Nous-Hermes-2-Yi-34B (60 layers, hidden 7168, 56 heads, 8 KV heads, MLP 20480, vocabulary 64000).
+# --------------------------------------------------------------------------------------------
+INTERNVIT_6B = VisionSpec(
+    num_layers=45, hidden_size=3200, num_attention_heads=25, ffn_hidden_size=12800,
+    image_size=448, patch_size=14, normalization="RMSNorm",
+)
+
+PRESETS: dict[str, ModelSpec] = {
+    "tiny": ModelSpec(
+        name="tiny",
+        vision=VisionSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
+                          image_size=32, patch_size=8),
+        language=LanguageSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=192,
+                              num_query_groups=2, vocab_size=384),
+    ),
+    "internvl-6b-20b": ModelSpec(
+        name="internvl-6b-20b",
+        vision=INTERNVIT_6B,
+        language=LanguageSpec(num_layers=48, hidden_size=6144, num_attention_heads=48, ffn_hidden_size=16384,
+                              num_query_groups=8, vocab_size=92544, rotary_base=1000000),
+    ),
+    "internvl-6b-34b": ModelSpec(
+        name="internvl-6b-34b",
+        vision=INTERNVIT_6B,
+        language=LanguageSpec(num_layers=60, hidden_size=7168, num_attention_heads=56, ffn_hidden_size=20480,
+                              num_query_groups=8, vocab_size=64000, rotary_base=5000000),
+    ),
+}
+
+
+def get_preset(name: str) -> ModelSpec:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}") from None

@@ -1,0 +1,71 @@
+"""Train an InternVL-style VLM with megatron-core and OmniBal balancing.
+
+    torchrun --nproc-per-node 4 pretrain_vlm.py --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
+
+Runs on CPU with gloo (automatically when no GPU is visible) and on NVIDIA GPUs with NCCL.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
+
+
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError)
+
+
+def main(argv=None) -> dict:
+    from megatron.training.arguments import parse_args
+    from megatron.training.initialize import choose_device, initialize_distributed, set_seeds, world_size_from_env
+
+    args = parse_args(argv, world_size_from_env())
+    device = choose_device(args.device)
+    initialize_distributed(device, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    set_seeds(args.seed)
+
+    import torch.distributed as dist
+
+    from megatron.training import checkpointing, setup, training
+
+    tokenizer = setup.setup_tokenizer(args)
+    train_data, valid_data = setup.build_data(args, tokenizer)  # validates every record first
+    layout = setup.choose_layout(args)
+    recompute = setup.recompute_settings(args, layout)
+    model = training.build_model(args, layout, recompute, tokenizer.img_context_id, device)
+    optimizer, scheduler = training.build_optimizer(args, model)
+    start, consumed = 0, 0
+    if args.load:
+        state = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler,
+                                              training.parallel_signature(args))
+        train_data.load_state_dict(state["data"])
+        start, consumed = state["iteration"], state["consumed_samples"]
+    if dist.get_rank() == 0:
+        from omnibal_ext.model.units import build_units
+
+        print(f"> model {args.model_spec.name}: TP={args.tensor_model_parallel_size} "
+              f"PP={args.pipeline_model_parallel_size} DP={args.data_parallel_size}, "
+              f"layout {layout.to_flag(build_units(args.model_spec))}, "
+              f"{args.num_microbatches} micro-batches per iteration", flush=True)
+    summary = training.train(args, model, optimizer, scheduler, train_data, valid_data, start, consumed)
+    summary["layout"] = list(layout.stage_units)
+    return summary
+
+
+def cli() -> int:
+    from megatron.training.initialize import destroy
+
+    try:
+        main()
+    except USER_ERRORS as e:  # bad flags or data: one clear line, no traceback
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,29 @@
+"""OmniBal-Megatron: balanced 3D-parallel VLM instruction tuning on megatron-core."""
+from setuptools import find_namespace_packages, setup
+
+setup(
+    name="omnibal-megatron",
+    version="0.1.0",
+    description="OmniBal (ICML 2025) data/model/memory balancing for VLM training on megatron-core",
+    python_requires=">=3.10",
+    packages=find_namespace_packages(include=["omnibal_ext*", "megatron.training*", "megatron.vlm*"]),
+    py_modules=["pretrain_vlm"],
+    install_requires=[
+        "torch==2.13.0",
+        "megatron-core==0.16.1",
+        "einops==0.8.2",
+        "numpy>=1.26,<3",
+        "pillow==13.0.0",
+        "scikit-learn==1.9.1",
+        "matplotlib==3.11.2",
+        "tqdm==4.70.1",
+    ],
+    extras_require={
+        "tensorboard": ["tensorboard==2.21.0"],
+        "test": ["pytest==9.0.3", "hypothesis==6.155.2"],
+        # GPU extras are installed by the user from NVIDIA's channels (transformer-engine, NVIDIA apex
+        # built from source); never the unrelated PyPI package called "apex".
+        "hf": ["transformers==5.23.0"],
+    },
+    entry_points={"console_scripts": ["omnibal=omnibal_ext.cli:main"]},
+)

@@ -1,0 +1,138 @@
+"""Analytic cost model vs hand computations; calibration recovers known rates."""
+import dataclasses
+
+import pytest
+
+from omnibal_ext.model.cost_model import (
+    DEVICES, DEFAULT_EFFICIENCY, MicroBatchShape, analytic_costs, calibrate, calibrated_costs, unit_flops,
+    unit_param_counts,
+)
+from omnibal_ext.model.costs import CostTable
+from omnibal_ext.model.units import build_units, get_preset
+
+TINY = get_preset("tiny")
+BIG = get_preset("internvl-6b-20b")
+
+
+def _index(spec, name):
+    return [u.name for u in build_units(spec)].index(name)
+
+
+def test_vit_layer_flops_hand_formula():
+    shape = MicroBatchShape(tiles=3, llm_tokens=100)
+    s, h, f = 17, 64, 256  # tiny: (32/8)^2 + 1 tokens per tile
+    expected = 3 * (2 * s * (4 * h * h + 2 * h * f) + 4 * s * s * h)
+    assert unit_flops(TINY, shape)[_index(TINY, "vit.layer.2")] == pytest.approx(expected, rel=1e-12)
+
+
+def test_llm_layer_flops_hand_formula():
+    T = 100
+    shape = MicroBatchShape(tiles=3, llm_tokens=T)
+    # h=64, 4 heads of 16, 2 KV groups, SwiGLU ffn 192, causal attention over one sequence
+    qkv = 2 * T * 64 * (64 + 2 * 2 * 16)
+    out = 2 * T * 64 * 64
+    mlp = 3 * 2 * T * 64 * 192
+    attn = 2 * 2 * T * T * 64 / 2
+    assert unit_flops(TINY, shape)[_index(TINY, "llm.layer.0")] == pytest.approx(qkv + out + mlp + attn, rel=1e-12)
+    packed = MicroBatchShape(tiles=3, llm_tokens=T, llm_attn_tokens_sq=50**2 * 2)
+    assert unit_flops(TINY, packed)[_index(TINY, "llm.layer.0")] == pytest.approx(qkv + out + mlp + attn / 2, rel=1e-12)
+
+
+def test_other_units_flops():
+    shape = MicroBatchShape(tiles=5, llm_tokens=77)
+    fl = unit_flops(TINY, shape)
+    assert fl[_index(TINY, "llm.head")] == pytest.approx(2 * 77 * 64 * 384)
+    assert fl[_index(TINY, "vit.embed")] == pytest.approx(5 * 2 * 16 * (3 * 8 * 8) * 64)
+    n = 5 * 4  # 16 patches -> 4 tokens after pixel shuffle 0.5
+    assert fl[_index(TINY, "projector")] == pytest.approx(2 * n * (256 * 64 + 64 * 64))
+    assert fl[_index(TINY, "llm.embed")] == 0
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_activation_bytes_reduce_to_korthikanti(tp):
+    """MHA, GELU MLP with f=4h, fp16 and dropout: s*b*h*(10 + 24/t + 5*a*s/(h*t))."""
+    spec = TINY.replace(vision=dataclasses.replace(TINY.vision, ffn_hidden_size=4 * 64))
+    b, s, h, a = 3, 17, 64, 4
+    costs = analytic_costs(spec, MicroBatchShape(tiles=b, llm_tokens=10), tp=tp, dropout=True)
+    u = costs.units[_index(spec, "vit.layer.0")]
+    assert u.act_bytes == pytest.approx(s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)))
+    assert u.act_bytes_selective == pytest.approx(s * b * h * (10 + 24 / tp))
+    assert u.act_bytes_full == pytest.approx(s * b * h * 2)
+    assert u.send_bytes == pytest.approx(s * b * h * 2)
+
+
+def test_llm_layer_bytes_gqa_swiglu_no_dropout():
+    T, h, g, d, f, a = 100, 64, 2, 16, 192, 4
+    u = analytic_costs(TINY, MicroBatchShape(tiles=1, llm_tokens=T)).units[_index(TINY, "llm.layer.1")]
+    per_token = 4 * h * 2 + (h + 2 * g * d) * 2 + h * 2 + 3 * f * 2 + a * T * 2
+    assert u.act_bytes == pytest.approx(T * per_token)
+    assert u.act_bytes_selective == pytest.approx(T * (per_token - a * T * 2))
+
+
+def test_times_follow_device_and_efficiency():
+    shape = MicroBatchShape(tiles=9, llm_tokens=4096)
+    dev = DEVICES["h100-80g"]
+    costs = analytic_costs(BIG, shape, tp=2, device=dev, efficiency={"llm_layer": 0.25})
+    i = _index(BIG, "llm.layer.3")
+    fl = unit_flops(BIG, shape)[i]
+    assert costs.units[i].fwd_s == pytest.approx(fl / 2 / (dev.matmul_flops_per_s * 0.25))
+    assert costs.units[i].bwd_s == pytest.approx(2 * costs.units[i].fwd_s)
+    j = _index(BIG, "vit.layer.0")
+    assert costs.units[j].fwd_s == pytest.approx(unit_flops(BIG, shape)[j] / 2 / (dev.matmul_flops_per_s * DEFAULT_EFFICIENCY["vit_layer"]))
+    with pytest.raises(ValueError, match="unknown unit kinds"):
+        analytic_costs(BIG, shape, efficiency={"mlp": 0.3})
+
+
+def test_ranking_vit_vs_llm_layer_as_flops_say():
+    for shape in (MicroBatchShape(9, 4096), MicroBatchShape(40, 1024), MicroBatchShape(1, 8192)):
+        fl = unit_flops(BIG, shape)
+        costs = analytic_costs(BIG, shape)
+        v, t = _index(BIG, "vit.layer.0"), _index(BIG, "llm.layer.0")
+        assert (costs.units[v].fwd_s < costs.units[t].fwd_s) == (fl[v] < fl[t])
+    # and both orders really occur
+    assert unit_flops(BIG, MicroBatchShape(9, 4096))[1] < unit_flops(BIG, MicroBatchShape(9, 4096))[_index(BIG, "llm.layer.0")]
+    assert unit_flops(BIG, MicroBatchShape(40, 1024))[1] > unit_flops(BIG, MicroBatchShape(40, 1024))[_index(BIG, "llm.layer.0")]
+
+
+def test_vit_share_of_compute_matches_notes():
+    """notes/targets.md: at 9 tiles and 4096 tokens the ViT is about 39% of 6B+20B's compute."""
+    fl = unit_flops(BIG, MicroBatchShape(9, 4096))
+    vit = sum(fl[: 1 + BIG.vision.num_layers])
+    assert 0.38 < vit / sum(fl) < 0.40
+
+
+def test_param_counts_llm_layer():
+    h, f, g, d = 6144, 16384, 8, 128
+    assert unit_param_counts(BIG)[_index(BIG, "llm.layer.0")] == h * (h + 2 * g * d) + h * h + 3 * h * f + 2 * h
+    assert unit_param_counts(BIG)[_index(BIG, "llm.head")] == 92544 * 6144 + 6144
+
+
+def _synthetic_profile(spec, shape, eff, device):
+    costs = analytic_costs(spec, shape, device=device, efficiency=eff)
+    return CostTable(costs.units, "profile", {"spec": spec.to_dict(), "shape": shape.to_dict(), "tp": 1,
+                                              "device": device.name})
+
+
+def test_calibration_recovers_known_efficiency_and_transfers():
+    dev = DEVICES["cpu"]
+    eff = {"vit_layer": 0.13, "llm_layer": 0.31, "llm_head": 0.2, "projector": 0.05, "vit_embed": 0.07}
+    small_shape = MicroBatchShape(4, 256)
+    profile = _synthetic_profile(TINY, small_shape, eff, dev)
+    rates = calibrate(profile, TINY, small_shape)
+    for kind, e in eff.items():
+        assert rates[f"fwd:{kind}"] == pytest.approx(1 / (dev.matmul_flops_per_s * e), rel=1e-9)
+        assert rates[f"bwd:{kind}"] == pytest.approx(2 / (dev.matmul_flops_per_s * e), rel=1e-9)
+    # a large preset at another shape: calibrated == analytic with the same efficiencies
+    big_shape = MicroBatchShape(9, 4096)
+    cal = calibrated_costs(BIG, big_shape, profile, tp=2, device=dev)
+    ref = analytic_costs(BIG, big_shape, tp=2, device=dev, efficiency=eff)
+    assert cal.source == "calibrated"
+    for a, b in zip(cal.units, ref.units):
+        assert a.fwd_s == pytest.approx(b.fwd_s, rel=1e-9), a.name
+        assert a.bwd_s == pytest.approx(b.bwd_s, rel=1e-9), a.name
+
+
+def test_calibration_rejects_mismatched_profile():
+    profile = _synthetic_profile(TINY, MicroBatchShape(2, 64), None, DEVICES["cpu"])
+    with pytest.raises(ValueError, match="units"):
+        calibrate(profile, BIG, MicroBatchShape(2, 64))

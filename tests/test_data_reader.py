@@ -1,0 +1,165 @@
+"""InternVL reader: validation errors with file:line, exact sample lengths, truncation, repeat, stats."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from megatron.vlm.data import (ByteTokenizer, DataValidationError, InternVLDataset, build_digits_dataset,
+                               count_tiles, write_stats)
+
+TOK = ByteTokenizer()
+SIZE, TPT = 32, 4
+
+
+def make_data(folder, lines, meta_extra=None, images=(("a.png", (32, 32)), ("wide.png", (96, 32)))):
+    os.makedirs(folder, exist_ok=True)
+    for name, (w, h) in images:
+        Image.new("RGB", (w, h), (200, 10, 10)).save(os.path.join(folder, name))
+    ann = os.path.join(folder, "ann.jsonl")
+    with open(ann, "w") as f:
+        for line in lines:
+            f.write((line if isinstance(line, str) else json.dumps(line)) + "\n")
+    meta = {"set": {"root": ".", "annotation": "ann.jsonl", **(meta_extra or {})}}
+    meta_path = os.path.join(folder, "meta.json")
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    return meta_path, ann
+
+
+def qa(q="<image>\nWhat?", a="It is red.", image="a.png"):
+    rec = {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+    if image is not None:
+        rec["image"] = image
+    return rec
+
+
+def dataset(meta, max_seq_length=4096, **kw):
+    return InternVLDataset(meta, TOK, SIZE, TPT, max_num_tiles=6, max_seq_length=max_seq_length, **kw)
+
+
+def test_bad_json_line_is_named(tmp_path):
+    meta, ann = make_data(tmp_path, [qa(), qa(), '{"conversations": [', qa()])
+    with pytest.raises(DataValidationError, match=rf"{ann}:3: not valid JSON"):
+        dataset(meta)
+
+
+def test_missing_image_is_named(tmp_path):
+    meta, ann = make_data(tmp_path, [qa(), qa(image=["a.png", "nope.png"], q="<image><image> two?")])
+    with pytest.raises(DataValidationError) as e:
+        dataset(meta)
+    assert f"{ann}:2: image file not found: {os.path.join(tmp_path, 'nope.png')}" in str(e.value)
+
+
+def test_missing_conversations_is_named(tmp_path):
+    meta, ann = make_data(tmp_path, [qa(), {"image": "a.png"}])
+    with pytest.raises(DataValidationError, match=rf"{ann}:2: missing 'conversations'"):
+        dataset(meta)
+
+
+@pytest.mark.parametrize("record, counts", [
+    (qa(q="<image> and <image>?", image="a.png"), "2 <image> placeholders but 1 images"),
+    (qa(q="two images?", image=["a.png", "wide.png"]), "0 <image> placeholders but 2 images"),
+    (qa(q="<image> one of two", image=["a.png", "wide.png"]), "1 <image> placeholders but 2 images"),
+    (qa(q="<image> but text-only", image=None), "1 <image> placeholders but 0 images"),
+])
+def test_placeholder_mismatch_is_named(tmp_path, record, counts):
+    meta, ann = make_data(tmp_path, [qa(), record])
+    with pytest.raises(DataValidationError) as e:
+        dataset(meta)
+    assert f"{ann}:2: {counts}" in str(e.value)
+
+
+def test_too_long_is_named_and_all_errors_are_listed(tmp_path):
+    long_text = "x" * 300
+    meta, ann = make_data(tmp_path, [qa(), qa(a=long_text), "not json", qa(a=long_text)])
+    with pytest.raises(DataValidationError) as e:
+        dataset(meta, max_seq_length=200)
+    msg = str(e.value)
+    assert msg.startswith("3 problem(s)")
+    assert f"{ann}:2: sample is" in msg and f"{ann}:4: sample is" in msg and f"{ann}:3: not valid JSON" in msg
+    assert "> max_seq_length 200" in msg
+
+
+def test_single_image_without_placeholder_and_text_only(tmp_path):
+    meta, _ = make_data(tmp_path, [qa(q="What colour?"), qa(q="Hello?", image=None), "",
+                                   qa(q="<image>", image="wide.png")])
+    ds = dataset(meta)
+    assert len(ds) == 3  # the blank line is not a record
+    s0, s1, s2 = ds[0], ds[1], ds[2]
+    assert TOK.decode(s0["input_ids"]).count("<IMG_CONTEXT>") == TPT
+    assert s1["image_flags"].tolist() == [0] and s1["pixel_values"].shape == (1, 3, SIZE, SIZE)
+    assert int((s1["input_ids"] == TOK.img_context_id).sum()) == 0
+    assert s2["image_flags"].tolist() == [1] * count_tiles(96, 32, SIZE, 1, 6) == [1, 1, 1, 1]
+    assert int((s2["input_ids"] == TOK.img_context_id).sum()) == 4 * TPT
+
+
+def test_multi_image_tile_budget_is_split(tmp_path):
+    meta, _ = make_data(tmp_path, [qa(q="<image><image>", image=["wide.png", "wide.png"]), qa(q="<image>", image="wide.png")],
+                        images=(("wide.png", (200, 32)),))
+    ds = InternVLDataset(meta, TOK, SIZE, TPT, max_num_tiles=6, max_seq_length=None)
+    # alone: 6 tiles (6x1) + thumbnail; two images: 3 tiles each (3x1) + thumbnail each
+    assert ds.sample_lengths()[1].tolist() == [8, 7]
+    assert [len(ds[i]["image_flags"]) for i in range(2)] == [8, 7]
+
+
+def test_meta_length_and_repeat(tmp_path):
+    lines = [qa(a=str(k)) for k in range(10)]
+    meta, _ = make_data(tmp_path, lines, {"length": 9})
+    with pytest.raises(DataValidationError, match="says length 9 but"):
+        dataset(meta)
+    meta, _ = make_data(tmp_path, lines, {"length": 10, "repeat_time": 2.5})
+    ds = dataset(meta)
+    assert len(ds) == 25
+    answers = [TOK.decode(ds[i]["input_ids"]).rsplit("assistant\n", 1)[1][:1] for i in range(len(ds))]
+    counts = np.bincount([int(a) for a in answers], minlength=10)
+    assert sorted(counts.tolist()) == [2] * 5 + [3] * 5  # every record twice, half of them thrice
+    assert ds.where(24).endswith(":" + str(int(ds.scan.rec_line[ds.scan.order[24]])))
+
+
+@pytest.fixture(scope="module")
+def digits_meta(tmp_path_factory):
+    return build_digits_dataset(str(tmp_path_factory.mktemp("digits") / "d"), num_samples=150, tile_size=SIZE)
+
+
+def check_sample_lengths(ds):
+    tokens, tiles = ds.sample_lengths()
+    real = ds.sample_real_tiles()
+    for i in range(len(ds)):
+        s = ds[i]
+        assert len(s["input_ids"]) == len(s["labels"]) == tokens[i]
+        assert len(s["pixel_values"]) == len(s["image_flags"]) == tiles[i]
+        assert int(s["image_flags"].sum()) == real[i]
+        assert int((s["input_ids"] == TOK.img_context_id).sum()) == real[i] * TPT
+        assert s["pixel_values"].dtype == torch.float32 and s["input_ids"].dtype == torch.int64
+    return tokens, tiles
+
+
+def test_sample_lengths_equal_getitem_on_digits(digits_meta):
+    ds = dataset(digits_meta, max_seq_length=1024)
+    tokens, tiles = check_sample_lengths(ds)
+    assert len(set(tiles.tolist())) >= 4 and tokens.min() < tokens.max()
+
+
+def test_truncation_keeps_invariants_on_digits(digits_meta):
+    with pytest.raises(DataValidationError, match="max_seq_length 60"):
+        dataset(digits_meta, max_seq_length=60)
+    with pytest.warns(UserWarning, match="truncated"):
+        ds = dataset(digits_meta, max_seq_length=60, truncate=True)
+    tokens, _ = check_sample_lengths(ds)
+    assert tokens.max() <= 60 and ds.scan.num_truncated > 0
+
+
+def test_write_stats_equals_sample_lengths(digits_meta, tmp_path):
+    out = tmp_path / "stats" / "digits.json"
+    n = write_stats(digits_meta, str(out), TOK, SIZE, TPT, max_num_tiles=6, progress=False)
+    stats = json.loads(out.read_text())
+    ds = dataset(digits_meta, max_seq_length=None)
+    tokens, tiles = ds.sample_lengths()
+    assert n == len(stats) == len(ds)
+    assert [s["token_num"] for s in stats] == tokens.tolist()
+    assert [s["vit_num"] for s in stats] == tiles.tolist()
+    assert [s["image_flags"] for s in stats] == [int(ds[i]["image_flags"].sum()) for i in range(len(ds))]
+    assert any(s["image_flags"] == 0 and s["vit_num"] == 1 for s in stats)  # text-only samples
