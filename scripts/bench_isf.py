@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from omnibal_ext.data.cli import format_table  # noqa: E402
-from omnibal_ext.data.search import SearchConfig, plan_isf, random_baseline, search_params  # noqa: E402
+from omnibal_ext.data.search import SearchConfig, random_baseline, search_params  # noqa: E402
 from omnibal_ext.data.isf import isf_group  # noqa: E402
 from omnibal_ext.data.search import evaluate_grouping  # noqa: E402
 from omnibal_ext.data.stats import load_stats, resample  # noqa: E402

@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from omnibal_ext.model.units import PRESETS, LanguageSpec, ModelSpec, VisionSpec, get_preset
+from omnibal_ext.model.layout import parse_layout
+from omnibal_ext.model.units import PRESETS, ModelSpec, build_units, get_preset
 
 
 class ArgumentError(ValueError):
@@ -120,18 +121,20 @@ def validate_args(args, world_size: int) -> None:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         raise ArgumentError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
-    if world_size % (tp * pp):
-        raise ArgumentError(
-            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp}")
-    args.data_parallel_size = world_size // (tp * pp)
     spec = model_spec_from_args(args)
-    n_units = 2 + spec.vision.num_layers + 2 + spec.language.num_layers + 1
+    n_units = len(build_units(spec))
     if pp > n_units:
         raise ArgumentError(
             f"--pipeline-model-parallel-size {pp} is larger than the model's {n_units} pipeline units "
             f"({spec.vision.num_layers} ViT layers + {spec.language.num_layers} LLM layers + embeddings, "
             f"projector and head): some stage would be empty")
+    if args.pipeline_layout:
+        parse_layout(args.pipeline_layout, spec, pp)  # raises LayoutError naming --pipeline-layout
+    if world_size % (tp * pp):
+        raise ArgumentError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp}")
+    args.data_parallel_size = world_size // (tp * pp)
     for name, heads, hidden, groups in [
         ("--vision-num-attention-heads", spec.vision.num_attention_heads, spec.vision.hidden_size, None),
         ("--num-attention-heads", spec.language.num_attention_heads, spec.language.hidden_size,
