@@ -32,8 +32,18 @@ def main(argv=None) -> dict:
 
     tokenizer = setup.setup_tokenizer(args)
     train_data, valid_data = setup.build_data(args, tokenizer)  # validates every record first
-    layout = setup.choose_layout(args)
-    recompute = setup.recompute_settings(args, layout)
+    costs = None
+    if args.omnibal_partition == "auto" or args.omnibal_recompute == "auto" or args.omnibal_profile:
+        costs = setup.unit_costs(args, train_data.dataset, tokenizer.img_context_id, device)
+        if args.omnibal_partition == "none" and args.omnibal_recompute == "none":
+            if dist.get_rank() == 0:
+                print(f"> profile of {len(costs.units)} units written to {args.omnibal_profile}", flush=True)
+            return {"profile": args.omnibal_profile}
+    layout = setup.balanced_layout(args, costs) if args.omnibal_partition == "auto" else setup.choose_layout(args)
+    if args.omnibal_recompute == "auto":
+        recompute = setup.adaptive_recompute(args, costs, layout, device)
+    else:
+        recompute = setup.recompute_settings(args, layout)
     model = training.build_model(args, layout, recompute, tokenizer.img_context_id, device)
     optimizer, scheduler = training.build_optimizer(args, model)
     start, consumed = 0, 0

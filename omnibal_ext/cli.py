@@ -1,25 +1,150 @@
 """``omnibal`` command line: sub-commands of the OmniBal-Megatron tools.
 
-Written by the data-level helper with only ``isf``; the lead extends it with further sub-commands.
+* ``omnibal isf stats|search|pack``  data level (``omnibal_ext.data.cli``);
+* ``omnibal partition``              model level: pipeline layout (``omnibal_ext.model.cli``);
+* ``omnibal memory``                 memory level: per-stage memory and recompute (``omnibal_ext.memory.cli``);
+* ``omnibal plan``                   all three together, with predictions (``omnibal_ext.plan``).
+
+Bad input (a missing or malformed file, a flag that cannot work, a model that fits no
+configuration) prints one line ``omnibal <command>: error: ...`` on stderr and exits with status 2.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from omnibal_ext.data.cli import add_isf_parser
 
 
+def add_plan_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``plan`` on an ``argparse`` subparsers object; sets ``func``."""
+    from omnibal_ext.model.cost_model import DEVICES
+    from omnibal_ext.model.units import PRESETS
+    from omnibal_ext.plan import DEFAULT_GLOBAL_BATCH
+    from omnibal_ext.plan import __doc__ as plan_doc
+
+    p = subparsers.add_parser(
+        "plan", help="data + model + memory balance in one plan, with predictions vs Megatron's default",
+        description="Plan ISF thresholds, parallel sizes, pipeline layout and per-stage recompute together, "
+                    "and predict iteration time, tokens/s and GPU-days of the Megatron default, +data, +model "
+                    "and +memory.\n\n" + (plan_doc or ""),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", nargs="+", required=True, metavar="STATS",
+                   help="per-sample stats JSON files (OmniBal format: lists of {vit_num, token_num}), "
+                        "concatenated; InternVL meta JSON files are not read yet (make stats files first)")
+    p.add_argument("--model", required=True, help=f"model preset: {', '.join(PRESETS)}")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    p.add_argument("--gpu-memory", type=float, required=True, metavar="GIB", help="memory of one GPU, GiB")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: chosen)")
+    p.add_argument("--pp", type=int, default=None, help="pipeline-parallel size (default: chosen)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: gpus / (tp * pp))")
+    p.add_argument("--device", default="a100-80g", help=f"device preset of the cost model: {', '.join(DEVICES)}")
+    p.add_argument("--samples", type=int, default=None,
+                   help="dataset size for GPU-days, samples (one epoch; default: the stats' count)")
+    p.add_argument("--samples-per-group", type=int, default=4, metavar="K",
+                   help="samples per micro-batch (Megatron) and target per ISF group (default 4)")
+    p.add_argument("--max-seq-length", type=int, default=None, metavar="L",
+                   help="fixed ISF token cap Qt per group, tokens (default: searched from K)")
+    p.add_argument("--global-batch-size", type=int, default=DEFAULT_GLOBAL_BATCH,
+                   help=f"samples per iteration (default {DEFAULT_GLOBAL_BATCH}; rounded up to whole micro-batches)")
+    p.add_argument("--memory-reserve", type=float, default=0.1,
+                   help="fraction of GPU memory kept out of the budget (CUDA context, fragmentation; default 0.1)")
+    p.add_argument("--attention", choices=["unfused", "flash"], default="unfused",
+                   help="attention kernel the cost model assumes (memory of the scores; default unfused)")
+    p.add_argument("--choose-for", choices=["omnibal", "baseline"], default="omnibal",
+                   help="parallel sizes (when not given) fastest for the balanced plan (default) or for "
+                        "Megatron's default")
+    p.add_argument("--sim-iterations", type=int, default=8, help="iterations simulated per setting (default 8)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", required=True, metavar="OUT", help="where to write the plan JSON")
+    p.add_argument("--plot", default=None, metavar="PREFIX",
+                   help="write PREFIX_stages.png (stage times) and PREFIX_timeline.png (pipeline timeline)")
+    p.set_defaults(func=run_plan)
+    return p
+
+
+def load_plan_stats(paths):
+    """SampleStats of stats files; a meta JSON (an object, not a list) gets a pointed message."""
+    from omnibal_ext.data.stats import StatsError, load_stats
+
+    try:
+        return load_stats(paths)
+    except StatsError as e:
+        if "got dict" in str(e):
+            raise StatsError(f"{e}: this looks like an InternVL meta JSON; `omnibal plan` reads per-sample "
+                             "stats files only for now") from None
+        raise
+
+
+def run_plan(args) -> int:
+    from omnibal_ext.memory.memory_model import GIB
+    from omnibal_ext.plan import format_plan, make_plan, plot_plan
+
+    stats = load_plan_stats(args.data)
+    plan = make_plan(stats, args.model, args.gpus, args.gpu_memory * GIB, args.tp, args.pp, args.dp, args.device,
+                     samples=args.samples, samples_per_group=args.samples_per_group,
+                     max_seq_length=args.max_seq_length, global_batch_size=args.global_batch_size,
+                     memory_reserve=args.memory_reserve, attention=args.attention,
+                     sim_iterations=args.sim_iterations, choose_for=args.choose_for, seed=args.seed)
+    doc = plan.to_dict()
+    doc["files"] = list(stats.files)
+    with open(args.json, "w") as f:
+        json.dump(doc, f, indent=1, default=_json_default)
+    print(format_plan(plan))
+    if args.plot:
+        for path in plot_plan(plan, args.plot):
+            print(f"wrote {path}")
+    return 0
+
+
+def _json_default(o):
+    import numpy as np
+
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.floating):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from omnibal_ext.memory.cli import add_memory_parser
+    from omnibal_ext.model.cli import add_partition_parser
+
     parser = argparse.ArgumentParser(prog="omnibal", description="OmniBal-Megatron balancing tools")
     sub = parser.add_subparsers(dest="command", required=True)
     add_isf_parser(sub)
+    add_partition_parser(sub)
+    add_memory_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 
+def _error(command: str, message: str) -> int:
+    message = " ".join(str(message).split())  # one line
+    prefix = f"omnibal {command}: "
+    if message.startswith(prefix):
+        message = message[len(prefix):]
+    print(f"{prefix}error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    """Run ``omnibal`` with ``argv`` (default: sys.argv[1:]); returns the exit status."""
+    args = build_parser().parse_args(argv)  # argparse itself exits 2 on unknown flags
+    command = args.command if args.command != "isf" else f"isf {args.isf_command}"
+    try:
+        result = args.func(args)
+    except SystemExit as e:  # the sub-command CLIs raise SystemExit("message") on bad input
+        if isinstance(e.code, str):
+            return _error(command, e.code)
+        raise
+    except (ValueError, OSError) as e:  # StatsError, PlanError, LayoutError, MemoryBudgetError are ValueErrors
+        return _error(command, e)
+    return result if isinstance(result, int) else 0
 
 
 if __name__ == "__main__":

@@ -115,3 +115,78 @@ def recompute_settings(args, layout) -> list[StageRecomputeSettings]:
     if args.recompute_granularity == "selective":
         return [StageRecomputeSettings(0, True, 0, True) for _ in counts]
     return [StageRecomputeSettings() for _ in counts]
+
+
+# ---------------------------------------------------------------------------------------------
+# OmniBal model and memory levels at launch
+# ---------------------------------------------------------------------------------------------
+def precision_of(args):
+    """Static bytes per parameter of this run (megatron's optimizers as configured here)."""
+    from omnibal_ext.memory.memory_model import MIXED_BF16_ADAM, Precision
+
+    if args.bf16:
+        return MIXED_BF16_ADAM
+    return Precision(param_bytes=4.0, grad_bytes=4.0, optimizer_bytes=8.0)  # fp32 param, main_grad, Adam m/v
+
+
+def unit_costs(args, dataset, img_context_id: int, device):
+    """Costs of every unit: read from --omnibal-profile if it exists, else measured now (and written there)."""
+    from omnibal_ext.model.costs import CostTable
+
+    from .profiling import profile_shape, profile_units
+
+    path = args.omnibal_profile
+    if path and os.path.exists(path):
+        costs = CostTable.load(path)
+        names = [u.name for u in build_units(args.model_spec)]
+        if [u.name for u in costs.units] != names:
+            raise ArgumentError(f"--omnibal-profile {path}: its units do not match this model's "
+                                f"{len(names)} units (profiled another model?)")
+        return costs
+    costs = profile_units(args, profile_shape(args, dataset), img_context_id, device)
+    if path and dist.get_rank() == 0:
+        costs.save(path)
+    return costs
+
+
+def memory_budget_bytes(args, device) -> float:
+    """--omnibal-memory-budget (GiB), else the device's memory less 10% (on CPU: RAM per local rank)."""
+    if args.omnibal_memory_budget is not None:
+        return args.omnibal_memory_budget * 2**30
+    if device.type == "cuda":
+        import torch
+
+        return 0.9 * torch.cuda.get_device_properties(device).total_memory
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return 0.9 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / local
+
+
+def balanced_layout(args, costs):
+    from omnibal_ext.model.partition import evaluate_layout, search_partition
+
+    report = search_partition(costs, args.pipeline_model_parallel_size)
+    default = evaluate_layout(costs, default_layout(args.model_spec, args.pipeline_model_parallel_size),
+                              args.pipeline_model_parallel_size)
+    if dist.get_rank() == 0:
+        fmt = lambda r: ", ".join(f"{t * 1e3:.2f}" for r_ in [r] for t in r_.stage_times_s)  # noqa: E731
+        print(f"> omnibal partition: layout {report.flag}; predicted stage times (ms/micro-batch) "
+              f"[{fmt(report)}], bottleneck/mean {report.bottleneck_over_mean:.3f} "
+              f"(default [{fmt(default)}], {default.bottleneck_over_mean:.3f}); search {report.search_seconds * 1e3:.1f} ms",
+              flush=True)
+    return report.layout
+
+
+def adaptive_recompute(args, costs, layout, device) -> list[StageRecomputeSettings]:
+    from omnibal_ext.memory.recompute import format_recompute_plan, plan_recompute
+
+    budget = memory_budget_bytes(args, device)
+    plan = plan_recompute(costs, layout, budget, args.pipeline_model_parallel_size, args.tensor_model_parallel_size,
+                          args.data_parallel_size, args.num_microbatches,
+                          distributed_optimizer=args.use_distributed_optimizer, precision=precision_of(args))
+    args.recompute_plan_applied = plan
+    if dist.get_rank() == 0:
+        peaks = ", ".join(f"{b / 2**20:.2f}" for b in plan.stage_peak_bytes)
+        print(f"> omnibal recompute: plan {format_recompute_plan(plan.stages)} for a budget of "
+              f"{budget / 2**20:.2f} MiB; predicted peak per stage (MiB) [{peaks}]", flush=True)
+    return [StageRecomputeSettings(s.vit_full_layers, s.vit_selective, s.llm_full_layers, s.llm_selective)
+            for s in plan.stages]

@@ -15,6 +15,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from omnibal_ext.data.metrics import step_balance
 from omnibal_ext.model.units import build_units
 
 from megatron.vlm.config import language_config, vision_config
@@ -162,7 +163,7 @@ def _batch_balance(records: list[dict], balance_fn) -> dict:
 
 
 def train(args, model, optimizer, scheduler, train_data, valid_data=None, start_iteration: int = 0,
-          consumed_samples: int = 0, balance_fn=None) -> dict:
+          consumed_samples: int = 0, balance_fn=step_balance) -> dict:
     """Run iterations start_iteration+1 .. train_iters; returns a summary for the caller."""
     config = _unwrap(model[0]).config
     config.no_sync_func = model[0].no_sync

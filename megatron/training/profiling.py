@@ -1,0 +1,159 @@
+"""Profile every unit of the model on this device: the costs the balancing planners read.
+
+Units of one kind (all ViT layers, all LLM layers) cost the same, so one of each is built: a
+stage module over the unit list of a copy of the model with one ViT and one LLM layer.  Each unit
+runs on the output of the one before it, at a given micro-batch shape, through
+omnibal_ext.model.profile.measure_unit (median forward/backward seconds, saved-tensor bytes).  The
+layers are measured three times — without recompute, with full and with selective recompute — for
+the activation bytes each keeps and the backward time selective recompute adds.
+
+All ranks measure together (tensor-parallel units need their group); rank 0's table is broadcast,
+so every rank plans from the same numbers.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from omnibal_ext.model.cost_model import MicroBatchShape
+from omnibal_ext.model.costs import CostTable, UnitCost
+from omnibal_ext.model.profile import environment_meta, measure_unit, to_unit_cost
+from omnibal_ext.model.units import build_units
+
+from megatron.vlm.config import language_config, vision_config
+from megatron.vlm.model import StageRecomputeSettings, VLMStage, packed_causal_mask
+
+
+def synthetic_batch(spec, shape: MicroBatchShape, img_context_id: int, device) -> dict:
+    """One packed row of ``shape.llm_tokens`` tokens holding ``shape.tiles`` tiles' image tokens."""
+    n_img = shape.tiles * spec.tokens_per_tile
+    if shape.llm_tokens < n_img + 2:
+        raise ValueError(f"profile shape: {shape.llm_tokens} LLM tokens cannot hold {shape.tiles} tiles "
+                         f"x {spec.tokens_per_tile} image tokens")
+    g = torch.Generator().manual_seed(0)
+    s = shape.llm_tokens
+    tokens = torch.randint(0, 256, (1, s), generator=g)
+    tokens[0, 1:1 + n_img] = img_context_id
+    v = spec.vision
+    return {
+        "tokens": tokens.to(device),
+        "labels": torch.randint(0, 256, (1, s), generator=g).to(device),
+        "position_ids": torch.arange(s)[None].to(device),
+        "segment_ids": torch.zeros(1, s, dtype=torch.long, device=device),
+        "pixel_values": torch.randn(shape.tiles, v.in_channels, v.image_size, v.image_size, generator=g).to(device),
+        "image_flags": torch.ones(shape.tiles, dtype=torch.long, device=device),
+    }
+
+
+def _param_count(module: torch.nn.Module, tp: int) -> int:
+    """Parameters of the whole (unsplit) unit: tensor-parallel shards count tp times."""
+    return sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1) for p in module.parameters())
+
+
+def _detached(x):
+    return x.detach().requires_grad_(x.is_floating_point())
+
+
+def profile_units(args, shape: MicroBatchShape, img_context_id: int, device: torch.device,
+                  warmup: int = 2, repeats: int = 5) -> CostTable:
+    """Measured costs of every unit of ``args.model_spec`` at ``shape`` (one micro-batch, this TP)."""
+    spec, tp = args.model_spec, args.tensor_model_parallel_size
+    mini = spec.replace(vision=dataclasses.replace(spec.vision, num_layers=1),
+                        language=dataclasses.replace(spec.language, num_layers=1))
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    on_cpu = device.type == "cpu"
+    mini_units = build_units(mini)
+
+    def stage(recompute):
+        m = VLMStage(mini, mini_units, range(len(mini_units)), language_config(mini, tp, on_cpu, dtype),
+                     vision_config(mini, tp, on_cpu, dtype), language_config(mini, tp, on_cpu, dtype),
+                     img_context_id=img_context_id, seed=args.seed, recompute=recompute)
+        return m.to(device=device, dtype=dtype).train()
+
+    plain = stage(StageRecomputeSettings())
+    full = stage(StageRecomputeSettings(1, False, 1, False))
+    selective = stage(StageRecomputeSettings(0, True, 0, True))
+    batch = synthetic_batch(mini, shape, img_context_id, device)
+    batch["pixel_values"] = batch["pixel_values"].to(dtype)
+    mask = packed_causal_mask(batch["segment_ids"])
+    rope = plain.rotary(shape.llm_tokens)
+
+    def run(m: VLMStage, kind: str, x):
+        if kind == "vit_embed":
+            return m.vit_embed(batch["pixel_values"])
+        if kind == "vit_layer":
+            return m.vit_blocks[0](hidden_states=x, attention_mask=None)
+        if kind == "projector":
+            return m.projector(x)
+        if kind == "llm_embed":
+            return m.text_embed(batch["tokens"], x, batch["image_flags"])
+        if kind == "llm_layer":
+            return m.llm_blocks[0](hidden_states=x, attention_mask=mask, rotary_pos_emb=rope)
+        return m.head(x, batch["labels"])
+
+    def module_of(m: VLMStage, kind: str) -> torch.nn.Module:
+        return {"vit_embed": m.vit_embed, "vit_layer": m.vit_blocks[0], "projector": m.projector,
+                "llm_embed": m.text_embed, "llm_layer": m.llm_blocks[0], "llm_head": m.head}[kind]
+
+    per_kind: dict[str, UnitCost] = {}
+    x = None
+    for unit in mini_units:
+        kind = unit.kind
+        inp = None if x is None else x.detach()
+
+        def make_inputs(inp=inp):
+            return () if inp is None else (_detached(inp),)
+
+        def measure(m):
+            mod = module_of(m, kind)
+            return measure_unit(lambda *a: run(m, kind, a[0] if a else None), make_inputs, warmup, repeats,
+                                exclude=list(mod.parameters()))
+
+        base = measure(plain)
+        extra = {}
+        if kind in ("vit_layer", "llm_layer"):
+            m_full, m_sel = measure(full), measure(selective)
+            extra = {"act_bytes_full": m_full.act_bytes, "act_bytes_selective": m_sel.act_bytes,
+                     "selective_recompute_s": max(0.0, m_sel.bwd_s - base.bwd_s)}
+        per_kind[kind] = to_unit_cost(unit.name, kind, base, _param_count(module_of(plain, kind), tp), **extra)
+        with torch.no_grad():
+            x = run(plain, kind, inp)
+    units = [dataclasses.replace(per_kind[u.kind], name=u.name) for u in build_units(spec)]
+    meta = {**environment_meta(), "device": _device_name(device), "dtype": str(dtype).replace("torch.", ""),
+            "shape": dataclasses.asdict(shape), "spec": spec.to_dict(), "tp": tp,
+            "warmup": warmup, "repeats": repeats}
+    table = CostTable(tuple(units), source="profile", meta=meta)
+    return broadcast_table(table)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def broadcast_table(table: CostTable) -> CostTable:
+    """Rank 0's table on every rank, so that every rank makes the same plan."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return table
+    box = [table.to_dict()]
+    dist.broadcast_object_list(box, src=0)
+    return CostTable.from_dict(box[0])
+
+
+def profile_shape(args, dataset) -> MicroBatchShape:
+    """The micro-batch shape training will run: ISF caps, or K random samples padded to the longest."""
+    if getattr(args, "isf_params", None):
+        return MicroBatchShape(tiles=int(args.isf_params["qv"]), llm_tokens=int(args.isf_params["qt"]),
+                               dtype_bytes=2 if args.bf16 else 4)
+    tokens, tiles = dataset.sample_lengths()
+    k = args.micro_batch_size
+    n = len(tokens) // k * k
+    padded = tokens[:n].reshape(-1, k).max(axis=1).mean() * k
+    return MicroBatchShape(tiles=max(1, int(round(tiles.mean() * k))),
+                           llm_tokens=int(round(padded)), dtype_bytes=2 if args.bf16 else 4)

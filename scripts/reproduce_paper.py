@@ -1,0 +1,186 @@
+#!/usr/bin/env python
+"""Predict the OmniBal paper's ablation table from the cost model and the pipeline simulator.
+
+Nothing here is fitted to the paper: every prediction is ``omnibal_ext.plan.make_plan`` (analytic
+cost model with its data-sheet device numbers, the 1F1B simulator, the memory model, ISF, the
+partition search and the recompute planner) run on the assumptions below; the paper's numbers are
+only printed beside the predictions.
+
+Paper facts used (OmniBal, ICML 2025, arXiv 2407.20761)
+-------------------------------------------------------
+* Models: InternVL-Chat-1.5 (InternViT-6B + InternLM2-20B) and -Plus (InternViT-6B + 34B LLM).
+* Data: the InternVL-Chat-1.2 SFT data, about 1.2 million samples (the paper's text: the 1.5 data
+  was not available, so the 1.2 data stands in); GPU-days are counted on A100 GPUs.
+* Ablation, 6B+20B, GPU-days (as relayed by the project's brief): unbalanced Megatron 61.8,
+  +data 51.9, +model 29.0, +memory 21.3, i.e. speed-ups 1.00 / 1.19 / 2.13 / 2.90.
+* Headline: about 1.8x faster than the open-source InternVL-Chat training code (6B+20B) and 1.80x
+  for 6B+34B.  That baseline is InternVL-Chat's own code, not the Megatron default of the
+  ablation (61.8 / 21.3 = 2.90x, not 1.8x), so the headline is printed as its own row and compared
+  with our +memory speed-up over the Megatron default only for reference.
+
+Assumptions (not numbers we could check in the paper's text; change them with the flags)
+--------------------------------------------------------------------------------------
+* 128 A100 80 GB GPUs (``--gpus``); 10% of memory kept out of the budget (CUDA context,
+  fragmentation); bf16 with Adam, Megatron's distributed optimizer.
+* Global batch 1024 samples, K = 4 samples per micro-batch (Megatron's micro-batch size, and the
+  ISF target per group).
+* FlashAttention (InternVL-Chat trains with it): no attention scores kept for backward.
+* Data: the three shared InternVL SFT stats sets (ai2d, chartqa, docvqa; 41k samples, 1-5 tiles,
+  no text-only samples) resampled to 1.2M samples.  The real 1.2M mix is more varied (text-only,
+  multi-image, longer text), so padding and DP imbalance of the real baseline are likely larger.
+* Parallel sizes: the (TP, PP) a Megatron user would run, the fastest Megatron default
+  (``choose_for="baseline"``) among those where the balanced plan fits memory, then held fixed for
+  all four rows, as an ablation does.  InternViT-6B's 25 heads allow only TP 1 in our trainer.
+* The Megatron default may not fit memory at that configuration in our memory model (its ViT and
+  a quarter of the LLM sit on stage 0); its time is predicted as if it ran, and the table says so.
+
+Usage::
+
+    python scripts/reproduce_paper.py [--samples 1200000] [--gpus 128] [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from omnibal_ext.data.stats import load_stats, resample  # noqa: E402
+from omnibal_ext.memory.memory_model import GIB  # noqa: E402
+from omnibal_ext.plan import SETTINGS, make_plan  # noqa: E402
+
+STATS_DIR = ROOT.parent / "shared" / "data" / "internvl_sft_stats"
+MODELS = ("internvl-6b-20b", "internvl-6b-34b")
+
+# GPU-days of the paper's ablation (6B+20B); speed-ups are derived from them.
+PAPER_GPU_DAYS = {("internvl-6b-20b", "baseline"): 61.8, ("internvl-6b-20b", "+data"): 51.9,
+                  ("internvl-6b-20b", "+model"): 29.0, ("internvl-6b-20b", "+memory"): 21.3}
+# Headline speed-ups against the open-source InternVL-Chat training code (a different baseline).
+PAPER_HEADLINE = {"internvl-6b-20b": 1.8, "internvl-6b-34b": 1.80}
+TOLERANCE = 0.15
+
+ASSUMPTIONS = [
+    "paper: InternVL-Chat-1.2 SFT data (~1.2M samples), GPU-days on A100 GPUs",
+    "assumed: {gpus} x A100 80 GB, memory budget 90% of each GPU, bf16 + Adam, distributed optimizer",
+    "assumed: global batch {global_batch} samples, K = {k} samples per micro-batch, FlashAttention",
+    "assumed: the shared ai2d/chartqa/docvqa stats resampled to {samples} samples stand in for the paper's mix",
+    "assumed: (TP, PP) = the fastest Megatron default among configurations where the balanced plan fits; "
+    "all rows share it",
+    "paper headline speed-ups are against InternVL-Chat's own training code, not the Megatron default",
+]
+
+
+def load_shared_stats(stats_dir: Path = STATS_DIR):
+    files = sorted(stats_dir.glob("*.json")) if stats_dir.is_dir() else []
+    if not files:
+        raise SystemExit(f"reproduce_paper: no stats files in {stats_dir} (the shared InternVL SFT stats, "
+                         "expected at ../shared/data/internvl_sft_stats/ next to the repository)")
+    return load_stats(files)
+
+
+def predict(stats, model: str, gpus: int, gpu_memory_gib: float, k: int, global_batch: int, samples: int,
+            sim_iterations: int, isf_candidates: int) -> tuple[list[dict], dict]:
+    """Rows of one model (SETTINGS order plus the headline row) and its plan summary."""
+    plan = make_plan(stats, model, gpus, gpu_memory_gib * GIB, samples=samples, samples_per_group=k,
+                     global_batch_size=global_batch, attention="flash", choose_for="baseline",
+                     sim_iterations=sim_iterations, isf_max_candidates=isf_candidates)
+    rows = []
+    for r in plan.rows:
+        paper_days = PAPER_GPU_DAYS.get((model, r.setting))
+        base_days = PAPER_GPU_DAYS.get((model, "baseline"))
+        rows.append({
+            "model": model, "setting": r.setting, "predicted_gpu_days": r.gpu_days, "predicted_speedup": r.speedup,
+            "paper_gpu_days": paper_days,
+            "paper_speedup": base_days / paper_days if paper_days and base_days else None,
+            "paper_baseline": "Megatron default (paper ablation)" if paper_days else None,
+            "fits_memory": r.fits_memory, "iteration_s": r.iteration_s, "straggle_factor":
+                r.iteration_s / r.balanced_iteration_s, "bubble_fraction": r.bubble_fraction,
+            "layout": r.layout_flag, "recompute": r.recompute_flag,
+        })
+    final = plan.row("+memory")
+    rows.append({
+        "model": model, "setting": "headline", "predicted_gpu_days": final.gpu_days,
+        "predicted_speedup": final.speedup, "paper_gpu_days": None, "paper_speedup": PAPER_HEADLINE.get(model),
+        "paper_baseline": "open-source InternVL-Chat training code (ours: +memory over the Megatron default)",
+        "fits_memory": final.fits_memory, "iteration_s": final.iteration_s,
+        "straggle_factor": final.iteration_s / final.balanced_iteration_s, "bubble_fraction": final.bubble_fraction,
+        "layout": final.layout_flag, "recompute": final.recompute_flag,
+    })
+    for row in rows:
+        ps = row["paper_speedup"]
+        row["relative_error"] = (row["predicted_speedup"] / ps - 1.0) if ps else None
+        row["within_15pct"] = (abs(row["relative_error"]) <= TOLERANCE) if ps else None
+    summary = {"model": model, "tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "micro_batches": plan.num_microbatches,
+               "isf_params": plan.isf["params"], "random_pad_ratio": plan.random["pad_ratio"],
+               "random_dist_ratio_llm": plan.random["dist_ratio_llm"],
+               "random_dist_ratio_vit": plan.random["dist_ratio_vit"], "notes": list(plan.notes),
+               "trainer_args": plan.trainer_args}
+    return rows, summary
+
+
+def format_table(rows: list[dict]) -> str:
+    f = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
+    head = (f"{'model':<16} {'setting':<9} {'pred GPU-days':>13} {'pred speed-up':>13} {'paper GPU-days':>14} "
+            f"{'paper speed-up':>14} {'error':>7}  note")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        note = "" if r["fits_memory"] else "baseline over budget (predicted as if it ran)"
+        if r["setting"] == "headline":
+            note = "paper: vs InternVL-Chat code"
+        lines.append(f"{r['model']:<16} {r['setting']:<9} {r['predicted_gpu_days']:>13.1f} "
+                     f"{r['predicted_speedup']:>12.2f}x {f(r['paper_gpu_days'], '.1f'):>14} "
+                     f"{f(r['paper_speedup'], '.2f'):>13}{'x' if r['paper_speedup'] else ' '} "
+                     f"{f(r['relative_error'], '+.0%'):>7}  {note}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--samples", type=int, default=1_200_000, help="resample the shared stats to this many samples")
+    p.add_argument("--gpus", type=int, default=128, help="A100 GPUs (assumed; default 128)")
+    p.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU (default 80)")
+    p.add_argument("--samples-per-group", type=int, default=4, help="K (default 4)")
+    p.add_argument("--global-batch-size", type=int, default=1024, help="samples per iteration (default 1024)")
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    p.add_argument("--sim-iterations", type=int, default=8, help="iterations simulated per setting")
+    p.add_argument("--isf-candidates", type=int, default=20, help="ISF threshold candidates searched")
+    p.add_argument("--stats-dir", type=Path, default=STATS_DIR)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="OUT", help="write rows, per-model plans and assumptions here")
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    stats = load_shared_stats(args.stats_dir)
+    stats = resample(stats, args.samples, args.seed)
+    rows, plans = [], []
+    for model in args.models:
+        r, s = predict(stats, model, args.gpus, args.gpu_memory, args.samples_per_group, args.global_batch_size,
+                       args.samples, args.sim_iterations, args.isf_candidates)
+        rows += r
+        plans.append(s)
+    assumptions = [a.format(gpus=args.gpus, global_batch=args.global_batch_size, k=args.samples_per_group,
+                            samples=args.samples) for a in ASSUMPTIONS]
+    print(format_table(rows))
+    for s in plans:
+        print(f"{s['model']}: TP={s['tp']} PP={s['pp']} DP={s['dp']}, {s['micro_batches']} micro-batches; "
+              f"random batching PadRatio {s['random_pad_ratio']:.3f}, DistRatio llm {s['random_dist_ratio_llm']:.3f} "
+              f"vit {s['random_dist_ratio_vit']:.3f}; ISF Qv={s['isf_params']['qv']} Qt={s['isf_params']['qt']}")
+    checked = [r for r in rows if r["within_15pct"] is not None and r["setting"] != "baseline"]
+    ok = sum(r["within_15pct"] for r in checked)
+    print(f"{ok} of {len(checked)} published speed-ups predicted within {TOLERANCE:.0%} "
+          f"({time.perf_counter() - t0:.1f} s)")
+    for a in assumptions:
+        print(f"- {a}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "plans": plans, "assumptions": assumptions, "tolerance": TOLERANCE,
+                       "samples": args.samples, "gpus": args.gpus}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""``omnibal_ext.plan``: linear stage costs, memory need, DP simulation, and whole plans."""
+from __future__ import annotations
+
+import itertools
+import re
+
+import numpy as np
+import pytest
+
+from omnibal_ext.data.search import random_group_totals
+from omnibal_ext.data.stats import from_arrays
+from omnibal_ext.memory.memory_model import GIB, stage_memory
+from omnibal_ext.memory.recompute import full_recompute_plan, parse_recompute_plan, validate_recompute_plan
+from omnibal_ext.model.cost_model import DEVICES, MicroBatchShape, analytic_costs
+from omnibal_ext.model.layout import PipelineLayout, default_layout, parse_layout
+from omnibal_ext.model.simulate import layout_stage_costs, simulate_pipeline
+from omnibal_ext.model.units import build_units, get_preset
+from omnibal_ext.plan import (SETTINGS, Loads, PlanError, basis_costs, make_plan, memory_need,
+                              memory_need_table, random_loads, simulate_loads, stage_coefficients)
+
+A100 = DEVICES["a100-80g"]
+
+
+def synthetic_stats(n: int, seed: int, max_tiles: int = 6, tokens_per_tile: int = 256):
+    """InternVL-like samples: 0..max_tiles tiles (some text-only), text 30..900 tokens + image tokens."""
+    rng = np.random.default_rng(seed)
+    tiles = np.where(rng.random(n) < 0.15, 0, rng.integers(1, max_tiles + 1, n))
+    tokens = rng.integers(30, 900, n) + tokens_per_tile * tiles
+    return from_arrays(tiles, tokens)
+
+
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("preset,pp,tp", [("tiny", 3, 2), ("internvl-6b-20b", 4, 1)])
+def test_stage_costs_are_linear_in_the_shape(preset, pp, tp):
+    spec = get_preset(preset)
+    n = len(build_units(spec))
+    rng = np.random.default_rng(0)
+    cuts = np.sort(rng.choice(np.arange(1, n), pp - 1, replace=False))
+    layout = PipelineLayout(tuple(np.diff(np.concatenate([[0], cuts, [n]])).tolist()))
+    modes = rng.choice(["none", "selective", "full"], n).tolist()
+    modes = [m if u.kind.endswith("layer") else "none" for m, u in zip(modes, build_units(spec))]
+    coefs = stage_coefficients(basis_costs(spec, tp, A100), layout, pp, A100.p2p_bytes_per_s, modes)
+    for tiles, tokens in ((0, 700), (7, 0), (13, 5000), (3, 1234)):
+        sq = float(tokens) ** 2 * rng.random()
+        direct = layout_stage_costs(analytic_costs(spec, MicroBatchShape(tiles, tokens, llm_attn_tokens_sq=sq), tp,
+                                                   A100), layout, pp, A100.p2p_bytes_per_s, modes)
+        v = np.array([tiles, tokens, sq])
+        for got, want in zip(coefs, direct):
+            np.testing.assert_allclose(v @ got, want[:, 0], rtol=1e-9, atol=1e-15)
+
+
+def test_memory_need_matches_stage_memory_and_brute_force():
+    spec = get_preset("tiny")
+    costs = analytic_costs(spec, MicroBatchShape(12, 900), 1, A100)
+    n, pp, dp, m = len(costs.units), 3, 2, 5
+    need = memory_need_table(costs, pp, 1, dp, m)
+    best_brute, stage_brute = np.inf, None
+    for cuts in itertools.combinations(range(1, n), pp - 1):
+        counts = tuple(np.diff((0,) + cuts + (n,)).tolist())
+        layout = PipelineLayout(counts)
+        peaks = [s.peak_bytes for s in stage_memory(costs, layout, full_recompute_plan(layout, costs.units),
+                                                      pp, 1, dp, m)]
+        edges = (0,) + cuts + (n,)
+        table = [need[k, edges[k], edges[k + 1]] for k in range(pp)]
+        np.testing.assert_allclose(table, peaks, rtol=1e-12)
+        if max(peaks) < best_brute:
+            best_brute, stage_brute = max(peaks), int(np.argmax(peaks))
+    best, stage, counts = memory_need(need)
+    assert best == pytest.approx(best_brute, rel=1e-12)
+    layout = PipelineLayout(counts)
+    peaks = [s.peak_bytes for s in stage_memory(costs, layout, full_recompute_plan(layout, costs.units), pp, 1, dp, m)]
+    assert max(peaks) == pytest.approx(best) and int(np.argmax(peaks)) == stage
+
+
+def test_random_loads_pad_every_micro_batch_to_its_longest_sample():
+    stats = synthetic_stats(203, 1)
+    k, dp, m = 4, 3, 2
+    loads, mean, worst = random_loads(stats, k, dp, m, iterations=3, seed=7)
+    perm = np.random.default_rng(7).permutation(len(stats))
+    rows = []
+    for start in range(0, len(stats), k):
+        idx = perm[start:start + k]
+        longest = stats.tokens[idx].max()
+        rows.append((stats.vit[idx].sum(), len(idx) * longest, len(idx) * float(longest) ** 2))
+    rows = np.array(rows, dtype=float)
+    np.testing.assert_allclose(mean, rows.mean(axis=0))
+    np.testing.assert_allclose(worst, rows.max(axis=0))
+    # iteration i, rank r, micro-batch j = group (step s_ij) * dp + r, steps from evenly spread starts
+    steps = len(rows) // dp
+    starts = np.floor(np.arange(3) * steps / 3).astype(int)
+    for i, r, j in itertools.product(range(3), range(dp), range(m)):
+        g = ((starts[i] + j) % steps) * dp + r
+        np.testing.assert_allclose(loads.shape[i, r, j], rows[g])
+    assert loads.samples.sum() == 3 * dp * m * k  # full groups only in these steps
+
+
+def test_dp_simulation_waits_for_the_slowest_rank():
+    m, P = 4, 3
+    rng = np.random.default_rng(3)
+    shape = rng.uniform(1, 2, (2, 2, m, 3))
+    shape[1, 1] *= 1.7  # iteration 1: rank 1 carries more
+    loads = Loads(shape, shape[..., 1], np.ones((2, 2, m)))
+    coefs = tuple(rng.uniform(0.1, 1.0, (3, P)) * s for s in (1.0, 2.0, 0.01))
+    out = simulate_loads(coefs, loads, allreduce_s=0.5)
+    per_iter = []
+    for i in range(2):
+        per_rank = [simulate_pipeline(*[(shape[i, r] @ c)[..., None] for c in coefs[:2]], m,
+                                      (shape[i, r] @ coefs[2])[..., None]).iteration_s for r in range(2)]
+        per_iter.append(max(per_rank) + 0.5)
+    assert out.iteration_s == pytest.approx(np.mean(per_iter))
+    assert out.seconds_per_sample == pytest.approx(sum(per_iter) / (2 * 2 * m))
+    assert out.iteration_s > out.balanced_iteration_s  # the straggler costs time
+
+
+# ------------------------------------------------------------------------------------------------
+def check_plan(plan, spec_name: str, gpus: int, budget: float):
+    spec = get_preset(spec_name)
+    d = plan.to_dict()
+    for key in ("model", "tp", "pp", "dp", "isf", "rows", "trainer_flags", "trainer_args", "pipeline_layout",
+                "recompute_plan", "num_microbatches", "budget_bytes", "shapes"):
+        assert key in d
+    assert d["model"] == spec_name and plan.tp * plan.pp * plan.dp == gpus
+    assert [r["setting"] for r in d["rows"]] == list(SETTINGS)
+    flags = d["trainer_flags"]
+    for f in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--pipeline-layout",
+              "--recompute-plan", "--omnibal-isf-qv", "--omnibal-isf-qt", "--micro-batch-size"):
+        assert f in flags and f in d["trainer_args"]
+    assert flags["--omnibal-isf-qv"] == d["isf"]["params"]["qv"] and flags["--omnibal-isf-qt"] == d["isf"]["params"]["qt"]
+    layout = parse_layout(flags["--pipeline-layout"], spec, flags["--pipeline-model-parallel-size"])
+    stages = parse_recompute_plan(flags["--recompute-plan"], plan.pp)
+    validate_recompute_plan(stages, layout, build_units(spec))
+    assert flags["--global-batch-size"] == plan.num_microbatches * plan.dp * flags["--micro-batch-size"]
+    rows = {r.setting: r for r in plan.rows}
+    # +data runs Megatron's default layout with full recompute
+    assert rows["+data"].stage_units == default_layout(spec, plan.pp).stage_units
+    assert rows["baseline"].stage_units == rows["+data"].stage_units
+    units = build_units(spec)
+    for s in ("baseline", "+data", "+model"):  # full recompute of every layer
+        lay = PipelineLayout(rows[s].stage_units)
+        assert parse_recompute_plan(rows[s].recompute_flag, plan.pp) == full_recompute_plan(lay, units)
+    # never slower as the levels add up (all three ISF rows run the same micro-batches)
+    assert rows["+memory"].iteration_s <= rows["+model"].iteration_s * (1 + 1e-12)
+    assert rows["+model"].iteration_s <= rows["+data"].iteration_s * (1 + 1e-12)
+    for s in ("+model", "+memory"):
+        assert rows[s].fits_memory and max(rows[s].stage_peak_bytes) <= budget
+    # stage memory of the plan, recomputed with the memory model at the ISF caps
+    caps = plan.shapes["isf_caps"]
+    costs = analytic_costs(spec, MicroBatchShape.from_dict(caps), plan.tp, A100, attention=plan.attention)
+    peaks = [x.peak_bytes for x in stage_memory(costs, layout, stages, plan.pp, plan.tp, plan.dp, plan.num_microbatches)]
+    np.testing.assert_allclose(peaks, rows["+memory"].stage_peak_bytes, rtol=1e-12)
+    for r in plan.rows:  # GPU-days from time per sample, samples and GPUs
+        assert r.gpu_days == pytest.approx(plan.samples * r.iteration_s / r.samples_per_iteration * gpus / 86400)
+        assert r.speedup == pytest.approx(rows["baseline"].gpu_days / r.gpu_days)
+    assert rows["baseline"].speedup == pytest.approx(1.0)
+
+
+def test_plan_tiny_chooses_sizes(tmp_path):
+    stats = synthetic_stats(1500, 2, max_tiles=4, tokens_per_tile=4)
+    budget = 0.9 * GIB
+    plan = make_plan(stats, "tiny", 4, 1 * GIB, global_batch_size=32, sim_iterations=2, isf_max_candidates=4)
+    check_plan(plan, "tiny", 4, budget)
+    assert plan.tp in (1, 2)  # tiny's 2 key/value groups rule out TP 4
+    tried = [c for c in plan.configs_tried if "estimated_seconds_per_sample" in c]
+    chosen = min(tried, key=lambda c: c["estimated_seconds_per_sample"])
+    assert (chosen["tp"], chosen["pp"]) == (plan.tp, plan.pp)
+    assert any("TP 4" in c.get("reason", "") for c in plan.configs_tried)
+
+
+def test_plan_internvl_fixed_sizes():
+    stats = synthetic_stats(1200, 3)
+    plan = make_plan(stats, "internvl-6b-20b", 16, 80 * GIB, tp=1, pp=4, global_batch_size=64, sim_iterations=2,
+                     isf_max_candidates=4, samples=1_200_000)
+    check_plan(plan, "internvl-6b-20b", 16, 72 * GIB)
+    assert (plan.tp, plan.pp, plan.dp) == (1, 4, 4) and plan.samples == 1_200_000
+    rows = {r.setting: r for r in plan.rows}
+    # the default layout puts the whole ViT on stage 0: balancing the layout must pay off
+    assert rows["+model"].iteration_s < 0.8 * rows["+data"].iteration_s
+    # ISF packs without padding: fewer LLM token-seconds wasted than random batching
+    assert rows["+data"].tokens_per_s > rows["baseline"].tokens_per_s
+
+
+def test_refusal_names_stage_need_and_budget():
+    stats = synthetic_stats(300, 4)
+    with pytest.raises(PlanError) as e:
+        make_plan(stats, "internvl-6b-34b", 2, 80 * GIB, global_batch_size=16, sim_iterations=1, isf_max_candidates=2)
+    msg = str(e.value)
+    assert "\n" not in msg and "does not fit 2 GPUs" in msg
+    m = re.search(r"TP=(\d+) PP=(\d+) DP=(\d+), needs ([\d.]+) GiB on pipeline stage (\d+).*budget of ([\d.]+) GiB", msg)
+    assert m, msg
+    tp, pp, dp = int(m.group(1)), int(m.group(2)), int(m.group(3))
+    assert tp * pp * dp == 2 and float(m.group(6)) == pytest.approx(72.0)
+    # the 34B LLM alone holds ~34e9 parameters at >= 6 bytes each: far over 2 x 72 GiB in any split
+    assert float(m.group(4)) > 72.0 and 34e9 * 6 / (tp * pp) / GIB > 72
+
+
+def test_bad_requests():
+    stats = synthetic_stats(200, 5)
+    with pytest.raises(PlanError, match="--gpus is 4"):
+        make_plan(stats, "tiny", 4, GIB, tp=1, pp=2, dp=1)
+    with pytest.raises(PlanError, match="no usable"):
+        make_plan(stats, "tiny", 4, GIB, tp=4)  # 2 key/value groups
+    with pytest.raises(ValueError, match="unknown model preset"):
+        make_plan(stats, "nope", 4, GIB)
