@@ -59,9 +59,11 @@ recompute plan fit any group the trainer can build.
 one with the least simulated time on the same micro-batches: +model: the paper's search (anchor
 + radius, unit times with full recompute, each stage checked to fit under full recompute) and the
 default layout; +memory: ``recompute.plan_layout_and_recompute`` (search + adaptive recompute,
-one recompute-aware round) and the adaptive plan on the +model and default layouts.  Since the
-adaptive plan never adds time to a layout's full recompute and the simulator is monotone in op
-times, +memory is never predicted slower than +model, nor +model than +data.
+one recompute-aware round) and the adaptive plan on the +model and default layouts.  +model and
++memory keep only candidates that fit the budget.  Since the adaptive plan never adds time to a
+layout's full recompute (selective recompute costs less than full, per unit and at any shape) and
+the simulator is monotone in op times, +memory is never predicted slower than +model, nor +model
+than +data when the default layout fits memory (when it does not, +data could not run).
 
 *Parallel sizes.*  When not given: every (tp, pp) with tp in {1, 2, 4, 8} dividing the GPUs and
 the attention heads and key/value groups of both ViT and LLM (the trainer's rule), pp dividing
@@ -87,7 +89,7 @@ from .memory.memory_model import (GIB, MIXED_BF16_ADAM, MODE_FULL, MODE_NONE, in
 from .memory.recompute import (MemoryBudgetError, StageRecompute, format_recompute_plan, full_recompute_plan,
                                plan_layout_and_recompute, plan_recompute)
 from .model import partition
-from .model.cost_model import DEVICES, DeviceSpec, MicroBatchShape, analytic_costs, get_device
+from .model.cost_model import DeviceSpec, MicroBatchShape, analytic_costs, get_device
 from .model.costs import CostTable
 from .model.layout import LayoutError, PipelineLayout, default_layout
 from .model.simulate import SimResult, allreduce_seconds, layout_stage_costs, simulate_pipeline
@@ -495,11 +497,23 @@ def _model_candidates(ctx: _Context, default: PipelineLayout) -> list[_Candidate
     return out
 
 
-def _memory_candidates(ctx: _Context, layouts: list[tuple[str, PipelineLayout]]) -> list[_Candidate]:
+def _joint(ctx: _Context, cache: dict | None):
+    """``plan_layout_and_recompute`` at the ISF caps, memoised per configuration (screen, then plan)."""
+    key = (ctx.tp, ctx.pp, ctx.dp, ctx.m, ctx.budget, ctx.attention, tuple(sorted(ctx.costs_isf.meta["shape"].items())))
+    if cache is not None and key in cache:
+        return cache[key]
+    joint = plan_layout_and_recompute(ctx.costs_isf, ctx.pp, ctx.budget, ctx.tp, ctx.dp, ctx.m)
+    if cache is not None:
+        cache[key] = joint
+    return joint
+
+
+def _memory_candidates(ctx: _Context, layouts: list[tuple[str, PipelineLayout]],
+                       cache: dict | None = None) -> list[_Candidate]:
     """+memory: layout search + adaptive recompute, and the adaptive plan on the given layouts."""
     out = []
     try:
-        joint = plan_layout_and_recompute(ctx.costs_isf, ctx.pp, ctx.budget, ctx.tp, ctx.dp, ctx.m)
+        joint = _joint(ctx, cache)
         out.append(_Candidate(f"{joint.how} + adaptive recompute", joint.layout, list(joint.recompute.stages),
                               stage_modes(ctx.costs_isf, joint.layout, joint.recompute.stages)))
     except (MemoryBudgetError, partition.PartitionError):
@@ -599,7 +613,7 @@ def _shape_of(v: np.ndarray) -> MicroBatchShape:
 
 
 def _screen(spec, device, gpus, budget, attention, cfg, k, global_batch, cap_shape, random_shape,
-            mean_isf, mean_random, baseline_needed) -> dict:
+            mean_isf, mean_random, baseline_needed, cache: dict | None = None) -> dict:
     """Quick look at one (tp, pp, dp): least memory need, the baseline's memory, and the time per sample
     of the balanced (+memory) plan and of the baseline, each with every micro-batch at its mean shape."""
     t, p, d = cfg
@@ -619,7 +633,7 @@ def _screen(spec, device, gpus, budget, attention, cfg, k, global_batch, cap_sha
     if not rec["fits"] or (baseline_needed and not rec["baseline_fits"]):
         return rec
     try:
-        joint = plan_layout_and_recompute(ctx.costs_isf, p, budget, t, d, m)
+        joint = _joint(ctx, cache)
     except (MemoryBudgetError, partition.PartitionError) as e:
         rec["fits"], rec["reason"] = False, str(e)
         return rec
@@ -714,6 +728,8 @@ def make_plan(stats: SampleStats, spec: ModelSpec | str, gpus: int, gpu_memory_b
                 search_samples=isf_search_samples)
 
     configs, skipped = candidate_configs(spec, gpus, tp, pp, dp)
+    if not configs:
+        raise _refusal(spec, gpus, gpu_memory_bytes, budget, [], skipped, require_baseline_fit)
     # Provisional ISF thresholds for screening: caps depend on K, hardly on the DP size.
     first_dp = dp if dp is not None else (configs[0][2] if len(configs) == 1 else 8)
     data = _isf_plan(stats, first_dp, k, **opts)
@@ -724,8 +740,9 @@ def make_plan(stats: SampleStats, spec: ModelSpec | str, gpus: int, gpu_memory_b
     mean_isf = (np.array([g.tiles.mean(), g.tokens.mean(),
                           float(np.mean(np.add.reduceat(stats.tokens.astype(float)[g.members] ** 2, g.offsets[:-1])))]),
                 float(g.sizes.mean()))
+    cache: dict = {}
     tried = [_screen(spec, dev, gpus, budget, attention, c, k, global_batch_size, cap, random_shape, mean_isf,
-                     mean_random, require_baseline_fit) for c in configs]
+                     mean_random, require_baseline_fit, cache) for c in configs]
     usable = [r for r in tried if r["fits"] and "estimated_seconds_per_sample" in r]
     if not usable:
         raise _refusal(spec, gpus, gpu_memory_bytes, budget, tried, skipped, require_baseline_fit)
@@ -757,7 +774,7 @@ def make_plan(stats: SampleStats, spec: ModelSpec | str, gpus: int, gpu_memory_b
     fitting = [c for c in model_c if max(_memory(ctx, ctx.costs_isf, c.layout, c.stages)) <= budget] or model_c
     plus_model = _best(fitting)
     mem_c = [_simulate_candidate(ctx, c, loads_i, True)
-             for c in _memory_candidates(ctx, [("+model", plus_model.layout), ("default", default)])]
+             for c in _memory_candidates(ctx, [("+model", plus_model.layout), ("default", default)], cache)]
     plus_memory = _best(mem_c) if mem_c else plus_model
 
     rows = [

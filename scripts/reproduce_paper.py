@@ -52,7 +52,7 @@ if str(ROOT) not in sys.path:
 
 from omnibal_ext.data.stats import load_stats, resample  # noqa: E402
 from omnibal_ext.memory.memory_model import GIB  # noqa: E402
-from omnibal_ext.plan import SETTINGS, make_plan  # noqa: E402
+from omnibal_ext.plan import make_plan  # noqa: E402
 
 STATS_DIR = ROOT.parent / "shared" / "data" / "internvl_sft_stats"
 MODELS = ("internvl-6b-20b", "internvl-6b-34b")
@@ -129,7 +129,7 @@ def format_table(rows: list[dict]) -> str:
             f"{'paper speed-up':>14} {'error':>7}  note")
     lines = [head, "-" * len(head)]
     for r in rows:
-        note = "" if r["fits_memory"] else "baseline over budget (predicted as if it ran)"
+        note = "" if r["fits_memory"] else "over the memory budget (predicted as if it ran)"
         if r["setting"] == "headline":
             note = "paper: vs InternVL-Chat code"
         lines.append(f"{r['model']:<16} {r['setting']:<9} {r['predicted_gpu_days']:>13.1f} "

@@ -7,7 +7,6 @@ import re
 import numpy as np
 import pytest
 
-from omnibal_ext.data.search import random_group_totals
 from omnibal_ext.data.stats import from_arrays
 from omnibal_ext.memory.memory_model import GIB, stage_memory
 from omnibal_ext.memory.recompute import full_recompute_plan, parse_recompute_plan, validate_recompute_plan

@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--exit-interval", type=int, default=None, help="stop (after saving) at this iteration")
     g.add_argument("--json-log", default=None, help="write per-iteration metrics as JSON lines here")
+    g.add_argument("--log-activation-memory", action="store_true",
+                   help="measure saved-activation bytes per stage (on with --omnibal-recompute auto)")
 
     g = p.add_argument_group("omnibal")
     g.add_argument("--omnibal-isf", action="store_true", help="ISF data balancing: one packed group per micro-batch")
@@ -163,6 +165,8 @@ def validate_args(args, world_size: int) -> None:
         raise ArgumentError("--omnibal-recompute auto chooses the recompute itself: drop --recompute-*")
     if args.omnibal_partition == "auto" and args.pipeline_layout:
         raise ArgumentError("--omnibal-partition auto chooses the layout itself: drop --pipeline-layout")
+    if args.omnibal_recompute == "auto":
+        args.log_activation_memory = True
     if args.save_interval and not args.save:
         raise ArgumentError("--save-interval needs --save")
     args.model_spec = spec

@@ -22,6 +22,7 @@ from megatron.vlm.config import language_config, vision_config
 from megatron.vlm.model import StageRecomputeSettings, VLMStage
 
 from . import checkpointing
+from .memory import ActivationMeter, one_f_one_b_peak, static_bytes
 
 
 def dtype_of(args) -> torch.dtype:
@@ -90,7 +91,12 @@ def loss_func(batch: dict, token_correct: torch.Tensor, output_tensor: torch.Ten
 
 def forward_step(data_iterator, model):
     batch = next(data_iterator)
-    output = model(batch)
+    meter = getattr(_unwrap(model), "activation_meter", None)
+    if meter is not None and torch.is_grad_enabled():
+        with meter.measure():
+            output = model(batch)
+    else:
+        output = model(batch)
     head = _unwrap(model).head
     correct = head.last_token_correct if head is not None else None
     return output, partial(loss_func, batch, correct)
@@ -173,12 +179,17 @@ def train(args, model, optimizer, scheduler, train_data, valid_data=None, start_
     is_last = parallel_state.is_pipeline_last_stage()
     history = []
     balance_sums, balance_count = {}, 0
+    meter = ActivationMeter(_unwrap(model[0])) if args.log_activation_memory else None
+    _unwrap(model[0]).activation_meter = meter
+    peak_act = 0
     iteration = start_iteration
     while iteration < args.train_iters:
         start = time.perf_counter()
         for m in model:
             m.zero_grad_buffer()
         optimizer.zero_grad()
+        if meter:
+            meter.reset()
         train_data.start_recording()
         reports = forward_backward(
             forward_step_func=forward_step, data_iterator=train_data, model=model,
@@ -186,6 +197,9 @@ def train(args, model, optimizer, scheduler, train_data, valid_data=None, start_
             micro_batch_size=args.micro_batch_size, forward_only=False)
         ok, grad_norm, _ = optimizer.step()
         records = train_data.stop_recording()
+        if meter:
+            peak_act = max(peak_act, one_f_one_b_peak(meter.per_microbatch, parallel_state.get_pipeline_model_parallel_rank(),
+                                                      args.pipeline_model_parallel_size))
         scheduler.step(increment=args.global_batch_size)
         iteration += 1
         elapsed = time.perf_counter() - start
@@ -225,11 +239,31 @@ def train(args, model, optimizer, scheduler, train_data, valid_data=None, start_
             save(args, iteration, consumed_samples, model, optimizer, scheduler, train_data)
         if args.exit_interval and iteration == args.exit_interval:
             break
-    log.close()
     summary = {"iterations": iteration, "consumed_samples": consumed_samples, "history": history}
+    if meter:
+        summary["memory"] = stage_memory_report(args, model, optimizer, peak_act)
+        log.log(iteration, args.train_iters, summary["memory"], prefix="memory ")
+    log.close()
     if balance_count:
         summary["balance"] = {k: v / balance_count for k, v in balance_sums.items()}
     return summary
+
+
+def stage_memory_report(args, model, optimizer, peak_act: int) -> dict:
+    """Measured per-stage memory (the largest over the stage's ranks), and the plan's prediction."""
+    mine = (parallel_state.get_pipeline_model_parallel_rank(), peak_act, static_bytes(model, optimizer))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    pp = args.pipeline_model_parallel_size
+    act = [max(a for s, a, _ in everyone if s == stage) for stage in range(pp)]
+    static = [max(b for s, _, b in everyone if s == stage) for stage in range(pp)]
+    report = {"peak_act_bytes_per_stage": act, "static_bytes_per_stage": static}
+    plan = getattr(args, "recompute_plan_applied", None)
+    if plan is not None:
+        report["predicted_peak_bytes_per_stage"] = list(plan.stage_peak_bytes)
+        report["predicted_static_bytes_per_stage"] = list(plan.stage_static_bytes)
+        report["budget_bytes"] = plan.budget_bytes[0] if plan.budget_bytes else None
+    return report
 
 
 def evaluate(args, model, valid_data, forward_backward) -> dict:

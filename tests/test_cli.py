@@ -1,0 +1,113 @@
+"""``omnibal`` dispatch (isf, partition, memory, plan), its error lines, and reproduce_paper's JSON contract."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from omnibal_ext.cli import main
+from omnibal_ext.memory.recompute import parse_recompute_plan
+from omnibal_ext.model.layout import parse_layout
+from omnibal_ext.model.units import get_preset
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_STATS = ROOT.parent / "shared" / "data" / "internvl_sft_stats"
+
+
+def stats_file(path: Path, n: int, seed: int, tokens_per_tile: int = 4) -> str:
+    rng = np.random.default_rng(seed)
+    tiles = np.where(rng.random(n) < 0.2, 0, rng.integers(1, 5, n))
+    tokens = rng.integers(20, 400, n) + tokens_per_tile * tiles
+    path.write_text(json.dumps([{"vit_num": int(v), "token_num": int(t)} for v, t in zip(tiles, tokens)]))
+    return str(path)
+
+
+def one_error_line(capsys, command: str) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"omnibal {command}: error: "), err
+    return err[0]
+
+
+def test_isf_partition_memory_dispatch(tmp_path, capsys):
+    f = stats_file(tmp_path / "s.json", 300, 1)
+    assert main(["isf", "stats", "--stats", f, "--json", str(tmp_path / "isf.json")]) == 0
+    assert json.loads((tmp_path / "isf.json").read_text())["all"]["samples"] == 300
+    assert main(["partition", "--model", "tiny", "--pp", "2", "--tiles", "4", "--llm-tokens", "256",
+                 "--json", str(tmp_path / "part.json")]) == 0
+    part = json.loads((tmp_path / "part.json").read_text())
+    parse_layout(part["layouts"]["searched"]["flag"], get_preset("tiny"), 2)
+    assert main(["memory", "--model", "tiny", "--pp", "2", "--micro-batches", "4", "--budget-gib", "1",
+                 "--layout", "search", "--json", str(tmp_path / "mem.json")]) == 0
+    mem = json.loads((tmp_path / "mem.json").read_text())
+    assert len(parse_recompute_plan(mem["recompute"]["flag"], 2)) == 2
+    out = capsys.readouterr().out
+    assert "searched" in out and "budget" in out
+
+
+def test_plan_command_writes_plan_and_figures(tmp_path, capsys):
+    f = stats_file(tmp_path / "s.json", 800, 2)
+    out, prefix = tmp_path / "plan.json", tmp_path / "fig"
+    rc = main(["plan", "--data", f, "--model", "tiny", "--gpus", "4", "--gpu-memory", "1", "--global-batch-size",
+               "32", "--sim-iterations", "2", "--samples", "100000", "--json", str(out), "--plot", str(prefix)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["samples"] == 100000 and doc["model"] == "tiny"
+    flags = doc["trainer_flags"]
+    spec = get_preset("tiny")
+    layout = parse_layout(flags["--pipeline-layout"], spec, flags["--pipeline-model-parallel-size"])
+    assert len(parse_recompute_plan(flags["--recompute-plan"], layout.num_stages)) == layout.num_stages
+    assert flags["--tensor-model-parallel-size"] * flags["--pipeline-model-parallel-size"] * doc["dp"] == 4
+    assert [r["setting"] for r in doc["rows"]] == ["baseline", "+data", "+model", "+memory"]
+    for suffix in ("_stages.png", "_timeline.png"):
+        png = Path(f"{prefix}{suffix}")
+        assert png.read_bytes()[:4] == b"\x89PNG"
+    printed = capsys.readouterr().out
+    assert "GPU-days" in printed and doc["trainer_args"] in printed
+
+
+def test_plan_errors_are_one_line_exit_2(tmp_path, capsys):
+    json_out = str(tmp_path / "p.json")
+    base = ["--model", "tiny", "--gpus", "2", "--gpu-memory", "1", "--json", json_out]
+    assert main(["plan", "--data", str(tmp_path / "missing.json")] + base) == 2
+    assert "missing.json" in one_error_line(capsys, "plan")
+    meta = tmp_path / "meta.json"
+    meta.write_text(json.dumps({"ai2d": {"root": "x", "annotation": "y.jsonl"}}))
+    assert main(["plan", "--data", str(meta)] + base) == 2
+    assert "meta JSON" in one_error_line(capsys, "plan")
+    f = stats_file(tmp_path / "s.json", 200, 3, tokens_per_tile=256)
+    assert main(["plan", "--data", f, "--model", "internvl-6b-34b", "--gpus", "2", "--gpu-memory", "80",
+                 "--global-batch-size", "16", "--sim-iterations", "1", "--json", json_out]) == 2
+    line = one_error_line(capsys, "plan")
+    assert "does not fit 2 GPUs" in line and "pipeline stage" in line and "budget of 72.0 GiB" in line
+    assert main(["plan", "--data", f] + base + ["--tp", "1", "--pp", "1", "--dp", "1"]) == 2
+    assert "--gpus is 2" in one_error_line(capsys, "plan")
+    assert main(["memory", "--model", "tiny", "--pp", "2", "--micro-batches", "2", "--budget-gib", "1",
+                 "--layout", "Q*3", "--json", json_out]) == 2
+    assert "--layout" in one_error_line(capsys, "memory")
+    with pytest.raises(SystemExit) as e:  # argparse's own usage errors keep status 2
+        main(["plan", "--data", f])
+    assert e.value.code == 2
+
+
+@pytest.mark.skipif(not SHARED_STATS.is_dir(), reason="shared InternVL stats absent")
+def test_reproduce_paper_json_contract(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("reproduce_paper", ROOT / "scripts" / "reproduce_paper.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "repro.json"
+    assert mod.main(["--samples", "12000", "--sim-iterations", "1", "--isf-candidates", "3", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    for r in rows:
+        assert {"model", "setting", "predicted_speedup", "paper_speedup"} <= set(r)
+    for model in ("internvl-6b-20b", "internvl-6b-34b"):
+        settings = [r["setting"] for r in rows if r["model"] == model]
+        assert settings[:4] == ["baseline", "+data", "+model", "+memory"]
+    paper = {r["setting"]: r["paper_speedup"] for r in rows if r["model"] == "internvl-6b-20b"}
+    assert paper["+data"] == pytest.approx(61.8 / 51.9) and paper["+memory"] == pytest.approx(61.8 / 21.3)
+    base = [r for r in rows if r["setting"] == "baseline"]
+    assert all(r["predicted_speedup"] == pytest.approx(1.0) for r in base)
+    assert "paper speed-up" in capsys.readouterr().out

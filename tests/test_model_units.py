@@ -1,0 +1,119 @@
+"""The stage module and the profiler in one process (world of one, gloo)."""
+import dataclasses
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from omnibal_ext.model.cost_model import MicroBatchShape
+from omnibal_ext.model.units import build_units, get_preset
+
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    import torch.distributed as dist
+
+    from megatron.training.initialize import initialize_distributed, set_seeds
+
+    os.environ["MASTER_PORT"] = str(29000 + os.getpid() % 1000)
+    initialize_distributed(torch.device("cpu"), 1, 1)
+    set_seeds(0)
+    yield
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def whole_model(spec, seed=3):
+    from megatron.vlm.config import language_config, vision_config
+    from megatron.vlm.model import VLMStage
+
+    units = build_units(spec)
+    cfg = language_config(spec, 1, True, torch.float32)
+    return VLMStage(spec, units, range(len(units)), cfg, vision_config(spec, 1, True, torch.float32), cfg,
+                    img_context_id=263, seed=seed)
+
+
+def test_packed_samples_give_the_same_per_sample_loss_as_alone(megatron_world, tmp_path):
+    from megatron.vlm.data.collate import collate_packed, collate_padded
+    from megatron.vlm.data.digits import build_digits_dataset
+    from megatron.vlm.data.internvl import InternVLDataset
+    from megatron.vlm.data.tokenizer import ByteTokenizer
+
+    spec = get_preset("tiny")
+    tok = ByteTokenizer()
+    meta = build_digits_dataset(str(tmp_path / "digits"), num_samples=40, tile_size=spec.vision.image_size)
+    ds = InternVLDataset(meta, tok, spec.vision.image_size, spec.tokens_per_tile, 6, 512)
+    samples = [ds[i] for i in range(5)]
+    model = whole_model(spec).eval()
+
+    def per_token_loss(batch):
+        with torch.no_grad():
+            return model(batch)
+
+    packed = collate_packed(samples, tok.pad_id)
+    loss = per_token_loss(packed)[0]
+    assert packed["tokens"].shape[0] == 1 and len(set(packed["segment_ids"][0].tolist())) == 5
+    start = 0
+    for i, s in enumerate(samples):
+        n = len(s["input_ids"])
+        alone = per_token_loss(collate_padded([s], tok.pad_id))[0]
+        mask = s["labels"] != -100
+        torch.testing.assert_close(loss[start:start + n][mask], alone[mask], rtol=1e-5, atol=1e-5)
+        start += n
+    # and padding rows of a padded batch do not leak into other rows
+    padded = per_token_loss(collate_padded(samples, tok.pad_id))
+    for i, s in enumerate(samples):
+        mask = s["labels"] != -100
+        alone = per_token_loss(collate_padded([s], tok.pad_id))[0]
+        torch.testing.assert_close(padded[i, :len(s["input_ids"])][mask], alone[mask], rtol=1e-5, atol=1e-5)
+
+
+def test_profile_orders_vit_and_llm_layers_by_size(megatron_world):
+    from megatron.training.profiling import profile_units
+
+    base = get_preset("tiny")
+    heavy_vit = base.replace(
+        vision=dataclasses.replace(base.vision, hidden_size=192, ffn_hidden_size=768, num_attention_heads=4),
+        language=dataclasses.replace(base.language, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2,
+                                     num_query_groups=2))
+    heavy_llm = base.replace(
+        vision=dataclasses.replace(base.vision, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2),
+        language=dataclasses.replace(base.language, hidden_size=192, ffn_hidden_size=512))
+    shape = MicroBatchShape(tiles=8, llm_tokens=96, dtype_bytes=4)
+
+    def layer_fwd(spec):
+        args = SimpleNamespace(model_spec=spec, tensor_model_parallel_size=1, bf16=False, seed=1)
+        costs = profile_units(args, shape, 263, torch.device("cpu"), warmup=1, repeats=3)
+        by_kind = {u.kind: u for u in costs.units}
+        assert [u.name for u in costs.units] == [u.name for u in build_units(spec)]
+        for u in costs.units:
+            assert u.fwd_s > 0 and u.bwd_s > 0 and u.send_bytes > 0
+        for kind in ("vit_layer", "llm_layer"):
+            u = by_kind[kind]
+            assert u.act_bytes_full < u.act_bytes_selective <= u.act_bytes
+        return by_kind["vit_layer"].fwd_s + by_kind["vit_layer"].bwd_s, by_kind["llm_layer"].fwd_s + by_kind["llm_layer"].bwd_s
+
+    for _ in range(2):  # two profiles of the same models agree in ranking
+        vit, llm = layer_fwd(heavy_vit)
+        assert vit > llm
+        vit, llm = layer_fwd(heavy_llm)
+        assert llm > vit
+
+
+def test_profile_activation_bytes_match_a_hand_count(megatron_world):
+    """The ViT layer's output (what a stage sends) is [seq per tile, tiles, hidden] fp32."""
+    from megatron.training.profiling import profile_units
+
+    spec = get_preset("tiny")
+    args = SimpleNamespace(model_spec=spec, tensor_model_parallel_size=1, bf16=False, seed=1)
+    costs = profile_units(args, MicroBatchShape(tiles=3, llm_tokens=40, dtype_bytes=4), 263, torch.device("cpu"),
+                          warmup=0, repeats=1)
+    by_kind = {u.kind: u for u in costs.units}
+    v = spec.vision
+    assert by_kind["vit_layer"].send_bytes == v.seq_per_tile * 3 * v.hidden_size * 4
+    assert by_kind["vit_layer"].act_bytes_full == v.seq_per_tile * 3 * v.hidden_size * 4  # its input only
+    assert by_kind["llm_layer"].send_bytes == 40 * spec.language.hidden_size * 4
+    assert by_kind["projector"].send_bytes == 3 * spec.tokens_per_tile * spec.language.hidden_size * 4
