@@ -3,7 +3,8 @@
 * ``omnibal isf stats|search|pack``  data level (``omnibal_ext.data.cli``);
 * ``omnibal partition``              model level: pipeline layout (``omnibal_ext.model.cli``);
 * ``omnibal memory``                 memory level: per-stage memory and recompute (``omnibal_ext.memory.cli``);
-* ``omnibal plan``                   all three together, with predictions (``omnibal_ext.plan``).
+* ``omnibal plan``                   all three together, with predictions (``omnibal_ext.plan``);
+* ``omnibal profile``                measure the units on this machine (runs the trainer's profiler).
 
 Bad input (a missing or malformed file, a flag that cannot work, a model that fits no
 configuration) prints one line ``omnibal <command>: error: ...`` on stderr and exits with status 2.
@@ -120,7 +121,34 @@ def build_parser() -> argparse.ArgumentParser:
     add_partition_parser(sub)
     add_memory_parser(sub)
     add_plan_parser(sub)
+    add_profile_parser(sub)
     return parser
+
+
+def add_profile_parser(subparsers) -> argparse.ArgumentParser:
+    """``omnibal profile --json OUT [trainer flags]``: measure every unit on this machine.
+
+    Runs pretrain_vlm.py's profiler in this process (a world of one) for the model the trainer
+    flags describe, at the micro-batch shape training would use, and writes the profile JSON.
+    """
+    p = subparsers.add_parser("profile", help="measure per-unit forward/backward time and activation bytes",
+                              description=add_profile_parser.__doc__)
+    p.add_argument("--json", required=True, metavar="OUT", help="profile JSON to write")
+    p.set_defaults(func=_run_profile, accepts_trainer_flags=True)
+    return p
+
+
+def _run_profile(args) -> int:
+    import pretrain_vlm  # the trainer's entry point (installed as a module beside this package)
+
+    from megatron.training.initialize import destroy
+
+    try:
+        pretrain_vlm.main(list(args.trainer_flags) + ["--omnibal-profile", args.json])
+        print(f"profile written to {args.json}")
+    finally:
+        destroy()
+    return 0
 
 
 def _error(command: str, message: str) -> int:
@@ -134,7 +162,12 @@ def _error(command: str, message: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``omnibal`` with ``argv`` (default: sys.argv[1:]); returns the exit status."""
-    args = build_parser().parse_args(argv)  # argparse itself exits 2 on unknown flags
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if getattr(args, "accepts_trainer_flags", False):
+        args.trainer_flags = extra  # `omnibal profile` passes the rest to the trainer's parser
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")  # exits 2
     command = args.command if args.command != "isf" else f"isf {args.isf_command}"
     try:
         result = args.func(args)

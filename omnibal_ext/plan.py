@@ -795,6 +795,8 @@ def make_plan(stats: SampleStats, spec: ModelSpec | str, gpus: int, gpu_memory_b
         "--omnibal-isf": True,
         "--omnibal-isf-qv": int(data.params.qv),
         "--omnibal-isf-qt": int(data.params.qt),
+        "--omnibal-isf-qv-min": int(data.params.qv_min),
+        "--omnibal-isf-qt-min": int(data.params.qt_min),
         "--micro-batch-size": k,
         "--global-batch-size": m * d * k,
     }

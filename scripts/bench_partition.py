@@ -12,7 +12,21 @@ block) — what finer units could buy below the whole-layer limit.
 Targets: searched <= 1.03 on 6B+20B at PP 4; at PP 8/16 the searched layout within 1% of the
 exact optimum; search <= 1 s at PP 16.
 
+Part (b), measured (``--measured``; results["measured"]): the fixed heterogeneous tiny VLM of
+scripts/benchlib.py (ViT 6 layers x 128 wide, MLP 512; LLM 6 layers x 64 wide) trained on CPU with
+PP=2 on the stats-matched synthetic data with ISF packing (one packed group per micro-batch, so the
+micro-batch shape is steady and matches the profile's shape, the ISF caps).  Runs alternate
+(searched, default, searched, default, ...): the searched layout (``--omnibal-partition auto``; the
+first run profiles the units and writes the profile, the others read it) and Megatron's default
+layout, with the same data, seed and iterations.  Measured ms/iteration (median after a warm-up,
+pooled over the repeats) against the simulator's prediction (``omnibal_ext.model.simulate``,
+1F1B, the profile's unit costs, m micro-batches) for both layouts; target: the measured speed-up
+within 10% of the predicted one.  On a 2-core machine keep PP=2 x DP=1 (one core per stage): more
+processes than cores time-share the cores and hide pipeline imbalance; --dp/--tp are for bigger
+machines.
+
 Usage: python scripts/bench_partition.py [--json OUT] [--radius R] [--tiles N --llm-tokens N]
+       [--measured [--iters 16 --warmup 4 --repeats 2 --micro-batches 8 --samples 1024 --workdir DIR]]
 """
 from __future__ import annotations
 
@@ -110,6 +124,79 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def measured_partition(args) -> dict:
+    """Part (b): measured ms/iteration of the default vs the searched layout, and the simulator's prediction."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import benchlib as bl
+
+    from omnibal_ext.model.costs import CostTable
+    from omnibal_ext.model.layout import default_layout, parse_layout
+    from omnibal_ext.model.simulate import simulate_layout
+    from omnibal_ext.model.cost_model import get_device
+
+    work = os.path.abspath(args.workdir)
+    os.makedirs(work, exist_ok=True)
+    spec = bl.hetero_spec()
+    data = bl.build_data(os.path.join(work, "data"), args.samples, spec.vision.image_size, spec.tokens_per_tile)
+    pp, k, m = 2, args.micro_batch_size, args.micro_batches
+    tp = args.measured_tp
+    world = tp * pp * args.dp
+    profile_path = os.path.join(work, "partition_profile.json")
+    if os.path.exists(profile_path):
+        os.remove(profile_path)  # profile on this machine, in this run
+    common = bl.flag_list({**bl.HETERO_MODEL, "--pipeline-model-parallel-size": pp,
+                           "--tensor-model-parallel-size": tp, "--data-path": data.meta,
+                           "--seq-length": data.seq_length, "--micro-batch-size": k,
+                           "--global-batch-size": k * m * args.dp, "--train-iters": args.iters,
+                           "--omnibal-isf": True, "--seed": 1234, "--lr-warmup-iters": 1})
+    searched_flags = common + ["--omnibal-partition", "auto", "--omnibal-profile", profile_path]
+    runs = {"default": [], "searched": []}
+    for rep in range(args.repeats):
+        for name, flags in (("searched", searched_flags), ("default", common)):
+            r = bl.run_trainer(flags, work, f"partition_{name}_{rep}", nproc=world)
+            runs[name].append(r)
+            print(f"  {name} run {rep}: median {bl.steady_ms(r.records, args.warmup):.1f} ms/iter, "
+                  f"layout {r.layout_flag}", flush=True)
+    costs = CostTable.load(profile_path)
+    layouts = {"default": default_layout(spec, pp),
+               "searched": parse_layout(runs["searched"][0].layout_flag, spec, pp)}
+    p2p = get_device("cpu").p2p_bytes_per_s
+    out = {"model": dict(bl.HETERO_MODEL), "pp": pp, "tp": tp, "dp": args.dp, "micro_batches": m,
+           "micro_batch_size": k, "iterations": args.iters, "warmup": args.warmup, "repeats": args.repeats,
+           "data": {"samples": data.num_samples, **data.info}, "profile": profile_path,
+           "profile_shape": costs.meta.get("shape"), "note": "ms per iteration: median of the steady "
+           "iterations pooled over the repeats; predicted: 1F1B simulation with the profile's unit costs"}
+    from omnibal_ext.model.units import build_units
+
+    for name in ("default", "searched"):
+        steady = [x[bl.ITER_KEY] for r in runs[name] for x in bl.steady(r.records, args.warmup)]
+        sim = simulate_layout(costs, layouts[name], pp, m, p2p)
+        out[name] = {"layout": layouts[name].to_flag(build_units(spec)), "stage_units": list(layouts[name].stage_units),
+                     "ms_per_iter": float(np.median(steady)), "ms_per_iter_runs": [bl.steady_ms(r.records, args.warmup)
+                                                                                 for r in runs[name]],
+                     "predicted_ms_per_iter": sim.iteration_s * 1e3,
+                     "predicted_stage_busy_ms": [b * 1e3 for b in sim.per_stage_busy_s],
+                     "predicted_bubble": sim.bubble_fraction}
+    meas = out["default"]["ms_per_iter"] / out["searched"]["ms_per_iter"]
+    pred = out["default"]["predicted_ms_per_iter"] / out["searched"]["predicted_ms_per_iter"]
+    out["measured_speedup"], out["predicted_speedup"] = meas, pred
+    out["prediction_error"] = abs(pred - meas) / meas
+    out["target"] = (f"{'PASS' if out['prediction_error'] <= 0.10 else 'FAIL'} predicted speed-up within 10% of "
+                     f"measured: predicted {pred:.3f}x, measured {meas:.3f}x, error {out['prediction_error']:.1%}")
+    return out
+
+
+def format_measured(res: dict) -> str:
+    lines = [f"measured on CPU, PP={res['pp']} TP={res['tp']} DP={res['dp']}, {res['micro_batches']} micro-batches "
+             f"(ISF), {res['iterations']} iterations x {res['repeats']} repeats:"]
+    lines.append(f"{'layout':<9} {'flag':<24} {'meas ms/it':>10} {'pred ms/it':>10}")
+    for name in ("default", "searched"):
+        r = res[name]
+        lines.append(f"{name:<9} {r['layout']:<24} {r['ms_per_iter']:>10.1f} {r['predicted_ms_per_iter']:>10.1f}")
+    lines.append(res["target"])
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None, help="write the results here")
@@ -119,15 +206,28 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="a100-80g")
     ap.add_argument("--radius", type=int, default=2, help="search radius, units")
     ap.add_argument("--no-vpp", action="store_true", help="skip the interleaved (VPP 2) rows")
+    g = ap.add_argument_group("part (b), measured on this machine")
+    g.add_argument("--measured", action="store_true", help="also run part (b): trainer runs (minutes)")
+    g.add_argument("--iters", type=int, default=16, help="training iterations per run")
+    g.add_argument("--warmup", type=int, default=4, help="iterations left out of the median")
+    g.add_argument("--repeats", type=int, default=2, help="alternating (searched, default) pairs of runs")
+    g.add_argument("--micro-batches", type=int, default=8, help="micro-batches per iteration (m)")
+    g.add_argument("--micro-batch-size", type=int, default=4, help="target samples per ISF group")
+    g.add_argument("--samples", type=int, default=1024, help="samples of the stats-matched dataset")
+    g.add_argument("--dp", type=int, default=1, help="data-parallel size (one core per process!)")
+    g.add_argument("--measured-tp", dest="measured_tp", type=int, default=1, help="tensor-parallel size of part (b)")
+    g.add_argument("--workdir", default="bench_out/partition", help="runs, logs, data and the profile")
     args = ap.parse_args(argv)
     shape = MicroBatchShape(args.tiles, args.llm_tokens)
     rows = [preset_row(name, pp, shape, args.tp, args.device, args.radius) for name in PRESETS for pp in PPS]
     if not args.no_vpp:
         rows += [preset_row(name, pp, shape, args.tp, args.device, args.radius, vpp=2) for name in PRESETS for pp in (4, 8)]
     results = {"presets": rows, "targets": check_targets(rows)}
-    # The lead adds results["measured"] (part b: measured CPU runs) here.
     print(format_rows(rows))
     print("\n".join(results["targets"]))
+    if args.measured:
+        results["measured"] = measured_partition(args)
+        print(format_measured(results["measured"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -16,7 +16,6 @@ def megatron_world():
 
     from megatron.training.initialize import initialize_distributed, set_seeds
 
-    os.environ["MASTER_PORT"] = str(29000 + os.getpid() % 1000)
     initialize_distributed(torch.device("cpu"), 1, 1)
     set_seeds(0)
     yield

@@ -3,6 +3,9 @@
 Each torchrun launch costs seconds, so each checks several things: parallel equals serial
 (losses of 5 iterations within 1e-4 relative), recompute changes nothing, resume is exact.
 """
+import json
+import re
+
 import pytest
 
 from launch import run_training
@@ -74,3 +77,39 @@ def test_resume_is_exact(workdir, tmp_path):
     assert [r["iteration"] for r in second] == [4, 5, 6]
     assert [r["lm loss"] for r in first + second] == [r["lm loss"] for r in full]
     assert [r["consumed samples"] for r in first + second] == [r["consumed samples"] for r in full]
+
+
+def test_partition_auto_equals_serial(workdir, serial):
+    """--omnibal-partition auto profiles, searches and applies a layout; training is unchanged."""
+    d, data = workdir
+    records, out = run_training(2, BASE + data + ["--pipeline-model-parallel-size", "2", "--omnibal-partition", "auto"],
+                                d, "partition")
+    assert "> omnibal partition: layout " in out
+    assert_close(losses(records), losses(serial))
+
+
+def _memory_record(workdir, name, budget_gib, serial):
+    d, data = workdir
+    flags = BASE + data + ["--pipeline-model-parallel-size", "2", "--omnibal-recompute", "auto",
+                           "--omnibal-memory-budget", str(budget_gib)]
+    records, out = run_training(2, flags, d, name)
+    assert_close(losses(records, 6), losses(serial, 6))  # recompute never changes the numbers
+    assert_close([r["grad norm"] for r in records], [r["grad norm"] for r in serial], rel=1e-4)
+    memory = [json.loads(line) for line in (d / f"{name}.jsonl").read_text().splitlines()
+              if json.loads(line)["prefix"] == "memory "][0]
+    plan = re.search(r"> omnibal recompute: plan (\S+)", out).group(1)
+    return memory, plan
+
+
+def test_adaptive_recompute_fits_the_budget(workdir, serial):
+    loose, loose_plan = _memory_record(workdir, "loose", 1.0, serial)
+    assert loose_plan == "-|-"  # everything fits: no recompute at all
+    # a budget between the no-recompute and full-recompute needs of stage 0
+    tight_gib = 0.0084
+    tight, tight_plan = _memory_record(workdir, "tight", tight_gib, serial)
+    assert tight_plan != "-|-" and tight_plan.split("|")[0] != "-"
+    for mem, budget in ((loose, 1.0 * 2**30), (tight, tight_gib * 2**30)):
+        for act, static in zip(mem["peak_act_bytes_per_stage"], mem["static_bytes_per_stage"]):
+            assert 0 < act and act + static <= budget
+    # the tight plan keeps fewer activations on stage 0 than no recompute does
+    assert tight["peak_act_bytes_per_stage"][0] < loose["peak_act_bytes_per_stage"][0]

@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--omnibal-isf", action="store_true", help="ISF data balancing: one packed group per micro-batch")
     g.add_argument("--omnibal-isf-qv", type=int, default=None, help="ViT tile cap per group (default: searched)")
     g.add_argument("--omnibal-isf-qt", type=int, default=None, help="LLM token cap per group (default: searched)")
+    g.add_argument("--omnibal-isf-qv-min", type=int, default=None, help="ISF lower bound Q'v (default 90%% of Qv)")
+    g.add_argument("--omnibal-isf-qt-min", type=int, default=None, help="ISF lower bound Q't (default 90%% of Qt)")
     g.add_argument("--omnibal-partition", choices=["none", "auto"], default="none",
                    help="auto: profile (or read --omnibal-profile), search and apply a balanced layout")
     g.add_argument("--omnibal-profile", default=None,
@@ -172,7 +174,35 @@ def validate_args(args, world_size: int) -> None:
     args.model_spec = spec
 
 
+def plan_flags(path: str) -> list[str]:
+    """The trainer flags of a plan written by `omnibal plan` (its "trainer_flags")."""
+    import json
+
+    try:
+        with open(path) as f:
+            flags = json.load(f)["trainer_flags"]
+    except FileNotFoundError:
+        raise ArgumentError(f"--omnibal-plan {path}: no such file") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ArgumentError(f"--omnibal-plan {path}: not a plan from `omnibal plan` ({e})") from None
+    argv = []
+    for key, value in flags.items():
+        if value is True:
+            argv.append(key)
+        elif value not in (None, False):
+            argv.append(f"{key}={value}")
+    return argv
+
+
 def parse_args(argv=None, world_size: int = 1):
-    args = build_parser().parse_args(argv)
+    """Parse and check the flags.  With --omnibal-plan, the plan's flags come first, so flags given
+    on the command line override them."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.omnibal_plan:
+        args = parser.parse_args(plan_flags(args.omnibal_plan) + argv)
     validate_args(args, world_size)
     return args

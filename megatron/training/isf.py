@@ -11,13 +11,18 @@ from .arguments import ArgumentError
 
 
 def isf_params_from_args(args) -> ISFParams | None:
-    """Fixed thresholds from --omnibal-isf-qv/--omnibal-isf-qt (lower bounds 90% of the caps), or None."""
+    """Fixed thresholds from --omnibal-isf-qv/-qt[-min] (lower bounds default to 90% of the caps), or None."""
     qv, qt = args.omnibal_isf_qv, args.omnibal_isf_qt
     if qv is None and qt is None:
         return None
     if qv is None or qt is None:
         raise ArgumentError("--omnibal-isf-qv and --omnibal-isf-qt go together (or give neither to search them)")
-    return ISFParams(qv=qv, qt=qt, qv_min=int(0.9 * qv), qt_min=int(0.9 * qt))
+    qv_min = int(0.9 * qv) if args.omnibal_isf_qv_min is None else args.omnibal_isf_qv_min
+    qt_min = int(0.9 * qt) if args.omnibal_isf_qt_min is None else args.omnibal_isf_qt_min
+    try:
+        return ISFParams(qv=qv, qt=qt, qv_min=qv_min, qt_min=qt_min)
+    except ValueError as e:
+        raise ArgumentError(f"--omnibal-isf-*: {e}") from None
 
 
 def isf_groups(args, dataset) -> tuple[list[np.ndarray], np.ndarray]:

@@ -1,0 +1,248 @@
+"""Shared helpers of the measured benchmarks: run the trainer under torchrun, read its JSON log,
+summarise the steady state, write JSON and print tables.
+
+Timing on a small CPU machine: run PP=2 x DP=1 (two processes, one core each, OMP_NUM_THREADS=1).
+More processes than cores time-share the cores, which hides pipeline imbalance (an idle stage gives
+its core to a busy one); use ``--dp``/``--tp`` only on machines with a core per process.  Other
+load on the machine adds noise: the benchmarks alternate their runs and take medians.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+STATS_DIR = ROOT.parent / "shared" / "data" / "internvl_sft_stats"
+
+# The fixed heterogeneous tiny VLM of the measured benchmarks: a ViT layer costs more than an LLM layer
+# (as InternViT-6B's 3200-wide layers over 1025 tokens per tile against InternLM2-20B's per-token cost),
+# so Megatron's default layout (whole ViT on stage 0) is unbalanced.  32 px tiles, 8 px patches:
+# 17 ViT tokens and 4 LLM image tokens per tile.
+HETERO_MODEL = {
+    "--vision-num-layers": 6, "--vision-hidden-size": 128, "--vision-num-attention-heads": 4,
+    "--vision-ffn-hidden-size": 512,
+    "--num-layers": 6, "--hidden-size": 64, "--num-attention-heads": 4, "--num-query-groups": 2,
+    "--ffn-hidden-size": 192,
+}
+ITER_KEY = "elapsed time per iteration (ms)"
+
+
+def flag_list(flags: dict) -> list[str]:
+    """``{"--x": 1, "--switch": True, "--off": None}`` -> ``["--x", "1", "--switch"]``."""
+    out: list[str] = []
+    for k, v in flags.items():
+        if v is True:
+            out.append(k)
+        elif v is not None and v is not False:
+            out += [k, str(v)]
+    return out
+
+
+def hetero_spec():
+    """The ModelSpec of HETERO_MODEL (the trainer's own flag handling)."""
+    from megatron.training.arguments import build_parser, model_spec_from_args
+
+    return model_spec_from_args(build_parser().parse_args(flag_list(HETERO_MODEL)))
+
+
+def stats_files(stats_dir: str | os.PathLike | None = None) -> list[str]:
+    files = sorted(str(p) for p in Path(stats_dir or STATS_DIR).glob("*.json"))
+    if not files:
+        raise FileNotFoundError(f"no stats files (*.json) in {stats_dir or STATS_DIR}")
+    return files
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def trainer_env(threads: int = 1) -> dict:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    e["OMP_NUM_THREADS"] = str(threads)
+    e.setdefault("PYTHONWARNINGS", "ignore")
+    return e
+
+
+@dataclass
+class RunResult:
+    """One trainer run: its iteration records, the final memory record (or None) and its output."""
+
+    name: str
+    flags: list[str]
+    records: list[dict]
+    memory: dict | None
+    output: str
+    wall_s: float
+    returncode: int
+    layout_flag: str | None = None  # "> model ... layout X," of the run
+    recompute_flag: str | None = None  # "> omnibal recompute: plan X" (adaptive runs)
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    def error_tail(self, chars: int = 3000) -> str:
+        return self.output[-chars:]
+
+
+def run_trainer(flags: list[str], workdir: str | os.PathLike, name: str, nproc: int = 2, timeout: int = 3600,
+                check: bool = True, threads: int = 1) -> RunResult:
+    """``torchrun --nproc-per-node nproc pretrain_vlm.py --json-log workdir/name.jsonl *flags``."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / f"{name}.jsonl"
+    if log.exists():
+        log.unlink()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(ROOT / "pretrain_vlm.py"), "--json-log", str(log), *flags]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=workdir, env=trainer_env(threads), capture_output=True, text=True,
+                          timeout=timeout)
+    wall = time.perf_counter() - t0
+    out = proc.stdout + proc.stderr
+    (workdir / f"{name}.out").write_text(out)
+    lines = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+    records = [r for r in lines if not r.get("prefix")]
+    memory = next((r for r in lines if r.get("prefix") == "memory "), None)
+    m = re.search(r"> model .*?layout (\S+),", out)
+    rc = re.search(r"> omnibal recompute: plan (\S+) for a budget", out)
+    result = RunResult(name, list(flags), records, memory, out, wall, proc.returncode,
+                       m.group(1) if m else None, rc.group(1) if rc else None)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"trainer run {name} failed ({proc.returncode}):\n{result.error_tail()}")
+    return result
+
+
+def steady(records: list[dict], warmup: int) -> list[dict]:
+    """The iterations after ``warmup`` (all but the last one if there are no more)."""
+    if not records:
+        raise ValueError("no iteration records")
+    w = min(warmup, len(records) - 1)
+    return records[w:]
+
+
+def steady_ms(records: list[dict], warmup: int) -> float:
+    """Median ms per iteration after ``warmup`` iterations."""
+    return float(np.median([r[ITER_KEY] for r in steady(records, warmup)]))
+
+
+def summarize(records: list[dict], warmup: int) -> dict:
+    """Steady-state and whole-run numbers of one run.
+
+    ms_per_iter: median ms/iteration after the warm-up; samples_per_s / tokens_per_s / images_per_s:
+    samples (real LLM tokens, ViT tiles) of the steady iterations over their summed time;
+    tokens_seen / samples_seen / tiles_seen: totals over ALL iterations (tokens and tiles from the
+    log's per-second rates times the iteration time); pad/dist ratios: means over all iterations.
+    """
+    st = steady(records, warmup)
+    secs = np.array([r[ITER_KEY] / 1e3 for r in st])
+    tokens = np.array([r["tokens/s"] * r[ITER_KEY] / 1e3 for r in st])
+    tiles = np.array([r["images/s"] * r[ITER_KEY] / 1e3 for r in st])
+    samples = np.array([r["global batch size"] for r in st], dtype=float)
+    all_tokens = sum(r["tokens/s"] * r[ITER_KEY] / 1e3 for r in records)
+    all_tiles = sum(r["images/s"] * r[ITER_KEY] / 1e3 for r in records)
+    mean = lambda k: float(np.mean([r[k] for r in records if r.get(k) is not None])) if any(  # noqa: E731
+        r.get(k) is not None for r in records) else None
+    return {
+        "iterations": len(records), "steady_iterations": len(st),
+        "ms_per_iter": float(np.median(secs) * 1e3), "ms_per_iter_mean": float(secs.mean() * 1e3),
+        "ms_per_iter_min": float(secs.min() * 1e3),
+        "samples_per_s": float(samples.sum() / secs.sum()), "tokens_per_s": float(tokens.sum() / secs.sum()),
+        "images_per_s": float(tiles.sum() / secs.sum()),
+        "samples_per_iter": float(samples.mean()), "tokens_per_iter": float(tokens.mean()),
+        "tiles_per_iter": float(tiles.mean()),
+        "samples_seen": int(records[-1]["consumed samples"]), "tokens_seen": int(round(all_tokens)),
+        "tiles_seen": int(round(all_tiles)), "epoch_s": float(sum(r[ITER_KEY] for r in records) / 1e3),
+        "pad_ratio": mean("pad ratio"), "dist_ratio_llm": mean("dist ratio llm"),
+        "dist_ratio_vit": mean("dist ratio vit"), "final_loss": records[-1].get("lm loss"),
+    }
+
+
+def _json_default(o):
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if dataclasses.is_dataclass(o):
+        return dataclasses.asdict(o)
+    return str(o)
+
+
+def write_json(path: str | os.PathLike, obj) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=1, default=_json_default))
+
+
+def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """Plain-text table: ``columns`` = (header, key, format spec); missing values print as '-'."""
+    cells = []
+    for r in rows:
+        line = []
+        for _, key, spec in columns:
+            v = r.get(key)
+            line.append("-" if v is None else (format(v, spec) if spec else str(v)))
+        cells.append(line)
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, (h, _, _) in enumerate(columns)]
+    out = ["  ".join(h.rjust(w) for (h, _, _), w in zip(columns, widths)),
+           "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in cells]
+    return "\n".join(out)
+
+
+def mib(x) -> str:
+    return "[" + ", ".join(f"{b / 2**20:.2f}" for b in x) + "]" if x is not None else "-"
+
+
+@dataclass
+class DataSet:
+    """A built stats-matched dataset and what the benchmarks need to know about it."""
+
+    meta: str
+    num_samples: int
+    tokens: np.ndarray  # per sample, LLM tokens
+    tiles: np.ndarray  # per sample, ViT tiles
+    seq_length: int  # --seq-length that fits every sample
+    info: dict = field(default_factory=dict)
+
+
+def build_data(out_dir: str | os.PathLike, num_samples: int, tile_size: int, tokens_per_tile: int,
+               stats_dir=None, seed: int = 0) -> DataSet:
+    """Build (or reuse) the stats-matched synthetic dataset of ``num_samples`` samples."""
+    from megatron.vlm.data.synthetic import LengthRule, build_stats_matched_dataset, sample_plan
+
+    files = stats_files(stats_dir)
+    rule = LengthRule(tokens_per_tile_model=tokens_per_tile)
+    folder = Path(out_dir) / f"stats_matched_{num_samples}_{tile_size}px_seed{seed}"
+    meta = build_stats_matched_dataset(files, str(folder), num_samples, tile_size,
+                                       tokens_per_tile_model=tokens_per_tile, seed=seed)
+    plan = sample_plan(files, num_samples, rule, seed)
+    seq = int(-(-int(plan["tokens"].max()) // 64) * 64)
+    return DataSet(meta, num_samples, plan["tokens"], plan["tiles"], seq,
+                   {"stats_files": [os.path.basename(f) for f in files], "text_scale": rule.text_scale,
+                    "tokens_mean": float(plan["tokens"].mean()), "tokens_max": int(plan["tokens"].max()),
+                    "tiles_mean": float(plan["tiles"].mean())})
+
+
+def isf_group_count(tokens: np.ndarray, tiles: np.ndarray, dp: int, samples_per_group: int, seed: int) -> int:
+    """Groups the trainer's ISF planner (megatron/training/isf.py) makes of these samples."""
+    from omnibal_ext.data.search import SearchConfig, plan_isf
+
+    cfg = SearchConfig(dp_size=dp, samples_per_group=samples_per_group, seed=seed)
+    return len(plan_isf(np.asarray(tiles), np.asarray(tokens), cfg).grouping)
