@@ -6,12 +6,12 @@ Runs on CPU with gloo (automatically when no GPU is visible) and on NVIDIA GPUs 
 """
 from __future__ import annotations
 
-import json
 import sys
 import warnings
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
+warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")  # megatron-core's own default
 
 
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError)

@@ -29,10 +29,12 @@ STATS_DIR = ROOT.parent / "shared" / "data" / "internvl_sft_stats"
 # The fixed heterogeneous tiny VLM of the measured benchmarks: a ViT layer costs more than an LLM layer
 # (as InternViT-6B's 3200-wide layers over 1025 tokens per tile against InternLM2-20B's per-token cost),
 # so Megatron's default layout (whole ViT on stage 0) is unbalanced.  32 px tiles, 8 px patches:
-# 17 ViT tokens and 4 LLM image tokens per tile.
+# 17 ViT tokens and 4 LLM image tokens per tile.  At a packed micro-batch of 4 stats-matched samples
+# (~16 tiles, ~550 LLM tokens) a ViT layer (192 wide, MLP 768) costs about twice an LLM layer
+# (64 wide, 4 heads, 2 KV groups, SwiGLU 192) on a CPU core.
 HETERO_MODEL = {
-    "--vision-num-layers": 6, "--vision-hidden-size": 128, "--vision-num-attention-heads": 4,
-    "--vision-ffn-hidden-size": 512,
+    "--vision-num-layers": 6, "--vision-hidden-size": 192, "--vision-num-attention-heads": 4,
+    "--vision-ffn-hidden-size": 768,
     "--num-layers": 6, "--hidden-size": 64, "--num-attention-heads": 4, "--num-query-groups": 2,
     "--ffn-hidden-size": 192,
 }
@@ -155,8 +157,9 @@ def summarize(records: list[dict], warmup: int) -> dict:
     tokens = np.array([r["tokens/s"] * r[ITER_KEY] / 1e3 for r in st])
     tiles = np.array([r["images/s"] * r[ITER_KEY] / 1e3 for r in st])
     samples = np.array([r["global batch size"] for r in st], dtype=float)
-    all_tokens = sum(r["tokens/s"] * r[ITER_KEY] / 1e3 for r in records)
-    all_tiles = sum(r["images/s"] * r[ITER_KEY] / 1e3 for r in records)
+    # per iteration the trainer logs count / elapsed and elapsed: their product is the integer count
+    all_tokens = sum(round(r["tokens/s"] * r[ITER_KEY] / 1e3) for r in records)
+    all_tiles = sum(round(r["images/s"] * r[ITER_KEY] / 1e3) for r in records)
     mean = lambda k: float(np.mean([r[k] for r in records if r.get(k) is not None])) if any(  # noqa: E731
         r.get(k) is not None for r in records) else None
     return {
@@ -222,20 +225,23 @@ class DataSet:
     info: dict = field(default_factory=dict)
 
 
+MAX_SAMPLE_TOKENS = 512  # the stats-matched data's tail is cut here (see megatron/vlm/data/synthetic.py)
+
+
 def build_data(out_dir: str | os.PathLike, num_samples: int, tile_size: int, tokens_per_tile: int,
-               stats_dir=None, seed: int = 0) -> DataSet:
+               stats_dir=None, seed: int = 0, max_tokens: int | None = MAX_SAMPLE_TOKENS) -> DataSet:
     """Build (or reuse) the stats-matched synthetic dataset of ``num_samples`` samples."""
     from megatron.vlm.data.synthetic import LengthRule, build_stats_matched_dataset, sample_plan
 
     files = stats_files(stats_dir)
-    rule = LengthRule(tokens_per_tile_model=tokens_per_tile)
-    folder = Path(out_dir) / f"stats_matched_{num_samples}_{tile_size}px_seed{seed}"
+    rule = LengthRule(tokens_per_tile_model=tokens_per_tile, max_tokens=max_tokens)
+    folder = Path(out_dir) / f"stats_matched_{num_samples}_{tile_size}px_seed{seed}_max{max_tokens}"
     meta = build_stats_matched_dataset(files, str(folder), num_samples, tile_size,
-                                       tokens_per_tile_model=tokens_per_tile, seed=seed)
+                                       tokens_per_tile_model=tokens_per_tile, seed=seed, max_tokens=max_tokens)
     plan = sample_plan(files, num_samples, rule, seed)
     seq = int(-(-int(plan["tokens"].max()) // 64) * 64)
     return DataSet(meta, num_samples, plan["tokens"], plan["tiles"], seq,
-                   {"stats_files": [os.path.basename(f) for f in files], "text_scale": rule.text_scale,
+                   {"stats_files": [os.path.basename(f) for f in files], "text_scale": rule.text_scale, "max_tokens": max_tokens,
                     "tokens_mean": float(plan["tokens"].mean()), "tokens_max": int(plan["tokens"].max()),
                     "tiles_mean": float(plan["tiles"].mean())})
 

@@ -1,5 +1,4 @@
 """Memory model vs hand computation on a tiny hand-built cost table."""
-import numpy as np
 import pytest
 
 from omnibal_ext.memory.memory_model import (

@@ -1,6 +1,5 @@
 """The stage module and the profiler in one process (world of one, gloo)."""
 import dataclasses
-import os
 from types import SimpleNamespace
 
 import pytest

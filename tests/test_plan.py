@@ -53,7 +53,7 @@ def test_memory_need_matches_stage_memory_and_brute_force():
     costs = analytic_costs(spec, MicroBatchShape(12, 900), 1, A100)
     n, pp, dp, m = len(costs.units), 3, 2, 5
     need = memory_need_table(costs, pp, 1, dp, m)
-    best_brute, stage_brute = np.inf, None
+    best_brute = np.inf
     for cuts in itertools.combinations(range(1, n), pp - 1):
         counts = tuple(np.diff((0,) + cuts + (n,)).tolist())
         layout = PipelineLayout(counts)
@@ -63,7 +63,7 @@ def test_memory_need_matches_stage_memory_and_brute_force():
         table = [need[k, edges[k], edges[k + 1]] for k in range(pp)]
         np.testing.assert_allclose(table, peaks, rtol=1e-12)
         if max(peaks) < best_brute:
-            best_brute, stage_brute = max(peaks), int(np.argmax(peaks))
+            best_brute = max(peaks)
     best, stage, counts = memory_need(need)
     assert best == pytest.approx(best_brute, rel=1e-12)
     layout = PipelineLayout(counts)

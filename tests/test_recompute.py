@@ -104,7 +104,7 @@ def test_loose_budget_no_recompute_tight_budget_more():
     assert list(loose.stage_time_s) == pytest.approx(stage_time_s(costs, layout, None))
     full = stage_memory(costs, layout, full_recompute_plan(layout, costs.units), pp, tp, dp, m)
     lo, hi = max(x.peak_bytes for x in full), max(x.peak_bytes for x in none)
-    previous_time, previous_recomputed = loose.bottleneck_s, 0
+    previous_time = loose.bottleneck_s
     for budget in np.linspace(hi, lo, 6)[1:]:
         plan = plan_recompute(costs, layout, budget, pp, tp, dp, m)
         assert max(plan.stage_peak_bytes) <= budget

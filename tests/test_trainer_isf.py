@@ -8,7 +8,7 @@ pytestmark = pytest.mark.slow
 
 def test_isf_dp2_trains_and_logs_balance(tmp_path, data_cache):
     flags = ["--train-iters", "6", "--micro-batch-size", "4", "--global-batch-size", "16", "--lr", "2e-3",
-             "--omnibal-isf", "--data-cache-dir", str(data_cache), "--seed", "3"]
+             "--omnibal-isf", "--data-cache-dir", str(data_cache), "--seed", "3", "--eval-interval", "0"]
     records, out = run_training(2, flags, tmp_path, "isf")
     assert "> ISF: " in out
     assert [r["iteration"] for r in records] == list(range(1, 7))

@@ -13,7 +13,7 @@ from launch import run_training
 pytestmark = pytest.mark.slow
 
 BASE = ["--train-iters", "6", "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--lr-warmup-iters", "0", "--lr", "2e-3", "--log-interval", "1", "--seed", "7"]
+        "--lr-warmup-iters", "0", "--lr", "2e-3", "--log-interval", "1", "--seed", "7", "--eval-interval", "0"]
 
 
 @pytest.fixture(scope="module")

@@ -43,18 +43,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: cuda+NCCL when a GPU is visible, else cpu+gloo")
     g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local")
+    g.add_argument("--transformer-impl", choices=["auto", "local", "transformer_engine"], default="auto",
+                   help="layer implementation: auto = TransformerEngine on CUDA when importable, else "
+                        "megatron-core's torch modules (always on CPU)")
 
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=2,
+    g.add_argument("--micro-batch-size", type=int, default=4,
                    help="samples per micro-batch (with --omnibal-isf: target samples per packed group)")
     g.add_argument("--global-batch-size", type=int, default=None,
-                   help="samples per iteration (default: micro-batch-size x data-parallel size)")
-    g.add_argument("--train-iters", type=int, default=200)
+                   help="samples per iteration (default: 4 micro-batches per data-parallel rank)")
+    g.add_argument("--train-iters", type=int, default=1000)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr", type=float, default=1e-5)
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="constant")
     g.add_argument("--lr-warmup-iters", type=int, default=10)
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip-grad", type=float, default=1.0)
@@ -70,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--data-path", default=None,
                    help="InternVL meta JSON; default: the built-in digits dataset, made on first run")
+    g.add_argument("--valid-data-path", default=None,
+                   help="InternVL meta JSON for evaluation (default: the built-in dataset's held-out split)")
     g.add_argument("--data-cache-dir", default="data_cache", help="where the built-in dataset is written")
     g.add_argument("--tokenizer-model", default=None, help="local Hugging Face tokenizer folder (default: byte-level)")
     g.add_argument("--max-num-tiles", type=int, default=6)
@@ -79,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("logging and checkpoints")
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--eval-interval", type=int, default=None, help="evaluate every N iterations")
-    g.add_argument("--eval-iters", type=int, default=4, help="micro-batches... iterations per evaluation")
+    g.add_argument("--eval-interval", type=int, default=200, help="evaluate every N iterations (and at the end)")
+    g.add_argument("--eval-iters", type=int, default=8, help="iterations (global batches) per evaluation")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
@@ -155,7 +159,7 @@ def validate_args(args, world_size: int) -> None:
         raise ArgumentError(f"the ViT patch grid {grid}x{grid} cannot be pixel-shuffled by {spec.downsample_ratio}")
     mbs, dp = args.micro_batch_size, args.data_parallel_size
     if args.global_batch_size is None:
-        args.global_batch_size = mbs * dp
+        args.global_batch_size = 4 * mbs * dp
     if args.global_batch_size % (mbs * dp):
         raise ArgumentError(
             f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size {mbs} x "

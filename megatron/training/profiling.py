@@ -16,7 +16,6 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from omnibal_ext.model.cost_model import MicroBatchShape
 from omnibal_ext.model.costs import CostTable, UnitCost
@@ -24,7 +23,8 @@ from omnibal_ext.model.profile import environment_meta, measure_unit, to_unit_co
 from omnibal_ext.model.units import build_units
 
 from megatron.vlm.config import language_config, vision_config
-from megatron.vlm.model import StageRecomputeSettings, VLMStage, packed_causal_mask
+from megatron.vlm.model import VLMStage, packed_causal_mask
+from omnibal_ext.memory.recompute import StageRecompute
 
 
 def synthetic_batch(spec, shape: MicroBatchShape, img_context_id: int, device) -> dict:
@@ -66,16 +66,20 @@ def profile_units(args, shape: MicroBatchShape, img_context_id: int, device: tor
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     on_cpu = device.type == "cpu"
     mini_units = build_units(mini)
+    from .training import resolve_transformer_impl
+
+    impl = resolve_transformer_impl(getattr(args, "transformer_impl", "auto"), device)
 
     def stage(recompute):
         m = VLMStage(mini, mini_units, range(len(mini_units)), language_config(mini, tp, on_cpu, dtype),
                      vision_config(mini, tp, on_cpu, dtype), language_config(mini, tp, on_cpu, dtype),
-                     img_context_id=img_context_id, seed=args.seed, recompute=recompute)
+                     img_context_id=img_context_id, seed=args.seed, recompute=recompute,
+                     transformer_impl=impl)
         return m.to(device=device, dtype=dtype).train()
 
-    plain = stage(StageRecomputeSettings())
-    full = stage(StageRecomputeSettings(1, False, 1, False))
-    selective = stage(StageRecomputeSettings(0, True, 0, True))
+    plain = stage(StageRecompute())
+    full = stage(StageRecompute(1, False, 1, False))
+    selective = stage(StageRecompute(0, True, 0, True))
     batch = synthetic_batch(mini, shape, img_context_id, device)
     batch["pixel_values"] = batch["pixel_values"].to(dtype)
     mask = packed_causal_mask(batch["segment_ids"])

@@ -9,18 +9,19 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from omnibal_ext.data.sampler import GroupBatchSampler, random_groups
+from omnibal_ext.memory.recompute import StageRecompute
 from omnibal_ext.model.layout import default_layout, parse_layout
 from omnibal_ext.model.units import build_units
 
 from megatron.vlm.batches import MicroBatches
+from megatron.vlm.data.digits import FORMAT_VERSION as DIGITS_FORMAT
 from megatron.vlm.data.digits import build_digits_dataset, digits_meta_paths
 from megatron.vlm.data.internvl import InternVLDataset
 from megatron.vlm.data.tokenizer import build_tokenizer, padded_vocab_size
-from megatron.vlm.model import StageRecomputeSettings
 
 from .arguments import ArgumentError
 
-DEFAULT_DATASET_SAMPLES = 3000
+DEFAULT_DATASET_SAMPLES = 6000
 
 
 def setup_tokenizer(args):
@@ -39,16 +40,18 @@ def setup_tokenizer(args):
 
 def data_paths(args) -> tuple[str, str | None]:
     """(train meta, validation meta or None); builds the default digits data on first use."""
+    for flag, path in (("--data-path", args.data_path), ("--valid-data-path", args.valid_data_path)):
+        if path and not os.path.exists(path):
+            raise ArgumentError(f"{flag} {path}: no such file")
     if args.data_path:
-        if not os.path.exists(args.data_path):
-            raise ArgumentError(f"--data-path {args.data_path}: no such file")
-        return args.data_path, None
-    folder = os.path.join(args.data_cache_dir, f"digits_{args.model_spec.vision.image_size}px")
+        return args.data_path, args.valid_data_path
+    folder = os.path.join(args.data_cache_dir, f"digits_v{DIGITS_FORMAT}_{args.model_spec.vision.image_size}px")
     if dist.get_rank() == 0:
         build_digits_dataset(folder, num_samples=DEFAULT_DATASET_SAMPLES, seed=0,
                              tile_size=args.model_spec.vision.image_size)
     dist.barrier()
-    return digits_meta_paths(folder)
+    train, valid = digits_meta_paths(folder)
+    return train, args.valid_data_path or valid
 
 
 def build_dataset(args, tokenizer, meta_path: str) -> InternVLDataset:
@@ -90,7 +93,7 @@ def choose_layout(args):
     return default_layout(spec, pp)
 
 
-def recompute_settings(args, layout) -> list[StageRecomputeSettings]:
+def recompute_settings(args, layout) -> list[StageRecompute]:
     """Per-stage recompute from --recompute-granularity (every stage alike) or --recompute-plan."""
     units = build_units(args.model_spec)
     counts = []
@@ -101,20 +104,17 @@ def recompute_settings(args, layout) -> list[StageRecomputeSettings]:
         from omnibal_ext.memory.recompute import parse_recompute_plan
 
         plan = parse_recompute_plan(args.recompute_plan, layout.num_stages)
-        out = []
         for s, (stage, (nv, nl)) in enumerate(zip(plan, counts)):
             if stage.vit_full_layers > nv or stage.llm_full_layers > nl:
                 raise ArgumentError(
                     f"--recompute-plan: stage {s} asks {stage.vit_full_layers} ViT / {stage.llm_full_layers} LLM "
                     f"full layers but holds {nv} / {nl}")
-            out.append(StageRecomputeSettings(stage.vit_full_layers, stage.vit_selective,
-                                              stage.llm_full_layers, stage.llm_selective))
-        return out
+        return list(plan)
     if args.recompute_granularity == "full":
-        return [StageRecomputeSettings(nv, False, nl, False) for nv, nl in counts]
+        return [StageRecompute(nv, False, nl, False) for nv, nl in counts]
     if args.recompute_granularity == "selective":
-        return [StageRecomputeSettings(0, True, 0, True) for _ in counts]
-    return [StageRecomputeSettings() for _ in counts]
+        return [StageRecompute(0, True, 0, True) for _ in counts]
+    return [StageRecompute() for _ in counts]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,7 +176,7 @@ def balanced_layout(args, costs):
     return report.layout
 
 
-def adaptive_recompute(args, costs, layout, device) -> list[StageRecomputeSettings]:
+def adaptive_recompute(args, costs, layout, device) -> list[StageRecompute]:
     from omnibal_ext.memory.recompute import format_recompute_plan, plan_recompute
 
     budget = memory_budget_bytes(args, device)
@@ -188,5 +188,4 @@ def adaptive_recompute(args, costs, layout, device) -> list[StageRecomputeSettin
         peaks = ", ".join(f"{b / 2**20:.2f}" for b in plan.stage_peak_bytes)
         print(f"> omnibal recompute: plan {format_recompute_plan(plan.stages)} for a budget of "
               f"{budget / 2**20:.2f} MiB; predicted peak per stage (MiB) [{peaks}]", flush=True)
-    return [StageRecomputeSettings(s.vit_full_layers, s.vit_selective, s.llm_full_layers, s.llm_selective)
-            for s in plan.stages]
+    return list(plan.stages)

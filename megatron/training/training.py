@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from functools import partial
@@ -19,7 +18,8 @@ from omnibal_ext.data.metrics import step_balance
 from omnibal_ext.model.units import build_units
 
 from megatron.vlm.config import language_config, vision_config
-from megatron.vlm.model import StageRecomputeSettings, VLMStage
+from megatron.vlm.model import VLMStage
+from omnibal_ext.memory.recompute import StageRecompute
 
 from . import checkpointing
 from .memory import ActivationMeter, one_f_one_b_peak, static_bytes
@@ -29,7 +29,7 @@ def dtype_of(args) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float32
 
 
-def build_model(args, layout, recompute: list[StageRecomputeSettings], img_context_id: int, device: torch.device):
+def build_model(args, layout, recompute: list[StageRecompute], img_context_id: int, device: torch.device):
     """This rank's pipeline stage, wrapped in megatron's DistributedDataParallel."""
     spec, tp, pp = args.model_spec, args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     on_cpu = device.type == "cpu"
@@ -38,12 +38,28 @@ def build_model(args, layout, recompute: list[StageRecomputeSettings], img_conte
     stage_config = language_config(spec, tp, on_cpu, dtype, pp=pp)
     module = VLMStage(spec, build_units(spec), layout.stage_range(stage), stage_config,
                       vision_config(spec, tp, on_cpu, dtype), language_config(spec, tp, on_cpu, dtype),
-                      img_context_id=img_context_id, seed=args.seed, recompute=recompute[stage])
+                      img_context_id=img_context_id, seed=args.seed, recompute=recompute[stage],
+                      transformer_impl=resolve_transformer_impl(args.transformer_impl, device))
     module.to(device=device, dtype=dtype)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False,
         use_distributed_optimizer=args.use_distributed_optimizer)
     return [DistributedDataParallel(config=stage_config, ddp_config=ddp_config, module=module)]
+
+
+def resolve_transformer_impl(requested: str, device: torch.device) -> str:
+    """"auto": TransformerEngine on CUDA when it imports, else megatron-core's torch modules."""
+    if device.type == "cpu":
+        if requested == "transformer_engine":
+            raise ValueError("--transformer-impl transformer_engine needs a CUDA device")
+        return "local"
+    if requested != "auto":
+        return requested
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return "local"
+    return "transformer_engine"
 
 
 def build_optimizer(args, model):
@@ -215,7 +231,7 @@ def train(args, model, optimizer, scheduler, train_data, valid_data=None, start_
         metrics = {
             "consumed samples": consumed_samples,
             "elapsed time per iteration (ms)": elapsed * 1000,
-            "learning rate": scheduler.get_lr(optimizer.param_groups[0]) if hasattr(scheduler, "get_lr") else None,
+            "learning rate": scheduler.get_lr(optimizer.param_groups[0]),
             "global batch size": int(samples_tokens[2]),
         }
         if totals:
@@ -243,9 +259,11 @@ def train(args, model, optimizer, scheduler, train_data, valid_data=None, start_
     if meter:
         summary["memory"] = stage_memory_report(args, model, optimizer, peak_act)
         log.log(iteration, args.train_iters, summary["memory"], prefix="memory ")
-    log.close()
     if balance_count:
         summary["balance"] = {k: v / balance_count for k, v in balance_sums.items()}
+        log.log(iteration, args.train_iters, {k.replace("_", " "): v for k, v in summary["balance"].items()},
+                prefix="balance over the run, ")
+    log.close()
     return summary
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -38,17 +37,8 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from omnibal_ext.memory.recompute import StageRecompute
 from omnibal_ext.model.units import ModelSpec, Unit
-
-
-@dataclass(frozen=True)
-class StageRecomputeSettings:
-    """Recompute of one pipeline stage (mirrors omnibal_ext.memory.recompute.StageRecompute)."""
-
-    vit_full_layers: int = 0  # first N ViT layers of the stage fully recomputed
-    vit_selective: bool = False  # core-attention recompute for the other ViT layers
-    llm_full_layers: int = 0
-    llm_selective: bool = False
 
 
 def unit_seed(seed: int, unit_index: int) -> int:
@@ -64,8 +54,21 @@ class SeededTransformerLayer(TransformerLayer):
             super().__init__(config, submodules, layer_number=layer_number, **kwargs)
 
 
-def _layer_spec(normalization: str, mask_type: AttnMaskType, seed: int, first_unit_index: int) -> ModuleSpec:
-    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization))
+def base_layer_spec(normalization: str, transformer_impl: str = "local") -> ModuleSpec:
+    """megatron-core's layer spec: torch modules ("local") or TransformerEngine's fused ones.
+
+    With TransformerEngine the normalisation comes from the config (fused into the linear layers).
+    """
+    if transformer_impl == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization=normalization)
+
+
+def _layer_spec(normalization: str, mask_type: AttnMaskType, seed: int, first_unit_index: int,
+                transformer_impl: str = "local") -> ModuleSpec:
+    spec = copy.deepcopy(base_layer_spec(normalization, transformer_impl))
     spec.module = SeededTransformerLayer
     spec.params = {**spec.params, "seed": seed, "first_unit_index": first_unit_index}
     attn = spec.submodules.self_attention
@@ -216,14 +219,15 @@ class VLMStage(MegatronModule):
 
     def __init__(self, spec: ModelSpec, units: list[Unit], unit_range: range, config: TransformerConfig,
                  vit_config: TransformerConfig, llm_config: TransformerConfig, img_context_id: int,
-                 seed: int, recompute: StageRecomputeSettings | None = None):
+                 seed: int, recompute: StageRecompute | None = None, transformer_impl: str = "local"):
         super().__init__(config=config)
+        self.transformer_impl = transformer_impl
         self.model_type = ModelType.encoder_or_decoder
         # Read by megatron's finalize_model_grads: no weights are shared between stages.
         self.pre_process = unit_range.start == 0
         self.post_process = unit_range.stop == len(units)
         self.share_embeddings_and_output_weights = False
-        recompute = recompute or StageRecomputeSettings()
+        recompute = recompute or StageRecompute()
         self.spec = spec
         self.units = [units[i] for i in unit_range]
         self.kinds = [u.kind for u in self.units]
@@ -257,12 +261,11 @@ class VLMStage(MegatronModule):
                 norm = get_gpt_layer_local_spec(normalization=spec.language.normalization).submodules.input_layernorm
                 self.head = OutputHead(spec, llm_config, norm)
 
-    @staticmethod
-    def _blocks(base, normalization, mask_type, seed, first_index, n_layers, full_layers, selective):
+    def _blocks(self, base, normalization, mask_type, seed, first_index, n_layers, full_layers, selective):
         blocks = torch.nn.ModuleList()
         offset = 0
         for n, cfg in segment_configs(base, n_layers, min(full_layers, n_layers), selective):
-            layer = _layer_spec(normalization, mask_type, seed, first_index + offset)
+            layer = _layer_spec(normalization, mask_type, seed, first_index + offset, self.transformer_impl)
             blocks.append(TransformerBlock(cfg, layer, post_layer_norm=False))
             offset += n
         return blocks

@@ -10,7 +10,7 @@ simulator replays it.  The order is fixed::
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # Unit kinds, in pipeline order, with the one-letter code used by the layout syntax.
 KIND_CODES = {

@@ -13,7 +13,7 @@ digit image appears in both.  Tasks, mixed at random (short, checkable answers):
 
 * ``single``  one digit on a canvas of ``tile_size`` px, or 30 % of the time 1.5-2x larger (so it is cut
   into a 2x2 grid + thumbnail); "What digit is shown in the image?" -> "7"; a quarter get a second turn
-  "Is it an even number?" -> "yes"/"no".
+  "Is it even?" -> "yes"/"no".
 * ``pair_sum`` two single-digit images; "<image>\\n<image>\\nWhat is the sum of the two digits?" -> "12".
 * ``number``  2-3 digits side by side on a wide canvas (aspect about 2:1 or 3:1, so several tiles +
   thumbnail); "Read the number in the image." -> "382" (first digit never 0).
@@ -34,16 +34,17 @@ import uuid
 import numpy as np
 from PIL import Image
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 3
 NOISE = 12  # max added grey level
 MARKER = ".complete.json"
 VAL_SOURCE_FRACTION = 0.2
-TASK_WEIGHTS = {"single": 0.35, "pair_sum": 0.25, "number": 0.3, "text": 0.1}
+# Mostly single digits: a model trained from scratch first has to learn to read one digit before
+# sums and numbers pay off; short questions keep CPU sequences short.
+TASK_WEIGHTS = {"single": 0.7, "pair_sum": 0.1, "number": 0.1, "text": 0.1}
 
-SINGLE_QUESTIONS = ("What digit is shown in the image?", "Which digit is this?",
-                    "Look at the picture and tell me which handwritten digit it shows.")
-PAIR_QUESTIONS = ("What is the sum of the two digits?", "Add the digits shown in the two images.")
-NUMBER_QUESTIONS = ("Read the number in the image.", "Which number is written in this image, read left to right?")
+SINGLE_QUESTIONS = ("Which digit is this?", "What digit is shown?")
+PAIR_QUESTIONS = ("Sum of the two digits?", "Add the two digits.")
+NUMBER_QUESTIONS = ("Read the number.", "Which number is this?")
 TEXT_OPS = {"plus": lambda a, b: a + b, "minus": lambda a, b: a - b, "times": lambda a, b: a * b}
 
 
@@ -186,7 +187,7 @@ def _make_record(split: str, i: int, rng: np.random.Generator, sources: np.ndarr
         turns = [{"from": "human", "value": "<image>\n" + str(rng.choice(SINGLE_QUESTIONS))},
                  {"from": "gpt", "value": str(digit)}]
         if rng.random() < 0.25:
-            turns += [{"from": "human", "value": "Is it an even number?"},
+            turns += [{"from": "human", "value": "Is it even?"},
                       {"from": "gpt", "value": "yes" if digit % 2 == 0 else "no"}]
         record.update(image=rel, conversations=turns, sources=[source], render=[dict(image=0, **place)])
         return record

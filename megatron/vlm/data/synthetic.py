@@ -10,8 +10,10 @@ the trainer reads like any other, in which sample ``i`` built from record ``(k, 
   multi-image tile split are, and gets no thumbnail); ``k == 0`` gives a text-only sample (the
   reader then feeds one dummy tile);
 * exactly ``intended_tokens(k, n) = k * tokens_per_tile_model + text(k, n)`` LLM tokens with the
-  byte tokenizer (1 token per byte), where the non-image part is scaled:
-  ``text(k, n) = max(round(text_scale * max(n - tokens_per_tile_real * k, 0)), min_text_tokens(k))``.
+  byte tokenizer (1 token per byte), where the non-image part is scaled (and, with ``max_tokens``,
+  cut so that the sample stays within ``max_tokens``):
+  ``text(k, n) = max(min(round(text_scale * max(n - tokens_per_tile_real * k, 0)),
+  max_tokens - k * tokens_per_tile_model), min_text_tokens(k))``.
   The text part counts everything that is not an image-context token (chat template, ``<img>`` /
   ``</img>`` markers, question and answer), as ``token_num - 256 k`` does for the real data.
   ``min_text_tokens(k)`` is the template with ``k`` image blocks and a one-byte answer
@@ -23,7 +25,9 @@ already shrink to the real non-image text (median 65 tokens, 99th percentile 720
 sets) plus a few image tokens: mean about 143 tokens, longest about 1280 -- CPU-sized.  Scaling the
 text down further distorts the distribution: the byte-level template alone is 22 + 3 k tokens, so
 at 0.5 about 46 % of the samples (0.25: 74 %) would be raised to the minimum, against 0.7 % at 1.0.
-Give the trainer ``--seq-length`` >= ``max_intended_tokens(...)``.
+Give the trainer ``--seq-length`` >= ``max_intended_tokens(...)``.  ``max_tokens`` cuts the long
+tail (benchmarks: 512, 3.6 % of the samples): ISF's token cap must hold the longest sample, so one
+1280-token sample would force packs of ~9 samples where 4 are wanted.
 
 Layout of ``out_dir`` (paths in the meta relative to it)::
 
@@ -66,11 +70,14 @@ class LengthRule:
     tokens_per_tile_real: int = 256  # image tokens per tile in the stats' token_num
     tokens_per_tile_model: int = 4  # image-context tokens per tile of the model trained here
     text_scale: float = DEFAULT_TEXT_SCALE  # factor on the non-image tokens
+    max_tokens: int | None = None  # longest sample allowed (tokens): longer texts are cut; None = no cut
 
     def __post_init__(self):
         if self.tokens_per_tile_real < 0 or self.tokens_per_tile_model < 1 or not self.text_scale > 0:
             raise ValueError(f"LengthRule: need tokens_per_tile_real >= 0, tokens_per_tile_model >= 1 and "
                              f"text_scale > 0, got {self}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"LengthRule: max_tokens must be >= 1 or None, got {self.max_tokens}")
 
     @staticmethod
     def min_text_tokens(k: np.ndarray | int) -> np.ndarray | int:
@@ -81,7 +88,10 @@ class LengthRule:
         """int64: the non-image tokens of each synthetic sample (see the module docstring)."""
         k, n = np.asarray(vit_num, np.int64), np.asarray(token_num, np.int64)
         real_text = np.maximum(n - self.tokens_per_tile_real * k, 0)
-        return np.maximum(np.rint(self.text_scale * real_text).astype(np.int64), self.min_text_tokens(k))
+        text = np.rint(self.text_scale * real_text).astype(np.int64)
+        if self.max_tokens is not None:
+            text = np.minimum(text, self.max_tokens - k * self.tokens_per_tile_model)
+        return np.maximum(text, self.min_text_tokens(k))
 
     def tokens(self, vit_num, token_num) -> np.ndarray:
         """int64: LLM tokens of each synthetic sample."""
@@ -139,14 +149,15 @@ def _files_digest(files: list[str]) -> str:
 
 def build_stats_matched_dataset(stats_files, out_dir: str, num_samples: int, tile_size: int,
                                 tokens_per_tile_real: int = 256, tokens_per_tile_model: int = 4,
-                                text_scale: float = DEFAULT_TEXT_SCALE, seed: int = 0) -> str:
+                                text_scale: float = DEFAULT_TEXT_SCALE, seed: int = 0,
+                                max_tokens: int | None = None) -> str:
     """Write the stats-matched dataset into ``out_dir`` (if not already there); returns its meta path.
 
     ``tile_size``: the model's tile side in px (``--image-size``); ``tokens_per_tile_model``: its
     image-context tokens per tile (``ModelSpec.tokens_per_tile``).  See the module docstring for the
     length rule and the folder layout.
     """
-    rule = LengthRule(tokens_per_tile_real, tokens_per_tile_model, text_scale)
+    rule = LengthRule(tokens_per_tile_real, tokens_per_tile_model, text_scale, max_tokens)
     if num_samples < 1 or tile_size < 1:
         raise ValueError(f"build_stats_matched_dataset: need num_samples >= 1 and tile_size >= 1 "
                          f"(got {num_samples}, {tile_size})")

@@ -1,0 +1,290 @@
+#!/usr/bin/env python
+"""End-to-end benchmark of the three OmniBal levels, measured on this machine, side by side.
+
+The fixed heterogeneous tiny VLM of scripts/benchlib.py (ViT layers heavier than LLM layers) is trained
+with PP=2 on CPU on the stats-matched synthetic data (megatron/vlm/data/synthetic.py: per-sample tiles
+and text lengths drawn from the shared InternVL SFT stats files), four ways:
+
+=========  ===============================  ===================  ===================================
+row        batching                         pipeline layout      recompute
+=========  ===============================  ===================  ===================================
+baseline   random, K samples padded         Megatron default     full, every layer
++data      ISF packed groups (--omnibal-isf) Megatron default     full, every layer
++model     ISF                              searched (auto)      full, every layer
++memory    ISF                              searched (auto)      adaptive at budget B (auto)
+=========  ===============================  ===================  ===================================
+
+Same work in every row: each run trains exactly ONE EPOCH of the same N samples (so every row sees
+the same samples and the same total tokens; ``tokens_seen`` checks it from the logs).  Random
+batching makes N/K micro-batches, ISF makes G groups of varying size, so N is chosen (from
+``--samples`` upward, in steps of m*K*DP) such that both N/K and G are multiples of m*DP: the
+baseline then runs N/(m K DP) iterations and the ISF rows G/(m DP), each consuming every sample
+once.  ms/iteration is therefore NOT comparable across rows (an ISF iteration holds a different
+number of samples); the speed-up is the ratio of samples/s (steady state: samples over time of the
+iterations after the warm-up), which over the same sample set equals the ratio of epoch times.
+
+Memory budget B (the same for every row): 1.1 x the baseline's measured peak (static + activations,
+busiest stage) with full recompute, i.e. a device on which the baseline needs full recompute (without
+it the baseline's activations are several times larger).  The rows with full recompute fit it by
+construction; +memory plans the least recompute that fits it.  If the planner finds no plan for
+the searched layout at B, B is raised to the planner's least need and the JSON says so.
+
+Prediction per row (``predicted_ms_per_iter``): the 1F1B simulator (omnibal_ext.model.simulate) with
+the row's layout and recompute, unit costs from the profile the +model run measures (the trainer's
+profiler, at the ISF caps) calibrated to the row's mean measured micro-batch shape
+(omnibal_ext.model.cost_model.calibrated_costs: per-kind seconds per FLOP from the profile, FLOPs at
+the shape), m micro-batches.
+
+On a 2-core machine keep PP=2 x DP=1 (one core per stage): more processes than cores time-share the
+cores and hide pipeline imbalance; --dp/--tp are for bigger machines.
+
+Outputs (``--out`` folder): e2e.json (also ``--json``), e2e.png (bar chart), the runs' logs.
+
+Usage: python scripts/bench_e2e.py [--json OUT] [--out DIR] [--quick] [--samples N --micro-batches m]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchlib as bl  # noqa: E402
+
+GIB = 2**30
+ROWS = ("baseline", "+data", "+model", "+memory")
+BUDGET_HEADROOM = 1.1
+
+
+def choose_samples(args, dp: int, k: int, m: int) -> tuple[object, int, int]:
+    """(dataset, N, ISF groups): the smallest N >= --samples with N/K and G multiples of m*DP."""
+    from megatron.vlm.data.synthetic import LengthRule, sample_plan
+
+    spec = bl.hetero_spec()
+    rule = LengthRule(tokens_per_tile_model=spec.tokens_per_tile, max_tokens=bl.MAX_SAMPLE_TOKENS)
+    files = bl.stats_files(args.stats_dir)
+    step = m * k * dp
+    n = -(-args.samples // step) * step
+    for _ in range(200):
+        plan = sample_plan(files, n, rule, args.data_seed)
+        g = bl.isf_group_count(plan["tokens"], rule.tiles(plan["vit_num"]), dp, k, args.seed)
+        if g % (m * dp) == 0:
+            data = bl.build_data(os.path.join(args.out, "data"), n, spec.vision.image_size, spec.tokens_per_tile,
+                                 args.stats_dir, args.data_seed)
+            return data, n, g
+        n += step
+    raise RuntimeError(f"no dataset size from {args.samples} on gives ISF groups divisible by {m * dp}")
+
+
+def mean_shape(summary: dict, m: int, dp: int, k: int, padded: bool):
+    """Mean micro-batch (tiles, LLM tokens as computed, sum of squared lengths) of a run."""
+    from omnibal_ext.model.cost_model import MicroBatchShape
+
+    per_mb = m * dp
+    tiles = summary["tiles_per_iter"] / per_mb
+    real = summary["tokens_per_iter"] / per_mb
+    if padded:  # K rows padded to the longest: tokens = K * longest, attention K * longest^2
+        pad = summary["pad_ratio"] or 0.0
+        tokens = real / max(1e-9, 1.0 - pad)
+        sq = tokens * tokens / k
+    else:  # one packed row; the trainer's attention is dense over the packed row (block mask)
+        tokens = real
+        sq = tokens * tokens
+    return MicroBatchShape(max(1, int(round(tiles))), max(1, int(round(tokens))), dtype_bytes=4,
+                           llm_attn_tokens_sq=float(min(sq, round(tokens) ** 2)))
+
+
+def predict(profile_path, spec_dict, layout, shape, pp, m, tp, modes_fn) -> float:
+    from omnibal_ext.model.cost_model import calibrated_costs, get_device
+    from omnibal_ext.model.costs import CostTable
+    from omnibal_ext.model.simulate import simulate_layout
+    from omnibal_ext.model.units import ModelSpec
+
+    prof = CostTable.load(profile_path)
+    spec = ModelSpec.from_dict(spec_dict)
+    costs = calibrated_costs(spec, shape, prof, tp)
+    sim = simulate_layout(costs, layout, pp, m, get_device("cpu").p2p_bytes_per_s, modes_fn(costs))
+    return sim.iteration_s * 1e3
+
+
+def plot(rows: list[dict], path: str, title: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["name"] for r in rows]
+    x = np.arange(len(rows))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    meas = [r["samples_per_s"] for r in rows]
+    pred = [r.get("predicted_samples_per_s") or 0 for r in rows]
+    axes[0].bar(x - 0.2, meas, 0.4, label="measured")
+    axes[0].bar(x + 0.2, pred, 0.4, label="predicted")
+    axes[0].set_xticks(x, names)
+    axes[0].set_ylabel("samples / s")
+    axes[0].legend()
+    axes[1].bar(x, [r["speedup"] for r in rows], color="tab:green")
+    for i, r in enumerate(rows):
+        axes[1].text(i, r["speedup"], f"{r['speedup']:.2f}x", ha="center", va="bottom")
+    axes[1].set_xticks(x, names)
+    axes[1].set_ylabel("speed-up over baseline (samples/s)")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run(args) -> dict:
+    from omnibal_ext.memory.memory_model import MemoryModelError, Precision
+    from omnibal_ext.memory.recompute import MemoryBudgetError, parse_recompute_plan, plan_recompute
+    from omnibal_ext.model.costs import CostTable
+    from omnibal_ext.model.layout import parse_layout
+    from omnibal_ext.plan import full_modes, stage_modes
+
+    args.out = os.path.abspath(args.out)
+    os.makedirs(args.out, exist_ok=True)
+    spec = bl.hetero_spec()
+    pp, tp, dp, k, m = 2, args.tp, args.dp, args.micro_batch_size, args.micro_batches
+    world = tp * pp * dp
+    data, n, groups = choose_samples(args, dp, k, m)
+    iters = {"random": n // (m * k * dp), "isf": groups // (m * dp)}
+    print(f"> {n} samples ({data.info['tokens_mean']:.0f} tokens, {data.info['tiles_mean']:.2f} tiles mean): "
+          f"baseline {iters['random']} iterations of {m * k * dp} samples, ISF {groups} groups -> "
+          f"{iters['isf']} iterations", flush=True)
+    common = bl.flag_list({**bl.HETERO_MODEL, "--pipeline-model-parallel-size": pp,
+                           "--tensor-model-parallel-size": tp, "--data-path": data.meta,
+                           "--seq-length": data.seq_length, "--micro-batch-size": k,
+                           "--global-batch-size": k * m * dp, "--seed": args.seed, "--lr-warmup-iters": 1})
+    profile = os.path.join(args.out, "e2e_profile.json")
+    if os.path.exists(profile):
+        os.remove(profile)
+    full = ["--recompute-granularity", "full", "--log-activation-memory"]
+    isf = ["--omnibal-isf", "--train-iters", str(iters["isf"])]
+    flags = {
+        "baseline": common + ["--train-iters", str(iters["random"])] + full,
+        "+data": common + isf + full,
+        "+model": common + isf + ["--omnibal-partition", "auto", "--omnibal-profile", profile] + full,
+    }
+    results: dict[str, bl.RunResult] = {}
+    for name in ("baseline", "+data", "+model"):
+        results[name] = bl.run_trainer(flags[name], args.out, f"e2e_{name.strip('+')}", nproc=world)
+        print(f"  {name}: {bl.steady_ms(results[name].records, args.warmup):.0f} ms/iter, "
+              f"layout {results[name].layout_flag}", flush=True)
+    base_mem = results["baseline"].memory
+    need = [a + s for a, s in zip(base_mem["peak_act_bytes_per_stage"], base_mem["static_bytes_per_stage"])]
+    budget = BUDGET_HEADROOM * max(need)
+    budget_note = f"{BUDGET_HEADROOM} x the baseline's measured peak (full recompute) {max(need) / 2**20:.2f} MiB"
+    costs = CostTable.load(profile)
+    searched = parse_layout(results["+model"].layout_flag, spec, pp)
+    prec = Precision(param_bytes=4.0, grad_bytes=4.0, optimizer_bytes=8.0)  # the trainer's fp32 Adam on CPU
+    try:
+        plan_recompute(costs, searched, budget, pp, tp, dp, m, distributed_optimizer=False, precision=prec)
+    except (MemoryBudgetError, MemoryModelError) as e:
+        least = getattr(e, "need_bytes", budget)
+        budget = 1.01 * float(least)
+        budget_note += f"; raised to the planner's least need x 1.01 ({e})"
+    flags["+memory"] = (common + isf + ["--omnibal-partition", "auto", "--omnibal-profile", profile,
+                                        "--omnibal-recompute", "auto", "--omnibal-memory-budget", repr(budget / GIB)])
+    results["+memory"] = bl.run_trainer(flags["+memory"], args.out, "e2e_memory", nproc=world)
+    print(f"  +memory: {bl.steady_ms(results['+memory'].records, args.warmup):.0f} ms/iter, plan "
+          f"{results['+memory'].recompute_flag}", flush=True)
+
+    rows = []
+    for name in ROWS:
+        r = results[name]
+        s = bl.summarize(r.records, args.warmup)
+        layout = parse_layout(r.layout_flag, spec, pp)
+        if name == "+memory":
+            stages = parse_recompute_plan(r.recompute_flag, pp)
+            modes_fn = lambda c, layout=layout, stages=stages: stage_modes(c, layout, stages)  # noqa: E731
+        else:
+            modes_fn = full_modes
+        shape = mean_shape(s, m, dp, k, padded=name == "baseline")
+        pred = predict(profile, costs.meta["spec"], layout, shape, pp, m, tp, modes_fn)
+        mem = r.memory or {}
+        rows.append({
+            "name": name, "ms_per_iter": s["ms_per_iter"], "samples_per_s": s["samples_per_s"],
+            "tokens_per_s": s["tokens_per_s"], "images_per_s": s["images_per_s"],
+            "tokens_seen": s["tokens_seen"], "samples_seen": s["samples_seen"], "tiles_seen": s["tiles_seen"],
+            "iterations": s["iterations"], "samples_per_iter": s["samples_per_iter"], "epoch_s": s["epoch_s"],
+            "pad_ratio": s["pad_ratio"], "dist_ratio_llm": s["dist_ratio_llm"], "dist_ratio_vit": s["dist_ratio_vit"],
+            "layout": r.layout_flag, "recompute": r.recompute_flag or "full",
+            "peak_act_bytes_per_stage": mem.get("peak_act_bytes_per_stage"),
+            "static_bytes_per_stage": mem.get("static_bytes_per_stage"),
+            "predicted_peak_bytes_per_stage": mem.get("predicted_peak_bytes_per_stage"),
+            "mean_microbatch_shape": shape.to_dict(),
+            "predicted_ms_per_iter": pred, "predicted_samples_per_s": s["samples_per_iter"] / (pred / 1e3),
+            "final_loss": s["final_loss"], "flags": flags[name],
+        })
+    base = rows[0]
+    for r in rows:
+        r["speedup"] = r["samples_per_s"] / base["samples_per_s"]
+        r["predicted_speedup"] = r["predicted_samples_per_s"] / base["predicted_samples_per_s"]
+    seen = {r["tokens_seen"] for r in rows}
+    out = {
+        "model": dict(bl.HETERO_MODEL), "pp": pp, "tp": tp, "dp": dp, "micro_batches": m, "micro_batch_size": k,
+        "samples": n, "isf_groups": groups, "iterations": iters, "warmup": args.warmup, "quick": args.quick,
+        "data": {**data.info, "meta": data.meta, "tokens_total": int(data.tokens.sum())},
+        "budget_bytes": budget, "budget_note": budget_note, "profile": profile, "rows": rows,
+        "same_tokens_seen": len(seen) == 1 and seen == {int(data.tokens.sum())},
+    }
+    total = rows[-1]["speedup"]
+    ordered = all(rows[i + 1]["speedup"] > rows[i]["speedup"] for i in range(3))
+    out["targets"] = [
+        f"{'PASS' if total >= 1.8 else 'FAIL'} measured speed-up of all three levels >= 1.8x: {total:.2f}x",
+        f"{'PASS' if ordered else 'FAIL'} each level adds speed: "
+        + " -> ".join(f"{r['speedup']:.2f}x" for r in rows),
+        f"{'PASS' if out['same_tokens_seen'] else 'FAIL'} every row saw the same tokens: "
+        f"{sorted(seen)} (dataset {int(data.tokens.sum())})",
+    ]
+    return out
+
+
+def format_rows(res: dict) -> str:
+    cols = [("row", "name", ""), ("ms/iter", "ms_per_iter", ".0f"), ("pred ms/it", "predicted_ms_per_iter", ".0f"),
+            ("samples/s", "samples_per_s", ".2f"), ("tokens/s", "tokens_per_s", ".0f"), ("speed-up", "speedup", ".2f"),
+            ("pred sp-up", "predicted_speedup", ".2f"), ("pad", "pad_ratio", ".3f"), ("dist llm", "dist_ratio_llm", ".3f"),
+            ("dist vit", "dist_ratio_vit", ".3f"), ("iters", "iterations", "d"), ("tokens seen", "tokens_seen", "d")]
+    lines = [f"PP={res['pp']} TP={res['tp']} DP={res['dp']}, {res['micro_batches']} micro-batches x K={res['micro_batch_size']}, "
+             f"one epoch of {res['samples']} samples ({res['isf_groups']} ISF groups); budget "
+             f"{res['budget_bytes'] / 2**20:.2f} MiB ({res['budget_note']})", bl.format_table(res["rows"], cols), ""]
+    for r in res["rows"]:
+        lines.append(f"{r['name']:<9} layout {r['layout']:<16} recompute {r['recompute']:<10} peak act MiB "
+                     f"{bl.mib(r['peak_act_bytes_per_stage'])} static {bl.mib(r['static_bytes_per_stage'])}")
+    lines += res["targets"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--out", default="bench_out/e2e", help="folder for runs, JSON and the PNG chart")
+    ap.add_argument("--quick", action="store_true", help="tiny epoch (16 samples, 2 micro-batches): a smoke test")
+    ap.add_argument("--samples", type=int, default=512, help="at least this many samples in the epoch")
+    ap.add_argument("--micro-batches", type=int, default=4, help="micro-batches per iteration (m)")
+    ap.add_argument("--micro-batch-size", type=int, default=4, help="K: samples per random micro-batch, ISF target")
+    ap.add_argument("--warmup", type=int, default=2, help="iterations left out of the steady state")
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel size (one core per process!)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    ap.add_argument("--seed", type=int, default=1234, help="trainer seed (batching, ISF)")
+    ap.add_argument("--data-seed", type=int, default=0, help="which stats records the dataset draws")
+    ap.add_argument("--stats-dir", default=None)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.samples, args.micro_batches, args.warmup = 16, 2, 1
+    res = run(args)
+    print(format_rows(res))
+    bl.write_json(os.path.join(args.out, "e2e.json"), res)
+    if args.json:
+        bl.write_json(args.json, res)
+    png = plot(res["rows"], os.path.join(args.out, "e2e.png"),
+               f"tiny heterogeneous VLM, CPU PP={res['pp']} DP={res['dp']}, one epoch of {res['samples']} samples")
+    print(f"wrote {os.path.join(args.out, 'e2e.json')} and {png}")
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""scripts/bench_e2e.py --quick: the four rows are produced and each trained the same tokens."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, SHARED
+
+KEYS = {"name", "ms_per_iter", "samples_per_s", "tokens_per_s", "speedup", "predicted_ms_per_iter", "tokens_seen"}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not list((SHARED / "data" / "internvl_sft_stats").glob("*.json")),
+                    reason="shared stats files not present")
+def test_bench_e2e_quick(tmp_path):
+    out = tmp_path / "e2e.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--quick", "--json", str(out),
+                           "--out", str(tmp_path / "runs")], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    rows = res["rows"]
+    assert [r["name"] for r in rows] == ["baseline", "+data", "+model", "+memory"]
+    for r in rows:
+        assert KEYS <= set(r), KEYS - set(r)
+        assert r["ms_per_iter"] > 0 and r["samples_per_s"] > 0 and r["predicted_ms_per_iter"] > 0
+        assert r["samples_seen"] == res["samples"]  # exactly one epoch
+    # the same samples, so the same tokens: the dataset's total, counted independently from its lengths
+    from megatron.vlm.data.internvl import InternVLDataset
+    from megatron.vlm.data.tokenizer import build_tokenizer
+
+    ds = InternVLDataset(res["data"]["meta"], build_tokenizer(None), image_size=32, tokens_per_tile=4,
+                         max_num_tiles=6, max_seq_length=None)
+    total = int(ds.sample_lengths()[0].sum())
+    assert len(ds) == res["samples"]
+    assert {r["tokens_seen"] for r in rows} == {total}
+    assert rows[0]["speedup"] == pytest.approx(1.0)
+    assert rows[1]["pad_ratio"] == 0.0 and rows[0]["pad_ratio"] > 0  # ISF packs, random batching pads
+    assert rows[3]["recompute"] != "full" and rows[2]["layout"] == rows[3]["layout"]
+    assert (tmp_path / "runs" / "e2e.png").stat().st_size > 0
