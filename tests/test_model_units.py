@@ -73,18 +73,19 @@ def test_profile_orders_vit_and_llm_layers_by_size(megatron_world):
     from megatron.training.profiling import profile_units
 
     base = get_preset("tiny")
+    # sizes far apart, so that compute (not per-call overhead) decides the order even on a busy machine
     heavy_vit = base.replace(
-        vision=dataclasses.replace(base.vision, hidden_size=192, ffn_hidden_size=768, num_attention_heads=4),
+        vision=dataclasses.replace(base.vision, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4),
         language=dataclasses.replace(base.language, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2,
                                      num_query_groups=2))
     heavy_llm = base.replace(
         vision=dataclasses.replace(base.vision, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2),
-        language=dataclasses.replace(base.language, hidden_size=192, ffn_hidden_size=512))
-    shape = MicroBatchShape(tiles=8, llm_tokens=96, dtype_bytes=4)
+        language=dataclasses.replace(base.language, hidden_size=256, ffn_hidden_size=768))
+    shape = MicroBatchShape(tiles=12, llm_tokens=204, dtype_bytes=4)  # as many LLM tokens as ViT tokens
 
     def layer_fwd(spec):
         args = SimpleNamespace(model_spec=spec, tensor_model_parallel_size=1, bf16=False, seed=1)
-        costs = profile_units(args, shape, 263, torch.device("cpu"), warmup=1, repeats=3)
+        costs = profile_units(args, shape, 263, torch.device("cpu"), warmup=1, repeats=5)
         by_kind = {u.kind: u for u in costs.units}
         assert [u.name for u in costs.units] == [u.name for u in build_units(spec)]
         for u in costs.units:

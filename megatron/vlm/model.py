@@ -22,6 +22,7 @@ full matrix before splitting it): parallel runs reproduce the serial run.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 
@@ -45,12 +46,19 @@ def unit_seed(seed: int, unit_index: int) -> int:
     return (seed * 1_000_003 + 7919 * (unit_index + 1)) % (2**31 - 1)
 
 
+@contextlib.contextmanager
+def seeded(seed: int, unit_index: int):
+    """Draw a unit's parameters from its own seed, leaving the global RNG untouched."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(unit_seed(seed, unit_index))
+        yield
+
+
 class SeededTransformerLayer(TransformerLayer):
     """A TransformerLayer whose weights are drawn from a generator seeded by its unit index."""
 
     def __init__(self, config, submodules, layer_number=1, seed=0, first_unit_index=0, **kwargs):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(unit_seed(seed, first_unit_index + layer_number - 1))
+        with seeded(seed, first_unit_index + layer_number - 1):
             super().__init__(config, submodules, layer_number=layer_number, **kwargs)
 
 
@@ -231,7 +239,6 @@ class VLMStage(MegatronModule):
         self.spec = spec
         self.units = [units[i] for i in unit_range]
         self.kinds = [u.kind for u in self.units]
-        self.first_unit = unit_range.start
         self.input_tensor = None
         self.recompute = recompute
         first = {k: next((u.index for u in self.units if u.kind == k), None) for k in
@@ -240,24 +247,24 @@ class VLMStage(MegatronModule):
         n_llm = self.kinds.count("llm_layer")
         self.vit_embed = self.projector = self.text_embed = self.head = None
         if first["vit_embed"] is not None:
-            with _seeded(seed, first["vit_embed"]):
+            with seeded(seed, first["vit_embed"]):
                 self.vit_embed = VisionEmbedding(spec)
         self.vit_blocks = self._blocks(vit_config, spec.vision.normalization, AttnMaskType.no_mask, seed,
                                        first["vit_layer"], n_vit, recompute.vit_full_layers, recompute.vit_selective)
         if first["projector"] is not None:
-            with _seeded(seed, first["projector"]):
+            with seeded(seed, first["projector"]):
                 self.projector = Projector(spec, llm_config)
         if first["llm_embed"] is not None:
-            with _seeded(seed, first["llm_embed"]):
+            with seeded(seed, first["llm_embed"]):
                 self.text_embed = TextEmbedding(spec, llm_config, img_context_id, spec.tokens_per_tile)
         self.llm_blocks = self._blocks(llm_config, spec.language.normalization, AttnMaskType.arbitrary, seed,
                                        first["llm_layer"], n_llm, recompute.llm_full_layers, recompute.llm_selective)
-        if n_llm or first["llm_head"] is not None:
+        if n_llm:
             kv = spec.language.hidden_size // spec.language.num_attention_heads
             self.rotary = RotaryEmbedding(kv_channels=kv, rotary_percent=1.0, rotary_base=spec.language.rotary_base,
                                           use_cpu_initialization=True)
         if first["llm_head"] is not None:
-            with _seeded(seed, first["llm_head"]):
+            with seeded(seed, first["llm_head"]):
                 norm = get_gpt_layer_local_spec(normalization=spec.language.normalization).submodules.input_layernorm
                 self.head = OutputHead(spec, llm_config, norm)
 
@@ -275,8 +282,15 @@ class VLMStage(MegatronModule):
             input_tensor = input_tensor[0]
         self.input_tensor = input_tensor
 
+    def _rope(self, batch: dict) -> torch.Tensor:
+        """Rotary embeddings [s, 1, 1, d]: per-sample positions in a packed row (b == 1), 0..s-1 otherwise."""
+        tokens, positions = batch["tokens"], batch["position_ids"]
+        if tokens.shape[0] == 1:
+            return self.rotary(int(positions.max()) + 1)[positions[0]]
+        return self.rotary(tokens.shape[1])
+
     def forward(self, batch: dict) -> torch.Tensor:
-        kinds = self.kinds
+        """The stage's slice of the model: the next stage's input, or per-token loss [b, s] at the end."""
         x = None if self.vit_embed is not None else self.input_tensor
         if self.vit_embed is not None:
             x = self.vit_embed(batch["pixel_values"])
@@ -286,31 +300,11 @@ class VLMStage(MegatronModule):
             x = self.projector(x)
         if self.text_embed is not None:
             x = self.text_embed(batch["tokens"], x, batch["image_flags"])
-        if self.llm_blocks or self.head is not None:
-            mask, rope = None, None
-            if self.llm_blocks:
-                mask = packed_causal_mask(batch["segment_ids"])
-                s = batch["tokens"].shape[1]
-                rope = self.rotary(int(batch["position_ids"].max()) + 1 if batch["tokens"].shape[0] == 1 else s)
-                rope = rope[batch["position_ids"][0]] if batch["tokens"].shape[0] == 1 else rope[:s]
+        if self.llm_blocks:
+            mask, rope = packed_causal_mask(batch["segment_ids"]), self._rope(batch)
             for block in self.llm_blocks:
                 x = block(hidden_states=x, attention_mask=mask, rotary_pos_emb=rope)
         if self.head is not None:
             return self.head(x, batch["labels"])
-        assert kinds, "empty stage"
         return x
 
-
-class _seeded:
-    """Context: draw a unit's parameters from its own seed, leaving the global RNG untouched."""
-
-    def __init__(self, seed: int, unit_index: int):
-        self.seed = unit_seed(seed, unit_index)
-
-    def __enter__(self):
-        self._fork = torch.random.fork_rng(devices=[])
-        self._fork.__enter__()
-        torch.manual_seed(self.seed)
-
-    def __exit__(self, *exc):
-        return self._fork.__exit__(*exc)

@@ -1,0 +1,49 @@
+"""Flag parsing: plan application and validation (no processes started)."""
+import json
+
+import pytest
+
+from megatron.training.arguments import ArgumentError, parse_args
+
+
+def test_plan_flags_are_applied_and_command_line_overrides(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"model": "tiny", "trainer_flags": {
+        "--model": "tiny", "--tensor-model-parallel-size": 1, "--pipeline-model-parallel-size": 2,
+        "--pipeline-layout": "Iv*3|vPEt*4L", "--recompute-plan": "v1|t2s", "--omnibal-isf": True,
+        "--omnibal-isf-qv": 12, "--omnibal-isf-qt": 400, "--omnibal-isf-qv-min": 10, "--omnibal-isf-qt-min": 380,
+        "--micro-batch-size": 4, "--global-batch-size": 16}}))
+    args = parse_args(["--omnibal-plan", str(plan), "--micro-batch-size", "2"], world_size=4)
+    assert args.pipeline_model_parallel_size == 2 and args.data_parallel_size == 2
+    assert args.pipeline_layout == "Iv*3|vPEt*4L" and args.recompute_plan == "v1|t2s"
+    assert args.omnibal_isf and (args.omnibal_isf_qv, args.omnibal_isf_qt) == (12, 400)
+    assert (args.omnibal_isf_qv_min, args.omnibal_isf_qt_min) == (10, 380)
+    assert args.micro_batch_size == 2  # the command line wins
+    assert args.num_microbatches == 16 // (2 * 2)
+
+
+def test_plan_file_errors_name_the_flag(tmp_path):
+    with pytest.raises(ArgumentError, match="--omnibal-plan .*no such file"):
+        parse_args(["--omnibal-plan", str(tmp_path / "missing.json")])
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ArgumentError, match="--omnibal-plan .*not a plan"):
+        parse_args(["--omnibal-plan", str(bad)])
+
+
+@pytest.mark.parametrize("argv,world,match", [
+    (["--global-batch-size", "10", "--micro-batch-size", "4"], 1, "--global-batch-size 10"),
+    (["--pipeline-model-parallel-size", "2"], 3, "world size 3"),
+    (["--pipeline-model-parallel-size", "2", "--omnibal-partition", "auto", "--pipeline-layout", "5,7"], 2,
+     "--omnibal-partition auto"),
+    (["--recompute-granularity", "full", "--recompute-plan", "v1"], 1, "--recompute-plan"),
+    (["--patch-size", "5"], 1, "--patch-size 5"),
+])
+def test_inconsistent_flags_are_refused(argv, world, match):
+    with pytest.raises(ArgumentError, match=match):
+        parse_args(argv, world_size=world)
+
+
+def test_global_batch_default_is_four_micro_batches_per_rank():
+    args = parse_args(["--micro-batch-size", "3"], world_size=2)
+    assert args.global_batch_size == 24 and args.num_microbatches == 4
