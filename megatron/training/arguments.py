@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     ]:
         g.add_argument(flag, type=int, default=None, help=f"{help_} (default: the preset's)")
 
+    g.add_argument("--init-method-std", type=float, default=None, help="weight init std (default: the preset's)")
+
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -52,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="samples per micro-batch (with --omnibal-isf: target samples per packed group)")
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="samples per iteration (default: 4 micro-batches per data-parallel rank)")
-    g.add_argument("--train-iters", type=int, default=1000)
+    g.add_argument("--train-iters", type=int, default=1500)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr", type=float, default=1e-5)
@@ -84,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--eval-interval", type=int, default=200, help="evaluate every N iterations (and at the end)")
-    g.add_argument("--eval-iters", type=int, default=8, help="iterations (global batches) per evaluation")
+    g.add_argument("--eval-iters", type=int, default=None,
+                   help="iterations (global batches) per evaluation (default: one pass over the validation set)")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
@@ -121,7 +124,10 @@ def model_spec_from_args(args) -> ModelSpec:
         ("num_layers", "num_layers"), ("hidden_size", "hidden_size"),
         ("num_attention_heads", "num_attention_heads"), ("num_query_groups", "num_query_groups"),
         ("ffn_hidden_size", "ffn_hidden_size")] if getattr(args, a) is not None}
-    return spec.replace(vision=dataclasses.replace(spec.vision, **v), language=dataclasses.replace(spec.language, **lang))
+    spec = spec.replace(vision=dataclasses.replace(spec.vision, **v), language=dataclasses.replace(spec.language, **lang))
+    if args.init_method_std is not None:
+        spec = spec.replace(init_method_std=args.init_method_std)
+    return spec
 
 
 def validate_args(args, world_size: int) -> None:

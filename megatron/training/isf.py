@@ -1,6 +1,8 @@
 """ISF in the trainer: group the training set so that each micro-batch is one balanced pack."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch.distributed as dist
 
@@ -28,18 +30,30 @@ def isf_params_from_args(args) -> ISFParams | None:
 def isf_groups(args, dataset) -> tuple[list[np.ndarray], np.ndarray]:
     """(groups of sample indices, balanced step order) for the training set.
 
-    Every rank computes the same plan from the same statistics and seed; nothing is dropped or
-    duplicated (checked).  The thresholds and the metrics are printed once.
+    Rank 0 plans (threshold search, grouping, step assembly) and broadcasts the result, so every
+    rank trains the same groups whatever its speed (the search is bounded by a candidate count,
+    not by time, and is deterministic for a seed anyway).  Nothing is dropped or duplicated
+    (checked).  Sets ``args.isf_params`` (the caps: memory is planned for them) and
+    ``args.isf_mean_group`` (mean tiles and tokens per group: what a micro-batch costs on average).
     """
-    tokens, tiles = dataset.sample_lengths()
-    cfg = SearchConfig(dp_size=args.data_parallel_size, samples_per_group=args.micro_batch_size, seed=args.seed)
-    plan = plan_isf(tiles, tokens, cfg, isf_params_from_args(args))
-    check_partition(plan.grouping, len(dataset))
-    args.isf_params = plan.params.to_dict()
+    box = [None]
     if dist.get_rank() == 0:
-        m = plan.metrics
-        print(f"> ISF: {len(dataset)} samples -> {len(plan.grouping)} groups, params {args.isf_params}; "
+        tokens, tiles = dataset.sample_lengths()
+        cfg = SearchConfig(dp_size=args.data_parallel_size, samples_per_group=args.micro_batch_size,
+                           seed=args.seed, time_budget_s=math.inf)
+        plan = plan_isf(tiles, tokens, cfg, isf_params_from_args(args))
+        check_partition(plan.grouping, len(dataset))
+        g = plan.grouping
+        box = [{"groups": g.groups(), "order": plan.assembly.order, "params": plan.params.to_dict(),
+                "mean_group": {"tiles": float(g.tiles.mean()), "tokens": float(g.tokens.mean())},
+                "metrics": plan.metrics}]
+    dist.broadcast_object_list(box, src=0)
+    result = box[0]
+    args.isf_params, args.isf_mean_group = result["params"], result["mean_group"]
+    if dist.get_rank() == 0:
+        m = result["metrics"]
+        print(f"> ISF: {len(dataset)} samples -> {len(result['groups'])} groups, params {args.isf_params}; "
               f"planned dist ratio llm {m['dist_ratio_llm']:.4f} vit {m['dist_ratio_vit']:.4f}, "
               f"fill llm {m['fill_llm']:.3f} vit {m['fill_vit']:.3f}, "
               f"{m['samples_per_group']:.2f} samples/group", flush=True)
-    return plan.grouping.groups(), plan.assembly.order
+    return result["groups"], result["order"]

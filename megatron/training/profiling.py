@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -150,14 +151,36 @@ def broadcast_table(table: CostTable) -> CostTable:
     return CostTable.from_dict(box[0])
 
 
-def profile_shape(args, dataset) -> MicroBatchShape:
-    """The micro-batch shape training will run: ISF caps, or K random samples padded to the longest."""
+def profile_shapes(args, dataset) -> tuple[MicroBatchShape, MicroBatchShape]:
+    """(timing shape, memory shape) of the micro-batches training will run.
+
+    ISF: the mean group (what a micro-batch costs on average) and the caps Qv/Qt (the most any
+    micro-batch holds, which memory must fit).  Random batching: K samples padded to the longest,
+    on average and at the 99th percentile of micro-batches.
+    """
+    dtype_bytes = 2 if args.bf16 else 4
     if getattr(args, "isf_params", None):
-        return MicroBatchShape(tiles=int(args.isf_params["qv"]), llm_tokens=int(args.isf_params["qt"]),
-                               dtype_bytes=2 if args.bf16 else 4)
+        mean, caps = args.isf_mean_group, args.isf_params
+        return (MicroBatchShape(max(1, round(mean["tiles"])), max(2, round(mean["tokens"])), dtype_bytes),
+                MicroBatchShape(int(caps["qv"]), int(caps["qt"]), dtype_bytes))
     tokens, tiles = dataset.sample_lengths()
     k = args.micro_batch_size
     n = len(tokens) // k * k
-    padded = tokens[:n].reshape(-1, k).max(axis=1).mean() * k
-    return MicroBatchShape(tiles=max(1, int(round(tiles.mean() * k))),
-                           llm_tokens=int(round(padded)), dtype_bytes=2 if args.bf16 else 4)
+    padded = tokens[:n].reshape(-1, k).max(axis=1) * k
+    mb_tiles = tiles[:n].reshape(-1, k).sum(axis=1)
+    return (MicroBatchShape(max(1, round(mb_tiles.mean())), round(padded.mean()), dtype_bytes),
+            MicroBatchShape(int(np.percentile(mb_tiles, 99)), int(np.percentile(padded, 99)), dtype_bytes))
+
+
+def profile_for_training(args, dataset, img_context_id: int, device: torch.device) -> CostTable:
+    """Times at the mean micro-batch, activation and send bytes at the largest one."""
+    timing, memory = profile_shapes(args, dataset)
+    times = profile_units(args, timing, img_context_id, device)
+    if memory == timing:
+        return times
+    sizes = profile_units(args, memory, img_context_id, device, warmup=0, repeats=1)
+    byte_fields = ("act_bytes", "act_bytes_full", "act_bytes_selective", "send_bytes")
+    units = tuple(dataclasses.replace(t, **{f: getattr(m, f) for f in byte_fields})
+                  for t, m in zip(times.units, sizes.units))
+    meta = {**times.meta, "shape": dataclasses.asdict(timing), "memory_shape": dataclasses.asdict(memory)}
+    return CostTable(units, source="profile", meta=meta)

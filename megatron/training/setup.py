@@ -133,7 +133,7 @@ def unit_costs(args, dataset, img_context_id: int, device):
     """Costs of every unit: read from --omnibal-profile if it exists, else measured now (and written there)."""
     from omnibal_ext.model.costs import CostTable
 
-    from .profiling import profile_shape, profile_units
+    from .profiling import profile_for_training
 
     path = args.omnibal_profile
     if path and os.path.exists(path):
@@ -143,7 +143,7 @@ def unit_costs(args, dataset, img_context_id: int, device):
             raise ArgumentError(f"--omnibal-profile {path}: its units do not match this model's "
                                 f"{len(names)} units (profiled another model?)")
         return costs
-    costs = profile_units(args, profile_shape(args, dataset), img_context_id, device)
+    costs = profile_for_training(args, dataset, img_context_id, device)
     if path and dist.get_rank() == 0:
         costs.save(path)
     return costs

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from functools import partial
@@ -289,8 +290,9 @@ def evaluate(args, model, valid_data, forward_backward) -> dict:
         m.eval()
     reports = []
     valid_data.reset()
+    iters = args.eval_iters or math.ceil(valid_data.sampler.num_groups / (args.data_parallel_size * args.num_microbatches))
     with torch.no_grad():
-        for _ in range(args.eval_iters):
+        for _ in range(iters):
             reports += forward_backward(
                 forward_step_func=forward_step, data_iterator=valid_data, model=model,
                 num_microbatches=args.num_microbatches, seq_length=args.seq_length,

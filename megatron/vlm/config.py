@@ -8,7 +8,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from omnibal_ext.model.units import ModelSpec
 
 
-def _common(*, tp: int, pp: int, on_cpu: bool, dtype: torch.dtype, seed_init_std: float = 0.02) -> dict:
+def _common(*, tp: int, pp: int, on_cpu: bool, dtype: torch.dtype, init_method_std: float) -> dict:
     fused = not on_cpu  # kernels that need CUDA (notes/megatron_core_cpu.md)
     return dict(
         tensor_model_parallel_size=tp,
@@ -16,7 +16,7 @@ def _common(*, tp: int, pp: int, on_cpu: bool, dtype: torch.dtype, seed_init_std
         sequence_parallel=False,
         use_cpu_initialization=True,  # draw full matrices then split: same weights for every TP size
         perform_initialization=True,
-        init_method_std=seed_init_std,
+        init_method_std=init_method_std,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
@@ -43,7 +43,7 @@ def vision_config(spec: ModelSpec, tp: int, on_cpu: bool, dtype: torch.dtype) ->
         num_layers=v.num_layers, hidden_size=v.hidden_size, num_attention_heads=v.num_attention_heads,
         ffn_hidden_size=v.ffn_hidden_size, add_bias_linear=True, add_qkv_bias=True, gated_linear_unit=False,
         activation_func=F.gelu, normalization=v.normalization, layernorm_epsilon=1e-6,
-        **_common(tp=tp, pp=1, on_cpu=on_cpu, dtype=dtype))
+        **_common(tp=tp, pp=1, on_cpu=on_cpu, dtype=dtype, init_method_std=spec.init_method_std))
 
 
 def language_config(spec: ModelSpec, tp: int, on_cpu: bool, dtype: torch.dtype, pp: int = 1) -> TransformerConfig:
@@ -53,4 +53,4 @@ def language_config(spec: ModelSpec, tp: int, on_cpu: bool, dtype: torch.dtype, 
         num_query_groups=lang.kv_groups, ffn_hidden_size=lang.ffn_hidden_size, add_bias_linear=False,
         gated_linear_unit=lang.swiglu, activation_func=F.silu if lang.swiglu else F.gelu,
         normalization=lang.normalization, layernorm_epsilon=1e-5,
-        **_common(tp=tp, pp=pp, on_cpu=on_cpu, dtype=dtype))
+        **_common(tp=tp, pp=pp, on_cpu=on_cpu, dtype=dtype, init_method_std=spec.init_method_std))

@@ -108,8 +108,8 @@ class VisionEmbedding(torch.nn.Module):
         super().__init__()
         v = spec.vision
         self.patch = torch.nn.Conv2d(v.in_channels, v.hidden_size, kernel_size=v.patch_size, stride=v.patch_size)
-        self.cls_token = torch.nn.Parameter(torch.randn(1, 1, v.hidden_size) * 0.02)
-        self.position = torch.nn.Parameter(torch.randn(1, v.seq_per_tile, v.hidden_size) * 0.02)
+        self.cls_token = torch.nn.Parameter(torch.randn(1, 1, v.hidden_size) * spec.init_method_std)
+        self.position = torch.nn.Parameter(torch.randn(1, v.seq_per_tile, v.hidden_size) * spec.init_method_std)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         x = self.patch(pixel_values).flatten(2).transpose(1, 2)  # [n, P, H]

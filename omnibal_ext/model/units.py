@@ -74,6 +74,7 @@ class ModelSpec:
     vision: VisionSpec
     language: LanguageSpec
     downsample_ratio: float = 0.5
+    init_method_std: float = 0.02  # std of the normal weight init (Megatron's --init-method-std)
 
     @property
     def tokens_per_tile(self) -> int:
@@ -97,6 +98,7 @@ class ModelSpec:
             vision=VisionSpec(**d["vision"]),
             language=LanguageSpec(**d["language"]),
             downsample_ratio=d.get("downsample_ratio", 0.5),
+            init_method_std=d.get("init_method_std", 0.02),
         )
 
 
@@ -142,6 +144,10 @@ PRESETS: dict[str, ModelSpec] = {
                           image_size=32, patch_size=8),
         language=LanguageSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=192,
                               num_query_groups=2, vocab_size=384),
+        # 0.02 suits hidden sizes in the thousands; at 64 it leaves attention uniform for long and
+        # the ViT-to-LLM alignment of a model trained from scratch crawls (measured: digits val
+        # accuracy 19% vs 47% after 1000 steps with 0.06).
+        init_method_std=0.06,
     ),
     "internvl-6b-20b": ModelSpec(
         name="internvl-6b-20b",
