@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from functools import partial
@@ -290,7 +289,7 @@ def evaluate(args, model, valid_data, forward_backward) -> dict:
         m.eval()
     reports = []
     valid_data.reset()
-    iters = args.eval_iters or math.ceil(valid_data.sampler.num_groups / (args.data_parallel_size * args.num_microbatches))
+    iters = args.eval_iters or max(1, valid_data.sampler.num_groups // (args.data_parallel_size * args.num_microbatches))
     with torch.no_grad():
         for _ in range(iters):
             reports += forward_backward(
