@@ -15,6 +15,8 @@ import argparse
 import json
 import sys
 
+import numpy as np
+
 from omnibal_ext.data.cli import add_isf_parser
 
 
@@ -117,12 +119,51 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="omnibal", description="OmniBal-Megatron balancing tools")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_isf_parser(sub)
+    add_isf_parser(sub, stats_loader=stats_or_meta_loader)
     add_partition_parser(sub)
     add_memory_parser(sub)
     add_plan_parser(sub)
     add_profile_parser(sub)
     return parser
+
+
+def stats_or_meta_loader(args):
+    """``--stats`` files in the OmniBal format, or InternVL meta JSONs (a JSON object, not a list).
+
+    A meta JSON is scanned once by the trainer's reader (tiles from image sizes, tokens from the
+    tokenizer) with InternVL-Chat's settings: 448 px tiles, 256 tokens per tile, up to 6 tiles, the
+    byte-level tokenizer unless OMNIBAL_TOKENIZER names a Hugging Face tokenizer folder.  To match
+    another model's settings, write the stats with megatron.vlm.data.stats.write_stats first.
+    """
+    import os
+
+    from omnibal_ext.data.stats import from_arrays, load_stats
+
+    if not args.stats:
+        return load_stats(args.stats)  # the loader's own "no stats files" error
+    metas = [f for f in args.stats if _is_meta(f)]
+    if not metas:
+        return load_stats(args.stats)
+    if len(metas) != len(args.stats):
+        raise ValueError("--stats: give stats files or meta JSONs, not both")
+    from megatron.vlm.data.internvl import ReaderConfig, scan_annotations
+    from megatron.vlm.data.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(os.environ.get("OMNIBAL_TOKENIZER"))
+    config = ReaderConfig(image_size=448, tokens_per_tile=256, max_num_tiles=6, max_seq_length=None)
+    tiles, tokens, source = [], [], []
+    for i, meta in enumerate(metas):
+        scan = scan_annotations(meta, tokenizer, config, progress=True)
+        tiles.append(scan.rec_tiles[scan.order])
+        tokens.append(scan.rec_tokens[scan.order])
+        source.append(np.full(len(scan.order), i))
+    return from_arrays(np.concatenate(tiles), np.concatenate(tokens), np.concatenate(source), metas)
+
+
+def _is_meta(path: str) -> bool:
+    with open(path) as f:
+        head = f.read(4096).lstrip()
+    return head.startswith("{")
 
 
 def add_profile_parser(subparsers) -> argparse.ArgumentParser:

@@ -111,3 +111,26 @@ def test_reproduce_paper_json_contract(tmp_path, capsys):
     base = [r for r in rows if r["setting"] == "baseline"]
     assert all(r["predicted_speedup"] == pytest.approx(1.0) for r in base)
     assert "paper speed-up" in capsys.readouterr().out
+
+
+def test_isf_reads_an_internvl_meta_json(tmp_path, capsys):
+    """`omnibal isf` accepts InternVL meta JSONs: tiles and tokens come from the trainer's reader."""
+    from PIL import Image
+
+    from megatron.vlm.data.internvl import ReaderConfig, scan_annotations
+    from megatron.vlm.data.tokenizer import ByteTokenizer
+    from omnibal_ext.cli import main
+
+    Image.new("RGB", (900, 448)).save(tmp_path / "wide.png")  # 2 tiles + thumbnail at 448 px
+    lines = [{"image": "wide.png", "conversations": [{"from": "human", "value": "<image>\nWhat?"},
+                                                     {"from": "gpt", "value": "x" * n}]} for n in (1, 50, 300)]
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in lines))
+    meta = tmp_path / "meta.json"
+    meta.write_text(json.dumps({"toy": {"root": str(tmp_path), "annotation": str(tmp_path / "a.jsonl")}}))
+    out = tmp_path / "stats.json"
+    assert main(["isf", "stats", "--stats", str(meta), "--json", str(out)]) == 0
+    scan = scan_annotations(str(meta), ByteTokenizer(), ReaderConfig(448, 256, 6), progress=False)
+    summary = json.loads(out.read_text())["all"]
+    assert summary["samples"] == 3 and summary["tiles_max"] == 3 and summary["tiles_mean"] == 3.0
+    assert summary["tokens_min"] == int(scan.rec_tokens.min()) and summary["tokens_max"] == int(scan.rec_tokens.max())
+    assert summary["tokens_max"] - summary["tokens_min"] == 299  # the answers differ by 299 bytes
