@@ -17,8 +17,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# set by an in-process process group of an earlier test; a child must pick its own
+_DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
 def env() -> dict:
-    e = dict(os.environ)
+    e = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
     e["OMP_NUM_THREADS"] = "1"
     e.setdefault("PYTHONWARNINGS", "ignore")

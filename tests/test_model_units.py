@@ -1,5 +1,6 @@
 """The stage module and the profiler in one process (world of one, gloo)."""
 import dataclasses
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -22,6 +23,8 @@ def megatron_world():
 
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        os.environ.pop(var, None)
 
 
 def whole_model(spec, seed=3):
