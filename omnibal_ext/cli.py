@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from omnibal_ext.data.cli import add_isf_parser
+from omnibal_ext.data.cli import _json_default, add_isf_parser
 
 
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:
@@ -99,18 +99,6 @@ def run_plan(args) -> int:
         for path in plot_plan(plan, args.plot):
             print(f"wrote {path}")
     return 0
-
-
-def _json_default(o):
-    import numpy as np
-
-    if isinstance(o, np.integer):
-        return int(o)
-    if isinstance(o, np.floating):
-        return float(o)
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -83,20 +83,32 @@ def build_digits_dataset(out_dir: str, num_samples: int = 2000, seed: int = 0, t
         num_val_samples = max(20, num_samples // 10)
     params = _params(num_samples, num_val_samples, seed, tile_size)
     train_meta = digits_meta_paths(out_dir)[0]
+    build_once(out_dir, params, lambda folder: _write_build(folder, params))
+    return train_meta
+
+
+def build_once(out_dir: str, params: dict, write) -> None:
+    """Make ``out_dir`` with ``write(folder)`` unless a complete build with ``params`` is there.
+
+    The build goes to a temporary sibling folder renamed into place at the end, so concurrent
+    builders (several ranks) never see half a dataset; ``write`` must leave the MARKER file with
+    ``params`` in the folder last.  A complete build with other parameters, or a non-empty folder
+    without a marker, is an error.
+    """
     existing = _read_marker(out_dir)
     if existing is not None:
         if existing == params:
-            return train_meta
-        raise FileExistsError(f"{out_dir} holds a digits dataset built with {existing}, not {params}; "
+            return
+        raise FileExistsError(f"{out_dir} holds a dataset built with {existing}, not {params}; "
                               "use another folder or delete it")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
-        raise FileExistsError(f"{out_dir} exists, is not empty and holds no complete digits build; "
+        raise FileExistsError(f"{out_dir} exists, is not empty and holds no complete build; "
                               "use another folder or delete it")
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(out_dir))}.tmp-{uuid.uuid4().hex[:8]}")
     try:
-        _write_build(tmp, params)
+        write(tmp)
         try:
             os.rename(tmp, out_dir)  # replaces an empty out_dir; fails if another builder won the race
         except OSError:
@@ -104,7 +116,6 @@ def build_digits_dataset(out_dir: str, num_samples: int = 2000, seed: int = 0, t
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return train_meta
 
 
 def _write_build(folder: str, params: dict) -> None:

@@ -46,13 +46,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import uuid
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .digits import MARKER, _read_marker, _save
+from .digits import MARKER, _save, build_once
 from .tiling import count_tiles
 
 FORMAT_VERSION = 1
@@ -170,29 +168,8 @@ def build_stats_matched_dataset(stats_files, out_dir: str, num_samples: int, til
     params = {"format_version": FORMAT_VERSION, "kind": "stats_matched", "num_samples": int(num_samples),
               "tile_size": int(tile_size), "rule": asdict(rule), "seed": int(seed),
               "stats_files": [os.path.basename(f) for f in files], "stats_digest": _files_digest(files)}
-    meta_path = os.path.join(out_dir, "meta_train.json")
-    existing = _read_marker(out_dir)
-    if existing is not None:
-        if existing == params:
-            return meta_path
-        raise FileExistsError(f"{out_dir} holds a dataset built with {existing}, not {params}; "
-                              "use another folder or delete it")
-    if os.path.isdir(out_dir) and os.listdir(out_dir):
-        raise FileExistsError(f"{out_dir} exists, is not empty and holds no complete build; "
-                              "use another folder or delete it")
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(out_dir))}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        _write_build(tmp, files, params, rule)
-        try:
-            os.rename(tmp, out_dir)  # replaces an empty out_dir; fails if another builder won the race
-        except OSError:
-            if _read_marker(out_dir) != params:
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return meta_path
+    build_once(out_dir, params, lambda folder: _write_build(folder, files, params, rule))
+    return os.path.join(out_dir, "meta_train.json")
 
 
 def _text(rng: np.random.Generator, n: int) -> str:
