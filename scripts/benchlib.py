@@ -72,8 +72,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# set by an in-process process group (a test, a notebook); a child must pick its own
+_DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
 def trainer_env(threads: int = 1) -> dict:
-    e = dict(os.environ)
+    """This process's environment for a trainer child: project on PYTHONPATH, no inherited rendezvous."""
+    e = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
     e["OMP_NUM_THREADS"] = str(threads)
     e.setdefault("PYTHONWARNINGS", "ignore")
