@@ -7,9 +7,14 @@ Simulated (``results["simulated"]``): the paper's 6B+20B model (preset internvl-
 samples, the configuration a Megatron user would pick): ``full_s`` = the +model row (searched layout,
 full recompute on every layer), ``adaptive_s`` = the +memory row (layout searched with the recompute,
 adaptive per-stage recompute), both at the same budget; mean simulated iteration seconds, speed-up =
-GPU-days ratio.  Also a sweep over GPU memory with the parallel sizes held fixed, and the bound of
-the cost model: with backward = 2 x forward, dropping ALL recompute saves at most 1/4 of a layer's
-time, so no plan on a fixed layout beats 4/3 = 1.33x.
+GPU-days ratio.  Also: the same comparison at the configuration OmniBal's planner picks for itself
+(``omnibal_config``), a sweep over GPU memory with the parallel sizes held fixed, and the ceiling of
+the chosen configuration (``ceiling``: the same plan on GPUs with unbounded memory, where the
+adaptive plan recomputes nothing, and the memory per stage that would take).  Without recompute a
+unit saves one forward of its backward's ``1 + bwd/fwd`` forwards, so no plan can beat
+``(2 + r) / (1 + r)`` with ``r`` the device's backward/forward time ratio (1.39x at the A100's
+measured 1.55, see omnibal_ext/model/cost_model.py), less the all-reduce and send times recompute
+does not touch.
 
 Measured (``results["measured"]``): the fixed heterogeneous tiny VLM of scripts/benchlib.py on CPU,
 PP=2 x DP=1, stats-matched synthetic data with ISF packing (steady micro-batch shapes), Megatron's
@@ -42,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib as bl  # noqa: E402
 
 GIB = 2**30
+CEILING_GIB = 4096.0  # "unbounded" GPU memory for the ceiling of a configuration
 
 
 # ------------------------------------------------------------------------------------------------
@@ -49,13 +55,15 @@ GIB = 2**30
 # ------------------------------------------------------------------------------------------------
 def simulated(args) -> dict:
     from omnibal_ext.data.stats import load_stats
+    from omnibal_ext.model.cost_model import get_device
     from omnibal_ext.plan import make_plan
 
     stats = load_stats(bl.stats_files(args.stats_dir))
     opts = dict(samples=args.sim_samples, samples_per_group=4, global_batch_size=1024, attention="flash",
-                choose_for="baseline", sim_iterations=args.sim_iterations)
-    plan = make_plan(stats, args.preset, args.gpus, args.gpu_memory_gib * GIB, **opts)
+                sim_iterations=args.sim_iterations)
+    plan = make_plan(stats, args.preset, args.gpus, args.gpu_memory_gib * GIB, choose_for="baseline", **opts)
     full, adaptive = plan.row("+model"), plan.row("+memory")
+    ratio = get_device(plan.device).bwd_over_fwd
     out = {"preset": args.preset, "gpus": args.gpus, "tp": plan.tp, "pp": plan.pp, "dp": plan.dp,
            "gpu_memory_gib": args.gpu_memory_gib, "budget_gib": plan.budget_bytes / GIB,
            "full_s": full.iteration_s, "adaptive_s": adaptive.iteration_s,
@@ -64,11 +72,22 @@ def simulated(args) -> dict:
            "full_layout": full.layout_flag, "full_recompute": full.recompute_flag,
            "adaptive_layout": adaptive.layout_flag, "adaptive_recompute": adaptive.recompute_flag,
            "full_peak_gib": max(full.stage_peak_bytes) / GIB, "adaptive_peak_gib": max(adaptive.stage_peak_bytes) / GIB,
-           "bound_no_recompute": 4.0 / 3.0, "paper_speedup": 29.0 / 21.3}
+           "bwd_over_fwd": ratio, "bound_no_recompute": (2.0 + ratio) / (1.0 + ratio), "paper_speedup": 29.0 / 21.3}
+    fixed = dict(tp=plan.tp, pp=plan.pp, dp=plan.dp)
+    top = make_plan(stats, args.preset, args.gpus, CEILING_GIB * GIB, **fixed, **opts)
+    out["ceiling"] = {"speedup": top.row("+model").gpu_days / top.row("+memory").gpu_days,
+                      "adaptive_recompute": top.row("+memory").recompute_flag,
+                      "layout": top.row("+memory").layout_flag,
+                      "peak_gib_per_stage": [b / GIB for b in top.row("+memory").stage_peak_bytes]}
+    own = make_plan(stats, args.preset, args.gpus, args.gpu_memory_gib * GIB, choose_for="omnibal", **opts)
+    out["omnibal_config"] = {"tp": own.tp, "pp": own.pp, "dp": own.dp,
+                             "full_s": own.row("+model").iteration_s, "adaptive_s": own.row("+memory").iteration_s,
+                             "speedup": own.row("+model").gpu_days / own.row("+memory").gpu_days,
+                             "adaptive_recompute": own.row("+memory").recompute_flag}
     sweep = []
     for gib in args.sweep_gib:
         try:
-            p = make_plan(stats, args.preset, args.gpus, gib * GIB, tp=plan.tp, pp=plan.pp, dp=plan.dp, **opts)
+            p = make_plan(stats, args.preset, args.gpus, gib * GIB, **fixed, **opts)
         except ValueError as e:
             sweep.append({"gpu_memory_gib": gib, "error": str(e)})
             continue
@@ -194,6 +213,12 @@ def format_results(res: dict) -> str:
                      f"{s['budget_gib']:.1f} GiB: full recompute {s['full_s']:.2f} s/iter "
                      f"({s['full_recompute']}), adaptive {s['adaptive_s']:.2f} s/iter ({s['adaptive_recompute']}): "
                      f"{s['speedup']:.3f}x (paper {s['paper_speedup']:.2f}x; cost-model bound {s['bound_no_recompute']:.2f}x)")
+        c, o = s["ceiling"], s["omnibal_config"]
+        lines.append(f"  ceiling of TP={s['tp']} PP={s['pp']} DP={s['dp']} (unbounded memory, plan {c['adaptive_recompute']}): "
+                     f"{c['speedup']:.3f}x, needing {', '.join(f'{g:.0f}' for g in c['peak_gib_per_stage'])} GiB per stage; "
+                     f"bound (2 + r)/(1 + r) at backward/forward r = {s['bwd_over_fwd']:.2f}: {s['bound_no_recompute']:.3f}x")
+        lines.append(f"  at OmniBal's own configuration TP={o['tp']} PP={o['pp']} DP={o['dp']}: full {o['full_s']:.2f} s, "
+                     f"adaptive {o['adaptive_s']:.2f} s ({o['adaptive_recompute']}): {o['speedup']:.3f}x")
         for w in s["sweep"]:
             if "error" in w:
                 lines.append(f"  {w['gpu_memory_gib']:>5.0f} GiB GPUs: {w['error']}")

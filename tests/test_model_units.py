@@ -37,6 +37,42 @@ def whole_model(spec, seed=3):
                     img_context_id=263, seed=seed)
 
 
+@pytest.mark.parametrize("heads, groups", [(4, 4), (4, 2)])
+def test_segment_attention_equals_dense_masked_attention(megatron_world, heads, groups):
+    """SegmentAttention (causal per packed sample, SDPA) against megatron-core's DotProductAttention with
+    the dense block-diagonal mask, values and gradients, on packed and right-padded rows."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron.vlm.attention import SegmentAttention
+    from megatron.vlm.config import language_config
+    from megatron.vlm.model import packed_causal_mask
+
+    spec = get_preset("tiny")
+    spec = spec.replace(language=dataclasses.replace(spec.language, num_attention_heads=heads, num_query_groups=groups))
+    cfg = language_config(spec, 1, True, torch.float32)
+    kw = dict(layer_number=1, attn_mask_type=AttnMaskType.arbitrary, attention_type="self")
+    ours, ref = SegmentAttention(cfg, **kw), DotProductAttention(cfg, **kw)
+    d = spec.language.hidden_size // heads
+    g = torch.Generator().manual_seed(0)
+    packed = torch.tensor([[0] * 5 + [1] * 9 + [2] * 3 + [-1] * 2])
+    padded = torch.tensor([[0] * 7 + [-1] * 3, [0] * 10, [0] * 2 + [-1] * 8])
+    for ids in (packed, padded):
+        b, s = ids.shape
+        q = torch.randn(s, b, heads, d, generator=g, requires_grad=True)
+        k = torch.randn(s, b, groups, d, generator=g, requires_grad=True)
+        v = torch.randn(s, b, groups, d, generator=g, requires_grad=True)
+        real = (ids >= 0).T[..., None].float()  # [s, b, 1]: padding outputs are free to differ
+        out = ours(q, k, v, ids)
+        want = ref(q, k, v, packed_causal_mask(ids))
+        torch.testing.assert_close(out * real, want * real, rtol=1e-5, atol=1e-5)
+        w = torch.randn(out.shape, generator=g) * real
+        grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+        want_grads = torch.autograd.grad((want * w).sum(), (q, k, v))
+        for a, e in zip(grads, want_grads):
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
 def test_packed_samples_give_the_same_per_sample_loss_as_alone(megatron_world, tmp_path):
     from megatron.vlm.data.collate import collate_packed, collate_padded
     from megatron.vlm.data.digits import build_digits_dataset
@@ -86,8 +122,9 @@ def test_profile_orders_vit_and_llm_layers_by_size(megatron_world):
         language=dataclasses.replace(base.language, hidden_size=256, ffn_hidden_size=768))
     shape = MicroBatchShape(tiles=12, llm_tokens=204, dtype_bytes=4)  # as many LLM tokens as ViT tokens
 
-    def layer_fwd(spec):
-        args = SimpleNamespace(model_spec=spec, tensor_model_parallel_size=1, bf16=False, seed=1)
+    def layer_fwd(spec, attention_backend="unfused"):
+        args = SimpleNamespace(model_spec=spec, tensor_model_parallel_size=1, bf16=False, seed=1,
+                               attention_backend=attention_backend)
         costs = profile_units(args, shape, 263, torch.device("cpu"), warmup=1, repeats=5)
         by_kind = {u.kind: u for u in costs.units}
         assert [u.name for u in costs.units] == [u.name for u in build_units(spec)]
@@ -95,13 +132,16 @@ def test_profile_orders_vit_and_llm_layers_by_size(megatron_world):
             assert u.fwd_s > 0 and u.bwd_s > 0 and u.send_bytes > 0
         for kind in ("vit_layer", "llm_layer"):
             u = by_kind[kind]
-            assert u.act_bytes_full < u.act_bytes_selective <= u.act_bytes
+            if attention_backend == "unfused":  # the scores are kept: selective recompute drops them
+                assert u.act_bytes_full < u.act_bytes_selective < u.act_bytes
+            else:  # SDPA keeps no scores: selective recompute saves nothing worth having
+                assert u.act_bytes_full < u.act_bytes and u.act_bytes_selective > 0.95 * u.act_bytes
         return by_kind["vit_layer"].fwd_s + by_kind["vit_layer"].bwd_s, by_kind["llm_layer"].fwd_s + by_kind["llm_layer"].bwd_s
 
-    for _ in range(2):  # two profiles of the same models agree in ranking
-        vit, llm = layer_fwd(heavy_vit)
+    for backend in ("unfused", "auto"):  # two profiles of the same models agree in ranking
+        vit, llm = layer_fwd(heavy_vit, backend)
         assert vit > llm
-        vit, llm = layer_fwd(heavy_llm)
+        vit, llm = layer_fwd(heavy_llm, backend)
         assert llm > vit
 
 

@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--transformer-impl", choices=["auto", "local", "transformer_engine"], default="auto",
                    help="layer implementation: auto = TransformerEngine on CUDA when importable, else "
                         "megatron-core's torch modules (always on CPU)")
+    g.add_argument("--attention-backend", choices=["auto", "unfused"], default="auto",
+                   help="core attention of the torch layers: auto = attention within each packed sample "
+                        "(torch SDPA, cost sum of squared sample lengths, scores not kept); unfused = "
+                        "megatron-core's DotProductAttention with a dense block-diagonal mask (scores kept, "
+                        "so selective recompute has something to save)")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=4,

@@ -34,7 +34,8 @@ def isf_groups(args, dataset) -> tuple[list[np.ndarray], np.ndarray]:
     rank trains the same groups whatever its speed (the search is bounded by a candidate count,
     not by time, and is deterministic for a seed anyway).  Nothing is dropped or duplicated
     (checked).  Sets ``args.isf_params`` (the caps: memory is planned for them) and
-    ``args.isf_mean_group`` (mean tiles and tokens per group: what a micro-batch costs on average).
+    ``args.isf_mean_group`` (mean tiles, tokens and sum of squared sample lengths per group: what a micro-batch
+    costs on average).
     """
     box = [None]
     if dist.get_rank() == 0:
@@ -45,7 +46,8 @@ def isf_groups(args, dataset) -> tuple[list[np.ndarray], np.ndarray]:
         check_partition(plan.grouping, len(dataset))
         g = plan.grouping
         box = [{"groups": g.groups(), "order": plan.assembly.order, "params": plan.params.to_dict(),
-                "mean_group": {"tiles": float(g.tiles.mean()), "tokens": float(g.tokens.mean())},
+                "mean_group": {"tiles": float(g.tiles.mean()), "tokens": float(g.tokens.mean()),
+                               "attn_tokens_sq": float((tokens.astype(float) ** 2).sum() / len(g))},
                 "metrics": plan.metrics}]
     dist.broadcast_object_list(box, src=0)
     result = box[0]

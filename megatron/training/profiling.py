@@ -24,26 +24,31 @@ from omnibal_ext.model.profile import environment_meta, measure_unit, to_unit_co
 from omnibal_ext.model.units import build_units
 
 from megatron.vlm.config import language_config, vision_config
-from megatron.vlm.model import VLMStage, packed_causal_mask
+from megatron.vlm.model import VLMStage
 from omnibal_ext.memory.recompute import StageRecompute
 
 
 def synthetic_batch(spec, shape: MicroBatchShape, img_context_id: int, device) -> dict:
-    """One packed row of ``shape.llm_tokens`` tokens holding ``shape.tiles`` tiles' image tokens."""
+    """One packed row of ``shape.llm_tokens`` tokens holding ``shape.tiles`` tiles' image tokens.
+
+    The row is cut into samples of equal length ``L = attn_tokens_sq / llm_tokens`` (the last one
+    shorter), so that the sum of squared sample lengths the attention pays is ``shape``'s.
+    """
     n_img = shape.tiles * spec.tokens_per_tile
     if shape.llm_tokens < n_img + 2:
         raise ValueError(f"profile shape: {shape.llm_tokens} LLM tokens cannot hold {shape.tiles} tiles "
                          f"x {spec.tokens_per_tile} image tokens")
     g = torch.Generator().manual_seed(0)
     s = shape.llm_tokens
+    sample_len = max(1, round(shape.attn_tokens_sq / s))
     tokens = torch.randint(0, 256, (1, s), generator=g)
     tokens[0, 1:1 + n_img] = img_context_id
     v = spec.vision
     return {
         "tokens": tokens.to(device),
         "labels": torch.randint(0, 256, (1, s), generator=g).to(device),
-        "position_ids": torch.arange(s)[None].to(device),
-        "segment_ids": torch.zeros(1, s, dtype=torch.long, device=device),
+        "position_ids": (torch.arange(s) % sample_len)[None].to(device),
+        "segment_ids": (torch.arange(s) // sample_len)[None].to(device),
         "pixel_values": torch.randn(shape.tiles, v.in_channels, v.image_size, v.image_size, generator=g).to(device),
         "image_flags": torch.ones(shape.tiles, dtype=torch.long, device=device),
     }
@@ -75,7 +80,7 @@ def profile_units(args, shape: MicroBatchShape, img_context_id: int, device: tor
         m = VLMStage(mini, mini_units, range(len(mini_units)), language_config(mini, tp, on_cpu, dtype),
                      vision_config(mini, tp, on_cpu, dtype), language_config(mini, tp, on_cpu, dtype),
                      img_context_id=img_context_id, seed=args.seed, recompute=recompute,
-                     transformer_impl=impl)
+                     transformer_impl=impl, attention_backend=getattr(args, "attention_backend", "auto"))
         return m.to(device=device, dtype=dtype).train()
 
     plain = stage(StageRecompute())
@@ -83,8 +88,7 @@ def profile_units(args, shape: MicroBatchShape, img_context_id: int, device: tor
     selective = stage(StageRecompute(0, True, 0, True))
     batch = synthetic_batch(mini, shape, img_context_id, device)
     batch["pixel_values"] = batch["pixel_values"].to(dtype)
-    mask = packed_causal_mask(batch["segment_ids"])
-    rope = plain.rotary(shape.llm_tokens)
+    mask, rope = plain.attention_mask(batch), plain._rope(batch)
 
     def run(m: VLMStage, kind: str, x):
         if kind == "vit_embed":
@@ -141,17 +145,19 @@ def profile_units(args, shape: MicroBatchShape, img_context_id: int, device: tor
 def _core_attention_share(spec, kind: str, shape: MicroBatchShape) -> float:
     """Fraction of a layer's forward FLOPs spent in core attention (scores and context).
 
-    Per sequence of s tokens: core attention 4 s^2 h; projections 2 s h (2h + 2 h kv/heads) for
+    Per sequence of s tokens: core attention 4 s^2 h (ViT tile), 2 h sum(len_i^2) (causal LLM
+    attention within each packed sample); projections 2 s h (2h + 2 h kv/heads) for
     q/k/v/out; MLP 2 s h ffn x (3 matrices with SwiGLU, else 2).
     """
     if kind == "vit_layer":
         v = spec.vision
         s, h, kv_frac, ffn, mats = v.seq_per_tile, v.hidden_size, 1.0, v.ffn_hidden_size, 2
+        core = 4.0 * s * s * h
     else:
         lang = spec.language
         s, h, ffn = shape.llm_tokens, lang.hidden_size, lang.ffn_hidden_size
         kv_frac, mats = lang.kv_groups / lang.num_attention_heads, 3 if lang.swiglu else 2
-    core = 4.0 * s * s * h
+        core = 2.0 * shape.attn_tokens_sq * h  # causal, within each packed sample
     linear = 2.0 * s * h * (2 * h + 2 * h * kv_frac) + 2.0 * s * h * ffn * mats
     return core / (core + linear)
 
@@ -183,14 +189,19 @@ def profile_shapes(args, dataset) -> tuple[MicroBatchShape, MicroBatchShape]:
     dtype_bytes = 2 if args.bf16 else 4
     if getattr(args, "isf_params", None):
         mean, caps = args.isf_mean_group, args.isf_params
-        return (MicroBatchShape(max(1, round(mean["tiles"])), max(2, round(mean["tokens"])), dtype_bytes),
+        tokens = max(2, round(mean["tokens"]))
+        return (MicroBatchShape(max(1, round(mean["tiles"])), tokens, dtype_bytes,
+                                llm_attn_tokens_sq=min(float(tokens) ** 2, mean.get("attn_tokens_sq", tokens**2))),
                 MicroBatchShape(int(caps["qv"]), int(caps["qt"]), dtype_bytes))
     tokens, tiles = dataset.sample_lengths()
     k = args.micro_batch_size
     n = len(tokens) // k * k
-    padded = tokens[:n].reshape(-1, k).max(axis=1) * k
+    longest = tokens[:n].reshape(-1, k).max(axis=1).astype(float)
+    padded = longest * k
     mb_tiles = tiles[:n].reshape(-1, k).sum(axis=1)
-    return (MicroBatchShape(max(1, round(mb_tiles.mean())), round(padded.mean()), dtype_bytes),
+    timing_tokens = round(padded.mean())
+    return (MicroBatchShape(max(1, round(mb_tiles.mean())), timing_tokens, dtype_bytes,
+                            llm_attn_tokens_sq=min(float(timing_tokens) ** 2, float((k * longest**2).mean()))),
             MicroBatchShape(int(np.percentile(mb_tiles, 99)), int(np.percentile(padded, 99)), dtype_bytes))
 
 

@@ -39,7 +39,8 @@ def build_model(args, layout, recompute: list[StageRecompute], img_context_id: i
     module = VLMStage(spec, build_units(spec), layout.stage_range(stage), stage_config,
                       vision_config(spec, tp, on_cpu, dtype), language_config(spec, tp, on_cpu, dtype),
                       img_context_id=img_context_id, seed=args.seed, recompute=recompute[stage],
-                      transformer_impl=resolve_transformer_impl(args.transformer_impl, device))
+                      transformer_impl=resolve_transformer_impl(args.transformer_impl, device),
+                      attention_backend=args.attention_backend)
     module.to(device=device, dtype=dtype)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False,

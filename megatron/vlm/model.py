@@ -37,6 +37,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.vlm.attention import SegmentAttention
 
 from omnibal_ext.memory.recompute import StageRecompute
 from omnibal_ext.model.units import ModelSpec, Unit
@@ -75,13 +76,23 @@ def base_layer_spec(normalization: str, transformer_impl: str = "local") -> Modu
 
 
 def _layer_spec(normalization: str, mask_type: AttnMaskType, seed: int, first_unit_index: int,
-                transformer_impl: str = "local") -> ModuleSpec:
+                transformer_impl: str = "local", attention_backend: str = "auto") -> ModuleSpec:
     spec = copy.deepcopy(base_layer_spec(normalization, transformer_impl))
     spec.module = SeededTransformerLayer
     spec.params = {**spec.params, "seed": seed, "first_unit_index": first_unit_index}
     attn = spec.submodules.self_attention
     attn.params = {**attn.params, "attn_mask_type": mask_type}
+    if uses_segment_attention(transformer_impl, attention_backend):
+        attn.submodules.core_attention = SegmentAttention
     return spec
+
+
+def uses_segment_attention(transformer_impl: str, attention_backend: str) -> bool:
+    """Local layers take SegmentAttention (segment ids, SDPA) unless --attention-backend unfused asks for
+    megatron-core's DotProductAttention (dense mask, attention scores kept: what selective recompute saves)."""
+    if attention_backend not in ("auto", "unfused"):
+        raise ValueError(f"attention backend must be 'auto' or 'unfused', got {attention_backend!r}")
+    return transformer_impl == "local" and attention_backend == "auto"
 
 
 def segment_configs(base: TransformerConfig, num_layers: int, full_layers: int, selective: bool):
@@ -227,9 +238,12 @@ class VLMStage(MegatronModule):
 
     def __init__(self, spec: ModelSpec, units: list[Unit], unit_range: range, config: TransformerConfig,
                  vit_config: TransformerConfig, llm_config: TransformerConfig, img_context_id: int,
-                 seed: int, recompute: StageRecompute | None = None, transformer_impl: str = "local"):
+                 seed: int, recompute: StageRecompute | None = None, transformer_impl: str = "local",
+                 attention_backend: str = "auto"):
         super().__init__(config=config)
         self.transformer_impl = transformer_impl
+        self.attention_backend = attention_backend
+        self.segment_attention = uses_segment_attention(transformer_impl, attention_backend)
         self.model_type = ModelType.encoder_or_decoder
         # Read by megatron's finalize_model_grads: no weights are shared between stages.
         self.pre_process = unit_range.start == 0
@@ -272,7 +286,8 @@ class VLMStage(MegatronModule):
         blocks = torch.nn.ModuleList()
         offset = 0
         for n, cfg in segment_configs(base, n_layers, min(full_layers, n_layers), selective):
-            layer = _layer_spec(normalization, mask_type, seed, first_index + offset, self.transformer_impl)
+            layer = _layer_spec(normalization, mask_type, seed, first_index + offset, self.transformer_impl,
+                                self.attention_backend)
             blocks.append(TransformerBlock(cfg, layer, post_layer_norm=False))
             offset += n
         return blocks
@@ -281,6 +296,11 @@ class VLMStage(MegatronModule):
         if isinstance(input_tensor, (list, tuple)):
             input_tensor = input_tensor[0]
         self.input_tensor = input_tensor
+
+    def attention_mask(self, batch: dict) -> torch.Tensor:
+        """What the LLM layers' core attention takes: SegmentAttention reads the segment ids [b, s];
+        megatron-core's and TransformerEngine's attention take the dense block-diagonal mask."""
+        return batch["segment_ids"] if self.segment_attention else packed_causal_mask(batch["segment_ids"])
 
     def _rope(self, batch: dict) -> torch.Tensor:
         """Rotary embeddings [s, 1, 1, d]: per-sample positions in a packed row (b == 1), 0..s-1 otherwise."""
@@ -301,7 +321,7 @@ class VLMStage(MegatronModule):
         if self.text_embed is not None:
             x = self.text_embed(batch["tokens"], x, batch["image_flags"])
         if self.llm_blocks:
-            mask, rope = packed_causal_mask(batch["segment_ids"]), self._rope(batch)
+            mask, rope = self.attention_mask(batch), self._rope(batch)
             for block in self.llm_blocks:
                 x = block(hidden_states=x, attention_mask=mask, rotary_pos_emb=rope)
         if self.head is not None:
