@@ -26,7 +26,7 @@ processes than cores time-share the cores and hide pipeline imbalance; --dp/--tp
 machines.
 
 Usage: python scripts/bench_partition.py [--json OUT] [--radius R] [--tiles N --llm-tokens N]
-       [--measured [--iters 16 --warmup 4 --repeats 2 --micro-batches 8 --samples 1024 --workdir DIR]]
+       [--measured [--iters 16 --warmup 4 --repeats 4 --micro-batches 8 --samples 1024 --workdir DIR]]
 """
 from __future__ import annotations
 
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
     g.add_argument("--measured", action="store_true", help="also run part (b): trainer runs (minutes)")
     g.add_argument("--iters", type=int, default=16, help="training iterations per run")
     g.add_argument("--warmup", type=int, default=4, help="iterations left out of the median")
-    g.add_argument("--repeats", type=int, default=2, help="alternating (searched, default) pairs of runs")
+    g.add_argument("--repeats", type=int, default=4, help="alternating (searched, default) pairs of runs")
     g.add_argument("--micro-batches", type=int, default=8, help="micro-batches per iteration (m)")
     g.add_argument("--micro-batch-size", type=int, default=4, help="target samples per ISF group")
     g.add_argument("--samples", type=int, default=1024, help="samples of the stats-matched dataset")
