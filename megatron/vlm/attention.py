@@ -41,10 +41,14 @@ class SegmentAttention(DotProductAttention):
     """
 
     def __init__(self, config, *args, **kwargs):
-        if config.attention_dropout:
-            raise ValueError(f"SegmentAttention: attention dropout is not supported "
-                             f"(attention_dropout={config.attention_dropout})")
+        unsupported = {"attention_dropout": config.attention_dropout, "window_size": config.window_size,
+                       "softmax_type": None if config.softmax_type == "vanilla" else config.softmax_type}
+        unsupported = {k: v for k, v in unsupported.items() if v}
+        if unsupported:
+            raise ValueError(f"SegmentAttention does not support {unsupported}; use --attention-backend unfused")
         super().__init__(config, *args, **kwargs)
+        if config.apply_query_key_layer_scaling:  # the parent divides the scale by the layer number and
+            self.softmax_scale *= self.layer_number  # its fused softmax multiplies it back; SDPA does not
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                 attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> Tensor:
