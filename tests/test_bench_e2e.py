@@ -37,4 +37,9 @@ def test_bench_e2e_quick(tmp_path):
     assert rows[0]["speedup"] == pytest.approx(1.0)
     assert rows[1]["pad_ratio"] == 0.0 and rows[0]["pad_ratio"] > 0  # ISF packs, random batching pads
     assert rows[3]["recompute"] != "full" and rows[2]["layout"] == rows[3]["layout"]
+    # the budget is a device on which the baseline cannot run without recompute; every row fits it
+    ref = res["budget_reference"]
+    assert ref["tokens_seen"] == total
+    assert res["budget_bytes"] < max(ref["total_bytes_per_stage"])
+    assert all(r["peak_total_bytes"] <= res["budget_bytes"] for r in rows), [r["peak_total_bytes"] for r in rows]
     assert (tmp_path / "runs" / "e2e.png").stat().st_size > 0
