@@ -216,15 +216,16 @@ class Plan:
         }
 
 
+def trainer_argv(flags: dict) -> list[str]:
+    """Trainer arguments of a flag dict: True is a bare switch, False/None are left out, any other
+    value is joined as ``--flag=value`` (so that a value starting with "-", such as the recompute
+    plan ``-|t2``, is not taken for a flag by argparse)."""
+    return [k if v is True else f"{k}={v}" for k, v in flags.items() if v is not None and v is not False]
+
+
 def trainer_command(flags: dict) -> str:
-    """Command-line text of a flag dict (True: a bare switch; False/None: left out)."""
-    parts = []
-    for k, v in flags.items():
-        if v is True:
-            parts.append(k)
-        elif v is not None and v is not False:
-            parts += [k, shlex.quote(str(v))]
-    return " ".join(parts)
+    """Shell text of :func:`trainer_argv`, quoted for pasting."""
+    return shlex.join(trainer_argv(flags))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -162,7 +162,7 @@ def run(args) -> dict:
     print(f"> {n} samples ({data.info['tokens_mean']:.0f} tokens, {data.info['tiles_mean']:.2f} tiles mean): "
           f"baseline {iters['random']} iterations of {m * k * dp} samples, ISF {groups} groups -> "
           f"{iters['isf']} iterations", flush=True)
-    common = bl.flag_list({**bl.HETERO_MODEL, "--pipeline-model-parallel-size": pp,
+    common = bl.trainer_argv({**bl.HETERO_MODEL, "--pipeline-model-parallel-size": pp,
                            "--tensor-model-parallel-size": tp, "--data-path": data.meta,
                            "--seq-length": data.seq_length, "--micro-batch-size": k,
                            "--global-batch-size": k * m * dp, "--seed": args.seed, "--lr-warmup-iters": 1})

@@ -144,7 +144,7 @@ def measured_partition(args) -> dict:
     profile_path = os.path.join(work, "partition_profile.json")
     if os.path.exists(profile_path):
         os.remove(profile_path)  # profile on this machine, in this run
-    common = bl.flag_list({**bl.HETERO_MODEL, "--pipeline-model-parallel-size": pp,
+    common = bl.trainer_argv({**bl.HETERO_MODEL, "--pipeline-model-parallel-size": pp,
                            "--tensor-model-parallel-size": tp, "--data-path": data.meta,
                            "--seq-length": data.seq_length, "--micro-batch-size": k,
                            "--global-batch-size": k * m * args.dp, "--train-iters": args.iters,

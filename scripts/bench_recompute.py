@@ -138,7 +138,7 @@ def measured(args) -> dict:
     data = bl.build_data(os.path.join(work, "data"), args.samples, spec.vision.image_size, spec.tokens_per_tile)
     pp, tp, dp, k, m = 2, args.tp, args.dp, args.micro_batch_size, args.micro_batches
     world = tp * pp * dp
-    common = bl.flag_list({**bl.HETERO_MODEL, "--pipeline-model-parallel-size": pp,
+    common = bl.trainer_argv({**bl.HETERO_MODEL, "--pipeline-model-parallel-size": pp,
                            "--tensor-model-parallel-size": tp, "--data-path": data.meta,
                            "--seq-length": data.seq_length, "--micro-batch-size": k,
                            "--global-batch-size": k * m * dp, "--train-iters": args.iters,

@@ -26,6 +26,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 STATS_DIR = ROOT.parent / "shared" / "data" / "internvl_sft_stats"
 
+from omnibal_ext.plan import trainer_argv  # noqa: E402  (after ROOT is on the path)
+
 # The fixed heterogeneous tiny VLM of the measured benchmarks: a ViT layer costs more than an LLM layer
 # (as InternViT-6B's 3200-wide layers over 1025 tokens per tile against InternLM2-20B's per-token cost),
 # so Megatron's default layout (whole ViT on stage 0) is unbalanced.  32 px tiles, 8 px patches:
@@ -41,22 +43,11 @@ HETERO_MODEL = {
 ITER_KEY = "elapsed time per iteration (ms)"
 
 
-def flag_list(flags: dict) -> list[str]:
-    """``{"--x": 1, "--switch": True, "--off": None}`` -> ``["--x", "1", "--switch"]``."""
-    out: list[str] = []
-    for k, v in flags.items():
-        if v is True:
-            out.append(k)
-        elif v is not None and v is not False:
-            out += [k, str(v)]
-    return out
-
-
 def hetero_spec():
     """The ModelSpec of HETERO_MODEL (the trainer's own flag handling)."""
     from megatron.training.arguments import build_parser, model_spec_from_args
 
-    return model_spec_from_args(build_parser().parse_args(flag_list(HETERO_MODEL)))
+    return model_spec_from_args(build_parser().parse_args(trainer_argv(HETERO_MODEL)))
 
 
 def stats_files(stats_dir: str | os.PathLike | None = None) -> list[str]:

@@ -22,6 +22,20 @@ def test_plan_flags_are_applied_and_command_line_overrides(tmp_path):
     assert args.num_microbatches == 16 // (2 * 2)
 
 
+def test_printed_plan_command_parses_back_when_a_value_starts_with_a_dash():
+    """`omnibal plan` prints the trainer flags to paste; a recompute plan like "-|t2s" (no recompute on
+    stage 0) must reach the parser as a value, not as an unknown flag."""
+    import shlex
+
+    from omnibal_ext.plan import trainer_command
+
+    flags = {"--model": "tiny", "--pipeline-model-parallel-size": 2, "--pipeline-layout": "Iv*3|vPEt*4L",
+             "--recompute-plan": "-|t2s", "--omnibal-isf": True, "--use-distributed-optimizer": False}
+    args = parse_args(shlex.split(trainer_command(flags)), world_size=2)
+    assert args.recompute_plan == "-|t2s" and args.pipeline_layout == "Iv*3|vPEt*4L"
+    assert args.omnibal_isf and not args.use_distributed_optimizer
+
+
 def test_plan_file_errors_name_the_flag(tmp_path):
     with pytest.raises(ArgumentError, match="--omnibal-plan .*no such file"):
         parse_args(["--omnibal-plan", str(tmp_path / "missing.json")])

@@ -10,6 +10,7 @@ import dataclasses
 
 from omnibal_ext.model.layout import parse_layout
 from omnibal_ext.model.units import PRESETS, ModelSpec, build_units, get_preset
+from omnibal_ext.plan import trainer_argv
 
 
 class ArgumentError(ValueError):
@@ -200,13 +201,7 @@ def plan_flags(path: str) -> list[str]:
         raise ArgumentError(f"--omnibal-plan {path}: no such file") from None
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ArgumentError(f"--omnibal-plan {path}: not a plan from `omnibal plan` ({e})") from None
-    argv = []
-    for key, value in flags.items():
-        if value is True:
-            argv.append(key)
-        elif value not in (None, False):
-            argv.append(f"{key}={value}")
-    return argv
+    return trainer_argv(flags)
 
 
 def parse_args(argv=None, world_size: int = 1):
