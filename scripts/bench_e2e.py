@@ -201,6 +201,7 @@ def run(args) -> dict:
     print(f"  +memory: {bl.steady_ms(results['+memory'].records, args.warmup):.0f} ms/iter, plan "
           f"{results['+memory'].recompute_flag}", flush=True)
 
+    packed_sq = float((data.tokens.astype(float) ** 2).sum()) / groups  # mean sum(len^2) of an ISF group
     rows = []
     for name in ROWS:
         r = results[name]
@@ -211,8 +212,7 @@ def run(args) -> dict:
             modes_fn = lambda c, layout=layout, stages=stages: stage_modes(c, layout, stages)  # noqa: E731
         else:
             modes_fn = full_modes
-        shape = mean_shape(s, m, dp, k, padded=name == "baseline",
-                           packed_sq=float((data.tokens.astype(float) ** 2).sum()) / groups)
+        shape = mean_shape(s, m, dp, k, padded=name == "baseline", packed_sq=packed_sq)
         pred = predict(profile, costs.meta["spec"], layout, shape, pp, m, tp, modes_fn)
         mem = r.memory or {}
         rows.append({

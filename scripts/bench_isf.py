@@ -14,14 +14,13 @@ Targets: LLM and ViT DistRatio <= 0.02 at token fill >= 0.95 with ~4 samples/gro
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl  # noqa: E402  (puts the repository on the path)
 
 from omnibal_ext.data.cli import format_table  # noqa: E402
 from omnibal_ext.data.search import SearchConfig, random_baseline, search_params  # noqa: E402
@@ -29,7 +28,6 @@ from omnibal_ext.data.isf import isf_group  # noqa: E402
 from omnibal_ext.data.search import evaluate_grouping  # noqa: E402
 from omnibal_ext.data.stats import load_stats, resample  # noqa: E402
 
-DEFAULT_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "internvl_sft_stats"
 
 
 def timed(fn):
@@ -65,7 +63,7 @@ def bench_one(name: str, vit, tokens, cfg: SearchConfig) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--stats-dir", type=Path, default=DEFAULT_DIR)
+    ap.add_argument("--stats-dir", type=Path, default=bl.STATS_DIR)
     ap.add_argument("--dp", type=int, default=8)
     ap.add_argument("--samples-per-group", type=float, default=4.0)
     ap.add_argument("--resample", type=int, default=1_200_000)
@@ -96,8 +94,7 @@ def main(argv=None) -> int:
     for k, ok in checks.items():
         print(f"  {'PASS' if ok else 'FAIL'}  {k}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
+        bl.write_json(args.json, out)
     return 0
 
 

@@ -13,7 +13,7 @@ Targets: searched <= 1.03 on 6B+20B at PP 4; at PP 8/16 the searched layout with
 exact optimum; search <= 1 s at PP 16.
 
 Part (b), measured (``--measured``; results["measured"]): the fixed heterogeneous tiny VLM of
-scripts/benchlib.py (ViT 6 layers x 128 wide, MLP 512; LLM 6 layers x 64 wide) trained on CPU with
+scripts/benchlib.py (ViT 6 layers x 192 wide, MLP 768; LLM 6 layers x 64 wide) trained on CPU with
 PP=2 on the stats-matched synthetic data with ISF packing (one packed group per micro-batch, so the
 micro-batch shape is steady and matches the profile's shape, the ISF caps).  Runs alternate
 (searched, default, searched, default, ...): the searched layout (``--omnibal-partition auto``; the
@@ -31,14 +31,14 @@ Usage: python scripts/bench_partition.py [--json OUT] [--radius R] [--tiles N --
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchlib as bl  # noqa: E402  (puts the repository on the path)
 
 from omnibal_ext.model.cost_model import MicroBatchShape, analytic_costs, get_device, unit_flops  # noqa: E402
 from omnibal_ext.model.partition import optimal_counts, plan_partitions, stage_loads, unit_arrays  # noqa: E402
@@ -126,9 +126,6 @@ def format_rows(rows: list[dict]) -> str:
 
 def measured_partition(args) -> dict:
     """Part (b): measured ms/iteration of the default vs the searched layout, and the simulator's prediction."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import benchlib as bl
-
     from omnibal_ext.model.costs import CostTable
     from omnibal_ext.model.layout import default_layout, parse_layout
     from omnibal_ext.model.simulate import simulate_layout
@@ -150,13 +147,8 @@ def measured_partition(args) -> dict:
                            "--global-batch-size": k * m * args.dp, "--train-iters": args.iters,
                            "--omnibal-isf": True, "--seed": 1234, "--lr-warmup-iters": 1})
     searched_flags = common + ["--omnibal-partition", "auto", "--omnibal-profile", profile_path]
-    runs = {"default": [], "searched": []}
-    for rep in range(args.repeats):
-        for name, flags in (("searched", searched_flags), ("default", common)):
-            r = bl.run_trainer(flags, work, f"partition_{name}_{rep}", nproc=world)
-            runs[name].append(r)
-            print(f"  {name} run {rep}: median {bl.steady_ms(r.records, args.warmup):.1f} ms/iter, "
-                  f"layout {r.layout_flag}", flush=True)
+    runs = bl.alternate_runs({"searched": searched_flags, "default": common}, args.repeats, work, "partition",
+                             world, args.warmup)
     costs = CostTable.load(profile_path)
     layouts = {"default": default_layout(spec, pp),
                "searched": parse_layout(runs["searched"][0].layout_flag, spec, pp)}
@@ -169,10 +161,9 @@ def measured_partition(args) -> dict:
     from omnibal_ext.model.units import build_units
 
     for name in ("default", "searched"):
-        steady = [x[bl.ITER_KEY] for r in runs[name] for x in bl.steady(r.records, args.warmup)]
         sim = simulate_layout(costs, layouts[name], pp, m, p2p)
         out[name] = {"layout": layouts[name].to_flag(build_units(spec)), "stage_units": list(layouts[name].stage_units),
-                     "ms_per_iter": float(np.median(steady)), "ms_per_iter_runs": [bl.steady_ms(r.records, args.warmup)
+                     "ms_per_iter": bl.pooled_ms(runs[name], args.warmup), "ms_per_iter_runs": [bl.steady_ms(r.records, args.warmup)
                                                                                  for r in runs[name]],
                      "predicted_ms_per_iter": sim.iteration_s * 1e3,
                      "predicted_stage_busy_ms": [b * 1e3 for b in sim.per_stage_busy_s],
@@ -229,8 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
         results["measured"] = measured_partition(args)
         print(format_measured(results["measured"]))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        bl.write_json(args.json, results)
     return results
 
 

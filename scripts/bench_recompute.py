@@ -53,6 +53,13 @@ CEILING_GIB = 4096.0  # "unbounded" GPU memory for the ceiling of a configuratio
 # ------------------------------------------------------------------------------------------------
 # Simulated: the paper's model
 # ------------------------------------------------------------------------------------------------
+def memory_step(plan) -> dict:
+    """The memory level of one plan: +model (full recompute) against +memory (adaptive), same budget."""
+    full, adaptive = plan.row("+model"), plan.row("+memory")
+    return {"full_s": full.iteration_s, "adaptive_s": adaptive.iteration_s,
+            "speedup": full.gpu_days / adaptive.gpu_days, "adaptive_recompute": adaptive.recompute_flag}
+
+
 def simulated(args) -> dict:
     from omnibal_ext.data.stats import load_stats
     from omnibal_ext.model.cost_model import get_device
@@ -65,25 +72,18 @@ def simulated(args) -> dict:
     full, adaptive = plan.row("+model"), plan.row("+memory")
     ratio = get_device(plan.device).bwd_over_fwd
     out = {"preset": args.preset, "gpus": args.gpus, "tp": plan.tp, "pp": plan.pp, "dp": plan.dp,
-           "gpu_memory_gib": args.gpu_memory_gib, "budget_gib": plan.budget_bytes / GIB,
-           "full_s": full.iteration_s, "adaptive_s": adaptive.iteration_s,
-           "speedup": full.gpu_days / adaptive.gpu_days,
+           "gpu_memory_gib": args.gpu_memory_gib, "budget_gib": plan.budget_bytes / GIB, **memory_step(plan),
            "full_gpu_days": full.gpu_days, "adaptive_gpu_days": adaptive.gpu_days,
            "full_layout": full.layout_flag, "full_recompute": full.recompute_flag,
-           "adaptive_layout": adaptive.layout_flag, "adaptive_recompute": adaptive.recompute_flag,
+           "adaptive_layout": adaptive.layout_flag,
            "full_peak_gib": max(full.stage_peak_bytes) / GIB, "adaptive_peak_gib": max(adaptive.stage_peak_bytes) / GIB,
            "bwd_over_fwd": ratio, "bound_no_recompute": (2.0 + ratio) / (1.0 + ratio), "paper_speedup": 29.0 / 21.3}
     fixed = dict(tp=plan.tp, pp=plan.pp, dp=plan.dp)
     top = make_plan(stats, args.preset, args.gpus, CEILING_GIB * GIB, **fixed, **opts)
-    out["ceiling"] = {"speedup": top.row("+model").gpu_days / top.row("+memory").gpu_days,
-                      "adaptive_recompute": top.row("+memory").recompute_flag,
-                      "layout": top.row("+memory").layout_flag,
+    out["ceiling"] = {**memory_step(top), "layout": top.row("+memory").layout_flag,
                       "peak_gib_per_stage": [b / GIB for b in top.row("+memory").stage_peak_bytes]}
     own = make_plan(stats, args.preset, args.gpus, args.gpu_memory_gib * GIB, choose_for="omnibal", **opts)
-    out["omnibal_config"] = {"tp": own.tp, "pp": own.pp, "dp": own.dp,
-                             "full_s": own.row("+model").iteration_s, "adaptive_s": own.row("+memory").iteration_s,
-                             "speedup": own.row("+model").gpu_days / own.row("+memory").gpu_days,
-                             "adaptive_recompute": own.row("+memory").recompute_flag}
+    out["omnibal_config"] = {"tp": own.tp, "pp": own.pp, "dp": own.dp, **memory_step(own)}
     sweep = []
     for gib in args.sweep_gib:
         try:
@@ -91,10 +91,7 @@ def simulated(args) -> dict:
         except ValueError as e:
             sweep.append({"gpu_memory_gib": gib, "error": str(e)})
             continue
-        f, a = p.row("+model"), p.row("+memory")
-        sweep.append({"gpu_memory_gib": gib, "budget_gib": p.budget_bytes / GIB, "full_s": f.iteration_s,
-                      "adaptive_s": a.iteration_s, "speedup": f.gpu_days / a.gpu_days,
-                      "adaptive_recompute": a.recompute_flag})
+        sweep.append({"gpu_memory_gib": gib, "budget_gib": p.budget_bytes / GIB, **memory_step(p)})
     out["sweep"] = sweep
     return out
 
@@ -157,15 +154,9 @@ def measured(args) -> dict:
     full_flags = common + ["--recompute-granularity", "full", "--log-activation-memory"]
     adaptive_flags = common + ["--omnibal-recompute", "auto", "--omnibal-memory-budget", repr(budget / GIB),
                                "--omnibal-profile", profile]
-    runs = {"full": [], "adaptive": []}
-    for rep in range(args.repeats):
-        for name, flags in (("adaptive", adaptive_flags), ("full", full_flags)):
-            r = bl.run_trainer(flags, work, f"recompute_{name}_{rep}", nproc=world)
-            runs[name].append(r)
-            print(f"  {name} run {rep}: median {bl.steady_ms(r.records, args.warmup):.1f} ms/iter"
-                  + (f", plan {r.recompute_flag}" if r.recompute_flag else ""), flush=True)
-    ms = {n: float(np.median([x[bl.ITER_KEY] for r in rs for x in bl.steady(r.records, args.warmup)]))
-          for n, rs in runs.items()}
+    runs = bl.alternate_runs({"adaptive": adaptive_flags, "full": full_flags}, args.repeats, work, "recompute",
+                             world, args.warmup)
+    ms = {n: bl.pooled_ms(rs, args.warmup) for n, rs in runs.items()}
     mem_a = runs["adaptive"][0].memory or {}
     mem_f = runs["full"][0].memory or {}
     peak_act = [max(r.memory["peak_act_bytes_per_stage"][s] for r in runs["adaptive"]) for s in range(pp)]

@@ -32,8 +32,8 @@ from omnibal_ext.plan import trainer_argv  # noqa: E402  (after ROOT is on the p
 # (as InternViT-6B's 3200-wide layers over 1025 tokens per tile against InternLM2-20B's per-token cost),
 # so Megatron's default layout (whole ViT on stage 0) is unbalanced.  32 px tiles, 8 px patches:
 # 17 ViT tokens and 4 LLM image tokens per tile.  At a packed micro-batch of 4 stats-matched samples
-# (~16 tiles, ~550 LLM tokens) a ViT layer (192 wide, MLP 768) costs about twice an LLM layer
-# (64 wide, 4 heads, 2 KV groups, SwiGLU 192) on a CPU core.
+# (~16 tiles, ~550 LLM tokens) a ViT layer (192 wide, MLP 768) costs about 1.4x an LLM layer
+# (64 wide, 4 heads, 2 KV groups, SwiGLU 192) on a CPU core (17.8 vs 13.1 ms forward + backward).
 HETERO_MODEL = {
     "--vision-num-layers": 6, "--vision-hidden-size": 192, "--vision-num-attention-heads": 4,
     "--vision-ffn-hidden-size": 768,
@@ -138,6 +138,25 @@ def steady(records: list[dict], warmup: int) -> list[dict]:
 def steady_ms(records: list[dict], warmup: int) -> float:
     """Median ms per iteration after ``warmup`` iterations."""
     return float(np.median([r[ITER_KEY] for r in steady(records, warmup)]))
+
+
+def alternate_runs(variants: dict[str, list[str]], repeats: int, workdir, prefix: str, nproc: int,
+                   warmup: int) -> dict[str, list[RunResult]]:
+    """Each variant's flags run ``repeats`` times, the variants alternating within each repeat (so a
+    change in the shared machine's load hits all of them alike); runs are named prefix_variant_repeat."""
+    runs: dict[str, list[RunResult]] = {name: [] for name in variants}
+    for rep in range(repeats):
+        for name, flags in variants.items():
+            r = run_trainer(flags, workdir, f"{prefix}_{name}_{rep}", nproc=nproc)
+            runs[name].append(r)
+            print(f"  {name} run {rep}: median {steady_ms(r.records, warmup):.1f} ms/iter, layout {r.layout_flag}"
+                  + (f", plan {r.recompute_flag}" if r.recompute_flag else ""), flush=True)
+    return runs
+
+
+def pooled_ms(runs: list[RunResult], warmup: int) -> float:
+    """Median ms per iteration over the steady iterations of all ``runs`` together."""
+    return float(np.median([r[ITER_KEY] for run in runs for r in steady(run.records, warmup)]))
 
 
 def summarize(records: list[dict], warmup: int) -> dict:

@@ -41,20 +41,17 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl  # noqa: E402  (puts the repository on the path)
 from omnibal_ext.data.stats import load_stats, resample  # noqa: E402
 from omnibal_ext.memory.memory_model import GIB  # noqa: E402
 from omnibal_ext.plan import make_plan  # noqa: E402
 
-STATS_DIR = ROOT.parent / "shared" / "data" / "internvl_sft_stats"
+STATS_DIR = bl.STATS_DIR
 MODELS = ("internvl-6b-20b", "internvl-6b-34b")
 
 # GPU-days of the paper's ablation (6B+20B); speed-ups are derived from them.
@@ -76,11 +73,11 @@ ASSUMPTIONS = [
 
 
 def load_shared_stats(stats_dir: Path = STATS_DIR):
-    files = sorted(stats_dir.glob("*.json")) if stats_dir.is_dir() else []
-    if not files:
+    try:
+        return load_stats(bl.stats_files(stats_dir))
+    except FileNotFoundError:
         raise SystemExit(f"reproduce_paper: no stats files in {stats_dir} (the shared InternVL SFT stats, "
-                         "expected at ../shared/data/internvl_sft_stats/ next to the repository)")
-    return load_stats(files)
+                         "expected at ../shared/data/internvl_sft_stats/ next to the repository)") from None
 
 
 def predict(stats, model: str, gpus: int, gpu_memory_gib: float, k: int, global_batch: int, samples: int,
@@ -176,9 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     for a in assumptions:
         print(f"- {a}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows, "plans": plans, "assumptions": assumptions, "tolerance": TOLERANCE,
-                       "samples": args.samples, "gpus": args.gpus}, f, indent=1)
+        bl.write_json(args.json, {"rows": rows, "plans": plans, "assumptions": assumptions, "tolerance": TOLERANCE,
+                                  "samples": args.samples, "gpus": args.gpus})
     return 0
 
 
