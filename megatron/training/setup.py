@@ -168,7 +168,7 @@ def balanced_layout(args, costs):
     default = evaluate_layout(costs, default_layout(args.model_spec, args.pipeline_model_parallel_size),
                               args.pipeline_model_parallel_size)
     if dist.get_rank() == 0:
-        fmt = lambda r: ", ".join(f"{t * 1e3:.2f}" for r_ in [r] for t in r_.stage_times_s)  # noqa: E731
+        fmt = lambda r: ", ".join(f"{t * 1e3:.2f}" for t in r.stage_times_s)  # noqa: E731
         print(f"> omnibal partition: layout {report.flag}; predicted stage times (ms/micro-batch) "
               f"[{fmt(report)}], bottleneck/mean {report.bottleneck_over_mean:.3f} "
               f"(default [{fmt(default)}], {default.bottleneck_over_mean:.3f}); search {report.search_seconds * 1e3:.1f} ms",

@@ -298,9 +298,12 @@ class VLMStage(MegatronModule):
         self.input_tensor = input_tensor
 
     def attention_mask(self, batch: dict) -> torch.Tensor:
-        """What the LLM layers' core attention takes: SegmentAttention reads the segment ids [b, s];
+        """What the LLM layers' core attention takes: SegmentAttention reads the segment ids [b, s]
+        (on the host: every layer slices by them, so they cross from the device once per micro-batch);
         megatron-core's and TransformerEngine's attention take the dense block-diagonal mask."""
-        return batch["segment_ids"] if self.segment_attention else packed_causal_mask(batch["segment_ids"])
+        if self.segment_attention:
+            return batch["segment_ids"].cpu()
+        return packed_causal_mask(batch["segment_ids"])
 
     def _rope(self, batch: dict) -> torch.Tensor:
         """Rotary embeddings [s, 1, 1, d]: per-sample positions in a packed row (b == 1), 0..s-1 otherwise."""
