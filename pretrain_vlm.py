@@ -23,6 +23,9 @@ def main(argv=None) -> dict:
 
     args = parse_args(argv, world_size_from_env())
     device = choose_device(args.device)
+    if args.bf16 and device.type != "cuda":
+        raise ValueError("--bf16 needs a CUDA device: megatron-core's mixed-precision optimizer takes CUDA "
+                         "tensors only (train in fp32 on CPU)")
     initialize_distributed(device, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     set_seeds(args.seed)
 

@@ -163,21 +163,62 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("profile", help="measure per-unit forward/backward time and activation bytes",
                               description=add_profile_parser.__doc__)
     p.add_argument("--json", required=True, metavar="OUT", help="profile JSON to write")
+    g = p.add_argument_group("explicit shape (no data read; for models too large to train here)")
+    g.add_argument("--tiles", type=int, default=None, help="ViT tiles per micro-batch")
+    g.add_argument("--llm-tokens", type=int, default=None, help="LLM tokens per micro-batch")
+    g.add_argument("--sample-tokens", type=int, default=None,
+                   help="length of each packed sample, tokens (attention is within a sample; default: "
+                        "one sequence of --llm-tokens)")
+    p.add_argument("--compare-device", default=None, metavar="PRESET",
+                   help="print measured against this analytic device preset (e.g. h200-141g)")
     p.set_defaults(func=_run_profile, accepts_trainer_flags=True)
     return p
 
 
 def _run_profile(args) -> int:
-    import pretrain_vlm  # the trainer's entry point (installed as a module beside this package)
-
     from megatron.training.initialize import destroy
+    from omnibal_ext.model.cost_model import MicroBatchShape, get_device, profile_report
+    from omnibal_ext.model.costs import CostTable
 
+    explicit = (args.tiles, args.llm_tokens)
+    if any(v is not None for v in explicit) and None in explicit:
+        raise ValueError("--tiles and --llm-tokens go together (an explicit micro-batch shape)")
+    device = get_device(args.compare_device) if args.compare_device else None  # bad name: before any work
     try:
-        pretrain_vlm.main(list(args.trainer_flags) + ["--omnibal-profile", args.json])
-        print(f"profile written to {args.json}")
+        if args.tiles is not None:
+            from megatron.training.profiling import profile_at_shape
+
+            sample = args.sample_tokens or args.llm_tokens
+            if not 1 <= sample <= args.llm_tokens:
+                raise ValueError(f"--sample-tokens must be in [1, --llm-tokens], got {sample}")
+            shape = MicroBatchShape(args.tiles, args.llm_tokens, llm_attn_tokens_sq=float(args.llm_tokens * sample))
+            profile_at_shape(list(args.trainer_flags), shape, args.json)
+        else:
+            import pretrain_vlm  # the trainer's entry point (installed as a module beside this package)
+
+            pretrain_vlm.main(list(args.trainer_flags) + ["--omnibal-profile", args.json])
     finally:
         destroy()
+    print(f"profile written to {args.json}")
+    if device is not None:
+        rows = profile_report(CostTable.load(args.json), device)
+        print(format_profile_report(rows, device.name))
     return 0
+
+
+def format_profile_report(rows: list[dict], device: str) -> str:
+    """The measured-vs-analytic rows of ``cost_model.profile_report`` as a text table (MiB)."""
+    mib = 2.0**20
+    lines = [f"{'kind':<11} {'fwd ms':>9} {'bwd ms':>9} {'bwd/fwd':>7} {'eff@' + device:>16} "
+             f"{'act MiB (model)':>19} {'full MiB (model)':>19} {'sel MiB (model)':>19}"]
+    for r in rows:
+        def pair(field):
+            return f"{r[field] / mib:8.1f} ({r['analytic_' + field] / mib:8.1f})"
+        ratio = "-" if r["bwd_over_fwd"] is None else f"{r['bwd_over_fwd']:.2f}"
+        eff = "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}"
+        lines.append(f"{r['kind']:<11} {r['fwd_ms']:9.3f} {r['bwd_ms']:9.3f} {ratio:>7} {eff:>16} "
+                     f"{pair('act_bytes'):>19} {pair('act_bytes_full'):>19} {pair('act_bytes_selective'):>19}")
+    return "\n".join(lines)
 
 
 def _error(command: str, message: str) -> int:

@@ -11,7 +11,7 @@ import pytest
 from omnibal_ext.cli import main
 from omnibal_ext.memory.recompute import parse_recompute_plan
 from omnibal_ext.model.layout import parse_layout
-from omnibal_ext.model.units import get_preset
+from omnibal_ext.model.units import build_units, get_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_STATS = ROOT.parent / "shared" / "data" / "internvl_sft_stats"
@@ -134,3 +134,26 @@ def test_isf_reads_an_internvl_meta_json(tmp_path, capsys):
     assert summary["samples"] == 3 and summary["tiles_max"] == 3 and summary["tiles_mean"] == 3.0
     assert summary["tokens_min"] == int(scan.rec_tokens.min()) and summary["tokens_max"] == int(scan.rec_tokens.max())
     assert summary["tokens_max"] - summary["tokens_min"] == 299  # the answers differ by 299 bytes
+
+
+def test_profile_at_an_explicit_shape_reports_against_the_model(tmp_path):
+    """`omnibal profile --tiles --llm-tokens --sample-tokens` profiles without data, records that shape,
+    and prints the measured-vs-analytic table; a half-given shape is refused before any work."""
+    import subprocess
+    import sys
+
+    from omnibal_ext.model.costs import CostTable
+
+    out = tmp_path / "p.json"
+    cmd = [sys.executable, "-m", "omnibal_ext.cli", "profile", "--json", str(out), "--device", "cpu",
+           "--tiles", "2", "--llm-tokens", "96", "--sample-tokens", "24", "--compare-device", "cpu"]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    table = CostTable.load(str(out))
+    assert table.meta["shape"] == {"tiles": 2, "llm_tokens": 96, "dtype_bytes": 4, "llm_attn_tokens_sq": 96 * 24.0}
+    assert table.meta["attention"] == "flash"
+    assert [u.name for u in table.units] == [u.name for u in build_units(get_preset("tiny"))]
+    lines = run.stdout.splitlines()
+    assert any(line.startswith("vit_layer") for line in lines) and any(line.startswith("llm_layer") for line in lines)
+    bad = subprocess.run(cmd[:-8] + ["--tiles", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--tiles and --llm-tokens go together" in bad.stderr

@@ -137,7 +137,9 @@ def profile_units(args, shape: MicroBatchShape, img_context_id: int, device: tor
     units = [dataclasses.replace(per_kind[u.kind], name=u.name) for u in build_units(spec)]
     meta = {**environment_meta(), "device": _device_name(device), "dtype": str(dtype).replace("torch.", ""),
             "shape": dataclasses.asdict(shape), "spec": spec.to_dict(), "tp": tp,
-            "warmup": warmup, "repeats": repeats}
+            "warmup": warmup, "repeats": repeats,
+            # SegmentAttention keeps no scores, as FlashAttention; "unfused" keeps megatron-core's
+            "attention": "unfused" if getattr(args, "attention_backend", "auto") == "unfused" else "flash"}
     table = CostTable(tuple(units), source="profile", meta=meta)
     return broadcast_table(table)
 
@@ -217,3 +219,26 @@ def profile_for_training(args, dataset, img_context_id: int, device: torch.devic
                   for t, m in zip(times.units, sizes.units))
     meta = {**times.meta, "shape": dataclasses.asdict(timing), "memory_shape": dataclasses.asdict(memory)}
     return CostTable(units, source="profile", meta=meta)
+
+
+def profile_at_shape(argv: list[str], shape: MicroBatchShape, path: str | None = None) -> CostTable:
+    """Profile the model the trainer flags ``argv`` describe at an explicit micro-batch ``shape``.
+
+    No data is read: this is how a model too large to train here (an InternVL preset, one layer of
+    each kind) is measured at the group shape a plan will use. Runs as a world of one; writes the
+    profile JSON to ``path`` when given.
+    """
+    from . import setup
+    from .arguments import parse_args
+    from .initialize import choose_device, initialize_distributed, set_seeds
+
+    args = parse_args(argv, 1)
+    device = choose_device(args.device)
+    initialize_distributed(device, args.tensor_model_parallel_size, 1)
+    set_seeds(args.seed)
+    tokenizer = setup.setup_tokenizer(args)
+    table = profile_units(args, dataclasses.replace(shape, dtype_bytes=2 if args.bf16 else 4),
+                          tokenizer.img_context_id, device)
+    if path:
+        table.save(path)
+    return table

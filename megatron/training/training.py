@@ -95,19 +95,21 @@ def loss_func(batch: dict, token_correct: torch.Tensor, output_tensor: torch.Ten
     num_tokens = mask.sum().to(torch.int)
     seg = batch["segment_ids"].clamp(min=0)
     n_samples = int(batch["sample_tokens"].numel())
-    wrong = torch.zeros(n_samples).index_add_(0, seg[mask], (~token_correct[mask]).float())
-    has_answer = torch.zeros(n_samples).index_add_(0, seg[mask], torch.ones(int(mask.sum())))
+    dev = labels.device
+    wrong = torch.zeros(n_samples, device=dev).index_add_(0, seg[mask], (~token_correct[mask]).float())
+    has_answer = torch.zeros(n_samples, device=dev).index_add_(0, seg[mask], mask[mask].float())
     answered = has_answer > 0
-    correct = float((answered & (wrong == 0)).sum())
     report = {
         "lm loss": torch.stack([loss_sum.detach().clone().float(), num_tokens.float()]),
-        "answers": torch.tensor([correct, float(answered.sum())]),
+        "answers": torch.stack([(answered & (wrong == 0)).sum().float(), answered.sum().float()]),
     }
     return loss_sum, num_tokens, report
 
 
 def forward_step(data_iterator, model):
-    batch = next(data_iterator)
+    device = next(_unwrap(model).parameters()).device
+    batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+             for k, v in next(data_iterator).items()}  # the loader's batches are on the host
     meter = getattr(_unwrap(model), "activation_meter", None)
     if meter is not None and torch.is_grad_enabled():
         with meter.measure():

@@ -123,7 +123,7 @@ class VisionEmbedding(torch.nn.Module):
         self.position = torch.nn.Parameter(torch.randn(1, v.seq_per_tile, v.hidden_size) * spec.init_method_std)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        x = self.patch(pixel_values).flatten(2).transpose(1, 2)  # [n, P, H]
+        x = self.patch(pixel_values.to(self.patch.weight.dtype)).flatten(2).transpose(1, 2)  # [n, P, H]
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.position
         return x.transpose(0, 1).contiguous()  # [1 + P, n, H]
 

@@ -449,3 +449,35 @@ def calibrated_costs(
     return _costs_from_rates(spec, shape, tp, rates, dropout, attention, "calibrated",
                              {"device": meta.get("device", device.name), "calibration": fitted,
                               "profile_model": profile_spec.name})
+
+
+def profile_report(profile: CostTable, device: DeviceSpec, attention: str | None = None) -> list[dict]:
+    """Measured against analytic, per unit kind, for a profile written by the trainer's profiler.
+
+    One row per kind (the first unit of each): ``fwd_ms``, ``bwd_ms``, ``bwd_over_fwd`` measured;
+    ``efficiency``: analytic forward FLOPs per TP rank / (``fwd_s`` x ``device`` peak), the fraction
+    of peak the unit reached; ``act_bytes``, ``act_bytes_full``, ``act_bytes_selective`` measured
+    (bytes per micro-batch) beside the analytic ones (``analytic_*``) at the profile's shape and TP.
+    attention: the cost model's attention ("flash" / "unfused"); default the profile's meta.
+    """
+    meta = profile.meta or {}
+    missing = [k for k in ("spec", "shape") if k not in meta]
+    if missing:
+        raise ValueError(f"profile_report: the profile's meta lacks {missing} (not written by the profiler?)")
+    spec, shape = ModelSpec.from_dict(meta["spec"]), MicroBatchShape.from_dict(meta["shape"])
+    tp = int(meta.get("tp", 1))
+    attention = attention or meta.get("attention", "unfused")
+    analytic = analytic_costs(spec, shape, tp, device, attention=attention)
+    flops = unit_flops(spec, shape)
+    rows, seen = [], set()
+    for pu, au, fl in zip(profile.units, analytic.units, flops):
+        if pu.kind in seen:
+            continue
+        seen.add(pu.kind)
+        row = {"kind": pu.kind, "fwd_ms": 1e3 * pu.fwd_s, "bwd_ms": 1e3 * pu.bwd_s,
+               "bwd_over_fwd": pu.bwd_s / pu.fwd_s if pu.fwd_s > 0 else None,
+               "efficiency": fl / tp / (pu.fwd_s * device.matmul_flops_per_s) if fl > 0 and pu.fwd_s > 0 else None}
+        for field in ("act_bytes", "act_bytes_full", "act_bytes_selective"):
+            row[field], row[f"analytic_{field}"] = getattr(pu, field), getattr(au, field)
+        rows.append(row)
+    return rows
