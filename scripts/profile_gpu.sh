@@ -5,8 +5,9 @@
 #   scripts/profile_gpu.sh OUT_DIR [DEVICE_PRESET]      # e.g. OUT_DIR=profiles, h200-141g
 #
 # Shape: a group of 9 tiles and 4096 LLM tokens in 4 packed samples of 1024 (the reference group of
-# the partition notes). Writes OUT_DIR/<preset>.json (CostTable profiles, read by
-# `omnibal plan --profile` and reproduce_paper.py --profile) and OUT_DIR/gpu_train.jsonl.
+# the partition notes). Writes OUT_DIR/<preset>.json (CostTable profiles: the trainer's
+# --omnibal-profile reads them, cost_model.calibrated_costs fits rates from them) and
+# OUT_DIR/gpu_train.jsonl. profiles/h200 holds what it measured on an H200.
 set -uo pipefail
 out="${1:?usage: scripts/profile_gpu.sh OUT_DIR [DEVICE_PRESET]}"
 preset="${2:-h200-141g}"
