@@ -557,16 +557,19 @@ def _divisors(n: int) -> list[int]:
 
 
 def tp_problem(spec: ModelSpec, tp: int) -> str | None:
-    """Why ``tp`` cannot split this model's attention (the trainer's rule), or None."""
-    for what, heads, groups in (("ViT", spec.vision.num_attention_heads, spec.vision.num_attention_heads),
-                                ("LLM", spec.language.num_attention_heads, spec.language.kv_groups)):
-        if heads % tp or groups % tp:
-            return f"TP {tp} does not divide the {what}'s {heads} attention heads / {groups} key-value groups"
+    """Why ``tp`` cannot split this model's attention (the trainer's rule), or None.
+
+    The ViT's heads are padded to a multiple of ``tp`` (``VisionSpec.padded_heads``); the LLM's heads
+    and key-value groups must divide."""
+    heads, groups = spec.language.num_attention_heads, spec.language.kv_groups
+    if heads % tp or groups % tp:
+        return f"TP {tp} does not divide the LLM's {heads} attention heads / {groups} key-value groups"
     return None
 
 
-def candidate_configs(spec: ModelSpec, gpus: int, tp=None, pp=None, dp=None) -> tuple[list[tuple[int, int, int]], list[dict]]:
-    """(tp, pp, dp) triples to try, and the skipped ones with a reason."""
+def candidate_configs(spec: ModelSpec, gpus: int, tp=None, pp=None, dp=None,
+                      min_pp: int = 1) -> tuple[list[tuple[int, int, int]], list[dict]]:
+    """(tp, pp, dp) triples to try (pipeline depth at least ``min_pp``), and the skipped ones with a reason."""
     n_units = len(build_units(spec))
     tps = [tp] if tp is not None else [t for t in TP_CHOICES if gpus % t == 0]
     out, skipped = [], []
@@ -589,6 +592,9 @@ def candidate_configs(spec: ModelSpec, gpus: int, tp=None, pp=None, dp=None) -> 
                 continue
             if p > n_units:
                 skipped.append({"tp": t, "pp": p, "reason": f"PP {p} exceeds the model's {n_units} pipeline units"})
+                continue
+            if p < min_pp:
+                skipped.append({"tp": t, "pp": p, "reason": f"PP {p} is below the {min_pp} stages asked for"})
                 continue
             try:
                 default_layout(spec, p)
@@ -681,7 +687,7 @@ def make_plan(stats: SampleStats, spec: ModelSpec | str, gpus: int, gpu_memory_b
               global_batch_size: int = DEFAULT_GLOBAL_BATCH, memory_reserve: float = 0.1,
               attention: str = "unfused", sim_iterations: int = 8, isf_max_candidates: int = 20,
               isf_search_samples: int = 40_000, require_baseline_fit: bool = False, choose_for: str = "omnibal",
-              seed: int = 0) -> Plan:
+              min_pp: int = 1, seed: int = 0) -> Plan:
     """Plan data, model and memory balance together (see the module docstring).
 
     stats: per-sample tiles and tokens; spec: a ModelSpec or preset name; gpu_memory_bytes: memory of
@@ -693,7 +699,8 @@ def make_plan(stats: SampleStats, spec: ModelSpec | str, gpus: int, gpu_memory_b
     simulated per setting; require_baseline_fit: only configurations where the Megatron default
     also fits memory; choose_for: which setting's speed picks the parallel sizes among those where the
     balanced plan fits: "omnibal" (the fastest plan, default) or "baseline" (the configuration a
-    Megatron user would run: the fastest Megatron default; the ablation then holds it fixed).
+    Megatron user would run: the fastest Megatron default; the ablation then holds it fixed); min_pp:
+    consider only pipelines of at least this many stages (an ablation of the model level needs 2).
     Raises PlanError when nothing fits.
     """
     spec = get_preset(spec) if isinstance(spec, str) else spec
@@ -728,7 +735,7 @@ def make_plan(stats: SampleStats, spec: ModelSpec | str, gpus: int, gpu_memory_b
     opts = dict(max_seq_length=max_seq_length, seed=seed, max_candidates=isf_max_candidates,
                 search_samples=isf_search_samples)
 
-    configs, skipped = candidate_configs(spec, gpus, tp, pp, dp)
+    configs, skipped = candidate_configs(spec, gpus, tp, pp, dp, min_pp)
     if not configs:
         raise _refusal(spec, gpus, gpu_memory_bytes, budget, [], skipped, require_baseline_fit)
     # Provisional ISF thresholds for screening: caps depend on K, hardly on the DP size.

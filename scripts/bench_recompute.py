@@ -68,7 +68,8 @@ def simulated(args) -> dict:
     stats = load_stats(bl.stats_files(args.stats_dir))
     opts = dict(samples=args.sim_samples, samples_per_group=4, global_batch_size=1024, attention="flash",
                 sim_iterations=args.sim_iterations)
-    plan = make_plan(stats, args.preset, args.gpus, args.gpu_memory_gib * GIB, choose_for="baseline", **opts)
+    # the configuration of reproduce_paper.py's ablation: the fastest Megatron default with a pipeline
+    plan = make_plan(stats, args.preset, args.gpus, args.gpu_memory_gib * GIB, choose_for="baseline", min_pp=2, **opts)
     full, adaptive = plan.row("+model"), plan.row("+memory")
     ratio = get_device(plan.device).bwd_over_fwd
     out = {"preset": args.preset, "gpus": args.gpus, "tp": plan.tp, "pp": plan.pp, "dp": plan.dp,

@@ -49,7 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl  # noqa: E402  (puts the repository on the path)
 from omnibal_ext.data.stats import load_stats, resample  # noqa: E402
 from omnibal_ext.memory.memory_model import GIB  # noqa: E402
-from omnibal_ext.plan import make_plan  # noqa: E402
+from omnibal_ext.plan import SETTINGS, PlanError, candidate_configs, make_plan  # noqa: E402
+from omnibal_ext.model.units import get_preset  # noqa: E402
 
 STATS_DIR = bl.STATS_DIR
 MODELS = ("internvl-6b-20b", "internvl-6b-34b")
@@ -81,10 +82,11 @@ def load_shared_stats(stats_dir: Path = STATS_DIR):
 
 
 def predict(stats, model: str, gpus: int, gpu_memory_gib: float, k: int, global_batch: int, samples: int,
-            sim_iterations: int, isf_candidates: int) -> tuple[list[dict], dict]:
+            sim_iterations: int, isf_candidates: int, tp: int | None = None, pp: int | None = None,
+            min_pp: int = 2) -> tuple[list[dict], dict]:
     """Rows of one model (SETTINGS order plus the headline row) and its plan summary."""
-    plan = make_plan(stats, model, gpus, gpu_memory_gib * GIB, samples=samples, samples_per_group=k,
-                     global_batch_size=global_batch, attention="flash", choose_for="baseline",
+    plan = make_plan(stats, model, gpus, gpu_memory_gib * GIB, tp=tp, pp=pp, samples=samples, samples_per_group=k,
+                     global_batch_size=global_batch, attention="flash", choose_for="baseline", min_pp=min_pp,
                      sim_iterations=sim_iterations, isf_max_candidates=isf_candidates)
     rows = []
     for r in plan.rows:
@@ -120,6 +122,35 @@ def predict(stats, model: str, gpus: int, gpu_memory_gib: float, k: int, global_
     return rows, summary
 
 
+def sweep(stats, model: str, args) -> list[dict]:
+    """The ablation's speed-ups at every (TP, PP) with PP >= 2 at which the balanced plan fits."""
+    configs, _ = candidate_configs(get_preset(model), args.gpus, min_pp=2)
+    out = []
+    for tp, pp, dp in configs:
+        try:
+            rows, _ = predict(stats, model, args.gpus, args.gpu_memory, args.samples_per_group, args.global_batch_size,
+                              args.samples, args.sim_iterations, args.isf_candidates, tp=tp, pp=pp)
+        except PlanError:
+            continue
+        by = {r["setting"]: r for r in rows}
+        out.append({"model": model, "tp": tp, "pp": pp, "dp": dp, "baseline_gpu_days": by["baseline"]["predicted_gpu_days"],
+                    "baseline_fits_memory": by["baseline"]["fits_memory"],
+                    **{f"{s}_speedup": by[s]["predicted_speedup"] for s in SETTINGS[1:]},
+                    "within_15pct": [by[s]["within_15pct"] for s in SETTINGS[1:] if by[s]["within_15pct"] is not None]})
+    return out
+
+
+def format_sweep(rows: list[dict]) -> str:
+    head = f"{'model':<16} {'TP':>3} {'PP':>3} {'DP':>3} {'baseline GPU-days':>17} {'+data':>6} {'+model':>6} {'+memory':>7}  within 15%"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        ok = r["within_15pct"]
+        lines.append(f"{r['model']:<16} {r['tp']:>3} {r['pp']:>3} {r['dp']:>3} {r['baseline_gpu_days']:>16.1f}"
+                     f"{'' if r['baseline_fits_memory'] else '*'} {r['+data_speedup']:>5.2f}x {r['+model_speedup']:>5.2f}x "
+                     f"{r['+memory_speedup']:>6.2f}x  {f'{sum(ok)} of {len(ok)}' if ok else '-'}")
+    return "\n".join(lines)
+
+
 def format_table(rows: list[dict]) -> str:
     f = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
     head = (f"{'model':<16} {'setting':<9} {'pred GPU-days':>13} {'pred speed-up':>13} {'paper GPU-days':>14} "
@@ -148,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--isf-candidates", type=int, default=20, help="ISF threshold candidates searched")
     p.add_argument("--stats-dir", type=Path, default=STATS_DIR)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", type=int, default=None, help="fix the tensor-parallel size (default: chosen, see above)")
+    p.add_argument("--pp", type=int, default=None, help="fix the pipeline depth (default: chosen, see above)")
+    p.add_argument("--sweep", action="store_true",
+                   help="also predict the ablation at every (TP, PP) with PP >= 2 that fits (JSON: sweep)")
     p.add_argument("--json", default=None, metavar="OUT", help="write rows, per-model plans and assumptions here")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -156,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, plans = [], []
     for model in args.models:
         r, s = predict(stats, model, args.gpus, args.gpu_memory, args.samples_per_group, args.global_batch_size,
-                       args.samples, args.sim_iterations, args.isf_candidates)
+                       args.samples, args.sim_iterations, args.isf_candidates, tp=args.tp, pp=args.pp)
         rows += r
         plans.append(s)
     assumptions = [a.format(gpus=args.gpus, global_batch=args.global_batch_size, k=args.samples_per_group,
@@ -172,9 +207,14 @@ def main(argv: list[str] | None = None) -> int:
           f"({time.perf_counter() - t0:.1f} s)")
     for a in assumptions:
         print(f"- {a}")
+    doc = {"rows": rows, "plans": plans, "assumptions": assumptions, "tolerance": TOLERANCE,
+           "samples": args.samples, "gpus": args.gpus}
+    if args.sweep:
+        doc["sweep"] = [r for model in args.models for r in sweep(stats, model, args)]
+        print("\nThe ablation at every parallel configuration (* = the Megatron default is over the budget there):")
+        print(format_sweep(doc["sweep"]))
     if args.json:
-        bl.write_json(args.json, {"rows": rows, "plans": plans, "assumptions": assumptions, "tolerance": TOLERANCE,
-                                  "samples": args.samples, "gpus": args.gpus})
+        bl.write_json(args.json, doc)
     return 0
 
 

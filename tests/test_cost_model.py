@@ -81,12 +81,23 @@ def test_times_follow_device_and_efficiency():
     costs = analytic_costs(BIG, shape, tp=2, device=dev, efficiency={"llm_layer": 0.25})
     i = _index(BIG, "llm.layer.3")
     fl = unit_flops(BIG, shape)[i]
-    assert costs.units[i].fwd_s == pytest.approx(fl / 2 / (dev.matmul_flops_per_s * 0.25))
-    assert costs.units[i].bwd_s == pytest.approx(1.79 * costs.units[i].fwd_s)  # measured on an H200
+    compute = fl / 2 / (dev.matmul_flops_per_s * 0.25)
+    # two ring all-reduces of [4096, 6144] bf16 each way, 2 (t-1)/t of the bytes over the NVLink bus
+    allreduce = 2 * (2 * 1 / 2 * 4096 * 6144 * 2 / dev.tp_bytes_per_s)
+    assert costs.units[i].fwd_s == pytest.approx(compute + allreduce)
+    assert costs.units[i].bwd_s == pytest.approx(1.79 * compute + allreduce)  # measured on an H200
+    assert analytic_costs(BIG, shape, tp=1, device=dev, efficiency={"llm_layer": 0.25}).units[i].fwd_s == \
+        pytest.approx(fl / (dev.matmul_flops_per_s * 0.25))  # no all-reduce at TP 1
     cpu = analytic_costs(BIG, shape, device=DEVICES["cpu"]).units[i]
     assert cpu.bwd_s == pytest.approx(2 * cpu.fwd_s)
+    # the ViT's 25 heads run as 26 at TP 2: the attention's matmuls and core grow by 26/25
     j = _index(BIG, "vit.layer.0")
-    assert costs.units[j].fwd_s == pytest.approx(unit_flops(BIG, shape)[j] / 2 / (dev.matmul_flops_per_s * DEFAULT_EFFICIENCY["vit_layer"]))
+    s_, h, f, width = 1025, 3200, 12800, 26 * 128
+    vit_fl = 9 * (2 * s_ * (4 * h * width + 2 * h * f) + 4 * s_ * s_ * width)
+    vit_allreduce = 2 * (2 * 1 / 2 * 9 * 1025 * 3200 * 2 / dev.tp_bytes_per_s)
+    assert costs.units[j].fwd_s == pytest.approx(
+        vit_fl / 2 / (dev.matmul_flops_per_s * DEFAULT_EFFICIENCY["vit_layer"]) + vit_allreduce)
+    assert costs.units[j].param_count == 4 * h * width + 2 * h * f + 3 * width + h + f + h + 2 * h
     with pytest.raises(ValueError, match="unknown unit kinds"):
         analytic_costs(BIG, shape, efficiency={"mlp": 0.3})
 

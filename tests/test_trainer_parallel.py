@@ -113,3 +113,35 @@ def test_adaptive_recompute_fits_the_budget(workdir, serial):
             assert 0 < act and act + static <= budget
     # the tight plan keeps fewer activations on stage 0 than no recompute does
     assert tight["peak_act_bytes_per_stage"][0] < loose["peak_act_bytes_per_stage"][0]
+
+
+def test_vit_heads_padded_for_tensor_parallel(workdir, tmp_path):
+    """3 ViT heads at TP 2 run as 4, the fourth zero: losses and gradient norms equal the serial
+    3-head run's, and after training the padded head's weights are still exactly zero."""
+    import torch
+
+    from megatron.training.checkpointing import _rank_file
+
+    d, data = workdir
+    flags = BASE + data + ["--vision-hidden-size", "48", "--vision-num-attention-heads", "3"]
+    serial3, _ = run_training(1, flags, d, "vit3-serial")
+    ckpt = tmp_path / "ckpt"
+    tp2, _ = run_training(2, flags + ["--tensor-model-parallel-size", "2", "--save", str(ckpt), "--exit-interval", "6"],
+                          d, "vit3-tp2")
+    assert_close(losses(tp2, 6), losses(serial3, 6))
+    assert_close([r["grad norm"] for r in tp2], [r["grad norm"] for r in serial3], rel=1e-3)
+    head_dim = 16
+    last_rank = torch.load(_rank_file(str(ckpt), 6, 1), map_location="cpu", weights_only=False)["model"][0]
+    first_rank = torch.load(_rank_file(str(ckpt), 6, 0), map_location="cpu", weights_only=False)["model"][0]
+    qkv_keys = [k for k in last_rank if k.startswith("vit_blocks") and k.endswith("linear_qkv.weight")]
+    assert len(qkv_keys) == 4  # every ViT layer
+    for key in qkv_keys:
+        proj = key.replace("linear_qkv.weight", "linear_proj.weight")
+        bias = key.replace("weight", "bias")
+        # rank 1 holds heads 2 (real) and 3 (padding): [q|k|v] rows per head, out-projection columns per head
+        assert last_rank[key].shape == (2 * 3 * head_dim, 48)
+        assert torch.count_nonzero(last_rank[key][3 * head_dim:]) == 0
+        assert torch.count_nonzero(last_rank[bias][3 * head_dim:]) == 0
+        assert torch.count_nonzero(last_rank[proj][:, head_dim:]) == 0
+        assert torch.count_nonzero(last_rank[key][:3 * head_dim]) > 0 and torch.count_nonzero(first_rank[key]) > 0
+        assert torch.count_nonzero(last_rank[bias][:3 * head_dim]) > 0  # the real head's bias did train

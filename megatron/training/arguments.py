@@ -161,7 +161,7 @@ def validate_args(args, world_size: int) -> None:
          spec.language.kv_groups)]:
         if hidden % heads:
             raise ArgumentError(f"{name} {heads} does not divide the hidden size {hidden}")
-        if heads % tp or (groups is not None and groups % tp):
+        if groups is not None and (heads % tp or groups % tp):  # the ViT's heads are padded instead
             raise ArgumentError(f"{name} {heads} (key/value groups {groups}) is not divisible by "
                                 f"--tensor-model-parallel-size {tp}")
     if spec.vision.image_size % spec.vision.patch_size:

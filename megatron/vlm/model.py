@@ -56,11 +56,58 @@ def seeded(seed: int, unit_index: int):
 
 
 class SeededTransformerLayer(TransformerLayer):
-    """A TransformerLayer whose weights are drawn from a generator seeded by its unit index."""
+    """A TransformerLayer whose weights are drawn from a generator seeded by its unit index.
 
-    def __init__(self, config, submodules, layer_number=1, seed=0, first_unit_index=0, **kwargs):
-        with seeded(seed, first_unit_index + layer_number - 1):
+    real_heads: the model's attention heads when the config may hold padded ones (the ViT): the layer's
+    matrices are then drawn by ``draw_padded_layer`` instead of megatron's initialisation.
+    """
+
+    def __init__(self, config, submodules, layer_number=1, seed=0, first_unit_index=0, real_heads=None, **kwargs):
+        unit = first_unit_index + layer_number - 1
+        with seeded(seed, unit):
             super().__init__(config, submodules, layer_number=layer_number, **kwargs)
+        if real_heads is not None:
+            with seeded(seed, unit):
+                draw_padded_layer(self, config, real_heads)
+
+
+def draw_padded_layer(layer: TransformerLayer, config: TransformerConfig, real_heads: int) -> None:
+    """Draw a multi-head layer's matrices for ``real_heads`` heads and zero the padded heads after them.
+
+    ``config.num_attention_heads`` >= real_heads (a multiple of the TP size). The full matrices of the
+    real model are drawn on the host in a fixed order (QKV, out-projection, MLP in, MLP out), so a
+    layer's weights are the same at every TP size, padded or not, and this rank keeps its slice;
+    biases start at zero. Megatron's fused QKV holds, per head, rows [q | k | v] of ``kv_channels``
+    each; the out-projection's input columns follow the heads. A padded head's q, k, v are zero, so
+    its attention output is zero; its out-projection columns are zero, so that output reaches nothing
+    and every gradient the head gets is zero: padded heads stay zero under training.
+    """
+    heads, d, h = config.num_attention_heads, config.kv_channels, config.hidden_size
+    if config.num_query_groups not in (None, heads):
+        raise ValueError("draw_padded_layer: multi-head attention only (the ViT's)")
+    if not 1 <= real_heads <= heads:
+        raise ValueError(f"draw_padded_layer: {real_heads} real heads for a layer of {heads}")
+    tp = config.tensor_model_parallel_size
+    rank = parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0
+    mine = slice(rank * heads // tp, (rank + 1) * heads // tp)
+    qkv = torch.zeros(heads, 3 * d, h)
+    config.init_method(qkv[:real_heads])
+    proj = torch.zeros(h, heads, d)
+    proj_real = torch.empty(h, real_heads, d)
+    config.output_layer_init_method(proj_real)
+    proj[:, :real_heads] = proj_real
+    fc1 = torch.empty(config.ffn_hidden_size, h)
+    config.init_method(fc1)
+    fc2 = torch.empty(h, config.ffn_hidden_size)
+    config.output_layer_init_method(fc2)
+    ffn_mine = slice(rank * config.ffn_hidden_size // tp, (rank + 1) * config.ffn_hidden_size // tp)
+    attn, mlp = layer.self_attention, layer.mlp
+    with torch.no_grad():
+        for linear, full in ((attn.linear_qkv, qkv[mine].reshape(-1, h)), (attn.linear_proj, proj[:, mine].reshape(h, -1)),
+                             (mlp.linear_fc1, fc1[ffn_mine]), (mlp.linear_fc2, fc2[:, ffn_mine])):
+            linear.weight.copy_(full.to(linear.weight.dtype))
+            if getattr(linear, "bias", None) is not None:
+                linear.bias.zero_()
 
 
 def base_layer_spec(normalization: str, transformer_impl: str = "local") -> ModuleSpec:
@@ -76,10 +123,11 @@ def base_layer_spec(normalization: str, transformer_impl: str = "local") -> Modu
 
 
 def _layer_spec(normalization: str, mask_type: AttnMaskType, seed: int, first_unit_index: int,
-                transformer_impl: str = "local", attention_backend: str = "auto") -> ModuleSpec:
+                transformer_impl: str = "local", attention_backend: str = "auto",
+                real_heads: int | None = None) -> ModuleSpec:
     spec = copy.deepcopy(base_layer_spec(normalization, transformer_impl))
     spec.module = SeededTransformerLayer
-    spec.params = {**spec.params, "seed": seed, "first_unit_index": first_unit_index}
+    spec.params = {**spec.params, "seed": seed, "first_unit_index": first_unit_index, "real_heads": real_heads}
     attn = spec.submodules.self_attention
     attn.params = {**attn.params, "attn_mask_type": mask_type}
     if uses_segment_attention(transformer_impl, attention_backend):
@@ -264,7 +312,8 @@ class VLMStage(MegatronModule):
             with seeded(seed, first["vit_embed"]):
                 self.vit_embed = VisionEmbedding(spec)
         self.vit_blocks = self._blocks(vit_config, spec.vision.normalization, AttnMaskType.no_mask, seed,
-                                       first["vit_layer"], n_vit, recompute.vit_full_layers, recompute.vit_selective)
+                                       first["vit_layer"], n_vit, recompute.vit_full_layers, recompute.vit_selective,
+                                       real_heads=spec.vision.num_attention_heads)
         if first["projector"] is not None:
             with seeded(seed, first["projector"]):
                 self.projector = Projector(spec, llm_config)
@@ -282,12 +331,13 @@ class VLMStage(MegatronModule):
                 norm = get_gpt_layer_local_spec(normalization=spec.language.normalization).submodules.input_layernorm
                 self.head = OutputHead(spec, llm_config, norm)
 
-    def _blocks(self, base, normalization, mask_type, seed, first_index, n_layers, full_layers, selective):
+    def _blocks(self, base, normalization, mask_type, seed, first_index, n_layers, full_layers, selective,
+                real_heads=None):
         blocks = torch.nn.ModuleList()
         offset = 0
         for n, cfg in segment_configs(base, n_layers, min(full_layers, n_layers), selective):
             layer = _layer_spec(normalization, mask_type, seed, first_index + offset, self.transformer_impl,
-                                self.attention_backend)
+                                self.attention_backend, real_heads)
             blocks.append(TransformerBlock(cfg, layer, post_layer_norm=False))
             offset += n
         return blocks

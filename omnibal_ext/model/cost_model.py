@@ -26,7 +26,9 @@ measured 7.7 ms forward and 11.9 ms backward (Korthikanti et al. 2022, Table 4, 
 of 1.55, and full recompute added 39% to the layer (7.7 ms more in the backward).  The A100 preset
 uses that ratio; the Hopper presets use 1.79, our trainer's layers measured on an H200
 (``profiles/h200``); a profile (``calibrated_costs``) fits its own. Tensor-parallel all-reduces are
-not modelled (they stay within a node and are the same for every stage holding one kind of layer).
+added at the device's intra-node bus bandwidth (``tp_allreduce_bytes``); InternViT-6B's 25 heads are
+padded to a multiple of the TP size (``VisionSpec.padded_heads``), and its FLOPs, bytes and
+parameters count the padded heads.
 
 Activation bytes of a pre-norm transformer layer per token (our generalisation of Korthikanti et
 al. 2022, "Reducing Activation Recomputation in Large Transformer Models", which without sequence
@@ -114,6 +116,8 @@ class DeviceSpec:
     p2p_bytes_per_s: pipeline point-to-point bandwidth between neighbouring stages, bytes/s.
     memory_bytes: device memory, bytes.
     bwd_over_fwd: backward time / forward time of a unit (no recompute); 2.0 is the FLOP ratio.
+    tp_bytes_per_s: all-reduce bus bandwidth among the GPUs of a node (tensor parallelism), bytes/s:
+        an all-reduce of ``n`` bytes over ``t`` ranks takes ``2 (t-1)/t * n / tp_bytes_per_s``.
     """
 
     name: str
@@ -122,6 +126,7 @@ class DeviceSpec:
     p2p_bytes_per_s: float
     memory_bytes: float
     bwd_over_fwd: float = 2.0
+    tp_bytes_per_s: float = 100e9
 
 
 GiB = 2**30
@@ -129,7 +134,9 @@ GiB = 2**30
 # Peak bf16 dense rates from the vendors' data sheets. Memory bandwidth is ~80% of the data-sheet
 # HBM rate (what STREAM-like copies reach). p2p is the inter-node rate per GPU (pipeline stages
 # usually sit on different nodes): A100 with one HDR 200 Gb/s HCA per GPU (25 GB/s), H100/H200 with
-# one NDR 400 Gb/s HCA per GPU (50 GB/s). The CPU entry is a rough 2-core laptop-class machine
+# one NDR 400 Gb/s HCA per GPU (50 GB/s). Tensor-parallel all-reduces stay in a node: NCCL's
+# all_reduce_perf reaches a bus bandwidth of about 230 GB/s on DGX A100 (NVLink 3) and about 450 GB/s
+# on DGX H100/H200 (NVLink 4) for large messages. The CPU entry is a rough 2-core laptop-class machine
 # (only used to sanity-check small runs; calibrate with a profile for real numbers).
 # Backward/forward time of a transformer layer: on A100 as published (module docstring); on Hopper
 # as measured here, our trainer's ViT and LLM layers of InternVL-6B+20B in bf16 on an H200 at 9 tiles
@@ -137,10 +144,10 @@ GiB = 2**30
 A100_BWD_OVER_FWD = 11.9 / 7.7  # Korthikanti et al. 2022, Table 4: 22B layer on A100, ms
 HOPPER_BWD_OVER_FWD = 1.79
 DEVICES: dict[str, DeviceSpec] = {
-    "a100-80g": DeviceSpec("a100-80g", 312e12, 0.8 * 2.039e12, 25e9, 80 * GiB, A100_BWD_OVER_FWD),
-    "h100-80g": DeviceSpec("h100-80g", 989e12, 0.8 * 3.35e12, 50e9, 80 * GiB, HOPPER_BWD_OVER_FWD),
-    "h200-141g": DeviceSpec("h200-141g", 989e12, 0.8 * 4.8e12, 50e9, 141e9, HOPPER_BWD_OVER_FWD),
-    "cpu": DeviceSpec("cpu", 100e9, 20e9, 5e9, 16 * GiB, 2.0),
+    "a100-80g": DeviceSpec("a100-80g", 312e12, 0.8 * 2.039e12, 25e9, 80 * GiB, A100_BWD_OVER_FWD, 230e9),
+    "h100-80g": DeviceSpec("h100-80g", 989e12, 0.8 * 3.35e12, 50e9, 80 * GiB, HOPPER_BWD_OVER_FWD, 450e9),
+    "h200-141g": DeviceSpec("h200-141g", 989e12, 0.8 * 4.8e12, 50e9, 141e9, HOPPER_BWD_OVER_FWD, 450e9),
+    "cpu": DeviceSpec("cpu", 100e9, 20e9, 5e9, 16 * GiB, 2.0, 5e9),
 }
 
 # Fraction of peak matmul rate each kind of unit reaches. ~0.5 is what large Megatron runs report
@@ -165,12 +172,17 @@ def get_device(name: str) -> DeviceSpec:
 # ----------------------------------------------------------------------------------------------
 # FLOPs
 # ----------------------------------------------------------------------------------------------
-def vit_layer_flops(spec: ModelSpec, tiles: int) -> tuple[float, float]:
-    """(total, attention-core) forward FLOPs of one ViT layer over ``tiles`` tiles."""
+def vit_layer_flops(spec: ModelSpec, tiles: int, tp: int = 1) -> tuple[float, float]:
+    """(total, attention-core) forward FLOPs of one ViT layer over ``tiles`` tiles, all TP ranks.
+
+    At TP sizes that do not divide the heads, the layer runs ``spec.vision.padded_heads(tp)`` heads
+    (zero ones after the real ones), and the attention's FLOPs grow with them.
+    """
     v = spec.vision
     s, h, f = v.seq_per_tile, v.hidden_size, v.ffn_hidden_size
-    linear = 2.0 * s * (4 * h * h + 2 * h * f)
-    core = 4.0 * s * s * h
+    width = v.padded_heads(tp) * v.head_dim  # attention width: h without padding
+    linear = 2.0 * s * (4 * h * width + 2 * h * f)
+    core = 4.0 * s * s * width
     return tiles * (linear + core), tiles * core
 
 
@@ -186,17 +198,18 @@ def llm_layer_flops(spec: ModelSpec, shape: MicroBatchShape) -> tuple[float, flo
     return qkv + out + mlp + core, core
 
 
-def unit_flops(spec: ModelSpec, shape: MicroBatchShape) -> list[float]:
-    """Forward FLOPs of every unit of ``build_units(spec)`` for one micro-batch (whole model, tp=1)."""
-    return [_unit_flops_core(spec, shape, u)[0] for u in build_units(spec)]
+def unit_flops(spec: ModelSpec, shape: MicroBatchShape, tp: int = 1) -> list[float]:
+    """Forward FLOPs of every unit of ``build_units(spec)`` for one micro-batch, summed over the TP
+    ranks (``tp`` only adds the ViT's padded heads)."""
+    return [_unit_flops_core(spec, shape, u, tp)[0] for u in build_units(spec)]
 
 
-def _unit_flops_core(spec: ModelSpec, shape: MicroBatchShape, unit: Unit) -> tuple[float, float]:
+def _unit_flops_core(spec: ModelSpec, shape: MicroBatchShape, unit: Unit, tp: int = 1) -> tuple[float, float]:
     v, lm = spec.vision, spec.language
     if unit.kind == "vit_embed":
         return shape.tiles * 2.0 * v.patches_per_tile * (v.in_channels * v.patch_size**2) * v.hidden_size, 0.0
     if unit.kind == "vit_layer":
-        return vit_layer_flops(spec, shape.tiles)
+        return vit_layer_flops(spec, shape.tiles, tp)
     if unit.kind == "projector":
         n = shape.tiles * spec.tokens_per_tile
         return 2.0 * n * (spec.projector_in_size * lm.hidden_size + lm.hidden_size**2), 0.0
@@ -226,7 +239,7 @@ def unit_mem_bytes(spec: ModelSpec, shape: MicroBatchShape, tp: int = 1) -> list
 
 def unit_work(spec: ModelSpec, shape: MicroBatchShape, tp: int = 1) -> list[float]:
     """What calibration divides time by: forward FLOPs per TP rank, or memory bytes for units without FLOPs."""
-    flops = unit_flops(spec, shape)
+    flops = unit_flops(spec, shape, tp)
     mem = unit_mem_bytes(spec, shape, tp)
     return [fl / tp if fl > 0 else mb for fl, mb in zip(flops, mem)]
 
@@ -237,11 +250,13 @@ def unit_work(spec: ModelSpec, shape: MicroBatchShape, tp: int = 1) -> list[floa
 def layer_act_bytes_per_token(
     hidden: int, heads: int, kv_groups: int, ffn: int, swiglu: bool, attended: float,
     dtype_bytes: int, tp: int, dropout: bool, attention: str, *, rotary: bool = False, per_sample: bool = False,
+    built_heads: int | None = None,
 ) -> tuple[float, float]:
     """(all, attention-core) activation bytes per token of one pre-norm layer (see module docstring).
 
     attended: attended length per token (tokens), so the core keeps ``heads*attended`` scores per token.
-    rotary: the layer applies rotary embeddings; per_sample: attention runs once per packed sample.
+    rotary: the layer applies rotary embeddings; per_sample: attention runs once per packed sample;
+    built_heads: heads the layer is built with (padded for TP; default ``heads``).
 
     Beyond the textbook count, what this trainer's megatron-core local layers keep, as measured on an
     H200 (``profiles/h200``; the ViT layer matches to 0.1%, the LLM layers to 0.1%):
@@ -255,11 +270,13 @@ def layer_act_bytes_per_token(
     """
     d_bytes, p = dtype_bytes, (1 if dropout else 0)
     head_dim = hidden // heads
+    heads = built_heads or heads
+    width = heads * head_dim  # attention width: hidden, unless heads are padded
     replicated = 4 * hidden * d_bytes + 2 * hidden * p + (4 * head_dim * d_bytes if rotary else 0)
-    split = (hidden + 2 * max(kv_groups, heads) * head_dim) * d_bytes + hidden * d_bytes
+    split = (width + 2 * max(kv_groups, heads) * head_dim) * d_bytes + width * d_bytes
     split += (5 if swiglu else 2) * ffn * d_bytes
     if per_sample:
-        split += hidden * d_bytes
+        split += width * d_bytes
     if attention == "unfused":
         core = heads * attended * (d_bytes + p + p * d_bytes)
     elif attention == "flash":
@@ -269,8 +286,9 @@ def layer_act_bytes_per_token(
     return replicated + (split + core) / tp, core / tp
 
 
-def unit_param_counts(spec: ModelSpec) -> list[int]:
-    """Parameters of every unit (weights, biases of the ViT and projector, norm weights), whole model."""
+def unit_param_counts(spec: ModelSpec, tp: int = 1) -> list[int]:
+    """Parameters of every unit (weights, biases of the ViT and projector, norm weights), whole model;
+    at ``tp`` the ViT's padded heads included."""
     v, lm = spec.vision, spec.language
     out = []
     for u in build_units(spec):
@@ -278,8 +296,8 @@ def unit_param_counts(spec: ModelSpec) -> list[int]:
             n = v.in_channels * v.patch_size**2 * v.hidden_size + v.hidden_size  # conv + bias
             n += v.hidden_size + v.seq_per_tile * v.hidden_size  # class token + position embedding
         elif u.kind == "vit_layer":
-            h, f = v.hidden_size, v.ffn_hidden_size
-            n = 4 * h * h + 2 * h * f + (4 * h + f + h) + 2 * h * (2 if v.normalization == "LayerNorm" else 1)
+            h, f, width = v.hidden_size, v.ffn_hidden_size, v.padded_heads(tp) * v.head_dim
+            n = 4 * h * width + 2 * h * f + (3 * width + h + f + h) + 2 * h * (2 if v.normalization == "LayerNorm" else 1)
         elif u.kind == "projector":
             hi, ho = spec.projector_in_size, lm.hidden_size
             n = 2 * hi + hi * ho + ho + ho * ho + ho
@@ -308,7 +326,7 @@ def _unit_bytes(spec: ModelSpec, shape: MicroBatchShape, unit: Unit, tp: int, dr
     if unit.kind == "vit_layer":
         per_tok, core = layer_act_bytes_per_token(
             v.hidden_size, v.num_attention_heads, v.num_attention_heads, v.ffn_hidden_size, False,
-            v.seq_per_tile, D, tp, dropout, attention)
+            v.seq_per_tile, D, tp, dropout, attention, built_heads=v.padded_heads(tp))
         full = vit_tokens * v.hidden_size * D
         return vit_tokens * per_tok, full, vit_tokens * (per_tok - core), full
     if unit.kind == "projector":
@@ -354,17 +372,45 @@ def _seconds_per_work(device: DeviceSpec, efficiency: dict[str, float] | None) -
     return rates
 
 
-def _costs_from_rates(spec, shape, tp, rates, dropout, attention, source, meta) -> CostTable:
+def tp_allreduce_bytes(spec: ModelSpec, shape: MicroBatchShape, unit: Unit) -> tuple[float, float]:
+    """(forward, backward) bytes one unit all-reduces across its TP group, per micro-batch.
+
+    Megatron's tensor parallelism without sequence parallelism: a transformer layer all-reduces its
+    attention output and its MLP output in the forward and the gradients of the inputs of its two
+    column-parallel blocks in the backward (2 + 2 tensors of tokens x hidden); the projector's MLP
+    one each way; the vocabulary-parallel embedding its output in the forward; the output layer the
+    gradient of its input in the backward (its loss reductions are a few floats per token).
+    """
+    v, lm, D = spec.vision, spec.language, shape.dtype_bytes
+    vit = shape.tiles * v.seq_per_tile * v.hidden_size * D
+    llm = shape.llm_tokens * lm.hidden_size * D
+    img = shape.tiles * spec.tokens_per_tile * lm.hidden_size * D
+    return {"vit_embed": (0.0, 0.0), "vit_layer": (2 * vit, 2 * vit), "projector": (img, img),
+            "llm_embed": (llm, 0.0), "llm_layer": (2 * llm, 2 * llm),
+            "llm_head": (3 * shape.llm_tokens * 4.0, llm)}[unit.kind]
+
+
+def tp_allreduce_s(nbytes: float, tp: int, device: DeviceSpec) -> float:
+    """Seconds of a ring all-reduce of ``nbytes`` over ``tp`` ranks: ``2 (tp-1)/tp * nbytes / bus bandwidth``."""
+    return 0.0 if tp == 1 else 2.0 * (tp - 1) / tp * nbytes / device.tp_bytes_per_s
+
+
+def _costs_from_rates(spec, shape, tp, rates, dropout, attention, source, meta, comm_device=None) -> CostTable:
+    """comm_device: add its TP all-reduce times (a profile's fitted rates already hold its own)."""
     if tp < 1:
         raise ValueError(f"tensor-parallel size must be >= 1, got {tp}")
     units = build_units(spec)
-    params = unit_param_counts(spec)
+    params = unit_param_counts(spec, tp)
     work = unit_work(spec, shape, tp)
     rows = []
     for u, w, n_param in zip(units, work, params):
-        total, core = _unit_flops_core(spec, shape, u)
+        total, core = _unit_flops_core(spec, shape, u, tp)
         fwd, bwd = w * rates[f"fwd:{u.kind}"], w * rates[f"bwd:{u.kind}"]
         core_s = fwd * (core / total) if total > 0 else 0.0  # the core's share of the forward time
+        if comm_device is not None and tp > 1:
+            fwd_bytes, bwd_bytes = tp_allreduce_bytes(spec, shape, u)
+            fwd += tp_allreduce_s(fwd_bytes, tp, comm_device)
+            bwd += tp_allreduce_s(bwd_bytes, tp, comm_device)
         act, act_full, act_sel, send = _unit_bytes(spec, shape, u, tp, dropout, attention)
         rows.append(UnitCost(u.name, u.kind, fwd, bwd, float(act), float(act_full), float(act_sel),
                              float(core_s), float(send), n_param))
@@ -388,11 +434,13 @@ def analytic_costs(
 
     efficiency: fraction of ``device.matmul_flops_per_s`` reached per unit kind (defaults:
     ``DEFAULT_EFFICIENCY``). dropout: count 1-byte dropout masks (InternVL fine-tuning uses none).
-    attention: "unfused" (scores kept for backward) or "flash".
+    attention: "unfused" (scores kept for backward) or "flash". With ``tp`` > 1 the units' times
+    include their TP all-reduces (``tp_allreduce_bytes`` over ``device.tp_bytes_per_s``).
     """
     rates = _seconds_per_work(device, efficiency)
     return _costs_from_rates(spec, shape, tp, rates, dropout, attention, "analytic",
-                             {"device": device.name, "efficiency": {**DEFAULT_EFFICIENCY, **(efficiency or {})}})
+                             {"device": device.name, "efficiency": {**DEFAULT_EFFICIENCY, **(efficiency or {})}},
+                             comm_device=device)
 
 
 def calibrate(profile: CostTable, spec: ModelSpec, shape: MicroBatchShape, tp: int = 1) -> dict[str, float]:
@@ -448,7 +496,8 @@ def calibrated_costs(
     The profile's own model, shape and TP size come from ``profile.meta`` ("spec", "shape", "tp",
     as ``profile.write_profile`` records them) unless given. Kinds the profile lacks fall back to
     the analytic rates of ``device`` (default: the profile's meta "device" if it names a preset,
-    else a100-80g). Bytes are analytic.
+    else a100-80g). Bytes are analytic. A profile taken at TP 1 holds no all-reduce, so ``device``'s
+    TP all-reduce times are added; a profile at TP > 1 holds its own in the fitted rates.
     """
     meta = profile.meta or {}
     if profile_spec is None:
@@ -465,9 +514,11 @@ def calibrated_costs(
     rates = _seconds_per_work(device, None)
     fitted = calibrate(profile, profile_spec, profile_shape, profile_tp)
     rates.update(fitted)
+    # a TP-1 profile measured no all-reduce: add ``device``'s; a TP profile's rates already hold its own
     return _costs_from_rates(spec, shape, tp, rates, dropout, attention, "calibrated",
                              {"device": meta.get("device", device.name), "calibration": fitted,
-                              "profile_model": profile_spec.name})
+                              "profile_model": profile_spec.name},
+                             comm_device=device if profile_tp == 1 else None)
 
 
 def profile_report(profile: CostTable, device: DeviceSpec, attention: str | None = None) -> list[dict]:

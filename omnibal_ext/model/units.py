@@ -38,6 +38,16 @@ class VisionSpec:
     normalization: str = "LayerNorm"  # or "RMSNorm" (InternViT-6B)
 
     @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def padded_heads(self, tp: int) -> int:
+        """Attention heads the model is built with at tensor-parallel size ``tp``: the real heads rounded
+        up to a multiple of ``tp`` (InternViT-6B's 25 heads divide by no TP > 1). The padded heads have
+        zero weights, give zero output and zero gradients, and so stay zero under training."""
+        return -(-self.num_attention_heads // tp) * tp
+
+    @property
     def patches_per_tile(self) -> int:
         return (self.image_size // self.patch_size) ** 2
 
