@@ -58,6 +58,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--choose-for", choices=["omnibal", "baseline"], default="omnibal",
                    help="parallel sizes (when not given) fastest for the balanced plan (default) or for "
                         "Megatron's default")
+    p.add_argument("--min-pp", type=int, default=1, metavar="P",
+                   help="when choosing the parallel sizes, only pipelines of at least P stages (default 1)")
     p.add_argument("--sim-iterations", type=int, default=8, help="iterations simulated per setting (default 8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", required=True, metavar="OUT", help="where to write the plan JSON")
@@ -89,7 +91,8 @@ def run_plan(args) -> int:
                      samples=args.samples, samples_per_group=args.samples_per_group,
                      max_seq_length=args.max_seq_length, global_batch_size=args.global_batch_size,
                      memory_reserve=args.memory_reserve, attention=args.attention,
-                     sim_iterations=args.sim_iterations, choose_for=args.choose_for, seed=args.seed)
+                     sim_iterations=args.sim_iterations, choose_for=args.choose_for, min_pp=args.min_pp,
+                     seed=args.seed)
     doc = plan.to_dict()
     doc["files"] = list(stats.files)
     with open(args.json, "w") as f:

@@ -66,6 +66,10 @@ def test_plan_command_writes_plan_and_figures(tmp_path, capsys):
         assert png.read_bytes()[:4] == b"\x89PNG"
     printed = capsys.readouterr().out
     assert "GPU-days" in printed and doc["trainer_args"] in printed
+    # --min-pp reaches the planner: a pipeline of 1 stage is then refused, with the reason
+    assert main(["plan", "--data", f, "--model", "tiny", "--gpus", "4", "--gpu-memory", "1", "--pp", "1",
+                 "--min-pp", "2", "--json", str(tmp_path / "deep.json")]) == 2
+    assert "below the 2 stages" in one_error_line(capsys, "plan")
 
 
 def test_plan_errors_are_one_line_exit_2(tmp_path, capsys):

@@ -200,3 +200,15 @@ def test_bad_requests():
         make_plan(stats, "tiny", 4, GIB, tp=4)  # 2 key/value groups
     with pytest.raises(ValueError, match="unknown model preset"):
         make_plan(stats, "nope", 4, GIB)
+
+
+def test_candidate_configs_honour_min_pp():
+    from omnibal_ext.plan import candidate_configs
+
+    spec = get_preset("internvl-6b-20b")
+    every, _ = candidate_configs(spec, 16)
+    deep, skipped = candidate_configs(spec, 16, min_pp=4)
+    assert {p for _, p, _ in every} >= {1, 2, 4} and deep == [c for c in every if c[1] >= 4]
+    assert any(s.get("pp") == 2 and "below the 4 stages" in s["reason"] for s in skipped)
+    # InternViT-6B's 25 heads are padded, so the LLM's 8 key-value groups bound TP
+    assert {t for t, _, _ in every} == {1, 2, 4, 8}
