@@ -28,15 +28,18 @@ Assumptions (not numbers we could check in the paper's text; change them with th
 * Data: the three shared InternVL SFT stats sets (ai2d, chartqa, docvqa; 41k samples, 1-5 tiles,
   no text-only samples) resampled to 1.2M samples.  The real 1.2M mix is more varied (text-only,
   multi-image, longer text), so padding and DP imbalance of the real baseline are likely larger.
-* Parallel sizes: the (TP, PP) a Megatron user would run, the fastest Megatron default
-  (``choose_for="baseline"``) among those where the balanced plan fits memory, then held fixed for
-  all four rows, as an ablation does.  InternViT-6B's 25 heads allow only TP 1 in our trainer.
+* Parallel sizes (``--tp``/``--pp`` fix them): the paper does not give them. Default: the (TP, PP)
+  a Megatron user would run, the fastest Megatron default (``choose_for="baseline"``) among the
+  configurations with a pipeline (PP >= 2: the ablation's model level balances pipeline stages, so
+  PP 1 would have none) where the balanced plan fits memory, then held fixed for all four rows, as
+  an ablation does.  InternViT-6B's 25 heads are padded to a multiple of TP.  The speed-ups depend
+  strongly on that choice: ``--sweep`` prints the ablation at every configuration.
 * The Megatron default may not fit memory at that configuration in our memory model (its ViT and
-  a quarter of the LLM sit on stage 0); its time is predicted as if it ran, and the table says so.
+  part of the LLM sit on stage 0); its time is predicted as if it ran, and the table says so.
 
 Usage::
 
-    python scripts/reproduce_paper.py [--samples 1200000] [--gpus 128] [--json OUT]
+    python scripts/reproduce_paper.py [--samples 1200000] [--gpus 128] [--tp 2 --pp 4] [--sweep] [--json OUT]
 """
 from __future__ import annotations
 
@@ -67,8 +70,8 @@ ASSUMPTIONS = [
     "assumed: {gpus} x A100 80 GB, memory budget 90% of each GPU, bf16 + Adam, distributed optimizer",
     "assumed: global batch {global_batch} samples, K = {k} samples per micro-batch, FlashAttention",
     "assumed: the shared ai2d/chartqa/docvqa stats resampled to {samples} samples stand in for the paper's mix",
-    "assumed: (TP, PP) = the fastest Megatron default among configurations where the balanced plan fits; "
-    "all rows share it",
+    "assumed: (TP, PP) = the fastest Megatron default among configurations with PP >= 2 where the balanced "
+    "plan fits (unless --tp/--pp); all rows share it",
     "paper headline speed-ups are against InternVL-Chat's own training code, not the Megatron default",
 ]
 
