@@ -184,8 +184,9 @@ def _run_profile(args) -> int:
     from omnibal_ext.model.costs import CostTable
 
     explicit = (args.tiles, args.llm_tokens)
-    if any(v is not None for v in explicit) and None in explicit:
-        raise ValueError("--tiles and --llm-tokens go together (an explicit micro-batch shape)")
+    if None in explicit and (args.tiles, args.llm_tokens, args.sample_tokens) != (None, None, None):
+        raise ValueError("--tiles and --llm-tokens go together (an explicit micro-batch shape; --sample-tokens "
+                         "needs them)")
     device = get_device(args.compare_device) if args.compare_device else None  # bad name: before any work
     try:
         if args.tiles is not None:

@@ -538,7 +538,7 @@ def profile_report(profile: CostTable, device: DeviceSpec, attention: str | None
     tp = int(meta.get("tp", 1))
     attention = attention or meta.get("attention", "unfused")
     analytic = analytic_costs(spec, shape, tp, device, attention=attention)
-    flops = unit_flops(spec, shape)
+    flops = unit_flops(spec, shape, tp)
     rows, seen = [], set()
     for pu, au, fl in zip(profile.units, analytic.units, flops):
         if pu.kind in seen:
