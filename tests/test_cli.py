@@ -161,3 +161,23 @@ def test_profile_at_an_explicit_shape_reports_against_the_model(tmp_path):
     assert any(line.startswith("vit_layer") for line in lines) and any(line.startswith("llm_layer") for line in lines)
     bad = subprocess.run(cmd[:-8] + ["--tiles", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--tiles and --llm-tokens go together" in bad.stderr
+
+
+def test_reproduce_paper_sweep_agrees_with_its_default_row(tmp_path):
+    """--sweep covers every (TP, PP) with a pipeline; its entry at the chosen configuration repeats the table."""
+    spec = importlib.util.spec_from_file_location("reproduce_paper", ROOT / "scripts" / "reproduce_paper.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "repro.json"
+    assert mod.main(["--samples", "6000", "--sim-iterations", "1", "--isf-candidates", "3", "--gpus", "32",
+                     "--models", "internvl-6b-20b", "--sweep", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    chosen = doc["plans"][0]
+    assert chosen["pp"] >= 2 and doc["sweep"]
+    for r in doc["sweep"]:
+        assert r["pp"] >= 2 and r["tp"] * r["pp"] * r["dp"] == 32
+    same = [r for r in doc["sweep"] if (r["tp"], r["pp"]) == (chosen["tp"], chosen["pp"])]
+    assert len(same) == 1
+    table = {r["setting"]: r["predicted_speedup"] for r in doc["rows"]}
+    for setting in ("+data", "+model", "+memory"):
+        assert same[0][f"{setting}_speedup"] == pytest.approx(table[setting])
