@@ -22,6 +22,8 @@ baseline then runs N/(m K DP) iterations and the ISF rows G/(m DP), each consumi
 once.  ms/iteration is therefore NOT comparable across rows (an ISF iteration holds a different
 number of samples); the speed-up is the ratio of samples/s (steady state: samples over time of the
 iterations after the warm-up), which over the same sample set equals the ratio of epoch times.
+The machine is shared and noisy: after the first pass the four rows run ``--repeats`` - 1 more
+times, alternating, and each row's speed pools the steady iterations of all its runs.
 
 Memory budget B (the same for every row): the device the paper's premise describes, one on which the
 Megatron default cannot train without recomputation.  The baseline's epoch is also run once without
@@ -41,7 +43,7 @@ cores and hide pipeline imbalance; --dp/--tp are for bigger machines.
 
 Outputs (``--out`` folder): e2e.json (also ``--json``), e2e.png (bar chart), the runs' logs.
 
-Usage: python scripts/bench_e2e.py [--json OUT] [--out DIR] [--quick] [--samples N --micro-batches m]
+Usage: python scripts/bench_e2e.py [--json OUT] [--out DIR] [--quick] [--repeats 2] [--samples N --micro-batches m]
 """
 from __future__ import annotations
 
@@ -177,7 +179,7 @@ def run(args) -> dict:
         "+model": common + isf + ["--omnibal-partition", "auto", "--omnibal-profile", profile] + full,
     }
     flags["reference"] = common + ["--train-iters", str(iters["random"]), "--log-activation-memory"]
-    results: dict[str, bl.RunResult] = {}
+    results: dict[str, bl.RunResult] = {}  # the first pass: it writes the profile and sets the budget
     for name in ("baseline", "+data", "+model", "reference"):
         results[name] = bl.run_trainer(flags[name], args.out, f"e2e_{name.strip('+')}", nproc=world)
         print(f"  {name}: {bl.steady_ms(results[name].records, args.warmup):.0f} ms/iter, "
@@ -201,11 +203,23 @@ def run(args) -> dict:
     print(f"  +memory: {bl.steady_ms(results['+memory'].records, args.warmup):.0f} ms/iter, plan "
           f"{results['+memory'].recompute_flag}", flush=True)
 
+    runs = {name: [results[name]] for name in ROWS}
+    if args.repeats > 1:  # the same flags again: the profile now exists, so layout and plan repeat
+        more = bl.alternate_runs({name: flags[name] for name in ROWS}, args.repeats - 1, args.out, "e2e_rep",
+                                 nproc=world, warmup=args.warmup)
+        for name in ROWS:
+            for r in more[name]:
+                if (r.layout_flag, r.recompute_flag) != (results[name].layout_flag, results[name].recompute_flag):
+                    raise RuntimeError(f"{name}: a repeat ran layout {r.layout_flag} / plan {r.recompute_flag}, "
+                                       f"the first run {results[name].layout_flag} / {results[name].recompute_flag}")
+            runs[name] += more[name]
+
     packed_sq = float((data.tokens.astype(float) ** 2).sum()) / groups  # mean sum(len^2) of an ISF group
     rows = []
     for name in ROWS:
         r = results[name]
         s = bl.summarize(r.records, args.warmup)
+        s.update(bl.pooled_rates(runs[name], args.warmup))  # speed over every run of the row
         layout = parse_layout(r.layout_flag, spec, pp)
         if name == "+memory":
             stages = parse_recompute_plan(r.recompute_flag, pp)
@@ -216,7 +230,7 @@ def run(args) -> dict:
         pred = predict(profile, costs.meta["spec"], layout, shape, pp, m, tp, modes_fn)
         mem = r.memory or {}
         rows.append({
-            "name": name, "ms_per_iter": s["ms_per_iter"], "samples_per_s": s["samples_per_s"],
+            "name": name, "runs": s["runs"], "ms_per_iter": s["ms_per_iter"], "samples_per_s": s["samples_per_s"],
             "tokens_per_s": s["tokens_per_s"], "images_per_s": s["images_per_s"],
             "tokens_seen": s["tokens_seen"], "samples_seen": s["samples_seen"], "tiles_seen": s["tiles_seen"],
             "iterations": s["iterations"], "samples_per_iter": s["samples_per_iter"], "epoch_s": s["epoch_s"],
@@ -233,7 +247,9 @@ def run(args) -> dict:
     for r in rows:
         r["speedup"] = r["samples_per_s"] / base["samples_per_s"]
         r["predicted_speedup"] = r["predicted_samples_per_s"] / base["predicted_samples_per_s"]
-    seen = {r["tokens_seen"] for r in rows}
+    for r in rows:
+        r["tokens_seen_per_run"] = [bl.summarize(run.records, args.warmup)["tokens_seen"] for run in runs[r["name"]]]
+    seen = {t for r in rows for t in r["tokens_seen_per_run"]}
     out = {
         "model": dict(bl.HETERO_MODEL), "pp": pp, "tp": tp, "dp": dp, "micro_batches": m, "micro_batch_size": k,
         "samples": n, "isf_groups": groups, "iterations": iters, "warmup": args.warmup, "quick": args.quick,
@@ -292,14 +308,19 @@ def main(argv=None) -> dict:
     ap.add_argument("--micro-batches", type=int, default=4, help="micro-batches per iteration (m)")
     ap.add_argument("--micro-batch-size", type=int, default=4, help="K: samples per random micro-batch, ISF target")
     ap.add_argument("--warmup", type=int, default=2, help="iterations left out of the steady state")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each row, alternating (--quick: 1)")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel size (one core per process!)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     ap.add_argument("--seed", type=int, default=1234, help="trainer seed (batching, ISF)")
     ap.add_argument("--data-seed", type=int, default=0, help="which stats records the dataset draws")
     ap.add_argument("--stats-dir", default=None)
     args = ap.parse_args(argv)
-    if args.quick:
+    if args.quick:  # a smoke test: one run per row unless --repeats says otherwise
         args.samples, args.micro_batches, args.warmup = 16, 2, 1
+        if "--repeats" not in (argv if argv is not None else sys.argv[1:]):
+            args.repeats = 1
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     res = run(args)
     print(format_rows(res))
     bl.write_json(os.path.join(args.out, "e2e.json"), res)

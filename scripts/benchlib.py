@@ -159,6 +159,18 @@ def pooled_ms(runs: list[RunResult], warmup: int) -> float:
     return float(np.median([r[ITER_KEY] for run in runs for r in steady(run.records, warmup)]))
 
 
+def pooled_rates(runs: list[RunResult], warmup: int) -> dict:
+    """Speed of several runs of one variant together: ``ms_per_iter`` the median over the steady
+    iterations of all runs, ``samples_per_s`` / ``tokens_per_s`` / ``images_per_s`` their totals over
+    their summed time (as ``summarize`` does for one run)."""
+    st = [r for run in runs for r in steady(run.records, warmup)]
+    secs = np.array([r[ITER_KEY] / 1e3 for r in st])
+    return {"runs": len(runs), "ms_per_iter": float(np.median(secs) * 1e3),
+            "samples_per_s": float(sum(r["global batch size"] for r in st) / secs.sum()),
+            "tokens_per_s": float(sum(r["tokens/s"] * r[ITER_KEY] / 1e3 for r in st) / secs.sum()),
+            "images_per_s": float(sum(r["images/s"] * r[ITER_KEY] / 1e3 for r in st) / secs.sum())}
+
+
 def summarize(records: list[dict], warmup: int) -> dict:
     """Steady-state and whole-run numbers of one run.
 

@@ -15,8 +15,9 @@ KEYS = {"name", "ms_per_iter", "samples_per_s", "tokens_per_s", "speedup", "pred
                     reason="shared stats files not present")
 def test_bench_e2e_quick(tmp_path):
     out = tmp_path / "e2e.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--quick", "--json", str(out),
-                           "--out", str(tmp_path / "runs")], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--quick", "--repeats", "2",
+                           "--json", str(out), "--out", str(tmp_path / "runs")],
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     rows = res["rows"]
@@ -34,6 +35,8 @@ def test_bench_e2e_quick(tmp_path):
     total = int(ds.sample_lengths()[0].sum())
     assert len(ds) == res["samples"]
     assert {r["tokens_seen"] for r in rows} == {total}
+    # two alternating runs of every row, each one the same epoch, their speed pooled
+    assert all(r["runs"] == 2 and r["tokens_seen_per_run"] == [total, total] for r in rows)
     assert rows[0]["speedup"] == pytest.approx(1.0)
     assert rows[1]["pad_ratio"] == 0.0 and rows[0]["pad_ratio"] > 0  # ISF packs, random batching pads
     assert rows[3]["recompute"] != "full" and rows[2]["layout"] == rows[3]["layout"]
