@@ -218,8 +218,8 @@ def run(args) -> dict:
     rows = []
     for name in ROWS:
         r = results[name]
-        s = bl.summarize(r.records, args.warmup)
-        s.update(bl.pooled_rates(runs[name], args.warmup))  # speed over every run of the row
+        per_run = [bl.summarize(run.records, args.warmup) for run in runs[name]]
+        s = {**per_run[0], **bl.pooled_rates(runs[name], args.warmup)}  # speed over every run of the row
         layout = parse_layout(r.layout_flag, spec, pp)
         if name == "+memory":
             stages = parse_recompute_plan(r.recompute_flag, pp)
@@ -230,7 +230,8 @@ def run(args) -> dict:
         pred = predict(profile, costs.meta["spec"], layout, shape, pp, m, tp, modes_fn)
         mem = r.memory or {}
         rows.append({
-            "name": name, "runs": s["runs"], "ms_per_iter": s["ms_per_iter"], "samples_per_s": s["samples_per_s"],
+            "name": name, "runs": s["runs"], "tokens_seen_per_run": [x["tokens_seen"] for x in per_run],
+            "ms_per_iter": s["ms_per_iter"], "samples_per_s": s["samples_per_s"],
             "tokens_per_s": s["tokens_per_s"], "images_per_s": s["images_per_s"],
             "tokens_seen": s["tokens_seen"], "samples_seen": s["samples_seen"], "tiles_seen": s["tiles_seen"],
             "iterations": s["iterations"], "samples_per_iter": s["samples_per_iter"], "epoch_s": s["epoch_s"],
@@ -247,8 +248,6 @@ def run(args) -> dict:
     for r in rows:
         r["speedup"] = r["samples_per_s"] / base["samples_per_s"]
         r["predicted_speedup"] = r["predicted_samples_per_s"] / base["predicted_samples_per_s"]
-    for r in rows:
-        r["tokens_seen_per_run"] = [bl.summarize(run.records, args.warmup)["tokens_seen"] for run in runs[r["name"]]]
     seen = {t for r in rows for t in r["tokens_seen_per_run"]}
     out = {
         "model": dict(bl.HETERO_MODEL), "pp": pp, "tp": tp, "dp": dp, "micro_batches": m, "micro_batch_size": k,

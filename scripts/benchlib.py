@@ -154,21 +154,29 @@ def alternate_runs(variants: dict[str, list[str]], repeats: int, workdir, prefix
     return runs
 
 
+def pooled_steady(runs: list[RunResult], warmup: int) -> list[dict]:
+    """The steady iterations of all ``runs`` together."""
+    return [r for run in runs for r in steady(run.records, warmup)]
+
+
 def pooled_ms(runs: list[RunResult], warmup: int) -> float:
     """Median ms per iteration over the steady iterations of all ``runs`` together."""
-    return float(np.median([r[ITER_KEY] for run in runs for r in steady(run.records, warmup)]))
+    return float(np.median([r[ITER_KEY] for r in pooled_steady(runs, warmup)]))
 
 
-def pooled_rates(runs: list[RunResult], warmup: int) -> dict:
-    """Speed of several runs of one variant together: ``ms_per_iter`` the median over the steady
-    iterations of all runs, ``samples_per_s`` / ``tokens_per_s`` / ``images_per_s`` their totals over
-    their summed time (as ``summarize`` does for one run)."""
-    st = [r for run in runs for r in steady(run.records, warmup)]
+def rates(st: list[dict]) -> dict:
+    """Speed of steady iterations ``st``: ``ms_per_iter`` their median, ``samples_per_s`` /
+    ``tokens_per_s`` / ``images_per_s`` samples (real LLM tokens, ViT tiles) over their summed time."""
     secs = np.array([r[ITER_KEY] / 1e3 for r in st])
-    return {"runs": len(runs), "ms_per_iter": float(np.median(secs) * 1e3),
+    return {"ms_per_iter": float(np.median(secs) * 1e3),
             "samples_per_s": float(sum(r["global batch size"] for r in st) / secs.sum()),
             "tokens_per_s": float(sum(r["tokens/s"] * r[ITER_KEY] / 1e3 for r in st) / secs.sum()),
             "images_per_s": float(sum(r["images/s"] * r[ITER_KEY] / 1e3 for r in st) / secs.sum())}
+
+
+def pooled_rates(runs: list[RunResult], warmup: int) -> dict:
+    """``rates`` of several runs of one variant together, and how many runs."""
+    return {"runs": len(runs), **rates(pooled_steady(runs, warmup))}
 
 
 def summarize(records: list[dict], warmup: int) -> dict:
@@ -190,11 +198,8 @@ def summarize(records: list[dict], warmup: int) -> dict:
     mean = lambda k: float(np.mean([r[k] for r in records if r.get(k) is not None])) if any(  # noqa: E731
         r.get(k) is not None for r in records) else None
     return {
-        "iterations": len(records), "steady_iterations": len(st),
-        "ms_per_iter": float(np.median(secs) * 1e3), "ms_per_iter_mean": float(secs.mean() * 1e3),
-        "ms_per_iter_min": float(secs.min() * 1e3),
-        "samples_per_s": float(samples.sum() / secs.sum()), "tokens_per_s": float(tokens.sum() / secs.sum()),
-        "images_per_s": float(tiles.sum() / secs.sum()),
+        "iterations": len(records), "steady_iterations": len(st), **rates(st),
+        "ms_per_iter_mean": float(secs.mean() * 1e3), "ms_per_iter_min": float(secs.min() * 1e3),
         "samples_per_iter": float(samples.mean()), "tokens_per_iter": float(tokens.mean()),
         "tiles_per_iter": float(tiles.mean()),
         "samples_seen": int(records[-1]["consumed samples"]), "tokens_seen": int(round(all_tokens)),
