@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from omnibal_ext.model.cost_model import MicroBatchShape
+from omnibal_ext.model.cost_model import MicroBatchShape, llm_layer_flops, vit_layer_flops
 from omnibal_ext.model.costs import CostTable, UnitCost
 from omnibal_ext.model.profile import environment_meta, measure_unit, to_unit_cost
 from omnibal_ext.model.units import build_units
@@ -128,7 +128,7 @@ def profile_units(args, shape: MicroBatchShape, img_context_id: int, device: tor
             # Selective recompute re-runs the core attention in backward.  The measured difference
             # of two noisy medians can come out at or below zero on a CPU; it is never less than
             # the core attention's share of the layer's forward FLOPs.
-            floor = _core_attention_share(mini, kind, shape) * base.fwd_s
+            floor = _core_attention_share(mini, kind, shape, tp) * base.fwd_s
             extra = {"act_bytes_full": m_full.act_bytes, "act_bytes_selective": m_sel.act_bytes,
                      "selective_recompute_s": max(floor, m_sel.bwd_s - base.bwd_s)}
         per_kind[kind] = to_unit_cost(unit.name, kind, base, _param_count(module_of(plain, kind), tp), **extra)
@@ -144,24 +144,11 @@ def profile_units(args, shape: MicroBatchShape, img_context_id: int, device: tor
     return broadcast_table(table)
 
 
-def _core_attention_share(spec, kind: str, shape: MicroBatchShape) -> float:
-    """Fraction of a layer's forward FLOPs spent in core attention (scores and context).
-
-    Per sequence of s tokens: core attention 4 s^2 h (ViT tile), 2 h sum(len_i^2) (causal LLM
-    attention within each packed sample); projections 2 s h (2h + 2 h kv/heads) for
-    q/k/v/out; MLP 2 s h ffn x (3 matrices with SwiGLU, else 2).
-    """
-    if kind == "vit_layer":
-        v = spec.vision
-        s, h, kv_frac, ffn, mats = v.seq_per_tile, v.hidden_size, 1.0, v.ffn_hidden_size, 2
-        core = 4.0 * s * s * h
-    else:
-        lang = spec.language
-        s, h, ffn = shape.llm_tokens, lang.hidden_size, lang.ffn_hidden_size
-        kv_frac, mats = lang.kv_groups / lang.num_attention_heads, 3 if lang.swiglu else 2
-        core = 2.0 * shape.attn_tokens_sq * h  # causal, within each packed sample
-    linear = 2.0 * s * h * (2 * h + 2 * h * kv_frac) + 2.0 * s * h * ffn * mats
-    return core / (core + linear)
+def _core_attention_share(spec, kind: str, shape: MicroBatchShape, tp: int) -> float:
+    """Fraction of a layer's forward FLOPs spent in core attention (scores and context), as the cost
+    model counts them (``vit_layer_flops`` per tile, ``llm_layer_flops`` at ``shape``)."""
+    total, core = vit_layer_flops(spec, 1, tp) if kind == "vit_layer" else llm_layer_flops(spec, shape)
+    return core / total
 
 
 def _device_name(device: torch.device) -> str:
