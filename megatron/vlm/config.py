@@ -43,9 +43,7 @@ def vision_config(spec: ModelSpec, tp: int, on_cpu: bool, dtype: torch.dtype) ->
         num_layers=v.num_layers, hidden_size=v.hidden_size, num_attention_heads=v.padded_heads(tp),
         kv_channels=v.head_dim, ffn_hidden_size=v.ffn_hidden_size, add_bias_linear=True, add_qkv_bias=True, gated_linear_unit=False,
         activation_func=F.gelu, normalization=v.normalization, layernorm_epsilon=1e-6,
-        # the ViT layers' matrices are drawn once, by megatron.vlm.model.draw_padded_layer
-        **{**_common(tp=tp, pp=1, on_cpu=on_cpu, dtype=dtype, init_method_std=spec.init_method_std),
-           "perform_initialization": False})
+        **_common(tp=tp, pp=1, on_cpu=on_cpu, dtype=dtype, init_method_std=spec.init_method_std))
 
 
 def language_config(spec: ModelSpec, tp: int, on_cpu: bool, dtype: torch.dtype, pp: int = 1) -> TransformerConfig:
