@@ -81,6 +81,10 @@ def draw_padded_layer(layer: TransformerLayer, config: TransformerConfig, real_h
     each; the out-projection's input columns follow the heads. A padded head's q, k, v are zero, so
     its attention output is zero; its out-projection columns are zero, so that output reaches nothing
     and every gradient the head gets is zero: padded heads stay zero under training.
+
+    megatron-core's own initialisation still runs first and is overwritten here: it is also what marks
+    the weights tensor-parallel (with ``perform_initialization`` off the gradient norm would count the
+    TP shards as replicated).
     """
     heads, d, h = config.num_attention_heads, config.kv_channels, config.hidden_size
     if config.num_query_groups not in (None, heads):
