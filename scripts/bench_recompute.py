@@ -88,8 +88,9 @@ def simulated(args) -> dict:
     out["omnibal_config"] = {"tp": own.tp, "pp": own.pp, "dp": own.dp, **memory_step(own)}
     sweep = []
     for gib in args.sweep_gib:
-        try:
-            p = make_plan(stats, args.preset, args.gpus, gib * GIB, **fixed, **opts)
+        try:  # at the headline's memory the fixed sizes give the headline's plan: reuse it
+            p = plan if gib == args.gpu_memory_gib else make_plan(stats, args.preset, args.gpus, gib * GIB,
+                                                                  **fixed, **opts)
         except ValueError as e:
             sweep.append({"gpu_memory_gib": gib, "error": str(e)})
             continue
