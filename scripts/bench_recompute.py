@@ -3,9 +3,9 @@
 
 Simulated (``results["simulated"]``): the paper's 6B+20B model (preset internvl-6b-20b) planned by
 ``omnibal_ext.plan.make_plan`` with the assumptions of scripts/reproduce_paper.py (128 A100-80G,
-10% reserve, global batch 1024, K=4, FlashAttention, the three shared stats sets resampled to 1.2M
-samples, the configuration a Megatron user would pick with a pipeline, PP >= 2, as the ablation's):
-``full_s`` = the +model row (searched layout,
+10% reserve, K=4, FlashAttention, the three shared stats sets resampled to 1.2M samples, and the
+authors' run configuration of the ablation: TP 4, PP 4, 16 micro-batches per pipeline, i.e. global
+batch 512 samples; see benchlib.PAPER_TP): ``full_s`` = the +model row (searched layout,
 full recompute on every layer), ``adaptive_s`` = the +memory row (layout searched with the recompute,
 adaptive per-stage recompute), both at the same budget; mean simulated iteration seconds, speed-up =
 GPU-days ratio.  Also: the same comparison at the configuration OmniBal's planner picks for itself
@@ -67,10 +67,10 @@ def simulated(args) -> dict:
     from omnibal_ext.plan import make_plan
 
     stats = load_stats(bl.stats_files(args.stats_dir))
-    opts = dict(samples=args.sim_samples, samples_per_group=4, global_batch_size=1024, attention="flash",
-                sim_iterations=args.sim_iterations)
-    # the configuration of reproduce_paper.py's ablation: the fastest Megatron default with a pipeline
-    plan = make_plan(stats, args.preset, args.gpus, args.gpu_memory_gib * GIB, choose_for="baseline", min_pp=2, **opts)
+    opts = dict(samples=args.sim_samples, samples_per_group=bl.PAPER_SAMPLES_PER_GROUP,
+                global_batch_size=bl.PAPER_GLOBAL_BATCH, attention="flash", sim_iterations=args.sim_iterations)
+    # the configuration of reproduce_paper.py's ablation: the authors' TP and PP
+    plan = make_plan(stats, args.preset, args.gpus, args.gpu_memory_gib * GIB, tp=bl.PAPER_TP, pp=bl.PAPER_PP, **opts)
     full, adaptive = plan.row("+model"), plan.row("+memory")
     ratio = get_device(plan.device).bwd_over_fwd
     out = {"preset": args.preset, "gpus": args.gpus, "tp": plan.tp, "pp": plan.pp, "dp": plan.dp,
@@ -245,7 +245,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--stats-dir", default=None)
     g = ap.add_argument_group("simulated")
     g.add_argument("--preset", default="internvl-6b-20b")
-    g.add_argument("--gpus", type=int, default=128)
+    g.add_argument("--gpus", type=int, default=bl.PAPER_GPUS)
     g.add_argument("--gpu-memory-gib", type=float, default=80.0)
     g.add_argument("--sim-samples", type=int, default=1_200_000)
     g.add_argument("--sim-iterations", type=int, default=8)

@@ -117,6 +117,29 @@ def test_reproduce_paper_json_contract(tmp_path, capsys):
     assert "paper speed-up" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(not SHARED_STATS.is_dir(), reason="shared InternVL stats absent")
+def test_reproduce_paper_default_is_the_authors_configuration(tmp_path):
+    """The default run is the authors' configuration (TP 4, PP 4, DP 8, 16 micro-batches per pipeline);
+    there the planner recomputes nothing on any stage, as the authors' run config does at 4096-token
+    groups, and the three ablation speed-ups stay within 15% of the paper's. The headline, against a
+    different baseline, is not counted."""
+    spec = importlib.util.spec_from_file_location("reproduce_paper", ROOT / "scripts" / "reproduce_paper.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "repro.json"
+    assert mod.main(["--models", "internvl-6b-20b", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    plan = doc["plans"][0]
+    assert (plan["tp"], plan["pp"], plan["dp"], plan["micro_batches"]) == (4, 4, 8, 16)
+    by = {r["setting"]: r for r in doc["rows"]}
+    assert by["baseline"]["layout"].startswith("Iv*45PE")  # Megatron's default: the whole ViT on stage 0
+    assert by["+memory"]["recompute"] == "-|-|-|-"
+    for setting in ("+data", "+model", "+memory"):
+        r = by[setting]
+        assert r["within_15pct"] and abs(r["predicted_speedup"] / r["paper_speedup"] - 1) <= 0.15
+    assert by["headline"]["within_15pct"] is None
+
+
 def test_isf_reads_an_internvl_meta_json(tmp_path, capsys):
     """`omnibal isf` accepts InternVL meta JSONs: tiles and tokens come from the trainer's reader."""
     from PIL import Image
