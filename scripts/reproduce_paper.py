@@ -75,7 +75,8 @@ TOLERANCE = 0.15
 
 ASSUMPTIONS = [
     "paper: InternVL-Chat-1.2 SFT data (~1.2M samples), GPU-days on A100 GPUs",
-    "authors' run config: TP {tp}, PP {pp}, 16 micro-batches per pipeline per iteration (all rows share it)",
+    "(TP, PP) = ({tp}, {pp}) for all rows; the authors' run config, the default, is (4, 4) with 16 micro-batches "
+    "per pipeline per iteration (global batch 512 samples here)",
     "assumed: {gpus} x A100 80 GB, memory budget 90% of each GPU, bf16 + Adam, distributed optimizer",
     "assumed: global batch {global_batch} samples, K = {k} samples per micro-batch, FlashAttention",
     "assumed: the shared ai2d/chartqa/docvqa stats resampled to {samples} samples stand in for the paper's mix",

@@ -11,6 +11,7 @@ misses the tensors created during recompute.  Wrapping the factory functions cov
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -61,6 +62,36 @@ def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decouple
                 g.detach().mul_(clip_coeff)
 
 
+@contextlib.contextmanager
+def _cuda_type_names():
+    """``Tensor.type()`` (no arguments) names CPU tensors as their CUDA kind, e.g. 'torch.cuda.FloatTensor'.
+
+    Scoped to megatron-core's DistributedOptimizer construction, which sorts parameters into fp16/bf16
+    and fp32 groups by those names and raises TypeError for any other.
+    """
+    original = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs and self.device.type == "cpu":
+            return original(self).replace("torch.", "torch.cuda.", 1)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _with_cuda_type_names(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _cuda_type_names():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 def apply() -> None:
     """Patch torch/megatron-core for CPU training.  Idempotent."""
     global _APPLIED
@@ -97,3 +128,10 @@ def apply() -> None:
 
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+
+    # optimizer/distrib_optimizer.py: DistributedOptimizer.__init__ (and the
+    # _build_model_and_main_param_groups it calls) accept only parameters whose type() is a
+    # torch.cuda.*Tensor name.
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    DistributedOptimizer.__init__ = _with_cuda_type_names(DistributedOptimizer.__init__)

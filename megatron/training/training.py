@@ -311,7 +311,7 @@ def evaluate(args, model, valid_data, forward_backward) -> dict:
 
 def parallel_signature(args) -> dict:
     return {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
-            "dp": args.data_parallel_size}
+            "dp": args.data_parallel_size, "distributed_optimizer": args.use_distributed_optimizer}
 
 
 def save(args, iteration, consumed_samples, model, optimizer, scheduler, train_data):
