@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -33,9 +34,9 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                     "and predict iteration time, tokens/s and GPU-days of the Megatron default, +data, +model "
                     "and +memory.\n\n" + (plan_doc or ""),
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", nargs="+", required=True, metavar="STATS",
+    p.add_argument("--data", nargs="+", required=True, metavar="STATS_OR_META",
                    help="per-sample stats JSON files (OmniBal format: lists of {vit_num, token_num}), "
-                        "concatenated; InternVL meta JSON files are not read yet (make stats files first)")
+                        "or InternVL meta JSONs (scanned as by `omnibal isf`), or folders of either; concatenated")
     p.add_argument("--model", required=True, help=f"model preset: {', '.join(PRESETS)}")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in all")
     p.add_argument("--gpu-memory", type=float, required=True, metavar="GIB", help="memory of one GPU, GiB")
@@ -69,24 +70,11 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def load_plan_stats(paths):
-    """SampleStats of stats files; a meta JSON (an object, not a list) gets a pointed message."""
-    from omnibal_ext.data.stats import StatsError, load_stats
-
-    try:
-        return load_stats(paths)
-    except StatsError as e:
-        if "got dict" in str(e):
-            raise StatsError(f"{e}: this looks like an InternVL meta JSON; `omnibal plan` reads per-sample "
-                             "stats files only for now") from None
-        raise
-
-
 def run_plan(args) -> int:
     from omnibal_ext.memory.memory_model import GIB
     from omnibal_ext.plan import format_plan, make_plan, plot_plan
 
-    stats = load_plan_stats(args.data)
+    stats = load_stats_or_meta(args.data, "--data")
     plan = make_plan(stats, args.model, args.gpus, args.gpu_memory * GIB, args.tp, args.pp, args.dp, args.device,
                      samples=args.samples, samples_per_group=args.samples_per_group,
                      max_seq_length=args.max_seq_length, global_batch_size=args.global_batch_size,
@@ -118,8 +106,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def stats_or_meta_loader(args):
-    """``--stats`` files in the OmniBal format, or InternVL meta JSONs (a JSON object, not a list).
+def data_files(paths, flag: str) -> list[str]:
+    """The files named, a folder standing for its ``*.json`` files (sorted)."""
+    from omnibal_ext.data.stats import StatsError
+
+    files = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            found = sorted(str(f) for f in path.glob("*.json"))
+            if not found:
+                raise StatsError(f"{flag} {path}: no *.json files in this folder")
+            files += found
+        else:
+            files.append(str(path))
+    return files
+
+
+def load_stats_or_meta(paths, flag: str = "--stats"):
+    """Per-sample stats files in the OmniBal format, or InternVL meta JSONs (a JSON object, not a list).
 
     A meta JSON is scanned once by the trainer's reader (tiles from image sizes, tokens from the
     tokenizer) with InternVL-Chat's settings: 448 px tiles, 256 tokens per tile, up to 6 tiles, the
@@ -130,13 +134,14 @@ def stats_or_meta_loader(args):
 
     from omnibal_ext.data.stats import from_arrays, load_stats
 
-    if not args.stats:
-        return load_stats(args.stats)  # the loader's own "no stats files" error
-    metas = [f for f in args.stats if _is_meta(f)]
+    files = data_files(paths, flag)
+    if not files:
+        return load_stats(files)  # the loader's own "no stats files" error
+    metas = [f for f in files if _is_meta(f)]
     if not metas:
-        return load_stats(args.stats)
-    if len(metas) != len(args.stats):
-        raise ValueError("--stats: give stats files or meta JSONs, not both")
+        return load_stats(files)
+    if len(metas) != len(files):
+        raise ValueError(f"{flag}: give stats files or meta JSONs, not both")
     from megatron.vlm.data.internvl import ReaderConfig, scan_annotations
     from megatron.vlm.data.tokenizer import build_tokenizer
 
@@ -151,9 +156,17 @@ def stats_or_meta_loader(args):
     return from_arrays(np.concatenate(tiles), np.concatenate(tokens), np.concatenate(source), metas)
 
 
+def stats_or_meta_loader(args):
+    """``omnibal isf --stats``: see :func:`load_stats_or_meta`."""
+    return load_stats_or_meta(args.stats, "--stats")
+
+
 def _is_meta(path: str) -> bool:
-    with open(path) as f:
-        head = f.read(4096).lstrip()
+    try:
+        with open(path) as f:
+            head = f.read(4096).lstrip()
+    except (OSError, UnicodeDecodeError):
+        return False  # the stats loader names the file and the reason
     return head.startswith("{")
 
 

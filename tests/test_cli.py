@@ -72,6 +72,29 @@ def test_plan_command_writes_plan_and_figures(tmp_path, capsys):
     assert "below the 2 stages" in one_error_line(capsys, "plan")
 
 
+def test_plan_reads_folders_and_meta_jsons(tmp_path):
+    """`omnibal plan --data` takes a folder (its *.json files, sorted) or InternVL meta JSONs, as `omnibal isf`."""
+    from PIL import Image
+
+    folder = tmp_path / "stats"
+    folder.mkdir()
+    files = [stats_file(folder / "b.json", 150, 5), stats_file(folder / "a.json", 200, 3)]
+    base = ["--model", "tiny", "--gpus", "2", "--gpu-memory", "1", "--global-batch-size", "16", "--sim-iterations", "1"]
+    assert main(["plan", "--data", str(folder), "--json", str(tmp_path / "dir.json")] + base) == 0
+    assert main(["plan", "--data", *sorted(files), "--json", str(tmp_path / "files.json")] + base) == 0
+    by_dir, by_files = (json.loads((tmp_path / n).read_text()) for n in ("dir.json", "files.json"))
+    assert by_dir["samples"] == by_files["samples"] == 350 and by_dir["rows"] == by_files["rows"]
+
+    Image.new("RGB", (900, 448)).save(tmp_path / "wide.png")  # 2 tiles + thumbnail at 448 px
+    lines = [{"image": "wide.png", "conversations": [{"from": "human", "value": "<image>\nWhat?"},
+                                                     {"from": "gpt", "value": "x" * (1 + 7 * n)}]} for n in range(64)]
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in lines))
+    meta = tmp_path / "meta.json"
+    meta.write_text(json.dumps({"toy": {"root": str(tmp_path), "annotation": str(tmp_path / "a.jsonl")}}))
+    assert main(["plan", "--data", str(meta), "--json", str(tmp_path / "meta_plan.json")] + base) == 0
+    assert json.loads((tmp_path / "meta_plan.json").read_text())["samples"] == 64
+
+
 def test_plan_errors_are_one_line_exit_2(tmp_path, capsys):
     json_out = str(tmp_path / "p.json")
     base = ["--model", "tiny", "--gpus", "2", "--gpu-memory", "1", "--json", json_out]
@@ -80,7 +103,10 @@ def test_plan_errors_are_one_line_exit_2(tmp_path, capsys):
     meta = tmp_path / "meta.json"
     meta.write_text(json.dumps({"ai2d": {"root": "x", "annotation": "y.jsonl"}}))
     assert main(["plan", "--data", str(meta)] + base) == 2
-    assert "meta JSON" in one_error_line(capsys, "plan")
+    assert "entry 'ai2d': annotation file not found" in one_error_line(capsys, "plan")
+    (tmp_path / "empty").mkdir()
+    assert main(["plan", "--data", str(tmp_path / "empty")] + base) == 2
+    assert "empty: no *.json files in this folder" in one_error_line(capsys, "plan")
     f = stats_file(tmp_path / "s.json", 200, 3, tokens_per_tile=256)
     assert main(["plan", "--data", f, "--model", "internvl-6b-34b", "--gpus", "2", "--gpu-memory", "80",
                  "--global-batch-size", "16", "--sim-iterations", "1", "--json", json_out]) == 2
