@@ -84,8 +84,8 @@ import numpy as np
 
 from .data.search import SearchConfig, plan_isf, random_baseline, random_group_totals, step_matrix_epoch0
 from .data.stats import SampleStats
-from .memory.memory_model import (GIB, MIXED_BF16_ADAM, MODE_FULL, MODE_NONE, in_flight_1f1b, stage_memory,
-                                  unit_activation_bytes, unit_transient_bytes)
+from .memory.memory_model import (FP32_ADAM, GIB, MIXED_BF16_ADAM, MODE_FULL, MODE_NONE, Precision, in_flight_1f1b,
+                                  stage_memory, unit_activation_bytes, unit_transient_bytes)
 from .memory.recompute import (MemoryBudgetError, StageRecompute, format_recompute_plan, full_recompute_plan,
                                plan_layout_and_recompute, plan_recompute)
 from .model import partition
@@ -268,8 +268,13 @@ def stage_modes(costs: CostTable, layout: PipelineLayout, stages: Sequence[Stage
 # ------------------------------------------------------------------------------------------------
 # Memory need under full recompute (exact over contiguous layouts)
 # ------------------------------------------------------------------------------------------------
+def training_precision(device: DeviceSpec) -> Precision:
+    """What the trainer runs with on that device: bf16 with fp32 Adam on GPUs (--bf16), fp32 on CPU."""
+    return FP32_ADAM if device.name == "cpu" else MIXED_BF16_ADAM
+
+
 def memory_need_table(costs: CostTable, pp: int, tp: int, dp: int, num_microbatches: int,
-                      distributed_optimizer: bool = True) -> np.ndarray:
+                      distributed_optimizer: bool = True, precision: Precision = MIXED_BF16_ADAM) -> np.ndarray:
     """need[k, i, j]: peak bytes of pipeline stage k holding units [i, j) with full recompute.
 
     Static bytes + in-flight micro-batches (1F1B) x kept activations + one layer's recompute
@@ -281,7 +286,7 @@ def memory_need_table(costs: CostTable, pp: int, tp: int, dp: int, num_microbatc
     act = unit_activation_bytes(costs, modes)
     trans = unit_transient_bytes(costs, modes)
     params = np.array([u.param_count for u in costs.units], dtype=np.float64) / tp
-    per_param = MIXED_BF16_ADAM.bytes_per_param(dp, distributed_optimizer)
+    per_param = precision.bytes_per_param(dp, distributed_optimizer)
     pa = np.concatenate([[0.0], np.cumsum(act)])
     pp_ = np.concatenate([[0.0], np.cumsum(params)])
     act_sum = pa[None, :] - pa[:, None]
@@ -435,13 +440,16 @@ class _Context:
     costs_isf: CostTable  # at the ISF caps (memory and the layout search)
     costs_random: CostTable  # at the mean padded random micro-batch (memory of the baseline)
     need: np.ndarray  # memory_need_table of costs_isf
+    precision: Precision  # static bytes per parameter (the distributed optimizer is assumed)
 
 
 def _context(spec, device, tp, pp, dp, m, budget, attention, cap_shape, random_shape) -> _Context:
     costs_isf = analytic_costs(spec, cap_shape, tp, device, attention=attention)
     costs_random = analytic_costs(spec, random_shape, tp, device, attention=attention)
+    precision = training_precision(device)
     return _Context(spec, device, tp, pp, dp, m, budget, attention, basis_costs(spec, tp, device, attention),
-                    costs_isf, costs_random, memory_need_table(costs_isf, pp, tp, dp, m))
+                    costs_isf, costs_random, memory_need_table(costs_isf, pp, tp, dp, m, precision=precision),
+                    precision)
 
 
 def _allreduce(ctx: _Context, layout: PipelineLayout) -> float:
@@ -451,7 +459,7 @@ def _allreduce(ctx: _Context, layout: PipelineLayout) -> float:
 
 
 def _memory(ctx: _Context, costs: CostTable, layout: PipelineLayout, stages) -> tuple[float, ...]:
-    mem = stage_memory(costs, layout, stages, ctx.pp, ctx.tp, ctx.dp, ctx.m)
+    mem = stage_memory(costs, layout, stages, ctx.pp, ctx.tp, ctx.dp, ctx.m, precision=ctx.precision)
     return tuple(float(x.peak_bytes) for x in mem)
 
 
@@ -503,7 +511,7 @@ def _joint(ctx: _Context, cache: dict | None):
     key = (ctx.tp, ctx.pp, ctx.dp, ctx.m, ctx.budget, ctx.attention, tuple(sorted(ctx.costs_isf.meta["shape"].items())))
     if cache is not None and key in cache:
         return cache[key]
-    joint = plan_layout_and_recompute(ctx.costs_isf, ctx.pp, ctx.budget, ctx.tp, ctx.dp, ctx.m)
+    joint = plan_layout_and_recompute(ctx.costs_isf, ctx.pp, ctx.budget, ctx.tp, ctx.dp, ctx.m, precision=ctx.precision)
     if cache is not None:
         cache[key] = joint
     return joint
@@ -525,7 +533,8 @@ def _memory_candidates(ctx: _Context, layouts: list[tuple[str, PipelineLayout]],
             continue
         seen.add(layout)
         try:
-            plan = plan_recompute(ctx.costs_isf, layout, ctx.budget, ctx.pp, ctx.tp, ctx.dp, ctx.m)
+            plan = plan_recompute(ctx.costs_isf, layout, ctx.budget, ctx.pp, ctx.tp, ctx.dp, ctx.m,
+                                  precision=ctx.precision)
         except MemoryBudgetError:
             continue
         out.append(_Candidate(f"{how} layout + adaptive recompute", layout, list(plan.stages),
@@ -807,6 +816,9 @@ def make_plan(stats: SampleStats, spec: ModelSpec | str, gpus: int, gpu_memory_b
         "--omnibal-isf-qt-min": int(data.params.qt_min),
         "--micro-batch-size": k,
         "--global-batch-size": m * d * k,
+        # the memory plan assumes both: optimizer state sharded over DP, and bf16 on a GPU
+        "--use-distributed-optimizer": True,
+        "--bf16": ctx.precision == MIXED_BF16_ADAM,
     }
     rand_metrics = random_baseline(stats.vit, stats.tokens, d, k, seed)
     notes = [f"budget = {gpu_memory_bytes / GIB:.1f} GiB x (1 - {memory_reserve}) = {budget / GIB:.1f} GiB per GPU",

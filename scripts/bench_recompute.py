@@ -105,9 +105,9 @@ def simulated(args) -> dict:
 def planner_inputs():
     """(precision, distributed optimizer) the trainer plans with on CPU (megatron/training/setup.py:
     fp32 parameters, gradients and Adam state; the benchmarks do not pass --use-distributed-optimizer)."""
-    from omnibal_ext.memory.memory_model import Precision
+    from omnibal_ext.memory.memory_model import FP32_ADAM
 
-    return Precision(param_bytes=4.0, grad_bytes=4.0, optimizer_bytes=8.0), False
+    return FP32_ADAM, False
 
 
 def choose_budget(costs, layout, pp, tp, dp, m) -> dict:

@@ -72,6 +72,26 @@ def test_plan_command_writes_plan_and_figures(tmp_path, capsys):
     assert "below the 2 stages" in one_error_line(capsys, "plan")
 
 
+@pytest.mark.parametrize("device", ["a100-80g", "cpu"])
+def test_plan_launches_the_trainer_with_the_memory_it_planned(tmp_path, device):
+    """The plan's flags, applied with --omnibal-plan, give the trainer the optimizer and precision the
+    plan's memory assumed: distributed optimizer always, bf16 on a GPU and fp32 on CPU (where the
+    trainer cannot run bf16), so the trainer's own memory model sees the same static bytes."""
+    from megatron.training.arguments import parse_args
+    from megatron.training.setup import precision_of
+    from omnibal_ext.model.cost_model import get_device
+    from omnibal_ext.plan import training_precision
+
+    f = stats_file(tmp_path / "s.json", 400, 4)
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--data", f, "--model", "tiny", "--gpus", "4", "--gpu-memory", "1", "--device", device,
+                 "--global-batch-size", "32", "--sim-iterations", "1", "--json", str(out)]) == 0
+    args = parse_args(["--omnibal-plan", str(out)], world_size=4)
+    assert args.use_distributed_optimizer and args.bf16 == (device != "cpu")
+    assert precision_of(args) == training_precision(get_device(device))
+    assert precision_of(args).bytes_per_param(4, True) == (2 + 4 + 12 / 4 if device != "cpu" else 4 + 4 + 8 / 4)
+
+
 def test_plan_reads_folders_and_meta_jsons(tmp_path):
     """`omnibal plan --data` takes a folder (its *.json files, sorted) or InternVL meta JSONs, as `omnibal isf`."""
     from PIL import Image

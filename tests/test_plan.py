@@ -129,6 +129,7 @@ def check_plan(plan, spec_name: str, gpus: int, budget: float):
     stages = parse_recompute_plan(flags["--recompute-plan"], plan.pp)
     validate_recompute_plan(stages, layout, build_units(spec))
     assert flags["--global-batch-size"] == plan.num_microbatches * plan.dp * flags["--micro-batch-size"]
+    assert flags["--use-distributed-optimizer"] is True and flags["--bf16"] == (plan.device != "cpu")
     rows = {r.setting: r for r in plan.rows}
     # +data runs Megatron's default layout with full recompute
     assert rows["+data"].stage_units == default_layout(spec, plan.pp).stage_units

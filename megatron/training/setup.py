@@ -122,11 +122,9 @@ def recompute_settings(args, layout) -> list[StageRecompute]:
 # ---------------------------------------------------------------------------------------------
 def precision_of(args):
     """Static bytes per parameter of this run (megatron's optimizers as configured here)."""
-    from omnibal_ext.memory.memory_model import MIXED_BF16_ADAM, Precision
+    from omnibal_ext.memory.memory_model import FP32_ADAM, MIXED_BF16_ADAM
 
-    if args.bf16:
-        return MIXED_BF16_ADAM
-    return Precision(param_bytes=4.0, grad_bytes=4.0, optimizer_bytes=8.0)  # fp32 param, main_grad, Adam m/v
+    return MIXED_BF16_ADAM if args.bf16 else FP32_ADAM  # fp32: param, main_grad, Adam m/v
 
 
 def unit_costs(args, dataset, img_context_id: int, device):

@@ -93,6 +93,7 @@ class Precision:
 
 
 MIXED_BF16_ADAM = Precision()
+FP32_ADAM = Precision(param_bytes=4.0, grad_bytes=4.0, optimizer_bytes=8.0)  # fp32 weights, Adam m + v
 
 
 @dataclass(frozen=True)
