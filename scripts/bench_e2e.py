@@ -148,7 +148,7 @@ def plot(rows: list[dict], path: str, title: str) -> str:
 
 
 def run(args) -> dict:
-    from omnibal_ext.memory.memory_model import FP32_ADAM, MemoryModelError
+    from omnibal_ext.memory.memory_model import MemoryModelError
     from omnibal_ext.memory.recompute import MemoryBudgetError, parse_recompute_plan, plan_recompute
     from omnibal_ext.model.costs import CostTable
     from omnibal_ext.model.layout import parse_layout
@@ -190,9 +190,9 @@ def run(args) -> dict:
                    f"{max(ref) / 2**20:.2f} MiB")
     costs = CostTable.load(profile)
     searched = parse_layout(results["+model"].layout_flag, spec, pp)
-    prec = FP32_ADAM  # the trainer's fp32 Adam on CPU
+    prec, dist_opt = bl.planner_inputs()
     try:
-        plan_recompute(costs, searched, budget, pp, tp, dp, m, distributed_optimizer=False, precision=prec)
+        plan_recompute(costs, searched, budget, pp, tp, dp, m, distributed_optimizer=dist_opt, precision=prec)
     except (MemoryBudgetError, MemoryModelError) as e:
         least = getattr(e, "need_bytes", budget)
         budget = 1.01 * float(least)

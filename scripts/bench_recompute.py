@@ -102,19 +102,11 @@ def simulated(args) -> dict:
 # ------------------------------------------------------------------------------------------------
 # Measured: the tiny heterogeneous VLM on this machine
 # ------------------------------------------------------------------------------------------------
-def planner_inputs():
-    """(precision, distributed optimizer) the trainer plans with on CPU (megatron/training/setup.py:
-    fp32 parameters, gradients and Adam state; the benchmarks do not pass --use-distributed-optimizer)."""
-    from omnibal_ext.memory.memory_model import FP32_ADAM
-
-    return FP32_ADAM, False
-
-
 def choose_budget(costs, layout, pp, tp, dp, m) -> dict:
     """Budget between the busiest stage's need with full recompute and without recompute."""
     from omnibal_ext.memory.recompute import evaluate_plan, full_recompute_plan, no_recompute_plan
 
-    prec, dist_opt = planner_inputs()
+    prec, dist_opt = bl.planner_inputs()
     full = evaluate_plan(costs, layout, full_recompute_plan(layout, costs.units), pp, tp, dp, m,
                          distributed_optimizer=dist_opt, precision=prec)
     none = evaluate_plan(costs, layout, no_recompute_plan(layout), pp, tp, dp, m,
@@ -151,7 +143,7 @@ def measured(args) -> dict:
     layout = default_layout(spec, pp)
     b = choose_budget(costs, layout, pp, tp, dp, m)
     budget = b["budget_bytes"]
-    prec, dist_opt = planner_inputs()
+    prec, dist_opt = bl.planner_inputs()
     plan = plan_recompute(costs, layout, budget, pp, tp, dp, m, distributed_optimizer=dist_opt, precision=prec)
     mem = stage_memory(costs, layout, list(plan.stages), pp, tp, dp, m, dist_opt, prec)
     full_flags = common + ["--recompute-granularity", "full", "--log-activation-memory"]

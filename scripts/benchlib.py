@@ -55,6 +55,15 @@ PAPER_GLOBAL_BATCH = (PAPER_MICROBATCHES_PER_PIPELINE * (PAPER_GPUS // (PAPER_TP
                       * PAPER_SAMPLES_PER_GROUP)  # samples per iteration (512)
 
 
+def planner_inputs():
+    """(precision, distributed optimizer) the trainer plans with in the measured benchmarks on CPU
+    (megatron/training/setup.py: fp32 parameters, gradients and Adam state; the benchmarks do not pass
+    --use-distributed-optimizer)."""
+    from omnibal_ext.memory.memory_model import FP32_ADAM
+
+    return FP32_ADAM, False
+
+
 def hetero_spec():
     """The ModelSpec of HETERO_MODEL (the trainer's own flag handling)."""
     from megatron.training.arguments import build_parser, model_spec_from_args
