@@ -10,7 +10,7 @@ import dataclasses
 
 from omnibal_ext.model.layout import parse_layout
 from omnibal_ext.model.units import PRESETS, ModelSpec, build_units, get_preset
-from omnibal_ext.plan import trainer_argv
+from omnibal_ext.plan import tp_problem, trainer_argv
 
 
 class ArgumentError(ValueError):
@@ -155,15 +155,14 @@ def validate_args(args, world_size: int) -> None:
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
             f"--pipeline-model-parallel-size {pp}")
     args.data_parallel_size = world_size // (tp * pp)
-    for name, heads, hidden, groups in [
-        ("--vision-num-attention-heads", spec.vision.num_attention_heads, spec.vision.hidden_size, None),
-        ("--num-attention-heads", spec.language.num_attention_heads, spec.language.hidden_size,
-         spec.language.kv_groups)]:
+    v, lang = spec.vision, spec.language
+    for name, heads, hidden in [("--vision-num-attention-heads", v.num_attention_heads, v.hidden_size),
+                                ("--num-attention-heads", lang.num_attention_heads, lang.hidden_size)]:
         if hidden % heads:
             raise ArgumentError(f"{name} {heads} does not divide the hidden size {hidden}")
-        if groups is not None and (heads % tp or groups % tp):  # the ViT's heads are padded instead
-            raise ArgumentError(f"{name} {heads} (key/value groups {groups}) is not divisible by "
-                                f"--tensor-model-parallel-size {tp}")
+    if tp_problem(spec, tp):  # the planner's rule: the LLM's heads and groups divide, the ViT's are padded
+        raise ArgumentError(f"--num-attention-heads {lang.num_attention_heads} (key/value groups {lang.kv_groups}) "
+                            f"is not divisible by --tensor-model-parallel-size {tp}")
     if spec.vision.image_size % spec.vision.patch_size:
         raise ArgumentError(f"--patch-size {spec.vision.patch_size} does not divide --image-size {spec.vision.image_size}")
     grid = spec.vision.image_size // spec.vision.patch_size
