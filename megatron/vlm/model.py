@@ -164,11 +164,11 @@ def segment_configs(base: TransformerConfig, num_layers: int, full_layers: int, 
     return segments
 
 
-class VisionEmbedding(torch.nn.Module):
+class VisionEmbedding(MegatronModule):
     """Tiles [n, C, S, S] -> patch tokens plus a class token, with learned positions: [1 + P, n, H]."""
 
-    def __init__(self, spec: ModelSpec):
-        super().__init__()
+    def __init__(self, spec: ModelSpec, config: TransformerConfig):
+        super().__init__(config=config)
         v = spec.vision
         self.patch = torch.nn.Conv2d(v.in_channels, v.hidden_size, kernel_size=v.patch_size, stride=v.patch_size)
         self.cls_token = torch.nn.Parameter(torch.randn(1, 1, v.hidden_size) * spec.init_method_std)
@@ -180,14 +180,14 @@ class VisionEmbedding(torch.nn.Module):
         return x.transpose(0, 1).contiguous()  # [1 + P, n, H]
 
 
-class Projector(torch.nn.Module):
+class Projector(MegatronModule):
     """ViT output -> drop class token -> pixel shuffle -> LayerNorm -> MLP (tensor parallel).
 
     [1 + P, n, Hv] -> [n * tokens_per_tile, 1, Hl]
     """
 
     def __init__(self, spec: ModelSpec, config: TransformerConfig):
-        super().__init__()
+        super().__init__(config=config)
         self.grid = int(round(spec.vision.patches_per_tile**0.5))
         self.factor = int(round(1 / spec.downsample_ratio))
         in_size, hidden = spec.projector_in_size, spec.language.hidden_size
@@ -210,14 +210,14 @@ class Projector(torch.nn.Module):
         return x.unsqueeze(1)
 
 
-class TextEmbedding(torch.nn.Module):
+class TextEmbedding(MegatronModule):
     """Token embedding (vocabulary-parallel) with image features written into image-context slots.
 
     tokens [b, s] and image features [n * T, 1, H] -> [s, b, H].
     """
 
     def __init__(self, spec: ModelSpec, config: TransformerConfig, img_context_id: int, tokens_per_tile: int):
-        super().__init__()
+        super().__init__(config=config)
         self.word = tensor_parallel.VocabParallelEmbedding(
             spec.language.vocab_size, spec.language.hidden_size, init_method=config.init_method,
             config=config)
@@ -237,11 +237,11 @@ class TextEmbedding(torch.nn.Module):
         return emb.transpose(0, 1).contiguous()
 
 
-class OutputHead(torch.nn.Module):
+class OutputHead(MegatronModule):
     """Final norm, vocabulary-parallel output layer and cross entropy: [s, b, H] -> loss [b, s]."""
 
     def __init__(self, spec: ModelSpec, config: TransformerConfig, norm_module):
-        super().__init__()
+        super().__init__(config=config)
         self.norm = norm_module(config=config, hidden_size=spec.language.hidden_size, eps=config.layernorm_epsilon)
         self.output = tensor_parallel.ColumnParallelLinear(
             spec.language.hidden_size, spec.language.vocab_size, config=config,
@@ -314,7 +314,7 @@ class VLMStage(MegatronModule):
         self.vit_embed = self.projector = self.text_embed = self.head = None
         if first["vit_embed"] is not None:
             with seeded(seed, first["vit_embed"]):
-                self.vit_embed = VisionEmbedding(spec)
+                self.vit_embed = VisionEmbedding(spec, vit_config)
         self.vit_blocks = self._blocks(vit_config, spec.vision.normalization, AttnMaskType.no_mask, seed,
                                        first["vit_layer"], n_vit, recompute.vit_full_layers, recompute.vit_selective,
                                        real_heads=spec.vision.num_attention_heads)
@@ -345,6 +345,42 @@ class VLMStage(MegatronModule):
             blocks.append(TransformerBlock(cfg, layer, post_layer_norm=False))
             offset += n
         return blocks
+
+    def unit_modules(self):
+        """(unit, module, where the module sits in this stage's state dict) for each unit of the stage."""
+        singles = {"vit_embed": ("vit_embed", self.vit_embed), "projector": ("projector", self.projector),
+                   "llm_embed": ("text_embed", self.text_embed), "llm_head": ("head", self.head)}
+        layers = {"vit_layer": self._layer_paths(self.vit_blocks, "vit_blocks"),
+                  "llm_layer": self._layer_paths(self.llm_blocks, "llm_blocks")}
+        for unit in self.units:
+            path, module = singles[unit.kind] if unit.kind in singles else next(layers[unit.kind])
+            yield unit, module, f"{path}."
+
+    @staticmethod
+    def _layer_paths(blocks, name: str):
+        for b, block in enumerate(blocks):
+            for j, layer in enumerate(block.layers):
+                yield f"{name}.{b}.layers.{j}", layer
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """megatron-core sharded state dict whose checkpoint keys are the global unit names (see
+        megatron/vlm/sharding.py): independent of stage, recompute segmentation, layout and TP size."""
+        from megatron.vlm.sharding import drop_padded_heads, unit_sharded_state_dict
+
+        if sharded_offsets:
+            raise ValueError("VLMStage.sharded_state_dict: units carry global names; no offsets apply")
+        vit_cfg = self.vit_blocks[0].config if len(self.vit_blocks) else None
+        sd = {}
+        for unit, module, path in self.unit_modules():
+            unit_sd = unit_sharded_state_dict(module, prefix + path, f"{unit.name}.", metadata)
+            if unit.kind == "vit_layer":
+                tp = vit_cfg.tensor_model_parallel_size
+                drop_padded_heads(unit_sd, prefix + path, self.spec.vision.num_attention_heads,
+                                  vit_cfg.num_attention_heads // tp,
+                                  parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0,
+                                  vit_cfg.kv_channels)
+            sd.update(unit_sd)
+        return sd
 
     def set_input_tensor(self, input_tensor):
         if isinstance(input_tensor, (list, tuple)):
