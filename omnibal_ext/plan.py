@@ -84,6 +84,7 @@ import numpy as np
 
 from .data.search import SearchConfig, plan_isf, random_baseline, random_group_totals, step_matrix_epoch0
 from .data.stats import SampleStats
+from .errors import UserError
 from .memory.memory_model import (FP32_ADAM, GIB, MIXED_BF16_ADAM, MODE_FULL, MODE_NONE, Precision, in_flight_1f1b,
                                   stage_memory, unit_activation_bytes, unit_transient_bytes)
 from .memory.recompute import (MemoryBudgetError, StageRecompute, format_recompute_plan, full_recompute_plan,
@@ -103,7 +104,7 @@ SECONDS_PER_DAY = 86400.0
 _BASIS = 1024.0
 
 
-class PlanError(ValueError):
+class PlanError(UserError):
     """No configuration fits, or the request cannot be planned (the message says why)."""
 
 

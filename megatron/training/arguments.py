@@ -8,12 +8,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from omnibal_ext.errors import UserError
 from omnibal_ext.model.layout import parse_layout
 from omnibal_ext.model.units import PRESETS, ModelSpec, build_units, get_preset
 from omnibal_ext.plan import tp_problem, trainer_argv
 
 
-class ArgumentError(ValueError):
+class ArgumentError(UserError):
     """A flag value that cannot work; the message names the flag."""
 
 

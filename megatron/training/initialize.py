@@ -9,12 +9,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .arguments import ArgumentError
+
 
 def choose_device(requested: str) -> torch.device:
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if requested == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda: no CUDA device is visible to this process")
+        raise ArgumentError("--device cuda: no CUDA device is visible to this process")
     return torch.device(requested)
 
 

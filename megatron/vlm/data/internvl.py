@@ -36,6 +36,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from omnibal_ext.errors import UserError
+
 from .template import (ConversationError, IMAGE_PLACEHOLDER, add_missing_placeholder, count_placeholders,
                        parse_conversations, plan_conversation)
 from .tiling import black_tile_tensor, count_tiles, dynamic_tiles, tiles_to_tensor
@@ -43,7 +45,7 @@ from .tiling import black_tile_tensor, count_tiles, dynamic_tiles, tiles_to_tens
 MAX_LISTED_ERRORS = 20
 
 
-class DataValidationError(ValueError):
+class DataValidationError(UserError):
     """Problems found in the data before training; each message line names ``file:line``."""
 
 
