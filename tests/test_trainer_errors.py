@@ -48,3 +48,32 @@ def test_bad_flags_are_named(tmp_path, flags, expect):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert expect in proc.stderr
     assert "iteration" not in proc.stdout
+
+
+def test_bad_flag_exits_2_with_one_line_and_no_traceback(tmp_path):
+    proc = run_single(["--log-interval", "0"], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert lines == ["error: --log-interval 0: must be >= 1"], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_only_user_errors_lose_their_traceback(monkeypatch, capsys):
+    """cli() prints a UserError as one line (exit 2); any other exception (here a library's ValueError)
+    propagates with its traceback."""
+    import pretrain_vlm
+    from omnibal_ext.errors import UserError
+
+    def user_mistake(argv=None):
+        raise UserError("--data-path x.json: no such file\n  (second line)")
+
+    monkeypatch.setattr(pretrain_vlm, "main", user_mistake)
+    assert pretrain_vlm.cli() == 2
+    assert capsys.readouterr().err == "error: --data-path x.json: no such file; (second line)\n"
+
+    def library_bug(argv=None):
+        raise ValueError("operands could not be broadcast together")
+
+    monkeypatch.setattr(pretrain_vlm, "main", library_bug)
+    with pytest.raises(ValueError, match="broadcast"):
+        pretrain_vlm.cli()
