@@ -193,15 +193,31 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _run_profile(args) -> int:
-    from megatron.training.initialize import destroy
-    from omnibal_ext.model.cost_model import MicroBatchShape, get_device, profile_report
+    from megatron.training import cpu_compat
+    from megatron.training.arguments import requested_device
+    from megatron.training.initialize import choose_device
+    from omnibal_ext.model.cost_model import get_device, profile_report
     from omnibal_ext.model.costs import CostTable
 
     explicit = (args.tiles, args.llm_tokens)
     if None in explicit and (args.tiles, args.llm_tokens, args.sample_tokens) != (None, None, None):
         raise UserError("--tiles and --llm-tokens go together (an explicit micro-batch shape; --sample-tokens "
-                         "needs them)")
+                        "needs them)")
     device = get_device(args.compare_device) if args.compare_device else None  # bad name: before any work
+    with cpu_compat.patched_for(choose_device(requested_device(args.trainer_flags))):  # CPU: teardown included
+        _profile(args)
+    print(f"profile written to {args.json}")
+    if device is not None:
+        rows = profile_report(CostTable.load(args.json), device)
+        print(format_profile_report(rows, device.name))
+    return 0
+
+
+def _profile(args) -> None:
+    """Measure the units as ``omnibal profile`` asks (an explicit shape, or the trainer's data)."""
+    from megatron.training.initialize import destroy
+    from omnibal_ext.model.cost_model import MicroBatchShape
+
     try:
         if args.tiles is not None:
             from megatron.training.profiling import profile_at_shape
@@ -217,11 +233,6 @@ def _run_profile(args) -> int:
             pretrain_vlm.main(list(args.trainer_flags) + ["--omnibal-profile", args.json])
     finally:
         destroy()
-    print(f"profile written to {args.json}")
-    if device is not None:
-        rows = profile_report(CostTable.load(args.json), device)
-        print(format_profile_report(rows, device.name))
-    return 0
 
 
 def format_profile_report(rows: list[dict], device: str) -> str:

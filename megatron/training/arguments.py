@@ -249,6 +249,15 @@ def plan_flags(path: str) -> list[str]:
     return trainer_argv(flags)
 
 
+def requested_device(argv=None) -> str:
+    """The --device of ``argv`` (default: sys.argv[1:]) before the full parse and checks: the CPU
+    patches (cpu_compat) must be in place before any process group starts."""
+    import sys
+
+    args, _ = build_parser().parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    return args.device
+
+
 def parse_args(argv=None, world_size: int = 1):
     """Parse and check the flags.  With --omnibal-plan, the plan's flags come first, so flags given
     on the command line override them."""
