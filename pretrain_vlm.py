@@ -14,18 +14,15 @@ warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
 warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")  # megatron-core's own default
 
 
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError)
-
-
 def main(argv=None) -> dict:
-    from megatron.training.arguments import parse_args
+    from megatron.training.arguments import ArgumentError, parse_args
     from megatron.training.initialize import choose_device, initialize_distributed, set_seeds, world_size_from_env
 
     args = parse_args(argv, world_size_from_env())
     device = choose_device(args.device)
     if args.bf16 and device.type != "cuda":
-        raise ValueError("--bf16 needs a CUDA device: megatron-core's mixed-precision optimizer takes CUDA "
-                         "tensors only (train in fp32 on CPU)")
+        raise ArgumentError("--bf16 needs a CUDA device: megatron-core's mixed-precision optimizer takes CUDA "
+                            "tensors only (train in fp32 on CPU)")
     initialize_distributed(device, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     set_seeds(args.seed)
 
@@ -68,15 +65,21 @@ def main(argv=None) -> dict:
 
 
 def cli() -> int:
-    from megatron.training.initialize import destroy
+    """Run :func:`main`; a user's mistake (``UserError``) becomes one line ``error: ...`` on stderr and
+    exit status 2, every other exception keeps its traceback."""
+    from megatron.training import cpu_compat
+    from megatron.training.arguments import requested_device
+    from megatron.training.initialize import choose_device, destroy
+    from omnibal_ext.errors import UserError, report
 
     try:
-        main()
-    except USER_ERRORS as e:  # bad flags or data: one clear line, no traceback
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    finally:
-        destroy()
+        with cpu_compat.patched_for(choose_device(requested_device())):  # a CPU run, teardown included
+            try:
+                main()
+            finally:
+                destroy()
+    except UserError as e:  # bad flags or data: one clear line per rank, no traceback
+        return report(e)
     return 0
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from omnibal_ext.data.cli import _json_default, add_isf_parser
+from omnibal_ext.errors import UserError, report
 
 
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:
@@ -141,7 +142,7 @@ def load_stats_or_meta(paths, flag: str = "--stats"):
     if not metas:
         return load_stats(files)
     if len(metas) != len(files):
-        raise ValueError(f"{flag}: give stats files or meta JSONs, not both")
+        raise UserError(f"{flag}: give stats files or meta JSONs, not both")
     from megatron.vlm.data.internvl import ReaderConfig, scan_annotations
     from megatron.vlm.data.tokenizer import build_tokenizer
 
@@ -192,22 +193,38 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _run_profile(args) -> int:
-    from megatron.training.initialize import destroy
-    from omnibal_ext.model.cost_model import MicroBatchShape, get_device, profile_report
+    from megatron.training import cpu_compat
+    from megatron.training.arguments import requested_device
+    from megatron.training.initialize import choose_device
+    from omnibal_ext.model.cost_model import get_device, profile_report
     from omnibal_ext.model.costs import CostTable
 
     explicit = (args.tiles, args.llm_tokens)
     if None in explicit and (args.tiles, args.llm_tokens, args.sample_tokens) != (None, None, None):
-        raise ValueError("--tiles and --llm-tokens go together (an explicit micro-batch shape; --sample-tokens "
-                         "needs them)")
+        raise UserError("--tiles and --llm-tokens go together (an explicit micro-batch shape; --sample-tokens "
+                        "needs them)")
     device = get_device(args.compare_device) if args.compare_device else None  # bad name: before any work
+    with cpu_compat.patched_for(choose_device(requested_device(args.trainer_flags))):  # CPU: teardown included
+        _profile(args)
+    print(f"profile written to {args.json}")
+    if device is not None:
+        rows = profile_report(CostTable.load(args.json), device)
+        print(format_profile_report(rows, device.name))
+    return 0
+
+
+def _profile(args) -> None:
+    """Measure the units as ``omnibal profile`` asks (an explicit shape, or the trainer's data)."""
+    from megatron.training.initialize import destroy
+    from omnibal_ext.model.cost_model import MicroBatchShape
+
     try:
         if args.tiles is not None:
             from megatron.training.profiling import profile_at_shape
 
             sample = args.sample_tokens or args.llm_tokens
             if not 1 <= sample <= args.llm_tokens:
-                raise ValueError(f"--sample-tokens must be in [1, --llm-tokens], got {sample}")
+                raise UserError(f"--sample-tokens must be in [1, --llm-tokens], got {sample}")
             shape = MicroBatchShape(args.tiles, args.llm_tokens, llm_attn_tokens_sq=float(args.llm_tokens * sample))
             profile_at_shape(list(args.trainer_flags), shape, args.json)
         else:
@@ -216,11 +233,6 @@ def _run_profile(args) -> int:
             pretrain_vlm.main(list(args.trainer_flags) + ["--omnibal-profile", args.json])
     finally:
         destroy()
-    print(f"profile written to {args.json}")
-    if device is not None:
-        rows = profile_report(CostTable.load(args.json), device)
-        print(format_profile_report(rows, device.name))
-    return 0
 
 
 def format_profile_report(rows: list[dict], device: str) -> str:
@@ -238,15 +250,6 @@ def format_profile_report(rows: list[dict], device: str) -> str:
     return "\n".join(lines)
 
 
-def _error(command: str, message: str) -> int:
-    message = " ".join(str(message).split())  # one line
-    prefix = f"omnibal {command}: "
-    if message.startswith(prefix):
-        message = message[len(prefix):]
-    print(f"{prefix}error: {message}", file=sys.stderr)
-    return 2
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run ``omnibal`` with ``argv`` (default: sys.argv[1:]); returns the exit status."""
     parser = build_parser()
@@ -258,12 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command if args.command != "isf" else f"isf {args.isf_command}"
     try:
         result = args.func(args)
-    except SystemExit as e:  # the sub-command CLIs raise SystemExit("message") on bad input
-        if isinstance(e.code, str):
-            return _error(command, e.code)
-        raise
-    except (ValueError, OSError) as e:  # StatsError, PlanError, LayoutError, MemoryBudgetError are ValueErrors
-        return _error(command, e)
+    except UserError as e:  # StatsError, PlanError, LayoutError, MemoryBudgetError, ...: one line, exit 2
+        return report(e, f"omnibal {command}: ")
     return result if isinstance(result, int) else 0
 
 

@@ -9,3 +9,24 @@ from __future__ import annotations
 
 class UserError(ValueError):
     """A user's mistake, described in one paragraph that names the flag, file, record or tensor."""
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message on one line (one line per process on stderr): its lines joined by "; ",
+    or by a space after a line ending in ":" (a heading such as "3 problem(s) in the data of m.json:")."""
+    out = ""
+    for line in (" ".join(part.split()) for part in str(error).splitlines()):
+        if line:
+            out += line if not out else (" " if out.endswith(":") else "; ") + line
+    return out
+
+
+def report(error: UserError, prefix: str = "") -> int:
+    """Print ``{prefix}error: message`` as one line on stderr; returns exit status 2."""
+    import sys
+
+    message = one_line(error)
+    if prefix and message.startswith(prefix):
+        message = message[len(prefix):]
+    print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
+    return 2

@@ -84,6 +84,7 @@ import numpy as np
 
 from .data.search import SearchConfig, plan_isf, random_baseline, random_group_totals, step_matrix_epoch0
 from .data.stats import SampleStats
+from .errors import UserError
 from .memory.memory_model import (FP32_ADAM, GIB, MIXED_BF16_ADAM, MODE_FULL, MODE_NONE, Precision, in_flight_1f1b,
                                   stage_memory, unit_activation_bytes, unit_transient_bytes)
 from .memory.recompute import (MemoryBudgetError, StageRecompute, format_recompute_plan, full_recompute_plan,
@@ -103,7 +104,7 @@ SECONDS_PER_DAY = 86400.0
 _BASIS = 1024.0
 
 
-class PlanError(ValueError):
+class PlanError(UserError):
     """No configuration fits, or the request cannot be planned (the message says why)."""
 
 
@@ -517,16 +518,27 @@ def _joint(ctx: _Context, cache: dict | None):
     return joint
 
 
+def _configuration(ctx: _Context) -> str:
+    return (f"{ctx.spec.name} at TP={ctx.tp} PP={ctx.pp} DP={ctx.dp}, {ctx.m} micro-batches, budget "
+            f"{ctx.budget / GIB:.1f} GiB per GPU")
+
+
+def _nothing_fits(ctx: _Context, setting: str, failures: list[str]) -> PlanError:
+    """The planner's refusal of a row: the configuration and why each candidate failed."""
+    return PlanError(f"no {setting} plan fits {_configuration(ctx)}: " + "; ".join(failures))
+
+
 def _memory_candidates(ctx: _Context, layouts: list[tuple[str, PipelineLayout]],
                        cache: dict | None = None) -> list[_Candidate]:
-    """+memory: layout search + adaptive recompute, and the adaptive plan on the given layouts."""
-    out = []
+    """+memory: layout search + adaptive recompute, and the adaptive plan on the given layouts.
+    Raises PlanError, with each candidate's reason, when none fits."""
+    out, failures = [], []
     try:
         joint = _joint(ctx, cache)
         out.append(_Candidate(f"{joint.how} + adaptive recompute", joint.layout, list(joint.recompute.stages),
                               stage_modes(ctx.costs_isf, joint.layout, joint.recompute.stages)))
-    except (MemoryBudgetError, partition.PartitionError):
-        pass
+    except (MemoryBudgetError, partition.PartitionError) as e:
+        failures.append(f"layout search + adaptive recompute: {e}")
     seen = {c.layout for c in out}
     for how, layout in layouts:
         if layout in seen:
@@ -535,11 +547,26 @@ def _memory_candidates(ctx: _Context, layouts: list[tuple[str, PipelineLayout]],
         try:
             plan = plan_recompute(ctx.costs_isf, layout, ctx.budget, ctx.pp, ctx.tp, ctx.dp, ctx.m,
                                   precision=ctx.precision)
-        except MemoryBudgetError:
+        except MemoryBudgetError as e:
+            failures.append(f"{how} layout + adaptive recompute: {e}")
             continue
         out.append(_Candidate(f"{how} layout + adaptive recompute", layout, list(plan.stages),
                               stage_modes(ctx.costs_isf, layout, plan.stages)))
+    if not out:
+        raise _nothing_fits(ctx, "+memory", failures)
     return out
+
+
+def _fitting_model_candidates(ctx: _Context, cands: list[_Candidate]) -> list[_Candidate]:
+    """The +model candidates whose full-recompute peak fits the budget; PlanError naming each peak if none."""
+    peaks = [max(_memory(ctx, ctx.costs_isf, c.layout, c.stages)) for c in cands]
+    fitting = [c for c, peak in zip(cands, peaks) if peak <= ctx.budget]
+    if not fitting:
+        units = build_units(ctx.spec)
+        raise _nothing_fits(ctx, "+model", [
+            f"{c.how} layout {c.layout.to_flag(units)} needs {peak / GIB:.1f} GiB with full recompute"
+            for c, peak in zip(cands, peaks)])
+    return fitting
 
 
 def _row(ctx: _Context, setting: str, batching: str, cand: _Candidate, costs_mem: CostTable,
@@ -674,6 +701,12 @@ def _refusal(spec: ModelSpec, gpus: int, gpu_memory: float, budget: float, tried
             f"{spec.name} on {gpus} GPUs of {gpu_memory / GIB:.0f} GiB: the Megatron-default baseline fits no "
             f"configuration: the least demanding, TP={b['tp']} PP={b['pp']} DP={b['dp']}, needs "
             f"{b['baseline_peak_bytes'] / GIB:.1f} GiB against a budget of {budget / GIB:.1f} GiB per GPU")
+    planner_failed = [r for r in tried if "reason" in r]
+    if best["least_need_bytes"] <= budget and planner_failed:  # memory would do, the planner found no plan
+        return PlanError(
+            f"{spec.name} on {gpus} GPUs of {gpu_memory / GIB:.0f} GiB: no configuration has a plan that fits "
+            f"{budget / GIB:.1f} GiB per GPU: " + "; ".join(
+                f"TP={r['tp']} PP={r['pp']} DP={r['dp']}: {r['reason']}" for r in planner_failed))
     return PlanError(
         f"{spec.name} does not fit {gpus} GPUs of {gpu_memory / GIB:.0f} GiB: the least demanding configuration, "
         f"TP={best['tp']} PP={best['pp']} DP={best['dp']}, needs {best['least_need_bytes'] / GIB:.1f} GiB on "
@@ -788,11 +821,10 @@ def make_plan(stats: SampleStats, spec: ModelSpec | str, gpus: int, gpu_memory_b
                                     loads_i, True)
     model_c = [_simulate_candidate(ctx, c, loads_i, True) for c in _model_candidates(ctx, default)]
     # +model must fit memory with full recompute (the default layout may not)
-    fitting = [c for c in model_c if max(_memory(ctx, ctx.costs_isf, c.layout, c.stages)) <= budget] or model_c
-    plus_model = _best(fitting)
+    plus_model = _best(_fitting_model_candidates(ctx, model_c))
     mem_c = [_simulate_candidate(ctx, c, loads_i, True)
              for c in _memory_candidates(ctx, [("+model", plus_model.layout), ("default", default)], cache)]
-    plus_memory = _best(mem_c) if mem_c else plus_model
+    plus_memory = _best(mem_c)
 
     rows = [
         _row(ctx, "baseline", "random", base, ctx.costs_random, loads_r.mean_shape, samples, gpus),

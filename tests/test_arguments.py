@@ -1,5 +1,6 @@
 """Flag parsing: plan application and validation (no processes started)."""
 import json
+import re
 
 import pytest
 
@@ -61,3 +62,38 @@ def test_inconsistent_flags_are_refused(argv, world, match):
 def test_global_batch_default_is_four_micro_batches_per_rank():
     args = parse_args(["--micro-batch-size", "3"], world_size=2)
     assert args.global_batch_size == 24 and args.num_microbatches == 4
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--micro-batch-size", "0"], "--micro-batch-size 0"),
+    (["--global-batch-size", "0"], "--global-batch-size 0"),
+    (["--global-batch-size", "-4"], "--global-batch-size -4"),
+    (["--train-iters", "-1"], "--train-iters -1"),
+    (["--log-interval", "0"], "--log-interval 0"),
+    (["--save", "ckpt", "--save-interval", "-5"], "--save-interval -5"),
+    (["--eval-interval", "-1"], "--eval-interval -1"),
+    (["--exit-interval", "-2"], "--exit-interval -2"),
+    (["--eval-iters", "0"], "--eval-iters 0"),
+    (["--seq-length", "0"], "--seq-length 0"),
+    (["--max-num-tiles", "0"], "--max-num-tiles 0"),
+    (["--lr", "-0.1"], "--lr -0.1"),
+    (["--num-workers", "2"], "--num-workers 2: not implemented"),
+    (["--omnibal-isf", "--omnibal-isf-qv", "0", "--omnibal-isf-qt", "100"], "--omnibal-isf-qv 0"),
+    (["--omnibal-isf", "--omnibal-isf-qv", "4", "--omnibal-isf-qt", "-1"], "--omnibal-isf-qt -1"),
+    (["--omnibal-isf", "--omnibal-isf-qt", "100"], "--omnibal-isf-qv and --omnibal-isf-qt go together"),
+    (["--omnibal-isf", "--omnibal-isf-qv", "4", "--omnibal-isf-qt", "100", "--omnibal-isf-qt-min", "200"],
+     "--omnibal-isf-qt-min 200 is above --omnibal-isf-qt 100"),
+    (["--omnibal-isf", "--omnibal-isf-qv-min", "3"], "--omnibal-isf-qv-min 3 needs --omnibal-isf-qv"),
+    (["--omnibal-isf-qv", "4", "--omnibal-isf-qt", "100"], "--omnibal-isf-qv --omnibal-isf-qt given without --omnibal-isf"),
+])
+def test_bad_values_are_refused_before_any_process_group(argv, match):
+    """validate_args (run before initialize_distributed) names the flag and its value."""
+    with pytest.raises(ArgumentError, match=re.escape(match)):
+        parse_args(argv)
+
+
+def test_values_that_work_are_accepted():
+    args = parse_args(["--num-workers", "0", "--train-iters", "0", "--eval-interval", "0", "--lr", "0",
+                       "--omnibal-isf", "--omnibal-isf-qv", "8", "--omnibal-isf-qt", "300",
+                       "--omnibal-isf-qv-min", "8", "--omnibal-isf-qt-min", "0"])
+    assert args.omnibal_isf_qv_min == 8 and args.train_iters == 0

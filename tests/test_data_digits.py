@@ -11,6 +11,7 @@ from sklearn.datasets import load_digits
 
 from megatron.vlm.data import build_digits_dataset, digits_meta_paths
 from megatron.vlm.data.digits import NOISE
+from omnibal_ext.errors import UserError
 
 TILE = 32
 
@@ -52,7 +53,7 @@ def test_idempotent_and_guarded(built):
     before = {p: os.stat(os.path.join(out, p)).st_mtime_ns for p in ("train.jsonl", ".complete.json")}
     assert build_digits_dataset(out, num_samples=120, num_val_samples=40, seed=3, tile_size=TILE) == meta
     assert before == {p: os.stat(os.path.join(out, p)).st_mtime_ns for p in before}
-    with pytest.raises(FileExistsError, match="built with"):
+    with pytest.raises(UserError, match="built with"):
         build_digits_dataset(out, num_samples=121, num_val_samples=40, seed=3, tile_size=TILE)
 
 

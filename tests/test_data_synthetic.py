@@ -10,6 +10,7 @@ from conftest import SHARED
 from megatron.vlm.data.internvl import InternVLDataset
 from megatron.vlm.data.synthetic import LengthRule, build_stats_matched_dataset, draw_records
 from megatron.vlm.data.tokenizer import build_tokenizer
+from omnibal_ext.errors import UserError
 
 STATS = sorted((SHARED / "data" / "internvl_sft_stats").glob("*.json"))
 
@@ -99,7 +100,7 @@ def test_idempotent_and_refuses_other_params(tmp_path, edge_stats):
     stamp = os.stat(marker).st_mtime_ns
     assert build_stats_matched_dataset([path], out, num_samples=6, tile_size=32) == meta
     assert os.stat(marker).st_mtime_ns == stamp  # reused, not rebuilt
-    with pytest.raises(FileExistsError):
+    with pytest.raises(UserError):
         build_stats_matched_dataset([path], out, num_samples=7, tile_size=32)
 
 

@@ -10,7 +10,7 @@ import pytest
 from omnibal_ext.data.stats import from_arrays
 from omnibal_ext.memory.memory_model import GIB, stage_memory
 from omnibal_ext.memory.recompute import full_recompute_plan, parse_recompute_plan, validate_recompute_plan
-from omnibal_ext.model.cost_model import DEVICES, MicroBatchShape, analytic_costs
+from omnibal_ext.model.cost_model import DEVICES, MicroBatchShape, analytic_costs, get_device
 from omnibal_ext.model.layout import PipelineLayout, default_layout, parse_layout
 from omnibal_ext.model.simulate import layout_stage_costs, simulate_pipeline
 from omnibal_ext.model.units import build_units, get_preset
@@ -213,3 +213,43 @@ def test_candidate_configs_honour_min_pp():
     assert any(s.get("pp") == 2 and "below the 4 stages" in s["reason"] for s in skipped)
     # InternViT-6B's 25 heads are padded, so the LLM's 8 key-value groups bound TP
     assert {t for t, _, _ in every} == {1, 2, 4, 8}
+
+
+def test_plus_model_refuses_instead_of_falling_back_to_a_layout_that_does_not_fit(monkeypatch):
+    """When no +model layout fits with full recompute the planner says so, naming the configuration and
+    each candidate's need, instead of reporting a layout over the budget."""
+    from omnibal_ext import plan as plan_mod
+
+    real = plan_mod._memory
+    over = {}
+
+    def memory_over_budget(ctx, costs, layout, stages):
+        over["budget"] = ctx.budget
+        return tuple(2 * ctx.budget for _ in real(ctx, costs, layout, stages))
+
+    monkeypatch.setattr(plan_mod, "_memory", memory_over_budget)
+    ctx = plan_mod._context(get_preset("tiny"), get_device("a100-80g"), 1, 2, 1, 4, 80 * GIB, "unfused",
+                            MicroBatchShape(8, 512), MicroBatchShape(8, 512))
+    default = default_layout(ctx.spec, 2)
+    cands = plan_mod._model_candidates(ctx, default)
+    with pytest.raises(PlanError) as e:
+        plan_mod._fitting_model_candidates(ctx, cands)
+    message = str(e.value)
+    assert "no +model plan fits tiny at TP=1 PP=2 DP=1, 4 micro-batches, budget 80.0 GiB per GPU" in message
+    assert message.count("with full recompute") == len(cands) and "160.0 GiB" in message
+
+
+def test_plus_memory_refuses_with_each_candidates_reason(monkeypatch):
+    from omnibal_ext import plan as plan_mod
+    from omnibal_ext.memory.recompute import MemoryBudgetError
+
+    def no_budget(*args, **kwargs):
+        raise MemoryBudgetError(0, 2.0 * GIB, 1.0 * GIB, "even full recompute")
+
+    monkeypatch.setattr(plan_mod, "plan_recompute", no_budget)
+    monkeypatch.setattr(plan_mod, "plan_layout_and_recompute", no_budget)
+    ctx = plan_mod._context(get_preset("tiny"), get_device("a100-80g"), 1, 2, 1, 4, 1 * GIB, "unfused",
+                            MicroBatchShape(8, 512), MicroBatchShape(8, 512))
+    with pytest.raises(PlanError, match=r"no \+memory plan fits tiny at TP=1 PP=2 DP=1.*layout search \+ adaptive "
+                                        r"recompute: .*; default layout \+ adaptive recompute: "):
+        plan_mod._memory_candidates(ctx, [("default", default_layout(ctx.spec, 2))])

@@ -8,12 +8,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from omnibal_ext.errors import UserError
 from omnibal_ext.model.layout import parse_layout
 from omnibal_ext.model.units import PRESETS, ModelSpec, build_units, get_preset
 from omnibal_ext.plan import tp_problem, trainer_argv
 
 
-class ArgumentError(ValueError):
+class ArgumentError(UserError):
     """A flag value that cannot work; the message names the flag."""
 
 
@@ -86,18 +87,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer-model", default=None, help="local Hugging Face tokenizer folder (default: byte-level)")
     g.add_argument("--max-num-tiles", type=int, default=6)
     g.add_argument("--seq-length", type=int, default=512, help="longest sample in tokens")
-    g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument("--num-workers", type=int, default=0,
+                   help="only 0: data loading runs in the training process (worker processes are not implemented)")
 
     g = p.add_argument_group("logging and checkpoints")
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--eval-interval", type=int, default=200, help="evaluate every N iterations (and at the end)")
+    g.add_argument("--eval-interval", type=int, default=200, help="evaluate every N iterations (and at the end); 0: never")
     g.add_argument("--eval-iters", type=int, default=None,
                    help="iterations (global batches) per evaluation (default: one pass over the validation set)")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--exit-interval", type=int, default=None, help="stop (after saving) at this iteration")
+    g.add_argument("--save-interval", type=int, default=None, help="save every N iterations (0: only at --exit-interval)")
+    g.add_argument("--exit-interval", type=int, default=None, help="stop (after saving) at this iteration (0: run all --train-iters)")
     g.add_argument("--json-log", default=None, help="write per-iteration metrics as JSON lines here")
     g.add_argument("--log-activation-memory", action="store_true",
                    help="measure saved-activation bytes per stage (on with --omnibal-recompute auto)")
@@ -136,8 +138,52 @@ def model_spec_from_args(args) -> ModelSpec:
     return spec
 
 
+# (flag, least value that can work; 0 turns an interval off): checked first, so that no division or loop
+# of the run (all after the process groups start) meets them
+_LOWER_BOUNDS = (
+    ("--micro-batch-size", 1), ("--global-batch-size", 1), ("--train-iters", 0), ("--log-interval", 1),
+    ("--eval-interval", 0), ("--eval-iters", 1), ("--save-interval", 0), ("--exit-interval", 0),
+    ("--seq-length", 1), ("--max-num-tiles", 1), ("--lr", 0), ("--min-lr", 0), ("--lr-warmup-iters", 0),
+    ("--omnibal-isf-qv", 1), ("--omnibal-isf-qt", 1), ("--omnibal-isf-qv-min", 0), ("--omnibal-isf-qt-min", 0),
+)
+_ISF_VALUES = ("--omnibal-isf-qv", "--omnibal-isf-qt", "--omnibal-isf-qv-min", "--omnibal-isf-qt-min")
+
+
+def _flag_value(args, flag: str):
+    return getattr(args, flag[2:].replace("-", "_"))
+
+
+def check_lower_bounds(args) -> None:
+    """Every flag of ``_LOWER_BOUNDS`` that is given is at least its bound; ``--num-workers`` is 0."""
+    for flag, least in _LOWER_BOUNDS:
+        value = _flag_value(args, flag)
+        if value is not None and value < least:
+            raise ArgumentError(f"{flag} {value}: must be >= {least}")
+    if args.num_workers != 0:
+        raise ArgumentError(f"--num-workers {args.num_workers}: not implemented yet: data loading runs in the "
+                            "training process; drop the flag (or give 0)")
+
+
+def check_isf_flags(args) -> None:
+    """--omnibal-isf-* need --omnibal-isf; the caps go together; each lower bound is at most its cap."""
+    given = [flag for flag in _ISF_VALUES if _flag_value(args, flag) is not None]
+    if given and not args.omnibal_isf:
+        raise ArgumentError(f"{' '.join(given)} given without --omnibal-isf: add --omnibal-isf or drop them")
+    qv, qt = args.omnibal_isf_qv, args.omnibal_isf_qt
+    if (qv is None) != (qt is None):
+        raise ArgumentError("--omnibal-isf-qv and --omnibal-isf-qt go together (or give neither to search them)")
+    for low_flag, low, cap_flag, cap in (("--omnibal-isf-qv-min", args.omnibal_isf_qv_min, "--omnibal-isf-qv", qv),
+                                         ("--omnibal-isf-qt-min", args.omnibal_isf_qt_min, "--omnibal-isf-qt", qt)):
+        if low is not None and cap is None:
+            raise ArgumentError(f"{low_flag} {low} needs {cap_flag} (a lower bound of a fixed cap)")
+        if low is not None and low > cap:
+            raise ArgumentError(f"{low_flag} {low} is above {cap_flag} {cap}: a lower bound must not exceed its cap")
+
+
 def validate_args(args, world_size: int) -> None:
     """Check flags against each other and the world size; raise ArgumentError naming the flag."""
+    check_lower_bounds(args)
+    check_isf_flags(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         raise ArgumentError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
@@ -201,6 +247,15 @@ def plan_flags(path: str) -> list[str]:
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ArgumentError(f"--omnibal-plan {path}: not a plan from `omnibal plan` ({e})") from None
     return trainer_argv(flags)
+
+
+def requested_device(argv=None) -> str:
+    """The --device of ``argv`` (default: sys.argv[1:]) before the full parse and checks: the CPU
+    patches (cpu_compat) must be in place before any process group starts."""
+    import sys
+
+    args, _ = build_parser().parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    return args.device
 
 
 def parse_args(argv=None, world_size: int = 1):

@@ -22,7 +22,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from omnibal_ext.errors import UserError
+
 TRACKER = "latest_checkpointed_iteration.txt"
+
+
+class CheckpointError(UserError):
+    """A --load folder that this run cannot resume from; the message names --load and the file."""
 
 
 def _rank_file(root: str, iteration: int, rank: int) -> str:
@@ -54,7 +60,7 @@ def _shard_states(optimizer) -> list:
 def _load_shard_states(optimizer, states: list, where: str) -> None:
     sharded = _sharded_optimizers(optimizer)
     if len(states) != len(sharded):
-        raise ValueError(f"--load {where}: {len(states)} distributed-optimizer shard states saved, "
+        raise CheckpointError(f"--load {where}: {len(states)} distributed-optimizer shard states saved, "
                          f"this run has {len(sharded)} sharded optimizers")
     for o, state in zip(sharded, states):
         # Without TE/apex, megatron-core's DistributedOptimizer.load_state_dict gives every parameter
@@ -118,16 +124,16 @@ def load_checkpoint(root: str, model, optimizer, scheduler, parallel: dict) -> d
     """Restore everything saved by :func:`save_checkpoint`; returns the saved extras."""
     tracker = os.path.join(root, TRACKER)
     if not os.path.exists(tracker):
-        raise FileNotFoundError(f"--load {root}: no {TRACKER} there (nothing saved yet?)")
+        raise CheckpointError(f"--load {root}: no {TRACKER} there (nothing saved yet?)")
     with open(tracker) as f:
         iteration = int(f.read().strip())
     path = _rank_file(root, iteration, dist.get_rank())
     if not os.path.exists(path):
-        raise FileNotFoundError(f"--load {root}: {path} is missing (saved with another world size?)")
+        raise CheckpointError(f"--load {root}: {path} is missing (saved with another world size?)")
     state = torch.load(path, map_location="cpu", weights_only=False)
     saved = state.get("parallel", {})
     if saved != parallel:
-        raise ValueError(f"--load {root}: checkpoint was saved with {saved}, this run is {parallel}")
+        raise CheckpointError(f"--load {root}: checkpoint was saved with {saved}, this run is {parallel}")
     for m, sd in zip(model, state["model"]):
         (m.module if hasattr(m, "module") else m).load_state_dict(sd)
     optimizer.load_state_dict(state["optimizer"])

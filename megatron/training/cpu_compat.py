@@ -1,9 +1,12 @@
 """Run megatron-core 0.16.x on CPU with gloo.
 
-megatron-core assumes CUDA in a handful of places.  :func:`apply` redirects exactly those, and
-only when training runs on CPU (it is never called on the GPU path).  Each patch names the
-megatron-core code that needs it; all of them were needed on torch 2.13 (removing any one fails
-with "Torch not compiled with CUDA enabled", or silently misbehaves where noted).
+megatron-core assumes CUDA in a handful of places.  ``with patched():`` redirects exactly those for
+the duration of a CPU run and restores every patched attribute on exit (it is never entered on the
+GPU path; nested entries share one set of patches, undone when the outermost exits).  The trainer
+(``pretrain_vlm.cli``) and ``omnibal profile`` enter it around the whole run, process-group teardown
+included.  Each patch names the megatron-core code that needs it; all of them were needed on torch
+2.13 (removing any one fails with "Torch not compiled with CUDA enabled", or silently misbehaves
+where noted).
 
 Why factory wrappers and not a global ``TorchFunctionMode``: autograd runs backward (and so
 activation recompute) with function modes switched off, so a mode that rewrites ``device="cuda"``
@@ -16,7 +19,9 @@ import functools
 
 import torch
 
-_APPLIED = False
+_MISSING = object()  # an attribute the owner inherited rather than held: deleted again on restore
+_depth = 0  # how many patched() contexts are open
+_saved: list[tuple[object, str, object]] = []  # (owner, attribute, its own value or _MISSING) per patch
 
 # torch factory functions that megatron-core calls with device="cuda" or
 # device=torch.cuda.current_device(): schedules (total token count), optimizer (loss scale),
@@ -41,7 +46,6 @@ def _wrap_factory(fn):
             kwargs["device"] = _cpu_device(kwargs["device"])
         return fn(*args, **kwargs)
 
-    wrapper.__omnibal_cpu__ = True
     return wrapper
 
 
@@ -92,46 +96,75 @@ def _with_cuda_type_names(fn):
     return wrapper
 
 
-def apply() -> None:
-    """Patch torch/megatron-core for CPU training.  Idempotent."""
-    global _APPLIED
-    if _APPLIED:
-        return
-    _APPLIED = True
-
-    # device=torch.cuda.current_device() in tensor_parallel (gather buffers), DDP grad buffers
-    # (distributed/param_and_grad_buffer.py), p2p receive buffers, RoPE.
-    torch.cuda.current_device = lambda: "cpu"
-    # torch.cuda.synchronize() in pipeline_parallel/p2p_communication.py and DDP.
-    torch.cuda.synchronize = lambda *args, **kwargs: None
-    # Tensor.cuda() in LanguageModule.setup_embeddings_and_output_layer (tied embeddings, PP>1)
-    # and optimizer state loading.
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
-    for name in _FACTORIES:
-        fn = getattr(torch, name)
-        if not getattr(fn, "__omnibal_cpu__", False):
-            setattr(torch, name, _wrap_factory(fn))
-
-    # The model-parallel ("CUDA") RNG tracker of tensor_parallel/random.py keeps CUDA generator
-    # states for dropout inside TP regions and for activation recompute.  On CPU the CPU
-    # generator plays that role: get/set/seed are routed to it, which keeps recompute's
-    # save/restore of RNG states consistent.
+def _patches() -> list[tuple[object, str, object]]:
+    """(owner, attribute, replacement) of every CPU patch."""
+    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.tensor_parallel import random as tp_random
 
-    tp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
-    tp_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
-    torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
-    torch.cuda.manual_seed = torch.manual_seed  # tracker.add() seeds, reads, then restores
+    return [
+        # device=torch.cuda.current_device() in tensor_parallel (gather buffers), DDP grad buffers
+        # (distributed/param_and_grad_buffer.py), p2p receive buffers, RoPE.
+        (torch.cuda, "current_device", lambda: "cpu"),
+        # torch.cuda.synchronize() in pipeline_parallel/p2p_communication.py and DDP.
+        (torch.cuda, "synchronize", lambda *args, **kwargs: None),
+        # Tensor.cuda() in LanguageModule.setup_embeddings_and_output_layer (tied embeddings, PP>1)
+        # and optimizer state loading.
+        (torch.Tensor, "cuda", lambda self, *args, **kwargs: self),
+        *[(torch, name, _wrap_factory(getattr(torch, name))) for name in _FACTORIES],
+        # The model-parallel ("CUDA") RNG tracker of tensor_parallel/random.py keeps CUDA generator
+        # states for dropout inside TP regions and for activation recompute.  On CPU the CPU
+        # generator plays that role: get/set/seed are routed to it, which keeps recompute's
+        # save/restore of RNG states consistent.
+        (tp_random, "_get_cuda_rng_state", lambda *args, **kwargs: torch.get_rng_state()),
+        (tp_random, "_set_cuda_rng_state", lambda state, *args, **kwargs: torch.set_rng_state(state)),
+        (torch.cuda, "get_rng_state", lambda *args, **kwargs: torch.get_rng_state()),
+        (torch.cuda, "manual_seed", torch.manual_seed),  # tracker.add() seeds, reads, then restores
+        # optimizer/clip_grads.py asserts CUDA grads; optimizer.py imported the function by name.
+        (clip_grads, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32),
+        (optimizer, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32),
+        # optimizer/distrib_optimizer.py: DistributedOptimizer.__init__ (and the
+        # _build_model_and_main_param_groups it calls) accept only parameters whose type() is a
+        # torch.cuda.*Tensor name.
+        (DistributedOptimizer, "__init__", _with_cuda_type_names(DistributedOptimizer.__init__)),
+    ]
 
-    # optimizer/clip_grads.py asserts CUDA grads; optimizer.py imported the function by name.
-    from megatron.core.optimizer import clip_grads, optimizer
 
-    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
-    optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+def _install() -> None:
+    for owner, name, replacement in _patches():
+        _saved.append((owner, name, vars(owner).get(name, _MISSING)))
+        setattr(owner, name, replacement)
 
-    # optimizer/distrib_optimizer.py: DistributedOptimizer.__init__ (and the
-    # _build_model_and_main_param_groups it calls) accept only parameters whose type() is a
-    # torch.cuda.*Tensor name.
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    DistributedOptimizer.__init__ = _with_cuda_type_names(DistributedOptimizer.__init__)
+def _restore() -> None:
+    while _saved:
+        owner, name, original = _saved.pop()
+        if original is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
+
+
+def active() -> bool:
+    """Whether a patched() context is open."""
+    return _depth > 0
+
+
+@contextlib.contextmanager
+def patched():
+    """Patch torch/megatron-core for CPU training while the context is open; restore on exit."""
+    global _depth
+    if _depth == 0:
+        _install()
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+        if _depth == 0:
+            _restore()
+
+
+def patched_for(device: torch.device):
+    """:func:`patched` for a CPU ``device``, a context that does nothing for any other."""
+    return patched() if device.type == "cpu" else contextlib.nullcontext()

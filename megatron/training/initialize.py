@@ -9,12 +9,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .arguments import ArgumentError
+
 
 def choose_device(requested: str) -> torch.device:
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if requested == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda: no CUDA device is visible to this process")
+        raise ArgumentError("--device cuda: no CUDA device is visible to this process")
     return torch.device(requested)
 
 
@@ -25,12 +27,15 @@ def world_size_from_env() -> int:
 def initialize_distributed(device: torch.device, tp: int, pp: int) -> None:
     """Start torch.distributed (gloo on CPU, NCCL on GPU) and megatron's model-parallel groups.
 
-    A plain ``python pretrain_vlm.py`` (no torchrun) runs as a world of one.
+    A plain ``python pretrain_vlm.py`` (no torchrun) runs as a world of one.  On CPU the caller has
+    entered ``cpu_compat.patched()`` for the whole run (teardown included).
     """
     if device.type == "cpu":
         from . import cpu_compat
 
-        cpu_compat.apply()
+        if not cpu_compat.active():
+            raise RuntimeError("initialize_distributed on CPU outside cpu_compat.patched(): enter it around "
+                               "the whole run (pretrain_vlm.cli and omnibal profile do)")
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():

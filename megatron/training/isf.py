@@ -27,6 +27,23 @@ def isf_params_from_args(args) -> ISFParams | None:
         raise ArgumentError(f"--omnibal-isf-*: {e}") from None
 
 
+def check_samples_fit_caps(args, dataset) -> None:
+    """Refuse fixed ISF caps below a single sample, naming the sample's ``file:line``, its size and the flag
+    to raise (ISF itself would stop with sample indices only, on rank 0 alone).  Runs on every rank."""
+    qv, qt = args.omnibal_isf_qv, args.omnibal_isf_qt
+    if qv is None and qt is None:
+        return  # searched caps hold the largest sample
+    tokens, tiles = dataset.sample_lengths()
+    for flag, cap, sizes, unit in (("--omnibal-isf-qt", qt, tokens, "tokens"), ("--omnibal-isf-qv", qv, tiles, "tiles")):
+        over = np.flatnonzero(sizes > cap)
+        if len(over):
+            i = int(over[np.argmax(sizes[over])])
+            raise ArgumentError(
+                f"{flag} {cap} is below a single sample: {dataset.where(i)} has {int(sizes[i])} {unit} "
+                f"({len(over)} sample(s) over the cap, largest {int(sizes[i])}); raise {flag} to at least "
+                f"{int(sizes[i])}")
+
+
 def isf_groups(args, dataset) -> tuple[list[np.ndarray], np.ndarray]:
     """(groups of sample indices, balanced step order) for the training set.
 
@@ -37,6 +54,7 @@ def isf_groups(args, dataset) -> tuple[list[np.ndarray], np.ndarray]:
     ``args.isf_mean_group`` (mean tiles, tokens and sum of squared sample lengths per group: what a micro-batch
     costs on average).
     """
+    check_samples_fit_caps(args, dataset)
     box = [None]
     if dist.get_rank() == 0:
         tokens, tiles = dataset.sample_lengths()

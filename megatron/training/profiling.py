@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from omnibal_ext.errors import UserError
 from omnibal_ext.model.cost_model import MicroBatchShape, llm_layer_flops, vit_layer_flops
 from omnibal_ext.model.costs import CostTable, UnitCost
 from omnibal_ext.model.profile import environment_meta, measure_unit, to_unit_cost
@@ -36,8 +37,8 @@ def synthetic_batch(spec, shape: MicroBatchShape, img_context_id: int, device) -
     """
     n_img = shape.tiles * spec.tokens_per_tile
     if shape.llm_tokens < n_img + 2:
-        raise ValueError(f"profile shape: {shape.llm_tokens} LLM tokens cannot hold {shape.tiles} tiles "
-                         f"x {spec.tokens_per_tile} image tokens")
+        raise UserError(f"profile shape: {shape.llm_tokens} LLM tokens cannot hold {shape.tiles} tiles "
+                        f"x {spec.tokens_per_tile} image tokens (--llm-tokens, --tiles)")
     g = torch.Generator().manual_seed(0)
     s = shape.llm_tokens
     sample_len = max(1, round(shape.attn_tokens_sq / s))

@@ -22,6 +22,7 @@ from megatron.vlm.model import VLMStage
 from omnibal_ext.memory.recompute import StageRecompute
 
 from . import checkpointing
+from .arguments import ArgumentError
 from .memory import ActivationMeter, one_f_one_b_peak, static_bytes
 
 
@@ -52,7 +53,7 @@ def resolve_transformer_impl(requested: str, device: torch.device) -> str:
     """"auto": TransformerEngine on CUDA when it imports, else megatron-core's torch modules."""
     if device.type == "cpu":
         if requested == "transformer_engine":
-            raise ValueError("--transformer-impl transformer_engine needs a CUDA device")
+            raise ArgumentError("--transformer-impl transformer_engine needs a CUDA device")
         return "local"
     if requested != "auto":
         return requested

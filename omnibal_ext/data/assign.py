@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import UserError
 from .isf import Grouping
 from .metrics import dist_ratio_matrix
 
@@ -206,10 +207,10 @@ def load_pack(path: str | Path) -> PackPlan:
             tr = np.asarray(doc.pop("truncated"), dtype=np.int64).reshape(-1, 3)
             meta = doc
     except (OSError, KeyError, ValueError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a readable ISF pack file: {e}") from e
+        raise UserError(f"{path}: not a readable ISF pack file: {e}") from e
     if meta.get("format") != PACK_FORMAT:
-        raise ValueError(f"{path}: format is {meta.get('format')!r}, expected {PACK_FORMAT!r}")
+        raise UserError(f"{path}: format is {meta.get('format')!r}, expected {PACK_FORMAT!r}")
     if sorted(np.asarray(order).tolist()) != list(range(len(groups))):
-        raise ValueError(f"{path}: 'order' is not a permutation of the {len(groups)} groups")
+        raise UserError(f"{path}: 'order' is not a permutation of the {len(groups)} groups")
     return PackPlan(groups, np.asarray(order, dtype=np.int64), np.asarray(gt, dtype=np.int64),
                     np.asarray(gv, dtype=np.int64), np.asarray(tr, dtype=np.int64).reshape(-1, 3), meta)

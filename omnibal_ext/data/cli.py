@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import asdict
 from typing import Callable
 
 import numpy as np
 
+from ..errors import UserError, report
 from .assign import make_pack, save_pack
 from .isf import ISFParams, OVERSIZE_POLICIES
 from .search import (DataPlan, SearchConfig, params_summary, plan_isf, plan_isf_multi, random_baseline,
@@ -108,7 +108,7 @@ def _fixed_params(args) -> ISFParams | None:
     if all(v is None for v in vals):
         return None
     if any(v is None for v in vals):
-        raise SystemExit("omnibal isf: give all of --qt --qv --qt-min --qv-min, or none (search)")
+        raise UserError("omnibal isf: give all of --qt --qv --qt-min --qv-min, or none (search)")
     return ISFParams(qv=args.qv, qt=args.qt, qv_min=args.qv_min, qt_min=args.qt_min, iters=args.iters,
                      oversize=args.oversize)
 
@@ -259,8 +259,7 @@ def _guarded(cmd, loader: StatsLoader):
     def func(args: argparse.Namespace) -> int:
         try:
             return int(cmd(args, loader) or 0)
-        except (StatsError, ValueError) as e:
-            print(f"omnibal isf {args.isf_command}: error: {e}", file=sys.stderr)
-            return 2
+        except UserError as e:  # StatsError, OversizeError, ...
+            return report(e, f"omnibal isf {args.isf_command}: ")
 
     return func

@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from ..errors import UserError
+
 OVERSIZE_POLICIES = ("error", "solo", "truncate")
 
 KIND_KEPT = 0  # reached a lower bound in some pass
@@ -30,7 +32,7 @@ KIND_SOLO = 2  # one oversize sample on its own (oversize="solo")
 KIND_NAMES = {KIND_KEPT: "kept", KIND_LEFTOVER: "leftover", KIND_SOLO: "solo"}
 
 
-class OversizeError(ValueError):
+class OversizeError(UserError):
     """Samples larger than the group caps under ``oversize="error"``."""
 
 
@@ -52,15 +54,15 @@ class ISFParams:
 
     def __post_init__(self) -> None:
         if self.qt <= 0 or self.qv < 0:
-            raise ValueError(f"ISFParams: qt must be > 0 and qv >= 0, got qt={self.qt}, qv={self.qv}")
+            raise UserError(f"ISFParams: qt must be > 0 and qv >= 0, got qt={self.qt}, qv={self.qv}")
         if not (0 <= self.qt_min <= self.qt) or not (0 <= self.qv_min <= self.qv):
-            raise ValueError(
+            raise UserError(
                 f"ISFParams: need 0 <= qt_min <= qt and 0 <= qv_min <= qv, got qt_min={self.qt_min}, "
                 f"qt={self.qt}, qv_min={self.qv_min}, qv={self.qv}")
         if self.iters < 1:
-            raise ValueError(f"ISFParams: iters must be >= 1, got {self.iters}")
+            raise UserError(f"ISFParams: iters must be >= 1, got {self.iters}")
         if self.oversize not in OVERSIZE_POLICIES:
-            raise ValueError(f"ISFParams: oversize must be one of {OVERSIZE_POLICIES}, got {self.oversize!r}")
+            raise UserError(f"ISFParams: oversize must be one of {OVERSIZE_POLICIES}, got {self.oversize!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from ..errors import UserError
 from .assign import DEFAULT_KEYS, StepAssembly, assemble_steps
 from .isf import Grouping, ISFParams, isf_group, isf_multi
 from .metrics import evaluate_steps
@@ -55,11 +56,11 @@ class SearchConfig:
 
     def __post_init__(self) -> None:
         if self.samples_per_group is None and self.max_seq_len is None:
-            raise ValueError("SearchConfig: give samples_per_group (K) or max_seq_len")
+            raise UserError("SearchConfig: give samples_per_group (K) or max_seq_len")
         if self.samples_per_group is not None and self.samples_per_group <= 0:
-            raise ValueError(f"SearchConfig: samples_per_group must be > 0, got {self.samples_per_group}")
+            raise UserError(f"SearchConfig: samples_per_group must be > 0, got {self.samples_per_group}")
         if self.dp_size < 1 or self.sp < 1:
-            raise ValueError(f"SearchConfig: dp_size and sp must be >= 1, got {self.dp_size}, {self.sp}")
+            raise UserError(f"SearchConfig: dp_size and sp must be >= 1, got {self.dp_size}, {self.sp}")
 
 
 @dataclass

@@ -18,10 +18,12 @@ from typing import Sequence
 
 import numpy as np
 
+from ..errors import UserError
+
 REQUIRED_KEYS = ("vit_num", "token_num")
 
 
-class StatsError(ValueError):
+class StatsError(UserError):
     """A stats file or record that cannot be used; the message names the file and the record."""
 
 

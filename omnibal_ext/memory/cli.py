@@ -25,6 +25,7 @@ import argparse
 import json
 import sys
 
+from ..errors import UserError, report
 from ..model.costs import CostTable
 from ..model.layout import LayoutError, default_layout, parse_layout
 from ..model.units import PRESETS, build_units, get_preset
@@ -79,10 +80,8 @@ def _costs(args) -> CostTable:
     if args.costs:
         try:
             return CostTable.load(args.costs)
-        except OSError as e:
-            raise SystemExit(f"--costs {args.costs}: {e}") from None
-        except ValueError as e:
-            raise SystemExit(str(e)) from None
+        except UserError as e:
+            raise UserError(f"--costs {args.costs}: {e}") from None
     from ..model.cli import build_costs  # lazy: the analytic cost model
 
     return build_costs(args)
@@ -91,50 +90,41 @@ def _costs(args) -> CostTable:
 def run_memory(args) -> dict:
     for flag, value in (("--pp", args.pp), ("--tp", args.tp), ("--dp", args.dp), ("--micro-batches", args.micro_batches)):
         if value < 1:
-            raise SystemExit(f"{flag} must be >= 1, got {value}")
+            raise UserError(f"{flag} must be >= 1, got {value}")
     if not args.budget_gib > 0:
-        raise SystemExit(f"--budget-gib must be > 0, got {args.budget_gib}")
+        raise UserError(f"--budget-gib must be > 0, got {args.budget_gib}")
     spec = get_preset(args.model)
     units = build_units(spec)
     costs = _costs(args)
     if [u.name for u in costs.units] != [u.name for u in units]:
-        raise SystemExit(f"cost table units do not match model {spec.name!r} ({len(costs.units)} vs {len(units)} units)")
+        raise UserError(f"cost table units do not match model {spec.name!r} ({len(costs.units)} vs {len(units)} units)")
     budget = args.budget_gib * GIB
     dist_opt = not args.no_distributed_optimizer
     common = dict(tp=args.tp, dp=args.dp, num_microbatches=args.micro_batches, distributed_optimizer=dist_opt)
     how, candidates, error = args.layout, (), None
-    try:
-        if args.layout in ("search", "joint"):
-            if args.recompute_plan:
-                raise SystemExit("--recompute-plan needs a fixed --layout (default or a layout flag)")
-            joint = plan_layout_and_recompute(costs, args.pp, budget, method="searched" if args.layout == "search"
-                                              else "joint", allow_selective=not args.no_selective, **common)
-            layout, plan, how, candidates = joint.layout, joint.recompute, joint.how, joint.candidates
+    if args.layout in ("search", "joint"):
+        if args.recompute_plan:
+            raise UserError("--recompute-plan needs a fixed --layout (default or a layout flag)")
+        joint = plan_layout_and_recompute(costs, args.pp, budget, method="searched" if args.layout == "search"
+                                          else "joint", allow_selective=not args.no_selective, **common)
+        layout, plan, how, candidates = joint.layout, joint.recompute, joint.how, joint.candidates
+    else:
+        layout = (default_layout(spec, args.pp) if args.layout == "default"
+                  else parse_layout(args.layout, spec, args.pp, "--layout"))  # LayoutError names --layout
+        if args.recompute_plan:
+            stages = parse_recompute_plan(args.recompute_plan, args.pp)  # RecomputeFlagError
+            validate_recompute_plan(stages, layout, units)
+            plan = evaluate_plan(costs, layout, stages, args.pp, budget_bytes=budget, **common)
+            how = "given"
         else:
             try:
-                layout = (default_layout(spec, args.pp) if args.layout == "default"
-                          else parse_layout(args.layout, spec, args.pp, "--layout"))
-            except LayoutError as e:
-                raise SystemExit(str(e)) from None
-            if args.recompute_plan:
-                try:
-                    stages = parse_recompute_plan(args.recompute_plan, args.pp)
-                    validate_recompute_plan(stages, layout, units)
-                except RecomputeFlagError as e:
-                    raise SystemExit(str(e)) from None
-                plan = evaluate_plan(costs, layout, stages, args.pp, budget_bytes=budget, **common)
-                how = "given"
-            else:
-                try:
-                    plan = plan_recompute(costs, layout, budget, args.pp, allow_selective=not args.no_selective,
-                                          **common)
-                except MemoryBudgetError as e:  # show the least-memory baseline, then fail
-                    error = f"omnibal memory: {e}"
-                    plan = evaluate_plan(costs, layout, full_recompute_plan(layout, units), args.pp,
-                                         budget_bytes=budget, **common)
-                    how = f"{args.layout} (no plan fits; full recompute shown)"
-    except MemoryBudgetError as e:
-        raise SystemExit(f"omnibal memory: {e}") from None
+                plan = plan_recompute(costs, layout, budget, args.pp, allow_selective=not args.no_selective,
+                                      **common)
+            except MemoryBudgetError as e:  # show the least-memory baseline, then fail
+                error = e
+                plan = evaluate_plan(costs, layout, full_recompute_plan(layout, units), args.pp,
+                                     budget_bytes=budget, **common)
+                how = f"{args.layout} (no plan fits; full recompute shown)"
     mem = stage_memory(costs, layout, plan.stages, args.pp, **common)
     baselines = {}
     for name, stages in (("none", no_recompute_plan(layout)), ("full", full_recompute_plan(layout, units))):
@@ -153,13 +143,13 @@ def run_memory(args) -> dict:
                     "transient_bytes": m.transient_bytes, "peak_bytes": m.peak_bytes,
                     "time_s": plan.stage_time_s[s], "fits": m.peak_bytes <= budget} for s, m in enumerate(mem)],
         "baselines": baselines,
-        "error": error,
+        "error": None if error is None else str(error),
     }
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
     print(format_table(out))
     if error:
-        raise SystemExit(error)
+        raise error
     return out
 
 
@@ -192,4 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except UserError as e:
+        sys.exit(report(e, "omnibal memory: "))

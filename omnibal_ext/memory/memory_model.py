@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from ..errors import UserError
 from ..model.costs import CostTable
 from ..model.layout import PipelineLayout
 
@@ -116,7 +117,7 @@ class StageMemory:
         return dataclasses.asdict(self)
 
 
-class MemoryModelError(ValueError):
+class MemoryModelError(UserError):
     """Inputs of the memory model that do not fit together (layout, plan, parallel sizes)."""
 
 

@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..model.costs import CostTable
+from ..errors import UserError
 from ..model.layout import PipelineLayout
 from ..model.units import Unit
 from .memory_model import (
@@ -59,11 +60,11 @@ from .memory_model import (
 _ITEM = re.compile(r"([vt])(\d+)(s?)")
 
 
-class RecomputeFlagError(ValueError):
+class RecomputeFlagError(UserError):
     """A ``--recompute-plan`` value that cannot be read or does not fit the layout."""
 
 
-class MemoryBudgetError(ValueError):
+class MemoryBudgetError(UserError):
     """No recompute plan lets a stage fit its memory budget."""
 
     def __init__(self, stage: int | None, need_bytes: float, budget_bytes: float, detail: str = "",

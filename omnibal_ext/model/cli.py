@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 
+from ..errors import UserError, report
 from .cost_model import DEVICES, MicroBatchShape, analytic_costs, calibrated_costs, get_device
 from .costs import CostTable
 from .partition import plan_partitions
@@ -60,12 +61,9 @@ def build_costs(args) -> CostTable:
     if args.profile:
         try:
             profile = CostTable.load(args.profile)
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"--profile {args.profile}: {e}") from None
-        try:
             return calibrated_costs(spec, shape, profile, tp=args.tp, device=device)
-        except ValueError as e:
-            raise SystemExit(f"--profile {args.profile}: {e}") from None
+        except UserError as e:
+            raise UserError(f"--profile {args.profile}: {e}") from None
     return analytic_costs(spec, shape, tp=args.tp, device=device)
 
 
@@ -76,7 +74,7 @@ def run_partition(args) -> dict:
     reports = plan_partitions(spec, costs, args.pp, vpp=args.vpp, radius=args.radius)
     m = args.microbatches or 4 * args.pp
     if args.vpp > 1 and m % args.pp:
-        raise SystemExit(f"--microbatches {m} must be a multiple of --pp {args.pp} with --vpp > 1")
+        raise UserError(f"--microbatches {m} must be a multiple of --pp {args.pp} with --vpp > 1")
     sims = {name: simulate_layout(costs, r.layout, args.pp, m, device.p2p_bytes_per_s) for name, r in reports.items()}
     out = {
         "model": spec.name, "pp": args.pp, "vpp": args.vpp, "tp": args.tp,
@@ -124,4 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except UserError as e:
+        sys.exit(report(e, "omnibal partition: "))

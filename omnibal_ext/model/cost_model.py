@@ -60,6 +60,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import UserError
 from .costs import CostTable, UnitCost
 from .units import KIND_CODES, ModelSpec, Unit, build_units
 
@@ -82,11 +83,11 @@ class MicroBatchShape:
 
     def __post_init__(self):
         if self.tiles < 0 or self.llm_tokens < 0 or self.dtype_bytes <= 0:
-            raise ValueError(f"MicroBatchShape: tiles and llm_tokens must be >= 0 and dtype_bytes > 0, got {self}")
+            raise UserError(f"MicroBatchShape: tiles and llm_tokens must be >= 0 and dtype_bytes > 0, got {self}")
         if self.llm_attn_tokens_sq is not None and not (
             0 <= self.llm_attn_tokens_sq <= float(self.llm_tokens) ** 2 + 1e-6
         ):
-            raise ValueError(
+            raise UserError(
                 f"MicroBatchShape: llm_attn_tokens_sq={self.llm_attn_tokens_sq} must lie in [0, llm_tokens^2]"
             )
 
@@ -166,7 +167,7 @@ def get_device(name: str) -> DeviceSpec:
     try:
         return DEVICES[name]
     except KeyError:
-        raise ValueError(f"unknown device {name!r}; known: {', '.join(DEVICES)}") from None
+        raise UserError(f"unknown device {name!r}; known: {', '.join(DEVICES)}") from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -282,7 +283,7 @@ def layer_act_bytes_per_token(
     elif attention == "flash":
         core = heads * 4.0  # fp32 log-sum-exp per head; the output is counted as the out-proj input
     else:
-        raise ValueError(f"attention must be 'unfused' or 'flash', got {attention!r}")
+        raise UserError(f"attention must be 'unfused' or 'flash', got {attention!r}")
     return replicated + (split + core) / tp, core / tp
 
 
@@ -398,7 +399,7 @@ def tp_allreduce_s(nbytes: float, tp: int, device: DeviceSpec) -> float:
 def _costs_from_rates(spec, shape, tp, rates, dropout, attention, source, meta, comm_device=None) -> CostTable:
     """comm_device: add its TP all-reduce times (a profile's fitted rates already hold its own)."""
     if tp < 1:
-        raise ValueError(f"tensor-parallel size must be >= 1, got {tp}")
+        raise UserError(f"tensor-parallel size must be >= 1, got {tp}")
     units = build_units(spec)
     params = unit_param_counts(spec, tp)
     work = unit_work(spec, shape, tp)
@@ -455,12 +456,12 @@ def calibrate(profile: CostTable, spec: ModelSpec, shape: MicroBatchShape, tp: i
     """
     units = build_units(spec)
     if len(profile.units) != len(units):
-        raise ValueError(
+        raise UserError(
             f"calibrate: the profile has {len(profile.units)} units but model {spec.name!r} has {len(units)}"
         )
     for i, (pu, u) in enumerate(zip(profile.units, units)):
         if pu.name != u.name:
-            raise ValueError(f"calibrate: profile unit {i} is {pu.name!r} but model {spec.name!r} has {u.name!r}")
+            raise UserError(f"calibrate: profile unit {i} is {pu.name!r} but model {spec.name!r} has {u.name!r}")
     work = np.asarray(unit_work(spec, shape, tp), dtype=float)
     fwd = np.asarray([u.fwd_s for u in profile.units], dtype=float)
     bwd = np.asarray([u.bwd_s for u in profile.units], dtype=float)
@@ -502,11 +503,11 @@ def calibrated_costs(
     meta = profile.meta or {}
     if profile_spec is None:
         if "spec" not in meta:
-            raise ValueError("calibrated_costs: the profile's meta has no 'spec'; pass profile_spec")
+            raise UserError("calibrated_costs: the profile's meta has no 'spec'; pass profile_spec")
         profile_spec = ModelSpec.from_dict(meta["spec"])
     if profile_shape is None:
         if "shape" not in meta:
-            raise ValueError("calibrated_costs: the profile's meta has no 'shape'; pass profile_shape")
+            raise UserError("calibrated_costs: the profile's meta has no 'shape'; pass profile_shape")
         profile_shape = MicroBatchShape.from_dict(meta["shape"])
     profile_tp = int(profile_tp or meta.get("tp", 1))
     if device is None:
@@ -533,7 +534,7 @@ def profile_report(profile: CostTable, device: DeviceSpec, attention: str | None
     meta = profile.meta or {}
     missing = [k for k in ("spec", "shape") if k not in meta]
     if missing:
-        raise ValueError(f"profile_report: the profile's meta lacks {missing} (not written by the profiler?)")
+        raise UserError(f"profile_report: the profile's meta lacks {missing} (not written by the profiler?)")
     spec, shape = ModelSpec.from_dict(meta["spec"]), MicroBatchShape.from_dict(meta["shape"])
     tp = int(meta.get("tp", 1))
     attention = attention or meta.get("attention", "unfused")

@@ -9,6 +9,8 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from ..errors import UserError
+
 
 @dataclass(frozen=True)
 class UnitCost:
@@ -52,8 +54,11 @@ class CostTable:
 
     @classmethod
     def load(cls, path: str) -> "CostTable":
-        with open(path) as f:
-            try:
+        """Read a cost table or profile JSON; a missing or malformed file raises ``UserError`` naming it."""
+        try:
+            with open(path) as f:
                 return cls.from_dict(json.load(f))
-            except (KeyError, TypeError, ValueError) as e:
-                raise ValueError(f"{path}: not a cost table/profile: {e}") from e
+        except OSError as e:
+            raise UserError(f"{path}: cannot read the cost table/profile: {e.strerror or e}") from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise UserError(f"{path}: not a cost table/profile: {e}") from e

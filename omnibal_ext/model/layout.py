@@ -15,12 +15,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ..errors import UserError
 from .units import CODE_KINDS, KIND_CODES, ModelSpec, Unit, build_units
 
 _TOKEN = re.compile(r"\s*([A-Za-z])(?:\s*\*\s*(\d+))?\s*,?")
 
 
-class LayoutError(ValueError):
+class LayoutError(UserError):
     """A layout that does not fit the model (raised with the flag named)."""
 
 

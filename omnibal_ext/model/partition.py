@@ -36,6 +36,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from ..errors import UserError
 from .costs import CostTable
 from .layout import PipelineLayout, default_layout
 from .units import KIND_CODES, ModelSpec, Unit
@@ -45,7 +46,7 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 _REL_TIE = 1e-9  # relative tolerance when comparing floating keys
 
 
-class PartitionError(ValueError):
+class PartitionError(UserError):
     """No partition satisfies the request (too many stages, or every candidate rejected)."""
 
 

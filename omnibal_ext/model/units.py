@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..errors import UserError
+
 # Unit kinds, in pipeline order, with the one-letter code used by the layout syntax.
 KIND_CODES = {
     "vit_embed": "I",  # patch embedding of image tiles (+ class token, position embedding)
@@ -178,4 +180,4 @@ def get_preset(name: str) -> ModelSpec:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}") from None
+        raise UserError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}") from None

@@ -34,6 +34,8 @@ import uuid
 import numpy as np
 from PIL import Image
 
+from omnibal_ext.errors import UserError
+
 FORMAT_VERSION = 3
 NOISE = 12  # max added grey level
 MARKER = ".complete.json"
@@ -46,6 +48,10 @@ SINGLE_QUESTIONS = ("Which digit is this?", "What digit is shown?")
 PAIR_QUESTIONS = ("Sum of the two digits?", "Add the two digits.")
 NUMBER_QUESTIONS = ("Read the number.", "Which number is this?")
 TEXT_OPS = {"plus": lambda a, b: a + b, "minus": lambda a, b: a - b, "times": lambda a, b: a * b}
+
+
+class DatasetFolderError(UserError):
+    """A dataset folder that holds something else than the build asked for."""
 
 
 def digits_meta_paths(out_dir: str) -> tuple[str, str]:
@@ -99,11 +105,11 @@ def build_once(out_dir: str, params: dict, write) -> None:
     if existing is not None:
         if existing == params:
             return
-        raise FileExistsError(f"{out_dir} holds a dataset built with {existing}, not {params}; "
-                              "use another folder or delete it")
+        raise DatasetFolderError(f"{out_dir} holds a dataset built with {existing}, not {params}; "
+                                 "use another folder or delete it")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
-        raise FileExistsError(f"{out_dir} exists, is not empty and holds no complete build; "
-                              "use another folder or delete it")
+        raise DatasetFolderError(f"{out_dir} exists, is not empty and holds no complete build; "
+                                 "use another folder or delete it")
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(out_dir))}.tmp-{uuid.uuid4().hex[:8]}")

@@ -14,9 +14,12 @@ Annotation JSONL, one record per non-blank line::
     {"id": ..., "image": "a.png" | ["a.png", "b.png"] | absent, "conversations": [{"from": "human", ...}, ...]}
 
 Validation happens in one pass at construction (``scan_annotations``), before any training: every record
-is parsed, its images' headers are read (``PIL.Image.open(...).size``, no decode), its tile counts and
-its exact token count are computed with the same code ``__getitem__`` uses.  All problems are collected
-and raised together as ``DataValidationError`` whose lines start with ``annotation:line``.
+is parsed, its images are decoded once (``PIL.Image.open(...).load()``: a truncated or corrupt file whose
+header reads fine is caught here, not in the middle of training; this is the scan's main cost, about one
+image decode per image reference, the pixels are not kept), its tile counts and its exact token count are
+computed with the same code ``__getitem__`` uses.  An annotation file without any record is an error too.
+All problems are collected and raised together as ``DataValidationError`` whose lines start with
+``annotation:line`` (or ``annotation`` and the meta entry for an empty file).
 
 Multi-image records: each image may use ``max(1, max_num_tiles // num_images)`` tiles (InternVL's rule).
 Truncation (``truncate=True``): a sample longer than ``max_seq_length`` is cut at that length, but an
@@ -36,6 +39,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from omnibal_ext.errors import UserError
+
 from .template import (ConversationError, IMAGE_PLACEHOLDER, add_missing_placeholder, count_placeholders,
                        parse_conversations, plan_conversation)
 from .tiling import black_tile_tensor, count_tiles, dynamic_tiles, tiles_to_tensor
@@ -43,7 +48,7 @@ from .tiling import black_tile_tensor, count_tiles, dynamic_tiles, tiles_to_tens
 MAX_LISTED_ERRORS = 20
 
 
-class DataValidationError(ValueError):
+class DataValidationError(UserError):
     """Problems found in the data before training; each message line names ``file:line``."""
 
 
@@ -147,6 +152,14 @@ class ScanResult:
         return f"{self.sources[self.rec_source[record]].annotation}:{self.rec_line[record]}"
 
 
+def decoded_size(path: str) -> tuple[int, int]:
+    """(width, height) of the image at ``path`` after decoding all of its pixels (raises on a truncated
+    or corrupt file; the header alone can read fine)."""
+    with Image.open(path) as im:
+        im.load()
+        return im.size
+
+
 def _repeat_indices(n: int, repeat: float, rng: np.random.Generator) -> np.ndarray:
     whole = int(math.floor(repeat))
     extra = int(round((repeat - whole) * n))
@@ -172,12 +185,13 @@ def scan_annotations(meta_path: str, tokenizer, config: ReaderConfig, progress: 
         bar = tqdm(total=os.path.getsize(src.annotation), unit="B", unit_scale=True, desc=f"scan {src.name}",
                    disable=not progress, leave=False)
         with open(src.annotation, "rb") as f:
-            offset = 0
+            offset = nonblank_lines = 0
             for line_no, raw in enumerate(f, start=1):
                 line_offset, offset = offset, offset + len(raw)
                 bar.update(len(raw))
                 if not raw.strip():
                     continue
+                nonblank_lines += 1
                 where = f"{src.annotation}:{line_no}"
                 try:
                     record = json.loads(raw)
@@ -206,10 +220,9 @@ def scan_annotations(meta_path: str, tokenizer, config: ReaderConfig, progress: 
                         bad = True
                         continue
                     try:
-                        with Image.open(path) as im:
-                            sizes.append(im.size)
+                        sizes.append(decoded_size(path))
                     except Exception as e:  # noqa: BLE001 - any decoder failure is a data error
-                        errors.append(f"{where}: cannot read image {path}: {e}")
+                        errors.append(f"{where}: cannot decode image {path}: {e}")
                         bad = True
                 if bad:
                     continue
@@ -243,6 +256,8 @@ def scan_annotations(meta_path: str, tokenizer, config: ReaderConfig, progress: 
                 rec_tiles.append(real if real > 0 else 1)
         bar.close()
         n_records = len(rec_source) - first_record
+        if not nonblank_lines:
+            errors.append(f"{src.annotation}: annotation file holds no records (entry {src.name!r} of {meta_path})")
         if src.length is not None and src.length != n_records and not errors:
             errors.append(f"{meta_path}: entry {src.name!r} says length {src.length} but "
                           f"{src.annotation} has {n_records} records")

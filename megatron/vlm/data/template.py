@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from omnibal_ext.errors import UserError
+
 IGNORE_INDEX = -100
 IMAGE_PLACEHOLDER = "<image>"
 RESERVED_STRINGS = ("<img>", "</img>", "<IMG_CONTEXT>")  # may not appear literally in data text
@@ -28,7 +30,7 @@ USER_ROLES = {"human": "user", "user": "user"}
 ASSISTANT_ROLES = {"gpt": "assistant", "assistant": "assistant"}
 
 
-class ConversationError(ValueError):
+class ConversationError(UserError):
     """A conversation that does not fit the template (the reader prefixes file:line)."""
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 import re
 
+from omnibal_ext.errors import UserError
+
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 IMG_START, IMG_END, IMG_CONTEXT = "<img>", "</img>", "<IMG_CONTEXT>"
@@ -113,7 +115,7 @@ class HFTokenizer:
                 "from the repository), or drop the flag to use the built-in byte tokenizer"
             ) from e
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"--tokenizer {path!r}: not a local tokenizer directory")
+            raise UserError(f"--tokenizer-model {path!r}: not a local tokenizer directory")
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         vocab = tok.get_vocab()
         missing = [t for t in SPECIAL_TOKENS if t not in vocab and t not in (PAD, BOS, EOS)]
