@@ -11,6 +11,7 @@ import pytest
 
 from megatron.training.isf import isf_subset_groups
 from omnibal_ext.data.isf import ISFParams
+from omnibal_ext.data.metrics import dist_ratio_matrix
 from omnibal_ext.data.sampler import GroupBatchSampler, random_groups, random_regroup
 from omnibal_ext.errors import UserError
 
@@ -128,6 +129,11 @@ def test_other_config_serves_the_rest_of_the_epoch_once(plan, a, b):
     after = serve(second, (len(second[0].prefix_groups) + G_b) // block_b + 2, mb_b)
     following = epoch_exactly_once(before, after, state)
     assert np.all(counts(following[:G_b]) == 1)  # then a whole epoch of this run's plan
+    if plan is isf_plan:  # the regrouped rest is balanced across the ranks of each step, as the plan is
+        steps = len(second[0].prefix_groups) // dp_b
+        tokens = np.array([TOKENS[g].sum() for g in after[:steps * dp_b]]).reshape(steps, dp_b)
+        regular = np.array([TOKENS[g].sum() for g in following[:(G_b // dp_b) * dp_b]]).reshape(-1, dp_b)
+        assert dist_ratio_matrix(tokens) < max(0.02, 2 * dist_ratio_matrix(regular))
 
 
 def test_resume_twice_inside_the_rest_of_the_epoch():
