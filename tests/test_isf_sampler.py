@@ -24,34 +24,35 @@ def make_groups(G: int, seed: int) -> tuple[list[np.ndarray], np.ndarray, np.nda
     return groups, rng.integers(100, 5000, G), rng.integers(0, 20, G)
 
 
-def serve(groups, dp, seed, order, steps, sp=1):
+def serve(groups, dp, seed, order, steps, sp=1, mb=1):
     """Run every consumer's sampler for ``steps`` steps; rows = steps, columns = consumers' groups."""
     index = {tuple(g.tolist()): i for i, g in enumerate(groups)}
     cols = []
     for r in range(dp):
         for s in range(sp):
-            smp = GroupBatchSampler(groups, dp, r, seed=seed, order=order, num_steps=steps, sp=sp, sp_rank=s)
+            smp = GroupBatchSampler(groups, dp, r, seed=seed, order=order, num_steps=steps, sp=sp, sp_rank=s,
+                                    microbatches=mb)
             cols.append([index[tuple(b)] for b in smp])
     return np.array(cols).T
 
 
 @SETTINGS
 @given(G=st.integers(1, 60), dp=st.sampled_from([1, 2, 3, 8]), seed=st.integers(0, 10_000),
-       balanced=st.booleans(), sp=st.sampled_from([1, 2]))
-def test_every_group_once_per_epoch(G, dp, seed, balanced, sp):
+       balanced=st.booleans(), sp=st.sampled_from([1, 2]), mb=st.sampled_from([1, 3]))
+def test_every_group_once_per_epoch(G, dp, seed, balanced, sp, mb):
     groups, tok, til = make_groups(G, seed)
     order = assemble_steps(tok, til, dp, sp).order if balanced else None
     W = dp * sp
     epochs = 3
     steps = -(-epochs * G // W) + 1
-    served = serve(groups, dp, seed, order, steps, sp)
+    served = serve(groups, dp, seed, order, steps, sp, mb)
     stream = served.reshape(-1)  # step by step, consumer by consumer
     for e in range(epochs):  # each run of G consecutive servings is one epoch: all groups once
         assert sorted(stream[e * G:(e + 1) * G].tolist()) == list(range(G))
-    if G >= 2 * W:  # a step never holds a group twice, carried boundary steps included
+    if G >= 2 * W * mb:  # a step never holds a group twice, carried boundary steps included
         assert all(len(set(row)) == W for row in served.tolist())
     # every consumer's sampler agrees with the global step plan
-    ref = GroupBatchSampler(groups, dp, 0, seed=seed, order=order, sp=sp)
+    ref = GroupBatchSampler(groups, dp, 0, seed=seed, order=order, sp=sp, microbatches=mb)
     assert all(np.array_equal(ref.step_groups(s), served[s]) for s in range(steps))
 
 
@@ -71,8 +72,8 @@ def test_resume_mid_epoch_gives_identical_batches(G, dp, seed, balanced, cut, ra
     b = GroupBatchSampler(groups, dp, rank, seed=seed, order=order)
     b.load_state_dict(state)
     assert list(itertools.islice(iter(b), 12)) == expected
-    # a differently configured sampler refuses the state
-    with pytest.raises(ValueError, match="num_groups"):
+    # a sampler over other groups, without a regroup function, refuses the state
+    with pytest.raises(ValueError, match="differs from this run's"):
         GroupBatchSampler(groups + [np.array([10**6])], dp, rank, seed=seed).load_state_dict(state)
 
 

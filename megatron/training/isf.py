@@ -6,7 +6,8 @@ import math
 import numpy as np
 import torch.distributed as dist
 
-from omnibal_ext.data.isf import ISFParams, check_partition
+from omnibal_ext.data.assign import assemble_steps
+from omnibal_ext.data.isf import ISFParams, check_partition, isf_group
 from omnibal_ext.data.search import SearchConfig, plan_isf
 
 from .arguments import ArgumentError
@@ -77,3 +78,34 @@ def isf_groups(args, dataset) -> tuple[list[np.ndarray], np.ndarray]:
               f"fill llm {m['fill_llm']:.3f} vit {m['fill_vit']:.3f}, "
               f"{m['samples_per_group']:.2f} samples/group", flush=True)
     return result["groups"], result["order"]
+
+
+def isf_subset_groups(tokens: np.ndarray, tiles: np.ndarray, sample_ids: np.ndarray, params: ISFParams,
+                      dp_size: int, seed: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """(groups, balanced step order) of the samples ``sample_ids`` only, by ISF with ``params``.
+
+    tokens, tiles: int64 [N] per sample of the whole training set; groups hold global sample ids.
+    The same method as the run's plan (its caps, step assembly for ``dp_size`` ranks), on a subset.
+    """
+    ids = np.asarray(sample_ids, dtype=np.int64)
+    grouping = isf_group(np.asarray(tiles)[ids], np.asarray(tokens)[ids], params, seed=seed, sample_ids=ids)
+    assembly = assemble_steps(grouping.tokens, grouping.tiles, dp_size)
+    return grouping.groups(), assembly.order
+
+
+def isf_regroup(args, dataset):
+    """``regroup(sample_ids) -> (groups, order)`` for the sampler: ISF on a subset with this run's caps.
+
+    Used when a checkpoint's epoch is continued under another data-parallel size: its unserved
+    samples are grouped for this run.  Collective: rank 0 groups and broadcasts, every rank must call
+    it (``load_state_dict`` runs on every rank).  Call after ``isf_groups`` (it sets the caps).
+    """
+    def regroup(sample_ids: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+        box = [None]
+        if dist.get_rank() == 0:
+            tokens, tiles = dataset.sample_lengths()
+            box = [isf_subset_groups(tokens, tiles, sample_ids, ISFParams(**args.isf_params),
+                                     args.data_parallel_size, args.seed)]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return regroup

@@ -8,7 +8,7 @@ import numpy as np
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from omnibal_ext.data.sampler import GroupBatchSampler, random_groups
+from omnibal_ext.data.sampler import GroupBatchSampler, random_groups, random_regroup
 from omnibal_ext.memory.recompute import StageRecompute
 from omnibal_ext.model.layout import default_layout, parse_layout
 from omnibal_ext.model.units import build_units
@@ -61,23 +61,34 @@ def build_dataset(args, tokenizer, meta_path: str) -> InternVLDataset:
                            max_seq_length=args.seq_length, seed=args.seed)
 
 
-def build_groups(args, dataset) -> tuple[list[np.ndarray], object | None]:
-    """Sample groups of the training set (one group = one micro-batch) and their step order."""
+def build_groups(args, dataset) -> tuple[list[np.ndarray], np.ndarray | None, object]:
+    """Sample groups of the training set (one group = one micro-batch), their step order (None in
+    random mode) and the ``regroup(sample_ids) -> (groups, order)`` the sampler uses to continue a
+    checkpoint's epoch saved under another configuration (same method, on a subset)."""
     if args.omnibal_isf:
-        from .isf import isf_groups
+        from .isf import isf_groups, isf_regroup
 
-        return isf_groups(args, dataset)
-    return random_groups(len(dataset), args.micro_batch_size, seed=args.seed), None
+        groups, order = isf_groups(args, dataset)
+        return groups, order, isf_regroup(args, dataset)
+    return (random_groups(len(dataset), args.micro_batch_size, seed=args.seed), None,
+            random_regroup(args.micro_batch_size, seed=args.seed))
 
 
 def build_data(args, tokenizer):
+    """(train, valid or None) MicroBatches for this data-parallel rank.
+
+    The train sampler knows the iteration block (dp x --num-microbatches groups), so random-mode
+    batches do not depend on DP, and the regroup function, so ``train.load_state_dict`` continues a
+    checkpoint saved under another DP (see omnibal_ext.data.sampler).
+    """
     dp_rank = parallel_state.get_data_parallel_rank()
     dp = parallel_state.get_data_parallel_world_size()
     train_meta, valid_meta = data_paths(args)
     train_set = build_dataset(args, tokenizer, train_meta)
-    groups, order = build_groups(args, train_set)
-    train = MicroBatches(train_set, GroupBatchSampler(groups, dp, dp_rank, seed=args.seed, order=order),
-                         tokenizer.pad_id, packed=args.omnibal_isf)
+    groups, order, regroup = build_groups(args, train_set)
+    sampler = GroupBatchSampler(groups, dp, dp_rank, seed=args.seed, order=order,
+                                microbatches=args.num_microbatches, regroup=regroup)
+    train = MicroBatches(train_set, sampler, tokenizer.pad_id, packed=args.omnibal_isf)
     valid = None
     if valid_meta and args.eval_interval:
         valid_set = build_dataset(args, tokenizer, valid_meta)

@@ -45,7 +45,7 @@ class MicroBatches:
 
     def reset(self) -> None:
         """Back to the first step (evaluation sees the same batches each time)."""
-        self.sampler.load_state_dict({"step": 0})
+        self.sampler.seek(0)
         self._it = iter(self.sampler)
 
     def state_dict(self) -> dict:
