@@ -103,11 +103,12 @@ class SegmentAttention(DotProductAttention):
         t = query.shape[0]
         if segments[-1][1] != t:
             raise ValueError(f"SegmentAttention: segments cover {segments[-1][1]} tokens of {t}")
-        # [t, n, d] -> [n, t, d]
-        q, k, v = (x.transpose(0, 1) for x in (query, key, value))
-        parts = [F.scaled_dot_product_attention(q[:, a:e], k[:, a:e], v[:, a:e], is_causal=True,
+        # [t, n, d] -> [1, n, t, d] (4-D: torch's CPU flash kernel takes no 3-D inputs, and the math
+        # fallback would keep the scores)
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+        parts = [F.scaled_dot_product_attention(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], is_causal=True,
                                                 scale=self.softmax_scale, enable_gqa=self.gqa)
                  for a, e in segments]
-        ctx = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-        # [n, t, d] -> [t, n * d]
-        return ctx.transpose(0, 1).reshape(t, self.hidden_size_per_partition)
+        ctx = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+        # [1, n, t, d] -> [t, n * d]
+        return ctx[0].transpose(0, 1).reshape(t, self.hidden_size_per_partition)
