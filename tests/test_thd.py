@@ -168,3 +168,26 @@ def test_the_counter_sees_host_reads():
     with count_host_reads() as calls:
         int(x.sum()), x.tolist(), bool(x[0]), x.max().item()
     assert sum(calls.values()) == 4
+
+
+@pytest.mark.parametrize("recompute", [(2, False, 2, False), (0, True, 0, True)], ids=["full", "selective"])
+def test_recompute_on_the_thd_path_changes_nothing(megatron_world, samples, recompute):
+    """megatron-core's full (block) and selective (core attention) recompute carry packed_seq_params."""
+    from megatron.vlm.config import language_config, vision_config
+    from megatron.vlm.model import VLMStage
+    from omnibal_ext.memory.recompute import StageRecompute
+
+    spec = get_preset("tiny")
+    units = build_units(spec)
+    cfg = language_config(spec, 1, True, torch.float32)
+    batch = batches(samples)["packed"]
+    out = []
+    for plan in (StageRecompute(), StageRecompute(*recompute)):
+        m = VLMStage(spec, units, range(len(units)), cfg, vision_config(spec, 1, True, torch.float32), cfg,
+                     img_context_id=263, seed=3, recompute=plan).train()
+        loss = m(batch)
+        loss.sum().backward()
+        out.append((loss.detach(), [p.grad for p in m.parameters()]))
+    torch.testing.assert_close(out[0][0], out[1][0], rtol=0, atol=1e-6)
+    for a, b in zip(out[0][1], out[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
