@@ -103,3 +103,25 @@ def test_errors(samples):
     batch["image_flags"] = torch.ones_like(batch["image_flags"])  # claim the dummy tiles are real
     with pytest.raises(ValueError, match="image-context tokens"):
         check_batch(batch, TOK.img_context_id, TPT)
+
+
+def test_cu_seqlens_describe_samples_and_padding(samples):
+    """THD description of a micro-batch: each sample a segment, each run of padding its own, over the
+    flattened rows; built on the host (int32 tensor, Python int max_seqlen)."""
+    lengths = [len(s["input_ids"]) for s in samples]
+    padded = collate_padded(samples[:3], TOK.pad_id, seq_length=600)
+    want = []
+    for n in lengths[:3]:
+        want += [n, 600 - n]
+    assert padded["cu_seqlens"].dtype == torch.int32 and padded["cu_seqlens"].device.type == "cpu"
+    assert padded["cu_seqlens"].tolist() == np.cumsum([0] + want).tolist()
+    assert padded["max_seqlen"] == max(want) and isinstance(padded["max_seqlen"], int)
+    packed = collate_packed(samples, TOK.pad_id, pad_to_multiple=128)
+    width = packed["tokens"].shape[1]
+    want = lengths + ([width - sum(lengths)] if width > sum(lengths) else [])
+    assert packed["cu_seqlens"].tolist() == np.cumsum([0] + want).tolist()
+    assert packed["max_seqlen"] == max(want)
+    exact = collate_packed(samples[:2], TOK.pad_id)  # no padding: no padding segment
+    assert exact["cu_seqlens"].tolist() == [0, lengths[0], lengths[0] + lengths[1]]
+    # the real tiles' indices, for the model to select their features without reading a count
+    assert torch.equal(packed["image_tile_index"], torch.nonzero(packed["image_flags"]).flatten())

@@ -41,20 +41,22 @@ def whole_model(spec, seed=3):
 
 @pytest.mark.parametrize("heads, groups", [(4, 4), (4, 2)])
 def test_segment_attention_equals_dense_masked_attention(megatron_world, heads, groups):
-    """SegmentAttention (causal per packed sample, SDPA) against megatron-core's DotProductAttention with
-    the dense block-diagonal mask, values and gradients, on packed and right-padded rows."""
+    """SegmentAttention on THD inputs (causal per segment, SDPA) against megatron-core's DotProductAttention
+    with the dense block-diagonal mask, values and gradients, on packed and right-padded rows."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron.vlm.attention import SegmentAttention
+    from megatron.vlm.attention import SegmentAttention, segment_params
     from megatron.vlm.config import language_config
+    from megatron.vlm.data.collate import packing
     from megatron.vlm.model import packed_causal_mask
 
     spec = get_preset("tiny")
     spec = spec.replace(language=dataclasses.replace(spec.language, num_attention_heads=heads, num_query_groups=groups))
     cfg = language_config(spec, 1, True, torch.float32)
-    kw = dict(layer_number=1, attn_mask_type=AttnMaskType.arbitrary, attention_type="self")
-    ours, ref = SegmentAttention(cfg, **kw), DotProductAttention(cfg, **kw)
+    kw = dict(layer_number=1, attention_type="self")
+    ours = SegmentAttention(cfg, attn_mask_type=AttnMaskType.causal, **kw)
+    ref = DotProductAttention(cfg, attn_mask_type=AttnMaskType.arbitrary, **kw)
     d = spec.language.hidden_size // heads
     g = torch.Generator().manual_seed(0)
     packed = torch.tensor([[0] * 5 + [1] * 9 + [2] * 3 + [-1] * 2])
@@ -65,7 +67,12 @@ def test_segment_attention_equals_dense_masked_attention(megatron_world, heads, 
         k = torch.randn(s, b, groups, d, generator=g, requires_grad=True)
         v = torch.randn(s, b, groups, d, generator=g, requires_grad=True)
         real = (ids >= 0).T[..., None].float()  # [s, b, 1]: padding outputs are free to differ
-        out = ours(q, k, v, ids)
+        # THD: rows flattened; segments = each run of one id in a row (padding included)
+        rows = [torch.unique_consecutive(r, return_counts=True)[1].tolist() for r in ids]
+        cu, max_len = packing(rows, s)
+        thd = lambda x: x.transpose(0, 1).reshape(b * s, *x.shape[2:])  # noqa: E731
+        out = ours(thd(q), thd(k), thd(v), None, packed_seq_params=segment_params(cu, max_len))
+        out = out.reshape(b, s, -1).transpose(0, 1)
         want = ref(q, k, v, packed_causal_mask(ids))
         torch.testing.assert_close(out * real, want * real, rtol=1e-5, atol=1e-5)
         w = torch.randn(out.shape, generator=g) * real

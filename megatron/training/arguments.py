@@ -48,11 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: cuda+NCCL when a GPU is visible, else cpu+gloo")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--transformer-impl", choices=["auto", "local", "transformer_engine"], default="auto",
-                   help="layer implementation: auto = TransformerEngine on CUDA when importable, else "
+                   help="layer implementation: auto = TransformerEngine on CUDA when importable and the "
+                        "LLM runs packed sequences (THD, i.e. not --attention-backend unfused), else "
                         "megatron-core's torch modules (always on CPU)")
     g.add_argument("--attention-backend", choices=["auto", "unfused"], default="auto",
-                   help="core attention of the torch layers: auto = attention within each packed sample "
-                        "(torch SDPA, cost sum of squared sample lengths, scores not kept); unfused = "
+                   help="core attention of the torch layers: auto = packed sequences (THD), attention "
+                        "within each sample (torch SDPA, cost sum of squared sample lengths, scores not kept); unfused = "
                         "megatron-core's DotProductAttention with a dense block-diagonal mask (scores kept, "
                         "so selective recompute has something to save)")
 

@@ -25,6 +25,7 @@ from omnibal_ext.model.profile import environment_meta, measure_unit, to_unit_co
 from omnibal_ext.model.units import build_units
 
 from megatron.vlm.config import language_config, vision_config
+from megatron.vlm.data.collate import packing
 from megatron.vlm.model import VLMStage
 from omnibal_ext.memory.recompute import StageRecompute
 
@@ -45,7 +46,11 @@ def synthetic_batch(spec, shape: MicroBatchShape, img_context_id: int, device) -
     tokens = torch.randint(0, 256, (1, s), generator=g)
     tokens[0, 1:1 + n_img] = img_context_id
     v = spec.vision
+    lengths = [sample_len] * (s // sample_len) + ([s % sample_len] if s % sample_len else [])
+    cu_seqlens, max_seqlen = packing([lengths], s)
     return {
+        "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen,
+        "image_tile_index": torch.arange(shape.tiles, device=device),
         "tokens": tokens.to(device),
         "labels": torch.randint(0, 256, (1, s), generator=g).to(device),
         "position_ids": (torch.arange(s) % sample_len)[None].to(device),
@@ -75,7 +80,8 @@ def profile_units(args, shape: MicroBatchShape, img_context_id: int, device: tor
     mini_units = build_units(mini)
     from .training import resolve_transformer_impl
 
-    impl = resolve_transformer_impl(getattr(args, "transformer_impl", "auto"), device)
+    impl = resolve_transformer_impl(getattr(args, "transformer_impl", "auto"), device,
+                                    getattr(args, "attention_backend", "auto"))
 
     def stage(recompute):
         m = VLMStage(mini, mini_units, range(len(mini_units)), language_config(mini, tp, on_cpu, dtype),
@@ -89,7 +95,7 @@ def profile_units(args, shape: MicroBatchShape, img_context_id: int, device: tor
     selective = stage(StageRecompute(0, True, 0, True))
     batch = synthetic_batch(mini, shape, img_context_id, device)
     batch["pixel_values"] = batch["pixel_values"].to(dtype)
-    mask, rope = plain.attention_mask(batch), plain._rope(batch)
+    llm_context = plain.llm_context(batch)
 
     def run(m: VLMStage, kind: str, x):
         if kind == "vit_embed":
@@ -99,9 +105,9 @@ def profile_units(args, shape: MicroBatchShape, img_context_id: int, device: tor
         if kind == "projector":
             return m.projector(x)
         if kind == "llm_embed":
-            return m.text_embed(batch["tokens"], x, batch["image_flags"])
+            return m.text_embed(batch["tokens"], x, batch["image_tile_index"])
         if kind == "llm_layer":
-            return m.llm_blocks[0](hidden_states=x, attention_mask=mask, rotary_pos_emb=rope)
+            return m.run_llm(x, llm_context, m.llm_blocks[:1])
         return m.head(x, batch["labels"])
 
     def module_of(m: VLMStage, kind: str) -> torch.nn.Module:

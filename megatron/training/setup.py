@@ -85,15 +85,17 @@ def build_data(args, tokenizer):
     dp = parallel_state.get_data_parallel_world_size()
     train_meta, valid_meta = data_paths(args)
     train_set = build_dataset(args, tokenizer, train_meta)
+    image_tokens = (tokenizer.img_context_id, args.model_spec.tokens_per_tile)
     groups, order, regroup = build_groups(args, train_set)
     sampler = GroupBatchSampler(groups, dp, dp_rank, seed=args.seed, order=order,
                                 microbatches=args.num_microbatches, regroup=regroup)
-    train = MicroBatches(train_set, sampler, tokenizer.pad_id, packed=args.omnibal_isf)
+    train = MicroBatches(train_set, sampler, tokenizer.pad_id, packed=args.omnibal_isf, image_tokens=image_tokens)
     valid = None
     if valid_meta and args.eval_interval:
         valid_set = build_dataset(args, tokenizer, valid_meta)
         valid = MicroBatches(valid_set, GroupBatchSampler(random_groups(len(valid_set), args.micro_batch_size, seed=0),
-                                                          dp, dp_rank, seed=0), tokenizer.pad_id, packed=False)
+                                                          dp, dp_rank, seed=0), tokenizer.pad_id, packed=False,
+                             image_tokens=image_tokens)
     return train, valid
 
 

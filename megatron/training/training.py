@@ -18,6 +18,7 @@ from omnibal_ext.data.metrics import step_balance
 from omnibal_ext.model.units import build_units
 
 from megatron.vlm.config import language_config, vision_config
+from megatron.vlm.data.collate import HOST_KEYS
 from megatron.vlm.model import VLMStage
 from omnibal_ext.memory.recompute import StageRecompute
 
@@ -40,7 +41,7 @@ def build_model(args, layout, recompute: list[StageRecompute], img_context_id: i
     module = VLMStage(spec, build_units(spec), layout.stage_range(stage), stage_config,
                       vision_config(spec, tp, on_cpu, dtype), language_config(spec, tp, on_cpu, dtype),
                       img_context_id=img_context_id, seed=args.seed, recompute=recompute[stage],
-                      transformer_impl=resolve_transformer_impl(args.transformer_impl, device),
+                      transformer_impl=resolve_transformer_impl(args.transformer_impl, device, args.attention_backend),
                       attention_backend=args.attention_backend)
     module.to(device=device, dtype=dtype)
     ddp_config = DistributedDataParallelConfig(
@@ -49,11 +50,20 @@ def build_model(args, layout, recompute: list[StageRecompute], img_context_id: i
     return [DistributedDataParallel(config=stage_config, ddp_config=ddp_config, module=module)]
 
 
-def resolve_transformer_impl(requested: str, device: torch.device) -> str:
-    """"auto": TransformerEngine on CUDA when it imports, else megatron-core's torch modules."""
+def resolve_transformer_impl(requested: str, device: torch.device, attention_backend: str = "auto") -> str:
+    """"auto": TransformerEngine on CUDA when it imports and the LLM runs packed sequences (THD), else
+    megatron-core's torch modules.  ``--attention-backend unfused`` is megatron-core's DotProductAttention
+    with a dense mask, a local-spec module (it refuses THD), so it always gets the torch modules; the TE
+    spec runs the THD path only (its fused attention with cu_seqlens, which needs TE >= 1.7 and a
+    flash/cuDNN fused-attention backend for THD on the GPU, and TE's fused THD RoPE)."""
     if device.type == "cpu":
         if requested == "transformer_engine":
             raise ArgumentError("--transformer-impl transformer_engine needs a CUDA device")
+        return "local"
+    if attention_backend == "unfused":
+        if requested == "transformer_engine":
+            raise ValueError("--attention-backend unfused is megatron-core's DotProductAttention: "
+                             "use --transformer-impl local or auto")
         return "local"
     if requested != "auto":
         return requested
@@ -94,11 +104,12 @@ def loss_func(batch: dict, token_correct: torch.Tensor, output_tensor: torch.Ten
     mask = labels != -100
     loss_sum = (output_tensor * mask).sum()
     num_tokens = mask.sum().to(torch.int)
-    seg = batch["segment_ids"].clamp(min=0)
-    n_samples = int(batch["sample_tokens"].numel())
+    seg = batch["segment_ids"].clamp(min=0).flatten()
+    n_samples = batch["sample_tokens"].numel()  # shape metadata, no device read
     dev = labels.device
-    wrong = torch.zeros(n_samples, device=dev).index_add_(0, seg[mask], (~token_correct[mask]).float())
-    has_answer = torch.zeros(n_samples, device=dev).index_add_(0, seg[mask], mask[mask].float())
+    # per-sample sums over every token, weighted by the answer mask: no data-dependent shape (no sync)
+    wrong = torch.zeros(n_samples, device=dev).index_add_(0, seg, ((~token_correct) & mask).flatten().float())
+    has_answer = torch.zeros(n_samples, device=dev).index_add_(0, seg, mask.flatten().float())
     answered = has_answer > 0
     report = {
         "lm loss": torch.stack([loss_sum.detach().clone().float(), num_tokens.float()]),
@@ -109,8 +120,8 @@ def loss_func(batch: dict, token_correct: torch.Tensor, output_tensor: torch.Ten
 
 def forward_step(data_iterator, model):
     device = next(_unwrap(model).parameters()).device
-    batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-             for k, v in next(data_iterator).items()}  # the loader's batches are on the host
+    batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) and k not in HOST_KEYS else v
+             for k, v in next(data_iterator).items()}  # the loader's batches are on the host; cu_seqlens stay
     meter = getattr(_unwrap(model), "activation_meter", None)
     if meter is not None and torch.is_grad_enabled():
         with meter.measure():

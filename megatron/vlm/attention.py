@@ -1,43 +1,64 @@
-"""Core attention over packed samples, for megatron-core's local (torch) layer spec.
+"""Core attention over packed samples (THD), for megatron-core's local (torch) layer spec.
 
-megatron-core's ``DotProductAttention`` takes a dense ``[b, 1, s, s]`` mask and computes every score
-of the row, so a packed row of ``n`` samples costs ``(sum of lengths)^2`` and a ``[s, s]`` mask per
-layer.  ``SegmentAttention`` replaces it as the ``core_attention`` submodule of the layer spec: the
-``attention_mask`` it receives is the micro-batch's segment ids ``[b, s]`` (an integer tensor: sample
-index per token, -1 for padding, as the collate writes them), and each contiguous run of one id is
-attended causally on its own with ``torch.nn.functional.scaled_dot_product_attention``.  A packed
-row then costs the sum of squared lengths, as FlashAttention's variable-length kernels do on GPU
-(and as ``omnibal_ext.model.cost_model`` counts).  Padding runs attend among themselves; their
-outputs never reach a real token.
+The LLM layers run in megatron-core's packed-sequence convention: hidden states ``[t, 1, h]`` (the
+micro-batch's rows flattened into ``t = b * s`` tokens) and a ``PackedSeqParams(qkv_format="thd")``
+whose ``cu_seqlens_q`` cut ``t`` into segments (each sample, each run of padding).  megatron-core's
+``SelfAttention`` then hands the core attention query ``[t, np, hn]`` and key/value ``[t, ng, hn]``
+and applies RoPE per segment (``apply_rotary_pos_emb`` with ``cu_seqlens``).
 
-The segment ids travel as the ``attention_mask`` argument because megatron-core's full-layer
-recompute saves its arguments with ``save_for_backward`` (tensors only).  Dense boolean masks
-(True = masked) are still accepted, for callers that have one.
+megatron-core's own ``DotProductAttention`` refuses packed sequences (it takes a dense ``[b, 1, s, s]``
+mask and computes every score of the row).  ``SegmentAttention`` replaces it as the ``core_attention``
+submodule of the local spec: each segment is attended causally on its own with
+``torch.nn.functional.scaled_dot_product_attention`` (``enable_gqa``: key/value groups are not copied
+to every query head).  A packed row then costs the sum of squared lengths, as FlashAttention's
+variable-length kernels do on GPU (and as ``omnibal_ext.model.cost_model`` counts).  Padding segments
+attend among themselves; their outputs never reach a real token.
+
+The segment boundaries are Python ints, read once per micro-batch from the host-built ``cu_seqlens``
+(``SegmentParams.segments``, made by ``segment_params``): no layer touches a tensor on the host or
+waits for the device.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
 
 
-def segment_runs(segment_ids: Tensor) -> list[list[tuple[int, int]]]:
-    """Per row of ``segment_ids`` [b, s], the (start, end) token ranges of its runs of equal ids."""
-    out = []
-    for row in segment_ids.cpu():
-        _, counts = torch.unique_consecutive(row, return_counts=True)
-        ends = torch.cumsum(counts, 0).tolist()
-        out.append(list(zip([0] + ends[:-1], ends)))
-    return out
+@dataclasses.dataclass
+class SegmentParams(PackedSeqParams):
+    """megatron-core's PackedSeqParams plus the segments of ``cu_seqlens_q`` as host (start, end) pairs."""
+
+    segments: tuple[tuple[int, int], ...] = ()
+
+
+def segment_params(cu_seqlens: Tensor, max_seqlen: int, device: torch.device | None = None) -> SegmentParams:
+    """THD parameters of a micro-batch from its host-built ``cu_seqlens`` (int32, on the host).
+
+    device: where ``cu_seqlens_q/kv`` go (TransformerEngine's kernels read them on the GPU); None keeps
+    them on the host, which is where megatron-core's unfused THD RoPE reads them (``.tolist()``).
+    """
+    if cu_seqlens.device.type != "cpu":
+        raise ValueError("segment_params: cu_seqlens must be built on the host")
+    bounds = cu_seqlens.tolist()
+    cu = cu_seqlens if device is None else cu_seqlens.to(device, non_blocking=True)
+    return SegmentParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=int(max_seqlen),
+                         max_seqlen_kv=int(max_seqlen), segments=tuple(zip(bounds[:-1], bounds[1:])))
 
 
 class SegmentAttention(DotProductAttention):
-    """Causal attention within each packed sample (or unmasked, for ``AttnMaskType.no_mask``).
+    """Causal attention within each packed segment (THD), or over the whole sequence (no_mask/causal, sbhd).
 
-    Inputs as megatron-core's core attention: query [sq, b, np, hn], key/value [sk, b, ng, hn]
-    (this TP rank's heads and key/value groups); output [sq, b, np * hn].
+    THD (``packed_seq_params`` given): query [t, np, hn], key/value [t, ng, hn] -> [t, np * hn].
+    Otherwise as megatron-core's core attention: query [sq, b, np, hn], key/value [sk, b, ng, hn]
+    (this TP rank's heads and key/value groups) -> [sq, b, np * hn]; a boolean ``attention_mask``
+    (True = masked) is honoured.
     """
 
     def __init__(self, config, *args, **kwargs):
@@ -49,36 +70,45 @@ class SegmentAttention(DotProductAttention):
         super().__init__(config, *args, **kwargs)
         if config.apply_query_key_layer_scaling:  # the parent divides the scale by the layer number and
             self.softmax_scale *= self.layer_number  # its fused softmax multiplies it back; SDPA does not
+        self.gqa = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                 attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> Tensor:
-        if attention_bias is not None or packed_seq_params is not None:
-            raise ValueError("SegmentAttention: attention_bias and packed_seq_params are not supported; "
-                             "pass the segment ids as attention_mask")
-        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
-        if groups > 1:
-            key = key.repeat_interleave(groups, dim=2)
-            value = value.repeat_interleave(groups, dim=2)
+        if attention_bias is not None:
+            raise ValueError("SegmentAttention: attention_bias is not supported")
+        if packed_seq_params is not None:
+            if packed_seq_params.qkv_format != "thd" or attention_mask is not None:
+                raise ValueError("SegmentAttention: packed sequences are THD, without an attention mask")
+            return self._thd(query, key, value, packed_seq_params)
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        if attention_mask is None:
-            ctx = F.scaled_dot_product_attention(q, k, v, scale=self.softmax_scale)
-        elif attention_mask.dtype == torch.bool:
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, scale=self.softmax_scale)
+        if attention_mask is not None:
+            if attention_mask.dtype != torch.bool:
+                raise ValueError("SegmentAttention: a dense attention_mask must be boolean (True = masked); "
+                                 "packed samples come as packed_seq_params")
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, scale=self.softmax_scale,
+                                                 enable_gqa=self.gqa)
         else:
-            ctx = self._segments(q, k, v, attention_mask)
+            ctx = F.scaled_dot_product_attention(q, k, v, is_causal=mask_type == AttnMaskType.causal,
+                                                 scale=self.softmax_scale, enable_gqa=self.gqa)
         # [b, n, s, d] -> [s, b, n * d]
         return ctx.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], self.hidden_size_per_partition)
 
-    def _segments(self, q: Tensor, k: Tensor, v: Tensor, segment_ids: Tensor) -> Tensor:
-        b, s = segment_ids.shape
-        if b != q.shape[0] or s != q.shape[2]:
-            raise ValueError(f"SegmentAttention: segment ids of shape {tuple(segment_ids.shape)} for a "
-                             f"micro-batch of {q.shape[0]} rows x {q.shape[2]} tokens")
-        rows = []
-        for r, runs in enumerate(segment_runs(segment_ids)):
-            parts = [F.scaled_dot_product_attention(q[r:r + 1, :, a:e], k[r:r + 1, :, a:e], v[r:r + 1, :, a:e],
-                                                    is_causal=True, scale=self.softmax_scale)
-                     for a, e in runs]
-            rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
-        return torch.cat(rows, dim=0) if b > 1 else rows[0]
+    def _thd(self, query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams) -> Tensor:
+        segments = getattr(params, "segments", None)
+        if not segments:  # a plain PackedSeqParams: read its boundaries (host work in every layer)
+            bounds = params.cu_seqlens_q.tolist()
+            segments = tuple(zip(bounds[:-1], bounds[1:]))
+        t = query.shape[0]
+        if segments[-1][1] != t:
+            raise ValueError(f"SegmentAttention: segments cover {segments[-1][1]} tokens of {t}")
+        # [t, n, d] -> [1, n, t, d] (4-D: torch's CPU flash kernel takes no 3-D inputs, and the math
+        # fallback would keep the scores)
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+        parts = [F.scaled_dot_product_attention(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], is_causal=True,
+                                                scale=self.softmax_scale, enable_gqa=self.gqa)
+                 for a, e in segments]
+        ctx = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+        # [1, n, t, d] -> [t, n * d]
+        return ctx[0].transpose(0, 1).reshape(t, self.hidden_size_per_partition)

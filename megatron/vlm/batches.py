@@ -10,14 +10,18 @@ from functools import partial
 
 from omnibal_ext.data.sampler import GroupBatchSampler
 
-from megatron.vlm.data.collate import collate_packed, collate_padded
+from megatron.vlm.data.collate import check_image_tokens, collate_packed, collate_padded
 
 
 class MicroBatches:
     """Endless iterator of collated micro-batches; records the sample sizes it served."""
 
-    def __init__(self, dataset, sampler: GroupBatchSampler, pad_id: int, packed: bool, seq_length: int | None = None):
+    def __init__(self, dataset, sampler: GroupBatchSampler, pad_id: int, packed: bool, seq_length: int | None = None,
+                 image_tokens: tuple[int, int] | None = None):
+        """image_tokens: (image-context token id, tokens per tile): check each micro-batch's image-token
+        count against its real tiles on the host (the model's forward does not)."""
         self.dataset = dataset
+        self.image_tokens = image_tokens
         self.sampler = sampler
         self.packed = packed
         self.collate = partial(collate_packed, pad_id=pad_id) if packed else partial(
@@ -31,6 +35,8 @@ class MicroBatches:
     def __next__(self) -> dict:
         indices = next(self._it)
         batch = self.collate([self.dataset[i] for i in indices])
+        if self.image_tokens is not None:
+            check_image_tokens(batch, *self.image_tokens)
         if self._records is not None:
             self._records.append({"tokens": batch["sample_tokens"].tolist(), "tiles": batch["sample_tiles"].tolist(),
                                   "packed": self.packed})

@@ -8,9 +8,22 @@ Stage I/O.  Every stage reads the micro-batch (tokens, tiles, ...) it needs; bet
 tensor travels, in megatron's [sequence, batch, hidden] order:
   inside the ViT           [tokens per tile, tiles, vision hidden]
   after the projector      [image tokens of all tiles, 1, LLM hidden]
-  inside the LLM           [sequence, micro-batch rows, LLM hidden]
+  inside the LLM           [rows x sequence, 1, LLM hidden]  (THD: the micro-batch's rows flattened)
   out of the last stage    per-token loss [rows, sequence] (fp32)
 The shapes change along the pipeline, so the config sets ``variable_seq_lengths``.
+
+Packed sequences.  The LLM runs in megatron-core's THD convention: the collate's host-built
+``cu_seqlens`` (each sample, each run of padding, over the flattened micro-batch) become one
+``PackedSeqParams(qkv_format="thd")`` per micro-batch (``VLMStage.llm_context``), passed to every LLM
+TransformerBlock; RoPE restarts in each segment (megatron-core's ``apply_rotary_pos_emb`` with
+``cu_seqlens``) and the core attention (``SegmentAttention`` on the local spec, TransformerEngine's
+fused attention on the TE spec) stays causal within each segment.  Random (padded) micro-batches are
+packed the same way, so there is one attention path.  Only ``--attention-backend unfused`` (megatron-core's
+``DotProductAttention``, which refuses THD) gets the dense block-diagonal mask: its blocks see
+``[sequence, rows, hidden]``, converted at the stage's LLM entry and exit, so stages carry one shape.
+
+No host sync.  Nothing in a micro-batch's forward or backward reads a device tensor on the host: the
+segment boundaries, ``max_seqlen`` and the real tiles' indices come from the collate (the host).
 
 Recompute.  A stage's ViT layers and LLM layers are each split into megatron TransformerBlocks
 ("segments"): the first ``*_full_layers`` layers fully recomputed, the rest with selective
@@ -37,7 +50,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
-from megatron.vlm.attention import SegmentAttention
+from megatron.vlm.attention import SegmentAttention, segment_params
 
 from omnibal_ext.memory.recompute import StageRecompute
 from omnibal_ext.model.units import ModelSpec, Unit
@@ -139,6 +152,14 @@ def _layer_spec(normalization: str, mask_type: AttnMaskType, seed: int, first_un
     return spec
 
 
+def llm_mask_type(transformer_impl: str, attention_backend: str) -> AttnMaskType:
+    """The LLM layers' mask type: causal within each THD segment (TransformerEngine's THD kernels want
+    ``padding_causal``), or ``arbitrary`` for megatron-core's DotProductAttention and its dense mask."""
+    if transformer_impl == "transformer_engine":
+        return AttnMaskType.padding_causal
+    return AttnMaskType.causal if uses_segment_attention(transformer_impl, attention_backend) else AttnMaskType.arbitrary
+
+
 def uses_segment_attention(transformer_impl: str, attention_backend: str) -> bool:
     """Local layers take SegmentAttention (segment ids, SDPA) unless --attention-backend unfused asks for
     megatron-core's DotProductAttention (dense mask, attention scores kept: what selective recompute saves)."""
@@ -213,7 +234,7 @@ class Projector(MegatronModule):
 class TextEmbedding(MegatronModule):
     """Token embedding (vocabulary-parallel) with image features written into image-context slots.
 
-    tokens [b, s] and image features [n * T, 1, H] -> [s, b, H].
+    tokens [b, s] and image features [n * T, 1, H] -> [b * s, 1, H] (rows flattened: THD).
     """
 
     def __init__(self, spec: ModelSpec, config: TransformerConfig, img_context_id: int, tokens_per_tile: int):
@@ -224,21 +245,19 @@ class TextEmbedding(MegatronModule):
         self.img_context_id = img_context_id
         self.tokens_per_tile = tokens_per_tile
 
-    def forward(self, tokens, image_features, image_flags):
-        emb = self.word(tokens)  # [b, s, H]
-        feats = image_features.squeeze(1).reshape(len(image_flags), self.tokens_per_tile, -1)
-        feats = feats[image_flags.bool()].reshape(-1, emb.shape[-1])
-        slots = tokens == self.img_context_id
-        if int(slots.sum()) != feats.shape[0]:
-            raise ValueError(
-                f"micro-batch has {int(slots.sum())} image-context tokens but its real tiles give "
-                f"{feats.shape[0]} image features")
-        emb = emb.masked_scatter(slots.unsqueeze(-1), feats.to(emb.dtype))
-        return emb.transpose(0, 1).contiguous()
+    def forward(self, tokens, image_features, image_tile_index):
+        """image_tile_index: the real tiles' indices (host-built by the collate, which also checks that the
+        image-context tokens number real tiles x tokens per tile: no count is read back here)."""
+        emb = self.word(tokens.reshape(1, -1))  # [1, t, H], t = b * s
+        feats = image_features.squeeze(1).reshape(-1, self.tokens_per_tile, emb.shape[-1])
+        feats = feats.index_select(0, image_tile_index).reshape(-1, emb.shape[-1])
+        slots = (tokens == self.img_context_id).reshape(1, -1, 1)
+        emb = emb.masked_scatter(slots, feats.to(emb.dtype))
+        return emb.transpose(0, 1).contiguous()  # [t, 1, H]
 
 
 class OutputHead(MegatronModule):
-    """Final norm, vocabulary-parallel output layer and cross entropy: [s, b, H] -> loss [b, s]."""
+    """Final norm, vocabulary-parallel output layer and cross entropy: [b * s, 1, H], labels [b, s] -> loss [b, s]."""
 
     def __init__(self, spec: ModelSpec, config: TransformerConfig, norm_module):
         super().__init__(config=config)
@@ -249,11 +268,11 @@ class OutputHead(MegatronModule):
         self.last_token_correct = None  # [b, s] bool, argmax == label, set by forward
 
     def forward(self, hidden, labels):
-        logits, _ = self.output(self.norm(hidden))  # [s, b, V/tp]
-        targets = labels.clamp(min=0).transpose(0, 1).contiguous()
+        logits, _ = self.output(self.norm(hidden))  # [t, 1, V/tp]
+        targets = labels.clamp(min=0).reshape(-1, 1)
         loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), targets)
-        self.last_token_correct = _vocab_parallel_argmax_matches(logits.detach(), targets).transpose(0, 1)
-        return loss.transpose(0, 1).contiguous()  # [b, s]
+        self.last_token_correct = _vocab_parallel_argmax_matches(logits.detach(), targets).reshape(labels.shape)
+        return loss.reshape(labels.shape)  # [b, s]
 
 
 def _vocab_parallel_argmax_matches(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -295,7 +314,13 @@ class VLMStage(MegatronModule):
         super().__init__(config=config)
         self.transformer_impl = transformer_impl
         self.attention_backend = attention_backend
+        if transformer_impl == "transformer_engine" and attention_backend == "unfused":
+            raise ValueError("--attention-backend unfused is megatron-core's DotProductAttention (local layers)")
         self.segment_attention = uses_segment_attention(transformer_impl, attention_backend)
+        self.thd = attention_backend != "unfused"  # LLM layers take packed sequences (else: the dense mask)
+        if transformer_impl == "transformer_engine":  # TE's fused THD RoPE reads cu_seqlens on the device;
+            llm_config = dataclasses.replace(llm_config, apply_rope_fusion=True)  # megatron's unfused one
+            # would read them on the host (.tolist()) in every layer
         self.model_type = ModelType.encoder_or_decoder
         # Read by megatron's finalize_model_grads: no weights are shared between stages.
         self.pre_process = unit_range.start == 0
@@ -324,7 +349,8 @@ class VLMStage(MegatronModule):
         if first["llm_embed"] is not None:
             with seeded(seed, first["llm_embed"]):
                 self.text_embed = TextEmbedding(spec, llm_config, img_context_id, spec.tokens_per_tile)
-        self.llm_blocks = self._blocks(llm_config, spec.language.normalization, AttnMaskType.arbitrary, seed,
+        self.llm_blocks = self._blocks(llm_config, spec.language.normalization,
+                                       llm_mask_type(transformer_impl, attention_backend), seed,
                                        first["llm_layer"], n_llm, recompute.llm_full_layers, recompute.llm_selective)
         if n_llm:
             kv = spec.language.hidden_size // spec.language.num_attention_heads
@@ -387,20 +413,38 @@ class VLMStage(MegatronModule):
             input_tensor = input_tensor[0]
         self.input_tensor = input_tensor
 
-    def attention_mask(self, batch: dict) -> torch.Tensor:
-        """What the LLM layers' core attention takes: SegmentAttention reads the segment ids [b, s]
-        (on the host: every layer slices by them, so they cross from the device once per micro-batch);
-        megatron-core's and TransformerEngine's attention take the dense block-diagonal mask."""
-        if self.segment_attention:
-            return batch["segment_ids"].cpu()
-        return packed_causal_mask(batch["segment_ids"])
+    def llm_context(self, batch: dict) -> dict:
+        """What the LLM blocks take besides the hidden states, built once per micro-batch.
 
-    def _rope(self, batch: dict) -> torch.Tensor:
-        """Rotary embeddings [s, 1, 1, d]: per-sample positions in a packed row (b == 1), 0..s-1 otherwise."""
-        tokens, positions = batch["tokens"], batch["position_ids"]
-        if tokens.shape[0] == 1:
-            return self.rotary(int(positions.max()) + 1)[positions[0]]
-        return self.rotary(tokens.shape[1])
+        THD: ``packed_seq_params`` from the host-built ``cu_seqlens`` (kept on the host for the local
+        spec, where SegmentAttention and megatron-core's unfused RoPE read them; on the device for
+        TransformerEngine) and RoPE frequencies for ``max_seqlen`` positions, which megatron-core's
+        ``apply_rotary_pos_emb`` restarts in every segment.  Dense (unfused): the block-diagonal mask
+        [b, 1, s, s] and per-token frequencies [s, b, 1, d] gathered at ``position_ids``.
+        """
+        max_seqlen, t = int(batch["max_seqlen"]), batch["tokens"].numel()
+        if self.thd:
+            device = next(self.parameters()).device if self.transformer_impl == "transformer_engine" else None
+            params = segment_params(batch["cu_seqlens"], max_seqlen, device)
+            # megatron-core maps frequencies by absolute offset when there are exactly t of them (and reads
+            # each segment's start with .item()); one more keeps it on the restart-per-segment mapping
+            rope = self.rotary(max_seqlen + 1 if max_seqlen == t else max_seqlen)
+            return {"attention_mask": None, "rotary_pos_emb": rope, "packed_seq_params": params}
+        rope = self.rotary(max_seqlen)[:, 0][batch["position_ids"].transpose(0, 1)]
+        return {"attention_mask": packed_causal_mask(batch["segment_ids"]), "rotary_pos_emb": rope}
+
+    def run_llm(self, x: torch.Tensor, context: dict, blocks=None) -> torch.Tensor:
+        """The LLM blocks (default: all of this stage's) on x [b * s, 1, H] -> [b * s, 1, H]."""
+        blocks = self.llm_blocks if blocks is None else blocks
+        if self.thd:
+            for block in blocks:
+                x = block(hidden_states=x, **context)
+            return x
+        b, s = context["attention_mask"].shape[0], context["attention_mask"].shape[-1]
+        x = x.reshape(b, s, -1).transpose(0, 1)  # [s, b, H]: DotProductAttention's layout
+        for block in blocks:
+            x = block(hidden_states=x, **context)
+        return x.transpose(0, 1).reshape(b * s, 1, -1)
 
     def forward(self, batch: dict) -> torch.Tensor:
         """The stage's slice of the model: the next stage's input, or per-token loss [b, s] at the end."""
@@ -412,11 +456,9 @@ class VLMStage(MegatronModule):
         if self.projector is not None:
             x = self.projector(x)
         if self.text_embed is not None:
-            x = self.text_embed(batch["tokens"], x, batch["image_flags"])
+            x = self.text_embed(batch["tokens"], x, batch["image_tile_index"])
         if self.llm_blocks:
-            mask, rope = self.attention_mask(batch), self._rope(batch)
-            for block in self.llm_blocks:
-                x = block(hidden_states=x, attention_mask=mask, rotary_pos_emb=rope)
+            x = self.run_llm(x, self.llm_context(batch))
         if self.head is not None:
             return self.head(x, batch["labels"])
         return x

@@ -1,6 +1,6 @@
 """Data pipeline of the VLM trainer: tokenizer, chat template, dynamic tiling, InternVL-format reader,
 the built-in digits dataset, micro-batch collation and per-sample statistics (torch/PIL/numpy only)."""
-from .collate import BATCH_KEYS, check_batch, collate_packed, collate_padded
+from .collate import BATCH_KEYS, HOST_KEYS, check_batch, check_image_tokens, collate_packed, collate_padded, packing
 from .digits import build_digits_dataset, digits_meta_paths
 from .internvl import (DataValidationError, InternVLDataset, ReaderConfig, ScanResult, SourceSpec, read_meta,
                        scan_annotations)
@@ -12,7 +12,7 @@ from .tiling import (IMAGENET_MEAN, IMAGENET_STD, black_tile_tensor, candidate_g
 from .tokenizer import SPECIAL_TOKENS, ByteTokenizer, HFTokenizer, build_tokenizer, padded_vocab_size
 
 __all__ = [
-    "BATCH_KEYS", "check_batch", "collate_packed", "collate_padded",
+    "BATCH_KEYS", "HOST_KEYS", "check_batch", "check_image_tokens", "collate_packed", "collate_padded", "packing",
     "build_digits_dataset", "digits_meta_paths",
     "DataValidationError", "InternVLDataset", "ReaderConfig", "ScanResult", "SourceSpec", "read_meta",
     "scan_annotations",

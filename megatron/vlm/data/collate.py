@@ -10,6 +10,17 @@ Batch schema (B samples; n_tiles = sum of their tiles)::
     image_flags   int64 [n_tiles]              1 real tile, 0 dummy tile of a text-only sample
     sample_tokens int64 [B]      real tokens per sample
     sample_tiles  int64 [B]      tiles per sample (dummy included)
+    image_tile_index int64 [real tiles]  indices of the real tiles in pixel_values (host-built, so the
+                                 model selects their features without a data-dependent shape)
+    cu_seqlens    int32 [segments + 1]   cumulative segment lengths over the flattened micro-batch
+                                 (row-major, b * s tokens): each sample is a segment, each run of
+                                 padding is its own trailing segment; cu_seqlens[-1] == b * s
+    max_seqlen    int (Python)   the longest segment
+
+``cu_seqlens``/``max_seqlen`` are megatron-core's packed-sequence (THD) description of the micro-batch,
+built here on the host once per micro-batch; padded (random) micro-batches are described the same way
+(each row: its sample, then its padding), so the LLM has one attention path.  ``cu_seqlens`` stays on
+the host (the trainer does not move it): the model copies it to the device only where a kernel needs it.
 
 ``collate_padded``: one sample per row (b = B), right padding to the longest sample or ``seq_length``.
 ``collate_packed``: all samples in one row (b = 1), in order, padded to a multiple of ``pad_to_multiple``.
@@ -22,13 +33,29 @@ import torch
 from .template import IGNORE_INDEX
 
 BATCH_KEYS = ("tokens", "labels", "position_ids", "segment_ids", "pixel_values", "image_flags",
-              "sample_tokens", "sample_tiles")
+              "sample_tokens", "sample_tiles", "image_tile_index", "cu_seqlens", "max_seqlen")
+HOST_KEYS = ("cu_seqlens", "max_seqlen")  # stay on the host: read by Python, never waited for
+
+
+def packing(rows: list[list[int]], width: int) -> tuple[torch.Tensor, int]:
+    """(cu_seqlens int32, max_seqlen) of a micro-batch of ``len(rows)`` rows of ``width`` tokens, row r
+    holding the samples of lengths ``rows[r]`` in order, then padding (its own segment) up to ``width``."""
+    lengths = []
+    for row in rows:
+        if sum(row) > width or any(n <= 0 for n in row):
+            raise ValueError(f"packing: samples of lengths {row} in a row of {width} tokens")
+        lengths += list(row) + ([width - sum(row)] if sum(row) < width else [])
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(torch.int32)
+    return cu, max(lengths)
 
 
 def _images(samples: list[dict]) -> dict:
+    flags = torch.cat([s["image_flags"] for s in samples]).to(torch.int64)
     return {
         "pixel_values": torch.cat([s["pixel_values"] for s in samples]).to(torch.float32),
-        "image_flags": torch.cat([s["image_flags"] for s in samples]).to(torch.int64),
+        "image_flags": flags,
+        "image_tile_index": torch.nonzero(flags).flatten(),
         "sample_tokens": torch.tensor([len(s["input_ids"]) for s in samples], dtype=torch.int64),
         "sample_tiles": torch.tensor([len(s["image_flags"]) for s in samples], dtype=torch.int64),
     }
@@ -63,8 +90,9 @@ def collate_padded(samples: list[dict], pad_id: int, seq_length: int | None = No
         labels[row, :n] = torch.as_tensor(s["labels"])
         position_ids[row, :n] = torch.arange(n)
         segment_ids[row, :n] = row
+    cu_seqlens, max_seqlen = packing([[len(s["input_ids"])] for s in samples], width)
     return {"tokens": tokens, "labels": labels, "position_ids": position_ids, "segment_ids": segment_ids,
-            **_images(samples)}
+            **_images(samples), "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
 
 
 def collate_packed(samples: list[dict], pad_id: int, pad_to_multiple: int = 1) -> dict:
@@ -86,8 +114,19 @@ def collate_packed(samples: list[dict], pad_id: int, pad_to_multiple: int = 1) -
         position_ids[0, start:start + n] = torch.arange(n)
         segment_ids[0, start:start + n] = k
         start += n
+    cu_seqlens, max_seqlen = packing([lengths], width)
     return {"tokens": tokens, "labels": labels, "position_ids": position_ids, "segment_ids": segment_ids,
-            **_images(samples)}
+            **_images(samples), "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
+
+
+def check_image_tokens(batch: dict, img_context_id: int, tokens_per_tile: int) -> None:
+    """Raise ``ValueError`` unless the micro-batch's image-context tokens equal its real tiles x tokens_per_tile
+    (the model writes one image feature into each such token; checked here, on the host, so that the
+    model's forward never waits for the count)."""
+    ctx = int((batch["tokens"] == img_context_id).sum())
+    feats = len(batch["image_tile_index"]) * tokens_per_tile
+    if ctx != feats:
+        raise ValueError(f"micro-batch has {ctx} image-context tokens but its real tiles give {feats} image features")
 
 
 def check_batch(batch: dict, img_context_id: int, tokens_per_tile: int) -> None:
@@ -107,3 +146,9 @@ def check_batch(batch: dict, img_context_id: int, tokens_per_tile: int) -> None:
                              f"x {tokens_per_tile} tokens per tile")
     if len(batch["pixel_values"]) != len(batch["image_flags"]):
         raise ValueError("batch: pixel_values and image_flags differ in length")
+    check_image_tokens(batch, img_context_id, tokens_per_tile)
+    cu = batch["cu_seqlens"]
+    if cu.dtype != torch.int32 or int(cu[0]) != 0 or int(cu[-1]) != batch["tokens"].numel() \
+            or int((cu[1:] - cu[:-1]).max()) != batch["max_seqlen"]:
+        raise ValueError(f"batch: cu_seqlens {cu.tolist()} / max_seqlen {batch['max_seqlen']} do not describe "
+                         f"{tuple(batch['tokens'].shape)} tokens")
