@@ -1,6 +1,5 @@
 """The stage module and the profiler in one process (world of one, gloo)."""
 import dataclasses
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -8,25 +7,6 @@ import torch
 
 from omnibal_ext.model.cost_model import MicroBatchShape
 from omnibal_ext.model.units import build_units, get_preset
-
-
-@pytest.fixture(scope="module")
-def megatron_world():
-    import torch.distributed as dist
-
-    from megatron.training import cpu_compat
-    from megatron.training.initialize import initialize_distributed, set_seeds
-
-    with cpu_compat.patched():
-        initialize_distributed(torch.device("cpu"), 1, 1)
-        set_seeds(0)
-        yield
-        from megatron.core import parallel_state
-
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
-        os.environ.pop(var, None)
 
 
 def whole_model(spec, seed=3):

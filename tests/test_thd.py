@@ -12,23 +12,6 @@ from omnibal_ext.model.units import build_units, get_preset
 
 
 @pytest.fixture(scope="module")
-def megatron_world():
-    import torch.distributed as dist
-
-    from megatron.training.initialize import initialize_distributed, set_seeds
-
-    initialize_distributed(torch.device("cpu"), 1, 1)
-    set_seeds(0)
-    yield
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
-        os.environ.pop(var, None)
-
-
-@pytest.fixture(scope="module")
 def samples(tmp_path_factory):
     from megatron.vlm.data.digits import build_digits_dataset
     from megatron.vlm.data.internvl import InternVLDataset
