@@ -29,7 +29,11 @@ def main(argv=None) -> dict:
     import torch.distributed as dist
 
     from megatron.training import checkpointing, setup, training
+    from omnibal_ext.model.units import build_units
 
+    resume = checkpointing.find_checkpoint(args.load, args.ckpt_step) if args.load else None  # checked first
+    if args.load and resume is None and dist.get_rank() == 0:
+        print(f"> no checkpoint in --load {args.load}: starting from scratch", flush=True)
     tokenizer = setup.setup_tokenizer(args)
     train_data, valid_data = setup.build_data(args, tokenizer)  # validates every record first
     costs = None
@@ -44,21 +48,19 @@ def main(argv=None) -> dict:
         recompute = setup.adaptive_recompute(args, costs, layout, device)
     else:
         recompute = setup.recompute_settings(args, layout)
+    args.layout_flag = layout.to_flag(build_units(args.model_spec))
     model = training.build_model(args, layout, recompute, tokenizer.img_context_id, device)
     optimizer, scheduler = training.build_optimizer(args, model)
     start, consumed = 0, 0
-    if args.load:
-        state = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler,
-                                              training.parallel_signature(args))
-        train_data.load_state_dict(state["data"])
-        start, consumed = state["iteration"], state["consumed_samples"]
+    if resume is not None:
+        state = checkpointing.load_checkpoint(resume, args, model, optimizer, scheduler)
+        if "data" in state:
+            train_data.load_state_dict(checkpointing.to_arrays(state["data"]))
+        start, consumed = state.get("iteration", 0), state.get("consumed_samples", 0)
     if dist.get_rank() == 0:
-        from omnibal_ext.model.units import build_units
-
         print(f"> model {args.model_spec.name}: TP={args.tensor_model_parallel_size} "
               f"PP={args.pipeline_model_parallel_size} DP={args.data_parallel_size}, "
-              f"layout {layout.to_flag(build_units(args.model_spec))}, "
-              f"{args.num_microbatches} micro-batches per iteration", flush=True)
+              f"layout {args.layout_flag}, {args.num_microbatches} micro-batches per iteration", flush=True)
     summary = training.train(args, model, optimizer, scheduler, train_data, valid_data, start, consumed)
     summary["layout"] = list(layout.stage_units)
     return summary

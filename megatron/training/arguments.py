@@ -97,8 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-interval", type=int, default=200, help="evaluate every N iterations (and at the end); 0: never")
     g.add_argument("--eval-iters", type=int, default=None,
                    help="iterations (global batches) per evaluation (default: one pass over the validation set)")
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
+    g.add_argument("--save", default=None, help="checkpoint folder (saved at --save-interval and at the end)")
+    g.add_argument("--load", default=None,
+                   help="resume from the newest complete checkpoint here, at any TP/PP/DP and layout (none there: "
+                        "start from scratch; `--save X --load X` under torchrun --max-restarts resumes a killed job)")
+    g.add_argument("--ckpt-step", type=int, default=None, help="with --load: that iteration's checkpoint")
+    g.add_argument("--keep-checkpoints", type=int, default=None, help="keep the newest N checkpoints (default: all)")
     g.add_argument("--save-interval", type=int, default=None, help="save every N iterations (0: only at --exit-interval)")
     g.add_argument("--exit-interval", type=int, default=None, help="stop (after saving) at this iteration (0: run all --train-iters)")
     g.add_argument("--json-log", default=None, help="write per-iteration metrics as JSON lines here")
@@ -146,6 +150,7 @@ _LOWER_BOUNDS = (
     ("--eval-interval", 0), ("--eval-iters", 1), ("--save-interval", 0), ("--exit-interval", 0),
     ("--seq-length", 1), ("--max-num-tiles", 1), ("--lr", 0), ("--min-lr", 0), ("--lr-warmup-iters", 0),
     ("--omnibal-isf-qv", 1), ("--omnibal-isf-qt", 1), ("--omnibal-isf-qv-min", 0), ("--omnibal-isf-qt-min", 0),
+    ("--ckpt-step", 0), ("--keep-checkpoints", 1),
 )
 _ISF_VALUES = ("--omnibal-isf-qv", "--omnibal-isf-qt", "--omnibal-isf-qv-min", "--omnibal-isf-qt-min")
 
@@ -233,6 +238,8 @@ def validate_args(args, world_size: int) -> None:
         args.log_activation_memory = True
     if args.save_interval and not args.save:
         raise ArgumentError("--save-interval needs --save")
+    if args.ckpt_step is not None and not args.load:
+        raise ArgumentError("--ckpt-step needs --load")
     args.model_spec = spec
 
 

@@ -1,87 +1,130 @@
-"""Checkpoints: one file per rank holding model, optimizer, LR scheduler, RNG and data position.
+"""Checkpoints: megatron-core distributed checkpoints (``torch_dist``), resharded at load.
 
-Layout (Megatron-like)::
+Layout (Megatron's)::
 
-    SAVE/latest_checkpointed_iteration.txt
-    SAVE/iter_0000006/rank_00003.pt
+    SAVE/latest_checkpointed_iteration.txt   iteration of the newest complete checkpoint
+    SAVE/iter_0000006/                       one megatron-core distributed checkpoint:
+        .metadata, __<rank>_<n>.distcp       PyTorch DCP: every rank writes the shards it owns
+        common.pt, metadata.json             the common state (rank 0)
+        omnibal_manifest.json                size and CRC32 of every file above, written last
 
-With the distributed optimizer, megatron-core's ``DistributedOptimizer.state_dict`` holds only the
-non-parameter state; each rank also keeps its own shard of main parameters and Adam state
-(``get_parameter_state_dp_reshardable``, copied out of the live buffers) in its file, which is
-enough because a checkpoint resumes only under the sizes it was saved with.
+What is in it:
+- the model under the global unit names (``vit.layer.7.…``, ``llm.layer.31.…``; see
+  megatron/vlm/sharding.py), each tensor with its tensor-parallel split declared, ViT heads unpadded;
+- the optimizer state in model space: Adam's moments per parameter, keyed like the parameter (for the
+  distributed optimizer megatron-core's ``fully_reshardable`` form, which also holds the fp32 main
+  parameters); so it loads under any TP/PP/DP, layout, recompute plan and optimizer kind;
+- per-rank RNG states (restored when TP, PP and DP are unchanged; re-seeded from --seed and the iteration
+  otherwise);
+- common state: iteration, consumed samples, LR scheduler, the data position (a DP change continues the
+  epoch, see omnibal_ext.data.sampler) and a description of the run (model sizes, parallel sizes, layout).
 
-A checkpoint resumes under the same parallel sizes it was saved with; anything else is refused
-with the sizes named (re-sharding is not implemented).
+Saving is atomic: everything goes into ``iter_N.tmp``; once every rank has written its shards, the
+manifest is written, the folder renamed to ``iter_N`` and the tracker file written under a temporary name
+and renamed, last. A kill at any moment leaves the previous complete checkpoint loadable; a leftover
+``.tmp`` folder is ignored and removed by the next save.
+
+Loading checks before any weight is touched: the manifest (every file present, of its size and CRC32),
+the model description and every tensor's global shape. A problem stops the run with one paragraph that
+names the file or tensor and the iteration, and the newest older complete checkpoint (``--ckpt-step``).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
 import os
 import random
+import re
+import shutil
+import signal
+import zlib
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
+from megatron.core.dist_checkpointing.dict_utils import nested_values
 
 from omnibal_ext.errors import UserError
 
 TRACKER = "latest_checkpointed_iteration.txt"
+MANIFEST = "omnibal_manifest.json"
+FORMAT = "omnibal-torch_dist-1"
+_ITER_DIR = re.compile(r"^iter_(\d{7})$")
+# The optimizer state in model space, whatever the optimizer kind (megatron-core's fully reshardable form).
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
 
 class CheckpointError(UserError):
-    """A --load folder that this run cannot resume from; the message names --load and the file."""
+    """A --load folder that this run cannot resume from; the message names the file or tensor."""
 
 
-def _rank_file(root: str, iteration: int, rank: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}", f"rank_{rank:05d}.pt")
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint found under --load."""
+
+    root: str
+    iteration: int
+
+    @property
+    def path(self) -> str:
+        return iteration_dir(self.root, self.iteration)
 
 
-def _sharded_optimizers(optimizer) -> list:
-    """The optimizers (the one given, or those it chains) that shard their state over data-parallel ranks."""
-    return [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
-            if hasattr(o, "get_parameter_state_dp_reshardable")]
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def _copied(tree):
-    """The state with every tensor copied out (a saved view would drag its whole buffer along)."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
+def _unwrap(module):
+    return module.module if hasattr(module, "module") else module
+
+
+# ---------------------------------------------------------------------------------------------
+# What is saved
+# ---------------------------------------------------------------------------------------------
+def run_description(args) -> dict:
+    """The run a checkpoint comes from: model sizes and the parallel configuration."""
+    return {"format": FORMAT, "model": args.model_spec.to_dict(), "tp": args.tensor_model_parallel_size,
+            "pp": args.pipeline_model_parallel_size, "dp": args.data_parallel_size,
+            "layout": getattr(args, "layout_flag", None), "distributed_optimizer": bool(args.use_distributed_optimizer),
+            "bf16": bool(args.bf16), "seed": args.seed}
+
+
+def _world(run: dict) -> tuple:
+    return run["tp"], run["pp"], run["dp"]
+
+
+def to_tensors(tree):
+    """``tree`` with numpy arrays as torch tensors and numpy scalars as Python ones: checkpoints are read
+    with torch.load(weights_only=True), which takes tensors and plain Python containers only."""
+    if isinstance(tree, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(tree))
+    if isinstance(tree, np.generic):
+        return tree.item()
     if isinstance(tree, dict):
-        return {k: _copied(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_copied(v) for v in tree]
+        return {k: to_tensors(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(to_tensors(v) for v in tree)
     return tree
 
 
-def _shard_states(optimizer) -> list:
-    return [_copied(o.get_parameter_state_dp_reshardable()) for o in _sharded_optimizers(optimizer)]
-
-
-@torch.no_grad()  # fp32 main-parameter shards are views of the model's leaf parameters
-def _load_shard_states(optimizer, states: list, where: str) -> None:
-    sharded = _sharded_optimizers(optimizer)
-    if len(states) != len(sharded):
-        raise CheckpointError(f"--load {where}: {len(states)} distributed-optimizer shard states saved, "
-                         f"this run has {len(sharded)} sharded optimizers")
-    for o, state in zip(sharded, states):
-        # Without TE/apex, megatron-core's DistributedOptimizer.load_state_dict gives every parameter
-        # the same 'step' tensor; torch's Adam then adds 1 to it once per parameter per iteration,
-        # which breaks the bias correction after a resume.  One tensor per parameter again:
-        for param_state in o.optimizer.state.values():
-            if "step" in param_state:
-                param_state["step"] = param_state["step"].clone()
-        for key, by_dtype in state.items():
-            if isinstance(key, int):  # gradient buffers; every saved element is a parameter, no padding
-                for buckets in by_dtype.values():
-                    for bucket in buckets:
-                        for elem in bucket:
-                            elem.setdefault("padding", False)
-        o.load_parameter_state_from_dp_reshardable(state)
+def to_arrays(tree):
+    """The inverse of :func:`to_tensors` for what it changed (tensors back to numpy arrays)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numpy()
+    if isinstance(tree, dict):
+        return {k: to_arrays(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(to_arrays(v) for v in tree)
+    return tree
 
 
 def rng_state() -> dict:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+    state = {"python": random.getstate(), "numpy": to_tensors(np.random.get_state()), "torch": torch.get_rng_state(),
              "tracker": get_cuda_rng_tracker().get_states()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -92,52 +135,358 @@ def set_rng_state(state: dict) -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    np.random.set_state(to_arrays(state["numpy"]))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state:
+    if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extra: dict) -> None:
+def _rng_object(state) -> ShardedObject:
+    """This rank's RNG states, one object per (PP, TP, DP) rank."""
+    ps = parallel_state
+    return ShardedObject("rng_state", state,
+                         (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(),
+                          ps.get_data_parallel_world_size()),
+                         (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+                          ps.get_data_parallel_rank()), replica_id=0)
+
+
+def _model_sharded_state_dict(model) -> dict:
+    return _unwrap(model[0]).sharded_state_dict()
+
+
+def _sharded_state_dict(model, optimizer, with_optimizer: bool, is_loading: bool) -> dict:
+    model_sd = _model_sharded_state_dict(model)
+    sd = {"model": model_sd}
+    if with_optimizer:
+        sd["optimizer"] = optimizer.sharded_state_dict(_model_sharded_state_dict(model), is_loading=is_loading,
+                                                       metadata=OPTIMIZER_METADATA)
+    return sd
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving
+# ---------------------------------------------------------------------------------------------
+def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler, train_data) -> None:
+    """Save iteration ``iteration`` under ``args.save`` atomically (see the module docstring); every rank calls it."""
+    root = args.save
     rank = dist.get_rank()
-    path = _rank_file(root, iteration, rank)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save({
-        "iteration": iteration,
-        "world_size": dist.get_world_size(),
-        "model": [m.module.state_dict() if hasattr(m, "module") else m.state_dict() for m in model],
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "rng": rng_state(),
-        "optimizer_shards": _shard_states(optimizer),
-        **extra,
-    }, path)
+    final, tmp = iteration_dir(root, iteration), iteration_dir(root, iteration) + ".tmp"
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a save killed before (same iteration)
+        os.makedirs(tmp)
+    dist.barrier()
+    sd = _sharded_state_dict(model, optimizer, with_optimizer=True, is_loading=False)
+    sd.update({"rng": _rng_object(rng_state()), "iteration": iteration, "consumed_samples": consumed_samples,
+               "scheduler": scheduler.state_dict(), "data": to_tensors(train_data.state_dict()), "run": run_description(args)})
+    dist_checkpointing.save(sd, tmp, sharded_strategy=_save_strategy(), validate_access_integrity=True)
+    _fault_point("save", iteration)
+    manifest = _manifest(tmp)
+    if rank == 0:
+        _write_json(os.path.join(tmp, MANIFEST), {"iteration": iteration, "files": manifest})
+        if os.path.exists(final):  # saved before under the same iteration (a run restarted from earlier)
+            os.replace(final, final + ".old")
+        os.replace(tmp, final)
+        shutil.rmtree(final + ".old", ignore_errors=True)
+        _fsync_dir(root)
+        _write_text(os.path.join(root, TRACKER), str(iteration))
+        _remove_old(root, args.keep_checkpoints)
     dist.barrier()
     if rank == 0:
-        with open(os.path.join(root, TRACKER), "w") as f:
-            f.write(str(iteration))
-    dist.barrier()
+        print(f"> saved checkpoint of iteration {iteration} to {final}", flush=True)
 
 
-def load_checkpoint(root: str, model, optimizer, scheduler, parallel: dict) -> dict:
-    """Restore everything saved by :func:`save_checkpoint`; returns the saved extras."""
+def _save_strategy():
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+
+
+def _manifest(folder: str) -> dict:
+    """{file: [bytes, crc32]} of every file under ``folder``, each rank hashing its share of the files."""
+    files = sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs)
+    mine = {f: [os.path.getsize(os.path.join(folder, f)), _crc32(os.path.join(folder, f))]
+            for f in files[dist.get_rank()::dist.get_world_size()]}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {f: v for part in everyone for f, v in sorted(part.items())}
+
+
+def _crc32(path: str, chunk: int = 1 << 24) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: a temporary file, fsync, rename."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def _write_json(path: str, obj) -> None:
+    _write_text(path, json.dumps(obj, indent=1))
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_old(root: str, keep: int | None) -> None:
+    """Delete complete checkpoints older than the newest ``keep`` (None: keep all)."""
+    if not keep:
+        return
+    for iteration in _iterations(root)[:-keep]:
+        shutil.rmtree(iteration_dir(root, iteration), ignore_errors=True)
+
+
+def _fault_point(where: str, iteration: int) -> None:
+    """Test hook: ``OMNIBAL_FAULT=save:N`` (inside the save of iteration N, after the shards are written and
+    before the manifest) or ``train:N`` (before iteration N) SIGKILLs rank ``OMNIBAL_FAULT_RANK`` (default 1)
+    of the first attempt of a torchrun job."""
+    fault = os.environ.get("OMNIBAL_FAULT")
+    if not fault or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    if fault == f"{where}:{iteration}" and dist.get_rank() == int(os.environ.get("OMNIBAL_FAULT_RANK", "1")):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fault_point(where: str, iteration: int) -> None:
+    _fault_point(where, iteration)
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding and checking
+# ---------------------------------------------------------------------------------------------
+def _iterations(root: str) -> list[int]:
+    """Iterations of the complete (renamed) checkpoint folders under ``root``, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(m.group(1)) for name in os.listdir(root) if (m := _ITER_DIR.match(name)))
+
+
+def find_checkpoint(root: str, step: int | None = None) -> Checkpoint | None:
+    """The checkpoint to resume from (the tracker's, or ``step``), checked; None when ``root`` holds none.
+
+    Every rank calls it (the CRC32 check is split over the ranks). Raises CheckpointError naming the
+    problem, the iteration and the newest older complete checkpoint.
+    """
+    iterations = _iterations(root)
     tracker = os.path.join(root, TRACKER)
-    if not os.path.exists(tracker):
-        raise CheckpointError(f"--load {root}: no {TRACKER} there (nothing saved yet?)")
-    with open(tracker) as f:
-        iteration = int(f.read().strip())
-    path = _rank_file(root, iteration, dist.get_rank())
-    if not os.path.exists(path):
-        raise CheckpointError(f"--load {root}: {path} is missing (saved with another world size?)")
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    saved = state.get("parallel", {})
-    if saved != parallel:
-        raise CheckpointError(f"--load {root}: checkpoint was saved with {saved}, this run is {parallel}")
-    for m, sd in zip(model, state["model"]):
-        (m.module if hasattr(m, "module") else m).load_state_dict(sd)
-    optimizer.load_state_dict(state["optimizer"])
-    _load_shard_states(optimizer, state.get("optimizer_shards", []), root)
-    scheduler.load_state_dict(state["scheduler"])
-    set_rng_state(state["rng"])
-    return state
+    if step is None:
+        if not os.path.exists(tracker):
+            if not iterations:
+                return None
+            step = iterations[-1]  # killed between the folder's rename and the tracker's
+        else:
+            text = open(tracker).read().strip()
+            if not text.isdigit():
+                raise CheckpointError(f"--load {root}: {tracker} holds {text!r}, not an iteration number"
+                                      f"{_older_hint(root, None)}")
+            step = int(text)
+    ckpt = Checkpoint(root, step)
+    problems = _check_files(ckpt)
+    if problems:
+        raise CheckpointError(f"--load {root}: the checkpoint of iteration {step} is incomplete or corrupt: "
+                              f"{problems[0]}" + (f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1
+                                                  else "") + _older_hint(root, step))
+    return ckpt
+
+
+def _check_files(ckpt: Checkpoint) -> list[str]:
+    """Problems with the checkpoint's files (every rank checks its share of the CRCs; all ranks agree)."""
+    folder = ckpt.path
+    if not os.path.isdir(folder):
+        problems = [f"{folder} does not exist"]
+    else:
+        problems = _sizes_problems(folder)
+    if not problems:
+        files = json.load(open(os.path.join(folder, MANIFEST)))["files"]
+        for name in sorted(files)[dist.get_rank()::dist.get_world_size()]:
+            if _crc32(os.path.join(folder, name)) != files[name][1]:
+                problems.append(f"{os.path.join(folder, name)} is corrupt (CRC32 differs from the one saved)")
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problems)
+    return sorted({p for part in everyone for p in part})
+
+
+def _sizes_problems(folder: str) -> list[str]:
+    """Missing manifest, missing files and files of the wrong size (cheap: no data read)."""
+    manifest = os.path.join(folder, MANIFEST)
+    if not os.path.exists(manifest):
+        return [f"{manifest} is missing (the save did not finish)"]
+    try:
+        files = json.load(open(manifest))["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        return [f"{manifest} is unreadable ({e})"]
+    problems = []
+    for name, (size, _) in sorted(files.items()):
+        path = os.path.join(folder, name)
+        if not os.path.exists(path):
+            problems.append(f"{path} is missing")
+        elif os.path.getsize(path) != size:
+            problems.append(f"{path} has {os.path.getsize(path)} bytes, {size} were saved (truncated?)")
+    return problems
+
+
+def _older_hint(root: str, iteration: int | None) -> str:
+    older = [i for i in _iterations(root) if iteration is None or i < iteration]
+    for i in reversed(older):
+        if not _sizes_problems(iteration_dir(root, i)):
+            return f". The newest older complete checkpoint is iteration {i}: resume from it with --ckpt-step {i}"
+    return ". No older complete checkpoint is there"
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+def load_checkpoint(ckpt: Checkpoint, args, model, optimizer, scheduler) -> dict:
+    """Load ``ckpt`` into this run's model, optimizer and scheduler, whatever TP/PP/DP, layout, recompute plan
+    and optimizer kind it was saved with; returns its common state (iteration, consumed samples, data)."""
+    common = dist_checkpointing.load_common_state_dict(ckpt.path)
+    saved_run = common.get("run") or {}
+    _check_model(ckpt, saved_run, args)
+    _check_tensors(ckpt, model)
+    with_optimizer = "scheduler" in common  # an imported model (iteration 0) holds weights only
+    if with_optimizer:
+        _init_optimizer_state(optimizer)
+    request = _sharded_state_dict(model, optimizer, with_optimizer, is_loading=True)
+    same_world = saved_run and _world(saved_run) == (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                                     args.data_parallel_size)
+    if with_optimizer:
+        _adapt_optimizer_request(request["optimizer"], saved_run, args, ckpt)
+    if same_world:
+        request["rng"] = _rng_object(None)
+    loaded = dist_checkpointing.load(request, ckpt.path)
+    _unwrap(model[0]).load_state_dict(loaded["model"])
+    if with_optimizer:
+        _load_optimizer(optimizer, loaded["optimizer"], saved_run, args)
+        scheduler.load_state_dict(common["scheduler"])
+    else:
+        optimizer.reload_model_params()
+    if same_world:
+        set_rng_state(loaded["rng"])
+    else:
+        from .initialize import set_seeds
+
+        set_seeds(args.seed + int(common.get("iteration", 0)))
+    if dist.get_rank() == 0:
+        print(f"> loaded checkpoint of iteration {ckpt.iteration} from {ckpt.path}"
+              + ("" if same_world or not saved_run else
+                 f" (saved at TP={saved_run['tp']} PP={saved_run['pp']} DP={saved_run['dp']}, resharded; RNG re-seeded)"),
+              flush=True)
+    return common
+
+
+def _check_model(ckpt: Checkpoint, saved_run: dict, args) -> None:
+    """The checkpoint's model sizes must be this run's (a clear message rather than a tensor shape)."""
+    saved = saved_run.get("model")
+    if saved is None:
+        return
+    mine = args.model_spec.to_dict()
+    diffs = [f"{k}: {v} saved, {mine_v} now" for k, v, mine_v in _flat_diff(saved, mine)]
+    if diffs:
+        raise CheckpointError(f"--load {ckpt.root}: the checkpoint of iteration {ckpt.iteration} holds another "
+                              f"model shape ({'; '.join(diffs)}); give the model flags it was saved with")
+
+
+def _flat_diff(a: dict, b: dict, prefix: str = ""):
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            yield from _flat_diff(va, vb, f"{prefix}{k}.")
+        elif va != vb and k != "name":
+            yield f"{prefix}{k}", va, vb
+
+
+def _check_tensors(ckpt: Checkpoint, model) -> None:
+    """Every model tensor this rank needs is in the checkpoint with this global shape."""
+    saved = dist_checkpointing.load_tensors_metadata(ckpt.path)
+    sd = _model_sharded_state_dict(model)
+    apply_factories(sd)
+    problems = []
+    for sh in nested_values(sd):
+        if not isinstance(sh, ShardedTensor):
+            continue
+        if sh.key not in saved:
+            problems.append(f"tensor {sh.key} is not in it")
+        elif tuple(saved[sh.key].global_shape) != tuple(sh.global_shape):
+            problems.append(f"tensor {sh.key} has shape {tuple(saved[sh.key].global_shape)} there, "
+                            f"{tuple(sh.global_shape)} in this model")
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problems)
+    problems = sorted({p for part in everyone for p in part})
+    if problems:
+        raise CheckpointError(f"--load {ckpt.root}: the checkpoint of iteration {ckpt.iteration} does not fit this "
+                              f"model: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+
+
+def _init_optimizer_state(optimizer) -> None:
+    """Give a fresh optimizer its Adam state (zeros, step 0) before a load request is built from it.
+
+    megatron-core's DistributedOptimizer reads every parameter's 'step' to describe itself (torch's Adam,
+    without TE/apex), and a fresh one has none; the non-distributed optimizers initialise themselves.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not hasattr(opt, "get_parameter_state_dp_reshardable") or opt.optimizer.state:
+            continue
+        opt.init_state_fn(opt.optimizer, opt.config)
+        for param_state in opt.optimizer.state.values():
+            param_state["step"] = torch.tensor(0.0)
+
+
+def _adapt_optimizer_request(request: dict, saved_run: dict, args, ckpt: Checkpoint) -> None:
+    """Point the optimizer's request at what the saved optimizer kind stored (see _load_optimizer)."""
+
+
+def _load_optimizer(optimizer, state: dict, saved_run: dict, args) -> None:
+    with contextlib.ExitStack() as stack:
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            if hasattr(opt, "get_parameter_state_dp_reshardable"):
+                stack.enter_context(_step_set_apart(opt))
+        optimizer.load_state_dict(state)
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        # Without TE/apex, megatron-core's DistributedOptimizer gives every parameter the same 'step'
+        # tensor after a load; torch's Adam then adds 1 to it once per parameter per iteration, which
+        # breaks the bias correction. One tensor per parameter again:
+        for param_state in opt.optimizer.state.values():
+            if "step" in param_state:
+                param_state["step"] = param_state["step"].clone()
+
+
+@contextlib.contextmanager
+def _step_set_apart(opt):
+    """While a DistributedOptimizer loads its fully reshardable state: megatron-core 0.16.1 copies every
+    entry of a parameter's Adam state from the loaded tensors, 'step' included, but that form keeps the
+    step in the param groups (set by load_state_dict itself), so without TE/apex the copy fails on
+    'step'. The copy is made with 'step' set apart, then put back. Scoped to this optimizer object."""
+    copy_states = opt._set_main_param_and_optimizer_states
+
+    def copy_without_step(model_param, tensors):
+        group, order = opt.model_param_group_index_map[model_param]
+        param_state = opt.optimizer.state[opt.optimizer.param_groups[group]["params"][order]]
+        step = param_state.pop("step", None)
+        try:
+            copy_states(model_param, tensors)
+        finally:
+            if step is not None:
+                param_state["step"] = step
+
+    opt._set_main_param_and_optimizer_states = copy_without_step
+    try:
+        yield
+    finally:
+        del opt._set_main_param_and_optimizer_states

@@ -215,6 +215,7 @@ def train(args, model, optimizer, scheduler, train_data, valid_data=None, start_
     peak_act = 0
     iteration = start_iteration
     while iteration < args.train_iters:
+        checkpointing.fault_point("train", iteration + 1)
         start = time.perf_counter()
         for m in model:
             m.zero_grad_buffer()
@@ -265,9 +266,9 @@ def train(args, model, optimizer, scheduler, train_data, valid_data=None, start_
             if ev:
                 log.log(iteration, args.train_iters, ev, prefix="validation ")
                 metrics.update({f"validation {k}": v for k, v in ev.items()})
-        if args.save and ((args.save_interval and iteration % args.save_interval == 0)
-                          or (args.exit_interval and iteration == args.exit_interval)):
-            save(args, iteration, consumed_samples, model, optimizer, scheduler, train_data)
+        last = iteration == args.train_iters or (args.exit_interval and iteration == args.exit_interval)
+        if args.save and (last or (args.save_interval and iteration % args.save_interval == 0)):
+            checkpointing.save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler, train_data)
         if args.exit_interval and iteration == args.exit_interval:
             break
     summary = {"iterations": iteration, "consumed_samples": consumed_samples, "history": history}
@@ -319,14 +320,3 @@ def evaluate(args, model, valid_data, forward_backward) -> dict:
     return {"lm loss": float(totals["lm loss"][0] / totals["lm loss"][1].clamp(min=1)),
             "answer acc": float(totals["answers"][0] / totals["answers"][1].clamp(min=1)),
             "answers": int(totals["answers"][1])}
-
-
-def parallel_signature(args) -> dict:
-    return {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
-            "dp": args.data_parallel_size, "distributed_optimizer": args.use_distributed_optimizer}
-
-
-def save(args, iteration, consumed_samples, model, optimizer, scheduler, train_data):
-    checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, {
-        "consumed_samples": consumed_samples, "data": train_data.state_dict(),
-        "parallel": parallel_signature(args)})
