@@ -73,9 +73,10 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_plan(args) -> int:
     from omnibal_ext.memory.memory_model import GIB
+    from omnibal_ext.model.units import get_preset
     from omnibal_ext.plan import format_plan, make_plan, plot_plan
 
-    stats = load_stats_or_meta(args.data, "--data")
+    stats = load_stats_or_meta(args.data, "--data", get_preset(args.model))
     plan = make_plan(stats, args.model, args.gpus, args.gpu_memory * GIB, args.tp, args.pp, args.dp, args.device,
                      samples=args.samples, samples_per_group=args.samples_per_group,
                      max_seq_length=args.max_seq_length, global_batch_size=args.global_batch_size,
@@ -123,13 +124,14 @@ def data_files(paths, flag: str) -> list[str]:
     return files
 
 
-def load_stats_or_meta(paths, flag: str = "--stats"):
+def load_stats_or_meta(paths, flag: str = "--stats", spec=None):
     """Per-sample stats files in the OmniBal format, or InternVL meta JSONs (a JSON object, not a list).
 
     A meta JSON is scanned once by the trainer's reader (tiles from image sizes, tokens from the
-    tokenizer) with InternVL-Chat's settings: 448 px tiles, 256 tokens per tile, up to 6 tiles, the
-    byte-level tokenizer unless OMNIBAL_TOKENIZER names a Hugging Face tokenizer folder.  To match
-    another model's settings, write the stats with megatron.vlm.data.stats.write_stats first.
+    tokenizer): tiles of the model ``spec``'s image size and tokens per tile (without a model, as by
+    ``omnibal isf``: InternVL-Chat's 448 px and 256 tokens per tile), 1 to 6 tiles, the byte-level
+    tokenizer unless OMNIBAL_TOKENIZER names a Hugging Face tokenizer folder.  For other settings,
+    write the stats with megatron.vlm.data.stats.write_stats first.
     """
     import os
 
@@ -147,7 +149,9 @@ def load_stats_or_meta(paths, flag: str = "--stats"):
     from megatron.vlm.data.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(os.environ.get("OMNIBAL_TOKENIZER"))
-    config = ReaderConfig(image_size=448, tokens_per_tile=256, max_num_tiles=6, max_seq_length=None)
+    image_size, tokens_per_tile = (448, 256) if spec is None else (spec.vision.image_size, spec.tokens_per_tile)
+    config = ReaderConfig(image_size=image_size, tokens_per_tile=tokens_per_tile, max_num_tiles=6,
+                          max_seq_length=None)
     tiles, tokens, source = [], [], []
     for i, meta in enumerate(metas):
         scan = scan_annotations(meta, tokenizer, config, progress=True)

@@ -76,6 +76,8 @@ def test_global_batch_default_is_four_micro_batches_per_rank():
     (["--eval-iters", "0"], "--eval-iters 0"),
     (["--seq-length", "0"], "--seq-length 0"),
     (["--max-num-tiles", "0"], "--max-num-tiles 0"),
+    (["--min-num-tiles", "0"], "--min-num-tiles 0"),
+    (["--min-num-tiles", "7", "--max-num-tiles", "6"], "--min-num-tiles 7 > --max-num-tiles 6"),
     (["--lr", "-0.1"], "--lr -0.1"),
     (["--num-workers", "2"], "--num-workers 2: not implemented"),
     (["--omnibal-isf", "--omnibal-isf-qv", "0", "--omnibal-isf-qt", "100"], "--omnibal-isf-qv 0"),

@@ -163,3 +163,32 @@ def test_write_stats_equals_sample_lengths(digits_meta, tmp_path):
     assert [s["vit_num"] for s in stats] == tiles.tolist()
     assert [s["image_flags"] for s in stats] == [int(ds[i]["image_flags"].sum()) for i in range(len(ds))]
     assert any(s["image_flags"] == 0 and s["vit_num"] == 1 for s in stats)  # text-only samples
+
+
+def test_min_num_tiles_as_internvl(tmp_path):
+    """min_num_tiles forbids the smaller grids; a multi-image split below it falls back to one tile per
+    image (InternVL's empty grid list); min above max is a user error."""
+    from megatron.vlm.data import ReaderConfig
+    from omnibal_ext.errors import UserError
+
+    two = qa(q="<image>\n<image>\nBoth?", image=["a.png", "wide.png"])
+    meta, _ = make_data(tmp_path, [qa(), qa(image="wide.png"), two])
+    ds = InternVLDataset(meta, TOK, SIZE, TPT, max_num_tiles=6, max_seq_length=None, min_num_tiles=4)
+    # a.png 32x32: grids of 4..6 tiles, closest square (2,2) + thumbnail; wide 96x32: (3,1) excluded -> (4,1)
+    assert ds.sample_lengths()[1].tolist() == [5, 5, 2]  # two images: limit 3 < 4 -> one tile each
+    assert [len(ds[i]["pixel_values"]) for i in range(3)] == [5, 5, 2]
+    assert ReaderConfig(SIZE, TPT, 6, min_num_tiles=4).tile_range(1) == (4, 6)
+    assert ReaderConfig(SIZE, TPT, 6, min_num_tiles=4).tile_range(2) == (1, 1)
+    with pytest.raises(UserError, match="min_num_tiles <= max_num_tiles"):
+        ReaderConfig(SIZE, TPT, 6, min_num_tiles=7)
+
+
+def test_meta_scanned_with_the_model_tile_size(tmp_path):
+    """`omnibal plan --data meta.json` counts tiles at the model's tile size (tiny: 32 px)."""
+    from omnibal_ext.cli import load_stats_or_meta
+    from omnibal_ext.model.units import get_preset
+
+    meta, _ = make_data(tmp_path, [qa(image="sq.png")], images=(("sq.png", (64, 64)),))
+    stats_tiny = load_stats_or_meta([meta], "--data", get_preset("tiny"))
+    stats_default = load_stats_or_meta([meta], "--data")
+    assert stats_tiny.vit.tolist() == [5] and stats_default.vit.tolist() == [1]  # 2x2 + thumbnail at 32 px

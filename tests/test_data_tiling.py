@@ -77,3 +77,56 @@ def test_tiles_to_tensor_normalises():
     black = black_tile_tensor(4)
     assert black.shape == (1, 3, 4, 4)
     assert torch.allclose(black, tiles_to_tensor([Image.new("RGB", (4, 4))]))
+
+
+# ---- against transformers' InternVL image processor (GotOcr2ImageProcessor with crop_to_patches) ----
+
+@pytest.fixture(scope="module")
+def hf_processor():
+    """A factory of transformers' slow (PIL) GotOcr2 processor set up as InternVL's processor sets it:
+    crop_to_patches (InternVLProcessor's default), square tiles, min_patches 1, ImageNet mean/std, bicubic,
+    rescale 1/255, normalise, convert to RGB.  The slow one: its resize is PIL's bicubic, like ours (the
+    fast one needs torchvision, which may be missing, and resizes with torch's bicubic)."""
+    pytest.importorskip("transformers", reason="transformers not installed")
+    got_ocr2 = pytest.importorskip("transformers.models.got_ocr2.image_processing_pil_got_ocr2",
+                                   reason="this transformers has no PIL GotOcr2 image processor")
+
+    def make(size, max_patches):
+        return got_ocr2.GotOcr2ImageProcessorPil(
+            crop_to_patches=True, size={"height": size, "width": size}, min_patches=1, max_patches=max_patches,
+            image_mean=list(IMAGENET_MEAN), image_std=list(IMAGENET_STD), resample=Image.Resampling.BICUBIC,
+            do_resize=True, do_rescale=True, rescale_factor=1 / 255, do_normalize=True, do_convert_rgb=True)
+    return make
+
+
+@pytest.mark.parametrize("w,h", [(448, 448), (1344, 448), (300, 1200), (20, 30), (1000, 700)],
+                         ids=["square", "wide3to1", "tall1to4", "tiny20x30", "large1000x700"])
+@pytest.mark.parametrize("max_num", [6, 12])
+def test_pixel_values_match_transformers(hf_processor, w, h, max_num):
+    rng = np.random.default_rng(w * 7 + h)
+    img = Image.fromarray(rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8))
+    ref = hf_processor(448, max_num)(images=[img], return_tensors="pt")
+    ours = tiles_to_tensor(dynamic_tiles(img, 448, 1, max_num))
+    assert ref["num_patches"].tolist() == [len(ours)] == [count_tiles(w, h, 448, 1, max_num)]
+    assert ours.shape == ref["pixel_values"].shape and ours.dtype == ref["pixel_values"].dtype
+    # same resize (PIL bicubic on uint8) and the same float32 arithmetic: bit for bit, tile by tile
+    assert torch.equal(ours, ref["pixel_values"])
+
+
+@pytest.mark.parametrize("mode", ["L", "P", "RGB"])
+def test_pixel_values_match_transformers_small_tiles(hf_processor, mode):
+    """The digits dataset's 32 px tiles, other image modes, and max 1 (no grid, no thumbnail)."""
+    rng = np.random.default_rng(1)
+    img = Image.fromarray(rng.integers(0, 256, size=(50, 130, 3), dtype=np.uint8)).convert(mode)
+    for max_num in (1, 2, 6):
+        ref = hf_processor(32, max_num)(images=[img], return_tensors="pt")["pixel_values"]
+        assert torch.equal(tiles_to_tensor(dynamic_tiles(img, 32, 1, max_num)), ref), max_num
+
+
+def test_tile_counts_match_transformers(hf_processor):
+    """Grid choice, exact ties included (e.g. square images: (1,1) vs (2,2) vs (3,3)), over many sizes."""
+    sides = [1, 14, 100, 224, 300, 447, 448, 449, 633, 634, 700, 896, 1000, 1344, 2000, 5000]
+    for max_num in (1, 4, 6, 12):
+        proc = hf_processor(448, max_num)
+        for w, h in itertools.product(sides, sides):
+            assert count_tiles(w, h, 448, 1, max_num) == proc.get_number_of_image_patches(h, w), (w, h, max_num)

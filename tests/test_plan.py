@@ -253,3 +253,17 @@ def test_plus_memory_refuses_with_each_candidates_reason(monkeypatch):
     with pytest.raises(PlanError, match=r"no \+memory plan fits tiny at TP=1 PP=2 DP=1.*layout search \+ adaptive "
                                         r"recompute: .*; default layout \+ adaptive recompute: "):
         plan_mod._memory_candidates(ctx, [("default", default_layout(ctx.spec, 2))])
+
+
+@pytest.mark.parametrize("name,kv_groups,head_dim", [("internvl3-1b", 2, 64), ("internvl3-2b", 2, 128),
+                                                      ("internvl3-8b", 4, 128)])
+def test_plan_internvl3_presets(name, kv_groups, head_dim):
+    """The InternVL3 presets (InternViT-300M + Qwen2.5) plan on 64 GPUs of 80 GiB, sizes chosen."""
+    spec = get_preset(name)
+    assert (spec.vision.num_layers, spec.vision.hidden_size, spec.vision.head_dim, spec.tokens_per_tile) == \
+        (24, 1024, 64, 256)
+    assert spec.language.kv_groups == kv_groups and spec.language.hidden_size // spec.language.num_attention_heads \
+        == head_dim and spec.language.vocab_size % 128 == 0
+    plan = make_plan(synthetic_stats(1200, 4), name, 64, 80 * GIB, global_batch_size=256, sim_iterations=2,
+                     isf_max_candidates=4)
+    check_plan(plan, name, 64, 72 * GIB)

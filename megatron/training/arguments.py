@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="InternVL meta JSON for evaluation (default: the built-in dataset's held-out split)")
     g.add_argument("--data-cache-dir", default="data_cache", help="where the built-in dataset is written")
     g.add_argument("--tokenizer-model", default=None, help="local Hugging Face tokenizer folder (default: byte-level)")
-    g.add_argument("--max-num-tiles", type=int, default=6)
+    g.add_argument("--max-num-tiles", type=int, default=6, help="most tiles per image, thumbnail excluded")
+    g.add_argument("--min-num-tiles", type=int, default=1, help="fewest tiles per image (InternVL's min_dynamic_patch)")
     g.add_argument("--seq-length", type=int, default=512, help="longest sample in tokens")
     g.add_argument("--num-workers", type=int, default=0,
                    help="only 0: data loading runs in the training process (worker processes are not implemented)")
@@ -148,7 +149,7 @@ def model_spec_from_args(args) -> ModelSpec:
 _LOWER_BOUNDS = (
     ("--micro-batch-size", 1), ("--global-batch-size", 1), ("--train-iters", 0), ("--log-interval", 1),
     ("--eval-interval", 0), ("--eval-iters", 1), ("--save-interval", 0), ("--exit-interval", 0),
-    ("--seq-length", 1), ("--max-num-tiles", 1), ("--lr", 0), ("--min-lr", 0), ("--lr-warmup-iters", 0),
+    ("--seq-length", 1), ("--max-num-tiles", 1), ("--min-num-tiles", 1), ("--lr", 0), ("--min-lr", 0), ("--lr-warmup-iters", 0),
     ("--omnibal-isf-qv", 1), ("--omnibal-isf-qt", 1), ("--omnibal-isf-qv-min", 0), ("--omnibal-isf-qt-min", 0),
     ("--ckpt-step", 0), ("--keep-checkpoints", 1),
 )
@@ -165,6 +166,8 @@ def check_lower_bounds(args) -> None:
         value = _flag_value(args, flag)
         if value is not None and value < least:
             raise ArgumentError(f"{flag} {value}: must be >= {least}")
+    if args.min_num_tiles > args.max_num_tiles:
+        raise ArgumentError(f"--min-num-tiles {args.min_num_tiles} > --max-num-tiles {args.max_num_tiles}")
     if args.num_workers != 0:
         raise ArgumentError(f"--num-workers {args.num_workers}: not implemented yet: data loading runs in the "
                             "training process; drop the flag (or give 0)")

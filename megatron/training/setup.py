@@ -58,7 +58,7 @@ def build_dataset(args, tokenizer, meta_path: str) -> InternVLDataset:
     spec = args.model_spec
     return InternVLDataset(meta_path, tokenizer, image_size=spec.vision.image_size,
                            tokens_per_tile=spec.tokens_per_tile, max_num_tiles=args.max_num_tiles,
-                           max_seq_length=args.seq_length, seed=args.seed)
+                           min_num_tiles=args.min_num_tiles, max_seq_length=args.seq_length, seed=args.seed)
 
 
 def build_groups(args, dataset) -> tuple[list[np.ndarray], np.ndarray | None, object]:

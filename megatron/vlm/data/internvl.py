@@ -21,7 +21,10 @@ computed with the same code ``__getitem__`` uses.  An annotation file without an
 All problems are collected and raised together as ``DataValidationError`` whose lines start with
 ``annotation:line`` (or ``annotation`` and the meta entry for an empty file).
 
-Multi-image records: each image may use ``max(1, max_num_tiles // num_images)`` tiles (InternVL's rule).
+Tiles per image: ``min_num_tiles..max_num_tiles`` (InternVL's ``min_dynamic_patch``/``max_dynamic_patch``),
+thumbnail excluded.  Multi-image records: each image may use ``max(1, max_num_tiles // num_images)`` tiles
+(InternVL's rule); when that is below ``min_num_tiles`` no grid is allowed and, as in InternVL, the image
+becomes one tile.
 Truncation (``truncate=True``): a sample longer than ``max_seq_length`` is cut at that length, but an
 image block is never split: the cut moves before the first image block that does not fit, and that image
 and the later ones (their tiles too) are dropped.  Text-only samples get one black dummy tile with
@@ -78,8 +81,19 @@ class ReaderConfig:
     add_bos: bool = True
     seed: int = 0  # for fractional repeat_time
 
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_num_tiles <= self.max_num_tiles:
+            raise UserError(f"tiles per image: need 1 <= min_num_tiles <= max_num_tiles, got "
+                            f"min {self.min_num_tiles}, max {self.max_num_tiles}")
+
     def tiles_per_image_limit(self, num_images: int) -> int:
         return max(1, self.max_num_tiles // max(1, num_images))
+
+    def tile_range(self, num_images: int) -> tuple[int, int]:
+        """(min, max) tiles of each image of a record with ``num_images`` images; (1, 1) when the
+        multi-image split leaves fewer than ``min_num_tiles`` (InternVL then falls back to one tile)."""
+        limit = self.tiles_per_image_limit(num_images)
+        return (self.min_num_tiles, limit) if self.min_num_tiles <= limit else (1, 1)
 
 
 def read_meta(meta_path: str) -> list[SourceSpec]:
@@ -226,8 +240,8 @@ def scan_annotations(meta_path: str, tokenizer, config: ReaderConfig, progress: 
                         bad = True
                 if bad:
                     continue
-                limit = config.tiles_per_image_limit(len(images))
-                tiles = [count_tiles(w, h, config.image_size, config.min_num_tiles, limit, config.use_thumbnail)
+                lo_tiles, hi_tiles = config.tile_range(len(images))
+                tiles = [count_tiles(w, h, config.image_size, lo_tiles, hi_tiles, config.use_thumbnail)
                          for w, h in sizes]
                 plan = plan_conversation(turns, tokenizer, tiles, config.tokens_per_tile, config.system,
                                          config.add_bos)
@@ -290,11 +304,13 @@ class InternVLDataset(torch.utils.data.Dataset):
 
     def __init__(self, meta_path: str, tokenizer, image_size: int, tokens_per_tile: int, max_num_tiles: int,
                  max_seq_length: int | None, use_thumbnail: bool = True, truncate: bool = False, *,
-                 system: str | None = None, add_bos: bool = True, seed: int = 0, progress: bool = False) -> None:
+                 system: str | None = None, add_bos: bool = True, seed: int = 0, progress: bool = False,
+                 min_num_tiles: int = 1) -> None:
         self.meta_path = meta_path
         self.tokenizer = tokenizer
         self.config = ReaderConfig(image_size=image_size, tokens_per_tile=tokens_per_tile,
-                                   max_num_tiles=max_num_tiles, max_seq_length=max_seq_length,
+                                   max_num_tiles=max_num_tiles, min_num_tiles=min_num_tiles,
+                                   max_seq_length=max_seq_length,
                                    use_thumbnail=use_thumbnail, truncate=truncate, system=system,
                                    add_bos=add_bos, seed=seed)
         self.scan = scan_annotations(meta_path, tokenizer, self.config, progress=progress)
@@ -329,14 +345,14 @@ class InternVLDataset(torch.utils.data.Dataset):
         lo, hi = int(s.img_ptr[r]), int(s.img_ptr[r + 1])
         tiles = [int(t) for t in s.img_tiles[lo:hi]]
         kept = int(s.rec_images_kept[r])
-        limit = cfg.tiles_per_image_limit(len(images))
+        lo_tiles, hi_tiles = cfg.tile_range(len(images))
         tiles_made = []
         for k in range(kept):
             path = os.path.join(src.root, images[k])
             with Image.open(path) as im:
                 if im.size != (int(s.img_width[lo + k]), int(s.img_height[lo + k])):
                     raise DataValidationError(f"{s.where(r)}: image {path} changed size since validation")
-                tiles_made += dynamic_tiles(im, cfg.image_size, cfg.min_num_tiles, limit, cfg.use_thumbnail)
+                tiles_made += dynamic_tiles(im, cfg.image_size, lo_tiles, hi_tiles, cfg.use_thumbnail)
         plan = plan_conversation(turns, self.tokenizer, tiles, cfg.tokens_per_tile, cfg.system, cfg.add_bos)
         input_ids, labels = plan.materialize(int(s.rec_tokens[r]))
         if len(tiles_made) != sum(tiles[:kept]):  # cannot happen unless tiling and counting disagree

@@ -22,13 +22,14 @@ def stats_records(scan) -> list[dict]:
 
 def write_stats(meta_path: str, out_path: str, tokenizer, image_size: int, tokens_per_tile: int,
                 max_num_tiles: int, use_thumbnail: bool = True, *, max_seq_length: int | None = None,
-                truncate: bool = False, system: str | None = None, progress: bool = True) -> int:
+                truncate: bool = False, system: str | None = None, progress: bool = True,
+                min_num_tiles: int = 1) -> int:
     """Scan ``meta_path`` (validating it) and write its stats JSON to ``out_path``; returns the sample count.
 
     The reader options must match the training run's for the numbers to match its samples.
     """
     config = ReaderConfig(image_size=image_size, tokens_per_tile=tokens_per_tile, max_num_tiles=max_num_tiles,
-                          max_seq_length=max_seq_length, use_thumbnail=use_thumbnail, truncate=truncate,
+                          min_num_tiles=min_num_tiles, max_seq_length=max_seq_length, use_thumbnail=use_thumbnail, truncate=truncate,
                           system=system)
     scan = scan_annotations(meta_path, tokenizer, config, progress=progress)
     records = stats_records(scan)

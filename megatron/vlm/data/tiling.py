@@ -69,18 +69,27 @@ def dynamic_tiles(image: Image.Image, size: int, min_num: int = 1, max_num: int 
     return tiles
 
 
+@lru_cache(maxsize=8)
+def _normalise_table(mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
+    """Float32 ``[3, 256]``: the normalised value of every 8-bit level of every channel, computed in the
+    order InternVL's processors use (``v * (1/255)`` in float64 rounded to float32, then ``(x - mean) / std``
+    in float32), so a table look-up gives the same bits as rescaling and normalising each pixel."""
+    levels = (np.arange(256, dtype=np.float64) * (1.0 / 255.0)).astype(np.float32)
+    m, s = np.asarray(mean, np.float32), np.asarray(std, np.float32)
+    return torch.from_numpy(((levels[None, :] - m[:, None]) / s[:, None]).astype(np.float32))
+
+
 def tiles_to_tensor(tiles: list[Image.Image], mean=IMAGENET_MEAN, std=IMAGENET_STD) -> torch.Tensor:
-    """Float32 ``[k, 3, size, size]``: pixels scaled to [0, 1], then ``(x - mean) / std`` per channel."""
+    """Float32 ``[k, 3, size, size]``: pixels rescaled by 1/255, then ``(x - mean) / std`` per channel."""
     if not tiles:
         raise ValueError("tiles_to_tensor: no tiles")
     pixels = torch.from_numpy(np.stack([np.asarray(t.convert("RGB"), dtype=np.uint8) for t in tiles]))
-    out = pixels.permute(0, 3, 1, 2).to(torch.float32, memory_format=torch.contiguous_format)  # [k, 3, S, S]
-    scale = torch.tensor([1.0 / (255.0 * s) for s in std], dtype=torch.float32)[None, :, None, None]
-    shift = torch.tensor([m / s for m, s in zip(mean, std)], dtype=torch.float32)[None, :, None, None]
-    return out.mul_(scale).sub_(shift)
+    pixels = pixels.permute(0, 3, 1, 2).to(torch.int64)  # [k, 3, S, S] levels 0..255
+    table = _normalise_table(tuple(mean), tuple(std))
+    return torch.stack([table[c][pixels[:, c]] for c in range(3)], dim=1)
 
 
 def black_tile_tensor(size: int, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> torch.Tensor:
     """The normalised all-black ``[1, 3, size, size]`` tile given to text-only samples (image_flags 0)."""
-    values = -np.asarray(mean, np.float32) / np.asarray(std, np.float32)
-    return torch.from_numpy(np.broadcast_to(values[None, :, None, None], (1, 3, size, size)).copy())
+    black = _normalise_table(tuple(mean), tuple(std))[:, 0]
+    return black[None, :, None, None].expand(1, 3, size, size).contiguous()
