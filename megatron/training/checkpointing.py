@@ -44,8 +44,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
-from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import (LocalNonpersistentObject, ShardedBase, ShardedObject,
+                                                      ShardedTensor, ShardedTensorFactory, apply_factories)
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
 
 from omnibal_ext.errors import UserError
 
@@ -370,10 +371,13 @@ def load_checkpoint(ckpt: Checkpoint, args, model, optimizer, scheduler) -> dict
         _adapt_optimizer_request(request["optimizer"], saved_run, args, ckpt)
     if same_world:
         request["rng"] = _rng_object(None)
+    template = _skeleton(request.get("optimizer"))  # the load rewrites the request's factories in place
+    keys = {path: sh.key for path, sh in request["model"].items()}
     loaded = dist_checkpointing.load(request, ckpt.path)
     _unwrap(model[0]).load_state_dict(loaded["model"])
     if with_optimizer:
-        _load_optimizer(optimizer, loaded["optimizer"], saved_run, args)
+        weights = {keys[path]: tensor for path, tensor in loaded["model"].items()}
+        _load_optimizer(optimizer, loaded["optimizer"], template, weights, saved_run, args)
         scheduler.load_state_dict(common["scheduler"])
     else:
         optimizer.reload_model_params()
@@ -448,11 +452,49 @@ def _init_optimizer_state(optimizer) -> None:
             param_state["step"] = torch.tensor(0.0)
 
 
+# The fp32 main parameters under each optimizer kind: the distributed optimizer's fully reshardable form
+# ("param"), the mixed-precision optimizer ("fp32_param"), and none for fp32 training (the weights are).
+_MAIN_PARAM = {"distributed": "optimizer.state.param.", "mixed": "optimizer.state.fp32_param."}
+
+
+def _optimizer_kind(run: dict) -> str:
+    return "distributed" if run.get("distributed_optimizer") else "mixed" if run.get("bf16") else "fp32"
+
+
 def _adapt_optimizer_request(request: dict, saved_run: dict, args, ckpt: Checkpoint) -> None:
-    """Point the optimizer's request at what the saved optimizer kind stored (see _load_optimizer)."""
+    """Point the requested fp32 main parameters at what the saved optimizer kind stored them under
+    (the model's own weights when it trained in fp32). Adam's moments are keyed alike in every kind."""
+    saved, mine = _optimizer_kind(saved_run), _optimizer_kind(run_description(args))
+    if saved == mine or mine not in _MAIN_PARAM:
+        return
+    old = _MAIN_PARAM[mine]
+
+    def point(sh):
+        if not isinstance(sh, (ShardedTensor, ShardedTensorFactory)) or not sh.key.startswith(old):
+            return sh
+        if saved in _MAIN_PARAM:
+            sh.key = _MAIN_PARAM[saved] + sh.key[len(old):]
+            return sh
+        return _FromModel(sh.key[len(old):])  # fp32 training: the main parameters are the weights
+
+    dict_list_map_inplace(point, request)
 
 
-def _load_optimizer(optimizer, state: dict, saved_run: dict, args) -> None:
+@dataclasses.dataclass(frozen=True)
+class _FromModel:
+    """In an optimizer load request: this tensor is the model's weight under checkpoint key ``key``."""
+
+    key: str
+
+
+def _load_optimizer(optimizer, state: dict, template: dict, model_weights: dict, saved_run: dict, args) -> None:
+    """Load the optimizer state; ``template`` is the skeleton of the request it was loaded with (this
+    optimizer's own structure). Saved by another optimizer kind, the loaded common part (param groups,
+    step) has that kind's structure: the state is then rebuilt on the template with the loaded tensors
+    and step (``model_weights``: the loaded weights by checkpoint key, for main parameters that were not
+    saved apart)."""
+    if _optimizer_kind(saved_run) != _optimizer_kind(run_description(args)):
+        state = _rebuilt(template, state, torch.tensor(_saved_step(state)), model_weights)
     with contextlib.ExitStack() as stack:
         for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
             if hasattr(opt, "get_parameter_state_dp_reshardable"):
@@ -490,3 +532,58 @@ def _step_set_apart(opt):
         yield
     finally:
         del opt._set_main_param_and_optimizer_states
+
+
+def _saved_step(state) -> float:
+    """Adam's step count in a loaded optimizer state of any kind (a per-parameter step shared by all)."""
+    if isinstance(state, dict):
+        if "common_step" in state:
+            return float(state["common_step"])
+        if "lr" in state and "step" in state:  # a param group (distributed optimizer)
+            return float(state["step"])
+        values = state.values()
+    elif isinstance(state, list):
+        values = state
+    else:
+        return None
+    for v in values:
+        if (step := _saved_step(v)) is not None:
+            return step
+    return None
+
+
+_LOADED = object()  # in a skeleton: a tensor the load request asked for
+
+
+def _skeleton(tree):
+    """A load request's structure with its sharded tensors and factories replaced by ``_LOADED``."""
+    if isinstance(tree, ShardedBase):
+        return _LOADED
+    if isinstance(tree, dict):
+        return {k: _skeleton(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_skeleton(v) for v in tree]
+    return tree
+
+
+def _rebuilt(template, loaded, step: torch.Tensor, model_weights: dict):
+    """``template``'s structure (a skeleton): loaded tensors where it requested them, this optimizer's own
+    values elsewhere (param groups), Adam's step set to ``step``."""
+    if template is _LOADED:
+        return loaded
+    if isinstance(template, _FromModel):
+        return model_weights[template.key]
+    if isinstance(template, LocalNonpersistentObject):
+        return template.unwrap()
+    if isinstance(template, list):
+        return [_rebuilt(t, loaded[i] if isinstance(loaded, list) and i < len(loaded) else None, step, model_weights)
+                for i, t in enumerate(template)]
+    if not isinstance(template, dict):
+        return template
+    out = {k: _rebuilt(t, loaded.get(k) if isinstance(loaded, dict) else None, step, model_weights)
+           for k, t in template.items()}
+    if "lr" in out and "step" in out:  # a distributed optimizer's param group
+        out["step"] = float(step)
+    if "state" in out and isinstance(out["state"], dict) and "param_groups" in out:  # a torch optimizer's state
+        out["state"]["common_step"] = step
+    return out

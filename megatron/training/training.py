@@ -214,6 +214,7 @@ def train(args, model, optimizer, scheduler, train_data, valid_data=None, start_
     _unwrap(model[0]).activation_meter = meter
     peak_act = 0
     iteration = start_iteration
+    saved = None
     while iteration < args.train_iters:
         checkpointing.fault_point("train", iteration + 1)
         start = time.perf_counter()
@@ -266,11 +267,13 @@ def train(args, model, optimizer, scheduler, train_data, valid_data=None, start_
             if ev:
                 log.log(iteration, args.train_iters, ev, prefix="validation ")
                 metrics.update({f"validation {k}": v for k, v in ev.items()})
-        last = iteration == args.train_iters or (args.exit_interval and iteration == args.exit_interval)
-        if args.save and (last or (args.save_interval and iteration % args.save_interval == 0)):
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
             checkpointing.save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler, train_data)
+            saved = iteration
         if args.exit_interval and iteration == args.exit_interval:
             break
+    if args.save and saved != iteration:  # the end of training (or a resume with nothing left: a resharded copy)
+        checkpointing.save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler, train_data)
     summary = {"iterations": iteration, "consumed_samples": consumed_samples, "history": history}
     if meter:
         summary["memory"] = stage_memory_report(args, model, optimizer, peak_act)
