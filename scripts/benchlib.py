@@ -120,19 +120,21 @@ class RunResult:
 
 
 def run_trainer(flags: list[str], workdir: str | os.PathLike, name: str, nproc: int = 2, timeout: int = 3600,
-                check: bool = True, threads: int = 1) -> RunResult:
-    """``torchrun --nproc-per-node nproc pretrain_vlm.py --json-log workdir/name.jsonl *flags``."""
+                check: bool = True, threads: int = 1, torchrun_flags: tuple[str, ...] = (),
+                env: dict | None = None) -> RunResult:
+    """``torchrun --nproc-per-node nproc *torchrun_flags pretrain_vlm.py --json-log workdir/name.jsonl *flags``
+    (``env``: extra environment variables)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / f"{name}.jsonl"
     if log.exists():
         log.unlink()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *torchrun_flags,
            str(ROOT / "pretrain_vlm.py"), "--json-log", str(log), *flags]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=workdir, env=trainer_env(threads), capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(cmd, cwd=workdir, env={**trainer_env(threads), **(env or {})}, capture_output=True,
+                          text=True, timeout=timeout)
     wall = time.perf_counter() - t0
     out = proc.stdout + proc.stderr
     (workdir / f"{name}.out").write_text(out)

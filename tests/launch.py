@@ -12,9 +12,10 @@ import benchlib  # noqa: E402
 
 
 def run_training(nproc: int, flags: list[str], workdir: Path, name: str, timeout: int = 600,
-                 expect_ok: bool = True) -> tuple[list[dict], str]:
-    """torchrun pretrain_vlm.py with ``flags``; returns (JSON log records of training iterations, output)."""
-    run = benchlib.run_trainer(flags, workdir, name, nproc=nproc, timeout=timeout, check=False)
+                 expect_ok: bool = True, **launch) -> tuple[list[dict], str]:
+    """torchrun pretrain_vlm.py with ``flags``; returns (JSON log records of training iterations, output).
+    ``launch``: benchlib.run_trainer's torchrun_flags and env."""
+    run = benchlib.run_trainer(flags, workdir, name, nproc=nproc, timeout=timeout, check=False, **launch)
     if expect_ok and not run.ok:
         raise AssertionError(f"{name} failed ({run.returncode}):\n{run.error_tail(6000)}")
     return run.records, run.output

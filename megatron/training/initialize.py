@@ -43,13 +43,30 @@ def initialize_distributed(device: torch.device, tp: int, pp: int) -> None:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
+        store = _restart_store()
+        where = dict(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])) if store else {}
         dist.init_process_group(backend="gloo" if device.type == "cpu" else "nccl",
-                                timeout=datetime.timedelta(minutes=10))
+                                timeout=datetime.timedelta(minutes=10), **where)
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+
+def _restart_store():
+    """Under torchrun's restarts (--max-restarts): the agent's store, under a prefix of this attempt.
+
+    The agent keeps its store across attempts, and process groups created after a restart use the same
+    store keys as before (group names are counters), so a rank could read the address a peer published
+    in the killed attempt and fail to connect to it. None (torch's env:// rendezvous) otherwise.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if not attempt or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(minutes=10))
+    return dist.PrefixStore(f"omnibal/attempt_{attempt}/", store)
 
 
 def _free_port() -> int:
