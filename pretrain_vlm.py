@@ -31,10 +31,10 @@ def main(argv=None) -> dict:
     from megatron.training import checkpointing, setup, training
 
     tokenizer = setup.setup_tokenizer(args)
-    train_data, valid_data = setup.build_data(args, tokenizer)  # validates every record first
+    datasets = setup.build_datasets(args, tokenizer)  # validates every record first
     costs = None
     if args.omnibal_partition == "auto" or args.omnibal_recompute == "auto" or args.omnibal_profile:
-        costs = setup.unit_costs(args, train_data.dataset, tokenizer.img_context_id, device)
+        costs = setup.unit_costs(args, datasets[0], tokenizer.img_context_id, device)
         if args.omnibal_partition == "none" and args.omnibal_recompute == "none":
             if dist.get_rank() == 0:
                 print(f"> profile of {len(costs.units)} units written to {args.omnibal_profile}", flush=True)
@@ -44,6 +44,8 @@ def main(argv=None) -> dict:
         recompute = setup.adaptive_recompute(args, costs, layout, device)
     else:
         recompute = setup.recompute_settings(args, layout)
+    train_data, valid_data = setup.build_data(args, tokenizer, setup.stage_inputs(args, layout), datasets,
+                                              device.type)  # this stage's inputs only
     model = training.build_model(args, layout, recompute, tokenizer.img_context_id, device)
     optimizer, scheduler = training.build_optimizer(args, model)
     start, consumed = 0, 0
