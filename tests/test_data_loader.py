@@ -122,3 +122,19 @@ def test_resume_with_workers_continues_exactly(dataset):
     assert_same(take(again, 9), whole[5:14])
     again.reset()  # evaluation's rewind
     assert_same(take(again, 3), whole[:3])
+
+
+@pytest.mark.slow
+def test_workers_at_pp2_tp2_train_the_same(tmp_path, data_cache):
+    """torchrun, 4 processes: PP2 x TP2 (stage 1 LLM-only, stage 0's TP rank 0 loads and broadcasts),
+    --num-workers 2 gives the losses of --num-workers 0."""
+    from launch import run_training
+
+    flags = ["--train-iters", "3", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr-warmup-iters", "0",
+             "--lr", "2e-3", "--seed", "7", "--eval-interval", "0", "--data-cache-dir", str(data_cache),
+             "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    base, _ = run_training(4, flags + ["--num-workers", "0"], tmp_path, "w0")
+    workers, _ = run_training(4, flags + ["--num-workers", "2"], tmp_path, "w2")
+    assert [r["iteration"] for r in workers] == [1, 2, 3]
+    assert [r["lm loss"] for r in workers] == [r["lm loss"] for r in base]
+    assert all(r["data wait ms"] >= 0 for r in workers)
