@@ -89,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-tiles", type=int, default=6)
     g.add_argument("--seq-length", type=int, default=512, help="longest sample in tokens")
     g.add_argument("--num-workers", type=int, default=0,
-                   help="data-loader worker processes per loading rank (0: load in the training process); "
-                        "only the TP rank 0 of a stage loads, and a stage reads only what its units use")
+                   help="data-loader worker processes of each rank that decodes images (0: load in the training "
+                        "process); only the TP rank 0 of a stage with the ViT embedding decodes, and broadcasts "
+                        "to its TP group; stages without it read no image and load in the training process")
     g.add_argument("--prefetch-factor", type=int, default=2,
                    help="micro-batches each data-loader worker prepares ahead (with --num-workers > 0)")
 

@@ -95,7 +95,7 @@ def build_data(args, tokenizer, inputs: StageInputs | None = None, datasets=None
     inputs: what the stage reads (``stage_inputs``; None: everything).  datasets: ``build_datasets``'s
     pair (default: built here).  The TP rank 0 of a stage that reads pixels loads (with --num-workers
     workers, --prefetch-factor ahead) and broadcasts over the TP group; the other stages' ranks load
-    their (image-free) parts themselves.
+    their (image-free) parts themselves, in the training process.
 
     The train sampler knows the iteration block (dp x --num-microbatches groups), so random-mode
     batches do not depend on DP, and the regroup function, so ``train.load_state_dict`` continues a
@@ -106,8 +106,10 @@ def build_data(args, tokenizer, inputs: StageInputs | None = None, datasets=None
     train_set, valid_set = datasets if datasets is not None else build_datasets(args, tokenizer)
     inputs = inputs or StageInputs.everything()
     image_tokens = (tokenizer.img_context_id, args.model_spec.tokens_per_tile)
-    loader = dict(inputs=inputs, num_workers=args.num_workers, prefetch_factor=args.prefetch_factor,
-                  pin_memory=device_type == "cuda")
+    # workers only where images are decoded: an image-free stage reads text and the scan's metadata,
+    # faster in the training process than through worker processes (scripts/bench_data.py)
+    loader = dict(inputs=inputs, num_workers=args.num_workers if inputs.pixels else 0,
+                  prefetch_factor=args.prefetch_factor, pin_memory=device_type == "cuda")
     if inputs.pixels and args.tensor_model_parallel_size > 1:
         loader.update(tp_group=parallel_state.get_tensor_model_parallel_group(),
                       tp_src=parallel_state.get_tensor_model_parallel_src_rank())
