@@ -138,3 +138,21 @@ def test_workers_at_pp2_tp2_train_the_same(tmp_path, data_cache):
     assert [r["iteration"] for r in workers] == [1, 2, 3]
     assert [r["lm loss"] for r in workers] == [r["lm loss"] for r in base]
     assert all(r["data wait ms"] >= 0 for r in workers)
+
+
+@pytest.mark.slow
+def test_trainer_resume_with_workers_is_exact(tmp_path, data_cache):
+    """torchrun PP2: save at iteration 3 and resume, both with --num-workers 2 (prefetched batches are
+    not counted as served), against one run with --num-workers 0."""
+    from launch import run_training
+
+    flags = ["--train-iters", "6", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr-warmup-iters", "0",
+             "--lr", "2e-3", "--seed", "7", "--eval-interval", "0", "--data-cache-dir", str(data_cache),
+             "--pipeline-model-parallel-size", "2"]
+    full, _ = run_training(2, flags + ["--num-workers", "0"], tmp_path, "full")
+    ckpt = str(tmp_path / "ckpt")
+    first, _ = run_training(2, flags + ["--num-workers", "2", "--save", ckpt, "--exit-interval", "3"], tmp_path, "a")
+    second, _ = run_training(2, flags + ["--num-workers", "2", "--load", ckpt], tmp_path, "b")
+    assert [r["iteration"] for r in first + second] == [1, 2, 3, 4, 5, 6]
+    assert [r["lm loss"] for r in first + second] == [r["lm loss"] for r in full]
+    assert [r["consumed samples"] for r in first + second] == [r["consumed samples"] for r in full]
