@@ -35,10 +35,10 @@ def main(argv=None) -> dict:
     if args.load and resume is None and dist.get_rank() == 0:
         print(f"> no checkpoint in --load {args.load}: starting from scratch", flush=True)
     tokenizer = setup.setup_tokenizer(args)
-    train_data, valid_data = setup.build_data(args, tokenizer)  # validates every record first
+    datasets = setup.build_datasets(args, tokenizer)  # validates every record first
     costs = None
     if args.omnibal_partition == "auto" or args.omnibal_recompute == "auto" or args.omnibal_profile:
-        costs = setup.unit_costs(args, train_data.dataset, tokenizer.img_context_id, device)
+        costs = setup.unit_costs(args, datasets[0], tokenizer.img_context_id, device)
         if args.omnibal_partition == "none" and args.omnibal_recompute == "none":
             if dist.get_rank() == 0:
                 print(f"> profile of {len(costs.units)} units written to {args.omnibal_profile}", flush=True)
@@ -49,6 +49,8 @@ def main(argv=None) -> dict:
     else:
         recompute = setup.recompute_settings(args, layout)
     args.layout_flag = layout.to_flag(build_units(args.model_spec))
+    train_data, valid_data = setup.build_data(args, tokenizer, setup.stage_inputs(args, layout), datasets,
+                                              device.type)  # this stage's inputs only
     model = training.build_model(args, layout, recompute, tokenizer.img_context_id, device)
     optimizer, scheduler = training.build_optimizer(args, model)
     start, consumed = 0, 0

@@ -79,7 +79,8 @@ def test_global_batch_default_is_four_micro_batches_per_rank():
     (["--min-num-tiles", "0"], "--min-num-tiles 0"),
     (["--min-num-tiles", "7", "--max-num-tiles", "6"], "--min-num-tiles 7 > --max-num-tiles 6"),
     (["--lr", "-0.1"], "--lr -0.1"),
-    (["--num-workers", "2"], "--num-workers 2: not implemented"),
+    (["--num-workers", "-1"], "--num-workers -1: must be >= 0"),
+    (["--prefetch-factor", "0"], "--prefetch-factor 0: must be >= 1"),
     (["--omnibal-isf", "--omnibal-isf-qv", "0", "--omnibal-isf-qt", "100"], "--omnibal-isf-qv 0"),
     (["--omnibal-isf", "--omnibal-isf-qv", "4", "--omnibal-isf-qt", "-1"], "--omnibal-isf-qt -1"),
     (["--omnibal-isf", "--omnibal-isf-qt", "100"], "--omnibal-isf-qv and --omnibal-isf-qt go together"),
@@ -95,7 +96,7 @@ def test_bad_values_are_refused_before_any_process_group(argv, match):
 
 
 def test_values_that_work_are_accepted():
-    args = parse_args(["--num-workers", "0", "--train-iters", "0", "--eval-interval", "0", "--lr", "0",
+    args = parse_args(["--num-workers", "2", "--train-iters", "0", "--eval-interval", "0", "--lr", "0",
                        "--omnibal-isf", "--omnibal-isf-qv", "8", "--omnibal-isf-qt", "300",
                        "--omnibal-isf-qv-min", "8", "--omnibal-isf-qt-min", "0"])
     assert args.omnibal_isf_qv_min == 8 and args.train_iters == 0

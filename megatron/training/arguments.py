@@ -90,7 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-num-tiles", type=int, default=1, help="fewest tiles per image (InternVL's min_dynamic_patch)")
     g.add_argument("--seq-length", type=int, default=512, help="longest sample in tokens")
     g.add_argument("--num-workers", type=int, default=0,
-                   help="only 0: data loading runs in the training process (worker processes are not implemented)")
+                   help="data-loader worker processes of each rank that decodes images (0: load in the training "
+                        "process); only the TP rank 0 of a stage with the ViT embedding decodes, and broadcasts "
+                        "to its TP group; stages without it read no image and load in the training process")
+    g.add_argument("--prefetch-factor", type=int, default=2,
+                   help="micro-batches each data-loader worker prepares ahead (with --num-workers > 0)")
 
     g = p.add_argument_group("logging and checkpoints")
     g.add_argument("--log-interval", type=int, default=1)
@@ -149,7 +153,8 @@ def model_spec_from_args(args) -> ModelSpec:
 _LOWER_BOUNDS = (
     ("--micro-batch-size", 1), ("--global-batch-size", 1), ("--train-iters", 0), ("--log-interval", 1),
     ("--eval-interval", 0), ("--eval-iters", 1), ("--save-interval", 0), ("--exit-interval", 0),
-    ("--seq-length", 1), ("--max-num-tiles", 1), ("--min-num-tiles", 1), ("--lr", 0), ("--min-lr", 0), ("--lr-warmup-iters", 0),
+    ("--seq-length", 1), ("--max-num-tiles", 1), ("--min-num-tiles", 1), ("--num-workers", 0), ("--prefetch-factor", 1),
+    ("--lr", 0), ("--min-lr", 0), ("--lr-warmup-iters", 0),
     ("--omnibal-isf-qv", 1), ("--omnibal-isf-qt", 1), ("--omnibal-isf-qv-min", 0), ("--omnibal-isf-qt-min", 0),
     ("--ckpt-step", 0), ("--keep-checkpoints", 1),
 )
@@ -161,16 +166,13 @@ def _flag_value(args, flag: str):
 
 
 def check_lower_bounds(args) -> None:
-    """Every flag of ``_LOWER_BOUNDS`` that is given is at least its bound; ``--num-workers`` is 0."""
+    """Every flag of ``_LOWER_BOUNDS`` that is given is at least its bound."""
     for flag, least in _LOWER_BOUNDS:
         value = _flag_value(args, flag)
         if value is not None and value < least:
             raise ArgumentError(f"{flag} {value}: must be >= {least}")
     if args.min_num_tiles > args.max_num_tiles:
         raise ArgumentError(f"--min-num-tiles {args.min_num_tiles} > --max-num-tiles {args.max_num_tiles}")
-    if args.num_workers != 0:
-        raise ArgumentError(f"--num-workers {args.num_workers}: not implemented yet: data loading runs in the "
-                            "training process; drop the flag (or give 0)")
 
 
 def check_isf_flags(args) -> None:

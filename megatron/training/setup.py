@@ -13,7 +13,7 @@ from omnibal_ext.memory.recompute import StageRecompute
 from omnibal_ext.model.layout import default_layout, parse_layout
 from omnibal_ext.model.units import build_units
 
-from megatron.vlm.batches import MicroBatches
+from megatron.vlm.batches import MicroBatches, StageInputs
 from megatron.vlm.data.digits import FORMAT_VERSION as DIGITS_FORMAT
 from megatron.vlm.data.digits import build_digits_dataset, digits_meta_paths
 from megatron.vlm.data.internvl import InternVLDataset
@@ -74,8 +74,28 @@ def build_groups(args, dataset) -> tuple[list[np.ndarray], np.ndarray | None, ob
             random_regroup(args.micro_batch_size, seed=args.seed))
 
 
-def build_data(args, tokenizer):
-    """(train, valid or None) MicroBatches for this data-parallel rank.
+def build_datasets(args, tokenizer) -> tuple[InternVLDataset, InternVLDataset | None]:
+    """(train, valid or None) datasets; validates every record first (the scan, on every rank)."""
+    train_meta, valid_meta = data_paths(args)
+    train_set = build_dataset(args, tokenizer, train_meta)
+    valid_set = build_dataset(args, tokenizer, valid_meta) if valid_meta and args.eval_interval else None
+    return train_set, valid_set
+
+
+def stage_inputs(args, layout) -> StageInputs:
+    """What this rank's pipeline stage reads of a micro-batch, from the kinds of its units."""
+    units = build_units(args.model_spec)
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    return StageInputs.from_kinds(units[i].kind for i in layout.stage_range(stage))
+
+
+def build_data(args, tokenizer, inputs: StageInputs | None = None, datasets=None, device_type: str = "cpu"):
+    """(train, valid or None) MicroBatches for this rank's stage and data-parallel rank.
+
+    inputs: what the stage reads (``stage_inputs``; None: everything).  datasets: ``build_datasets``'s
+    pair (default: built here).  The TP rank 0 of a stage that reads pixels loads (with --num-workers
+    workers, --prefetch-factor ahead) and broadcasts over the TP group; the other stages' ranks load
+    their (image-free) parts themselves, in the training process.
 
     The train sampler knows the iteration block (dp x --num-microbatches groups), so random-mode
     batches do not depend on DP, and the regroup function, so ``train.load_state_dict`` continues a
@@ -83,19 +103,26 @@ def build_data(args, tokenizer):
     """
     dp_rank = parallel_state.get_data_parallel_rank()
     dp = parallel_state.get_data_parallel_world_size()
-    train_meta, valid_meta = data_paths(args)
-    train_set = build_dataset(args, tokenizer, train_meta)
+    train_set, valid_set = datasets if datasets is not None else build_datasets(args, tokenizer)
+    inputs = inputs or StageInputs.everything()
     image_tokens = (tokenizer.img_context_id, args.model_spec.tokens_per_tile)
+    # workers only where images are decoded: an image-free stage reads text and the scan's metadata,
+    # faster in the training process than through worker processes (scripts/bench_data.py)
+    loader = dict(inputs=inputs, num_workers=args.num_workers if inputs.pixels else 0,
+                  prefetch_factor=args.prefetch_factor, pin_memory=device_type == "cuda")
+    if inputs.pixels and args.tensor_model_parallel_size > 1:
+        loader.update(tp_group=parallel_state.get_tensor_model_parallel_group(),
+                      tp_src=parallel_state.get_tensor_model_parallel_src_rank())
     groups, order, regroup = build_groups(args, train_set)
     sampler = GroupBatchSampler(groups, dp, dp_rank, seed=args.seed, order=order,
                                 microbatches=args.num_microbatches, regroup=regroup)
-    train = MicroBatches(train_set, sampler, tokenizer.pad_id, packed=args.omnibal_isf, image_tokens=image_tokens)
+    train = MicroBatches(train_set, sampler, tokenizer.pad_id, packed=args.omnibal_isf, image_tokens=image_tokens,
+                         **loader)
     valid = None
-    if valid_meta and args.eval_interval:
-        valid_set = build_dataset(args, tokenizer, valid_meta)
+    if valid_set is not None:
         valid = MicroBatches(valid_set, GroupBatchSampler(random_groups(len(valid_set), args.micro_batch_size, seed=0),
                                                           dp, dp_rank, seed=0), tokenizer.pad_id, packed=False,
-                             image_tokens=image_tokens)
+                             image_tokens=image_tokens, **loader)
     return train, valid
 
 

@@ -118,10 +118,16 @@ def loss_func(batch: dict, token_correct: torch.Tensor, output_tensor: torch.Ten
     return loss_sum, num_tokens, report
 
 
+DATA_WAIT = {"s": 0.0}  # seconds forward_step spent in next(data_iterator) since train() last read it
+
+
 def forward_step(data_iterator, model):
     device = next(_unwrap(model).parameters()).device
+    t0 = time.perf_counter()
+    raw = next(data_iterator)
+    DATA_WAIT["s"] += time.perf_counter() - t0
     batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) and k not in HOST_KEYS else v
-             for k, v in next(data_iterator).items()}  # the loader's batches are on the host; cu_seqlens stay
+             for k, v in raw.items()}  # the loader's batches are on the host (or the device); cu_seqlens stay
     meter = getattr(_unwrap(model), "activation_meter", None)
     if meter is not None and torch.is_grad_enabled():
         with meter.measure():
@@ -141,6 +147,16 @@ def reduce_reports(reports: list[dict]) -> dict:
     for v in totals.values():
         dist.all_reduce(v, group=parallel_state.get_data_parallel_group())
     return totals
+
+
+_GLOO_WORLD = []
+
+
+def _gloo_world():
+    """A gloo group of all ranks (the default group itself when it is gloo), for host-side metrics."""
+    if not _GLOO_WORLD:
+        _GLOO_WORLD.append(None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo"))
+    return _GLOO_WORLD[0]
 
 
 class MetricsLog:
@@ -165,7 +181,7 @@ class MetricsLog:
         fmt = {"consumed samples": "{:12d}", "elapsed time per iteration (ms)": "{:.1f}",
                "learning rate": "{:.6E}", "global batch size": "{:5d}", "lm loss": "{:.6E}",
                "answer acc": "{:.4f}", "grad norm": "{:.4f}", "tokens/s": "{:.1f}", "images/s": "{:.1f}",
-               "pad ratio": "{:.4f}", "dist ratio llm": "{:.4f}", "dist ratio vit": "{:.4f}"}
+               "pad ratio": "{:.4f}", "data wait ms": "{:.1f}", "dist ratio llm": "{:.4f}", "dist ratio vit": "{:.4f}"}
         for key, value in metrics.items():
             if value is None:
                 continue
@@ -224,6 +240,7 @@ def train(args, model, optimizer, scheduler, train_data, valid_data=None, start_
         if meter:
             meter.reset()
         train_data.start_recording()
+        DATA_WAIT["s"] = 0.0
         reports = forward_backward(
             forward_step_func=forward_step, data_iterator=train_data, model=model,
             num_microbatches=args.num_microbatches, seq_length=args.seq_length,
@@ -236,6 +253,9 @@ def train(args, model, optimizer, scheduler, train_data, valid_data=None, start_
         scheduler.step(increment=args.global_batch_size)
         iteration += 1
         elapsed = time.perf_counter() - start
+        # the slowest rank's wait for data this iteration (a stage that waits stalls the pipeline)
+        wait = torch.tensor([DATA_WAIT["s"]], dtype=torch.float64)
+        dist.all_reduce(wait, op=dist.ReduceOp.MAX, group=_gloo_world())
         totals = reduce_reports(reports) if is_last else {}
         samples_tokens = torch.tensor([sum(sum(r["tokens"]) for r in records), sum(sum(r["tiles"]) for r in records),
                                        sum(len(r["tokens"]) for r in records)], dtype=torch.float64)
@@ -250,6 +270,7 @@ def train(args, model, optimizer, scheduler, train_data, valid_data=None, start_
             "elapsed time per iteration (ms)": elapsed * 1000,
             "learning rate": scheduler.get_lr(optimizer.param_groups[0]),
             "global batch size": int(samples_tokens[2]),
+            "data wait ms": float(wait[0]) * 1000,
         }
         if totals:
             metrics["lm loss"] = float(totals["lm loss"][0] / totals["lm loss"][1].clamp(min=1))

@@ -1,42 +1,206 @@
-"""Micro-batches for one data-parallel rank: groups of sample indices -> collated batches.
+"""Micro-batches for one pipeline stage of one data-parallel rank: groups of sample indices -> batches.
 
 Random batching and ISF share this path: a *group* is the list of samples of one micro-batch
 (K random samples, padded; or one ISF pack, concatenated), and omnibal_ext's GroupBatchSampler
 hands each data-parallel rank its group of every step, resumably.
+
+Loading.  A ``torch.utils.data.DataLoader`` does the work: its ``batch_sampler`` is the
+GroupBatchSampler (the single source of order: it yields the group's sample indices), its
+``collate_fn`` builds the micro-batch from those samples.  ``num_workers`` worker processes read and
+decode ahead (``prefetch_factor`` micro-batches each, ``persistent_workers``); 0 reads in the
+training process.  Batches are the same, in the same order, for any ``num_workers``.
+
+What a stage loads (``StageInputs``, from the stage's unit kinds): pixels where the ViT embedding
+is, tokens (and the image-tile index) where the LLM embedding is, labels where the head is, packing
+metadata where LLM layers or the head are; ``sample_tokens``/``sample_tiles`` (from the validation
+scan, no decode) everywhere.  A stage without the ViT embedding opens no image file.
+
+Tensor parallelism.  The TP ranks of a stage need the same batch: only TP rank 0 loads it, and
+broadcasts it over the TP group (``broadcast_batch``); the other TP ranks have no loader.
+
+Resuming.  The loader runs ahead of training (prefetch), so the sampler's own position is not the
+training's.  ``MicroBatches`` counts the steps training consumed: ``state_dict()`` is the sampler's
+state at that step, and ``load_state_dict``/``reset`` rebuild the loader's iterator from there.
 """
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
+
+import torch
+import torch.distributed as dist
 
 from omnibal_ext.data.sampler import GroupBatchSampler
 
 from megatron.vlm.data.collate import check_image_tokens, collate_packed, collate_padded
 
+PIXEL_KEYS = ("pixel_values",)
+TOKEN_KEYS = ("tokens", "image_tile_index")
+LABEL_KEYS = ("labels",)
+PACKING_KEYS = ("cu_seqlens", "max_seqlen", "segment_ids", "position_ids")
+ALWAYS_KEYS = ("sample_tokens", "sample_tiles")
+
+
+@dataclasses.dataclass(frozen=True)
+class StageInputs:
+    """Which parts of a micro-batch a pipeline stage reads (see module docstring)."""
+
+    pixels: bool = True  # pixel_values, image_flags: the ViT embedding
+    tokens: bool = True  # tokens, image_tile_index: the LLM embedding
+    labels: bool = True  # labels: the head (and its loss)
+    packing: bool = True  # cu_seqlens, max_seqlen, segment_ids, position_ids: LLM layers, head
+
+    @classmethod
+    def everything(cls) -> "StageInputs":
+        return cls()
+
+    @classmethod
+    def from_kinds(cls, kinds) -> "StageInputs":
+        """From a stage's unit kinds (``VLMStage.kinds``, omnibal_ext.model.units)."""
+        kinds = set(kinds)
+        return cls(pixels="vit_embed" in kinds, tokens="llm_embed" in kinds, labels="llm_head" in kinds,
+                   packing=bool(kinds & {"llm_layer", "llm_head"}))
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        keys = list(ALWAYS_KEYS)
+        if self.pixels:
+            keys += [*PIXEL_KEYS, "image_flags"]
+        if self.tokens:
+            keys += TOKEN_KEYS
+        if self.labels:
+            keys += LABEL_KEYS
+        if self.packing:
+            keys += PACKING_KEYS
+        return tuple(keys)
+
+
+class StageDataset(torch.utils.data.Dataset):
+    """The dataset as a stage reads it: images decoded only when the stage needs pixels."""
+
+    def __init__(self, dataset, images: bool):
+        self.dataset, self.images = dataset, images
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        if hasattr(self.dataset, "sample"):
+            return self.dataset.sample(index, decode_images=self.images)
+        sample = self.dataset[index]
+        return sample if self.images else {k: v for k, v in sample.items() if k != "pixel_values"}
+
+
+class Collate:
+    """collate_fn of the loader: samples -> the micro-batch, reduced to the stage's keys (picklable)."""
+
+    def __init__(self, pad_id: int, packed: bool, inputs: StageInputs, image_tokens: tuple[int, int] | None):
+        self.pad_id, self.packed, self.inputs, self.image_tokens = pad_id, packed, inputs, image_tokens
+
+    def __call__(self, samples: list[dict]) -> dict:
+        fn = partial(collate_packed, pad_id=self.pad_id) if self.packed else partial(
+            collate_padded, pad_id=self.pad_id, seq_length=None)
+        batch = fn(samples)
+        if self.image_tokens is not None and self.inputs.tokens:
+            check_image_tokens(batch, *self.image_tokens)
+        return {k: batch[k] for k in self.inputs.keys}
+
+
+class _Steps:
+    """The loader's batch_sampler: the sampler's groups from its current step (a new pass per iterator)."""
+
+    def __init__(self, sampler: GroupBatchSampler):
+        self.sampler = sampler
+
+    def __iter__(self):
+        return iter(self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+def broadcast_batch(batch: dict | None, src: int, group) -> dict:
+    """``batch`` of global rank ``src`` on every rank of ``group``: one object broadcast of its layout
+    (and its small Python values), then one broadcast per tensor.  Tensors travel on the host with a
+    gloo group; with NCCL they travel on the current CUDA device (and arrive there)."""
+    cuda = dist.get_backend(group) == "nccl"
+    me = dist.get_rank()
+    if me == src:
+        header = [{k: ("t", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("py", v)
+                   for k, v in batch.items()}]
+    else:
+        header = [None]
+    dist.broadcast_object_list(header, src=src, group=group)
+    out = {}
+    for k, (kind, *rest) in header[0].items():
+        if kind == "py":
+            out[k] = rest[0]
+            continue
+        shape, dtype = rest
+        if me == src:
+            t = batch[k].contiguous()
+            t = t.cuda() if cuda and k not in ("cu_seqlens",) else t
+        else:
+            t = torch.empty(shape, dtype=dtype, device="cuda" if cuda and k != "cu_seqlens" else "cpu")
+        if cuda and k == "cu_seqlens":  # stays on the host: small, sent by value
+            holder = [t if me == src else None]
+            dist.broadcast_object_list(holder, src=src, group=group)
+            t = holder[0]
+        else:
+            dist.broadcast(t, src=src, group=group)
+        out[k] = t
+    return out
+
 
 class MicroBatches:
-    """Endless iterator of collated micro-batches; records the sample sizes it served."""
+    """Endless iterator of collated micro-batches; records the sample sizes it served.
+
+    inputs: what this stage reads (default: everything).  num_workers, prefetch_factor,
+    pin_memory, persistent_workers: the DataLoader's.  tp_group, tp_src: the TP group of the stage and
+    the global rank of its TP rank 0 (which alone loads and broadcasts); None: every rank loads.
+    """
 
     def __init__(self, dataset, sampler: GroupBatchSampler, pad_id: int, packed: bool, seq_length: int | None = None,
-                 image_tokens: tuple[int, int] | None = None):
+                 image_tokens: tuple[int, int] | None = None, inputs: StageInputs | None = None,
+                 num_workers: int = 0, prefetch_factor: int = 2, pin_memory: bool = False,
+                 persistent_workers: bool = True, tp_group=None, tp_src: int = 0):
         """image_tokens: (image-context token id, tokens per tile): check each micro-batch's image-token
         count against its real tiles on the host (the model's forward does not)."""
+        if num_workers < 0:
+            raise ValueError(f"MicroBatches: num_workers must be >= 0, got {num_workers}")
         self.dataset = dataset
         self.image_tokens = image_tokens
         self.sampler = sampler
         self.packed = packed
-        self.collate = partial(collate_packed, pad_id=pad_id) if packed else partial(
-            collate_padded, pad_id=pad_id, seq_length=None)
+        self.inputs = inputs or StageInputs.everything()
+        self.num_workers = num_workers
+        self.tp_group, self.tp_src = tp_group, tp_src
+        self.collate = Collate(pad_id, packed, self.inputs, image_tokens)
         self._records = None
-        self._it = iter(sampler)
+        self._loads = tp_group is None or dist.get_rank() == tp_src
+        self.loader = None
+        if self._loads:
+            kw = dict(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers) if num_workers else {}
+            self.loader = torch.utils.data.DataLoader(
+                StageDataset(dataset, images=self.inputs.pixels), batch_sampler=_Steps(sampler),
+                collate_fn=self.collate, num_workers=num_workers, pin_memory=pin_memory, **kw)
+        self._restart()
+
+    def _restart(self) -> None:
+        """Serve from the sampler's current step: a fresh loader iterator (prefetched batches dropped)."""
+        self._consumed = self.sampler.step
+        self._it = iter(self.loader) if self._loads else None
 
     def __iter__(self):
         return self
 
     def __next__(self) -> dict:
-        indices = next(self._it)
-        batch = self.collate([self.dataset[i] for i in indices])
-        if self.image_tokens is not None:
-            check_image_tokens(batch, *self.image_tokens)
+        if self.sampler.num_steps is not None and self._consumed >= self.sampler.num_steps:
+            raise StopIteration
+        batch = next(self._it) if self._loads else None
+        if self.tp_group is not None:
+            batch = broadcast_batch(batch, self.tp_src, self.tp_group)
+        self._consumed += 1
         if self._records is not None:
             self._records.append({"tokens": batch["sample_tokens"].tolist(), "tiles": batch["sample_tiles"].tolist(),
                                   "packed": self.packed})
@@ -52,11 +216,17 @@ class MicroBatches:
     def reset(self) -> None:
         """Back to the first step (evaluation sees the same batches each time)."""
         self.sampler.seek(0)
-        self._it = iter(self.sampler)
+        self._restart()
 
     def state_dict(self) -> dict:
-        return self.sampler.state_dict()
+        """The sampler's state at the step training has consumed (not where the loader prefetched to)."""
+        ahead = self.sampler.step
+        self.sampler.step = self._consumed
+        try:
+            return self.sampler.state_dict()
+        finally:
+            self.sampler.step = ahead
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state)
-        self._it = iter(self.sampler)
+        self._restart()

@@ -422,7 +422,7 @@ class VLMStage(MegatronModule):
         ``apply_rotary_pos_emb`` restarts in every segment.  Dense (unfused): the block-diagonal mask
         [b, 1, s, s] and per-token frequencies [s, b, 1, d] gathered at ``position_ids``.
         """
-        max_seqlen, t = int(batch["max_seqlen"]), batch["tokens"].numel()
+        max_seqlen, t = int(batch["max_seqlen"]), int(batch["cu_seqlens"][-1])  # tokens: only where the embedding is
         if self.thd:
             device = next(self.parameters()).device if self.transformer_impl == "transformer_engine" else None
             params = segment_params(batch["cu_seqlens"], max_seqlen, device)

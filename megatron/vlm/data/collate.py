@@ -7,6 +7,7 @@ Batch schema (B samples; n_tiles = sum of their tiles)::
     position_ids  int64 [b, s]   0.. within each sample, restarting at each packed sample, 0 on padding
     segment_ids   int64 [b, s]   index of the sample within the micro-batch (0..B-1), -1 on padding
     pixel_values  float32 [n_tiles, 3, S, S]   all samples' tiles, concatenated in sample order
+                                 (absent when the samples were read without images)
     image_flags   int64 [n_tiles]              1 real tile, 0 dummy tile of a text-only sample
     sample_tokens int64 [B]      real tokens per sample
     sample_tiles  int64 [B]      tiles per sample (dummy included)
@@ -51,9 +52,13 @@ def packing(rows: list[list[int]], width: int) -> tuple[torch.Tensor, int]:
 
 
 def _images(samples: list[dict]) -> dict:
+    """Tile tensors of the micro-batch; ``pixel_values`` only when the samples carry pixels (a sample
+    read without images has ``image_flags`` alone)."""
     flags = torch.cat([s["image_flags"] for s in samples]).to(torch.int64)
+    pixels = {} if any("pixel_values" not in s for s in samples) else {
+        "pixel_values": torch.cat([s["pixel_values"] for s in samples]).to(torch.float32)}
     return {
-        "pixel_values": torch.cat([s["pixel_values"] for s in samples]).to(torch.float32),
+        **pixels,
         "image_flags": flags,
         "image_tile_index": torch.nonzero(flags).flatten(),
         "sample_tokens": torch.tensor([len(s["input_ids"]) for s in samples], dtype=torch.int64),
@@ -67,7 +72,7 @@ def _check_samples(samples: list[dict]) -> None:
     for k, s in enumerate(samples):
         if len(s["input_ids"]) != len(s["labels"]):
             raise ValueError(f"collate: sample {k} has {len(s['input_ids'])} input_ids but {len(s['labels'])} labels")
-        if len(s["pixel_values"]) != len(s["image_flags"]):
+        if "pixel_values" in s and len(s["pixel_values"]) != len(s["image_flags"]):
             raise ValueError(f"collate: sample {k} has {len(s['pixel_values'])} tiles but "
                              f"{len(s['image_flags'])} image_flags")
 

@@ -332,6 +332,12 @@ class InternVLDataset(torch.utils.data.Dataset):
         return self.scan.where(int(self.scan.order[index]))
 
     def __getitem__(self, index: int) -> dict:
+        return self.sample(index)
+
+    def sample(self, index: int, decode_images: bool = True) -> dict:
+        """Sample ``index``; ``decode_images=False`` opens no image file: ``pixel_values`` is left out and
+        ``image_flags`` comes from the validation scan's tile counts (the text's image-context tokens
+        depend on the tile counts only, so tokens and labels are the same as with images)."""
         if not -len(self) <= index < len(self):
             raise IndexError(f"sample {index} out of range for {len(self)} samples")
         s, cfg = self.scan, self.config
@@ -347,14 +353,19 @@ class InternVLDataset(torch.utils.data.Dataset):
         kept = int(s.rec_images_kept[r])
         lo_tiles, hi_tiles = cfg.tile_range(len(images))
         tiles_made = []
+        plan = plan_conversation(turns, self.tokenizer, tiles, cfg.tokens_per_tile, cfg.system, cfg.add_bos)
+        input_ids, labels = plan.materialize(int(s.rec_tokens[r]))
+        if not decode_images:
+            real = int(s.rec_real_tiles[r])
+            flags = torch.ones(real, dtype=torch.int64) if real else torch.zeros(1, dtype=torch.int64)
+            return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
+                    "image_flags": flags}
         for k in range(kept):
             path = os.path.join(src.root, images[k])
             with Image.open(path) as im:
                 if im.size != (int(s.img_width[lo + k]), int(s.img_height[lo + k])):
                     raise DataValidationError(f"{s.where(r)}: image {path} changed size since validation")
                 tiles_made += dynamic_tiles(im, cfg.image_size, lo_tiles, hi_tiles, cfg.use_thumbnail)
-        plan = plan_conversation(turns, self.tokenizer, tiles, cfg.tokens_per_tile, cfg.system, cfg.add_bos)
-        input_ids, labels = plan.materialize(int(s.rec_tokens[r]))
         if len(tiles_made) != sum(tiles[:kept]):  # cannot happen unless tiling and counting disagree
             raise RuntimeError(f"{s.where(r)}: made {len(tiles_made)} tiles, validation counted {sum(tiles[:kept])}")
         if tiles_made:

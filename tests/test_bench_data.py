@@ -1,0 +1,30 @@
+"""scripts/bench_data.py --quick: the JSON contract (loader, TP decode and trainer rows), not speed."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+
+@pytest.mark.slow
+def test_bench_data_quick(tmp_path):
+    out = tmp_path / "data.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_data.py"), "--quick", "--json", str(out),
+                           "--out", str(tmp_path / "runs")], capture_output=True, text=True, timeout=900,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["config"]["quick"] and res["config"]["samples"] == 24
+    assert [(r["stage"], r["workers"]) for r in res["loader"]] == [
+        ("ViT (decodes)", 0), ("ViT (decodes)", 2), ("LLM-only", 0), ("LLM-only", 2)]
+    assert all(r["samples_per_s"] > 0 and r["ms_per_batch"] > 0 for r in res["loader"])
+    assert [r["mode"] for r in res["tp_decode"]] == ["broadcast", "split", "duplicate"]
+    assert all(r["ms_per_batch"] > 0 for r in res["tp_decode"])
+    rows = res["trainer"]
+    assert [r["workers"] for r in rows] == [0, 2]
+    for r in rows:
+        assert r["iterations"] == 3 and r["ms_per_iter"] > 0 and 0 <= r["data_wait_share"] < 1
+    assert rows[0]["losses"] == rows[1]["losses"]  # the same batches whatever the workers
+    assert "data wait" in proc.stdout

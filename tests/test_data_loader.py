@@ -1,0 +1,158 @@
+"""The micro-batch loader: stage inputs, worker processes, determinism and resume (in-process, CPU)."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from megatron.vlm.batches import MicroBatches, StageInputs
+from megatron.vlm.data import ByteTokenizer, InternVLDataset
+from omnibal_ext.data.sampler import GroupBatchSampler, random_groups
+
+TOK = ByteTokenizer()
+SIZE, TPT = 28, 4
+N = 40
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """N samples: one image, two images, or text only, of varied image sizes."""
+    folder = tmp_path_factory.mktemp("loader_data")
+    rng = np.random.default_rng(0)
+    names = []
+    for k in range(8):
+        w, h = (int(x) for x in rng.integers(20, 120, 2))
+        name = f"im{k}.jpg"
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(folder / name)
+        names.append(name)
+    with open(folder / "ann.jsonl", "w") as f:
+        for i in range(N):
+            rec = {"conversations": [{"from": "human", "value": f"question {i} " * (1 + i % 4)},
+                                     {"from": "gpt", "value": f"answer {i}" * (1 + i % 3)}]}
+            if i % 5 == 1:
+                rec["image"] = [names[i % 8], names[(i + 3) % 8]]
+                rec["conversations"][0]["value"] = "<image> and <image>: " + rec["conversations"][0]["value"]
+            elif i % 5 != 4:
+                rec["image"] = names[i % 8]
+            f.write(json.dumps(rec) + "\n")
+    with open(folder / "meta.json", "w") as f:
+        json.dump({"set": {"root": ".", "annotation": "ann.jsonl"}}, f)
+    return InternVLDataset(str(folder / "meta.json"), TOK, SIZE, TPT, max_num_tiles=4, max_seq_length=None)
+
+
+def loader(dataset, workers=0, inputs=None, packed=False, k=3, seed=1):
+    sampler = GroupBatchSampler(random_groups(len(dataset), k, seed=seed), dp_size=1, dp_rank=0, seed=seed,
+                                microbatches=2)
+    return MicroBatches(dataset, sampler, TOK.pad_id, packed=packed, image_tokens=(TOK.img_context_id, TPT),
+                        inputs=inputs, num_workers=workers, prefetch_factor=2)
+
+
+def take(batches, n):
+    return [next(batches) for _ in range(n)]
+
+
+def assert_same(a: list[dict], b: list[dict]):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for key in x:
+            if isinstance(x[key], torch.Tensor):
+                assert torch.equal(x[key], y[key]), key
+            else:
+                assert x[key] == y[key], key
+
+
+def test_stage_inputs_from_unit_kinds():
+    llm_only = StageInputs.from_kinds(["llm_layer", "llm_layer", "llm_head"])
+    assert llm_only == StageInputs(pixels=False, tokens=False, labels=True, packing=True)
+    assert "pixel_values" not in llm_only.keys and "tokens" not in llm_only.keys
+    vit = StageInputs.from_kinds(["vit_embed", "vit_layer"])
+    assert vit == StageInputs(pixels=True, tokens=False, labels=False, packing=False)
+    assert set(vit.keys) == {"pixel_values", "image_flags", "sample_tokens", "sample_tiles"}
+    embed = StageInputs.from_kinds(["vit_layer", "projector", "llm_embed", "llm_layer"])
+    assert embed == StageInputs(pixels=False, tokens=True, labels=False, packing=True)
+    assert StageInputs.from_kinds(["vit_layer"]).keys == ("sample_tokens", "sample_tiles")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_llm_only_stage_opens_no_image(dataset, monkeypatch, tmp_path, workers):
+    """A stage without the ViT embedding never opens an image (worker processes inherit the hook and
+    report through a file)."""
+    log = tmp_path / "opened.txt"
+    real_open = Image.open
+
+    def counting_open(*a, **kw):
+        with open(log, "a") as f:
+            f.write(f"{a[0]}\n")
+        return real_open(*a, **kw)
+
+    monkeypatch.setattr(Image, "open", counting_open)
+    inputs = StageInputs.from_kinds(["llm_layer", "llm_head"])
+    got = take(loader(dataset, workers, inputs), 6)
+    assert not log.exists(), log.read_text()
+    full = take(loader(dataset, 0), 6)  # the hook does see a ViT stage's opens
+    assert log.exists()
+    for part, whole in zip(got, full):
+        assert set(part) == set(inputs.keys)
+        for key in part:
+            assert torch.equal(part[key], whole[key]) if isinstance(part[key], torch.Tensor) else part[key] == whole[key]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_workers_give_the_same_batches(dataset, packed):
+    want = take(loader(dataset, 0, packed=packed), 12)  # more than one epoch of groups
+    assert_same(take(loader(dataset, 2, packed=packed), 12), want)
+
+
+def test_resume_with_workers_continues_exactly(dataset):
+    whole = take(loader(dataset, 0), 14)
+    first = loader(dataset, 2)
+    head = take(first, 5)  # the workers have prefetched beyond these 5
+    state = first.state_dict()
+    assert state["position"] == 5
+    assert_same(head, whole[:5])
+    assert_same(take(first, 2), whole[5:7])  # state_dict did not disturb the running loader
+    again = loader(dataset, 2)
+    take(again, 3)  # a loader that has run (and prefetched) ahead, then loads
+    again.load_state_dict(state)
+    assert_same(take(again, 9), whole[5:14])
+    again.reset()  # evaluation's rewind
+    assert_same(take(again, 3), whole[:3])
+
+
+@pytest.mark.slow
+def test_workers_at_pp2_tp2_train_the_same(tmp_path, data_cache):
+    """torchrun, 4 processes: PP2 x TP2 (stage 1 LLM-only, stage 0's TP rank 0 loads and broadcasts),
+    --num-workers 2 gives the losses of --num-workers 0."""
+    from launch import run_training
+
+    flags = ["--train-iters", "3", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr-warmup-iters", "0",
+             "--lr", "2e-3", "--seed", "7", "--eval-interval", "0", "--data-cache-dir", str(data_cache),
+             "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    base, _ = run_training(4, flags + ["--num-workers", "0"], tmp_path, "w0")
+    workers, _ = run_training(4, flags + ["--num-workers", "2"], tmp_path, "w2")
+    assert [r["iteration"] for r in workers] == [1, 2, 3]
+    assert [r["lm loss"] for r in workers] == [r["lm loss"] for r in base]
+    assert all(r["data wait ms"] >= 0 for r in workers)
+
+
+@pytest.mark.slow
+def test_trainer_resume_with_workers_is_exact(tmp_path, data_cache):
+    """torchrun PP2: save at iteration 3 and resume, both with --num-workers 2 (prefetched batches are
+    not counted as served), against one run with --num-workers 0."""
+    from launch import run_training
+
+    flags = ["--train-iters", "6", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr-warmup-iters", "0",
+             "--lr", "2e-3", "--seed", "7", "--eval-interval", "0", "--data-cache-dir", str(data_cache),
+             "--pipeline-model-parallel-size", "2"]
+    full, _ = run_training(2, flags + ["--num-workers", "0"], tmp_path, "full")
+    ckpt = str(tmp_path / "ckpt")
+    first, _ = run_training(2, flags + ["--num-workers", "2", "--save", ckpt, "--exit-interval", "3"], tmp_path, "a")
+    second, _ = run_training(2, flags + ["--num-workers", "2", "--load", ckpt], tmp_path, "b")
+    assert [r["iteration"] for r in first + second] == [1, 2, 3, 4, 5, 6]
+    assert [r["lm loss"] for r in first + second] == [r["lm loss"] for r in full]
+    assert [r["consumed samples"] for r in first + second] == [r["consumed samples"] for r in full]
