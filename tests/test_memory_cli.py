@@ -5,6 +5,8 @@ import json
 import numpy as np
 import pytest
 
+from omnibal_ext.errors import UserError
+
 from omnibal_ext.memory.cli import add_memory_parser, main
 from omnibal_ext.memory.memory_model import GIB, stage_memory
 from omnibal_ext.memory.recompute import parse_recompute_plan
@@ -56,12 +58,12 @@ def test_cli_plans_within_budget(tiny_costs, tmp_path, capsys):
 def test_cli_errors(tiny_costs, tmp_path):
     _, path = tiny_costs
     base = ["--model", "tiny", "--pp", "2", "--micro-batches", "4", "--costs", path]
-    with pytest.raises(SystemExit, match="pipeline stage 0 needs .* short by"):
+    with pytest.raises(UserError, match="pipeline stage 0 needs .* short by"):
         run(base + ["--budget-gib", "0.05"], tmp_path)
-    assert json.loads((tmp_path / "out.json").read_text())["error"].startswith("omnibal memory: pipeline stage")
-    with pytest.raises(SystemExit, match="--layout: stage 0 gives 't'"):
+    assert json.loads((tmp_path / "out.json").read_text())["error"].startswith("pipeline stage 0 needs")
+    with pytest.raises(UserError, match="--layout: stage 0 gives 't'"):
         run(base + ["--budget-gib", "4", "--layout", "t*4|L"], tmp_path)
-    with pytest.raises(SystemExit, match="stage 0 fully recomputes 5 ViT"):
+    with pytest.raises(UserError, match="stage 0 fully recomputes 5 ViT"):
         run(base + ["--budget-gib", "4", "--recompute-plan", "v5|t1"], tmp_path)
 
 
