@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+from omnibal_ext.errors import UserError
+
 from omnibal_ext.model.cli import add_partition_parser, main
 from omnibal_ext.model.cost_model import MicroBatchShape, analytic_costs, DEVICES
 from omnibal_ext.model.profile import write_profile
@@ -68,5 +70,5 @@ def test_subparser_registration(tmp_path):
 def test_bad_profile_is_named(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"units": [{"name": "x"}]}')
-    with pytest.raises(SystemExit, match="bad.json"):
+    with pytest.raises(UserError, match="bad.json"):
         main(["--model", "tiny", "--pp", "2", "--profile", str(bad), "--json", str(tmp_path / "o.json")])

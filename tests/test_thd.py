@@ -61,8 +61,9 @@ def test_thd_equals_dense_mask(megatron_world, samples, kind):
         losses.append(loss.detach())
         grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
     torch.testing.assert_close(losses[0][real], losses[1][real], rtol=0, atol=1e-6)
-    for n in grads[0]:
-        torch.testing.assert_close(grads[0][n], grads[1][n], rtol=1e-4, atol=1e-6, msg=n)
+    for n in grads[0]:  # fp32 sums over the micro-batch's tokens in another order: 1e-6 of the tensor's scale
+        scale = float(grads[1][n].abs().max())
+        torch.testing.assert_close(grads[0][n], grads[1][n], rtol=1e-4, atol=1e-6 * max(scale, 1.0), msg=n)
 
 
 def test_stages_carry_thd_hidden_states(megatron_world, samples):

@@ -422,10 +422,11 @@ class VLMStage(MegatronModule):
         ``apply_rotary_pos_emb`` restarts in every segment.  Dense (unfused): the block-diagonal mask
         [b, 1, s, s] and per-token frequencies [s, b, 1, d] gathered at ``position_ids``.
         """
-        max_seqlen, t = int(batch["max_seqlen"]), int(batch["cu_seqlens"][-1])  # tokens: only where the embedding is
+        max_seqlen = int(batch["max_seqlen"])
         if self.thd:
             device = next(self.parameters()).device if self.transformer_impl == "transformer_engine" else None
             params = segment_params(batch["cu_seqlens"], max_seqlen, device)
+            t = params.segments[-1][1]  # tokens of the micro-batch (tokens are only where the embedding is)
             # megatron-core maps frequencies by absolute offset when there are exactly t of them (and reads
             # each segment's start with .item()); one more keeps it on the restart-per-segment mapping
             rope = self.rotary(max_seqlen + 1 if max_seqlen == t else max_seqlen)
