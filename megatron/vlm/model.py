@@ -127,6 +127,83 @@ def draw_padded_layer(layer: TransformerLayer, config: TransformerConfig, real_h
                 linear.bias.zero_()
 
 
+class LayerScale(torch.nn.Module):
+    """Bias-dropout-add with a trained per-channel scale of the branch: ``residual + scale * (x + bias)``.
+
+    Used as a TransformerLayer's ``self_attn_bda`` / ``mlp_bda`` submodule (InternViT's layer scale:
+    ``lambda_1``/``ls1`` is the attention branch's ``self_attn_bda.scale``, ``lambda_2``/``ls2`` the MLP
+    branch's ``mlp_bda.scale``), a parameter of shape [hidden] kept apart from the weights (replicated
+    over TP). Called like megatron-core's bias-dropout-add: ``bda(training, fused)(x_with_bias, residual,
+    dropout_prob)``.
+    """
+
+    def __init__(self, hidden_size: int, init_value: float):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.full((hidden_size,), float(init_value)))
+
+    def forward(self, training: bool, fused: bool = False):
+        def bias_dropout_scale_add(x_with_bias, residual, prob):
+            x, bias = x_with_bias
+            if bias is not None:
+                x = x + bias
+            x = F.dropout(x, p=prob, training=training) * self.scale
+            return residual + x
+
+        return bias_dropout_scale_add
+
+
+class FullWidthQKNorm(MegatronModule):
+    """RMSNorm of q (or k) over the full width of all heads, as InternViT-6B's qk-norm.
+
+    Built as SelfAttention's ``q_layernorm`` / ``k_layernorm`` submodule, it gets this rank's heads
+    [s, b, heads per rank, head_dim] and normalises each token over ``real_heads * head_dim`` values:
+    under tensor parallelism the sum of squares is all-reduced over the TP group (forward and backward)
+    and divided by the real width (padded heads are zero and add nothing). The weight covers this rank's
+    heads ([heads per rank * head_dim], split over TP like the heads; padded heads' entries stay unused).
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, real_heads: int | None = None):
+        super().__init__(config=config)
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        self.tp = config.tensor_model_parallel_size
+        local_heads = config.num_attention_heads // self.tp
+        self.real_width = (real_heads or config.num_attention_heads) * hidden_size
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(local_heads * hidden_size, dtype=config.params_dtype))
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(*shape[:-2], -1).float()
+        ss = flat.pow(2).sum(-1, keepdim=True)
+        if self.tp > 1:  # all-reduce forward, all-reduce backward (every rank's output depends on the sum)
+            ss = tensor_parallel.reduce_from_tensor_model_parallel_region(
+                tensor_parallel.copy_to_tensor_model_parallel_region(ss))
+        y = (flat * torch.rsqrt(ss / self.real_width + self.eps)).to(x.dtype)
+        return (self.weight * y).reshape(shape)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        state = self.state_dict(prefix="", keep_vars=True)
+        return make_sharded_tensors_for_checkpoint(state, prefix, {"weight": 0}, sharded_offsets)
+
+
+_NO_BIAS_CLASSES: dict = {}
+
+
+def without_bias(linear_cls: type) -> type:
+    """``linear_cls`` built without a bias whatever the ``bias`` its builder passes (megatron-core gives
+    linear_qkv a bias whenever ``add_bias_linear`` is set; the ViT keeps biases elsewhere)."""
+    if linear_cls not in _NO_BIAS_CLASSES:
+        def __init__(self, *args, bias=True, **kwargs):
+            linear_cls.__init__(self, *args, bias=False, **kwargs)
+
+        _NO_BIAS_CLASSES[linear_cls] = type(f"{linear_cls.__name__}NoBias", (linear_cls,), {"__init__": __init__})
+    return _NO_BIAS_CLASSES[linear_cls]
+
+
 def base_layer_spec(normalization: str, transformer_impl: str = "local") -> ModuleSpec:
     """megatron-core's layer spec: torch modules ("local") or TransformerEngine's fused ones.
 
@@ -141,7 +218,8 @@ def base_layer_spec(normalization: str, transformer_impl: str = "local") -> Modu
 
 def _layer_spec(normalization: str, mask_type: AttnMaskType, seed: int, first_unit_index: int,
                 transformer_impl: str = "local", attention_backend: str = "auto",
-                real_heads: int | None = None) -> ModuleSpec:
+                real_heads: int | None = None, vision=None) -> ModuleSpec:
+    """vision: the VisionSpec whose per-layer features (qkv bias off, qk-norm, layer scale) the layer gets."""
     spec = copy.deepcopy(base_layer_spec(normalization, transformer_impl))
     spec.module = SeededTransformerLayer
     spec.params = {**spec.params, "seed": seed, "first_unit_index": first_unit_index, "real_heads": real_heads}
@@ -149,6 +227,18 @@ def _layer_spec(normalization: str, mask_type: AttnMaskType, seed: int, first_un
     attn.params = {**attn.params, "attn_mask_type": mask_type}
     if uses_segment_attention(transformer_impl, attention_backend):
         attn.submodules.core_attention = SegmentAttention
+    if vision is not None:
+        if not vision.qkv_bias:
+            attn.submodules.linear_qkv = without_bias(attn.submodules.linear_qkv)
+        if vision.qk_norm:
+            norm = ModuleSpec(module=FullWidthQKNorm, params={"real_heads": real_heads})
+            attn.submodules.q_layernorm = norm
+            attn.submodules.k_layernorm = copy.deepcopy(norm)
+        if vision.layer_scale_init is not None:
+            scale = ModuleSpec(module=LayerScale, params={"hidden_size": vision.hidden_size,
+                                                          "init_value": vision.layer_scale_init})
+            spec.submodules.self_attn_bda = scale
+            spec.submodules.mlp_bda = copy.deepcopy(scale)
     return spec
 
 
@@ -342,7 +432,7 @@ class VLMStage(MegatronModule):
                 self.vit_embed = VisionEmbedding(spec, vit_config)
         self.vit_blocks = self._blocks(vit_config, spec.vision.normalization, AttnMaskType.no_mask, seed,
                                        first["vit_layer"], n_vit, recompute.vit_full_layers, recompute.vit_selective,
-                                       real_heads=spec.vision.num_attention_heads)
+                                       real_heads=spec.vision.num_attention_heads, vision=spec.vision)
         if first["projector"] is not None:
             with seeded(seed, first["projector"]):
                 self.projector = Projector(spec, llm_config)
@@ -353,8 +443,7 @@ class VLMStage(MegatronModule):
                                        llm_mask_type(transformer_impl, attention_backend), seed,
                                        first["llm_layer"], n_llm, recompute.llm_full_layers, recompute.llm_selective)
         if n_llm:
-            kv = spec.language.hidden_size // spec.language.num_attention_heads
-            self.rotary = RotaryEmbedding(kv_channels=kv, rotary_percent=1.0, rotary_base=spec.language.rotary_base,
+            self.rotary = RotaryEmbedding(kv_channels=spec.language.kv_channels, rotary_percent=1.0, rotary_base=spec.language.rotary_base,
                                           use_cpu_initialization=True)
         if first["llm_head"] is not None:
             with seeded(seed, first["llm_head"]):
@@ -362,12 +451,12 @@ class VLMStage(MegatronModule):
                 self.head = OutputHead(spec, llm_config, norm)
 
     def _blocks(self, base, normalization, mask_type, seed, first_index, n_layers, full_layers, selective,
-                real_heads=None):
+                real_heads=None, vision=None):
         blocks = torch.nn.ModuleList()
         offset = 0
         for n, cfg in segment_configs(base, n_layers, min(full_layers, n_layers), selective):
             layer = _layer_spec(normalization, mask_type, seed, first_index + offset, self.transformer_impl,
-                                self.attention_backend, real_heads)
+                                self.attention_backend, real_heads, vision)
             blocks.append(TransformerBlock(cfg, layer, post_layer_norm=False))
             offset += n
         return blocks
