@@ -321,6 +321,13 @@ class Projector(MegatronModule):
         return x.unsqueeze(1)
 
 
+def word_embedding(spec: ModelSpec, config: TransformerConfig) -> tensor_parallel.VocabParallelEmbedding:
+    """The vocabulary-parallel token embedding (drawn first in the llm.embed unit's seed; a tied output
+    layer on another stage draws the same weights the same way)."""
+    return tensor_parallel.VocabParallelEmbedding(
+        spec.language.vocab_size, spec.language.hidden_size, init_method=config.init_method, config=config)
+
+
 class TextEmbedding(MegatronModule):
     """Token embedding (vocabulary-parallel) with image features written into image-context slots.
 
@@ -329,9 +336,7 @@ class TextEmbedding(MegatronModule):
 
     def __init__(self, spec: ModelSpec, config: TransformerConfig, img_context_id: int, tokens_per_tile: int):
         super().__init__(config=config)
-        self.word = tensor_parallel.VocabParallelEmbedding(
-            spec.language.vocab_size, spec.language.hidden_size, init_method=config.init_method,
-            config=config)
+        self.word = word_embedding(spec, config)
         self.img_context_id = img_context_id
         self.tokens_per_tile = tokens_per_tile
 
@@ -356,13 +361,32 @@ class OutputHead(MegatronModule):
             spec.language.hidden_size, spec.language.vocab_size, config=config,
             init_method=config.init_method, bias=False, gather_output=False)
         self.last_token_correct = None  # [b, s] bool, argmax == label, set by forward
+        self.vocab_size, self.real_vocab = spec.language.vocab_size, spec.language.vocab_real
 
     def forward(self, hidden, labels):
         logits, _ = self.output(self.norm(hidden))  # [t, 1, V/tp]
         targets = labels.clamp(min=0).reshape(-1, 1)
+        if self.real_vocab < self.vocab_size:  # padded rows take no part in the softmax nor the argmax
+            logits = mask_padded_vocab(logits.float(), self.real_vocab)
         loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), targets)
         self.last_token_correct = _vocab_parallel_argmax_matches(logits.detach(), targets).reshape(labels.shape)
         return loss.reshape(labels.shape)  # [b, s]
+
+
+# what padded vocabulary rows' logits become: exp() of it minus any real logit is exactly 0 in fp32
+PADDED_LOGIT = -1e30
+
+
+def mask_padded_vocab(logits: torch.Tensor, real_vocab: int) -> torch.Tensor:
+    """This TP rank's logits [..., V/tp] with the columns of padded vocabulary rows (global id >=
+    ``real_vocab``) set to ``PADDED_LOGIT``."""
+    part = logits.shape[-1]
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    start = parallel_state.get_tensor_model_parallel_rank() * part if tp > 1 else 0
+    if start + part <= real_vocab:
+        return logits
+    padded = torch.arange(start, start + part, device=logits.device) >= real_vocab
+    return logits.masked_fill(padded, PADDED_LOGIT)
 
 
 def _vocab_parallel_argmax_matches(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -379,6 +403,24 @@ def _vocab_parallel_argmax_matches(logits: torch.Tensor, targets: torch.Tensor) 
         torch.distributed.all_reduce(local_max, op=torch.distributed.ReduceOp.MAX, group=group)
         torch.distributed.all_reduce(target_logit, group=group)
     return target_logit >= local_max
+
+
+def build_tied_embedding_group(embed_stage: int, head_stage: int):
+    """The process group of the ranks holding the tied embedding (pipeline stage ``embed_stage``) and the
+    output layer (``head_stage``) in this rank's pipeline; None if this rank holds neither. Every rank
+    must call it (it creates one group per pipeline group, in the same order everywhere)."""
+    import torch.distributed as dist
+
+    pp_ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, list(pp_ranks))
+    mine = None
+    for ranks in sorted({tuple(g) for g in gathered}):
+        pair = [ranks[embed_stage], ranks[head_stage]]
+        group = dist.new_group(pair)
+        if dist.get_rank() in pair:
+            mine = group
+    return mine
 
 
 def packed_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -412,7 +454,8 @@ class VLMStage(MegatronModule):
             llm_config = dataclasses.replace(llm_config, apply_rope_fusion=True)  # megatron's unfused one
             # would read them on the host (.tolist()) in every layer
         self.model_type = ModelType.encoder_or_decoder
-        # Read by megatron's finalize_model_grads: no weights are shared between stages.
+        # Read by megatron's finalize_model_grads: its embedding group (first and last stage) cannot say
+        # where E sits in our layouts, so tied embeddings are kept in sync by this module itself.
         self.pre_process = unit_range.start == 0
         self.post_process = unit_range.stop == len(units)
         self.share_embeddings_and_output_weights = False
@@ -449,6 +492,22 @@ class VLMStage(MegatronModule):
             with seeded(seed, first["llm_head"]):
                 norm = get_gpt_layer_local_spec(normalization=spec.language.normalization).submodules.input_layernorm
                 self.head = OutputHead(spec, llm_config, norm)
+        # Tied input/output embeddings: on a stage holding both E and L the head's output layer uses the
+        # embedding's Parameter itself; on the last stage without E the head holds a copy drawn exactly as
+        # the embedding is (the llm.embed unit's seed), kept equal by summing the two copies' gradients
+        # over ``tied_group`` (allreduce_tied_embedding_grads, before the data-parallel reduction) and
+        # marked ``shared`` so the gradient norm counts the weight once.
+        self.tied_group = None  # set by megatron.training.training.build_model when E and L are apart
+        if spec.language.tie_word_embeddings and self.head is not None:
+            if self.text_embed is not None:
+                self.head.output.weight = self.text_embed.word.weight
+            else:
+                embed_index = next(u.index for u in units if u.kind == "llm_embed")
+                with seeded(seed, embed_index):
+                    drawn = word_embedding(spec, llm_config)
+                with torch.no_grad():
+                    self.head.output.weight.copy_(drawn.weight)
+                self.head.output.weight.shared = True
 
     def _blocks(self, base, normalization, mask_type, seed, first_index, n_layers, full_layers, selective,
                 real_heads=None, vision=None):
@@ -460,6 +519,26 @@ class VLMStage(MegatronModule):
             blocks.append(TransformerBlock(cfg, layer, post_layer_norm=False))
             offset += n
         return blocks
+
+    def tied_embedding_weight(self):
+        """This stage's copy of the tied embedding / output weight (None when untied or neither is here)."""
+        if not self.spec.language.tie_word_embeddings:
+            return None
+        if self.text_embed is not None:
+            return self.text_embed.word.weight
+        return self.head.output.weight if self.head is not None else None
+
+    def allreduce_tied_embedding_grads(self) -> None:
+        """Sum the tied weight's gradient over the stages holding E and L (``tied_group``), so both copies
+        take the same step. Runs before megatron's finalize_model_grads (the DP reduction), on the local
+        accumulated gradients, which is right for the plain and the distributed optimizer alike."""
+        if self.tied_group is None:
+            return
+        weight = self.tied_embedding_weight()
+        grad = getattr(weight, "main_grad", None)
+        if grad is None:
+            grad = weight.grad
+        torch.distributed.all_reduce(grad, group=self.tied_group)
 
     def unit_modules(self):
         """(unit, module, where the module sits in this stage's state dict) for each unit of the stage."""
