@@ -1,0 +1,196 @@
+"""Model features the real InternVL checkpoints need, checked in one process (a world of one, gloo):
+layer parity against transformers' InternVL vision layer, Qwen2 and Llama decoder layers (the independent
+reference), vocabulary padding left out of the loss, tied embeddings, sharded state dicts, spec round trip."""
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from omnibal_ext.errors import UserError
+from omnibal_ext.model.units import ModelSpec, build_units, get_preset, vit_layers_for_feature_layer
+
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    import torch.distributed as dist
+
+    from megatron.training import cpu_compat
+    from megatron.training.initialize import initialize_distributed, set_seeds
+
+    with cpu_compat.patched():
+        initialize_distributed(torch.device("cpu"), 1, 1)
+        set_seeds(0)
+        yield
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        os.environ.pop(var, None)
+
+
+def perturb_named(module, seed=0):
+    """Every parameter random (HF init leaves norms, layer scales and biases constant, which would hide
+    swapped keys); norm weights and layer scales around 1 so they stay of order one."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(0.2 * noise if (p.dim() > 1 or name.endswith("bias")) else 1.0 + 0.3 * noise)
+
+
+def build_layer(cfg, normalization, mask_type, real_heads=None, vision=None):
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron.vlm.model import _layer_spec
+
+    return build_module(_layer_spec(normalization, mask_type, 0, 0, real_heads=real_heads, vision=vision),
+                        config=cfg, layer_number=1)
+
+
+def run_layer(layer, x, **kw):
+    out = layer(hidden_states=x, **kw)
+    return out[0] if isinstance(out, tuple) else out
+
+
+# --------------------------------------------------------------------------------------------------
+# ViT layer against transformers' InternVLVisionLayer
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("norm, qkv_bias, qk_norm", [("LayerNorm", True, False), ("RMSNorm", False, True)],
+                         ids=["layernorm-bias", "rmsnorm-qknorm"])
+def test_vit_layer_matches_transformers_internvl(megatron_world, norm, qkv_bias, qk_norm):
+    pytest.importorskip("transformers")
+    from megatron.core.transformer.enums import AttnMaskType
+    from transformers.models.internvl.configuration_internvl import InternVLVisionConfig
+    from transformers.models.internvl.modeling_internvl import InternVLVisionLayer
+
+    from megatron.vlm.config import vision_config
+
+    H, heads, F_, eps, ls = 64, 4, 128, 1e-6, 0.1
+    hf_cfg = InternVLVisionConfig(hidden_size=H, num_attention_heads=heads, intermediate_size=F_,
+                                  attention_bias=qkv_bias, use_qk_norm=qk_norm,
+                                  norm_type="layer_norm" if norm == "LayerNorm" else "rms_norm",
+                                  layer_norm_eps=eps, layer_scale_init_value=ls, hidden_act="gelu",
+                                  attention_dropout=0.0, projection_dropout=0.0, hidden_dropout_prob=0.0)
+    hf_cfg._attn_implementation = "eager"
+    ref = InternVLVisionLayer(hf_cfg).eval()
+    perturb_named(ref, seed=1)
+
+    base = get_preset("tiny")
+    vision = dataclasses.replace(base.vision, hidden_size=H, num_attention_heads=heads, ffn_hidden_size=F_,
+                                 normalization=norm, norm_eps=eps, qkv_bias=qkv_bias, qk_norm=qk_norm,
+                                 layer_scale_init=ls)
+    spec = base.replace(vision=vision)
+    ours = build_layer(vision_config(spec, 1, True, torch.float32), norm, AttnMaskType.no_mask,
+                       real_heads=heads, vision=vision).eval()
+    d = H // heads
+    a = ref.attention
+    sd = {
+        "input_layernorm.weight": ref.layernorm_before.weight,
+        "pre_mlp_layernorm.weight": ref.layernorm_after.weight,
+        # megatron-core's fused QKV of multi-head attention: per head, rows [q_h; k_h; v_h]
+        "self_attention.linear_qkv.weight": torch.stack(
+            [w.weight.reshape(heads, d, H) for w in (a.q_proj, a.k_proj, a.v_proj)], 1).reshape(3 * H, H),
+        "self_attention.linear_proj.weight": a.projection_layer.weight,
+        "self_attention.linear_proj.bias": a.projection_layer.bias,
+        "self_attn_bda.scale": ref.lambda_1, "mlp_bda.scale": ref.lambda_2,
+        "mlp.linear_fc1.weight": ref.mlp.fc1.weight, "mlp.linear_fc1.bias": ref.mlp.fc1.bias,
+        "mlp.linear_fc2.weight": ref.mlp.fc2.weight, "mlp.linear_fc2.bias": ref.mlp.fc2.bias,
+    }
+    if norm == "LayerNorm":
+        sd["input_layernorm.bias"] = ref.layernorm_before.bias
+        sd["pre_mlp_layernorm.bias"] = ref.layernorm_after.bias
+    if qkv_bias:
+        sd["self_attention.linear_qkv.bias"] = torch.stack(
+            [w.bias.reshape(heads, d) for w in (a.q_proj, a.k_proj, a.v_proj)], 1).reshape(3 * H)
+    if qk_norm:
+        sd["self_attention.q_layernorm.weight"] = a.q_norm.weight
+        sd["self_attention.k_layernorm.weight"] = a.k_norm.weight
+    ours_params = dict(ours.named_parameters())
+    assert set(ours_params) == set(sd), set(ours_params) ^ set(sd)  # every parameter mapped, none extra
+    with torch.no_grad():
+        for k, v in sd.items():
+            ours_params[k].copy_(v)
+    x = torch.randn(3, 17, H, generator=torch.Generator().manual_seed(2))  # [tiles, tokens, H]
+    with torch.no_grad():
+        want = ref(x)
+        got = run_layer(ours, x.transpose(0, 1).contiguous(), attention_mask=None).transpose(0, 1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# LLM decoder layer against transformers' Qwen2 (qkv bias) and Llama (explicit head_dim)
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_llm_layer_matches_transformers(megatron_world, family):
+    pytest.importorskip("transformers")
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron.vlm.config import language_config
+
+    H, heads, groups, F_, eps, theta = 64, 4, 2, 96, 1e-6, 50000.0
+    d = 24 if family == "llama" else H // heads
+    common = dict(hidden_size=H, num_attention_heads=heads, num_key_value_heads=groups, intermediate_size=F_,
+                  rms_norm_eps=eps, num_hidden_layers=1, vocab_size=128, hidden_act="silu",
+                  rope_parameters={"rope_type": "default", "rope_theta": theta})
+    if family == "qwen2":
+        from transformers import Qwen2Config
+        from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer as Layer
+        from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding as Rope
+
+        hf_cfg = Qwen2Config(**common)
+    else:
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer as Layer
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding as Rope
+
+        hf_cfg = LlamaConfig(**common, head_dim=d, attention_bias=False, mlp_bias=False)
+    hf_cfg._attn_implementation = "eager"
+    ref = Layer(hf_cfg, layer_idx=0).eval()
+    perturb_named(ref, seed=3)
+
+    base = get_preset("tiny")
+    lang = dataclasses.replace(base.language, hidden_size=H, num_attention_heads=heads, num_query_groups=groups,
+                               ffn_hidden_size=F_, norm_eps=eps, rotary_base=int(theta),
+                               qkv_bias=family == "qwen2", head_dim=d if family == "llama" else None)
+    spec = base.replace(language=lang)
+    assert lang.kv_channels == d
+    ours = build_layer(language_config(spec, 1, True, torch.float32), "RMSNorm", AttnMaskType.causal).eval()
+    at, mlp = ref.self_attn, ref.mlp
+    per = heads // groups
+
+    def fused(tensors):  # per key-value group: its query heads, then k, then v
+        q, k, v = tensors
+        q = q.reshape(groups, per * d, *q.shape[1:])
+        k, v = (t.reshape(groups, d, *t.shape[1:]) for t in (k, v))
+        return torch.cat([q, k, v], 1).reshape(-1, *q.shape[2:])
+
+    sd = {
+        "input_layernorm.weight": ref.input_layernorm.weight,
+        "pre_mlp_layernorm.weight": ref.post_attention_layernorm.weight,
+        "self_attention.linear_qkv.weight": fused([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight]),
+        "self_attention.linear_proj.weight": at.o_proj.weight,
+        "mlp.linear_fc1.weight": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+        "mlp.linear_fc2.weight": mlp.down_proj.weight,
+    }
+    if family == "qwen2":
+        sd["self_attention.linear_qkv.bias"] = fused([at.q_proj.bias, at.k_proj.bias, at.v_proj.bias])
+        assert at.o_proj.bias is None
+    ours_params = dict(ours.named_parameters())
+    assert set(ours_params) == set(sd), set(ours_params) ^ set(sd)
+    with torch.no_grad():
+        for k, v in sd.items():
+            ours_params[k].copy_(v)
+    b, s = 2, 11
+    x = torch.randn(b, s, H, generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(s).unsqueeze(0).expand(b, -1)
+    causal = torch.full((s, s), float("-inf")).triu(1).expand(b, 1, s, s)
+    rope = RotaryEmbedding(kv_channels=d, rotary_percent=1.0, rotary_base=int(theta), use_cpu_initialization=True)
+    with torch.no_grad():
+        want = ref(x, attention_mask=causal, position_ids=pos, position_embeddings=Rope(hf_cfg)(x, pos))
+        want = want[0] if isinstance(want, tuple) else want
+        got = run_layer(ours, x.transpose(0, 1).contiguous(), attention_mask=None,
+                        rotary_pos_emb=rope(s)).transpose(0, 1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
