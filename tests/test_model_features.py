@@ -194,3 +194,192 @@ def test_llm_layer_matches_transformers(megatron_world, family):
         got = run_layer(ours, x.transpose(0, 1).contiguous(), attention_mask=None,
                         rotary_pos_emb=rope(s)).transpose(0, 1)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# Vocabulary padding, tied embeddings, sharded state dicts
+# --------------------------------------------------------------------------------------------------
+def whole_model(spec, seed=3, unit_range=None):
+    from megatron.vlm.config import language_config, vision_config
+    from megatron.vlm.model import VLMStage
+
+    units = build_units(spec)
+    cfg = language_config(spec, 1, True, torch.float32)
+    return VLMStage(spec, units, unit_range or range(len(units)), cfg, vision_config(spec, 1, True, torch.float32),
+                    cfg, img_context_id=263, seed=seed)
+
+
+def with_language(spec, **changes):
+    return spec.replace(language=dataclasses.replace(spec.language, **changes))
+
+
+def digits_batch(tmp_path, spec, n=4):
+    from megatron.vlm.data.collate import collate_padded
+    from megatron.vlm.data.digits import build_digits_dataset
+    from megatron.vlm.data.internvl import InternVLDataset
+    from megatron.vlm.data.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    meta = build_digits_dataset(str(tmp_path / "digits"), num_samples=20, tile_size=spec.vision.image_size)
+    ds = InternVLDataset(meta, tok, spec.vision.image_size, spec.tokens_per_tile, 6, 512)
+    return collate_padded([ds[i] for i in range(n)], tok.pad_id), tok.vocab_size
+
+
+def copy_real_rows(src, dst):
+    """dst's parameters from src's, the vocabulary matrices cut to dst's rows."""
+    dst_sd = dst.state_dict()
+    with torch.no_grad():
+        for k, v in src.state_dict().items():
+            if k in dst_sd and dst_sd[k] is not None and hasattr(v, "shape"):
+                dst_sd[k].copy_(v[: dst_sd[k].shape[0]] if v.shape != dst_sd[k].shape else v)
+
+
+def test_vocabulary_padding_does_not_change_the_loss(megatron_world, tmp_path):
+    spec = get_preset("tiny")
+    batch, real = digits_batch(tmp_path, spec)
+    assert real == 264 and spec.language.vocab_size == 384
+    padded = whole_model(with_language(spec, real_vocab_size=real)).eval()
+    unmasked = whole_model(spec).eval()
+    unpadded = whole_model(with_language(spec, vocab_size=real)).eval()
+    copy_real_rows(padded, unpadded)
+    with torch.no_grad():
+        loss = padded(batch)
+        correct = padded.head.last_token_correct
+        want = unpadded(batch)
+        want_correct = unpadded.head.last_token_correct
+        old = unmasked(batch)
+    answer = batch["labels"] != -100
+    torch.testing.assert_close(loss[answer], want[answer], rtol=1e-6, atol=1e-6)
+    assert torch.equal(correct[answer], want_correct[answer])
+    assert (old[answer] - want[answer]).mean() > 0.05  # the padded rows did take part before
+
+
+def test_tied_embeddings_share_one_weight_and_split_stages_draw_the_same(megatron_world):
+    spec = with_language(get_preset("tiny"), tie_word_embeddings=True)
+    whole = whole_model(spec)
+    assert whole.head.output.weight is whole.text_embed.word.weight
+    names = [n for n, _ in whole.named_parameters()]
+    assert "head.output.weight" not in names  # one parameter for the optimizer
+    untied = whole_model(get_preset("tiny"))
+    assert torch.equal(whole.text_embed.word.weight, untied.text_embed.word.weight)  # same draw as untied E
+    units = build_units(spec)
+    e = next(u.index for u in units if u.kind == "llm_embed")
+    first, last = whole_model(spec, unit_range=range(0, e + 1)), whole_model(spec, unit_range=range(e + 1, len(units)))
+    assert torch.equal(last.head.output.weight, first.text_embed.word.weight)
+    assert getattr(last.head.output.weight, "shared", False)  # counted once in the gradient norm
+    assert last.tied_embedding_weight() is last.head.output.weight
+    assert first.tied_embedding_weight() is first.text_embed.word.weight
+    # both stages save the tied weight under their units' names, so any layout loads any checkpoint
+    assert "llm.head.output.weight" in {v.key for v in last.sharded_state_dict().values()}
+    assert "llm.head.output.weight" in {v.key for v in whole.sharded_state_dict().values() if hasattr(v, "key")}
+
+
+def _sharded_shapes(sd):
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    out = {}
+
+    def visit(v):
+        if isinstance(v, ShardedTensorFactory):
+            visit(v.build())
+        elif isinstance(v, dict):
+            for x in v.values():
+                visit(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                visit(x)
+        elif isinstance(v, ShardedTensor):
+            out.setdefault(v.key, set()).add(v.global_shape)
+
+    visit(sd)
+    return out
+
+
+def test_sharded_state_dict_has_every_new_parameter(megatron_world):
+    base = get_preset("tiny")
+    vision = dataclasses.replace(base.vision, num_attention_heads=4, normalization="RMSNorm", qkv_bias=False,
+                                 qk_norm=True, layer_scale_init=0.1)
+    spec = with_language(base.replace(vision=vision), qkv_bias=True, head_dim=24)
+    m = whole_model(spec)
+    sd = m.sharded_state_dict()
+    shapes = _sharded_shapes(sd)
+    H, d, heads = 64, 16, 4
+    want = {
+        "vit.layer.1.self_attention.q_layernorm.weight": (heads, d),
+        "vit.layer.1.self_attention.k_layernorm.weight": (heads, d),
+        "vit.layer.1.self_attention.linear_qkv.weight": (heads, 3 * d, H),
+        "vit.layer.1.self_attn_bda.scale": (H,),
+        "vit.layer.1.mlp_bda.scale": (H,),
+        "llm.layer.2.self_attention.linear_qkv.bias": ((4 + 2 * 2) * 24,),
+        "llm.layer.2.self_attention.linear_qkv.weight": ((4 + 2 * 2) * 24, 64),
+        "llm.layer.2.self_attention.linear_proj.weight": (64, 4 * 24),
+    }
+    for key, shape in want.items():
+        assert shapes.get(key) == {shape}, (key, shapes.get(key))
+    assert "vit.layer.1.self_attention.linear_qkv.bias" not in shapes
+    # every parameter of the stage is saved
+    assert {n for n, _ in m.named_parameters()} <= set(sd)
+
+
+# --------------------------------------------------------------------------------------------------
+# Spec, flags, position table
+# --------------------------------------------------------------------------------------------------
+def test_spec_round_trip_and_presets():
+    spec = get_preset("internvl-6b-20b")
+    assert (spec.vision.normalization, spec.vision.qk_norm, spec.vision.qkv_bias) == ("RMSNorm", True, False)
+    assert spec.vision.layer_scale_init == 0.1
+    assert not spec.language.qkv_bias and not spec.language.tie_word_embeddings
+    custom = with_language(spec, head_dim=96, qkv_bias=True, norm_eps=1e-6, real_vocab_size=92500,
+                           tie_word_embeddings=True)
+    assert ModelSpec.from_dict(custom.to_dict()) == custom
+    old = spec.to_dict()
+    for k in ("norm_eps", "qkv_bias", "qk_norm", "layer_scale_init"):
+        old["vision"].pop(k)
+    assert ModelSpec.from_dict(old).vision.qkv_bias  # older dicts: today's defaults
+    tiny = get_preset("tiny")
+    assert (tiny.vision.qkv_bias, tiny.vision.qk_norm, tiny.vision.layer_scale_init) == (True, False, None)
+    with pytest.raises(UserError, match="'yarn'"):
+        with_language(tiny, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+
+
+def test_vision_feature_layer_mapping_and_flags():
+    from megatron.training.arguments import ArgumentError, build_parser, model_spec_from_args
+
+    assert vit_layers_for_feature_layer(45, -1) == 45
+    assert vit_layers_for_feature_layer(48, -4) == 45
+    assert vit_layers_for_feature_layer(24, 12) == 12
+    with pytest.raises(UserError):
+        vit_layers_for_feature_layer(4, -5)
+    args = build_parser().parse_args([
+        "--vision-feature-layer", "-2", "--vision-normalization", "RMSNorm", "--no-vision-qkv-bias",
+        "--vision-qk-norm", "--vision-layer-scale-init", "1.0", "--qkv-bias", "--head-dim", "32",
+        "--norm-epsilon", "1e-6", "--rotary-base", "1000000", "--tie-word-embeddings"])
+    spec = model_spec_from_args(args)
+    v, lang = spec.vision, spec.language
+    assert (v.num_layers, v.normalization, v.qkv_bias, v.qk_norm, v.layer_scale_init) == (3, "RMSNorm", False, True, 1.0)
+    assert (lang.qkv_bias, lang.head_dim, lang.norm_eps, lang.rotary_base, lang.tie_word_embeddings) == \
+        (True, 32, 1e-6, 1000000, True)
+    assert model_spec_from_args(build_parser().parse_args([])) == get_preset("tiny")
+    with pytest.raises(ArgumentError, match="--vision-layer-scale-init"):
+        model_spec_from_args(build_parser().parse_args(["--vision-layer-scale-init", "big"]))
+
+
+def test_position_table_resize():
+    from megatron.vlm.position import resize_position_embedding
+
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(1, 1 + 16, 8, generator=g)
+    assert torch.equal(resize_position_embedding(table, 32, 8), table)  # same 4x4 grid
+    out = resize_position_embedding(table, 48, 8)  # 4x4 -> 6x6
+    assert out.shape == (1, 37, 8) and torch.equal(out[:, 0], table[:, 0])
+    const = torch.ones(1, 17, 8) * 3
+    torch.testing.assert_close(resize_position_embedding(const, 64, 8)[:, 1:], torch.full((1, 64, 8), 3.0))
+    # a smooth field sampled at pixel centres stays close to the same field on the finer grid
+    def field(n):
+        c = (torch.arange(n) + 0.5) / n
+        y, x = torch.meshgrid(c, c, indexing="ij")
+        return torch.cat([torch.zeros(1, 1, 2), torch.stack([torch.sin(2 * x), torch.cos(y)], -1).reshape(1, n * n, 2)], 1)
+    torch.testing.assert_close(resize_position_embedding(field(16), 32 * 14, 14)[:, 1:], field(32)[:, 1:],
+                               atol=2e-2, rtol=0)
+    with pytest.raises(ValueError):
+        resize_position_embedding(torch.zeros(1, 1 + 15, 8), 32, 8)
