@@ -15,15 +15,17 @@ from omnibal_ext.model.units import build_units, get_preset
 def megatron_world():
     import torch.distributed as dist
 
+    from megatron.training import cpu_compat
     from megatron.training.initialize import initialize_distributed, set_seeds
 
-    initialize_distributed(torch.device("cpu"), 1, 1)
-    set_seeds(0)
-    yield
-    from megatron.core import parallel_state
+    with cpu_compat.patched():  # initialize_distributed on CPU refuses to run outside it
+        initialize_distributed(torch.device("cpu"), 1, 1)
+        set_seeds(0)
+        yield
+        from megatron.core import parallel_state
 
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
     for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
         os.environ.pop(var, None)
 
