@@ -97,7 +97,8 @@ def test_times_follow_device_and_efficiency():
     vit_allreduce = 2 * (2 * 1 / 2 * 9 * 1025 * 3200 * 2 / dev.tp_bytes_per_s)
     assert costs.units[j].fwd_s == pytest.approx(
         vit_fl / 2 / (dev.matmul_flops_per_s * DEFAULT_EFFICIENCY["vit_layer"]) + vit_allreduce)
-    assert costs.units[j].param_count == 4 * h * width + 2 * h * f + 3 * width + h + f + h + 2 * h
+    # InternViT-6B: no QKV bias, RMSNorm (weights only), qk-norm weights over the (padded) width, layer scales
+    assert costs.units[j].param_count == 4 * h * width + 2 * h * f + h + f + h + 2 * h + 2 * width + 2 * h
     with pytest.raises(ValueError, match="unknown unit kinds"):
         analytic_costs(BIG, shape, efficiency={"mlp": 0.3})
 

@@ -10,7 +10,7 @@ import dataclasses
 
 from omnibal_ext.errors import UserError
 from omnibal_ext.model.layout import parse_layout
-from omnibal_ext.model.units import PRESETS, ModelSpec, build_units, get_preset
+from omnibal_ext.model.units import PRESETS, ModelSpec, build_units, get_preset, vit_layers_for_feature_layer
 from omnibal_ext.plan import tp_problem, trainer_argv
 
 
@@ -36,6 +36,24 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument(flag, type=int, default=None, help=f"{help_} (default: the preset's)")
 
     g.add_argument("--init-method-std", type=float, default=None, help="weight init std (default: the preset's)")
+    B = argparse.BooleanOptionalAction
+    g.add_argument("--vision-normalization", choices=["LayerNorm", "RMSNorm"], default=None,
+                   help="ViT norm type (default: the preset's)")
+    g.add_argument("--vision-norm-eps", type=float, default=None, help="ViT norm epsilon (default: the preset's)")
+    g.add_argument("--vision-qkv-bias", action=B, default=None, help="bias on the ViT's QKV (default: the preset's)")
+    g.add_argument("--vision-qk-norm", action=B, default=None,
+                   help="RMSNorm of q and k over the full width of all ViT heads (default: the preset's)")
+    g.add_argument("--vision-layer-scale-init", default=None,
+                   help="ViT layer scale start value, or 'none' for no layer scale (default: the preset's)")
+    g.add_argument("--vision-feature-layer", type=int, default=-1,
+                   help="HF vision_feature_layer: build the ViT up to this layer of --vision-num-layers "
+                        "(-1: all; -k: all but the last k-1; k >= 1: the first k)")
+    g.add_argument("--qkv-bias", action=B, default=None, help="bias on the LLM's q, k, v (Qwen2; default: the preset's)")
+    g.add_argument("--head-dim", type=int, default=None, help="LLM per-head width (default: hidden / heads)")
+    g.add_argument("--norm-epsilon", type=float, default=None, help="LLM RMSNorm epsilon (default: the preset's)")
+    g.add_argument("--rotary-base", type=int, default=None, help="LLM RoPE theta (default: the preset's)")
+    g.add_argument("--tie-word-embeddings", action=B, default=None,
+                   help="output layer shares the input embedding's weight (default: the preset's)")
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -142,6 +160,29 @@ def model_spec_from_args(args) -> ModelSpec:
         ("num_layers", "num_layers"), ("hidden_size", "hidden_size"),
         ("num_attention_heads", "num_attention_heads"), ("num_query_groups", "num_query_groups"),
         ("ffn_hidden_size", "ffn_hidden_size")] if getattr(args, a) is not None}
+    v.update({k: getattr(args, a) for k, a in [
+        ("normalization", "vision_normalization"), ("norm_eps", "vision_norm_eps"), ("qkv_bias", "vision_qkv_bias"),
+        ("qk_norm", "vision_qk_norm")] if getattr(args, a, None) is not None})
+    scale = getattr(args, "vision_layer_scale_init", None)
+    if scale is not None:
+        if scale.lower() == "none":
+            v["layer_scale_init"] = None
+        else:
+            try:
+                v["layer_scale_init"] = float(scale)
+            except ValueError:
+                raise ArgumentError(f"--vision-layer-scale-init {scale!r}: a number or 'none'") from None
+    lang.update({k: getattr(args, a) for k, a in [
+        ("qkv_bias", "qkv_bias"), ("head_dim", "head_dim"), ("norm_eps", "norm_epsilon"),
+        ("rotary_base", "rotary_base"), ("tie_word_embeddings", "tie_word_embeddings")]
+        if getattr(args, a, None) is not None})
+    feature_layer = getattr(args, "vision_feature_layer", -1)
+    if feature_layer != -1:
+        n = v.get("num_layers", spec.vision.num_layers)
+        try:
+            v["num_layers"] = vit_layers_for_feature_layer(n, feature_layer)
+        except UserError as e:
+            raise ArgumentError(f"--vision-feature-layer: {e}") from None
     spec = spec.replace(vision=dataclasses.replace(spec.vision, **v), language=dataclasses.replace(spec.language, **lang))
     if args.init_method_std is not None:
         spec = spec.replace(init_method_std=args.init_method_std)
@@ -213,9 +254,11 @@ def validate_args(args, world_size: int) -> None:
             f"--pipeline-model-parallel-size {pp}")
     args.data_parallel_size = world_size // (tp * pp)
     v, lang = spec.vision, spec.language
+    if lang.head_dim is not None and lang.head_dim < 1:
+        raise ArgumentError(f"--head-dim {lang.head_dim}: must be >= 1")
     for name, heads, hidden in [("--vision-num-attention-heads", v.num_attention_heads, v.hidden_size),
                                 ("--num-attention-heads", lang.num_attention_heads, lang.hidden_size)]:
-        if hidden % heads:
+        if hidden % heads and not (name == "--num-attention-heads" and lang.head_dim):
             raise ArgumentError(f"{name} {heads} does not divide the hidden size {hidden}")
     if tp_problem(spec, tp):  # the planner's rule: the LLM's heads and groups divide, the ViT's are padded
         raise ArgumentError(f"--num-attention-heads {lang.num_attention_heads} (key/value groups {lang.kv_groups}) "

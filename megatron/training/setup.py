@@ -34,7 +34,9 @@ def setup_tokenizer(args):
     if vocab % args.tensor_model_parallel_size:
         vocab = padded_vocab_size(tokenizer.vocab_size, args.tensor_model_parallel_size)
     spec = args.model_spec
-    args.model_spec = spec.replace(language=dataclasses.replace(spec.language, vocab_size=vocab))
+    # the real size too: the padded rows' logits are masked out of the loss (OutputHead)
+    args.model_spec = spec.replace(language=dataclasses.replace(spec.language, vocab_size=vocab,
+                                                                real_vocab_size=tokenizer.vocab_size))
     return tokenizer
 
 

@@ -44,10 +44,26 @@ def build_model(args, layout, recompute: list[StageRecompute], img_context_id: i
                       transformer_impl=resolve_transformer_impl(args.transformer_impl, device, args.attention_backend),
                       attention_backend=args.attention_backend)
     module.to(device=device, dtype=dtype)
+    if spec.language.tie_word_embeddings:
+        units = build_units(spec)
+        embed_index = next(u.index for u in units if u.kind == "llm_embed")
+        embed_stage = next(s for s in range(pp) if embed_index in layout.stage_range(s))
+        if embed_stage != pp - 1:  # every rank takes part in making the groups
+            from megatron.vlm.model import build_tied_embedding_group
+
+            module.tied_group = build_tied_embedding_group(embed_stage, pp - 1)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False,
         use_distributed_optimizer=args.use_distributed_optimizer)
     return [DistributedDataParallel(config=stage_config, ddp_config=ddp_config, module=module)]
+
+
+def finalize_grads(model, num_tokens=None, **kwargs):
+    """megatron-core's finalize_model_grads, after summing the tied embedding's gradients across the
+    stages that hold E and L (VLMStage.allreduce_tied_embedding_grads)."""
+    for chunk in model:
+        _unwrap(chunk).allreduce_tied_embedding_grads()
+    return finalize_model_grads(model, num_tokens, **kwargs)
 
 
 def resolve_transformer_impl(requested: str, device: torch.device, attention_backend: str = "auto") -> str:
@@ -220,7 +236,7 @@ def train(args, model, optimizer, scheduler, train_data, valid_data=None, start_
     """Run iterations start_iteration+1 .. train_iters; returns a summary for the caller."""
     config = _unwrap(model[0]).config
     config.no_sync_func = model[0].no_sync
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = finalize_grads
     forward_backward = get_forward_backward_func()
     log = MetricsLog(args)
     is_last = parallel_state.is_pipeline_last_stage()

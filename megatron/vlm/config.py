@@ -41,8 +41,13 @@ def vision_config(spec: ModelSpec, tp: int, on_cpu: bool, dtype: torch.dtype) ->
     v = spec.vision
     return TransformerConfig(
         num_layers=v.num_layers, hidden_size=v.hidden_size, num_attention_heads=v.padded_heads(tp),
-        kv_channels=v.head_dim, ffn_hidden_size=v.ffn_hidden_size, add_bias_linear=True, add_qkv_bias=True, gated_linear_unit=False,
-        activation_func=F.gelu, normalization=v.normalization, layernorm_epsilon=1e-6,
+        kv_channels=v.head_dim, ffn_hidden_size=v.ffn_hidden_size, add_bias_linear=True,
+        # with add_bias_linear megatron-core always gives linear_qkv a bias; qkv_bias=False swaps in a
+        # bias-free linear_qkv in the layer spec (megatron/vlm/model.py: _vision_layer_spec)
+        add_qkv_bias=v.qkv_bias, gated_linear_unit=False,
+        # qk-norm over the full width of all heads: the q_layernorm/k_layernorm submodules are FullWidthQKNorm
+        qk_layernorm=v.qk_norm,
+        activation_func=F.gelu, normalization=v.normalization, layernorm_epsilon=v.norm_eps,
         **_common(tp=tp, pp=1, on_cpu=on_cpu, dtype=dtype, init_method_std=spec.init_method_std))
 
 
@@ -50,7 +55,8 @@ def language_config(spec: ModelSpec, tp: int, on_cpu: bool, dtype: torch.dtype, 
     lang = spec.language
     return TransformerConfig(
         num_layers=lang.num_layers, hidden_size=lang.hidden_size, num_attention_heads=lang.num_attention_heads,
-        num_query_groups=lang.kv_groups, ffn_hidden_size=lang.ffn_hidden_size, add_bias_linear=False,
+        num_query_groups=lang.kv_groups, kv_channels=lang.kv_channels, ffn_hidden_size=lang.ffn_hidden_size,
+        add_bias_linear=False, add_qkv_bias=lang.qkv_bias,  # Qwen2: bias on q, k, v only
         gated_linear_unit=lang.swiglu, activation_func=F.silu if lang.swiglu else F.gelu,
-        normalization=lang.normalization, layernorm_epsilon=1e-5,
+        normalization=lang.normalization, layernorm_epsilon=lang.norm_eps,
         **_common(tp=tp, pp=pp, on_cpu=on_cpu, dtype=dtype, init_method_std=spec.init_method_std))

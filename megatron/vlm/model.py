@@ -127,6 +127,83 @@ def draw_padded_layer(layer: TransformerLayer, config: TransformerConfig, real_h
                 linear.bias.zero_()
 
 
+class LayerScale(torch.nn.Module):
+    """Bias-dropout-add with a trained per-channel scale of the branch: ``residual + scale * (x + bias)``.
+
+    Used as a TransformerLayer's ``self_attn_bda`` / ``mlp_bda`` submodule (InternViT's layer scale:
+    ``lambda_1``/``ls1`` is the attention branch's ``self_attn_bda.scale``, ``lambda_2``/``ls2`` the MLP
+    branch's ``mlp_bda.scale``), a parameter of shape [hidden] kept apart from the weights (replicated
+    over TP). Called like megatron-core's bias-dropout-add: ``bda(training, fused)(x_with_bias, residual,
+    dropout_prob)``.
+    """
+
+    def __init__(self, hidden_size: int, init_value: float):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.full((hidden_size,), float(init_value)))
+
+    def forward(self, training: bool, fused: bool = False):
+        def bias_dropout_scale_add(x_with_bias, residual, prob):
+            x, bias = x_with_bias
+            if bias is not None:
+                x = x + bias
+            x = F.dropout(x, p=prob, training=training) * self.scale
+            return residual + x
+
+        return bias_dropout_scale_add
+
+
+class FullWidthQKNorm(MegatronModule):
+    """RMSNorm of q (or k) over the full width of all heads, as InternViT-6B's qk-norm.
+
+    Built as SelfAttention's ``q_layernorm`` / ``k_layernorm`` submodule, it gets this rank's heads
+    [s, b, heads per rank, head_dim] and normalises each token over ``real_heads * head_dim`` values:
+    under tensor parallelism the sum of squares is all-reduced over the TP group (forward and backward)
+    and divided by the real width (padded heads are zero and add nothing). The weight covers this rank's
+    heads ([heads per rank * head_dim], split over TP like the heads; padded heads' entries stay unused).
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, real_heads: int | None = None):
+        super().__init__(config=config)
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        self.tp = config.tensor_model_parallel_size
+        local_heads = config.num_attention_heads // self.tp
+        self.real_width = (real_heads or config.num_attention_heads) * hidden_size
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(local_heads * hidden_size, dtype=config.params_dtype))
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(*shape[:-2], -1).float()
+        ss = flat.pow(2).sum(-1, keepdim=True)
+        if self.tp > 1:  # all-reduce forward, all-reduce backward (every rank's output depends on the sum)
+            ss = tensor_parallel.reduce_from_tensor_model_parallel_region(
+                tensor_parallel.copy_to_tensor_model_parallel_region(ss))
+        y = (flat * torch.rsqrt(ss / self.real_width + self.eps)).to(x.dtype)
+        return (self.weight * y).reshape(shape)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        state = self.state_dict(prefix="", keep_vars=True)
+        return make_sharded_tensors_for_checkpoint(state, prefix, {"weight": 0}, sharded_offsets)
+
+
+_NO_BIAS_CLASSES: dict = {}
+
+
+def without_bias(linear_cls: type) -> type:
+    """``linear_cls`` built without a bias whatever the ``bias`` its builder passes (megatron-core gives
+    linear_qkv a bias whenever ``add_bias_linear`` is set; the ViT keeps biases elsewhere)."""
+    if linear_cls not in _NO_BIAS_CLASSES:
+        def __init__(self, *args, bias=True, **kwargs):
+            linear_cls.__init__(self, *args, bias=False, **kwargs)
+
+        _NO_BIAS_CLASSES[linear_cls] = type(f"{linear_cls.__name__}NoBias", (linear_cls,), {"__init__": __init__})
+    return _NO_BIAS_CLASSES[linear_cls]
+
+
 def base_layer_spec(normalization: str, transformer_impl: str = "local") -> ModuleSpec:
     """megatron-core's layer spec: torch modules ("local") or TransformerEngine's fused ones.
 
@@ -141,7 +218,8 @@ def base_layer_spec(normalization: str, transformer_impl: str = "local") -> Modu
 
 def _layer_spec(normalization: str, mask_type: AttnMaskType, seed: int, first_unit_index: int,
                 transformer_impl: str = "local", attention_backend: str = "auto",
-                real_heads: int | None = None) -> ModuleSpec:
+                real_heads: int | None = None, vision=None) -> ModuleSpec:
+    """vision: the VisionSpec whose per-layer features (qkv bias off, qk-norm, layer scale) the layer gets."""
     spec = copy.deepcopy(base_layer_spec(normalization, transformer_impl))
     spec.module = SeededTransformerLayer
     spec.params = {**spec.params, "seed": seed, "first_unit_index": first_unit_index, "real_heads": real_heads}
@@ -149,6 +227,18 @@ def _layer_spec(normalization: str, mask_type: AttnMaskType, seed: int, first_un
     attn.params = {**attn.params, "attn_mask_type": mask_type}
     if uses_segment_attention(transformer_impl, attention_backend):
         attn.submodules.core_attention = SegmentAttention
+    if vision is not None:
+        if not vision.qkv_bias:
+            attn.submodules.linear_qkv = without_bias(attn.submodules.linear_qkv)
+        if vision.qk_norm:
+            norm = ModuleSpec(module=FullWidthQKNorm, params={"real_heads": real_heads})
+            attn.submodules.q_layernorm = norm
+            attn.submodules.k_layernorm = copy.deepcopy(norm)
+        if vision.layer_scale_init is not None:
+            scale = ModuleSpec(module=LayerScale, params={"hidden_size": vision.hidden_size,
+                                                          "init_value": vision.layer_scale_init})
+            spec.submodules.self_attn_bda = scale
+            spec.submodules.mlp_bda = copy.deepcopy(scale)
     return spec
 
 
@@ -231,6 +321,13 @@ class Projector(MegatronModule):
         return x.unsqueeze(1)
 
 
+def word_embedding(spec: ModelSpec, config: TransformerConfig) -> tensor_parallel.VocabParallelEmbedding:
+    """The vocabulary-parallel token embedding (drawn first in the llm.embed unit's seed; a tied output
+    layer on another stage draws the same weights the same way)."""
+    return tensor_parallel.VocabParallelEmbedding(
+        spec.language.vocab_size, spec.language.hidden_size, init_method=config.init_method, config=config)
+
+
 class TextEmbedding(MegatronModule):
     """Token embedding (vocabulary-parallel) with image features written into image-context slots.
 
@@ -239,9 +336,7 @@ class TextEmbedding(MegatronModule):
 
     def __init__(self, spec: ModelSpec, config: TransformerConfig, img_context_id: int, tokens_per_tile: int):
         super().__init__(config=config)
-        self.word = tensor_parallel.VocabParallelEmbedding(
-            spec.language.vocab_size, spec.language.hidden_size, init_method=config.init_method,
-            config=config)
+        self.word = word_embedding(spec, config)
         self.img_context_id = img_context_id
         self.tokens_per_tile = tokens_per_tile
 
@@ -266,13 +361,32 @@ class OutputHead(MegatronModule):
             spec.language.hidden_size, spec.language.vocab_size, config=config,
             init_method=config.init_method, bias=False, gather_output=False)
         self.last_token_correct = None  # [b, s] bool, argmax == label, set by forward
+        self.vocab_size, self.real_vocab = spec.language.vocab_size, spec.language.vocab_real
 
     def forward(self, hidden, labels):
         logits, _ = self.output(self.norm(hidden))  # [t, 1, V/tp]
         targets = labels.clamp(min=0).reshape(-1, 1)
+        if self.real_vocab < self.vocab_size:  # padded rows take no part in the softmax nor the argmax
+            logits = mask_padded_vocab(logits.float(), self.real_vocab)
         loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), targets)
         self.last_token_correct = _vocab_parallel_argmax_matches(logits.detach(), targets).reshape(labels.shape)
         return loss.reshape(labels.shape)  # [b, s]
+
+
+# what padded vocabulary rows' logits become: exp() of it minus any real logit is exactly 0 in fp32
+PADDED_LOGIT = -1e30
+
+
+def mask_padded_vocab(logits: torch.Tensor, real_vocab: int) -> torch.Tensor:
+    """This TP rank's logits [..., V/tp] with the columns of padded vocabulary rows (global id >=
+    ``real_vocab``) set to ``PADDED_LOGIT``."""
+    part = logits.shape[-1]
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    start = parallel_state.get_tensor_model_parallel_rank() * part if tp > 1 else 0
+    if start + part <= real_vocab:
+        return logits
+    padded = torch.arange(start, start + part, device=logits.device) >= real_vocab
+    return logits.masked_fill(padded, PADDED_LOGIT)
 
 
 def _vocab_parallel_argmax_matches(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -289,6 +403,24 @@ def _vocab_parallel_argmax_matches(logits: torch.Tensor, targets: torch.Tensor) 
         torch.distributed.all_reduce(local_max, op=torch.distributed.ReduceOp.MAX, group=group)
         torch.distributed.all_reduce(target_logit, group=group)
     return target_logit >= local_max
+
+
+def build_tied_embedding_group(embed_stage: int, head_stage: int):
+    """The process group of the ranks holding the tied embedding (pipeline stage ``embed_stage``) and the
+    output layer (``head_stage``) in this rank's pipeline; None if this rank holds neither. Every rank
+    must call it (it creates one group per pipeline group, in the same order everywhere)."""
+    import torch.distributed as dist
+
+    pp_ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, list(pp_ranks))
+    mine = None
+    for ranks in sorted({tuple(g) for g in gathered}):
+        pair = [ranks[embed_stage], ranks[head_stage]]
+        group = dist.new_group(pair)
+        if dist.get_rank() in pair:
+            mine = group
+    return mine
 
 
 def packed_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -322,7 +454,8 @@ class VLMStage(MegatronModule):
             llm_config = dataclasses.replace(llm_config, apply_rope_fusion=True)  # megatron's unfused one
             # would read them on the host (.tolist()) in every layer
         self.model_type = ModelType.encoder_or_decoder
-        # Read by megatron's finalize_model_grads: no weights are shared between stages.
+        # Read by megatron's finalize_model_grads: its embedding group (first and last stage) cannot say
+        # where E sits in our layouts, so tied embeddings are kept in sync by this module itself.
         self.pre_process = unit_range.start == 0
         self.post_process = unit_range.stop == len(units)
         self.share_embeddings_and_output_weights = False
@@ -342,7 +475,7 @@ class VLMStage(MegatronModule):
                 self.vit_embed = VisionEmbedding(spec, vit_config)
         self.vit_blocks = self._blocks(vit_config, spec.vision.normalization, AttnMaskType.no_mask, seed,
                                        first["vit_layer"], n_vit, recompute.vit_full_layers, recompute.vit_selective,
-                                       real_heads=spec.vision.num_attention_heads)
+                                       real_heads=spec.vision.num_attention_heads, vision=spec.vision)
         if first["projector"] is not None:
             with seeded(seed, first["projector"]):
                 self.projector = Projector(spec, llm_config)
@@ -353,24 +486,59 @@ class VLMStage(MegatronModule):
                                        llm_mask_type(transformer_impl, attention_backend), seed,
                                        first["llm_layer"], n_llm, recompute.llm_full_layers, recompute.llm_selective)
         if n_llm:
-            kv = spec.language.hidden_size // spec.language.num_attention_heads
-            self.rotary = RotaryEmbedding(kv_channels=kv, rotary_percent=1.0, rotary_base=spec.language.rotary_base,
+            self.rotary = RotaryEmbedding(kv_channels=spec.language.kv_channels, rotary_percent=1.0, rotary_base=spec.language.rotary_base,
                                           use_cpu_initialization=True)
         if first["llm_head"] is not None:
             with seeded(seed, first["llm_head"]):
                 norm = get_gpt_layer_local_spec(normalization=spec.language.normalization).submodules.input_layernorm
                 self.head = OutputHead(spec, llm_config, norm)
+        # Tied input/output embeddings: on a stage holding both E and L the head's output layer uses the
+        # embedding's Parameter itself; on the last stage without E the head holds a copy drawn exactly as
+        # the embedding is (the llm.embed unit's seed), kept equal by summing the two copies' gradients
+        # over ``tied_group`` (allreduce_tied_embedding_grads, before the data-parallel reduction) and
+        # marked ``shared`` so the gradient norm counts the weight once.
+        self.tied_group = None  # set by megatron.training.training.build_model when E and L are apart
+        if spec.language.tie_word_embeddings and self.head is not None:
+            if self.text_embed is not None:
+                self.head.output.weight = self.text_embed.word.weight
+            else:
+                embed_index = next(u.index for u in units if u.kind == "llm_embed")
+                with seeded(seed, embed_index):
+                    drawn = word_embedding(spec, llm_config)
+                with torch.no_grad():
+                    self.head.output.weight.copy_(drawn.weight)
+                self.head.output.weight.shared = True
 
     def _blocks(self, base, normalization, mask_type, seed, first_index, n_layers, full_layers, selective,
-                real_heads=None):
+                real_heads=None, vision=None):
         blocks = torch.nn.ModuleList()
         offset = 0
         for n, cfg in segment_configs(base, n_layers, min(full_layers, n_layers), selective):
             layer = _layer_spec(normalization, mask_type, seed, first_index + offset, self.transformer_impl,
-                                self.attention_backend, real_heads)
+                                self.attention_backend, real_heads, vision)
             blocks.append(TransformerBlock(cfg, layer, post_layer_norm=False))
             offset += n
         return blocks
+
+    def tied_embedding_weight(self):
+        """This stage's copy of the tied embedding / output weight (None when untied or neither is here)."""
+        if not self.spec.language.tie_word_embeddings:
+            return None
+        if self.text_embed is not None:
+            return self.text_embed.word.weight
+        return self.head.output.weight if self.head is not None else None
+
+    def allreduce_tied_embedding_grads(self) -> None:
+        """Sum the tied weight's gradient over the stages holding E and L (``tied_group``), so both copies
+        take the same step. Runs before megatron's finalize_model_grads (the DP reduction), on the local
+        accumulated gradients, which is right for the plain and the distributed optimizer alike."""
+        if self.tied_group is None:
+            return
+        weight = self.tied_embedding_weight()
+        grad = getattr(weight, "main_grad", None)
+        if grad is None:
+            grad = weight.grad
+        torch.distributed.all_reduce(grad, group=self.tied_group)
 
     def unit_modules(self):
         """(unit, module, where the module sits in this stage's state dict) for each unit of the stage."""

@@ -11,7 +11,7 @@ at any TP/PP/DP and layout.
 ViT heads padded for tensor parallelism (InternViT-6B's 25 heads become 28 at TP 4) are saved as the
 real heads only: the attention tensors are stored head by head along a leading axis of the real head
 count (``[heads, 3 * head_dim, hidden]`` for QKV, ``[heads, hidden, head_dim]`` for the output
-projection's columns), so their global shape does not depend on TP; padded heads are dropped on save and
+projection's columns, ``[heads, head_dim]`` for the qk-norm weights), so their global shape does not depend on TP; padded heads are dropped on save and
 come back as zeros on load.
 """
 from __future__ import annotations
@@ -38,6 +38,9 @@ _PER_HEAD = {
     "self_attention.linear_qkv.weight": (0, 3),
     "self_attention.linear_qkv.bias": (0, 3),
     "self_attention.linear_proj.weight": (1, 1),
+    # qk-norm weights (FullWidthQKNorm): head_dim entries per head, stored as [heads, head_dim]
+    "self_attention.q_layernorm.weight": (0, 1),
+    "self_attention.k_layernorm.weight": (0, 1),
 }
 
 

@@ -191,11 +191,12 @@ def llm_layer_flops(spec: ModelSpec, shape: MicroBatchShape) -> tuple[float, flo
     """(total, attention-core) forward FLOPs of one LLM layer over the micro-batch."""
     lm = spec.language
     t, h, f = shape.llm_tokens, lm.hidden_size, lm.ffn_hidden_size
-    d = h // lm.num_attention_heads
-    qkv = 2.0 * t * h * (h + 2 * lm.kv_groups * d)
-    out = 2.0 * t * h * h
+    d = lm.kv_channels
+    width = lm.num_attention_heads * d  # attention width: h, unless head_dim says otherwise
+    qkv = 2.0 * t * h * (width + 2 * lm.kv_groups * d)
+    out = 2.0 * t * width * h
     mlp = (6.0 if lm.swiglu else 4.0) * t * h * f
-    core = 4.0 * h * 0.5 * shape.attn_tokens_sq  # causal: half of the score matrix
+    core = 4.0 * width * 0.5 * shape.attn_tokens_sq  # causal: half of the score matrix
     return qkv + out + mlp + core, core
 
 
@@ -251,13 +252,14 @@ def unit_work(spec: ModelSpec, shape: MicroBatchShape, tp: int = 1) -> list[floa
 def layer_act_bytes_per_token(
     hidden: int, heads: int, kv_groups: int, ffn: int, swiglu: bool, attended: float,
     dtype_bytes: int, tp: int, dropout: bool, attention: str, *, rotary: bool = False, per_sample: bool = False,
-    built_heads: int | None = None,
+    built_heads: int | None = None, head_dim: int | None = None,
 ) -> tuple[float, float]:
     """(all, attention-core) activation bytes per token of one pre-norm layer (see module docstring).
 
     attended: attended length per token (tokens), so the core keeps ``heads*attended`` scores per token.
     rotary: the layer applies rotary embeddings; per_sample: attention runs once per packed sample;
-    built_heads: heads the layer is built with (padded for TP; default ``heads``).
+    built_heads: heads the layer is built with (padded for TP; default ``heads``); head_dim: per-head
+    width (default hidden / heads).
 
     Beyond the textbook count, what this trainer's megatron-core local layers keep, as measured on an
     H200 (``profiles/h200``; the ViT layer matches to 0.1%, the LLM layers to 0.1%):
@@ -270,7 +272,7 @@ def layer_act_bytes_per_token(
       out-projection input: ``h*D/t`` more.
     """
     d_bytes, p = dtype_bytes, (1 if dropout else 0)
-    head_dim = hidden // heads
+    head_dim = head_dim or hidden // heads
     heads = built_heads or heads
     width = heads * head_dim  # attention width: hidden, unless heads are padded
     replicated = 4 * hidden * d_bytes + 2 * hidden * p + (4 * head_dim * d_bytes if rotary else 0)
@@ -288,8 +290,9 @@ def layer_act_bytes_per_token(
 
 
 def unit_param_counts(spec: ModelSpec, tp: int = 1) -> list[int]:
-    """Parameters of every unit (weights, biases of the ViT and projector, norm weights), whole model;
-    at ``tp`` the ViT's padded heads included."""
+    """Parameters of every unit (weights, biases, norm weights, qk-norm weights, layer scales), whole
+    model; at ``tp`` the ViT's padded heads included. A tied output layer is counted in ``llm.head`` too:
+    it holds its own copy whenever E and L sit on different stages."""
     v, lm = spec.vision, spec.language
     out = []
     for u in build_units(spec):
@@ -298,7 +301,10 @@ def unit_param_counts(spec: ModelSpec, tp: int = 1) -> list[int]:
             n += v.hidden_size + v.seq_per_tile * v.hidden_size  # class token + position embedding
         elif u.kind == "vit_layer":
             h, f, width = v.hidden_size, v.ffn_hidden_size, v.padded_heads(tp) * v.head_dim
-            n = 4 * h * width + 2 * h * f + (3 * width + h + f + h) + 2 * h * (2 if v.normalization == "LayerNorm" else 1)
+            n = 4 * h * width + 2 * h * f + (h + f + h) + 2 * h * (2 if v.normalization == "LayerNorm" else 1)
+            n += 3 * width if v.qkv_bias else 0  # QKV bias
+            n += 2 * width if v.qk_norm else 0  # q and k norm weights over the full width
+            n += 2 * h if v.layer_scale_init is not None else 0  # ls1, ls2
         elif u.kind == "projector":
             hi, ho = spec.projector_in_size, lm.hidden_size
             n = 2 * hi + hi * ho + ho + ho * ho + ho
@@ -306,8 +312,10 @@ def unit_param_counts(spec: ModelSpec, tp: int = 1) -> list[int]:
             n = lm.vocab_size * lm.hidden_size
         elif u.kind == "llm_layer":
             h, f = lm.hidden_size, lm.ffn_hidden_size
-            d = h // lm.num_attention_heads
-            n = h * (h + 2 * lm.kv_groups * d) + h * h + (3 if lm.swiglu else 2) * h * f + 2 * h
+            d = lm.kv_channels
+            qkv_rows = lm.num_attention_heads * d + 2 * lm.kv_groups * d
+            n = h * qkv_rows + lm.num_attention_heads * d * h + (3 if lm.swiglu else 2) * h * f + 2 * h
+            n += qkv_rows if lm.qkv_bias else 0
         elif u.kind == "llm_head":
             n = lm.vocab_size * lm.hidden_size + lm.hidden_size
         else:
@@ -341,8 +349,9 @@ def _unit_bytes(spec: ModelSpec, shape: MicroBatchShape, unit: Unit, tp: int, dr
         attended = shape.attn_tokens_sq / T if T else 0.0
         per_tok, core = layer_act_bytes_per_token(
             lm.hidden_size, lm.num_attention_heads, lm.kv_groups, lm.ffn_hidden_size, lm.swiglu,
-            attended, D, tp, dropout, attention, rotary=True, per_sample=attention == "flash")
-        full = T * lm.hidden_size * D + T * (lm.hidden_size // lm.num_attention_heads) * 4.0  # input, fp32 rotary table
+            attended, D, tp, dropout, attention, rotary=True, per_sample=attention == "flash",
+            head_dim=lm.kv_channels)
+        full = T * lm.hidden_size * D + T * lm.kv_channels * 4.0  # input, fp32 rotary table
         return T * per_tok, full, T * (per_tok - core), T * lm.hidden_size * D
     if unit.kind == "llm_head":
         # final-norm input and output-layer input, plus the fp32 softmax of the vocab-parallel loss

@@ -38,6 +38,16 @@ class VisionSpec:
     patch_size: int = 14  # pixels
     in_channels: int = 3
     normalization: str = "LayerNorm"  # or "RMSNorm" (InternViT-6B)
+    norm_eps: float = 1e-6  # epsilon of the layer norms and of the qk-norm (HF: layer_norm_eps)
+    qkv_bias: bool = True  # bias on the fused QKV projection (HF: attention_bias; InternViT-6B: none)
+    qk_norm: bool = False  # RMSNorm of q and of k over the full width of all heads (HF: use_qk_norm)
+    # layer scale: x + ls1 * attn(norm1(x)), x + ls2 * mlp(norm2(x)), ls1/ls2 trained vectors of [hidden]
+    # starting at this value (HF: layer_scale_init_value); None: no layer scale
+    layer_scale_init: float | None = None
+
+    def __post_init__(self):
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise UserError(f"vision normalization must be LayerNorm or RMSNorm, got {self.normalization!r}")
 
     @property
     def head_dim(self) -> int:
@@ -72,10 +82,41 @@ class LanguageSpec:
     swiglu: bool = True
     normalization: str = "RMSNorm"
     rotary_base: int = 10000
+    # ids the tokenizer really has (None: all ``vocab_size`` rows are real); the padded rows' logits are
+    # masked out of the softmax and the argmax
+    real_vocab_size: int | None = None
+    head_dim: int | None = None  # per-head width (HF: head_dim); None: hidden_size // num_attention_heads
+    qkv_bias: bool = False  # bias on q, k, v (not on the output projection): Qwen2
+    norm_eps: float = 1e-5  # RMSNorm epsilon (HF: rms_norm_eps)
+    # HF rope_scaling; no scaling type is implemented, so it must be None (the converter passes the
+    # checkpoint's value and gets a UserError naming the type)
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False  # the output layer uses the input embedding's weight
+
+    def __post_init__(self):
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type")) \
+                if isinstance(self.rope_scaling, dict) else self.rope_scaling
+            if kind not in (None, "default"):
+                raise UserError(f"RoPE scaling type {kind!r} is not implemented (rope_scaling {self.rope_scaling}); "
+                                "only plain RoPE (rope_scaling None or type 'default') is supported")
+        if self.real_vocab_size is not None and not 1 <= self.real_vocab_size <= self.vocab_size:
+            raise UserError(f"real vocabulary size {self.real_vocab_size} must be in [1, {self.vocab_size}] "
+                            "(the padded vocabulary)")
 
     @property
     def kv_groups(self) -> int:
         return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def kv_channels(self) -> int:
+        """Per-head width: ``head_dim`` when given, else hidden / heads."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def vocab_real(self) -> int:
+        """Rows of the vocabulary that are real ids (the rest is padding)."""
+        return self.real_vocab_size or self.vocab_size
 
 
 @dataclass(frozen=True)
@@ -106,7 +147,7 @@ class ModelSpec:
     @classmethod
     def from_dict(cls, d: dict) -> "ModelSpec":
         return cls(
-            name=d["name"],
+            name=d["name"],  # fields missing from older dicts take their defaults
             vision=VisionSpec(**d["vision"]),
             language=LanguageSpec(**d["language"]),
             downsample_ratio=d.get("downsample_ratio", 0.5),
@@ -140,13 +181,16 @@ def build_units(spec: ModelSpec) -> list[Unit]:
 
 # --------------------------------------------------------------------------------------------
 # Presets.  Sizes of the paper's models are the published ones (InternVL-Chat-V1.5 family):
-# InternViT-6B (45 layers used, hidden 3200, 25 heads, MLP 12800, 448px tiles, patch 14, RMSNorm),
-# InternLM2-20B (48 layers, hidden 6144, 48 heads, 8 KV heads, MLP 16384, vocabulary 92544),
+# InternViT-6B (45 layers used, hidden 3200, 25 heads, MLP 12800, 448px tiles, patch 14, RMSNorm,
+# qk-norm, no qkv bias, layer scale starting at 0.1),
+# InternLM2-20B (48 layers, hidden 6144, 48 heads, 8 KV heads, MLP 16384, vocabulary 92544, no qkv bias,
+# untied embeddings),
 # Nous-Hermes-2-Yi-34B (60 layers, hidden 7168, 56 heads, 8 KV heads, MLP 20480, vocabulary 64000).
 # --------------------------------------------------------------------------------------------
 INTERNVIT_6B = VisionSpec(
     num_layers=45, hidden_size=3200, num_attention_heads=25, ffn_hidden_size=12800,
-    image_size=448, patch_size=14, normalization="RMSNorm",
+    image_size=448, patch_size=14, normalization="RMSNorm", norm_eps=1e-6, qkv_bias=False, qk_norm=True,
+    layer_scale_init=0.1,
 )
 
 PRESETS: dict[str, ModelSpec] = {
@@ -214,6 +258,21 @@ PRESETS.update({
                               num_query_groups=4, vocab_size=QWEN2_5_VOCAB_INTERNVL, rotary_base=1000000),
     ),
 })
+
+
+def vit_layers_for_feature_layer(num_hidden_layers: int, vision_feature_layer: int) -> int:
+    """ViT layers to build for a checkpoint of ``num_hidden_layers`` layers whose features are taken at
+    HF ``vision_feature_layer``: the model simply has that many layers (the later ones are not loaded).
+
+    HF indexes ``hidden_states`` with it: entry 0 is the embedding output, entry i the output of layer i,
+    so -1 (InternVL's usual value: ``last_hidden_state``, no final norm as ``use_mean_pooling`` leaves it
+    out) is all layers, -k is ``num_hidden_layers + 1 - k`` layers, and k >= 1 is k layers.
+    """
+    n = num_hidden_layers + 1 + vision_feature_layer if vision_feature_layer < 0 else vision_feature_layer
+    if not 1 <= n <= num_hidden_layers:
+        raise UserError(f"vision_feature_layer {vision_feature_layer} selects no ViT layer of {num_hidden_layers} "
+                        f"(valid: -{num_hidden_layers}..-1 or 1..{num_hidden_layers})")
+    return n
 
 
 def get_preset(name: str) -> ModelSpec:

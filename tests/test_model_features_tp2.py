@@ -1,0 +1,47 @@
+"""TP 2 (two gloo ranks under torchrun) against TP 1 in this process: qk-norm over padded ViT heads
+(3 heads -> 4) and the vocabulary-padded loss."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from launch import benchlib
+from test_model_features import copy_real_rows, digits_batch, megatron_world  # noqa: F401
+
+pytestmark = pytest.mark.slow
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_tp2_qk_norm_with_padded_heads_and_vocab_padding_equal_tp1(megatron_world, tmp_path):  # noqa: F811
+    import tp2_cases
+
+    from omnibal_ext.model.units import get_preset
+
+    batch, real = digits_batch(tmp_path, get_preset("tiny"))
+    torch.save(batch, tmp_path / "batch.pt")
+    env = benchlib.trainer_env()
+    env["PYTHONPATH"] = HERE + os.pathsep + env["PYTHONPATH"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(benchlib.free_port()), os.path.join(HERE, "tp2_features_worker.py"), str(tmp_path)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    tp2 = torch.load(tmp_path / "tp2.pt", weights_only=False)
+
+    layer, x, seed, _ = tp2_cases.vit_layer_and_input(tp=1)
+    out = tp2_cases.run_vit(layer, x, seed)
+    torch.testing.assert_close(tp2["out"], out.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tp2["x_grad"], x.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tp2["q_grad"], layer.self_attention.q_layernorm.weight.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tp2["k_grad"], layer.self_attention.k_layernorm.weight.grad, rtol=1e-5, atol=1e-5)
+
+    padded = tp2_cases.tiny_model(tp=1, real_vocab=True)
+    unpadded = tp2_cases.tiny_model(tp=1, real_vocab=False, vocab_size=real)
+    copy_real_rows(padded, unpadded)
+    with torch.no_grad():
+        want = unpadded.eval()(batch)
+        want_correct = unpadded.head.last_token_correct
+    answer = batch["labels"] != -100
+    torch.testing.assert_close(tp2["loss"][answer], want[answer], rtol=1e-5, atol=1e-5)
+    assert torch.equal(tp2["correct"][answer], want_correct[answer])

@@ -1,0 +1,76 @@
+"""Models of the TP-2 checks, built the same way at TP 1 (in the test process) and TP 2 (torchrun worker)."""
+import dataclasses
+
+import torch
+
+from omnibal_ext.model.units import build_units, get_preset
+
+REAL_HEADS, HEAD_DIM = 3, 16  # 3 heads: padded to 4 at TP 2
+
+
+def vit_spec():
+    base = get_preset("tiny")
+    vision = dataclasses.replace(base.vision, hidden_size=REAL_HEADS * HEAD_DIM, num_attention_heads=REAL_HEADS,
+                                 ffn_hidden_size=96, normalization="RMSNorm", qkv_bias=False, qk_norm=True,
+                                 layer_scale_init=0.5)
+    return base.replace(vision=vision)
+
+
+def vit_layer_and_input(tp: int):
+    """The layer (weights drawn per unit: the same at TP 1 and 2), this rank's slice of non-trivial
+    qk-norm weights, an input that wants its gradient, and the output-gradient seed."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron.vlm.config import vision_config
+    from megatron.vlm.model import _layer_spec
+
+    spec = vit_spec()
+    cfg = vision_config(spec, tp, True, torch.float32)
+    layer = build_module(_layer_spec("RMSNorm", AttnMaskType.no_mask, 5, 1, real_heads=REAL_HEADS, vision=spec.vision),
+                         config=cfg, layer_number=1)
+    g = torch.Generator().manual_seed(11)
+    width = cfg.num_attention_heads * HEAD_DIM  # padded
+    full = []
+    for _ in range(2):
+        w = torch.ones(width)
+        w[: REAL_HEADS * HEAD_DIM] = 1 + 0.3 * torch.randn(REAL_HEADS * HEAD_DIM, generator=g)
+        full.append(w)
+    rank = parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0
+    per = width // tp
+    with torch.no_grad():
+        layer.self_attention.q_layernorm.weight.copy_(full[0][rank * per:(rank + 1) * per])
+        layer.self_attention.k_layernorm.weight.copy_(full[1][rank * per:(rank + 1) * per])
+        # the replicated norms, layer scales and biases away from their constant starts too
+        for i, (name, p) in enumerate(layer.named_parameters()):
+            if name.endswith(("linear_proj.bias", "linear_fc2.bias")) or "bda" in name or \
+                    name.startswith(("input_layernorm", "pre_mlp")):
+                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(100 + i)))
+    x = torch.randn(17, 3, REAL_HEADS * HEAD_DIM, generator=torch.Generator().manual_seed(12)).requires_grad_()
+    return layer, x, 13, full
+
+
+def run_vit(layer, x, grad_seed):
+    out = layer(hidden_states=x, attention_mask=None)
+    out = out[0] if isinstance(out, tuple) else out
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed))
+    (out * w).sum().backward()
+    return out
+
+
+def tiny_model(tp: int, real_vocab: bool, vocab_size: int | None = None):
+    from megatron.vlm.config import language_config, vision_config
+    from megatron.vlm.model import VLMStage
+
+    spec = get_preset("tiny")
+    lang = spec.language
+    if vocab_size is not None:
+        lang = dataclasses.replace(lang, vocab_size=vocab_size)
+    if real_vocab:
+        lang = dataclasses.replace(lang, real_vocab_size=264)
+    spec = spec.replace(language=lang)
+    units = build_units(spec)
+    cfg = language_config(spec, tp, True, torch.float32)
+    return VLMStage(spec, units, range(len(units)), cfg, vision_config(spec, tp, True, torch.float32), cfg,
+                    img_context_id=263, seed=3)
