@@ -314,13 +314,17 @@ def train(args, model, optimizer, scheduler, train_data, valid_data=None, start_
 
 def stage_memory_report(args, model, optimizer, peak_act: int) -> dict:
     """Measured per-stage memory (the largest over the stage's ranks), and the plan's prediction."""
-    mine = (parallel_state.get_pipeline_model_parallel_rank(), peak_act, static_bytes(model, optimizer))
+    device = next(_unwrap(model[0]).parameters()).device
+    allocated = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    mine = (parallel_state.get_pipeline_model_parallel_rank(), peak_act, static_bytes(model, optimizer), allocated)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     pp = args.pipeline_model_parallel_size
-    act = [max(a for s, a, _ in everyone if s == stage) for stage in range(pp)]
-    static = [max(b for s, _, b in everyone if s == stage) for stage in range(pp)]
+    act = [max(e[1] for e in everyone if e[0] == stage) for stage in range(pp)]
+    static = [max(e[2] for e in everyone if e[0] == stage) for stage in range(pp)]
     report = {"peak_act_bytes_per_stage": act, "static_bytes_per_stage": static}
+    if allocated is not None:  # torch.cuda.max_memory_allocated over the run (CUDA only)
+        report["max_allocated_bytes_per_stage"] = [max(e[3] for e in everyone if e[0] == stage) for stage in range(pp)]
     plan = getattr(args, "recompute_plan_applied", None)
     if plan is not None:
         report["predicted_peak_bytes_per_stage"] = list(plan.stage_peak_bytes)
