@@ -433,6 +433,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="gpu_check.json", help="JSON report to write")
     p.add_argument("--work", default=None, help="folder for logs and data (default: a temporary one)")
     p.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(CHECKS)}")
+    p.add_argument("--timeout-scale", type=float, default=None,
+                   help="multiply every check's timeout (default 1 with CUDA; 4 without: the CPU parts on a small machine)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--timeout", type=float, default=None, help=argparse.SUPPRESS)
@@ -443,6 +445,8 @@ def main(argv=None) -> int:
     work = Path(args.work or tempfile.mkdtemp(prefix="gpu_check_"))
     work.mkdir(parents=True, exist_ok=True)
     cuda = cuda_available()
+    if args.timeout_scale is None:
+        args.timeout_scale = 1.0 if cuda else 4.0
     import torch
 
     env = {"torch": torch.__version__, "cuda": cuda, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
@@ -459,7 +463,7 @@ def main(argv=None) -> int:
     report = {"environment": env, "checks": {}}
     for name in names:
         print(f"gpu_check: {name} ...", flush=True)
-        report["checks"][name] = run_check(name, work, TIMEOUTS[name])
+        report["checks"][name] = run_check(name, work, TIMEOUTS[name] * args.timeout_scale)
         Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"\n{'check':<17} {'status':<8} {'s':>5}  numbers")
     for name, r in report["checks"].items():
