@@ -144,7 +144,7 @@ def check_bf16_learns(work: Path, cuda: bool, deadline: float) -> dict:
     if not cuda:
         return skipped("no CUDA device (--bf16 needs one)")
     variants, ok = {}, True
-    flags = ["--train-iters", "60", "--eval-interval", "0", "--log-interval", "10", "--bf16", "--device", "cuda",
+    flags = ["--train-iters", "60", "--eval-interval", "0", "--log-interval", "1", "--bf16", "--device", "cuda",
              "--seed", "7"]
     for name, extra in (("ddp", []), ("distributed_optimizer", ["--use-distributed-optimizer"])):
         rec, _, _ = run_trainer(work, f"bf16_{name}", flags + extra, deadline - time.time())
