@@ -65,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: cuda+NCCL when a GPU is visible, else cpu+gloo")
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap the data-parallel gradient reduction with the backward pass (megatron-core "
+                        "DDP buckets); default: on for CUDA runs, off on CPU")
+    g.add_argument("--overlap-param-gather", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap the distributed optimizer's parameter all-gather with the next forward "
+                        "(needs --use-distributed-optimizer); default: on for CUDA runs with "
+                        "--use-distributed-optimizer, off on CPU")
     g.add_argument("--transformer-impl", choices=["auto", "local", "transformer_engine"], default="auto",
                    help="layer implementation: auto = TransformerEngine on CUDA when importable and the "
                         "LLM runs packed sequences (THD, i.e. not --attention-backend unfused), else "
@@ -248,6 +255,9 @@ def validate_args(args, world_size: int) -> None:
             f"projector and head): some stage would be empty")
     if args.pipeline_layout:
         parse_layout(args.pipeline_layout, spec, pp)  # raises LayoutError naming --pipeline-layout
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer (it overlaps the "
+                            "distributed optimizer's parameter all-gather)")
     if world_size % (tp * pp):
         raise ArgumentError(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "

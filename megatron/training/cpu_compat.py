@@ -70,7 +70,7 @@ def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decouple
 def _cuda_type_names():
     """``Tensor.type()`` (no arguments) names CPU tensors as their CUDA kind, e.g. 'torch.cuda.FloatTensor'.
 
-    Scoped to megatron-core's DistributedOptimizer construction, which sorts parameters into fp16/bf16
+    Scoped to megatron-core's DistributedOptimizer and Float16OptimizerWithFloat16Params construction, which sort parameters into fp16/bf16
     and fp32 groups by those names and raises TypeError for any other.
     """
     original = torch.Tensor.type
@@ -100,6 +100,7 @@ def _patches() -> list[tuple[object, str, object]]:
     """(owner, attribute, replacement) of every CPU patch."""
     from megatron.core.optimizer import clip_grads, optimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
     from megatron.core.tensor_parallel import random as tp_random
 
     return [
@@ -127,6 +128,10 @@ def _patches() -> list[tuple[object, str, object]]:
         # _build_model_and_main_param_groups it calls) accept only parameters whose type() is a
         # torch.cuda.*Tensor name.
         (DistributedOptimizer, "__init__", _with_cuda_type_names(DistributedOptimizer.__init__)),
+        # optimizer/optimizer.py: Float16OptimizerWithFloat16Params.__init__ sorts parameters the same
+        # way (bf16 parameters on CPU: tests build the bf16 optimizer without training in bf16).
+        (Float16OptimizerWithFloat16Params, "__init__",
+         _with_cuda_type_names(Float16OptimizerWithFloat16Params.__init__)),
     ]
 
 

@@ -62,23 +62,71 @@ def one_f_one_b_peak(bytes_per_mb: list[int], stage: int, num_stages: int) -> in
     return peak
 
 
-def static_bytes(model_chunks, optimizer) -> int:
-    """Parameters, gradient buffers and optimizer state held by this rank, bytes."""
-    total = 0
+def _leaf_optimizers(optimizer) -> list:
+    """The optimizers holding state: megatron-core's ChainedOptimizer is walked down to its members."""
+    if optimizer is None:
+        return []
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:
+        return [leaf for member in chained for leaf in _leaf_optimizers(member)]
+    return [optimizer]
+
+
+def static_bytes(model_chunks, optimizer, breakdown: bool = False):
+    """Parameters, gradient buffers and optimizer state held by this rank, bytes.
+
+    Counted as megatron-core allocates them, each storage once:
+
+    * parameters: DDP's contiguous ``param_data`` buffers (distributed optimizer) or each parameter;
+    * gradients: DDP's ``grad_data`` buffers (fp32 with ``grad_reduce_in_fp32``; ``main_grad`` is a
+      view into them), padding included;
+    * fp32 master weights of bf16 parameters: ``fp32_from_float16_groups``
+      (Float16OptimizerWithFloat16Params, whole) or ``shard_fp32_from_float16_groups``
+      (DistributedOptimizer, this rank's shard), for every member of a ChainedOptimizer;
+    * Adam moments: the inner optimizer's state tensors; before the first step (torch creates
+      ``exp_avg`` and ``exp_avg_sq`` lazily) two tensors like each parameter the inner optimizer
+      updates (the fp32 masters or shards), as that step will allocate them.
+
+    With ``breakdown`` returns ``{"params", "grads", "master", "moments", "total"}`` instead.
+    """
+    seen: set = set()
+    parts = {"params": 0, "grads": 0, "master": 0, "moments": 0}
+
+    def count(kind: str, t) -> None:
+        if t is None or not torch.is_tensor(t) or t.dim() == 0 or t.numel() == 0:
+            return
+        s = t.untyped_storage()
+        key = (t.device.type, s.data_ptr(), s.nbytes())
+        if key not in seen:
+            seen.add(key)
+            parts[kind] += s.nbytes()
+
     for chunk in model_chunks:
+        for buf in list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", [])):
+            count("params", getattr(buf, "param_data", None))
+            count("grads", getattr(buf, "grad_data", None))
         for p in chunk.parameters():
-            total += p.numel() * p.element_size()
-            g = getattr(p, "main_grad", None)
-            if g is not None:
-                total += g.numel() * g.element_size()
-    inner = getattr(optimizer, "optimizer", None)
-    seen = set()
-    for state in (inner.state.values() if inner is not None else []):
-        for v in state.values():
-            if torch.is_tensor(v) and v.dim() > 0 and v.data_ptr() not in seen:
-                seen.add(v.data_ptr())
-                total += v.numel() * v.element_size()
-    for group in getattr(optimizer, "fp32_from_float16_groups", []):  # fp32 master copies (bf16 runs)
-        for p in group:
-            total += p.numel() * p.element_size()
-    return total
+            count("params", p.data)
+            count("grads", getattr(p, "main_grad", None))
+    for opt in _leaf_optimizers(optimizer):
+        masters = getattr(opt, "shard_fp32_from_float16_groups", None)
+        if masters is None:
+            masters = getattr(opt, "fp32_from_float16_groups", [])
+        for group in masters:
+            for p in group:
+                count("master", p)
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        adam = "adam" in type(inner).__name__.lower()
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state.get(p, {})
+                tensors = [v for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+                if tensors:
+                    for v in tensors:
+                        count("moments", v)
+                elif adam and p.numel():
+                    parts["moments"] += 2 * p.numel() * p.element_size()  # exp_avg, exp_avg_sq to come
+    total = sum(parts.values())
+    return {**parts, "total": total} if breakdown else total

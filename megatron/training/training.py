@@ -31,6 +31,18 @@ def dtype_of(args) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float32
 
 
+def resolve_overlap(args, device: torch.device) -> tuple[bool, bool]:
+    """(overlap_grad_reduce, overlap_param_gather) of this run: each flag as given, else on for CUDA
+    (param gather only with the distributed optimizer), off on CPU.  Stored back on ``args``."""
+    on_cuda = device.type == "cuda"
+    grad = on_cuda if args.overlap_grad_reduce is None else bool(args.overlap_grad_reduce)
+    param = (on_cuda and args.use_distributed_optimizer) if args.overlap_param_gather is None else bool(args.overlap_param_gather)
+    if param and not args.use_distributed_optimizer:
+        raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer")
+    args.overlap_grad_reduce, args.overlap_param_gather = grad, param
+    return grad, param
+
+
 def build_model(args, layout, recompute: list[StageRecompute], img_context_id: int, device: torch.device):
     """This rank's pipeline stage, wrapped in megatron's DistributedDataParallel."""
     spec, tp, pp = args.model_spec, args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -52,8 +64,12 @@ def build_model(args, layout, recompute: list[StageRecompute], img_context_id: i
             from megatron.vlm.model import build_tied_embedding_group
 
             module.tied_group = build_tied_embedding_group(embed_stage, pp - 1)
+    overlap_grad, overlap_param = resolve_overlap(args, device)
+    # bucket_size left at megatron-core's default (40M parameters or 1M x DP, one bucket without overlap);
+    # no align_param_gather (that is for the interleaved schedule): the DDP forward pre-hooks dispatch and
+    # wait for each bucket's all-gather in the next forward
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_param,
         use_distributed_optimizer=args.use_distributed_optimizer)
     return [DistributedDataParallel(config=stage_config, ddp_config=ddp_config, module=module)]
 
@@ -94,7 +110,8 @@ def build_optimizer(args, model):
     config = OptimizerConfig(
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
-        bf16=args.bf16, params_dtype=dtype_of(args), use_distributed_optimizer=args.use_distributed_optimizer)
+        bf16=args.bf16, params_dtype=dtype_of(args), use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)))
     optimizer = get_megatron_optimizer(config, model)
     gbs = args.global_batch_size
     scheduler = OptimizerParamScheduler(
@@ -103,6 +120,16 @@ def build_optimizer(args, model):
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
         wd_incr_steps=max(args.train_iters, 1) * gbs, wd_incr_style="constant")
     return optimizer, scheduler
+
+
+def sync_params(model) -> None:
+    """With --overlap-param-gather the updated parameters are all-gathered only by the next forward's
+    pre-hooks: gather them now (before evaluation, a checkpoint or the end of training), as
+    megatron's training loop does by disabling and re-enabling the hooks."""
+    for m in model:
+        if getattr(m, "use_forward_hook", False):
+            m.disable_forward_pre_hook(param_sync=True)
+            m.enable_forward_pre_hook()
 
 
 def _unwrap(model):
@@ -300,15 +327,18 @@ def train(args, model, optimizer, scheduler, train_data, valid_data=None, start_
             log.log(iteration, args.train_iters, metrics)
         if args.eval_interval and valid_data is not None and (
                 iteration % args.eval_interval == 0 or iteration == args.train_iters):
+            sync_params(model)
             ev = evaluate(args, model, valid_data, forward_backward)
             if ev:
                 log.log(iteration, args.train_iters, ev, prefix="validation ")
                 metrics.update({f"validation {k}": v for k, v in ev.items()})
         if args.save and args.save_interval and iteration % args.save_interval == 0:
+            sync_params(model)
             checkpointing.save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler, train_data)
             saved = iteration
         if args.exit_interval and iteration == args.exit_interval:
             break
+    sync_params(model)
     if args.save and saved != iteration:  # the end of training (or a resume with nothing left: a resharded copy)
         checkpointing.save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler, train_data)
     summary = {"iterations": iteration, "consumed_samples": consumed_samples, "history": history}
@@ -325,13 +355,17 @@ def train(args, model, optimizer, scheduler, train_data, valid_data=None, start_
 
 def stage_memory_report(args, model, optimizer, peak_act: int) -> dict:
     """Measured per-stage memory (the largest over the stage's ranks), and the plan's prediction."""
-    mine = (parallel_state.get_pipeline_model_parallel_rank(), peak_act, static_bytes(model, optimizer))
+    device = next(_unwrap(model[0]).parameters()).device
+    allocated = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    mine = (parallel_state.get_pipeline_model_parallel_rank(), peak_act, static_bytes(model, optimizer), allocated)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     pp = args.pipeline_model_parallel_size
-    act = [max(a for s, a, _ in everyone if s == stage) for stage in range(pp)]
-    static = [max(b for s, _, b in everyone if s == stage) for stage in range(pp)]
+    act = [max(e[1] for e in everyone if e[0] == stage) for stage in range(pp)]
+    static = [max(e[2] for e in everyone if e[0] == stage) for stage in range(pp)]
     report = {"peak_act_bytes_per_stage": act, "static_bytes_per_stage": static}
+    if allocated is not None:  # torch.cuda.max_memory_allocated over the run (CUDA only)
+        report["max_allocated_bytes_per_stage"] = [max(e[3] for e in everyone if e[0] == stage) for stage in range(pp)]
     plan = getattr(args, "recompute_plan_applied", None)
     if plan is not None:
         report["predicted_peak_bytes_per_stage"] = list(plan.stage_peak_bytes)

@@ -33,7 +33,7 @@ def _common(*, tp: int, pp: int, on_cpu: bool, dtype: torch.dtype, init_method_s
         variable_seq_lengths=True,  # stage outputs change shape along the pipeline
         moe_token_dispatcher_type="alltoall",  # 0.16.1 rejects variable_seq_lengths otherwise
         batch_p2p_comm=not on_cpu,  # batched p2p on gloo gives wrong gradients with interleaving
-        deallocate_pipeline_outputs=False,
+        deallocate_pipeline_outputs=True,  # megatron frees a sent stage output's .data (keeps its grad_fn)
     )
 
 

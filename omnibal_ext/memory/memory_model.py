@@ -54,6 +54,11 @@ While a recomputed layer runs its backward it re-creates its activations for one
 what is stored.  A stage's ``transient_bytes`` is the largest such value among its recomputed layers
 (layers are recomputed one at a time) and is added to the peak.
 
+Stage outputs: the tensor a stage sends downstream is freed after the send (megatron-core's
+``deallocate_pipeline_outputs=True``, set by the trainer): the schedule keeps only its ``.data``
+shell (one element) and ``grad_fn`` until the backward, so in-flight micro-batches hold no stage
+output beyond the tensors autograd saved, which ``act_bytes`` already counts.
+
 Not modelled: the CUDA context, allocator fragmentation, communication buffers and temporary
 workspaces — leave room for them in the budget.
 """

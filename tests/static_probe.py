@@ -1,0 +1,51 @@
+"""Build this rank's bf16 (or fp32) model and megatron-core optimizer on CPU without training, print
+measured static bytes (megatron.training.memory.static_bytes) beside the memory model's prediction.
+
+    python tests/static_probe.py [trainer flags]            # a world of one
+    torchrun --nproc-per-node 2 tests/static_probe.py ...   # DP 2
+
+Prints one JSON line per rank: {"rank", "measured": {...breakdown}, "predicted", "params"}.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+
+def main(argv: list[str]) -> None:
+    from megatron.core import parallel_state
+    from megatron.training import cpu_compat, setup, training
+    from megatron.training.arguments import parse_args
+    from megatron.training.initialize import destroy, initialize_distributed, set_seeds, world_size_from_env
+    from megatron.training.memory import static_bytes
+    from omnibal_ext.memory import memory_model
+    from omnibal_ext.model.cost_model import unit_param_counts
+
+    with cpu_compat.patched():
+        args = parse_args(["--device", "cpu", *argv], world_size_from_env())
+        device = torch.device("cpu")
+        initialize_distributed(device, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+        set_seeds(args.seed)
+        layout = setup.choose_layout(args)
+        model = training.build_model(args, layout, setup.recompute_settings(args, layout), 5, device)
+        optimizer, _ = training.build_optimizer(args, model)
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        counts = unit_param_counts(args.model_spec, args.tensor_model_parallel_size)
+        params = sum(counts[i] for i in layout.stage_range(stage))
+        predicted = memory_model.static_bytes(params, args.data_parallel_size, args.use_distributed_optimizer,
+                                              setup.precision_of(args))
+        print(json.dumps({"rank": torch.distributed.get_rank(), "params": params,
+                          "measured": static_bytes(model, optimizer, breakdown=True), "predicted": predicted}),
+              flush=True)
+        destroy()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

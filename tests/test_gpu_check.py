@@ -1,0 +1,31 @@
+"""scripts/gpu_check.py without CUDA: exits 0, says so, writes every check, the CUDA ones skipped with reasons."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from launch import ROOT, benchlib
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine-without-CUDA path")
+def test_gpu_check_cpu_path(tmp_path):
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--out", str(out),
+                           "--work", str(tmp_path / "work")], env=benchlib.trainer_env(), capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "no CUDA device" in proc.stdout
+    report = json.loads(out.read_text())
+    checks = report["checks"]
+    assert list(checks) == ["fp32_parity", "bf16_learns", "te_vs_local", "thd_vs_dense", "layer_throughput", "e2e_cut"]
+    for name in ("fp32_parity", "bf16_learns", "te_vs_local", "layer_throughput", "e2e_cut"):
+        assert checks[name]["status"] == "skipped" and checks[name]["reason"], (name, checks[name])
+    for variant in checks["fp32_parity"]["variants"].values():  # the CPU halves ran: 5 finite losses each
+        assert len(variant["cpu_losses"]) == 5 and variant["cpu_losses"][4] < variant["cpu_losses"][0]
+    assert checks["thd_vs_dense"]["status"] == "pass" and checks["thd_vs_dense"]["max_rel_err"] < 1e-4
+    for line in ("fp32_parity", "thd_vs_dense"):
+        assert line in proc.stdout  # the printed table
