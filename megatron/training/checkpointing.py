@@ -54,8 +54,11 @@ TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "omnibal_manifest.json"
 FORMAT = "omnibal-torch_dist-1"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
-# The optimizer state in model space, whatever the optimizer kind (megatron-core's fully reshardable form).
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+# The optimizer state in model space, whatever the optimizer kind (megatron-core's fully reshardable form);
+# the distributed optimizer's shards are gathered to its data-parallel rank 0 in host memory (over gloo),
+# never to every rank nor on the GPU.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True,
+                      "distrib_optim_fully_reshardable_mem_efficient": True}
 
 
 class CheckpointError(UserError):
