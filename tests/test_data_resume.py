@@ -6,8 +6,11 @@ every sample of the interrupted epoch exactly once (omnibal_ext.data.sampler, me
 """
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
+import torch
 
 from megatron.training.isf import isf_subset_groups
 from omnibal_ext.data.isf import ISFParams
@@ -52,14 +55,20 @@ def serve(ranks: list[GroupBatchSampler], iterations: int, mb: int) -> list[np.n
 
 
 def state_of(ranks: list[GroupBatchSampler]) -> dict:
-    """Rank 0's state, after checking every rank's is identical (it is saved once)."""
+    """Rank 0's state, after checking every rank's is identical (it is saved once), as a checkpoint
+    returns it: through the common state's torch.save and torch.load(weights_only=True)."""
+    from megatron.training.checkpointing import to_arrays, to_tensors
+
     states = [s.state_dict() for s in ranks]
     for other in states[1:]:
         assert other.keys() == states[0].keys()
         for key, value in states[0].items():
             assert np.array_equal(np.asarray(other[key]), np.asarray(value)) if value is not None \
                 else other[key] is None, key
-    return states[0]
+    saved = io.BytesIO()
+    torch.save(to_tensors(states[0]), saved)
+    saved.seek(0)
+    return to_arrays(torch.load(saved, weights_only=True))
 
 
 def counts(groups: list[np.ndarray]) -> np.ndarray:
