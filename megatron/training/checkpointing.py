@@ -203,8 +203,19 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimize
 
 
 def _save_strategy():
+    """megatron-core's torch_dist writer, one writer process per rank, with its results queue in this process.
+
+    Saves are synchronous: the writer's results come back to this process, so an in-process queue serves;
+    megatron-core would otherwise spawn a multiprocessing Manager process for it on the first save, which
+    outlives a SIGKILLed rank (holding torchrun's output pipes open) and costs seconds to start.
+    """
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
     return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
 
 
