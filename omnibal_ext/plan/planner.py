@@ -115,12 +115,12 @@ def make_plan(stats: SampleStats, config: PlanConfig) -> Plan:
              for c in memory_candidates(ctx, [("+model", plus_model.layout), ("default", default)], cache)]
     plus_memory = best_candidate(mem_c)
 
-    by_name = {"baseline": base, "+data": plus_data, "+model": plus_model, "+memory": plus_memory}
     rows = with_speedups([
-        prediction_row(ctx, setting, "random" if setting == "baseline" else "isf", cand,
-                       ctx.costs_random if setting == "baseline" else ctx.costs_isf,
-                       (loads_r if setting == "baseline" else loads_i).mean_shape, samples, gpus)
-        for setting, cand in by_name.items()])
+        prediction_row(ctx, "baseline", "random", base, ctx.costs_random, loads_r.mean_shape, samples, gpus),
+        prediction_row(ctx, "+data", "isf", plus_data, ctx.costs_isf, loads_i.mean_shape, samples, gpus),
+        prediction_row(ctx, "+model", "isf", plus_model, ctx.costs_isf, loads_i.mean_shape, samples, gpus),
+        prediction_row(ctx, "+memory", "isf", plus_memory, ctx.costs_isf, loads_i.mean_shape, samples, gpus),
+    ])
 
     final = rows[-1]
     flags = plan_trainer_flags(spec.name, t, p, final.layout_flag, final.recompute_flag, data.params, k, m * d * k,
@@ -140,6 +140,6 @@ def make_plan(stats: SampleStats, config: PlanConfig) -> Plan:
         random=dict(random_baseline(stats.vit, stats.tokens, d, k, seed)), shapes=shapes, rows=tuple(rows),
         trainer_flags=flags, configs_tried=tuple(chosen.tried + chosen.skipped),
         notes=tuple(_notes(config, ctx, k, chosen.usable, rows[0])),
-        timelines={s: c.sim.timeline for s, c in by_name.items()},
+        timelines={r.setting: c.sim.timeline for r, c in zip(rows, (base, plus_data, plus_model, plus_memory))},
         stage_time_bars={r.setting: list(r.stage_time_s) for r in rows},
     )
