@@ -72,17 +72,11 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_plan(args) -> int:
-    from omnibal_ext.memory.memory_model import GIB
     from omnibal_ext.model.units import get_preset
     from omnibal_ext.plan import format_plan, make_plan, plot_plan
 
     stats = load_stats_or_meta(args.data, "--data", get_preset(args.model))
-    plan = make_plan(stats, args.model, args.gpus, args.gpu_memory * GIB, args.tp, args.pp, args.dp, args.device,
-                     samples=args.samples, samples_per_group=args.samples_per_group,
-                     max_seq_length=args.max_seq_length, global_batch_size=args.global_batch_size,
-                     memory_reserve=args.memory_reserve, attention=args.attention,
-                     sim_iterations=args.sim_iterations, choose_for=args.choose_for, min_pp=args.min_pp,
-                     seed=args.seed)
+    plan = make_plan(stats, plan_config(args))
     doc = plan.to_dict()
     doc["files"] = list(stats.files)
     with open(args.json, "w") as f:
@@ -92,6 +86,19 @@ def run_plan(args) -> int:
         for path in plot_plan(plan, args.plot):
             print(f"wrote {path}")
     return 0
+
+
+def plan_config(args):
+    """The PlanConfig of ``omnibal plan``'s flags (``--gpu-memory`` is in GiB)."""
+    from omnibal_ext.memory.memory_model import GIB
+    from omnibal_ext.plan import PlanConfig
+
+    return PlanConfig(model=args.model, gpus=args.gpus, gpu_memory_bytes=args.gpu_memory * GIB, tp=args.tp,
+                      pp=args.pp, dp=args.dp, device=args.device, samples=args.samples,
+                      samples_per_group=args.samples_per_group, max_seq_length=args.max_seq_length,
+                      global_batch_size=args.global_batch_size, memory_reserve=args.memory_reserve,
+                      attention=args.attention, sim_iterations=args.sim_iterations, choose_for=args.choose_for,
+                      min_pp=args.min_pp, seed=args.seed)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -39,6 +39,7 @@ Usage: python scripts/bench_recompute.py [--json OUT] [--iters 12 --warmup 3 --r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -64,13 +65,14 @@ def memory_step(plan) -> dict:
 def simulated(args) -> dict:
     from omnibal_ext.data.stats import load_stats
     from omnibal_ext.model.cost_model import get_device
-    from omnibal_ext.plan import make_plan
+    from omnibal_ext.plan import PlanConfig, make_plan
 
     stats = load_stats(bl.stats_files(args.stats_dir))
-    opts = dict(samples=args.sim_samples, samples_per_group=bl.PAPER_SAMPLES_PER_GROUP,
-                global_batch_size=bl.PAPER_GLOBAL_BATCH, attention="flash", sim_iterations=args.sim_iterations)
+    paper = PlanConfig(args.preset, args.gpus, args.gpu_memory_gib * GIB, samples=args.sim_samples,
+                       samples_per_group=bl.PAPER_SAMPLES_PER_GROUP, global_batch_size=bl.PAPER_GLOBAL_BATCH,
+                       attention="flash", sim_iterations=args.sim_iterations)
     # the configuration of reproduce_paper.py's ablation: the authors' TP and PP
-    plan = make_plan(stats, args.preset, args.gpus, args.gpu_memory_gib * GIB, tp=bl.PAPER_TP, pp=bl.PAPER_PP, **opts)
+    plan = make_plan(stats, dataclasses.replace(paper, tp=bl.PAPER_TP, pp=bl.PAPER_PP))
     full, adaptive = plan.row("+model"), plan.row("+memory")
     ratio = get_device(plan.device).bwd_over_fwd
     out = {"preset": args.preset, "gpus": args.gpus, "tp": plan.tp, "pp": plan.pp, "dp": plan.dp,
@@ -80,17 +82,17 @@ def simulated(args) -> dict:
            "adaptive_layout": adaptive.layout_flag,
            "full_peak_gib": max(full.stage_peak_bytes) / GIB, "adaptive_peak_gib": max(adaptive.stage_peak_bytes) / GIB,
            "bwd_over_fwd": ratio, "bound_no_recompute": (2.0 + ratio) / (1.0 + ratio), "paper_speedup": 29.0 / 21.3}
-    fixed = dict(tp=plan.tp, pp=plan.pp, dp=plan.dp)
-    top = make_plan(stats, args.preset, args.gpus, CEILING_GIB * GIB, **fixed, **opts)
+    fixed = dataclasses.replace(paper, tp=plan.tp, pp=plan.pp, dp=plan.dp)
+    top = make_plan(stats, dataclasses.replace(fixed, gpu_memory_bytes=CEILING_GIB * GIB))
     out["ceiling"] = {**memory_step(top), "layout": top.row("+memory").layout_flag,
                       "peak_gib_per_stage": [b / GIB for b in top.row("+memory").stage_peak_bytes]}
-    own = make_plan(stats, args.preset, args.gpus, args.gpu_memory_gib * GIB, choose_for="omnibal", **opts)
+    own = make_plan(stats, dataclasses.replace(paper, choose_for="omnibal"))
     out["omnibal_config"] = {"tp": own.tp, "pp": own.pp, "dp": own.dp, **memory_step(own)}
     sweep = []
     for gib in args.sweep_gib:
         try:  # at the headline's memory the fixed sizes give the headline's plan: reuse it
-            p = plan if gib == args.gpu_memory_gib else make_plan(stats, args.preset, args.gpus, gib * GIB,
-                                                                  **fixed, **opts)
+            p = plan if gib == args.gpu_memory_gib else make_plan(
+                stats, dataclasses.replace(fixed, gpu_memory_bytes=gib * GIB))
         except ValueError as e:
             sweep.append({"gpu_memory_gib": gib, "error": str(e)})
             continue

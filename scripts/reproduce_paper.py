@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl  # noqa: E402  (puts the repository on the path)
 from omnibal_ext.data.stats import load_stats, resample  # noqa: E402
 from omnibal_ext.memory.memory_model import GIB  # noqa: E402
-from omnibal_ext.plan import SETTINGS, PlanError, candidate_configs, make_plan  # noqa: E402
+from omnibal_ext.plan import SETTINGS, PlanConfig, PlanError, candidate_configs, make_plan  # noqa: E402
 from omnibal_ext.model.units import get_preset  # noqa: E402
 
 STATS_DIR = bl.STATS_DIR
@@ -96,9 +96,9 @@ def load_shared_stats(stats_dir: Path = STATS_DIR):
 def predict(stats, model: str, gpus: int, gpu_memory_gib: float, k: int, global_batch: int, samples: int,
             sim_iterations: int, isf_candidates: int, tp: int, pp: int) -> tuple[list[dict], dict]:
     """Rows of one model (SETTINGS order plus the headline row) and its plan summary."""
-    plan = make_plan(stats, model, gpus, gpu_memory_gib * GIB, tp=tp, pp=pp, samples=samples, samples_per_group=k,
-                     global_batch_size=global_batch, attention="flash", sim_iterations=sim_iterations,
-                     isf_max_candidates=isf_candidates)
+    plan = make_plan(stats, PlanConfig(model, gpus, gpu_memory_gib * GIB, tp=tp, pp=pp, samples=samples,
+                                       samples_per_group=k, global_batch_size=global_batch, attention="flash",
+                                       sim_iterations=sim_iterations, isf_max_candidates=isf_candidates))
     rows = []
     for r in plan.rows:
         paper_days = PAPER_GPU_DAYS.get((model, r.setting))

@@ -72,6 +72,29 @@ def test_plan_command_writes_plan_and_figures(tmp_path, capsys):
     assert "below the 2 stages" in one_error_line(capsys, "plan")
 
 
+def test_plan_flags_become_the_plan_config():
+    """Every `omnibal plan` flag lands in its PlanConfig field (--gpu-memory in GiB -> bytes); the rest keep
+    PlanConfig's defaults, the same defaults the flags have."""
+    import dataclasses
+
+    from omnibal_ext.cli import build_parser, plan_config
+    from omnibal_ext.memory.memory_model import GIB
+    from omnibal_ext.plan import PlanConfig
+
+    base = ["plan", "--data", "s.json", "--model", "tiny", "--gpus", "8", "--gpu-memory", "40", "--json", "o.json"]
+    assert plan_config(build_parser().parse_args(base)) == PlanConfig("tiny", 8, 40 * GIB)
+    args = build_parser().parse_args(base + [
+        "--tp", "2", "--pp", "2", "--dp", "2", "--device", "cpu", "--samples", "99", "--samples-per-group", "3",
+        "--max-seq-length", "512", "--global-batch-size", "48", "--memory-reserve", "0.2", "--attention", "flash",
+        "--choose-for", "baseline", "--min-pp", "2", "--sim-iterations", "3", "--seed", "7"])
+    assert plan_config(args) == PlanConfig(
+        "tiny", 8, 40 * GIB, tp=2, pp=2, dp=2, device="cpu", samples=99, samples_per_group=3, max_seq_length=512,
+        global_batch_size=48, memory_reserve=0.2, attention="flash", choose_for="baseline", min_pp=2,
+        sim_iterations=3, seed=7)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan_config(args).gpus = 4
+
+
 @pytest.mark.parametrize("device", ["a100-80g", "cpu"])
 def test_plan_launches_the_trainer_with_the_memory_it_planned(tmp_path, device):
     """The plan's flags, applied with --omnibal-plan, give the trainer the optimizer and precision the

@@ -14,7 +14,7 @@ from omnibal_ext.model.cost_model import DEVICES, MicroBatchShape, analytic_cost
 from omnibal_ext.model.layout import PipelineLayout, default_layout, parse_layout
 from omnibal_ext.model.simulate import layout_stage_costs, simulate_pipeline
 from omnibal_ext.model.units import build_units, get_preset
-from omnibal_ext.plan import (SETTINGS, Loads, PlanError, basis_costs, make_plan, memory_need,
+from omnibal_ext.plan import (SETTINGS, Loads, PlanConfig, PlanError, basis_costs, make_plan, memory_need,
                               memory_need_table, random_loads, simulate_loads, stage_coefficients)
 
 A100 = DEVICES["a100-80g"]
@@ -157,7 +157,7 @@ def check_plan(plan, spec_name: str, gpus: int, budget: float):
 def test_plan_tiny_chooses_sizes(tmp_path):
     stats = synthetic_stats(1500, 2, max_tiles=4, tokens_per_tile=4)
     budget = 0.9 * GIB
-    plan = make_plan(stats, "tiny", 4, 1 * GIB, global_batch_size=32, sim_iterations=2, isf_max_candidates=4)
+    plan = make_plan(stats, PlanConfig("tiny", 4, 1 * GIB, global_batch_size=32, sim_iterations=2, isf_max_candidates=4))
     check_plan(plan, "tiny", 4, budget)
     assert plan.tp in (1, 2)  # tiny's 2 key/value groups rule out TP 4
     tried = [c for c in plan.configs_tried if "estimated_seconds_per_sample" in c]
@@ -168,8 +168,8 @@ def test_plan_tiny_chooses_sizes(tmp_path):
 
 def test_plan_internvl_fixed_sizes():
     stats = synthetic_stats(1200, 3)
-    plan = make_plan(stats, "internvl-6b-20b", 16, 80 * GIB, tp=1, pp=4, global_batch_size=64, sim_iterations=2,
-                     isf_max_candidates=4, samples=1_200_000)
+    plan = make_plan(stats, PlanConfig("internvl-6b-20b", 16, 80 * GIB, tp=1, pp=4, global_batch_size=64,
+                                       sim_iterations=2, isf_max_candidates=4, samples=1_200_000))
     check_plan(plan, "internvl-6b-20b", 16, 72 * GIB)
     assert (plan.tp, plan.pp, plan.dp) == (1, 4, 4) and plan.samples == 1_200_000
     rows = {r.setting: r for r in plan.rows}
@@ -182,7 +182,8 @@ def test_plan_internvl_fixed_sizes():
 def test_refusal_names_stage_need_and_budget():
     stats = synthetic_stats(300, 4)
     with pytest.raises(PlanError) as e:
-        make_plan(stats, "internvl-6b-34b", 2, 80 * GIB, global_batch_size=16, sim_iterations=1, isf_max_candidates=2)
+        make_plan(stats, PlanConfig("internvl-6b-34b", 2, 80 * GIB, global_batch_size=16, sim_iterations=1,
+                                    isf_max_candidates=2))
     msg = str(e.value)
     assert "\n" not in msg and "does not fit 2 GPUs" in msg
     m = re.search(r"TP=(\d+) PP=(\d+) DP=(\d+), needs ([\d.]+) GiB on pipeline stage (\d+).*budget of ([\d.]+) GiB", msg)
@@ -196,11 +197,11 @@ def test_refusal_names_stage_need_and_budget():
 def test_bad_requests():
     stats = synthetic_stats(200, 5)
     with pytest.raises(PlanError, match="--gpus is 4"):
-        make_plan(stats, "tiny", 4, GIB, tp=1, pp=2, dp=1)
+        make_plan(stats, PlanConfig("tiny", 4, GIB, tp=1, pp=2, dp=1))
     with pytest.raises(PlanError, match="no usable"):
-        make_plan(stats, "tiny", 4, GIB, tp=4)  # 2 key/value groups
+        make_plan(stats, PlanConfig("tiny", 4, GIB, tp=4))  # 2 key/value groups
     with pytest.raises(ValueError, match="unknown model preset"):
-        make_plan(stats, "nope", 4, GIB)
+        make_plan(stats, PlanConfig("nope", 4, GIB))
 
 
 def test_candidate_configs_honour_min_pp():
@@ -218,41 +219,41 @@ def test_candidate_configs_honour_min_pp():
 def test_plus_model_refuses_instead_of_falling_back_to_a_layout_that_does_not_fit(monkeypatch):
     """When no +model layout fits with full recompute the planner says so, naming the configuration and
     each candidate's need, instead of reporting a layout over the budget."""
-    from omnibal_ext import plan as plan_mod
+    from omnibal_ext.plan import context, model_level
 
-    real = plan_mod._memory
+    real = context.stage_peaks
     over = {}
 
     def memory_over_budget(ctx, costs, layout, stages):
         over["budget"] = ctx.budget
         return tuple(2 * ctx.budget for _ in real(ctx, costs, layout, stages))
 
-    monkeypatch.setattr(plan_mod, "_memory", memory_over_budget)
-    ctx = plan_mod._context(get_preset("tiny"), get_device("a100-80g"), 1, 2, 1, 4, 80 * GIB, "unfused",
-                            MicroBatchShape(8, 512), MicroBatchShape(8, 512))
+    monkeypatch.setattr(model_level, "stage_peaks", memory_over_budget)
+    ctx = context.build_context(get_preset("tiny"), get_device("a100-80g"), 1, 2, 1, 4, 80 * GIB, "unfused",
+                                MicroBatchShape(8, 512), MicroBatchShape(8, 512))
     default = default_layout(ctx.spec, 2)
-    cands = plan_mod._model_candidates(ctx, default)
+    cands = model_level.model_candidates(ctx, default)
     with pytest.raises(PlanError) as e:
-        plan_mod._fitting_model_candidates(ctx, cands)
+        model_level.fitting_model_candidates(ctx, cands)
     message = str(e.value)
     assert "no +model plan fits tiny at TP=1 PP=2 DP=1, 4 micro-batches, budget 80.0 GiB per GPU" in message
     assert message.count("with full recompute") == len(cands) and "160.0 GiB" in message
 
 
 def test_plus_memory_refuses_with_each_candidates_reason(monkeypatch):
-    from omnibal_ext import plan as plan_mod
     from omnibal_ext.memory.recompute import MemoryBudgetError
+    from omnibal_ext.plan import context, memory_level
 
     def no_budget(*args, **kwargs):
         raise MemoryBudgetError(0, 2.0 * GIB, 1.0 * GIB, "even full recompute")
 
-    monkeypatch.setattr(plan_mod, "plan_recompute", no_budget)
-    monkeypatch.setattr(plan_mod, "plan_layout_and_recompute", no_budget)
-    ctx = plan_mod._context(get_preset("tiny"), get_device("a100-80g"), 1, 2, 1, 4, 1 * GIB, "unfused",
-                            MicroBatchShape(8, 512), MicroBatchShape(8, 512))
+    monkeypatch.setattr(memory_level, "plan_recompute", no_budget)
+    monkeypatch.setattr(memory_level, "plan_layout_and_recompute", no_budget)
+    ctx = context.build_context(get_preset("tiny"), get_device("a100-80g"), 1, 2, 1, 4, 1 * GIB, "unfused",
+                                MicroBatchShape(8, 512), MicroBatchShape(8, 512))
     with pytest.raises(PlanError, match=r"no \+memory plan fits tiny at TP=1 PP=2 DP=1.*layout search \+ adaptive "
                                         r"recompute: .*; default layout \+ adaptive recompute: "):
-        plan_mod._memory_candidates(ctx, [("default", default_layout(ctx.spec, 2))])
+        memory_level.memory_candidates(ctx, [("default", default_layout(ctx.spec, 2))])
 
 
 @pytest.mark.parametrize("name,kv_groups,head_dim", [("internvl3-1b", 2, 64), ("internvl3-2b", 2, 128),
@@ -264,6 +265,6 @@ def test_plan_internvl3_presets(name, kv_groups, head_dim):
         (24, 1024, 64, 256)
     assert spec.language.kv_groups == kv_groups and spec.language.hidden_size // spec.language.num_attention_heads \
         == head_dim and spec.language.vocab_size % 128 == 0
-    plan = make_plan(synthetic_stats(1200, 4), name, 64, 80 * GIB, global_batch_size=256, sim_iterations=2,
-                     isf_max_candidates=4)
+    plan = make_plan(synthetic_stats(1200, 4), PlanConfig(name, 64, 80 * GIB, global_batch_size=256, sim_iterations=2,
+                                                      isf_max_candidates=4))
     check_plan(plan, name, 64, 72 * GIB)

@@ -1,0 +1,95 @@
+"""One (tp, pp, dp) configuration: its cost tables and memory table, and the candidates simulated on it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..memory.memory_model import GIB, Precision, stage_memory
+from ..model.cost_model import DeviceSpec, MicroBatchShape, analytic_costs
+from ..model.costs import CostTable
+from ..model.layout import PipelineLayout
+from ..model.simulate import allreduce_seconds
+from ..model.units import ModelSpec
+from .config import PlanError
+from .data_level import Loads
+from .linear_costs import basis_costs, stage_coefficients
+from .memory_need import memory_need_table, training_precision, unit_params
+from .simulation import SimSummary, simulate_loads
+
+
+@dataclass
+class PlanContext:
+    """What every candidate of one configuration shares.
+
+    m: micro-batches per iteration; budget: bytes per GPU; basis: ``linear_costs.basis_costs``.
+    """
+
+    spec: ModelSpec
+    device: DeviceSpec
+    tp: int
+    pp: int
+    dp: int
+    m: int
+    budget: float
+    attention: str
+    basis: tuple
+    costs_isf: CostTable  # at the ISF caps (memory and the layout search)
+    costs_random: CostTable  # at the mean padded random micro-batch (memory of the baseline)
+    need: np.ndarray  # memory_need_table of costs_isf
+    precision: Precision  # static bytes per parameter (the distributed optimizer is assumed)
+
+
+def build_context(spec: ModelSpec, device: DeviceSpec, tp: int, pp: int, dp: int, m: int, budget: float,
+                  attention: str, cap_shape: MicroBatchShape, random_shape: MicroBatchShape) -> PlanContext:
+    """The context of one configuration: costs at the ISF caps and at the mean padded random micro-batch."""
+    costs_isf = analytic_costs(spec, cap_shape, tp, device, attention=attention)
+    costs_random = analytic_costs(spec, random_shape, tp, device, attention=attention)
+    precision = training_precision(device)
+    return PlanContext(spec, device, tp, pp, dp, m, budget, attention, basis_costs(spec, tp, device, attention),
+                       costs_isf, costs_random, memory_need_table(costs_isf, pp, tp, dp, m, precision=precision),
+                       precision)
+
+
+def allreduce_s(ctx: PlanContext, layout: PipelineLayout) -> float:
+    """Ring all-reduce of the fp32 gradients of the layout's largest stage, seconds."""
+    params = unit_params(ctx.costs_isf, ctx.tp)
+    largest = max(params[list(r)].sum() for r in layout.stage_slices())
+    return allreduce_seconds(4.0 * largest, ctx.dp, ctx.device.p2p_bytes_per_s)
+
+
+def stage_peaks(ctx: PlanContext, costs: CostTable, layout: PipelineLayout, stages) -> tuple[float, ...]:
+    """Per stage, peak bytes per GPU of ``memory_model.stage_memory`` (1F1B, distributed optimizer)."""
+    mem = stage_memory(costs, layout, stages, ctx.pp, ctx.tp, ctx.dp, ctx.m, precision=ctx.precision)
+    return tuple(float(x.peak_bytes) for x in mem)
+
+
+@dataclass
+class Candidate:
+    """A layout and per-stage recompute plan; ``coefs`` and ``sim`` are set by :func:`simulate_candidate`."""
+
+    how: str  # which search or fallback produced it
+    layout: PipelineLayout
+    stages: list  # per-stage StageRecompute
+    modes: list  # per-unit recompute mode names
+    coefs: tuple = ()
+    sim: SimSummary | None = None
+
+
+def simulate_candidate(ctx: PlanContext, cand: Candidate, loads: Loads, keep_timeline: bool) -> Candidate:
+    """Fill in the candidate's linear stage costs and its simulation on ``loads``; returns it."""
+    cand.coefs = stage_coefficients(ctx.basis, cand.layout, ctx.pp, ctx.device.p2p_bytes_per_s, cand.modes)
+    cand.sim = simulate_loads(cand.coefs, loads, allreduce_s(ctx, cand.layout), keep_timeline)
+    return cand
+
+
+def best_candidate(cands: list[Candidate]) -> Candidate:
+    """The candidate with the least simulated time per sample (then per iteration)."""
+    return min(cands, key=lambda c: (c.sim.seconds_per_sample, c.sim.iteration_s))
+
+
+def nothing_fits(ctx: PlanContext, setting: str, failures: list[str]) -> PlanError:
+    """The planner's refusal of a row: the configuration and why each candidate failed."""
+    configuration = (f"{ctx.spec.name} at TP={ctx.tp} PP={ctx.pp} DP={ctx.dp}, {ctx.m} micro-batches, budget "
+                     f"{ctx.budget / GIB:.1f} GiB per GPU")
+    return PlanError(f"no {setting} plan fits {configuration}: " + "; ".join(failures))

@@ -1,0 +1,110 @@
+"""The data level: ISF thresholds and the micro-batches of sampled iterations under each batching.
+
+Megatron's default: ``K`` random samples per micro-batch padded to the longest of them (tiles: the
+K samples' tiles; LLM tokens ``K * longest``; attention ``K * longest^2``).  ISF: one packed group
+per micro-batch (its tiles, its tokens, ``sum(len_i^2)`` of its samples), steps in the balanced
+order the sampler serves.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..data.search import SearchConfig, plan_isf, random_group_totals, step_matrix_epoch0
+from ..data.stats import SampleStats
+from ..model.cost_model import MicroBatchShape
+from .config import PlanConfig, PlanError
+
+SHAPE_FIELDS = ("tiles", "llm_tokens", "llm_attn_tokens_sq")  # the three columns of a micro-batch shape
+
+
+@dataclass(frozen=True)
+class Loads:
+    """Micro-batches of sampled iterations: ``shape[i, r, mb] = (tiles, LLM tokens, sum len^2)``
+    (padded where the batching pads), ``real_tokens`` and ``samples`` (i, r, mb)."""
+
+    shape: np.ndarray
+    real_tokens: np.ndarray
+    samples: np.ndarray
+
+    @property
+    def mean_shape(self) -> np.ndarray:
+        return self.shape.reshape(-1, 3).mean(axis=0)
+
+
+def isf_plan(stats: SampleStats, dp: int, config: PlanConfig):
+    """ISF thresholds and groups for ``dp`` data-parallel ranks (``data.search.plan_isf``)."""
+    search = SearchConfig(dp_size=dp, samples_per_group=float(config.samples_per_group),
+                          max_seq_len=config.max_seq_length, seed=config.seed,
+                          max_candidates=config.isf_max_candidates, search_samples=config.isf_search_samples)
+    return plan_isf(stats.vit, stats.tokens, search)
+
+
+def group_sq_tokens(stats: SampleStats, grouping) -> np.ndarray:
+    """Per ISF group, the sum of its samples' squared token counts (tokens^2)."""
+    tok = stats.tokens.astype(np.float64)
+    return np.add.reduceat(tok[grouping.members] ** 2, grouping.offsets[:-1]) if len(grouping) else np.zeros(0)
+
+
+def mean_isf_group(stats: SampleStats, grouping) -> tuple[np.ndarray, float]:
+    """(mean (tiles, tokens, sum len^2) of an ISF group, mean samples per group)."""
+    shape = np.array([grouping.tiles.mean(), grouping.tokens.mean(), float(np.mean(group_sq_tokens(stats, grouping)))])
+    return shape, float(grouping.sizes.mean())
+
+
+def cap_shape(params, stats: SampleStats) -> MicroBatchShape:
+    """The largest micro-batch the ISF caps allow: Qv tiles, Qt tokens, attention ``min(Qt, longest) * Qt``."""
+    longest = int(stats.tokens.max()) if len(stats) else 0
+    return MicroBatchShape(int(params.qv), int(params.qt), llm_attn_tokens_sq=float(min(params.qt, longest)) * params.qt)
+
+
+def shape_of(v: np.ndarray) -> MicroBatchShape:
+    """A (tiles, tokens, sum len^2) vector as a MicroBatchShape (rounded; attention at most tokens^2)."""
+    tiles, tokens = int(round(v[0])), int(round(v[1]))
+    return MicroBatchShape(tiles, tokens, llm_attn_tokens_sq=float(min(v[2], float(tokens) ** 2)))
+
+
+def shape_dict(v: np.ndarray) -> dict:
+    """A (tiles, tokens, sum len^2) vector as the JSON's dict."""
+    return dict(zip(SHAPE_FIELDS, v.tolist()))
+
+
+def iteration_steps(num_steps: int, m: int, iterations: int) -> np.ndarray:
+    """(iterations, m) step indices: ``iterations`` runs of m consecutive steps spread over the epoch
+    (indices wrap around when the epoch holds fewer steps)."""
+    starts = np.floor(np.arange(iterations) * num_steps / iterations).astype(np.int64)
+    return (starts[:, None] + np.arange(m)[None, :]) % num_steps
+
+
+def sampled_loads(group_shape: np.ndarray, group_real: np.ndarray, group_samples: np.ndarray, steps: np.ndarray,
+                  m: int, iterations: int) -> Loads:
+    """Loads of sampled iterations from per-group arrays and a (steps, dp) matrix of group ids."""
+    if len(steps) == 0:
+        raise PlanError(f"the data make no full step of {steps.shape[1]} data-parallel micro-batches; "
+                        "give more samples or fewer GPUs")
+    it = iteration_steps(len(steps), m, iterations)  # (I, m)
+    g = steps[it]  # (I, m, dp)
+    g = np.transpose(g, (0, 2, 1))  # (I, dp, m)
+    return Loads(group_shape[g].astype(np.float64), group_real[g].astype(np.float64),
+                 group_samples[g].astype(np.float64))
+
+
+def random_loads(stats: SampleStats, k: int, dp: int, m: int, iterations: int,
+                 seed: int) -> tuple[Loads, np.ndarray, np.ndarray]:
+    """Megatron's random batching: (loads of sampled iterations, mean and worst (tiles, padded tokens,
+    padded sum len^2) over every micro-batch of the epoch)."""
+    gt, gv, gmax, sizes = random_group_totals(stats.vit, stats.tokens, k, seed)
+    padded = (sizes * gmax).astype(np.float64)
+    shape = np.stack([gv.astype(np.float64), padded, sizes * gmax.astype(np.float64) ** 2], axis=1)
+    full = len(gt) // dp
+    steps = np.arange(full * dp).reshape(full, dp)
+    return sampled_loads(shape, gt, sizes, steps, m, iterations), shape.mean(axis=0), shape.max(axis=0)
+
+
+def isf_loads(stats: SampleStats, data_plan, m: int, iterations: int, seed: int) -> Loads:
+    """ISF: one packed group per micro-batch, steps in the balanced order the sampler serves."""
+    g = data_plan.grouping
+    shape = np.stack([g.tiles.astype(np.float64), g.tokens.astype(np.float64), group_sq_tokens(stats, g)], axis=1)
+    steps = step_matrix_epoch0(len(g), data_plan.assembly.width, data_plan.assembly.order, seed)
+    return sampled_loads(shape, g.tokens, g.sizes, steps, m, iterations)

@@ -1,0 +1,145 @@
+""":func:`make_plan`: the three levels together, the parallel sizes chosen, the four settings predicted."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..data.search import random_baseline
+from ..data.stats import SampleStats
+from ..memory.memory_model import GIB, MIXED_BF16_ADAM
+from ..model.layout import default_layout
+from .config import PlanConfig, PlanError, check_request
+from .configs import candidate_configs, num_microbatches, refusal, screen_config
+from .context import PlanContext, best_candidate, build_context, simulate_candidate
+from .data_level import cap_shape, isf_loads, isf_plan, mean_isf_group, random_loads, shape_dict, shape_of
+from .memory_level import memory_candidates
+from .memory_need import memory_need
+from .model_level import default_candidate, fitting_model_candidates, model_candidates
+from .predictions import prediction_row, with_speedups
+from .results import Plan
+from .trainer_flags import plan_trainer_flags
+
+SCREEN_DP = 8  # DP size of the provisional ISF thresholds when several configurations are screened
+
+
+@dataclass
+class _Chosen:
+    """The configuration chosen by screening, with its final ISF plan and context."""
+
+    ctx: PlanContext
+    data: object  # data.search's ISF plan at the chosen DP size
+    cap: object  # MicroBatchShape at the ISF caps
+    worst_random: np.ndarray  # largest padded random micro-batch (tiles, tokens, sum len^2)
+    tried: list[dict]
+    skipped: list[dict]
+    usable: int  # configurations that fit
+
+
+def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict) -> _Chosen:
+    """Screen every candidate (tp, pp, dp) and keep the fastest that fits; PlanError when none does."""
+    spec, dev, budget, k = config.spec, config.device_spec, config.budget_bytes, int(config.samples_per_group)
+    gpus, gpu_memory = config.gpus, config.gpu_memory_bytes
+    configs, skipped = candidate_configs(spec, gpus, config.tp, config.pp, config.dp, config.min_pp)
+    if not configs:
+        raise refusal(spec, gpus, gpu_memory, budget, [], skipped, config.require_baseline_fit)
+    # Provisional ISF thresholds for screening: caps depend on K, hardly on the DP size.
+    first_dp = config.dp if config.dp is not None else (configs[0][2] if len(configs) == 1 else SCREEN_DP)
+    data = isf_plan(stats, first_dp, config)
+    cap = cap_shape(data.params, stats)
+    _, mean_random, worst = random_loads(stats, k, 1, 1, 1, config.seed)
+    random_shape = shape_of(mean_random)
+    mean_isf = mean_isf_group(stats, data.grouping)
+
+    def screen(cfg, caps, baseline_needed, cache=None):
+        return screen_config(spec, dev, budget, config.attention, cfg, k, config.global_batch_size, caps,
+                             random_shape, mean_isf, mean_random, baseline_needed, cache)
+
+    tried = [screen(c, cap, config.require_baseline_fit, cache) for c in configs]
+    usable = [r for r in tried if r["fits"] and "estimated_seconds_per_sample" in r]
+    if not usable:
+        raise refusal(spec, gpus, gpu_memory, budget, tried, skipped, config.require_baseline_fit)
+    speed_key = ("estimated_seconds_per_sample" if config.choose_for == "omnibal"
+                 else "baseline_estimated_seconds_per_sample")
+    chosen = min(usable, key=lambda r: (r[speed_key], r["tp"], r["pp"]))
+    t, p, d = chosen["tp"], chosen["pp"], chosen["dp"]
+    if d != first_dp:
+        data = isf_plan(stats, d, config)
+        cap = cap_shape(data.params, stats)
+    m = num_microbatches(config.global_batch_size, d, k)
+    ctx = build_context(spec, dev, t, p, d, m, budget, config.attention, cap, random_shape)
+    if memory_need(ctx.need)[0] > budget:  # the final thresholds moved the caps: say so plainly
+        raise refusal(spec, gpus, gpu_memory, budget, [screen((t, p, d), cap, False)], skipped, False)
+    return _Chosen(ctx, data, cap, worst, tried, skipped, len(usable))
+
+
+def _notes(config: PlanConfig, ctx: PlanContext, k: int, usable: int, baseline) -> list[str]:
+    """The report's notes: budget, micro-batches, simulation, choice, and a baseline over the budget."""
+    budget = config.budget_bytes
+    notes = [f"budget = {config.gpu_memory_bytes / GIB:.1f} GiB x (1 - {config.memory_reserve}) = "
+             f"{budget / GIB:.1f} GiB per GPU",
+             f"{ctx.m} micro-batches per iteration = ceil({config.global_batch_size} / ({ctx.dp} DP x {k} samples))",
+             f"{config.sim_iterations} iterations simulated per setting (every DP rank; slowest rank + all-reduce)",
+             f"configuration chosen for the fastest "
+             f"{'balanced plan' if config.choose_for == 'omnibal' else 'Megatron default'} among {usable} that fit"]
+    if not baseline.fits_memory:
+        notes.append(f"the Megatron-default baseline exceeds the budget at its mean padded micro-batch "
+                     f"({max(baseline.stage_peak_bytes) / GIB:.1f} GiB); its time is predicted as if it ran")
+    return notes
+
+
+def make_plan(stats: SampleStats, config: PlanConfig) -> Plan:
+    """Plan data, model and memory balance together (see the package docstring).
+
+    stats: per-sample tiles and tokens; config: the request (:class:`PlanConfig`).
+    Raises PlanError when nothing fits.
+    """
+    spec, dev = config.spec, config.device_spec
+    check_request(config, stats)
+    k, samples, gpus, seed = int(config.samples_per_group), config.epoch_samples(stats), config.gpus, config.seed
+    cache: dict = {}
+    chosen = _choose_configuration(stats, config, cache)
+    ctx, data = chosen.ctx, chosen.data
+    t, p, d, m = ctx.tp, ctx.pp, ctx.dp, ctx.m
+
+    loads_r, _, _ = random_loads(stats, k, d, m, config.sim_iterations, seed)
+    loads_i = isf_loads(stats, data, m, config.sim_iterations, seed)
+    default = default_layout(spec, p)
+
+    base = simulate_candidate(ctx, default_candidate(ctx, default), loads_r, True)
+    plus_data = simulate_candidate(ctx, default_candidate(ctx, default), loads_i, True)
+    model_c = [simulate_candidate(ctx, c, loads_i, True) for c in model_candidates(ctx, default)]
+    # +model must fit memory with full recompute (the default layout may not)
+    plus_model = best_candidate(fitting_model_candidates(ctx, model_c))
+    mem_c = [simulate_candidate(ctx, c, loads_i, True)
+             for c in memory_candidates(ctx, [("+model", plus_model.layout), ("default", default)], cache)]
+    plus_memory = best_candidate(mem_c)
+
+    rows = with_speedups([
+        prediction_row(ctx, "baseline", "random", base, ctx.costs_random, loads_r.mean_shape, samples, gpus),
+        prediction_row(ctx, "+data", "isf", plus_data, ctx.costs_isf, loads_i.mean_shape, samples, gpus),
+        prediction_row(ctx, "+model", "isf", plus_model, ctx.costs_isf, loads_i.mean_shape, samples, gpus),
+        prediction_row(ctx, "+memory", "isf", plus_memory, ctx.costs_isf, loads_i.mean_shape, samples, gpus),
+    ])
+
+    final = rows[-1]
+    flags = plan_trainer_flags(spec.name, t, p, final.layout_flag, final.recompute_flag, data.params, k, m * d * k,
+                               bf16=ctx.precision == MIXED_BF16_ADAM)
+    shapes = {
+        "isf_caps": chosen.cap.to_dict(),
+        "isf_mean": shape_dict(loads_i.mean_shape),
+        "random_mean_padded": shape_dict(loads_r.mean_shape),
+        "random_worst_padded": shape_dict(chosen.worst_random),
+    }
+    isf = {"params": data.params.to_dict(), "metrics": dict(data.metrics), "groups": int(len(data.grouping)),
+           "search_seconds": float(data.seconds_search), "samples_per_group": float(data.grouping.sizes.mean())}
+    return Plan(
+        model=spec.name, device=dev.name, gpus=gpus, tp=t, pp=p, dp=d,
+        gpu_memory_bytes=float(config.gpu_memory_bytes), budget_bytes=config.budget_bytes, samples=samples,
+        samples_per_group=k, global_batch_size=m * d * k, num_microbatches=m, attention=config.attention, isf=isf,
+        random=dict(random_baseline(stats.vit, stats.tokens, d, k, seed)), shapes=shapes, rows=tuple(rows),
+        trainer_flags=flags, configs_tried=tuple(chosen.tried + chosen.skipped),
+        notes=tuple(_notes(config, ctx, k, chosen.usable, rows[0])),
+        timelines={r.setting: c.sim.timeline for r, c in zip(rows, (base, plus_data, plus_model, plus_memory))},
+        stage_time_bars={r.setting: list(r.stage_time_s) for r in rows},
+    )

@@ -1,0 +1,55 @@
+"""What the trainer is told: the plan's flag dict, its argv and shell text, and the trainer's TP rule."""
+from __future__ import annotations
+
+import shlex
+
+from ..model.units import ModelSpec
+
+
+def tp_problem(spec: ModelSpec, tp: int) -> str | None:
+    """Why ``tp`` cannot split this model's attention (the trainer's rule), or None.
+
+    The ViT's heads are padded to a multiple of ``tp`` (``VisionSpec.padded_heads``); the LLM's heads
+    and key-value groups must divide."""
+    heads, groups = spec.language.num_attention_heads, spec.language.kv_groups
+    if heads % tp or groups % tp:
+        return f"TP {tp} does not divide the LLM's {heads} attention heads / {groups} key-value groups"
+    return None
+
+
+def plan_trainer_flags(model: str, tp: int, pp: int, layout_flag: str, recompute_flag: str, isf_params,
+                       samples_per_group: int, global_batch_size: int, bf16: bool) -> dict:
+    """The flags ``pretrain_vlm.py`` runs the plan with (``--omnibal-plan`` applies them).
+
+    isf_params: the ISF thresholds (qv, qt, qv_min, qt_min: tiles and tokens per group);
+    samples_per_group: K, the micro-batch size; global_batch_size: samples per iteration.
+    """
+    return {
+        "--model": model,
+        "--tensor-model-parallel-size": tp,
+        "--pipeline-model-parallel-size": pp,
+        "--pipeline-layout": layout_flag,
+        "--recompute-plan": recompute_flag,
+        "--omnibal-isf": True,
+        "--omnibal-isf-qv": int(isf_params.qv),
+        "--omnibal-isf-qt": int(isf_params.qt),
+        "--omnibal-isf-qv-min": int(isf_params.qv_min),
+        "--omnibal-isf-qt-min": int(isf_params.qt_min),
+        "--micro-batch-size": samples_per_group,
+        "--global-batch-size": global_batch_size,
+        # the memory plan assumes both: optimizer state sharded over DP, and bf16 on a GPU
+        "--use-distributed-optimizer": True,
+        "--bf16": bf16,
+    }
+
+
+def trainer_argv(flags: dict) -> list[str]:
+    """Trainer arguments of a flag dict: True is a bare switch, False/None are left out, any other
+    value is joined as ``--flag=value`` (so that a value starting with "-", such as the recompute
+    plan ``-|t2``, is not taken for a flag by argparse)."""
+    return [k if v is True else f"{k}={v}" for k, v in flags.items() if v is not None and v is not False]
+
+
+def trainer_command(flags: dict) -> str:
+    """Shell text of :func:`trainer_argv`, quoted for pasting."""
+    return shlex.join(trainer_argv(flags))
