@@ -50,6 +50,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.utils import make_viewless_tensor
 from megatron.vlm.attention import SegmentAttention, segment_params
 
 from omnibal_ext.memory.recompute import StageRecompute
@@ -630,5 +631,7 @@ class VLMStage(MegatronModule):
             x = self.run_llm(x, self.llm_context(batch))
         if self.head is not None:
             return self.head(x, batch["labels"])
-        return x
+        # megatron-core frees a sent stage output's storage (deallocate_pipeline_outputs), which a view of
+        # another tensor (the projector's unsqueeze, a reshape) cannot give up
+        return make_viewless_tensor(x, requires_grad=x.requires_grad, keep_graph=True)
 

@@ -70,10 +70,13 @@ def _per_head_factory(sh: ShardedTensor, axis: int, width: int, real_heads: int,
         if flattened_range is not None:
             raise NotImplementedError(f"{key}: flattened (distributed-optimizer bucket) views are not "
                                       "supported for per-head ViT tensors")
+        heads = head_slices(data)
+        if not heads:  # only padded heads here: stand in as a copy of head 0, never saved, ignored on load
+            heads, replica_id = [(0, data.narrow(axis, 0, width))], _not_main(replica_id)
         return {f"head_{h}": ShardedTensor.from_rank_offsets(
                     key, part if axis == 0 else part.contiguous(), (0, h, real_heads),
                     replica_id=replica_id, prepend_axis_num=1)
-                for h, part in head_slices(data)}
+                for h, part in heads}
 
     def merge(loaded: dict) -> torch.Tensor:
         dtype = next(iter(loaded.values())).dtype if loaded else sh.data.dtype  # fp32 Adam state of bf16 weights
@@ -83,3 +86,10 @@ def _per_head_factory(sh: ShardedTensor, axis: int, width: int, real_heads: int,
         return out
 
     return ShardedTensorFactory(sh.key, sh.data, build, merge, sh.replica_id)
+
+
+def _not_main(replica_id):
+    """A replica id that is not the main replica (megatron-core saves main replicas only)."""
+    if isinstance(replica_id, int):
+        return replica_id + 1
+    return (replica_id[0] + 1, *replica_id[1:])
