@@ -17,7 +17,7 @@ setup(
         "scikit-learn==1.9.1",
         "matplotlib==3.11.2",
         "tqdm==4.70.1",
-        "psutil==7.2.2",  # megatron-core's torch_dist checkpoint writer reports worker memory with it
+        "xxhash==4.1.0",  # checkpoint file checksums
     ],
     extras_require={
         "tensorboard": ["tensorboard==2.21.0"],

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Benchmark of checkpoint save/load (issue #12): our megatron-core ``torch_dist`` checkpoints
-(megatron/training/checkpointing.py: DCP shards, CRC32 manifest, atomic rename, verified load) against
+(megatron/training/checkpointing.py: DCP shards, checksum manifest, atomic rename, verified load) against
 today's baseline, one ``torch.save`` per rank of the rank's state dicts (:func:`baseline_save` /
 :func:`baseline_load`).
 
@@ -20,8 +20,8 @@ training.build_model / build_optimizer, inside cpu_compat.patched()):
 Both formats are measured side by side, alternating within each repeat (the machine is noisy); the
 tables give medians over ``--repeats`` timed rounds after one untimed warm-up round (``--quick``: one
 round, no warm-up).  Our save is split into building the sharded state dict, megatron-core's
-``dist_checkpointing.save`` and the CRC32 manifest (the rest: mkdir/rmtree, fsync, renames, tracker); our
-load into ``find_checkpoint`` (the verification: manifest, sizes and the CRC32 of every file) and
+``dist_checkpointing.save`` and the checksum manifest (the rest: mkdir/rmtree, fsync, renames, tracker); our
+load into ``find_checkpoint`` (the verification: manifest, sizes and the XXH3 checksum of every file) and
 ``load_checkpoint``.  The first save of the process (megatron-core's one-time set-up) is reported apart.
 Loads read files just written, from the page cache, in both formats alike.
 
@@ -178,23 +178,17 @@ def _ours_rank_bytes(folder: str, world: int) -> list[int]:
 
 
 def ours_save(b: Built, root: str, iteration: int) -> dict:
-    from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
     from megatron.training import checkpointing as ck
 
     split = _Split()
     b.args.save = root
     _barrier()
     t0 = time.perf_counter()
+    # dist save: PyTorch DCP's planning, the write of this rank's file and its fsync, the metadata
     with split.wrapped(ck, "_sharded_state_dict", "state_dict_s"), \
-            split.wrapped(ck.dist_checkpointing, "save", "dist_save_s"), split.wrapped(ck, "_manifest", "manifest_s"), \
-            split.wrapped(fsa, "_get_write_results_queue", "results_queue_s"), \
-            split.wrapped(fsa.FileSystemWriterAsync, "write_preloaded_data_multiproc", "dist_write_s", static=True):
+            split.wrapped(ck.dist_checkpointing, "save", "dist_save_s"), split.wrapped(ck, "_manifest", "manifest_s"):
         ck.save_checkpoint(b.args, iteration, 0, b.model, b.optimizer, b.scheduler, _DataStub())
     total = time.perf_counter() - t0
-    inner = {k: v for k, v in split.s.items() if k in ("dist_write_s", "results_queue_s")}
-    # inside dist_save: the queue (a multiprocessing Manager the first time) and the forked writer
-    # process (its writes and fsyncs); the rest of it: planning, metadata, barriers
-    split.s["dist_plan_s"] = split.s["dist_save_s"] - sum(inner.values())
     outer = sum(v for k, v in split.s.items() if k in ("state_dict_s", "dist_save_s", "manifest_s"))
     return {"save_s": total, **split.s, "other_s": total - outer}
 
@@ -304,7 +298,6 @@ def run_case(case: str, opt_kind: str, a, work: str) -> dict:
                       f"load {l_['load_s']:.3f} s", flush=True)
     mine = {f"{k}_{kk}": _median(v, kk) for k, v in rows.items() for kk in (v[0].keys() if v else [])}
     mine["first_save_s"] = first_save["save_s"]
-    mine["first_save_queue_s"] = first_save.get("results_queue_s")
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     del b
@@ -334,10 +327,7 @@ COLUMNS = [("case", "case", ""), ("opt", "optimizer", ""), ("ranks", "world", ""
            ("load x", "load_ratio", ".2f"), ("MiB ours", "mib_ours", ".1f"), ("MiB base", "mib_base", ".1f"),
            ("bytes x", "bytes_ratio", ".3f")]
 SPLIT_COLUMNS = [("case", "case", ""), ("opt", "optimizer", ""), ("first save s", "first_save_s", ".3f"),
-                 ("1st queue s", "first_save_queue_s", ".3f"),
                  ("state dict s", "ours_save_state_dict_s", ".3f"), ("dist save s", "ours_save_dist_save_s", ".3f"),
-                 ("  plan s", "ours_save_dist_plan_s", ".3f"), ("  queue s", "ours_save_results_queue_s", ".3f"),
-                 ("  write+fsync s", "ours_save_dist_write_s", ".3f"),
                  ("manifest s", "ours_save_manifest_s", ".3f"), ("other s", "ours_save_other_s", ".3f"),
                  ("base fsync s", "base_save_fsync_s", ".3f"), ("verify share", "verify_share", ".2f")]
 

@@ -2,8 +2,9 @@
 # Download, here, the wheels a bare device machine (Python 3.12, PyTorch 2.11, no network) lacks, into
 # .whl/ (git-ignored; never commit wheels).  Its image already holds every other package the project
 # imports (einops, numpy, pillow, scikit-learn, matplotlib, tqdm, psutil, packaging: see
-# /work/.library/device/KINDS.md), so the list is megatron-core alone (a cp312 manylinux wheel: it
-# carries a compiled dataset helper, so it is not pure Python; its own needs torch, numpy, packaging are there).
+# /work/.library/device/KINDS.md), so the list is megatron-core (a cp312 manylinux wheel: it carries a
+# compiled dataset helper, so it is not pure Python; its own needs torch, numpy, packaging are there) and
+# xxhash (checkpoint checksums).
 #
 #   scripts/fetch_gpu_wheels.sh        then carry .whl and run scripts/gpu_check.sh there
 set -euo pipefail
@@ -12,5 +13,5 @@ mkdir -p .whl
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
-  -d .whl megatron-core==0.16.1
+  -d .whl megatron-core==0.16.1 xxhash==4.1.0
 ls -l .whl

@@ -88,7 +88,7 @@ def test_damaged_checkpoints_are_named_with_the_older_complete_one(single_ckpt):
     assert_refused(proc, "iteration 4", str(folder / "iter_0000004" / "__0_0.distcp"), "truncated",
                    "newest older complete checkpoint is iteration 2", "--ckpt-step 2")
     proc, folder = damaged(single_ckpt, "flipped", flip_a_byte)
-    assert_refused(proc, "iteration 4", "__0_0.distcp", "corrupt (CRC32")
+    assert_refused(proc, "iteration 4", "__0_0.distcp", "corrupt (its XXH3 checksum differs")
     proc, folder = damaged(single_ckpt, "missing", lambda f: (f / "__0_0.distcp").unlink())
     assert_refused(proc, "iteration 4", "__0_0.distcp is missing")
     proc, folder = damaged(single_ckpt, "unfinished", lambda f: (f / "omnibal_manifest.json").unlink())
