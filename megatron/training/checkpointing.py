@@ -188,10 +188,10 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimize
     sd.update({"rng": _rng_object(rng_state()), "iteration": iteration, "consumed_samples": consumed_samples,
                "scheduler": scheduler.state_dict(), "data": to_tensors(train_data.state_dict()), "run": run_description(args)})
     dist_checkpointing.save(sd, tmp, sharded_strategy=_save_strategy(), validate_access_integrity=True)
-    _fault_point("save", iteration)
+    fault_point("save", iteration)
     manifest = _manifest(tmp)
     if rank == 0:
-        _write_json(os.path.join(tmp, MANIFEST), {"iteration": iteration, "files": manifest})
+        _write_json(os.path.join(tmp, MANIFEST), {"iteration": iteration, "files": manifest})  # fsyncs tmp too
         if os.path.exists(final):  # saved before under the same iteration (a run restarted from earlier)
             os.replace(final, final + ".old")
         os.replace(tmp, final)
@@ -230,10 +230,14 @@ class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
 
 
 def _manifest(folder: str) -> dict:
-    """{file: [bytes, XXH3-64]} of every file under ``folder``, each rank hashing its share of the files."""
+    """{file: [bytes, XXH3-64]} of every file under ``folder``, each rank hashing (and fsyncing: megatron-core's
+    common files are not) its share of the files."""
     files = sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs)
-    mine = {f: [os.path.getsize(os.path.join(folder, f)), _digest(os.path.join(folder, f))]
-            for f in files[dist.get_rank()::dist.get_world_size()]}
+    mine = {}
+    for name in files[dist.get_rank()::dist.get_world_size()]:
+        path = os.path.join(folder, name)
+        _fsync_file(path)
+        mine[name] = [os.path.getsize(path), _digest(path)]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return {f: v for part in everyone for f, v in sorted(part.items())}
@@ -263,6 +267,11 @@ def _write_json(path: str, obj) -> None:
     _write_text(path, json.dumps(obj, indent=1))
 
 
+def _fsync_file(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -279,7 +288,7 @@ def _remove_old(root: str, keep: int | None) -> None:
         shutil.rmtree(iteration_dir(root, iteration), ignore_errors=True)
 
 
-def _fault_point(where: str, iteration: int) -> None:
+def fault_point(where: str, iteration: int) -> None:
     """Test hook: ``OMNIBAL_FAULT=save:N`` (inside the save of iteration N, after the shards are written and
     before the manifest) or ``train:N`` (before iteration N) SIGKILLs rank ``OMNIBAL_FAULT_RANK`` (default 1)
     of the first attempt of a torchrun job."""
@@ -288,10 +297,6 @@ def _fault_point(where: str, iteration: int) -> None:
         return
     if fault == f"{where}:{iteration}" and dist.get_rank() == int(os.environ.get("OMNIBAL_FAULT_RANK", "1")):
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def fault_point(where: str, iteration: int) -> None:
-    _fault_point(where, iteration)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,7 +398,7 @@ def load_checkpoint(ckpt: Checkpoint, args, model, optimizer, scheduler) -> dict
     same_world = saved_run and _world(saved_run) == (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                                      args.data_parallel_size)
     if with_optimizer:
-        _adapt_optimizer_request(request["optimizer"], saved_run, args, ckpt)
+        _adapt_optimizer_request(request["optimizer"], saved_run, args)
     if same_world:
         request["rng"] = _rng_object(None)
     template = _skeleton(request.get("optimizer"))  # the load rewrites the request's factories in place
@@ -422,9 +427,11 @@ def load_checkpoint(ckpt: Checkpoint, args, model, optimizer, scheduler) -> dict
 
 def _check_model(ckpt: Checkpoint, saved_run: dict, args) -> None:
     """The checkpoint's model sizes must be this run's (a clear message rather than a tensor shape)."""
-    saved = saved_run.get("model")
-    if saved is None:
+    from omnibal_ext.model.units import ModelSpec
+
+    if saved_run.get("model") is None:
         return
+    saved = ModelSpec.from_dict(saved_run["model"]).to_dict()  # fields added since: their defaults
     mine = args.model_spec.to_dict()
     diffs = [f"{k}: {v} saved, {mine_v} now" for k, v, mine_v in _flat_diff(saved, mine)]
     if diffs:
@@ -437,7 +444,7 @@ def _flat_diff(a: dict, b: dict, prefix: str = ""):
         va, vb = a.get(k), b.get(k)
         if isinstance(va, dict) and isinstance(vb, dict):
             yield from _flat_diff(va, vb, f"{prefix}{k}.")
-        elif va != vb and k != "name":
+        elif va != vb and k not in ("name", "init_method_std"):  # neither changes the weights a checkpoint holds
             yield f"{prefix}{k}", va, vb
 
 
@@ -486,7 +493,7 @@ def _optimizer_kind(run: dict) -> str:
     return "distributed" if run.get("distributed_optimizer") else "mixed" if run.get("bf16") else "fp32"
 
 
-def _adapt_optimizer_request(request: dict, saved_run: dict, args, ckpt: Checkpoint) -> None:
+def _adapt_optimizer_request(request: dict, saved_run: dict, args) -> None:
     """Point the requested fp32 main parameters at what the saved optimizer kind stored them under
     (the model's own weights when it trained in fp32). Adam's moments are keyed alike in every kind."""
     saved, mine = _optimizer_kind(saved_run), _optimizer_kind(run_description(args))
