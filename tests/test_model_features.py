@@ -2,32 +2,12 @@
 layer parity against transformers' InternVL vision layer, Qwen2 and Llama decoder layers (the independent
 reference), vocabulary padding left out of the loss, tied embeddings, sharded state dicts, spec round trip."""
 import dataclasses
-import os
 
 import pytest
 import torch
 
 from omnibal_ext.errors import UserError
 from omnibal_ext.model.units import ModelSpec, build_units, get_preset, vit_layers_for_feature_layer
-
-
-@pytest.fixture(scope="module")
-def megatron_world():
-    import torch.distributed as dist
-
-    from megatron.training import cpu_compat
-    from megatron.training.initialize import initialize_distributed, set_seeds
-
-    with cpu_compat.patched():
-        initialize_distributed(torch.device("cpu"), 1, 1)
-        set_seeds(0)
-        yield
-        from megatron.core import parallel_state
-
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
-        os.environ.pop(var, None)
 
 
 def perturb_named(module, seed=0):
