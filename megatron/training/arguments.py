@@ -255,6 +255,9 @@ def validate_args(args, world_size: int) -> None:
             f"projector and head): some stage would be empty")
     if args.pipeline_layout:
         parse_layout(args.pipeline_layout, spec, pp)  # raises LayoutError naming --pipeline-layout
+    if args.transformer_impl == "transformer_engine" and args.attention_backend == "unfused":
+        raise ArgumentError("--attention-backend unfused is megatron-core's DotProductAttention (a torch "
+                            "module): use --transformer-impl local or auto with it")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer (it overlaps the "
                             "distributed optimizer's parameter all-gather)")

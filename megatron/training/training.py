@@ -37,8 +37,6 @@ def resolve_overlap(args, device: torch.device) -> tuple[bool, bool]:
     on_cuda = device.type == "cuda"
     grad = on_cuda if args.overlap_grad_reduce is None else bool(args.overlap_grad_reduce)
     param = (on_cuda and args.use_distributed_optimizer) if args.overlap_param_gather is None else bool(args.overlap_param_gather)
-    if param and not args.use_distributed_optimizer:
-        raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer")
     args.overlap_grad_reduce, args.overlap_param_gather = grad, param
     return grad, param
 
@@ -92,10 +90,7 @@ def resolve_transformer_impl(requested: str, device: torch.device, attention_bac
         if requested == "transformer_engine":
             raise ArgumentError("--transformer-impl transformer_engine needs a CUDA device")
         return "local"
-    if attention_backend == "unfused":
-        if requested == "transformer_engine":
-            raise ValueError("--attention-backend unfused is megatron-core's DotProductAttention: "
-                             "use --transformer-impl local or auto")
+    if attention_backend == "unfused":  # with --transformer-impl transformer_engine refused by validate_args
         return "local"
     if requested != "auto":
         return requested
