@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from launch import benchlib
-from test_model_features import copy_real_rows, digits_batch, megatron_world  # noqa: F401
+from test_model_features import copy_real_rows, digits_batch
 
 pytestmark = pytest.mark.slow
 HERE = os.path.dirname(os.path.abspath(__file__))
