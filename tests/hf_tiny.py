@@ -21,7 +21,7 @@ def perturb(model, seed=0):
             p.copy_(0.2 * noise if (p.dim() > 1 or name.endswith("bias")) else 1.0 + 0.3 * noise)
 
 
-def hf_config(vit="ln-bias", text="qwen2", vit_heads=2, vocab=300, vit_layers=2, llm_layers=2, tie=None):
+def hf_config(vit="ln-bias", text="qwen2", vit_heads=2, vocab=300, vit_layers=2, llm_layers=2, tie=None, head_dim=12):
     from transformers import InternVLConfig, LlamaConfig, Qwen2Config
     from transformers.models.internvl.configuration_internvl import InternVLVisionConfig
 
@@ -35,7 +35,7 @@ def hf_config(vit="ln-bias", text="qwen2", vit_heads=2, vocab=300, vit_layers=2,
         tc = Qwen2Config(**common)
         tie = False if tie is None else tie
     else:
-        tc = LlamaConfig(**common, head_dim=12, attention_bias=False, mlp_bias=False)
+        tc = LlamaConfig(**common, head_dim=head_dim or 8, attention_bias=False, mlp_bias=False)
         tie = True if tie is None else tie
     tc.tie_word_embeddings = tie
     return InternVLConfig(vision_config=vc, text_config=tc, image_token_id=vocab - 1,
