@@ -40,7 +40,11 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--data", nargs="+", required=True, metavar="STATS_OR_META",
                    help="per-sample stats JSON files (OmniBal format: lists of {vit_num, token_num}), "
                         "or InternVL meta JSONs (scanned as by `omnibal isf`), or folders of either; concatenated")
-    p.add_argument("--model", required=True, help=f"model preset: {', '.join(PRESETS)}")
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", help=f"model preset: {', '.join(PRESETS)}")
+    model.add_argument("--hf-checkpoint", metavar="DIR",
+                       help="the model of a Hugging Face InternVL folder's config.json (the plan's trainer flags "
+                            "then start from it with --hf-checkpoint)")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in all")
     p.add_argument("--gpu-memory", type=float, required=True, metavar="GIB", help="memory of one GPU, GiB")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: chosen)")
@@ -78,13 +82,28 @@ def run_plan(args) -> int:
     from omnibal_ext.model.units import get_preset
     from omnibal_ext.plan import format_plan, make_plan, plot_plan
 
-    stats = load_stats_or_meta(args.data, "--data", get_preset(args.model))
-    plan = make_plan(stats, args.model, args.gpus, args.gpu_memory * GIB, args.tp, args.pp, args.dp, args.device,
+    if args.hf_checkpoint:
+        import os
+
+        from megatron.vlm.hf.config import read_config, spec_from_config
+
+        spec, _ = spec_from_config(read_config(args.hf_checkpoint),
+                                   "hf:" + os.path.basename(os.path.normpath(args.hf_checkpoint)),
+                                   os.path.join(args.hf_checkpoint, "config.json"))
+    else:
+        spec = get_preset(args.model)
+    stats = load_stats_or_meta(args.data, "--data", spec)
+    plan = make_plan(stats, spec, args.gpus, args.gpu_memory * GIB, args.tp, args.pp, args.dp, args.device,
                      samples=args.samples, samples_per_group=args.samples_per_group,
                      max_seq_length=args.max_seq_length, global_batch_size=args.global_batch_size,
                      memory_reserve=args.memory_reserve, attention=args.attention,
                      sim_iterations=args.sim_iterations, choose_for=args.choose_for, min_pp=args.min_pp,
                      seed=args.seed)
+    if args.hf_checkpoint:  # the trainer takes the model from the folder, not from a preset name
+        flags = {"--hf-checkpoint": args.hf_checkpoint}
+        flags.update({k: v for k, v in plan.trainer_flags.items() if k != "--model"})
+        plan.trainer_flags.clear()
+        plan.trainer_flags.update(flags)
     doc = plan.to_dict()
     doc["files"] = list(stats.files)
     with open(args.json, "w") as f:

@@ -268,3 +268,18 @@ def test_hf_checkpoint_flag_gives_the_model_and_refuses_conflicts(tiny):
     for bad in (["--hidden-size", "64"], ["--model", "internvl3-1b"], ["--no-tie-word-embeddings"]):
         with pytest.raises(ArgumentError, match="--hf-checkpoint|--model"):
             validate_args(build_parser().parse_args(["--hf-checkpoint", folder, *bad]), 1)
+
+
+def test_plan_takes_the_model_from_hf_checkpoint(tiny, tmp_path):
+    from omnibal_ext.cli import main
+
+    folder = str(tiny[("ln-bias", "qwen2")][0])
+    g = torch.Generator().manual_seed(0)
+    stats = [{"vit_num": int(torch.randint(1, 4, (1,), generator=g)), "token_num": int(torch.randint(20, 120, (1,), generator=g))}
+             for _ in range(400)]
+    (tmp_path / "s.json").write_text(json.dumps(stats))
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--data", str(tmp_path / "s.json"), "--hf-checkpoint", folder, "--gpus", "2", "--gpu-memory",
+                 "1", "--global-batch-size", "16", "--sim-iterations", "2", "--json", str(out)]) == 0
+    flags = json.loads(out.read_text())["trainer_flags"]
+    assert flags["--hf-checkpoint"] == folder and "--model" not in flags
