@@ -35,18 +35,14 @@ def read_piece(recipe, reader, sh, dtype) -> torch.Tensor:
 
 
 def load_hf_into_stage(stage, src) -> int:
-    """Load ``src`` (an :class:`~megatron.vlm.hf.convert.HFSource`) into ``stage`` (a VLMStage, unwrapped);
-    returns the number of tensor pieces read."""
-    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, extract_matching_values
-    from megatron.core.dist_checkpointing.mapping import (ShardedObject, ShardedTensor, ShardedTensorFactory,
-                                                          apply_factories, apply_factory_merges)
+    """Load ``src`` (an :class:`~megatron.vlm.hf.convert.HFSource`) into ``stage`` (a VLMStage, unwrapped),
+    one tensor at a time (at most one tensor's slice is held besides the parameters); returns the number of
+    pieces read."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
     table, _ = recipes(src.spec, src.info, src.style, [u.name for u in stage.units])
-    sd = stage.sharded_state_dict()
-    sd = {k: v for k, v in sd.items() if not isinstance(v, ShardedObject)}  # modules' (empty) extra state
-    factories, _ = extract_matching_values(sd, lambda x: isinstance(x, ShardedTensorFactory),
-                                           return_lists_as_dicts=True)
-    apply_factories(sd)
+    params = {id(p) for p in stage.parameters()}
     count = 0
 
     def fill(x):
@@ -56,11 +52,26 @@ def load_hf_into_stage(stage, src) -> int:
             return read_piece(table[x.key], src.reader, x, torch.float32)
         return x
 
-    dict_list_map_inplace(fill, sd)
-    merged = apply_factory_merges(sd, factories)
+    loaded = set()
     with torch.no_grad():
-        missing, unexpected = stage.load_state_dict(merged, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise RuntimeError(f"load_hf_into_stage: missing {missing}, unexpected {unexpected}")
+        for path, item in stage.sharded_state_dict().items():
+            if isinstance(item, ShardedObject):
+                continue  # modules' (empty) extra state
+            if isinstance(item, ShardedTensorFactory):  # per-head ViT tensors, swiglu halves: build, fill, merge
+                built = item.build()
+                built = fill(built) if isinstance(built, ShardedTensor) else dict_list_map_inplace(fill, built)
+                value = item.merge_fn(built)
+                target = item.data
+            elif isinstance(item, ShardedTensor):
+                value, target = fill(item), item.data
+            else:
+                raise RuntimeError(f"load_hf_into_stage: unexpected entry {path}: {type(item).__name__}")
+            if id(target) not in params:
+                raise RuntimeError(f"load_hf_into_stage: {path} is not a parameter of the stage")
+            target.copy_(value.reshape(target.shape))
+            loaded.add(id(target))
+            del value
+    missing = [n for n, p in stage.named_parameters() if id(p) not in loaded]
+    if missing:
+        raise RuntimeError(f"load_hf_into_stage: parameters not loaded: {missing}")
     return count
