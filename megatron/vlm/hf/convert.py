@@ -19,7 +19,7 @@ import shutil
 import torch
 
 from omnibal_ext.errors import UserError
-from omnibal_ext.model.units import LanguageSpec, ModelSpec, VisionSpec, build_units
+from omnibal_ext.model.units import ModelSpec, build_units
 
 from .config import HFInfo, native_config, read_config, spec_from_config
 from .keys import check_names, detect_style, recipes, to_hf
