@@ -32,6 +32,12 @@ def main(argv=None) -> dict:
     from omnibal_ext.model.units import build_units
 
     resume = checkpointing.find_checkpoint(args.load, args.ckpt_step) if args.load else None  # checked first
+    hf_source = None
+    if args.hf_checkpoint:
+        from megatron.vlm.hf.convert import HFSource
+
+        hf_source = HFSource.open(args.hf_checkpoint)  # every tensor name and shape checked (headers only)
+        args.hf_meta = hf_source.meta()
     if args.load and resume is None and dist.get_rank() == 0:
         print(f"> no checkpoint in --load {args.load}: starting from scratch", flush=True)
     tokenizer = setup.setup_tokenizer(args)
@@ -52,6 +58,14 @@ def main(argv=None) -> dict:
     train_data, valid_data = setup.build_data(args, tokenizer, setup.stage_inputs(args, layout), datasets,
                                               device.type)  # this stage's inputs only
     model = training.build_model(args, layout, recompute, tokenizer.img_context_id, device)
+    if hf_source is not None and resume is None:  # this rank's units and TP slices, before the optimizer
+        from megatron.vlm.hf.load import load_hf_into_stage
+
+        stage = model[0].module if hasattr(model[0], "module") else model[0]
+        hf_source.spec = args.model_spec  # the vocabulary may be padded further for TP
+        load_hf_into_stage(stage, hf_source)
+        if dist.get_rank() == 0:
+            print(f"> loaded weights from --hf-checkpoint {args.hf_checkpoint}", flush=True)
     optimizer, scheduler = training.build_optimizer(args, model)
     start, consumed = 0, 0
     if resume is not None:

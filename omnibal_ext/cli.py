@@ -4,7 +4,9 @@
 * ``omnibal partition``              model level: pipeline layout (``omnibal_ext.model.cli``);
 * ``omnibal memory``                 memory level: per-stage memory and recompute (``omnibal_ext.memory.cli``);
 * ``omnibal plan``                   all three together, with predictions (``omnibal_ext.plan``);
-* ``omnibal profile``                measure the units on this machine (runs the trainer's profiler).
+* ``omnibal profile``                measure the units on this machine (runs the trainer's profiler);
+* ``omnibal hf import|export``       Hugging Face InternVL folders to and from trainer checkpoints
+                                     (``megatron.vlm.hf``).
 
 Bad input (a missing or malformed file, a flag that cannot work, a model that fits no
 configuration) prints one line ``omnibal <command>: error: ...`` on stderr and exits with status 2.
@@ -12,6 +14,7 @@ configuration) prints one line ``omnibal <command>: error: ...`` on stderr and e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -38,7 +41,11 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--data", nargs="+", required=True, metavar="STATS_OR_META",
                    help="per-sample stats JSON files (OmniBal format: lists of {vit_num, token_num}), "
                         "or InternVL meta JSONs (scanned as by `omnibal isf`), or folders of either; concatenated")
-    p.add_argument("--model", required=True, help=f"model preset: {', '.join(PRESETS)}")
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", help=f"model preset: {', '.join(PRESETS)}")
+    model.add_argument("--hf-checkpoint", metavar="DIR",
+                       help="the model of a Hugging Face InternVL folder's config.json (the plan's trainer flags "
+                            "then start from it with --hf-checkpoint)")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in all")
     p.add_argument("--gpu-memory", type=float, required=True, metavar="GIB", help="memory of one GPU, GiB")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: chosen)")
@@ -75,8 +82,23 @@ def run_plan(args) -> int:
     from omnibal_ext.model.units import get_preset
     from omnibal_ext.plan import format_plan, make_plan, plot_plan
 
-    stats = load_stats_or_meta(args.data, "--data", get_preset(args.model))
-    plan = make_plan(stats, plan_config(args))
+    if args.hf_checkpoint:
+        import os
+
+        from megatron.vlm.hf.config import read_config, spec_from_config
+
+        spec, _ = spec_from_config(read_config(args.hf_checkpoint),
+                                   "hf:" + os.path.basename(os.path.normpath(args.hf_checkpoint)),
+                                   os.path.join(args.hf_checkpoint, "config.json"))
+    else:
+        spec = get_preset(args.model)
+    stats = load_stats_or_meta(args.data, "--data", spec)
+    plan = make_plan(stats, dataclasses.replace(plan_config(args), model=spec))
+    if args.hf_checkpoint:  # the trainer takes the model from the folder, not from a preset name
+        flags = {"--hf-checkpoint": args.hf_checkpoint}
+        flags.update({k: v for k, v in plan.trainer_flags.items() if k != "--model"})
+        plan.trainer_flags.clear()
+        plan.trainer_flags.update(flags)
     doc = plan.to_dict()
     doc["files"] = list(stats.files)
     with open(args.json, "w") as f:
@@ -112,7 +134,60 @@ def build_parser() -> argparse.ArgumentParser:
     add_memory_parser(sub)
     add_plan_parser(sub)
     add_profile_parser(sub)
+    add_hf_parser(sub)
     return parser
+
+
+def add_hf_parser(subparsers) -> argparse.ArgumentParser:
+    """``omnibal hf import|export``: offline conversion (torch is imported only when one runs)."""
+    p = subparsers.add_parser("hf", help="convert Hugging Face InternVL checkpoints to and from trainer checkpoints",
+                              description="Offline conversion between a Hugging Face InternVL folder (config.json + "
+                                          "*.safetensors; native InternVLForConditionalGeneration or original "
+                                          "InternVLChatModel layout) and a trainer checkpoint (torch_dist).")
+    sub = p.add_subparsers(dest="hf_command", required=True)
+    imp = sub.add_parser("import", help="HF folder -> weights-only trainer checkpoint at iteration 0 "
+                                        "(load it with pretrain_vlm.py --load at any TP/PP/layout)")
+    imp.add_argument("--hf-checkpoint", required=True, metavar="DIR", help="Hugging Face model folder")
+    imp.add_argument("--save", required=True, metavar="CKPT", help="checkpoint folder to write")
+    imp.set_defaults(func=_run_hf_import)
+    exp = sub.add_parser("export", help="trainer checkpoint (any TP/PP/DP/layout) -> native HF folder that "
+                                        "InternVLForConditionalGeneration.from_pretrained loads")
+    exp.add_argument("--load", required=True, metavar="CKPT", help="checkpoint folder (its newest iteration)")
+    exp.add_argument("--out", required=True, metavar="DIR", help="folder to write config.json + *.safetensors into")
+    exp.add_argument("--ckpt-step", type=int, default=None, help="that iteration instead of the newest")
+    exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                     help="tensor dtype written (default: the imported checkpoint's)")
+    exp.set_defaults(func=_run_hf_export)
+    return p
+
+
+def _run_hf_import(args) -> int:
+    import torch
+
+    from megatron.training import cpu_compat
+    from megatron.training.initialize import destroy, initialize_distributed
+    from megatron.vlm.hf.convert import import_hf
+
+    with cpu_compat.patched():
+        try:
+            initialize_distributed(torch.device("cpu"), 1, 1)
+            done = import_hf(args.hf_checkpoint, args.save)
+        finally:
+            destroy()
+    spec = done["spec"]
+    print(f"imported {done['tensors']} tensors ({done['layout']} layout): ViT {spec.vision.num_layers} layers, "
+          f"LLM {spec.language.num_layers} layers, vocabulary {spec.language.vocab_real} (padded to "
+          f"{spec.language.vocab_size}) -> {args.save}")
+    return 0
+
+
+def _run_hf_export(args) -> int:
+    from megatron.vlm.hf.convert import export_hf
+
+    done = export_hf(args.load, args.out, args.ckpt_step, args.dtype)
+    print(f"exported iteration {done['iteration']}: {done['tensors']} tensors in {', '.join(done['files'])}"
+          + (f", tokenizer from {done['tokenizer']}" if done["tokenizer"] else ", no tokenizer found") + f" -> {args.out}")
+    return 0
 
 
 def data_files(paths, flag: str) -> list[str]:
@@ -269,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         args.trainer_flags = extra  # `omnibal profile` passes the rest to the trainer's parser
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")  # exits 2
-    command = args.command if args.command != "isf" else f"isf {args.isf_command}"
+    command = {"isf": f"isf {getattr(args, 'isf_command', '')}", "hf": f"hf {getattr(args, 'hf_command', '')}"}.get(
+        args.command, args.command)
     try:
         result = args.func(args)
     except UserError as e:  # StatsError, PlanError, LayoutError, MemoryBudgetError, ...: one line, exit 2

@@ -25,6 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("model")
     g.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="model size preset")
+    g.add_argument("--hf-checkpoint", default=None, metavar="DIR",
+                   help="start from this Hugging Face InternVL folder (config.json + *.safetensors, native or "
+                        "original layout): the model comes from its config.json (no model flags needed; a model "
+                        "flag that disagrees is an error), each rank loads its own units and TP slices from the "
+                        "safetensors, and a tokenizer there is the default --tokenizer-model")
     for flag, help_ in [
         ("--vision-num-layers", "ViT layers"), ("--vision-hidden-size", "ViT hidden size"),
         ("--vision-num-attention-heads", "ViT heads"), ("--vision-ffn-hidden-size", "ViT MLP size"),
@@ -157,8 +162,46 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def model_spec_from_args(args) -> ModelSpec:
-    spec = get_preset(args.model)
+# dests of the flags that describe the model (besides --model)
+MODEL_DESTS = ("vision_num_layers", "vision_hidden_size", "vision_num_attention_heads", "vision_ffn_hidden_size",
+               "image_size", "patch_size", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+               "ffn_hidden_size", "init_method_std", "vision_normalization", "vision_norm_eps", "vision_qkv_bias",
+               "vision_qk_norm", "vision_layer_scale_init", "vision_feature_layer", "qkv_bias", "head_dim",
+               "norm_epsilon", "rotary_base", "tie_word_embeddings")
+
+
+def hf_spec_from_args(args) -> ModelSpec:
+    """--hf-checkpoint: the model of DIR/config.json; model flags given besides must agree with it."""
+    from megatron.vlm.hf.config import read_config, spec_from_config
+
+    import os
+
+    folder = args.hf_checkpoint
+    if not os.path.isdir(folder):
+        raise ArgumentError(f"--hf-checkpoint {folder}: no such folder")
+    spec, _ = spec_from_config(read_config(folder), "hf:" + os.path.basename(os.path.normpath(folder)),
+                               os.path.join(folder, "config.json"))
+    parser = build_parser()
+    if args.model != parser.get_default("model"):
+        raise ArgumentError(f"--model {args.model} and --hf-checkpoint {folder} both name a model: drop --model")
+    given = [d for d in MODEL_DESTS if getattr(args, d, None) != parser.get_default(d)]
+    conflicts = []
+    for d in given:
+        if d == "vision_feature_layer":
+            conflicts.append("--vision-feature-layer (config.json's vision_feature_layer applies)")
+            continue
+        probe = argparse.Namespace(**{k: parser.get_default(k) for k in MODEL_DESTS})
+        setattr(probe, d, getattr(args, d))
+        if model_spec_from_args(probe, base=spec) != spec:
+            conflicts.append(f"--{d.replace('_', '-')} {getattr(args, d)}")
+    if conflicts:
+        raise ArgumentError(f"--hf-checkpoint {folder}: model flag(s) {', '.join(conflicts)} disagree with its "
+                            "config.json; drop them (the model comes from the checkpoint)")
+    return spec
+
+
+def model_spec_from_args(args, base: ModelSpec | None = None) -> ModelSpec:
+    spec = base if base is not None else get_preset(args.model)
     v = {k: getattr(args, a) for k, a in [
         ("num_layers", "vision_num_layers"), ("hidden_size", "vision_hidden_size"),
         ("num_attention_heads", "vision_num_attention_heads"), ("ffn_hidden_size", "vision_ffn_hidden_size"),
@@ -246,7 +289,7 @@ def validate_args(args, world_size: int) -> None:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         raise ArgumentError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
-    spec = model_spec_from_args(args)
+    spec = hf_spec_from_args(args) if getattr(args, "hf_checkpoint", None) else model_spec_from_args(args)
     n_units = len(build_units(spec))
     if pp > n_units:
         raise ArgumentError(

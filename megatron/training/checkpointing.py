@@ -95,7 +95,8 @@ def run_description(args) -> dict:
     return {"format": FORMAT, "model": args.model_spec.to_dict(), "tp": args.tensor_model_parallel_size,
             "pp": args.pipeline_model_parallel_size, "dp": args.data_parallel_size,
             "layout": getattr(args, "layout_flag", None), "distributed_optimizer": bool(args.use_distributed_optimizer),
-            "bf16": bool(args.bf16), "seed": args.seed}
+            "bf16": bool(args.bf16), "seed": args.seed, "tokenizer": getattr(args, "tokenizer_model", None),
+            "hf": getattr(args, "hf_meta", None)}  # the HF checkpoint the model came from (omnibal hf export)
 
 
 def _world(run: dict) -> tuple:
@@ -177,18 +178,30 @@ def _sharded_state_dict(model, optimizer, with_optimizer: bool, is_loading: bool
 def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler, train_data) -> None:
     """Save iteration ``iteration`` under ``args.save`` atomically (see the module docstring); every rank calls it."""
     root = args.save
-    rank = dist.get_rank()
-    final, tmp = iteration_dir(root, iteration), iteration_dir(root, iteration) + ".tmp"
-    if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # a save killed before (same iteration)
-        os.makedirs(tmp)
-    dist.barrier()
+    tmp = _fresh_folder(root, iteration)
     sd = _sharded_state_dict(model, optimizer, with_optimizer=True, is_loading=False)
     sd.update({"rng": _rng_object(rng_state()), "iteration": iteration, "consumed_samples": consumed_samples,
                "scheduler": scheduler.state_dict(), "data": to_tensors(train_data.state_dict()), "run": run_description(args)})
     dist_checkpointing.save(sd, tmp, sharded_strategy=_save_strategy(), validate_access_integrity=True)
     fault_point("save", iteration)
+    _publish(root, iteration, args.keep_checkpoints)
+
+
+def _fresh_folder(root: str, iteration: int) -> str:
+    """``iter_N.tmp`` under ``root``, empty (a save killed before under the same iteration left one)."""
+    tmp = iteration_dir(root, iteration) + ".tmp"
+    if dist.get_rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    return tmp
+
+
+def _publish(root: str, iteration: int, keep: int | None) -> None:
+    """After every rank wrote ``iter_N.tmp``: the manifest, the rename to ``iter_N`` and the tracker, last."""
+    rank = dist.get_rank()
+    final, tmp = iteration_dir(root, iteration), iteration_dir(root, iteration) + ".tmp"
     manifest = _manifest(tmp)
     if rank == 0:
         _write_json(os.path.join(tmp, MANIFEST), {"iteration": iteration, "files": manifest})  # fsyncs tmp too
@@ -198,10 +211,42 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimize
         shutil.rmtree(final + ".old", ignore_errors=True)
         _fsync_dir(root)
         _write_text(os.path.join(root, TRACKER), str(iteration))
-        _remove_old(root, args.keep_checkpoints)
+        _remove_old(root, keep)
     dist.barrier()
     if rank == 0:
         print(f"> saved checkpoint of iteration {iteration} to {final}", flush=True)
+
+
+def save_global_tensors(root: str, tensors: dict, objects: list, common: dict, iteration: int = 0) -> None:
+    """Write a weights-only checkpoint of iteration ``iteration`` from a world of one: ``tensors`` {checkpoint
+    key: GLOBAL tensor} (the keys and global shapes a stage's ``sharded_state_dict`` declares, saved whole as
+    replica 0), ``objects`` the ShardedObjects a model declares besides (its modules' extra state), ``common``
+    the common state ("run", "iteration"; no "scheduler": ``load_checkpoint`` then loads weights only, at any
+    TP/PP/layout). Same atomic save, manifest and tracker as ``save_checkpoint``."""
+    if dist.get_world_size() != 1:
+        raise RuntimeError("save_global_tensors: a world of one writes the whole model")
+    tmp = _fresh_folder(root, iteration)
+    model = {key: ShardedTensor.from_rank_offsets(key, t.contiguous(), replica_id=0) for key, t in tensors.items()}
+    model.update({obj.key: obj for obj in objects})
+    sd = {"model": model, **common}
+    dist_checkpointing.save(sd, tmp, sharded_strategy=_save_strategy(), validate_access_integrity=True)
+    _publish(root, iteration, None)
+
+
+def read_global_tensors(path: str, keys) -> dict:
+    """The global tensors ``keys`` of the checkpoint folder ``path`` (an ``iter_N``), however it was sharded
+    (any TP/PP/DP, layout): read in this process with PyTorch DCP, only those tensors."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+
+    reader = FileSystemReader(path)
+    meta = reader.read_metadata().state_dict_metadata
+    missing = sorted(k for k in keys if k not in meta)
+    if missing:
+        raise CheckpointError(f"{path}: model tensor(s) missing: {', '.join(missing[:8])}")
+    out = {k: torch.empty(tuple(meta[k].size), dtype=meta[k].properties.dtype) for k in keys}
+    dcp_load(out, storage_reader=reader, no_dist=True)
+    return out
 
 
 def _save_strategy():

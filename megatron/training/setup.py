@@ -26,7 +26,15 @@ DEFAULT_DATASET_SAMPLES = 6000
 
 def setup_tokenizer(args):
     """Build the tokenizer and size the model's vocabulary from it."""
+    hf = getattr(args, "hf_checkpoint", None)
+    if hf and args.tokenizer_model is None:
+        from megatron.vlm.hf.convert import has_tokenizer
+
+        if has_tokenizer(hf):
+            args.tokenizer_model = hf  # the model's own tokenizer (and its special tokens)
     tokenizer = build_tokenizer(args.tokenizer_model)
+    if hf:
+        return _check_hf_tokenizer(args, tokenizer)
     # Pad to a multiple of 128 that TP divides, not to 128 x TP as Megatron does: the vocabulary
     # (and so the drawn weights) then stays the same across TP sizes 1, 2, 4, 8, and parallel runs
     # reproduce the serial run.
@@ -37,6 +45,28 @@ def setup_tokenizer(args):
     # the real size too: the padded rows' logits are masked out of the loss (OutputHead)
     args.model_spec = spec.replace(language=dataclasses.replace(spec.language, vocab_size=vocab,
                                                                 real_vocab_size=tokenizer.vocab_size))
+    return tokenizer
+
+
+def _check_hf_tokenizer(args, tokenizer):
+    """--hf-checkpoint: the vocabulary is the checkpoint's (config vocab_size, padded); the tokenizer must fit in
+    it and its <IMG_CONTEXT> must be the config's image_token_id."""
+    from megatron.vlm.hf.config import read_config, spec_from_config
+
+    spec = args.model_spec
+    _, info = spec_from_config(read_config(args.hf_checkpoint))
+    real = spec.language.vocab_real
+    if tokenizer.vocab_size > real:
+        raise ArgumentError(f"--tokenizer-model {args.tokenizer_model or '(byte-level)'}: {tokenizer.vocab_size} ids, "
+                            f"more than the {real} rows of --hf-checkpoint {args.hf_checkpoint} (text vocab_size)")
+    if info.image_token_id is not None and tokenizer.img_context_id != info.image_token_id:
+        raise ArgumentError(f"--tokenizer-model {args.tokenizer_model or '(byte-level)'}: <IMG_CONTEXT> is id "
+                            f"{tokenizer.img_context_id}, but --hf-checkpoint {args.hf_checkpoint}/config.json has "
+                            f"image_token_id {info.image_token_id}")
+    vocab = spec.language.vocab_size
+    if vocab % args.tensor_model_parallel_size:
+        vocab = padded_vocab_size(real, args.tensor_model_parallel_size)
+        args.model_spec = spec.replace(language=dataclasses.replace(spec.language, vocab_size=vocab))
     return tokenizer
 
 

@@ -363,9 +363,13 @@ class OutputHead(MegatronModule):
             init_method=config.init_method, bias=False, gather_output=False)
         self.last_token_correct = None  # [b, s] bool, argmax == label, set by forward
         self.vocab_size, self.real_vocab = spec.language.vocab_size, spec.language.vocab_real
+        # True: forward returns this TP rank's logits [t, 1, V/tp] instead of the loss (scripts/hf_logits.py)
+        self.return_logits = False
 
     def forward(self, hidden, labels):
         logits, _ = self.output(self.norm(hidden))  # [t, 1, V/tp]
+        if self.return_logits:
+            return logits
         targets = labels.clamp(min=0).reshape(-1, 1)
         if self.real_vocab < self.vocab_size:  # padded rows take no part in the softmax nor the argmax
             logits = mask_padded_vocab(logits.float(), self.real_vocab)

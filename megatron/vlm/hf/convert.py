@@ -1,0 +1,210 @@
+"""Offline conversion between an HF InternVL folder and a trainer checkpoint (``omnibal hf import|export``).
+
+import: config.json -> ModelSpec; every HF tensor -> our unit-keyed global tensor (fp32, vocabulary padded)
+        -> a weights-only checkpoint at iteration 0 (``SAVE/iter_0000000`` + tracker + manifest) whose common
+        state holds "run" (with the model spec and, under "hf", the source config, layout, key style, dtype and
+        folder) and "iteration" 0. ``pretrain_vlm.py --load SAVE`` loads it at any TP/PP/layout.
+export: any checkpoint of ours (any TP/PP/DP/layout) -> config.json + safetensors in the native HF layout
+        (the imported key style), vocabulary unpadded, a tied head written once (as the embedding), tokenizer
+        files copied from the training's tokenizer (or the imported folder).
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import shutil
+
+import torch
+
+from omnibal_ext.errors import UserError
+from omnibal_ext.model.units import ModelSpec, build_units
+
+from .config import HFInfo, native_config, read_config, spec_from_config
+from .keys import check_names, detect_style, recipes, to_hf
+from .reader import HFCheckpoint
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+                   "preprocessor_config.json", "processor_config.json", "generation_config.json")
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass
+class HFSource:
+    """An HF folder opened for conversion: config, spec, info, tensors, key style."""
+
+    folder: str
+    config: dict
+    spec: ModelSpec
+    info: HFInfo
+    reader: HFCheckpoint
+    style: str
+
+    @classmethod
+    def open(cls, folder: str, check: bool = True) -> "HFSource":
+        cfg = read_config(folder)
+        name = "hf:" + os.path.basename(os.path.normpath(folder))
+        spec, info = spec_from_config(cfg, name, os.path.join(folder, "config.json"))
+        reader = HFCheckpoint(folder)
+        style = detect_style(reader.names())
+        src = cls(folder, cfg, spec, info, reader, style)
+        if check:
+            _, shapes = recipes(spec, info, style)
+            check_names(shapes, reader, spec, info, style, folder, tied_equal=src._check_tied_head)
+        return src
+
+    def _check_tied_head(self, head: str) -> None:
+        from .keys import Names
+
+        emb = Names(self.info, self.style).embed()
+        if not torch.equal(self.reader.get(head), self.reader.get(emb)):
+            raise UserError(f"--hf-checkpoint {self.folder}: tie_word_embeddings is set but {head} differs from {emb}")
+
+    def dtype_name(self) -> str:
+        first = sorted(self.reader.names())[0]
+        return {v: k for k, v in DTYPES.items()}.get(SAFETENSORS_DTYPES.get(self.reader.dtype(first)), "float32")
+
+    def meta(self) -> dict:
+        """What export needs to write this model back (stored in the run description under "hf")."""
+        return {"info": self.info.to_dict(), "style": self.style, "config": self.config, "dtype": self.dtype_name(),
+                "source": os.path.abspath(self.folder)}
+
+    def global_tensors(self, units=None, dtype=torch.float32) -> dict[str, torch.Tensor]:
+        table, _ = recipes(self.spec, self.info, self.style, units)
+        return {key: r.read(self.reader, dtype=dtype) for key, r in table.items()}
+
+
+def structure_twin(spec: ModelSpec) -> ModelSpec:
+    """A tiny model with ``spec``'s structure (unit list, per-layer features, heads): the same checkpoint keys
+    and objects, for listing the ShardedObjects (modules' extra state) a checkpoint of ``spec`` holds."""
+    v, lang = spec.vision, spec.language
+    f = int(round(1 / spec.downsample_ratio))
+    vision = dataclasses.replace(v, hidden_size=2 * v.num_attention_heads, ffn_hidden_size=4, image_size=f, patch_size=1)
+    language = dataclasses.replace(lang, hidden_size=8, head_dim=2, ffn_hidden_size=4, vocab_size=128, real_vocab_size=None)
+    return spec.replace(vision=vision, language=language)
+
+
+def extra_state_objects(spec: ModelSpec) -> list:
+    """The ShardedObjects of a TP1 whole-model stage of ``spec`` (built as its tiny structure twin)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, apply_factories
+
+    from megatron.vlm.config import language_config, vision_config
+    from megatron.vlm.model import VLMStage
+
+    twin = structure_twin(spec)
+    units = build_units(twin)
+    cfg = language_config(twin, 1, True, torch.float32)
+    stage = VLMStage(twin, units, range(len(units)), cfg, vision_config(twin, 1, True, torch.float32), cfg,
+                     img_context_id=0, seed=0)
+    sd = stage.sharded_state_dict()
+    apply_factories(sd)
+    return [x for x in nested_values(sd) if isinstance(x, ShardedObject)]
+
+
+def run_for(spec: ModelSpec, meta: dict, tokenizer: str | None) -> dict:
+    from megatron.training.checkpointing import FORMAT
+
+    return {"format": FORMAT, "model": spec.to_dict(), "tp": 1, "pp": 1, "dp": 1, "layout": None,
+            "distributed_optimizer": False, "bf16": False, "seed": 0, "tokenizer": tokenizer, "hf": meta}
+
+
+def import_hf(folder: str, save: str) -> dict:
+    """``omnibal hf import``: in a world of one (process group and megatron's groups already started)."""
+    from megatron.training.checkpointing import save_global_tensors
+
+    src = HFSource.open(folder)
+    tensors = src.global_tensors()
+    tokenizer = os.path.abspath(folder) if has_tokenizer(folder) else None
+    common = {"run": run_for(src.spec, src.meta(), tokenizer), "iteration": 0}
+    save_global_tensors(save, tensors, extra_state_objects(src.spec), common, 0)
+    return {"spec": src.spec, "tensors": len(tensors), "layout": src.info.layout}
+
+
+def has_tokenizer(folder: str) -> bool:
+    return any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+
+
+def export_hf(load: str, out: str, step: int | None = None, dtype: str | None = None,
+              max_shard_bytes: int = 4 << 30) -> dict:
+    """``omnibal hf export``: any checkpoint of ours -> a native HF folder. Needs no process group."""
+    from megatron.core import dist_checkpointing
+
+    from megatron.training.checkpointing import TRACKER, CheckpointError, iteration_dir, read_global_tensors
+
+    if step is None:
+        tracker = os.path.join(load, TRACKER)
+        if not os.path.isfile(tracker):
+            raise CheckpointError(f"--load {load}: no {TRACKER} there (not a checkpoint folder of ours)")
+        step = int(open(tracker).read().strip())
+    path = iteration_dir(load, step)
+    common = dist_checkpointing.load_common_state_dict(path)
+    run = common.get("run") or {}
+    meta = run.get("hf")
+    if not meta:
+        raise CheckpointError(f"--load {load}: iteration {step} was not trained from a Hugging Face model (its run "
+                              "description holds no 'hf' entry: import with `omnibal hf import` or train with "
+                              "--hf-checkpoint)")
+    spec = ModelSpec.from_dict(run["model"])
+    info = HFInfo.from_dict(meta["info"])
+    native = dataclasses.replace(info, layout="native",
+                                 text_family="llama" if info.text_family == "internlm2" else info.text_family)
+    style = meta.get("style", "legacy") if info.layout == "native" else "legacy"
+    table, _ = recipes(spec, native, style)
+    tensors = read_global_tensors(path, [k for k in table if not (spec.language.tie_word_embeddings
+                                                                  and k == "llm.head.output.weight")])
+    if spec.language.tie_word_embeddings:
+        tensors["llm.head.output.weight"] = tensors["llm.embed.word.weight"]
+    torch_dtype = DTYPES[dtype or meta.get("dtype") or "float32"]
+    hf = to_hf(spec, native, tensors, style, dtype=torch_dtype)
+    os.makedirs(out, exist_ok=True)
+    config = native_config(spec, info, meta.get("config"))
+    config["dtype"] = {v: k for k, v in DTYPES.items()}[torch_dtype]
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    files = write_safetensors(hf, out, max_shard_bytes)
+    copied = copy_tokenizer(out, run.get("tokenizer"), meta.get("source"))
+    return {"iteration": step, "tensors": len(hf), "files": files, "tokenizer": copied}
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], out: str, max_shard_bytes: int) -> list[str]:
+    from safetensors.torch import save_file
+
+    for old in glob.glob(os.path.join(out, "*.safetensors")) + glob.glob(os.path.join(out, "*.safetensors.index.json")):
+        os.remove(old)
+    shards, size = [[]], 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    if len(shards) == 1:
+        save_file({n: tensors[n].contiguous() for n in shards[0]}, os.path.join(out, "model.safetensors"),
+                  metadata={"format": "pt"})
+        return ["model.safetensors"]
+    files, weight_map = [], {}
+    for i, names in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: tensors[n].contiguous() for n in names}, os.path.join(out, fname), metadata={"format": "pt"})
+        files.append(fname)
+        weight_map.update({n: fname for n in names})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return files
+
+
+def copy_tokenizer(out: str, *folders) -> str | None:
+    """Copy the tokenizer files of the first of ``folders`` that holds a tokenizer; returns that folder."""
+    for folder in folders:
+        if folder and os.path.isdir(folder) and has_tokenizer(folder):
+            for name in TOKENIZER_FILES:
+                if os.path.isfile(os.path.join(folder, name)):
+                    shutil.copyfile(os.path.join(folder, name), os.path.join(out, name))
+            return folder
+    return None

@@ -1,0 +1,104 @@
+"""Logits of our model on an HF InternVL folder (the check against transformers: scripts/hf_logits.py).
+
+Inputs are transformers' own: ``input_ids [1, s]`` already holding ``image_seq_length`` image-token ids per
+tile, ``pixel_values [tiles, 3, H, W]``. Output: float32 logits ``[s, real vocab]``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from omnibal_ext.model.units import build_units
+
+
+def make_batch(inputs: dict) -> dict:
+    """A micro-batch of one sample, as the collate makes it."""
+    from megatron.vlm.data.collate import collate_padded
+
+    ids = inputs["input_ids"].reshape(-1).to(torch.int64)
+    pixels = inputs["pixel_values"].to(torch.float32)
+    sample = {"input_ids": ids.numpy(), "labels": torch.zeros_like(ids).numpy(), "pixel_values": pixels,
+              "image_flags": torch.ones(len(pixels), dtype=torch.int64)}
+    return collate_padded([sample], pad_id=0)
+
+
+def build_stage(spec, unit_range, img_context_id: int, tp: int = 1, pp: int = 1):
+    from megatron.vlm.config import language_config, vision_config
+    from megatron.vlm.model import VLMStage
+
+    units = build_units(spec)
+    stage_cfg = language_config(spec, tp, True, torch.float32, pp=pp)
+    stage = VLMStage(spec, units, unit_range, stage_cfg, vision_config(spec, tp, True, torch.float32),
+                     language_config(spec, tp, True, torch.float32), img_context_id=img_context_id, seed=0)
+    if stage.head is not None:
+        stage.head.return_logits = True
+    return stage.eval()
+
+
+def image_token_id(src, given: int | None = None) -> int:
+    from omnibal_ext.errors import UserError
+
+    tid = given if given is not None else src.info.image_token_id
+    if tid is None:
+        raise UserError(f"--hf-checkpoint {src.folder}: config.json has no image_token_id; give --image-token-id")
+    return int(tid)
+
+
+def gather_vocab(logits: torch.Tensor, real_vocab: int) -> torch.Tensor:
+    """This TP rank's [t, 1, V/tp] logits -> all of them [t, real vocab] (fp32)."""
+    from megatron.core import parallel_state
+
+    logits = logits.float().squeeze(1)
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        parts = [torch.empty_like(logits) for _ in range(parallel_state.get_tensor_model_parallel_world_size())]
+        dist.all_gather(parts, logits.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+        logits = torch.cat(parts, dim=-1)
+    return logits[:, :real_vocab]
+
+
+def chained_logits(src, inputs: dict, cuts: list[int] = (), img_context_id: int | None = None) -> torch.Tensor:
+    """In one process (TP1): the model split into stages at unit indices ``cuts``, each stage built and loaded
+    on its own, the hidden state handed from one to the next; [s, real vocab]."""
+    from .load import load_hf_into_stage
+
+    spec = src.spec
+    n = len(build_units(spec))
+    bounds = [0, *cuts, n]
+    batch = make_batch(inputs)
+    x = None
+    with torch.no_grad():
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            stage = build_stage(spec, range(a, b), image_token_id(src, img_context_id), pp=len(bounds) - 1)
+            load_hf_into_stage(stage, src)
+            stage.set_input_tensor(x)
+            x = stage(batch)
+    return gather_vocab(x, spec.language.vocab_real)
+
+
+def pipeline_logits(src, inputs: dict, layout, img_context_id: int | None = None) -> torch.Tensor | None:
+    """Under torchrun (megatron's groups started at TP/PP): this rank's stage of ``layout``, forward only,
+    hidden states passed point to point along the pipeline. Returns the logits on the last stage, else None."""
+    from megatron.core import parallel_state as ps
+
+    from .load import load_hf_into_stage
+
+    spec = src.spec
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    rank = ps.get_pipeline_model_parallel_rank()
+    stage = build_stage(spec, layout.stage_range(rank), image_token_id(src, img_context_id), tp, pp)
+    load_hf_into_stage(stage, src)
+    batch = make_batch(inputs)
+    with torch.no_grad():
+        x = None
+        if rank > 0:
+            shape = torch.empty(3, dtype=torch.int64)
+            dist.recv(shape, src=ps.get_pipeline_model_parallel_prev_rank())
+            x = torch.empty(tuple(shape.tolist()), dtype=torch.float32)
+            dist.recv(x, src=ps.get_pipeline_model_parallel_prev_rank())
+        stage.set_input_tensor(x)
+        y = stage(batch)
+        if rank < pp - 1:
+            dist.send(torch.tensor(y.shape, dtype=torch.int64), dst=ps.get_pipeline_model_parallel_next_rank())
+            dist.send(y.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+            return None
+    return gather_vocab(y, spec.language.vocab_real)

@@ -1,0 +1,70 @@
+"""The safetensors shards of a Hugging Face model folder, read lazily (one tensor, or a slice of one)."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import torch
+
+from .config import HFConfigError
+
+
+class HFCheckpoint:
+    """Tensor names -> shard files of ``folder`` (``model.safetensors.index.json`` or every
+    ``*.safetensors``); tensors are read on demand, each file opened once."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        index = os.path.join(folder, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            self.files = {k: os.path.join(folder, v) for k, v in weight_map.items()}
+        else:
+            self.files = {}
+            for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+                from safetensors import safe_open
+
+                with safe_open(path, "pt") as f:
+                    for k in f.keys():
+                        self.files[k] = path
+        if not self.files:
+            raise HFConfigError(f"--hf-checkpoint {folder}: no *.safetensors weights there (PyTorch .bin "
+                                "checkpoints are not read: convert them with save_pretrained(safe_serialization=True))")
+        self._open: dict[str, object] = {}
+
+    def names(self) -> set[str]:
+        return set(self.files)
+
+    def _handle(self, name: str):
+        from safetensors import safe_open
+
+        path = self.files[name]
+        if path not in self._open:
+            self._open[path] = safe_open(path, "pt")
+        return self._open[path]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        return self._handle(name).get_slice(name).get_dtype()
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def box(self, name: str, rows: tuple[int, int], cols: tuple[int, int] | None = None) -> torch.Tensor:
+        """Rows [r0, r1) (and columns [c0, c1) when given) of the tensor; only those are read."""
+        sl = self._handle(name).get_slice(name)
+        if cols is None:
+            return sl[rows[0]:rows[1]]
+        return sl[rows[0]:rows[1], cols[0]:cols[1]]
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of the tensor (only those are read)."""
+        return self._handle(name).get_slice(name)[start:stop]
+
+    def cols(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Columns [start, stop) of a matrix (only those are read)."""
+        return self._handle(name).get_slice(name)[:, start:stop]

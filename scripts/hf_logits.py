@@ -1,0 +1,69 @@
+"""Logits of our model on a Hugging Face InternVL folder, at any TP/PP/layout (the check against transformers).
+
+    torchrun --nproc-per-node N scripts/hf_logits.py --hf-checkpoint DIR --inputs IN.pt --out OUT.pt \\
+        [--tensor-model-parallel-size T] [--pipeline-model-parallel-size P] [--pipeline-layout L]
+
+IN.pt: ``{"input_ids": LongTensor [1, s], "pixel_values": FloatTensor [tiles, 3, H, W]}``, the input_ids already
+holding image_seq_length image-token ids per tile (transformers' own inputs). OUT.pt: float32 logits
+``[s, real vocabulary]`` of our model (fp32 on CPU), written by the last stage's TP rank 0. Each rank reads
+only its own units and TP slices of the safetensors. Compare with
+``InternVLForConditionalGeneration.from_pretrained(DIR)(**inputs).logits[0]``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+warnings.filterwarnings("ignore")
+
+
+def main(argv=None) -> int:
+    import torch
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hf-checkpoint", required=True)
+    p.add_argument("--inputs", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-layout", default=None)
+    p.add_argument("--image-token-id", type=int, default=None, help="default: the config's image_token_id")
+    args = p.parse_args(argv)
+
+    import torch.distributed as dist
+
+    from megatron.training import cpu_compat
+    from megatron.training.initialize import destroy, initialize_distributed
+    from megatron.vlm.hf.convert import HFSource
+    from megatron.vlm.hf.logits import pipeline_logits
+    from omnibal_ext.errors import UserError, report
+    from omnibal_ext.model.layout import default_layout, parse_layout
+
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    try:
+        with cpu_compat.patched():
+            try:
+                src = HFSource.open(args.hf_checkpoint)
+                layout = parse_layout(args.pipeline_layout, src.spec, pp) if args.pipeline_layout else \
+                    default_layout(src.spec, pp)
+                initialize_distributed(torch.device("cpu"), tp, pp)
+                inputs = torch.load(args.inputs, weights_only=True)
+                logits = pipeline_logits(src, inputs, layout, args.image_token_id)
+                from megatron.core import parallel_state as ps
+
+                if logits is not None and ps.get_tensor_model_parallel_rank() == 0:
+                    torch.save(logits, args.out)
+                    print(f"> logits {tuple(logits.shape)} written to {args.out}", flush=True)
+                dist.barrier()
+            finally:
+                destroy()
+    except UserError as e:
+        return report(e, "hf_logits: ")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
