@@ -26,3 +26,14 @@ def run_single(flags: list[str], workdir: Path, timeout: int = 300) -> subproces
     cmd = [sys.executable, str(ROOT / "pretrain_vlm.py"), *flags]
     return subprocess.run(cmd, cwd=workdir, env=benchlib.trainer_env(), capture_output=True, text=True,
                           timeout=timeout)
+
+
+def checkpoint_tensors(folder: Path) -> dict:
+    """The model tensors (not optimizer state, RNG or extra state) of a checkpoint folder, by key, whole."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    flat = folder.parent / (folder.name + ".pt")
+    dcp_to_torch_save(str(folder), str(flat))
+    return {k: v for k, v in torch.load(flat, weights_only=False).items()
+            if isinstance(v, torch.Tensor) and not k.startswith(("optimizer.", "rng_state")) and "_extra_state" not in k}

@@ -9,7 +9,7 @@ saves what it loaded, and both checkpoints' tensors are compared).
 import pytest
 import torch
 
-from launch import run_training
+from launch import checkpoint_tensors, run_training
 
 pytestmark = pytest.mark.slow
 
@@ -37,16 +37,6 @@ def saved(tmp_path_factory, data_cache):
     return d, flags, losses(records, [5, 6])
 
 
-def model_tensors(folder) -> dict:
-    """The model tensors (not optimizer state, RNG or extra state) of a checkpoint folder, by key."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    flat = folder.parent / (folder.name + ".pt")
-    dcp_to_torch_save(str(folder), str(flat))
-    return {k: v for k, v in torch.load(flat, weights_only=False).items()
-            if isinstance(v, torch.Tensor) and not k.startswith(("optimizer.", "rng_state")) and "_extra_state" not in k}
-
-
 @pytest.mark.parametrize("nproc,flags", [
     (1, []),  # TP1 PP1, plain Adam from the distributed optimizer's state
     (4, ["--pipeline-model-parallel-size", "4", "--pipeline-layout", "Iv*3|vP|Et*2|t*2L", "--recompute-plan=v2|-|t1s|t2"]),
@@ -67,7 +57,7 @@ def test_loaded_weights_are_the_saved_ones_and_plain_adam_feeds_the_distributed_
     copy = d / "copy"
     run_training(1, base + ["--train-iters", "4", "--load", str(d / "ckpt"), "--ckpt-step", "4", "--save", str(copy)],
                  d, "copy")
-    original, copied = model_tensors(d / "ckpt" / "iter_0000004"), model_tensors(copy / "iter_0000004")
+    original, copied = checkpoint_tensors(d / "ckpt" / "iter_0000004"), checkpoint_tensors(copy / "iter_0000004")
     assert original.keys() == copied.keys() and len(original) > 50
     assert all(torch.equal(original[k], copied[k]) for k in original)
     records, _ = run_training(4, base + ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
@@ -82,7 +72,7 @@ def test_padded_vit_heads_load_at_any_tp(tmp_path, data_cache):
     flags = BASE + model + ["--data-cache-dir", str(data_cache)]
     full, _ = run_training(2, flags + ["--tensor-model-parallel-size", "2", "--save", str(tmp_path / "c"),
                                        "--save-interval", "4"], tmp_path, "tp2")
-    qkv = model_tensors(tmp_path / "c" / "iter_0000004")["vit.layer.0.self_attention.linear_qkv.weight"]
+    qkv = checkpoint_tensors(tmp_path / "c" / "iter_0000004")["vit.layer.0.self_attention.linear_qkv.weight"]
     assert qkv.shape == (3, 3 * 16, 48)  # [real heads, q|k|v rows of one head, hidden]
     for nproc, tp in ((1, "1"), (4, "4")):
         records, _ = run_training(nproc, flags + ["--tensor-model-parallel-size", tp, "--load", str(tmp_path / "c"),
