@@ -21,7 +21,8 @@ setup(
     ],
     extras_require={
         "tensorboard": ["tensorboard==2.21.0"],
-        "test": ["pytest==9.0.3", "hypothesis==6.155.2"],
+        # transformers is the reference implementation the Hugging Face tests compare against
+        "test": ["pytest==9.0.3", "hypothesis==6.155.2", "transformers==5.23.0"],
         # GPU extras are installed by the user from NVIDIA's channels (transformer-engine, NVIDIA apex
         # built from source); never the unrelated PyPI package called "apex".
         "hf": ["transformers==5.23.0"],
