@@ -29,11 +29,12 @@ def run_single(flags: list[str], workdir: Path, timeout: int = 300) -> subproces
 
 
 def checkpoint_tensors(folder: Path) -> dict:
-    """The model tensors (not optimizer state, RNG or extra state) of a checkpoint folder, by key, whole."""
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    """The model tensors (not optimizer state, RNG or extra state) of a checkpoint folder, by key, whole,
+    read by the checkpoint module's own reader."""
+    from torch.distributed.checkpoint import FileSystemReader
 
-    flat = folder.parent / (folder.name + ".pt")
-    dcp_to_torch_save(str(folder), str(flat))
-    return {k: v for k, v in torch.load(flat, weights_only=False).items()
-            if isinstance(v, torch.Tensor) and not k.startswith(("optimizer.", "rng_state")) and "_extra_state" not in k}
+    from megatron.training.checkpointing import read_global_tensors
+
+    keys = [k for k, m in FileSystemReader(str(folder)).read_metadata().state_dict_metadata.items()
+            if hasattr(m, "size") and not k.startswith(("optimizer.", "rng_state")) and "_extra_state" not in k]
+    return read_global_tensors(str(folder), keys)
