@@ -17,6 +17,7 @@ from megatron.vlm.batches import MicroBatches, StageInputs
 from megatron.vlm.data.digits import FORMAT_VERSION as DIGITS_FORMAT
 from megatron.vlm.data.digits import build_digits_dataset, digits_meta_paths
 from megatron.vlm.data.internvl import InternVLDataset
+from megatron.vlm.data.template import chat_template_name
 from megatron.vlm.data.tokenizer import build_tokenizer, padded_vocab_size
 
 from .arguments import ArgumentError
@@ -33,6 +34,8 @@ def setup_tokenizer(args):
         if has_tokenizer(hf):
             args.tokenizer_model = hf  # the model's own tokenizer (and its special tokens)
     tokenizer = build_tokenizer(args.tokenizer_model)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"> conversations are rendered with {chat_template_name(tokenizer)}", flush=True)
     if hf:
         return _check_hf_tokenizer(args, tokenizer)
     # Pad to a multiple of 128 that TP divides, not to 128 x TP as Megatron does: the vocabulary

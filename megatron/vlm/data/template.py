@@ -13,6 +13,11 @@ tiles of that image) + ``</img>``, images taken in order.  Labels are already sh
 ``plan_conversation`` returns a ``ChatPlan``: the token pieces with image blocks kept as runs, so the
 exact length and image positions are known without building the id array (the reader's validation pass
 uses it); ``ChatPlan.materialize`` builds the arrays.  Both paths share one plan, so the lengths agree.
+
+A Hugging Face tokenizer with its own Jinja chat template (``tokenizer.chat_template``) is rendered with that
+template instead (``plan_with_chat_template``): the text is exactly the template's, with the same ``<image>``
+expansion, and the labelled tokens are each assistant answer and what closes it (its end-of-turn token),
+found by rendering the conversation prefix by prefix.  The built-in layout above is the fallback.
 """
 from __future__ import annotations
 
@@ -159,6 +164,8 @@ def plan_conversation(turns: list[Turn], tokenizer, image_tiles: list[int], toke
     placeholders = count_placeholders(turns)
     if placeholders != len(image_tiles):
         raise ConversationError(f"{placeholders} {IMAGE_PLACEHOLDER} placeholders but {len(image_tiles)} images")
+    if getattr(tokenizer, "chat_template", None):
+        return plan_with_chat_template(turns, tokenizer, image_tiles, tokens_per_tile, system)
     pieces: list = []
     spans: list[tuple[int, int]] = []
     length = 0
@@ -210,6 +217,108 @@ def plan_conversation(turns: list[Turn], tokenizer, image_tiles: list[int], toke
             special(tokenizer.im_end_id, is_answer=True)
             text("\n")
     return ChatPlan(pieces, length, spans, list(image_tiles), tokenizer.img_start_id, tokenizer.img_end_id,
+                    tokenizer.img_context_id, tokens_per_tile)
+
+
+def chat_template_name(tokenizer) -> str:
+    """Which template ``plan_conversation`` uses with ``tokenizer`` (for the startup log line)."""
+    if getattr(tokenizer, "chat_template", None):
+        return f"the tokenizer's own chat template ({getattr(tokenizer, 'path', tokenizer)})"
+    return "the built-in InternLM2-style chat template"
+
+
+def answer_spans(messages: list[dict], render) -> tuple[str, list[tuple[int, int]]]:
+    """``(text, spans)``: ``render(messages)`` and the ``[start, end)`` characters of each assistant answer in it.
+
+    ``render(messages, add_generation_prompt)`` is a chat template.  An answer starts where the prefix before it,
+    rendered with the generation prompt, ends (or where its content is found after that, for a template that
+    ignores the generation prompt) and ends where the prefix including it ends, less trailing whitespace: its
+    content and the template's end-of-turn token, as in the built-in layout.
+    """
+    text = render(messages, False)
+    spans = []
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = render(messages[:k], True)
+        after = render(messages[:k + 1], False)
+        if not (after.startswith(before) and text.startswith(after)):
+            raise ConversationError("the tokenizer's chat template does not render this conversation turn by turn "
+                                    f"(message {k}: a prefix's rendering is not a prefix of the whole); the answer "
+                                    "tokens cannot be located")
+        start = len(before)
+        found = after.find(message["content"], start) if message["content"] else -1
+        if found >= 0:
+            start = found
+        end = len(after.rstrip())
+        if found >= 0:
+            end = max(end, found + len(message["content"]))
+        spans.append((start, max(start, end)))
+    return text, spans
+
+
+def plan_with_chat_template(turns: list[Turn], tokenizer, image_tiles: list[int], tokens_per_tile: int,
+                            system: str | None = None) -> ChatPlan:
+    """``plan_conversation`` with the tokenizer's own chat template (``tokenizer.render_chat``).
+
+    ``system`` is added as a first system message when the conversation has none.  BOS comes from the template
+    (``{{ bos_token }}``) only.  Each ``<image>`` in the rendered text becomes its image block; the text between
+    is tokenised whole, and a token is labelled when its characters overlap an answer span (tokenizers without
+    offsets: the text is also cut at the span boundaries).
+    """
+    messages = [{"role": t.role, "content": t.text} for t in turns]
+    if messages[0]["role"] != "system" and system is not None:
+        messages.insert(0, {"role": "system", "content": system})
+    text, spans = answer_spans(messages, lambda m, gen: tokenizer.render_chat(m, add_generation_prompt=gen))
+    if text.count(IMAGE_PLACEHOLDER) != len(image_tiles):
+        raise ConversationError(f"the chat template rendered {text.count(IMAGE_PLACEHOLDER)} {IMAGE_PLACEHOLDER} "
+                                f"placeholders for {len(image_tiles)} images")
+    for reserved in RESERVED_STRINGS:
+        if reserved in text:
+            raise ConversationError(f"the chat template rendered the reserved token string {reserved!r}")
+
+    def in_answer(a: int, b: int) -> bool:
+        if a == b:
+            return any(s <= a < e for s, e in spans)
+        return any(a < e and b > s for s, e in spans)
+
+    pieces: list = []
+    image_spans: list[tuple[int, int]] = []
+    length = 0
+
+    def add(ids: list[int], flags: list[bool]) -> None:
+        nonlocal length
+        for i, f in zip(ids, flags):
+            if pieces and pieces[-1][1] is f:
+                pieces[-1][0].append(i)
+            else:
+                pieces.append(([i], f))
+        length += len(ids)
+
+    def chunk(lo: int, hi: int) -> None:
+        if lo >= hi:
+            return
+        enc = tokenizer.encode_with_offsets(text[lo:hi]) if hasattr(tokenizer, "encode_with_offsets") else None
+        if enc is not None:
+            ids, offsets = enc
+            add(ids, [in_answer(lo + a, lo + b) for a, b in offsets])
+            return
+        cuts = sorted({lo, hi, *(c for s, e in spans for c in (s, e) if lo < c < hi)})
+        for a, b in zip(cuts, cuts[1:]):
+            ids = tokenizer.encode(text[a:b])
+            add(ids, [in_answer(a, b)] * len(ids))
+
+    pos = 0
+    for k, tiles in enumerate(image_tiles):
+        at = text.index(IMAGE_PLACEHOLDER, pos)
+        chunk(pos, at)
+        n = tiles * tokens_per_tile + 2
+        image_spans.append((length, length + n))
+        pieces.append((tiles, None))
+        length += n
+        pos = at + len(IMAGE_PLACEHOLDER)
+    chunk(pos, len(text))
+    return ChatPlan(pieces, length, image_spans, list(image_tiles), tokenizer.img_start_id, tokenizer.img_end_id,
                     tokenizer.img_context_id, tokens_per_tile)
 
 

@@ -135,9 +135,23 @@ class HFTokenizer:
         self.img_start_id = ids[IMG_START]
         self.img_end_id = ids[IMG_END]
         self.img_context_id = ids[IMG_CONTEXT]
+        # the tokenizer's own Jinja chat template (tokenizer_config.json / chat_template.jinja), if any:
+        # plan_conversation then renders conversations with it instead of the built-in template
+        self.chat_template = getattr(tok, "chat_template", None) or None
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """``messages`` (``role``/``content`` dicts) rendered as text by the tokenizer's own chat template."""
+        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def encode_with_offsets(self, text: str):
+        """``(ids, [(start, end) character span per id])``, or ``None`` for a tokenizer without offsets."""
+        if not getattr(self._tok, "is_fast", False):
+            return None
+        enc = self._tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
