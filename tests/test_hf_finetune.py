@@ -57,6 +57,7 @@ def test_finetune_hf_model_pp2_isf_then_export(tmp_path, data_cache):
              "--data-cache-dir", str(data_cache), "--save", str(tmp_path / "ckpt"), "--seed", "5"]
     records, out = run_training(2, flags, tmp_path, "finetune")
     assert "loaded weights from --hf-checkpoint" in out
+    assert "conversations are rendered with the tokenizer's own chat template" in out
     losses = [r["lm loss"] for r in records]
     assert len(losses) == 30
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
