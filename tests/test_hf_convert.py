@@ -283,3 +283,33 @@ def test_plan_takes_the_model_from_hf_checkpoint(tiny, tmp_path):
                  "1", "--global-batch-size", "16", "--sim-iterations", "2", "--json", str(out)]) == 0
     flags = json.loads(out.read_text())["trainer_flags"]
     assert flags["--hf-checkpoint"] == folder and "--model" not in flags
+
+
+def test_recipe_read_into_equals_read():
+    """``Recipe.read_into`` (chunked, written in place, as --hf-checkpoint loads) gives ``read``'s values
+    bit for bit: row blocks of several tensors, zero rows, column cuts, strided destinations, dtypes."""
+    from megatron.vlm.hf.keys import Part, Recipe
+
+    g = torch.Generator().manual_seed(0)
+    hf = {"a": torch.randn(12, 10, generator=g).bfloat16(), "b": torch.randn(6, 10, generator=g).bfloat16(),
+          "c": torch.randn(10, 12, generator=g).bfloat16()}
+
+    class Reader:
+        def box(self, name, rows, cols=None):
+            t = hf[name][rows[0]:rows[1]]
+            return (t if cols is None else t[:, cols[0]:cols[1]]).clone()
+
+    gated = Recipe((22, 10), (Part("a", 0, 12), Part("b", 2, 6), Part(None, 0, 6)))
+    per_head = Recipe((4, 10, 3), tuple(Part("c", 0, 10, (h * 3, (h + 1) * 3)) for h in range(4)), 10)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for first, last, cols in ((0, 22, None), (5, 17, None), (3, 20, (2, 7))):
+            want = gated.read(Reader(), first, last, torch.float32, cols=cols).to(dtype)
+            big = torch.full((last - first, 13), 7.0, dtype=dtype)
+            out = big[:, 1:1 + want.shape[1]]  # a strided view, like a parameter's slice
+            gated.read_into(Reader(), out, first, last, cols=cols, chunk_bytes=50)
+            assert torch.equal(out, want) and (big[:, 0] == 7).all()
+        want = per_head.read(Reader(), 1, 3, torch.float32).to(dtype)
+        param = torch.zeros(10, 12, dtype=dtype)
+        for h in (1, 2):  # head h's input columns of the output projection, written in place
+            per_head.read_into(Reader(), param[:, h * 3:(h + 1) * 3], h, h + 1, chunk_bytes=8)
+        assert torch.equal(param[:, 3:9], torch.cat(list(want), 1)) and (param[:, :3] == 0).all()

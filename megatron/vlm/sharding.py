@@ -85,7 +85,11 @@ def _per_head_factory(sh: ShardedTensor, axis: int, width: int, real_heads: int,
             part.copy_(loaded[f"head_{h}"])
         return out
 
-    return ShardedTensorFactory(sh.key, sh.data, build, merge, sh.replica_id)
+    factory = ShardedTensorFactory(sh.key, sh.data, build, merge, sh.replica_id)
+    # for loaders that write each piece in place (megatron/vlm/hf/load.py): where ``merge`` puts each
+    # built piece in ``data`` (views; zeros elsewhere)
+    factory.load_views = lambda data: {f"head_{h}": part for h, part in head_slices(data)}
+    return factory
 
 
 def _not_main(replica_id):

@@ -33,6 +33,10 @@ class HFKeysError(UserError):
     """HF tensors missing, unused or of another shape than the config says."""
 
 
+class NotRowsView(ValueError):
+    """The destination of :meth:`Recipe.read_into` cannot be seen as rows without a copy."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Part:
     """Rows [start, stop) of HF tensor ``name`` (columns [cols[0], cols[1]) when given); ``name`` None: zeros."""
@@ -70,6 +74,37 @@ class Recipe:
         if cols is not None:
             shape = (*shape[:-1], cols[1] - cols[0])
         return out.reshape(shape)
+
+    def read_into(self, reader, out: torch.Tensor, first: int = 0, last: int | None = None,
+                  cols: tuple[int, int] | None = None, chunk_bytes: int = 16 << 20) -> None:
+        """Like :meth:`read`, but written straight into ``out`` (any dtype; a view of a parameter is fine, as
+        long as it can be seen as ``[rows, width]`` without a copy): each part's rows are read from the HF
+        tensor a chunk of about ``chunk_bytes`` at a time and converted into their place, so no tensor of
+        more than one chunk is made. Same values as ``read(...).to(out.dtype)`` (one rounding)."""
+        last = self.shape[0] if last is None else last
+        lo, hi = first * self.rows_per_index, last * self.rows_per_index
+        try:
+            flat = out.view(hi - lo, -1) if (out.dim() > 1 or self._row_width() is not None) else out.view(-1)
+        except RuntimeError as e:
+            raise NotRowsView(str(e)) from None
+        if flat.shape[0] != hi - lo:
+            raise ValueError(f"Recipe.read_into: {tuple(out.shape)} does not hold rows [{lo}, {hi})")
+        at = 0
+        for part in self.parts:
+            a, b = max(lo, at), min(hi, at + part.rows)
+            if a < b:
+                dest = flat[a - lo:b - lo]
+                if part.name is None:
+                    dest.zero_()
+                else:
+                    row_bytes = max(1, dest[0].numel()) * max(out.element_size(), 4)
+                    step = max(1, chunk_bytes // row_bytes)
+                    for r in range(a, b, step):
+                        s = min(b, r + step)
+                        t = self._part_rows(reader, part, r - at, s - at, None, cols)
+                        dest[r - a:s - a].copy_(t.reshape(dest[r - a:s - a].shape))
+                        del t
+            at += part.rows
 
     def _part_rows(self, reader, part: Part, a: int, b: int, dtype, cols) -> torch.Tensor:
         width = self._row_width()

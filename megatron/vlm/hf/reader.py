@@ -45,6 +45,11 @@ class HFCheckpoint:
             self._open[path] = safe_open(path, "pt")
         return self._open[path]
 
+    def release(self) -> None:
+        """Close the open shards: unmaps the pages read so far (they count in the process's resident memory
+        while mapped); the next read reopens its shard."""
+        self._open.clear()
+
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())
 
