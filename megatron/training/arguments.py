@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "start from scratch; `--save X --load X` under torchrun --max-restarts resumes a killed job)")
     g.add_argument("--ckpt-step", type=int, default=None, help="with --load: that iteration's checkpoint")
     g.add_argument("--keep-checkpoints", type=int, default=None, help="keep the newest N checkpoints (default: all)")
-    g.add_argument("--save-interval", type=int, default=None, help="save every N iterations (0: only at --exit-interval)")
+    g.add_argument("--save-interval", type=int, default=None, help="save every N iterations (and at the end of training; 0: only at the end)")
     g.add_argument("--exit-interval", type=int, default=None, help="stop (after saving) at this iteration (0: run all --train-iters)")
     g.add_argument("--json-log", default=None, help="write per-iteration metrics as JSON lines here")
     g.add_argument("--log-activation-memory", action="store_true",

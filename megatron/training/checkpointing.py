@@ -103,29 +103,30 @@ def _world(run: dict) -> tuple:
     return run["tp"], run["pp"], run["dp"]
 
 
+def _map_leaves(tree, leaf):
+    """``tree`` (nested dicts, lists, tuples) with every other value replaced by ``leaf(value)``."""
+    if isinstance(tree, dict):
+        return {k: _map_leaves(v, leaf) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_map_leaves(v, leaf) for v in tree)
+    return leaf(tree)
+
+
+def _tensor_leaf(value):
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value))
+    return value.item() if isinstance(value, np.generic) else value
+
+
 def to_tensors(tree):
     """``tree`` with numpy arrays as torch tensors and numpy scalars as Python ones: checkpoints are read
     with torch.load(weights_only=True), which takes tensors and plain Python containers only."""
-    if isinstance(tree, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(tree))
-    if isinstance(tree, np.generic):
-        return tree.item()
-    if isinstance(tree, dict):
-        return {k: to_tensors(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(to_tensors(v) for v in tree)
-    return tree
+    return _map_leaves(tree, _tensor_leaf)
 
 
 def to_arrays(tree):
     """The inverse of :func:`to_tensors` for what it changed (tensors back to numpy arrays)."""
-    if isinstance(tree, torch.Tensor):
-        return tree.numpy()
-    if isinstance(tree, dict):
-        return {k: to_arrays(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(to_arrays(v) for v in tree)
-    return tree
+    return _map_leaves(tree, lambda v: v.numpy() if isinstance(v, torch.Tensor) else v)
 
 
 def rng_state() -> dict:
@@ -634,13 +635,7 @@ _LOADED = object()  # in a skeleton: a tensor the load request asked for
 
 def _skeleton(tree):
     """A load request's structure with its sharded tensors and factories replaced by ``_LOADED``."""
-    if isinstance(tree, ShardedBase):
-        return _LOADED
-    if isinstance(tree, dict):
-        return {k: _skeleton(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_skeleton(v) for v in tree]
-    return tree
+    return _map_leaves(tree, lambda v: _LOADED if isinstance(v, ShardedBase) else v)
 
 
 def _rebuilt(template, loaded, step: torch.Tensor, model_weights: dict):
