@@ -1,10 +1,11 @@
 """Build this rank's bf16 (or fp32) model and megatron-core optimizer on CPU without training, print
 measured static bytes (megatron.training.memory.static_bytes) beside the memory model's prediction.
 
-    python tests/static_probe.py [trainer flags]            # a world of one
-    torchrun --nproc-per-node 2 tests/static_probe.py ...   # DP 2
+    python tests/static_probe.py OUT_DIR [trainer flags]            # a world of one
+    torchrun --nproc-per-node 2 tests/static_probe.py OUT_DIR ...   # DP 2
 
-Prints one JSON line per rank: {"rank", "measured": {...breakdown}, "predicted", "params"}.
+Writes OUT_DIR/rank<R>.json per rank: {"rank", "measured": {...breakdown}, "predicted", "params"} (a
+file each: two ranks printing to one stdout can interleave their lines).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 
-def main(argv: list[str]) -> None:
+def main(out_dir: Path, argv: list[str]) -> None:
     from megatron.core import parallel_state
     from megatron.training import cpu_compat, setup, training
     from megatron.training.arguments import parse_args
@@ -41,11 +42,12 @@ def main(argv: list[str]) -> None:
         params = sum(counts[i] for i in layout.stage_range(stage))
         predicted = memory_model.static_bytes(params, args.data_parallel_size, args.use_distributed_optimizer,
                                               setup.precision_of(args))
-        print(json.dumps({"rank": torch.distributed.get_rank(), "params": params,
-                          "measured": static_bytes(model, optimizer, breakdown=True), "predicted": predicted}),
-              flush=True)
+        rank = torch.distributed.get_rank()
+        row = {"rank": rank, "params": params,
+               "measured": static_bytes(model, optimizer, breakdown=True), "predicted": predicted}
+        (out_dir / f"rank{rank}.json").write_text(json.dumps(row))
         destroy()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main(Path(sys.argv[1]), sys.argv[2:])

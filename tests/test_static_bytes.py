@@ -15,17 +15,15 @@ from launch import ROOT, benchlib
 PROBE = str(ROOT / "tests" / "static_probe.py")
 
 
-def probe(flags, nproc=1):
+def probe(flags, out_dir, nproc=1):
     if nproc == 1:
-        cmd = [sys.executable, PROBE, *flags]
+        cmd = [sys.executable, PROBE, str(out_dir), *flags]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(benchlib.free_port()), PROBE, *flags]
+               "--master-addr", "127.0.0.1", "--master-port", str(benchlib.free_port()), PROBE, str(out_dir), *flags]
     out = subprocess.run(cmd, env=benchlib.trainer_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    rows = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
-    assert len(rows) == nproc
-    return sorted(rows, key=lambda r: r["rank"])
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
 @pytest.mark.parametrize("flags, per_param", [
@@ -33,8 +31,8 @@ def probe(flags, nproc=1):
     (["--bf16", "--use-distributed-optimizer"], {"params": 2, "grads": 4, "master": 4, "moments": 8}),
     (["--use-distributed-optimizer"], {"params": 4, "grads": 4, "master": 0, "moments": 8}),
 ])
-def test_static_bytes_match_memory_model_dp1(flags, per_param):
-    (row,) = probe(flags)
+def test_static_bytes_match_memory_model_dp1(flags, per_param, tmp_path):
+    (row,) = probe(flags, tmp_path)
     n, measured = row["params"], row["measured"]
     for kind, b in per_param.items():  # fp32 master weights of bf16 parameters are counted now
         assert measured[kind] == b * n, (kind, measured)
@@ -43,8 +41,8 @@ def test_static_bytes_match_memory_model_dp1(flags, per_param):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flags", [["--bf16", "--use-distributed-optimizer"], ["--bf16", "--pipeline-model-parallel-size", "2"]])
-def test_static_bytes_match_memory_model_two_ranks(flags):
-    rows = probe(flags, nproc=2)
+def test_static_bytes_match_memory_model_two_ranks(flags, tmp_path):
+    rows = probe(flags, tmp_path, nproc=2)
     for row in rows:
         assert abs(row["measured"]["total"] - row["predicted"]) <= 1e-3 * row["predicted"], row
     if "--use-distributed-optimizer" in flags:  # DP 2: master weights and moments sharded in two
