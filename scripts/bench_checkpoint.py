@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Benchmark of checkpoint save/load (issue #12): our megatron-core ``torch_dist`` checkpoints
-(megatron/training/checkpointing.py: DCP shards, checksum manifest, atomic rename, verified load) against
+(megatron/training/checkpointing/: DCP shards, checksum manifest, atomic rename, verified load) against
 today's baseline, one ``torch.save`` per rank of the rank's state dicts (:func:`baseline_save` /
 :func:`baseline_load`).
 
@@ -130,25 +130,24 @@ def build(case: str, vocab: int, distributed_optimizer: bool, world: int) -> Bui
 # Timing
 # ------------------------------------------------------------------------------------------------
 class _Split:
-    """Seconds spent in wrapped functions of checkpointing.py during one call (the file is not changed:
-    its module attributes are wrapped while the benchmark runs)."""
+    """Seconds spent in wrapped functions of the checkpointing package during one call (its files are not
+    changed: module attributes are wrapped while the benchmark runs)."""
 
     def __init__(self):
         self.s: dict = {}
 
     @contextlib.contextmanager
-    def wrapped(self, module, name: str, label: str, static: bool = False):
-        orig = module.__dict__[name] if static else getattr(module, name)
-        call = orig.__func__ if static else orig
+    def wrapped(self, module, name: str, label: str):
+        orig = getattr(module, name)
 
         def timed(*a, **k):
             t0 = time.perf_counter()
             try:
-                return call(*a, **k)
+                return orig(*a, **k)
             finally:
                 self.s[label] = self.s.get(label, 0.0) + time.perf_counter() - t0
 
-        setattr(module, name, staticmethod(timed) if static else timed)
+        setattr(module, name, timed)
         try:
             yield
         finally:
@@ -179,14 +178,16 @@ def _ours_rank_bytes(folder: str, world: int) -> list[int]:
 
 def ours_save(b: Built, root: str, iteration: int) -> dict:
     from megatron.training import checkpointing as ck
+    from megatron.training.checkpointing import save as ck_save
 
     split = _Split()
     b.args.save = root
     _barrier()
     t0 = time.perf_counter()
     # dist save: PyTorch DCP's planning, the write of this rank's file and its fsync, the metadata
-    with split.wrapped(ck, "_sharded_state_dict", "state_dict_s"), \
-            split.wrapped(ck.dist_checkpointing, "save", "dist_save_s"), split.wrapped(ck, "_manifest", "manifest_s"):
+    with split.wrapped(ck_save, "sharded_state_dict", "state_dict_s"), \
+            split.wrapped(ck_save.dist_checkpointing, "save", "dist_save_s"), \
+            split.wrapped(ck_save, "hash_files", "manifest_s"):
         ck.save_checkpoint(b.args, iteration, 0, b.model, b.optimizer, b.scheduler, _DataStub())
     total = time.perf_counter() - t0
     outer = sum(v for k, v in split.s.items() if k in ("state_dict_s", "dist_save_s", "manifest_s"))

@@ -226,36 +226,39 @@ PRESETS: dict[str, ModelSpec] = {
 # InternViT-300M-448px-V2_5 (24 layers, hidden 1024, 16 heads, MLP 4096, 448 px, patch 14, LayerNorm)
 # and of the Qwen2.5 configs (layers, hidden, heads, KV heads, MLP, rope_theta 1e6).  Vocabulary: the
 # checkpoints' embedding has 151674 rows (llm_config.vocab_size: Qwen2.5's tokens + InternVL's special
-# tokens), padded here to 151680, the next multiple of 128 (Megatron's --make-vocab-size-divisible-by).
-# Not expressed by these specs: Qwen2's q/k/v bias, tied embeddings of the 0.5B/1.5B LLMs (counted as
-# an untied output layer), InternViT's layer scale; the planner's costs barely depend on them.
+# tokens), padded here to 151680, the next multiple of 128 (Megatron's --make-vocab-size-divisible-by),
+# the padded rows masked out of the softmax.  Features: InternViT's layer scale (0.1) and qkv bias,
+# Qwen2's q/k/v bias and RMSNorm epsilon 1e-6.  The output layer is counted untied (a checkpoint's
+# config.json says whether it is tied; --hf-checkpoint takes that from it).
 # InternVL2.5-26B (InternViT-6B-448px-V2_5, 45 layers used, + InternLM2.5-20B-chat) has the same
 # sizes as "internvl-6b-20b" (InternVL-Chat-V1-5) in every field here, so it is no separate preset.
 # --------------------------------------------------------------------------------------------
 INTERNVIT_300M = VisionSpec(
     num_layers=24, hidden_size=1024, num_attention_heads=16, ffn_hidden_size=4096,
-    image_size=448, patch_size=14, normalization="LayerNorm",
+    image_size=448, patch_size=14, normalization="LayerNorm", qkv_bias=True, layer_scale_init=0.1,
 )
 QWEN2_5_VOCAB_INTERNVL = 151680  # 151674 rows in the checkpoints, padded to a multiple of 128
+QWEN2_5 = dict(vocab_size=QWEN2_5_VOCAB_INTERNVL, real_vocab_size=151674, rotary_base=1000000, qkv_bias=True,
+               norm_eps=1e-6)
 
 PRESETS.update({
     "internvl3-1b": ModelSpec(  # Qwen2.5-0.5B
         name="internvl3-1b",
         vision=INTERNVIT_300M,
         language=LanguageSpec(num_layers=24, hidden_size=896, num_attention_heads=14, ffn_hidden_size=4864,
-                              num_query_groups=2, vocab_size=QWEN2_5_VOCAB_INTERNVL, rotary_base=1000000),
+                              num_query_groups=2, **QWEN2_5),
     ),
     "internvl3-2b": ModelSpec(  # Qwen2.5-1.5B
         name="internvl3-2b",
         vision=INTERNVIT_300M,
         language=LanguageSpec(num_layers=28, hidden_size=1536, num_attention_heads=12, ffn_hidden_size=8960,
-                              num_query_groups=2, vocab_size=QWEN2_5_VOCAB_INTERNVL, rotary_base=1000000),
+                              num_query_groups=2, **QWEN2_5),
     ),
     "internvl3-8b": ModelSpec(  # Qwen2.5-7B
         name="internvl3-8b",
         vision=INTERNVIT_300M,
         language=LanguageSpec(num_layers=28, hidden_size=3584, num_attention_heads=28, ffn_hidden_size=18944,
-                              num_query_groups=4, vocab_size=QWEN2_5_VOCAB_INTERNVL, rotary_base=1000000),
+                              num_query_groups=4, **QWEN2_5),
     ),
 })
 

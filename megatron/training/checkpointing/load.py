@@ -1,0 +1,155 @@
+"""Finding, checking and loading: files first, then the model description and every tensor's shape, then the
+load, resharded to this run's TP/PP/DP, layout and optimizer kind."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+from .files import check_files, sizes_problems
+from .layout import TRACKER, Checkpoint, CheckpointError, complete_iterations, iteration_dir
+from .optimizer import adapt_optimizer_request, init_optimizer_state, load_optimizer, skeleton
+from .state import (model_sharded_state_dict, rng_object, set_rng_state, sharded_state_dict, unwrap,
+                    world_of)
+
+
+def find_checkpoint(root: str, step: int | None = None) -> Checkpoint | None:
+    """The checkpoint to resume from (the tracker's, or ``step``), checked; None when ``root`` holds none.
+
+    Every rank calls it (the checksums are split over the ranks). Raises CheckpointError naming the
+    problem, the iteration and the newest older complete checkpoint.
+    """
+    iterations = complete_iterations(root)
+    tracker = os.path.join(root, TRACKER)
+    if step is None:
+        if not os.path.exists(tracker):
+            if not iterations:
+                return None
+            step = iterations[-1]  # killed between the folder's rename and the tracker's
+        else:
+            text = open(tracker).read().strip()
+            if not text.isdigit():
+                raise CheckpointError(f"--load {root}: {tracker} holds {text!r}, not an iteration number"
+                                      f"{_older_hint(root, None)}")
+            step = int(text)
+    ckpt = Checkpoint(root, step)
+    problems = check_files(ckpt)
+    if problems:
+        raise CheckpointError(f"--load {root}: the checkpoint of iteration {step} is incomplete or corrupt: "
+                              f"{problems[0]}" + (f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1
+                                                  else "") + _older_hint(root, step))
+    return ckpt
+
+
+def _older_hint(root: str, iteration: int | None) -> str:
+    older = [i for i in complete_iterations(root) if iteration is None or i < iteration]
+    for i in reversed(older):
+        if not sizes_problems(iteration_dir(root, i)):
+            return f". The newest older complete checkpoint is iteration {i}: resume from it with --ckpt-step {i}"
+    return ". No older complete checkpoint is there"
+
+
+def load_checkpoint(ckpt: Checkpoint, args, model, optimizer, scheduler) -> dict:
+    """Load ``ckpt`` into this run's model, optimizer and scheduler, whatever TP/PP/DP, layout, recompute plan
+    and optimizer kind it was saved with; returns its common state (iteration, consumed samples, data)."""
+    common = dist_checkpointing.load_common_state_dict(ckpt.path)
+    saved_run = common.get("run") or {}
+    _check_model(ckpt, saved_run, args)
+    _check_tensors(ckpt, model)
+    with_optimizer = "scheduler" in common  # an imported model (iteration 0) holds weights only
+    if with_optimizer:
+        init_optimizer_state(optimizer)
+    request = sharded_state_dict(model, optimizer, with_optimizer, is_loading=True)
+    same_world = saved_run and world_of(saved_run) == (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                                     args.data_parallel_size)
+    if with_optimizer:
+        adapt_optimizer_request(request["optimizer"], saved_run, args)
+    if same_world:
+        request["rng"] = rng_object(None)
+    template = skeleton(request.get("optimizer"))  # the load rewrites the request's factories in place
+    keys = {path: sh.key for path, sh in request["model"].items()}
+    loaded = dist_checkpointing.load(request, ckpt.path)
+    unwrap(model[0]).load_state_dict(loaded["model"])
+    if with_optimizer:
+        weights = {keys[path]: tensor for path, tensor in loaded["model"].items()}
+        load_optimizer(optimizer, loaded["optimizer"], template, weights, saved_run, args)
+        scheduler.load_state_dict(common["scheduler"])
+    else:
+        optimizer.reload_model_params()
+    if same_world:
+        set_rng_state(loaded["rng"])
+    else:
+        from ..initialize import set_seeds
+
+        set_seeds(args.seed + int(common.get("iteration", 0)))
+    if dist.get_rank() == 0:
+        print(f"> loaded checkpoint of iteration {ckpt.iteration} from {ckpt.path}"
+              + ("" if same_world or not saved_run else
+                 f" (saved at TP={saved_run['tp']} PP={saved_run['pp']} DP={saved_run['dp']}, resharded; RNG re-seeded)"),
+              flush=True)
+    return common
+
+
+def _check_model(ckpt: Checkpoint, saved_run: dict, args) -> None:
+    """The checkpoint's model sizes must be this run's (a clear message rather than a tensor shape)."""
+    from omnibal_ext.model.units import ModelSpec
+
+    if saved_run.get("model") is None:
+        return
+    saved = ModelSpec.from_dict(saved_run["model"]).to_dict()  # fields added since: their defaults
+    mine = args.model_spec.to_dict()
+    diffs = [f"{k}: {v} saved, {mine_v} now" for k, v, mine_v in _flat_diff(saved, mine)]
+    if diffs:
+        raise CheckpointError(f"--load {ckpt.root}: the checkpoint of iteration {ckpt.iteration} holds another "
+                              f"model shape ({'; '.join(diffs)}); give the model flags it was saved with")
+
+
+def _flat_diff(a: dict, b: dict, prefix: str = ""):
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            yield from _flat_diff(va, vb, f"{prefix}{k}.")
+        elif va != vb and k not in ("name", "init_method_std"):  # neither changes the weights a checkpoint holds
+            yield f"{prefix}{k}", va, vb
+
+
+def _check_tensors(ckpt: Checkpoint, model) -> None:
+    """Every model tensor this rank needs is in the checkpoint with this global shape."""
+    saved = dist_checkpointing.load_tensors_metadata(ckpt.path)
+    sd = model_sharded_state_dict(model)
+    apply_factories(sd)
+    problems = []
+    for sh in nested_values(sd):
+        if not isinstance(sh, ShardedTensor):
+            continue
+        if sh.key not in saved:
+            problems.append(f"tensor {sh.key} is not in it")
+        elif tuple(saved[sh.key].global_shape) != tuple(sh.global_shape):
+            problems.append(f"tensor {sh.key} has shape {tuple(saved[sh.key].global_shape)} there, "
+                            f"{tuple(sh.global_shape)} in this model")
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problems)
+    problems = sorted({p for part in everyone for p in part})
+    if problems:
+        raise CheckpointError(f"--load {ckpt.root}: the checkpoint of iteration {ckpt.iteration} does not fit this "
+                              f"model: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+
+
+def read_global_tensors(path: str, keys) -> dict:
+    """The global tensors ``keys`` of the checkpoint folder ``path`` (an ``iter_N``), however it was sharded
+    (any TP/PP/DP, layout): read in this process with PyTorch DCP, only those tensors."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+
+    reader = FileSystemReader(path)
+    meta = reader.read_metadata().state_dict_metadata
+    missing = sorted(k for k in keys if k not in meta)
+    if missing:
+        raise CheckpointError(f"{path}: model tensor(s) missing: {', '.join(missing[:8])}")
+    out = {k: torch.empty(tuple(meta[k].size), dtype=meta[k].properties.dtype) for k in keys}
+    dcp_load(out, storage_reader=reader, no_dist=True)
+    return out

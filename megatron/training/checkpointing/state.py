@@ -1,0 +1,105 @@
+"""What a checkpoint holds: the sharded state dict of model and optimizer, RNG states, the run's description."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from .layout import FORMAT
+
+
+# The optimizer state in model space, whatever the optimizer kind (megatron-core's fully reshardable form);
+# the distributed optimizer's shards are gathered to its data-parallel rank 0 in host memory (over gloo),
+# never to every rank nor on the GPU.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True,
+                      "distrib_optim_fully_reshardable_mem_efficient": True}
+
+
+def run_description(args) -> dict:
+    """The run a checkpoint comes from: model sizes and the parallel configuration."""
+    return {"format": FORMAT, "model": args.model_spec.to_dict(), "tp": args.tensor_model_parallel_size,
+            "pp": args.pipeline_model_parallel_size, "dp": args.data_parallel_size,
+            "layout": getattr(args, "layout_flag", None), "distributed_optimizer": bool(args.use_distributed_optimizer),
+            "bf16": bool(args.bf16), "seed": args.seed, "tokenizer": getattr(args, "tokenizer_model", None),
+            "hf": getattr(args, "hf_meta", None)}  # the HF checkpoint the model came from (omnibal hf export)
+
+
+def world_of(run: dict) -> tuple:
+    return run["tp"], run["pp"], run["dp"]
+
+
+def map_leaves(tree, leaf):
+    """``tree`` (nested dicts, lists, tuples) with every other value replaced by ``leaf(value)``."""
+    if isinstance(tree, dict):
+        return {k: map_leaves(v, leaf) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(map_leaves(v, leaf) for v in tree)
+    return leaf(tree)
+
+
+def _tensor_leaf(value):
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value))
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def to_tensors(tree):
+    """``tree`` with numpy arrays as torch tensors and numpy scalars as Python ones: checkpoints are read
+    with torch.load(weights_only=True), which takes tensors and plain Python containers only."""
+    return map_leaves(tree, _tensor_leaf)
+
+
+def to_arrays(tree):
+    """The inverse of :func:`to_tensors` for what it changed (tensors back to numpy arrays)."""
+    return map_leaves(tree, lambda v: v.numpy() if isinstance(v, torch.Tensor) else v)
+
+
+def rng_state() -> dict:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {"python": random.getstate(), "numpy": to_tensors(np.random.get_state()), "torch": torch.get_rng_state(),
+             "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(to_arrays(state["numpy"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def rng_object(state) -> ShardedObject:
+    """This rank's RNG states, one object per (PP, TP, DP) rank."""
+    ps = parallel_state
+    return ShardedObject("rng_state", state,
+                         (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(),
+                          ps.get_data_parallel_world_size()),
+                         (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+                          ps.get_data_parallel_rank()), replica_id=0)
+
+
+def unwrap(module):
+    return module.module if hasattr(module, "module") else module
+
+
+def model_sharded_state_dict(model) -> dict:
+    return unwrap(model[0]).sharded_state_dict()
+
+
+def sharded_state_dict(model, optimizer, with_optimizer: bool, is_loading: bool) -> dict:
+    model_sd = model_sharded_state_dict(model)
+    sd = {"model": model_sd}
+    if with_optimizer:
+        sd["optimizer"] = optimizer.sharded_state_dict(model_sharded_state_dict(model), is_loading=is_loading,
+                                                       metadata=OPTIMIZER_METADATA)
+    return sd
