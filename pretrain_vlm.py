@@ -42,6 +42,7 @@ def main(argv=None) -> dict:
         print(f"> no checkpoint in --load {args.load}: starting from scratch", flush=True)
     tokenizer = setup.setup_tokenizer(args)
     datasets = setup.build_datasets(args, tokenizer)  # validates every record first
+    groups = setup.build_groups(args, datasets[0])  # ISF's caps and mean group size the profile below
     costs = None
     if args.omnibal_partition == "auto" or args.omnibal_recompute == "auto" or args.omnibal_profile:
         costs = setup.unit_costs(args, datasets[0], tokenizer.img_context_id, device)
@@ -56,7 +57,7 @@ def main(argv=None) -> dict:
         recompute = setup.recompute_settings(args, layout)
     args.layout_flag = layout.to_flag(build_units(args.model_spec))
     train_data, valid_data = setup.build_data(args, tokenizer, setup.stage_inputs(args, layout), datasets,
-                                              device.type)  # this stage's inputs only
+                                              device.type, groups)  # this stage's inputs only
     model = training.build_model(args, layout, recompute, tokenizer.img_context_id, device)
     if hf_source is not None and resume is None:  # this rank's units and TP slices, before the optimizer
         from megatron.vlm.hf.load import load_hf_into_stage

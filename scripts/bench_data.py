@@ -5,7 +5,7 @@ Data: an InternVL-format dataset (meta JSON + JSONL, megatron/vlm/data/internvl.
 made here: smooth random images of 320-1920 px a side (JPEG quality 90), 70% one-image samples, 15%
 two-image samples, 15% text-only.
 
-Three measurements, every number from this machine:
+Four measurements, every number from this machine:
 
 =============  ==========================================================================================
 loader         in-process MicroBatches of a ViT stage (decodes) and of an LLM-only stage (no decode), K
@@ -14,6 +14,8 @@ tp_decode      two gloo processes (a stage's two TP ranks) each needing the same
                (TP rank 0 decodes, broadcast_batch to the other) vs ``split`` (each decodes half of the
                samples, all_gather_object, both collate) vs ``duplicate`` (each decodes all, the old
                behaviour): ms per micro-batch, the slower rank's
+scan           the validation scan that decodes every image before training: in one process, split over
+               two gloo processes (each decodes every other record), and read back from the scan cache
 trainer        torchrun PP2 (stage 0 ViT + projector + embedding + half the LLM, stage 1 LLM-only), the tiny
                model at --image-size 448 --patch-size 28, --num-workers 0 vs 2: median ms/iteration and
                the "data wait ms" the trainer logs (the slowest rank's time in next(data_iterator) per
@@ -185,6 +187,59 @@ def tp_decode(ds, tok, batches: int, k: int, workdir: str) -> list[dict]:
     return [{"mode": m, **v} for m, v in res.items()]
 
 
+# ------------------------------------------------------------------------------------------------ scan
+def _scan_worker(rank: int, port: int, meta: str, result_path: str):
+    import torch
+    import torch.distributed as dist
+
+    from megatron.vlm.data import ByteTokenizer
+    from megatron.vlm.data.internvl import scan_annotations
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.barrier()
+    t0 = time.perf_counter()
+    scan_annotations(meta, ByteTokenizer(), _reader_config(), progress=False, group=dist.group.WORLD)
+    dt = torch.tensor([time.perf_counter() - t0])
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        with open(result_path, "w") as f:
+            json.dump({"s": float(dt)}, f)
+    dist.destroy_process_group()
+
+
+def _reader_config():
+    from megatron.vlm.data.internvl import ReaderConfig
+
+    return ReaderConfig(IMAGE_SIZE, spec().tokens_per_tile, MAX_TILES, SEQ)
+
+
+def scan_times(meta: str, workdir: str) -> list[dict]:
+    """The validation scan (every image decoded): one process, split over two gloo processes, read from the
+    scan cache (seconds, the slower process's)."""
+    import shutil
+
+    import torch.multiprocessing as mp
+
+    from megatron.vlm.data import ByteTokenizer
+    from megatron.vlm.data.internvl import scan_annotations
+
+    cache = os.path.join(workdir, "scan_cache")
+    shutil.rmtree(cache, ignore_errors=True)
+    t0 = time.perf_counter()
+    scan_annotations(meta, ByteTokenizer(), _reader_config(), progress=False, cache_dir=cache)
+    one = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    scan_annotations(meta, ByteTokenizer(), _reader_config(), progress=False, cache_dir=cache)
+    cached = time.perf_counter() - t0
+    path = os.path.join(workdir, "scan.json")
+    mp.start_processes(_scan_worker, args=(bl.free_port(), meta, path), nprocs=2, start_method="fork")
+    with open(path) as f:
+        two = json.load(f)["s"]
+    return [{"scan": "one process", "s": one}, {"scan": "split over 2 processes", "s": two},
+            {"scan": "read from the scan cache", "s": cached}]
+
+
 # ------------------------------------------------------------------------------------------------ trainer
 def trainer_runs(meta: str, iters: int, warmup: int, workdir: str) -> list[dict]:
     rows = []
@@ -225,12 +280,13 @@ def main(argv=None) -> dict:
     _, tiles = ds.sample_lengths()
     loader = [loader_rate(ds, tok, w, pixels, batches, k) for pixels in (True, False) for w in (0, 2)]
     tp = tp_decode(ds, tok, max(2, batches // 2), k, args.out)
+    scan = scan_times(meta, args.out)
     trainer = trainer_runs(meta, iters, warmup, args.out)
     result = {"config": {"samples": n, "images": int(len(ds.scan.img_width)), "mean_tiles_per_sample": float(tiles.mean()),
                          "image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE, "max_num_tiles": MAX_TILES,
                          "samples_per_microbatch": k, "layout": LAYOUT, "quick": args.quick,
                          "cpus": os.cpu_count()},
-              "loader": loader, "tp_decode": tp, "trainer": trainer, "wall_s": time.perf_counter() - t0}
+              "loader": loader, "tp_decode": tp, "scan": scan, "trainer": trainer, "wall_s": time.perf_counter() - t0}
     print(f"\nloader, one rank, {k} samples per micro-batch ({result['config']['mean_tiles_per_sample']:.2f} tiles "
           f"of {IMAGE_SIZE} px per sample)")
     print(bl.format_table(loader, [("stage", "stage", ""), ("workers", "workers", "d"),
@@ -239,6 +295,8 @@ def main(argv=None) -> dict:
     print("\nTP=2: the same micro-batch on both TP ranks (ms, the slower rank)")
     print(bl.format_table(tp, [("mode", "mode", ""), ("ms/batch", "ms_per_batch", ".1f"),
                                ("pixels MiB", "mb_per_batch", ".1f")]))
+    print(f"\nvalidation scan of the {n} samples ({result['config']['images']} images decoded), seconds")
+    print(bl.format_table(scan, [("scan", "scan", ""), ("s", "s", ".2f")]))
     print(f"\ntrainer PP2 ({LAYOUT}), 8 samples per iteration, median of steady iterations")
     print(bl.format_table(trainer, [("workers", "workers", "d"), ("ms/iter", "ms_per_iter", ".1f"),
                                     ("data wait ms", "data_wait_ms", ".1f"), ("wait share", "data_wait_share", ".3f"),

@@ -1,4 +1,4 @@
-"""scripts/bench_data.py --quick: the JSON contract (loader, TP decode and trainer rows), not speed."""
+"""scripts/bench_data.py --quick: the JSON contract (loader, TP decode, scan and trainer rows), not speed."""
 import json
 import subprocess
 import sys
@@ -22,6 +22,8 @@ def test_bench_data_quick(tmp_path):
     assert all(r["samples_per_s"] > 0 and r["ms_per_batch"] > 0 for r in res["loader"])
     assert [r["mode"] for r in res["tp_decode"]] == ["broadcast", "split", "duplicate"]
     assert all(r["ms_per_batch"] > 0 for r in res["tp_decode"])
+    assert [r["scan"] for r in res["scan"]] == ["one process", "split over 2 processes", "read from the scan cache"]
+    assert all(r["s"] > 0 for r in res["scan"])
     rows = res["trainer"]
     assert [r["workers"] for r in rows] == [0, 2]
     for r in rows:

@@ -192,3 +192,75 @@ def test_meta_scanned_with_the_model_tile_size(tmp_path):
     stats_tiny = load_stats_or_meta([meta], "--data", get_preset("tiny"))
     stats_default = load_stats_or_meta([meta], "--data")
     assert stats_tiny.vit.tolist() == [5] and stats_default.vit.tolist() == [1]  # 2x2 + thumbnail at 32 px
+
+
+def _two_sources(tmp_path, bad=False):
+    """Two annotation files: one- and two-image records, text-only ones, blank lines, a fractional repeat."""
+    a_lines = [qa(a=str(k), image=["a.png", "wide.png"][k % 2]) for k in range(7)]
+    a_lines[2] = qa(q="<image><image> both?", image=["wide.png", "a.png"])
+    a_lines.insert(4, "")
+    b_lines = [qa(q="Hi?", image=None), qa(a="x" * 120), qa(q="<image>\n<image>", image=["a.png", "a.png"])]
+    if bad:
+        a_lines[1] = "not json"
+        b_lines[0] = qa(q="<image><image> two?", image=["nope.png", "gone.png"])
+    make_data(tmp_path / "a", a_lines)
+    make_data(tmp_path / "b", b_lines)
+    meta = tmp_path / "meta.json"
+    meta.write_text(json.dumps({"a": {"root": "a", "annotation": "a/ann.jsonl", "repeat_time": 1.5},
+                                "b": {"root": "b", "annotation": "b/ann.jsonl"}}))
+    return str(meta)
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_scan_split_over_processes_equals_one_process(tmp_path, world):
+    """The scan of a distributed run (each process takes every world-th record, then all-gather) gives the
+    one-process scan's result exactly, and the same problems in the same order."""
+    from megatron.vlm.data.internvl import ReaderConfig, merge_shares, read_meta, scan_annotations, scan_share
+
+    meta = _two_sources(tmp_path)
+    config = ReaderConfig(SIZE, TPT, 6, max_seq_length=100, truncate=True, seed=3)
+    one = scan_annotations(meta, TOK, config, progress=False)
+    sources = read_meta(meta)
+    split = merge_shares(meta, sources, [scan_share(sources, TOK, config, r, world) for r in range(world)], config)
+    for field in ("rec_source", "rec_offset", "rec_line", "img_ptr", "img_width", "img_height", "img_tiles",
+                  "rec_tokens", "rec_images_kept", "rec_real_tiles", "rec_tiles", "order"):
+        np.testing.assert_array_equal(getattr(split, field), getattr(one, field), err_msg=field)
+    assert (split.num_truncated, split.num_without_loss) == (one.num_truncated, one.num_without_loss) != (0, 0)
+    assert len(one.img_width) > len(one.rec_line) > 8  # multi-image records are in it
+
+    bad = _two_sources(tmp_path / "bad", bad=True)
+    with pytest.raises(DataValidationError) as expected:
+        scan_annotations(bad, TOK, config, progress=False)
+    sources = read_meta(bad)
+    with pytest.raises(DataValidationError) as got:
+        merge_shares(bad, sources, [scan_share(sources, TOK, config, r, world) for r in range(world)], config)
+    assert str(got.value) == str(expected.value)
+    assert str(got.value).startswith("3 problem(s)") and "nope.png" in str(got.value) and "gone.png" in str(got.value)
+
+
+def test_scan_cache_is_read_back_and_follows_its_inputs(tmp_path, monkeypatch, capsys):
+    """A second scan of the same data, configuration and tokenizer is read from the cache (no image decoded);
+    changing the annotation or the configuration scans again."""
+    from megatron.vlm.data import internvl
+    from megatron.vlm.data.internvl import ReaderConfig, scan_annotations
+
+    meta = _two_sources(tmp_path)
+    cache = str(tmp_path / "cache")
+    config = ReaderConfig(SIZE, TPT, 6, max_seq_length=100, truncate=True)
+    first = scan_annotations(meta, TOK, config, progress=False, cache_dir=cache)
+    decoded = []
+    monkeypatch.setattr(internvl, "decoded_size", lambda path: decoded.append(path) or Image.open(path).size)
+    again = scan_annotations(meta, TOK, config, progress=False, cache_dir=cache)
+    assert decoded == [] and "is read from" in capsys.readouterr().out
+    for field in ("rec_offset", "img_ptr", "img_tiles", "rec_tokens", "rec_real_tiles", "order"):
+        np.testing.assert_array_equal(getattr(again, field), getattr(first, field))
+    assert (again.num_truncated, again.sources) == (first.num_truncated, first.sources)
+
+    other = scan_annotations(meta, TOK, ReaderConfig(SIZE, TPT, 2, max_seq_length=100, truncate=True),
+                             progress=False, cache_dir=cache)
+    assert decoded and other.img_tiles.sum() < first.img_tiles.sum()  # another tile budget: scanned again
+    decoded.clear()
+    ann = tmp_path / "b" / "ann.jsonl"
+    ann.write_text(ann.read_text() + json.dumps(qa(a="one more")) + "\n")
+    grown = scan_annotations(meta, TOK, config, progress=False, cache_dir=cache)
+    assert decoded and len(grown.rec_line) == len(first.rec_line) + 1

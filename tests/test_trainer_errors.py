@@ -84,7 +84,7 @@ def tiny_dataset(meta):
     from megatron.training.setup import build_dataset
     from megatron.vlm.data.tokenizer import build_tokenizer
 
-    args = parse_args([])
+    args = parse_args(["--data-cache-dir", str(meta.parent / "data_cache")])
     return build_dataset(args, build_tokenizer(None), str(meta))
 
 

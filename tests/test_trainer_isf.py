@@ -20,3 +20,22 @@ def test_isf_dp2_trains_and_logs_balance(tmp_path, data_cache):
     mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
     assert mean(baseline, "pad ratio") > 0.05
     assert mean(records, "dist ratio llm") < mean(baseline, "dist ratio llm")
+
+
+def test_profile_at_launch_uses_the_isf_groups(tmp_path, data_cache):
+    """Under --omnibal-isf the launch profile times the mean ISF group and sizes memory at the caps Qv/Qt that
+    the ISF plan printed (it once ran before the plan and used padded random micro-batches instead)."""
+    import ast
+    import json
+    import re
+
+    from launch import run_single
+
+    profile = tmp_path / "profile.json"
+    proc = run_single(["--omnibal-isf", "--micro-batch-size", "4", "--global-batch-size", "8",
+                       "--data-cache-dir", str(data_cache), "--omnibal-profile", str(profile)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    caps = ast.literal_eval(re.search(r"> ISF: .* params (\{[^}]*\})", proc.stdout).group(1))
+    meta = json.loads(profile.read_text())["meta"]
+    assert (meta["memory_shape"]["tiles"], meta["memory_shape"]["llm_tokens"]) == (caps["qv"], caps["qt"])
+    assert meta["shape"]["llm_tokens"] < caps["qt"]  # the mean group, below the cap

@@ -114,7 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="InternVL meta JSON; default: the built-in digits dataset, made on first run")
     g.add_argument("--valid-data-path", default=None,
                    help="InternVL meta JSON for evaluation (default: the built-in dataset's held-out split)")
-    g.add_argument("--data-cache-dir", default="data_cache", help="where the built-in dataset is written")
+    g.add_argument("--data-cache-dir", default="data_cache",
+                   help="where the built-in dataset is written and the validation scans of datasets are kept "
+                        "(scans/: a restart of the same data reads its scan instead of decoding every image again)")
     g.add_argument("--tokenizer-model", default=None, help="local Hugging Face tokenizer folder (default: byte-level)")
     g.add_argument("--max-num-tiles", type=int, default=6, help="most tiles per image, thumbnail excluded")
     g.add_argument("--min-num-tiles", type=int, default=1, help="fewest tiles per image (InternVL's min_dynamic_patch)")

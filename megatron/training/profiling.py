@@ -183,7 +183,9 @@ def profile_shapes(args, dataset) -> tuple[MicroBatchShape, MicroBatchShape]:
     on average and at the 99th percentile of micro-batches.
     """
     dtype_bytes = 2 if args.bf16 else 4
-    if getattr(args, "isf_params", None):
+    if args.omnibal_isf:
+        if not getattr(args, "isf_params", None):
+            raise RuntimeError("profile_shapes under --omnibal-isf needs the ISF plan (setup.build_groups) first")
         mean, caps = args.isf_mean_group, args.isf_params
         tokens = max(2, round(mean["tokens"]))
         return (MicroBatchShape(max(1, round(mean["tiles"])), tokens, dtype_bytes,

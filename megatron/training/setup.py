@@ -91,9 +91,13 @@ def data_paths(args) -> tuple[str, str | None]:
 
 def build_dataset(args, tokenizer, meta_path: str) -> InternVLDataset:
     spec = args.model_spec
+    # the validation scan (every image decoded) is split over all processes and all-gathered, and kept in
+    # --data-cache-dir for the next launch (a restart) of the same data, configuration and tokenizer
     return InternVLDataset(meta_path, tokenizer, image_size=spec.vision.image_size,
                            tokens_per_tile=spec.tokens_per_tile, max_num_tiles=args.max_num_tiles,
-                           min_num_tiles=args.min_num_tiles, max_seq_length=args.seq_length, seed=args.seed)
+                           min_num_tiles=args.min_num_tiles, max_seq_length=args.seq_length, seed=args.seed,
+                           scan_group=dist.group.WORLD if dist.is_initialized() else None,
+                           cache_dir=os.path.join(args.data_cache_dir, "scans"))
 
 
 def build_groups(args, dataset) -> tuple[list[np.ndarray], np.ndarray | None, object]:
@@ -110,7 +114,7 @@ def build_groups(args, dataset) -> tuple[list[np.ndarray], np.ndarray | None, ob
 
 
 def build_datasets(args, tokenizer) -> tuple[InternVLDataset, InternVLDataset | None]:
-    """(train, valid or None) datasets; validates every record first (the scan, on every rank)."""
+    """(train, valid or None) datasets; validates every record first (the scan, split over all ranks)."""
     train_meta, valid_meta = data_paths(args)
     train_set = build_dataset(args, tokenizer, train_meta)
     valid_set = build_dataset(args, tokenizer, valid_meta) if valid_meta and args.eval_interval else None
@@ -124,11 +128,13 @@ def stage_inputs(args, layout) -> StageInputs:
     return StageInputs.from_kinds(units[i].kind for i in layout.stage_range(stage))
 
 
-def build_data(args, tokenizer, inputs: StageInputs | None = None, datasets=None, device_type: str = "cpu"):
+def build_data(args, tokenizer, inputs: StageInputs | None = None, datasets=None, device_type: str = "cpu",
+               groups=None):
     """(train, valid or None) MicroBatches for this rank's stage and data-parallel rank.
 
     inputs: what the stage reads (``stage_inputs``; None: everything).  datasets: ``build_datasets``'s
-    pair (default: built here).  The TP rank 0 of a stage that reads pixels loads (with --num-workers
+    pair (default: built here).  groups: ``build_groups``'s result for the training set (default: made
+    here; the trainer makes it before profiling, whose shapes come from it).  The TP rank 0 of a stage that reads pixels loads (with --num-workers
     workers, --prefetch-factor ahead) and broadcasts over the TP group; the other stages' ranks load
     their (image-free) parts themselves, in the training process.
 
@@ -148,7 +154,7 @@ def build_data(args, tokenizer, inputs: StageInputs | None = None, datasets=None
     if inputs.pixels and args.tensor_model_parallel_size > 1:
         loader.update(tp_group=parallel_state.get_tensor_model_parallel_group(),
                       tp_src=parallel_state.get_tensor_model_parallel_src_rank())
-    groups, order, regroup = build_groups(args, train_set)
+    groups, order, regroup = groups if groups is not None else build_groups(args, train_set)
     sampler = GroupBatchSampler(groups, dp, dp_rank, seed=args.seed, order=order,
                                 microbatches=args.num_microbatches, regroup=regroup)
     train = MicroBatches(train_set, sampler, tokenizer.pad_id, packed=args.omnibal_isf, image_tokens=image_tokens,

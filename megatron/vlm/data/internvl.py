@@ -18,6 +18,8 @@ is parsed, its images are decoded once (``PIL.Image.open(...).load()``: a trunca
 header reads fine is caught here, not in the middle of training; this is the scan's main cost, about one
 image decode per image reference, the pixels are not kept), its tile counts and its exact token count are
 computed with the same code ``__getitem__`` uses.  An annotation file without any record is an error too.
+In a distributed run the processes split the records (every world-th line) and all-gather what they
+found, so each decodes 1/world of the images; the result is the one-process scan's.
 All problems are collected and raised together as ``DataValidationError`` whose lines start with
 ``annotation:line`` (or ``annotation`` and the meta entry for an empty file).
 
@@ -183,115 +185,181 @@ def _repeat_indices(n: int, repeat: float, rng: np.random.Generator) -> np.ndarr
     return np.concatenate(parts)
 
 
-def scan_annotations(meta_path: str, tokenizer, config: ReaderConfig, progress: bool = True) -> ScanResult:
-    """The one validation pass over every annotation of ``meta_path`` (see module docstring)."""
-    from tqdm import tqdm
+@dataclass
+class ScanShare:
+    """What one process of a split scan found: the records it owns (every ``world``-th non-blank line of each
+    annotation, from ``rank`` on) and the line counts every process sees alike."""
+
+    records: np.ndarray  # int64 [m, 7]: source, byte offset, line, tokens, images kept, real tiles, tiles fed
+    images: np.ndarray  # int64 [i, 3]: width px, height px, tiles; the records' images in record order
+    images_per_record: np.ndarray  # int64 [m]
+    errors: list  # (source index, line, k-th problem of the line, message)
+    nonblank_lines: list  # [sources] non-blank lines of each annotation
+    num_truncated: int = 0
+    num_without_loss: int = 0
+
+
+def scan_annotations(meta_path: str, tokenizer, config: ReaderConfig, progress: bool = True,
+                     group=None, cache_dir: str | None = None) -> ScanResult:
+    """The one validation pass over every annotation of ``meta_path`` (see module docstring).
+
+    group: a torch.distributed process group whose processes split the records between them (each decodes
+    1/world of the images) and all-gather what they found; every process gets the same ScanResult, equal
+    to a scan in one process. None: this process scans everything.
+    cache_dir: where finished scans are kept (megatron/vlm/data/scan_cache.py): a scan of the same
+    annotations, configuration and tokenizer is read back instead of decoding every image again.
+    """
+    import torch.distributed as dist
+
+    from . import scan_cache
 
     sources = read_meta(meta_path)
-    errors: list[str] = []
-    rec_source, rec_offset, rec_line, img_ptr = [], [], [], [0]
-    img_w, img_h, img_t = [], [], []
-    rec_tokens, rec_kept, rec_real, rec_tiles = [], [], [], []
-    order_parts = []
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    path = cache = None
+    if cache_dir:
+        path = scan_cache.cache_path(cache_dir, meta_path, scan_cache.scan_key(meta_path, sources, config, tokenizer))
+        cache = scan_cache.load_scan(path, sources)
+        if world > 1:  # scan again unless every process can read it (e.g. a cache folder local to each node)
+            found = [None] * world
+            dist.all_gather_object(found, cache is not None, group=group)
+            cache = cache if all(found) else None
+    if cache is not None:
+        if rank == 0:
+            print(f"> data: the scan of {meta_path} is read from {path}", flush=True)
+        result = cache
+    else:
+        share = scan_share(sources, tokenizer, config, rank, world, progress=progress and rank == 0)
+        shares = [share]
+        if world > 1:
+            shares = [None] * world
+            dist.all_gather_object(shares, share, group=group)
+        result = merge_shares(meta_path, sources, shares, config)
+        if path and rank == 0:
+            scan_cache.save_scan(path, result)
+    if result.num_truncated:
+        warnings.warn(f"{meta_path}: {result.num_truncated} sample(s) truncated to max_seq_length "
+                      f"{config.max_seq_length}; {result.num_without_loss} of them kept no answer token")
+    return result
+
+
+def scan_share(sources: list[SourceSpec], tokenizer, config: ReaderConfig, rank: int = 0, world: int = 1,
+               progress: bool = False) -> ScanShare:
+    """Process ``rank``'s share of the scan: every line is read (for offsets and line numbers, cheap), the
+    records ``k % world == rank`` (k counting non-blank lines per annotation) are parsed, their images
+    decoded and their tokens counted."""
+    from tqdm import tqdm
+
+    records, images, per_record, errors, nonblank = [], [], [], [], []
     num_truncated = num_without_loss = 0
     for s_idx, src in enumerate(sources):
-        first_record = len(rec_source)
         bar = tqdm(total=os.path.getsize(src.annotation), unit="B", unit_scale=True, desc=f"scan {src.name}",
                    disable=not progress, leave=False)
         with open(src.annotation, "rb") as f:
-            offset = nonblank_lines = 0
+            offset = k = 0
             for line_no, raw in enumerate(f, start=1):
                 line_offset, offset = offset, offset + len(raw)
                 bar.update(len(raw))
                 if not raw.strip():
                     continue
-                nonblank_lines += 1
-                where = f"{src.annotation}:{line_no}"
-                try:
-                    record = json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    errors.append(f"{where}: not valid JSON ({getattr(e, 'msg', e)})")
+                k += 1
+                if (k - 1) % world != rank:
                     continue
-                try:
-                    if not isinstance(record, dict):
-                        raise ConversationError("record must be a JSON object")
-                    if "conversations" not in record:
-                        raise ConversationError("missing 'conversations'")
-                    images = record_images(record)
-                    turns = add_missing_placeholder(parse_conversations(record["conversations"]), len(images))
-                    placeholders = count_placeholders(turns)
-                    if placeholders != len(images):
-                        raise ConversationError(
-                            f"{placeholders} {IMAGE_PLACEHOLDER} placeholders but {len(images)} images")
-                except ConversationError as e:
-                    errors.append(f"{where}: {e}")
+                found = _scan_record(raw, src, tokenizer, config)
+                if isinstance(found, list):
+                    errors += [(s_idx, line_no, j, f"{src.annotation}:{line_no}: {msg}") for j, msg in enumerate(found)]
                     continue
-                sizes, bad = [], False
-                for rel in images:
-                    path = os.path.join(src.root, rel)
-                    if not os.path.isfile(path):
-                        errors.append(f"{where}: image file not found: {path}")
-                        bad = True
-                        continue
-                    try:
-                        sizes.append(decoded_size(path))
-                    except Exception as e:  # noqa: BLE001 - any decoder failure is a data error
-                        errors.append(f"{where}: cannot decode image {path}: {e}")
-                        bad = True
-                if bad:
-                    continue
-                lo_tiles, hi_tiles = config.tile_range(len(images))
-                tiles = [count_tiles(w, h, config.image_size, lo_tiles, hi_tiles, config.use_thumbnail)
-                         for w, h in sizes]
-                plan = plan_conversation(turns, tokenizer, tiles, config.tokens_per_tile, config.system,
-                                         config.add_bos)
-                cut, kept = plan.cut_for(config.max_seq_length)
-                if cut < plan.length:
-                    if not config.truncate:
-                        errors.append(f"{where}: sample is {plan.length} tokens ({sum(tiles)} tiles) > "
-                                      f"max_seq_length {config.max_seq_length}; raise the sequence length, "
-                                      "lower --max-num-tiles or allow truncation")
-                        continue
-                    num_truncated += 1
-                    _, labels = plan.materialize(cut)
-                    num_without_loss += int(not (labels != -100).any())
-                rec_source.append(s_idx)
-                rec_offset.append(line_offset)
-                rec_line.append(line_no)
-                for (w, h), t in zip(sizes, tiles):
-                    img_w.append(w)
-                    img_h.append(h)
-                    img_t.append(t)
-                img_ptr.append(len(img_t))
-                real = sum(tiles[:kept])
-                rec_tokens.append(cut)
-                rec_kept.append(kept)
-                rec_real.append(real)
-                rec_tiles.append(real if real > 0 else 1)
+                sizes, tiles, tokens, kept, real, truncated, without_loss = found
+                records.append((s_idx, line_offset, line_no, tokens, kept, real, real if real > 0 else 1))
+                images += [(w, h, t) for (w, h), t in zip(sizes, tiles)]
+                per_record.append(len(sizes))
+                num_truncated += truncated
+                num_without_loss += without_loss
+            nonblank.append(k)
         bar.close()
-        n_records = len(rec_source) - first_record
-        if not nonblank_lines:
-            errors.append(f"{src.annotation}: annotation file holds no records (entry {src.name!r} of {meta_path})")
-        if src.length is not None and src.length != n_records and not errors:
-            errors.append(f"{meta_path}: entry {src.name!r} says length {src.length} but "
-                          f"{src.annotation} has {n_records} records")
+    return ScanShare(np.asarray(records, np.int64).reshape(-1, 7), np.asarray(images, np.int64).reshape(-1, 3),
+                     np.asarray(per_record, np.int64), errors, nonblank, num_truncated, num_without_loss)
+
+
+def _scan_record(raw: bytes, src: SourceSpec, tokenizer, config: ReaderConfig):
+    """One annotation line: ``(image sizes, tiles per image, tokens, images kept, real tiles, truncated,
+    truncated without an answer token)``, or its problems (a list of messages)."""
+    try:
+        record = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return [f"not valid JSON ({getattr(e, 'msg', e)})"]
+    try:
+        if not isinstance(record, dict):
+            raise ConversationError("record must be a JSON object")
+        if "conversations" not in record:
+            raise ConversationError("missing 'conversations'")
+        images = record_images(record)
+        turns = add_missing_placeholder(parse_conversations(record["conversations"]), len(images))
+        placeholders = count_placeholders(turns)
+        if placeholders != len(images):
+            raise ConversationError(f"{placeholders} {IMAGE_PLACEHOLDER} placeholders but {len(images)} images")
+    except ConversationError as e:
+        return [str(e)]
+    sizes, problems = [], []
+    for rel in images:
+        path = os.path.join(src.root, rel)
+        if not os.path.isfile(path):
+            problems.append(f"image file not found: {path}")
+            continue
+        try:
+            sizes.append(decoded_size(path))
+        except Exception as e:  # noqa: BLE001 - any decoder failure is a data error
+            problems.append(f"cannot decode image {path}: {e}")
+    if problems:
+        return problems
+    lo_tiles, hi_tiles = config.tile_range(len(images))
+    tiles = [count_tiles(w, h, config.image_size, lo_tiles, hi_tiles, config.use_thumbnail) for w, h in sizes]
+    plan = plan_conversation(turns, tokenizer, tiles, config.tokens_per_tile, config.system, config.add_bos)
+    cut, kept = plan.cut_for(config.max_seq_length)
+    truncated = without_loss = False
+    if cut < plan.length:
+        if not config.truncate:
+            return [f"sample is {plan.length} tokens ({sum(tiles)} tiles) > max_seq_length {config.max_seq_length}; "
+                    "raise the sequence length, lower --max-num-tiles or allow truncation"]
+        truncated = True
+        _, labels = plan.materialize(cut)
+        without_loss = not (labels != -100).any()
+    return sizes, tiles, cut, kept, sum(tiles[:kept]), truncated, without_loss
+
+
+def merge_shares(meta_path: str, sources: list[SourceSpec], shares: list[ScanShare], config: ReaderConfig) -> ScanResult:
+    """The ScanResult of all ``shares`` together (records back in file order), or every problem found."""
+    errors = sorted(e for share in shares for e in share.errors)
+    # records back in file order (by source, then line), each with its images
+    records = np.concatenate([share.records for share in shares])
+    images = np.concatenate([share.images for share in shares])
+    counts = np.concatenate([share.images_per_record for share in shares])
+    first_image = np.cumsum(counts) - counts  # in ``images``: shares concatenated, records in share order
+    by_line = np.lexsort((records[:, 2], records[:, 0]))
+    records, counts, first_image = records[by_line], counts[by_line], first_image[by_line]
+    img_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    images = images[np.repeat(first_image - img_ptr[:-1], counts) + np.arange(img_ptr[-1])]
+    messages = [e[-1] for e in errors]
+    order_parts = []
+    for s_idx, src in enumerate(sources):
+        n_records = int((records[:, 0] == s_idx).sum())
+        first_record = int((records[:, 0] < s_idx).sum())
+        if not shares[0].nonblank_lines[s_idx]:
+            messages.append(f"{src.annotation}: annotation file holds no records (entry {src.name!r} of {meta_path})")
+        if src.length is not None and src.length != n_records and not any(e[0] <= s_idx for e in errors):
+            messages.append(f"{meta_path}: entry {src.name!r} says length {src.length} but "
+                            f"{src.annotation} has {n_records} records")
         rng = np.random.default_rng([config.seed, s_idx])
         order_parts.append(first_record + _repeat_indices(n_records, src.repeat_time, rng))
-    if errors:
-        listed = "\n  ".join(errors[:MAX_LISTED_ERRORS])
-        more = f"\n  ... and {len(errors) - MAX_LISTED_ERRORS} more" if len(errors) > MAX_LISTED_ERRORS else ""
-        raise DataValidationError(f"{len(errors)} problem(s) in the data of {meta_path}:\n  {listed}{more}")
-    if num_truncated:
-        warnings.warn(f"{meta_path}: {num_truncated} sample(s) truncated to max_seq_length "
-                      f"{config.max_seq_length}; {num_without_loss} of them kept no answer token")
-
-    def arr(x):
-        return np.asarray(x, dtype=np.int64)
-
+    if messages:
+        listed = "\n  ".join(messages[:MAX_LISTED_ERRORS])
+        more = f"\n  ... and {len(messages) - MAX_LISTED_ERRORS} more" if len(messages) > MAX_LISTED_ERRORS else ""
+        raise DataValidationError(f"{len(messages)} problem(s) in the data of {meta_path}:\n  {listed}{more}")
+    num_truncated = sum(share.num_truncated for share in shares)
     order = np.concatenate(order_parts) if order_parts else np.zeros(0, np.int64)
-    return ScanResult(sources, arr(rec_source), arr(rec_offset), arr(rec_line), arr(img_ptr), arr(img_w),
-                      arr(img_h), arr(img_t), arr(rec_tokens), arr(rec_kept), arr(rec_real), arr(rec_tiles),
-                      order.astype(np.int64), num_truncated, num_without_loss)
+    rec = [np.ascontiguousarray(records[:, j]) for j in range(7)]
+    return ScanResult(sources, rec[0], rec[1], rec[2], img_ptr, np.ascontiguousarray(images[:, 0]),
+                      np.ascontiguousarray(images[:, 1]), np.ascontiguousarray(images[:, 2]), rec[3], rec[4], rec[5],
+                      rec[6], order.astype(np.int64), num_truncated, sum(share.num_without_loss for share in shares))
 
 
 class InternVLDataset(torch.utils.data.Dataset):
@@ -299,13 +367,13 @@ class InternVLDataset(torch.utils.data.Dataset):
 
     ``__getitem__(i)`` -> ``{"input_ids": int64 [n], "labels": int64 [n], "pixel_values": float32
     [k, 3, S, S], "image_flags": int64 [k]}`` with ``n == sample_lengths()[0][i]`` tokens and
-    ``k == sample_lengths()[1][i]`` tiles.
+    ``k == sample_lengths()[1][i]`` tiles.  ``scan_group`` and ``cache_dir``: see ``scan_annotations``.
     """
 
     def __init__(self, meta_path: str, tokenizer, image_size: int, tokens_per_tile: int, max_num_tiles: int,
                  max_seq_length: int | None, use_thumbnail: bool = True, truncate: bool = False, *,
                  system: str | None = None, add_bos: bool = True, seed: int = 0, progress: bool = False,
-                 min_num_tiles: int = 1) -> None:
+                 min_num_tiles: int = 1, scan_group=None, cache_dir: str | None = None) -> None:
         self.meta_path = meta_path
         self.tokenizer = tokenizer
         self.config = ReaderConfig(image_size=image_size, tokens_per_tile=tokens_per_tile,
@@ -313,7 +381,8 @@ class InternVLDataset(torch.utils.data.Dataset):
                                    max_seq_length=max_seq_length,
                                    use_thumbnail=use_thumbnail, truncate=truncate, system=system,
                                    add_bos=add_bos, seed=seed)
-        self.scan = scan_annotations(meta_path, tokenizer, self.config, progress=progress)
+        self.scan = scan_annotations(meta_path, tokenizer, self.config, progress=progress, group=scan_group,
+                                     cache_dir=cache_dir)
 
     def __len__(self) -> int:
         return len(self.scan.order)
