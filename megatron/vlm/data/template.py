@@ -277,22 +277,30 @@ def plan_with_chat_template(turns: list[Turn], tokenizer, image_tiles: list[int]
         if reserved in text:
             raise ConversationError(f"the chat template rendered the reserved token string {reserved!r}")
 
-    def in_answer(a: int, b: int) -> bool:
-        if a == b:
-            return any(s <= a < e for s, e in spans)
-        return any(a < e and b > s for s, e in spans)
+    span_start = np.array([s for s, _ in spans], dtype=np.int64)
+    span_end = np.array([e for _, e in spans], dtype=np.int64)
+
+    def in_answer(char_spans: np.ndarray) -> np.ndarray:
+        """bool [n]: token i (characters [a, b) = char_spans[i]) overlaps an answer (an empty one: lies in it)."""
+        a, b = char_spans[:, :1], char_spans[:, 1:]
+        overlaps = (a < span_end) & (b > span_start)
+        empty_inside = (a == b) & (span_start <= a) & (a < span_end)
+        return (overlaps | empty_inside).any(axis=1)
 
     pieces: list = []
     image_spans: list[tuple[int, int]] = []
     length = 0
 
-    def add(ids: list[int], flags: list[bool]) -> None:
+    def add(ids: list[int], flags: np.ndarray) -> None:
+        """Append ``ids`` as runs of equal answer flag, merging with the last text piece when it has the same flag."""
         nonlocal length
-        for i, f in zip(ids, flags):
+        starts = [0, *(np.flatnonzero(flags[1:] != flags[:-1]) + 1).tolist()]
+        for lo, hi in zip(starts, starts[1:] + [len(ids)]):
+            f = bool(flags[lo])
             if pieces and pieces[-1][1] is f:
-                pieces[-1][0].append(i)
+                pieces[-1][0].extend(ids[lo:hi])
             else:
-                pieces.append(([i], f))
+                pieces.append((list(ids[lo:hi]), f))
         length += len(ids)
 
     def chunk(lo: int, hi: int) -> None:
@@ -301,12 +309,14 @@ def plan_with_chat_template(turns: list[Turn], tokenizer, image_tiles: list[int]
         enc = tokenizer.encode_with_offsets(text[lo:hi]) if hasattr(tokenizer, "encode_with_offsets") else None
         if enc is not None:
             ids, offsets = enc
-            add(ids, [in_answer(lo + a, lo + b) for a, b in offsets])
+            if ids:
+                add(ids, in_answer(np.asarray(offsets, dtype=np.int64).reshape(-1, 2) + lo))
             return
         cuts = sorted({lo, hi, *(c for s, e in spans for c in (s, e) if lo < c < hi)})
         for a, b in zip(cuts, cuts[1:]):
             ids = tokenizer.encode(text[a:b])
-            add(ids, [in_answer(a, b)] * len(ids))
+            if ids:
+                add(ids, np.repeat(in_answer(np.array([[a, b]], dtype=np.int64)), len(ids)))
 
     pos = 0
     for k, tiles in enumerate(image_tiles):
