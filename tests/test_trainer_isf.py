@@ -16,7 +16,8 @@ def test_isf_dp2_trains_and_logs_balance(tmp_path, data_cache):
         assert r["pad ratio"] == 0.0  # packed: no padding inside a device
         assert 0.0 <= r["dist ratio llm"] < 0.2 and 0.0 <= r["dist ratio vit"] < 0.5
     assert records[-1]["lm loss"] < records[0]["lm loss"]
-    baseline, _ = run_training(2, [f for f in flags if f != "--omnibal-isf"], tmp_path, "random")
+    baseline, out = run_training(2, [f for f in flags if f != "--omnibal-isf"], tmp_path, "random")
+    assert "> data: the scan of" in out  # the first run's validation scan, read back (no image decoded again)
     mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
     assert mean(baseline, "pad ratio") > 0.05
     assert mean(records, "dist ratio llm") < mean(baseline, "dist ratio llm")

@@ -134,9 +134,9 @@ def build_data(args, tokenizer, inputs: StageInputs | None = None, datasets=None
 
     inputs: what the stage reads (``stage_inputs``; None: everything).  datasets: ``build_datasets``'s
     pair (default: built here).  groups: ``build_groups``'s result for the training set (default: made
-    here; the trainer makes it before profiling, whose shapes come from it).  The TP rank 0 of a stage that reads pixels loads (with --num-workers
-    workers, --prefetch-factor ahead) and broadcasts over the TP group; the other stages' ranks load
-    their (image-free) parts themselves, in the training process.
+    here; the trainer makes it before profiling, whose shapes come from it).  The TP rank 0 of a stage
+    that reads pixels loads (with --num-workers workers, --prefetch-factor ahead) and broadcasts over the
+    TP group; the other stages' ranks load their (image-free) parts themselves, in the training process.
 
     The train sampler knows the iteration block (dp x --num-microbatches groups), so random-mode
     batches do not depend on DP, and the regroup function, so ``train.load_state_dict`` continues a
