@@ -84,3 +84,24 @@ def test_without_template_the_builtin_one_is_used(tmp_path):
                                      "<|im_start|>assistant\nSeven.<|im_end|>\n<|im_start|>user\nAnd twice?<|im_end|>\n"
                                      "<|im_start|>assistant\n14, user<|im_end|>\n", [1], 2)
     assert [tok.decode(ids[r]) for r in answer_runs(ids, labels)] == ["Seven.<|im_end|>", "14, user<|im_end|>"]
+
+
+def test_a_template_that_refuses_a_record_names_it(tmp_path):
+    """A conversation the tokenizer's template cannot render turn by turn is a data problem named file:line by the
+    scan (not an error that stops one process of a split scan while the others wait)."""
+    from PIL import Image
+
+    from megatron.vlm.data import DataValidationError, InternVLDataset
+
+    # renders the last assistant turn differently from the same turn inside a longer prefix
+    odd = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+           "{% if loop.last %}!{% endif %}<|im_end|>\n{% endfor %}"
+           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok = write_tokenizer(tmp_path / "tok", odd)
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    ann = tmp_path / "ann.jsonl"
+    ann.write_text(json.dumps({"image": "a.png", "conversations": CONV}) + "\n")
+    meta = tmp_path / "meta.json"
+    meta.write_text(json.dumps({"s": {"root": str(tmp_path), "annotation": str(ann)}}))
+    with pytest.raises(DataValidationError, match=f"{ann}:1: the tokenizer's chat template does not render"):
+        InternVLDataset(str(meta), tok, 8, 4, max_num_tiles=1, max_seq_length=None)

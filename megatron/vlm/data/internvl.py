@@ -313,7 +313,10 @@ def _scan_record(raw: bytes, src: SourceSpec, tokenizer, config: ReaderConfig):
         return problems
     lo_tiles, hi_tiles = config.tile_range(len(images))
     tiles = [count_tiles(w, h, config.image_size, lo_tiles, hi_tiles, config.use_thumbnail) for w, h in sizes]
-    plan = plan_conversation(turns, tokenizer, tiles, config.tokens_per_tile, config.system, config.add_bos)
+    try:  # a chat template can refuse a conversation: a problem of this record, named like the others
+        plan = plan_conversation(turns, tokenizer, tiles, config.tokens_per_tile, config.system, config.add_bos)
+    except ConversationError as e:
+        return [str(e)]
     cut, kept = plan.cut_for(config.max_seq_length)
     truncated = without_loss = False
     if cut < plan.length:
