@@ -60,9 +60,10 @@ def main(argv=None) -> dict:
                                               device.type, groups)  # this stage's inputs only
     model = training.build_model(args, layout, recompute, tokenizer.img_context_id, device)
     if hf_source is not None and resume is None:  # this rank's units and TP slices, before the optimizer
+        from megatron.core.utils import unwrap_model
         from megatron.vlm.hf.load import load_hf_into_stage
 
-        stage = model[0].module if hasattr(model[0], "module") else model[0]
+        stage = unwrap_model(model[0])
         hf_source.spec = args.model_spec  # the vocabulary may be padded further for TP
         load_hf_into_stage(stage, hf_source)
         if dist.get_rank() == 0:

@@ -9,6 +9,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.utils import unwrap_model
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -76,7 +77,7 @@ def finalize_grads(model, num_tokens=None, **kwargs):
     """megatron-core's finalize_model_grads, after summing the tied embedding's gradients across the
     stages that hold E and L (VLMStage.allreduce_tied_embedding_grads)."""
     for chunk in model:
-        _unwrap(chunk).allreduce_tied_embedding_grads()
+        unwrap_model(chunk).allreduce_tied_embedding_grads()
     return finalize_model_grads(model, num_tokens, **kwargs)
 
 
@@ -127,10 +128,6 @@ def sync_params(model) -> None:
             m.enable_forward_pre_hook()
 
 
-def _unwrap(model):
-    return model.module if hasattr(model, "module") else model
-
-
 def loss_func(batch: dict, token_correct: torch.Tensor, output_tensor: torch.Tensor):
     """Sum of answer-token losses, their count, and what the log reports.
 
@@ -160,19 +157,19 @@ DATA_WAIT = {"s": 0.0}  # seconds forward_step spent in next(data_iterator) sinc
 
 
 def forward_step(data_iterator, model):
-    device = next(_unwrap(model).parameters()).device
+    device = next(unwrap_model(model).parameters()).device
     t0 = time.perf_counter()
     raw = next(data_iterator)
     DATA_WAIT["s"] += time.perf_counter() - t0
     batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) and k not in HOST_KEYS else v
              for k, v in raw.items()}  # the loader's batches are on the host (or the device); cu_seqlens stay
-    meter = getattr(_unwrap(model), "activation_meter", None)
+    meter = getattr(unwrap_model(model), "activation_meter", None)
     if meter is not None and torch.is_grad_enabled():
         with meter.measure():
             output = model(batch)
     else:
         output = model(batch)
-    head = _unwrap(model).head
+    head = unwrap_model(model).head
     correct = head.last_token_correct if head is not None else None
     return output, partial(loss_func, batch, correct)
 
@@ -256,7 +253,7 @@ def _batch_balance(records: list[dict], balance_fn) -> dict:
 def train(args, model, optimizer, scheduler, train_data, valid_data=None, start_iteration: int = 0,
           consumed_samples: int = 0, balance_fn=step_balance) -> dict:
     """Run iterations start_iteration+1 .. train_iters; returns a summary for the caller."""
-    config = _unwrap(model[0]).config
+    config = unwrap_model(model[0]).config
     config.no_sync_func = model[0].no_sync
     config.finalize_model_grads_func = finalize_grads
     forward_backward = get_forward_backward_func()
@@ -264,8 +261,8 @@ def train(args, model, optimizer, scheduler, train_data, valid_data=None, start_
     is_last = parallel_state.is_pipeline_last_stage()
     history = []
     balance_sums, balance_count = {}, 0
-    meter = ActivationMeter(_unwrap(model[0])) if args.log_activation_memory else None
-    _unwrap(model[0]).activation_meter = meter
+    meter = ActivationMeter(unwrap_model(model[0])) if args.log_activation_memory else None
+    unwrap_model(model[0]).activation_meter = meter
     peak_act = 0
     iteration = start_iteration
     saved = None
@@ -350,7 +347,7 @@ def train(args, model, optimizer, scheduler, train_data, valid_data=None, start_
 
 def stage_memory_report(args, model, optimizer, peak_act: int) -> dict:
     """Measured per-stage memory (the largest over the stage's ranks), and the plan's prediction."""
-    device = next(_unwrap(model[0]).parameters()).device
+    device = next(unwrap_model(model[0]).parameters()).device
     allocated = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     mine = (parallel_state.get_pipeline_model_parallel_rank(), peak_act, static_bytes(model, optimizer), allocated)
     everyone = [None] * dist.get_world_size()

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.utils import unwrap_model
 
 from .layout import FORMAT
 
@@ -88,12 +89,8 @@ def rng_object(state) -> ShardedObject:
                           ps.get_data_parallel_rank()), replica_id=0)
 
 
-def unwrap(module):
-    return module.module if hasattr(module, "module") else module
-
-
 def model_sharded_state_dict(model) -> dict:
-    return unwrap(model[0]).sharded_state_dict()
+    return unwrap_model(model[0]).sharded_state_dict()
 
 
 def sharded_state_dict(model, optimizer, with_optimizer: bool, is_loading: bool) -> dict:
