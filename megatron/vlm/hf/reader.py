@@ -65,11 +65,3 @@ class HFCheckpoint:
         if cols is None:
             return sl[rows[0]:rows[1]]
         return sl[rows[0]:rows[1], cols[0]:cols[1]]
-
-    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of the tensor (only those are read)."""
-        return self._handle(name).get_slice(name)[start:stop]
-
-    def cols(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Columns [start, stop) of a matrix (only those are read)."""
-        return self._handle(name).get_slice(name)[:, start:stop]
