@@ -19,13 +19,21 @@ OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chain
                       "distrib_optim_fully_reshardable_mem_efficient": True}
 
 
+def describe_run(spec, tp: int = 1, pp: int = 1, dp: int = 1, layout: str | None = None,
+                 distributed_optimizer: bool = False, bf16: bool = False, seed: int = 0, tokenizer: str | None = None,
+                 hf: dict | None = None) -> dict:
+    """The run a checkpoint comes from (the common state's "run"): model sizes, the parallel configuration,
+    the tokenizer folder and, under "hf", the HF checkpoint the model came from (for omnibal hf export)."""
+    return {"format": FORMAT, "model": spec.to_dict(), "tp": tp, "pp": pp, "dp": dp, "layout": layout,
+            "distributed_optimizer": bool(distributed_optimizer), "bf16": bool(bf16), "seed": seed,
+            "tokenizer": tokenizer, "hf": hf}
+
+
 def run_description(args) -> dict:
-    """The run a checkpoint comes from: model sizes and the parallel configuration."""
-    return {"format": FORMAT, "model": args.model_spec.to_dict(), "tp": args.tensor_model_parallel_size,
-            "pp": args.pipeline_model_parallel_size, "dp": args.data_parallel_size,
-            "layout": getattr(args, "layout_flag", None), "distributed_optimizer": bool(args.use_distributed_optimizer),
-            "bf16": bool(args.bf16), "seed": args.seed, "tokenizer": getattr(args, "tokenizer_model", None),
-            "hf": getattr(args, "hf_meta", None)}  # the HF checkpoint the model came from (omnibal hf export)
+    """:func:`describe_run` of this run's flags."""
+    return describe_run(args.model_spec, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                        args.data_parallel_size, getattr(args, "layout_flag", None), args.use_distributed_optimizer,
+                        args.bf16, args.seed, getattr(args, "tokenizer_model", None), getattr(args, "hf_meta", None))
 
 
 def world_of(run: dict) -> tuple:

@@ -105,21 +105,14 @@ def extra_state_objects(spec: ModelSpec) -> list:
     return [x for x in nested_values(sd) if isinstance(x, ShardedObject)]
 
 
-def run_for(spec: ModelSpec, meta: dict, tokenizer: str | None) -> dict:
-    from megatron.training.checkpointing import FORMAT
-
-    return {"format": FORMAT, "model": spec.to_dict(), "tp": 1, "pp": 1, "dp": 1, "layout": None,
-            "distributed_optimizer": False, "bf16": False, "seed": 0, "tokenizer": tokenizer, "hf": meta}
-
-
 def import_hf(folder: str, save: str) -> dict:
     """``omnibal hf import``: in a world of one (process group and megatron's groups already started)."""
-    from megatron.training.checkpointing import save_global_tensors
+    from megatron.training.checkpointing import describe_run, save_global_tensors
 
     src = HFSource.open(folder)
     tensors = src.global_tensors()
     tokenizer = os.path.abspath(folder) if has_tokenizer(folder) else None
-    common = {"run": run_for(src.spec, src.meta(), tokenizer), "iteration": 0}
+    common = {"run": describe_run(src.spec, tokenizer=tokenizer, hf=src.meta()), "iteration": 0}
     save_global_tensors(save, tensors, extra_state_objects(src.spec), common, 0)
     return {"spec": src.spec, "tensors": len(tensors), "layout": src.info.layout}
 
