@@ -105,10 +105,10 @@ def predict(profile_path, spec_dict, layout, shape, pp, m, tp, modes_fn) -> floa
     from omnibal_ext.model.cost_model import calibrated_costs, get_device
     from omnibal_ext.model.costs import CostTable
     from omnibal_ext.model.simulate import simulate_layout
-    from omnibal_ext.model.units import ModelSpec
+    from omnibal_ext.model.units import spec_from_dict
 
     prof = CostTable.load(profile_path)
-    spec = ModelSpec.from_dict(spec_dict)
+    spec = spec_from_dict(spec_dict)
     costs = calibrated_costs(spec, shape, prof, tp)
     sim = simulate_layout(costs, layout, pp, m, get_device("cpu").p2p_bytes_per_s, modes_fn(costs))
     return sim.iteration_s * 1e3

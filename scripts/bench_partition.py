@@ -56,7 +56,7 @@ def half_layer_weights(spec, shape, costs) -> np.ndarray:
     out = []
     for u, t, fl in zip(build_units(spec), w, flops):
         if u.kind == "vit_layer":
-            mlp = shape.tiles * 4.0 * v.seq_per_tile * v.hidden_size * v.ffn_hidden_size
+            mlp = shape.vision_items * 4.0 * v.seq_per_tile * v.hidden_size * v.ffn_hidden_size
         elif u.kind == "llm_layer":
             mlp = (6.0 if lm.swiglu else 4.0) * shape.llm_tokens * lm.hidden_size * lm.ffn_hidden_size
         else:
@@ -72,7 +72,7 @@ def preset_row(name: str, pp: int, shape: MicroBatchShape, tp: int, device: str,
     t0 = time.perf_counter()
     reports = plan_partitions(spec, costs, pp, vpp=vpp, radius=radius)
     total_s = time.perf_counter() - t0
-    row = {"model": name, "pp": pp, "vpp": vpp, "tp": tp, "tiles": shape.tiles, "llm_tokens": shape.llm_tokens,
+    row = {"model": name, "pp": pp, "vpp": vpp, "tp": tp, "tiles": shape.vision_items, "llm_tokens": shape.llm_tokens,
            "device": device, "radius": radius, "plan_all_seconds": total_s}
     for method, r in reports.items():
         row[method] = {"bottleneck_over_mean": r.bottleneck_over_mean, "gap_to_optimum": r.gap_to_optimum,

@@ -344,7 +344,8 @@ def check_layer_throughput(work: Path, cuda: bool, deadline: float) -> dict:
 def check_e2e_cut(work: Path, cuda: bool, deadline: float) -> dict:
     if not cuda:
         return skipped("no CUDA device")
-    from omnibal_ext.model.cost_model import MicroBatchShape, get_device, llm_layer_flops, vit_layer_flops
+    from omnibal_ext.model.cost_model import MicroBatchShape, get_device, llm_layer_flops
+    from omnibal_ext.model.families.internvl import vit_layer_flops
     from omnibal_ext.model.units import get_preset
 
     from megatron.vlm.data.digits import build_digits_dataset, digits_meta_paths

@@ -246,7 +246,7 @@ def test_profile_at_an_explicit_shape_reports_against_the_model(tmp_path):
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     table = CostTable.load(str(out))
-    assert table.meta["shape"] == {"tiles": 2, "llm_tokens": 96, "dtype_bytes": 4, "llm_attn_tokens_sq": 96 * 24.0}
+    assert table.meta["shape"] == {"vision_items": 2, "llm_tokens": 96, "dtype_bytes": 4, "llm_attn_tokens_sq": 96 * 24.0}
     assert table.meta["attention"] == "flash"
     assert [u.name for u in table.units] == [u.name for u in build_units(get_preset("tiny"))]
     lines = run.stdout.splitlines()

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from omnibal_ext.model.cost_model import (
-    DEVICES, DEFAULT_EFFICIENCY, MicroBatchShape, analytic_costs, calibrate, calibrated_costs, unit_flops,
+    DEVICES, MicroBatchShape, analytic_costs, calibrate, calibrated_costs, default_efficiency, unit_flops,
     unit_param_counts,
 )
 from omnibal_ext.model.costs import CostTable
@@ -21,7 +21,7 @@ def _index(spec, name):
 
 
 def test_vit_layer_flops_hand_formula():
-    shape = MicroBatchShape(tiles=3, llm_tokens=100)
+    shape = MicroBatchShape(vision_items=3, llm_tokens=100)
     s, h, f = 17, 64, 256  # tiny: (32/8)^2 + 1 tokens per tile
     expected = 3 * (2 * s * (4 * h * h + 2 * h * f) + 4 * s * s * h)
     assert unit_flops(TINY, shape)[_index(TINY, "vit.layer.2")] == pytest.approx(expected, rel=1e-12)
@@ -29,19 +29,19 @@ def test_vit_layer_flops_hand_formula():
 
 def test_llm_layer_flops_hand_formula():
     T = 100
-    shape = MicroBatchShape(tiles=3, llm_tokens=T)
+    shape = MicroBatchShape(vision_items=3, llm_tokens=T)
     # h=64, 4 heads of 16, 2 KV groups, SwiGLU ffn 192, causal attention over one sequence
     qkv = 2 * T * 64 * (64 + 2 * 2 * 16)
     out = 2 * T * 64 * 64
     mlp = 3 * 2 * T * 64 * 192
     attn = 2 * 2 * T * T * 64 / 2
     assert unit_flops(TINY, shape)[_index(TINY, "llm.layer.0")] == pytest.approx(qkv + out + mlp + attn, rel=1e-12)
-    packed = MicroBatchShape(tiles=3, llm_tokens=T, llm_attn_tokens_sq=50**2 * 2)
+    packed = MicroBatchShape(vision_items=3, llm_tokens=T, llm_attn_tokens_sq=50**2 * 2)
     assert unit_flops(TINY, packed)[_index(TINY, "llm.layer.0")] == pytest.approx(qkv + out + mlp + attn / 2, rel=1e-12)
 
 
 def test_other_units_flops():
-    shape = MicroBatchShape(tiles=5, llm_tokens=77)
+    shape = MicroBatchShape(vision_items=5, llm_tokens=77)
     fl = unit_flops(TINY, shape)
     assert fl[_index(TINY, "llm.head")] == pytest.approx(2 * 77 * 64 * 384)
     assert fl[_index(TINY, "vit.embed")] == pytest.approx(5 * 2 * 16 * (3 * 8 * 8) * 64)
@@ -55,7 +55,7 @@ def test_activation_bytes_reduce_to_korthikanti(tp):
     """MHA, GELU MLP with f=4h, fp16 and dropout: s*b*h*(10 + 24/t + 5*a*s/(h*t))."""
     spec = TINY.replace(vision=dataclasses.replace(TINY.vision, ffn_hidden_size=4 * 64))
     b, s, h, a = 3, 17, 64, 4
-    costs = analytic_costs(spec, MicroBatchShape(tiles=b, llm_tokens=10), tp=tp, dropout=True)
+    costs = analytic_costs(spec, MicroBatchShape(vision_items=b, llm_tokens=10), tp=tp, dropout=True)
     u = costs.units[_index(spec, "vit.layer.0")]
     assert u.act_bytes == pytest.approx(s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)))
     assert u.act_bytes_selective == pytest.approx(s * b * h * (10 + 24 / tp))
@@ -65,7 +65,7 @@ def test_activation_bytes_reduce_to_korthikanti(tp):
 
 def test_llm_layer_bytes_gqa_swiglu_no_dropout():
     T, h, g, d, f, a = 100, 64, 2, 16, 192, 4
-    u = analytic_costs(TINY, MicroBatchShape(tiles=1, llm_tokens=T)).units[_index(TINY, "llm.layer.1")]
+    u = analytic_costs(TINY, MicroBatchShape(vision_items=1, llm_tokens=T)).units[_index(TINY, "llm.layer.1")]
     # norm, QKV and MLP inputs; rotary cos and sin for q and k; Q plus K, V repeated to all a heads
     # (g < a); out-projection input; the unfused GLU's fc1 output, x_linear + 0, silu output, fc2 input
     per_token = 4 * h * 2 + 4 * d * 2 + (h + 2 * a * d) * 2 + h * 2 + 5 * f * 2 + a * T * 2
@@ -76,7 +76,7 @@ def test_llm_layer_bytes_gqa_swiglu_no_dropout():
 
 
 def test_times_follow_device_and_efficiency():
-    shape = MicroBatchShape(tiles=9, llm_tokens=4096)
+    shape = MicroBatchShape(vision_items=9, llm_tokens=4096)
     dev = DEVICES["h100-80g"]
     costs = analytic_costs(BIG, shape, tp=2, device=dev, efficiency={"llm_layer": 0.25})
     i = _index(BIG, "llm.layer.3")
@@ -96,7 +96,7 @@ def test_times_follow_device_and_efficiency():
     vit_fl = 9 * (2 * s_ * (4 * h * width + 2 * h * f) + 4 * s_ * s_ * width)
     vit_allreduce = 2 * (2 * 1 / 2 * 9 * 1025 * 3200 * 2 / dev.tp_bytes_per_s)
     assert costs.units[j].fwd_s == pytest.approx(
-        vit_fl / 2 / (dev.matmul_flops_per_s * DEFAULT_EFFICIENCY["vit_layer"]) + vit_allreduce)
+        vit_fl / 2 / (dev.matmul_flops_per_s * default_efficiency(BIG)["vit_layer"]) + vit_allreduce)
     # InternViT-6B: no QKV bias, RMSNorm (weights only), qk-norm weights over the (padded) width, layer scales
     assert costs.units[j].param_count == 4 * h * width + 2 * h * f + h + f + h + 2 * h + 2 * width + 2 * h
     with pytest.raises(ValueError, match="unknown unit kinds"):

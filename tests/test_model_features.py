@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from omnibal_ext.errors import UserError
-from omnibal_ext.model.units import ModelSpec, build_units, get_preset, vit_layers_for_feature_layer
+from omnibal_ext.model.families.internvl import vit_layers_for_feature_layer
+from omnibal_ext.model.units import ModelSpec, build_units, get_preset, spec_from_dict
 
 
 def perturb_named(module, seed=0):
@@ -311,11 +312,11 @@ def test_spec_round_trip_and_presets():
     assert not spec.language.qkv_bias and not spec.language.tie_word_embeddings
     custom = with_language(spec, head_dim=96, qkv_bias=True, norm_eps=1e-6, real_vocab_size=92500,
                            tie_word_embeddings=True)
-    assert ModelSpec.from_dict(custom.to_dict()) == custom
+    assert spec_from_dict(custom.to_dict()) == custom
     old = spec.to_dict()
     for k in ("norm_eps", "qkv_bias", "qk_norm", "layer_scale_init"):
         old["vision"].pop(k)
-    assert ModelSpec.from_dict(old).vision.qkv_bias  # older dicts: today's defaults
+    assert spec_from_dict(old).vision.qkv_bias  # older dicts: today's defaults
     tiny = get_preset("tiny")
     assert (tiny.vision.qkv_bias, tiny.vision.qk_norm, tiny.vision.layer_scale_init) == (True, False, None)
     with pytest.raises(UserError, match="'yarn'"):

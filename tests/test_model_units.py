@@ -109,7 +109,7 @@ def test_profile_orders_vit_and_llm_layers_by_size(megatron_world):
     heavy_llm = base.replace(
         vision=dataclasses.replace(base.vision, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2),
         language=dataclasses.replace(base.language, hidden_size=256, ffn_hidden_size=768))
-    shape = MicroBatchShape(tiles=12, llm_tokens=204, dtype_bytes=4)  # as many LLM tokens as ViT tokens
+    shape = MicroBatchShape(vision_items=12, llm_tokens=204, dtype_bytes=4)  # as many LLM tokens as ViT tokens
 
     def layer_fwd(spec, attention_backend="unfused"):
         args = SimpleNamespace(model_spec=spec, tensor_model_parallel_size=1, bf16=False, seed=1,
@@ -140,7 +140,7 @@ def test_profile_activation_bytes_match_a_hand_count(megatron_world):
 
     spec = get_preset("tiny")
     args = SimpleNamespace(model_spec=spec, tensor_model_parallel_size=1, bf16=False, seed=1)
-    costs = profile_units(args, MicroBatchShape(tiles=3, llm_tokens=40, dtype_bytes=4), 263, torch.device("cpu"),
+    costs = profile_units(args, MicroBatchShape(vision_items=3, llm_tokens=40, dtype_bytes=4), 263, torch.device("cpu"),
                           warmup=0, repeats=1)
     by_kind = {u.kind: u for u in costs.units}
     v = spec.vision

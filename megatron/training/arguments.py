@@ -10,7 +10,8 @@ import dataclasses
 
 from omnibal_ext.errors import UserError
 from omnibal_ext.model.layout import parse_layout
-from omnibal_ext.model.units import PRESETS, ModelSpec, build_units, get_preset, vit_layers_for_feature_layer
+from omnibal_ext.model.families.internvl import vit_layers_for_feature_layer
+from omnibal_ext.model.units import PRESETS, ModelSpec, build_units, get_preset
 from omnibal_ext.plan import tp_problem, trainer_argv
 
 

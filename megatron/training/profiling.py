@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from omnibal_ext.errors import UserError
-from omnibal_ext.model.cost_model import MicroBatchShape, llm_layer_flops, vit_layer_flops
+from omnibal_ext.model.cost_model import MicroBatchShape, llm_layer_flops
+from omnibal_ext.model.families.internvl import vit_layer_flops
 from omnibal_ext.model.costs import CostTable, UnitCost
 from omnibal_ext.model.profile import environment_meta, measure_unit, to_unit_cost
 from omnibal_ext.model.units import build_units
@@ -31,14 +32,14 @@ from omnibal_ext.memory.recompute import StageRecompute
 
 
 def synthetic_batch(spec, shape: MicroBatchShape, img_context_id: int, device) -> dict:
-    """One packed row of ``shape.llm_tokens`` tokens holding ``shape.tiles`` tiles' image tokens.
+    """One packed row of ``shape.llm_tokens`` tokens holding ``shape.vision_items`` tiles' image tokens.
 
     The row is cut into samples of equal length ``L = attn_tokens_sq / llm_tokens`` (the last one
     shorter), so that the sum of squared sample lengths the attention pays is ``shape``'s.
     """
-    n_img = shape.tiles * spec.tokens_per_tile
+    n_img = shape.vision_items * spec.tokens_per_tile
     if shape.llm_tokens < n_img + 2:
-        raise UserError(f"profile shape: {shape.llm_tokens} LLM tokens cannot hold {shape.tiles} tiles "
+        raise UserError(f"profile shape: {shape.llm_tokens} LLM tokens cannot hold {shape.vision_items} tiles "
                         f"x {spec.tokens_per_tile} image tokens (--llm-tokens, --tiles)")
     g = torch.Generator().manual_seed(0)
     s = shape.llm_tokens
@@ -50,13 +51,13 @@ def synthetic_batch(spec, shape: MicroBatchShape, img_context_id: int, device) -
     cu_seqlens, max_seqlen = packing([lengths], s)
     return {
         "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen,
-        "image_tile_index": torch.arange(shape.tiles, device=device),
+        "image_tile_index": torch.arange(shape.vision_items, device=device),
         "tokens": tokens.to(device),
         "labels": torch.randint(0, 256, (1, s), generator=g).to(device),
         "position_ids": (torch.arange(s) % sample_len)[None].to(device),
         "segment_ids": (torch.arange(s) // sample_len)[None].to(device),
-        "pixel_values": torch.randn(shape.tiles, v.in_channels, v.image_size, v.image_size, generator=g).to(device),
-        "image_flags": torch.ones(shape.tiles, dtype=torch.long, device=device),
+        "pixel_values": torch.randn(shape.vision_items, v.in_channels, v.image_size, v.image_size, generator=g).to(device),
+        "image_flags": torch.ones(shape.vision_items, dtype=torch.long, device=device),
     }
 
 

@@ -73,6 +73,7 @@ import numpy as np
 from ..errors import UserError
 from ..model.costs import CostTable
 from ..model.layout import PipelineLayout
+from ..model.spec import TEXT_LAYER, VISION_LAYER
 
 if TYPE_CHECKING:  # recompute.py imports this module; only the attribute names are used here
     from .recompute import StageRecompute
@@ -81,7 +82,6 @@ GIB = float(1 << 30)
 
 # Per-unit recompute modes.
 MODE_NONE, MODE_SELECTIVE, MODE_FULL = 0, 1, 2
-LAYER_KINDS = ("vit_layer", "llm_layer")
 
 
 @dataclass(frozen=True)
@@ -146,8 +146,8 @@ def _check_layout(costs: CostTable, layout: PipelineLayout, stages_expected: int
 
 def stage_layer_counts(costs: CostTable, layout: PipelineLayout) -> list[tuple[int, int]]:
     """(ViT layers, LLM layers) of each stage."""
-    kinds = [u.kind for u in costs.units]
-    return [(sum(kinds[i] == "vit_layer" for i in rng), sum(kinds[i] == "llm_layer" for i in rng))
+    codes = [u.code for u in costs.units]
+    return [(sum(codes[i] == VISION_LAYER for i in rng), sum(codes[i] == TEXT_LAYER for i in rng))
             for rng in layout.stage_slices()]
 
 
@@ -165,18 +165,18 @@ def unit_modes(costs: CostTable, layout: PipelineLayout, plan: Sequence["StageRe
             raise MemoryModelError(
                 f"recompute plan stage {s}: {sr.vit_full_layers} ViT / {sr.llm_full_layers} LLM layers fully "
                 f"recomputed but the stage holds {nv} ViT / {nl} LLM layers")
-        seen = {"vit_layer": 0, "llm_layer": 0}
-        full = {"vit_layer": sr.vit_full_layers, "llm_layer": sr.llm_full_layers}
-        sel = {"vit_layer": sr.vit_selective, "llm_layer": sr.llm_selective}
+        seen = {VISION_LAYER: 0, TEXT_LAYER: 0}
+        full = {VISION_LAYER: sr.vit_full_layers, TEXT_LAYER: sr.llm_full_layers}
+        sel = {VISION_LAYER: sr.vit_selective, TEXT_LAYER: sr.llm_selective}
         for i in rng:
-            kind = costs.units[i].kind
-            if kind not in seen:
+            code = costs.units[i].code
+            if code not in seen:
                 continue
-            if seen[kind] < full[kind]:
+            if seen[code] < full[code]:
                 modes[i] = MODE_FULL
-            elif sel[kind]:
+            elif sel[code]:
                 modes[i] = MODE_SELECTIVE
-            seen[kind] += 1
+            seen[code] += 1
     return modes
 
 
@@ -191,7 +191,7 @@ def _unit_arrays(costs: CostTable) -> dict[str, np.ndarray]:
         "sel_s": np.array([x.selective_recompute_s for x in u], dtype=np.float64),
         "params": np.array([x.param_count for x in u], dtype=np.float64),
         # 1: ViT layer, 2: LLM layer, 0: any other unit (never recomputed)
-        "block": np.array([1 if x.kind == "vit_layer" else 2 if x.kind == "llm_layer" else 0 for x in u]),
+        "block": np.array([1 if x.code == VISION_LAYER else 2 if x.code == TEXT_LAYER else 0 for x in u]),
     }
 
 

@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..model.spec import LAYER_ROLES, TEXT_LAYER, VISION_LAYER
 from ..model.costs import CostTable
 from ..errors import UserError
 from ..model.layout import PipelineLayout
@@ -158,8 +159,8 @@ def validate_recompute_plan(stages: Sequence[StageRecompute], layout: PipelineLa
 
 
 def _layer_counts(layout: PipelineLayout, units: Sequence) -> list[tuple[int, int]]:
-    kinds = [u.kind for u in units]
-    return [(sum(kinds[i] == "vit_layer" for i in r), sum(kinds[i] == "llm_layer" for i in r))
+    codes = [u.code for u in units]
+    return [(sum(codes[i] == VISION_LAYER for i in r), sum(codes[i] == TEXT_LAYER for i in r))
             for r in layout.stage_slices()]
 
 
@@ -334,7 +335,7 @@ def layer_tradeoffs(costs: CostTable, layout: PipelineLayout, pp: int, num_micro
     for s, rng in enumerate(layout.stage_slices()):
         for i in rng:
             u = costs.units[i]
-            if u.kind not in ("vit_layer", "llm_layer"):
+            if u.code not in LAYER_ROLES:
                 continue
             mem = (u.act_bytes - u.act_bytes_full) * int(in_flight[s])
             out.append({"unit": u.name, "stage": s, "memory_bytes": mem, "time_saved_s": u.fwd_s,

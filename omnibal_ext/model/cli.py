@@ -56,7 +56,7 @@ def add_partition_parser(subparsers) -> argparse.ArgumentParser:
 
 def build_costs(args) -> CostTable:
     spec = get_preset(args.model)
-    shape = MicroBatchShape(tiles=args.tiles, llm_tokens=args.llm_tokens)
+    shape = MicroBatchShape(vision_items=args.tiles, llm_tokens=args.llm_tokens)
     device = get_device(args.device)
     if args.profile:
         try:

@@ -61,50 +61,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import UserError
+from .components import CostComponent, layer_act_bytes_per_token, llm_layer_flops  # noqa: F401 (API)
 from .costs import CostTable, UnitCost
-from .units import KIND_CODES, ModelSpec, Unit, build_units
-
-
-@dataclass(frozen=True)
-class MicroBatchShape:
-    """What one micro-batch holds.
-
-    tiles: ViT tiles (448px crops) in the micro-batch; each runs ``spec.vision.seq_per_tile`` tokens.
-    llm_tokens: LLM sequence tokens, image-context tokens included.
-    dtype_bytes: bytes per activation element (2 for bf16/fp16).
-    llm_attn_tokens_sq: sum of squared lengths of the packed samples (tokens^2); None = one
-        sequence of ``llm_tokens``.
-    """
-
-    tiles: int
-    llm_tokens: int
-    dtype_bytes: int = 2
-    llm_attn_tokens_sq: float | None = None
-
-    def __post_init__(self):
-        if self.tiles < 0 or self.llm_tokens < 0 or self.dtype_bytes <= 0:
-            raise UserError(f"MicroBatchShape: tiles and llm_tokens must be >= 0 and dtype_bytes > 0, got {self}")
-        if self.llm_attn_tokens_sq is not None and not (
-            0 <= self.llm_attn_tokens_sq <= float(self.llm_tokens) ** 2 + 1e-6
-        ):
-            raise UserError(
-                f"MicroBatchShape: llm_attn_tokens_sq={self.llm_attn_tokens_sq} must lie in [0, llm_tokens^2]"
-            )
-
-    @property
-    def attn_tokens_sq(self) -> float:
-        """sum(len_i^2) over the packed LLM samples, tokens^2."""
-        if self.llm_attn_tokens_sq is None:
-            return float(self.llm_tokens) ** 2
-        return float(self.llm_attn_tokens_sq)
-
-    def to_dict(self) -> dict:
-        return {"tiles": self.tiles, "llm_tokens": self.llm_tokens, "dtype_bytes": self.dtype_bytes,
-                "llm_attn_tokens_sq": self.llm_attn_tokens_sq}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "MicroBatchShape":
-        return cls(int(d["tiles"]), int(d["llm_tokens"]), int(d.get("dtype_bytes", 2)), d.get("llm_attn_tokens_sq"))
+from .shape import MicroBatchShape
+from .spec import ModelSpec
+from .units import build_units, spec_from_dict, unit_components
 
 
 @dataclass(frozen=True)
@@ -151,18 +112,6 @@ DEVICES: dict[str, DeviceSpec] = {
     "cpu": DeviceSpec("cpu", 100e9, 20e9, 5e9, 16 * GiB, 2.0, 5e9),
 }
 
-# Fraction of peak matmul rate each kind of unit reaches. ~0.5 is what large Megatron runs report
-# as model FLOPs utilisation of the transformer layers; the patch embedding (a strided conv with
-# 588-wide reduction) and the projector (few tokens) reach less.
-DEFAULT_EFFICIENCY: dict[str, float] = {
-    "vit_embed": 0.3,
-    "vit_layer": 0.5,
-    "projector": 0.4,
-    "llm_embed": 0.5,  # unused (no FLOPs); the embedding is timed as memory traffic
-    "llm_layer": 0.5,
-    "llm_head": 0.5,
-}
-
 def get_device(name: str) -> DeviceSpec:
     try:
         return DEVICES[name]
@@ -171,233 +120,61 @@ def get_device(name: str) -> DeviceSpec:
 
 
 # ----------------------------------------------------------------------------------------------
-# FLOPs
+# Per-unit numbers (each unit's family component computes them)
 # ----------------------------------------------------------------------------------------------
-def vit_layer_flops(spec: ModelSpec, tiles: int, tp: int = 1) -> tuple[float, float]:
-    """(total, attention-core) forward FLOPs of one ViT layer over ``tiles`` tiles, all TP ranks.
-
-    At TP sizes that do not divide the heads, the layer runs ``spec.vision.padded_heads(tp)`` heads
-    (zero ones after the real ones), and the attention's FLOPs grow with them.
-    """
-    v = spec.vision
-    s, h, f = v.seq_per_tile, v.hidden_size, v.ffn_hidden_size
-    width = v.padded_heads(tp) * v.head_dim  # attention width: h without padding
-    linear = 2.0 * s * (4 * h * width + 2 * h * f)
-    core = 4.0 * s * s * width
-    return tiles * (linear + core), tiles * core
-
-
-def llm_layer_flops(spec: ModelSpec, shape: MicroBatchShape) -> tuple[float, float]:
-    """(total, attention-core) forward FLOPs of one LLM layer over the micro-batch."""
-    lm = spec.language
-    t, h, f = shape.llm_tokens, lm.hidden_size, lm.ffn_hidden_size
-    d = lm.kv_channels
-    width = lm.num_attention_heads * d  # attention width: h, unless head_dim says otherwise
-    qkv = 2.0 * t * h * (width + 2 * lm.kv_groups * d)
-    out = 2.0 * t * width * h
-    mlp = (6.0 if lm.swiglu else 4.0) * t * h * f
-    core = 4.0 * width * 0.5 * shape.attn_tokens_sq  # causal: half of the score matrix
-    return qkv + out + mlp + core, core
-
-
 def unit_flops(spec: ModelSpec, shape: MicroBatchShape, tp: int = 1) -> list[float]:
     """Forward FLOPs of every unit of ``build_units(spec)`` for one micro-batch, summed over the TP
     ranks (``tp`` only adds the ViT's padded heads)."""
-    return [_unit_flops_core(spec, shape, u, tp)[0] for u in build_units(spec)]
-
-
-def _unit_flops_core(spec: ModelSpec, shape: MicroBatchShape, unit: Unit, tp: int = 1) -> tuple[float, float]:
-    v, lm = spec.vision, spec.language
-    if unit.kind == "vit_embed":
-        return shape.tiles * 2.0 * v.patches_per_tile * (v.in_channels * v.patch_size**2) * v.hidden_size, 0.0
-    if unit.kind == "vit_layer":
-        return vit_layer_flops(spec, shape.tiles, tp)
-    if unit.kind == "projector":
-        n = shape.tiles * spec.tokens_per_tile
-        return 2.0 * n * (spec.projector_in_size * lm.hidden_size + lm.hidden_size**2), 0.0
-    if unit.kind == "llm_embed":
-        return 0.0, 0.0
-    if unit.kind == "llm_layer":
-        return llm_layer_flops(spec, shape)
-    if unit.kind == "llm_head":
-        return 2.0 * shape.llm_tokens * lm.hidden_size * lm.vocab_size, 0.0
-    raise ValueError(f"unit {unit.name!r}: unknown kind {unit.kind!r}")
+    return [c.flops(shape, tp)[0] for c in unit_components(spec)]
 
 
 def unit_mem_bytes(spec: ModelSpec, shape: MicroBatchShape, tp: int = 1) -> list[float]:
-    """Memory traffic (bytes) of the memory-bound part of every unit's forward, per TP rank.
-
-    Only the LLM embedding is counted (read T rows, write T x h); the other units are
-    matmul-bound and their elementwise work is folded into their efficiency.
-    """
-    out = []
-    for u in build_units(spec):
-        if u.kind == "llm_embed":
-            out.append(2.0 * shape.llm_tokens * spec.language.hidden_size * shape.dtype_bytes)
-        else:
-            out.append(0.0)
-    return out
+    """Memory traffic (bytes) of the memory-bound units' forward, per TP rank (0 for the others: they
+    are matmul-bound and their elementwise work is folded into their efficiency)."""
+    return [c.mem_bytes(shape) if c.memory_bound else 0.0 for c in unit_components(spec)]
 
 
 def unit_work(spec: ModelSpec, shape: MicroBatchShape, tp: int = 1) -> list[float]:
-    """What calibration divides time by: forward FLOPs per TP rank, or memory bytes for units without FLOPs."""
-    flops = unit_flops(spec, shape, tp)
-    mem = unit_mem_bytes(spec, shape, tp)
-    return [fl / tp if fl > 0 else mb for fl, mb in zip(flops, mem)]
-
-
-# ----------------------------------------------------------------------------------------------
-# Bytes and parameters
-# ----------------------------------------------------------------------------------------------
-def layer_act_bytes_per_token(
-    hidden: int, heads: int, kv_groups: int, ffn: int, swiglu: bool, attended: float,
-    dtype_bytes: int, tp: int, dropout: bool, attention: str, *, rotary: bool = False, per_sample: bool = False,
-    built_heads: int | None = None, head_dim: int | None = None,
-) -> tuple[float, float]:
-    """(all, attention-core) activation bytes per token of one pre-norm layer (see module docstring).
-
-    attended: attended length per token (tokens), so the core keeps ``heads*attended`` scores per token.
-    rotary: the layer applies rotary embeddings; per_sample: attention runs once per packed sample;
-    built_heads: heads the layer is built with (padded for TP; default ``heads``); head_dim: per-head
-    width (default hidden / heads).
-
-    Beyond the textbook count, what this trainer's megatron-core local layers keep, as measured on an
-    H200 (``profiles/h200``; the ViT layer matches to 0.1%, the LLM layers to 0.1%):
-    * keys and values repeated to every query head before attention (megatron-core's core attention
-      and ``SegmentAttention`` both do): K, V cost ``2*h*D/t``, not ``2*g*d*D/t``;
-    * a gated MLP through megatron-core's unfused GLU (no bias, so no bias-activation fusion) also
-      keeps ``act(x_glu)`` and ``x_linear + offset``: ``5*f*D/t``, not ``3*f*D/t``;
-    * rotary embeddings keep cos and sin for q and for k: ``4*d*D``, replicated;
-    * attention run per packed sample keeps each sample's output beside the concatenated
-      out-projection input: ``h*D/t`` more.
-    """
-    d_bytes, p = dtype_bytes, (1 if dropout else 0)
-    head_dim = head_dim or hidden // heads
-    heads = built_heads or heads
-    width = heads * head_dim  # attention width: hidden, unless heads are padded
-    replicated = 4 * hidden * d_bytes + 2 * hidden * p + (4 * head_dim * d_bytes if rotary else 0)
-    split = (width + 2 * max(kv_groups, heads) * head_dim) * d_bytes + width * d_bytes
-    split += (5 if swiglu else 2) * ffn * d_bytes
-    if per_sample:
-        split += width * d_bytes
-    if attention == "unfused":
-        core = heads * attended * (d_bytes + p + p * d_bytes)
-    elif attention == "flash":
-        core = heads * 4.0  # fp32 log-sum-exp per head; the output is counted as the out-proj input
-    else:
-        raise UserError(f"attention must be 'unfused' or 'flash', got {attention!r}")
-    return replicated + (split + core) / tp, core / tp
+    """What calibration divides time by: forward FLOPs per TP rank, or memory bytes for memory-bound units."""
+    return [c.mem_bytes(shape) if c.memory_bound else c.flops(shape, tp)[0] / tp for c in unit_components(spec)]
 
 
 def unit_param_counts(spec: ModelSpec, tp: int = 1) -> list[int]:
     """Parameters of every unit (weights, biases, norm weights, qk-norm weights, layer scales), whole
-    model; at ``tp`` the ViT's padded heads included. A tied output layer is counted in ``llm.head`` too:
+    model; at ``tp`` the ViT's padded heads included. A tied output layer is counted in the head too:
     it holds its own copy whenever E and L sit on different stages."""
-    v, lm = spec.vision, spec.language
-    out = []
-    for u in build_units(spec):
-        if u.kind == "vit_embed":
-            n = v.in_channels * v.patch_size**2 * v.hidden_size + v.hidden_size  # conv + bias
-            n += v.hidden_size + v.seq_per_tile * v.hidden_size  # class token + position embedding
-        elif u.kind == "vit_layer":
-            h, f, width = v.hidden_size, v.ffn_hidden_size, v.padded_heads(tp) * v.head_dim
-            n = 4 * h * width + 2 * h * f + (h + f + h) + 2 * h * (2 if v.normalization == "LayerNorm" else 1)
-            n += 3 * width if v.qkv_bias else 0  # QKV bias
-            n += 2 * width if v.qk_norm else 0  # q and k norm weights over the full width
-            n += 2 * h if v.layer_scale_init is not None else 0  # ls1, ls2
-        elif u.kind == "projector":
-            hi, ho = spec.projector_in_size, lm.hidden_size
-            n = 2 * hi + hi * ho + ho + ho * ho + ho
-        elif u.kind == "llm_embed":
-            n = lm.vocab_size * lm.hidden_size
-        elif u.kind == "llm_layer":
-            h, f = lm.hidden_size, lm.ffn_hidden_size
-            d = lm.kv_channels
-            qkv_rows = lm.num_attention_heads * d + 2 * lm.kv_groups * d
-            n = h * qkv_rows + lm.num_attention_heads * d * h + (3 if lm.swiglu else 2) * h * f + 2 * h
-            n += qkv_rows if lm.qkv_bias else 0
-        elif u.kind == "llm_head":
-            n = lm.vocab_size * lm.hidden_size + lm.hidden_size
-        else:
-            raise ValueError(f"unit {u.name!r}: unknown kind {u.kind!r}")
-        out.append(int(n))
-    return out
-
-
-def _unit_bytes(spec: ModelSpec, shape: MicroBatchShape, unit: Unit, tp: int, dropout: bool, attention: str):
-    """(act_bytes, act_bytes_full, act_bytes_selective, send_bytes) of one unit, per TP rank."""
-    v, lm, D = spec.vision, spec.language, shape.dtype_bytes
-    T, n_img = shape.llm_tokens, shape.tiles * spec.tokens_per_tile
-    vit_tokens = shape.tiles * v.seq_per_tile
-    if unit.kind == "vit_embed":
-        pixels = shape.tiles * v.in_channels * v.image_size**2 * D
-        return pixels, pixels, pixels, vit_tokens * v.hidden_size * D
-    if unit.kind == "vit_layer":
-        per_tok, core = layer_act_bytes_per_token(
-            v.hidden_size, v.num_attention_heads, v.num_attention_heads, v.ffn_hidden_size, False,
-            v.seq_per_tile, D, tp, dropout, attention, built_heads=v.padded_heads(tp))
-        full = vit_tokens * v.hidden_size * D
-        return vit_tokens * per_tok, full, vit_tokens * (per_tok - core), full
-    if unit.kind == "projector":
-        hi, ho = spec.projector_in_size, lm.hidden_size
-        act = n_img * (2 * hi * D + 2 * ho * D / tp)  # norm input and output, GELU input, fc2 input
-        return act, n_img * hi * D, act, n_img * ho * D
-    if unit.kind == "llm_embed":
-        ids = T * 8.0  # int64 token ids
-        return ids, ids, ids, T * lm.hidden_size * D
-    if unit.kind == "llm_layer":
-        attended = shape.attn_tokens_sq / T if T else 0.0
-        per_tok, core = layer_act_bytes_per_token(
-            lm.hidden_size, lm.num_attention_heads, lm.kv_groups, lm.ffn_hidden_size, lm.swiglu,
-            attended, D, tp, dropout, attention, rotary=True, per_sample=attention == "flash",
-            head_dim=lm.kv_channels)
-        full = T * lm.hidden_size * D + T * lm.kv_channels * 4.0  # input, fp32 rotary table
-        return T * per_tok, full, T * (per_tok - core), T * lm.hidden_size * D
-    if unit.kind == "llm_head":
-        # final-norm input and output-layer input, plus the fp32 softmax of the vocab-parallel loss
-        act = 2 * T * lm.hidden_size * D + T * (lm.vocab_size / tp) * 4.0
-        return act, T * lm.hidden_size * D, act, 0.0
-    raise ValueError(f"unit {unit.name!r}: unknown kind {unit.kind!r}")
+    return [int(c.params(tp)) for c in unit_components(spec)]
 
 
 # ----------------------------------------------------------------------------------------------
 # Cost tables
 # ----------------------------------------------------------------------------------------------
-def _seconds_per_work(device: DeviceSpec, efficiency: dict[str, float] | None) -> dict[str, float]:
-    eff = dict(DEFAULT_EFFICIENCY)
-    if efficiency:
-        unknown = set(efficiency) - set(KIND_CODES)
-        if unknown:
-            raise ValueError(f"efficiency: unknown unit kinds {sorted(unknown)}; kinds: {', '.join(KIND_CODES)}")
-        eff.update(efficiency)
+def _seconds_per_work(device: DeviceSpec, components: list[CostComponent],
+                      efficiency: dict[str, float] | None = None) -> dict[str, float]:
+    """Seconds per unit of work of each kind of unit: per forward FLOP at the kind's efficiency (its
+    component's, or ``efficiency[kind]``), per byte at the memory bandwidth for memory-bound kinds."""
+    kinds = {c.kind: c for c in components}
+    unknown = set(efficiency or {}) - set(kinds)
+    if unknown:
+        raise ValueError(f"efficiency: unknown unit kinds {sorted(unknown)}; kinds: {', '.join(kinds)}")
     rates = {}
-    for kind in KIND_CODES:
-        if not eff[kind] > 0:
-            raise ValueError(f"efficiency[{kind!r}] must be > 0, got {eff[kind]}")
-        fwd = 1.0 / (device.matmul_flops_per_s * eff[kind])
+    for kind, component in kinds.items():
+        if component.memory_bound:
+            rates[f"fwd:{kind}"] = rates[f"bwd:{kind}"] = 1.0 / device.mem_bytes_per_s
+            continue
+        eff = (efficiency or {}).get(kind, component.efficiency)
+        if not eff > 0:
+            raise ValueError(f"efficiency[{kind!r}] must be > 0, got {eff}")
+        fwd = 1.0 / (device.matmul_flops_per_s * eff)
         rates[f"fwd:{kind}"], rates[f"bwd:{kind}"] = fwd, device.bwd_over_fwd * fwd
-    # the embedding has no FLOPs: its work is memory bytes
-    rates["fwd:llm_embed"] = 1.0 / device.mem_bytes_per_s
-    rates["bwd:llm_embed"] = 1.0 / device.mem_bytes_per_s
     return rates
 
 
-def tp_allreduce_bytes(spec: ModelSpec, shape: MicroBatchShape, unit: Unit) -> tuple[float, float]:
-    """(forward, backward) bytes one unit all-reduces across its TP group, per micro-batch.
-
-    Megatron's tensor parallelism without sequence parallelism: a transformer layer all-reduces its
-    attention output and its MLP output in the forward and the gradients of the inputs of its two
-    column-parallel blocks in the backward (2 + 2 tensors of tokens x hidden); the projector's MLP
-    one each way; the vocabulary-parallel embedding its output in the forward; the output layer the
-    gradient of its input in the backward (its loss reductions are a few floats per token).
-    """
-    v, lm, D = spec.vision, spec.language, shape.dtype_bytes
-    vit = shape.tiles * v.seq_per_tile * v.hidden_size * D
-    llm = shape.llm_tokens * lm.hidden_size * D
-    img = shape.tiles * spec.tokens_per_tile * lm.hidden_size * D
-    return {"vit_embed": (0.0, 0.0), "vit_layer": (2 * vit, 2 * vit), "projector": (img, img),
-            "llm_embed": (llm, 0.0), "llm_layer": (2 * llm, 2 * llm),
-            "llm_head": (3 * shape.llm_tokens * 4.0, llm)}[unit.kind]
+def default_efficiency(spec: ModelSpec) -> dict[str, float]:
+    """The analytic model's fraction of peak matmul rate of each kind of unit of ``spec``: ~0.5 is what
+    large Megatron runs report as model FLOPs utilisation of the transformer layers; the components
+    of units that reach less (a patch embedding's narrow reduction, a projector's few tokens) say so."""
+    return {c.kind: c.efficiency for c in unit_components(spec)}
 
 
 def tp_allreduce_s(nbytes: float, tp: int, device: DeviceSpec) -> float:
@@ -413,17 +190,18 @@ def _costs_from_rates(spec, shape, tp, rates, dropout, attention, source, meta, 
     params = unit_param_counts(spec, tp)
     work = unit_work(spec, shape, tp)
     rows = []
-    for u, w, n_param in zip(units, work, params):
-        total, core = _unit_flops_core(spec, shape, u, tp)
+    for u, c, w, n_param in zip(units, unit_components(spec), work, params):
+        total, core = c.flops(shape, tp)
         fwd, bwd = w * rates[f"fwd:{u.kind}"], w * rates[f"bwd:{u.kind}"]
         core_s = fwd * (core / total) if total > 0 else 0.0  # the core's share of the forward time
         if comm_device is not None and tp > 1:
-            fwd_bytes, bwd_bytes = tp_allreduce_bytes(spec, shape, u)
+            # Megatron's tensor parallelism without sequence parallelism (each component says its bytes)
+            fwd_bytes, bwd_bytes = c.tp_allreduce_bytes(shape)
             fwd += tp_allreduce_s(fwd_bytes, tp, comm_device)
             bwd += tp_allreduce_s(bwd_bytes, tp, comm_device)
-        act, act_full, act_sel, send = _unit_bytes(spec, shape, u, tp, dropout, attention)
-        rows.append(UnitCost(u.name, u.kind, fwd, bwd, float(act), float(act_full), float(act_sel),
-                             float(core_s), float(send), n_param))
+        b = c.act_bytes(shape, tp, dropout, attention)
+        rows.append(UnitCost(u.name, u.kind, fwd, bwd, float(b.act), float(b.full), float(b.selective),
+                             float(core_s), float(b.send), n_param, u.code))
     meta = dict(meta)
     meta.update({"model": spec.name, "spec": spec.to_dict(), "shape": shape.to_dict(), "tp": tp,
                  "dropout": dropout, "attention": attention})
@@ -443,13 +221,13 @@ def analytic_costs(
     """Costs of every unit of ``spec`` for one micro-batch of ``shape`` on one TP rank of ``device``.
 
     efficiency: fraction of ``device.matmul_flops_per_s`` reached per unit kind (defaults:
-    ``DEFAULT_EFFICIENCY``). dropout: count 1-byte dropout masks (InternVL fine-tuning uses none).
+    ``default_efficiency(spec)``). dropout: count 1-byte dropout masks (InternVL fine-tuning uses none).
     attention: "unfused" (scores kept for backward) or "flash". With ``tp`` > 1 the units' times
     include their TP all-reduces (``tp_allreduce_bytes`` over ``device.tp_bytes_per_s``).
     """
-    rates = _seconds_per_work(device, efficiency)
+    rates = _seconds_per_work(device, unit_components(spec), efficiency)
     return _costs_from_rates(spec, shape, tp, rates, dropout, attention, "analytic",
-                             {"device": device.name, "efficiency": {**DEFAULT_EFFICIENCY, **(efficiency or {})}},
+                             {"device": device.name, "efficiency": {**default_efficiency(spec), **(efficiency or {})}},
                              comm_device=device)
 
 
@@ -457,7 +235,7 @@ def calibrate(profile: CostTable, spec: ModelSpec, shape: MicroBatchShape, tp: i
     """Fit seconds per unit of work, per kind, from a measured ``profile`` of ``spec`` at ``shape``.
 
     Returns ``{"fwd:<kind>": s, "bwd:<kind>": s}``: seconds per forward FLOP (per TP rank) for
-    kinds with FLOPs, and seconds per memory byte for the LLM embedding (see ``unit_work``); the
+    kinds with FLOPs, and seconds per memory byte for memory-bound kinds (the LLM embedding) (see ``unit_work``); the
     backward rate is also per FORWARD FLOP. Each is the least-squares fit through the origin,
     ``sum(t_i * w_i) / sum(w_i^2)`` over the profile's units of that kind. Kinds absent from the
     profile (or with zero measured time) are left out. Small models are dominated by per-kernel
@@ -476,7 +254,7 @@ def calibrate(profile: CostTable, spec: ModelSpec, shape: MicroBatchShape, tp: i
     bwd = np.asarray([u.bwd_s for u in profile.units], dtype=float)
     kinds = np.asarray([u.kind for u in units])
     rates: dict[str, float] = {}
-    for kind in KIND_CODES:
+    for kind in dict.fromkeys(u.kind for u in units):
         sel = (kinds == kind) & (work > 0)
         if not sel.any():
             continue
@@ -513,7 +291,7 @@ def calibrated_costs(
     if profile_spec is None:
         if "spec" not in meta:
             raise UserError("calibrated_costs: the profile's meta has no 'spec'; pass profile_spec")
-        profile_spec = ModelSpec.from_dict(meta["spec"])
+        profile_spec = spec_from_dict(meta["spec"])
     if profile_shape is None:
         if "shape" not in meta:
             raise UserError("calibrated_costs: the profile's meta has no 'shape'; pass profile_shape")
@@ -521,7 +299,7 @@ def calibrated_costs(
     profile_tp = int(profile_tp or meta.get("tp", 1))
     if device is None:
         device = DEVICES.get(str(meta.get("device", "")), DEVICES["a100-80g"])
-    rates = _seconds_per_work(device, None)
+    rates = _seconds_per_work(device, unit_components(spec))
     fitted = calibrate(profile, profile_spec, profile_shape, profile_tp)
     rates.update(fitted)
     # a TP-1 profile measured no all-reduce: add ``device``'s; a TP profile's rates already hold its own
@@ -544,7 +322,7 @@ def profile_report(profile: CostTable, device: DeviceSpec, attention: str | None
     missing = [k for k in ("spec", "shape") if k not in meta]
     if missing:
         raise UserError(f"profile_report: the profile's meta lacks {missing} (not written by the profiler?)")
-    spec, shape = ModelSpec.from_dict(meta["spec"]), MicroBatchShape.from_dict(meta["shape"])
+    spec, shape = spec_from_dict(meta["spec"]), MicroBatchShape.from_dict(meta["shape"])
     tp = int(meta.get("tp", 1))
     attention = attention or meta.get("attention", "unfused")
     analytic = analytic_costs(spec, shape, tp, device, attention=attention)

@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 
 from ..errors import UserError
+from .units import role_of_kind
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,11 @@ class UnitCost:
     selective_recompute_s: float  # extra backward time of selective recompute, seconds
     send_bytes: float  # bytes of the unit's output, sent when a stage boundary follows it
     param_count: int  # parameters of the unit (whole model, before tensor-parallel split)
+    code: str | None = None  # the unit's role (layout letter); None: the role of ``kind`` in its family
+
+    def __post_init__(self):
+        if self.code is None:
+            object.__setattr__(self, "code", role_of_kind(self.kind))
 
 
 @dataclass(frozen=True)
@@ -42,10 +48,10 @@ class CostTable:
         names = {f.name for f in dataclasses.fields(UnitCost)}
         units = []
         for i, u in enumerate(d["units"]):
-            missing = names - set(u)
+            missing = names - set(u) - {"code"}  # tables written before units carried their role
             if missing:
                 raise ValueError(f"cost table unit {i} ({u.get('name', '?')}): missing keys {sorted(missing)}")
-            units.append(UnitCost(**{k: u[k] for k in names}))
+            units.append(UnitCost(**{k: u[k] for k in names if k in u}))
         return cls(tuple(units), d.get("source", "profile"), d.get("meta", {}))
 
     def save(self, path: str) -> None:

@@ -16,7 +16,8 @@ import re
 from dataclasses import dataclass
 
 from ..errors import UserError
-from .units import CODE_KINDS, KIND_CODES, ModelSpec, Unit, build_units
+from .spec import ROLES, TEXT_LAYER, ModelSpec, Unit
+from .units import build_units, role_summary
 
 _TOKEN = re.compile(r"\s*([A-Za-z])(?:\s*\*\s*(\d+))?\s*,?")
 
@@ -85,19 +86,19 @@ def parse_layout(text: str, spec: ModelSpec, pp: int, flag: str = "--pipeline-la
             if not m or m.end() == i:
                 raise LayoutError(f"{flag}: cannot read {stage_text[i:]!r} in stage {s} of {text!r}")
             code, rep = m.group(1), int(m.group(2) or 1)
-            if code not in CODE_KINDS:
+            if code not in ROLES:
                 raise LayoutError(
                     f"{flag}: unknown unit code {code!r} in stage {s}; codes: "
-                    + ", ".join(f"{c}={k}" for k, c in KIND_CODES.items())
+                    + ", ".join(f"{c}={n}" for c, n in ROLES.items())
                 )
             for _ in range(rep):
                 if pos >= len(units):
                     raise LayoutError(f"{flag}: more units than the model has ({len(units)}) at stage {s}")
                 if units[pos].code != code:
                     raise LayoutError(
-                        f"{flag}: stage {s} gives {code!r} ({CODE_KINDS[code]}) where the model's unit "
+                        f"{flag}: stage {s} gives {code!r} ({ROLES[code]}) where the model's unit "
                         f"{pos} is {units[pos].name!r}; the layout must list "
-                        f"{_count_summary(spec)} in order"
+                        f"{role_summary(spec)} in order"
                     )
                 pos, n = pos + 1, n + 1
             i = m.end()
@@ -105,11 +106,6 @@ def parse_layout(text: str, spec: ModelSpec, pp: int, flag: str = "--pipeline-la
     layout = PipelineLayout(tuple(counts))
     validate_layout(layout, len(units), pp, flag)
     return layout
-
-
-def _count_summary(spec: ModelSpec) -> str:
-    return (f"I v*{spec.vision.num_layers} P E t*{spec.language.num_layers} L "
-            f"(--vision-num-layers {spec.vision.num_layers}, --num-layers {spec.language.num_layers})")
 
 
 def default_layout(spec: ModelSpec, pp: int) -> PipelineLayout:
@@ -129,7 +125,7 @@ def default_layout(spec: ModelSpec, pp: int) -> PipelineLayout:
         )
     if pp == 1:
         return PipelineLayout((len(units),))
-    head = 2 + spec.vision.num_layers + 1  # vit.embed, vit layers, projector, llm.embed
+    head = next(u.index for u in units if u.code == TEXT_LAYER)  # every unit before the first LLM layer
     # Stage 0 gets the ViT and its uniform share of LLM layers when there are enough; Megatron puts
     # num_layers / pp LLM layers on every stage.
     base, extra = divmod(n_llm, pp)

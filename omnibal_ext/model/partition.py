@@ -39,7 +39,7 @@ import numpy as np
 from ..errors import UserError
 from .costs import CostTable
 from .layout import PipelineLayout, default_layout
-from .units import KIND_CODES, ModelSpec, Unit
+from .spec import ModelSpec, Unit
 
 StageOk = Callable[[int, object], bool]  # (stage index, range | tuple of ranges) -> acceptable?
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -146,10 +146,8 @@ def unit_arrays(costs: CostTable, recompute=None) -> tuple[np.ndarray, np.ndarra
     return np.asarray(t, float), np.asarray(send, float), np.asarray(act, float)
 
 
-def _units_of(costs: CostTable) -> list[Unit] | None:
-    if all(u.kind in KIND_CODES for u in costs.units):
-        return [Unit(u.name, u.kind, i) for i, u in enumerate(costs.units)]
-    return None
+def _units_of(costs: CostTable) -> list[Unit]:
+    return [Unit(u.name, u.kind, i, u.code) for i, u in enumerate(costs.units)]
 
 
 # ----------------------------------------------------------------------------------------------

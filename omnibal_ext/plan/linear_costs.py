@@ -10,6 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..model.spec import LAYER_ROLES
 from ..memory.memory_model import unit_modes
 from ..memory.recompute import StageRecompute
 from ..model.cost_model import DeviceSpec, MicroBatchShape, analytic_costs
@@ -47,7 +48,7 @@ def stage_coefficients(basis: Sequence[CostTable], layout: PipelineLayout, pp: i
 
 def full_modes(costs: CostTable) -> list[str]:
     """Per-unit mode names of full recompute on every ViT and LLM layer."""
-    return ["full" if u.kind in ("vit_layer", "llm_layer") else "none" for u in costs.units]
+    return ["full" if u.code in LAYER_ROLES else "none" for u in costs.units]
 
 
 def stage_modes(costs: CostTable, layout: PipelineLayout, stages: Sequence[StageRecompute]) -> list[str]:

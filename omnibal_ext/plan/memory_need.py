@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..model.spec import LAYER_ROLES
 from ..memory.memory_model import (FP32_ADAM, MIXED_BF16_ADAM, MODE_FULL, MODE_NONE, Precision, in_flight_1f1b,
                                    unit_activation_bytes, unit_transient_bytes)
 from ..model.cost_model import DeviceSpec
@@ -27,7 +28,7 @@ def memory_need_table(costs: CostTable, pp: int, tp: int, dp: int, num_microbatc
     working set, as ``memory_model.stage_memory`` counts them; inf where j <= i.
     """
     n = len(costs.units)
-    modes = np.array([MODE_FULL if u.kind in ("vit_layer", "llm_layer") else MODE_NONE for u in costs.units],
+    modes = np.array([MODE_FULL if u.code in LAYER_ROLES else MODE_NONE for u in costs.units],
                      dtype=np.int8)
     act = unit_activation_bytes(costs, modes)
     trans = unit_transient_bytes(costs, modes)

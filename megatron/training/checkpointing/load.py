@@ -96,11 +96,11 @@ def load_checkpoint(ckpt: Checkpoint, args, model, optimizer, scheduler) -> dict
 
 def _check_model(ckpt: Checkpoint, saved_run: dict, args) -> None:
     """The checkpoint's model sizes must be this run's (a clear message rather than a tensor shape)."""
-    from omnibal_ext.model.units import ModelSpec
+    from omnibal_ext.model.units import spec_from_dict
 
     if saved_run.get("model") is None:
         return
-    saved = ModelSpec.from_dict(saved_run["model"]).to_dict()  # fields added since: their defaults
+    saved = spec_from_dict(saved_run["model"]).to_dict()  # fields added since: their defaults
     mine = args.model_spec.to_dict()
     diffs = [f"{k}: {v} saved, {mine_v} now" for k, v, mine_v in _flat_diff(saved, mine)]
     if diffs:

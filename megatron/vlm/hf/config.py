@@ -19,7 +19,8 @@ import json
 import os
 
 from omnibal_ext.errors import UserError
-from omnibal_ext.model.units import LanguageSpec, ModelSpec, VisionSpec, vit_layers_for_feature_layer
+from omnibal_ext.model.families.internvl import VisionSpec, vit_layers_for_feature_layer
+from omnibal_ext.model.units import LanguageSpec, ModelSpec
 
 VOCAB_MULTIPLE = 128  # padded vocabulary rows: the real size rounded up to this (Megatron's default)
 

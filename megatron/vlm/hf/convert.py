@@ -19,7 +19,7 @@ import shutil
 import torch
 
 from omnibal_ext.errors import UserError
-from omnibal_ext.model.units import ModelSpec, build_units
+from omnibal_ext.model.units import ModelSpec, build_units, spec_from_dict
 
 from .config import HFInfo, native_config, read_config, spec_from_config
 from .keys import check_names, detect_style, recipes, to_hf
@@ -141,7 +141,7 @@ def export_hf(load: str, out: str, step: int | None = None, dtype: str | None = 
         raise CheckpointError(f"--load {load}: iteration {step} was not trained from a Hugging Face model (its run "
                               "description holds no 'hf' entry: import with `omnibal hf import` or train with "
                               "--hf-checkpoint)")
-    spec = ModelSpec.from_dict(run["model"])
+    spec = spec_from_dict(run["model"])
     info = HFInfo.from_dict(meta["info"])
     native = dataclasses.replace(info, layout="native",
                                  text_family="llama" if info.text_family == "internlm2" else info.text_family)

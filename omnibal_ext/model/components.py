@@ -1,0 +1,192 @@
+"""The planning side of a unit kind: what one unit costs for one micro-batch, on one TP rank.
+
+A family (``omnibal_ext.model.families``) gives each kind of unit it has one ``CostComponent``; the cost
+model, memory model, partition search and simulator read units only through them. The GPT decoder's
+components (LLM embedding, layer, head) are shared here, since every family's LLM is one; the ViT's and
+the projector's belong to their family.
+
+FLOPs count one multiply-add as 2 and are summed over the TP ranks; bytes are per TP rank. Activation
+bytes follow ``layer_act_bytes_per_token`` (see ``cost_model``'s docstring for the derivation).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import UserError
+from .shape import MicroBatchShape
+from .spec import HEAD, TEXT_EMBED, TEXT_LAYER, ModelSpec
+
+
+@dataclass(frozen=True)
+class ActBytes:
+    """Activation bytes one unit keeps per micro-batch on one TP rank, by recompute mode, and what it sends."""
+
+    act: float  # no recompute
+    full: float  # full recompute (its input only)
+    selective: float  # core attention recomputed
+    send: float  # its output, sent when a stage boundary follows it
+
+
+class CostComponent:
+    """One kind of unit of a model, bound to its ``ModelSpec``.
+
+    kind: the family's name for it (a profile's and a report's ``kind``); code: its role, the layout
+    letter (``spec.ROLES``); efficiency: the fraction of the device's peak matmul rate it reaches in the
+    analytic model; memory_bound: timed by ``mem_bytes`` over the memory bandwidth (it has no FLOPs).
+    """
+
+    kind: str = ""
+    code: str = ""
+    efficiency: float = 0.5
+    memory_bound: bool = False
+
+    def __init__(self, spec: ModelSpec):
+        self.spec = spec
+
+    def flops(self, shape: MicroBatchShape, tp: int) -> tuple[float, float]:
+        """(total, attention-core) forward FLOPs over the micro-batch, all TP ranks."""
+        raise NotImplementedError
+
+    def mem_bytes(self, shape: MicroBatchShape) -> float:
+        """Bytes the forward moves when it is memory-bound (``memory_bound``), per TP rank."""
+        return 0.0
+
+    def params(self, tp: int) -> int:
+        """Parameters of one unit, whole model (at ``tp``: padded heads included)."""
+        raise NotImplementedError
+
+    def act_bytes(self, shape: MicroBatchShape, tp: int, dropout: bool, attention: str) -> ActBytes:
+        raise NotImplementedError
+
+    def tp_allreduce_bytes(self, shape: MicroBatchShape) -> tuple[float, float]:
+        """(forward, backward) bytes the unit all-reduces over its TP group per micro-batch."""
+        return 0.0, 0.0
+
+
+def layer_act_bytes_per_token(
+    hidden: int, heads: int, kv_groups: int, ffn: int, swiglu: bool, attended: float,
+    dtype_bytes: int, tp: int, dropout: bool, attention: str, *, rotary: bool = False, per_sample: bool = False,
+    built_heads: int | None = None, head_dim: int | None = None,
+) -> tuple[float, float]:
+    """(all, attention-core) activation bytes per token of one pre-norm layer (see cost_model's docstring).
+
+    attended: attended length per token (tokens), so the core keeps ``heads*attended`` scores per token.
+    rotary: the layer applies rotary embeddings; per_sample: attention runs once per packed sample;
+    built_heads: heads the layer is built with (padded for TP; default ``heads``); head_dim: per-head
+    width (default hidden / heads).
+
+    Beyond the textbook count, what this trainer's megatron-core local layers keep, as measured on an
+    H200 (``profiles/h200``; the ViT layer matches to 0.1%, the LLM layers to 0.1%):
+    * keys and values repeated to every query head before attention (megatron-core's core attention
+      and ``SegmentAttention`` both do): K, V cost ``2*h*D/t``, not ``2*g*d*D/t``;
+    * a gated MLP through megatron-core's unfused GLU (no bias, so no bias-activation fusion) also
+      keeps ``act(x_glu)`` and ``x_linear + offset``: ``5*f*D/t``, not ``3*f*D/t``;
+    * rotary embeddings keep cos and sin for q and for k: ``4*d*D``, replicated;
+    * attention run per packed sample keeps each sample's output beside the concatenated
+      out-projection input: ``h*D/t`` more.
+    """
+    d_bytes, p = dtype_bytes, (1 if dropout else 0)
+    head_dim = head_dim or hidden // heads
+    heads = built_heads or heads
+    width = heads * head_dim  # attention width: hidden, unless heads are padded
+    replicated = 4 * hidden * d_bytes + 2 * hidden * p + (4 * head_dim * d_bytes if rotary else 0)
+    split = (width + 2 * max(kv_groups, heads) * head_dim) * d_bytes + width * d_bytes
+    split += (5 if swiglu else 2) * ffn * d_bytes
+    if per_sample:
+        split += width * d_bytes
+    if attention == "unfused":
+        core = heads * attended * (d_bytes + p + p * d_bytes)
+    elif attention == "flash":
+        core = heads * 4.0  # fp32 log-sum-exp per head; the output is counted as the out-proj input
+    else:
+        raise UserError(f"attention must be 'unfused' or 'flash', got {attention!r}")
+    return replicated + (split + core) / tp, core / tp
+
+
+def llm_layer_flops(spec: ModelSpec, shape: MicroBatchShape) -> tuple[float, float]:
+    """(total, attention-core) forward FLOPs of one LLM layer over the micro-batch."""
+    lm = spec.language
+    t, h, f = shape.llm_tokens, lm.hidden_size, lm.ffn_hidden_size
+    d = lm.kv_channels
+    width = lm.num_attention_heads * d  # attention width: h, unless head_dim says otherwise
+    qkv = 2.0 * t * h * (width + 2 * lm.kv_groups * d)
+    out = 2.0 * t * width * h
+    mlp = (6.0 if lm.swiglu else 4.0) * t * h * f
+    core = 4.0 * width * 0.5 * shape.attn_tokens_sq  # causal: half of the score matrix
+    return qkv + out + mlp + core, core
+
+
+class TextEmbedCost(CostComponent):
+    """Vocabulary-parallel token embedding: a gather, timed as ``2*T*h*D`` bytes of memory traffic."""
+
+    kind, code, memory_bound = "llm_embed", TEXT_EMBED, True
+
+    def flops(self, shape, tp):
+        return 0.0, 0.0
+
+    def mem_bytes(self, shape):
+        return 2.0 * shape.llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes
+
+    def params(self, tp):
+        return self.spec.language.vocab_size * self.spec.language.hidden_size
+
+    def act_bytes(self, shape, tp, dropout, attention):
+        ids = shape.llm_tokens * 8.0  # int64 token ids
+        return ActBytes(ids, ids, ids, shape.llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes)
+
+    def tp_allreduce_bytes(self, shape):
+        return shape.llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes, 0.0
+
+
+class TextLayerCost(CostComponent):
+    """One GPT decoder layer over the packed micro-batch (causal attention within each sample)."""
+
+    kind, code = "llm_layer", TEXT_LAYER
+
+    def flops(self, shape, tp):
+        return llm_layer_flops(self.spec, shape)
+
+    def params(self, tp):
+        lm = self.spec.language
+        h, f, d = lm.hidden_size, lm.ffn_hidden_size, lm.kv_channels
+        qkv_rows = lm.num_attention_heads * d + 2 * lm.kv_groups * d
+        n = h * qkv_rows + lm.num_attention_heads * d * h + (3 if lm.swiglu else 2) * h * f + 2 * h
+        return n + (qkv_rows if lm.qkv_bias else 0)
+
+    def act_bytes(self, shape, tp, dropout, attention):
+        lm, D, T = self.spec.language, shape.dtype_bytes, shape.llm_tokens
+        attended = shape.attn_tokens_sq / T if T else 0.0
+        per_tok, core = layer_act_bytes_per_token(
+            lm.hidden_size, lm.num_attention_heads, lm.kv_groups, lm.ffn_hidden_size, lm.swiglu,
+            attended, D, tp, dropout, attention, rotary=True, per_sample=attention == "flash",
+            head_dim=lm.kv_channels)
+        full = T * lm.hidden_size * D + T * lm.kv_channels * 4.0  # input, fp32 rotary table
+        return ActBytes(T * per_tok, full, T * (per_tok - core), T * lm.hidden_size * D)
+
+    def tp_allreduce_bytes(self, shape):
+        llm = shape.llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes
+        return 2 * llm, 2 * llm
+
+
+class HeadCost(CostComponent):
+    """Final norm, vocabulary-parallel output layer and cross entropy."""
+
+    kind, code = "llm_head", HEAD
+
+    def flops(self, shape, tp):
+        lm = self.spec.language
+        return 2.0 * shape.llm_tokens * lm.hidden_size * lm.vocab_size, 0.0
+
+    def params(self, tp):
+        lm = self.spec.language
+        return lm.vocab_size * lm.hidden_size + lm.hidden_size
+
+    def act_bytes(self, shape, tp, dropout, attention):
+        # final-norm input and output-layer input, plus the fp32 softmax of the vocab-parallel loss
+        lm, T, D = self.spec.language, shape.llm_tokens, shape.dtype_bytes
+        act = 2 * T * lm.hidden_size * D + T * (lm.vocab_size / tp) * 4.0
+        return ActBytes(act, T * lm.hidden_size * D, act, 0.0)
+
+    def tp_allreduce_bytes(self, shape):
+        # its loss reductions are a few floats per token; the input's gradient in the backward
+        return 3 * shape.llm_tokens * 4.0, shape.llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes

@@ -1,0 +1,29 @@
+"""Model families, planning side: what a family declares so that every planner serves it.
+
+A family is a ``Family``: its name, its ViT spec class, the cost component of each kind of unit it
+has, its ordered unit list and its presets. Its runtime side (modules, checkpoint and Hugging Face
+keys, data) lives in ``megatron/vlm/families/<name>/`` under the same name. The registry is
+``omnibal_ext.model.units``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..components import CostComponent
+from ..spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Family:
+    """name: ``ModelSpec.family``; vision_spec: the dataclass of ``ModelSpec.vision``; components: one
+    ``CostComponent`` class per kind of unit; unit_list(spec): (global name, component class, layer
+    number or None) in pipeline order, roles in the order I v* P E t* L; vision_item: what the ViT's
+    work is counted in (``MicroBatchShape.vision_items``, ISF's Qv); presets: published sizes by name."""
+
+    name: str
+    vision_spec: type
+    components: tuple[type[CostComponent], ...]
+    unit_list: Callable[[ModelSpec], list[tuple[str, type[CostComponent], int | None]]]
+    vision_item: str
+    presets: dict[str, ModelSpec] = field(default_factory=dict)

@@ -1,0 +1,51 @@
+"""What one micro-batch holds, as the cost model sees it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import UserError
+
+
+@dataclass(frozen=True)
+class MicroBatchShape:
+    """What one micro-batch holds.
+
+    vision_items: the ViT's work in the unit its family counts it in (InternVL: 448 px tiles, each
+        running ``spec.vision.seq_per_tile`` tokens); the family's components turn it into tokens.
+    llm_tokens: LLM sequence tokens, image tokens included.
+    dtype_bytes: bytes per activation element (2 for bf16/fp16).
+    llm_attn_tokens_sq: sum of squared lengths of the packed samples (tokens^2); None = one
+        sequence of ``llm_tokens``.
+    """
+
+    vision_items: int
+    llm_tokens: int
+    dtype_bytes: int = 2
+    llm_attn_tokens_sq: float | None = None
+
+    def __post_init__(self):
+        if self.vision_items < 0 or self.llm_tokens < 0 or self.dtype_bytes <= 0:
+            raise UserError(f"MicroBatchShape: vision_items and llm_tokens must be >= 0 and dtype_bytes > 0, got {self}")
+        if self.llm_attn_tokens_sq is not None and not (
+            0 <= self.llm_attn_tokens_sq <= float(self.llm_tokens) ** 2 + 1e-6
+        ):
+            raise UserError(
+                f"MicroBatchShape: llm_attn_tokens_sq={self.llm_attn_tokens_sq} must lie in [0, llm_tokens^2]"
+            )
+
+    @property
+    def attn_tokens_sq(self) -> float:
+        """sum(len_i^2) over the packed LLM samples, tokens^2."""
+        if self.llm_attn_tokens_sq is None:
+            return float(self.llm_tokens) ** 2
+        return float(self.llm_attn_tokens_sq)
+
+    def to_dict(self) -> dict:
+        return {"vision_items": self.vision_items, "llm_tokens": self.llm_tokens, "dtype_bytes": self.dtype_bytes,
+                "llm_attn_tokens_sq": self.llm_attn_tokens_sq}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MicroBatchShape":
+        """Also reads profiles and plans written before ``vision_items`` (their key: ``tiles``)."""
+        items = d["vision_items"] if "vision_items" in d else d["tiles"]
+        return cls(int(items), int(d["llm_tokens"]), int(d.get("dtype_bytes", 2)), d.get("llm_attn_tokens_sq"))

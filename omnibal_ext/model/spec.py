@@ -1,0 +1,120 @@
+"""What every model family shares: the unit roles of the layout language, a unit of the pipeline unit
+list, the language-model (GPT decoder) spec and the whole model's spec.
+
+A family (``omnibal_ext.model.families``) says which units its model has, in pipeline order, and what
+each costs; shared code speaks of units only through their role (the layout letter) and their
+family's components, never through a family's kind names.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import UserError
+
+# Unit roles: the one-letter codes of the layout syntax, the same for every family. A family may have
+# several kinds of unit in one role (window and full-attention ViT layers are both ``v``).
+VISION_EMBED = "I"  # turns images into the ViT's first hidden states
+VISION_LAYER = "v"  # one ViT transformer layer
+PROJECTOR = "P"  # ViT features into the LLM's hidden size
+TEXT_EMBED = "E"  # token embedding, image features written into the image-token positions
+TEXT_LAYER = "t"  # one LLM transformer layer
+HEAD = "L"  # final norm, output layer and loss
+ROLES = {VISION_EMBED: "ViT embedding", VISION_LAYER: "ViT layer", PROJECTOR: "projector",
+         TEXT_EMBED: "LLM embedding", TEXT_LAYER: "LLM layer", HEAD: "output head"}
+LAYER_ROLES = (VISION_LAYER, TEXT_LAYER)  # the recomputable transformer layers
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One entry of the pipeline unit list."""
+
+    name: str  # stable global name, e.g. "vit.layer.3": checkpoint keys and profiles use it
+    kind: str  # the family's component kind (data for reports; only the family branches on it)
+    index: int  # position in the unit list
+    code: str  # role: one of ROLES (the layout letter)
+    layer: int | None = None  # layer number within its encoder / decoder for layer roles
+
+
+@dataclass(frozen=True)
+class LanguageSpec:
+    """A GPT decoder (InternLM2 / Llama / Qwen2 style: RMSNorm, SwiGLU, grouped-query attention, RoPE)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    num_query_groups: int | None = None  # None: multi-head attention
+    vocab_size: int = 384  # padded vocabulary (rows of the embedding and output layer)
+    swiglu: bool = True
+    normalization: str = "RMSNorm"
+    rotary_base: int = 10000
+    # ids the tokenizer really has (None: all ``vocab_size`` rows are real); the padded rows' logits are
+    # masked out of the softmax and the argmax
+    real_vocab_size: int | None = None
+    head_dim: int | None = None  # per-head width (HF: head_dim); None: hidden_size // num_attention_heads
+    qkv_bias: bool = False  # bias on q, k, v (not on the output projection): Qwen2
+    norm_eps: float = 1e-5  # RMSNorm epsilon (HF: rms_norm_eps)
+    # HF rope_scaling; no scaling type is implemented, so it must be None (the converter passes the
+    # checkpoint's value and gets a UserError naming the type)
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False  # the output layer uses the input embedding's weight
+
+    def __post_init__(self):
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type")) \
+                if isinstance(self.rope_scaling, dict) else self.rope_scaling
+            if kind not in (None, "default"):
+                raise UserError(f"RoPE scaling type {kind!r} is not implemented (rope_scaling {self.rope_scaling}); "
+                                "only plain RoPE (rope_scaling None or type 'default') is supported")
+        if self.real_vocab_size is not None and not 1 <= self.real_vocab_size <= self.vocab_size:
+            raise UserError(f"real vocabulary size {self.real_vocab_size} must be in [1, {self.vocab_size}] "
+                            "(the padded vocabulary)")
+
+    @property
+    def kv_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def kv_channels(self) -> int:
+        """Per-head width: ``head_dim`` when given, else hidden / heads."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def vocab_real(self) -> int:
+        """Rows of the vocabulary that are real ids (the rest is padding)."""
+        return self.real_vocab_size or self.vocab_size
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A whole VLM: ViT -> projector (merging patches by ``downsample_ratio`` per side) -> LLM.
+
+    family: the model family's name (``omnibal_ext.model.families``); ``vision`` is that family's ViT
+    spec (a frozen dataclass with ``num_layers``, ``hidden_size``, ``num_attention_heads``,
+    ``padded_heads(tp)`` and ``normalization``).
+    """
+
+    name: str
+    vision: Any
+    language: LanguageSpec
+    downsample_ratio: float = 0.5
+    init_method_std: float = 0.02  # std of the normal weight init (Megatron's --init-method-std)
+    family: str = "internvl"
+
+    @property
+    def tokens_per_tile(self) -> int:
+        """LLM image tokens one fixed-size tile becomes after the patch merge (families whose ViT spec
+        has ``patches_per_tile``: InternVL)."""
+        return int(round(self.vision.patches_per_tile * self.downsample_ratio**2))
+
+    @property
+    def projector_in_size(self) -> int:
+        return int(round(self.vision.hidden_size / self.downsample_ratio**2))
+
+    def replace(self, **changes) -> "ModelSpec":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
