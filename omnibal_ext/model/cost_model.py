@@ -2,33 +2,35 @@
 
 Everything here is for ONE micro-batch on ONE tensor-parallel rank (matching ``costs.UnitCost``).
 
-Micro-batch: ``tiles`` ViT tiles (each runs ``spec.vision.seq_per_tile`` tokens: patches + class
-token; attention is within a tile) and ``llm_tokens`` LLM tokens (text plus image-context tokens).
+Each unit's FLOPs, bytes and parameters come from its family's component (``components.py`` for
+the GPT decoder every family shares, ``families/<name>.py`` for the ViT and projector); this module
+turns them into times and cost tables, and calibrates them on a profile. The micro-batch
+(``MicroBatchShape``) holds ``vision_items`` (the ViT's work in its family's unit: InternVL tiles)
+and ``llm_tokens`` LLM tokens (text plus image tokens).
 
-FLOPs (forward, one multiply-add = 2 FLOPs), ``s`` tokens, ``h`` hidden, ``f`` MLP hidden:
+FLOPs of the shared decoder (forward, one multiply-add = 2 FLOPs), ``T`` tokens, ``h`` hidden, ``f``
+MLP hidden:
 
-* ViT layer, per tile: ``2*s*(4*h^2 + 2*h*f)`` (QKV + out projection, 2-matrix GELU MLP) plus
-  attention scores and context ``4*s^2*h`` (full, non-causal attention within the tile).
 * LLM layer: ``2*T*h*(h + 2*g*d)`` (Q plus grouped K, V: ``g`` query groups of head size ``d``),
   ``2*T*h*h`` (out projection), ``6*T*h*f`` (SwiGLU: gate, up, down; 4*T*h*f without SwiGLU) and
   attention ``4*h*pairs`` with ``pairs = 0.5 * sum(len_i^2)`` over the packed samples (causal
   attention computes only the lower triangle, as FlashAttention does). ``MicroBatchShape``'s
   ``llm_attn_tokens_sq`` gives ``sum(len_i^2)``; when None the micro-batch is one sequence of
   ``llm_tokens`` (the upper bound).
-* Output head: ``2*T*h*V``; projector: ``2*n*(h_in*h_llm + h_llm^2)`` over ``n = tiles *
-  tokens_per_tile`` tokens; patch embedding: ``2*patches*(C*p^2)*h`` per tile; LLM embedding: no
-  FLOPs (a gather; timed as memory traffic ``2*T*h*dtype_bytes`` bytes).
+* Output head: ``2*T*h*V``; LLM embedding: no FLOPs (a gather; timed as memory traffic
+  ``2*T*h*dtype_bytes`` bytes).
 
-Times: forward ``flops / tp / (peak * efficiency[kind]) + bytes / mem_bytes_per_s``; backward is
+Times: forward ``flops / tp / (peak * efficiency[kind])``, or ``bytes / mem_bytes_per_s`` for a
+memory-bound kind; backward is
 ``device.bwd_over_fwd`` times the forward. The backward has twice the forward's FLOPs (gradients of
 inputs and of weights), but its large matmuls run closer to peak: on A100 a Megatron transformer layer
 measured 7.7 ms forward and 11.9 ms backward (Korthikanti et al. 2022, Table 4, 22B model), a ratio
 of 1.55, and full recompute added 39% to the layer (7.7 ms more in the backward).  The A100 preset
 uses that ratio; the Hopper presets use 1.79, our trainer's layers measured on an H200
 (``profiles/h200``); a profile (``calibrated_costs``) fits its own. Tensor-parallel all-reduces are
-added at the device's intra-node bus bandwidth (``tp_allreduce_bytes``); InternViT-6B's 25 heads are
-padded to a multiple of the TP size (``VisionSpec.padded_heads``), and its FLOPs, bytes and
-parameters count the padded heads.
+added at the device's intra-node bus bandwidth (each component's ``tp_allreduce_bytes``); a ViT whose
+heads TP does not divide (InternViT-6B's 25) is built with them padded to a multiple of the TP size
+(``padded_heads``), and its FLOPs, bytes and parameters count the padded heads.
 
 Activation bytes of a pre-norm transformer layer per token (our generalisation of Korthikanti et
 al. 2022, "Reducing Activation Recomputation in Large Transformer Models", which without sequence

@@ -21,7 +21,7 @@ PROJECTOR = "P"  # ViT features into the LLM's hidden size
 TEXT_EMBED = "E"  # token embedding, image features written into the image-token positions
 TEXT_LAYER = "t"  # one LLM transformer layer
 HEAD = "L"  # final norm, output layer and loss
-ROLES = {VISION_EMBED: "ViT embedding", VISION_LAYER: "ViT layer", PROJECTOR: "projector",
+ROLES = {VISION_EMBED: "ViT embedding", VISION_LAYER: "ViT layer", PROJECTOR: "ViT-to-LLM projector",
          TEXT_EMBED: "LLM embedding", TEXT_LAYER: "LLM layer", HEAD: "output head"}
 LAYER_ROLES = (VISION_LAYER, TEXT_LAYER)  # the recomputable transformer layers
 
