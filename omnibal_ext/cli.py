@@ -191,15 +191,15 @@ def _run_hf_export(args) -> int:
 
 
 def data_files(paths, flag: str) -> list[str]:
-    """The files named, a folder standing for its ``*.json`` files (sorted)."""
+    """The files named, a folder standing for its ``*.json`` and ``*.json.gz`` files (sorted)."""
     from omnibal_ext.data.stats import StatsError
 
     files = []
     for path in map(Path, paths):
         if path.is_dir():
-            found = sorted(str(f) for f in path.glob("*.json"))
+            found = sorted(str(f) for pattern in ("*.json", "*.json.gz") for f in path.glob(pattern))
             if not found:
-                raise StatsError(f"{flag} {path}: no *.json files in this folder")
+                raise StatsError(f"{flag} {path}: no *.json or *.json.gz files in this folder")
             files += found
         else:
             files.append(str(path))
@@ -253,7 +253,7 @@ def _is_meta(path: str) -> bool:
         with open(path) as f:
             head = f.read(4096).lstrip()
     except (OSError, UnicodeDecodeError):
-        return False  # the stats loader names the file and the reason
+        return False  # the stats loader names the file and the reason (gzip files are stats, never metas)
     return head.startswith("{")
 
 

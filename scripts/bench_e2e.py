@@ -3,7 +3,7 @@
 
 The fixed heterogeneous tiny VLM of scripts/benchlib.py (ViT layers heavier than LLM layers) is trained
 with PP=2 on CPU on the stats-matched synthetic data (megatron/vlm/data/synthetic.py: per-sample tiles
-and text lengths drawn from the shared InternVL SFT stats files), four ways:
+and text lengths drawn from the InternVL SFT stats files in data/omnibal_stats/), four ways:
 
 =========  ===============================  ===================  ===================================
 row        batching                         pipeline layout      recompute

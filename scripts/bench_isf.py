@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Benchmark of the data level: random batching vs ISF + balanced steps.
 
-On the three InternVL SFT stats files of ../shared/data/internvl_sft_stats/ (beside the checkout)
-and on the same data resampled to 1.2M samples (the paper's mix size): PadRatio, DistRatio (LLM
+On the three InternVL SFT stats files shipped in data/omnibal_stats/ (OmniBal's published ai2d,
+chartqa and docvqa stats) and on the same data resampled to 1.2M samples (the paper's mix size): PadRatio, DistRatio (LLM
 tokens and ViT tiles), fill, samples per group, and the time of the threshold search and of the
 grouping (wall and CPU seconds of this single-threaded process).
 
@@ -70,9 +70,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="OUT")
     args = ap.parse_args(argv)
-    files = sorted(args.stats_dir.glob("*.json"))
-    if not files:
-        print(f"no stats files in {args.stats_dir}", file=sys.stderr)
+    try:
+        files = bl.stats_files(args.stats_dir)
+    except FileNotFoundError as e:
+        print(e, file=sys.stderr)
         return 1
     stats = load_stats(files)
     cfg = SearchConfig(dp_size=args.dp, samples_per_group=args.samples_per_group, seed=args.seed)

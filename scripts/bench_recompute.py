@@ -3,7 +3,7 @@
 
 Simulated (``results["simulated"]``): the paper's 6B+20B model (preset internvl-6b-20b) planned by
 ``omnibal_ext.plan.make_plan`` with the assumptions of scripts/reproduce_paper.py (128 A100-80G,
-10% reserve, K=4, FlashAttention, the three shared stats sets resampled to 1.2M samples, and the
+10% reserve, K=4, FlashAttention, the three shipped stats sets resampled to 1.2M samples, and the
 authors' run configuration of the ablation: TP 4, PP 4, 16 micro-batches per pipeline, i.e. global
 batch 512 samples; see benchlib.PAPER_TP): ``full_s`` = the +model row (searched layout,
 full recompute on every layer), ``adaptive_s`` = the +memory row (layout searched with the recompute,

@@ -24,7 +24,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-STATS_DIR = ROOT.parent / "shared" / "data" / "internvl_sft_stats"
+# the published OmniBal stats of ai2d, chartqa and docvqa, shipped gzip-compressed (see its README.md)
+STATS_DIR = ROOT / "data" / "omnibal_stats"
 
 from omnibal_ext.plan import trainer_argv  # noqa: E402  (after ROOT is on the path)
 
@@ -72,9 +73,11 @@ def hetero_spec():
 
 
 def stats_files(stats_dir: str | os.PathLike | None = None) -> list[str]:
-    files = sorted(str(p) for p in Path(stats_dir or STATS_DIR).glob("*.json"))
+    """The stats files (``*.json`` and ``*.json.gz``, sorted) of ``stats_dir`` (default: the shipped ones)."""
+    folder = Path(stats_dir or STATS_DIR)
+    files = sorted(str(p) for pattern in ("*.json", "*.json.gz") for p in folder.glob(pattern))
     if not files:
-        raise FileNotFoundError(f"no stats files (*.json) in {stats_dir or STATS_DIR}")
+        raise FileNotFoundError(f"no stats files (*.json, *.json.gz) in {folder}")
     return files
 
 

@@ -37,9 +37,10 @@ Assumptions (not numbers we could check; change them with the flags)
 * K = 4 samples per micro-batch (Megatron's micro-batch size of the baseline, and the ISF target per
   group); the ISF thresholds are our planner's own, not the authors' packing caps.
 * FlashAttention (InternVL-Chat trains with it): no attention scores kept for backward.
-* Data: the three shared InternVL SFT stats sets (ai2d, chartqa, docvqa; 41k samples, 1-5 tiles,
-  no text-only samples) resampled to 1.2M samples.  The real 1.2M mix is more varied (text-only,
-  multi-image, longer text), so padding and DP imbalance of the real baseline are likely larger.
+* Data: the three InternVL SFT stats sets OmniBal published, shipped in data/omnibal_stats/ (ai2d,
+  chartqa, docvqa; 41k samples, 1-5 tiles, no text-only samples) resampled to 1.2M samples.  The
+  real 1.2M mix is more varied (text-only, multi-image, longer text), so padding and DP imbalance of
+  the real baseline are likely larger.
 * The Megatron default (baseline, +data) is Megatron's multimodal layout: the whole ViT and the
   projector on stage 0, the LLM layers split evenly.  Its time is predicted even where it would not
   fit memory in our model, and the table says so.
@@ -79,18 +80,18 @@ ASSUMPTIONS = [
     "per pipeline per iteration (global batch 512 samples here)",
     "assumed: {gpus} x A100 80 GB, memory budget 90% of each GPU, bf16 + Adam, distributed optimizer",
     "assumed: global batch {global_batch} samples, K = {k} samples per micro-batch, FlashAttention",
-    "assumed: the shared ai2d/chartqa/docvqa stats resampled to {samples} samples stand in for the paper's mix",
+    "assumed: the published ai2d/chartqa/docvqa stats resampled to {samples} samples stand in for the paper's mix",
     "paper headline speed-ups are against InternVL-Chat's own training code (DeepSpeed), which is not "
     "modelled: those rows are for reference and not counted",
 ]
 
 
-def load_shared_stats(stats_dir: Path = STATS_DIR):
+def load_stats_dir(stats_dir: Path = STATS_DIR):
     try:
         return load_stats(bl.stats_files(stats_dir))
     except FileNotFoundError:
-        raise SystemExit(f"reproduce_paper: no stats files in {stats_dir} (the shared InternVL SFT stats, "
-                         "expected at ../shared/data/internvl_sft_stats/ next to the repository)") from None
+        raise SystemExit(f"reproduce_paper: no stats files in {stats_dir} (the InternVL SFT stats shipped "
+                         f"with the repository are in {bl.STATS_DIR})") from None
 
 
 def predict(stats, model: str, gpus: int, gpu_memory_gib: float, k: int, global_batch: int, samples: int,
@@ -181,7 +182,7 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--samples", type=int, default=1_200_000, help="resample the shared stats to this many samples")
+    p.add_argument("--samples", type=int, default=1_200_000, help="resample the stats to this many samples")
     p.add_argument("--gpus", type=int, default=bl.PAPER_GPUS, help="A100 GPUs (default 128)")
     p.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU (default 80)")
     p.add_argument("--samples-per-group", type=int, default=bl.PAPER_SAMPLES_PER_GROUP, help="K (default 4)")
@@ -190,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     p.add_argument("--sim-iterations", type=int, default=8, help="iterations simulated per setting")
     p.add_argument("--isf-candidates", type=int, default=20, help="ISF threshold candidates searched")
-    p.add_argument("--stats-dir", type=Path, default=STATS_DIR)
+    p.add_argument("--stats-dir", type=Path, default=STATS_DIR,
+                   help="folder of stats files, *.json or *.json.gz (default: data/omnibal_stats)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp", type=int, default=bl.PAPER_TP, help="tensor-parallel size (default 4, the authors')")
     p.add_argument("--pp", type=int, default=bl.PAPER_PP, help="pipeline depth (default 4, the authors')")
@@ -199,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, metavar="OUT", help="write rows, per-model plans and assumptions here")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    stats = load_shared_stats(args.stats_dir)
+    stats = load_stats_dir(args.stats_dir)
     stats = resample(stats, args.samples, args.seed)
     rows, plans = [], []
     for model in args.models:

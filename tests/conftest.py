@@ -8,7 +8,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SHARED = ROOT.parent / "shared"
+# the published OmniBal stats (ai2d, chartqa, docvqa) shipped with the repository, gzip-compressed
+STATS_DIR = ROOT / "data" / "omnibal_stats"
+STATS_FILES = sorted(STATS_DIR.glob("*.json.gz"))
 
 
 @pytest.fixture(scope="session")

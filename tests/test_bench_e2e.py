@@ -5,14 +5,12 @@ import sys
 
 import pytest
 
-from conftest import ROOT, SHARED
+from conftest import ROOT
 
 KEYS = {"name", "ms_per_iter", "samples_per_s", "tokens_per_s", "speedup", "predicted_ms_per_iter", "tokens_seen"}
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not list((SHARED / "data" / "internvl_sft_stats").glob("*.json")),
-                    reason="shared stats files not present")
 def test_bench_e2e_quick(tmp_path):
     out = tmp_path / "e2e.json"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--quick", "--repeats", "2",

@@ -1,18 +1,19 @@
 """The stats-matched synthetic dataset: every sample has the tiles and tokens the length rule intends,
 as the trainer's reader (InternVLDataset) counts them."""
+import gzip
 import json
 import os
 
 import numpy as np
 import pytest
 
-from conftest import SHARED
+from conftest import STATS_FILES
 from megatron.vlm.data.internvl import InternVLDataset
 from megatron.vlm.data.synthetic import LengthRule, build_stats_matched_dataset, draw_records
 from megatron.vlm.data.tokenizer import build_tokenizer
 from omnibal_ext.errors import UserError
 
-STATS = sorted((SHARED / "data" / "internvl_sft_stats").glob("*.json"))
+STATS = STATS_FILES
 
 
 def expected(k, n, scale, tpt_model=4, max_tokens=None):
@@ -72,13 +73,14 @@ def test_max_num_tiles_does_not_change_tiles(tmp_path, edge_stats):
         assert tiles.tolist() == [max(r["vit_num"], 1) for r in lines]
 
 
-@pytest.mark.skipif(not STATS, reason="shared stats files not present")
 def test_real_stats_files(tmp_path):
+    assert len(STATS) == 3, STATS  # the shipped ai2d, chartqa and docvqa stats
     meta = build_stats_matched_dataset(STATS, str(tmp_path / "ds"), num_samples=80, tile_size=32, seed=1)
     tokens, tiles = read(meta).sample_lengths()
     all_records = []
     for f in STATS:
-        all_records += json.load(open(f))
+        with gzip.open(f, "rt") as fh:
+            all_records += json.load(fh)
     lines = [json.loads(x) for x in open(os.path.join(os.path.dirname(meta), "train.jsonl"))]
     assert len(set(r["stats_index"] for r in lines)) == 80  # fewer samples than records: no repeats
     for i, rec in enumerate(lines):

@@ -1,4 +1,4 @@
-"""``omnibal isf stats|search|pack`` in-process, and ISF on the shared real stats (skipped if absent)."""
+"""``omnibal isf stats|search|pack`` in-process, and ISF on the real stats shipped in data/omnibal_stats/."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,8 @@ from omnibal_ext.data.sampler import GroupBatchSampler
 from omnibal_ext.data.search import SearchConfig, plan_isf, random_baseline
 from omnibal_ext.data.stats import load_stats
 
-SHARED_STATS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "internvl_sft_stats"
+from conftest import STATS_FILES
+
 METRICS = {"pad_ratio", "dist_ratio_llm", "dist_ratio_vit", "fill_llm", "fill_vit", "samples_per_group"}
 
 
@@ -97,9 +98,9 @@ def test_stats_command(tmp_path, capsys):
     assert json.loads(out.read_text())["all"]["samples"] == 100
 
 
-@pytest.mark.skipif(not SHARED_STATS.is_dir(), reason="shared stats not present")
-def test_isf_beats_random_on_shared_stats():
-    stats = load_stats(sorted(SHARED_STATS.glob("*.json")))
+def test_isf_beats_random_on_shipped_stats():
+    assert len(STATS_FILES) == 3, STATS_FILES
+    stats = load_stats(STATS_FILES)
     plan = plan_isf(stats.vit, stats.tokens, SearchConfig(dp_size=8, samples_per_group=4))
     check_partition(plan.grouping, len(stats))
     rnd = random_baseline(stats.vit, stats.tokens, 8, 4)

@@ -7,10 +7,12 @@ A stats file is a JSON list with one object per sample::
 ``vit_num`` is the number of image tiles the sample feeds the ViT (may be 0 for text-only samples,
 or 1 for a dummy tile), ``token_num`` its full LLM sequence length in tokens (image tokens included).
 Other keys are ignored.  Several files concatenate in the order given; each sample keeps the index
-of its file (``source``) for the multi-group mode.
+of its file (``source``) for the multi-group mode.  A gzip-compressed file (such as the published
+stats shipped in ``data/omnibal_stats/*.json.gz``) is read the same way, recognised by its content.
 """
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,16 +131,28 @@ def parse_records(records, path: str) -> tuple[np.ndarray, np.ndarray]:
     return np.fromiter(vit, np.int64, len(vit)), np.fromiter(tok, np.int64, len(tok))
 
 
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+def open_text(path: str | Path):
+    """``path`` opened for reading text; a gzip-compressed file (by its first bytes) is decompressed."""
+    with open(path, "rb") as f:
+        magic = f.read(2)
+    return gzip.open(path, "rt", encoding="utf-8") if magic == GZIP_MAGIC else open(path, encoding="utf-8")
+
+
 def load_stats_file(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
-    """(vit, tokens) of one stats file."""
+    """(vit, tokens) of one stats file (JSON, or gzip-compressed JSON)."""
     path = str(path)
     try:
-        with open(path) as f:
+        with open_text(path) as f:
             records = json.load(f)
-    except OSError as e:
-        raise StatsError(f"{path}: cannot read stats file: {e.strerror or e}") from e
+    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError; a cut-off gzip stream an EOFError
+        raise StatsError(f"{path}: cannot read stats file: {getattr(e, 'strerror', None) or e}") from e
     except json.JSONDecodeError as e:
         raise StatsError(f"{path}: not valid JSON: {e}") from e
+    except UnicodeDecodeError as e:
+        raise StatsError(f"{path}: not valid JSON (not UTF-8 text): {e}") from e
     return parse_records(records, path)
 
 

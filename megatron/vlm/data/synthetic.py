@@ -1,6 +1,6 @@
 """A synthetic InternVL-format dataset whose per-sample load follows real OmniBal stats files.
 
-The OmniBal stats files (``../shared/data/internvl_sft_stats/*.json``) give, per real sample, the ViT
+The OmniBal stats files (``data/omnibal_stats/*.json.gz``) give, per real sample, the ViT
 tiles ``vit_num`` and the LLM length ``token_num`` (image tokens included, ``tokens_per_tile_real`` =
 256 per tile).  ``build_stats_matched_dataset`` draws records from them (seeded) and writes a dataset
 the trainer reads like any other, in which sample ``i`` built from record ``(k, n)`` has
@@ -21,7 +21,7 @@ the trainer reads like any other, in which sample ``i`` built from record ``(k, 
 
 Choice of ``text_scale`` (default ``DEFAULT_TEXT_SCALE`` = 1.0): the tiny CPU models run
 ``tokens_per_tile_model`` = 4 image tokens per 32 px tile instead of 256, so the LLM sequences
-already shrink to the real non-image text (median 65 tokens, 99th percentile 720 on the three shared
+already shrink to the real non-image text (median 65 tokens, 99th percentile 720 on the three shipped
 sets) plus a few image tokens: mean about 143 tokens, longest about 1280 -- CPU-sized.  Scaling the
 text down further distorts the distribution: the byte-level template alone is 22 + 3 k tokens, so
 at 0.5 about 46 % of the samples (0.25: 74 %) would be raised to the minimum, against 0.7 % at 1.0.
