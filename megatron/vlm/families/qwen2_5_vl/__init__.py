@@ -1,0 +1,4 @@
+"""Qwen2.5-VL family, data side: image preprocessing to patch rows (``image_processing``), the 3-D
+multimodal RoPE position ids of a sample (``positions``), the vision encoder's window permutation,
+sequence boundaries and 2-D rotary ids (``vision_windows``), and the ``messages`` JSONL record reader
+(``conversations``).  Plain functions over numpy/PIL; no model code."""
