@@ -79,11 +79,10 @@ def worker(which: str, folder: str, out: str) -> None:
 
     from megatron.training import cpu_compat
     from megatron.training.initialize import destroy, initialize_distributed
-    from megatron.vlm.config import language_config, vision_config
     from megatron.vlm.hf.convert import HFSource
     from megatron.vlm.hf.load import load_hf_into_stage
     from megatron.vlm.hf.reader import HFCheckpoint
-    from megatron.vlm.model import VLMStage
+    from megatron.vlm.stage import StageBuild, build_stage
     from omnibal_ext.model.units import build_units
 
     tp = int(os.environ["WORLD_SIZE"])
@@ -93,10 +92,7 @@ def worker(which: str, folder: str, out: str) -> None:
         try:
             units = build_units(spec)
             index = next(u.index for u in units if u.name == unit_of(which))
-            no_init = lambda c: dataclasses.replace(c, perform_initialization=False)  # noqa: E731
-            llm = no_init(language_config(spec, tp, True, torch.float32))
-            stage = VLMStage(spec, units, range(index, index + 1), llm,
-                             no_init(vision_config(spec, tp, True, torch.float32)), llm, img_context_id=0, seed=0)
+            stage = build_stage(StageBuild(spec, range(index, index + 1), tp=tp, initialize=False))
             own = sum(p.numel() * p.element_size() for p in stage.parameters())
             with torch.no_grad():
                 for p_ in stage.parameters():

@@ -42,6 +42,7 @@ import benchlib as bl  # noqa: E402  (puts the repository on the path)
 
 from omnibal_ext.model.cost_model import MicroBatchShape, analytic_costs, get_device, unit_flops  # noqa: E402
 from omnibal_ext.model.partition import optimal_counts, plan_partitions, stage_loads, unit_arrays  # noqa: E402
+from omnibal_ext.model.spec import TEXT_LAYER, VISION_LAYER  # noqa: E402
 from omnibal_ext.model.units import build_units, get_preset  # noqa: E402
 
 PRESETS = ("internvl-6b-20b", "internvl-6b-34b")
@@ -55,9 +56,9 @@ def half_layer_weights(spec, shape, costs) -> np.ndarray:
     w, _, _ = unit_arrays(costs)
     out = []
     for u, t, fl in zip(build_units(spec), w, flops):
-        if u.kind == "vit_layer":
+        if u.code == VISION_LAYER:
             mlp = shape.vision_items * 4.0 * v.seq_per_tile * v.hidden_size * v.ffn_hidden_size
-        elif u.kind == "llm_layer":
+        elif u.code == TEXT_LAYER:
             mlp = (6.0 if lm.swiglu else 4.0) * shape.llm_tokens * lm.hidden_size * lm.ffn_hidden_size
         else:
             out.append(t)

@@ -169,18 +169,15 @@ def _mini_stage(model: str, device, dtype, impl: str, backend: str, seed: int = 
     """One ViT + one LLM layer of ``model`` with the whole unit list (embeddings, projector, head)."""
     import dataclasses
 
-    from megatron.vlm.config import language_config, vision_config
-    from megatron.vlm.model import VLMStage
+    from megatron.vlm.stage import StageBuild, build_stage
     from omnibal_ext.model.units import build_units, get_preset
 
     spec = get_preset(model)
     spec = spec.replace(vision=dataclasses.replace(spec.vision, num_layers=1),
                         language=dataclasses.replace(spec.language, num_layers=1))
     units = build_units(spec)
-    on_cpu = device.type == "cpu"
-    m = VLMStage(spec, units, range(len(units)), language_config(spec, 1, on_cpu, dtype),
-                 vision_config(spec, 1, on_cpu, dtype), language_config(spec, 1, on_cpu, dtype),
-                 img_context_id=5, seed=seed, transformer_impl=impl, attention_backend=backend)
+    m = build_stage(StageBuild(spec, range(len(units)), dtype=dtype, transformer_impl=impl, attention_backend=backend,
+                               seed=seed, img_context_id=5, on_cpu=device.type == "cpu"))
     return spec, m.to(device=device, dtype=dtype).train()
 
 
@@ -258,6 +255,8 @@ def check_thd_vs_dense(work: Path, cuda: bool, deadline: float) -> dict:
         from megatron.training import cpu_compat
 
         ctx = cpu_compat.patched()
+    from omnibal_ext.model.spec import TEXT_LAYER
+
     with ctx:
         _init_world_of_one(device)
         model, dtype, tiles, tokens, sample, tol = (("internvl-6b-20b", torch.bfloat16, 9, 4096, 1024, 2e-2) if cuda
@@ -270,12 +269,13 @@ def check_thd_vs_dense(work: Path, cuda: bool, deadline: float) -> dict:
         x0 = torch.randn(tokens, 1, spec.language.hidden_size, generator=g).to(device=device, dtype=dtype)
         out, numbers = {}, {}
         for name, m in (("thd", thd), ("dense", dense)):
-            context = m.llm_context(batch)
-            layer = m.llm_blocks[:1]
+            part = m.part(TEXT_LAYER)  # the LLM layers' runtime component, its first block
+            text, layer, cache = part.component, m.module_of(part)[:1], {}
+            text.prepare(layer, batch, cache)
 
             def step():
                 x = x0.clone().requires_grad_(True)
-                y = m.run_llm(x, context, layer)
+                y = text.forward(layer, x, batch, cache)
                 y.float().square().mean().backward()
                 return y
 
@@ -317,6 +317,8 @@ def check_layer_throughput(work: Path, cuda: bool, deadline: float) -> dict:
         return skipped("no CUDA device")
     from omnibal_ext.model.cost_model import get_device, profile_report
     from omnibal_ext.model.costs import CostTable
+    from omnibal_ext.model.spec import LAYER_ROLES
+    from omnibal_ext.model.units import role_of_kind
 
     device = get_device("h200-141g")
     ref = {r["kind"]: r for r in profile_report(CostTable.load(ROOT / "profiles/h200/internvl-6b-20b.json"), device)}
@@ -336,7 +338,7 @@ def check_layer_throughput(work: Path, cuda: bool, deadline: float) -> dict:
         result["specs"][impl] = {
             r["kind"]: {"fwd_bwd_ms": r["fwd_ms"] + r["bwd_ms"], "mfu": r["efficiency"],
                         "vs_profiles_h200": (r["fwd_ms"] + r["bwd_ms"]) / (ref[r["kind"]]["fwd_ms"] + ref[r["kind"]]["bwd_ms"])}
-            for r in rows if r["kind"] in ("vit_layer", "llm_layer")}
+            for r in rows if role_of_kind(r["kind"]) in LAYER_ROLES}
     ok = all("error" not in v for v in result["specs"].values())
     return {"status": "pass" if ok else "fail", "criterion": "profiles ran (numbers are for comparison)", **result}
 

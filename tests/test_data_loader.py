@@ -66,16 +66,25 @@ def assert_same(a: list[dict], b: list[dict]):
                 assert x[key] == y[key], key
 
 
+def inputs_of_kinds(kinds) -> StageInputs:
+    """What a stage holding InternVL units of these kinds reads (through the family's runtime components)."""
+    from megatron.vlm.families import stage_inputs
+    from omnibal_ext.model.units import build_units, get_preset
+
+    spec = get_preset("tiny")
+    return stage_inputs(spec, [next(u for u in build_units(spec) if u.kind == k) for k in kinds])
+
+
 def test_stage_inputs_from_unit_kinds():
-    llm_only = StageInputs.from_kinds(["llm_layer", "llm_layer", "llm_head"])
+    llm_only = inputs_of_kinds(["llm_layer", "llm_layer", "llm_head"])
     assert llm_only == StageInputs(pixels=False, tokens=False, labels=True, packing=True)
     assert "pixel_values" not in llm_only.keys and "tokens" not in llm_only.keys
-    vit = StageInputs.from_kinds(["vit_embed", "vit_layer"])
+    vit = inputs_of_kinds(["vit_embed", "vit_layer"])
     assert vit == StageInputs(pixels=True, tokens=False, labels=False, packing=False)
     assert set(vit.keys) == {"pixel_values", "image_flags", "sample_tokens", "sample_tiles"}
-    embed = StageInputs.from_kinds(["vit_layer", "projector", "llm_embed", "llm_layer"])
+    embed = inputs_of_kinds(["vit_layer", "projector", "llm_embed", "llm_layer"])
     assert embed == StageInputs(pixels=False, tokens=True, labels=False, packing=True)
-    assert StageInputs.from_kinds(["vit_layer"]).keys == ("sample_tokens", "sample_tiles")
+    assert inputs_of_kinds(["vit_layer"]).keys == ("sample_tokens", "sample_tiles")
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -91,7 +100,7 @@ def test_llm_only_stage_opens_no_image(dataset, monkeypatch, tmp_path, workers):
         return real_open(*a, **kw)
 
     monkeypatch.setattr(Image, "open", counting_open)
-    inputs = StageInputs.from_kinds(["llm_layer", "llm_head"])
+    inputs = inputs_of_kinds(["llm_layer", "llm_head"])
     got = take(loader(dataset, workers, inputs), 6)
     assert not log.exists(), log.read_text()
     full = take(loader(dataset, 0), 6)  # the hook does see a ViT stage's opens

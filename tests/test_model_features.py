@@ -24,7 +24,7 @@ def perturb_named(module, seed=0):
 def build_layer(cfg, normalization, mask_type, real_heads=None, vision=None):
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron.vlm.model import _layer_spec
+    from megatron.vlm.families.internvl.layers import layer_spec as _layer_spec
 
     return build_module(_layer_spec(normalization, mask_type, 0, 0, real_heads=real_heads, vision=vision),
                         config=cfg, layer_number=1)
@@ -181,13 +181,10 @@ def test_llm_layer_matches_transformers(megatron_world, family):
 # Vocabulary padding, tied embeddings, sharded state dicts
 # --------------------------------------------------------------------------------------------------
 def whole_model(spec, seed=3, unit_range=None):
-    from megatron.vlm.config import language_config, vision_config
-    from megatron.vlm.model import VLMStage
+    from megatron.vlm.stage import StageBuild, build_stage
 
     units = build_units(spec)
-    cfg = language_config(spec, 1, True, torch.float32)
-    return VLMStage(spec, units, unit_range or range(len(units)), cfg, vision_config(spec, 1, True, torch.float32),
-                    cfg, img_context_id=263, seed=seed)
+    return build_stage(StageBuild(spec, unit_range or range(len(units)), img_context_id=263, seed=seed))
 
 
 def with_language(spec, **changes):
@@ -224,11 +221,9 @@ def test_vocabulary_padding_does_not_change_the_loss(megatron_world, tmp_path):
     unpadded = whole_model(with_language(spec, vocab_size=real)).eval()
     copy_real_rows(padded, unpadded)
     with torch.no_grad():
-        loss = padded(batch)
-        correct = padded.head.last_token_correct
-        want = unpadded(batch)
-        want_correct = unpadded.head.last_token_correct
-        old = unmasked(batch)
+        loss, correct = padded(batch)
+        want, want_correct = unpadded(batch)
+        old = unmasked(batch).loss
     answer = batch["labels"] != -100
     torch.testing.assert_close(loss[answer], want[answer], rtol=1e-6, atol=1e-6)
     assert torch.equal(correct[answer], want_correct[answer])

@@ -10,13 +10,10 @@ from omnibal_ext.model.units import build_units, get_preset
 
 
 def whole_model(spec, seed=3):
-    from megatron.vlm.config import language_config, vision_config
-    from megatron.vlm.model import VLMStage
+    from megatron.vlm.stage import StageBuild, build_stage
 
     units = build_units(spec)
-    cfg = language_config(spec, 1, True, torch.float32)
-    return VLMStage(spec, units, range(len(units)), cfg, vision_config(spec, 1, True, torch.float32), cfg,
-                    img_context_id=263, seed=seed)
+    return build_stage(StageBuild(spec, range(len(units)), img_context_id=263, seed=seed))
 
 
 @pytest.mark.parametrize("heads, groups", [(4, 4), (4, 2)])
@@ -29,7 +26,7 @@ def test_segment_attention_equals_dense_masked_attention(megatron_world, heads, 
     from megatron.vlm.attention import SegmentAttention, segment_params
     from megatron.vlm.config import language_config
     from megatron.vlm.data.collate import packing
-    from megatron.vlm.model import packed_causal_mask
+    from megatron.vlm.text import packed_causal_mask
 
     spec = get_preset("tiny")
     spec = spec.replace(language=dataclasses.replace(spec.language, num_attention_heads=heads, num_query_groups=groups))
@@ -77,7 +74,7 @@ def test_packed_samples_give_the_same_per_sample_loss_as_alone(megatron_world, t
 
     def per_token_loss(batch):
         with torch.no_grad():
-            return model(batch)
+            return model(batch).loss
 
     packed = collate_packed(samples, tok.pad_id)
     loss = per_token_loss(packed)[0]

@@ -25,14 +25,12 @@ def samples(tmp_path_factory):
 
 
 def stage(attention_backend="auto", seed=3, unit_range=None):
-    from megatron.vlm.config import language_config, vision_config
-    from megatron.vlm.model import VLMStage
+    from megatron.vlm.stage import StageBuild, build_stage
 
     spec = get_preset("tiny")
     units = build_units(spec)
-    cfg = language_config(spec, 1, True, torch.float32)
-    return VLMStage(spec, units, unit_range or range(len(units)), cfg, vision_config(spec, 1, True, torch.float32),
-                    cfg, img_context_id=263, seed=seed, attention_backend=attention_backend)
+    return build_stage(StageBuild(spec, unit_range or range(len(units)), img_context_id=263, seed=seed,
+                                  attention_backend=attention_backend))
 
 
 def batches(samples):
@@ -55,7 +53,7 @@ def test_thd_equals_dense_mask(megatron_world, samples, kind):
     real = batch["labels"] != -100
     losses, grads = [], []
     for m in (thd, dense):
-        loss = m(batch)
+        loss = m(batch).loss
         assert loss.shape == batch["tokens"].shape
         (loss * real).sum().backward()
         losses.append(loss.detach())
@@ -79,7 +77,7 @@ def test_stages_carry_thd_hidden_states(megatron_world, samples):
             x = first(batch)
             assert x.shape == (b * s, 1, spec.language.hidden_size)
             second.set_input_tensor(x)
-            torch.testing.assert_close(second(batch), stage(backend)(batch), rtol=0, atol=1e-6)
+            torch.testing.assert_close(second(batch).loss, stage(backend)(batch).loss, rtol=0, atol=1e-6)
 
 
 def test_rope_restarts_in_every_packed_sample(megatron_world, samples):
@@ -88,9 +86,9 @@ def test_rope_restarts_in_every_packed_sample(megatron_world, samples):
 
     m = stage("auto").eval()
     with torch.no_grad():
-        packed = m(collate_packed(samples, 0))[0]
+        packed = m(collate_packed(samples, 0)).loss[0]
         start = sum(len(s["input_ids"]) for s in samples[:3])
-        alone = m(collate_packed([samples[3]], 0))[0]
+        alone = m(collate_packed([samples[3]], 0)).loss[0]
     n = len(samples[3]["input_ids"])
     real = samples[3]["labels"] != -100
     torch.testing.assert_close(packed[start:start + n][real], alone[real], rtol=0, atol=1e-6)
@@ -140,7 +138,7 @@ def test_no_host_sync_in_forward_backward(megatron_world, samples, kind):
     m(batch)  # first call: RoPE frequencies and lazy state built outside the count
     with count_host_reads() as calls:
         out = m(batch)
-        loss, _, _ = loss_func(batch, m.head.last_token_correct, out)
+        loss, _, _ = loss_func(batch, out.correct, out.loss)
         loss.backward()
     assert dict(calls) == {("tolist", "attention.py:segment_params"): 1,
                            ("tolist", "rope_utils.py:_apply_rotary_pos_emb_thd"): 2 * llm_layers,
@@ -157,19 +155,16 @@ def test_the_counter_sees_host_reads():
 @pytest.mark.parametrize("recompute", [(2, False, 2, False), (0, True, 0, True)], ids=["full", "selective"])
 def test_recompute_on_the_thd_path_changes_nothing(megatron_world, samples, recompute):
     """megatron-core's full (block) and selective (core attention) recompute carry packed_seq_params."""
-    from megatron.vlm.config import language_config, vision_config
-    from megatron.vlm.model import VLMStage
+    from megatron.vlm.stage import StageBuild, build_stage
     from omnibal_ext.memory.recompute import StageRecompute
 
     spec = get_preset("tiny")
     units = build_units(spec)
-    cfg = language_config(spec, 1, True, torch.float32)
     batch = batches(samples)["packed"]
     out = []
     for plan in (StageRecompute(), StageRecompute(*recompute)):
-        m = VLMStage(spec, units, range(len(units)), cfg, vision_config(spec, 1, True, torch.float32), cfg,
-                     img_context_id=263, seed=3, recompute=plan).train()
-        loss = m(batch)
+        m = build_stage(StageBuild(spec, range(len(units)), img_context_id=263, seed=3, recompute=plan)).train()
+        loss = m(batch).loss
         loss.sum().backward()
         out.append((loss.detach(), [p.grad for p in m.parameters()]))
     torch.testing.assert_close(out[0][0], out[1][0], rtol=0, atol=1e-6)

@@ -24,7 +24,7 @@ def vit_layer_and_input(tp: int):
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron.vlm.config import vision_config
-    from megatron.vlm.model import _layer_spec
+    from megatron.vlm.families.internvl.layers import layer_spec as _layer_spec
 
     spec = vit_spec()
     cfg = vision_config(spec, tp, True, torch.float32)
@@ -60,8 +60,7 @@ def run_vit(layer, x, grad_seed):
 
 
 def tiny_model(tp: int, real_vocab: bool, vocab_size: int | None = None):
-    from megatron.vlm.config import language_config, vision_config
-    from megatron.vlm.model import VLMStage
+    from megatron.vlm.stage import StageBuild, build_stage
 
     spec = get_preset("tiny")
     lang = spec.language
@@ -71,6 +70,4 @@ def tiny_model(tp: int, real_vocab: bool, vocab_size: int | None = None):
         lang = dataclasses.replace(lang, real_vocab_size=264)
     spec = spec.replace(language=lang)
     units = build_units(spec)
-    cfg = language_config(spec, tp, True, torch.float32)
-    return VLMStage(spec, units, range(len(units)), cfg, vision_config(spec, tp, True, torch.float32), cfg,
-                    img_context_id=263, seed=3)
+    return build_stage(StageBuild(spec, range(len(units)), tp=tp, img_context_id=263, seed=3))

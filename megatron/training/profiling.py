@@ -19,15 +19,14 @@ import torch
 import torch.distributed as dist
 
 from omnibal_ext.errors import UserError
-from omnibal_ext.model.cost_model import MicroBatchShape, llm_layer_flops
-from omnibal_ext.model.families.internvl import vit_layer_flops
+from omnibal_ext.model.cost_model import MicroBatchShape
 from omnibal_ext.model.costs import CostTable, UnitCost
 from omnibal_ext.model.profile import environment_meta, measure_unit, to_unit_cost
-from omnibal_ext.model.units import build_units
+from omnibal_ext.model.spec import LAYER_ROLES
+from omnibal_ext.model.units import build_units, unit_components
 
-from megatron.vlm.config import language_config, vision_config
 from megatron.vlm.data.collate import packing
-from megatron.vlm.model import VLMStage
+from megatron.vlm.stage import StageBuild, VLMStage, build_stage
 from omnibal_ext.memory.recompute import StageRecompute
 
 
@@ -85,10 +84,9 @@ def profile_units(args, shape: MicroBatchShape, img_context_id: int, device: tor
                                     getattr(args, "attention_backend", "auto"))
 
     def stage(recompute):
-        m = VLMStage(mini, mini_units, range(len(mini_units)), language_config(mini, tp, on_cpu, dtype),
-                     vision_config(mini, tp, on_cpu, dtype), language_config(mini, tp, on_cpu, dtype),
-                     img_context_id=img_context_id, seed=args.seed, recompute=recompute,
-                     transformer_impl=impl, attention_backend=getattr(args, "attention_backend", "auto"))
+        m = build_stage(StageBuild(mini, range(len(mini_units)), tp=tp, dtype=dtype, transformer_impl=impl,
+                                   attention_backend=getattr(args, "attention_backend", "auto"), seed=args.seed,
+                                   recompute=recompute, img_context_id=img_context_id, on_cpu=on_cpu))
         return m.to(device=device, dtype=dtype).train()
 
     plain = stage(StageRecompute())
@@ -96,52 +94,52 @@ def profile_units(args, shape: MicroBatchShape, img_context_id: int, device: tor
     selective = stage(StageRecompute(0, True, 0, True))
     batch = synthetic_batch(mini, shape, img_context_id, device)
     batch["pixel_values"] = batch["pixel_values"].to(dtype)
-    llm_context = plain.llm_context(batch)
+    cache: dict = {}  # per micro-batch inputs (the LLM layers' context), built once, outside the timings
+    for part in plain.parts:
+        part.component.prepare(plain.module_of(part), batch, cache)
 
-    def run(m: VLMStage, kind: str, x):
-        if kind == "vit_embed":
-            return m.vit_embed(batch["pixel_values"])
-        if kind == "vit_layer":
-            return m.vit_blocks[0](hidden_states=x, attention_mask=None)
-        if kind == "projector":
-            return m.projector(x)
-        if kind == "llm_embed":
-            return m.text_embed(batch["tokens"], x, batch["image_tile_index"])
-        if kind == "llm_layer":
-            return m.run_llm(x, llm_context, m.llm_blocks[:1])
-        return m.head(x, batch["labels"])
+    def parts_of(m: VLMStage) -> dict:
+        """unit index -> (runtime component, module of its part)"""
+        return {u.index: (p.component, m.module_of(p)) for p in m.parts for u in p.units}
 
-    def module_of(m: VLMStage, kind: str) -> torch.nn.Module:
-        return {"vit_embed": m.vit_embed, "vit_layer": m.vit_blocks[0], "projector": m.projector,
-                "llm_embed": m.text_embed, "llm_layer": m.llm_blocks[0], "llm_head": m.head}[kind]
+    plain_parts, full_parts, selective_parts = parts_of(plain), parts_of(full), parts_of(selective)
 
+    def run(parts: dict, unit, x):
+        component, module = parts[unit.index]
+        return component.profile_forward(module, x, batch, cache)
+
+    def module_of(parts: dict, unit) -> torch.nn.Module:
+        component, module = parts[unit.index]
+        return component.profile_module(module)
+
+    costs = unit_components(mini)
     per_kind: dict[str, UnitCost] = {}
     x = None
     for unit in mini_units:
-        kind = unit.kind
         inp = None if x is None else x.detach()
 
         def make_inputs(inp=inp):
             return () if inp is None else (_detached(inp),)
 
-        def measure(m):
-            mod = module_of(m, kind)
-            return measure_unit(lambda *a: run(m, kind, a[0] if a else None), make_inputs, warmup, repeats,
+        def measure(parts, unit=unit):
+            mod = module_of(parts, unit)
+            return measure_unit(lambda *a: run(parts, unit, a[0] if a else None), make_inputs, warmup, repeats,
                                 exclude=list(mod.parameters()))
 
-        base = measure(plain)
+        base = measure(plain_parts)
         extra = {}
-        if kind in ("vit_layer", "llm_layer"):
-            m_full, m_sel = measure(full), measure(selective)
+        if unit.code in LAYER_ROLES:
+            m_full, m_sel = measure(full_parts), measure(selective_parts)
             # Selective recompute re-runs the core attention in backward.  The measured difference
             # of two noisy medians can come out at or below zero on a CPU; it is never less than
             # the core attention's share of the layer's forward FLOPs.
-            floor = _core_attention_share(mini, kind, shape, tp) * base.fwd_s
+            floor = _core_attention_share(costs[unit.index], shape, tp) * base.fwd_s
             extra = {"act_bytes_full": m_full.act_bytes, "act_bytes_selective": m_sel.act_bytes,
                      "selective_recompute_s": max(floor, m_sel.bwd_s - base.bwd_s)}
-        per_kind[kind] = to_unit_cost(unit.name, kind, base, _param_count(module_of(plain, kind), tp), **extra)
+        per_kind[unit.kind] = to_unit_cost(unit.name, unit.kind, base, _param_count(module_of(plain_parts, unit), tp),
+                                           **extra)
         with torch.no_grad():
-            x = run(plain, kind, inp)
+            x = run(plain_parts, unit, inp)
     units = [dataclasses.replace(per_kind[u.kind], name=u.name) for u in build_units(spec)]
     meta = {**environment_meta(), "device": _device_name(device), "dtype": str(dtype).replace("torch.", ""),
             "shape": dataclasses.asdict(shape), "spec": spec.to_dict(), "tp": tp,
@@ -152,11 +150,11 @@ def profile_units(args, shape: MicroBatchShape, img_context_id: int, device: tor
     return broadcast_table(table)
 
 
-def _core_attention_share(spec, kind: str, shape: MicroBatchShape, tp: int) -> float:
+def _core_attention_share(component, shape: MicroBatchShape, tp: int) -> float:
     """Fraction of a layer's forward FLOPs spent in core attention (scores and context), as the cost
-    model counts them (``vit_layer_flops`` per tile, ``llm_layer_flops`` at ``shape``)."""
-    total, core = vit_layer_flops(spec, 1, tp) if kind == "vit_layer" else llm_layer_flops(spec, shape)
-    return core / total
+    model counts them (the unit's planning-side component at ``shape``)."""
+    total, core = component.flops(shape, tp)
+    return core / total if total else 0.0
 
 
 def _device_name(device: torch.device) -> str:

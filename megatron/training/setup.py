@@ -11,6 +11,7 @@ from megatron.core import parallel_state
 from omnibal_ext.data.sampler import GroupBatchSampler, random_groups, random_regroup
 from omnibal_ext.memory.recompute import StageRecompute
 from omnibal_ext.model.layout import default_layout, parse_layout
+from omnibal_ext.model.spec import TEXT_LAYER, VISION_LAYER
 from omnibal_ext.model.units import build_units
 
 from megatron.vlm.batches import MicroBatches, StageInputs
@@ -122,10 +123,12 @@ def build_datasets(args, tokenizer) -> tuple[InternVLDataset, InternVLDataset | 
 
 
 def stage_inputs(args, layout) -> StageInputs:
-    """What this rank's pipeline stage reads of a micro-batch, from the kinds of its units."""
+    """What this rank's pipeline stage reads of a micro-batch, from its units' runtime components."""
+    from megatron.vlm.families import stage_inputs as inputs_of
+
     units = build_units(args.model_spec)
     stage = parallel_state.get_pipeline_model_parallel_rank()
-    return StageInputs.from_kinds(units[i].kind for i in layout.stage_range(stage))
+    return inputs_of(args.model_spec, [units[i] for i in layout.stage_range(stage)])
 
 
 def build_data(args, tokenizer, inputs: StageInputs | None = None, datasets=None, device_type: str = "cpu",
@@ -179,8 +182,8 @@ def recompute_settings(args, layout) -> list[StageRecompute]:
     units = build_units(args.model_spec)
     counts = []
     for rng in layout.stage_slices():
-        kinds = [units[i].kind for i in rng]
-        counts.append((kinds.count("vit_layer"), kinds.count("llm_layer")))
+        roles = [units[i].code for i in rng]
+        counts.append((roles.count(VISION_LAYER), roles.count(TEXT_LAYER)))
     if args.recompute_plan:
         from omnibal_ext.memory.recompute import parse_recompute_plan
 

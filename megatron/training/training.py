@@ -18,10 +18,11 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from omnibal_ext.data.metrics import step_balance
 from omnibal_ext.model.units import build_units
 
-from megatron.vlm.config import language_config, vision_config
 from megatron.vlm.data.collate import HOST_KEYS
-from megatron.vlm.model import VLMStage
+from megatron.vlm.head import HeadOutput
+from megatron.vlm.stage import StageBuild, build_stage
 from omnibal_ext.memory.recompute import StageRecompute
+from omnibal_ext.model.spec import TEXT_EMBED
 
 from . import checkpointing
 from .arguments import ArgumentError
@@ -48,19 +49,19 @@ def build_model(args, layout, recompute: list[StageRecompute], img_context_id: i
     on_cpu = device.type == "cpu"
     dtype = dtype_of(args)
     stage = parallel_state.get_pipeline_model_parallel_rank()
-    stage_config = language_config(spec, tp, on_cpu, dtype, pp=pp)
-    module = VLMStage(spec, build_units(spec), layout.stage_range(stage), stage_config,
-                      vision_config(spec, tp, on_cpu, dtype), language_config(spec, tp, on_cpu, dtype),
-                      img_context_id=img_context_id, seed=args.seed, recompute=recompute[stage],
-                      transformer_impl=resolve_transformer_impl(args.transformer_impl, device, args.attention_backend),
-                      attention_backend=args.attention_backend)
+    module = build_stage(StageBuild(
+        spec, layout.stage_range(stage), tp=tp, pp=pp, dtype=dtype,
+        transformer_impl=resolve_transformer_impl(args.transformer_impl, device, args.attention_backend),
+        attention_backend=args.attention_backend, seed=args.seed, recompute=recompute[stage],
+        img_context_id=img_context_id, on_cpu=on_cpu))
+    stage_config = module.config
     module.to(device=device, dtype=dtype)
     if spec.language.tie_word_embeddings:
         units = build_units(spec)
-        embed_index = next(u.index for u in units if u.kind == "llm_embed")
+        embed_index = next(u.index for u in units if u.code == TEXT_EMBED)
         embed_stage = next(s for s in range(pp) if embed_index in layout.stage_range(s))
         if embed_stage != pp - 1:  # every rank takes part in making the groups
-            from megatron.vlm.model import build_tied_embedding_group
+            from megatron.vlm.tied import build_tied_embedding_group
 
             module.tied_group = build_tied_embedding_group(embed_stage, pp - 1)
     overlap_grad, overlap_param = resolve_overlap(args, device)
@@ -75,7 +76,7 @@ def build_model(args, layout, recompute: list[StageRecompute], img_context_id: i
 
 def finalize_grads(model, num_tokens=None, **kwargs):
     """megatron-core's finalize_model_grads, after summing the tied embedding's gradients across the
-    stages that hold E and L (VLMStage.allreduce_tied_embedding_grads)."""
+    stages that hold E and L (VLMStage.allreduce_tied_embedding_grads, megatron/vlm/tied.py)."""
     for chunk in model:
         unwrap_model(chunk).allreduce_tied_embedding_grads()
     return finalize_model_grads(model, num_tokens, **kwargs)
@@ -156,22 +157,24 @@ def loss_func(batch: dict, token_correct: torch.Tensor, output_tensor: torch.Ten
 DATA_WAIT = {"s": 0.0}  # seconds forward_step spent in next(data_iterator) since train() last read it
 
 
-def forward_step(data_iterator, model):
+def forward_step(data_iterator, model, meter: ActivationMeter | None = None):
+    """megatron-core's forward_step_func (``partial(forward_step, meter=...)``): one micro-batch through
+    this stage.  The last stage returns ``HeadOutput(loss, correct)``: the loss goes to the schedule, the
+    argmax check to ``loss_func``.  meter: measures the bytes autograd saves (training forwards only)."""
     device = next(unwrap_model(model).parameters()).device
     t0 = time.perf_counter()
     raw = next(data_iterator)
     DATA_WAIT["s"] += time.perf_counter() - t0
     batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) and k not in HOST_KEYS else v
              for k, v in raw.items()}  # the loader's batches are on the host (or the device); cu_seqlens stay
-    meter = getattr(unwrap_model(model), "activation_meter", None)
     if meter is not None and torch.is_grad_enabled():
         with meter.measure():
             output = model(batch)
     else:
         output = model(batch)
-    head = unwrap_model(model).head
-    correct = head.last_token_correct if head is not None else None
-    return output, partial(loss_func, batch, correct)
+    if isinstance(output, HeadOutput):
+        return output.loss, partial(loss_func, batch, output.correct)
+    return output, partial(loss_func, batch, None)
 
 
 def reduce_reports(reports: list[dict]) -> dict:
@@ -262,7 +265,7 @@ def train(args, model, optimizer, scheduler, train_data, valid_data=None, start_
     history = []
     balance_sums, balance_count = {}, 0
     meter = ActivationMeter(unwrap_model(model[0])) if args.log_activation_memory else None
-    unwrap_model(model[0]).activation_meter = meter
+    train_step = partial(forward_step, meter=meter)
     peak_act = 0
     iteration = start_iteration
     saved = None
@@ -277,7 +280,7 @@ def train(args, model, optimizer, scheduler, train_data, valid_data=None, start_
         train_data.start_recording()
         DATA_WAIT["s"] = 0.0
         reports = forward_backward(
-            forward_step_func=forward_step, data_iterator=train_data, model=model,
+            forward_step_func=train_step, data_iterator=train_data, model=model,
             num_microbatches=args.num_microbatches, seq_length=args.seq_length,
             micro_batch_size=args.micro_batch_size, forward_only=False)
         ok, grad_norm, _ = optimizer.step()

@@ -10,7 +10,7 @@ GroupBatchSampler (the single source of order: it yields the group's sample indi
 decode ahead (``prefetch_factor`` micro-batches each, ``persistent_workers``); 0 reads in the
 training process.  Batches are the same, in the same order, for any ``num_workers``.
 
-What a stage loads (``StageInputs``, from the stage's unit kinds): pixels where the ViT embedding
+What a stage loads (``StageInputs``, from its units' runtime components): pixels where the ViT embedding
 is, tokens (and the image-tile index) where the LLM embedding is, labels where the head is, packing
 metadata where LLM layers or the head are; ``sample_tokens``/``sample_tiles`` (from the validation
 scan, no decode) everywhere.  A stage without the ViT embedding opens no image file.
@@ -55,11 +55,14 @@ class StageInputs:
         return cls()
 
     @classmethod
-    def from_kinds(cls, kinds) -> "StageInputs":
-        """From a stage's unit kinds (``VLMStage.kinds``, omnibal_ext.model.units)."""
-        kinds = set(kinds)
-        return cls(pixels="vit_embed" in kinds, tokens="llm_embed" in kinds, labels="llm_head" in kinds,
-                   packing=bool(kinds & {"llm_layer", "llm_head"}))
+    def reading(cls, parts) -> "StageInputs":
+        """Only the parts named in ``parts`` (field names: "pixels", "tokens", "labels", "packing"); a stage's
+        are the union of its units' runtime components' ``reads`` (``megatron.vlm.families.stage_inputs``)."""
+        parts = set(parts)
+        unknown = parts - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"StageInputs: unknown micro-batch parts {sorted(unknown)}")
+        return cls(**{f.name: f.name in parts for f in dataclasses.fields(cls)})
 
     @property
     def keys(self) -> tuple[str, ...]:

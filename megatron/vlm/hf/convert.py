@@ -57,9 +57,9 @@ class HFSource:
         return src
 
     def _check_tied_head(self, head: str) -> None:
-        from .keys import Names
+        from .keys import hf_names
 
-        emb = Names(self.info, self.style).embed()
+        emb = hf_names(self.spec, self.info, self.style).embed()
         if not torch.equal(self.reader.get(head), self.reader.get(emb)):
             raise UserError(f"--hf-checkpoint {self.folder}: tie_word_embeddings is set but {head} differs from {emb}")
 
@@ -92,14 +92,10 @@ def extra_state_objects(spec: ModelSpec) -> list:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, apply_factories
 
-    from megatron.vlm.config import language_config, vision_config
-    from megatron.vlm.model import VLMStage
+    from megatron.vlm.stage import StageBuild, build_stage
 
     twin = structure_twin(spec)
-    units = build_units(twin)
-    cfg = language_config(twin, 1, True, torch.float32)
-    stage = VLMStage(twin, units, range(len(units)), cfg, vision_config(twin, 1, True, torch.float32), cfg,
-                     img_context_id=0, seed=0)
+    stage = build_stage(StageBuild(twin, range(len(build_units(twin)))))
     sd = stage.sharded_state_dict()
     apply_factories(sd)
     return [x for x in nested_values(sd) if isinstance(x, ShardedObject)]

@@ -1,6 +1,8 @@
-"""The tensor mapping between an HF InternVL checkpoint and our unit-keyed GLOBAL tensors.
+"""The tensor mapping between an HF checkpoint and our unit-keyed GLOBAL tensors.
 
-Our global tensors are what ``VLMStage.sharded_state_dict()`` declares at any TP size (megatron/vlm/sharding.py):
+Each unit's runtime component adds its tensors (``hf_recipes``; InternVL's own units:
+megatron/vlm/families/internvl/hf.py, with the family's HF names; the GPT decoder's: ``add_llm_layer``,
+``vocab_recipe`` here).  Our global tensors are what ``VLMStage.sharded_state_dict()`` declares at any TP size (megatron/vlm/sharding.py):
 
 * ViT attention per real head: ``linear_qkv.weight [R, 3d, H]`` (head h: its q rows, k rows, v rows),
   ``linear_qkv.bias [R, 3d]``, ``linear_proj.weight [R, H, d]`` (head h's input columns of the output
@@ -127,166 +129,59 @@ class Recipe:
         return math.prod(self.shape) // (self.shape[0] * self.rows_per_index)
 
 
-# ---------------------------------------------------------------------------------------------------
-# HF names of each layout
-# ---------------------------------------------------------------------------------------------------
-class Names:
-    """HF tensor names of one layout (``style``: "legacy" = ``vision_tower.`` / ``language_model.model.`` /
-    ``language_model.lm_head`` as save_pretrained writes them; "modern" = ``model.vision_tower.`` /
-    ``model.language_model.`` / ``lm_head``, the in-memory names)."""
-
-    def __init__(self, info: HFInfo, style: str = "legacy"):
-        self.info, self.style = info, style
-        if info.layout == "native":
-            p = "model." if style == "modern" else ""
-            self.vit = f"{p}vision_tower."
-            self.proj = f"{p}multi_modal_projector."
-            self.llm = f"{p}language_model." if style == "modern" else "language_model.model."
-            self.head = "lm_head.weight" if style == "modern" else "language_model.lm_head.weight"
-        else:
-            self.vit, self.proj, self.llm = "vision_model.", "mlp1.", "language_model.model."
-            self.head = "language_model.output.weight" if info.text_family == "internlm2" else "language_model.lm_head.weight"
-
-    # ViT -------------------------------------------------------------------------------------------
-    def vit_embed(self) -> dict[str, str]:
-        e = self.vit + "embeddings."
-        if self.info.layout == "native":
-            return {"cls_token": e + "cls_token", "position": e + "position_embeddings",
-                    "patch.weight": e + "patch_embeddings.projection.weight",
-                    "patch.bias": e + "patch_embeddings.projection.bias"}
-        return {"cls_token": e + "class_embedding", "position": e + "position_embedding",
-                "patch.weight": e + "patch_embedding.weight", "patch.bias": e + "patch_embedding.bias"}
-
-    def vit_layer(self, i: int) -> dict[str, str]:
-        if self.info.layout == "native":
-            p = f"{self.vit}encoder.layer.{i}."
-            return {"q": p + "attention.q_proj.", "k": p + "attention.k_proj.", "v": p + "attention.v_proj.",
-                    "q_norm": p + "attention.q_norm.weight", "k_norm": p + "attention.k_norm.weight",
-                    "proj": p + "attention.projection_layer.", "ls1": p + "lambda_1", "ls2": p + "lambda_2",
-                    "norm1": p + "layernorm_before.", "norm2": p + "layernorm_after.",
-                    "fc1": p + "mlp.fc1.", "fc2": p + "mlp.fc2.", "prefix": p}
-        p = f"{self.vit}encoder.layers.{i}."
-        return {"qkv": p + "attn.qkv.", "q_norm": p + "attn.q_norm.weight", "k_norm": p + "attn.k_norm.weight",
-                "proj": p + "attn.proj.", "ls1": p + "ls1", "ls2": p + "ls2", "norm1": p + "norm1.",
-                "norm2": p + "norm2.", "fc1": p + "mlp.fc1.", "fc2": p + "mlp.fc2.", "prefix": p}
-
-    def projector(self) -> dict[str, str]:
-        if self.info.layout == "native":
-            return {"norm": self.proj + "layer_norm.", "fc1": self.proj + "linear_1.", "fc2": self.proj + "linear_2."}
-        return {"norm": self.proj + "0.", "fc1": self.proj + "1.", "fc2": self.proj + "3."}
-
-    # LLM -------------------------------------------------------------------------------------------
-    def embed(self) -> str:
-        return self.llm + ("tok_embeddings.weight" if self.info.text_family == "internlm2" else "embed_tokens.weight")
-
-    def llm_layer(self, i: int) -> dict[str, str]:
-        p = f"{self.llm}layers.{i}."
-        if self.info.text_family == "internlm2":
-            return {"qkv": p + "attention.wqkv.weight", "o": p + "attention.wo.weight",
-                    "gate": p + "feed_forward.w1.weight", "up": p + "feed_forward.w3.weight",
-                    "down": p + "feed_forward.w2.weight", "norm1": p + "attention_norm.weight",
-                    "norm2": p + "ffn_norm.weight"}
-        return {"q": p + "self_attn.q_proj.", "k": p + "self_attn.k_proj.", "v": p + "self_attn.v_proj.",
-                "o": p + "self_attn.o_proj.weight", "gate": p + "mlp.gate_proj.weight", "up": p + "mlp.up_proj.weight",
-                "down": p + "mlp.down_proj.weight", "norm1": p + "input_layernorm.weight",
-                "norm2": p + "post_attention_layernorm.weight"}
-
-    def final_norm(self) -> str:
-        return self.llm + "norm.weight"
-
-
 def detect_style(names: set[str]) -> str:
     return "modern" if any(n.startswith("model.vision_tower.") for n in names) else "legacy"
 
 
 # ---------------------------------------------------------------------------------------------------
-# The table
+# The table: each unit's runtime component adds its tensors (megatron.vlm.components.RuntimeComponent.hf_recipes)
 # ---------------------------------------------------------------------------------------------------
-def _whole(name: str, shape: tuple[int, ...]) -> Recipe:
+def whole(name: str, shape: tuple[int, ...]) -> Recipe:
     return Recipe(tuple(shape), (Part(name, 0, shape[0]),))
+
+
+@dataclasses.dataclass
+class Table:
+    """What a component's ``hf_recipes`` fills: ``add(our key, Recipe)``; ``hf(HF name, HF shape)`` records an
+    HF tensor and returns its name; ``names``: the family's HF names of this checkpoint (``hf_names``)."""
+
+    spec: ModelSpec
+    info: HFInfo
+    names: object
+    out: dict = dataclasses.field(default_factory=dict)
+    shapes: dict = dataclasses.field(default_factory=dict)
+
+    def add(self, key: str, recipe: Recipe) -> None:
+        self.out[key] = recipe
+
+    def hf(self, name: str, shape) -> str:
+        self.shapes[name] = tuple(shape)
+        return name
+
+
+def hf_names(spec: ModelSpec, info: HFInfo, style: str = "legacy"):
+    """The HF tensor names of ``spec``'s family for a checkpoint of ``info``'s layout in ``style``."""
+    from megatron.vlm.families import runtime_family
+
+    family = runtime_family(spec)
+    if family.hf_names is None:
+        raise UserError(f"model family {family.name!r} has no Hugging Face mapping")
+    return family.hf_names(info, style)
 
 
 def recipes(spec: ModelSpec, info: HFInfo, style: str = "legacy", units=None) -> tuple[dict[str, Recipe], dict]:
     """({our key: Recipe}, {HF name: HF shape}) of the units ``units`` (names; default: all)."""
-    n = Names(info, style)
-    v, lang = spec.vision, spec.language
-    H, R, d, Fv = v.hidden_size, v.num_attention_heads, v.head_dim, v.ffn_hidden_size
-    out: dict[str, Recipe] = {}
-    shapes: dict[str, tuple] = {}
+    from megatron.vlm.families import component_of
+
+    table = Table(spec, info, hf_names(spec, info, style))
     wanted = None if units is None else set(units)
-
-    def add(key, recipe):
-        out[key] = recipe
-
-    def hf(name, shape):
-        shapes[name] = tuple(shape)
-        return name
-
     for unit in build_units(spec):
-        if wanted is not None and unit.name not in wanted:
-            continue
-        u = unit.name + "."
-        if unit.kind == "vit_embed":
-            e = n.vit_embed()
-            P = v.seq_per_tile
-            add(u + "cls_token", _whole(hf(e["cls_token"], (1, 1, H)), (1, 1, H)))
-            add(u + "position", _whole(hf(e["position"], (1, P, H)), (1, P, H)))
-            ps = (H, 3, v.patch_size, v.patch_size)
-            add(u + "patch.weight", _whole(hf(e["patch.weight"], ps), ps))
-            add(u + "patch.bias", _whole(hf(e["patch.bias"], (H,)), (H,)))
-        elif unit.kind == "vit_layer":
-            m = n.vit_layer(unit.layer)
-            sa = u + "self_attention."
-            if info.layout == "native":
-                src = [(hf(m[x] + "weight", (H, H)), 0) for x in "qkv"]  # (name, first row of the H-row block)
-                bsrc = [(hf(m[x] + "bias", (H,)), 0) for x in "qkv"] if v.qkv_bias else None
-            else:
-                qkv = hf(m["qkv"] + "weight", (3 * H, H))
-                src = [(qkv, j * H) for j in range(3)]
-                bsrc = [(hf(m["qkv"] + "bias", (3 * H,)), j * H) for j in range(3)] if v.qkv_bias else None
-            per_head = lambda s: tuple(Part(name, r0 + h * d, r0 + (h + 1) * d) for h in range(R) for name, r0 in s)  # noqa: E731
-            add(sa + "linear_qkv.weight", Recipe((R, 3 * d, H), per_head(src), 3 * d))
-            if bsrc:
-                add(sa + "linear_qkv.bias", Recipe((R, 3 * d), per_head(bsrc), 3 * d))
-            proj = hf(m["proj"] + "weight", (H, H))
-            add(sa + "linear_proj.weight", Recipe((R, H, d), tuple(Part(proj, 0, H, (h * d, (h + 1) * d)) for h in range(R)), H))
-            add(sa + "linear_proj.bias", _whole(hf(m["proj"] + "bias", (H,)), (H,)))
-            if v.qk_norm:
-                for x in "qk":
-                    name = hf(m[f"{x}_norm"], (H,))
-                    add(sa + f"{x}_layernorm.weight", Recipe((R, d), tuple(Part(name, h * d, (h + 1) * d) for h in range(R)), d))
-            norms = ("weight", "bias") if v.normalization == "LayerNorm" else ("weight",)
-            for w in norms:
-                add(sa + f"linear_qkv.layer_norm_{w}", _whole(hf(m["norm1"] + w, (H,)), (H,)))
-                add(u + f"mlp.linear_fc1.layer_norm_{w}", _whole(hf(m["norm2"] + w, (H,)), (H,)))
-            add(u + "mlp.linear_fc1.weight", _whole(hf(m["fc1"] + "weight", (Fv, H)), (Fv, H)))
-            add(u + "mlp.linear_fc1.bias", _whole(hf(m["fc1"] + "bias", (Fv,)), (Fv,)))
-            add(u + "mlp.linear_fc2.weight", _whole(hf(m["fc2"] + "weight", (H, Fv)), (H, Fv)))
-            add(u + "mlp.linear_fc2.bias", _whole(hf(m["fc2"] + "bias", (H,)), (H,)))
-            add(u + "self_attn_bda.scale", _whole(hf(m["ls1"], (H,)), (H,)))
-            add(u + "mlp_bda.scale", _whole(hf(m["ls2"], (H,)), (H,)))
-        elif unit.kind == "projector":
-            m = n.projector()
-            Pin, Hl = spec.projector_in_size, lang.hidden_size
-            for w in ("weight", "bias"):
-                add(u + f"norm.{w}", _whole(hf(m["norm"] + w, (Pin,)), (Pin,)))
-            add(u + "fc1.weight", _whole(hf(m["fc1"] + "weight", (Hl, Pin)), (Hl, Pin)))
-            add(u + "fc1.bias", _whole(hf(m["fc1"] + "bias", (Hl,)), (Hl,)))
-            add(u + "fc2.weight", _whole(hf(m["fc2"] + "weight", (Hl, Hl)), (Hl, Hl)))
-            add(u + "fc2.bias", _whole(hf(m["fc2"] + "bias", (Hl,)), (Hl,)))
-        elif unit.kind == "llm_embed":
-            add(u + "word.weight", _vocab(hf(n.embed(), (lang.vocab_real, lang.hidden_size)), spec))
-        elif unit.kind == "llm_layer":
-            add_llm_layer(add, hf, n.llm_layer(unit.layer), u, spec, info)
-        elif unit.kind == "llm_head":
-            Hl = lang.hidden_size
-            add(u + "norm.weight", _whole(hf(n.final_norm(), (Hl,)), (Hl,)))
-            head = n.embed() if lang.tie_word_embeddings else n.head
-            add(u + "output.weight", _vocab(hf(head, (lang.vocab_real, Hl)), spec))
-    return out, shapes
+        if wanted is None or unit.name in wanted:
+            component_of(spec, unit).hf_recipes(unit, table)
+    return table.out, table.shapes
 
 
-def _vocab(name: str, spec: ModelSpec) -> Recipe:
+def vocab_recipe(name: str, spec: ModelSpec) -> Recipe:
     lang = spec.language
     parts = [Part(name, 0, lang.vocab_real)]
     if lang.vocab_size > lang.vocab_real:
@@ -301,19 +196,19 @@ def add_llm_layer(add, hf, m: dict, u: str, spec: ModelSpec, info: HFInfo) -> No
     rows = (heads + 2 * g) * d
     sa = u + "self_attention."
     if info.text_family == "internlm2":  # wqkv is already grouped as megatron's fused QKV
-        add(sa + "linear_qkv.weight", _whole(hf(m["qkv"], (rows, H)), (rows, H)))
+        add(sa + "linear_qkv.weight", whole(hf(m["qkv"], (rows, H)), (rows, H)))
     else:
         q, k, vv = (hf(m[x] + "weight", ((heads if x == "q" else g) * d, H)) for x in "qkv")
         add(sa + "linear_qkv.weight", Recipe((rows, H), _grouped(q, k, vv, g, per, d)))
         if lang.qkv_bias:
             qb, kb, vb = (hf(m[x] + "bias", ((heads if x == "q" else g) * d,)) for x in "qkv")
             add(sa + "linear_qkv.bias", Recipe((rows,), _grouped(qb, kb, vb, g, per, d)))
-    add(sa + "linear_proj.weight", _whole(hf(m["o"], (H, heads * d)), (H, heads * d)))
-    add(sa + "linear_qkv.layer_norm_weight", _whole(hf(m["norm1"], (H,)), (H,)))
-    add(u + "mlp.linear_fc1.layer_norm_weight", _whole(hf(m["norm2"], (H,)), (H,)))
+    add(sa + "linear_proj.weight", whole(hf(m["o"], (H, heads * d)), (H, heads * d)))
+    add(sa + "linear_qkv.layer_norm_weight", whole(hf(m["norm1"], (H,)), (H,)))
+    add(u + "mlp.linear_fc1.layer_norm_weight", whole(hf(m["norm2"], (H,)), (H,)))
     gate, up = hf(m["gate"], (F, H)), hf(m["up"], (F, H))
     add(u + "mlp.linear_fc1.weight", Recipe((2 * F, H), (Part(gate, 0, F), Part(up, 0, F))))
-    add(u + "mlp.linear_fc2.weight", _whole(hf(m["down"], (H, F)), (H, F)))
+    add(u + "mlp.linear_fc2.weight", whole(hf(m["down"], (H, F)), (H, F)))
 
 
 def _grouped(q: str, k: str, v: str, groups: int, per: int, d: int) -> tuple[Part, ...]:
@@ -327,10 +222,11 @@ def _grouped(q: str, k: str, v: str, groups: int, per: int, d: int) -> tuple[Par
 # Import / export of whole tensors
 # ---------------------------------------------------------------------------------------------------
 def skipped_names(info: HFInfo, spec: ModelSpec, names: set[str], style: str) -> set[str]:
-    """HF tensors legitimately left out: ViT layers after the one ``vision_feature_layer`` selects."""
-    n = Names(info, style)
-    prefixes = tuple(n.vit_layer(i)["prefix"] for i in range(spec.vision.num_layers, info.vit_layers_in_checkpoint))
-    return {x for x in names if prefixes and x.startswith(prefixes)}
+    """HF tensors the family leaves out on purpose (InternVL: ViT layers after ``vision_feature_layer``)."""
+    from megatron.vlm.families import runtime_family
+
+    skipped = runtime_family(spec).hf_skipped_names
+    return set() if skipped is None else skipped(info, spec, names, style)
 
 
 def check_names(table_shapes: dict, reader, spec: ModelSpec, info: HFInfo, style: str, folder: str,
@@ -339,10 +235,11 @@ def check_names(table_shapes: dict, reader, spec: ModelSpec, info: HFInfo, style
     have = reader.names()
     missing = sorted(set(table_shapes) - have)
     unused = sorted(have - set(table_shapes) - skipped_names(info, spec, have, style))
-    if spec.language.tie_word_embeddings and Names(info, style).head in unused:
-        unused.remove(Names(info, style).head)  # a tied head saved anyway: checked equal by the caller
+    head = hf_names(spec, info, style).head
+    if spec.language.tie_word_embeddings and head in unused:
+        unused.remove(head)  # a tied head saved anyway: checked equal by the caller
         if tied_equal is not None:
-            tied_equal(Names(info, style).head)
+            tied_equal(head)
     problems = []
     if missing:
         problems.append(f"{len(missing)} tensor(s) the config asks for are missing: {', '.join(missing[:8])}"

@@ -22,17 +22,12 @@ def make_batch(inputs: dict) -> dict:
     return collate_padded([sample], pad_id=0)
 
 
-def build_stage(spec, unit_range, img_context_id: int, tp: int = 1, pp: int = 1):
-    from megatron.vlm.config import language_config, vision_config
-    from megatron.vlm.model import VLMStage
+def logits_stage(spec, unit_range, img_context_id: int, tp: int = 1, pp: int = 1):
+    """A stage of ``spec`` in logits mode (the last stage returns this TP rank's logits), fp32, eval."""
+    from megatron.vlm.stage import StageBuild, build_stage
 
-    units = build_units(spec)
-    stage_cfg = language_config(spec, tp, True, torch.float32, pp=pp)
-    stage = VLMStage(spec, units, unit_range, stage_cfg, vision_config(spec, tp, True, torch.float32),
-                     language_config(spec, tp, True, torch.float32), img_context_id=img_context_id, seed=0)
-    if stage.head is not None:
-        stage.head.return_logits = True
-    return stage.eval()
+    return build_stage(StageBuild(spec, unit_range, tp=tp, pp=pp, img_context_id=img_context_id, seed=0,
+                                  output="logits")).eval()
 
 
 def image_token_id(src, given: int | None = None) -> int:
@@ -68,7 +63,7 @@ def chained_logits(src, inputs: dict, cuts: list[int] = (), img_context_id: int 
     x = None
     with torch.no_grad():
         for a, b in zip(bounds[:-1], bounds[1:]):
-            stage = build_stage(spec, range(a, b), image_token_id(src, img_context_id), pp=len(bounds) - 1)
+            stage = logits_stage(spec, range(a, b), image_token_id(src, img_context_id), pp=len(bounds) - 1)
             load_hf_into_stage(stage, src)
             stage.set_input_tensor(x)
             x = stage(batch)
@@ -85,7 +80,7 @@ def pipeline_logits(src, inputs: dict, layout, img_context_id: int | None = None
     spec = src.spec
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     rank = ps.get_pipeline_model_parallel_rank()
-    stage = build_stage(spec, layout.stage_range(rank), image_token_id(src, img_context_id), tp, pp)
+    stage = logits_stage(spec, layout.stage_range(rank), image_token_id(src, img_context_id), tp, pp)
     load_hf_into_stage(stage, src)
     batch = make_batch(inputs)
     with torch.no_grad():

@@ -1,0 +1,289 @@
+"""The runtime side of a unit kind, and of a model family.
+
+A family (``megatron/vlm/families/<name>/``) gives each kind of unit of its planning side
+(``omnibal_ext.model.families``: one ``CostComponent`` per kind) a ``RuntimeComponent`` that knows
+
+* how its module is built from megatron-core parts (``build``; the units of a layer kind that sit together
+  on a stage become TransformerBlock segments carrying their recompute settings) and run (``forward``);
+* which parts of a micro-batch it reads (``reads``: the fields of ``megatron.vlm.batches.StageInputs``);
+* its checkpoint keys (``sharded_state_dict``: keyed by the unit's global name) and its Hugging Face tensor
+  mapping (``hf_recipes``);
+* how the profiler runs one unit of it (``profile_module``, ``profile_forward``).
+
+The GPT decoder's components (text embedding, text layer, head) are shared here, since every family's LLM
+is one; a family registers them beside its own.  A component's ``kind`` and role (``code``, the layout
+letter) are its planning-side component's (``cost``), so the two sides cannot disagree.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from omnibal_ext.memory.recompute import StageRecompute
+from omnibal_ext.model.components import CostComponent, HeadCost, TextEmbedCost, TextLayerCost
+from omnibal_ext.model.spec import TEXT_LAYER, VISION_LAYER, ModelSpec, Unit
+
+from megatron.vlm import layers
+from megatron.vlm.head import OutputHead
+from megatron.vlm.seeding import seeded
+from megatron.vlm.sharding import unit_sharded_state_dict
+from megatron.vlm.text import TextEmbedding, run_text_blocks, text_context, word_embedding
+
+
+@dataclasses.dataclass(frozen=True)
+class StageContext:
+    """What a stage's components are built with (``megatron.vlm.stage.build_stage`` makes it)."""
+
+    spec: ModelSpec
+    units: tuple[Unit, ...]  # the whole model's unit list (a tied head finds the text embedding in it)
+    vision_config: TransformerConfig
+    language_config: TransformerConfig
+    seed: int
+    recompute: StageRecompute
+    img_context_id: int
+    transformer_impl: str
+    attention_backend: str
+    output: str  # "loss" or "logits"
+
+    @property
+    def thd(self) -> bool:
+        """The LLM layers take packed sequences (else: the dense mask of --attention-backend unfused)."""
+        return self.attention_backend != "unfused"
+
+    def layer_recompute(self, role: str) -> tuple[int, bool]:
+        """(fully recomputed layers, selective) of this stage's layers of ``role``."""
+        r = self.recompute
+        if role == VISION_LAYER:
+            return r.vit_full_layers, r.vit_selective
+        if role == TEXT_LAYER:
+            return r.llm_full_layers, r.llm_selective
+        raise ValueError(f"role {role!r} has no layers to recompute")
+
+
+class RuntimeComponent:
+    """One kind of unit at run time, bound to a stage's ``StageContext``.
+
+    cost: the planning-side component of the kind (gives ``kind`` and ``code``); attr: the stage attribute
+    holding its module (where the module sits in the stage's state dict); reads: the micro-batch parts it
+    needs (``StageInputs`` fields); layers: a transformer-layer kind (units that sit together form
+    TransformerBlock segments; ``attr`` then holds a ModuleList of blocks).
+    """
+
+    cost: type[CostComponent] = CostComponent
+    attr: str = ""
+    reads: frozenset[str] = frozenset()
+    layers: bool = False
+
+    def __init__(self, ctx: StageContext):
+        self.ctx = ctx
+        self.spec = ctx.spec
+
+    @classmethod
+    def kind(cls) -> str:
+        return cls.cost.kind
+
+    @classmethod
+    def code(cls) -> str:
+        return cls.cost.code
+
+    # building and running --------------------------------------------------------------------------
+    def build(self, units: list[Unit]) -> torch.nn.Module:
+        """The module of ``units`` (one unit; for a layer kind the consecutive units on this stage). The
+        stage draws a single unit's module under the unit's seed; layers seed themselves per unit."""
+        raise NotImplementedError
+
+    def extra_modules(self) -> dict[str, torch.nn.Module]:
+        """Parameter-free helpers the stage registers after the module (the LLM layers' rotary table)."""
+        return {}
+
+    def forward(self, module: torch.nn.Module, x, batch: dict, cache: dict):
+        """The unit(s) on the previous output ``x`` (None at the model's start); ``cache``: per micro-batch."""
+        raise NotImplementedError
+
+    def prepare(self, module: torch.nn.Module, batch: dict, cache: dict) -> None:
+        """Build what ``forward`` keeps in ``cache`` for ``batch`` now (the profiler times units without it)."""
+
+    # checkpoint ------------------------------------------------------------------------------------
+    def unit_modules(self, module: torch.nn.Module, units: list[Unit], blocks: range = range(0)):
+        """(unit, its module, path of that module below ``attr``) for each of ``units``; a layer kind's
+        ``module`` is the stage's ModuleList, its units in the blocks ``blocks``."""
+        if not self.layers:
+            (unit,) = units
+            yield unit, module, ""
+            return
+        layer_units = iter(units)
+        for b in blocks:
+            for j, layer in enumerate(module[b].layers):
+                yield next(layer_units), layer, f".{b}.layers.{j}"
+
+    def sharded_state_dict(self, unit: Unit, module: torch.nn.Module, module_prefix: str, metadata) -> dict:
+        """The unit's tensors keyed by its global name (megatron/vlm/sharding.py)."""
+        return unit_sharded_state_dict(module, module_prefix, f"{unit.name}.", metadata)
+
+    # Hugging Face ----------------------------------------------------------------------------------
+    @classmethod
+    def hf_recipes(cls, unit: Unit, table) -> None:
+        """Add the unit's tensors to ``table`` (``megatron.vlm.hf.keys.Table``): our key -> Recipe of HF parts."""
+        raise NotImplementedError(f"{cls.__name__}: no Hugging Face mapping")
+
+    # profiling -------------------------------------------------------------------------------------
+    def profile_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The module of one unit (a layer kind: the first block, one layer on a profiling stage)."""
+        return module[0] if self.layers else module
+
+    def profile_forward(self, module: torch.nn.Module, x, batch: dict, cache: dict):
+        """One unit's forward (a layer kind: the first block)."""
+        return self.forward(module[:1] if self.layers else module, x, batch, cache)
+
+    def tied_weight(self, module: torch.nn.Module):
+        """The tied input/output embedding weight this unit holds (None: none)."""
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# The GPT decoder's components, shared by every family
+# ---------------------------------------------------------------------------------------------------
+class TextEmbed(RuntimeComponent):
+    """Vocabulary-parallel token embedding; the vision features go into the image-context slots."""
+
+    cost, attr, reads = TextEmbedCost, "text_embed", frozenset({"tokens"})
+
+    def build(self, units):
+        return TextEmbedding(self.spec, self.ctx.language_config, self.ctx.img_context_id,
+                             self.spec.tokens_per_tile)
+
+    def forward(self, module, x, batch, cache):
+        return module(batch["tokens"], x, batch["image_tile_index"])
+
+    def tied_weight(self, module):
+        return module.word.weight
+
+    @classmethod
+    def hf_recipes(cls, unit, table):
+        from megatron.vlm.hf.keys import vocab_recipe
+
+        lang = table.spec.language
+        table.add(unit.name + ".word.weight",
+                  vocab_recipe(table.hf(table.names.embed(), (lang.vocab_real, lang.hidden_size)), table.spec))
+
+
+class TextLayer(RuntimeComponent):
+    """GPT decoder layers (megatron-core's layer spec): causal attention within each packed sample, RoPE."""
+
+    cost, attr, reads, layers = TextLayerCost, "llm_blocks", frozenset({"packing"}), True
+
+    def layer_spec(self, first_unit_index: int):
+        ctx = self.ctx
+        return layers.layer_spec(self.spec.language.normalization,
+                                 layers.llm_mask_type(ctx.transformer_impl, ctx.attention_backend), ctx.seed,
+                                 first_unit_index, ctx.transformer_impl, ctx.attention_backend)
+
+    def build(self, units):
+        full, selective = self.ctx.layer_recompute(self.code())
+        return layers.build_blocks(self.ctx.language_config, self.layer_spec, units[0].index, len(units),
+                                   full, selective)
+
+    def extra_modules(self):
+        lang = self.spec.language
+        self.rotary = RotaryEmbedding(kv_channels=lang.kv_channels, rotary_percent=1.0,
+                                      rotary_base=lang.rotary_base, use_cpu_initialization=True)
+        return {"rotary": self.rotary}
+
+    def context(self, module, batch: dict, cache: dict) -> dict:
+        """The LLM blocks' inputs besides the hidden states, built once per micro-batch (``text_context``)."""
+        if "text_context" not in cache:
+            device = next(module.parameters()).device if self.ctx.transformer_impl == "transformer_engine" else None
+            cache["text_context"] = text_context(batch, self.rotary, self.ctx.thd, device)
+        return cache["text_context"]
+
+    def prepare(self, module, batch, cache):
+        self.context(module, batch, cache)
+
+    def forward(self, module, x, batch, cache):
+        return run_text_blocks(module, x, self.context(module, batch, cache), self.ctx.thd)
+
+    @classmethod
+    def hf_recipes(cls, unit, table):
+        from megatron.vlm.hf.keys import add_llm_layer
+
+        add_llm_layer(table.add, table.hf, table.names.llm_layer(unit.layer), unit.name + ".", table.spec, table.info)
+
+
+class Head(RuntimeComponent):
+    """Final norm, vocabulary-parallel output layer and loss (or logits: ``StageBuild.output``)."""
+
+    cost, attr, reads = HeadCost, "head", frozenset({"labels", "packing"})
+
+    def build(self, units):
+        norm = get_gpt_layer_local_spec(normalization=self.spec.language.normalization).submodules.input_layernorm
+        return OutputHead(self.spec, self.ctx.language_config, norm, output=self.ctx.output)
+
+    def forward(self, module, x, batch, cache):
+        return module(x, batch["labels"] if self.ctx.output == "loss" else None)
+
+    def profile_forward(self, module, x, batch, cache):
+        out = self.forward(module, x, batch, cache)
+        return out.loss if self.ctx.output == "loss" else out
+
+    def tied_weight(self, module):
+        return module.output.weight
+
+    def tie(self, module: OutputHead, embed_weight: torch.Tensor | None, embed_unit: Unit,
+            draw_embedding: Callable[[], torch.nn.Module]) -> None:
+        """Tied embeddings: use the stage's embedding Parameter, or (E on another stage) hold a copy drawn
+        as E draws it, marked ``shared`` (megatron/vlm/tied.py)."""
+        if embed_weight is not None:
+            module.output.weight = embed_weight
+            return
+        with seeded(self.ctx.seed, embed_unit.index):
+            drawn = draw_embedding()
+        with torch.no_grad():
+            module.output.weight.copy_(drawn.weight)
+        module.output.weight.shared = True
+
+    def draw_embedding(self):
+        return word_embedding(self.spec, self.ctx.language_config)
+
+    @classmethod
+    def hf_recipes(cls, unit, table):
+        from megatron.vlm.hf.keys import vocab_recipe, whole
+
+        lang, names = table.spec.language, table.names
+        H = lang.hidden_size
+        table.add(unit.name + ".norm.weight", whole(table.hf(names.final_norm(), (H,)), (H,)))
+        head = names.embed() if lang.tie_word_embeddings else names.head
+        table.add(unit.name + ".output.weight", vocab_recipe(table.hf(head, (lang.vocab_real, H)), table.spec))
+
+
+GPT_DECODER = (TextEmbed, TextLayer, Head)
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeFamily:
+    """A model family at run time.
+
+    name: ``ModelSpec.family`` (and the planning side's ``Family.name``); components: one
+    ``RuntimeComponent`` class per unit kind of the planning side; vision_config(spec, tp, on_cpu, dtype):
+    the ViT's TransformerConfig; hf_names(info, style): the family's Hugging Face tensor names (the GPT
+    decoder's: ``embed()``, ``llm_layer(i)``, ``final_norm()``, ``head``), hf_skipped_names(info, spec,
+    names, style): HF tensors it leaves out on purpose; hf_config: its HF config.json reader module
+    (``read_config``, ``spec_from_config``, ``native_config``); None where the family has no HF side.
+    """
+
+    name: str
+    components: tuple[type[RuntimeComponent], ...]
+    vision_config: Callable
+    hf_names: Callable | None = None
+    hf_skipped_names: Callable | None = None
+    hf_config: object = None
+
+    def component(self, kind: str) -> type[RuntimeComponent]:
+        for c in self.components:
+            if c.kind() == kind:
+                return c
+        raise KeyError(f"family {self.name!r} has no runtime component for unit kind {kind!r}")

@@ -1,0 +1,82 @@
+"""InternVL's runtime components: InternViT's patch embedding and layers, the pixel-shuffle projector."""
+from __future__ import annotations
+
+from megatron.core import parallel_state
+from megatron.core.transformer.enums import AttnMaskType
+
+from omnibal_ext.model.families.internvl import ProjectorCost, VisionEmbedCost, VisionLayerCost
+
+from megatron.vlm import layers
+from megatron.vlm.components import RuntimeComponent
+from megatron.vlm.sharding import drop_padded_heads
+
+from . import hf
+from .layers import layer_spec
+from .modules import Projector, VisionEmbedding
+
+
+class VisionEmbed(RuntimeComponent):
+    """Tiles [n, C, S, S] -> patch tokens plus a class token, with learned positions."""
+
+    cost, attr, reads = VisionEmbedCost, "vit_embed", frozenset({"pixels"})
+
+    def build(self, units):
+        return VisionEmbedding(self.spec, self.ctx.vision_config)
+
+    def forward(self, module, x, batch, cache):
+        return module(batch["pixel_values"])
+
+    @classmethod
+    def hf_recipes(cls, unit, table):
+        hf.vision_embed_recipes(unit, table)
+
+
+class VisionLayer(RuntimeComponent):
+    """InternViT layers: full attention within each tile (no mask), heads padded to a multiple of TP, and
+    the layer features of the VisionSpec (qkv bias, qk-norm, layer scale)."""
+
+    cost, attr, layers = VisionLayerCost, "vit_blocks", True
+
+    def layer_spec(self, first_unit_index: int):
+        v, ctx = self.spec.vision, self.ctx
+        return layer_spec(v.normalization, AttnMaskType.no_mask, ctx.seed, first_unit_index, ctx.transformer_impl,
+                          ctx.attention_backend, real_heads=v.num_attention_heads, vision=v)
+
+    def build(self, units):
+        full, selective = self.ctx.layer_recompute(self.code())
+        return layers.build_blocks(self.ctx.vision_config, self.layer_spec, units[0].index, len(units),
+                                   full, selective)
+
+    def forward(self, module, x, batch, cache):
+        for block in module:
+            x = block(hidden_states=x, attention_mask=None)
+        return x
+
+    def sharded_state_dict(self, unit, module, module_prefix, metadata):
+        """Padded heads dropped: the attention tensors saved per real head (megatron/vlm/sharding.py)."""
+        sd = super().sharded_state_dict(unit, module, module_prefix, metadata)
+        cfg = self.ctx.vision_config
+        tp = cfg.tensor_model_parallel_size
+        drop_padded_heads(sd, module_prefix, self.spec.vision.num_attention_heads, cfg.num_attention_heads // tp,
+                          parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0, cfg.kv_channels)
+        return sd
+
+    @classmethod
+    def hf_recipes(cls, unit, table):
+        hf.vision_layer_recipes(unit, table)
+
+
+class ProjectorUnit(RuntimeComponent):
+    """ViT output -> drop class token -> pixel shuffle -> LayerNorm -> 2-layer MLP into the LLM's width."""
+
+    cost, attr = ProjectorCost, "projector"
+
+    def build(self, units):
+        return Projector(self.spec, self.ctx.language_config)
+
+    def forward(self, module, x, batch, cache):
+        return module(x)
+
+    @classmethod
+    def hf_recipes(cls, unit, table):
+        hf.projector_recipes(unit, table)

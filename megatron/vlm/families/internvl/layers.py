@@ -1,0 +1,154 @@
+"""InternViT's layer features on megatron-core's layer spec: padded heads drawn for the real heads,
+layer scale (``LayerScale`` as the bias-dropout-add submodules), qk-norm over the full width of all heads
+(``FullWidthQKNorm`` as ``q_layernorm``/``k_layernorm``), and the bias-free fused QKV.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megatron.vlm import layers
+
+
+def draw_padded_layer(layer: TransformerLayer, config: TransformerConfig, real_heads: int) -> None:
+    """Draw a multi-head layer's matrices for ``real_heads`` heads and zero the padded heads after them.
+
+    ``config.num_attention_heads`` >= real_heads (a multiple of the TP size). The full matrices of the
+    real model are drawn on the host in a fixed order (QKV, out-projection, MLP in, MLP out), so a
+    layer's weights are the same at every TP size, padded or not, and this rank keeps its slice;
+    biases start at zero. Megatron's fused QKV holds, per head, rows [q | k | v] of ``kv_channels``
+    each; the out-projection's input columns follow the heads. A padded head's q, k, v are zero, so
+    its attention output is zero; its out-projection columns are zero, so that output reaches nothing
+    and every gradient the head gets is zero: padded heads stay zero under training.
+
+    megatron-core's own initialisation still runs first and is overwritten here: it is also what marks
+    the weights tensor-parallel (with ``perform_initialization`` off the gradient norm would count the
+    TP shards as replicated).
+    """
+    heads, d, h = config.num_attention_heads, config.kv_channels, config.hidden_size
+    if config.num_query_groups not in (None, heads):
+        raise ValueError("draw_padded_layer: multi-head attention only (the ViT's)")
+    if not 1 <= real_heads <= heads:
+        raise ValueError(f"draw_padded_layer: {real_heads} real heads for a layer of {heads}")
+    tp = config.tensor_model_parallel_size
+    rank = parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0
+    mine = slice(rank * heads // tp, (rank + 1) * heads // tp)
+    qkv = torch.zeros(heads, 3 * d, h)
+    config.init_method(qkv[:real_heads])
+    proj = torch.zeros(h, heads, d)
+    proj_real = torch.empty(h, real_heads, d)
+    config.output_layer_init_method(proj_real)
+    proj[:, :real_heads] = proj_real
+    fc1 = torch.empty(config.ffn_hidden_size, h)
+    config.init_method(fc1)
+    fc2 = torch.empty(h, config.ffn_hidden_size)
+    config.output_layer_init_method(fc2)
+    ffn_mine = slice(rank * config.ffn_hidden_size // tp, (rank + 1) * config.ffn_hidden_size // tp)
+    attn, mlp = layer.self_attention, layer.mlp
+    with torch.no_grad():
+        for linear, full in ((attn.linear_qkv, qkv[mine].reshape(-1, h)), (attn.linear_proj, proj[:, mine].reshape(h, -1)),
+                             (mlp.linear_fc1, fc1[ffn_mine]), (mlp.linear_fc2, fc2[:, ffn_mine])):
+            linear.weight.copy_(full.to(linear.weight.dtype))
+            if getattr(linear, "bias", None) is not None:
+                linear.bias.zero_()
+
+
+class LayerScale(torch.nn.Module):
+    """Bias-dropout-add with a trained per-channel scale of the branch: ``residual + scale * (x + bias)``.
+
+    Used as a TransformerLayer's ``self_attn_bda`` / ``mlp_bda`` submodule (InternViT's layer scale:
+    ``lambda_1``/``ls1`` is the attention branch's ``self_attn_bda.scale``, ``lambda_2``/``ls2`` the MLP
+    branch's ``mlp_bda.scale``), a parameter of shape [hidden] kept apart from the weights (replicated
+    over TP). Called like megatron-core's bias-dropout-add: ``bda(training, fused)(x_with_bias, residual,
+    dropout_prob)``.
+    """
+
+    def __init__(self, hidden_size: int, init_value: float):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.full((hidden_size,), float(init_value)))
+
+    def forward(self, training: bool, fused: bool = False):
+        def bias_dropout_scale_add(x_with_bias, residual, prob):
+            x, bias = x_with_bias
+            if bias is not None:
+                x = x + bias
+            x = F.dropout(x, p=prob, training=training) * self.scale
+            return residual + x
+
+        return bias_dropout_scale_add
+
+
+class FullWidthQKNorm(MegatronModule):
+    """RMSNorm of q (or k) over the full width of all heads, as InternViT-6B's qk-norm.
+
+    Built as SelfAttention's ``q_layernorm`` / ``k_layernorm`` submodule, it gets this rank's heads
+    [s, b, heads per rank, head_dim] and normalises each token over ``real_heads * head_dim`` values:
+    under tensor parallelism the sum of squares is all-reduced over the TP group (forward and backward)
+    and divided by the real width (padded heads are zero and add nothing). The weight covers this rank's
+    heads ([heads per rank * head_dim], split over TP like the heads; padded heads' entries stay unused).
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, real_heads: int | None = None):
+        super().__init__(config=config)
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        self.tp = config.tensor_model_parallel_size
+        local_heads = config.num_attention_heads // self.tp
+        self.real_width = (real_heads or config.num_attention_heads) * hidden_size
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(local_heads * hidden_size, dtype=config.params_dtype))
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(*shape[:-2], -1).float()
+        ss = flat.pow(2).sum(-1, keepdim=True)
+        if self.tp > 1:  # all-reduce forward, all-reduce backward (every rank's output depends on the sum)
+            ss = tensor_parallel.reduce_from_tensor_model_parallel_region(
+                tensor_parallel.copy_to_tensor_model_parallel_region(ss))
+        y = (flat * torch.rsqrt(ss / self.real_width + self.eps)).to(x.dtype)
+        return (self.weight * y).reshape(shape)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        state = self.state_dict(prefix="", keep_vars=True)
+        return make_sharded_tensors_for_checkpoint(state, prefix, {"weight": 0}, sharded_offsets)
+
+
+def layer_spec(normalization: str, mask_type: AttnMaskType, seed: int, first_unit_index: int,
+               transformer_impl: str = "local", attention_backend: str = "auto",
+               real_heads: int | None = None, vision=None) -> ModuleSpec:
+    """The shared seeded layer spec (``megatron.vlm.layers.layer_spec``) with InternViT's features.
+
+    real_heads: the model's attention heads when the config may hold padded ones: the layer's matrices are
+    then drawn by ``draw_padded_layer``. vision: the VisionSpec whose per-layer features (qkv bias off,
+    qk-norm, layer scale) the layer gets (None: a plain layer).
+    """
+    redraw = None if real_heads is None else functools.partial(draw_padded_layer, real_heads=real_heads)
+    spec = layers.layer_spec(normalization, mask_type, seed, first_unit_index, transformer_impl,
+                             attention_backend, redraw=redraw)
+    attn = spec.submodules.self_attention
+    if vision is not None:
+        if not vision.qkv_bias:
+            attn.submodules.linear_qkv = layers.without_bias(attn.submodules.linear_qkv)
+        if vision.qk_norm:
+            norm = ModuleSpec(module=FullWidthQKNorm, params={"real_heads": real_heads})
+            attn.submodules.q_layernorm = norm
+            attn.submodules.k_layernorm = copy.deepcopy(norm)
+        if vision.layer_scale_init is not None:
+            scale = ModuleSpec(module=LayerScale, params={"hidden_size": vision.hidden_size,
+                                                          "init_value": vision.layer_scale_init})
+            spec.submodules.self_attn_bda = scale
+            spec.submodules.mlp_bda = copy.deepcopy(scale)
+    return spec
+

@@ -1,0 +1,106 @@
+"""Transformer layers of any family from megatron-core's layer specs: the spec a stage's layers are built
+with, the attention mask type, and the split of a run of layers into TransformerBlock segments that carry
+their recompute settings.
+
+Recompute: a stage's layers of one role (ViT, LLM) are split into megatron TransformerBlocks ("segments"):
+the first ``full_layers`` fully recomputed, the rest with selective (core-attention) recompute or none, so
+every stage can get its own plan.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron.vlm.attention import SegmentAttention
+from megatron.vlm.seeding import SeededTransformerLayer
+
+_NO_BIAS_CLASSES: dict = {}
+
+
+def without_bias(linear_cls: type) -> type:
+    """``linear_cls`` built without a bias whatever the ``bias`` its builder passes (megatron-core gives
+    linear_qkv a bias whenever ``add_bias_linear`` is set; the ViT keeps biases elsewhere)."""
+    if linear_cls not in _NO_BIAS_CLASSES:
+        def __init__(self, *args, bias=True, **kwargs):
+            linear_cls.__init__(self, *args, bias=False, **kwargs)
+
+        _NO_BIAS_CLASSES[linear_cls] = type(f"{linear_cls.__name__}NoBias", (linear_cls,), {"__init__": __init__})
+    return _NO_BIAS_CLASSES[linear_cls]
+
+
+def base_layer_spec(normalization: str, transformer_impl: str = "local") -> ModuleSpec:
+    """megatron-core's layer spec: torch modules ("local") or TransformerEngine's fused ones.
+
+    With TransformerEngine the normalisation comes from the config (fused into the linear layers).
+    """
+    if transformer_impl == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization=normalization)
+
+
+def layer_spec(normalization: str, mask_type: AttnMaskType, seed: int, first_unit_index: int,
+               transformer_impl: str = "local", attention_backend: str = "auto", redraw=None) -> ModuleSpec:
+    """The spec of seeded layers (``SeededTransformerLayer``) whose first is unit ``first_unit_index``; a
+    family changes submodules of the returned copy for its layer features."""
+    spec = copy.deepcopy(base_layer_spec(normalization, transformer_impl))
+    spec.module = SeededTransformerLayer
+    spec.params = {**spec.params, "seed": seed, "first_unit_index": first_unit_index, "redraw": redraw}
+    attn = spec.submodules.self_attention
+    attn.params = {**attn.params, "attn_mask_type": mask_type}
+    if uses_segment_attention(transformer_impl, attention_backend):
+        attn.submodules.core_attention = SegmentAttention
+    return spec
+
+
+def llm_mask_type(transformer_impl: str, attention_backend: str) -> AttnMaskType:
+    """The LLM layers' mask type: causal within each THD segment (TransformerEngine's THD kernels want
+    ``padding_causal``), or ``arbitrary`` for megatron-core's DotProductAttention and its dense mask."""
+    if transformer_impl == "transformer_engine":
+        return AttnMaskType.padding_causal
+    return AttnMaskType.causal if uses_segment_attention(transformer_impl, attention_backend) else AttnMaskType.arbitrary
+
+
+def uses_segment_attention(transformer_impl: str, attention_backend: str) -> bool:
+    """Local layers take SegmentAttention (segment ids, SDPA) unless --attention-backend unfused asks for
+    megatron-core's DotProductAttention (dense mask, attention scores kept: what selective recompute saves)."""
+    if attention_backend not in ("auto", "unfused"):
+        raise ValueError(f"attention backend must be 'auto' or 'unfused', got {attention_backend!r}")
+    return transformer_impl == "local" and attention_backend == "auto"
+
+
+def segment_configs(base: TransformerConfig, num_layers: int, full_layers: int, selective: bool):
+    """Split ``num_layers`` into (num_layers, config) segments carrying their recompute settings."""
+    if full_layers < 0 or full_layers > num_layers:
+        raise ValueError(f"recompute of {full_layers} full layers on a stage with {num_layers} layers")
+    segments = []
+    if full_layers:
+        segments.append((full_layers, dataclasses.replace(
+            base, num_layers=full_layers, recompute_granularity="full", recompute_method="block",
+            recompute_num_layers=full_layers)))
+    rest = num_layers - full_layers
+    if rest:
+        segments.append((rest, dataclasses.replace(
+            base, num_layers=rest, recompute_granularity="selective" if selective else None,
+            recompute_method=None, recompute_num_layers=None)))
+    return segments
+
+
+def build_blocks(config: TransformerConfig, spec_for, first_index: int, n_layers: int, full_layers: int,
+                 selective: bool) -> torch.nn.ModuleList:
+    """TransformerBlock segments of ``n_layers`` consecutive layer units from unit ``first_index``;
+    ``spec_for(first_unit_index)`` is the layer spec of a segment starting at that unit."""
+    blocks = torch.nn.ModuleList()
+    offset = 0
+    for n, cfg in segment_configs(config, n_layers, min(full_layers, n_layers), selective):
+        blocks.append(TransformerBlock(cfg, spec_for(first_index + offset), post_layer_norm=False))
+        offset += n
+    return blocks

@@ -1,0 +1,244 @@
+"""Pipeline stages of a VLM, built from megatron-core parts through the model family's runtime components.
+
+A stage holds a contiguous slice of the unit list (omnibal_ext.model.units): any run of the family's units
+(InternVL: ViT patch embedding, ViT layers, projector, LLM embedding, LLM layers, output head).  Layers are
+placed like any other unit, so a stage may end the ViT and start the LLM.  The stage builds each run of
+consecutive units of one kind through its runtime component (``megatron.vlm.components``) and runs them in
+order; it never names a kind.
+
+Stage I/O.  Every stage reads the micro-batch (tokens, tiles, ...) it needs; between stages one tensor
+travels, in megatron's [sequence, batch, hidden] order (InternVL):
+  inside the ViT           [tokens per tile, tiles, vision hidden]
+  after the projector      [image tokens of all tiles, 1, LLM hidden]
+  inside the LLM           [rows x sequence, 1, LLM hidden]  (THD: the micro-batch's rows flattened)
+  out of the last stage    loss mode: ``HeadOutput(loss [rows, sequence] fp32, correct [rows, sequence])``;
+                           logits mode: this TP rank's logits [rows x sequence, 1, vocabulary / TP]
+The shapes change along the pipeline, so the config sets ``variable_seq_lengths``.
+
+No host sync.  Nothing in a micro-batch's forward or backward reads a device tensor on the host: the
+segment boundaries, ``max_seqlen`` and the real tiles' indices come from the collate (the host).
+
+Initialisation is seeded per unit (seed, unit index: ``megatron.vlm.seeding``), so a unit has the same
+weights whichever stage builds it and whatever the tensor-parallel size.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from megatron.core.transformer.enums import ModelType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import make_viewless_tensor
+
+from omnibal_ext.memory.recompute import StageRecompute
+from omnibal_ext.model.spec import HEAD, TEXT_EMBED, ModelSpec, Unit
+from omnibal_ext.model.units import build_units
+
+from megatron.vlm.components import RuntimeComponent, StageContext
+from megatron.vlm.config import language_config
+from megatron.vlm.head import OUTPUTS
+from megatron.vlm.layers import uses_segment_attention
+from megatron.vlm.seeding import seeded
+from megatron.vlm.tied import allreduce_tied_grad
+
+
+@dataclasses.dataclass(frozen=True)
+class StageBuild:
+    """Everything a stage is built from.
+
+    unit_range: the stage's slice of ``build_units(spec)``; tp, pp: tensor- and pipeline-parallel sizes;
+    recompute: this stage's plan (None: none); img_context_id: the tokenizer's image-context id;
+    on_cpu: CPU kernels (no fusions that need CUDA); output: "loss" (training: the last stage returns
+    ``HeadOutput``) or "logits" (this TP rank's logits).
+    """
+
+    spec: ModelSpec
+    unit_range: range
+    tp: int = 1
+    pp: int = 1
+    dtype: torch.dtype = torch.float32
+    transformer_impl: str = "local"
+    attention_backend: str = "auto"
+    seed: int = 0
+    recompute: StageRecompute | None = None
+    img_context_id: int = 0
+    on_cpu: bool = True
+    output: str = "loss"
+    initialize: bool = True  # False: megatron-core's weight initialisation skipped (weights loaded next)
+
+
+@dataclasses.dataclass
+class _Part:
+    """A run of consecutive units of one kind on the stage, and the component that built it."""
+
+    component: RuntimeComponent
+    units: list[Unit]
+    blocks: range = range(0)  # layer kinds: its blocks in the stage's ModuleList
+
+
+def build_stage(build: StageBuild) -> "VLMStage":
+    """The stage ``build`` describes (its three TransformerConfigs made here: megatron/vlm/config.py)."""
+    from megatron.vlm.families import runtime_family
+
+    spec, tp = build.spec, build.tp
+    family = runtime_family(spec)
+
+    def made(config):
+        return config if build.initialize else dataclasses.replace(config, perform_initialization=False)
+
+    return VLMStage(build, family,
+                    stage_config=made(language_config(spec, tp, build.on_cpu, build.dtype, pp=build.pp)),
+                    vision_config=made(family.vision_config(spec, tp, build.on_cpu, build.dtype)),
+                    llm_config=made(language_config(spec, tp, build.on_cpu, build.dtype)))
+
+
+class VLMStage(MegatronModule):
+    """One pipeline stage: the units ``build.unit_range`` of the model's unit list (use ``build_stage``)."""
+
+    def __init__(self, build: StageBuild, family, stage_config, vision_config, llm_config):
+        super().__init__(config=stage_config)
+        impl, backend = build.transformer_impl, build.attention_backend
+        if impl == "transformer_engine" and backend == "unfused":
+            raise ValueError("--attention-backend unfused is megatron-core's DotProductAttention (local layers)")
+        if build.output not in OUTPUTS:
+            raise ValueError(f"stage output must be one of {OUTPUTS}, got {build.output!r}")
+        uses_segment_attention(impl, backend)  # checks the backend's name
+        if impl == "transformer_engine":  # TE's fused THD RoPE reads cu_seqlens on the device;
+            llm_config = dataclasses.replace(llm_config, apply_rope_fusion=True)  # megatron's unfused one
+            # would read them on the host (.tolist()) in every layer
+        spec = build.spec
+        units = build_units(spec)
+        unit_range = build.unit_range
+        self.build_args = build
+        self.spec = spec
+        self.transformer_impl, self.attention_backend = impl, backend
+        self.model_type = ModelType.encoder_or_decoder
+        # Read by megatron's finalize_model_grads: its embedding group (first and last stage) cannot say
+        # where E sits in our layouts, so tied embeddings are kept in sync by this module itself.
+        self.pre_process = unit_range.start == 0
+        self.post_process = unit_range.stop == len(units)
+        self.share_embeddings_and_output_weights = False
+        self.units = [units[i] for i in unit_range]
+        self.input_tensor = None
+        self.recompute = build.recompute or StageRecompute()
+        self.ctx = StageContext(spec=spec, units=tuple(units), vision_config=vision_config, language_config=llm_config,
+                                seed=build.seed, recompute=self.recompute, img_context_id=build.img_context_id,
+                                transformer_impl=impl, attention_backend=backend, output=build.output)
+        self.parts: list[_Part] = []
+        for run in _runs(self.units):
+            component = family.component(run[0].kind)(self.ctx)
+            part = _Part(component, run)
+            if component.layers:
+                blocks = component.build(run)
+                held = getattr(self, component.attr, None)
+                if held is None:
+                    setattr(self, component.attr, blocks)
+                    part.blocks = range(len(blocks))
+                else:  # another run of layers in the same place (a family with several layer kinds)
+                    part.blocks = range(len(held), len(held) + len(blocks))
+                    held.extend(blocks)
+            else:
+                if getattr(self, component.attr, None) is not None:
+                    raise ValueError(f"stage holds two {component.kind()} units")
+                with seeded(build.seed, run[0].index):
+                    setattr(self, component.attr, component.build(run))
+            for name, module in component.extra_modules().items():
+                setattr(self, name, module)
+            self.parts.append(part)
+        self.tied_group = None  # set by megatron.training.training.build_model when E and L are apart
+        self._tie_embeddings()
+
+    @property
+    def thd(self) -> bool:
+        """The LLM layers take packed sequences (THD); False: the dense mask of --attention-backend unfused."""
+        return self.ctx.thd
+
+    # parts by role ---------------------------------------------------------------------------------
+    def part(self, role: str) -> _Part | None:
+        """This stage's (first) run of units of ``role`` (a layout letter), or None."""
+        return next((p for p in self.parts if p.component.code() == role), None)
+
+    def module_of(self, part: _Part) -> torch.nn.Module:
+        """The module holding ``part`` (for a layer kind: its blocks)."""
+        module = getattr(self, part.component.attr)
+        if part.component.layers and len(part.blocks) != len(module):
+            return module[part.blocks.start:part.blocks.stop]
+        return module
+
+    # tied embeddings (megatron/vlm/tied.py) --------------------------------------------------------
+    def _tie_embeddings(self) -> None:
+        head = self.part(HEAD)
+        if not self.spec.language.tie_word_embeddings or head is None:
+            return
+        embed = self.part(TEXT_EMBED)
+        embed_weight = embed.component.tied_weight(self.module_of(embed)) if embed is not None else None
+        embed_unit = next(u for u in self.ctx.units if u.code == TEXT_EMBED)
+        head.component.tie(self.module_of(head), embed_weight, embed_unit, head.component.draw_embedding)
+
+    def tied_embedding_weight(self):
+        """This stage's copy of the tied embedding / output weight (None when untied or neither is here)."""
+        if not self.spec.language.tie_word_embeddings:
+            return None
+        for role in (TEXT_EMBED, HEAD):
+            part = self.part(role)
+            if part is not None:
+                return part.component.tied_weight(self.module_of(part))
+        return None
+
+    def allreduce_tied_embedding_grads(self) -> None:
+        """Sum the tied weight's gradient over the stages holding E and L (``tied_group``), so both copies
+        take the same step. Runs before megatron's finalize_model_grads (the DP reduction), on the local
+        accumulated gradients, which is right for the plain and the distributed optimizer alike."""
+        if self.tied_group is None:
+            return
+        allreduce_tied_grad(self.tied_embedding_weight(), self.tied_group)
+
+    # checkpoint ------------------------------------------------------------------------------------
+    def unit_modules(self):
+        """(unit, module, where the module sits in this stage's state dict) for each unit of the stage."""
+        for part in self.parts:
+            c = part.component
+            for unit, module, path in c.unit_modules(getattr(self, c.attr), part.units, part.blocks):
+                yield unit, module, f"{c.attr}{path}."
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """megatron-core sharded state dict whose checkpoint keys are the global unit names (see
+        megatron/vlm/sharding.py): independent of stage, recompute segmentation, layout and TP size."""
+        if sharded_offsets:
+            raise ValueError("VLMStage.sharded_state_dict: units carry global names; no offsets apply")
+        components = {id(p.component): p.component for p in self.parts}
+        by_unit = {u.index: components[id(p.component)] for p in self.parts for u in p.units}
+        sd = {}
+        for unit, module, path in self.unit_modules():
+            sd.update(by_unit[unit.index].sharded_state_dict(unit, module, prefix + path, metadata))
+        return sd
+
+    # running ---------------------------------------------------------------------------------------
+    def set_input_tensor(self, input_tensor):
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0]
+        self.input_tensor = input_tensor
+
+    def forward(self, batch: dict):
+        """The stage's slice of the model: the next stage's input, or at the end ``HeadOutput`` (loss mode)
+        or this TP rank's logits (logits mode)."""
+        x, cache = self.input_tensor, {}
+        for part in self.parts:
+            x = part.component.forward(self.module_of(part), x, batch, cache)
+        if self.post_process:
+            return x
+        # megatron-core frees a sent stage output's storage (deallocate_pipeline_outputs), which a view of
+        # another tensor (the projector's unsqueeze, a reshape) cannot give up
+        return make_viewless_tensor(x, requires_grad=x.requires_grad, keep_graph=True)
+
+
+def _runs(units: list[Unit]) -> list[list[Unit]]:
+    """``units`` cut into runs of consecutive units of one kind."""
+    runs: list[list[Unit]] = []
+    for unit in units:
+        if runs and runs[-1][-1].kind == unit.kind:
+            runs[-1].append(unit)
+        else:
+            runs.append([unit])
+    return runs
+
