@@ -44,10 +44,9 @@ def cache_path(cache_dir: str, meta_path: str, key: str) -> str:
     return os.path.join(cache_dir, f"scan_{name}_{key}.npz")
 
 
-def load_scan(path: str, sources):
-    """The ScanResult cached at ``path``, or None when there is none (or it cannot be read: it is rebuilt)."""
-    from .internvl import ScanResult
-
+def load_scan(path: str) -> dict | None:
+    """The fields of the ScanResult cached at ``path`` (all but ``sources``), or None when there is none (or it
+    cannot be read: it is rebuilt)."""
     if not os.path.exists(path):
         return None
     try:
@@ -56,7 +55,7 @@ def load_scan(path: str, sources):
             num_truncated, num_without_loss = (int(v) for v in z["counts"])
     except (OSError, KeyError, ValueError):
         return None
-    return ScanResult(sources, **arrays, num_truncated=num_truncated, num_without_loss=num_without_loss)
+    return {**arrays, "num_truncated": num_truncated, "num_without_loss": num_without_loss}
 
 
 def save_scan(path: str, scan) -> None:
