@@ -53,19 +53,19 @@ def _older_hint(root: str, iteration: int | None) -> str:
     return ". No older complete checkpoint is there"
 
 
-def load_checkpoint(ckpt: Checkpoint, args, model, optimizer, scheduler) -> dict:
+def load_checkpoint(ckpt: Checkpoint, args, plan, model, optimizer, scheduler) -> dict:
     """Load ``ckpt`` into this run's model, optimizer and scheduler, whatever TP/PP/DP, layout, recompute plan
     and optimizer kind it was saved with; returns its common state (iteration, consumed samples, data)."""
     common = dist_checkpointing.load_common_state_dict(ckpt.path)
     saved_run = common.get("run") or {}
-    _check_model(ckpt, saved_run, args)
+    _check_model(ckpt, saved_run, plan.model_spec)
     _check_tensors(ckpt, model)
     with_optimizer = "scheduler" in common  # an imported model (iteration 0) holds weights only
     if with_optimizer:
         init_optimizer_state(optimizer)
     request = sharded_state_dict(model, optimizer, with_optimizer, is_loading=True)
     same_world = saved_run and world_of(saved_run) == (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                                     args.data_parallel_size)
+                                                     plan.data_parallel_size)
     if with_optimizer:
         adapt_optimizer_request(request["optimizer"], saved_run, args)
     if same_world:
@@ -94,14 +94,14 @@ def load_checkpoint(ckpt: Checkpoint, args, model, optimizer, scheduler) -> dict
     return common
 
 
-def _check_model(ckpt: Checkpoint, saved_run: dict, args) -> None:
+def _check_model(ckpt: Checkpoint, saved_run: dict, spec) -> None:
     """The checkpoint's model sizes must be this run's (a clear message rather than a tensor shape)."""
     from omnibal_ext.model.units import ModelSpec
 
     if saved_run.get("model") is None:
         return
     saved = ModelSpec.from_dict(saved_run["model"]).to_dict()  # fields added since: their defaults
-    mine = args.model_spec.to_dict()
+    mine = spec.to_dict()
     diffs = [f"{k}: {v} saved, {mine_v} now" for k, v, mine_v in _flat_diff(saved, mine)]
     if diffs:
         raise CheckpointError(f"--load {ckpt.root}: the checkpoint of iteration {ckpt.iteration} holds another "
