@@ -324,7 +324,7 @@ def check_layer_throughput(work: Path, cuda: bool, deadline: float) -> dict:
     result = {"peak_bf16_tflops": device.matmul_flops_per_s / 1e12, "specs": {}}
     for impl in specs:
         path = work / f"profile_{impl}.json"
-        cmd = [sys.executable, "-m", "omnibal_ext.cli", "profile", "--json", str(path), "--model", "internvl-6b-20b",
+        cmd = [sys.executable, "-m", "omnibal_cli", "profile", "--json", str(path), "--model", "internvl-6b-20b",
                "--bf16", "--device", "cuda", "--tiles", "9", "--llm-tokens", "4096", "--sample-tokens", "1024",
                "--transformer-impl", impl]
         proc = subprocess.run(cmd, cwd=work, env=_env(), capture_output=True, text=True,

@@ -185,7 +185,7 @@ def test_min_num_tiles_as_internvl(tmp_path):
 
 def test_meta_scanned_with_the_model_tile_size(tmp_path):
     """`omnibal plan --data meta.json` counts tiles at the model's tile size (tiny: 32 px)."""
-    from omnibal_ext.cli import load_stats_or_meta
+    from omnibal_cli import load_stats_or_meta
     from omnibal_ext.model.units import get_preset
 
     meta, _ = make_data(tmp_path, [qa(image="sq.png")], images=(("sq.png", (64, 64)),))

@@ -271,7 +271,7 @@ def test_hf_checkpoint_flag_gives_the_model_and_refuses_conflicts(tiny):
 
 
 def test_plan_takes_the_model_from_hf_checkpoint(tiny, tmp_path):
-    from omnibal_ext.cli import main
+    from omnibal_cli import main
 
     folder = str(tiny[("ln-bias", "qwen2")][0])
     g = torch.Generator().manual_seed(0)
