@@ -55,7 +55,10 @@ def main(argv=None) -> dict:
             if dist.get_rank() == 0:
                 print(f"> profile of {len(costs.units)} units written to {args.omnibal_profile}", flush=True)
             return {"profile": args.omnibal_profile}
-    layout = setup.balanced_layout(args, plan, costs) if args.omnibal_partition == "auto" else setup.choose_layout(args, plan)
+    if args.omnibal_partition == "auto":
+        layout = setup.balanced_layout(args, plan, costs)
+    else:
+        layout = setup.choose_layout(args, plan)
     plan = dataclasses.replace(plan, layout=layout)
     if args.omnibal_recompute == "auto":
         adaptive = setup.adaptive_recompute(args, plan, costs, device)

@@ -130,7 +130,8 @@ def choose_layout(args, plan: RunPlan):
 
 
 def recompute_settings(args, plan: RunPlan) -> tuple[StageRecompute, ...]:
-    """Per-stage recompute (for ``plan.layout``) from --recompute-granularity (every stage alike) or --recompute-plan."""
+    """Per-stage recompute (for ``plan.layout``) from --recompute-granularity (every stage alike) or
+    --recompute-plan."""
     layout = plan.layout
     units = build_units(plan.model_spec)
     counts = []

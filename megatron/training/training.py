@@ -364,7 +364,8 @@ def evaluate(args, plan: RunPlan, model, valid_data, forward_backward) -> dict:
         m.eval()
     reports = []
     valid_data.reset()
-    iters = args.eval_iters or max(1, valid_data.sampler.num_groups // (plan.data_parallel_size * plan.num_microbatches))
+    groups_per_iteration = plan.data_parallel_size * plan.num_microbatches
+    iters = args.eval_iters or max(1, valid_data.sampler.num_groups // groups_per_iteration)
     with torch.no_grad():
         for _ in range(iters):
             reports += forward_backward(

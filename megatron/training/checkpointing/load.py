@@ -3,6 +3,7 @@ load, resharded to this run's TP/PP/DP, layout and optimizer kind."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,8 @@ def find_checkpoint(root: str, step: int | None = None) -> Checkpoint | None:
                 return None
             step = iterations[-1]  # killed between the folder's rename and the tracker's
         else:
-            text = open(tracker).read().strip()
+            with open(tracker) as f:
+                text = f.read().strip()
             if not text.isdigit():
                 raise CheckpointError(f"--load {root}: {tracker} holds {text!r}, not an iteration number"
                                       f"{_older_hint(root, None)}")
@@ -151,5 +153,7 @@ def read_global_tensors(path: str, keys) -> dict:
     if missing:
         raise CheckpointError(f"{path}: model tensor(s) missing: {', '.join(missing[:8])}")
     out = {k: torch.empty(tuple(meta[k].size), dtype=meta[k].properties.dtype) for k in keys}
-    dcp_load(out, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # torch warns of a single-process load even when asked for one (no_dist)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp_load(out, storage_reader=reader, no_dist=True)
     return out

@@ -21,7 +21,8 @@ def save_checkpoint(args, plan, iteration: int, consumed_samples: int, model, op
     tmp = _fresh_folder(root, iteration)
     sd = sharded_state_dict(model, optimizer, with_optimizer=True, is_loading=False)
     sd.update({"rng": rng_object(rng_state()), "iteration": iteration, "consumed_samples": consumed_samples,
-               "scheduler": scheduler.state_dict(), "data": to_tensors(train_data.state_dict()), "run": run_description(args, plan)})
+               "scheduler": scheduler.state_dict(), "data": to_tensors(train_data.state_dict()),
+               "run": run_description(args, plan)})
     dist_checkpointing.save(sd, tmp, sharded_strategy=_save_strategy(), validate_access_integrity=True)
     fault_point("save", iteration)
     _publish(root, iteration, args.keep_checkpoints)

@@ -29,9 +29,11 @@ def scan_key(meta_path: str, sources, config, tokenizer) -> str:
 
     tok_dir = getattr(tokenizer, "path", None)
     tok_files = sorted(stat(os.path.join(tok_dir, f)) for f in os.listdir(tok_dir)) if tok_dir else []
+    with open(meta_path, "rb") as f:
+        meta_digest = hashlib.sha256(f.read()).hexdigest()
     described = {
         "format": FORMAT,
-        "meta": hashlib.sha256(open(meta_path, "rb").read()).hexdigest(),
+        "meta": meta_digest,
         "annotations": [stat(src.annotation) for src in sources],
         "config": dataclasses.asdict(config),
         "tokenizer": [repr(tokenizer), tokenizer.vocab_size, getattr(tokenizer, "chat_template", None), tok_files],
