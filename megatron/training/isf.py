@@ -62,13 +62,13 @@ def isf_groups(args, plan: RunPlan, dataset) -> tuple[list[np.ndarray], np.ndarr
         tokens, tiles = dataset.sample_lengths()
         cfg = SearchConfig(dp_size=plan.data_parallel_size, samples_per_group=args.micro_batch_size,
                            seed=args.seed, time_budget_s=math.inf)
-        plan = plan_isf(tiles, tokens, cfg, isf_params_from_args(args))
-        check_partition(plan.grouping, len(dataset))
-        g = plan.grouping
-        box = [{"groups": g.groups(), "order": plan.assembly.order, "params": plan.params.to_dict(),
+        data_plan = plan_isf(tiles, tokens, cfg, isf_params_from_args(args))
+        check_partition(data_plan.grouping, len(dataset))
+        g = data_plan.grouping
+        box = [{"groups": g.groups(), "order": data_plan.assembly.order, "params": data_plan.params.to_dict(),
                 "mean_group": {"tiles": float(g.tiles.mean()), "tokens": float(g.tokens.mean()),
                                "attn_tokens_sq": float((tokens.astype(float) ** 2).sum() / len(g))},
-                "metrics": plan.metrics}]
+                "metrics": data_plan.metrics}]
     dist.broadcast_object_list(box, src=0)
     result = box[0]
     if dist.get_rank() == 0:

@@ -74,7 +74,8 @@ def resolve_overlap(args, device) -> tuple[bool, bool]:
     (param gather only with the distributed optimizer), off on CPU."""
     on_cuda = device.type == "cuda"
     grad = on_cuda if args.overlap_grad_reduce is None else bool(args.overlap_grad_reduce)
-    param = (on_cuda and args.use_distributed_optimizer) if args.overlap_param_gather is None else bool(args.overlap_param_gather)
+    param = bool(args.overlap_param_gather) if args.overlap_param_gather is not None else \
+        on_cuda and args.use_distributed_optimizer
     return grad, param
 
 

@@ -58,6 +58,6 @@ def _check_hf_tokenizer(args, plan: RunPlan, tokenizer) -> RunPlan:
     vocab = spec.language.vocab_size
     if vocab % args.tensor_model_parallel_size:
         vocab = padded_vocab_size(real, args.tensor_model_parallel_size)
-        plan = dataclasses.replace(plan, model_spec=spec.replace(language=dataclasses.replace(spec.language,
-                                                                                               vocab_size=vocab)))
+        spec = spec.replace(language=dataclasses.replace(spec.language, vocab_size=vocab))
+        plan = dataclasses.replace(plan, model_spec=spec)
     return plan
