@@ -18,7 +18,8 @@ def main(argv=None) -> dict:
     from megatron.training.arguments import ArgumentError, parse_args
     from megatron.training.initialize import choose_device, initialize_distributed, set_seeds, world_size_from_env
 
-    args = parse_args(argv, world_size_from_env())
+    world_size = world_size_from_env()
+    args = parse_args(argv, world_size)  # checked, never written to: what follows from it is the run plan
     device = choose_device(args.device)
     if args.bf16 and device.type != "cuda":
         raise ArgumentError("--bf16 needs a CUDA device: megatron-core's mixed-precision optimizer takes CUDA "
@@ -26,60 +27,68 @@ def main(argv=None) -> dict:
     initialize_distributed(device, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     set_seeds(args.seed)
 
+    import dataclasses
+
     import torch.distributed as dist
 
     from megatron.training import checkpointing, setup, training
-    from omnibal_ext.model.units import build_units
+    from megatron.training.run_plan import plan_run
+    from megatron.training.tokenizer_setup import setup_tokenizer
 
+    plan = plan_run(args, world_size, device)  # sizes, model, overlap; completed below as each part is known
     resume = checkpointing.find_checkpoint(args.load, args.ckpt_step) if args.load else None  # checked first
     hf_source = None
     if args.hf_checkpoint:
         from megatron.vlm.hf.convert import HFSource
 
         hf_source = HFSource.open(args.hf_checkpoint)  # every tensor name and shape checked (headers only)
-        args.hf_meta = hf_source.meta()
+        plan = dataclasses.replace(plan, hf_meta=hf_source.meta())
     if args.load and resume is None and dist.get_rank() == 0:
         print(f"> no checkpoint in --load {args.load}: starting from scratch", flush=True)
-    tokenizer = setup.setup_tokenizer(args)
-    datasets = setup.build_datasets(args, tokenizer)  # validates every record first
-    groups = setup.build_groups(args, datasets[0])  # ISF's caps and mean group size the profile below
+    tokenizer, plan = setup_tokenizer(args, plan)  # the vocabulary padded for the tokenizer
+    datasets = setup.build_datasets(args, plan, tokenizer)  # validates every record first
+    groups, plan = setup.build_groups(args, plan, datasets[0])  # ISF's caps and mean group size the profile below
     costs = None
     if args.omnibal_partition == "auto" or args.omnibal_recompute == "auto" or args.omnibal_profile:
-        costs = setup.unit_costs(args, datasets[0], tokenizer.img_context_id, device)
+        costs = setup.unit_costs(args, plan, datasets[0], tokenizer.img_context_id, device)
         if args.omnibal_partition == "none" and args.omnibal_recompute == "none":
             if dist.get_rank() == 0:
                 print(f"> profile of {len(costs.units)} units written to {args.omnibal_profile}", flush=True)
             return {"profile": args.omnibal_profile}
-    layout = setup.balanced_layout(args, costs) if args.omnibal_partition == "auto" else setup.choose_layout(args)
-    if args.omnibal_recompute == "auto":
-        recompute = setup.adaptive_recompute(args, costs, layout, device)
+    if args.omnibal_partition == "auto":
+        layout = setup.balanced_layout(args, plan, costs)
     else:
-        recompute = setup.recompute_settings(args, layout)
-    args.layout_flag = layout.to_flag(build_units(args.model_spec))
-    train_data, valid_data = setup.build_data(args, tokenizer, setup.stage_inputs(args, layout), datasets,
+        layout = setup.choose_layout(args, plan)
+    plan = dataclasses.replace(plan, layout=layout)
+    if args.omnibal_recompute == "auto":
+        adaptive = setup.adaptive_recompute(args, plan, costs, device)
+        plan = dataclasses.replace(plan, recompute=adaptive.stages, recompute_plan=adaptive)
+    else:
+        plan = dataclasses.replace(plan, recompute=setup.recompute_settings(args, plan))
+    train_data, valid_data = setup.build_data(args, plan, tokenizer, setup.stage_inputs(plan), datasets,
                                               device.type, groups)  # this stage's inputs only
-    model = training.build_model(args, layout, recompute, tokenizer.img_context_id, device)
+    model = training.build_model(args, plan, tokenizer.img_context_id, device)
     if hf_source is not None and resume is None:  # this rank's units and TP slices, before the optimizer
         from megatron.core.utils import unwrap_model
         from megatron.vlm.hf.load import load_hf_into_stage
 
         stage = unwrap_model(model[0])
-        hf_source.spec = args.model_spec  # the vocabulary may be padded further for TP
+        hf_source.spec = plan.model_spec  # the vocabulary may be padded further for TP
         load_hf_into_stage(stage, hf_source)
         if dist.get_rank() == 0:
             print(f"> loaded weights from --hf-checkpoint {args.hf_checkpoint}", flush=True)
-    optimizer, scheduler = training.build_optimizer(args, model)
+    optimizer, scheduler = training.build_optimizer(args, plan, model)
     start, consumed = 0, 0
     if resume is not None:
-        state = checkpointing.load_checkpoint(resume, args, model, optimizer, scheduler)
+        state = checkpointing.load_checkpoint(resume, args, plan, model, optimizer, scheduler)
         if "data" in state:
             train_data.load_state_dict(checkpointing.to_arrays(state["data"]))
         start, consumed = state.get("iteration", 0), state.get("consumed_samples", 0)
     if dist.get_rank() == 0:
-        print(f"> model {args.model_spec.name}: TP={args.tensor_model_parallel_size} "
-              f"PP={args.pipeline_model_parallel_size} DP={args.data_parallel_size}, "
-              f"layout {args.layout_flag}, {args.num_microbatches} micro-batches per iteration", flush=True)
-    summary = training.train(args, model, optimizer, scheduler, train_data, valid_data, start, consumed)
+        print(f"> model {plan.model_spec.name}: TP={args.tensor_model_parallel_size} "
+              f"PP={args.pipeline_model_parallel_size} DP={plan.data_parallel_size}, "
+              f"layout {plan.layout_flag}, {plan.num_microbatches} micro-batches per iteration", flush=True)
+    summary = training.train(args, plan, model, optimizer, scheduler, train_data, valid_data, start, consumed)
     summary["layout"] = list(layout.stage_units)
     return summary
 

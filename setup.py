@@ -7,7 +7,7 @@ setup(
     description="OmniBal (ICML 2025) data/model/memory balancing for VLM training on megatron-core",
     python_requires=">=3.10",
     packages=find_namespace_packages(include=["omnibal_ext*", "megatron.training*", "megatron.vlm*"]),
-    py_modules=["pretrain_vlm"],
+    py_modules=["pretrain_vlm", "omnibal_cli"],
     install_requires=[
         "torch==2.13.0",
         "megatron-core==0.16.1",
@@ -27,5 +27,5 @@ setup(
         # built from source); never the unrelated PyPI package called "apex".
         "hf": ["transformers==5.23.0"],
     },
-    entry_points={"console_scripts": ["omnibal=omnibal_ext.cli:main"]},
+    entry_points={"console_scripts": ["omnibal=omnibal_cli:main"]},
 )

@@ -1,12 +1,14 @@
-"""``omnibal`` command line: sub-commands of the OmniBal-Megatron tools.
+"""The planner commands of ``omnibal`` (tensor-free, no trainer):
 
 * ``omnibal isf stats|search|pack``  data level (``omnibal_ext.data.cli``);
 * ``omnibal partition``              model level: pipeline layout (``omnibal_ext.model.cli``);
 * ``omnibal memory``                 memory level: per-stage memory and recompute (``omnibal_ext.memory.cli``);
-* ``omnibal plan``                   all three together, with predictions (``omnibal_ext.plan``);
-* ``omnibal profile``                measure the units on this machine (runs the trainer's profiler);
-* ``omnibal hf import|export``       Hugging Face InternVL folders to and from trainer checkpoints
-                                     (``megatron.vlm.hf``).
+* ``omnibal plan``                   all three together, with predictions (``omnibal_ext.plan``).
+
+The ``omnibal`` command itself is ``omnibal_cli.py`` (beside pretrain_vlm.py, above this package and the
+trainer): it registers these with the trainer's InternVL reader (meta JSONs as ``--stats``/``--data``) and
+Hugging Face config reader (``omnibal plan --hf-checkpoint``) as hooks, and adds ``omnibal profile`` and
+``omnibal hf import|export``.  This package imports nothing of the trainer.
 
 Bad input (a missing or malformed file, a flag that cannot work, a model that fits no
 configuration) prints one line ``omnibal <command>: error: ...`` on stderr and exits with status 2.
@@ -15,9 +17,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
-import sys
 from pathlib import Path
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -25,8 +28,16 @@ from omnibal_ext.data.cli import _json_default, add_isf_parser
 from omnibal_ext.errors import UserError, report
 
 
-def add_plan_parser(subparsers) -> argparse.ArgumentParser:
-    """Register ``plan`` on an ``argparse`` subparsers object; sets ``func``."""
+# hooks the `omnibal` command gives (omnibal_cli.py): the trainer's readers
+MetaScanner = Callable[[Sequence[str], object], list]  # (meta JSON paths, ModelSpec or None) -> [(tiles, tokens)]
+HFModelReader = Callable[[str], object]  # Hugging Face folder -> ModelSpec of its config.json
+
+
+def add_plan_parser(subparsers, scan_metas: MetaScanner | None = None,
+                    model_from_hf: HFModelReader | None = None) -> argparse.ArgumentParser:
+    """Register ``plan`` on an ``argparse`` subparsers object; sets ``func``.  ``scan_metas``: reads InternVL
+    meta JSONs given to ``--data``; ``model_from_hf``: the model of ``--hf-checkpoint DIR`` (without it the flag
+    is not offered)."""
     from omnibal_ext.model.cost_model import DEVICES
     from omnibal_ext.model.units import PRESETS
     from omnibal_ext.plan import DEFAULT_GLOBAL_BATCH
@@ -43,9 +54,10 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                         "or InternVL meta JSONs (scanned as by `omnibal isf`), or folders of either; concatenated")
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--model", help=f"model preset: {', '.join(PRESETS)}")
-    model.add_argument("--hf-checkpoint", metavar="DIR",
-                       help="the model of a Hugging Face InternVL folder's config.json (the plan's trainer flags "
-                            "then start from it with --hf-checkpoint)")
+    if model_from_hf is not None:
+        model.add_argument("--hf-checkpoint", metavar="DIR",
+                           help="the model of a Hugging Face InternVL folder's config.json (the plan's trainer "
+                                "flags then start from it with --hf-checkpoint)")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in all")
     p.add_argument("--gpu-memory", type=float, required=True, metavar="GIB", help="memory of one GPU, GiB")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: chosen)")
@@ -74,28 +86,20 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", required=True, metavar="OUT", help="where to write the plan JSON")
     p.add_argument("--plot", default=None, metavar="PREFIX",
                    help="write PREFIX_stages.png (stage times) and PREFIX_timeline.png (pipeline timeline)")
-    p.set_defaults(func=run_plan)
+    p.set_defaults(func=functools.partial(run_plan, scan_metas=scan_metas, model_from_hf=model_from_hf))
     return p
 
 
-def run_plan(args) -> int:
+def run_plan(args, scan_metas: MetaScanner | None = None, model_from_hf: HFModelReader | None = None) -> int:
     from omnibal_ext.model.units import get_preset
     from omnibal_ext.plan import format_plan, make_plan, plot_plan
 
-    if args.hf_checkpoint:
-        import os
-
-        from megatron.vlm.hf.config import read_config, spec_from_config
-
-        spec, _ = spec_from_config(read_config(args.hf_checkpoint),
-                                   "hf:" + os.path.basename(os.path.normpath(args.hf_checkpoint)),
-                                   os.path.join(args.hf_checkpoint, "config.json"))
-    else:
-        spec = get_preset(args.model)
-    stats = load_stats_or_meta(args.data, "--data", spec)
+    hf_checkpoint = getattr(args, "hf_checkpoint", None)
+    spec = model_from_hf(hf_checkpoint) if hf_checkpoint else get_preset(args.model)
+    stats = load_stats_or_meta(args.data, "--data", spec, scan_metas)
     plan = make_plan(stats, dataclasses.replace(plan_config(args), model=spec))
-    if args.hf_checkpoint:  # the trainer takes the model from the folder, not from a preset name
-        flags = {"--hf-checkpoint": args.hf_checkpoint}
+    if hf_checkpoint:  # the trainer takes the model from the folder, not from a preset name
+        flags = {"--hf-checkpoint": hf_checkpoint}
         flags.update({k: v for k, v in plan.trainer_flags.items() if k != "--model"})
         plan.trainer_flags.clear()
         plan.trainer_flags.update(flags)
@@ -123,71 +127,22 @@ def plan_config(args):
                       min_pp=args.min_pp, seed=args.seed)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(scan_metas: MetaScanner | None = None, model_from_hf: HFModelReader | None = None,
+                 more_commands: Sequence[Callable] = ()) -> argparse.ArgumentParser:
+    """The ``omnibal`` parser with the planner commands (the hooks: see :func:`add_plan_parser`), then
+    ``more_commands`` (functions registering a command on the subparsers, e.g. omnibal_cli's ``profile``)."""
     from omnibal_ext.memory.cli import add_memory_parser
     from omnibal_ext.model.cli import add_partition_parser
 
     parser = argparse.ArgumentParser(prog="omnibal", description="OmniBal-Megatron balancing tools")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_isf_parser(sub, stats_loader=stats_or_meta_loader)
+    add_isf_parser(sub, stats_loader=lambda args: load_stats_or_meta(args.stats, "--stats", None, scan_metas))
     add_partition_parser(sub)
     add_memory_parser(sub)
-    add_plan_parser(sub)
-    add_profile_parser(sub)
-    add_hf_parser(sub)
+    add_plan_parser(sub, scan_metas, model_from_hf)
+    for add in more_commands:
+        add(sub)
     return parser
-
-
-def add_hf_parser(subparsers) -> argparse.ArgumentParser:
-    """``omnibal hf import|export``: offline conversion (torch is imported only when one runs)."""
-    p = subparsers.add_parser("hf", help="convert Hugging Face InternVL checkpoints to and from trainer checkpoints",
-                              description="Offline conversion between a Hugging Face InternVL folder (config.json + "
-                                          "*.safetensors; native InternVLForConditionalGeneration or original "
-                                          "InternVLChatModel layout) and a trainer checkpoint (torch_dist).")
-    sub = p.add_subparsers(dest="hf_command", required=True)
-    imp = sub.add_parser("import", help="HF folder -> weights-only trainer checkpoint at iteration 0 "
-                                        "(load it with pretrain_vlm.py --load at any TP/PP/layout)")
-    imp.add_argument("--hf-checkpoint", required=True, metavar="DIR", help="Hugging Face model folder")
-    imp.add_argument("--save", required=True, metavar="CKPT", help="checkpoint folder to write")
-    imp.set_defaults(func=_run_hf_import)
-    exp = sub.add_parser("export", help="trainer checkpoint (any TP/PP/DP/layout) -> native HF folder that "
-                                        "InternVLForConditionalGeneration.from_pretrained loads")
-    exp.add_argument("--load", required=True, metavar="CKPT", help="checkpoint folder (its newest iteration)")
-    exp.add_argument("--out", required=True, metavar="DIR", help="folder to write config.json + *.safetensors into")
-    exp.add_argument("--ckpt-step", type=int, default=None, help="that iteration instead of the newest")
-    exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                     help="tensor dtype written (default: the imported checkpoint's)")
-    exp.set_defaults(func=_run_hf_export)
-    return p
-
-
-def _run_hf_import(args) -> int:
-    import torch
-
-    from megatron.training import cpu_compat
-    from megatron.training.initialize import destroy, initialize_distributed
-    from megatron.vlm.hf.convert import import_hf
-
-    with cpu_compat.patched():
-        try:
-            initialize_distributed(torch.device("cpu"), 1, 1)
-            done = import_hf(args.hf_checkpoint, args.save)
-        finally:
-            destroy()
-    spec = done["spec"]
-    print(f"imported {done['tensors']} tensors ({done['layout']} layout): ViT {spec.vision.num_layers} layers, "
-          f"LLM {spec.language.num_layers} layers, vocabulary {spec.language.vocab_real} (padded to "
-          f"{spec.language.vocab_size}) -> {args.save}")
-    return 0
-
-
-def _run_hf_export(args) -> int:
-    from megatron.vlm.hf.convert import export_hf
-
-    done = export_hf(args.load, args.out, args.ckpt_step, args.dtype)
-    print(f"exported iteration {done['iteration']}: {done['tensors']} tensors in {', '.join(done['files'])}"
-          + (f", tokenizer from {done['tokenizer']}" if done["tokenizer"] else ", no tokenizer found") + f" -> {args.out}")
-    return 0
 
 
 def data_files(paths, flag: str) -> list[str]:
@@ -206,17 +161,13 @@ def data_files(paths, flag: str) -> list[str]:
     return files
 
 
-def load_stats_or_meta(paths, flag: str = "--stats", spec=None):
+def load_stats_or_meta(paths, flag: str = "--stats", spec=None, scan_metas: MetaScanner | None = None):
     """Per-sample stats files in the OmniBal format, or InternVL meta JSONs (a JSON object, not a list).
 
-    A meta JSON is scanned once by the trainer's reader (tiles from image sizes, tokens from the
-    tokenizer): tiles of the model ``spec``'s image size and tokens per tile (without a model, as by
-    ``omnibal isf``: InternVL-Chat's 448 px and 256 tokens per tile), 1 to 6 tiles, the byte-level
-    tokenizer unless OMNIBAL_TOKENIZER names a Hugging Face tokenizer folder.  For other settings,
-    write the stats with megatron.vlm.data.stats.write_stats first.
+    Meta JSONs are read by ``scan_metas(metas, spec)`` (the ``omnibal`` command's: the trainer's reader,
+    see omnibal_cli.scan_metas), which returns (tiles, tokens) per sample of each; without it they are
+    refused.
     """
-    import os
-
     from omnibal_ext.data.stats import from_arrays, load_stats
 
     files = data_files(paths, flag)
@@ -227,25 +178,15 @@ def load_stats_or_meta(paths, flag: str = "--stats", spec=None):
         return load_stats(files)
     if len(metas) != len(files):
         raise UserError(f"{flag}: give stats files or meta JSONs, not both")
-    from megatron.vlm.data.internvl import ReaderConfig, scan_annotations
-    from megatron.vlm.data.tokenizer import build_tokenizer
-
-    tokenizer = build_tokenizer(os.environ.get("OMNIBAL_TOKENIZER"))
-    image_size, tokens_per_tile = (448, 256) if spec is None else (spec.vision.image_size, spec.tokens_per_tile)
-    config = ReaderConfig(image_size=image_size, tokens_per_tile=tokens_per_tile, max_num_tiles=6,
-                          max_seq_length=None)
+    if scan_metas is None:
+        raise UserError(f"{flag} {metas[0]}: an InternVL meta JSON; the `omnibal` command reads those with the "
+                        "trainer's reader")
     tiles, tokens, source = [], [], []
-    for i, meta in enumerate(metas):
-        scan = scan_annotations(meta, tokenizer, config, progress=True)
-        tiles.append(scan.rec_tiles[scan.order])
-        tokens.append(scan.rec_tokens[scan.order])
-        source.append(np.full(len(scan.order), i))
+    for i, (meta_tiles, meta_tokens) in enumerate(scan_metas(metas, spec)):
+        tiles.append(meta_tiles)
+        tokens.append(meta_tokens)
+        source.append(np.full(len(meta_tiles), i))
     return from_arrays(np.concatenate(tiles), np.concatenate(tokens), np.concatenate(source), metas)
-
-
-def stats_or_meta_loader(args):
-    """``omnibal isf --stats``: see :func:`load_stats_or_meta`."""
-    return load_stats_or_meta(args.stats, "--stats")
 
 
 def _is_meta(path: str) -> bool:
@@ -257,88 +198,8 @@ def _is_meta(path: str) -> bool:
     return head.startswith("{")
 
 
-def add_profile_parser(subparsers) -> argparse.ArgumentParser:
-    """``omnibal profile --json OUT [trainer flags]``: measure every unit on this machine.
-
-    Runs pretrain_vlm.py's profiler in this process (a world of one) for the model the trainer
-    flags describe, at the micro-batch shape training would use, and writes the profile JSON.
-    """
-    p = subparsers.add_parser("profile", help="measure per-unit forward/backward time and activation bytes",
-                              description=add_profile_parser.__doc__)
-    p.add_argument("--json", required=True, metavar="OUT", help="profile JSON to write")
-    g = p.add_argument_group("explicit shape (no data read; for models too large to train here)")
-    g.add_argument("--tiles", type=int, default=None, help="ViT tiles per micro-batch")
-    g.add_argument("--llm-tokens", type=int, default=None, help="LLM tokens per micro-batch")
-    g.add_argument("--sample-tokens", type=int, default=None,
-                   help="length of each packed sample, tokens (attention is within a sample; default: "
-                        "one sequence of --llm-tokens)")
-    p.add_argument("--compare-device", default=None, metavar="PRESET",
-                   help="print measured against this analytic device preset (e.g. h200-141g)")
-    p.set_defaults(func=_run_profile, accepts_trainer_flags=True)
-    return p
-
-
-def _run_profile(args) -> int:
-    from megatron.training import cpu_compat
-    from megatron.training.arguments import requested_device
-    from megatron.training.initialize import choose_device
-    from omnibal_ext.model.cost_model import get_device, profile_report
-    from omnibal_ext.model.costs import CostTable
-
-    explicit = (args.tiles, args.llm_tokens)
-    if None in explicit and (args.tiles, args.llm_tokens, args.sample_tokens) != (None, None, None):
-        raise UserError("--tiles and --llm-tokens go together (an explicit micro-batch shape; --sample-tokens "
-                        "needs them)")
-    device = get_device(args.compare_device) if args.compare_device else None  # bad name: before any work
-    with cpu_compat.patched_for(choose_device(requested_device(args.trainer_flags))):  # CPU: teardown included
-        _profile(args)
-    print(f"profile written to {args.json}")
-    if device is not None:
-        rows = profile_report(CostTable.load(args.json), device)
-        print(format_profile_report(rows, device.name))
-    return 0
-
-
-def _profile(args) -> None:
-    """Measure the units as ``omnibal profile`` asks (an explicit shape, or the trainer's data)."""
-    from megatron.training.initialize import destroy
-    from omnibal_ext.model.cost_model import MicroBatchShape
-
-    try:
-        if args.tiles is not None:
-            from megatron.training.profiling import profile_at_shape
-
-            sample = args.sample_tokens or args.llm_tokens
-            if not 1 <= sample <= args.llm_tokens:
-                raise UserError(f"--sample-tokens must be in [1, --llm-tokens], got {sample}")
-            shape = MicroBatchShape(args.tiles, args.llm_tokens, llm_attn_tokens_sq=float(args.llm_tokens * sample))
-            profile_at_shape(list(args.trainer_flags), shape, args.json)
-        else:
-            import pretrain_vlm  # the trainer's entry point (installed as a module beside this package)
-
-            pretrain_vlm.main(list(args.trainer_flags) + ["--omnibal-profile", args.json])
-    finally:
-        destroy()
-
-
-def format_profile_report(rows: list[dict], device: str) -> str:
-    """The measured-vs-analytic rows of ``cost_model.profile_report`` as a text table (MiB)."""
-    mib = 2.0**20
-    lines = [f"{'kind':<11} {'fwd ms':>9} {'bwd ms':>9} {'bwd/fwd':>7} {'eff@' + device:>16} "
-             f"{'act MiB (model)':>19} {'full MiB (model)':>19} {'sel MiB (model)':>19}"]
-    for r in rows:
-        def pair(field):
-            return f"{r[field] / mib:8.1f} ({r['analytic_' + field] / mib:8.1f})"
-        ratio = "-" if r["bwd_over_fwd"] is None else f"{r['bwd_over_fwd']:.2f}"
-        eff = "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}"
-        lines.append(f"{r['kind']:<11} {r['fwd_ms']:9.3f} {r['bwd_ms']:9.3f} {ratio:>7} {eff:>16} "
-                     f"{pair('act_bytes'):>19} {pair('act_bytes_full'):>19} {pair('act_bytes_selective'):>19}")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run ``omnibal`` with ``argv`` (default: sys.argv[1:]); returns the exit status."""
-    parser = build_parser()
+def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
+    """Run the ``omnibal`` ``parser`` on ``argv`` (default: sys.argv[1:]); returns the exit status."""
     args, extra = parser.parse_known_args(argv)
     if getattr(args, "accepts_trainer_flags", False):
         args.trainer_flags = extra  # `omnibal profile` passes the rest to the trainer's parser
@@ -351,7 +212,3 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:  # StatsError, PlanError, LayoutError, MemoryBudgetError, ...: one line, exit 2
         return report(e, f"omnibal {command}: ")
     return result if isinstance(result, int) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

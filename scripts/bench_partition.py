@@ -5,7 +5,7 @@ Part (a), offline: for the paper's models (internvl-6b-20b, internvl-6b-34b) at 
 bottleneck/mean stage-time ratio of Megatron's default layout, of the parameter-count split, of
 the paper's search and of the exact optimum, with the planners' wall times. Costs: the analytic
 model (``omnibal_ext.model.cost_model``) on one A100-80G per TP rank, TP 1, one micro-batch of 9
-tiles and 4096 LLM tokens (notes/targets.md). Also, as analysis: interleaved virtual stages
+tiles and 4096 LLM tokens (../shared/notes/targets.md). Also, as analysis: interleaved virtual stages
 (VPP 2) and the optimum if each transformer layer were two pipeline units (attention block, MLP
 block) — what finer units could buy below the whole-layer limit.
 
@@ -89,7 +89,7 @@ def preset_row(name: str, pp: int, shape: MicroBatchShape, tp: int, device: str,
 
 
 def check_targets(rows: list[dict]) -> list[str]:
-    """Human-readable pass/fail lines for the targets of notes/targets.md."""
+    """Human-readable pass/fail lines for the targets of ../shared/notes/targets.md."""
     lines = []
     for r in rows:
         if r["vpp"] != 1:

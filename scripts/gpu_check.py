@@ -300,7 +300,7 @@ def check_thd_vs_dense(work: Path, cuda: bool, deadline: float) -> dict:
 
                 meter = ActivationMeter(m)
                 with meter.measure():
-                    m.run_llm(x0.clone().requires_grad_(True), context, layer)
+                    text.forward(layer, x0.clone().requires_grad_(True), batch, cache)
                 numbers[name]["saved_mib"] = meter.per_microbatch[-1] / 2**20
         scale = float(out["dense"].abs().max())
         err = float((out["thd"] - out["dense"]).abs().max()) / max(scale, 1e-30)
@@ -326,7 +326,7 @@ def check_layer_throughput(work: Path, cuda: bool, deadline: float) -> dict:
     result = {"peak_bf16_tflops": device.matmul_flops_per_s / 1e12, "specs": {}}
     for impl in specs:
         path = work / f"profile_{impl}.json"
-        cmd = [sys.executable, "-m", "omnibal_ext.cli", "profile", "--json", str(path), "--model", "internvl-6b-20b",
+        cmd = [sys.executable, "-m", "omnibal_cli", "profile", "--json", str(path), "--model", "internvl-6b-20b",
                "--bf16", "--device", "cuda", "--tiles", "9", "--llm-tokens", "4096", "--sample-tokens", "1024",
                "--transformer-impl", impl]
         proc = subprocess.run(cmd, cwd=work, env=_env(), capture_output=True, text=True,
@@ -346,7 +346,8 @@ def check_layer_throughput(work: Path, cuda: bool, deadline: float) -> dict:
 def check_e2e_cut(work: Path, cuda: bool, deadline: float) -> dict:
     if not cuda:
         return skipped("no CUDA device")
-    from omnibal_ext.model.cost_model import MicroBatchShape, get_device, llm_layer_flops
+    from omnibal_ext.model.components import llm_layer_flops
+    from omnibal_ext.model.cost_model import MicroBatchShape, get_device
     from omnibal_ext.model.families.internvl import vit_layer_flops
     from omnibal_ext.model.units import get_preset
 

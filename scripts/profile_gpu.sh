@@ -16,7 +16,7 @@ export PYTHONPATH="${here}${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 mkdir -p "$out"
 status=0
 for model in internvl-6b-20b internvl-6b-34b; do
-  python -m omnibal_ext.cli profile --json "$out/$model.json" --compare-device "$preset" \
+  python -m omnibal_cli profile --json "$out/$model.json" --compare-device "$preset" \
     --model "$model" --bf16 --device cuda --tiles 9 --llm-tokens 4096 --sample-tokens 1024 || status=1
 done
 torchrun --nproc-per-node 1 "${here}/pretrain_vlm.py" --device cuda --bf16 --train-iters 60 \

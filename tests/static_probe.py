@@ -9,6 +9,7 @@ file each: two ranks printing to one stdout can interleave their lines).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import warnings
@@ -26,6 +27,7 @@ def main(out_dir: Path, argv: list[str]) -> None:
     from megatron.training.arguments import parse_args
     from megatron.training.initialize import destroy, initialize_distributed, set_seeds, world_size_from_env
     from megatron.training.memory import static_bytes
+    from megatron.training.run_plan import plan_run
     from omnibal_ext.memory import memory_model
     from omnibal_ext.model.cost_model import unit_param_counts
 
@@ -34,13 +36,15 @@ def main(out_dir: Path, argv: list[str]) -> None:
         device = torch.device("cpu")
         initialize_distributed(device, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
         set_seeds(args.seed)
-        layout = setup.choose_layout(args)
-        model = training.build_model(args, layout, setup.recompute_settings(args, layout), 5, device)
-        optimizer, _ = training.build_optimizer(args, model)
+        plan = plan_run(args, world_size_from_env(), device)
+        plan = dataclasses.replace(plan, layout=setup.choose_layout(args, plan))
+        plan = dataclasses.replace(plan, recompute=setup.recompute_settings(args, plan))
+        model = training.build_model(args, plan, 5, device)
+        optimizer, _ = training.build_optimizer(args, plan, model)
         stage = parallel_state.get_pipeline_model_parallel_rank()
-        counts = unit_param_counts(args.model_spec, args.tensor_model_parallel_size)
-        params = sum(counts[i] for i in layout.stage_range(stage))
-        predicted = memory_model.static_bytes(params, args.data_parallel_size, args.use_distributed_optimizer,
+        counts = unit_param_counts(plan.model_spec, args.tensor_model_parallel_size)
+        params = sum(counts[i] for i in plan.layout.stage_range(stage))
+        predicted = memory_model.static_bytes(params, plan.data_parallel_size, args.use_distributed_optimizer,
                                               setup.precision_of(args))
         rank = torch.distributed.get_rank()
         row = {"rank": rank, "params": params,

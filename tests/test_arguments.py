@@ -4,7 +4,10 @@ import re
 
 import pytest
 
+import torch
+
 from megatron.training.arguments import ArgumentError, parse_args
+from megatron.training.run_plan import plan_run
 
 
 def test_plan_flags_are_applied_and_command_line_overrides(tmp_path):
@@ -15,12 +18,13 @@ def test_plan_flags_are_applied_and_command_line_overrides(tmp_path):
         "--omnibal-isf-qv": 12, "--omnibal-isf-qt": 400, "--omnibal-isf-qv-min": 10, "--omnibal-isf-qt-min": 380,
         "--micro-batch-size": 4, "--global-batch-size": 16}}))
     args = parse_args(["--omnibal-plan", str(plan), "--micro-batch-size", "2"], world_size=4)
-    assert args.pipeline_model_parallel_size == 2 and args.data_parallel_size == 2
+    run = plan_run(args, 4, torch.device("cpu"))
+    assert args.pipeline_model_parallel_size == 2 and run.data_parallel_size == 2
     assert args.pipeline_layout == "Iv*3|vPEt*4L" and args.recompute_plan == "v1|t2s"
     assert args.omnibal_isf and (args.omnibal_isf_qv, args.omnibal_isf_qt) == (12, 400)
     assert (args.omnibal_isf_qv_min, args.omnibal_isf_qt_min) == (10, 380)
     assert args.micro_batch_size == 2  # the command line wins
-    assert args.num_microbatches == 16 // (2 * 2)
+    assert run.num_microbatches == 16 // (2 * 2)
 
 
 def test_printed_plan_command_parses_back_when_a_value_starts_with_a_dash():
@@ -61,7 +65,8 @@ def test_inconsistent_flags_are_refused(argv, world, match):
 
 def test_global_batch_default_is_four_micro_batches_per_rank():
     args = parse_args(["--micro-batch-size", "3"], world_size=2)
-    assert args.global_batch_size == 24 and args.num_microbatches == 4
+    run = plan_run(args, 2, torch.device("cpu"))
+    assert run.global_batch_size == 24 and run.num_microbatches == 4
 
 
 @pytest.mark.parametrize("argv,match", [

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from omnibal_ext.cli import main
+from omnibal_cli import main
 from omnibal_ext.memory.recompute import parse_recompute_plan
 from omnibal_ext.model.layout import parse_layout
 from omnibal_ext.model.units import build_units, get_preset
@@ -76,7 +76,8 @@ def test_plan_flags_become_the_plan_config():
     PlanConfig's defaults, the same defaults the flags have."""
     import dataclasses
 
-    from omnibal_ext.cli import build_parser, plan_config
+    from omnibal_cli import build_parser
+    from omnibal_ext.cli import plan_config
     from omnibal_ext.memory.memory_model import GIB
     from omnibal_ext.plan import PlanConfig
 
@@ -212,7 +213,7 @@ def test_isf_reads_an_internvl_meta_json(tmp_path, capsys):
 
     from megatron.vlm.data.internvl import ReaderConfig, scan_annotations
     from megatron.vlm.data.tokenizer import ByteTokenizer
-    from omnibal_ext.cli import main
+    from omnibal_cli import main
 
     Image.new("RGB", (900, 448)).save(tmp_path / "wide.png")  # 2 tiles + thumbnail at 448 px
     lines = [{"image": "wide.png", "conversations": [{"from": "human", "value": "<image>\nWhat?"},
@@ -238,7 +239,7 @@ def test_profile_at_an_explicit_shape_reports_against_the_model(tmp_path):
     from omnibal_ext.model.costs import CostTable
 
     out = tmp_path / "p.json"
-    cmd = [sys.executable, "-m", "omnibal_ext.cli", "profile", "--json", str(out), "--device", "cpu",
+    cmd = [sys.executable, "-m", "omnibal_cli", "profile", "--json", str(out), "--device", "cpu",
            "--tiles", "2", "--llm-tokens", "96", "--sample-tokens", "24", "--compare-device", "cpu"]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -115,7 +115,7 @@ def test_ranking_vit_vs_llm_layer_as_flops_say():
 
 
 def test_vit_share_of_compute_matches_notes():
-    """notes/targets.md: at 9 tiles and 4096 tokens the ViT is about 39% of 6B+20B's compute."""
+    """../shared/notes/targets.md: at 9 tiles and 4096 tokens the ViT is about 39% of 6B+20B's compute."""
     fl = unit_flops(BIG, MicroBatchShape(9, 4096))
     vit = sum(fl[: 1 + BIG.vision.num_layers])
     assert 0.38 < vit / sum(fl) < 0.40

@@ -1,10 +1,7 @@
 """profile.measure_unit on plain torch modules: saved-activation bytes equal a hand count."""
-import json
-
 import torch
 
-from omnibal_ext.model.costs import CostTable
-from omnibal_ext.model.profile import measure_unit, to_unit_cost, write_profile
+from omnibal_ext.model.profile import measure_unit
 
 
 def _chain():
@@ -34,13 +31,3 @@ def test_shared_storage_counted_once_and_exclude():
     m2 = measure_unit(f, make, warmup=0, repeats=1)
     assert m2.act_bytes == m.act_bytes + 8 * 8 * 4  # without exclude the weight counts
 
-
-def test_write_profile_roundtrip(tmp_path):
-    m = measure_unit(_chain(), lambda: (torch.randn(16, 4),), warmup=0, repeats=2)
-    u = to_unit_cost("llm.layer.0", "llm_layer", m, param_count=4 * 8 + 8 + 8 * 4 + 4)
-    path = tmp_path / "p.json"
-    write_profile(str(path), [u], {"device": "cpu", "dtype": "fp32", "shape": {"tiles": 0, "llm_tokens": 16}})
-    meta = json.loads(path.read_text())["meta"]
-    assert meta["torch"] == torch.__version__ and meta["device"] == "cpu" and "megatron_core" in meta
-    t = CostTable.load(str(path))
-    assert t.source == "profile" and t.units[0] == u

@@ -185,7 +185,7 @@ def test_min_num_tiles_as_internvl(tmp_path):
 
 def test_meta_scanned_with_the_model_tile_size(tmp_path):
     """`omnibal plan --data meta.json` counts tiles at the model's tile size (tiny: 32 px)."""
-    from omnibal_ext.cli import load_stats_or_meta
+    from omnibal_cli import load_stats_or_meta
     from omnibal_ext.model.units import get_preset
 
     meta, _ = make_data(tmp_path, [qa(image="sq.png")], images=(("sq.png", (64, 64)),))
@@ -211,6 +211,8 @@ def _two_sources(tmp_path, bad=False):
     return str(meta)
 
 
+# the data is truncated on purpose (max_seq_length 100); test_truncation_keeps_invariants_on_digits asserts the warning
+@pytest.mark.filterwarnings("ignore:.*truncated to max_seq_length:UserWarning")
 @pytest.mark.parametrize("world", [2, 3, 5])
 def test_scan_split_over_processes_equals_one_process(tmp_path, world):
     """The scan of a distributed run (each process takes every world-th record, then all-gather) gives the
@@ -238,6 +240,8 @@ def test_scan_split_over_processes_equals_one_process(tmp_path, world):
     assert str(got.value).startswith("3 problem(s)") and "nope.png" in str(got.value) and "gone.png" in str(got.value)
 
 
+# the data is truncated on purpose (max_seq_length 100); test_truncation_keeps_invariants_on_digits asserts the warning
+@pytest.mark.filterwarnings("ignore:.*truncated to max_seq_length:UserWarning")
 def test_scan_cache_is_read_back_and_follows_its_inputs(tmp_path, monkeypatch, capsys):
     """A second scan of the same data, configuration and tokenizer is read from the cache (no image decoded);
     changing the annotation or the configuration scans again."""

@@ -43,7 +43,7 @@ def test_finetune_hf_model_pp2_isf_then_export(tmp_path, data_cache):
     from megatron.training.initialize import destroy, initialize_distributed
     from megatron.vlm.hf.convert import HFSource
     from megatron.vlm.hf.logits import chained_logits
-    from omnibal_ext.cli import main as omnibal
+    from omnibal_cli import main as omnibal
 
     hf = tmp_path / "hf"
     hf.mkdir()

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from omnibal_ext.cli import main
+from omnibal_cli import main
 from omnibal_ext.data.assign import load_pack
 from omnibal_ext.data.isf import check_partition
 from omnibal_ext.data.sampler import GroupBatchSampler

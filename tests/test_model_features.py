@@ -339,23 +339,3 @@ def test_vision_feature_layer_mapping_and_flags():
     with pytest.raises(ArgumentError, match="--vision-layer-scale-init"):
         model_spec_from_args(build_parser().parse_args(["--vision-layer-scale-init", "big"]))
 
-
-def test_position_table_resize():
-    from megatron.vlm.position import resize_position_embedding
-
-    g = torch.Generator().manual_seed(0)
-    table = torch.randn(1, 1 + 16, 8, generator=g)
-    assert torch.equal(resize_position_embedding(table, 32, 8), table)  # same 4x4 grid
-    out = resize_position_embedding(table, 48, 8)  # 4x4 -> 6x6
-    assert out.shape == (1, 37, 8) and torch.equal(out[:, 0], table[:, 0])
-    const = torch.ones(1, 17, 8) * 3
-    torch.testing.assert_close(resize_position_embedding(const, 64, 8)[:, 1:], torch.full((1, 64, 8), 3.0))
-    # a smooth field sampled at pixel centres stays close to the same field on the finer grid
-    def field(n):
-        c = (torch.arange(n) + 0.5) / n
-        y, x = torch.meshgrid(c, c, indexing="ij")
-        return torch.cat([torch.zeros(1, 1, 2), torch.stack([torch.sin(2 * x), torch.cos(y)], -1).reshape(1, n * n, 2)], 1)
-    torch.testing.assert_close(resize_position_embedding(field(16), 32 * 14, 14)[:, 1:], field(32)[:, 1:],
-                               atol=2e-2, rtol=0)
-    with pytest.raises(ValueError):
-        resize_position_embedding(torch.zeros(1, 1 + 15, 8), 32, 8)

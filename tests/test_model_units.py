@@ -109,9 +109,8 @@ def test_profile_orders_vit_and_llm_layers_by_size(megatron_world):
     shape = MicroBatchShape(vision_items=12, llm_tokens=204, dtype_bytes=4)  # as many LLM tokens as ViT tokens
 
     def layer_fwd(spec, attention_backend="unfused"):
-        args = SimpleNamespace(model_spec=spec, tensor_model_parallel_size=1, bf16=False, seed=1,
-                               attention_backend=attention_backend)
-        costs = profile_units(args, shape, 263, torch.device("cpu"), warmup=1, repeats=5)
+        args = SimpleNamespace(tensor_model_parallel_size=1, bf16=False, seed=1, attention_backend=attention_backend)
+        costs = profile_units(args, spec, shape, 263, torch.device("cpu"), warmup=1, repeats=5)
         by_kind = {u.kind: u for u in costs.units}
         assert [u.name for u in costs.units] == [u.name for u in build_units(spec)]
         for u in costs.units:
@@ -136,8 +135,8 @@ def test_profile_activation_bytes_match_a_hand_count(megatron_world):
     from megatron.training.profiling import profile_units
 
     spec = get_preset("tiny")
-    args = SimpleNamespace(model_spec=spec, tensor_model_parallel_size=1, bf16=False, seed=1)
-    costs = profile_units(args, MicroBatchShape(vision_items=3, llm_tokens=40, dtype_bytes=4), 263, torch.device("cpu"),
+    args = SimpleNamespace(tensor_model_parallel_size=1, bf16=False, seed=1)
+    costs = profile_units(args, spec, MicroBatchShape(vision_items=3, llm_tokens=40, dtype_bytes=4), 263, torch.device("cpu"),
                           warmup=0, repeats=1)
     by_kind = {u.kind: u for u in costs.units}
     v = spec.vision

@@ -8,7 +8,7 @@ from omnibal_ext.errors import UserError
 
 from omnibal_ext.model.cli import add_partition_parser, main
 from omnibal_ext.model.cost_model import MicroBatchShape, analytic_costs, DEVICES
-from omnibal_ext.model.profile import write_profile
+from omnibal_ext.model.costs import CostTable
 from omnibal_ext.model.units import build_units, get_preset
 
 
@@ -46,8 +46,8 @@ def test_interleaved_and_profile(tmp_path):
     shape = MicroBatchShape(2, 64)
     prof = analytic_costs(spec, shape, device=DEVICES["cpu"], efficiency={"llm_layer": 0.01})
     path = tmp_path / "profile.json"
-    write_profile(str(path), list(prof.units), {"device": "cpu", "dtype": "fp32", "spec": spec.to_dict(),
-                                                "shape": shape.to_dict(), "tp": 1})
+    CostTable(tuple(prof.units), "profile", {"device": "cpu", "dtype": "fp32", "spec": spec.to_dict(),
+                                             "shape": shape.to_dict(), "tp": 1}).save(str(path))
     out = tmp_path / "plan.json"
     d = main(["--model", "tiny", "--pp", "2", "--vpp", "2", "--profile", str(path), "--device", "cpu",
               "--tiles", "2", "--llm-tokens", "64", "--json", str(out)])

@@ -80,12 +80,15 @@ def test_only_user_errors_lose_their_traceback(monkeypatch, capsys):
 
 
 def tiny_dataset(meta):
+    import torch
+
     from megatron.training.arguments import parse_args
+    from megatron.training.run_plan import plan_run
     from megatron.training.setup import build_dataset
     from megatron.vlm.data.tokenizer import build_tokenizer
 
     args = parse_args(["--data-cache-dir", str(meta.parent / "data_cache")])
-    return build_dataset(args, build_tokenizer(None), str(meta))
+    return build_dataset(args, plan_run(args, 1, torch.device("cpu")), build_tokenizer(None), str(meta))
 
 
 def test_truncated_image_is_named_before_training(tmp_path):

@@ -18,7 +18,7 @@ def _args(**kw):
 
 def test_overlap_defaults_on_for_cuda_off_for_cpu():
     from megatron.training.arguments import ArgumentError, parse_args
-    from megatron.training.training import resolve_overlap
+    from megatron.training.run_plan import resolve_overlap
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_overlap(_args(), cpu) == (False, False)

@@ -292,7 +292,7 @@ def validate_args(args, world_size: int) -> None:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         raise ArgumentError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
-    spec = hf_spec_from_args(args) if getattr(args, "hf_checkpoint", None) else model_spec_from_args(args)
+    spec = model_spec_of(args)
     n_units = len(build_units(spec))
     if pp > n_units:
         raise ArgumentError(
@@ -307,11 +307,7 @@ def validate_args(args, world_size: int) -> None:
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer (it overlaps the "
                             "distributed optimizer's parameter all-gather)")
-    if world_size % (tp * pp):
-        raise ArgumentError(
-            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp}")
-    args.data_parallel_size = world_size // (tp * pp)
+    dp = data_parallel_size(args, world_size)
     v, lang = spec.vision, spec.language
     if lang.head_dim is not None and lang.head_dim < 1:
         raise ArgumentError(f"--head-dim {lang.head_dim}: must be >= 1")
@@ -327,27 +323,45 @@ def validate_args(args, world_size: int) -> None:
     grid = spec.vision.image_size // spec.vision.patch_size
     if grid % int(round(1 / spec.downsample_ratio)):
         raise ArgumentError(f"the ViT patch grid {grid}x{grid} cannot be pixel-shuffled by {spec.downsample_ratio}")
-    mbs, dp = args.micro_batch_size, args.data_parallel_size
-    if args.global_batch_size is None:
-        args.global_batch_size = 4 * mbs * dp
-    if args.global_batch_size % (mbs * dp):
-        raise ArgumentError(
-            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size {mbs} x "
-            f"data-parallel size {dp}")
-    args.num_microbatches = args.global_batch_size // (mbs * dp)
+    batch_sizes(args, dp)
     if args.recompute_granularity and args.recompute_plan:
         raise ArgumentError("give either --recompute-granularity or --recompute-plan, not both")
     if args.omnibal_recompute == "auto" and (args.recompute_granularity or args.recompute_plan):
         raise ArgumentError("--omnibal-recompute auto chooses the recompute itself: drop --recompute-*")
     if args.omnibal_partition == "auto" and args.pipeline_layout:
         raise ArgumentError("--omnibal-partition auto chooses the layout itself: drop --pipeline-layout")
-    if args.omnibal_recompute == "auto":
-        args.log_activation_memory = True
     if args.save_interval and not args.save:
         raise ArgumentError("--save-interval needs --save")
     if args.ckpt_step is not None and not args.load:
         raise ArgumentError("--ckpt-step needs --load")
-    args.model_spec = spec
+
+
+def model_spec_of(args) -> ModelSpec:
+    """The model the flags describe: --hf-checkpoint's config.json, else the preset with the model flags
+    (vocabulary not yet padded for the tokenizer)."""
+    return hf_spec_from_args(args) if getattr(args, "hf_checkpoint", None) else model_spec_from_args(args)
+
+
+def data_parallel_size(args, world_size: int) -> int:
+    """world size / (TP x PP); raises ArgumentError when it does not divide."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if world_size % (tp * pp):
+        raise ArgumentError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp}")
+    return world_size // (tp * pp)
+
+
+def batch_sizes(args, dp: int) -> tuple[int, int]:
+    """(samples per iteration, micro-batches per iteration per data-parallel rank) for ``dp`` data-parallel
+    ranks: --global-batch-size (default 4 micro-batches per rank) must be whole micro-batches on every rank."""
+    mbs = args.micro_batch_size
+    global_batch = 4 * mbs * dp if args.global_batch_size is None else args.global_batch_size
+    if global_batch % (mbs * dp):
+        raise ArgumentError(
+            f"--global-batch-size {global_batch} is not divisible by --micro-batch-size {mbs} x "
+            f"data-parallel size {dp}")
+    return global_batch, global_batch // (mbs * dp)
 
 
 def plan_flags(path: str) -> list[str]:
@@ -374,8 +388,9 @@ def requested_device(argv=None) -> str:
 
 
 def parse_args(argv=None, world_size: int = 1):
-    """Parse and check the flags.  With --omnibal-plan, the plan's flags come first, so flags given
-    on the command line override them."""
+    """Parse and check the flags (for ``world_size`` processes); the result is never written to: what follows
+    from the flags is megatron.training.run_plan's RunPlan.  With --omnibal-plan, the plan's flags come first,
+    so flags given on the command line override them."""
     import sys
 
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -11,6 +11,7 @@ from omnibal_ext.data.isf import ISFParams, check_partition, isf_group
 from omnibal_ext.data.search import SearchConfig, plan_isf
 
 from .arguments import ArgumentError
+from .run_plan import RunPlan
 
 
 def isf_params_from_args(args) -> ISFParams | None:
@@ -45,39 +46,38 @@ def check_samples_fit_caps(args, dataset) -> None:
                 f"{int(sizes[i])}")
 
 
-def isf_groups(args, dataset) -> tuple[list[np.ndarray], np.ndarray]:
-    """(groups of sample indices, balanced step order) for the training set.
+def isf_groups(args, plan: RunPlan, dataset) -> tuple[list[np.ndarray], np.ndarray, dict, dict]:
+    """(groups of sample indices, balanced step order, caps, mean group) for the training set.
 
     Rank 0 plans (threshold search, grouping, step assembly) and broadcasts the result, so every
     rank trains the same groups whatever its speed (the search is bounded by a candidate count,
     not by time, and is deterministic for a seed anyway).  Nothing is dropped or duplicated
-    (checked).  Sets ``args.isf_params`` (the caps: memory is planned for them) and
-    ``args.isf_mean_group`` (mean tiles, tokens and sum of squared sample lengths per group: what a micro-batch
-    costs on average).
+    (checked).  The caps {"qv", "qt", "qv_min", "qt_min"} (memory is planned for them) and the mean group
+    {"tiles", "tokens", "attn_tokens_sq"} (sum of squared sample lengths per group: what a micro-batch costs on
+    average) are RunPlan's ``isf_params`` and ``isf_mean_group``.
     """
     check_samples_fit_caps(args, dataset)
     box = [None]
     if dist.get_rank() == 0:
         tokens, tiles = dataset.sample_lengths()
-        cfg = SearchConfig(dp_size=args.data_parallel_size, samples_per_group=args.micro_batch_size,
+        cfg = SearchConfig(dp_size=plan.data_parallel_size, samples_per_group=args.micro_batch_size,
                            seed=args.seed, time_budget_s=math.inf)
-        plan = plan_isf(tiles, tokens, cfg, isf_params_from_args(args))
-        check_partition(plan.grouping, len(dataset))
-        g = plan.grouping
-        box = [{"groups": g.groups(), "order": plan.assembly.order, "params": plan.params.to_dict(),
+        data_plan = plan_isf(tiles, tokens, cfg, isf_params_from_args(args))
+        check_partition(data_plan.grouping, len(dataset))
+        g = data_plan.grouping
+        box = [{"groups": g.groups(), "order": data_plan.assembly.order, "params": data_plan.params.to_dict(),
                 "mean_group": {"tiles": float(g.tiles.mean()), "tokens": float(g.tokens.mean()),
                                "attn_tokens_sq": float((tokens.astype(float) ** 2).sum() / len(g))},
-                "metrics": plan.metrics}]
+                "metrics": data_plan.metrics}]
     dist.broadcast_object_list(box, src=0)
     result = box[0]
-    args.isf_params, args.isf_mean_group = result["params"], result["mean_group"]
     if dist.get_rank() == 0:
         m = result["metrics"]
-        print(f"> ISF: {len(dataset)} samples -> {len(result['groups'])} groups, params {args.isf_params}; "
+        print(f"> ISF: {len(dataset)} samples -> {len(result['groups'])} groups, params {result['params']}; "
               f"planned dist ratio llm {m['dist_ratio_llm']:.4f} vit {m['dist_ratio_vit']:.4f}, "
               f"fill llm {m['fill_llm']:.3f} vit {m['fill_vit']:.3f}, "
               f"{m['samples_per_group']:.2f} samples/group", flush=True)
-    return result["groups"], result["order"]
+    return result["groups"], result["order"], result["params"], result["mean_group"]
 
 
 def isf_subset_groups(tokens: np.ndarray, tiles: np.ndarray, sample_ids: np.ndarray, params: ISFParams,
@@ -93,19 +93,19 @@ def isf_subset_groups(tokens: np.ndarray, tiles: np.ndarray, sample_ids: np.ndar
     return grouping.groups(), assembly.order
 
 
-def isf_regroup(args, dataset):
+def isf_regroup(args, plan: RunPlan, dataset):
     """``regroup(sample_ids) -> (groups, order)`` for the sampler: ISF on a subset with this run's caps.
 
     Used when a checkpoint's epoch is continued under another data-parallel size: its unserved
     samples are grouped for this run.  Collective: rank 0 groups and broadcasts, every rank must call
-    it (``load_state_dict`` runs on every rank).  Call after ``isf_groups`` (it sets the caps).
+    it (``load_state_dict`` runs on every rank).  ``plan.isf_params``: the caps ``isf_groups`` found.
     """
     def regroup(sample_ids: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
         box = [None]
         if dist.get_rank() == 0:
             tokens, tiles = dataset.sample_lengths()
-            box = [isf_subset_groups(tokens, tiles, sample_ids, ISFParams(**args.isf_params),
-                                     args.data_parallel_size, args.seed)]
+            box = [isf_subset_groups(tokens, tiles, sample_ids, ISFParams(**plan.isf_params),
+                                     plan.data_parallel_size, args.seed)]
         dist.broadcast_object_list(box, src=0)
         return box[0]
     return regroup

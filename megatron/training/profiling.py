@@ -69,10 +69,10 @@ def _detached(x):
     return x.detach().requires_grad_(x.is_floating_point())
 
 
-def profile_units(args, shape: MicroBatchShape, img_context_id: int, device: torch.device,
+def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, device: torch.device,
                   warmup: int = 2, repeats: int = 5) -> CostTable:
-    """Measured costs of every unit of ``args.model_spec`` at ``shape`` (one micro-batch, this TP)."""
-    spec, tp = args.model_spec, args.tensor_model_parallel_size
+    """Measured costs of every unit of the model ``spec`` at ``shape`` (one micro-batch, this TP)."""
+    tp = args.tensor_model_parallel_size
     mini = spec.replace(vision=dataclasses.replace(spec.vision, num_layers=1),
                         language=dataclasses.replace(spec.language, num_layers=1))
     dtype = torch.bfloat16 if args.bf16 else torch.float32
@@ -174,7 +174,7 @@ def broadcast_table(table: CostTable) -> CostTable:
     return CostTable.from_dict(box[0])
 
 
-def profile_shapes(args, dataset) -> tuple[MicroBatchShape, MicroBatchShape]:
+def profile_shapes(args, plan, dataset) -> tuple[MicroBatchShape, MicroBatchShape]:
     """(timing shape, memory shape) of the micro-batches training will run.
 
     ISF: the mean group (what a micro-batch costs on average) and the caps Qv/Qt (the most any
@@ -183,9 +183,9 @@ def profile_shapes(args, dataset) -> tuple[MicroBatchShape, MicroBatchShape]:
     """
     dtype_bytes = 2 if args.bf16 else 4
     if args.omnibal_isf:
-        if not getattr(args, "isf_params", None):
+        if not plan.isf_params:
             raise RuntimeError("profile_shapes under --omnibal-isf needs the ISF plan (setup.build_groups) first")
-        mean, caps = args.isf_mean_group, args.isf_params
+        mean, caps = plan.isf_mean_group, plan.isf_params
         tokens = max(2, round(mean["tokens"]))
         return (MicroBatchShape(max(1, round(mean["tiles"])), tokens, dtype_bytes,
                                 llm_attn_tokens_sq=min(float(tokens) ** 2, mean.get("attn_tokens_sq", tokens**2))),
@@ -202,13 +202,13 @@ def profile_shapes(args, dataset) -> tuple[MicroBatchShape, MicroBatchShape]:
             MicroBatchShape(int(np.percentile(mb_tiles, 99)), int(np.percentile(padded, 99)), dtype_bytes))
 
 
-def profile_for_training(args, dataset, img_context_id: int, device: torch.device) -> CostTable:
-    """Times at the mean micro-batch, activation and send bytes at the largest one."""
-    timing, memory = profile_shapes(args, dataset)
-    times = profile_units(args, timing, img_context_id, device)
+def profile_for_training(args, plan, dataset, img_context_id: int, device: torch.device) -> CostTable:
+    """Times at the mean micro-batch, activation and send bytes at the largest one (``plan``: RunPlan)."""
+    timing, memory = profile_shapes(args, plan, dataset)
+    times = profile_units(args, plan.model_spec, timing, img_context_id, device)
     if memory == timing:
         return times
-    sizes = profile_units(args, memory, img_context_id, device, warmup=0, repeats=1)
+    sizes = profile_units(args, plan.model_spec, memory, img_context_id, device, warmup=0, repeats=1)
     byte_fields = ("act_bytes", "act_bytes_full", "act_bytes_selective", "send_bytes")
     units = tuple(dataclasses.replace(t, **{f: getattr(m, f) for f in byte_fields})
                   for t, m in zip(times.units, sizes.units))
@@ -223,16 +223,17 @@ def profile_at_shape(argv: list[str], shape: MicroBatchShape, path: str | None =
     each kind) is measured at the group shape a plan will use. Runs as a world of one; writes the
     profile JSON to ``path`` when given.
     """
-    from . import setup
     from .arguments import parse_args
     from .initialize import choose_device, initialize_distributed, set_seeds
+    from .run_plan import plan_run
+    from .tokenizer_setup import setup_tokenizer
 
     args = parse_args(argv, 1)
     device = choose_device(args.device)
     initialize_distributed(device, args.tensor_model_parallel_size, 1)
     set_seeds(args.seed)
-    tokenizer = setup.setup_tokenizer(args)
-    table = profile_units(args, dataclasses.replace(shape, dtype_bytes=2 if args.bf16 else 4),
+    tokenizer, plan = setup_tokenizer(args, plan_run(args, 1, device))
+    table = profile_units(args, plan.model_spec, dataclasses.replace(shape, dtype_bytes=2 if args.bf16 else 4),
                           tokenizer.img_context_id, device)
     if path:
         table.save(path)

@@ -1,4 +1,5 @@
-"""From parsed arguments to what the loop needs: tokenizer, data, layout, recompute plan."""
+"""From parsed arguments and the run plan to what the loop needs: data, layout, recompute plan (the tokenizer:
+tokenizer_setup.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,7 +10,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from omnibal_ext.data.sampler import GroupBatchSampler, random_groups, random_regroup
-from omnibal_ext.memory.recompute import StageRecompute
+from omnibal_ext.memory.recompute import RecomputePlan, StageRecompute
 from omnibal_ext.model.layout import default_layout, parse_layout
 from omnibal_ext.model.spec import TEXT_LAYER, VISION_LAYER
 from omnibal_ext.model.units import build_units
@@ -18,80 +19,31 @@ from megatron.vlm.batches import MicroBatches, StageInputs
 from megatron.vlm.data.digits import FORMAT_VERSION as DIGITS_FORMAT
 from megatron.vlm.data.digits import build_digits_dataset, digits_meta_paths
 from megatron.vlm.data.internvl import InternVLDataset
-from megatron.vlm.data.template import chat_template_name
-from megatron.vlm.data.tokenizer import build_tokenizer, padded_vocab_size
 
 from .arguments import ArgumentError
+from .run_plan import RunPlan
 
 DEFAULT_DATASET_SAMPLES = 6000
 
 
-def setup_tokenizer(args):
-    """Build the tokenizer and size the model's vocabulary from it."""
-    hf = getattr(args, "hf_checkpoint", None)
-    if hf and args.tokenizer_model is None:
-        from megatron.vlm.hf.convert import has_tokenizer
-
-        if has_tokenizer(hf):
-            args.tokenizer_model = hf  # the model's own tokenizer (and its special tokens)
-    tokenizer = build_tokenizer(args.tokenizer_model)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"> conversations are rendered with {chat_template_name(tokenizer)}", flush=True)
-    if hf:
-        return _check_hf_tokenizer(args, tokenizer)
-    # Pad to a multiple of 128 that TP divides, not to 128 x TP as Megatron does: the vocabulary
-    # (and so the drawn weights) then stays the same across TP sizes 1, 2, 4, 8, and parallel runs
-    # reproduce the serial run.
-    vocab = padded_vocab_size(tokenizer.vocab_size, 1)
-    if vocab % args.tensor_model_parallel_size:
-        vocab = padded_vocab_size(tokenizer.vocab_size, args.tensor_model_parallel_size)
-    spec = args.model_spec
-    # the real size too: the padded rows' logits are masked out of the loss (OutputHead)
-    args.model_spec = spec.replace(language=dataclasses.replace(spec.language, vocab_size=vocab,
-                                                                real_vocab_size=tokenizer.vocab_size))
-    return tokenizer
-
-
-def _check_hf_tokenizer(args, tokenizer):
-    """--hf-checkpoint: the vocabulary is the checkpoint's (config vocab_size, padded); the tokenizer must fit in
-    it and its <IMG_CONTEXT> must be the config's image_token_id."""
-    from megatron.vlm.hf.config import read_config, spec_from_config
-
-    spec = args.model_spec
-    _, info = spec_from_config(read_config(args.hf_checkpoint))
-    real = spec.language.vocab_real
-    if tokenizer.vocab_size > real:
-        raise ArgumentError(f"--tokenizer-model {args.tokenizer_model or '(byte-level)'}: {tokenizer.vocab_size} ids, "
-                            f"more than the {real} rows of --hf-checkpoint {args.hf_checkpoint} (text vocab_size)")
-    if info.image_token_id is not None and tokenizer.img_context_id != info.image_token_id:
-        raise ArgumentError(f"--tokenizer-model {args.tokenizer_model or '(byte-level)'}: <IMG_CONTEXT> is id "
-                            f"{tokenizer.img_context_id}, but --hf-checkpoint {args.hf_checkpoint}/config.json has "
-                            f"image_token_id {info.image_token_id}")
-    vocab = spec.language.vocab_size
-    if vocab % args.tensor_model_parallel_size:
-        vocab = padded_vocab_size(real, args.tensor_model_parallel_size)
-        args.model_spec = spec.replace(language=dataclasses.replace(spec.language, vocab_size=vocab))
-    return tokenizer
-
-
-def data_paths(args) -> tuple[str, str | None]:
+def data_paths(args, plan: RunPlan) -> tuple[str, str | None]:
     """(train meta, validation meta or None); builds the default digits data on first use."""
     for flag, path in (("--data-path", args.data_path), ("--valid-data-path", args.valid_data_path)):
         if path and not os.path.exists(path):
             raise ArgumentError(f"{flag} {path}: no such file")
     if args.data_path:
         return args.data_path, args.valid_data_path
-    folder = os.path.join(args.data_cache_dir, f"digits_v{DIGITS_FORMAT}_{args.model_spec.vision.image_size}px")
+    folder = os.path.join(args.data_cache_dir, f"digits_v{DIGITS_FORMAT}_{plan.model_spec.vision.image_size}px")
     if dist.get_rank() == 0:
         build_digits_dataset(folder, num_samples=DEFAULT_DATASET_SAMPLES, seed=0,
-                             tile_size=args.model_spec.vision.image_size)
+                             tile_size=plan.model_spec.vision.image_size)
     dist.barrier()
     train, valid = digits_meta_paths(folder)
     return train, args.valid_data_path or valid
 
 
-def build_dataset(args, tokenizer, meta_path: str) -> InternVLDataset:
-    spec = args.model_spec
+def build_dataset(args, plan: RunPlan, tokenizer, meta_path: str) -> InternVLDataset:
+    spec = plan.model_spec
     # the validation scan (every image decoded) is split over all processes and all-gathered, and kept in
     # --data-cache-dir for the next launch (a restart) of the same data, configuration and tokenizer
     return InternVLDataset(meta_path, tokenizer, image_size=spec.vision.image_size,
@@ -101,55 +53,58 @@ def build_dataset(args, tokenizer, meta_path: str) -> InternVLDataset:
                            cache_dir=os.path.join(args.data_cache_dir, "scans"))
 
 
-def build_groups(args, dataset) -> tuple[list[np.ndarray], np.ndarray | None, object]:
-    """Sample groups of the training set (one group = one micro-batch), their step order (None in
-    random mode) and the ``regroup(sample_ids) -> (groups, order)`` the sampler uses to continue a
-    checkpoint's epoch saved under another configuration (same method, on a subset)."""
+def build_groups(args, plan: RunPlan, dataset) -> tuple[tuple[list[np.ndarray], np.ndarray | None, object], RunPlan]:
+    """((groups, order, regroup), plan): sample groups of the training set (one group = one micro-batch), their
+    step order (None in random mode) and the ``regroup(sample_ids) -> (groups, order)`` the sampler uses to
+    continue a checkpoint's epoch saved under another configuration (same method, on a subset); with
+    --omnibal-isf the plan gets the ISF caps and mean group."""
     if args.omnibal_isf:
         from .isf import isf_groups, isf_regroup
 
-        groups, order = isf_groups(args, dataset)
-        return groups, order, isf_regroup(args, dataset)
+        groups, order, params, mean_group = isf_groups(args, plan, dataset)
+        plan = dataclasses.replace(plan, isf_params=params, isf_mean_group=mean_group)
+        return (groups, order, isf_regroup(args, plan, dataset)), plan
     return (random_groups(len(dataset), args.micro_batch_size, seed=args.seed), None,
-            random_regroup(args.micro_batch_size, seed=args.seed))
+            random_regroup(args.micro_batch_size, seed=args.seed)), plan
 
 
-def build_datasets(args, tokenizer) -> tuple[InternVLDataset, InternVLDataset | None]:
+def build_datasets(args, plan: RunPlan, tokenizer) -> tuple[InternVLDataset, InternVLDataset | None]:
     """(train, valid or None) datasets; validates every record first (the scan, split over all ranks)."""
-    train_meta, valid_meta = data_paths(args)
-    train_set = build_dataset(args, tokenizer, train_meta)
-    valid_set = build_dataset(args, tokenizer, valid_meta) if valid_meta and args.eval_interval else None
+    train_meta, valid_meta = data_paths(args, plan)
+    train_set = build_dataset(args, plan, tokenizer, train_meta)
+    valid_set = build_dataset(args, plan, tokenizer, valid_meta) if valid_meta and args.eval_interval else None
     return train_set, valid_set
 
 
-def stage_inputs(args, layout) -> StageInputs:
-    """What this rank's pipeline stage reads of a micro-batch, from its units' runtime components."""
+def stage_inputs(plan: RunPlan) -> StageInputs:
+    """What this rank's pipeline stage (of ``plan.layout``) reads of a micro-batch, from its units' runtime
+    components."""
     from megatron.vlm.families import stage_inputs as inputs_of
 
-    units = build_units(args.model_spec)
+    units = build_units(plan.model_spec)
     stage = parallel_state.get_pipeline_model_parallel_rank()
-    return inputs_of(args.model_spec, [units[i] for i in layout.stage_range(stage)])
+    return inputs_of(plan.model_spec, [units[i] for i in plan.layout.stage_range(stage)])
 
 
-def build_data(args, tokenizer, inputs: StageInputs | None = None, datasets=None, device_type: str = "cpu",
-               groups=None):
+def build_data(args, plan: RunPlan, tokenizer, inputs: StageInputs | None = None, datasets=None,
+               device_type: str = "cpu", groups=None):
     """(train, valid or None) MicroBatches for this rank's stage and data-parallel rank.
 
     inputs: what the stage reads (``stage_inputs``; None: everything).  datasets: ``build_datasets``'s
-    pair (default: built here).  groups: ``build_groups``'s result for the training set (default: made
+    pair (default: built here).  groups: ``build_groups``'s (groups, order, regroup) for the training set (default: made
     here; the trainer makes it before profiling, whose shapes come from it).  The TP rank 0 of a stage
     that reads pixels loads (with --num-workers workers, --prefetch-factor ahead) and broadcasts over the
     TP group; the other stages' ranks load their (image-free) parts themselves, in the training process.
 
-    The train sampler knows the iteration block (dp x --num-microbatches groups), so random-mode
+    The train sampler knows the iteration block (dp x ``plan.num_microbatches`` groups), so random-mode
     batches do not depend on DP, and the regroup function, so ``train.load_state_dict`` continues a
     checkpoint saved under another DP (see omnibal_ext.data.sampler).
     """
     dp_rank = parallel_state.get_data_parallel_rank()
     dp = parallel_state.get_data_parallel_world_size()
-    train_set, valid_set = datasets if datasets is not None else build_datasets(args, tokenizer)
+    train_set, valid_set = datasets if datasets is not None else build_datasets(args, plan, tokenizer)
     inputs = inputs or StageInputs.everything()
-    image_tokens = (tokenizer.img_context_id, args.model_spec.tokens_per_tile)
+    image_tokens = (tokenizer.img_context_id, plan.model_spec.tokens_per_tile)
     # workers only where images are decoded: an image-free stage reads text and the scan's metadata,
     # faster in the training process than through worker processes (scripts/bench_data.py)
     loader = dict(inputs=inputs, num_workers=args.num_workers if inputs.pixels else 0,
@@ -157,9 +112,9 @@ def build_data(args, tokenizer, inputs: StageInputs | None = None, datasets=None
     if inputs.pixels and args.tensor_model_parallel_size > 1:
         loader.update(tp_group=parallel_state.get_tensor_model_parallel_group(),
                       tp_src=parallel_state.get_tensor_model_parallel_src_rank())
-    groups, order, regroup = groups if groups is not None else build_groups(args, train_set)
+    groups, order, regroup = groups if groups is not None else build_groups(args, plan, train_set)[0]
     sampler = GroupBatchSampler(groups, dp, dp_rank, seed=args.seed, order=order,
-                                microbatches=args.num_microbatches, regroup=regroup)
+                                microbatches=plan.num_microbatches, regroup=regroup)
     train = MicroBatches(train_set, sampler, tokenizer.pad_id, packed=args.omnibal_isf, image_tokens=image_tokens,
                          **loader)
     valid = None
@@ -170,16 +125,19 @@ def build_data(args, tokenizer, inputs: StageInputs | None = None, datasets=None
     return train, valid
 
 
-def choose_layout(args):
-    spec, pp = args.model_spec, args.pipeline_model_parallel_size
+def choose_layout(args, plan: RunPlan):
+    """--pipeline-layout, else Megatron's default layout."""
+    spec, pp = plan.model_spec, args.pipeline_model_parallel_size
     if args.pipeline_layout:
         return parse_layout(args.pipeline_layout, spec, pp)
     return default_layout(spec, pp)
 
 
-def recompute_settings(args, layout) -> list[StageRecompute]:
-    """Per-stage recompute from --recompute-granularity (every stage alike) or --recompute-plan."""
-    units = build_units(args.model_spec)
+def recompute_settings(args, plan: RunPlan) -> tuple[StageRecompute, ...]:
+    """Per-stage recompute (for ``plan.layout``) from --recompute-granularity (every stage alike) or
+    --recompute-plan."""
+    layout = plan.layout
+    units = build_units(plan.model_spec)
     counts = []
     for rng in layout.stage_slices():
         roles = [units[i].code for i in rng]
@@ -187,18 +145,18 @@ def recompute_settings(args, layout) -> list[StageRecompute]:
     if args.recompute_plan:
         from omnibal_ext.memory.recompute import parse_recompute_plan
 
-        plan = parse_recompute_plan(args.recompute_plan, layout.num_stages)
-        for s, (stage, (nv, nl)) in enumerate(zip(plan, counts)):
+        stages = parse_recompute_plan(args.recompute_plan, layout.num_stages)
+        for s, (stage, (nv, nl)) in enumerate(zip(stages, counts)):
             if stage.vit_full_layers > nv or stage.llm_full_layers > nl:
                 raise ArgumentError(
                     f"--recompute-plan: stage {s} asks {stage.vit_full_layers} ViT / {stage.llm_full_layers} LLM "
                     f"full layers but holds {nv} / {nl}")
-        return list(plan)
+        return tuple(stages)
     if args.recompute_granularity == "full":
-        return [StageRecompute(nv, False, nl, False) for nv, nl in counts]
+        return tuple(StageRecompute(nv, False, nl, False) for nv, nl in counts)
     if args.recompute_granularity == "selective":
-        return [StageRecompute(0, True, 0, True) for _ in counts]
-    return [StageRecompute() for _ in counts]
+        return tuple(StageRecompute(0, True, 0, True) for _ in counts)
+    return tuple(StageRecompute() for _ in counts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,7 +169,7 @@ def precision_of(args):
     return MIXED_BF16_ADAM if args.bf16 else FP32_ADAM  # fp32: param, main_grad, Adam m/v
 
 
-def unit_costs(args, dataset, img_context_id: int, device):
+def unit_costs(args, plan: RunPlan, dataset, img_context_id: int, device):
     """Costs of every unit: read from --omnibal-profile if it exists, else measured now (and written there)."""
     from omnibal_ext.model.costs import CostTable
 
@@ -220,12 +178,12 @@ def unit_costs(args, dataset, img_context_id: int, device):
     path = args.omnibal_profile
     if path and os.path.exists(path):
         costs = CostTable.load(path)
-        names = [u.name for u in build_units(args.model_spec)]
+        names = [u.name for u in build_units(plan.model_spec)]
         if [u.name for u in costs.units] != names:
             raise ArgumentError(f"--omnibal-profile {path}: its units do not match this model's "
                                 f"{len(names)} units (profiled another model?)")
         return costs
-    costs = profile_for_training(args, dataset, img_context_id, device)
+    costs = profile_for_training(args, plan, dataset, img_context_id, device)
     if path and dist.get_rank() == 0:
         costs.save(path)
     return costs
@@ -243,11 +201,12 @@ def memory_budget_bytes(args, device) -> float:
     return 0.9 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / local
 
 
-def balanced_layout(args, costs):
+def balanced_layout(args, plan: RunPlan, costs):
+    """The layout the partition search finds for ``costs`` (printed beside Megatron's default)."""
     from omnibal_ext.model.partition import evaluate_layout, search_partition
 
     report = search_partition(costs, args.pipeline_model_parallel_size)
-    default = evaluate_layout(costs, default_layout(args.model_spec, args.pipeline_model_parallel_size),
+    default = evaluate_layout(costs, default_layout(plan.model_spec, args.pipeline_model_parallel_size),
                               args.pipeline_model_parallel_size)
     if dist.get_rank() == 0:
         fmt = lambda r: ", ".join(f"{t * 1e3:.2f}" for t in r.stage_times_s)  # noqa: E731
@@ -258,16 +217,16 @@ def balanced_layout(args, costs):
     return report.layout
 
 
-def adaptive_recompute(args, costs, layout, device) -> list[StageRecompute]:
+def adaptive_recompute(args, plan: RunPlan, costs, device) -> RecomputePlan:
+    """The fastest per-stage recompute of ``plan.layout`` whose predicted peak fits the memory budget."""
     from omnibal_ext.memory.recompute import format_recompute_plan, plan_recompute
 
     budget = memory_budget_bytes(args, device)
-    plan = plan_recompute(costs, layout, budget, args.pipeline_model_parallel_size, args.tensor_model_parallel_size,
-                          args.data_parallel_size, args.num_microbatches,
-                          distributed_optimizer=args.use_distributed_optimizer, precision=precision_of(args))
-    args.recompute_plan_applied = plan
+    chosen = plan_recompute(costs, plan.layout, budget, args.pipeline_model_parallel_size,
+                            args.tensor_model_parallel_size, plan.data_parallel_size, plan.num_microbatches,
+                            distributed_optimizer=args.use_distributed_optimizer, precision=precision_of(args))
     if dist.get_rank() == 0:
-        peaks = ", ".join(f"{b / 2**20:.2f}" for b in plan.stage_peak_bytes)
-        print(f"> omnibal recompute: plan {format_recompute_plan(plan.stages)} for a budget of "
+        peaks = ", ".join(f"{b / 2**20:.2f}" for b in chosen.stage_peak_bytes)
+        print(f"> omnibal recompute: plan {format_recompute_plan(chosen.stages)} for a budget of "
               f"{budget / 2**20:.2f} MiB; predicted peak per stage (MiB) [{peaks}]", flush=True)
-    return list(plan.stages)
+    return chosen

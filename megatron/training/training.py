@@ -21,38 +21,30 @@ from omnibal_ext.model.units import build_units
 from megatron.vlm.data.collate import HOST_KEYS
 from megatron.vlm.head import HeadOutput
 from megatron.vlm.stage import StageBuild, build_stage
-from omnibal_ext.memory.recompute import StageRecompute
 from omnibal_ext.model.spec import TEXT_EMBED
 
 from . import checkpointing
 from .arguments import ArgumentError
 from .memory import ActivationMeter, one_f_one_b_peak, static_bytes
+from .run_plan import RunPlan
 
 
 def dtype_of(args) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float32
 
 
-def resolve_overlap(args, device: torch.device) -> tuple[bool, bool]:
-    """(overlap_grad_reduce, overlap_param_gather) of this run: each flag as given, else on for CUDA
-    (param gather only with the distributed optimizer), off on CPU.  Stored back on ``args``."""
-    on_cuda = device.type == "cuda"
-    grad = on_cuda if args.overlap_grad_reduce is None else bool(args.overlap_grad_reduce)
-    param = (on_cuda and args.use_distributed_optimizer) if args.overlap_param_gather is None else bool(args.overlap_param_gather)
-    args.overlap_grad_reduce, args.overlap_param_gather = grad, param
-    return grad, param
-
-
-def build_model(args, layout, recompute: list[StageRecompute], img_context_id: int, device: torch.device):
-    """This rank's pipeline stage, wrapped in megatron's DistributedDataParallel."""
-    spec, tp, pp = args.model_spec, args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+def build_model(args, plan: RunPlan, img_context_id: int, device: torch.device):
+    """This rank's pipeline stage of ``plan.layout`` with its ``plan.recompute``, wrapped in megatron's
+    DistributedDataParallel."""
+    spec, tp, pp = plan.model_spec, args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    layout = plan.layout
     on_cpu = device.type == "cpu"
     dtype = dtype_of(args)
     stage = parallel_state.get_pipeline_model_parallel_rank()
     module = build_stage(StageBuild(
         spec, layout.stage_range(stage), tp=tp, pp=pp, dtype=dtype,
         transformer_impl=resolve_transformer_impl(args.transformer_impl, device, args.attention_backend),
-        attention_backend=args.attention_backend, seed=args.seed, recompute=recompute[stage],
+        attention_backend=args.attention_backend, seed=args.seed, recompute=plan.recompute[stage],
         img_context_id=img_context_id, on_cpu=on_cpu))
     stage_config = module.config
     module.to(device=device, dtype=dtype)
@@ -64,12 +56,12 @@ def build_model(args, layout, recompute: list[StageRecompute], img_context_id: i
             from megatron.vlm.tied import build_tied_embedding_group
 
             module.tied_group = build_tied_embedding_group(embed_stage, pp - 1)
-    overlap_grad, overlap_param = resolve_overlap(args, device)
     # bucket_size left at megatron-core's default (40M parameters or 1M x DP, one bucket without overlap);
     # no align_param_gather (that is for the interleaved schedule): the DDP forward pre-hooks dispatch and
     # wait for each bucket's all-gather in the next forward
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_param,
+        grad_reduce_in_fp32=True, overlap_grad_reduce=plan.overlap_grad_reduce,
+        overlap_param_gather=plan.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer)
     return [DistributedDataParallel(config=stage_config, ddp_config=ddp_config, module=module)]
 
@@ -103,14 +95,14 @@ def resolve_transformer_impl(requested: str, device: torch.device, attention_bac
     return "transformer_engine"
 
 
-def build_optimizer(args, model):
+def build_optimizer(args, plan: RunPlan, model):
     config = OptimizerConfig(
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
         bf16=args.bf16, params_dtype=dtype_of(args), use_distributed_optimizer=args.use_distributed_optimizer,
-        overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)))
+        overlap_param_gather=plan.overlap_param_gather)
     optimizer = get_megatron_optimizer(config, model)
-    gbs = args.global_batch_size
+    gbs = plan.global_batch_size
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=min(args.lr_warmup_iters, max(args.train_iters - 1, 0)) * gbs, lr_decay_steps=max(args.train_iters, 1) * gbs,
@@ -253,7 +245,7 @@ def _batch_balance(records: list[dict], balance_fn) -> dict:
     return {k: sum(s[k] for s in per_step) / len(per_step) for k in keys}
 
 
-def train(args, model, optimizer, scheduler, train_data, valid_data=None, start_iteration: int = 0,
+def train(args, plan: RunPlan, model, optimizer, scheduler, train_data, valid_data=None, start_iteration: int = 0,
           consumed_samples: int = 0, balance_fn=step_balance) -> dict:
     """Run iterations start_iteration+1 .. train_iters; returns a summary for the caller."""
     config = unwrap_model(model[0]).config
@@ -264,7 +256,7 @@ def train(args, model, optimizer, scheduler, train_data, valid_data=None, start_
     is_last = parallel_state.is_pipeline_last_stage()
     history = []
     balance_sums, balance_count = {}, 0
-    meter = ActivationMeter(unwrap_model(model[0])) if args.log_activation_memory else None
+    meter = ActivationMeter(unwrap_model(model[0])) if plan.log_activation_memory else None
     train_step = partial(forward_step, meter=meter)
     peak_act = 0
     iteration = start_iteration
@@ -281,14 +273,14 @@ def train(args, model, optimizer, scheduler, train_data, valid_data=None, start_
         DATA_WAIT["s"] = 0.0
         reports = forward_backward(
             forward_step_func=train_step, data_iterator=train_data, model=model,
-            num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+            num_microbatches=plan.num_microbatches, seq_length=args.seq_length,
             micro_batch_size=args.micro_batch_size, forward_only=False)
         ok, grad_norm, _ = optimizer.step()
         records = train_data.stop_recording()
         if meter:
             peak_act = max(peak_act, one_f_one_b_peak(meter.per_microbatch, parallel_state.get_pipeline_model_parallel_rank(),
                                                       args.pipeline_model_parallel_size))
-        scheduler.step(increment=args.global_batch_size)
+        scheduler.step(increment=plan.global_batch_size)
         iteration += 1
         elapsed = time.perf_counter() - start
         # the slowest rank's wait for data this iteration (a stage that waits stalls the pipeline)
@@ -323,22 +315,23 @@ def train(args, model, optimizer, scheduler, train_data, valid_data=None, start_
         if args.eval_interval and valid_data is not None and (
                 iteration % args.eval_interval == 0 or iteration == args.train_iters):
             sync_params(model)
-            ev = evaluate(args, model, valid_data, forward_backward)
+            ev = evaluate(args, plan, model, valid_data, forward_backward)
             if ev:
                 log.log(iteration, args.train_iters, ev, prefix="validation ")
                 metrics.update({f"validation {k}": v for k, v in ev.items()})
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             sync_params(model)
-            checkpointing.save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler, train_data)
+            checkpointing.save_checkpoint(args, plan, iteration, consumed_samples, model, optimizer, scheduler,
+                                          train_data)
             saved = iteration
         if args.exit_interval and iteration == args.exit_interval:
             break
     sync_params(model)
     if args.save and saved != iteration:  # the end of training (or a resume with nothing left: a resharded copy)
-        checkpointing.save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler, train_data)
+        checkpointing.save_checkpoint(args, plan, iteration, consumed_samples, model, optimizer, scheduler, train_data)
     summary = {"iterations": iteration, "consumed_samples": consumed_samples, "history": history}
     if meter:
-        summary["memory"] = stage_memory_report(args, model, optimizer, peak_act)
+        summary["memory"] = stage_memory_report(args, plan, model, optimizer, peak_act)
         log.log(iteration, args.train_iters, summary["memory"], prefix="memory ")
     if balance_count:
         summary["balance"] = {k: v / balance_count for k, v in balance_sums.items()}
@@ -348,7 +341,7 @@ def train(args, model, optimizer, scheduler, train_data, valid_data=None, start_
     return summary
 
 
-def stage_memory_report(args, model, optimizer, peak_act: int) -> dict:
+def stage_memory_report(args, plan: RunPlan, model, optimizer, peak_act: int) -> dict:
     """Measured per-stage memory (the largest over the stage's ranks), and the plan's prediction."""
     device = next(unwrap_model(model[0]).parameters()).device
     allocated = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
@@ -361,25 +354,26 @@ def stage_memory_report(args, model, optimizer, peak_act: int) -> dict:
     report = {"peak_act_bytes_per_stage": act, "static_bytes_per_stage": static}
     if allocated is not None:  # torch.cuda.max_memory_allocated over the run (CUDA only)
         report["max_allocated_bytes_per_stage"] = [max(e[3] for e in everyone if e[0] == stage) for stage in range(pp)]
-    plan = getattr(args, "recompute_plan_applied", None)
-    if plan is not None:
-        report["predicted_peak_bytes_per_stage"] = list(plan.stage_peak_bytes)
-        report["predicted_static_bytes_per_stage"] = list(plan.stage_static_bytes)
-        report["budget_bytes"] = plan.budget_bytes[0] if plan.budget_bytes else None
+    predicted = plan.recompute_plan
+    if predicted is not None:
+        report["predicted_peak_bytes_per_stage"] = list(predicted.stage_peak_bytes)
+        report["predicted_static_bytes_per_stage"] = list(predicted.stage_static_bytes)
+        report["budget_bytes"] = predicted.budget_bytes[0] if predicted.budget_bytes else None
     return report
 
 
-def evaluate(args, model, valid_data, forward_backward) -> dict:
+def evaluate(args, plan: RunPlan, model, valid_data, forward_backward) -> dict:
     for m in model:
         m.eval()
     reports = []
     valid_data.reset()
-    iters = args.eval_iters or max(1, valid_data.sampler.num_groups // (args.data_parallel_size * args.num_microbatches))
+    groups_per_iteration = plan.data_parallel_size * plan.num_microbatches
+    iters = args.eval_iters or max(1, valid_data.sampler.num_groups // groups_per_iteration)
     with torch.no_grad():
         for _ in range(iters):
             reports += forward_backward(
                 forward_step_func=forward_step, data_iterator=valid_data, model=model,
-                num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                num_microbatches=plan.num_microbatches, seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size, forward_only=True)
     for m in model:
         m.train()

@@ -9,7 +9,7 @@ from omnibal_ext.model.units import ModelSpec
 
 
 def _common(*, tp: int, pp: int, on_cpu: bool, dtype: torch.dtype, init_method_std: float) -> dict:
-    fused = not on_cpu  # kernels that need CUDA (notes/megatron_core_cpu.md)
+    fused = not on_cpu  # kernels that need CUDA (../shared/notes/megatron_core_cpu.md)
     return dict(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,

@@ -110,19 +110,6 @@ def _empty_grouping() -> Grouping:
     return Grouping(z, np.zeros(1, dtype=np.int64), z, z, z, np.zeros(0, dtype=np.int8))
 
 
-def grouping_from_lists(groups, tokens: np.ndarray, vit: np.ndarray, kind: int = KIND_KEPT) -> Grouping:
-    """A Grouping from explicit groups (lists of sample indices), totals computed from the stats."""
-    sizes = np.fromiter((len(g) for g in groups), np.int64, len(groups))
-    if np.any(sizes == 0):
-        raise ValueError(f"grouping_from_lists: group {int(np.argmax(sizes == 0))} is empty")
-    members = np.concatenate([np.asarray(g, dtype=np.int64) for g in groups]) if len(groups) else \
-        np.zeros(0, dtype=np.int64)
-    offsets = np.zeros(len(groups) + 1, dtype=np.int64)
-    np.cumsum(sizes, out=offsets[1:])
-    t, v = np.asarray(tokens, dtype=np.int64), np.asarray(vit, dtype=np.int64)
-    return _finish(members, offsets, t, v, np.full(len(groups), kind, dtype=np.int8))
-
-
 def _finish(members, offsets, tok, vit, kind, truncated=None, report=None) -> Grouping:
     if len(offsets) > 1:
         starts = offsets[:-1]

@@ -96,20 +96,6 @@ def fill(group_totals: np.ndarray, cap: float) -> float:
     return float(g.mean() / cap)
 
 
-def segment_max(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """Max of ``values[offsets[g]:offsets[g+1]]`` per segment (segments must be non-empty)."""
-    if len(offsets) <= 1:
-        return np.zeros(0, dtype=values.dtype)
-    return np.maximum.reduceat(values, offsets[:-1])
-
-
-def segment_sum(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """Sum of ``values[offsets[g]:offsets[g+1]]`` per segment (segments must be non-empty)."""
-    if len(offsets) <= 1:
-        return np.zeros(0, dtype=np.int64)
-    return np.add.reduceat(values, offsets[:-1])
-
-
 def evaluate_steps(
     steps: np.ndarray,
     group_tokens: np.ndarray,

@@ -2,7 +2,7 @@
 
 Tensor-free: reads a :class:`~omnibal_ext.model.costs.CostTable` (per-unit numbers for ONE
 micro-batch on ONE tensor-parallel rank), a :class:`~omnibal_ext.model.layout.PipelineLayout` and
-optionally a recompute plan (one ``StageRecompute`` per stage, see ``recompute.py``).  All results
+optionally a recompute plan (one ``StageRecompute`` per stage, see ``stage_recompute.py``).  All results
 are bytes on one GPU (one TP rank of one pipeline stage of one DP replica).
 
 Static bytes (Megatron mixed precision, bf16 training with Adam)
@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -75,8 +75,7 @@ from ..model.costs import CostTable
 from ..model.layout import PipelineLayout
 from ..model.spec import TEXT_LAYER, VISION_LAYER
 
-if TYPE_CHECKING:  # recompute.py imports this module; only the attribute names are used here
-    from .recompute import StageRecompute
+from .stage_recompute import StageRecompute
 
 GIB = float(1 << 30)
 
@@ -151,7 +150,7 @@ def stage_layer_counts(costs: CostTable, layout: PipelineLayout) -> list[tuple[i
             for rng in layout.stage_slices()]
 
 
-def unit_modes(costs: CostTable, layout: PipelineLayout, plan: Sequence["StageRecompute"] | None) -> np.ndarray:
+def unit_modes(costs: CostTable, layout: PipelineLayout, plan: Sequence[StageRecompute] | None) -> np.ndarray:
     """Recompute mode of every unit (MODE_NONE / MODE_SELECTIVE / MODE_FULL) under ``plan``."""
     modes = np.full(len(costs.units), MODE_NONE, dtype=np.int8)
     if plan is None:
@@ -215,7 +214,7 @@ def unit_time_s(costs: CostTable, modes: np.ndarray) -> np.ndarray:
     return a["fwd"] + a["bwd"] + extra
 
 
-def stage_time_s(costs: CostTable, layout: PipelineLayout, plan: Sequence["StageRecompute"] | None) -> np.ndarray:
+def stage_time_s(costs: CostTable, layout: PipelineLayout, plan: Sequence[StageRecompute] | None) -> np.ndarray:
     """Seconds per micro-batch of each stage (forward + backward + recompute), no communication."""
     t = unit_time_s(costs, unit_modes(costs, layout, plan))
     return np.array([t[list(r)].sum() for r in layout.stage_slices()])
@@ -257,7 +256,7 @@ def interleaved_live_counts(pp: int, virtual_stages: int, num_microbatches: int,
     return fwd_done - bwd_done[bwd_before]
 
 
-def stage_memory(costs: CostTable, layout: PipelineLayout, plan: Sequence["StageRecompute"] | None,
+def stage_memory(costs: CostTable, layout: PipelineLayout, plan: Sequence[StageRecompute] | None,
                  pp: int, tp: int, dp: int, num_microbatches: int, distributed_optimizer: bool = True,
                  precision: Precision = MIXED_BF16_ADAM, virtual_stages: int = 1) -> list[StageMemory]:
     """Memory of each pipeline rank (``pp`` entries) under ``plan`` (None: no recompute).

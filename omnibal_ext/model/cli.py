@@ -36,7 +36,7 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--tiles", type=int, default=9, help="ViT tiles per micro-batch")
     p.add_argument("--llm-tokens", type=int, default=4096, help="LLM tokens per micro-batch")
     p.add_argument("--device", default="a100-80g", help=f"device preset: {', '.join(DEVICES)}")
-    p.add_argument("--profile", default=None, help="measured profile JSON (profile.write_profile) to calibrate with")
+    p.add_argument("--profile", default=None, help="measured profile JSON (`omnibal profile`) to calibrate with")
     p.add_argument("--radius", type=int, default=2, help="search radius (units) around the anchor boundaries")
     p.add_argument("--microbatches", type=int, default=None,
                    help="micro-batches per iteration for the schedule simulation (default 4 * pp)")

@@ -63,7 +63,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import UserError
-from .components import CostComponent, layer_act_bytes_per_token, llm_layer_flops  # noqa: F401 (API)
+from .components import CostComponent
 from .costs import CostTable, UnitCost
 from .shape import MicroBatchShape
 from .spec import ModelSpec

@@ -138,8 +138,3 @@ def default_layout(spec: ModelSpec, pp: int) -> PipelineLayout:
     validate_layout(layout, len(units), pp)
     return layout
 
-
-def layout_from_counts(counts, num_units: int) -> PipelineLayout:
-    layout = PipelineLayout(tuple(int(c) for c in counts))
-    validate_layout(layout, num_units, len(layout.stage_units), "layout")
-    return layout

@@ -2,8 +2,9 @@
 
 ``measure_unit`` times any callable's forward and backward and counts the bytes autograd keeps
 for backward (via ``torch.autograd.graph.saved_tensors_hooks``, de-duplicated by storage, with
-parameters' storages left out). ``write_profile`` stores per-unit costs as a ``CostTable`` JSON
-whose meta names the device, dtype, shapes and versions; ``cost_model.calibrated_costs`` reads it.
+parameters' storages left out); ``to_unit_cost`` turns a measurement into a unit's ``UnitCost``, and
+``environment_meta`` names the versions and host a profile's ``CostTable`` records (the trainer's profiler,
+megatron/training/profiling.py, writes the profile JSON that ``cost_model.calibrated_costs`` reads).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from .costs import CostTable, UnitCost
+from .costs import UnitCost
 
 
 @dataclass(frozen=True)
@@ -124,16 +125,3 @@ def environment_meta() -> dict:
     meta["cuda_device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return meta
 
-
-def write_profile(path: str, units: list[UnitCost], meta: dict) -> CostTable:
-    """Write the profile as a CostTable JSON (source "profile").
-
-    meta should name "device", "dtype", "shape" (``MicroBatchShape.to_dict()``), "spec"
-    (``ModelSpec.to_dict()``) and "tp"; versions and host are added.
-    """
-    if not units:
-        raise ValueError(f"write_profile {path}: no units to write")
-    full_meta = {**environment_meta(), **meta}
-    table = CostTable(tuple(units), "profile", full_meta)
-    table.save(path)
-    return table

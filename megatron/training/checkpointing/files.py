@@ -70,7 +70,8 @@ def check_files(ckpt: Checkpoint) -> list[str]:
     else:
         problems = sizes_problems(folder)
     if not problems:
-        files = json.load(open(os.path.join(folder, MANIFEST)))["files"]
+        with open(os.path.join(folder, MANIFEST)) as f:
+            files = json.load(f)["files"]
         for name in sorted(files)[dist.get_rank()::dist.get_world_size()]:
             if digest(os.path.join(folder, name)) != files[name][1]:
                 problems.append(f"{os.path.join(folder, name)} is corrupt (its XXH3 checksum differs from the one saved)")
@@ -85,7 +86,8 @@ def sizes_problems(folder: str) -> list[str]:
     if not os.path.exists(manifest):
         return [f"{manifest} is missing (the save did not finish)"]
     try:
-        files = json.load(open(manifest))["files"]
+        with open(manifest) as f:
+            files = json.load(f)["files"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         return [f"{manifest} is unreadable ({e})"]
     problems = []

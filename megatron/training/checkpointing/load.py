@@ -3,6 +3,7 @@ load, resharded to this run's TP/PP/DP, layout and optimizer kind."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,8 @@ def find_checkpoint(root: str, step: int | None = None) -> Checkpoint | None:
                 return None
             step = iterations[-1]  # killed between the folder's rename and the tracker's
         else:
-            text = open(tracker).read().strip()
+            with open(tracker) as f:
+                text = f.read().strip()
             if not text.isdigit():
                 raise CheckpointError(f"--load {root}: {tracker} holds {text!r}, not an iteration number"
                                       f"{_older_hint(root, None)}")
@@ -53,19 +55,19 @@ def _older_hint(root: str, iteration: int | None) -> str:
     return ". No older complete checkpoint is there"
 
 
-def load_checkpoint(ckpt: Checkpoint, args, model, optimizer, scheduler) -> dict:
+def load_checkpoint(ckpt: Checkpoint, args, plan, model, optimizer, scheduler) -> dict:
     """Load ``ckpt`` into this run's model, optimizer and scheduler, whatever TP/PP/DP, layout, recompute plan
     and optimizer kind it was saved with; returns its common state (iteration, consumed samples, data)."""
     common = dist_checkpointing.load_common_state_dict(ckpt.path)
     saved_run = common.get("run") or {}
-    _check_model(ckpt, saved_run, args)
+    _check_model(ckpt, saved_run, plan.model_spec)
     _check_tensors(ckpt, model)
     with_optimizer = "scheduler" in common  # an imported model (iteration 0) holds weights only
     if with_optimizer:
         init_optimizer_state(optimizer)
     request = sharded_state_dict(model, optimizer, with_optimizer, is_loading=True)
     same_world = saved_run and world_of(saved_run) == (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                                     args.data_parallel_size)
+                                                     plan.data_parallel_size)
     if with_optimizer:
         adapt_optimizer_request(request["optimizer"], saved_run, args)
     if same_world:
@@ -94,14 +96,14 @@ def load_checkpoint(ckpt: Checkpoint, args, model, optimizer, scheduler) -> dict
     return common
 
 
-def _check_model(ckpt: Checkpoint, saved_run: dict, args) -> None:
+def _check_model(ckpt: Checkpoint, saved_run: dict, spec) -> None:
     """The checkpoint's model sizes must be this run's (a clear message rather than a tensor shape)."""
     from omnibal_ext.model.units import spec_from_dict
 
     if saved_run.get("model") is None:
         return
     saved = spec_from_dict(saved_run["model"]).to_dict()  # fields added since: their defaults
-    mine = args.model_spec.to_dict()
+    mine = spec.to_dict()
     diffs = [f"{k}: {v} saved, {mine_v} now" for k, v, mine_v in _flat_diff(saved, mine)]
     if diffs:
         raise CheckpointError(f"--load {ckpt.root}: the checkpoint of iteration {ckpt.iteration} holds another "
@@ -151,5 +153,7 @@ def read_global_tensors(path: str, keys) -> dict:
     if missing:
         raise CheckpointError(f"{path}: model tensor(s) missing: {', '.join(missing[:8])}")
     out = {k: torch.empty(tuple(meta[k].size), dtype=meta[k].properties.dtype) for k in keys}
-    dcp_load(out, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # torch warns of a single-process load even when asked for one (no_dist)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp_load(out, storage_reader=reader, no_dist=True)
     return out

@@ -10,7 +10,7 @@ from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
 from megatron.core.dist_checkpointing.mapping import (LocalNonpersistentObject, ShardedBase, ShardedTensor,
                                                       ShardedTensorFactory)
 
-from .state import map_leaves, run_description
+from .state import map_leaves
 
 
 def init_optimizer_state(optimizer) -> None:
@@ -33,13 +33,19 @@ _MAIN_PARAM = {"distributed": "optimizer.state.param.", "mixed": "optimizer.stat
 
 
 def _optimizer_kind(run: dict) -> str:
+    """The optimizer kind of a run description (a checkpoint's "run")."""
     return "distributed" if run.get("distributed_optimizer") else "mixed" if run.get("bf16") else "fp32"
+
+
+def _own_kind(args) -> str:
+    """The optimizer kind of this run's flags."""
+    return _optimizer_kind({"distributed_optimizer": args.use_distributed_optimizer, "bf16": args.bf16})
 
 
 def adapt_optimizer_request(request: dict, saved_run: dict, args) -> None:
     """Point the requested fp32 main parameters at what the saved optimizer kind stored them under
     (the model's own weights when it trained in fp32). Adam's moments are keyed alike in every kind."""
-    saved, mine = _optimizer_kind(saved_run), _optimizer_kind(run_description(args))
+    saved, mine = _optimizer_kind(saved_run), _own_kind(args)
     if saved == mine or mine not in _MAIN_PARAM:
         return
     old = _MAIN_PARAM[mine]
@@ -68,7 +74,7 @@ def load_optimizer(optimizer, state: dict, template: dict, model_weights: dict, 
     step) has that kind's structure: the state is then rebuilt on the template with the loaded tensors
     and step (``model_weights``: the loaded weights by checkpoint key, for main parameters that were not
     saved apart)."""
-    if _optimizer_kind(saved_run) != _optimizer_kind(run_description(args)):
+    if _optimizer_kind(saved_run) != _own_kind(args):
         state = _rebuilt(template, state, torch.tensor(_saved_step(state)), model_weights)
     with contextlib.ExitStack() as stack:
         for opt in getattr(optimizer, "chained_optimizers", [optimizer]):

@@ -29,11 +29,11 @@ def describe_run(spec, tp: int = 1, pp: int = 1, dp: int = 1, layout: str | None
             "tokenizer": tokenizer, "hf": hf}
 
 
-def run_description(args) -> dict:
-    """:func:`describe_run` of this run's flags."""
-    return describe_run(args.model_spec, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                        args.data_parallel_size, getattr(args, "layout_flag", None), args.use_distributed_optimizer,
-                        args.bf16, args.seed, getattr(args, "tokenizer_model", None), getattr(args, "hf_meta", None))
+def run_description(args, plan) -> dict:
+    """:func:`describe_run` of this run: its flags ``args`` and its RunPlan ``plan``."""
+    return describe_run(plan.model_spec, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                        plan.data_parallel_size, plan.layout_flag, args.use_distributed_optimizer,
+                        args.bf16, args.seed, plan.tokenizer_model, plan.hf_meta)
 
 
 def world_of(run: dict) -> tuple:

@@ -46,6 +46,7 @@ from PIL import Image
 
 from omnibal_ext.errors import UserError
 
+from . import scan_cache
 from .template import (ConversationError, IMAGE_PLACEHOLDER, add_missing_placeholder, count_placeholders,
                        parse_conversations, plan_conversation)
 from .tiling import black_tile_tensor, count_tiles, dynamic_tiles, tiles_to_tensor
@@ -211,14 +212,13 @@ def scan_annotations(meta_path: str, tokenizer, config: ReaderConfig, progress: 
     """
     import torch.distributed as dist
 
-    from . import scan_cache
-
     sources = read_meta(meta_path)
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
     path = cache = None
     if cache_dir:
         path = scan_cache.cache_path(cache_dir, meta_path, scan_cache.scan_key(meta_path, sources, config, tokenizer))
-        cache = scan_cache.load_scan(path, sources)
+        fields = scan_cache.load_scan(path)
+        cache = None if fields is None else ScanResult(sources, **fields)
         if world > 1:  # scan again unless every process can read it (e.g. a cache folder local to each node)
             found = [None] * world
             dist.all_gather_object(found, cache is not None, group=group)

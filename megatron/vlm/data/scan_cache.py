@@ -29,9 +29,11 @@ def scan_key(meta_path: str, sources, config, tokenizer) -> str:
 
     tok_dir = getattr(tokenizer, "path", None)
     tok_files = sorted(stat(os.path.join(tok_dir, f)) for f in os.listdir(tok_dir)) if tok_dir else []
+    with open(meta_path, "rb") as f:
+        meta_digest = hashlib.sha256(f.read()).hexdigest()
     described = {
         "format": FORMAT,
-        "meta": hashlib.sha256(open(meta_path, "rb").read()).hexdigest(),
+        "meta": meta_digest,
         "annotations": [stat(src.annotation) for src in sources],
         "config": dataclasses.asdict(config),
         "tokenizer": [repr(tokenizer), tokenizer.vocab_size, getattr(tokenizer, "chat_template", None), tok_files],
@@ -44,10 +46,9 @@ def cache_path(cache_dir: str, meta_path: str, key: str) -> str:
     return os.path.join(cache_dir, f"scan_{name}_{key}.npz")
 
 
-def load_scan(path: str, sources):
-    """The ScanResult cached at ``path``, or None when there is none (or it cannot be read: it is rebuilt)."""
-    from .internvl import ScanResult
-
+def load_scan(path: str) -> dict | None:
+    """The fields of the ScanResult cached at ``path`` (all but ``sources``), or None when there is none (or it
+    cannot be read: it is rebuilt)."""
     if not os.path.exists(path):
         return None
     try:
@@ -56,7 +57,7 @@ def load_scan(path: str, sources):
             num_truncated, num_without_loss = (int(v) for v in z["counts"])
     except (OSError, KeyError, ValueError):
         return None
-    return ScanResult(sources, **arrays, num_truncated=num_truncated, num_without_loss=num_without_loss)
+    return {**arrays, "num_truncated": num_truncated, "num_without_loss": num_without_loss}
 
 
 def save_scan(path: str, scan) -> None:

@@ -58,9 +58,6 @@ class ByteTokenizer:
         self.img_end_id = self._special_ids[IMG_END]
         self.img_context_id = self._special_ids[IMG_CONTEXT]
 
-    def token_to_id(self, token: str) -> int:
-        return self._special_ids[token]
-
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
         for part in self._split.split(text):

@@ -1,0 +1,91 @@
+"""The run the flags describe, once the world, the device, the tokenizer, the data and the profile are known.
+
+``parse_args`` only checks the flags: the parsed ``args`` are never written to.  What follows from them —
+parallel and batch sizes, the model with its padded vocabulary, the tokenizer source, the ISF caps, the
+pipeline layout and the recompute plan, the overlap settings, the Hugging Face source — is a
+:class:`RunPlan`, made by :func:`plan_run` at launch and completed with ``dataclasses.replace`` as each part
+becomes known (pretrain_vlm.py: tokenizer -> data -> layout -> recompute), then passed to the functions
+that need it (setup, training, checkpointing).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omnibal_ext.memory.recompute import RecomputePlan
+from omnibal_ext.memory.stage_recompute import StageRecompute
+from omnibal_ext.model.layout import PipelineLayout
+from omnibal_ext.model.units import ModelSpec, build_units
+
+from .arguments import batch_sizes, data_parallel_size, model_spec_of
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run trains and how, derived from its flags (see the module docstring)."""
+
+    model_spec: ModelSpec
+    """The model: the preset with the model flags, or --hf-checkpoint's config.json.  Once the tokenizer is
+    set up (``tokenizer_setup.setup_tokenizer``) its vocabulary is padded (rows: a multiple of 128 that TP
+    divides) and ``language.real_vocab_size`` is the tokenizer's."""
+    data_parallel_size: int
+    """Data-parallel ranks: world size / (TP x PP)."""
+    global_batch_size: int
+    """Samples per iteration, all data-parallel ranks together (--global-batch-size; default 4 micro-batches
+    per data-parallel rank)."""
+    num_microbatches: int
+    """Micro-batches per iteration on each data-parallel rank: global batch / (micro-batch size x DP)."""
+    overlap_grad_reduce: bool
+    """Overlap DDP's gradient reduction with the backward pass (--overlap-grad-reduce; default: on CUDA)."""
+    overlap_param_gather: bool
+    """Overlap the distributed optimizer's parameter all-gather with the next forward
+    (--overlap-param-gather; default: on CUDA with --use-distributed-optimizer)."""
+    log_activation_memory: bool
+    """Measure saved-activation bytes per stage (--log-activation-memory, or --omnibal-recompute auto)."""
+    tokenizer_model: str | None = None
+    """Folder of the Hugging Face tokenizer (--tokenizer-model, else --hf-checkpoint's folder when it holds a
+    tokenizer); None: the built-in byte-level one."""
+    hf_meta: dict | None = None
+    """With --hf-checkpoint: its config, layout, key style and dtype (``HFSource.meta()``), kept in
+    checkpoints for ``omnibal hf export``; else None."""
+    isf_params: dict | None = None
+    """With --omnibal-isf: the caps of a group {"qv", "qv_min": ViT tiles; "qt", "qt_min": LLM tokens}
+    (given or searched); else None."""
+    isf_mean_group: dict | None = None
+    """With --omnibal-isf: the mean group {"tiles", "tokens", "attn_tokens_sq": sum of squared sample
+    lengths, tokens^2} (what a micro-batch costs on average); else None."""
+    layout: PipelineLayout | None = None
+    """Units per pipeline stage (--pipeline-layout, Megatron's default, or searched by --omnibal-partition
+    auto); None until chosen."""
+    recompute: tuple[StageRecompute, ...] | None = None
+    """Recompute settings per pipeline stage (--recompute-granularity/--recompute-plan, or planned by
+    --omnibal-recompute auto); None until chosen."""
+    recompute_plan: RecomputePlan | None = None
+    """With --omnibal-recompute auto: the planner's answer, with its predicted peak and static bytes and the
+    budget per stage (reported beside the measured memory); else None."""
+
+    @property
+    def layout_flag(self) -> str | None:
+        """The layout in --pipeline-layout syntax (e.g. ``Iv*4PEt*2|t*2L``); None before it is chosen."""
+        return None if self.layout is None else self.layout.to_flag(build_units(self.model_spec))
+
+
+def resolve_overlap(args, device) -> tuple[bool, bool]:
+    """(overlap_grad_reduce, overlap_param_gather) of this run: each flag as given, else on for CUDA
+    (param gather only with the distributed optimizer), off on CPU."""
+    on_cuda = device.type == "cuda"
+    grad = on_cuda if args.overlap_grad_reduce is None else bool(args.overlap_grad_reduce)
+    param = bool(args.overlap_param_gather) if args.overlap_param_gather is not None else \
+        on_cuda and args.use_distributed_optimizer
+    return grad, param
+
+
+def plan_run(args, world_size: int, device) -> RunPlan:
+    """The plan of checked flags ``args`` for ``world_size`` processes on ``device`` (a torch.device): sizes,
+    model (vocabulary not yet padded), overlap; the parts known later are filled in by the caller."""
+    dp = data_parallel_size(args, world_size)
+    global_batch, microbatches = batch_sizes(args, dp)
+    overlap_grad, overlap_param = resolve_overlap(args, device)
+    return RunPlan(model_spec=model_spec_of(args), data_parallel_size=dp, global_batch_size=global_batch,
+                   num_microbatches=microbatches, overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_param,
+                   log_activation_memory=args.log_activation_memory or args.omnibal_recompute == "auto",
+                   tokenizer_model=args.tokenizer_model)

@@ -1,0 +1,204 @@
+"""``omnibal``: the command line of OmniBal-Megatron (installed as the ``omnibal`` console script).
+
+It sits above both the planners (``omnibal_ext``, which imports nothing of the trainer) and the trainer
+(``megatron``, ``pretrain_vlm``):
+
+* ``omnibal isf|partition|memory|plan``  the planner commands (``omnibal_ext.cli``), given the trainer's
+                                     readers: InternVL meta JSONs as ``--stats``/``--data``
+                                     (:func:`scan_metas`) and ``omnibal plan --hf-checkpoint``
+                                     (:func:`model_from_hf`);
+* ``omnibal profile``                measure the units on this machine (runs the trainer's profiler);
+* ``omnibal hf import|export``       Hugging Face InternVL folders to and from trainer checkpoints
+                                     (``megatron.vlm.hf``).
+
+Bad input prints one line ``omnibal <command>: error: ...`` on stderr and exits with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from omnibal_ext import cli as planner_cli
+from omnibal_ext.errors import UserError
+
+
+def scan_metas(metas, spec=None) -> list:
+    """(tiles, tokens) per sample of each InternVL meta JSON, scanned once by the trainer's reader: tiles of
+    the model ``spec``'s image size and tokens per tile (without a model, as by ``omnibal isf``: InternVL-Chat's
+    448 px and 256 tokens per tile), 1 to 6 tiles, the byte-level tokenizer unless OMNIBAL_TOKENIZER names a
+    Hugging Face tokenizer folder.  For other settings, write the stats with
+    megatron.vlm.data.stats.write_stats first."""
+    import os
+
+    from megatron.vlm.data.internvl import ReaderConfig, scan_annotations
+    from megatron.vlm.data.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(os.environ.get("OMNIBAL_TOKENIZER"))
+    image_size, tokens_per_tile = (448, 256) if spec is None else (spec.vision.image_size, spec.tokens_per_tile)
+    config = ReaderConfig(image_size=image_size, tokens_per_tile=tokens_per_tile, max_num_tiles=6,
+                          max_seq_length=None)
+    found = []
+    for meta in metas:
+        scan = scan_annotations(meta, tokenizer, config, progress=True)
+        found.append((scan.rec_tiles[scan.order], scan.rec_tokens[scan.order]))
+    return found
+
+
+def load_stats_or_meta(paths, flag: str = "--stats", spec=None):
+    """Stats files or InternVL meta JSONs (read by :func:`scan_metas`): ``omnibal_ext.cli.load_stats_or_meta``."""
+    return planner_cli.load_stats_or_meta(paths, flag, spec, scan_metas)
+
+
+def model_from_hf(folder: str):
+    """The ModelSpec of a Hugging Face InternVL folder's config.json (``omnibal plan --hf-checkpoint``)."""
+    import os
+
+    from megatron.vlm.hf.config import read_config, spec_from_config
+
+    spec, _ = spec_from_config(read_config(folder), "hf:" + os.path.basename(os.path.normpath(folder)),
+                               os.path.join(folder, "config.json"))
+    return spec
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return planner_cli.build_parser(scan_metas, model_from_hf, more_commands=(add_profile_parser, add_hf_parser))
+
+
+def add_profile_parser(subparsers) -> argparse.ArgumentParser:
+    """``omnibal profile --json OUT [trainer flags]``: measure every unit on this machine.
+
+    Runs pretrain_vlm.py's profiler in this process (a world of one) for the model the trainer
+    flags describe, at the micro-batch shape training would use, and writes the profile JSON.
+    """
+    p = subparsers.add_parser("profile", help="measure per-unit forward/backward time and activation bytes",
+                              description=add_profile_parser.__doc__)
+    p.add_argument("--json", required=True, metavar="OUT", help="profile JSON to write")
+    g = p.add_argument_group("explicit shape (no data read; for models too large to train here)")
+    g.add_argument("--tiles", type=int, default=None, help="ViT tiles per micro-batch")
+    g.add_argument("--llm-tokens", type=int, default=None, help="LLM tokens per micro-batch")
+    g.add_argument("--sample-tokens", type=int, default=None,
+                   help="length of each packed sample, tokens (attention is within a sample; default: "
+                        "one sequence of --llm-tokens)")
+    p.add_argument("--compare-device", default=None, metavar="PRESET",
+                   help="print measured against this analytic device preset (e.g. h200-141g)")
+    p.set_defaults(func=_run_profile, accepts_trainer_flags=True)
+    return p
+
+
+def _run_profile(args) -> int:
+    from megatron.training import cpu_compat
+    from megatron.training.arguments import requested_device
+    from megatron.training.initialize import choose_device
+    from omnibal_ext.model.cost_model import get_device, profile_report
+    from omnibal_ext.model.costs import CostTable
+
+    explicit = (args.tiles, args.llm_tokens)
+    if None in explicit and (args.tiles, args.llm_tokens, args.sample_tokens) != (None, None, None):
+        raise UserError("--tiles and --llm-tokens go together (an explicit micro-batch shape; --sample-tokens "
+                        "needs them)")
+    device = get_device(args.compare_device) if args.compare_device else None  # bad name: before any work
+    with cpu_compat.patched_for(choose_device(requested_device(args.trainer_flags))):  # CPU: teardown included
+        _profile(args)
+    print(f"profile written to {args.json}")
+    if device is not None:
+        rows = profile_report(CostTable.load(args.json), device)
+        print(format_profile_report(rows, device.name))
+    return 0
+
+
+def _profile(args) -> None:
+    """Measure the units as ``omnibal profile`` asks (an explicit shape, or the trainer's data)."""
+    from megatron.training.initialize import destroy
+    from omnibal_ext.model.cost_model import MicroBatchShape
+
+    try:
+        if args.tiles is not None:
+            from megatron.training.profiling import profile_at_shape
+
+            sample = args.sample_tokens or args.llm_tokens
+            if not 1 <= sample <= args.llm_tokens:
+                raise UserError(f"--sample-tokens must be in [1, --llm-tokens], got {sample}")
+            shape = MicroBatchShape(args.tiles, args.llm_tokens, llm_attn_tokens_sq=float(args.llm_tokens * sample))
+            profile_at_shape(list(args.trainer_flags), shape, args.json)
+        else:
+            import pretrain_vlm  # the trainer's entry point (a top-level module beside this one)
+
+            pretrain_vlm.main(list(args.trainer_flags) + ["--omnibal-profile", args.json])
+    finally:
+        destroy()
+
+
+def format_profile_report(rows: list[dict], device: str) -> str:
+    """The measured-vs-analytic rows of ``cost_model.profile_report`` as a text table (MiB)."""
+    mib = 2.0**20
+    lines = [f"{'kind':<11} {'fwd ms':>9} {'bwd ms':>9} {'bwd/fwd':>7} {'eff@' + device:>16} "
+             f"{'act MiB (model)':>19} {'full MiB (model)':>19} {'sel MiB (model)':>19}"]
+    for r in rows:
+        def pair(field):
+            return f"{r[field] / mib:8.1f} ({r['analytic_' + field] / mib:8.1f})"
+        ratio = "-" if r["bwd_over_fwd"] is None else f"{r['bwd_over_fwd']:.2f}"
+        eff = "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}"
+        lines.append(f"{r['kind']:<11} {r['fwd_ms']:9.3f} {r['bwd_ms']:9.3f} {ratio:>7} {eff:>16} "
+                     f"{pair('act_bytes'):>19} {pair('act_bytes_full'):>19} {pair('act_bytes_selective'):>19}")
+    return "\n".join(lines)
+
+
+def add_hf_parser(subparsers) -> argparse.ArgumentParser:
+    """``omnibal hf import|export``: offline conversion (torch is imported only when one runs)."""
+    p = subparsers.add_parser("hf", help="convert Hugging Face InternVL checkpoints to and from trainer checkpoints",
+                              description="Offline conversion between a Hugging Face InternVL folder (config.json + "
+                                          "*.safetensors; native InternVLForConditionalGeneration or original "
+                                          "InternVLChatModel layout) and a trainer checkpoint (torch_dist).")
+    sub = p.add_subparsers(dest="hf_command", required=True)
+    imp = sub.add_parser("import", help="HF folder -> weights-only trainer checkpoint at iteration 0 "
+                                        "(load it with pretrain_vlm.py --load at any TP/PP/layout)")
+    imp.add_argument("--hf-checkpoint", required=True, metavar="DIR", help="Hugging Face model folder")
+    imp.add_argument("--save", required=True, metavar="CKPT", help="checkpoint folder to write")
+    imp.set_defaults(func=_run_hf_import)
+    exp = sub.add_parser("export", help="trainer checkpoint (any TP/PP/DP/layout) -> native HF folder that "
+                                        "InternVLForConditionalGeneration.from_pretrained loads")
+    exp.add_argument("--load", required=True, metavar="CKPT", help="checkpoint folder (its newest iteration)")
+    exp.add_argument("--out", required=True, metavar="DIR", help="folder to write config.json + *.safetensors into")
+    exp.add_argument("--ckpt-step", type=int, default=None, help="that iteration instead of the newest")
+    exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                     help="tensor dtype written (default: the imported checkpoint's)")
+    exp.set_defaults(func=_run_hf_export)
+    return p
+
+
+def _run_hf_import(args) -> int:
+    import torch
+
+    from megatron.training import cpu_compat
+    from megatron.training.initialize import destroy, initialize_distributed
+    from megatron.vlm.hf.convert import import_hf
+
+    with cpu_compat.patched():
+        try:
+            initialize_distributed(torch.device("cpu"), 1, 1)
+            done = import_hf(args.hf_checkpoint, args.save)
+        finally:
+            destroy()
+    spec = done["spec"]
+    print(f"imported {done['tensors']} tensors ({done['layout']} layout): ViT {spec.vision.num_layers} layers, "
+          f"LLM {spec.language.num_layers} layers, vocabulary {spec.language.vocab_real} (padded to "
+          f"{spec.language.vocab_size}) -> {args.save}")
+    return 0
+
+
+def _run_hf_export(args) -> int:
+    from megatron.vlm.hf.convert import export_hf
+
+    done = export_hf(args.load, args.out, args.ckpt_step, args.dtype)
+    print(f"exported iteration {done['iteration']}: {done['tensors']} tensors in {', '.join(done['files'])}"
+          + (f", tokenizer from {done['tokenizer']}" if done["tokenizer"] else ", no tokenizer found") + f" -> {args.out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``omnibal`` with ``argv`` (default: sys.argv[1:]); returns the exit status."""
+    return planner_cli.run(build_parser(), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
