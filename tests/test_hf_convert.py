@@ -93,7 +93,7 @@ def test_unknown_and_missing_tensors_are_listed(tiny, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from megatron.vlm.hf.convert import HFSource
-    from megatron.vlm.hf.keys import HFKeysError
+    from megatron.vlm.hf.recipes import HFKeysError
 
     folder, _ = tiny[("ln-bias", "qwen2")]
     bad = tmp_path / "bad"
@@ -288,7 +288,7 @@ def test_plan_takes_the_model_from_hf_checkpoint(tiny, tmp_path):
 def test_recipe_read_into_equals_read():
     """``Recipe.read_into`` (chunked, written in place, as --hf-checkpoint loads) gives ``read``'s values
     bit for bit: row blocks of several tensors, zero rows, column cuts, strided destinations, dtypes."""
-    from megatron.vlm.hf.keys import Part, Recipe
+    from megatron.vlm.hf.recipes import Part, Recipe
 
     g = torch.Generator().manual_seed(0)
     hf = {"a": torch.randn(12, 10, generator=g).bfloat16(), "b": torch.randn(6, 10, generator=g).bfloat16(),

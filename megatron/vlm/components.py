@@ -128,7 +128,7 @@ class RuntimeComponent:
     # Hugging Face ----------------------------------------------------------------------------------
     @classmethod
     def hf_recipes(cls, unit: Unit, table) -> None:
-        """Add the unit's tensors to ``table`` (``megatron.vlm.hf.keys.Table``): our key -> Recipe of HF parts."""
+        """Add the unit's tensors to ``table`` (``megatron.vlm.hf.recipes.Table``): our key -> Recipe of HF parts."""
         raise NotImplementedError(f"{cls.__name__}: no Hugging Face mapping")
 
     # profiling -------------------------------------------------------------------------------------
@@ -165,7 +165,7 @@ class TextEmbed(RuntimeComponent):
 
     @classmethod
     def hf_recipes(cls, unit, table):
-        from megatron.vlm.hf.keys import vocab_recipe
+        from megatron.vlm.hf.recipes import vocab_recipe
 
         lang = table.spec.language
         table.add(unit.name + ".word.weight",
@@ -209,7 +209,7 @@ class TextLayer(RuntimeComponent):
 
     @classmethod
     def hf_recipes(cls, unit, table):
-        from megatron.vlm.hf.keys import add_llm_layer
+        from megatron.vlm.hf.recipes import add_llm_layer
 
         add_llm_layer(table.add, table.hf, table.names.llm_layer(unit.layer), unit.name + ".", table.spec, table.info)
 
@@ -251,7 +251,7 @@ class Head(RuntimeComponent):
 
     @classmethod
     def hf_recipes(cls, unit, table):
-        from megatron.vlm.hf.keys import vocab_recipe, whole
+        from megatron.vlm.hf.recipes import vocab_recipe, whole
 
         lang, names = table.spec.language, table.names
         H = lang.hidden_size

@@ -22,7 +22,8 @@ from omnibal_ext.errors import UserError
 from omnibal_ext.model.units import ModelSpec, build_units, spec_from_dict
 
 from .config import HFInfo, native_config, read_config, spec_from_config
-from .keys import check_names, detect_style, recipes, to_hf
+from .keys import check_names, recipes, to_hf
+from .recipes import detect_style
 from .reader import HFCheckpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",

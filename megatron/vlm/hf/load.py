@@ -4,7 +4,7 @@ split over TP).
 
 The stage's own ``sharded_state_dict()`` says what it holds (checkpoint key, global shape, this rank's
 offset and shape, per-head ViT pieces, swiglu halves); each piece is read from the HF tensors through the
-key's :class:`~megatron.vlm.hf.keys.Recipe` straight into its place in the parameter (a chunk of rows at a
+key's :class:`~megatron.vlm.hf.recipes.Recipe` straight into its place in the parameter (a chunk of rows at a
 time, converted on the way: no full-size intermediate, no ``cat``), which is where megatron-core's factory
 merges would put it (padded ViT heads become zeros); a factory whose pieces are not views of the parameter
 falls back to fill, merge and copy. The shards are closed after each parameter, so the pages read stop
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from .keys import NotRowsView, recipes
+from .keys import recipes
+from .recipes import NotRowsView
 
 
 def _box(sh):

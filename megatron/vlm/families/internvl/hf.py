@@ -1,12 +1,12 @@
 """InternVL's Hugging Face tensor names (native ``InternVLForConditionalGeneration`` and original OpenGVLab
 ``InternVLChatModel`` layouts) and the mapping of its own units (ViT embedding, ViT layers, projector) to
-our global tensors; the GPT decoder's units map through ``megatron.vlm.hf.keys``.  The config reader is
+our global tensors; the GPT decoder's units map through ``megatron.vlm.hf.recipes``.  The config reader is
 ``megatron.vlm.hf.config``.
 """
 from __future__ import annotations
 
 from megatron.vlm.hf.config import HFInfo
-from megatron.vlm.hf.keys import Part, Recipe, whole
+from megatron.vlm.hf.recipes import Part, Recipe, whole
 
 
 class Names:
