@@ -284,7 +284,7 @@ def calibrated_costs(
     """Analytic costs of ``spec`` at ``shape`` with times scaled by rates fitted on ``profile``.
 
     The profile's own model, shape and TP size come from ``profile.meta`` ("spec", "shape", "tp",
-    as ``profile.write_profile`` records them) unless given. Kinds the profile lacks fall back to
+    as the profiler (``omnibal profile``, the trainer's launch profile) records them) unless given. Kinds the profile lacks fall back to
     the analytic rates of ``device`` (default: the profile's meta "device" if it names a preset,
     else a100-80g). Bytes are analytic. A profile taken at TP 1 holds no all-reduce, so ``device``'s
     TP all-reduce times are added; a profile at TP > 1 holds its own in the fitted rates.
