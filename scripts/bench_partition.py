@@ -209,7 +209,7 @@ def measured_freeze(args) -> dict:
     raw = CostTable.load(profile_path)
     frozen = Freeze(vit=True).trainable(units).apply(raw)
     layouts = {"searched_frozen": search_partition(frozen, pp).layout, "searched_unfrozen": search_partition(raw, pp).layout}
-    flags = {name: common + ["--pipeline-layout", lay.to_flag(units), "--omnibal-profile", profile_path]
+    flags = {name: common + ["--pipeline-layout", lay.to_flag(units)]
              for name, lay in layouts.items()}
     runs = bl.alternate_runs(flags, args.repeats, work, "freeze", pp, args.warmup)
     p2p = get_device("cpu").p2p_bytes_per_s
@@ -218,7 +218,7 @@ def measured_freeze(args) -> dict:
     for name, lay in layouts.items():
         sim = simulate_layout(frozen, lay, pp, m, p2p)
         mem = stage_memory(frozen, lay, None, pp, 1, 1, m, False, FP32_ADAM)
-        memory = next((r for r in reversed(runs[name][-1].records) if r.get("prefix") == "memory "), {})
+        memory = runs[name][-1].memory or {}
         out[name] = {"layout": lay.to_flag(units), "ms_per_iter": bl.pooled_ms(runs[name], args.warmup),
                      "predicted_ms_per_iter": sim.iteration_s * 1e3,
                      "predicted_stage_busy_ms": [b * 1e3 for b in sim.per_stage_busy_s],
