@@ -84,6 +84,10 @@ def main(argv=None) -> dict:
         if "data" in state:
             train_data.load_state_dict(checkpointing.to_arrays(state["data"]))
         start, consumed = state.get("iteration", 0), state.get("consumed_samples", 0)
+    if dist.get_rank() == 0 and plan.trainable is not None and not plan.trainable.all_train:
+        from omnibal_ext.model.units import build_units
+
+        print(f"> freezing: {plan.trainable.describe(build_units(plan.model_spec))}", flush=True)
     if dist.get_rank() == 0:
         print(f"> model {plan.model_spec.name}: TP={args.tensor_model_parallel_size} "
               f"PP={args.pipeline_model_parallel_size} DP={plan.data_parallel_size}, "

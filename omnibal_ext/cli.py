@@ -26,6 +26,7 @@ import numpy as np
 
 from omnibal_ext.data.cli import _json_default, add_isf_parser
 from omnibal_ext.errors import UserError, report
+from omnibal_ext.model.trainable import add_freeze_flags
 
 
 # hooks the `omnibal` command gives (omnibal_cli.py): the trainer's readers
@@ -83,6 +84,7 @@ def add_plan_parser(subparsers, scan_metas: MetaScanner | None = None,
                    help="when choosing the parallel sizes, only pipelines of at least P stages (default 1)")
     p.add_argument("--sim-iterations", type=int, default=8, help="iterations simulated per setting (default 8)")
     p.add_argument("--seed", type=int, default=0)
+    add_freeze_flags(p)
     p.add_argument("--json", required=True, metavar="OUT", help="where to write the plan JSON")
     p.add_argument("--plot", default=None, metavar="PREFIX",
                    help="write PREFIX_stages.png (stage times) and PREFIX_timeline.png (pipeline timeline)")
@@ -117,6 +119,7 @@ def run_plan(args, scan_metas: MetaScanner | None = None, model_from_hf: HFModel
 def plan_config(args):
     """The PlanConfig of ``omnibal plan``'s flags (``--gpu-memory`` is in GiB)."""
     from omnibal_ext.memory.memory_model import GIB
+    from omnibal_ext.model.trainable import Freeze
     from omnibal_ext.plan import PlanConfig
 
     return PlanConfig(model=args.model, gpus=args.gpus, gpu_memory_bytes=args.gpu_memory * GIB, tp=args.tp,
@@ -124,7 +127,7 @@ def plan_config(args):
                       samples_per_group=args.samples_per_group, max_seq_length=args.max_seq_length,
                       global_batch_size=args.global_batch_size, memory_reserve=args.memory_reserve,
                       attention=args.attention, sim_iterations=args.sim_iterations, choose_for=args.choose_for,
-                      min_pp=args.min_pp, seed=args.seed)
+                      min_pp=args.min_pp, seed=args.seed, freeze=Freeze.from_args(args))
 
 
 def build_parser(scan_metas: MetaScanner | None = None, model_from_hf: HFModelReader | None = None,

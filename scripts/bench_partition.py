@@ -178,6 +178,76 @@ def measured_partition(args) -> dict:
     return out
 
 
+def measured_freeze(args) -> dict:
+    """Part (c), ``--freeze-vit``: the tiny heterogeneous VLM at PP=2 trained with the ViT frozen, under the layout
+    searched with the freezing in the costs (``--omnibal-partition auto --freeze-vit``) and under the layout
+    searched without it (from the same profile, unfrozen), alternating; measured ms/iteration and static bytes
+    per stage against the simulator's and the memory model's predictions on the frozen costs."""
+    from omnibal_ext.memory.memory_model import FP32_ADAM, stage_memory
+    from omnibal_ext.model.cost_model import get_device
+    from omnibal_ext.model.costs import CostTable
+    from omnibal_ext.model.layout import parse_layout
+    from omnibal_ext.model.partition import search_partition
+    from omnibal_ext.model.simulate import simulate_layout
+    from omnibal_ext.model.trainable import Freeze
+    from omnibal_ext.model.units import build_units
+
+    work = os.path.abspath(os.path.join(args.workdir, "freeze"))
+    os.makedirs(work, exist_ok=True)
+    spec = bl.hetero_spec()
+    units = build_units(spec)
+    data = bl.build_data(os.path.join(work, "data"), args.samples, spec.vision.image_size, spec.tokens_per_tile)
+    pp, k, m = 2, args.micro_batch_size, args.micro_batches
+    profile_path = os.path.join(work, "profile.json")
+    if os.path.exists(profile_path):
+        os.remove(profile_path)
+    common = bl.trainer_argv({**bl.HETERO_MODEL, "--pipeline-model-parallel-size": pp, "--data-path": data.meta,
+                              "--seq-length": data.seq_length, "--micro-batch-size": k, "--global-batch-size": k * m,
+                              "--train-iters": args.iters, "--omnibal-isf": True, "--seed": 1234,
+                              "--lr-warmup-iters": 1, "--freeze-vit": True, "--log-activation-memory": True})
+    bl.run_trainer(common + ["--omnibal-profile", profile_path], work, "profile", nproc=pp)  # profiles, exits
+    raw = CostTable.load(profile_path)
+    frozen = Freeze(vit=True).trainable(units).apply(raw)
+    layouts = {"searched_frozen": search_partition(frozen, pp).layout, "searched_unfrozen": search_partition(raw, pp).layout}
+    flags = {name: common + ["--pipeline-layout", lay.to_flag(units)]
+             for name, lay in layouts.items()}
+    runs = bl.alternate_runs(flags, args.repeats, work, "freeze", pp, args.warmup)
+    p2p = get_device("cpu").p2p_bytes_per_s
+    out = {"model": dict(bl.HETERO_MODEL), "pp": pp, "micro_batches": m, "iterations": args.iters,
+           "repeats": args.repeats, "freeze": ["--freeze-vit"], "profile": profile_path}
+    for name, lay in layouts.items():
+        sim = simulate_layout(frozen, lay, pp, m, p2p)
+        mem = stage_memory(frozen, lay, None, pp, 1, 1, m, False, FP32_ADAM)
+        memory = runs[name][-1].memory or {}
+        out[name] = {"layout": lay.to_flag(units), "ms_per_iter": bl.pooled_ms(runs[name], args.warmup),
+                     "predicted_ms_per_iter": sim.iteration_s * 1e3,
+                     "predicted_stage_busy_ms": [b * 1e3 for b in sim.per_stage_busy_s],
+                     "static_bytes_per_stage": memory.get("static_bytes_per_stage"),
+                     "predicted_static_bytes_per_stage": [x.static_bytes for x in mem],
+                     "peak_act_bytes_per_stage": memory.get("peak_act_bytes_per_stage"),
+                     "predicted_act_bytes_per_stage": [x.activation_peak_bytes for x in mem]}
+    a, b = out["searched_unfrozen"], out["searched_frozen"]
+    out["measured_speedup"] = a["ms_per_iter"] / b["ms_per_iter"]
+    out["predicted_speedup"] = a["predicted_ms_per_iter"] / b["predicted_ms_per_iter"]
+    return out
+
+
+def format_freeze(res: dict) -> str:
+    lines = [f"--freeze-vit at PP={res['pp']} on CPU, {res['micro_batches']} micro-batches (ISF), {res['iterations']} "
+             f"iterations x {res['repeats']} repeats:",
+             f"{'layout searched':<18} {'flag':<20} {'meas ms/it':>10} {'pred ms/it':>10}  static MiB meas / pred   "
+             f"act MiB meas / pred"]
+    mib = lambda xs: "/".join(f"{x / 2**20:.2f}" for x in xs) if xs else "-"  # noqa: E731
+    for name in ("searched_unfrozen", "searched_frozen"):
+        r = res[name]
+        lines.append(f"{name:<18} {r['layout']:<20} {r['ms_per_iter']:>10.1f} {r['predicted_ms_per_iter']:>10.1f}  "
+                     f"{mib(r['static_bytes_per_stage'])} / {mib(r['predicted_static_bytes_per_stage'])}   "
+                     f"{mib(r['peak_act_bytes_per_stage'])} / {mib(r['predicted_act_bytes_per_stage'])}")
+    lines.append(f"speed-up of the layout searched with freezing: measured {res['measured_speedup']:.3f}x, "
+                 f"predicted {res['predicted_speedup']:.3f}x")
+    return "\n".join(lines)
+
+
 def format_measured(res: dict) -> str:
     lines = [f"measured on CPU, PP={res['pp']} TP={res['tp']} DP={res['dp']}, {res['micro_batches']} micro-batches "
              f"(ISF), {res['iterations']} iterations x {res['repeats']} repeats:"]
@@ -200,6 +270,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-vpp", action="store_true", help="skip the interleaved (VPP 2) rows")
     g = ap.add_argument_group("part (b), measured on this machine")
     g.add_argument("--measured", action="store_true", help="also run part (b): trainer runs (minutes)")
+    g.add_argument("--freeze-vit", action="store_true",
+                   help="run part (c) only: with the ViT frozen, the layout searched with vs without freezing")
     g.add_argument("--iters", type=int, default=16, help="training iterations per run")
     g.add_argument("--warmup", type=int, default=4, help="iterations left out of the median")
     g.add_argument("--repeats", type=int, default=4, help="alternating (searched, default) pairs of runs")
@@ -210,6 +282,12 @@ def main(argv: list[str] | None = None) -> dict:
     g.add_argument("--measured-tp", dest="measured_tp", type=int, default=1, help="tensor-parallel size of part (b)")
     g.add_argument("--workdir", default="bench_out/partition", help="runs, logs, data and the profile")
     args = ap.parse_args(argv)
+    if args.freeze_vit:
+        results = {"freeze": measured_freeze(args)}
+        print(format_freeze(results["freeze"]))
+        if args.json:
+            bl.write_json(args.json, results)
+        return results
     shape = MicroBatchShape(args.tiles, args.llm_tokens)
     rows = [preset_row(name, pp, shape, args.tp, args.device, args.radius) for name in PRESETS for pp in PPS]
     if not args.no_vpp:

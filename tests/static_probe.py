@@ -29,7 +29,7 @@ def main(out_dir: Path, argv: list[str]) -> None:
     from megatron.training.memory import static_bytes
     from megatron.training.run_plan import plan_run
     from omnibal_ext.memory import memory_model
-    from omnibal_ext.model.cost_model import unit_param_counts
+    from omnibal_ext.model.cost_model import MicroBatchShape, analytic_costs, unit_param_counts
 
     with cpu_compat.patched():
         args = parse_args(["--device", "cpu", *argv], world_size_from_env())
@@ -44,10 +44,16 @@ def main(out_dir: Path, argv: list[str]) -> None:
         stage = parallel_state.get_pipeline_model_parallel_rank()
         counts = unit_param_counts(plan.model_spec, args.tensor_model_parallel_size)
         params = sum(counts[i] for i in plan.layout.stage_range(stage))
-        predicted = memory_model.static_bytes(params, plan.data_parallel_size, args.use_distributed_optimizer,
-                                              setup.precision_of(args))
+        # the memory model's static bytes of this stage, frozen units (plan.trainable) holding weights only
+        costs = analytic_costs(plan.model_spec, MicroBatchShape(1, 64), tp=args.tensor_model_parallel_size)
+        if plan.trainable is not None:
+            costs = plan.trainable.apply(costs)
+        predicted = memory_model.stage_memory(
+            costs, plan.layout, None, args.pipeline_model_parallel_size, args.tensor_model_parallel_size,
+            plan.data_parallel_size, 1, args.use_distributed_optimizer, setup.precision_of(args))[stage].static_bytes
         rank = torch.distributed.get_rank()
-        row = {"rank": rank, "params": params,
+        trained = sum(p.numel() for p in model[0].parameters() if p.requires_grad)
+        row = {"rank": rank, "params": params, "trained_params": trained,
                "measured": static_bytes(model, optimizer, breakdown=True), "predicted": predicted}
         (out_dir / f"rank{rank}.json").write_text(json.dumps(row))
         destroy()

@@ -47,3 +47,15 @@ def test_static_bytes_match_memory_model_two_ranks(flags, tmp_path):
         assert abs(row["measured"]["total"] - row["predicted"]) <= 1e-3 * row["predicted"], row
     if "--use-distributed-optimizer" in flags:  # DP 2: master weights and moments sharded in two
         assert rows[0]["measured"]["master"] == 2 * rows[0]["params"]
+
+
+@pytest.mark.slow
+def test_static_bytes_of_frozen_units_match_memory_model(tmp_path):
+    """--freeze-vit --freeze-llm at PP2: frozen units hold their weights only (no gradient buffer, no optimizer
+    state); stage 1 (frozen LLM layers and head) trains nothing. Measured equals the memory model exactly."""
+    rows = probe(["--pipeline-model-parallel-size", "2", "--freeze-vit", "--freeze-llm"], tmp_path, nproc=2)
+    for row in rows:
+        assert row["measured"]["total"] == row["predicted"], row
+    stage1 = rows[1]["measured"]
+    assert rows[1]["trained_params"] == 0 and stage1["grads"] == stage1["moments"] == 0
+    assert rows[0]["measured"]["grads"] == 4 * rows[0]["trained_params"] > 0  # the projector's (fp32)

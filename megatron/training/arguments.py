@@ -10,6 +10,7 @@ import dataclasses
 
 from omnibal_ext.errors import UserError
 from omnibal_ext.model.layout import parse_layout
+from omnibal_ext.model.trainable import add_freeze_flags, trainable_of
 from omnibal_ext.model.families.internvl import vit_layers_for_feature_layer
 from omnibal_ext.model.units import PRESETS, ModelSpec, build_units, get_preset
 from omnibal_ext.plan import tp_problem, trainer_argv
@@ -97,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr", type=float, default=1e-5)
+    g.add_argument("--vision-lr", type=float, default=None,
+                   help="peak learning rate of the ViT (default --lr); follows the LR schedule, its minimum scaled alike")
+    g.add_argument("--projector-lr", type=float, default=None,
+                   help="peak learning rate of the projector (default --lr); follows the LR schedule like --vision-lr")
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="constant")
     g.add_argument("--lr-warmup-iters", type=int, default=10)
     g.add_argument("--weight-decay", type=float, default=0.01)
@@ -109,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute-plan", default=None,
                    help="per-stage recompute, e.g. 'v2s,t3|t0s': per stage vN = first N ViT layers full, "
                         "tN = first N LLM layers full, trailing s = selective for the others")
+    add_freeze_flags(p)
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", default=None,
@@ -334,6 +340,10 @@ def validate_args(args, world_size: int) -> None:
         raise ArgumentError("--save-interval needs --save")
     if args.ckpt_step is not None and not args.load:
         raise ArgumentError("--ckpt-step needs --load")
+    trainable_of(args, spec)  # FreezeError: flags that do not fit together or freeze everything
+    for flag, value in (("--vision-lr", args.vision_lr), ("--projector-lr", args.projector_lr)):
+        if value is not None and value < 0:
+            raise ArgumentError(f"{flag} {value}: must be >= 0")
 
 
 def model_spec_of(args) -> ModelSpec:

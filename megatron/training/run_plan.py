@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from omnibal_ext.memory.recompute import RecomputePlan
 from omnibal_ext.memory.stage_recompute import StageRecompute
 from omnibal_ext.model.layout import PipelineLayout
+from omnibal_ext.model.trainable import Trainable, trainable_of
 from omnibal_ext.model.units import ModelSpec, build_units
 
 from .arguments import batch_sizes, data_parallel_size, model_spec_of
@@ -59,6 +60,8 @@ class RunPlan:
     recompute: tuple[StageRecompute, ...] | None = None
     """Recompute settings per pipeline stage (--recompute-granularity/--recompute-plan, or planned by
     --omnibal-recompute auto); None until chosen."""
+    trainable: Trainable | None = None
+    """Which units train (--freeze-*, --unfreeze-*; omnibal_ext.model.trainable); None: all of them."""
     recompute_plan: RecomputePlan | None = None
     """With --omnibal-recompute auto: the planner's answer, with its predicted peak and static bytes and the
     budget per stage (reported beside the measured memory); else None."""
@@ -88,4 +91,4 @@ def plan_run(args, world_size: int, device) -> RunPlan:
     return RunPlan(model_spec=model_spec_of(args), data_parallel_size=dp, global_batch_size=global_batch,
                    num_microbatches=microbatches, overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_param,
                    log_activation_memory=args.log_activation_memory or args.omnibal_recompute == "auto",
-                   tokenizer_model=args.tokenizer_model)
+                   tokenizer_model=args.tokenizer_model, trainable=trainable_of(args, model_spec_of(args)))

@@ -170,7 +170,14 @@ def precision_of(args):
 
 
 def unit_costs(args, plan: RunPlan, dataset, img_context_id: int, device):
-    """Costs of every unit: read from --omnibal-profile if it exists, else measured now (and written there)."""
+    """Costs of every unit: read from --omnibal-profile if it exists, else measured now (and written there; the
+    profile times every unit training); returned with the run's frozen units applied (``plan.trainable``:
+    forward only for a frozen prefix, input-gradient backward below a trainable unit, weights-only memory)."""
+    costs = _measured_costs(args, plan, dataset, img_context_id, device)
+    return costs if plan.trainable is None else plan.trainable.apply(costs)
+
+
+def _measured_costs(args, plan: RunPlan, dataset, img_context_id: int, device):
     from omnibal_ext.model.costs import CostTable
 
     from .profiling import profile_for_training

@@ -45,7 +45,8 @@ def build_model(args, plan: RunPlan, img_context_id: int, device: torch.device):
         spec, layout.stage_range(stage), tp=tp, pp=pp, dtype=dtype,
         transformer_impl=resolve_transformer_impl(args.transformer_impl, device, args.attention_backend),
         attention_backend=args.attention_backend, seed=args.seed, recompute=plan.recompute[stage],
-        img_context_id=img_context_id, on_cpu=on_cpu))
+        img_context_id=img_context_id, on_cpu=on_cpu,
+        trainable=None if plan.trainable is None else plan.trainable.trains))
     stage_config = module.config
     module.to(device=device, dtype=dtype)
     if spec.language.tie_word_embeddings:
@@ -95,13 +96,33 @@ def resolve_transformer_impl(requested: str, device: torch.device, attention_bac
     return "transformer_engine"
 
 
+def lr_overrides(args, config: OptimizerConfig) -> dict:
+    """megatron-core's param-group overrides: its standard ones (no weight decay on biases and norms) plus the
+    peak (``max_lr``) and minimum (``min_lr``, scaled by the same ratio to --lr) of the ViT's (--vision-lr)
+    and the projector's (--projector-lr) parameters, matched by the role the stage tags them with
+    (``vlm_role``). The scheduler applies its warm-up and decay to each group between its own min and max."""
+    from megatron.core.optimizer import ParamKey, ParamPredicate, get_standard_config_overrides
+
+    from omnibal_ext.model.spec import PROJECTOR, VISION_EMBED, VISION_LAYER
+
+    overrides = get_standard_config_overrides(config)
+    for name, lr, roles in (("vision_lr", args.vision_lr, (VISION_EMBED, VISION_LAYER)),
+                            ("projector_lr", args.projector_lr, (PROJECTOR,))):
+        if lr is None:
+            continue
+        min_lr = args.min_lr * lr / args.lr if args.lr else args.min_lr
+        key = ParamKey(predicate=ParamPredicate(name=name, fn=lambda p, roles=roles: getattr(p, "vlm_role", None) in roles))
+        overrides[key] = {"max_lr": lr, "min_lr": min_lr}
+    return overrides
+
+
 def build_optimizer(args, plan: RunPlan, model):
     config = OptimizerConfig(
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
         bf16=args.bf16, params_dtype=dtype_of(args), use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_param_gather=plan.overlap_param_gather)
-    optimizer = get_megatron_optimizer(config, model)
+    optimizer = get_megatron_optimizer(config, model, config_overrides=lr_overrides(args, config))
     gbs = plan.global_batch_size
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,

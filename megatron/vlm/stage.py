@@ -24,6 +24,7 @@ weights whichever stage builds it and whatever the tensor-parallel size.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 from megatron.core.transformer.enums import ModelType
@@ -65,6 +66,9 @@ class StageBuild:
     on_cpu: bool = True
     output: str = "loss"
     initialize: bool = True  # False: megatron-core's weight initialisation skipped (weights loaded next)
+    # per unit of the WHOLE unit list: trains (True) or frozen (omnibal_ext.model.trainable.Trainable.trains);
+    # None: every unit trains
+    trainable: tuple[bool, ...] | None = None
 
 
 @dataclasses.dataclass
@@ -147,6 +151,29 @@ class VLMStage(MegatronModule):
             self.parts.append(part)
         self.tied_group = None  # set by megatron.training.training.build_model when E and L are apart
         self._tie_embeddings()
+        self.no_grad_parts, self.detach_input, self.zero_grad_after = self._freeze(build.trainable)
+
+    # freezing (omnibal_ext.model.trainable) --------------------------------------------------------
+    def _freeze(self, trains: tuple[bool, ...] | None) -> tuple[int, bool, int]:
+        """Tag every parameter with its unit's role (``vlm_role``: the per-module learning rates of
+        megatron.training.training.build_optimizer match it), switch off ``requires_grad`` of frozen units'
+        parameters (megatron-core's DDP then gives them no gradient buffer and its optimizer no state).
+
+        Returns (parts, detach, after): how many leading parts of the stage run without autograd (those whose
+        units and everything upstream are frozen); whether the stage input is used detached (nothing upstream
+        of the stage trains, so no gradient of it is needed); the part after which the input's zero gradient
+        is attached (``_zero_input_grad``)."""
+        for unit, module, _ in self.unit_modules():
+            for p in module.parameters():
+                p.vlm_role = unit.code
+                if trains is not None and not trains[unit.index]:
+                    p.requires_grad_(False)
+        if trains is None:
+            return 0, False, -1
+        first_trained = next((i for i, t in enumerate(trains) if t), len(trains))
+        parts = sum(1 for _ in itertools.takewhile(lambda p: p.units[-1].index < first_trained, self.parts))
+        detach = self.units[0].index > 0 and first_trained >= self.units[0].index
+        return parts, detach, min(parts, len(self.parts) - 1)
 
     @property
     def thd(self) -> bool:
@@ -223,13 +250,48 @@ class VLMStage(MegatronModule):
         """The stage's slice of the model: the next stage's input, or at the end ``HeadOutput`` (loss mode)
         or this TP rank's logits (logits mode)."""
         x, cache = self.input_tensor, {}
-        for part in self.parts:
-            x = part.component.forward(self.module_of(part), x, batch, cache)
+        if self.detach_input and x is not None:  # nothing upstream trains: no gradient of the input is needed
+            x = x.detach()
+        for k, part in enumerate(self.parts):
+            if k < self.no_grad_parts:  # frozen, nothing trainable upstream: forward only, nothing kept
+                with torch.no_grad():
+                    x = part.component.forward(self.module_of(part), x, batch, cache)
+            else:
+                x = part.component.forward(self.module_of(part), x, batch, cache)
+            if self.detach_input and k == self.zero_grad_after:
+                x = _zero_input_grad(x, self.input_tensor)
         if self.post_process:
             return x
         # megatron-core frees a sent stage output's storage (deallocate_pipeline_outputs), which a view of
         # another tensor (the projector's unsqueeze, a reshape) cannot give up
         return make_viewless_tensor(x, requires_grad=x.requires_grad, keep_graph=True)
+
+
+class _ZeroInputGrad(torch.autograd.Function):
+    """``out`` unchanged, attached to the graph of ``inp``, whose gradient is zeros.  megatron-core's 1F1B
+    schedule sends every stage's input gradient upstream and the previous stage waits for it; a stage whose
+    frozen prefix ran without autograd has none, so it sends zeros (the previous stage's output has no
+    ``requires_grad`` then, and megatron-core's ``backward_step`` skips its backward)."""
+
+    @staticmethod
+    def forward(ctx, out, inp):
+        ctx.meta = (inp.shape, inp.dtype, inp.device)
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.meta
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _zero_input_grad(x, stage_input):
+    """After a frozen prefix run without autograd: ``x`` with a zero gradient for the stage's input when the
+    schedule expects one (training, a stage that receives a tensor), else ``x`` as it is."""
+    if stage_input is None or not torch.is_grad_enabled() or not stage_input.requires_grad:
+        return x
+    if not torch.is_tensor(x):  # the head's output (the first trained unit is the head): on its loss
+        return x._replace(loss=_ZeroInputGrad.apply(x.loss, stage_input))
+    return _ZeroInputGrad.apply(x, stage_input)
 
 
 def _runs(units: list[Unit]) -> list[list[Unit]]:

@@ -64,6 +64,9 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="optimizer state not sharded over DP (18 bytes/parameter instead of 6 + 12/dp)")
     p.add_argument("--no-selective", action="store_true", help="plan with full recompute only")
     p.add_argument("--json", required=True, help="where to write the result JSON")
+    from ..model.trainable import add_freeze_flags
+
+    add_freeze_flags(p)
     return p
 
 
@@ -77,13 +80,13 @@ def add_memory_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _costs(args) -> CostTable:
+    from ..model.cli import build_costs, with_freezing  # lazy: the analytic cost model
+
     if args.costs:
         try:
-            return CostTable.load(args.costs)
+            return with_freezing(args, CostTable.load(args.costs))
         except UserError as e:
             raise UserError(f"--costs {args.costs}: {e}") from None
-    from ..model.cli import build_costs  # lazy: the analytic cost model
-
     return build_costs(args)
 
 

@@ -7,7 +7,8 @@ are bytes on one GPU (one TP rank of one pipeline stage of one DP replica).
 
 Static bytes (Megatron mixed precision, bf16 training with Adam)
 ----------------------------------------------------------------
-Per parameter held by the rank (``UnitCost.param_count / tp``):
+Per parameter held by the rank (``UnitCost.param_count / tp``; a frozen unit, ``UnitCost.frozen``, holds
+only its weights: no gradient buffer, no optimizer state):
 
 ==========================  =====  ====================================================
 bf16 parameter              2      the weights the forward and backward use
@@ -189,6 +190,7 @@ def _unit_arrays(costs: CostTable) -> dict[str, np.ndarray]:
         "act_sel": np.array([x.act_bytes_selective for x in u], dtype=np.float64),
         "sel_s": np.array([x.selective_recompute_s for x in u], dtype=np.float64),
         "params": np.array([x.param_count for x in u], dtype=np.float64),
+        "frozen": np.array([bool(x.frozen) for x in u], dtype=bool),
         # 1: ViT layer, 2: LLM layer, 0: any other unit (never recomputed)
         "block": np.array([1 if x.code == VISION_LAYER else 2 if x.code == TEXT_LAYER else 0 for x in u]),
     }
@@ -224,6 +226,15 @@ def static_bytes(param_count: float, dp: int, distributed_optimizer: bool = True
                  precision: Precision = MIXED_BF16_ADAM) -> float:
     """Static bytes of ``param_count`` parameters held by one rank."""
     return float(param_count) * precision.bytes_per_param(dp, distributed_optimizer)
+
+
+def unit_static_bytes(costs: CostTable, tp: int, dp: int, distributed_optimizer: bool = True,
+                      precision: Precision = MIXED_BF16_ADAM) -> np.ndarray:
+    """Static bytes of each unit on one rank: a frozen unit (``UnitCost.frozen``) holds its weights only (no
+    gradient buffer, no optimizer state), the others ``precision.bytes_per_param`` per parameter."""
+    a = _unit_arrays(costs)
+    per = np.where(a["frozen"], precision.param_bytes, precision.bytes_per_param(dp, distributed_optimizer))
+    return a["params"] / tp * per
 
 
 def in_flight_1f1b(pp: int, num_microbatches: int) -> np.ndarray:
@@ -270,14 +281,16 @@ def stage_memory(costs: CostTable, layout: PipelineLayout, plan: Sequence[StageR
     act = unit_activation_bytes(costs, modes)
     trans = unit_transient_bytes(costs, modes)
     params = _unit_arrays(costs)["params"] / tp
+    stat_u = unit_static_bytes(costs, tp, dp, distributed_optimizer, precision)
     slices = [list(r) for r in layout.stage_slices()]
     st_act = np.array([act[s].sum() for s in slices])
     st_trans = np.array([trans[s].max() for s in slices])
     st_params = np.array([params[s].sum() for s in slices])
+    st_static = np.array([stat_u[s].sum() for s in slices])
     out = []
     if virtual_stages == 1:
         for i, n in enumerate(in_flight_1f1b(pp, num_microbatches)):
-            stat = static_bytes(st_params[i], dp, distributed_optimizer, precision)
+            stat = float(st_static[i])
             act_peak = float(n * st_act[i])
             out.append(StageMemory(stat, float(st_act[i]), int(n), float(stat + act_peak + st_trans[i]),
                                    float(st_trans[i]), act_peak, float(st_params[i])))
@@ -287,7 +300,7 @@ def stage_memory(costs: CostTable, layout: PipelineLayout, plan: Sequence[StageR
         live = interleaved_live_counts(pp, virtual_stages, num_microbatches, r)
         per_time = live @ st_act[chunks]
         t = int(np.argmax(per_time))
-        stat = static_bytes(st_params[chunks].sum(), dp, distributed_optimizer, precision)
+        stat = float(st_static[chunks].sum())
         act_peak = float(per_time[t])
         tr = float(st_trans[chunks].max())
         out.append(StageMemory(stat, float(st_act[chunks].sum()), int(live[t].sum()), float(stat + act_peak + tr),

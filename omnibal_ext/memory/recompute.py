@@ -54,6 +54,7 @@ from .memory_model import (
     stage_memory,
     stage_time_s,
     static_bytes,
+    unit_static_bytes,
     unit_modes,
 )
 from .stage_recompute import RecomputeFlagError, StageRecompute
@@ -240,7 +241,7 @@ def plan_recompute(costs: CostTable, layout: PipelineLayout, budget_bytes: float
     in_flight = in_flight_1f1b(pp, num_microbatches)
     choices = []
     for s, rng in enumerate(layout.stage_slices()):
-        stat = static_bytes(a["params"][rng.start:rng.stop].sum() / tp, dp, distributed_optimizer, precision)
+        stat = float(unit_static_bytes(costs, tp, dp, distributed_optimizer, precision)[rng.start:rng.stop].sum())
         ch = best_stage_plan(costs, rng, int(in_flight[s]), stat, budgets[s], allow_selective, a)
         if ch.plan is None:
             raise MemoryBudgetError(s, ch.min_peak_bytes, budgets[s],
@@ -449,14 +450,14 @@ class _StageCache:
         self.opt, self.precision, self.sel = distributed_optimizer, precision, allow_selective
         self.in_flight = in_flight_1f1b(pp, m)
         self.arrays = _unit_arrays(costs)
+        self.static = unit_static_bytes(costs, tp, dp, distributed_optimizer, precision)
         self.memo: dict = {}
         self.blocks: dict = {}
 
     def __call__(self, stage: int, rng) -> StageChoice:
         key = (stage, rng.start, rng.stop)
         if key not in self.memo:
-            stat = static_bytes(self.arrays["params"][rng.start:rng.stop].sum() / self.tp, self.dp, self.opt,
-                                self.precision)
+            stat = float(self.static[rng.start:rng.stop].sum())
             self.memo[key] = best_stage_plan(self.costs, range(rng.start, rng.stop), int(self.in_flight[stage]),
                                              stat, self.budgets[stage], self.sel, self.arrays, self.blocks)
         return self.memo[key]

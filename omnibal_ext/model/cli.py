@@ -23,7 +23,8 @@ from .cost_model import DEVICES, MicroBatchShape, analytic_costs, calibrated_cos
 from .costs import CostTable
 from .partition import plan_partitions
 from .simulate import simulate_layout
-from .units import PRESETS, get_preset
+from .trainable import Freeze, add_freeze_flags
+from .units import PRESETS, build_units, get_preset
 
 LAYOUT_NAMES = ("default", "param_split", "searched", "optimal")
 
@@ -42,6 +43,7 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="micro-batches per iteration for the schedule simulation (default 4 * pp)")
     p.add_argument("--json", required=True, help="where to write the plan JSON")
     p.add_argument("--plot", default=None, help="prefix for PNG figures (stage times, timelines)")
+    add_freeze_flags(p)
     return p
 
 
@@ -55,6 +57,21 @@ def add_partition_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def build_costs(args) -> CostTable:
+    """The unit costs of the flags: analytic (calibrated by --profile), with the frozen units of the freeze flags
+    applied (``Trainable.apply``)."""
+    return with_freezing(args, _unfrozen_costs(args))
+
+
+def with_freezing(args, costs: CostTable) -> CostTable:
+    """``costs`` with the freeze flags of ``args`` applied (unchanged when none is given)."""
+    freeze = Freeze.from_args(args)
+    if not freeze.any:
+        return costs
+    spec = get_preset(args.model)
+    return freeze.trainable(build_units(spec), spec.language.tie_word_embeddings).apply(costs)
+
+
+def _unfrozen_costs(args) -> CostTable:
     spec = get_preset(args.model)
     shape = MicroBatchShape(vision_items=args.tiles, llm_tokens=args.llm_tokens)
     device = get_device(args.device)
@@ -82,7 +99,8 @@ def run_partition(args) -> dict:
         "cost_source": costs.source, "microbatches": m,
         "search_seconds": reports["searched"].search_seconds,
         "layers": [{"name": u.name, "kind": u.kind, "fwd_s": u.fwd_s, "bwd_s": u.bwd_s, "act_bytes": u.act_bytes,
-                    "send_bytes": u.send_bytes} for u in costs.units],
+                    "send_bytes": u.send_bytes, "frozen": u.frozen} for u in costs.units],
+        "freeze": Freeze.from_args(args).flags(),
         "layouts": {},
     }
     for name in LAYOUT_NAMES:

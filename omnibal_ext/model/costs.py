@@ -26,6 +26,7 @@ class UnitCost:
     send_bytes: float  # bytes of the unit's output, sent when a stage boundary follows it
     param_count: int  # parameters of the unit (whole model, before tensor-parallel split)
     code: str | None = None  # the unit's role (layout letter); None: the role of ``kind`` in its family
+    frozen: bool = False  # its weights do not train (omnibal_ext.model.trainable): static bytes are the weights only
 
     def __post_init__(self):
         if self.code is None:
@@ -48,7 +49,7 @@ class CostTable:
         names = {f.name for f in dataclasses.fields(UnitCost)}
         units = []
         for i, u in enumerate(d["units"]):
-            missing = names - set(u) - {"code"}  # tables written before units carried their role
+            missing = names - set(u) - {"code", "frozen"}  # tables written before units carried these
             if missing:
                 raise ValueError(f"cost table unit {i} ({u.get('name', '?')}): missing keys {sorted(missing)}")
             units.append(UnitCost(**{k: u[k] for k in names if k in u}))

@@ -7,7 +7,8 @@ from ..data.stats import SampleStats
 from ..errors import UserError
 from ..memory.memory_model import GIB
 from ..model.cost_model import DeviceSpec, get_device
-from ..model.units import ModelSpec, get_preset
+from ..model.trainable import Freeze, Trainable
+from ..model.units import ModelSpec, build_units, get_preset
 
 SETTINGS = ("baseline", "+data", "+model", "+memory")
 DEFAULT_GLOBAL_BATCH = 1024  # samples per iteration (an assumption; see scripts/reproduce_paper.py)
@@ -46,6 +47,14 @@ class PlanConfig:
     choose_for: str = "omnibal"
     min_pp: int = 1  # consider only pipelines of at least this many stages (an ablation of the model level needs 2)
     seed: int = 0  # seeds random batching, the ISF search and the step order
+    freeze: Freeze = Freeze()  # frozen parts of the model (--freeze-vit, ...): costs and memory follow
+
+    @property
+    def trainable(self) -> Trainable | None:
+        """The units that train under ``freeze`` (None: all of them)."""
+        if not self.freeze.any:
+            return None
+        return self.freeze.trainable(build_units(self.spec), self.spec.language.tie_word_embeddings)
 
     @property
     def spec(self) -> ModelSpec:

@@ -73,7 +73,7 @@ def candidate_configs(spec: ModelSpec, gpus: int, tp=None, pp=None, dp=None,
 def screen_config(spec: ModelSpec, device: DeviceSpec, budget: float, attention: str, cfg: tuple[int, int, int],
                   k: int, global_batch: int, cap_shape: MicroBatchShape, random_shape: MicroBatchShape,
                   mean_isf: tuple[np.ndarray, float], mean_random: np.ndarray, baseline_needed: bool,
-                  cache: dict | None = None) -> dict:
+                  cache: dict | None = None, trainable=None) -> dict:
     """Quick look at one (tp, pp, dp): least memory need, the baseline's memory, and the time per sample
     of the balanced (+memory) plan and of the baseline, each with every micro-batch at its mean shape.
 
@@ -82,7 +82,7 @@ def screen_config(spec: ModelSpec, device: DeviceSpec, budget: float, attention:
     """
     t, p, d = cfg
     m = num_microbatches(global_batch, d, k)
-    ctx = build_context(spec, device, t, p, d, m, budget, attention, cap_shape, random_shape)
+    ctx = build_context(spec, device, t, p, d, m, budget, attention, cap_shape, random_shape, trainable)
     need, stage, _ = memory_need(ctx.need)
     rec = {"tp": t, "pp": p, "dp": d, "micro_batches": m, "least_need_bytes": need, "need_stage": stage,
            "fits": bool(need <= budget)}

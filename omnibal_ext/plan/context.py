@@ -10,6 +10,7 @@ from ..model.cost_model import DeviceSpec, MicroBatchShape, analytic_costs
 from ..model.costs import CostTable
 from ..model.layout import PipelineLayout
 from ..model.simulate import allreduce_seconds
+from ..model.trainable import Trainable
 from ..model.units import ModelSpec
 from .config import PlanError
 from .data_level import Loads
@@ -38,22 +39,27 @@ class PlanContext:
     costs_random: CostTable  # at the mean padded random micro-batch (memory of the baseline)
     need: np.ndarray  # memory_need_table of costs_isf
     precision: Precision  # static bytes per parameter (the distributed optimizer is assumed)
+    trainable: Trainable | None = None  # frozen units (None: every unit trains); the cost tables above include it
 
 
 def build_context(spec: ModelSpec, device: DeviceSpec, tp: int, pp: int, dp: int, m: int, budget: float,
-                  attention: str, cap_shape: MicroBatchShape, random_shape: MicroBatchShape) -> PlanContext:
-    """The context of one configuration: costs at the ISF caps and at the mean padded random micro-batch."""
-    costs_isf = analytic_costs(spec, cap_shape, tp, device, attention=attention)
-    costs_random = analytic_costs(spec, random_shape, tp, device, attention=attention)
+                  attention: str, cap_shape: MicroBatchShape, random_shape: MicroBatchShape,
+                  trainable: Trainable | None = None) -> PlanContext:
+    """The context of one configuration: costs at the ISF caps and at the mean padded random micro-batch, with
+    ``trainable``'s frozen units applied (omnibal_ext.model.trainable; linear in the shape, so the basis too)."""
+    frozen = trainable.apply if trainable is not None else (lambda c: c)
+    costs_isf = frozen(analytic_costs(spec, cap_shape, tp, device, attention=attention))
+    costs_random = frozen(analytic_costs(spec, random_shape, tp, device, attention=attention))
+    basis = tuple(frozen(c) for c in basis_costs(spec, tp, device, attention))
     precision = training_precision(device)
-    return PlanContext(spec, device, tp, pp, dp, m, budget, attention, basis_costs(spec, tp, device, attention),
+    return PlanContext(spec, device, tp, pp, dp, m, budget, attention, basis,
                        costs_isf, costs_random, memory_need_table(costs_isf, pp, tp, dp, m, precision=precision),
-                       precision)
+                       precision, trainable)
 
 
 def allreduce_s(ctx: PlanContext, layout: PipelineLayout) -> float:
-    """Ring all-reduce of the fp32 gradients of the layout's largest stage, seconds."""
-    params = unit_params(ctx.costs_isf, ctx.tp)
+    """Ring all-reduce of the fp32 gradients of the layout's largest stage, seconds (frozen units: none)."""
+    params = unit_params(ctx.costs_isf, ctx.tp, trained_only=True)
     largest = max(params[list(r)].sum() for r in layout.stage_slices())
     return allreduce_seconds(4.0 * largest, ctx.dp, ctx.device.p2p_bytes_per_s)
 

@@ -5,7 +5,7 @@ import numpy as np
 
 from ..model.spec import LAYER_ROLES
 from ..memory.memory_model import (FP32_ADAM, MIXED_BF16_ADAM, MODE_FULL, MODE_NONE, Precision, in_flight_1f1b,
-                                   unit_activation_bytes, unit_transient_bytes)
+                                   unit_activation_bytes, unit_static_bytes, unit_transient_bytes)
 from ..model.cost_model import DeviceSpec
 from ..model.costs import CostTable
 
@@ -15,9 +15,9 @@ def training_precision(device: DeviceSpec) -> Precision:
     return FP32_ADAM if device.name == "cpu" else MIXED_BF16_ADAM
 
 
-def unit_params(costs: CostTable, tp: int) -> np.ndarray:
-    """Parameters of each unit held by one tensor-parallel rank (float64)."""
-    return np.array([u.param_count for u in costs.units], dtype=np.float64) / tp
+def unit_params(costs: CostTable, tp: int, trained_only: bool = False) -> np.ndarray:
+    """Parameters of each unit held by one tensor-parallel rank (float64); ``trained_only``: 0 for frozen units."""
+    return np.array([0 if trained_only and u.frozen else u.param_count for u in costs.units], dtype=np.float64) / tp
 
 
 def memory_need_table(costs: CostTable, pp: int, tp: int, dp: int, num_microbatches: int,
@@ -32,12 +32,11 @@ def memory_need_table(costs: CostTable, pp: int, tp: int, dp: int, num_microbatc
                      dtype=np.int8)
     act = unit_activation_bytes(costs, modes)
     trans = unit_transient_bytes(costs, modes)
-    params = unit_params(costs, tp)
-    per_param = precision.bytes_per_param(dp, distributed_optimizer)
+    stat = unit_static_bytes(costs, tp, dp, distributed_optimizer, precision)
     pa = np.concatenate([[0.0], np.cumsum(act)])
-    pp_ = np.concatenate([[0.0], np.cumsum(params)])
+    pp_ = np.concatenate([[0.0], np.cumsum(stat)])
     act_sum = pa[None, :] - pa[:, None]
-    static = (pp_[None, :] - pp_[:, None]) * per_param
+    static = pp_[None, :] - pp_[:, None]
     tmax = np.full((n + 1, n + 1), -np.inf)
     for i in range(n):
         tmax[i, i + 1:] = np.maximum.accumulate(trans[i:])

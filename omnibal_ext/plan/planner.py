@@ -53,7 +53,7 @@ def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict) -
 
     def screen(cfg, caps, baseline_needed, cache=None):
         return screen_config(spec, dev, budget, config.attention, cfg, k, config.global_batch_size, caps,
-                             random_shape, mean_isf, mean_random, baseline_needed, cache)
+                             random_shape, mean_isf, mean_random, baseline_needed, cache, config.trainable)
 
     tried = [screen(c, cap, config.require_baseline_fit, cache) for c in configs]
     usable = [r for r in tried if r["fits"] and "estimated_seconds_per_sample" in r]
@@ -67,7 +67,7 @@ def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict) -
         data = isf_plan(stats, d, config)
         cap = cap_shape(data.params, stats)
     m = num_microbatches(config.global_batch_size, d, k)
-    ctx = build_context(spec, dev, t, p, d, m, budget, config.attention, cap, random_shape)
+    ctx = build_context(spec, dev, t, p, d, m, budget, config.attention, cap, random_shape, config.trainable)
     if memory_need(ctx.need)[0] > budget:  # the final thresholds moved the caps: say so plainly
         raise refusal(spec, gpus, gpu_memory, budget, [screen((t, p, d), cap, False)], skipped, False)
     return _Chosen(ctx, data, cap, worst, tried, skipped, len(usable))
@@ -124,7 +124,7 @@ def make_plan(stats: SampleStats, config: PlanConfig) -> Plan:
 
     final = rows[-1]
     flags = plan_trainer_flags(spec.name, t, p, final.layout_flag, final.recompute_flag, data.params, k, m * d * k,
-                               bf16=ctx.precision == MIXED_BF16_ADAM)
+                               bf16=ctx.precision == MIXED_BF16_ADAM, freeze_flags=config.freeze.flags())
     shapes = {
         "isf_caps": chosen.cap.to_dict(),
         "isf_mean": shape_dict(loads_i.mean_shape),

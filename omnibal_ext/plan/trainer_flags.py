@@ -18,13 +18,20 @@ def tp_problem(spec: ModelSpec, tp: int) -> str | None:
 
 
 def plan_trainer_flags(model: str, tp: int, pp: int, layout_flag: str, recompute_flag: str, isf_params,
-                       samples_per_group: int, global_batch_size: int, bf16: bool) -> dict:
+                       samples_per_group: int, global_batch_size: int, bf16: bool,
+                       freeze_flags: list[str] = ()) -> dict:
     """The flags ``pretrain_vlm.py`` runs the plan with (``--omnibal-plan`` applies them).
 
     isf_params: the ISF thresholds (qv, qt, qv_min, qt_min: tiles and tokens per group);
-    samples_per_group: K, the micro-batch size; global_batch_size: samples per iteration.
+    samples_per_group: K, the micro-batch size; global_batch_size: samples per iteration; freeze_flags: the
+    freeze flags the plan was made with (``Freeze.flags()``), which the trainer must train with.
     """
-    return {
+    freeze = {}
+    for i, f in enumerate(freeze_flags):
+        if f.startswith("--"):
+            nxt = freeze_flags[i + 1] if i + 1 < len(freeze_flags) else None
+            freeze[f] = int(nxt) if nxt is not None and not nxt.startswith("--") else True
+    return {**freeze, 
         "--model": model,
         "--tensor-model-parallel-size": tp,
         "--pipeline-model-parallel-size": pp,

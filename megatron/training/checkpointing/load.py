@@ -14,7 +14,8 @@ from megatron.core.utils import unwrap_model
 
 from .files import check_files, sizes_problems
 from .layout import TRACKER, Checkpoint, CheckpointError, complete_iterations, iteration_dir
-from .optimizer import adapt_optimizer_request, init_optimizer_state, load_optimizer, skeleton
+from .optimizer import (adapt_optimizer_request, fresh_optimizer_entries, init_optimizer_state, load_optimizer,
+                        skeleton)
 from .state import model_sharded_state_dict, rng_object, set_rng_state, sharded_state_dict, world_of
 
 
@@ -61,15 +62,21 @@ def load_checkpoint(ckpt: Checkpoint, args, plan, model, optimizer, scheduler) -
     common = dist_checkpointing.load_common_state_dict(ckpt.path)
     saved_run = common.get("run") or {}
     _check_model(ckpt, saved_run, plan.model_spec)
-    _check_tensors(ckpt, model)
+    saved_keys = _check_tensors(ckpt, model)
     with_optimizer = "scheduler" in common  # an imported model (iteration 0) holds weights only
     if with_optimizer:
         init_optimizer_state(optimizer)
     request = sharded_state_dict(model, optimizer, with_optimizer, is_loading=True)
     same_world = saved_run and world_of(saved_run) == (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                                      plan.data_parallel_size)
+    fresh = []
     if with_optimizer:
         adapt_optimizer_request(request["optimizer"], saved_run, args)
+        # parameters that train now but were frozen when saved: fresh state (other freeze flags on resume)
+        fresh = fresh_optimizer_entries(request["optimizer"], saved_keys)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted({_param_of(k) for k in fresh}))
+    fresh_params = sorted({k for part in everyone for k in part})
     if same_world:
         request["rng"] = rng_object(None)
     template = skeleton(request.get("optimizer"))  # the load rewrites the request's factories in place
@@ -78,7 +85,7 @@ def load_checkpoint(ckpt: Checkpoint, args, plan, model, optimizer, scheduler) -
     unwrap_model(model[0]).load_state_dict(loaded["model"])
     if with_optimizer:
         weights = {keys[path]: tensor for path, tensor in loaded["model"].items()}
-        load_optimizer(optimizer, loaded["optimizer"], template, weights, saved_run, args)
+        load_optimizer(optimizer, loaded["optimizer"], template, weights, saved_run, args, rebuild=bool(fresh))
         scheduler.load_state_dict(common["scheduler"])
     else:
         optimizer.reload_model_params()
@@ -93,7 +100,20 @@ def load_checkpoint(ckpt: Checkpoint, args, plan, model, optimizer, scheduler) -
               + ("" if same_world or not saved_run else
                  f" (saved at TP={saved_run['tp']} PP={saved_run['pp']} DP={saved_run['dp']}, resharded; RNG re-seeded)"),
               flush=True)
+    if fresh_params and dist.get_rank() == 0:
+        shown = ", ".join(fresh_params[:6]) + (f", ... ({len(fresh_params)} in all)" if len(fresh_params) > 6 else "")
+        print(f"> the checkpoint holds no optimizer state for {len(fresh_params)} parameter(s) this run trains "
+              f"(frozen when it was saved): they start with fresh optimizer state (Adam moments 0; the step count is the "
+              f"run's, which megatron-core keeps one for all parameters): {shown}",
+              flush=True)
     return common
+
+
+def _param_of(optimizer_key: str) -> str:
+    """The model tensor an optimizer state key belongs to (``optimizer.state.exp_avg.llm.layer.0.x`` ->
+    ``llm.layer.0.x``)."""
+    parts = optimizer_key.split(".")
+    return ".".join(parts[3:]) if parts[:2] == ["optimizer", "state"] and len(parts) > 3 else optimizer_key
 
 
 def _check_model(ckpt: Checkpoint, saved_run: dict, spec) -> None:
@@ -119,8 +139,9 @@ def _flat_diff(a: dict, b: dict, prefix: str = ""):
             yield f"{prefix}{k}", va, vb
 
 
-def _check_tensors(ckpt: Checkpoint, model) -> None:
-    """Every model tensor this rank needs is in the checkpoint with this global shape."""
+def _check_tensors(ckpt: Checkpoint, model) -> set:
+    """Every model tensor this rank needs is in the checkpoint with this global shape; returns the keys of
+    every tensor the checkpoint holds."""
     saved = dist_checkpointing.load_tensors_metadata(ckpt.path)
     sd = model_sharded_state_dict(model)
     apply_factories(sd)
@@ -139,6 +160,7 @@ def _check_tensors(ckpt: Checkpoint, model) -> None:
     if problems:
         raise CheckpointError(f"--load {ckpt.root}: the checkpoint of iteration {ckpt.iteration} does not fit this "
                               f"model: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+    return set(saved)
 
 
 def read_global_tensors(path: str, keys) -> dict:

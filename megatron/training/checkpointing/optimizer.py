@@ -62,19 +62,49 @@ def adapt_optimizer_request(request: dict, saved_run: dict, args) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Fresh:
+    """In an optimizer load request: state the checkpoint does not hold (a parameter frozen when it was saved),
+    kept as this optimizer has it now (``value``: zeros from ``init_optimizer_state``)."""
+
+    value: object
+
+
+def fresh_optimizer_entries(request: dict, saved_keys) -> list[str]:
+    """Point the optimizer load request's tensors that the checkpoint lacks (``saved_keys``: its tensor keys) at
+    fresh state: Adam's moments stay this optimizer's zeros, fp32 main parameters become the loaded weights.
+    Returns the keys so replaced (empty when the checkpoint trained every parameter this run trains)."""
+    saved_keys = set(saved_keys)
+    fresh: list[str] = []
+
+    def point(sh):
+        if not isinstance(sh, (ShardedTensor, ShardedTensorFactory)) or sh.key in saved_keys:
+            return sh
+        fresh.append(sh.key)
+        for prefix in _MAIN_PARAM.values():
+            if sh.key.startswith(prefix):
+                return _FromModel(sh.key[len(prefix):])
+        return _Fresh(sh.data)
+
+    dict_list_map_inplace(point, request)
+    return fresh
+
+
+@dataclasses.dataclass(frozen=True)
 class _FromModel:
     """In an optimizer load request: this tensor is the model's weight under checkpoint key ``key``."""
 
     key: str
 
 
-def load_optimizer(optimizer, state: dict, template: dict, model_weights: dict, saved_run: dict, args) -> None:
+def load_optimizer(optimizer, state: dict, template: dict, model_weights: dict, saved_run: dict, args,
+                   rebuild: bool = False) -> None:
     """Load the optimizer state; ``template`` is the skeleton of the request it was loaded with (this
     optimizer's own structure). Saved by another optimizer kind, the loaded common part (param groups,
     step) has that kind's structure: the state is then rebuilt on the template with the loaded tensors
     and step (``model_weights``: the loaded weights by checkpoint key, for main parameters that were not
-    saved apart)."""
-    if _optimizer_kind(saved_run) != _own_kind(args):
+    saved apart). ``rebuild``: rebuild on the template whatever the kinds (some state is fresh: the checkpoint
+    was saved under other freeze flags, with other parameter groups)."""
+    if rebuild or _optimizer_kind(saved_run) != _own_kind(args):
         state = _rebuilt(template, state, torch.tensor(_saved_step(state)), model_weights)
     with contextlib.ExitStack() as stack:
         for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -148,6 +178,8 @@ def _rebuilt(template, loaded, step: torch.Tensor, model_weights: dict):
         return loaded
     if isinstance(template, _FromModel):
         return model_weights[template.key]
+    if isinstance(template, _Fresh):
+        return template.value
     if isinstance(template, LocalNonpersistentObject):
         return template.unwrap()
     if isinstance(template, list):
