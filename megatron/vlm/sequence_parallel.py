@@ -41,8 +41,11 @@ def mark_sequence_parallel(module: torch.nn.Module) -> None:
 
 
 def enter(x: torch.Tensor) -> torch.Tensor:
-    """Full hidden states [s, b, h] -> this TP rank's [s / TP, b, h] (backward: all-gather)."""
-    return tensor_parallel.scatter_to_sequence_parallel_region(x)
+    """Full hidden states [s, b, h] -> this TP rank's [s / TP, b, h] (backward: all-gather).
+
+    megatron-core's scatter returns a view of the full tensor, which would keep all of it alive as long as
+    the first layer keeps its input: the slice is copied, so that only 1/TP of the tokens stays."""
+    return tensor_parallel.scatter_to_sequence_parallel_region(x).clone()
 
 
 def leave(x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from .data_level import Loads
 from .linear_costs import basis_costs, stage_coefficients
 from .memory_need import memory_need_table, training_precision, unit_params
 from .simulation import SimSummary, simulate_loads
+from .trainer_flags import sequence_parallel
 
 
 @dataclass
@@ -42,11 +43,15 @@ class PlanContext:
 
 def build_context(spec: ModelSpec, device: DeviceSpec, tp: int, pp: int, dp: int, m: int, budget: float,
                   attention: str, cap_shape: MicroBatchShape, random_shape: MicroBatchShape) -> PlanContext:
-    """The context of one configuration: costs at the ISF caps and at the mean padded random micro-batch."""
-    costs_isf = analytic_costs(spec, cap_shape, tp, device, attention=attention)
-    costs_random = analytic_costs(spec, random_shape, tp, device, attention=attention)
+    """The context of one configuration: costs at the ISF caps and at the mean padded random micro-batch.
+    With TP > 1 the plan runs sequence parallelism (``trainer_flags.sequence_parallel``), and its costs
+    count it."""
+    sp = sequence_parallel(tp)
+    costs_isf = analytic_costs(spec, cap_shape, tp, device, attention=attention, sequence_parallel=sp)
+    costs_random = analytic_costs(spec, random_shape, tp, device, attention=attention, sequence_parallel=sp)
     precision = training_precision(device)
-    return PlanContext(spec, device, tp, pp, dp, m, budget, attention, basis_costs(spec, tp, device, attention),
+    return PlanContext(spec, device, tp, pp, dp, m, budget, attention,
+                       basis_costs(spec, tp, device, attention, sequence_parallel=sp),
                        costs_isf, costs_random, memory_need_table(costs_isf, pp, tp, dp, m, precision=precision),
                        precision)
 
