@@ -145,7 +145,11 @@ def check_plan(plan, spec_name: str, gpus: int, budget: float):
         assert rows[s].fits_memory and max(rows[s].stage_peak_bytes) <= budget
     # stage memory of the plan, recomputed with the memory model at the ISF caps
     caps = plan.shapes["isf_caps"]
-    costs = analytic_costs(spec, MicroBatchShape.from_dict(caps), plan.tp, A100, attention=plan.attention)
+    # TP > 1 runs sequence parallelism: the flag is emitted and the memory model counts it
+    assert flags["--sequence-parallel"] == (plan.tp > 1)
+    assert ("--sequence-parallel" in d["trainer_args"]) == (plan.tp > 1)
+    costs = analytic_costs(spec, MicroBatchShape.from_dict(caps), plan.tp, A100, attention=plan.attention,
+                           sequence_parallel=plan.tp > 1)
     peaks = [x.peak_bytes for x in stage_memory(costs, layout, stages, plan.pp, plan.tp, plan.dp, plan.num_microbatches)]
     np.testing.assert_allclose(peaks, rows["+memory"].stage_peak_bytes, rtol=1e-12)
     for r in plan.rows:  # GPU-days from time per sample, samples and GPUs

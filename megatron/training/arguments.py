@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="megatron-core sequence parallelism in the ViT and LLM layers (needs TP > 1): norms, "
+                        "layer scale and dropout run on 1/TP of the tokens, the TP all-reduces become "
+                        "all-gather/reduce-scatter; LLM rows are padded to a multiple of TP, ViT tiles' tokens "
+                        "too (the pads masked out of attention); megatron-core's torch layers only")
     g.add_argument("--pipeline-layout", default=None,
                    help="units per stage, e.g. 'Iv*3|vPEt*4L' (I vit embed, v ViT layer, P projector, "
                         "E LLM embed, t LLM layer, L head) or counts '4,8'; default: Megatron's "
@@ -310,6 +315,10 @@ def validate_args(args, world_size: int) -> None:
     if args.transformer_impl == "transformer_engine" and args.attention_backend == "unfused":
         raise ArgumentError("--attention-backend unfused is megatron-core's DotProductAttention (a torch "
                             "module): use --transformer-impl local or auto with it")
+    if args.sequence_parallel and (tp < 2 or args.transformer_impl == "transformer_engine"
+                                   or args.attention_backend == "unfused"):
+        raise ArgumentError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the tokens "
+                            "over the TP ranks) and megatron-core's torch layers with --attention-backend auto")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer (it overlaps the "
                             "distributed optimizer's parameter all-gather)")

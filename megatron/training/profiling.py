@@ -30,11 +30,13 @@ from megatron.vlm.stage import StageBuild, VLMStage, build_stage
 from omnibal_ext.memory.recompute import StageRecompute
 
 
-def synthetic_batch(spec, shape: MicroBatchShape, img_context_id: int, device) -> dict:
+def synthetic_batch(spec, shape: MicroBatchShape, img_context_id: int, device, pad_to_multiple: int = 1) -> dict:
     """One packed row of ``shape.llm_tokens`` tokens holding ``shape.vision_items`` tiles' image tokens.
 
     The row is cut into samples of equal length ``L = attn_tokens_sq / llm_tokens`` (the last one
-    shorter), so that the sum of squared sample lengths the attention pays is ``shape``'s.
+    shorter), so that the sum of squared sample lengths the attention pays is ``shape``'s; then padded
+    (a padding segment, labels ignored) to a multiple of ``pad_to_multiple`` (sequence parallelism: TP),
+    as the collate pads.
     """
     n_img = shape.vision_items * spec.tokens_per_tile
     if shape.llm_tokens < n_img + 2:
@@ -47,14 +49,19 @@ def synthetic_batch(spec, shape: MicroBatchShape, img_context_id: int, device) -
     tokens[0, 1:1 + n_img] = img_context_id
     v = spec.vision
     lengths = [sample_len] * (s // sample_len) + ([s % sample_len] if s % sample_len else [])
-    cu_seqlens, max_seqlen = packing([lengths], s)
+    width = -(-s // pad_to_multiple) * pad_to_multiple
+    cu_seqlens, max_seqlen = packing([lengths], width)
+    pad = width - s
+    if pad:
+        tokens = torch.cat([tokens, torch.zeros(1, pad, dtype=tokens.dtype)], 1)
+    labels = torch.cat([torch.randint(0, 256, (1, s), generator=g), torch.full((1, pad), -100)], 1)
     return {
         "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen,
         "image_tile_index": torch.arange(shape.vision_items, device=device),
         "tokens": tokens.to(device),
-        "labels": torch.randint(0, 256, (1, s), generator=g).to(device),
-        "position_ids": (torch.arange(s) % sample_len)[None].to(device),
-        "segment_ids": (torch.arange(s) // sample_len)[None].to(device),
+        "labels": labels.to(device),
+        "position_ids": torch.cat([torch.arange(s) % sample_len, torch.zeros(pad, dtype=torch.long)])[None].to(device),
+        "segment_ids": torch.cat([torch.arange(s) // sample_len, torch.full((pad,), -1)])[None].to(device),
         "pixel_values": torch.randn(shape.vision_items, v.in_channels, v.image_size, v.image_size, generator=g).to(device),
         "image_flags": torch.ones(shape.vision_items, dtype=torch.long, device=device),
     }
@@ -80,19 +87,21 @@ def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, devic
     mini_units = build_units(mini)
     from .training import resolve_transformer_impl
 
-    impl = resolve_transformer_impl(getattr(args, "transformer_impl", "auto"), device,
-                                    getattr(args, "attention_backend", "auto"))
+    sp = bool(getattr(args, "sequence_parallel", False)) and tp > 1
+    impl = "local" if sp else resolve_transformer_impl(getattr(args, "transformer_impl", "auto"), device,
+                                                       getattr(args, "attention_backend", "auto"))
 
     def stage(recompute):
         m = build_stage(StageBuild(mini, range(len(mini_units)), tp=tp, dtype=dtype, transformer_impl=impl,
                                    attention_backend=getattr(args, "attention_backend", "auto"), seed=args.seed,
-                                   recompute=recompute, img_context_id=img_context_id, on_cpu=on_cpu))
+                                   recompute=recompute, img_context_id=img_context_id, on_cpu=on_cpu,
+                                   sequence_parallel=sp))
         return m.to(device=device, dtype=dtype).train()
 
     plain = stage(StageRecompute())
     full = stage(StageRecompute(1, False, 1, False))
     selective = stage(StageRecompute(0, True, 0, True))
-    batch = synthetic_batch(mini, shape, img_context_id, device)
+    batch = synthetic_batch(mini, shape, img_context_id, device, pad_to_multiple=tp if sp else 1)
     batch["pixel_values"] = batch["pixel_values"].to(dtype)
     cache: dict = {}  # per micro-batch inputs (the LLM layers' context), built once, outside the timings
     for part in plain.parts:
@@ -142,7 +151,7 @@ def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, devic
             x = run(plain_parts, unit, inp)
     units = [dataclasses.replace(per_kind[u.kind], name=u.name) for u in build_units(spec)]
     meta = {**environment_meta(), "device": _device_name(device), "dtype": str(dtype).replace("torch.", ""),
-            "shape": dataclasses.asdict(shape), "spec": spec.to_dict(), "tp": tp,
+            "shape": dataclasses.asdict(shape), "spec": spec.to_dict(), "tp": tp, "sequence_parallel": sp,
             "warmup": warmup, "repeats": repeats,
             # SegmentAttention keeps no scores, as FlashAttention; "unfused" keeps megatron-core's
             "attention": "unfused" if getattr(args, "attention_backend", "auto") == "unfused" else "flash"}

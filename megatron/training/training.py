@@ -43,9 +43,10 @@ def build_model(args, plan: RunPlan, img_context_id: int, device: torch.device):
     stage = parallel_state.get_pipeline_model_parallel_rank()
     module = build_stage(StageBuild(
         spec, layout.stage_range(stage), tp=tp, pp=pp, dtype=dtype,
-        transformer_impl=resolve_transformer_impl(args.transformer_impl, device, args.attention_backend),
+        transformer_impl="local" if args.sequence_parallel else
+        resolve_transformer_impl(args.transformer_impl, device, args.attention_backend),
         attention_backend=args.attention_backend, seed=args.seed, recompute=plan.recompute[stage],
-        img_context_id=img_context_id, on_cpu=on_cpu,
+        img_context_id=img_context_id, on_cpu=on_cpu, sequence_parallel=args.sequence_parallel,
         trainable=None if plan.trainable is None else plan.trainable.trains))
     stage_config = module.config
     module.to(device=device, dtype=dtype)

@@ -97,12 +97,15 @@ class StageDataset(torch.utils.data.Dataset):
 class Collate:
     """collate_fn of the loader: samples -> the micro-batch, reduced to the stage's keys (picklable)."""
 
-    def __init__(self, pad_id: int, packed: bool, inputs: StageInputs, image_tokens: tuple[int, int] | None):
+    def __init__(self, pad_id: int, packed: bool, inputs: StageInputs, image_tokens: tuple[int, int] | None,
+                 pad_to_multiple: int = 1):
+        """pad_to_multiple: row length rounded up to a multiple of it (--sequence-parallel: TP)."""
         self.pad_id, self.packed, self.inputs, self.image_tokens = pad_id, packed, inputs, image_tokens
+        self.pad_to_multiple = pad_to_multiple
 
     def __call__(self, samples: list[dict]) -> dict:
-        fn = partial(collate_packed, pad_id=self.pad_id) if self.packed else partial(
-            collate_padded, pad_id=self.pad_id, seq_length=None)
+        fn = partial(collate_packed, pad_id=self.pad_id, pad_to_multiple=self.pad_to_multiple) if self.packed else \
+            partial(collate_padded, pad_id=self.pad_id, seq_length=None, pad_to_multiple=self.pad_to_multiple)
         batch = fn(samples)
         if self.image_tokens is not None and self.inputs.tokens:
             check_image_tokens(batch, *self.image_tokens)
@@ -166,7 +169,7 @@ class MicroBatches:
     def __init__(self, dataset, sampler: GroupBatchSampler, pad_id: int, packed: bool, seq_length: int | None = None,
                  image_tokens: tuple[int, int] | None = None, inputs: StageInputs | None = None,
                  num_workers: int = 0, prefetch_factor: int = 2, pin_memory: bool = False,
-                 persistent_workers: bool = True, tp_group=None, tp_src: int = 0):
+                 persistent_workers: bool = True, tp_group=None, tp_src: int = 0, pad_to_multiple: int = 1):
         """image_tokens: (image-context token id, tokens per tile): check each micro-batch's image-token
         count against its real tiles on the host (the model's forward does not)."""
         if num_workers < 0:
@@ -178,7 +181,7 @@ class MicroBatches:
         self.inputs = inputs or StageInputs.everything()
         self.num_workers = num_workers
         self.tp_group, self.tp_src = tp_group, tp_src
-        self.collate = Collate(pad_id, packed, self.inputs, image_tokens)
+        self.collate = Collate(pad_id, packed, self.inputs, image_tokens, pad_to_multiple)
         self._records = None
         self._loads = tp_group is None or dist.get_rank() == tp_src
         self.loader = None

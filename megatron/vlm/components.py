@@ -26,9 +26,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from omnibal_ext.memory.recompute import StageRecompute
 from omnibal_ext.model.components import CostComponent, HeadCost, TextEmbedCost, TextLayerCost
-from omnibal_ext.model.spec import TEXT_LAYER, VISION_LAYER, ModelSpec, Unit
+from omnibal_ext.model.spec import HEAD, TEXT_LAYER, VISION_LAYER, ModelSpec, Unit
 
-from megatron.vlm import layers
+from megatron.vlm import layers, sequence_parallel
 from megatron.vlm.head import OutputHead
 from megatron.vlm.seeding import seeded
 from megatron.vlm.sharding import unit_sharded_state_dict
@@ -54,6 +54,19 @@ class StageContext:
     def thd(self) -> bool:
         """The LLM layers take packed sequences (else: the dense mask of --attention-backend unfused)."""
         return self.attention_backend != "unfused"
+
+    def sequence_parallel_edges(self, units: list[Unit], config: TransformerConfig,
+                                split_after: tuple[str, ...] = ()) -> tuple[bool, bool]:
+        """(enters, leaves) the sequence-parallel region, for a run of ``units`` of one kind built with
+        ``config``: it enters unless the unit before it (in the whole model) is of its kind, so the input
+        comes split; it leaves unless the unit after it is of its kind or has a role in ``split_after`` (the
+        head reads split hidden states). Both False without sequence parallelism."""
+        if not config.sequence_parallel:
+            return False, False
+        first, last, kind = units[0].index, units[-1].index, units[0].kind
+        enters = first == 0 or self.units[first - 1].kind != kind
+        after = self.units[last + 1] if last + 1 < len(self.units) else None
+        return enters, after is None or (after.kind != kind and after.code not in split_after)
 
     def layer_recompute(self, role: str) -> tuple[int, bool]:
         """(fully recomputed layers, selective) of this stage's layers of ``role``."""
@@ -176,6 +189,7 @@ class TextLayer(RuntimeComponent):
     """GPT decoder layers (megatron-core's layer spec): causal attention within each packed sample, RoPE."""
 
     cost, attr, reads, layers = TextLayerCost, "llm_blocks", frozenset({"packing"}), True
+    sp_enters = sp_leaves = False  # sequence-parallel region edges (set by build)
 
     def layer_spec(self, first_unit_index: int):
         ctx = self.ctx
@@ -185,6 +199,7 @@ class TextLayer(RuntimeComponent):
 
     def build(self, units):
         full, selective = self.ctx.layer_recompute(self.code())
+        self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.language_config, (HEAD,))
         return layers.build_blocks(self.ctx.language_config, self.layer_spec, units[0].index, len(units),
                                    full, selective)
 
@@ -205,7 +220,10 @@ class TextLayer(RuntimeComponent):
         self.context(module, batch, cache)
 
     def forward(self, module, x, batch, cache):
-        return run_text_blocks(module, x, self.context(module, batch, cache), self.ctx.thd)
+        if self.sp_enters:  # the embedding's output (every token) -> this TP rank's tokens
+            x = sequence_parallel.enter(x)
+        x = run_text_blocks(module, x, self.context(module, batch, cache), self.ctx.thd)
+        return sequence_parallel.leave(x) if self.sp_leaves else x
 
     @classmethod
     def hf_recipes(cls, unit, table):
@@ -218,12 +236,23 @@ class Head(RuntimeComponent):
     """Final norm, vocabulary-parallel output layer and loss (or logits: ``StageBuild.output``)."""
 
     cost, attr, reads = HeadCost, "head", frozenset({"labels", "packing"})
+    sp_enters = False
 
     def build(self, units):
+        from megatron.vlm.norms import TorchNorm
+
         norm = get_gpt_layer_local_spec(normalization=self.spec.language.normalization).submodules.input_layernorm
+        if self.ctx.language_config.sequence_parallel:  # megatron-core's torch norm refuses it
+            norm = TorchNorm
+        before = self.ctx.units[units[0].index - 1] if units[0].index else None
+        # sequence parallel: the LLM layers hand over this TP rank's tokens; the norm runs on them and the
+        # output layer all-gathers them (its config's sequence_parallel)
+        self.sp_enters = self.ctx.language_config.sequence_parallel and (before is None or before.code != TEXT_LAYER)
         return OutputHead(self.spec, self.ctx.language_config, norm, output=self.ctx.output)
 
     def forward(self, module, x, batch, cache):
+        if self.sp_enters:
+            x = sequence_parallel.enter(x)
         return module(x, batch["labels"] if self.ctx.output == "loss" else None)
 
     def profile_forward(self, module, x, batch, cache):

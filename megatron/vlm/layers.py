@@ -19,7 +19,9 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.vlm.attention import SegmentAttention
+from megatron.vlm.norms import TorchNorm
 from megatron.vlm.seeding import SeededTransformerLayer
+from megatron.vlm.sequence_parallel import mark_sequence_parallel
 
 _NO_BIAS_CLASSES: dict = {}
 
@@ -58,7 +60,18 @@ def layer_spec(normalization: str, mask_type: AttnMaskType, seed: int, first_uni
     attn.params = {**attn.params, "attn_mask_type": mask_type}
     if uses_segment_attention(transformer_impl, attention_backend):
         attn.submodules.core_attention = SegmentAttention
+    _allow_sequence_parallel_norms(spec)
     return spec
+
+
+def _allow_sequence_parallel_norms(spec: ModuleSpec) -> None:
+    """The local spec's torch norms (megatron-core's WrappedTorchNorm refuses sequence parallelism) become
+    ``TorchNorm``: the same modules, marked ``sequence_parallel`` under it."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    for name in ("input_layernorm", "pre_mlp_layernorm"):
+        if getattr(spec.submodules, name, None) is WrappedTorchNorm:
+            setattr(spec.submodules, name, TorchNorm)
 
 
 def llm_mask_type(transformer_impl: str, attention_backend: str) -> AttnMaskType:
@@ -103,4 +116,6 @@ def build_blocks(config: TransformerConfig, spec_for, first_index: int, n_layers
     for n, cfg in segment_configs(config, n_layers, min(full_layers, n_layers), selective):
         blocks.append(TransformerBlock(cfg, spec_for(first_index + offset), post_layer_norm=False))
         offset += n
+    if config.sequence_parallel:  # replicated parameters that see 1/TP of the tokens: gradients summed over TP
+        mark_sequence_parallel(blocks)
     return blocks

@@ -69,6 +69,7 @@ class StageBuild:
     # per unit of the WHOLE unit list: trains (True) or frozen (omnibal_ext.model.trainable.Trainable.trains);
     # None: every unit trains
     trainable: tuple[bool, ...] | None = None
+    sequence_parallel: bool = False  # --sequence-parallel: the ViT and LLM layers' (megatron/vlm/sequence_parallel.py)
 
 
 @dataclasses.dataclass
@@ -88,6 +89,8 @@ def build_stage(build: StageBuild) -> "VLMStage":
     family = runtime_family(spec)
 
     def made(config):
+        if build.sequence_parallel:
+            config = dataclasses.replace(config, sequence_parallel=True)
         return config if build.initialize else dataclasses.replace(config, perform_initialization=False)
 
     return VLMStage(build, family,
@@ -106,7 +109,9 @@ class VLMStage(MegatronModule):
             raise ValueError("--attention-backend unfused is megatron-core's DotProductAttention (local layers)")
         if build.output not in OUTPUTS:
             raise ValueError(f"stage output must be one of {OUTPUTS}, got {build.output!r}")
-        uses_segment_attention(impl, backend)  # checks the backend's name
+        if uses_segment_attention(impl, backend) is False and build.sequence_parallel:
+            raise ValueError("sequence parallelism runs megatron-core's torch layers with SegmentAttention "
+                             "(--transformer-impl local, --attention-backend auto)")
         if impl == "transformer_engine":  # TE's fused THD RoPE reads cu_seqlens on the device;
             llm_config = dataclasses.replace(llm_config, apply_rope_fusion=True)  # megatron's unfused one
             # would read them on the host (.tolist()) in every layer

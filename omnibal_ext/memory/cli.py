@@ -47,6 +47,8 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help=f"model preset: {', '.join(PRESETS)}")
     p.add_argument("--pp", type=int, required=True, help="pipeline-parallel size")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (costs are per TP rank)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="the trainer's --sequence-parallel (TP > 1): activations and TP traffic counted with it")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size (shards the distributed optimizer)")
     p.add_argument("--micro-batches", type=int, required=True, help="micro-batches per iteration (1F1B)")
     p.add_argument("--budget-gib", type=float, required=True,

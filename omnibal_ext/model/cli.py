@@ -34,6 +34,8 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, required=True, help="pipeline-parallel size")
     p.add_argument("--vpp", type=int, default=1, help="virtual pipeline chunks per stage (interleaved 1F1B)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (costs are per TP rank)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="the trainer's --sequence-parallel (TP > 1): activations and TP traffic counted with it")
     p.add_argument("--tiles", type=int, default=9, help="ViT tiles per micro-batch")
     p.add_argument("--llm-tokens", type=int, default=4096, help="LLM tokens per micro-batch")
     p.add_argument("--device", default="a100-80g", help=f"device preset: {', '.join(DEVICES)}")
@@ -78,10 +80,12 @@ def _unfrozen_costs(args) -> CostTable:
     if args.profile:
         try:
             profile = CostTable.load(args.profile)
-            return calibrated_costs(spec, shape, profile, tp=args.tp, device=device)
+            return calibrated_costs(spec, shape, profile, tp=args.tp, device=device,
+                                    sequence_parallel=getattr(args, "sequence_parallel", False))
         except UserError as e:
             raise UserError(f"--profile {args.profile}: {e}") from None
-    return analytic_costs(spec, shape, tp=args.tp, device=device)
+    return analytic_costs(spec, shape, tp=args.tp, device=device,
+                          sequence_parallel=getattr(args, "sequence_parallel", False))
 
 
 def run_partition(args) -> dict:

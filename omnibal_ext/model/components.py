@@ -7,6 +7,14 @@ the projector's belong to their family.
 
 FLOPs count one multiply-add as 2 and are summed over the TP ranks; bytes are per TP rank. Activation
 bytes follow ``layer_act_bytes_per_token`` (see ``cost_model``'s docstring for the derivation).
+
+Sequence parallelism (``sequence_parallel``, the trainer's ``--sequence-parallel``, TP > 1): the layers' part
+replicated over TP (norm inputs, the linears' inputs, which megatron-core's sequence-parallel linears save
+split and all-gather again in the backward) is split by TP too; the tokens a layer runs are padded to a
+multiple of TP (LLM rows; each ViT tile); each TP all-reduce of a layer becomes an all-gather plus a
+reduce-scatter, the same bytes on the wire (``tp_allreduce_bytes`` counts all-reduce-equivalent bytes, an
+all-gather or a reduce-scatter as half); the head all-gathers its input and the embedding's output is
+scattered (its backward all-gathers).
 """
 from __future__ import annotations
 
@@ -55,25 +63,34 @@ class CostComponent:
         """Parameters of one unit, whole model (at ``tp``: padded heads included)."""
         raise NotImplementedError
 
-    def act_bytes(self, shape: MicroBatchShape, tp: int, dropout: bool, attention: str) -> ActBytes:
+    def act_bytes(self, shape: MicroBatchShape, tp: int, dropout: bool, attention: str,
+                  sequence_parallel: bool = False) -> ActBytes:
         raise NotImplementedError
 
-    def tp_allreduce_bytes(self, shape: MicroBatchShape) -> tuple[float, float]:
-        """(forward, backward) bytes the unit all-reduces over its TP group per micro-batch."""
+    def tp_allreduce_bytes(self, shape: MicroBatchShape, sequence_parallel: bool = False,
+                           tp: int = 1) -> tuple[float, float]:
+        """(forward, backward) bytes the unit all-reduces over its TP group (of ``tp`` ranks) per micro-batch
+        (with sequence parallelism: all-reduce-equivalent bytes, an all-gather or reduce-scatter counting half)."""
         return 0.0, 0.0
+
+
+def sp_tokens(tokens: int, tp: int, sequence_parallel: bool) -> int:
+    """Tokens a sequence-parallel run pads ``tokens`` to (a multiple of ``tp``); ``tokens`` without it."""
+    return -(-tokens // tp) * tp if sequence_parallel and tp > 1 else tokens
 
 
 def layer_act_bytes_per_token(
     hidden: int, heads: int, kv_groups: int, ffn: int, swiglu: bool, attended: float,
     dtype_bytes: int, tp: int, dropout: bool, attention: str, *, rotary: bool = False, per_sample: bool = False,
-    built_heads: int | None = None, head_dim: int | None = None,
+    built_heads: int | None = None, head_dim: int | None = None, sequence_parallel: bool = False,
 ) -> tuple[float, float]:
     """(all, attention-core) activation bytes per token of one pre-norm layer (see cost_model's docstring).
 
     attended: attended length per token (tokens), so the core keeps ``heads*attended`` scores per token.
     rotary: the layer applies rotary embeddings; per_sample: attention runs once per packed sample;
     built_heads: heads the layer is built with (padded for TP; default ``heads``); head_dim: per-head
-    width (default hidden / heads).
+    width (default hidden / heads); sequence_parallel: the norm inputs, linear inputs and dropout masks
+    (replicated without it) are split by TP; the rotary tables stay whole.
 
     Beyond the textbook count, what this trainer's megatron-core local layers keep, as measured on an
     H200 (``profiles/h200``; the ViT layer matches to 0.1%, the LLM layers to 0.1%):
@@ -89,7 +106,10 @@ def layer_act_bytes_per_token(
     head_dim = head_dim or hidden // heads
     heads = built_heads or heads
     width = heads * head_dim  # attention width: hidden, unless heads are padded
-    replicated = 4 * hidden * d_bytes + 2 * hidden * p + (4 * head_dim * d_bytes if rotary else 0)
+    replicated = 4 * hidden * d_bytes + 2 * hidden * p
+    if sequence_parallel:
+        replicated /= tp
+    replicated += 4 * head_dim * d_bytes if rotary else 0
     split = (width + 2 * max(kv_groups, heads) * head_dim) * d_bytes + width * d_bytes
     split += (5 if swiglu else 2) * ffn * d_bytes
     if per_sample:
@@ -130,12 +150,13 @@ class TextEmbedCost(CostComponent):
     def params(self, tp):
         return self.spec.language.vocab_size * self.spec.language.hidden_size
 
-    def act_bytes(self, shape, tp, dropout, attention):
+    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False):
         ids = shape.llm_tokens * 8.0  # int64 token ids
         return ActBytes(ids, ids, ids, shape.llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes)
 
-    def tp_allreduce_bytes(self, shape):
-        return shape.llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes, 0.0
+    def tp_allreduce_bytes(self, shape, sequence_parallel=False, tp=1):
+        out = shape.llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes
+        return out, out / 2 if sequence_parallel else 0.0  # the scatter's backward all-gathers
 
 
 class TextLayerCost(CostComponent):
@@ -153,19 +174,21 @@ class TextLayerCost(CostComponent):
         n = h * qkv_rows + lm.num_attention_heads * d * h + (3 if lm.swiglu else 2) * h * f + 2 * h
         return n + (qkv_rows if lm.qkv_bias else 0)
 
-    def act_bytes(self, shape, tp, dropout, attention):
-        lm, D, T = self.spec.language, shape.dtype_bytes, shape.llm_tokens
-        attended = shape.attn_tokens_sq / T if T else 0.0
+    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False):
+        lm, D = self.spec.language, shape.dtype_bytes
+        T = sp_tokens(shape.llm_tokens, tp, sequence_parallel)  # the padding is a segment of its own
+        attended = (shape.attn_tokens_sq + (T - shape.llm_tokens) ** 2) / T if T else 0.0
         per_tok, core = layer_act_bytes_per_token(
             lm.hidden_size, lm.num_attention_heads, lm.kv_groups, lm.ffn_hidden_size, lm.swiglu,
             attended, D, tp, dropout, attention, rotary=True, per_sample=attention == "flash",
-            head_dim=lm.kv_channels)
-        full = T * lm.hidden_size * D + T * lm.kv_channels * 4.0  # input, fp32 rotary table
-        return ActBytes(T * per_tok, full, T * (per_tok - core), T * lm.hidden_size * D)
+            head_dim=lm.kv_channels, sequence_parallel=sequence_parallel)
+        split = tp if sequence_parallel else 1
+        full = T * lm.hidden_size * D / split + T * lm.kv_channels * 4.0  # input, fp32 rotary table
+        return ActBytes(T * per_tok, full, T * (per_tok - core), T * lm.hidden_size * D / split)
 
-    def tp_allreduce_bytes(self, shape):
+    def tp_allreduce_bytes(self, shape, sequence_parallel=False, tp=1):
         llm = shape.llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes
-        return 2 * llm, 2 * llm
+        return 2 * llm, 2 * llm  # with sequence parallelism 2 all-gathers + 2 reduce-scatters: the same bytes
 
 
 class HeadCost(CostComponent):
@@ -181,12 +204,19 @@ class HeadCost(CostComponent):
         lm = self.spec.language
         return lm.vocab_size * lm.hidden_size + lm.hidden_size
 
-    def act_bytes(self, shape, tp, dropout, attention):
-        # final-norm input and output-layer input, plus the fp32 softmax of the vocab-parallel loss
-        lm, T, D = self.spec.language, shape.llm_tokens, shape.dtype_bytes
-        act = 2 * T * lm.hidden_size * D + T * (lm.vocab_size / tp) * 4.0
-        return ActBytes(act, T * lm.hidden_size * D, act, 0.0)
+    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False):
+        # final-norm input and output-layer input (split by TP under sequence parallelism: the output layer
+        # saves its input before the all-gather), plus the fp32 softmax of the vocab-parallel loss
+        lm, D = self.spec.language, shape.dtype_bytes
+        T = sp_tokens(shape.llm_tokens, tp, sequence_parallel)
+        hidden = T * lm.hidden_size * D / (tp if sequence_parallel else 1)
+        act = 2 * hidden + T * (lm.vocab_size / tp) * 4.0
+        return ActBytes(act, hidden, act, 0.0)
 
-    def tp_allreduce_bytes(self, shape):
-        # its loss reductions are a few floats per token; the input's gradient in the backward
-        return 3 * shape.llm_tokens * 4.0, shape.llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes
+    def tp_allreduce_bytes(self, shape, sequence_parallel=False, tp=1):
+        # its loss reductions are a few floats per token; the input's gradient in the backward (sequence
+        # parallel: the input's all-gather forward, a reduce-scatter backward, each half an all-reduce)
+        hidden = shape.llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes
+        if sequence_parallel:
+            return 3 * shape.llm_tokens * 4.0 + hidden / 2, hidden / 2
+        return 3 * shape.llm_tokens * 4.0, hidden

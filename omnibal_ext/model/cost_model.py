@@ -184,10 +184,13 @@ def tp_allreduce_s(nbytes: float, tp: int, device: DeviceSpec) -> float:
     return 0.0 if tp == 1 else 2.0 * (tp - 1) / tp * nbytes / device.tp_bytes_per_s
 
 
-def _costs_from_rates(spec, shape, tp, rates, dropout, attention, source, meta, comm_device=None) -> CostTable:
-    """comm_device: add its TP all-reduce times (a profile's fitted rates already hold its own)."""
+def _costs_from_rates(spec, shape, tp, rates, dropout, attention, source, meta, comm_device=None,
+                      sequence_parallel: bool = False) -> CostTable:
+    """comm_device: add its TP all-reduce times (a profile's fitted rates already hold its own);
+    sequence_parallel: the trainer's --sequence-parallel (components.py: activations and TP traffic)."""
     if tp < 1:
         raise UserError(f"tensor-parallel size must be >= 1, got {tp}")
+    sp = bool(sequence_parallel) and tp > 1
     units = build_units(spec)
     params = unit_param_counts(spec, tp)
     work = unit_work(spec, shape, tp)
@@ -197,16 +200,16 @@ def _costs_from_rates(spec, shape, tp, rates, dropout, attention, source, meta, 
         fwd, bwd = w * rates[f"fwd:{u.kind}"], w * rates[f"bwd:{u.kind}"]
         core_s = fwd * (core / total) if total > 0 else 0.0  # the core's share of the forward time
         if comm_device is not None and tp > 1:
-            # Megatron's tensor parallelism without sequence parallelism (each component says its bytes)
-            fwd_bytes, bwd_bytes = c.tp_allreduce_bytes(shape)
+            # Megatron's tensor parallelism, with or without sequence parallelism (each component says its bytes)
+            fwd_bytes, bwd_bytes = c.tp_allreduce_bytes(shape, sequence_parallel=sp, tp=tp)
             fwd += tp_allreduce_s(fwd_bytes, tp, comm_device)
             bwd += tp_allreduce_s(bwd_bytes, tp, comm_device)
-        b = c.act_bytes(shape, tp, dropout, attention)
+        b = c.act_bytes(shape, tp, dropout, attention, sequence_parallel=sp)
         rows.append(UnitCost(u.name, u.kind, fwd, bwd, float(b.act), float(b.full), float(b.selective),
                              float(core_s), float(b.send), n_param, u.code))
     meta = dict(meta)
     meta.update({"model": spec.name, "spec": spec.to_dict(), "shape": shape.to_dict(), "tp": tp,
-                 "dropout": dropout, "attention": attention})
+                 "dropout": dropout, "attention": attention, "sequence_parallel": sp})
     return CostTable(tuple(rows), source, meta)
 
 
@@ -219,6 +222,7 @@ def analytic_costs(
     *,
     dropout: bool = False,
     attention: str = "unfused",
+    sequence_parallel: bool = False,
 ) -> CostTable:
     """Costs of every unit of ``spec`` for one micro-batch of ``shape`` on one TP rank of ``device``.
 
@@ -226,11 +230,12 @@ def analytic_costs(
     ``default_efficiency(spec)``). dropout: count 1-byte dropout masks (InternVL fine-tuning uses none).
     attention: "unfused" (scores kept for backward) or "flash". With ``tp`` > 1 the units' times
     include their TP all-reduces (``tp_allreduce_bytes`` over ``device.tp_bytes_per_s``).
+    sequence_parallel: with ``tp`` > 1, the trainer's --sequence-parallel (activations split, tokens padded).
     """
     rates = _seconds_per_work(device, unit_components(spec), efficiency)
     return _costs_from_rates(spec, shape, tp, rates, dropout, attention, "analytic",
                              {"device": device.name, "efficiency": {**default_efficiency(spec), **(efficiency or {})}},
-                             comm_device=device)
+                             comm_device=device, sequence_parallel=sequence_parallel)
 
 
 def calibrate(profile: CostTable, spec: ModelSpec, shape: MicroBatchShape, tp: int = 1) -> dict[str, float]:
@@ -280,6 +285,7 @@ def calibrated_costs(
     device: DeviceSpec | None = None,
     dropout: bool = False,
     attention: str = "unfused",
+    sequence_parallel: bool = False,
 ) -> CostTable:
     """Analytic costs of ``spec`` at ``shape`` with times scaled by rates fitted on ``profile``.
 
@@ -308,7 +314,7 @@ def calibrated_costs(
     return _costs_from_rates(spec, shape, tp, rates, dropout, attention, "calibrated",
                              {"device": meta.get("device", device.name), "calibration": fitted,
                               "profile_model": profile_spec.name},
-                             comm_device=device if profile_tp == 1 else None)
+                             comm_device=device if profile_tp == 1 else None, sequence_parallel=sequence_parallel)
 
 
 def profile_report(profile: CostTable, device: DeviceSpec, attention: str | None = None) -> list[dict]:
@@ -327,7 +333,8 @@ def profile_report(profile: CostTable, device: DeviceSpec, attention: str | None
     spec, shape = spec_from_dict(meta["spec"]), MicroBatchShape.from_dict(meta["shape"])
     tp = int(meta.get("tp", 1))
     attention = attention or meta.get("attention", "unfused")
-    analytic = analytic_costs(spec, shape, tp, device, attention=attention)
+    analytic = analytic_costs(spec, shape, tp, device, attention=attention,
+                              sequence_parallel=bool(meta.get("sequence_parallel", False)))
     flops = unit_flops(spec, shape, tp)
     rows, seen = [], set()
     for pu, au, fl in zip(profile.units, analytic.units, flops):

@@ -17,6 +17,7 @@ from .data_level import Loads
 from .linear_costs import basis_costs, stage_coefficients
 from .memory_need import memory_need_table, training_precision, unit_params
 from .simulation import SimSummary, simulate_loads
+from .trainer_flags import sequence_parallel
 
 
 @dataclass
@@ -46,11 +47,14 @@ def build_context(spec: ModelSpec, device: DeviceSpec, tp: int, pp: int, dp: int
                   attention: str, cap_shape: MicroBatchShape, random_shape: MicroBatchShape,
                   trainable: Trainable | None = None) -> PlanContext:
     """The context of one configuration: costs at the ISF caps and at the mean padded random micro-batch, with
-    ``trainable``'s frozen units applied (omnibal_ext.model.trainable; linear in the shape, so the basis too)."""
+    ``trainable``'s frozen units applied (omnibal_ext.model.trainable; linear in the shape, so the basis too).
+    With TP > 1 the plan runs sequence parallelism (``trainer_flags.sequence_parallel``), and its costs
+    count it."""
     frozen = trainable.apply if trainable is not None else (lambda c: c)
-    costs_isf = frozen(analytic_costs(spec, cap_shape, tp, device, attention=attention))
-    costs_random = frozen(analytic_costs(spec, random_shape, tp, device, attention=attention))
-    basis = tuple(frozen(c) for c in basis_costs(spec, tp, device, attention))
+    sp = sequence_parallel(tp)
+    costs_isf = frozen(analytic_costs(spec, cap_shape, tp, device, attention=attention, sequence_parallel=sp))
+    costs_random = frozen(analytic_costs(spec, random_shape, tp, device, attention=attention, sequence_parallel=sp))
+    basis = tuple(frozen(c) for c in basis_costs(spec, tp, device, attention, sequence_parallel=sp))
     precision = training_precision(device)
     return PlanContext(spec, device, tp, pp, dp, m, budget, attention, basis,
                        costs_isf, costs_random, memory_need_table(costs_isf, pp, tp, dp, m, precision=precision),

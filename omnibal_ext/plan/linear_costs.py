@@ -24,12 +24,14 @@ BASIS = 1024.0
 MODE_NAMES = {0: "none", 1: "selective", 2: "full"}  # memory_model's per-unit recompute modes
 
 
-def basis_costs(spec: ModelSpec, tp: int, device: DeviceSpec, attention: str = "unfused") -> tuple[CostTable, ...]:
+def basis_costs(spec: ModelSpec, tp: int, device: DeviceSpec, attention: str = "unfused",
+                sequence_parallel: bool = False) -> tuple[CostTable, ...]:
     """Cost tables at the unit shapes: tiles only, tokens only, tokens + attention (see stage_coefficients)."""
     b = int(BASIS)
-    return (analytic_costs(spec, MicroBatchShape(b, 0), tp, device, attention=attention),
-            analytic_costs(spec, MicroBatchShape(0, b, llm_attn_tokens_sq=0.0), tp, device, attention=attention),
-            analytic_costs(spec, MicroBatchShape(0, b, llm_attn_tokens_sq=BASIS**2), tp, device, attention=attention))
+    kw = dict(attention=attention, sequence_parallel=sequence_parallel)
+    return (analytic_costs(spec, MicroBatchShape(b, 0), tp, device, **kw),
+            analytic_costs(spec, MicroBatchShape(0, b, llm_attn_tokens_sq=0.0), tp, device, **kw),
+            analytic_costs(spec, MicroBatchShape(0, b, llm_attn_tokens_sq=BASIS**2), tp, device, **kw))
 
 
 def stage_coefficients(basis: Sequence[CostTable], layout: PipelineLayout, pp: int, p2p_bytes_per_s: float,

@@ -17,6 +17,12 @@ def tp_problem(spec: ModelSpec, tp: int) -> str | None:
     return None
 
 
+def sequence_parallel(tp: int) -> bool:
+    """Whether a plan at ``tp`` runs sequence parallelism: always with TP > 1 (it only splits what TP leaves
+    replicated, so it lowers activation memory at the same TP traffic; ``--sequence-parallel``)."""
+    return tp > 1
+
+
 def plan_trainer_flags(model: str, tp: int, pp: int, layout_flag: str, recompute_flag: str, isf_params,
                        samples_per_group: int, global_batch_size: int, bf16: bool,
                        freeze_flags: list[str] = ()) -> dict:
@@ -35,6 +41,7 @@ def plan_trainer_flags(model: str, tp: int, pp: int, layout_flag: str, recompute
         "--model": model,
         "--tensor-model-parallel-size": tp,
         "--pipeline-model-parallel-size": pp,
+        "--sequence-parallel": sequence_parallel(tp),
         "--pipeline-layout": layout_flag,
         "--recompute-plan": recompute_flag,
         "--omnibal-isf": True,

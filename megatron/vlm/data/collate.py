@@ -23,7 +23,8 @@ built here on the host once per micro-batch; padded (random) micro-batches are d
 (each row: its sample, then its padding), so the LLM has one attention path.  ``cu_seqlens`` stays on
 the host (the trainer does not move it): the model copies it to the device only where a kernel needs it.
 
-``collate_padded``: one sample per row (b = B), right padding to the longest sample or ``seq_length``.
+``collate_padded``: one sample per row (b = B), right padding to the longest sample or ``seq_length``, rounded
+up to a multiple of ``pad_to_multiple`` (sequence parallelism: TP).
 ``collate_packed``: all samples in one row (b = 1), in order, padded to a multiple of ``pad_to_multiple``.
 Tiles always follow the order in which their image-context tokens appear in ``tokens`` (row-major).
 """
@@ -77,11 +78,15 @@ def _check_samples(samples: list[dict]) -> None:
                              f"{len(s['image_flags'])} image_flags")
 
 
-def collate_padded(samples: list[dict], pad_id: int, seq_length: int | None = None) -> dict:
-    """One sample per row, right-padded to ``seq_length`` (default: the longest sample), in tokens."""
+def collate_padded(samples: list[dict], pad_id: int, seq_length: int | None = None, pad_to_multiple: int = 1) -> dict:
+    """One sample per row, right-padded to ``seq_length`` (default: the longest sample), in tokens, rounded up
+    to a multiple of ``pad_to_multiple``."""
     _check_samples(samples)
+    if pad_to_multiple < 1:
+        raise ValueError(f"collate_padded: pad_to_multiple must be >= 1, got {pad_to_multiple}")
     longest = max(len(s["input_ids"]) for s in samples)
     width = longest if seq_length is None else seq_length
+    width = -(-width // pad_to_multiple) * pad_to_multiple
     if longest > width:
         raise ValueError(f"collate_padded: a sample has {longest} tokens > seq_length {seq_length}")
     b = len(samples)

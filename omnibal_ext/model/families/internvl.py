@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...errors import UserError
-from ..components import ActBytes, CostComponent, HeadCost, TextEmbedCost, TextLayerCost, layer_act_bytes_per_token
+from ..components import (ActBytes, CostComponent, HeadCost, TextEmbedCost, TextLayerCost, layer_act_bytes_per_token,
+                          sp_tokens)
 from ..spec import PROJECTOR, VISION_EMBED, VISION_LAYER, LanguageSpec, ModelSpec
 from . import Family
 
@@ -89,7 +90,7 @@ class VisionEmbedCost(CostComponent):
         n = v.in_channels * v.patch_size**2 * v.hidden_size + v.hidden_size  # conv + bias
         return n + v.hidden_size + v.seq_per_tile * v.hidden_size  # class token + position embedding
 
-    def act_bytes(self, shape, tp, dropout, attention):
+    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False):
         v, D = self.spec.vision, shape.dtype_bytes
         pixels = shape.vision_items * v.in_channels * v.image_size**2 * D
         return ActBytes(pixels, pixels, pixels, shape.vision_items * v.seq_per_tile * v.hidden_size * D)
@@ -111,18 +112,21 @@ class VisionLayerCost(CostComponent):
         n += 2 * width if v.qk_norm else 0  # q and k norm weights over the full width
         return n + (2 * h if v.layer_scale_init is not None else 0)  # ls1, ls2
 
-    def act_bytes(self, shape, tp, dropout, attention):
+    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False):
+        # sequence parallel: every tile padded to a multiple of TP tokens (the pads masked out of attention)
         v, D = self.spec.vision, shape.dtype_bytes
-        tokens = shape.vision_items * v.seq_per_tile
+        seq = sp_tokens(v.seq_per_tile, tp, sequence_parallel)
+        tokens = shape.vision_items * seq
         per_tok, core = layer_act_bytes_per_token(
             v.hidden_size, v.num_attention_heads, v.num_attention_heads, v.ffn_hidden_size, False,
-            v.seq_per_tile, D, tp, dropout, attention, built_heads=v.padded_heads(tp))
-        full = tokens * v.hidden_size * D
+            seq, D, tp, dropout, attention, built_heads=v.padded_heads(tp), sequence_parallel=sequence_parallel)
+        full = tokens * v.hidden_size * D / (tp if sequence_parallel else 1)
         return ActBytes(tokens * per_tok, full, tokens * (per_tok - core), full)
 
-    def tp_allreduce_bytes(self, shape):
+    def tp_allreduce_bytes(self, shape, sequence_parallel=False, tp=1):
         v = self.spec.vision
-        vit = shape.vision_items * v.seq_per_tile * v.hidden_size * shape.dtype_bytes
+        seq = sp_tokens(v.seq_per_tile, tp, sequence_parallel)  # all-gather + reduce-scatter of the padded tiles
+        vit = shape.vision_items * seq * v.hidden_size * shape.dtype_bytes
         return 2 * vit, 2 * vit
 
 
@@ -142,13 +146,13 @@ class ProjectorCost(CostComponent):
         hi, ho = self.spec.projector_in_size, self.spec.language.hidden_size
         return 2 * hi + hi * ho + ho + ho * ho + ho
 
-    def act_bytes(self, shape, tp, dropout, attention):
+    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False):
         hi, ho, D = self.spec.projector_in_size, self.spec.language.hidden_size, shape.dtype_bytes
         n = self._image_tokens(shape)
         act = n * (2 * hi * D + 2 * ho * D / tp)  # norm input and output, GELU input, fc2 input
         return ActBytes(act, n * hi * D, act, n * ho * D)
 
-    def tp_allreduce_bytes(self, shape):
+    def tp_allreduce_bytes(self, shape, sequence_parallel=False, tp=1):
         img = self._image_tokens(shape) * self.spec.language.hidden_size * shape.dtype_bytes
         return img, img
 

@@ -1,12 +1,15 @@
 """InternVL's runtime components: InternViT's patch embedding and layers, the pixel-shuffle projector."""
 from __future__ import annotations
 
+import dataclasses
+
+import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 
 from omnibal_ext.model.families.internvl import ProjectorCost, VisionEmbedCost, VisionLayerCost
 
-from megatron.vlm import layers
+from megatron.vlm import layers, sequence_parallel
 from megatron.vlm.components import RuntimeComponent
 from megatron.vlm.sharding import drop_padded_heads
 
@@ -36,6 +39,7 @@ class VisionLayer(RuntimeComponent):
     the layer features of the VisionSpec (qkv bias, qk-norm, layer scale)."""
 
     cost, attr, layers = VisionLayerCost, "vit_blocks", True
+    sp_enters = sp_leaves = False  # sequence-parallel region edges (set by build)
 
     def layer_spec(self, first_unit_index: int):
         v, ctx = self.spec.vision, self.ctx
@@ -44,12 +48,22 @@ class VisionLayer(RuntimeComponent):
 
     def build(self, units):
         full, selective = self.ctx.layer_recompute(self.code())
+        self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.vision_config)
         return layers.build_blocks(self.ctx.vision_config, self.layer_spec, units[0].index, len(units),
                                    full, selective)
 
     def forward(self, module, x, batch, cache):
+        mask, cfg = None, self.ctx.vision_config
+        if cfg.sequence_parallel:  # tiles padded to a multiple of TP tokens, the pads masked out of attention
+            tokens = self.spec.vision.seq_per_tile
+            padded = sequence_parallel.padded_tokens(tokens, cfg.tensor_model_parallel_size)
+            if self.sp_enters:
+                x = sequence_parallel.enter(F.pad(x, (0, 0, 0, 0, 0, padded - tokens)))
+            mask = sequence_parallel.vit_pad_mask(tokens, padded, x.device)
         for block in module:
-            x = block(hidden_states=x, attention_mask=None)
+            x = block(hidden_states=x, attention_mask=mask)
+        if cfg.sequence_parallel and self.sp_leaves:
+            x = sequence_parallel.leave(x)[:self.spec.vision.seq_per_tile]
         return x
 
     def sharded_state_dict(self, unit, module, module_prefix, metadata):
@@ -72,7 +86,8 @@ class ProjectorUnit(RuntimeComponent):
     cost, attr = ProjectorCost, "projector"
 
     def build(self, units):
-        return Projector(self.spec, self.ctx.language_config)
+        # replicated over TP (full inputs, its LayerNorm whole on every rank) also under sequence parallelism
+        return Projector(self.spec, dataclasses.replace(self.ctx.language_config, sequence_parallel=False))
 
     def forward(self, module, x, batch, cache):
         return module(x)

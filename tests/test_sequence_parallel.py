@@ -1,0 +1,78 @@
+"""--sequence-parallel at TP 2 against the serial run, and its activation bytes against the memory model.
+
+Launches: the serial run and a TP2 --sequence-parallel run for random batching and for --omnibal-isf (the
+packed rows are padded to a multiple of TP), a TP2 run without it (activation memory), and one torchrun of
+tests/sp_profile_probe.py that profiles one ViT and one LLM layer at TP 2 with and without it.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch import run_training
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).resolve().parent
+BASE = ["--train-iters", "8", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr-warmup-iters", "0",
+        "--lr", "2e-3", "--log-interval", "1", "--seed", "7", "--eval-interval", "0"]
+SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+
+
+def _memory(workdir: Path, name: str) -> dict:
+    return [json.loads(x) for x in (workdir / f"{name}.jsonl").read_text().splitlines()
+            if json.loads(x).get("prefix") == "memory "][0]
+
+
+@pytest.mark.parametrize("isf", [False, True], ids=["random", "isf"])
+def test_sequence_parallel_equals_serial(tmp_path, data_cache, isf):
+    flags = BASE + ["--data-cache-dir", str(data_cache)] + (["--omnibal-isf"] if isf else [])
+    serial, _ = run_training(1, flags, tmp_path, "serial")
+    sp, _ = run_training(2, flags + SP + ["--log-activation-memory"], tmp_path, "sp")
+    assert [r["iteration"] for r in sp] == list(range(1, 9))
+    for got, want in zip(sp, serial):  # 8 iterations: replicated parameters' gradients are summed over TP
+        assert abs(got["lm loss"] - want["lm loss"]) <= 1e-4 * abs(want["lm loss"]), (got, want)
+        assert abs(got["grad norm"] - want["grad norm"]) <= 1e-3 * abs(want["grad norm"]), (got, want)
+    assert sp[-1]["lm loss"] < sp[0]["lm loss"]
+    print("max relative loss delta", max(abs(a["lm loss"] - b["lm loss"]) / abs(b["lm loss"]) for a, b in zip(sp, serial)))
+    if not isf:  # per-rank activations: sequence parallelism keeps fewer than plain TP 2
+        run_training(2, flags + ["--tensor-model-parallel-size", "2", "--log-activation-memory",
+                                 "--train-iters", "2"], tmp_path, "tp")
+        with_sp = _memory(tmp_path, "sp")["peak_act_bytes_per_stage"][0]
+        without = _memory(tmp_path, "tp")["peak_act_bytes_per_stage"][0]
+        print("peak activation bytes per rank: TP2+SP", with_sp, "TP2", without)
+        assert 0 < with_sp < 0.85 * without, (with_sp, without)
+
+
+def test_sequence_parallel_activation_bytes_match_the_model(tmp_path):
+    """Measured saved bytes of one ViT and one LLM layer at TP 2 (tests/sp_profile_probe.py) against
+    analytic_costs(tp=2, sequence_parallel=...): the ViT layer within 5% with and without it (each tile padded
+    17 -> 18 tokens under it, the replicated part halved); the LLM layer: sequence parallelism saves at least
+    the halved replicated part the model counts."""
+    sys.path.insert(0, str(HERE.parent / "scripts"))
+    import benchlib
+
+    from omnibal_ext.model.cost_model import DEVICES, MicroBatchShape, analytic_costs
+    from omnibal_ext.model.units import get_preset
+
+    out = tmp_path / "probe.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(benchlib.free_port()), str(HERE / "sp_profile_probe.py"), str(out)]
+    run = subprocess.run(cmd, cwd=tmp_path, env=benchlib.trainer_env(), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    measured = json.loads(out.read_text())
+    shape = MicroBatchShape.from_dict(measured["shape"])
+    model = {key: {u.kind: u for u in analytic_costs(get_preset("tiny"), shape, 2, DEVICES["a100-80g"],
+                                                     attention="flash", sequence_parallel=key == "sp").units}
+             for key in ("tp", "sp")}
+    for key in ("tp", "sp"):
+        for field in ("act_bytes", "act_bytes_full"):
+            got, want = measured[key]["vit_layer"][field], getattr(model[key]["vit_layer"], field)
+            assert got == pytest.approx(want, rel=0.05), (key, field, got, want)
+    vit_saved = measured["tp"]["vit_layer"]["act_bytes"] - measured["sp"]["vit_layer"]["act_bytes"]
+    assert vit_saved == pytest.approx(model["tp"]["vit_layer"].act_bytes - model["sp"]["vit_layer"].act_bytes, rel=0.05)
+    llm_saved = measured["tp"]["llm_layer"]["act_bytes"] - measured["sp"]["llm_layer"]["act_bytes"]
+    assert llm_saved >= model["tp"]["llm_layer"].act_bytes - model["sp"]["llm_layer"].act_bytes > 0
+    assert measured["sp"]["llm_layer"]["act_bytes_full"] < 0.6 * measured["tp"]["llm_layer"]["act_bytes_full"]
