@@ -65,6 +65,7 @@ class StageBuild:
     on_cpu: bool = True
     output: str = "loss"
     initialize: bool = True  # False: megatron-core's weight initialisation skipped (weights loaded next)
+    cp: int = 1  # context-parallel size of the LLM (megatron/vlm/context_parallel.py); the ViT has none
 
 
 @dataclasses.dataclass
@@ -86,10 +87,13 @@ def build_stage(build: StageBuild) -> "VLMStage":
     def made(config):
         return config if build.initialize else dataclasses.replace(config, perform_initialization=False)
 
+    def with_cp(config):
+        return config if build.cp == 1 else dataclasses.replace(config, context_parallel_size=build.cp)
+
     return VLMStage(build, family,
-                    stage_config=made(language_config(spec, tp, build.on_cpu, build.dtype, pp=build.pp)),
+                    stage_config=made(with_cp(language_config(spec, tp, build.on_cpu, build.dtype, pp=build.pp))),
                     vision_config=made(family.vision_config(spec, tp, build.on_cpu, build.dtype)),
-                    llm_config=made(language_config(spec, tp, build.on_cpu, build.dtype)))
+                    llm_config=made(with_cp(language_config(spec, tp, build.on_cpu, build.dtype))))
 
 
 class VLMStage(MegatronModule):
