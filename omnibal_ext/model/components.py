@@ -106,13 +106,13 @@ def layer_act_bytes_per_token(
 def llm_layer_flops(spec: ModelSpec, shape: MicroBatchShape) -> tuple[float, float]:
     """(total, attention-core) forward FLOPs of one LLM layer over the micro-batch."""
     lm = spec.language
-    t, h, f = shape.llm_tokens, lm.hidden_size, lm.ffn_hidden_size
+    t, h, f = shape.rank_llm_tokens, lm.hidden_size, lm.ffn_hidden_size
     d = lm.kv_channels
     width = lm.num_attention_heads * d  # attention width: h, unless head_dim says otherwise
     qkv = 2.0 * t * h * (width + 2 * lm.kv_groups * d)
     out = 2.0 * t * width * h
     mlp = (6.0 if lm.swiglu else 4.0) * t * h * f
-    core = 4.0 * width * 0.5 * shape.attn_tokens_sq  # causal: half of the score matrix
+    core = 4.0 * width * 0.5 * shape.rank_attn_tokens_sq  # causal: half of the score matrix
     return qkv + out + mlp + core, core
 
 
@@ -125,17 +125,17 @@ class TextEmbedCost(CostComponent):
         return 0.0, 0.0
 
     def mem_bytes(self, shape):
-        return 2.0 * shape.llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes
+        return 2.0 * shape.rank_llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes
 
     def params(self, tp):
         return self.spec.language.vocab_size * self.spec.language.hidden_size
 
     def act_bytes(self, shape, tp, dropout, attention):
-        ids = shape.llm_tokens * 8.0  # int64 token ids
-        return ActBytes(ids, ids, ids, shape.llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes)
+        ids = shape.rank_llm_tokens * 8.0  # int64 token ids
+        return ActBytes(ids, ids, ids, shape.rank_llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes)
 
     def tp_allreduce_bytes(self, shape):
-        return shape.llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes, 0.0
+        return shape.rank_llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes, 0.0
 
 
 class TextLayerCost(CostComponent):
@@ -154,17 +154,27 @@ class TextLayerCost(CostComponent):
         return n + (qkv_rows if lm.qkv_bias else 0)
 
     def act_bytes(self, shape, tp, dropout, attention):
-        lm, D, T = self.spec.language, shape.dtype_bytes, shape.llm_tokens
-        attended = shape.attn_tokens_sq / T if T else 0.0
+        lm, D, T = self.spec.language, shape.dtype_bytes, shape.rank_llm_tokens
+        attended = shape.rank_attn_tokens_sq / T if T else 0.0
         per_tok, core = layer_act_bytes_per_token(
             lm.hidden_size, lm.num_attention_heads, lm.kv_groups, lm.ffn_hidden_size, lm.swiglu,
             attended, D, tp, dropout, attention, rotary=True, per_sample=attention == "flash",
             head_dim=lm.kv_channels)
+        # context parallelism: the attention keeps the keys and values all-gathered from the CP group, all
+        # the micro-batch's tokens instead of this rank's (``cp_kv_bytes``)
+        gathered = self.cp_kv_bytes(shape, tp) - self.cp_kv_bytes(shape, tp, local=True)
         full = T * lm.hidden_size * D + T * lm.kv_channels * 4.0  # input, fp32 rotary table
-        return ActBytes(T * per_tok, full, T * (per_tok - core), T * lm.hidden_size * D)
+        return ActBytes(T * per_tok + gathered, full, T * (per_tok - core) + gathered, T * lm.hidden_size * D)
+
+    def cp_kv_bytes(self, shape, tp: int, local: bool = False) -> float:
+        """Bytes of the keys and values the attention keeps: of all the micro-batch's tokens when it runs
+        context-parallel (the all-gathered K/V; ``local``: of this rank's tokens only), per TP rank."""
+        lm = self.spec.language
+        tokens = shape.rank_llm_tokens if local or shape.cp == 1 else shape.llm_tokens
+        return tokens * 2.0 * max(lm.kv_groups, lm.num_attention_heads) * lm.kv_channels * shape.dtype_bytes / tp
 
     def tp_allreduce_bytes(self, shape):
-        llm = shape.llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes
+        llm = shape.rank_llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes
         return 2 * llm, 2 * llm
 
 
@@ -175,7 +185,7 @@ class HeadCost(CostComponent):
 
     def flops(self, shape, tp):
         lm = self.spec.language
-        return 2.0 * shape.llm_tokens * lm.hidden_size * lm.vocab_size, 0.0
+        return 2.0 * shape.rank_llm_tokens * lm.hidden_size * lm.vocab_size, 0.0
 
     def params(self, tp):
         lm = self.spec.language
@@ -183,10 +193,10 @@ class HeadCost(CostComponent):
 
     def act_bytes(self, shape, tp, dropout, attention):
         # final-norm input and output-layer input, plus the fp32 softmax of the vocab-parallel loss
-        lm, T, D = self.spec.language, shape.llm_tokens, shape.dtype_bytes
+        lm, T, D = self.spec.language, shape.rank_llm_tokens, shape.dtype_bytes
         act = 2 * T * lm.hidden_size * D + T * (lm.vocab_size / tp) * 4.0
         return ActBytes(act, T * lm.hidden_size * D, act, 0.0)
 
     def tp_allreduce_bytes(self, shape):
         # its loss reductions are a few floats per token; the input's gradient in the backward
-        return 3 * shape.llm_tokens * 4.0, shape.llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes
+        return 3 * shape.rank_llm_tokens * 4.0, shape.rank_llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes
