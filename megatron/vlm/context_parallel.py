@@ -63,6 +63,26 @@ def chunk_pairs(length: int, cp: int, rank: int) -> int:
     return sum(c * i * c + c * (c + 1) // 2 for i in rank_chunks(cp, rank))
 
 
+def rank_work(lengths, tiles: int, cp: int, real_only: bool = True) -> tuple[list[int], list[int]]:
+    """(attended pairs, ViT tiles) of each CP rank for a micro-batch of samples of ``lengths`` tokens and ``tiles``
+    tiles, split as ``split_batch`` splits it.  real_only: pairs of real tokens only (a query and a key of the
+    sample; pads excluded), else every pair the attention computes (pads included: equal on every rank)."""
+    pairs = [0] * cp
+    for length in lengths:
+        length = int(length)
+        if not real_only:
+            for r in range(cp):
+                pairs[r] += chunk_pairs(length, cp, r)
+            continue
+        _, c = padded_chunk(length, cp)
+        for r in range(cp):
+            for i in rank_chunks(cp, r):  # query q (0-based) attends keys 0..q: q + 1 pairs, real queries only
+                lo, hi = i * c, min((i + 1) * c, length)
+                if hi > lo:
+                    pairs[r] += (hi * (hi + 1) - lo * (lo + 1)) // 2
+    return pairs, [len(t) for t in tile_ranges(int(tiles), cp)]
+
+
 def split_batch(batch: dict, cp: int, rank: int, pad_id: int, img_context_id: int | None) -> dict:
     """CP rank ``rank``'s part of a collated micro-batch (see the module docstring); tokens, labels, position_ids,
     segment_ids become [1, t / cp] (t: the padded total), ``cu_seqlens``/``max_seqlen`` the padded unsplit ones,
@@ -94,12 +114,13 @@ def split_batch(batch: dict, cp: int, rank: int, pad_id: int, img_context_id: in
 
     def pick(key: str, fill) -> torch.Tensor:
         flat = batch[key].reshape(-1)
-        fill_t = fill if isinstance(fill, torch.Tensor) else torch.full_like(take, fill)
-        return torch.where(real, flat[take], fill_t).reshape(1, -1)
+        return torch.where(real, flat[take], torch.full_like(take, fill)).reshape(1, -1)
 
-    for key, fill in (("tokens", pad_id), ("labels", IGNORE_INDEX), ("segment_ids", -1), ("position_ids", pos_t)):
+    for key, fill in (("tokens", pad_id), ("labels", IGNORE_INDEX), ("segment_ids", -1)):
         if key in batch:
             out[key] = pick(key, fill)
+    if "position_ids" in batch:  # the position in the unsplit segment (a sample's own positions; pads go on)
+        out["position_ids"] = pos_t.reshape(1, -1)
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(torch.int32)
     out["cu_seqlens"], out["max_seqlen"] = cu, max(lengths)
