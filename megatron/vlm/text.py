@@ -83,7 +83,8 @@ def text_context(batch: dict, rotary, thd: bool, device=None) -> dict:
     max_seqlen = int(batch["max_seqlen"])
     if thd:
         params = segment_params(batch["cu_seqlens"], max_seqlen, device, context_parallel_group())
-        t = int(batch["cu_seqlens"][-1])  # tokens of the (unsplit) micro-batch (tokens are only where the embedding is)
+        # tokens of the (unsplit) micro-batch (tokens are only where the embedding is)
+        t = params.segments[-1][1] * (params.cp.size if params.cp is not None else 1)
         # megatron-core maps frequencies by absolute offset when there are exactly t of them (and reads
         # each segment's start with .item()); one more keeps it on the restart-per-segment mapping
         rope = rotary(max_seqlen + 1 if max_seqlen == t else max_seqlen, packed_seq=True)  # whole: no CP slicing
