@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "layer scale and dropout run on 1/TP of the tokens, the TP all-reduces become "
                         "all-gather/reduce-scatter; LLM rows are padded to a multiple of TP, ViT tiles' tokens "
                         "too (the pads masked out of attention); megatron-core's torch layers only")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="split each packed sample of the LLM over this many ranks (2 x CP chunks per sample, "
+                        "balanced for causal attention; keys/values all-gathered per layer); the ViT's tiles are "
+                        "divided over the same ranks (megatron/vlm/context_parallel.py)")
     g.add_argument("--pipeline-layout", default=None,
                    help="units per stage, e.g. 'Iv*3|vPEt*4L' (I vit embed, v ViT layer, P projector, "
                         "E LLM embed, t LLM layer, L head) or counts '4,8'; default: Megatron's "
@@ -319,6 +323,19 @@ def validate_args(args, world_size: int) -> None:
                                    or args.attention_backend == "unfused"):
         raise ArgumentError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the tokens "
                             "over the TP ranks) and megatron-core's torch layers with --attention-backend auto")
+    cp = getattr(args, "context_parallel_size", 1)
+    if cp < 1:
+        raise ArgumentError(f"--context-parallel-size {cp}: must be >= 1")
+    if cp > 1 and args.attention_backend == "unfused":
+        raise ArgumentError("--context-parallel-size needs the packed-sequence attention (--attention-backend auto): "
+                            "--attention-backend unfused is megatron-core's dense-mask DotProductAttention, which has "
+                            "no context parallelism")
+    if cp > 1 and args.transformer_impl == "transformer_engine":
+        raise ArgumentError("--context-parallel-size with --transformer-impl transformer_engine is not supported yet: "
+                            "use --transformer-impl local (SegmentAttention's all-gather context parallelism)")
+    if cp > 1 and args.sequence_parallel:
+        raise ArgumentError("--sequence-parallel with --context-parallel-size > 1 is not supported yet (each sample "
+                            "would need padding to a multiple of 2 x CP x TP): use one of them")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer (it overlaps the "
                             "distributed optimizer's parameter all-gather)")
@@ -362,13 +379,14 @@ def model_spec_of(args) -> ModelSpec:
 
 
 def data_parallel_size(args, world_size: int) -> int:
-    """world size / (TP x PP); raises ArgumentError when it does not divide."""
+    """world size / (TP x PP x CP); raises ArgumentError when it does not divide."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if world_size % (tp * pp):
+    cp = getattr(args, "context_parallel_size", 1)
+    if world_size % (tp * pp * cp):
         raise ArgumentError(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp}")
-    return world_size // (tp * pp)
+            f"--pipeline-model-parallel-size {pp}" + (f" x --context-parallel-size {cp}" if cp > 1 else ""))
+    return world_size // (tp * pp * cp)
 
 
 def batch_sizes(args, dp: int) -> tuple[int, int]:

@@ -24,7 +24,7 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def initialize_distributed(device: torch.device, tp: int, pp: int) -> None:
+def initialize_distributed(device: torch.device, tp: int, pp: int, cp: int = 1) -> None:
     """Start torch.distributed (gloo on CPU, NCCL on GPU) and megatron's model-parallel groups.
 
     A plain ``python pretrain_vlm.py`` (no torchrun) runs as a world of one.  On CPU the caller has
@@ -51,7 +51,7 @@ def initialize_distributed(device: torch.device, tp: int, pp: int) -> None:
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp)
 
 
 def _restart_store():

@@ -42,6 +42,8 @@ class RunPlan:
     (--overlap-param-gather; default: on CUDA with --use-distributed-optimizer)."""
     log_activation_memory: bool
     """Measure saved-activation bytes per stage (--log-activation-memory, or --omnibal-recompute auto)."""
+    context_parallel_size: int = 1
+    """Ranks each packed sample of the LLM is split over (--context-parallel-size); DP excludes them."""
     tokenizer_model: str | None = None
     """Folder of the Hugging Face tokenizer (--tokenizer-model, else --hf-checkpoint's folder when it holds a
     tokenizer); None: the built-in byte-level one."""
@@ -91,4 +93,5 @@ def plan_run(args, world_size: int, device) -> RunPlan:
     return RunPlan(model_spec=model_spec_of(args), data_parallel_size=dp, global_batch_size=global_batch,
                    num_microbatches=microbatches, overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_param,
                    log_activation_memory=args.log_activation_memory or args.omnibal_recompute == "auto",
-                   tokenizer_model=args.tokenizer_model, trainable=trainable_of(args, model_spec_of(args)))
+                   tokenizer_model=args.tokenizer_model, trainable=trainable_of(args, model_spec_of(args)),
+                   context_parallel_size=getattr(args, "context_parallel_size", 1))

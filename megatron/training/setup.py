@@ -109,7 +109,8 @@ def build_data(args, plan: RunPlan, tokenizer, inputs: StageInputs | None = None
     # faster in the training process than through worker processes (scripts/bench_data.py)
     loader = dict(inputs=inputs, num_workers=args.num_workers if inputs.pixels else 0,
                   prefetch_factor=args.prefetch_factor, pin_memory=device_type == "cuda",
-                  pad_to_multiple=args.tensor_model_parallel_size if getattr(args, "sequence_parallel", False) else 1)
+                  pad_to_multiple=args.tensor_model_parallel_size if getattr(args, "sequence_parallel", False) else 1,
+                  cp=parallel_state.get_context_parallel_world_size(), cp_rank=parallel_state.get_context_parallel_rank())
     if inputs.pixels and args.tensor_model_parallel_size > 1:
         loader.update(tp_group=parallel_state.get_tensor_model_parallel_group(),
                       tp_src=parallel_state.get_tensor_model_parallel_src_rank())

@@ -44,10 +44,10 @@ def build_model(args, plan: RunPlan, img_context_id: int, device: torch.device):
     module = build_stage(StageBuild(
         spec, layout.stage_range(stage), tp=tp, pp=pp, dtype=dtype,
         transformer_impl="local" if args.sequence_parallel else
-        resolve_transformer_impl(args.transformer_impl, device, args.attention_backend),
+        resolve_transformer_impl(args.transformer_impl, device, args.attention_backend, plan.context_parallel_size),
         attention_backend=args.attention_backend, seed=args.seed, recompute=plan.recompute[stage],
         img_context_id=img_context_id, on_cpu=on_cpu, sequence_parallel=args.sequence_parallel,
-        trainable=None if plan.trainable is None else plan.trainable.trains))
+        cp=plan.context_parallel_size, trainable=None if plan.trainable is None else plan.trainable.trains))
     stage_config = module.config
     module.to(device=device, dtype=dtype)
     if spec.language.tie_word_embeddings:
@@ -76,7 +76,8 @@ def finalize_grads(model, num_tokens=None, **kwargs):
     return finalize_model_grads(model, num_tokens, **kwargs)
 
 
-def resolve_transformer_impl(requested: str, device: torch.device, attention_backend: str = "auto") -> str:
+def resolve_transformer_impl(requested: str, device: torch.device, attention_backend: str = "auto",
+                             cp: int = 1) -> str:
     """"auto": TransformerEngine on CUDA when it imports and the LLM runs packed sequences (THD), else
     megatron-core's torch modules.  ``--attention-backend unfused`` is megatron-core's DotProductAttention
     with a dense mask, a local-spec module (it refuses THD), so it always gets the torch modules; the TE
@@ -87,6 +88,8 @@ def resolve_transformer_impl(requested: str, device: torch.device, attention_bac
             raise ArgumentError("--transformer-impl transformer_engine needs a CUDA device")
         return "local"
     if attention_backend == "unfused":  # with --transformer-impl transformer_engine refused by validate_args
+        return "local"
+    if cp > 1:  # context parallelism is SegmentAttention's (TE's CP attention is not wired yet; validate_args)
         return "local"
     if requested != "auto":
         return requested
@@ -160,11 +163,17 @@ def loss_func(batch: dict, token_correct: torch.Tensor, output_tensor: torch.Ten
     # per-sample sums over every token, weighted by the answer mask: no data-dependent shape (no sync)
     wrong = torch.zeros(n_samples, device=dev).index_add_(0, seg, ((~token_correct) & mask).flatten().float())
     has_answer = torch.zeros(n_samples, device=dev).index_add_(0, seg, mask.flatten().float())
+    if parallel_state.get_context_parallel_world_size() > 1:  # a sample's tokens are spread over the CP ranks
+        counts = torch.stack([wrong, has_answer])
+        dist.all_reduce(counts, group=parallel_state.get_context_parallel_group())
+        wrong, has_answer = counts[0], counts[1]
     answered = has_answer > 0
     report = {
         "lm loss": torch.stack([loss_sum.detach().clone().float(), num_tokens.float()]),
         "answers": torch.stack([(answered & (wrong == 0)).sum().float(), answered.sum().float()]),
     }
+    if parallel_state.get_context_parallel_rank() > 0:  # counted once per CP group (reports sum over DP x CP)
+        report["answers"] = torch.zeros_like(report["answers"])
     return loss_sum, num_tokens, report
 
 
@@ -192,12 +201,12 @@ def forward_step(data_iterator, model, meter: ActivationMeter | None = None):
 
 
 def reduce_reports(reports: list[dict]) -> dict:
-    """Sum the per-micro-batch reports over micro-batches and data-parallel ranks (last stage only)."""
+    """Sum the per-micro-batch reports over micro-batches and data- and context-parallel ranks (last stage only)."""
     if not reports:
         return {}
     totals = {k: sum(r[k] for r in reports) for k in reports[0]}
     for v in totals.values():
-        dist.all_reduce(v, group=parallel_state.get_data_parallel_group())
+        dist.all_reduce(v, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     return totals
 
 

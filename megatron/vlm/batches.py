@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from omnibal_ext.data.sampler import GroupBatchSampler
 
+from megatron.vlm.context_parallel import CP_KEYS, split_batch
 from megatron.vlm.data.collate import check_image_tokens, collate_packed, collate_padded
 
 PIXEL_KEYS = ("pixel_values",)
@@ -98,10 +99,11 @@ class Collate:
     """collate_fn of the loader: samples -> the micro-batch, reduced to the stage's keys (picklable)."""
 
     def __init__(self, pad_id: int, packed: bool, inputs: StageInputs, image_tokens: tuple[int, int] | None,
-                 pad_to_multiple: int = 1):
+                 pad_to_multiple: int = 1, cp: int = 1, cp_rank: int = 0):
         """pad_to_multiple: row length rounded up to a multiple of it (--sequence-parallel: TP)."""
         self.pad_id, self.packed, self.inputs, self.image_tokens = pad_id, packed, inputs, image_tokens
         self.pad_to_multiple = pad_to_multiple
+        self.cp, self.cp_rank = cp, cp_rank  # context parallelism: this rank's part (megatron/vlm/context_parallel.py)
 
     def __call__(self, samples: list[dict]) -> dict:
         fn = partial(collate_packed, pad_id=self.pad_id, pad_to_multiple=self.pad_to_multiple) if self.packed else \
@@ -109,7 +111,12 @@ class Collate:
         batch = fn(samples)
         if self.image_tokens is not None and self.inputs.tokens:
             check_image_tokens(batch, *self.image_tokens)
-        return {k: batch[k] for k in self.inputs.keys}
+        keys = self.inputs.keys
+        if self.cp > 1:
+            batch = split_batch(batch, self.cp, self.cp_rank, self.pad_id,
+                                self.image_tokens[0] if self.image_tokens else None)
+            keys += ("num_tiles",) + (CP_KEYS if self.inputs.tokens and "image_feature_index" in batch else ())
+        return {k: batch[k] for k in keys}
 
 
 class _Steps:
@@ -163,13 +170,15 @@ class MicroBatches:
 
     inputs: what this stage reads (default: everything).  num_workers, prefetch_factor,
     pin_memory, persistent_workers: the DataLoader's.  tp_group, tp_src: the TP group of the stage and
-    the global rank of its TP rank 0 (which alone loads and broadcasts); None: every rank loads.
+    the global rank of its TP rank 0 (which alone loads and broadcasts); None: every rank loads.  cp, cp_rank:
+    context parallelism (each CP rank keeps its part of every micro-batch: ``split_batch``).
     """
 
     def __init__(self, dataset, sampler: GroupBatchSampler, pad_id: int, packed: bool, seq_length: int | None = None,
                  image_tokens: tuple[int, int] | None = None, inputs: StageInputs | None = None,
                  num_workers: int = 0, prefetch_factor: int = 2, pin_memory: bool = False,
-                 persistent_workers: bool = True, tp_group=None, tp_src: int = 0, pad_to_multiple: int = 1):
+                 persistent_workers: bool = True, tp_group=None, tp_src: int = 0, pad_to_multiple: int = 1,
+                 cp: int = 1, cp_rank: int = 0):
         """image_tokens: (image-context token id, tokens per tile): check each micro-batch's image-token
         count against its real tiles on the host (the model's forward does not)."""
         if num_workers < 0:
@@ -181,7 +190,7 @@ class MicroBatches:
         self.inputs = inputs or StageInputs.everything()
         self.num_workers = num_workers
         self.tp_group, self.tp_src = tp_group, tp_src
-        self.collate = Collate(pad_id, packed, self.inputs, image_tokens, pad_to_multiple)
+        self.collate = Collate(pad_id, packed, self.inputs, image_tokens, pad_to_multiple, cp, cp_rank)
         self._records = None
         self._loads = tp_group is None or dist.get_rank() == tp_src
         self.loader = None

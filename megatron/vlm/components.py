@@ -171,6 +171,12 @@ class TextEmbed(RuntimeComponent):
                              self.spec.tokens_per_tile)
 
     def forward(self, module, x, batch, cache):
+        if "image_feature_index" in batch:  # context parallelism: every rank's tiles, then this rank's tokens'
+            from megatron.vlm.context_parallel import gather_tiles
+            from megatron.vlm.text import context_parallel_group
+
+            x = gather_tiles(x, batch["num_tiles"], self.spec.tokens_per_tile, context_parallel_group())
+            return module(batch["tokens"], x, batch["image_tile_index"], batch["image_feature_index"])
         return module(batch["tokens"], x, batch["image_tile_index"])
 
     def tied_weight(self, module):

@@ -70,6 +70,7 @@ class StageBuild:
     # None: every unit trains
     trainable: tuple[bool, ...] | None = None
     sequence_parallel: bool = False  # --sequence-parallel: the ViT and LLM layers' (megatron/vlm/sequence_parallel.py)
+    cp: int = 1  # context-parallel size of the LLM (megatron/vlm/context_parallel.py); the ViT has none
 
 
 @dataclasses.dataclass
@@ -93,10 +94,13 @@ def build_stage(build: StageBuild) -> "VLMStage":
             config = dataclasses.replace(config, sequence_parallel=True)
         return config if build.initialize else dataclasses.replace(config, perform_initialization=False)
 
+    def with_cp(config):
+        return config if build.cp == 1 else dataclasses.replace(config, context_parallel_size=build.cp)
+
     return VLMStage(build, family,
-                    stage_config=made(language_config(spec, tp, build.on_cpu, build.dtype, pp=build.pp)),
+                    stage_config=made(with_cp(language_config(spec, tp, build.on_cpu, build.dtype, pp=build.pp))),
                     vision_config=made(family.vision_config(spec, tp, build.on_cpu, build.dtype)),
-                    llm_config=made(language_config(spec, tp, build.on_cpu, build.dtype)))
+                    llm_config=made(with_cp(language_config(spec, tp, build.on_cpu, build.dtype))))
 
 
 class VLMStage(MegatronModule):

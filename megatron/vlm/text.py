@@ -43,12 +43,16 @@ class TextEmbedding(MegatronModule):
         self.img_context_id = img_context_id
         self.tokens_per_tile = tokens_per_item
 
-    def forward(self, tokens, image_features, image_tile_index):
+    def forward(self, tokens, image_features, image_tile_index, feature_index=None):
         """image_tile_index: the real tiles' indices (host-built by the collate, which also checks that the
-        image-context tokens number real tiles x tokens per tile: no count is read back here)."""
+        image-context tokens number real tiles x tokens per tile: no count is read back here).
+        feature_index: under context parallelism, which image feature (of all the real tiles') each of this
+        rank's image-context tokens takes (megatron/vlm/context_parallel.py); None: all, in order."""
         emb = self.word(tokens.reshape(1, -1))  # [1, t, H], t = b * s
         feats = image_features.squeeze(1).reshape(-1, self.tokens_per_tile, emb.shape[-1])
         feats = feats.index_select(0, image_tile_index).reshape(-1, emb.shape[-1])
+        if feature_index is not None:
+            feats = feats.index_select(0, feature_index)
         slots = (tokens == self.img_context_id).reshape(1, -1, 1)
         emb = emb.masked_scatter(slots, feats.to(emb.dtype))
         return emb.transpose(0, 1).contiguous()  # [t, 1, H]
@@ -78,14 +82,24 @@ def text_context(batch: dict, rotary, thd: bool, device=None) -> dict:
     """
     max_seqlen = int(batch["max_seqlen"])
     if thd:
-        params = segment_params(batch["cu_seqlens"], max_seqlen, device)
-        t = params.segments[-1][1]  # tokens of the micro-batch (tokens are only where the embedding is)
+        params = segment_params(batch["cu_seqlens"], max_seqlen, device, context_parallel_group())
+        # tokens of the (unsplit) micro-batch (tokens are only where the embedding is)
+        t = params.segments[-1][1] * (params.cp.size if params.cp is not None else 1)
         # megatron-core maps frequencies by absolute offset when there are exactly t of them (and reads
         # each segment's start with .item()); one more keeps it on the restart-per-segment mapping
-        rope = rotary(max_seqlen + 1 if max_seqlen == t else max_seqlen)
+        rope = rotary(max_seqlen + 1 if max_seqlen == t else max_seqlen, packed_seq=True)  # whole: no CP slicing
         return {"attention_mask": None, "rotary_pos_emb": rope, "packed_seq_params": params}
     rope = rotary(max_seqlen)[:, 0][batch["position_ids"].transpose(0, 1)]
     return {"attention_mask": packed_causal_mask(batch["segment_ids"]), "rotary_pos_emb": rope}
+
+
+def context_parallel_group():
+    """megatron-core's context-parallel group when it has more than one rank, else None."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized() or parallel_state.get_context_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_context_parallel_group()
 
 
 def run_text_blocks(blocks, x: torch.Tensor, context: dict, thd: bool) -> torch.Tensor:

@@ -126,13 +126,13 @@ def layer_act_bytes_per_token(
 def llm_layer_flops(spec: ModelSpec, shape: MicroBatchShape) -> tuple[float, float]:
     """(total, attention-core) forward FLOPs of one LLM layer over the micro-batch."""
     lm = spec.language
-    t, h, f = shape.llm_tokens, lm.hidden_size, lm.ffn_hidden_size
+    t, h, f = shape.rank_llm_tokens, lm.hidden_size, lm.ffn_hidden_size
     d = lm.kv_channels
     width = lm.num_attention_heads * d  # attention width: h, unless head_dim says otherwise
     qkv = 2.0 * t * h * (width + 2 * lm.kv_groups * d)
     out = 2.0 * t * width * h
     mlp = (6.0 if lm.swiglu else 4.0) * t * h * f
-    core = 4.0 * width * 0.5 * shape.attn_tokens_sq  # causal: half of the score matrix
+    core = 4.0 * width * 0.5 * shape.rank_attn_tokens_sq  # causal: half of the score matrix
     return qkv + out + mlp + core, core
 
 
@@ -145,17 +145,17 @@ class TextEmbedCost(CostComponent):
         return 0.0, 0.0
 
     def mem_bytes(self, shape):
-        return 2.0 * shape.llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes
+        return 2.0 * shape.rank_llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes
 
     def params(self, tp):
         return self.spec.language.vocab_size * self.spec.language.hidden_size
 
     def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False):
-        ids = shape.llm_tokens * 8.0  # int64 token ids
-        return ActBytes(ids, ids, ids, shape.llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes)
+        ids = shape.rank_llm_tokens * 8.0  # int64 token ids
+        return ActBytes(ids, ids, ids, shape.rank_llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes)
 
     def tp_allreduce_bytes(self, shape, sequence_parallel=False, tp=1):
-        out = shape.llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes
+        out = shape.rank_llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes
         return out, out / 2 if sequence_parallel else 0.0  # the scatter's backward all-gathers
 
 
@@ -176,18 +176,28 @@ class TextLayerCost(CostComponent):
 
     def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False):
         lm, D = self.spec.language, shape.dtype_bytes
-        T = sp_tokens(shape.llm_tokens, tp, sequence_parallel)  # the padding is a segment of its own
-        attended = (shape.attn_tokens_sq + (T - shape.llm_tokens) ** 2) / T if T else 0.0
+        T = sp_tokens(shape.rank_llm_tokens, tp, sequence_parallel)  # the padding is a segment of its own
+        attended = (shape.rank_attn_tokens_sq + (T - shape.rank_llm_tokens) ** 2) / T if T else 0.0
         per_tok, core = layer_act_bytes_per_token(
             lm.hidden_size, lm.num_attention_heads, lm.kv_groups, lm.ffn_hidden_size, lm.swiglu,
             attended, D, tp, dropout, attention, rotary=True, per_sample=attention == "flash",
             head_dim=lm.kv_channels, sequence_parallel=sequence_parallel)
+        # context parallelism: the attention keeps the keys and values all-gathered from the CP group, all
+        # the micro-batch's tokens instead of this rank's (``cp_kv_bytes``)
+        gathered = self.cp_kv_bytes(shape, tp) - self.cp_kv_bytes(shape, tp, local=True)
         split = tp if sequence_parallel else 1
         full = T * lm.hidden_size * D / split + T * lm.kv_channels * 4.0  # input, fp32 rotary table
-        return ActBytes(T * per_tok, full, T * (per_tok - core), T * lm.hidden_size * D / split)
+        return ActBytes(T * per_tok + gathered, full, T * (per_tok - core) + gathered, T * lm.hidden_size * D / split)
+
+    def cp_kv_bytes(self, shape, tp: int, local: bool = False) -> float:
+        """Bytes of the keys and values the attention keeps: of all the micro-batch's tokens when it runs
+        context-parallel (the all-gathered K/V; ``local``: of this rank's tokens only), per TP rank."""
+        lm = self.spec.language
+        tokens = shape.rank_llm_tokens if local or shape.cp == 1 else shape.llm_tokens
+        return tokens * 2.0 * max(lm.kv_groups, lm.num_attention_heads) * lm.kv_channels * shape.dtype_bytes / tp
 
     def tp_allreduce_bytes(self, shape, sequence_parallel=False, tp=1):
-        llm = shape.llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes
+        llm = shape.rank_llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes
         return 2 * llm, 2 * llm  # with sequence parallelism 2 all-gathers + 2 reduce-scatters: the same bytes
 
 
@@ -198,7 +208,7 @@ class HeadCost(CostComponent):
 
     def flops(self, shape, tp):
         lm = self.spec.language
-        return 2.0 * shape.llm_tokens * lm.hidden_size * lm.vocab_size, 0.0
+        return 2.0 * shape.rank_llm_tokens * lm.hidden_size * lm.vocab_size, 0.0
 
     def params(self, tp):
         lm = self.spec.language
@@ -208,7 +218,7 @@ class HeadCost(CostComponent):
         # final-norm input and output-layer input (split by TP under sequence parallelism: the output layer
         # saves its input before the all-gather), plus the fp32 softmax of the vocab-parallel loss
         lm, D = self.spec.language, shape.dtype_bytes
-        T = sp_tokens(shape.llm_tokens, tp, sequence_parallel)
+        T = sp_tokens(shape.rank_llm_tokens, tp, sequence_parallel)
         hidden = T * lm.hidden_size * D / (tp if sequence_parallel else 1)
         act = 2 * hidden + T * (lm.vocab_size / tp) * 4.0
         return ActBytes(act, hidden, act, 0.0)
@@ -216,7 +226,7 @@ class HeadCost(CostComponent):
     def tp_allreduce_bytes(self, shape, sequence_parallel=False, tp=1):
         # its loss reductions are a few floats per token; the input's gradient in the backward (sequence
         # parallel: the input's all-gather forward, a reduce-scatter backward, each half an all-reduce)
-        hidden = shape.llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes
+        hidden = shape.rank_llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes
         if sequence_parallel:
-            return 3 * shape.llm_tokens * 4.0 + hidden / 2, hidden / 2
-        return 3 * shape.llm_tokens * 4.0, hidden
+            return 3 * shape.rank_llm_tokens * 4.0 + hidden / 2, hidden / 2
+        return 3 * shape.rank_llm_tokens * 4.0, hidden

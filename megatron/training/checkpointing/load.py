@@ -68,7 +68,7 @@ def load_checkpoint(ckpt: Checkpoint, args, plan, model, optimizer, scheduler) -
         init_optimizer_state(optimizer)
     request = sharded_state_dict(model, optimizer, with_optimizer, is_loading=True)
     same_world = saved_run and world_of(saved_run) == (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                                     plan.data_parallel_size)
+                                                     plan.data_parallel_size, plan.context_parallel_size)
     fresh = []
     if with_optimizer:
         adapt_optimizer_request(request["optimizer"], saved_run, args)

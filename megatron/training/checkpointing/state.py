@@ -31,13 +31,14 @@ def describe_run(spec, tp: int = 1, pp: int = 1, dp: int = 1, layout: str | None
 
 def run_description(args, plan) -> dict:
     """:func:`describe_run` of this run: its flags ``args`` and its RunPlan ``plan``."""
-    return describe_run(plan.model_spec, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                        plan.data_parallel_size, plan.layout_flag, args.use_distributed_optimizer,
-                        args.bf16, args.seed, plan.tokenizer_model, plan.hf_meta)
+    run = describe_run(plan.model_spec, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                       plan.data_parallel_size, plan.layout_flag, args.use_distributed_optimizer,
+                       args.bf16, args.seed, plan.tokenizer_model, plan.hf_meta)
+    return {**run, "cp": plan.context_parallel_size}
 
 
 def world_of(run: dict) -> tuple:
-    return run["tp"], run["pp"], run["dp"]
+    return run["tp"], run["pp"], run["dp"], run.get("cp", 1)
 
 
 def map_leaves(tree, leaf):
@@ -88,13 +89,14 @@ def set_rng_state(state: dict) -> None:
 
 
 def rng_object(state) -> ShardedObject:
-    """This rank's RNG states, one object per (PP, TP, DP) rank."""
+    """This rank's RNG states, one object per (PP, TP, DP) rank (context-parallel ranks share it)."""
     ps = parallel_state
     return ShardedObject("rng_state", state,
                          (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(),
                           ps.get_data_parallel_world_size()),
                          (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
-                          ps.get_data_parallel_rank()), replica_id=0)
+                          ps.get_data_parallel_rank()),
+                         replica_id=ps.get_context_parallel_rank())  # CP ranks hold copies: the first saves
 
 
 def model_sharded_state_dict(model) -> dict:

@@ -83,7 +83,7 @@ class VisionEmbedCost(CostComponent):
 
     def flops(self, shape, tp):
         v = self.spec.vision
-        return shape.vision_items * 2.0 * v.patches_per_tile * (v.in_channels * v.patch_size**2) * v.hidden_size, 0.0
+        return shape.rank_vision_items * 2.0 * v.patches_per_tile * (v.in_channels * v.patch_size**2) * v.hidden_size, 0.0
 
     def params(self, tp):
         v = self.spec.vision
@@ -92,8 +92,8 @@ class VisionEmbedCost(CostComponent):
 
     def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False):
         v, D = self.spec.vision, shape.dtype_bytes
-        pixels = shape.vision_items * v.in_channels * v.image_size**2 * D
-        return ActBytes(pixels, pixels, pixels, shape.vision_items * v.seq_per_tile * v.hidden_size * D)
+        pixels = shape.rank_vision_items * v.in_channels * v.image_size**2 * D
+        return ActBytes(pixels, pixels, pixels, shape.rank_vision_items * v.seq_per_tile * v.hidden_size * D)
 
 
 class VisionLayerCost(CostComponent):
@@ -102,7 +102,7 @@ class VisionLayerCost(CostComponent):
     kind, code = "vit_layer", VISION_LAYER
 
     def flops(self, shape, tp):
-        return vit_layer_flops(self.spec, shape.vision_items, tp)
+        return vit_layer_flops(self.spec, shape.rank_vision_items, tp)
 
     def params(self, tp):
         v = self.spec.vision
@@ -116,7 +116,7 @@ class VisionLayerCost(CostComponent):
         # sequence parallel: every tile padded to a multiple of TP tokens (the pads masked out of attention)
         v, D = self.spec.vision, shape.dtype_bytes
         seq = sp_tokens(v.seq_per_tile, tp, sequence_parallel)
-        tokens = shape.vision_items * seq
+        tokens = shape.rank_vision_items * seq
         per_tok, core = layer_act_bytes_per_token(
             v.hidden_size, v.num_attention_heads, v.num_attention_heads, v.ffn_hidden_size, False,
             seq, D, tp, dropout, attention, built_heads=v.padded_heads(tp), sequence_parallel=sequence_parallel)
@@ -126,7 +126,7 @@ class VisionLayerCost(CostComponent):
     def tp_allreduce_bytes(self, shape, sequence_parallel=False, tp=1):
         v = self.spec.vision
         seq = sp_tokens(v.seq_per_tile, tp, sequence_parallel)  # all-gather + reduce-scatter of the padded tiles
-        vit = shape.vision_items * seq * v.hidden_size * shape.dtype_bytes
+        vit = shape.rank_vision_items * seq * v.hidden_size * shape.dtype_bytes
         return 2 * vit, 2 * vit
 
 
@@ -136,7 +136,7 @@ class ProjectorCost(CostComponent):
     kind, code, efficiency = "projector", PROJECTOR, 0.4
 
     def _image_tokens(self, shape) -> int:
-        return shape.vision_items * self.spec.tokens_per_tile
+        return shape.rank_vision_items * self.spec.tokens_per_tile
 
     def flops(self, shape, tp):
         hi, ho = self.spec.projector_in_size, self.spec.language.hidden_size

@@ -1,0 +1,188 @@
+"""Context parallelism (--context-parallel-size) for the LLM, and the ViT's tiles divided over the same ranks.
+
+The CP ranks of a data-parallel rank read the same micro-batch; each keeps its part (``split_batch``, applied by
+the collate on the host):
+
+* LLM tokens: every segment of the micro-batch's THD description (each sample, each run of padding) is padded at
+  its end to a multiple of 2 x CP tokens (pads: ``pad_id``, label -100, segment -1; after every real token of the
+  sample, so causal attention never lets a real token see them) and cut into 2 x CP equal chunks; CP rank r keeps
+  chunks r and 2 CP - 1 - r of every segment, in that order.  Under causal attention chunk i attends to i + 1
+  chunks, so every rank attends (r + 1) + (2 CP - r) = 2 CP + 1 chunks per segment: balanced per sample.
+  ``cu_seqlens``/``max_seqlen`` describe the padded, *unsplit* micro-batch (megatron-core's and TransformerEngine's
+  convention: a rank's part of a segment is its length / CP), so megatron-core's THD RoPE gives each token the
+  position it has in the unsplit sample (``position_ids`` hold it too).
+* ViT tiles: the micro-batch's tiles (dummy tiles included) are cut into CP contiguous runs, as even as whole
+  tiles allow (at most ceil(tiles / CP) each); rank r's ViT runs on its run only (the ViT is data-parallel inside
+  the CP group).  The LLM embedding all-gathers the projector's output over the CP group (``gather_tiles``;
+  backward: reduce-scatter) and picks, for each of its image-context tokens, the feature of that token in the
+  unsplit micro-batch (``image_feature_index``, host-built).
+
+The core attention (``megatron.vlm.attention.SegmentAttention``) all-gathers keys and values over the CP group
+(differentiable: the backward reduce-scatters, so each rank gets the gradients every rank's queries put on its
+keys and values), puts each segment's back in order (``CPSegments.kv_index``) and attends each local query chunk
+to the keys up to it (bottom-right causal).  Gradients are reduced over DP x CP by megatron-core's DDP
+(``dp_cp_group``), and the loss of a micro-batch is the sum over the CP ranks' tokens (per-token loss: the token
+count is all-reduced over DP x CP by ``finalize_model_grads``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+IGNORE_INDEX = -100
+CP_KEYS = ("image_feature_index",)  # read by the LLM embedding under CP (with the tokens)
+
+
+def padded_chunk(length: int, cp: int) -> tuple[int, int]:
+    """(length padded to a multiple of 2 x cp, chunk length = padded / (2 cp))."""
+    padded = -(-length // (2 * cp)) * 2 * cp
+    return padded, padded // (2 * cp)
+
+
+def rank_chunks(cp: int, rank: int) -> tuple[int, int]:
+    """The two chunks (of 2 x cp per segment) CP rank ``rank`` holds, in its order."""
+    return rank, 2 * cp - 1 - rank
+
+
+def tile_ranges(n_tiles: int, cp: int) -> list[range]:
+    """``n_tiles`` tiles cut into ``cp`` contiguous runs as even as whole tiles allow (the first n % cp one longer)."""
+    base, extra = divmod(n_tiles, cp)
+    out, start = [], 0
+    for r in range(cp):
+        n = base + (r < extra)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def chunk_pairs(length: int, cp: int, rank: int) -> int:
+    """Attended (query, key) pairs of CP rank ``rank`` on a segment of ``length`` tokens (pads included):
+    causal within the padded segment, each of its two chunks attending to every key up to itself."""
+    _, c = padded_chunk(length, cp)
+    return sum(c * i * c + c * (c + 1) // 2 for i in rank_chunks(cp, rank))
+
+
+def rank_work(lengths, tiles: int, cp: int, real_only: bool = True) -> tuple[list[int], list[int]]:
+    """(attended pairs, ViT tiles) of each CP rank for a micro-batch of samples of ``lengths`` tokens and ``tiles``
+    tiles, split as ``split_batch`` splits it.  real_only: pairs of real tokens only (a query and a key of the
+    sample; pads excluded), else every pair the attention computes (pads included: equal on every rank)."""
+    pairs = [0] * cp
+    for length in lengths:
+        length = int(length)
+        if not real_only:
+            for r in range(cp):
+                pairs[r] += chunk_pairs(length, cp, r)
+            continue
+        _, c = padded_chunk(length, cp)
+        for r in range(cp):
+            for i in rank_chunks(cp, r):  # query q (0-based) attends keys 0..q: q + 1 pairs, real queries only
+                lo, hi = i * c, min((i + 1) * c, length)
+                if hi > lo:
+                    pairs[r] += (hi * (hi + 1) - lo * (lo + 1)) // 2
+    return pairs, [len(t) for t in tile_ranges(int(tiles), cp)]
+
+
+def split_batch(batch: dict, cp: int, rank: int, pad_id: int, img_context_id: int | None) -> dict:
+    """CP rank ``rank``'s part of a collated micro-batch (see the module docstring); tokens, labels, position_ids,
+    segment_ids become [1, t / cp] (t: the padded total), ``cu_seqlens``/``max_seqlen`` the padded unsplit ones,
+    pixel_values this rank's tiles; ``num_tiles`` (a Python int) and, with tokens, ``image_feature_index`` are
+    added; the per-sample and per-tile metadata stay whole."""
+    out = dict(batch)
+    n_tiles = int(batch["sample_tiles"].sum())
+    out["num_tiles"] = n_tiles
+    if "pixel_values" in batch:
+        tiles = tile_ranges(n_tiles, cp)[rank]
+        if len(tiles) == 0:  # fewer tiles than CP ranks: run one tile whose output nobody reads (keeps shapes)
+            tiles = range(0, 1)
+        out["pixel_values"] = batch["pixel_values"][tiles.start:tiles.stop]
+    if "cu_seqlens" not in batch:
+        return out
+    bounds = batch["cu_seqlens"].tolist()
+    src, pos, lengths = [], [], []
+    for a, e in zip(bounds[:-1], bounds[1:]):
+        padded, c = padded_chunk(e - a, cp)
+        lengths.append(padded)
+        for i in rank_chunks(cp, rank):
+            for p in range(i * c, (i + 1) * c):
+                src.append(a + p if a + p < e else -1)
+                pos.append(p)
+    src_t = torch.tensor(src, dtype=torch.int64)
+    real = src_t >= 0
+    take = src_t.clamp(min=0)
+    pos_t = torch.tensor(pos, dtype=torch.int64)
+
+    def pick(key: str, fill) -> torch.Tensor:
+        flat = batch[key].reshape(-1)
+        return torch.where(real, flat[take], torch.full_like(take, fill)).reshape(1, -1)
+
+    for key, fill in (("tokens", pad_id), ("labels", IGNORE_INDEX), ("segment_ids", -1)):
+        if key in batch:
+            out[key] = pick(key, fill)
+    if "position_ids" in batch:  # the position in the unsplit segment (a sample's own positions; pads go on)
+        out["position_ids"] = pos_t.reshape(1, -1)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(torch.int32)
+    out["cu_seqlens"], out["max_seqlen"] = cu, max(lengths)
+    if "tokens" in batch and img_context_id is not None:
+        is_img = batch["tokens"].reshape(-1) == img_context_id
+        ordinal = torch.cumsum(is_img.to(torch.int64), 0) - 1
+        local_img = real & is_img[take]
+        out["image_feature_index"] = ordinal[take][local_img]
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class CPSegments:
+    """A micro-batch's segments as one CP rank's core attention sees them (host-built once per micro-batch).
+
+    chunks: per segment (local start, chunk length, global start in the gathered, reordered keys);
+    kv_index: [padded total] indices into the CP all-gather of the ranks' keys [cp x t_local] that put every
+    segment's keys back in order.
+    """
+
+    group: object
+    size: int
+    rank: int
+    chunks: tuple[tuple[int, int, int], ...]
+    kv_index: torch.Tensor
+
+
+def cp_segments(global_bounds: list[int], group) -> CPSegments:
+    """``CPSegments`` of the padded, unsplit ``cu_seqlens`` bounds for this rank of ``group``."""
+    cp, rank = group.size(), group.rank()
+    t_local = global_bounds[-1] // cp
+    chunks, index = [], []
+    local = 0
+    for a, e in zip(global_bounds[:-1], global_bounds[1:]):
+        c = (e - a) // (2 * cp)
+        if c * 2 * cp != e - a:
+            raise ValueError(f"context parallel: segment of {e - a} tokens is not a multiple of 2 x CP = {2 * cp}")
+        chunks.append((local, c, a))
+        for i in range(2 * cp):  # chunk i of the segment: on rank j = i or 2cp-1-i, first or second half there
+            j, half = (i, 0) if i < cp else (2 * cp - 1 - i, 1)
+            start = j * t_local + local + half * c
+            index.extend(range(start, start + c))
+        local += 2 * c
+    return CPSegments(group, cp, rank, tuple(chunks), torch.tensor(index, dtype=torch.int64))
+
+
+def all_gather_cp(x: torch.Tensor, group) -> torch.Tensor:
+    """[n, ...] on every rank of ``group`` -> [size x n, ...] in rank order; backward: reduce-scatter (sum)."""
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=group)
+
+
+def gather_tiles(x: torch.Tensor, n_tiles: int, tokens_per_tile: int, group) -> torch.Tensor:
+    """The projector's output for this rank's tiles [k * T, 1, H] -> every tile's [n_tiles * T, 1, H] in order
+    (padded to the longest rank's run for the all-gather, padding dropped)."""
+    cp, rank = group.size(), group.rank()
+    ranges = tile_ranges(n_tiles, cp)
+    longest = max(len(r) for r in ranges) * tokens_per_tile
+    mine = x[:len(ranges[rank]) * tokens_per_tile]
+    if mine.shape[0] < longest:
+        mine = torch.cat([mine, mine.new_zeros((longest - mine.shape[0], *mine.shape[1:]))])
+    gathered = all_gather_cp(mine.contiguous(), group)
+    keep = torch.cat([torch.arange(j * longest, j * longest + len(r) * tokens_per_tile) for j, r in enumerate(ranges)])
+    return gathered.index_select(0, keep.to(gathered.device))
