@@ -16,7 +16,7 @@ from omnibal_ext.memory.stage_recompute import StageRecompute
 from omnibal_ext.model.layout import PipelineLayout
 from omnibal_ext.model.units import ModelSpec, build_units
 
-from .arguments import batch_sizes, data_parallel_size, model_spec_of
+from .arguments import batch_sizes, data_parallel_size, model_spec_of, virtual_pipeline_size
 
 
 @dataclass(frozen=True)
@@ -59,9 +59,17 @@ class RunPlan:
     recompute: tuple[StageRecompute, ...] | None = None
     """Recompute settings per pipeline stage (--recompute-granularity/--recompute-plan, or planned by
     --omnibal-recompute auto); None until chosen."""
+    virtual_pipeline_size: int = 1
+    """Model chunks per pipeline rank (V; --virtual-pipeline-model-parallel-size or --pipeline-layout's stages
+    / PP): the layout has V x PP stages, stage i runs on pipeline rank i mod PP as its chunk i div PP, under
+    megatron-core's interleaved 1F1B schedule when V > 1."""
     recompute_plan: RecomputePlan | None = None
     """With --omnibal-recompute auto: the planner's answer, with its predicted peak and static bytes and the
     budget per stage (reported beside the measured memory); else None."""
+
+    def rank_stages(self, rank: int, pp: int) -> list[int]:
+        """The layout stages (one per model chunk, in chunk order) pipeline rank ``rank`` of ``pp`` runs."""
+        return self.layout.rank_stages(rank, pp)
 
     @property
     def layout_flag(self) -> str | None:
@@ -88,4 +96,4 @@ def plan_run(args, world_size: int, device) -> RunPlan:
     return RunPlan(model_spec=model_spec_of(args), data_parallel_size=dp, global_batch_size=global_batch,
                    num_microbatches=microbatches, overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_param,
                    log_activation_memory=args.log_activation_memory or args.omnibal_recompute == "auto",
-                   tokenizer_model=args.tokenizer_model)
+                   tokenizer_model=args.tokenizer_model, virtual_pipeline_size=virtual_pipeline_size(args))
