@@ -13,6 +13,8 @@ import torch
 
 from omnibal_ext.model.simulate import schedule_order
 
+from megatron.vlm.tied import allreduce_tied_grad
+
 
 class ChunkData:
     """Views of one micro-batch stream for ``n`` model chunks: chunk ``c`` reads micro-batch ``i`` when it asks
@@ -65,13 +67,15 @@ def sum_tied_grads(stages) -> None:
         if w is not None and id(w) not in seen:
             seen.add(id(w))
             weights.append(w)
-    if len(weights) <= 1:
-        for stage in stages:
-            stage.allreduce_tied_embedding_grads()
+    if not weights:
+        return
+    group = next((s.tied_group for s in stages if s.tied_group is not None), None)
+    if len(weights) == 1:
+        if group is not None:
+            allreduce_tied_grad(weights[0], group)
         return
     grads = [w.main_grad if getattr(w, "main_grad", None) is not None else w.grad for w in weights]
     total = torch.stack(grads).sum(0)
-    group = next((s.tied_group for s in stages if s.tied_group is not None), None)
     if group is not None:
         torch.distributed.all_reduce(total, group=group)
     for g in grads:
