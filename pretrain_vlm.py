@@ -88,9 +88,9 @@ def main(argv=None) -> dict:
     if dist.get_rank() == 0:
         print(f"> model {plan.model_spec.name}: TP={args.tensor_model_parallel_size} "
               f"PP={args.pipeline_model_parallel_size} DP={plan.data_parallel_size}, "
-              f"layout {plan.layout_flag}"
-              + (f" (interleaved, {plan.virtual_pipeline_size} chunks per rank)" if plan.virtual_pipeline_size > 1 else "")
-              + f", {plan.num_microbatches} micro-batches per iteration", flush=True)
+              f"layout {plan.layout_flag}, "
+              + (f"interleaved: {plan.virtual_pipeline_size} model chunks per rank, " if plan.virtual_pipeline_size > 1 else "")
+              + f"{plan.num_microbatches} micro-batches per iteration", flush=True)
     summary = training.train(args, plan, model, optimizer, scheduler, train_data, valid_data, start, consumed)
     summary["layout"] = list(layout.stage_units)
     return summary

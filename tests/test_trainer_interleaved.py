@@ -42,7 +42,7 @@ def test_interleaved_equals_serial(tmp_path, data_cache, isf):
     flags = BASE + ["--data-cache-dir", str(data_cache)] + (["--omnibal-isf"] if isf else [])
     serial, _ = run_training(1, flags, tmp_path, "serial")
     records, out = run_training(2, flags + INTERLEAVED, tmp_path, "interleaved")
-    assert f"layout {LAYOUT} (interleaved, 2 chunks per rank)" in out
+    assert f"layout {LAYOUT}, interleaved: 2 model chunks per rank," in out
     iterations = list(range(1, 9))
     assert [r["iteration"] for r in records] == iterations
     assert_close(losses(records, iterations), losses(serial, iterations), 1e-4)
