@@ -15,7 +15,7 @@ warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")  # meg
 
 
 def main(argv=None) -> dict:
-    from megatron.training.arguments import ArgumentError, parse_args
+    from megatron.training.arguments import ArgumentError, parse_args, virtual_pipeline_size
     from megatron.training.initialize import choose_device, initialize_distributed, set_seeds, world_size_from_env
 
     world_size = world_size_from_env()
@@ -25,7 +25,7 @@ def main(argv=None) -> dict:
         raise ArgumentError("--bf16 needs a CUDA device: megatron-core's mixed-precision optimizer takes CUDA "
                             "tensors only (train in fp32 on CPU)")
     initialize_distributed(device, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                           args.context_parallel_size)
+                           args.context_parallel_size, virtual_pipeline_size(args))
     set_seeds(args.seed)
 
     import dataclasses
@@ -73,9 +73,9 @@ def main(argv=None) -> dict:
         from megatron.core.utils import unwrap_model
         from megatron.vlm.hf.load import load_hf_into_stage
 
-        stage = unwrap_model(model[0])
         hf_source.spec = plan.model_spec  # the vocabulary may be padded further for TP
-        load_hf_into_stage(stage, hf_source)
+        for chunk in model:  # one stage per model chunk (interleaved pipeline)
+            load_hf_into_stage(unwrap_model(chunk), hf_source)
         if dist.get_rank() == 0:
             print(f"> loaded weights from --hf-checkpoint {args.hf_checkpoint}", flush=True)
     optimizer, scheduler = training.build_optimizer(args, plan, model)
@@ -92,7 +92,9 @@ def main(argv=None) -> dict:
     if dist.get_rank() == 0:
         print(f"> model {plan.model_spec.name}: TP={args.tensor_model_parallel_size} "
               f"PP={args.pipeline_model_parallel_size} DP={plan.data_parallel_size}, "
-              f"layout {plan.layout_flag}, {plan.num_microbatches} micro-batches per iteration", flush=True)
+              f"layout {plan.layout_flag}, "
+              + (f"interleaved: {plan.virtual_pipeline_size} model chunks per rank, " if plan.virtual_pipeline_size > 1 else "")
+              + f"{plan.num_microbatches} micro-batches per iteration", flush=True)
     summary = training.train(args, plan, model, optimizer, scheduler, train_data, valid_data, start, consumed)
     summary["layout"] = list(layout.stage_units)
     return summary

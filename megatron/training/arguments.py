@@ -77,7 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-layout", default=None,
                    help="units per stage, e.g. 'Iv*3|vPEt*4L' (I vit embed, v ViT layer, P projector, "
                         "E LLM embed, t LLM layer, L head) or counts '4,8'; default: Megatron's "
-                        "(ViT + projector on stage 0, LLM layers uniform)")
+                        "(ViT + projector on stage 0, LLM layers uniform); V x PP stages make an interleaved "
+                        "pipeline: stage i runs on pipeline rank i mod PP as its model chunk i div PP")
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None, metavar="V",
+                   help="model chunks per pipeline rank (megatron-core's interleaved 1F1B schedule); default: "
+                        "--pipeline-layout's stages / PP, else 1; needs micro-batches per pipeline >= PP and a "
+                        "multiple of PP")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: cuda+NCCL when a GPU is visible, else cpu+gloo")
     g.add_argument("--use-distributed-optimizer", action="store_true")
@@ -314,8 +319,7 @@ def validate_args(args, world_size: int) -> None:
             f"--pipeline-model-parallel-size {pp} is larger than the model's {n_units} pipeline units "
             f"({spec.vision.num_layers} ViT layers + {spec.language.num_layers} LLM layers + embeddings, "
             f"projector and head): some stage would be empty")
-    if args.pipeline_layout:
-        parse_layout(args.pipeline_layout, spec, pp)  # raises LayoutError naming --pipeline-layout
+    vpp = virtual_pipeline_size(args)  # checks the flag against the layout (LayoutError names --pipeline-layout)
     if args.transformer_impl == "transformer_engine" and args.attention_backend == "unfused":
         raise ArgumentError("--attention-backend unfused is megatron-core's DotProductAttention (a torch "
                             "module): use --transformer-impl local or auto with it")
@@ -355,7 +359,12 @@ def validate_args(args, world_size: int) -> None:
     grid = spec.vision.image_size // spec.vision.patch_size
     if grid % int(round(1 / spec.downsample_ratio)):
         raise ArgumentError(f"the ViT patch grid {grid}x{grid} cannot be pixel-shuffled by {spec.downsample_ratio}")
-    batch_sizes(args, dp)
+    _, microbatches = batch_sizes(args, dp)
+    if vpp > 1:
+        check_interleaving(vpp, pp, microbatches, n_units)
+        if args.omnibal_recompute == "auto":
+            raise ArgumentError("--omnibal-recompute auto plans one model chunk per pipeline rank: it does not "
+                                "support --virtual-pipeline-model-parallel-size > 1 (give --recompute-plan per stage)")
     if args.recompute_granularity and args.recompute_plan:
         raise ArgumentError("give either --recompute-granularity or --recompute-plan, not both")
     if args.omnibal_recompute == "auto" and (args.recompute_granularity or args.recompute_plan):
@@ -370,6 +379,33 @@ def validate_args(args, world_size: int) -> None:
     for flag, value in (("--vision-lr", args.vision_lr), ("--projector-lr", args.projector_lr)):
         if value is not None and value < 0:
             raise ArgumentError(f"{flag} {value}: must be >= 0")
+
+
+def virtual_pipeline_size(args) -> int:
+    """Model chunks per pipeline rank (V): --virtual-pipeline-model-parallel-size, else --pipeline-layout's
+    stages / PP (Megatron's convention), else 1.  Raises ArgumentError/LayoutError when they disagree."""
+    pp, given = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
+    if given is not None and given < 1:
+        raise ArgumentError(f"--virtual-pipeline-model-parallel-size {given}: must be >= 1")
+    vpp = given or 1
+    if args.pipeline_layout:
+        vpp = parse_layout(args.pipeline_layout, model_spec_of(args), pp, vpp=given).num_stages // pp
+    if vpp > 1 and pp < 2:
+        raise ArgumentError(f"an interleaved pipeline ({vpp} model chunks per rank) needs "
+                            "--pipeline-model-parallel-size >= 2")
+    return vpp
+
+
+def check_interleaving(vpp: int, pp: int, microbatches: int, n_units: int | None = None) -> None:
+    """megatron-core's interleaved schedule needs micro-batches per pipeline >= PP and a multiple of PP."""
+    if microbatches < pp or microbatches % pp:
+        raise ArgumentError(
+            f"interleaved pipeline ({vpp} model chunks per rank): megatron-core's schedule needs the micro-batches per "
+            f"pipeline ({microbatches} = --global-batch-size / (--micro-batch-size x data-parallel size)) to be at "
+            f"least and a multiple of --pipeline-model-parallel-size {pp}")
+    if n_units is not None and vpp * pp > n_units:
+        raise ArgumentError(f"interleaved pipeline: {vpp} model chunks x --pipeline-model-parallel-size {pp} "
+                            f"stages but the model has only {n_units} pipeline units")
 
 
 def model_spec_of(args) -> ModelSpec:

@@ -17,7 +17,7 @@ from omnibal_ext.model.layout import PipelineLayout
 from omnibal_ext.model.trainable import Trainable, trainable_of
 from omnibal_ext.model.units import ModelSpec, build_units
 
-from .arguments import batch_sizes, data_parallel_size, model_spec_of
+from .arguments import batch_sizes, data_parallel_size, model_spec_of, virtual_pipeline_size
 
 
 @dataclass(frozen=True)
@@ -64,9 +64,17 @@ class RunPlan:
     --omnibal-recompute auto); None until chosen."""
     trainable: Trainable | None = None
     """Which units train (--freeze-*, --unfreeze-*; omnibal_ext.model.trainable); None: all of them."""
+    virtual_pipeline_size: int = 1
+    """Model chunks per pipeline rank (V; --virtual-pipeline-model-parallel-size or --pipeline-layout's stages
+    / PP): the layout has V x PP stages, stage i runs on pipeline rank i mod PP as its chunk i div PP, under
+    megatron-core's interleaved 1F1B schedule when V > 1."""
     recompute_plan: RecomputePlan | None = None
     """With --omnibal-recompute auto: the planner's answer, with its predicted peak and static bytes and the
     budget per stage (reported beside the measured memory); else None."""
+
+    def rank_stages(self, rank: int, pp: int) -> list[int]:
+        """The layout stages (one per model chunk, in chunk order) pipeline rank ``rank`` of ``pp`` runs."""
+        return self.layout.rank_stages(rank, pp)
 
     @property
     def layout_flag(self) -> str | None:
@@ -94,4 +102,5 @@ def plan_run(args, world_size: int, device) -> RunPlan:
                    num_microbatches=microbatches, overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_param,
                    log_activation_memory=args.log_activation_memory or args.omnibal_recompute == "auto",
                    tokenizer_model=args.tokenizer_model, trainable=trainable_of(args, model_spec_of(args)),
-                   context_parallel_size=getattr(args, "context_parallel_size", 1))
+                   context_parallel_size=getattr(args, "context_parallel_size", 1),
+                   virtual_pipeline_size=virtual_pipeline_size(args))

@@ -78,12 +78,13 @@ def build_datasets(args, plan: RunPlan, tokenizer) -> tuple[InternVLDataset, Int
 
 def stage_inputs(plan: RunPlan) -> StageInputs:
     """What this rank's pipeline stage (of ``plan.layout``) reads of a micro-batch, from its units' runtime
-    components."""
+    components; interleaved: what its model chunks' units read together (one loader serves every chunk)."""
     from megatron.vlm.families import stage_inputs as inputs_of
 
     units = build_units(plan.model_spec)
-    stage = parallel_state.get_pipeline_model_parallel_rank()
-    return inputs_of(plan.model_spec, [units[i] for i in plan.layout.stage_range(stage)])
+    stages = plan.rank_stages(parallel_state.get_pipeline_model_parallel_rank(),
+                              parallel_state.get_pipeline_model_parallel_world_size())
+    return inputs_of(plan.model_spec, [units[i] for s in stages for i in plan.layout.stage_range(s)])
 
 
 def build_data(args, plan: RunPlan, tokenizer, inputs: StageInputs | None = None, datasets=None,
@@ -128,11 +129,11 @@ def build_data(args, plan: RunPlan, tokenizer, inputs: StageInputs | None = None
 
 
 def choose_layout(args, plan: RunPlan):
-    """--pipeline-layout, else Megatron's default layout."""
-    spec, pp = plan.model_spec, args.pipeline_model_parallel_size
+    """--pipeline-layout, else Megatron's default layout (over the V x PP stages of an interleaved pipeline)."""
+    spec, pp, vpp = plan.model_spec, args.pipeline_model_parallel_size, plan.virtual_pipeline_size
     if args.pipeline_layout:
-        return parse_layout(args.pipeline_layout, spec, pp)
-    return default_layout(spec, pp)
+        return parse_layout(args.pipeline_layout, spec, pp, vpp=vpp)
+    return default_layout(spec, pp * vpp)
 
 
 def recompute_settings(args, plan: RunPlan) -> tuple[StageRecompute, ...]:
@@ -214,9 +215,9 @@ def balanced_layout(args, plan: RunPlan, costs):
     """The layout the partition search finds for ``costs`` (printed beside Megatron's default)."""
     from omnibal_ext.model.partition import evaluate_layout, search_partition
 
-    report = search_partition(costs, args.pipeline_model_parallel_size)
-    default = evaluate_layout(costs, default_layout(plan.model_spec, args.pipeline_model_parallel_size),
-                              args.pipeline_model_parallel_size)
+    pp, vpp = args.pipeline_model_parallel_size, plan.virtual_pipeline_size
+    report = search_partition(costs, pp, vpp=vpp)  # over the V x PP virtual stages
+    default = evaluate_layout(costs, default_layout(plan.model_spec, pp * vpp), pp)
     if dist.get_rank() == 0:
         fmt = lambda r: ", ".join(f"{t * 1e3:.2f}" for t in r.stage_times_s)  # noqa: E731
         print(f"> omnibal partition: layout {report.flag}; predicted stage times (ms/micro-batch) "

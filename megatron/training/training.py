@@ -25,6 +25,7 @@ from omnibal_ext.model.spec import TEXT_EMBED
 
 from . import checkpointing
 from .arguments import ArgumentError
+from .interleaved import chunk_data, interleaved_peak, schedule_groups, sum_tied_grads
 from .memory import ActivationMeter, one_f_one_b_peak, static_bytes
 from .run_plan import RunPlan
 
@@ -34,30 +35,36 @@ def dtype_of(args) -> torch.dtype:
 
 
 def build_model(args, plan: RunPlan, img_context_id: int, device: torch.device):
-    """This rank's pipeline stage of ``plan.layout`` with its ``plan.recompute``, wrapped in megatron's
-    DistributedDataParallel."""
+    """This rank's pipeline stages of ``plan.layout``, one per model chunk (interleaved pipeline: layout stages
+    rank, rank + PP, ...), each with its ``plan.recompute`` and wrapped in megatron's DistributedDataParallel."""
     spec, tp, pp = plan.model_spec, args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    layout = plan.layout
+    layout, vpp = plan.layout, plan.virtual_pipeline_size
     on_cpu = device.type == "cpu"
     dtype = dtype_of(args)
-    stage = parallel_state.get_pipeline_model_parallel_rank()
-    module = build_stage(StageBuild(
-        spec, layout.stage_range(stage), tp=tp, pp=pp, dtype=dtype,
-        transformer_impl="local" if args.sequence_parallel else
-        resolve_transformer_impl(args.transformer_impl, device, args.attention_backend, plan.context_parallel_size),
-        attention_backend=args.attention_backend, seed=args.seed, recompute=plan.recompute[stage],
-        img_context_id=img_context_id, on_cpu=on_cpu, sequence_parallel=args.sequence_parallel,
-        cp=plan.context_parallel_size, trainable=None if plan.trainable is None else plan.trainable.trains))
-    stage_config = module.config
-    module.to(device=device, dtype=dtype)
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    modules = []
+    for stage in plan.rank_stages(rank, pp):
+        module = build_stage(StageBuild(
+            spec, layout.stage_range(stage), tp=tp, pp=pp, dtype=dtype,
+            transformer_impl="local" if args.sequence_parallel else
+            resolve_transformer_impl(args.transformer_impl, device, args.attention_backend, plan.context_parallel_size),
+            attention_backend=args.attention_backend, seed=args.seed, recompute=plan.recompute[stage],
+            img_context_id=img_context_id, on_cpu=on_cpu, sequence_parallel=args.sequence_parallel,
+            cp=plan.context_parallel_size, trainable=None if plan.trainable is None else plan.trainable.trains))
+        if vpp > 1:  # read by megatron-core's interleaved schedule and p2p communicator (model[0]'s config)
+            module.config.virtual_pipeline_model_parallel_size = vpp
+        module.to(device=device, dtype=dtype)
+        modules.append(module)
     if spec.language.tie_word_embeddings:
         units = build_units(spec)
         embed_index = next(u.index for u in units if u.code == TEXT_EMBED)
-        embed_stage = next(s for s in range(pp) if embed_index in layout.stage_range(s))
-        if embed_stage != pp - 1:  # every rank takes part in making the groups
+        embed_rank = next(s for s in range(layout.num_stages) if embed_index in layout.stage_range(s)) % pp
+        if embed_rank != pp - 1:  # every rank takes part in making the groups
             from megatron.vlm.tied import build_tied_embedding_group
 
-            module.tied_group = build_tied_embedding_group(embed_stage, pp - 1)
+            group = build_tied_embedding_group(embed_rank, pp - 1)
+            for module in modules:
+                module.tied_group = group
     # bucket_size left at megatron-core's default (40M parameters or 1M x DP, one bucket without overlap);
     # no align_param_gather (that is for the interleaved schedule): the DDP forward pre-hooks dispatch and
     # wait for each bucket's all-gather in the next forward
@@ -65,14 +72,13 @@ def build_model(args, plan: RunPlan, img_context_id: int, device: torch.device):
         grad_reduce_in_fp32=True, overlap_grad_reduce=plan.overlap_grad_reduce,
         overlap_param_gather=plan.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer)
-    return [DistributedDataParallel(config=stage_config, ddp_config=ddp_config, module=module)]
+    return [DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module) for module in modules]
 
 
 def finalize_grads(model, num_tokens=None, **kwargs):
     """megatron-core's finalize_model_grads, after summing the tied embedding's gradients across the
     stages that hold E and L (VLMStage.allreduce_tied_embedding_grads, megatron/vlm/tied.py)."""
-    for chunk in model:
-        unwrap_model(chunk).allreduce_tied_embedding_grads()
+    sum_tied_grads([unwrap_model(chunk) for chunk in model])
     return finalize_model_grads(model, num_tokens, **kwargs)
 
 
@@ -280,14 +286,17 @@ def train(args, plan: RunPlan, model, optimizer, scheduler, train_data, valid_da
           consumed_samples: int = 0, balance_fn=step_balance) -> dict:
     """Run iterations start_iteration+1 .. train_iters; returns a summary for the caller."""
     config = unwrap_model(model[0]).config
-    config.no_sync_func = model[0].no_sync
+    config.no_sync_func = model[0].no_sync if len(model) == 1 else [m.no_sync for m in model]
     config.finalize_model_grads_func = finalize_grads
     forward_backward = get_forward_backward_func()
+    if len(model) > 1:  # interleaved: megatron-core's schedule with our p2p shape exchange (interleaved.py)
+        forward_backward = partial(forward_backward, **schedule_groups(config))
     log = MetricsLog(args)
     is_last = parallel_state.is_pipeline_last_stage()
     history = []
     balance_sums, balance_count = {}, 0
-    meter = ActivationMeter(unwrap_model(model[0])) if plan.log_activation_memory else None
+    meter = ActivationMeter(torch.nn.ModuleList([unwrap_model(m) for m in model])) if plan.log_activation_memory \
+        else None
     train_step = partial(forward_step, meter=meter)
     peak_act = 0
     iteration = start_iteration
@@ -303,14 +312,15 @@ def train(args, plan: RunPlan, model, optimizer, scheduler, train_data, valid_da
         train_data.start_recording()
         DATA_WAIT["s"] = 0.0
         reports = forward_backward(
-            forward_step_func=train_step, data_iterator=train_data, model=model,
+            forward_step_func=train_step, data_iterator=chunk_data(train_data, len(model)), model=model,
             num_microbatches=plan.num_microbatches, seq_length=args.seq_length,
             micro_batch_size=args.micro_batch_size, forward_only=False)
         ok, grad_norm, _ = optimizer.step()
         records = train_data.stop_recording()
         if meter:
-            peak_act = max(peak_act, one_f_one_b_peak(meter.per_microbatch, parallel_state.get_pipeline_model_parallel_rank(),
-                                                      args.pipeline_model_parallel_size))
+            rank, pp = parallel_state.get_pipeline_model_parallel_rank(), args.pipeline_model_parallel_size
+            peak_act = max(peak_act, one_f_one_b_peak(meter.per_microbatch, rank, pp) if len(model) == 1 else
+                           interleaved_peak(meter.per_microbatch, rank, pp, len(model)))
         scheduler.step(increment=plan.global_batch_size)
         iteration += 1
         elapsed = time.perf_counter() - start
@@ -376,13 +386,17 @@ def stage_memory_report(args, plan: RunPlan, model, optimizer, peak_act: int) ->
     """Measured per-stage memory (the largest over the stage's ranks), and the plan's prediction."""
     device = next(unwrap_model(model[0]).parameters()).device
     allocated = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    mine = (parallel_state.get_pipeline_model_parallel_rank(), peak_act, static_bytes(model, optimizer), allocated)
+    mine = (parallel_state.get_pipeline_model_parallel_rank(), peak_act, static_bytes(model, optimizer), allocated,
+            [u.name for m in model for u in unwrap_model(m).units])
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     pp = args.pipeline_model_parallel_size
     act = [max(e[1] for e in everyone if e[0] == stage) for stage in range(pp)]
     static = [max(e[2] for e in everyone if e[0] == stage) for stage in range(pp)]
     report = {"peak_act_bytes_per_stage": act, "static_bytes_per_stage": static}
+    if len(model) > 1:  # interleaved: each rank's layout stages (its chunks) and the units they hold
+        report["layout_stages_per_rank"] = [plan.rank_stages(r, pp) for r in range(pp)]
+        report["units_per_rank"] = [next(e[4] for e in everyone if e[0] == stage) for stage in range(pp)]
     if allocated is not None:  # torch.cuda.max_memory_allocated over the run (CUDA only)
         report["max_allocated_bytes_per_stage"] = [max(e[3] for e in everyone if e[0] == stage) for stage in range(pp)]
     predicted = plan.recompute_plan
@@ -403,7 +417,7 @@ def evaluate(args, plan: RunPlan, model, valid_data, forward_backward) -> dict:
     with torch.no_grad():
         for _ in range(iters):
             reports += forward_backward(
-                forward_step_func=forward_step, data_iterator=valid_data, model=model,
+                forward_step_func=forward_step, data_iterator=chunk_data(valid_data, len(model)), model=model,
                 num_microbatches=plan.num_microbatches, seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size, forward_only=True)
     for m in model:

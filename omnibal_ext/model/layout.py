@@ -9,6 +9,9 @@ the ViT split across both stages)::
     Iv*3|vPEt*4L
 
 A plain comma list of unit counts per stage (``"5,7"``) is accepted too.
+
+Interleaved (virtual) pipeline, Megatron's convention: a layout of ``V x PP`` stages runs layout stage ``i`` on
+pipeline rank ``i mod PP`` as its model chunk ``i div PP`` (``PipelineLayout.rank_stages``).
 """
 from __future__ import annotations
 
@@ -43,6 +46,10 @@ class PipelineLayout:
     def stage_slices(self) -> list[range]:
         return [self.stage_range(s) for s in range(self.num_stages)]
 
+    def rank_stages(self, rank: int, pp: int) -> list[int]:
+        """The layout stages pipeline rank ``rank`` of ``pp`` runs, in chunk order (``rank``, ``rank + pp``, ...)."""
+        return list(range(rank, self.num_stages, pp))
+
     def to_flag(self, units: list[Unit]) -> str:
         stages = []
         for rng in self.stage_slices():
@@ -58,9 +65,17 @@ class PipelineLayout:
         return "|".join(stages)
 
 
-def validate_layout(layout: PipelineLayout, num_units: int, pp: int, flag: str = "--pipeline-layout") -> None:
-    if layout.num_stages != pp:
-        raise LayoutError(f"{flag}: {layout.num_stages} stages given but --pipeline-model-parallel-size is {pp}")
+def validate_layout(layout: PipelineLayout, num_units: int, pp: int, flag: str = "--pipeline-layout",
+                    vpp: int | None = 1) -> None:
+    """``vpp``: model chunks per pipeline rank (the layout has ``vpp x pp`` stages); None: any whole multiple
+    of ``pp`` stages (an interleaved layout)."""
+    if vpp is None:
+        if layout.num_stages % pp:
+            raise LayoutError(f"{flag}: {layout.num_stages} stages given but --pipeline-model-parallel-size is {pp} "
+                              f"(an interleaved layout has V x {pp} stages)")
+    elif layout.num_stages != pp * vpp:
+        extra = f" x --virtual-pipeline-model-parallel-size {vpp}" if vpp > 1 else ""
+        raise LayoutError(f"{flag}: {layout.num_stages} stages given but --pipeline-model-parallel-size is {pp}{extra}")
     if any(n <= 0 for n in layout.stage_units):
         raise LayoutError(f"{flag}: every stage needs at least one unit, got counts {list(layout.stage_units)}")
     if sum(layout.stage_units) != num_units:
@@ -69,13 +84,15 @@ def validate_layout(layout: PipelineLayout, num_units: int, pp: int, flag: str =
         )
 
 
-def parse_layout(text: str, spec: ModelSpec, pp: int, flag: str = "--pipeline-layout") -> PipelineLayout:
-    """Parse ``text`` (code syntax or counts) and check it covers ``spec``'s units in order."""
+def parse_layout(text: str, spec: ModelSpec, pp: int, flag: str = "--pipeline-layout",
+                 vpp: int | None = 1) -> PipelineLayout:
+    """Parse ``text`` (code syntax or counts) and check it covers ``spec``'s units in order, in ``vpp x pp``
+    stages (``vpp`` None: any multiple of ``pp``, see ``validate_layout``)."""
     units = build_units(spec)
     text = text.strip()
     if re.fullmatch(r"\d+(\s*,\s*\d+)*", text):
         layout = PipelineLayout(tuple(int(x) for x in text.split(",")))
-        validate_layout(layout, len(units), pp, flag)
+        validate_layout(layout, len(units), pp, flag, vpp)
         return layout
     counts, pos = [], 0
     for s, stage_text in enumerate(text.split("|")):
@@ -104,7 +121,7 @@ def parse_layout(text: str, spec: ModelSpec, pp: int, flag: str = "--pipeline-la
             i = m.end()
         counts.append(n)
     layout = PipelineLayout(tuple(counts))
-    validate_layout(layout, len(units), pp, flag)
+    validate_layout(layout, len(units), pp, flag, vpp)
     return layout
 
 

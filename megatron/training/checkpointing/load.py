@@ -10,13 +10,12 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-from megatron.core.utils import unwrap_model
 
 from .files import check_files, sizes_problems
 from .layout import TRACKER, Checkpoint, CheckpointError, complete_iterations, iteration_dir
 from .optimizer import (adapt_optimizer_request, fresh_optimizer_entries, init_optimizer_state, load_optimizer,
                         skeleton)
-from .state import model_sharded_state_dict, rng_object, set_rng_state, sharded_state_dict, world_of
+from .state import load_model_state, model_sharded_state_dict, rng_object, set_rng_state, sharded_state_dict, world_of
 
 
 def find_checkpoint(root: str, step: int | None = None) -> Checkpoint | None:
@@ -82,7 +81,7 @@ def load_checkpoint(ckpt: Checkpoint, args, plan, model, optimizer, scheduler) -
     template = skeleton(request.get("optimizer"))  # the load rewrites the request's factories in place
     keys = {path: sh.key for path, sh in request["model"].items()}
     loaded = dist_checkpointing.load(request, ckpt.path)
-    unwrap_model(model[0]).load_state_dict(loaded["model"])
+    load_model_state(model, loaded["model"])
     if with_optimizer:
         weights = {keys[path]: tensor for path, tensor in loaded["model"].items()}
         load_optimizer(optimizer, loaded["optimizer"], template, weights, saved_run, args, rebuild=bool(fresh))

@@ -100,7 +100,22 @@ def rng_object(state) -> ShardedObject:
 
 
 def model_sharded_state_dict(model) -> dict:
-    return unwrap_model(model[0]).sharded_state_dict()
+    """The model chunks' sharded state dicts in one: the checkpoint keys are global unit names (the same for
+    any number of chunks); the dict paths of an interleaved rank's chunk ``c`` start with ``chunk{c}.``."""
+    if len(model) == 1:
+        return unwrap_model(model[0]).sharded_state_dict()
+    return {f"chunk{c}.{path}": sh for c, chunk in enumerate(model)
+            for path, sh in unwrap_model(chunk).sharded_state_dict().items()}
+
+
+def load_model_state(model, state: dict) -> None:
+    """Load ``state`` (paths as :func:`model_sharded_state_dict` gives them) into the model chunks."""
+    if len(model) == 1:
+        unwrap_model(model[0]).load_state_dict(state)
+        return
+    for c, chunk in enumerate(model):
+        prefix = f"chunk{c}."
+        unwrap_model(chunk).load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
 
 
 def sharded_state_dict(model, optimizer, with_optimizer: bool, is_loading: bool) -> dict:
