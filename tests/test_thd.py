@@ -138,7 +138,7 @@ def test_no_host_sync_in_forward_backward(megatron_world, samples, kind):
     m(batch)  # first call: RoPE frequencies and lazy state built outside the count
     with count_host_reads() as calls:
         out = m(batch)
-        loss, _, _ = loss_func(batch, out.correct, out.loss)
+        loss, _ = loss_func(batch, out.correct, out.loss)
         loss.backward()
     assert dict(calls) == {("tolist", "attention.py:segment_params"): 1,
                            ("tolist", "rope_utils.py:_apply_rotary_pos_emb_thd"): 2 * llm_layers,

@@ -104,6 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.95)
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations (GPU)")
+    g.add_argument("--loss-reduction", choices=["token", "sample", "square"], default="token",
+                   help="weight of a sample's answer tokens in a global batch's loss (InternVL's meanings): token = "
+                        "every answer token the same, sample = every sample the same (1/n per token), square = "
+                        "1/sqrt(n) per token of a sample with n answer tokens; normalised over the whole global "
+                        "batch, so it depends on neither DP, micro-batch size, packing nor PP")
+    g.add_argument("--vision-drop-path-rate", type=float, default=0.0,
+                   help="ViT stochastic depth: branches dropped per tile with a rate rising linearly over the "
+                        "layers to this value (InternViT's drop_path_rate); the mask is hashed from (seed, "
+                        "iteration, sample, tile, layer), so any TP/PP/DP/layout gives the serial run's losses")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
                    help="the same recompute on every stage (full: every layer)")
     g.add_argument("--recompute-plan", default=None,
@@ -332,6 +341,8 @@ def validate_args(args, world_size: int) -> None:
         raise ArgumentError("--omnibal-partition auto chooses the layout itself: drop --pipeline-layout")
     if args.save_interval and not args.save:
         raise ArgumentError("--save-interval needs --save")
+    if not 0.0 <= args.vision_drop_path_rate < 1.0:
+        raise ArgumentError(f"--vision-drop-path-rate {args.vision_drop_path_rate}: must be in [0, 1)")
     if args.ckpt_step is not None and not args.load:
         raise ArgumentError("--ckpt-step needs --load")
 

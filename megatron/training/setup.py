@@ -64,8 +64,9 @@ def build_groups(args, plan: RunPlan, dataset) -> tuple[tuple[list[np.ndarray], 
         groups, order, params, mean_group = isf_groups(args, plan, dataset)
         plan = dataclasses.replace(plan, isf_params=params, isf_mean_group=mean_group)
         return (groups, order, isf_regroup(args, plan, dataset)), plan
-    return (random_groups(len(dataset), args.micro_batch_size, seed=args.seed), None,
-            random_regroup(args.micro_batch_size, seed=args.seed)), plan
+    # random batching: single-sample groups, a micro-batch takes --micro-batch-size of them (the sampler's
+    # ``take``), so the samples of an iteration do not depend on the micro-batch size
+    return (random_groups(len(dataset), 1, seed=args.seed), None, random_regroup(1, seed=args.seed)), plan
 
 
 def build_datasets(args, plan: RunPlan, tokenizer) -> tuple[InternVLDataset, InternVLDataset | None]:
@@ -113,14 +114,16 @@ def build_data(args, plan: RunPlan, tokenizer, inputs: StageInputs | None = None
         loader.update(tp_group=parallel_state.get_tensor_model_parallel_group(),
                       tp_src=parallel_state.get_tensor_model_parallel_src_rank())
     groups, order, regroup = groups if groups is not None else build_groups(args, plan, train_set)[0]
+    take = 1 if args.omnibal_isf else args.micro_batch_size  # random: micro-batches slice the global batch
     sampler = GroupBatchSampler(groups, dp, dp_rank, seed=args.seed, order=order,
-                                microbatches=plan.num_microbatches, regroup=regroup)
+                                microbatches=plan.num_microbatches, regroup=regroup, take=take)
     train = MicroBatches(train_set, sampler, tokenizer.pad_id, packed=args.omnibal_isf, image_tokens=image_tokens,
                          **loader)
     valid = None
     if valid_set is not None:
-        valid = MicroBatches(valid_set, GroupBatchSampler(random_groups(len(valid_set), args.micro_batch_size, seed=0),
-                                                          dp, dp_rank, seed=0), tokenizer.pad_id, packed=False,
+        valid = MicroBatches(valid_set, GroupBatchSampler(random_groups(len(valid_set), 1, seed=0), dp, dp_rank, seed=0,
+                                                          microbatches=plan.num_microbatches,
+                                                          take=args.micro_batch_size), tokenizer.pad_id, packed=False,
                              image_tokens=image_tokens, **loader)
     return train, valid
 

@@ -65,6 +65,7 @@ class StageBuild:
     on_cpu: bool = True
     output: str = "loss"
     initialize: bool = True  # False: megatron-core's weight initialisation skipped (weights loaded next)
+    vision_drop_path_rate: float = 0.0  # ViT stochastic depth, rising linearly to this at the last layer
 
 
 @dataclasses.dataclass
@@ -123,7 +124,8 @@ class VLMStage(MegatronModule):
         self.recompute = build.recompute or StageRecompute()
         self.ctx = StageContext(spec=spec, units=tuple(units), vision_config=vision_config, language_config=llm_config,
                                 seed=build.seed, recompute=self.recompute, img_context_id=build.img_context_id,
-                                transformer_impl=impl, attention_backend=backend, output=build.output)
+                                transformer_impl=impl, attention_backend=backend, output=build.output,
+                                vision_drop_path_rate=build.vision_drop_path_rate)
         self.parts: list[_Part] = []
         for run in _runs(self.units):
             component = family.component(run[0].kind)(self.ctx)
