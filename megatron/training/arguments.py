@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 from omnibal_ext.errors import UserError
 from omnibal_ext.model.layout import parse_layout
@@ -131,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-tiles", type=int, default=6, help="most tiles per image, thumbnail excluded")
     g.add_argument("--min-num-tiles", type=int, default=1, help="fewest tiles per image (InternVL's min_dynamic_patch)")
     g.add_argument("--seq-length", type=int, default=512, help="longest sample in tokens")
+    g.add_argument("--skip-bad-samples", action="store_true",
+                   help="leave out records that fail the pre-training scan (missing or undecodable image, bad "
+                        "JSON or conversation, too long) instead of stopping: each is listed with file:line and "
+                        "its reason in DATA_CACHE_DIR/skipped/<meta name>.txt and counted in the log")
+    g.add_argument("--truncate-long-samples", action="store_true",
+                   help="cut a sample longer than --seq-length at that length (an image block is never split: "
+                        "images that do not fit are dropped with their tokens) instead of stopping")
     g.add_argument("--num-workers", type=int, default=0,
                    help="data-loader worker processes of each rank that decodes images (0: load in the training "
                         "process); only the TP rank 0 of a stage with the ViT embedding decodes, and broadcasts "
@@ -343,6 +351,9 @@ def validate_args(args, world_size: int) -> None:
         raise ArgumentError("--save-interval needs --save")
     if not 0.0 <= args.vision_drop_path_rate < 1.0:
         raise ArgumentError(f"--vision-drop-path-rate {args.vision_drop_path_rate}: must be in [0, 1)")
+    if args.load and os.path.isfile(args.load):
+        raise ArgumentError(f"--load {args.load} is a file: give the checkpoint folder (the one holding "
+                            "latest_checkpointed_iteration.txt and iter_N/)")
     if args.ckpt_step is not None and not args.load:
         raise ArgumentError("--ckpt-step needs --load")
 

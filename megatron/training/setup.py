@@ -46,11 +46,29 @@ def build_dataset(args, plan: RunPlan, tokenizer, meta_path: str) -> InternVLDat
     spec = plan.model_spec
     # the validation scan (every image decoded) is split over all processes and all-gathered, and kept in
     # --data-cache-dir for the next launch (a restart) of the same data, configuration and tokenizer
-    return InternVLDataset(meta_path, tokenizer, image_size=spec.vision.image_size,
-                           tokens_per_tile=spec.tokens_per_tile, max_num_tiles=args.max_num_tiles,
-                           min_num_tiles=args.min_num_tiles, max_seq_length=args.seq_length, seed=args.seed,
-                           scan_group=dist.group.WORLD if dist.is_initialized() else None,
-                           cache_dir=os.path.join(args.data_cache_dir, "scans"))
+    dataset = InternVLDataset(meta_path, tokenizer, image_size=spec.vision.image_size,
+                              tokens_per_tile=spec.tokens_per_tile, max_num_tiles=args.max_num_tiles,
+                              min_num_tiles=args.min_num_tiles, max_seq_length=args.seq_length, seed=args.seed,
+                              scan_group=dist.group.WORLD if dist.is_initialized() else None,
+                              cache_dir=os.path.join(args.data_cache_dir, "scans"),
+                              truncate=getattr(args, "truncate_long_samples", False),
+                              skip_bad=getattr(args, "skip_bad_samples", False))
+    skipped = dataset.scan.skipped
+    if skipped and (not dist.is_initialized() or dist.get_rank() == 0):
+        report = skipped_report_path(args, meta_path)
+        os.makedirs(os.path.dirname(report), exist_ok=True)
+        with open(report, "w") as f:
+            f.write("".join(f"{line}\n" for line in skipped))
+        records = len({line.split(": ", 1)[0] for line in skipped})
+        print(f"> data: {records} bad record(s) of {meta_path} skipped ({len(skipped)} problem(s)), "
+              f"listed in {report}; training on the other {len(dataset)} sample(s)", flush=True)
+    return dataset
+
+
+def skipped_report_path(args, meta_path: str) -> str:
+    """Where --skip-bad-samples lists the records it left out of ``meta_path`` (``file:line: reason``)."""
+    name = os.path.splitext(os.path.basename(meta_path))[0]
+    return os.path.join(args.data_cache_dir, "skipped", f"{name}.txt")
 
 
 def build_groups(args, plan: RunPlan, dataset) -> tuple[tuple[list[np.ndarray], np.ndarray | None, object], RunPlan]:
