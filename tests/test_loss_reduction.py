@@ -73,7 +73,9 @@ def through_schedule(m, samples, mbs, packed, reduction):
         data_iterator=iter(batches), model=[m], num_microbatches=num_mb, seq_length=512,
         micro_batch_size=mbs, forward_only=False)
     total = sum(r["lm loss"] for r in reports)
-    return float(total[0] / total[1]), grads(m)
+    # what finalize_model_grads divides by (calculate_per_token_loss): the loss functions' counts, summed
+    count = float(sum(r["token loss"][1] for r in reports)) if reduction == "token" else num_mb
+    return float(total[0] / total[1]), {n: g / count for n, g in grads(m).items()}
 
 
 def closed_form(m, samples, reduction):

@@ -9,9 +9,11 @@ The loss of a global batch is ``sum_s w(n_s) sum_{i in s} l_i / sum_s w(n_s) n_s
 normalises per micro-batch, which does).  The normaliser ``D = sum_s w(n_s) n_s`` of the whole global batch is
 known before the step: the loss stage pulls the iteration's micro-batches first (``prefetch``; the counts n_s
 are host metadata of the collate, ``sample_answers``) and all-reduces its share of D over DP (a host tensor,
-gloo).  Each micro-batch's loss handed to megatron-core's schedule is then its weighted sum times
-``M * dp / D`` (the schedule divides by the M micro-batches, DDP averages over the dp ranks), and nothing in
-the step waits for a device value.
+gloo).  The configs set megatron-core's ``calculate_per_token_loss``: the schedule sums the micro-batches'
+losses, DDP sums over the data-parallel ranks and ``finalize_model_grads`` divides by the loss functions'
+counts summed over both.  ``token`` keeps megatron's per-token loss (loss sum, answer tokens: D is the global
+token count, no prefetch needed); ``sample``/``square`` return (weighted sum x ``M * dp / D``, 1), so the
+division by M * dp leaves sum / D.  Nothing in the step waits for a device value.
 """
 from __future__ import annotations
 

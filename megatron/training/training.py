@@ -127,11 +127,15 @@ def loss_func(batch: dict, token_correct: torch.Tensor, output_tensor: torch.Ten
               scale: float | None = None):
     """The micro-batch's loss for the schedule, and what the log reports (megatron/training/loss_reduction.py).
 
-    Returns (loss, report): loss = sum_s w(n_s) sum_{i in s} l_i over its samples, times ``scale`` (M * dp / D,
-    D the global batch's normaliser; None in evaluation); report {"lm loss": [weighted sum, sum_s w(n_s) n_s],
-    "token loss": [loss sum, answer tokens], "answers": [correct, total]}.  An answer counts as correct when
-    every one of its tokens is the argmax under teacher forcing (exactly when greedy decoding reproduces it).
-    The weights come from the host's ``sample_answers``: nothing here reads a device value.
+    Returns megatron-core's (loss, count, report); the configs set ``calculate_per_token_loss``, so the schedule
+    sums the losses and ``finalize_model_grads`` divides the gradients by the counts summed over the
+    micro-batches and the data-parallel ranks.  token: (answer-token loss sum, answer tokens), megatron's
+    per-token loss.  sample/square: (sum_s w(n_s) sum_{i in s} l_i x ``scale``, 1), with ``scale`` = (micro-batches
+    x data-parallel ranks) / D, D the global batch's normaliser: the division by the counts then leaves
+    sum / D.  report: {"lm loss": [weighted sum, sum_s w(n_s) n_s], "token loss": [loss sum, answer tokens],
+    "answers": [correct, total]}.  An answer counts as correct when every one of its tokens is the argmax under
+    teacher forcing (exactly when greedy decoding reproduces it).  The weights come from the host's
+    ``sample_answers``: nothing here reads a device value.
     """
     labels = batch["labels"]
     mask = labels != -100
@@ -142,20 +146,23 @@ def loss_func(batch: dict, token_correct: torch.Tensor, output_tensor: torch.Ten
     counts = batch["sample_answers"]  # host list: n_s per sample
     n_samples = len(counts)
     dev = labels.device
-    weights = [weight(int(n), reduction) for n in counts]
-    per_sample = torch.zeros(n_samples, device=dev, dtype=token_losses.dtype).index_add_(0, seg, token_losses)
-    w = torch.tensor(weights, dtype=token_losses.dtype).to(dev, non_blocking=True)
-    weighted = (per_sample * w).sum()
     # per-sample sums over every token, weighted by the answer mask: no data-dependent shape (no sync)
     wrong = torch.zeros(n_samples, device=dev).index_add_(0, seg, ((~token_correct) & mask).flatten().float())
     answered = torch.tensor([n > 0 for n in counts]).to(dev, non_blocking=True)
     report = {
-        "lm loss": torch.stack([weighted.detach().clone().float(),
-                                torch.tensor(sum(wi * n for wi, n in zip(weights, counts)), device=dev).float()]),
         "token loss": torch.stack([loss_sum.detach().clone().float(), num_tokens.float()]),
         "answers": torch.stack([(answered & (wrong == 0)).sum().float(), answered.sum().float()]),
     }
-    return (weighted if scale is None else weighted * scale), report
+    if reduction == "token":
+        report["lm loss"] = report["token loss"]
+        return loss_sum, num_tokens, report
+    weights = [weight(int(n), reduction) for n in counts]
+    per_sample = torch.zeros(n_samples, device=dev, dtype=token_losses.dtype).index_add_(0, seg, token_losses)
+    weighted = (per_sample * torch.tensor(weights, dtype=token_losses.dtype).to(dev, non_blocking=True)).sum()
+    report["lm loss"] = torch.stack([weighted.detach().clone().float(),
+                                     torch.tensor(sum(w * n for w, n in zip(weights, counts)), device=dev).float()])
+    one = torch.ones((), dtype=torch.int, device=dev)
+    return (weighted if scale is None else weighted * scale), one, report
 
 
 DATA_WAIT = {"s": 0.0}  # seconds forward_step spent in next(data_iterator) since train() last read it
@@ -273,6 +280,8 @@ def train(args, plan: RunPlan, model, optimizer, scheduler, train_data, valid_da
     meter = ActivationMeter(unwrap_model(model[0])) if plan.log_activation_memory else None
     reduction = getattr(args, "loss_reduction", "token")
     dp_gloo = parallel_state.get_data_parallel_group_gloo()
+    # the ranks whose loss counts finalize_model_grads sums (context-parallel ranks share their samples)
+    dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     peak_act = 0
     iteration = start_iteration
     saved = None
@@ -288,12 +297,12 @@ def train(args, plan: RunPlan, model, optimizer, scheduler, train_data, valid_da
         train_data.iteration = iteration + 1  # the drop path's key
         DATA_WAIT["s"] = 0.0
         data_iterator, scale = train_data, None
-        if is_last:  # the loss stage: the global batch's normaliser before the step (loss_reduction.py)
+        if is_last and reduction != "token":  # the global batch's normaliser before the step (loss_reduction.py)
             t0 = time.perf_counter()
             batches, norm = prefetch(train_data, plan.num_microbatches, reduction, dp_gloo)
             DATA_WAIT["s"] += time.perf_counter() - t0
             data_iterator = iter(batches)
-            scale = plan.num_microbatches * plan.data_parallel_size / max(norm, 1e-30)
+            scale = plan.num_microbatches * dp_cp / max(norm, 1e-30)
         train_step = partial(forward_step, meter=meter, reduction=reduction, scale=scale)
         reports = forward_backward(
             forward_step_func=train_step, data_iterator=data_iterator, model=model,
