@@ -84,6 +84,13 @@ def main(argv=None) -> dict:
         state = checkpointing.load_checkpoint(resume, args, plan, model, optimizer, scheduler)
         if "data" in state:
             train_data.load_state_dict(checkpointing.to_arrays(state["data"]))
+            how = train_data.sampler.resumed
+            if how != "continued" and dist.get_rank() == 0:
+                print("> the checkpoint's data order differs from this run's (other batching, seed or batch "
+                      "sizes, or written by an earlier release): the data order restarts: "
+                      + ("the samples of its epoch not yet served come first, in this run's order, then this "
+                         "run's epochs" if how == "regrouped" else "from its next epoch, in this run's order"),
+                      flush=True)
         start, consumed = state.get("iteration", 0), state.get("consumed_samples", 0)
     if dist.get_rank() == 0 and plan.trainable is not None and not plan.trainable.all_train:
         from omnibal_ext.model.units import build_units

@@ -81,10 +81,12 @@ def test_stage_inputs_from_unit_kinds():
     assert "pixel_values" not in llm_only.keys and "tokens" not in llm_only.keys
     vit = inputs_of_kinds(["vit_embed", "vit_layer"])
     assert vit == StageInputs(pixels=True, tokens=False, labels=False, packing=False)
-    assert set(vit.keys) == {"pixel_values", "image_flags", "sample_tokens", "sample_tiles"}
+    assert set(vit.keys) == {"pixel_values", "image_flags", "sample_tokens", "sample_tiles", "sample_answers",
+                             "sample_ids", "tile_keys"}
     embed = inputs_of_kinds(["vit_layer", "projector", "llm_embed", "llm_layer"])
     assert embed == StageInputs(pixels=False, tokens=True, labels=False, packing=True)
-    assert inputs_of_kinds(["vit_layer"]).keys == ("sample_tokens", "sample_tiles")
+    assert inputs_of_kinds(["vit_layer"]).keys == ("sample_tokens", "sample_tiles", "sample_answers", "sample_ids",
+                                                   "tile_keys")
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -106,7 +108,7 @@ def test_llm_only_stage_opens_no_image(dataset, monkeypatch, tmp_path, workers):
     full = take(loader(dataset, 0), 6)  # the hook does see a ViT stage's opens
     assert log.exists()
     for part, whole in zip(got, full):
-        assert set(part) == set(inputs.keys)
+        assert set(part) == set(inputs.keys) | {"iteration"}  # the iteration: MicroBatches adds it
         for key in part:
             assert torch.equal(part[key], whole[key]) if isinstance(part[key], torch.Tensor) else part[key] == whole[key]
 

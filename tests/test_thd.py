@@ -140,9 +140,12 @@ def test_no_host_sync_in_forward_backward(megatron_world, samples, kind):
         out = m(batch)
         loss, _, _ = loss_func(batch, out.correct, out.loss)
         loss.backward()
-    assert dict(calls) == {("tolist", "attention.py:segment_params"): 1,
-                           ("tolist", "rope_utils.py:_apply_rotary_pos_emb_thd"): 2 * llm_layers,
-                           ("__bool__", "rope_utils.py:_apply_rotary_pos_emb_thd"): 2 * llm_layers}
+        out = m(batch)  # --loss-reduction square: weights from the host's answer counts, no read either
+        loss, _, _ = loss_func(batch, out.correct, out.loss, reduction="square", scale=0.5)
+        loss.backward()
+    assert dict(calls) == {("tolist", "attention.py:segment_params"): 2,  # two forwards
+                           ("tolist", "rope_utils.py:_apply_rotary_pos_emb_thd"): 4 * llm_layers,
+                           ("__bool__", "rope_utils.py:_apply_rotary_pos_emb_thd"): 4 * llm_layers}
 
 
 def test_the_counter_sees_host_reads():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 from omnibal_ext.errors import UserError
 from omnibal_ext.model.layout import parse_layout
@@ -123,6 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.95)
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations (GPU)")
+    g.add_argument("--loss-reduction", choices=["token", "sample", "square"], default="token",
+                   help="weight of a sample's answer tokens in a global batch's loss (InternVL's meanings): token = "
+                        "every answer token the same, sample = every sample the same (1/n per token), square = "
+                        "1/sqrt(n) per token of a sample with n answer tokens; normalised over the whole global "
+                        "batch, so it depends on neither DP, micro-batch size, packing nor PP")
+    g.add_argument("--vision-drop-path-rate", type=float, default=0.0,
+                   help="ViT stochastic depth: branches dropped per tile with a rate rising linearly over the "
+                        "layers to this value (InternViT's drop_path_rate); the mask is hashed from (seed, "
+                        "iteration, sample, tile, layer), so any TP/PP/DP/layout gives the serial run's losses")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
                    help="the same recompute on every stage (full: every layer)")
     g.add_argument("--recompute-plan", default=None,
@@ -142,6 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-tiles", type=int, default=6, help="most tiles per image, thumbnail excluded")
     g.add_argument("--min-num-tiles", type=int, default=1, help="fewest tiles per image (InternVL's min_dynamic_patch)")
     g.add_argument("--seq-length", type=int, default=512, help="longest sample in tokens")
+    g.add_argument("--skip-bad-samples", action="store_true",
+                   help="leave out records that fail the pre-training scan (missing or undecodable image, bad "
+                        "JSON or conversation, too long) instead of stopping: each is listed with file:line and "
+                        "its reason in DATA_CACHE_DIR/skipped/<meta name>.txt and counted in the log")
+    g.add_argument("--truncate-long-samples", action="store_true",
+                   help="cut a sample longer than --seq-length at that length (an image block is never split: "
+                        "images that do not fit are dropped with their tokens) instead of stopping")
     g.add_argument("--num-workers", type=int, default=0,
                    help="data-loader worker processes of each rank that decodes images (0: load in the training "
                         "process); only the TP rank 0 of a stage with the ViT embedding decodes, and broadcasts "
@@ -373,6 +390,11 @@ def validate_args(args, world_size: int) -> None:
         raise ArgumentError("--omnibal-partition auto chooses the layout itself: drop --pipeline-layout")
     if args.save_interval and not args.save:
         raise ArgumentError("--save-interval needs --save")
+    if not 0.0 <= args.vision_drop_path_rate < 1.0:
+        raise ArgumentError(f"--vision-drop-path-rate {args.vision_drop_path_rate}: must be in [0, 1)")
+    if args.load and os.path.isfile(args.load):
+        raise ArgumentError(f"--load {args.load} is a file: give the checkpoint folder (the one holding "
+                            "latest_checkpointed_iteration.txt and iter_N/)")
     if args.ckpt_step is not None and not args.load:
         raise ArgumentError("--ckpt-step needs --load")
     trainable_of(args, spec)  # FreezeError: flags that do not fit together or freeze everything

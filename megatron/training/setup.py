@@ -46,11 +46,29 @@ def build_dataset(args, plan: RunPlan, tokenizer, meta_path: str) -> InternVLDat
     spec = plan.model_spec
     # the validation scan (every image decoded) is split over all processes and all-gathered, and kept in
     # --data-cache-dir for the next launch (a restart) of the same data, configuration and tokenizer
-    return InternVLDataset(meta_path, tokenizer, image_size=spec.vision.image_size,
-                           tokens_per_tile=spec.tokens_per_tile, max_num_tiles=args.max_num_tiles,
-                           min_num_tiles=args.min_num_tiles, max_seq_length=args.seq_length, seed=args.seed,
-                           scan_group=dist.group.WORLD if dist.is_initialized() else None,
-                           cache_dir=os.path.join(args.data_cache_dir, "scans"))
+    dataset = InternVLDataset(meta_path, tokenizer, image_size=spec.vision.image_size,
+                              tokens_per_tile=spec.tokens_per_tile, max_num_tiles=args.max_num_tiles,
+                              min_num_tiles=args.min_num_tiles, max_seq_length=args.seq_length, seed=args.seed,
+                              scan_group=dist.group.WORLD if dist.is_initialized() else None,
+                              cache_dir=os.path.join(args.data_cache_dir, "scans"),
+                              truncate=getattr(args, "truncate_long_samples", False),
+                              skip_bad=getattr(args, "skip_bad_samples", False))
+    skipped = dataset.scan.skipped
+    if skipped and (not dist.is_initialized() or dist.get_rank() == 0):
+        report = skipped_report_path(args, meta_path)
+        os.makedirs(os.path.dirname(report), exist_ok=True)
+        with open(report, "w") as f:
+            f.write("".join(f"{line}\n" for line in skipped))
+        records = len({line.split(": ", 1)[0] for line in skipped})
+        print(f"> data: {records} bad record(s) of {meta_path} skipped ({len(skipped)} problem(s)), "
+              f"listed in {report}; training on the other {len(dataset)} sample(s)", flush=True)
+    return dataset
+
+
+def skipped_report_path(args, meta_path: str) -> str:
+    """Where --skip-bad-samples lists the records it left out of ``meta_path`` (``file:line: reason``)."""
+    name = os.path.splitext(os.path.basename(meta_path))[0]
+    return os.path.join(args.data_cache_dir, "skipped", f"{name}.txt")
 
 
 def build_groups(args, plan: RunPlan, dataset) -> tuple[tuple[list[np.ndarray], np.ndarray | None, object], RunPlan]:
@@ -64,8 +82,9 @@ def build_groups(args, plan: RunPlan, dataset) -> tuple[tuple[list[np.ndarray], 
         groups, order, params, mean_group = isf_groups(args, plan, dataset)
         plan = dataclasses.replace(plan, isf_params=params, isf_mean_group=mean_group)
         return (groups, order, isf_regroup(args, plan, dataset)), plan
-    return (random_groups(len(dataset), args.micro_batch_size, seed=args.seed), None,
-            random_regroup(args.micro_batch_size, seed=args.seed)), plan
+    # random batching: single-sample groups, a micro-batch takes --micro-batch-size of them (the sampler's
+    # ``take``), so the samples of an iteration do not depend on the micro-batch size
+    return (random_groups(len(dataset), 1, seed=args.seed), None, random_regroup(1, seed=args.seed)), plan
 
 
 def build_datasets(args, plan: RunPlan, tokenizer) -> tuple[InternVLDataset, InternVLDataset | None]:
@@ -116,14 +135,16 @@ def build_data(args, plan: RunPlan, tokenizer, inputs: StageInputs | None = None
         loader.update(tp_group=parallel_state.get_tensor_model_parallel_group(),
                       tp_src=parallel_state.get_tensor_model_parallel_src_rank())
     groups, order, regroup = groups if groups is not None else build_groups(args, plan, train_set)[0]
+    take = 1 if args.omnibal_isf else args.micro_batch_size  # random: micro-batches slice the global batch
     sampler = GroupBatchSampler(groups, dp, dp_rank, seed=args.seed, order=order,
-                                microbatches=plan.num_microbatches, regroup=regroup)
+                                microbatches=plan.num_microbatches, regroup=regroup, take=take)
     train = MicroBatches(train_set, sampler, tokenizer.pad_id, packed=args.omnibal_isf, image_tokens=image_tokens,
                          **loader)
     valid = None
     if valid_set is not None:
-        valid = MicroBatches(valid_set, GroupBatchSampler(random_groups(len(valid_set), args.micro_batch_size, seed=0),
-                                                          dp, dp_rank, seed=0), tokenizer.pad_id, packed=False,
+        valid = MicroBatches(valid_set, GroupBatchSampler(random_groups(len(valid_set), 1, seed=0), dp, dp_rank, seed=0,
+                                                          microbatches=plan.num_microbatches,
+                                                          take=args.micro_batch_size), tokenizer.pad_id, packed=False,
                              image_tokens=image_tokens, **loader)
     return train, valid
 

@@ -26,6 +26,7 @@ from omnibal_ext.model.spec import TEXT_EMBED
 from . import checkpointing
 from .arguments import ArgumentError
 from .interleaved import chunk_data, interleaved_peak, schedule_groups, sum_tied_grads
+from .loss_reduction import prefetch, weight
 from .memory import ActivationMeter, one_f_one_b_peak, static_bytes
 from .run_plan import RunPlan
 
@@ -50,7 +51,8 @@ def build_model(args, plan: RunPlan, img_context_id: int, device: torch.device):
             resolve_transformer_impl(args.transformer_impl, device, args.attention_backend, plan.context_parallel_size),
             attention_backend=args.attention_backend, seed=args.seed, recompute=plan.recompute[stage],
             img_context_id=img_context_id, on_cpu=on_cpu, sequence_parallel=args.sequence_parallel,
-            cp=plan.context_parallel_size, trainable=None if plan.trainable is None else plan.trainable.trains))
+            cp=plan.context_parallel_size, trainable=None if plan.trainable is None else plan.trainable.trains,
+            vision_drop_path_rate=args.vision_drop_path_rate))
         if vpp > 1:  # read by megatron-core's interleaved schedule and p2p communicator (model[0]'s config)
             module.config.virtual_pipeline_model_parallel_size = vpp
         module.to(device=device, dtype=dtype)
@@ -152,44 +154,64 @@ def sync_params(model) -> None:
             m.enable_forward_pre_hook()
 
 
-def loss_func(batch: dict, token_correct: torch.Tensor, output_tensor: torch.Tensor):
-    """Sum of answer-token losses, their count, and what the log reports.
+def loss_func(batch: dict, token_correct: torch.Tensor, output_tensor: torch.Tensor, reduction: str = "token",
+              scale: float | None = None):
+    """The micro-batch's loss for the schedule, and what the log reports (megatron/training/loss_reduction.py).
 
-    Returns (loss sum, token count, {"lm loss": [sum, count], "answers": [correct, total]}).
-    An answer counts as correct when every one of its tokens is the argmax under teacher
-    forcing, which is exactly when greedy decoding reproduces it.
+    Returns megatron-core's (loss, count, report); the configs set ``calculate_per_token_loss``, so the schedule
+    sums the losses and ``finalize_model_grads`` divides the gradients by the counts summed over the
+    micro-batches and the data-parallel ranks.  token: (answer-token loss sum, answer tokens), megatron's
+    per-token loss.  sample/square: (sum_s w(n_s) sum_{i in s} l_i x ``scale``, 1), with ``scale`` = (micro-batches
+    x data-parallel ranks) / D, D the global batch's normaliser: the division by the counts then leaves
+    sum / D.  report: {"lm loss": [weighted sum, sum_s w(n_s) n_s], "token loss": [loss sum, answer tokens],
+    "answers": [correct, total]}.  An answer counts as correct when every one of its tokens is the argmax under
+    teacher forcing (exactly when greedy decoding reproduces it).  The weights come from the host's
+    ``sample_answers``: nothing here reads a device value.
     """
     labels = batch["labels"]
     mask = labels != -100
-    loss_sum = (output_tensor * mask).sum()
+    token_losses = (output_tensor * mask).flatten()
+    loss_sum = token_losses.sum()
     num_tokens = mask.sum().to(torch.int)
     seg = batch["segment_ids"].clamp(min=0).flatten()
-    n_samples = batch["sample_tokens"].numel()  # shape metadata, no device read
+    counts = batch["sample_answers"]  # host list: n_s per sample
+    n_samples = len(counts)
     dev = labels.device
     # per-sample sums over every token, weighted by the answer mask: no data-dependent shape (no sync)
     wrong = torch.zeros(n_samples, device=dev).index_add_(0, seg, ((~token_correct) & mask).flatten().float())
-    has_answer = torch.zeros(n_samples, device=dev).index_add_(0, seg, mask.flatten().float())
     if parallel_state.get_context_parallel_world_size() > 1:  # a sample's tokens are spread over the CP ranks
-        counts = torch.stack([wrong, has_answer])
-        dist.all_reduce(counts, group=parallel_state.get_context_parallel_group())
-        wrong, has_answer = counts[0], counts[1]
-    answered = has_answer > 0
+        dist.all_reduce(wrong, group=parallel_state.get_context_parallel_group())
+    answered = torch.tensor([n > 0 for n in counts]).to(dev, non_blocking=True)  # whole samples' answer counts
     report = {
-        "lm loss": torch.stack([loss_sum.detach().clone().float(), num_tokens.float()]),
+        "token loss": torch.stack([loss_sum.detach().clone().float(), num_tokens.float()]),
         "answers": torch.stack([(answered & (wrong == 0)).sum().float(), answered.sum().float()]),
     }
-    if parallel_state.get_context_parallel_rank() > 0:  # counted once per CP group (reports sum over DP x CP)
+    # context parallelism: a sample's answer and its count (host metadata of the whole sample) are reported by
+    # CP rank 0 alone (reports sum over DP x CP); each rank's loss sum holds its own tokens
+    first_cp = parallel_state.get_context_parallel_rank() == 0
+    if not first_cp:
         report["answers"] = torch.zeros_like(report["answers"])
-    return loss_sum, num_tokens, report
+    if reduction == "token":
+        report["lm loss"] = report["token loss"]
+        return loss_sum, num_tokens, report
+    weights = [weight(int(n), reduction) for n in counts]
+    per_sample = torch.zeros(n_samples, device=dev, dtype=token_losses.dtype).index_add_(0, seg, token_losses)
+    weighted = (per_sample * torch.tensor(weights, dtype=token_losses.dtype).to(dev, non_blocking=True)).sum()
+    norm = sum(w * n for w, n in zip(weights, counts)) if first_cp else 0.0
+    report["lm loss"] = torch.stack([weighted.detach().clone().float(), torch.tensor(norm, device=dev).float()])
+    one = torch.ones((), dtype=torch.int, device=dev)
+    return (weighted if scale is None else weighted * scale), one, report
 
 
 DATA_WAIT = {"s": 0.0}  # seconds forward_step spent in next(data_iterator) since train() last read it
 
 
-def forward_step(data_iterator, model, meter: ActivationMeter | None = None):
+def forward_step(data_iterator, model, meter: ActivationMeter | None = None, reduction: str = "token",
+                 scale: float | None = None):
     """megatron-core's forward_step_func (``partial(forward_step, meter=...)``): one micro-batch through
-    this stage.  The last stage returns ``HeadOutput(loss, correct)``: the loss goes to the schedule, the
-    argmax check to ``loss_func``.  meter: measures the bytes autograd saves (training forwards only)."""
+    this stage.  The last stage returns ``HeadOutput(loss, correct)``: the per-token loss and the argmax
+    check go to ``loss_func`` (with ``reduction`` and ``scale``, see there).  meter: measures the bytes
+    autograd saves (training forwards only)."""
     device = next(unwrap_model(model).parameters()).device
     t0 = time.perf_counter()
     raw = next(data_iterator)
@@ -202,8 +224,8 @@ def forward_step(data_iterator, model, meter: ActivationMeter | None = None):
     else:
         output = model(batch)
     if isinstance(output, HeadOutput):
-        return output.loss, partial(loss_func, batch, output.correct)
-    return output, partial(loss_func, batch, None)
+        return output.loss, partial(loss_func, batch, output.correct, reduction=reduction, scale=scale)
+    return output, partial(loss_func, batch, None, reduction=reduction, scale=scale)
 
 
 def reduce_reports(reports: list[dict]) -> dict:
@@ -246,7 +268,7 @@ class MetricsLog:
             return
         parts = [f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] {prefix}iteration {iteration:8d}/{total:8d}"]
         fmt = {"consumed samples": "{:12d}", "elapsed time per iteration (ms)": "{:.1f}",
-               "learning rate": "{:.6E}", "global batch size": "{:5d}", "lm loss": "{:.6E}",
+               "learning rate": "{:.6E}", "global batch size": "{:5d}", "lm loss": "{:.6E}", "token mean loss": "{:.6E}",
                "answer acc": "{:.4f}", "grad norm": "{:.4f}", "tokens/s": "{:.1f}", "images/s": "{:.1f}",
                "pad ratio": "{:.4f}", "data wait ms": "{:.1f}", "dist ratio llm": "{:.4f}", "dist ratio vit": "{:.4f}"}
         for key, value in metrics.items():
@@ -297,7 +319,10 @@ def train(args, plan: RunPlan, model, optimizer, scheduler, train_data, valid_da
     balance_sums, balance_count = {}, 0
     meter = ActivationMeter(torch.nn.ModuleList([unwrap_model(m) for m in model])) if plan.log_activation_memory \
         else None
-    train_step = partial(forward_step, meter=meter)
+    reduction = args.loss_reduction
+    dp_gloo = parallel_state.get_data_parallel_group_gloo()
+    # the ranks whose loss counts finalize_model_grads sums (context-parallel ranks share their samples)
+    dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     peak_act = 0
     iteration = start_iteration
     saved = None
@@ -310,9 +335,18 @@ def train(args, plan: RunPlan, model, optimizer, scheduler, train_data, valid_da
         if meter:
             meter.reset()
         train_data.start_recording()
+        train_data.iteration = iteration + 1  # the drop path's key
         DATA_WAIT["s"] = 0.0
+        data_iterator, scale = train_data, None
+        if is_last and reduction != "token":  # the global batch's normaliser before the step (loss_reduction.py)
+            t0 = time.perf_counter()
+            batches, norm = prefetch(train_data, plan.num_microbatches, reduction, dp_gloo)
+            DATA_WAIT["s"] += time.perf_counter() - t0
+            data_iterator = iter(batches)
+            scale = plan.num_microbatches * dp_cp / max(norm, 1e-30)
+        train_step = partial(forward_step, meter=meter, reduction=reduction, scale=scale)
         reports = forward_backward(
-            forward_step_func=train_step, data_iterator=chunk_data(train_data, len(model)), model=model,
+            forward_step_func=train_step, data_iterator=chunk_data(data_iterator, len(model)), model=model,
             num_microbatches=plan.num_microbatches, seq_length=args.seq_length,
             micro_batch_size=args.micro_batch_size, forward_only=False)
         ok, grad_norm, _ = optimizer.step()
@@ -412,12 +446,12 @@ def evaluate(args, plan: RunPlan, model, valid_data, forward_backward) -> dict:
         m.eval()
     reports = []
     valid_data.reset()
-    groups_per_iteration = plan.data_parallel_size * plan.num_microbatches
-    iters = args.eval_iters or max(1, valid_data.sampler.num_groups // groups_per_iteration)
+    iters = args.eval_iters or max(1, valid_data.sampler.num_groups // valid_data.sampler.block)
     with torch.no_grad():
         for _ in range(iters):
             reports += forward_backward(
-                forward_step_func=forward_step, data_iterator=chunk_data(valid_data, len(model)), model=model,
+                forward_step_func=partial(forward_step, reduction=args.loss_reduction),
+                data_iterator=chunk_data(valid_data, len(model)), model=model,
                 num_microbatches=plan.num_microbatches, seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size, forward_only=True)
     for m in model:
@@ -426,5 +460,6 @@ def evaluate(args, plan: RunPlan, model, valid_data, forward_backward) -> dict:
         return {}
     totals = reduce_reports(reports)
     return {"lm loss": float(totals["lm loss"][0] / totals["lm loss"][1].clamp(min=1)),
+            "token mean loss": float(totals["token loss"][0] / totals["token loss"][1].clamp(min=1)),
             "answer acc": float(totals["answers"][0] / totals["answers"][1].clamp(min=1)),
             "answers": int(totals["answers"][1])}

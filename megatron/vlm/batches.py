@@ -39,7 +39,7 @@ PIXEL_KEYS = ("pixel_values",)
 TOKEN_KEYS = ("tokens", "image_tile_index")
 LABEL_KEYS = ("labels",)
 PACKING_KEYS = ("cu_seqlens", "max_seqlen", "segment_ids", "position_ids")
-ALWAYS_KEYS = ("sample_tokens", "sample_tiles")
+ALWAYS_KEYS = ("sample_tokens", "sample_tiles", "sample_answers", "sample_ids", "tile_keys")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,9 +90,11 @@ class StageDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> dict:
         if hasattr(self.dataset, "sample"):
-            return self.dataset.sample(index, decode_images=self.images)
-        sample = self.dataset[index]
-        return sample if self.images else {k: v for k, v in sample.items() if k != "pixel_values"}
+            sample = self.dataset.sample(index, decode_images=self.images)
+        else:
+            sample = self.dataset[index]
+            sample = sample if self.images else {k: v for k, v in sample.items() if k != "pixel_values"}
+        return {**sample, "sample_id": index}  # the drop path's key (megatron/vlm/drop_path.py)
 
 
 class Collate:
@@ -192,6 +194,7 @@ class MicroBatches:
         self.tp_group, self.tp_src = tp_group, tp_src
         self.collate = Collate(pad_id, packed, self.inputs, image_tokens, pad_to_multiple, cp, cp_rank)
         self._records = None
+        self.iteration = 0  # the training iteration the served micro-batches belong to (set by the trainer)
         self._loads = tp_group is None or dist.get_rank() == tp_src
         self.loader = None
         if self._loads:
@@ -216,6 +219,7 @@ class MicroBatches:
         if self.tp_group is not None:
             batch = broadcast_batch(batch, self.tp_src, self.tp_group)
         self._consumed += 1
+        batch["iteration"] = self.iteration  # a Python value: the drop path's key (megatron/vlm/drop_path.py)
         if self._records is not None:
             self._records.append({"tokens": batch["sample_tokens"].tolist(), "tiles": batch["sample_tiles"].tolist(),
                                   "packed": self.packed})

@@ -49,6 +49,7 @@ class StageContext:
     transformer_impl: str
     attention_backend: str
     output: str  # "loss" or "logits"
+    vision_drop_path_rate: float = 0.0  # ViT stochastic depth at the last layer (megatron/vlm/drop_path.py)
 
     @property
     def thd(self) -> bool:

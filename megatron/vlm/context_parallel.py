@@ -96,6 +96,8 @@ def split_batch(batch: dict, cp: int, rank: int, pad_id: int, img_context_id: in
         if len(tiles) == 0:  # fewer tiles than CP ranks: run one tile whose output nobody reads (keeps shapes)
             tiles = range(0, 1)
         out["pixel_values"] = batch["pixel_values"][tiles.start:tiles.stop]
+        if "tile_keys" in batch:  # the drop path's keys of this rank's tiles
+            out["tile_keys"] = batch["tile_keys"][tiles.start:tiles.stop]
     if "cu_seqlens" not in batch:
         return out
     bounds = batch["cu_seqlens"].tolist()

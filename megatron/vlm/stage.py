@@ -71,6 +71,7 @@ class StageBuild:
     trainable: tuple[bool, ...] | None = None
     sequence_parallel: bool = False  # --sequence-parallel: the ViT and LLM layers' (megatron/vlm/sequence_parallel.py)
     cp: int = 1  # context-parallel size of the LLM (megatron/vlm/context_parallel.py); the ViT has none
+    vision_drop_path_rate: float = 0.0  # ViT stochastic depth, rising linearly to this at the last layer
 
 
 @dataclasses.dataclass
@@ -136,7 +137,8 @@ class VLMStage(MegatronModule):
         self.recompute = build.recompute or StageRecompute()
         self.ctx = StageContext(spec=spec, units=tuple(units), vision_config=vision_config, language_config=llm_config,
                                 seed=build.seed, recompute=self.recompute, img_context_id=build.img_context_id,
-                                transformer_impl=impl, attention_backend=backend, output=build.output)
+                                transformer_impl=impl, attention_backend=backend, output=build.output,
+                                vision_drop_path_rate=build.vision_drop_path_rate)
         self.parts: list[_Part] = []
         for run in _runs(self.units):
             component = family.component(run[0].kind)(self.ctx)

@@ -174,6 +174,12 @@ class GroupBatchSampler:
     regroup: ``regroup(sample_ids) -> (groups, order)``, how this run groups a subset of samples
     (called by ``load_state_dict`` when the saved stream differs from this one; collective in the
     trainer, so every rank must load).  None: such a state is refused.
+    take: groups per consumer per step, served together as one micro-batch (random batching only): with
+    single-sample groups and ``take`` = the micro-batch size, an iteration's samples are a slice of the
+    stream of ``dp_size * take * microbatches`` = global batch samples that does not depend on the
+    micro-batch size (micro-batches are slices of the global batch, as in Megatron).
+    After ``load_state_dict``, ``resumed`` says how: "continued" (same stream), "regrouped" (the rest of
+    the saved epoch regrouped and served first) or "next epoch" (nothing of the saved epoch served).
     """
 
     def __init__(
@@ -188,6 +194,7 @@ class GroupBatchSampler:
         sp_rank: int = 0,
         microbatches: int = 1,
         regroup: Regroup | None = None,
+        take: int = 1,
     ) -> None:
         if isinstance(groups, PackPlan):
             if order is None:
@@ -208,10 +215,14 @@ class GroupBatchSampler:
         if microbatches < 1:
             raise ValueError(f"GroupBatchSampler: microbatches must be >= 1, got {microbatches}")
         self.order = _checked_order(order, G, "GroupBatchSampler")
+        if take < 1 or (take > 1 and (order is not None or sp > 1)):
+            raise ValueError(f"GroupBatchSampler: take={take} needs random batching without sp, and >= 1")
         self.dp_size, self.dp_rank, self.sp, self.sp_rank = dp_size, dp_rank, sp, sp_rank
-        self.width = dp_size * sp
+        self.take = int(take)
+        self.width = dp_size * sp * self.take
         self.block = self.width * microbatches
-        self.consumer = dp_rank * sp + sp_rank
+        self.consumer = (dp_rank * sp + sp_rank) * self.take
+        self.resumed: str | None = None
         self.seed = int(seed)
         self.num_steps = num_steps
         self.regroup = regroup
@@ -298,9 +309,9 @@ class GroupBatchSampler:
 
     def __iter__(self):
         while self.num_steps is None or self.step < self.num_steps:
-            gid = self.step_groups(self.step)[self.consumer]
+            gids = self.step_groups(self.step)[self.consumer:self.consumer + self.take]
             self.step += 1
-            yield self.group(int(gid)).tolist()
+            yield [i for gid in gids for i in self.group(int(gid)).tolist()]
 
     def seek(self, step: int) -> None:
         """Continue at global step ``step`` of the current stream (evaluation rewinds with 0)."""
@@ -358,6 +369,7 @@ class GroupBatchSampler:
         groups = _split_groups(state["prefix_members"], state["prefix_sizes"])
         self._set_prefix(groups, state["prefix_order"], int(state["first_epoch"]))
         self.step = pos // W
+        self.resumed = "continued"
 
     def _regroup_rest(self, state: dict) -> None:
         """Another regular stream: serve the rest of the saved epoch regrouped, then epochs from the next."""
@@ -376,7 +388,9 @@ class GroupBatchSampler:
                 f"run's training set holds {num_samples} samples: resume with the same training data")
         if not state["epoch_started"]:  # nothing of that epoch served: start it afresh
             self._set_prefix([], None, first_epoch=epoch)
+            self.resumed = "next epoch"
         else:
+            self.resumed = "regrouped"
             groups, order = self.regroup(unserved)
             _check_regrouped(groups, unserved)
             self._set_prefix(list(groups), order, first_epoch=epoch + 1)

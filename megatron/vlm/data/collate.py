@@ -11,6 +11,11 @@ Batch schema (B samples; n_tiles = sum of their tiles)::
     image_flags   int64 [n_tiles]              1 real tile, 0 dummy tile of a text-only sample
     sample_tokens int64 [B]      real tokens per sample
     sample_tiles  int64 [B]      tiles per sample (dummy included)
+    sample_answers list[int] (Python)  answer tokens (labels != -100) per sample: the loss reduction's n_s,
+                                 on the host (megatron/training/loss_reduction.py)
+    sample_ids    int64 [B]      dataset index of each sample (``sample_id`` of the sample dict; -1 when absent)
+    tile_keys     int64 [n_tiles]  32-bit hash of (sample id, tile within its sample): the ViT drop path's
+                                 per-tile key (megatron/vlm/drop_path.py), host-built
     image_tile_index int64 [real tiles]  indices of the real tiles in pixel_values (host-built, so the
                                  model selects their features without a data-dependent shape)
     cu_seqlens    int32 [segments + 1]   cumulative segment lengths over the flattened micro-batch
@@ -35,7 +40,8 @@ import torch
 from .template import IGNORE_INDEX
 
 BATCH_KEYS = ("tokens", "labels", "position_ids", "segment_ids", "pixel_values", "image_flags",
-              "sample_tokens", "sample_tiles", "image_tile_index", "cu_seqlens", "max_seqlen")
+              "sample_tokens", "sample_tiles", "sample_answers", "sample_ids", "tile_keys", "image_tile_index",
+              "cu_seqlens", "max_seqlen")
 HOST_KEYS = ("cu_seqlens", "max_seqlen")  # stay on the host: read by Python, never waited for
 
 
@@ -64,6 +70,19 @@ def _images(samples: list[dict]) -> dict:
         "image_tile_index": torch.nonzero(flags).flatten(),
         "sample_tokens": torch.tensor([len(s["input_ids"]) for s in samples], dtype=torch.int64),
         "sample_tiles": torch.tensor([len(s["image_flags"]) for s in samples], dtype=torch.int64),
+        **sample_keys(samples),
+    }
+
+
+def sample_keys(samples: list[dict]) -> dict:
+    """Host-side per-sample metadata: answer-token counts, dataset ids and the per-tile drop-path keys."""
+    from megatron.vlm.drop_path import tile_keys
+
+    ids = [int(s.get("sample_id", -1)) for s in samples]
+    return {
+        "sample_answers": [int((torch.as_tensor(s["labels"]) != IGNORE_INDEX).sum()) for s in samples],
+        "sample_ids": torch.tensor(ids, dtype=torch.int64),
+        "tile_keys": tile_keys(ids, [len(s["image_flags"]) for s in samples]),
     }
 
 

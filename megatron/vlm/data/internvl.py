@@ -83,6 +83,7 @@ class ReaderConfig:
     system: str | None = None  # system prompt for conversations without their own
     add_bos: bool = True
     seed: int = 0  # for fractional repeat_time
+    skip_bad: bool = False  # a record with a problem is left out (listed in ScanResult.skipped), not an error
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_num_tiles <= self.max_num_tiles:
@@ -164,6 +165,7 @@ class ScanResult:
     order: np.ndarray  # int64 [N] record index of each dataset sample (repeat_time applied)
     num_truncated: int
     num_without_loss: int  # truncated samples left with no answer token
+    skipped: tuple = ()  # with skip_bad: "file:line: reason" of every problem of the records left out
 
     def where(self, record: int) -> str:
         return f"{self.sources[self.rec_source[record]].annotation}:{self.rec_line[record]}"
@@ -322,7 +324,8 @@ def _scan_record(raw: bytes, src: SourceSpec, tokenizer, config: ReaderConfig):
     if cut < plan.length:
         if not config.truncate:
             return [f"sample is {plan.length} tokens ({sum(tiles)} tiles) > max_seq_length {config.max_seq_length}; "
-                    "raise the sequence length, lower --max-num-tiles or allow truncation"]
+                    "raise --seq-length, lower --max-num-tiles, pass --truncate-long-samples (cut it at --seq-length) "
+                    "or --skip-bad-samples (leave it out)"]
         truncated = True
         _, labels = plan.materialize(cut)
         without_loss = not (labels != -100).any()
@@ -332,6 +335,7 @@ def _scan_record(raw: bytes, src: SourceSpec, tokenizer, config: ReaderConfig):
 def merge_shares(meta_path: str, sources: list[SourceSpec], shares: list[ScanShare], config: ReaderConfig) -> ScanResult:
     """The ScanResult of all ``shares`` together (records back in file order), or every problem found."""
     errors = sorted(e for share in shares for e in share.errors)
+    skipped = tuple(e[-1] for e in errors) if config.skip_bad else ()
     # records back in file order (by source, then line), each with its images
     records = np.concatenate([share.records for share in shares])
     images = np.concatenate([share.images for share in shares])
@@ -341,7 +345,7 @@ def merge_shares(meta_path: str, sources: list[SourceSpec], shares: list[ScanSha
     records, counts, first_image = records[by_line], counts[by_line], first_image[by_line]
     img_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     images = images[np.repeat(first_image - img_ptr[:-1], counts) + np.arange(img_ptr[-1])]
-    messages = [e[-1] for e in errors]
+    messages = [] if config.skip_bad else [e[-1] for e in errors]
     order_parts = []
     for s_idx, src in enumerate(sources):
         n_records = int((records[:, 0] == s_idx).sum())
@@ -353,6 +357,8 @@ def merge_shares(meta_path: str, sources: list[SourceSpec], shares: list[ScanSha
                             f"{src.annotation} has {n_records} records")
         rng = np.random.default_rng([config.seed, s_idx])
         order_parts.append(first_record + _repeat_indices(n_records, src.repeat_time, rng))
+    if config.skip_bad and errors and not len(records):
+        messages.append(f"{meta_path}: every record has a problem ({len(errors)} problem(s); first: {errors[0][-1]})")
     if messages:
         listed = "\n  ".join(messages[:MAX_LISTED_ERRORS])
         more = f"\n  ... and {len(messages) - MAX_LISTED_ERRORS} more" if len(messages) > MAX_LISTED_ERRORS else ""
@@ -362,7 +368,8 @@ def merge_shares(meta_path: str, sources: list[SourceSpec], shares: list[ScanSha
     rec = [np.ascontiguousarray(records[:, j]) for j in range(7)]
     return ScanResult(sources, rec[0], rec[1], rec[2], img_ptr, np.ascontiguousarray(images[:, 0]),
                       np.ascontiguousarray(images[:, 1]), np.ascontiguousarray(images[:, 2]), rec[3], rec[4], rec[5],
-                      rec[6], order.astype(np.int64), num_truncated, sum(share.num_without_loss for share in shares))
+                      rec[6], order.astype(np.int64), num_truncated, sum(share.num_without_loss for share in shares),
+                      skipped)
 
 
 class InternVLDataset(torch.utils.data.Dataset):
@@ -376,14 +383,15 @@ class InternVLDataset(torch.utils.data.Dataset):
     def __init__(self, meta_path: str, tokenizer, image_size: int, tokens_per_tile: int, max_num_tiles: int,
                  max_seq_length: int | None, use_thumbnail: bool = True, truncate: bool = False, *,
                  system: str | None = None, add_bos: bool = True, seed: int = 0, progress: bool = False,
-                 min_num_tiles: int = 1, scan_group=None, cache_dir: str | None = None) -> None:
+                 min_num_tiles: int = 1, scan_group=None, cache_dir: str | None = None,
+                 skip_bad: bool = False) -> None:
         self.meta_path = meta_path
         self.tokenizer = tokenizer
         self.config = ReaderConfig(image_size=image_size, tokens_per_tile=tokens_per_tile,
                                    max_num_tiles=max_num_tiles, min_num_tiles=min_num_tiles,
                                    max_seq_length=max_seq_length,
                                    use_thumbnail=use_thumbnail, truncate=truncate, system=system,
-                                   add_bos=add_bos, seed=seed)
+                                   add_bos=add_bos, seed=seed, skip_bad=skip_bad)
         self.scan = scan_annotations(meta_path, tokenizer, self.config, progress=progress, group=scan_group,
                                      cache_dir=cache_dir)
 

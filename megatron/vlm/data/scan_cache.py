@@ -35,7 +35,7 @@ def scan_key(meta_path: str, sources, config, tokenizer) -> str:
         "format": FORMAT,
         "meta": meta_digest,
         "annotations": [stat(src.annotation) for src in sources],
-        "config": dataclasses.asdict(config),
+        "config": {k: v for k, v in dataclasses.asdict(config).items() if k != "skip_bad" or v},
         "tokenizer": [repr(tokenizer), tokenizer.vocab_size, getattr(tokenizer, "chat_template", None), tok_files],
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:32]
@@ -55,9 +55,10 @@ def load_scan(path: str) -> dict | None:
         with np.load(path, allow_pickle=False) as z:
             arrays = {name: z[name] for name in _ARRAYS}
             num_truncated, num_without_loss = (int(v) for v in z["counts"])
+            skipped = tuple(str(m) for m in z["skipped"]) if "skipped" in z.files else ()
     except (OSError, KeyError, ValueError):
         return None
-    return {**arrays, "num_truncated": num_truncated, "num_without_loss": num_without_loss}
+    return {**arrays, "num_truncated": num_truncated, "num_without_loss": num_without_loss, "skipped": skipped}
 
 
 def save_scan(path: str, scan) -> None:
@@ -65,5 +66,6 @@ def save_scan(path: str, scan) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}.npz"
     np.savez(tmp, counts=np.array([scan.num_truncated, scan.num_without_loss], np.int64),
+             skipped=np.array(list(scan.skipped), dtype=str),
              **{name: getattr(scan, name) for name in _ARRAYS})
     os.replace(tmp, path)

@@ -11,6 +11,7 @@ from omnibal_ext.model.families.internvl import ProjectorCost, VisionEmbedCost, 
 
 from megatron.vlm import layers, sequence_parallel
 from megatron.vlm.components import RuntimeComponent
+from megatron.vlm.drop_path import iteration_keys, layer_rates
 from megatron.vlm.sharding import drop_padded_heads
 
 from . import hf
@@ -43,8 +44,12 @@ class VisionLayer(RuntimeComponent):
 
     def layer_spec(self, first_unit_index: int):
         v, ctx = self.spec.vision, self.ctx
+        drop_path = None
+        if ctx.vision_drop_path_rate > 0:
+            first = next(u.index for u in ctx.units if u.code == self.code())
+            drop_path = (first, tuple(layer_rates(ctx.vision_drop_path_rate, v.num_layers)))
         return layer_spec(v.normalization, AttnMaskType.no_mask, ctx.seed, first_unit_index, ctx.transformer_impl,
-                          ctx.attention_backend, real_heads=v.num_attention_heads, vision=v)
+                          ctx.attention_backend, real_heads=v.num_attention_heads, vision=v, drop_path=drop_path)
 
     def build(self, units):
         full, selective = self.ctx.layer_recompute(self.code())
@@ -60,8 +65,11 @@ class VisionLayer(RuntimeComponent):
             if self.sp_enters:
                 x = sequence_parallel.enter(F.pad(x, (0, 0, 0, 0, 0, padded - tokens)))
             mask = sequence_parallel.vit_pad_mask(tokens, padded, x.device)
+        keys = None  # drop path: the tiles' keys of this iteration, as the blocks' context (saved for recompute)
+        if self.ctx.vision_drop_path_rate > 0 and module.training and "tile_keys" in batch:
+            keys = iteration_keys(batch["tile_keys"], self.ctx.seed, int(batch.get("iteration", 0)))
         for block in module:
-            x = block(hidden_states=x, attention_mask=mask)
+            x = block(hidden_states=x, attention_mask=mask, context=keys)
         if cfg.sequence_parallel and self.sp_leaves:
             x = sequence_parallel.leave(x)[:self.spec.vision.seq_per_tile]
         return x

@@ -127,12 +127,15 @@ class FullWidthQKNorm(MegatronModule):
 
 def layer_spec(normalization: str, mask_type: AttnMaskType, seed: int, first_unit_index: int,
                transformer_impl: str = "local", attention_backend: str = "auto",
-               real_heads: int | None = None, vision=None) -> ModuleSpec:
+               real_heads: int | None = None, vision=None, drop_path: tuple[int, tuple[float, ...]] | None = None
+               ) -> ModuleSpec:
     """The shared seeded layer spec (``megatron.vlm.layers.layer_spec``) with InternViT's features.
 
     real_heads: the model's attention heads when the config may hold padded ones: the layer's matrices are
     then drawn by ``draw_padded_layer``. vision: the VisionSpec whose per-layer features (qkv bias off,
-    qk-norm, layer scale) the layer gets (None: a plain layer).
+    qk-norm, layer scale) the layer gets (None: a plain layer). drop_path: (unit index of ViT layer 0, drop
+    probability per ViT layer) for stochastic depth (megatron/vlm/drop_path.py; None: none): the layer is a
+    ``DropPathLayer`` and both bias-dropout-adds ``DropPathBDA`` (which carries the layer scale, if any).
     """
     redraw = None if real_heads is None else functools.partial(draw_padded_layer, real_heads=real_heads)
     spec = layers.layer_spec(normalization, mask_type, seed, first_unit_index, transformer_impl,
@@ -150,5 +153,17 @@ def layer_spec(normalization: str, mask_type: AttnMaskType, seed: int, first_uni
                                                           "init_value": vision.layer_scale_init})
             spec.submodules.self_attn_bda = scale
             spec.submodules.mlp_bda = copy.deepcopy(scale)
+    if drop_path is not None:
+        from megatron.vlm.drop_path import DropPathBDA, DropPathLayer
+
+        first, rates = drop_path
+        spec.module = DropPathLayer
+        spec.params = {**spec.params, "vit_first_unit": first, "rates": tuple(rates)}
+        scale_init = vision.layer_scale_init if vision is not None else None
+        hidden = vision.hidden_size if vision is not None else 0
+        spec.submodules.self_attn_bda = ModuleSpec(module=DropPathBDA, params={
+            "hidden_size": hidden, "branch": 0, "scale_init": scale_init})
+        spec.submodules.mlp_bda = ModuleSpec(module=DropPathBDA, params={
+            "hidden_size": hidden, "branch": 1, "scale_init": scale_init})
     return spec
 

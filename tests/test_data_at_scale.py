@@ -1,0 +1,97 @@
+"""Data at scale: --skip-bad-samples (bad records left out, listed with file:line and reason, counted in the
+log; the default stays: stop), --truncate-long-samples, and --load of a file refused."""
+import argparse
+import os
+import types
+
+import pytest
+
+from test_data_reader import SIZE, TOK, TPT, make_data, qa
+
+from launch import run_single
+from megatron.vlm.data import DataValidationError, InternVLDataset
+
+
+def bad_data(tmp_path):
+    long_text = "x" * 300
+    lines = [qa(), qa(a="one"), "not json", qa(a=long_text), qa(image="missing.png"), qa(a="two")]
+    return make_data(tmp_path, lines)
+
+
+def args_for(tmp_path, **flags):
+    from megatron.training.arguments import build_parser
+
+    args = build_parser().parse_args(["--data-cache-dir", str(tmp_path / "cache"), "--seq-length", "200",
+                                      "--image-size", str(SIZE), *sum(([f"--{k}"] if v is True else [f"--{k}", str(v)]
+                                                                      for k, v in flags.items()), [])])
+    return args
+
+
+def plan_for():
+    from omnibal_ext.model.units import get_preset
+
+    spec = get_preset("tiny")
+    return types.SimpleNamespace(model_spec=spec.replace(vision=__import__("dataclasses").replace(
+        spec.vision, image_size=SIZE, patch_size=4)))
+
+
+def test_default_still_stops_on_bad_records(tmp_path):
+    meta, ann = bad_data(tmp_path)
+    with pytest.raises(DataValidationError) as e:
+        InternVLDataset(meta, TOK, SIZE, TPT, 6, 200)
+    assert str(e.value).startswith("3 problem(s)")
+    assert "--truncate-long-samples" in str(e.value) and "--skip-bad-samples" in str(e.value)
+
+
+def test_skip_bad_samples_leaves_them_out_and_reports_them(tmp_path, capsys):
+    from megatron.training.setup import build_dataset, skipped_report_path
+
+    meta, ann = bad_data(tmp_path)
+    args = args_for(tmp_path, **{"skip-bad-samples": True})
+    ds = build_dataset(args, plan_for(), TOK, meta)
+    assert len(ds) == 3
+    assert [int(line) for line in ds.scan.rec_line] == [1, 2, 6]  # the good records, in file order
+    report = skipped_report_path(args, meta)
+    lines = open(report).read().splitlines()
+    assert len(lines) == 3
+    assert lines[0].startswith(f"{ann}:3: not valid JSON")
+    assert lines[1].startswith(f"{ann}:4: sample is") and "> max_seq_length 200" in lines[1]
+    assert lines[2].startswith(f"{ann}:5: image file not found")
+    out = capsys.readouterr().out
+    assert f"> data: 3 bad record(s) of {meta} skipped" in out and report in out
+    # the scan cache keeps the list: a restart reports the same records without scanning again
+    os.remove(report)
+    again = build_dataset(args, plan_for(), TOK, meta)
+    assert len(again) == 3 and open(report).read().splitlines() == lines
+    assert "is read from" in capsys.readouterr().out
+    # ... and a run without the flag does not take that cached scan: it stops
+    with pytest.raises(DataValidationError):
+        build_dataset(args_for(tmp_path), plan_for(), TOK, meta)
+
+
+def test_skip_bad_samples_with_nothing_left_is_an_error(tmp_path):
+    meta, ann = make_data(tmp_path, ["not json", qa(image="missing.png")])
+    with pytest.raises(DataValidationError, match="every record has a problem"):
+        InternVLDataset(meta, TOK, SIZE, TPT, 6, 200, skip_bad=True)
+
+
+@pytest.mark.filterwarnings("ignore:.*truncated to max_seq_length:UserWarning")
+def test_truncate_long_samples_flag(tmp_path):
+    from megatron.training.setup import build_dataset
+
+    meta, ann = bad_data(tmp_path)
+    args = args_for(tmp_path, **{"truncate-long-samples": True, "skip-bad-samples": True})
+    ds = build_dataset(args, plan_for(), TOK, meta)
+    assert len(ds) == 4  # the long record is cut, not left out
+    tokens, _ = ds.sample_lengths()
+    assert tokens.max() == 200 and ds.scan.num_truncated == 1
+
+
+def test_load_of_a_file_is_an_error(tmp_path):
+    f = tmp_path / "latest_checkpointed_iteration.txt"
+    f.write_text("4")
+    run = run_single(["--load", str(f), "--train-iters", "1"], tmp_path)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"error: --load {f} is a file: give the checkpoint folder (the one holding "
+        "latest_checkpointed_iteration.txt and iter_N/)")
