@@ -6,7 +6,7 @@ The ViT's work is counted in patches (``MicroBatchShape.vision_items``; ``Family
 image of ``grid_thw = (t, h, w)`` runs ``t*h*w`` patch tokens (14 x 14 px, two frames of a still image in
 one patch) and becomes ``t*h*w / 4`` LLM tokens after the 2x2 merger. Attention is per segment: a
 full-attention layer (``fullatt_block_indexes``) attends within each image (frame), a window-attention
-layer within each window of ``window_size`` px (8 x 8 merged tokens = 16 x 16 patches at 112 px; windows at
+layer within each window of ``window_size`` px (4 x 4 merged tokens = 8 x 8 patches at 112 px; windows at
 an image's right and bottom edges are smaller). The attention work of a micro-batch thus needs the sums of
 squared segment lengths, ``MicroBatchShape.vision_attn_tokens_sq`` (images) and
 ``vision_window_tokens_sq`` (windows); when they are not given, the patches are taken as one image and as
@@ -74,7 +74,7 @@ class VisionSpec:
 
     @property
     def window_patches_side(self) -> int:
-        """Patches per side of a full window (16 at 112 px)."""
+        """Patches per side of a full window (8 at 112 px: 4 x 4 merged tokens)."""
         return self.window_size // (self.spatial_merge_size * self.patch_size) * self.spatial_merge_size
 
     @property
