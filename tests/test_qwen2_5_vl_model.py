@@ -94,7 +94,7 @@ def flat_form(nested: dict) -> dict:
 
 
 def test_config_nested_and_flat_forms(tiny):
-    from megatron.vlm.hf.config import read_config, spec_from_config
+    from megatron.vlm.hf.configs import read_config, spec_from_config
 
     for name, (folder, _) in tiny.items():
         cfg = read_config(str(folder))
@@ -114,7 +114,7 @@ def test_config_nested_and_flat_forms(tiny):
     ("text_config", "rope_parameters", {"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0}),
 ])
 def test_unimplemented_config_is_refused_naming_the_key(tiny, where, key, value):
-    from megatron.vlm.hf.config import read_config, spec_from_config
+    from megatron.vlm.hf.configs import read_config, spec_from_config
 
     cfg = read_config(str(tiny["untied"][0]))
     cfg[where][key] = value

@@ -142,7 +142,7 @@ def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, devic
             x = run(plain_parts, unit, inp)
     units = [dataclasses.replace(per_kind[u.kind], name=u.name) for u in build_units(spec)]
     meta = {**environment_meta(), "device": _device_name(device), "dtype": str(dtype).replace("torch.", ""),
-            "shape": dataclasses.asdict(shape), "spec": spec.to_dict(), "tp": tp,
+            "shape": shape.to_dict(), "spec": spec.to_dict(), "tp": tp,
             "warmup": warmup, "repeats": repeats,
             # SegmentAttention keeps no scores, as FlashAttention; "unfused" keeps megatron-core's
             "attention": "unfused" if getattr(args, "attention_backend", "auto") == "unfused" else "flash"}
@@ -212,7 +212,7 @@ def profile_for_training(args, plan, dataset, img_context_id: int, device: torch
     byte_fields = ("act_bytes", "act_bytes_full", "act_bytes_selective", "send_bytes")
     units = tuple(dataclasses.replace(t, **{f: getattr(m, f) for f in byte_fields})
                   for t, m in zip(times.units, sizes.units))
-    meta = {**times.meta, "shape": dataclasses.asdict(timing), "memory_shape": dataclasses.asdict(memory)}
+    meta = {**times.meta, "shape": timing.to_dict(), "memory_shape": memory.to_dict()}
     return CostTable(units, source="profile", meta=meta)
 
 

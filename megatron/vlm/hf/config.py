@@ -1,6 +1,6 @@
-"""HF ``config.json`` -> ModelSpec (+ HFInfo), and a native ``config.json`` back: ``spec_from_config`` and
-``native_config`` ask the model family whose reader (``HFConfigReader``, ``RuntimeFamily.hf_config``) recognizes
-the config; InternVL's reader is the rest of this module.
+"""HF ``config.json`` readers: what every family's reader shares (``read_config``, ``HFInfo``, ``HFConfigError``,
+``HFConfigReader``, the padded vocabulary) and InternVL's reader (``internvl_*``). Which family reads a config is
+decided in ``megatron.vlm.hf.configs`` (``spec_from_config``, ``native_config``).
 
 Two layouts are read:
 
@@ -137,30 +137,6 @@ class HFConfigReader:
     recognizes: Callable[[dict], bool]
     spec_from_config: Callable
     native_config: Callable
-
-
-def config_family(cfg: dict, where: str = "config.json"):
-    """The runtime family (``megatron.vlm.families``) whose HF config reader recognizes ``cfg``."""
-    from megatron.vlm.families import FAMILIES
-
-    for family in FAMILIES.values():
-        if family.hf_config is not None and family.hf_config.recognizes(cfg):
-            return family
-    raise HFConfigError(f"{where}: model_type {cfg.get('model_type')!r} / architectures {cfg.get('architectures')} "
-                        f"is no model family with a Hugging Face reader "
-                        f"({', '.join(n for n, f in FAMILIES.items() if f.hf_config is not None)})")
-
-
-def spec_from_config(cfg: dict, name: str = "hf", where: str = "config.json") -> tuple[ModelSpec, HFInfo]:
-    """The ModelSpec and HFInfo of a ``config.json``, read by the family that recognizes it."""
-    return config_family(cfg, where).hf_config.spec_from_config(cfg, name, where)
-
-
-def native_config(spec: ModelSpec, info: HFInfo, source: dict | None) -> dict:
-    """The config.json an export of ``spec`` writes (its family's ``native_config``)."""
-    from megatron.vlm.families import runtime_family
-
-    return runtime_family(spec).hf_config.native_config(spec, info, source)
 
 
 def internvl_recognizes(cfg: dict) -> bool:

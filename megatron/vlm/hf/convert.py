@@ -21,7 +21,8 @@ import torch
 from omnibal_ext.errors import UserError
 from omnibal_ext.model.units import ModelSpec, build_units, spec_from_dict
 
-from .config import HFInfo, native_config, read_config, spec_from_config
+from .config import HFInfo, read_config
+from .configs import native_config, spec_from_config
 from .keys import check_names, recipes, to_hf
 from .recipes import detect_style
 from .reader import HFCheckpoint
