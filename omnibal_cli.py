@@ -53,7 +53,7 @@ def model_from_hf(folder: str):
     """The ModelSpec of a Hugging Face InternVL folder's config.json (``omnibal plan --hf-checkpoint``)."""
     import os
 
-    from megatron.vlm.hf.config import read_config, spec_from_config
+    from megatron.vlm.hf.configs import read_config, spec_from_config
 
     spec, _ = spec_from_config(read_config(folder), "hf:" + os.path.basename(os.path.normpath(folder)),
                                os.path.join(folder, "config.json"))

@@ -33,7 +33,7 @@ def tiny(tmp_path_factory):
 # config.json -> spec
 # --------------------------------------------------------------------------------------------------
 def test_spec_from_native_config(tiny):
-    from megatron.vlm.hf.config import read_config, spec_from_config
+    from megatron.vlm.hf.configs import read_config, spec_from_config
 
     spec, info = spec_from_config(read_config(str(tiny[("rms-qknorm", "llama")][0])))
     v, lang = spec.vision, spec.language
@@ -57,7 +57,7 @@ def test_spec_from_native_config(tiny):
     ("vision_config", "norm_type", "batch_norm"),
 ])
 def test_unimplemented_config_is_refused_naming_the_key(tiny, where, key, value):
-    from megatron.vlm.hf.config import read_config, spec_from_config
+    from megatron.vlm.hf.configs import read_config, spec_from_config
 
     cfg = read_config(str(tiny[("ln-bias", "qwen2")][0]))
     (cfg[where] if where else cfg)[key] = value
@@ -258,7 +258,7 @@ def test_hf_logits_script_under_torchrun(tiny, tmp_path, flags):
 # --------------------------------------------------------------------------------------------------
 def test_hf_checkpoint_flag_gives_the_model_and_refuses_conflicts(tiny):
     from megatron.training.arguments import ArgumentError, build_parser, model_spec_of, validate_args
-    from megatron.vlm.hf.config import read_config, spec_from_config
+    from megatron.vlm.hf.configs import read_config, spec_from_config
 
     folder = str(tiny[("rms-qknorm", "llama")][0])
     want, _ = spec_from_config(read_config(folder), "x")

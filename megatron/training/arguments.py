@@ -212,7 +212,7 @@ MODEL_DESTS = ("vision_num_layers", "vision_hidden_size", "vision_num_attention_
 
 def hf_spec_from_args(args) -> ModelSpec:
     """--hf-checkpoint: the model of DIR/config.json; model flags given besides must agree with it."""
-    from megatron.vlm.hf.config import read_config, spec_from_config
+    from megatron.vlm.hf.configs import read_config, spec_from_config
 
     import os
 

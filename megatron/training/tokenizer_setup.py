@@ -43,7 +43,7 @@ def setup_tokenizer(args, plan: RunPlan):
 def _check_hf_tokenizer(args, plan: RunPlan, tokenizer) -> RunPlan:
     """--hf-checkpoint: the vocabulary is the checkpoint's (config vocab_size, padded); the tokenizer must fit in
     it and its <IMG_CONTEXT> must be the config's image_token_id."""
-    from megatron.vlm.hf.config import read_config, spec_from_config
+    from megatron.vlm.hf.configs import read_config, spec_from_config
 
     spec = plan.model_spec
     _, info = spec_from_config(read_config(args.hf_checkpoint))

@@ -63,7 +63,8 @@ def segment_params(cu_seqlens: Tensor, max_seqlen: int, device: torch.device | N
 
 
 class SegmentAttention(DotProductAttention):
-    """Causal attention within each packed segment (THD), or over the whole sequence (no_mask/causal, sbhd).
+    """Attention within each packed segment (THD: causal, or bidirectional for ``no_mask`` layers such as a
+    ViT's packed images or windows), or over the whole sequence (no_mask/causal, sbhd).
 
     THD (``packed_seq_params`` given): query [t, np, hn], key/value [t, ng, hn] -> [t, np * hn].
     Otherwise as megatron-core's core attention: query [sq, b, np, hn], key/value [sk, b, ng, hn]
@@ -94,7 +95,8 @@ class SegmentAttention(DotProductAttention):
         if packed_seq_params is not None:
             if packed_seq_params.qkv_format != "thd" or attention_mask is not None:
                 raise ValueError("SegmentAttention: packed sequences are THD, without an attention mask")
-            return self._thd(query, key, value, packed_seq_params)
+            mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+            return self._thd(query, key, value, packed_seq_params, causal=mask_type != AttnMaskType.no_mask)
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
@@ -110,7 +112,7 @@ class SegmentAttention(DotProductAttention):
         # [b, n, s, d] -> [s, b, n * d]
         return ctx.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], self.hidden_size_per_partition)
 
-    def _thd(self, query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams) -> Tensor:
+    def _thd(self, query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams, causal: bool = True) -> Tensor:
         segments = getattr(params, "segments", None)
         if not segments:  # a plain PackedSeqParams: read its boundaries (host work in every layer)
             bounds = params.cu_seqlens_q.tolist()
@@ -123,7 +125,7 @@ class SegmentAttention(DotProductAttention):
         # [t, n, d] -> [1, n, t, d] (4-D: torch's CPU flash kernel takes no 3-D inputs, and the math
         # fallback would keep the scores)
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))
-        parts = [F.scaled_dot_product_attention(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], is_causal=True,
+        parts = [F.scaled_dot_product_attention(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], is_causal=causal,
                                                 scale=self.softmax_scale, enable_gqa=self.gqa)
                  for a, e in segments]
         ctx = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]

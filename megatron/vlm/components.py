@@ -307,8 +307,12 @@ class RuntimeFamily:
     ``RuntimeComponent`` class per unit kind of the planning side; vision_config(spec, tp, on_cpu, dtype):
     the ViT's TransformerConfig; hf_names(info, style): the family's Hugging Face tensor names (the GPT
     decoder's: ``embed()``, ``llm_layer(i)``, ``final_norm()``, ``head``), hf_skipped_names(info, spec,
-    names, style): HF tensors it leaves out on purpose; hf_config: its HF config.json reader module
-    (``read_config``, ``spec_from_config``, ``native_config``); None where the family has no HF side.
+    names, style): HF tensors it leaves out on purpose; hf_config: its config.json reader
+    (``megatron.vlm.hf.config.HFConfigReader``: ``recognizes``, ``spec_from_config``, ``native_config``); None
+    where the family has no HF side. logits_batch(inputs, spec, info): the micro-batch of one sample for the
+    logits check against transformers from transformers' own inputs (``megatron.vlm.hf.logits``);
+    structure_twin(spec): a tiny model of ``spec``'s structure (same units, per-layer features and checkpoint
+    objects), for listing a checkpoint's extra-state objects (``megatron.vlm.hf.convert``).
     """
 
     name: str
@@ -317,6 +321,8 @@ class RuntimeFamily:
     hf_names: Callable | None = None
     hf_skipped_names: Callable | None = None
     hf_config: object = None
+    logits_batch: Callable | None = None
+    structure_twin: Callable | None = None
 
     def component(self, kind: str) -> type[RuntimeComponent]:
         for c in self.components:

@@ -16,6 +16,10 @@ class MicroBatchShape:
     dtype_bytes: bytes per activation element (2 for bf16/fp16).
     llm_attn_tokens_sq: sum of squared lengths of the packed samples (tokens^2); None = one
         sequence of ``llm_tokens``.
+    vision_attn_tokens_sq, vision_window_tokens_sq: for ViTs whose attention segments vary in length
+        (Qwen2.5-VL: one segment per image for full-attention layers, one per window for windowed ones),
+        the sums of squared segment lengths in ViT tokens (tokens^2) of the two kinds of segments; None: the
+        family's default for ``vision_items`` (families with fixed-size items, InternVL's tiles, ignore them).
     cp: context-parallel ranks the micro-batch is split over (the trainer's --context-parallel-size): each
         rank runs ``rank_llm_tokens`` LLM tokens (every sample cut into 2 x CP chunks, balanced for causal
         attention, so ``rank_attn_tokens_sq`` of the attention work), all-gathers the keys and values of all
@@ -27,6 +31,8 @@ class MicroBatchShape:
     llm_tokens: int
     dtype_bytes: int = 2
     llm_attn_tokens_sq: float | None = None
+    vision_attn_tokens_sq: float | None = None
+    vision_window_tokens_sq: float | None = None
     cp: int = 1
 
     def __post_init__(self):
@@ -40,6 +46,10 @@ class MicroBatchShape:
             raise UserError(
                 f"MicroBatchShape: llm_attn_tokens_sq={self.llm_attn_tokens_sq} must lie in [0, llm_tokens^2]"
             )
+        for name in ("vision_attn_tokens_sq", "vision_window_tokens_sq"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise UserError(f"MicroBatchShape: {name}={value} must be >= 0")
 
     @property
     def attn_tokens_sq(self) -> float:
@@ -67,6 +77,9 @@ class MicroBatchShape:
     def to_dict(self) -> dict:
         d = {"vision_items": self.vision_items, "llm_tokens": self.llm_tokens, "dtype_bytes": self.dtype_bytes,
              "llm_attn_tokens_sq": self.llm_attn_tokens_sq}
+        for name in ("vision_attn_tokens_sq", "vision_window_tokens_sq"):  # written only when set
+            if getattr(self, name) is not None:
+                d[name] = getattr(self, name)
         return d if self.cp == 1 else {**d, "cp": self.cp}
 
     @classmethod
@@ -74,4 +87,5 @@ class MicroBatchShape:
         """Also reads profiles and plans written before ``vision_items`` (their key: ``tiles``)."""
         items = d["vision_items"] if "vision_items" in d else d["tiles"]
         return cls(int(items), int(d["llm_tokens"]), int(d.get("dtype_bytes", 2)), d.get("llm_attn_tokens_sq"),
-                   int(d.get("cp", 1)))
+                   d.get("vision_attn_tokens_sq"), d.get("vision_window_tokens_sq"),
+                   cp=int(d.get("cp", 1)))

@@ -60,8 +60,18 @@ class LanguageSpec:
     # checkpoint's value and gets a UserError naming the type)
     rope_scaling: dict | None = None
     tie_word_embeddings: bool = False  # the output layer uses the input embedding's weight
+    # multimodal RoPE (Qwen2-VL / Qwen2.5-VL): the rotary frequencies (head_dim / 2 of them) cut into sections
+    # rotated by the temporal, height and width position ids (HF: mrope_section; megatron-core's
+    # TransformerConfig.mrope_section); None: plain 1-D RoPE
+    mrope_section: tuple[int, ...] | None = None
 
     def __post_init__(self):
+        if self.mrope_section is not None:
+            object.__setattr__(self, "mrope_section", tuple(int(x) for x in self.mrope_section))
+            if len(self.mrope_section) != 3 or min(self.mrope_section) < 0 \
+                    or 2 * sum(self.mrope_section) != self.kv_channels:
+                raise UserError(f"mrope_section {list(self.mrope_section)} must be three sections summing to "
+                                f"head_dim / 2 = {self.kv_channels // 2}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type")) \
                 if isinstance(self.rope_scaling, dict) else self.rope_scaling

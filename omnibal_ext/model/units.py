@@ -19,9 +19,10 @@ from ..errors import UserError
 from .components import CostComponent
 from .families import Family
 from .families.internvl import INTERNVL
+from .families.qwen2_5_vl import QWEN2_5_VL
 from .spec import ROLES, LanguageSpec, ModelSpec, Unit
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (INTERNVL,)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (INTERNVL, QWEN2_5_VL)}
 PRESETS: dict[str, ModelSpec] = {name: spec for f in FAMILIES.values() for name, spec in f.presets.items()}
 
 

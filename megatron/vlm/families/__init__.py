@@ -12,8 +12,9 @@ from omnibal_ext.model.spec import ModelSpec, Unit
 from megatron.vlm.components import RuntimeComponent, RuntimeFamily
 
 from .internvl import INTERNVL
+from .qwen2_5_vl.family import QWEN2_5_VL
 
-FAMILIES: dict[str, RuntimeFamily] = {INTERNVL.name: INTERNVL}
+FAMILIES: dict[str, RuntimeFamily] = {INTERNVL.name: INTERNVL, QWEN2_5_VL.name: QWEN2_5_VL}
 
 
 def register(family: RuntimeFamily) -> None:

@@ -1,4 +1,6 @@
-"""HF ``config.json`` of an InternVL model -> ModelSpec (+ HFInfo), and a native ``config.json`` back.
+"""HF ``config.json`` readers: what every family's reader shares (``read_config``, ``HFInfo``, ``HFConfigError``,
+``HFConfigReader``, the padded vocabulary) and InternVL's reader (``internvl_*``). Which family reads a config is
+decided in ``megatron.vlm.hf.configs`` (``spec_from_config``, ``native_config``).
 
 Two layouts are read:
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from typing import Callable
 
 from omnibal_ext.errors import UserError
 from omnibal_ext.model.families.internvl import VisionSpec, vit_layers_for_feature_layer
@@ -125,7 +128,23 @@ def _language(cfg: dict, where: str, family: str) -> LanguageSpec:
         tie_word_embeddings=False)  # set by the caller (where the layout keeps it)
 
 
-def spec_from_config(cfg: dict, name: str = "hf", where: str = "config.json") -> tuple[ModelSpec, HFInfo]:
+@dataclasses.dataclass(frozen=True)
+class HFConfigReader:
+    """A family's config.json side (``RuntimeFamily.hf_config``): ``recognizes(cfg)`` says whether a config is the
+    family's; ``spec_from_config(cfg, name, where)`` -> (ModelSpec, HFInfo); ``native_config(spec, info, source)``
+    -> the config.json an export writes."""
+
+    recognizes: Callable[[dict], bool]
+    spec_from_config: Callable
+    native_config: Callable
+
+
+def internvl_recognizes(cfg: dict) -> bool:
+    """InternVL: the native model_type, the original layout's ``llm_config``, or a config naming no model_type."""
+    return cfg.get("model_type") in (None, "internvl", "internvl_chat") or "llm_config" in cfg
+
+
+def internvl_spec_from_config(cfg: dict, name: str = "hf", where: str = "config.json") -> tuple[ModelSpec, HFInfo]:
     """The ModelSpec and HFInfo of an InternVL ``config.json`` (either layout)."""
     if "llm_config" in cfg:
         return _original(cfg, name, where)
@@ -222,7 +241,7 @@ def _check_shuffle(spec: ModelSpec, where: str) -> None:
                             f"gives a patch grid that downsample_ratio {r} cannot pixel-shuffle")
 
 
-def native_config(spec: ModelSpec, info: HFInfo, source: dict | None) -> dict:
+def internvl_native_config(spec: ModelSpec, info: HFInfo, source: dict | None) -> dict:
     """A native ``InternVLForConditionalGeneration`` config.json for ``spec``.
 
     ``source``: the imported config.json when it was native (kept as it is: every key it had, so that an

@@ -21,7 +21,8 @@ import torch
 from omnibal_ext.errors import UserError
 from omnibal_ext.model.units import ModelSpec, build_units, spec_from_dict
 
-from .config import HFInfo, native_config, read_config, spec_from_config
+from .config import HFInfo, read_config
+from .configs import native_config, spec_from_config
 from .keys import check_names, recipes, to_hf
 from .recipes import detect_style
 from .reader import HFCheckpoint
@@ -80,12 +81,14 @@ class HFSource:
 
 def structure_twin(spec: ModelSpec) -> ModelSpec:
     """A tiny model with ``spec``'s structure (unit list, per-layer features, heads): the same checkpoint keys
-    and objects, for listing the ShardedObjects (modules' extra state) a checkpoint of ``spec`` holds."""
-    v, lang = spec.vision, spec.language
-    f = int(round(1 / spec.downsample_ratio))
-    vision = dataclasses.replace(v, hidden_size=2 * v.num_attention_heads, ffn_hidden_size=4, image_size=f, patch_size=1)
-    language = dataclasses.replace(lang, hidden_size=8, head_dim=2, ffn_hidden_size=4, vocab_size=128, real_vocab_size=None)
-    return spec.replace(vision=vision, language=language)
+    and objects, for listing the ShardedObjects (modules' extra state) a checkpoint of ``spec`` holds (the
+    family's ``structure_twin``)."""
+    from megatron.vlm.families import runtime_family
+
+    family = runtime_family(spec)
+    if family.structure_twin is None:
+        raise UserError(f"model family {family.name!r} has no structure twin (RuntimeFamily.structure_twin)")
+    return family.structure_twin(spec)
 
 
 def extra_state_objects(spec: ModelSpec) -> list:

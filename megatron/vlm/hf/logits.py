@@ -1,7 +1,9 @@
-"""Logits of our model on an HF InternVL folder (the check against transformers: scripts/hf_logits.py).
+"""Logits of our model on an HF folder (the check against transformers: scripts/hf_logits.py).
 
-Inputs are transformers' own: ``input_ids [1, s]`` already holding ``image_seq_length`` image-token ids per
-tile, ``pixel_values [tiles, 3, H, W]``. Output: float32 logits ``[s, real vocab]``.
+Inputs are transformers' own, turned into a micro-batch by the model family (``RuntimeFamily.logits_batch``):
+InternVL ``input_ids [1, s]`` already holding ``image_seq_length`` image-token ids per tile, ``pixel_values
+[tiles, 3, H, W]``; Qwen2.5-VL ``input_ids``, ``pixel_values [patches, 3*2*14*14]``, ``image_grid_thw [n, 3]``,
+``mm_token_type_ids [1, s]``. Output: float32 logits ``[s, real vocab]``.
 """
 from __future__ import annotations
 
@@ -11,15 +13,16 @@ import torch.distributed as dist
 from omnibal_ext.model.units import build_units
 
 
-def make_batch(inputs: dict) -> dict:
-    """A micro-batch of one sample, as the collate makes it."""
-    from megatron.vlm.data.collate import collate_padded
+def make_batch(src, inputs: dict) -> dict:
+    """A micro-batch of one sample from transformers' inputs (the family's ``logits_batch``)."""
+    from omnibal_ext.errors import UserError
 
-    ids = inputs["input_ids"].reshape(-1).to(torch.int64)
-    pixels = inputs["pixel_values"].to(torch.float32)
-    sample = {"input_ids": ids.numpy(), "labels": torch.zeros_like(ids).numpy(), "pixel_values": pixels,
-              "image_flags": torch.ones(len(pixels), dtype=torch.int64)}
-    return collate_padded([sample], pad_id=0)
+    from megatron.vlm.families import runtime_family
+
+    family = runtime_family(src.spec)
+    if family.logits_batch is None:
+        raise UserError(f"model family {family.name!r} has no logits check (RuntimeFamily.logits_batch)")
+    return family.logits_batch(inputs, src.spec, src.info)
 
 
 def logits_stage(spec, unit_range, img_context_id: int, tp: int = 1, pp: int = 1):
@@ -59,7 +62,7 @@ def chained_logits(src, inputs: dict, cuts: list[int] = (), img_context_id: int 
     spec = src.spec
     n = len(build_units(spec))
     bounds = [0, *cuts, n]
-    batch = make_batch(inputs)
+    batch = make_batch(src, inputs)
     x = None
     with torch.no_grad():
         for a, b in zip(bounds[:-1], bounds[1:]):
@@ -82,7 +85,7 @@ def pipeline_logits(src, inputs: dict, layout, img_context_id: int | None = None
     rank = ps.get_pipeline_model_parallel_rank()
     stage = logits_stage(spec, layout.stage_range(rank), image_token_id(src, img_context_id), tp, pp)
     load_hf_into_stage(stage, src)
-    batch = make_batch(inputs)
+    batch = make_batch(src, inputs)
     with torch.no_grad():
         x = None
         if rank > 0:

@@ -14,4 +14,7 @@ from .components import ProjectorUnit, VisionEmbed, VisionLayer
 
 INTERNVL = RuntimeFamily(
     name="internvl", components=(VisionEmbed, VisionLayer, ProjectorUnit, *GPT_DECODER),
-    vision_config=vision_config, hf_names=hf.Names, hf_skipped_names=hf.skipped_names, hf_config=hf_config)
+    vision_config=vision_config, hf_names=hf.Names, hf_skipped_names=hf.skipped_names,
+    hf_config=hf_config.HFConfigReader(hf_config.internvl_recognizes, hf_config.internvl_spec_from_config,
+                                       hf_config.internvl_native_config),
+    logits_batch=hf.logits_batch, structure_twin=hf.structure_twin)

@@ -139,3 +139,28 @@ def projector_recipes(unit, table) -> None:
     add(u + "fc1.bias", whole(hf(m["fc1"] + "bias", (Hl,)), (Hl,)))
     add(u + "fc2.weight", whole(hf(m["fc2"] + "weight", (Hl, Hl)), (Hl, Hl)))
     add(u + "fc2.bias", whole(hf(m["fc2"] + "bias", (Hl,)), (Hl,)))
+
+
+def logits_batch(inputs: dict, spec, info) -> dict:
+    """The micro-batch of one sample from transformers' inputs (``input_ids [1, s]`` already holding
+    ``image_seq_length`` image-token ids per tile, ``pixel_values [tiles, 3, H, W]``), as the collate makes it."""
+    import torch
+
+    from megatron.vlm.data.collate import collate_padded
+
+    ids = inputs["input_ids"].reshape(-1).to(torch.int64)
+    pixels = inputs["pixel_values"].to(torch.float32)
+    sample = {"input_ids": ids.numpy(), "labels": torch.zeros_like(ids).numpy(), "pixel_values": pixels,
+              "image_flags": torch.ones(len(pixels), dtype=torch.int64)}
+    return collate_padded([sample], pad_id=0)
+
+
+def structure_twin(spec):
+    """A tiny model with ``spec``'s structure (unit list, per-layer features, heads)."""
+    import dataclasses
+
+    v, lang = spec.vision, spec.language
+    f = int(round(1 / spec.downsample_ratio))
+    vision = dataclasses.replace(v, hidden_size=2 * v.num_attention_heads, ffn_hidden_size=4, image_size=f, patch_size=1)
+    language = dataclasses.replace(lang, hidden_size=8, head_dim=2, ffn_hidden_size=4, vocab_size=128, real_vocab_size=None)
+    return spec.replace(vision=vision, language=language)

@@ -1,0 +1,170 @@
+"""Qwen2.5-VL's runtime components: the patch embedding, the window- and full-attention ViT layers (two kinds,
+one place in the stage), the patch merger, the LLM embedding with image features and the LLM layers with
+multimodal RoPE; the head is the shared GPT decoder's.
+
+Micro-batch fields read (besides the shared ``tokens``, ``labels``, ``cu_seqlens``, ``max_seqlen``, ...):
+
+* ``pixel_values [patches, C*T*p*p]`` (processor order), ``vision_patch_index [patches]`` (window order:
+  ``x[vision_patch_index]``) -- the patch embedding;
+* ``vision_rotary_ids [patches, 2]`` (window order), ``vision_cu_window_seqlens`` / ``vision_max_window_seqlen``
+  (windows) and ``vision_cu_seqlens`` / ``vision_max_seqlen`` (images, one segment per frame): int32 host
+  boundaries in patch tokens -- the ViT layers;
+* ``vision_merged_inverse [image tokens]`` (back to processor order) -- the merger;
+* ``mrope_position_ids [3, b, s]`` (temporal, height, width) -- the LLM layers.
+
+``batch.logits_batch`` makes them from transformers' inputs; ``vision_windows`` and ``positions`` compute them.
+"""
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
+
+from omnibal_ext.model.families.qwen2_5_vl import FullLayerCost, MergerCost, VisionEmbedCost, WindowLayerCost
+
+from megatron.vlm import layers
+from megatron.vlm.attention import segment_params
+from megatron.vlm.components import RuntimeComponent, TextEmbed, TextLayer
+from megatron.vlm.sharding import drop_padded_heads
+from megatron.vlm.text import packed_causal_mask
+
+from . import hf
+from .modules import ImageTokenEmbedding, PatchEmbedding, PatchMerger, vision_layer_spec, vision_rotary
+
+
+class VisionEmbed(RuntimeComponent):
+    """Patch rows -> Conv3d patch embedding -> window order [patches, 1, H]."""
+
+    cost, attr, reads = VisionEmbedCost, "vit_embed", frozenset({"pixels"})
+
+    def build(self, units):
+        return PatchEmbedding(self.spec, self.ctx.vision_config)
+
+    def forward(self, module, x, batch, cache):
+        x = module(batch["pixel_values"])
+        return x.index_select(0, batch["vision_patch_index"].to(x.device)).unsqueeze(1)
+
+    @classmethod
+    def hf_recipes(cls, unit, table):
+        hf.vision_embed_recipes(unit, table)
+
+
+class _VisionLayers(RuntimeComponent):
+    """ViT layers over the packed patch tokens [patches, 1, H] (THD, one segment per window or per image,
+    no mask), 2-D RoPE; heads padded to a multiple of TP. Both kinds live in the stage's ``vit_blocks``."""
+
+    attr, reads, layers = "vit_blocks", frozenset({"pixels"}), True
+    window = False
+
+    def layer_spec(self, first_unit_index: int):
+        ctx = self.ctx
+        return vision_layer_spec(ctx.seed, first_unit_index, ctx.transformer_impl, ctx.attention_backend,
+                                 self.spec.vision.num_attention_heads)
+
+    def build(self, units):
+        full, selective = self.ctx.layer_recompute(self.code())
+        return layers.build_blocks(self.ctx.vision_config, self.layer_spec, units[0].index, len(units),
+                                   full, selective)
+
+    def context(self, batch: dict, device) -> dict:
+        """RoPE and the packed parameters of both kinds, built once per micro-batch (``cache["qwen_vit"]``)."""
+        v = self.spec.vision
+        rope = vision_rotary(batch["vision_rotary_ids"].to(device), v.head_dim, v.rotary_base)
+        te = self.ctx.transformer_impl == "transformer_engine"
+        return {"rope": rope,
+                "window": segment_params(batch["vision_cu_window_seqlens"], batch["vision_max_window_seqlen"],
+                                         device if te else None),
+                "full": segment_params(batch["vision_cu_seqlens"], batch["vision_max_seqlen"], device if te else None)}
+
+    def forward(self, module, x, batch, cache):
+        if "qwen_vit" not in cache:
+            cache["qwen_vit"] = self.context(batch, x.device)
+        c = cache["qwen_vit"]
+        params = c["window" if self.window else "full"]
+        for block in module:
+            x = block(hidden_states=x, attention_mask=None, rotary_pos_emb=c["rope"], packed_seq_params=params)
+        return x
+
+    def sharded_state_dict(self, unit, module, module_prefix, metadata):
+        """Padded heads dropped: the attention tensors saved per real head (megatron/vlm/sharding.py)."""
+        sd = super().sharded_state_dict(unit, module, module_prefix, metadata)
+        cfg = self.ctx.vision_config
+        tp = cfg.tensor_model_parallel_size
+        drop_padded_heads(sd, module_prefix, self.spec.vision.num_attention_heads, cfg.num_attention_heads // tp,
+                          parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0, cfg.kv_channels)
+        return sd
+
+    @classmethod
+    def hf_recipes(cls, unit, table):
+        hf.vision_layer_recipes(unit, table)
+
+
+class WindowLayer(_VisionLayers):
+    """ViT layers attending within each window (``vision_cu_window_seqlens``)."""
+
+    cost, window = WindowLayerCost, True
+
+
+class FullLayer(_VisionLayers):
+    """ViT layers attending over each whole image (``vision_cu_seqlens``): ``fullatt_block_indexes``."""
+
+    cost, window = FullLayerCost, False
+
+
+class Merger(RuntimeComponent):
+    """The 2x2 patch merger (projector); its output put back in processor order [image tokens, 1, Hl]."""
+
+    cost, attr, reads = MergerCost, "projector", frozenset({"pixels"})
+
+    def build(self, units):
+        return PatchMerger(self.spec, self.ctx.vision_config, self.ctx.language_config)
+
+    def forward(self, module, x, batch, cache):
+        y = module(x)
+        return y.index_select(0, batch["vision_merged_inverse"].to(y.device))
+
+    @classmethod
+    def hf_recipes(cls, unit, table):
+        hf.merger_recipes(unit, table)
+
+
+class ImageTextEmbed(TextEmbed):
+    """Token embedding with the merged image features in the image-token slots (any number per image)."""
+
+    def build(self, units):
+        return ImageTokenEmbedding(self.spec, self.ctx.language_config, self.ctx.img_context_id)
+
+    def forward(self, module, x, batch, cache):
+        return module(batch["tokens"], x)
+
+
+class MRopeTextLayer(TextLayer):
+    """Qwen2.5 decoder layers with multimodal RoPE: per-token frequencies from ``mrope_position_ids`` (megatron-
+    core's ``MultimodalRotaryEmbedding``); THD: one frequency row per token of the flattened micro-batch, which
+    megatron-core's ``apply_rotary_pos_emb`` maps by absolute offset, so the ids, not the segment, say the
+    position (text after an image continues from the image's largest id)."""
+
+    reads = frozenset({"packing"})
+
+    def extra_modules(self):
+        lang = self.spec.language
+        self.rotary = MultimodalRotaryEmbedding(kv_channels=lang.kv_channels, rotary_percent=1.0,
+                                                rotary_base=lang.rotary_base)
+        return {"mrope": self.rotary}
+
+    def context(self, module, batch, cache):
+        if "text_context" not in cache:
+            device = next(module.parameters()).device
+            section = list(self.spec.language.mrope_section)
+            ids = batch["mrope_position_ids"]  # [3, b, s]
+            if self.ctx.thd:
+                te = self.ctx.transformer_impl == "transformer_engine"
+                params = segment_params(batch["cu_seqlens"], int(batch["max_seqlen"]), device if te else None)
+                self.rotary.inv_freq = self.rotary.inv_freq.to(device)
+                rope = self.rotary(ids.reshape(3, 1, -1).to(device), section)  # [t, 1, 1, d]
+                cache["text_context"] = {"attention_mask": None, "rotary_pos_emb": rope, "packed_seq_params": params}
+            else:
+                self.rotary.inv_freq = self.rotary.inv_freq.to(device)
+                cache["text_context"] = {"attention_mask": packed_causal_mask(batch["segment_ids"]),
+                                         "rotary_pos_emb": self.rotary(ids.to(device), section)}  # [s, b, 1, d]
+        return cache["text_context"]

@@ -1,0 +1,243 @@
+"""Qwen2.5-VL, planning side: its ViT (Conv3d patch embedding, window-attention and full-attention layers,
+2-D rotary positions), the 2x2 patch merger as projector, the Qwen2.5 LLM with multimodal RoPE, and the
+published model sizes.
+
+The ViT's work is counted in patches (``MicroBatchShape.vision_items``; ``Family.vision_item`` "patch"): an
+image of ``grid_thw = (t, h, w)`` runs ``t*h*w`` patch tokens (14 x 14 px, two frames of a still image in
+one patch) and becomes ``t*h*w / 4`` LLM tokens after the 2x2 merger. Attention is per segment: a
+full-attention layer (``fullatt_block_indexes``) attends within each image (frame), a window-attention
+layer within each window of ``window_size`` px (4 x 4 merged tokens = 8 x 8 patches at 112 px; windows at
+an image's right and bottom edges are smaller). The attention work of a micro-batch thus needs the sums of
+squared segment lengths, ``MicroBatchShape.vision_attn_tokens_sq`` (images) and
+``vision_window_tokens_sq`` (windows); when they are not given, the patches are taken as one image and as
+full windows.
+
+FLOPs (forward, one multiply-add = 2), ``n`` patches, ``h`` hidden, ``f`` MLP hidden, ``w`` attention width:
+* ViT layer: ``2*n*(4*h*w + 3*h*f)`` (QKV + out projection, 3-matrix SwiGLU MLP) plus attention scores and
+  context ``4*S*w`` with ``S`` the layer kind's sum of squared segment lengths;
+* merger: ``2*(n/4)*(16*h^2 + 4*h*h_llm)``;
+* patch embedding: ``2*n*(C*2*14*14)*h``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...errors import UserError
+from ..components import ActBytes, CostComponent, HeadCost, TextEmbedCost, TextLayerCost, layer_act_bytes_per_token
+from ..spec import PROJECTOR, VISION_EMBED, VISION_LAYER, LanguageSpec, ModelSpec
+from . import Family
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """The Qwen2.5-VL ViT: pre-RMSNorm layers with bias, SwiGLU MLP, 2-D RoPE, window attention except in
+    ``fullatt_block_indexes``; no class token, no learned positions, no final norm (the merger has one)."""
+
+    num_layers: int  # HF depth
+    hidden_size: int
+    num_attention_heads: int  # HF num_heads
+    ffn_hidden_size: int  # HF intermediate_size
+    fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
+    window_size: int = 112  # px
+    patch_size: int = 14  # px
+    temporal_patch_size: int = 2  # frames per patch (a still image is repeated)
+    in_channels: int = 3
+    spatial_merge_size: int = 2  # merged tokens are m x m patches
+    norm_eps: float = 1e-6  # the layers' and the merger's RMSNorm (HF: fixed 1e-6)
+    rotary_base: int = 10000  # the 2-D RoPE's theta (HF vision rope_parameters.rope_theta)
+    normalization: str = "RMSNorm"
+
+    def __post_init__(self):
+        object.__setattr__(self, "fullatt_block_indexes", tuple(int(i) for i in self.fullatt_block_indexes))
+        bad = [i for i in self.fullatt_block_indexes if not 0 <= i]
+        if bad:
+            raise UserError(f"fullatt_block_indexes {bad} are not layer numbers")
+        if self.hidden_size % self.num_attention_heads or (self.hidden_size // self.num_attention_heads) % 4:
+            raise UserError(f"ViT hidden size {self.hidden_size} / {self.num_attention_heads} heads must give a head "
+                            "width divisible by 4 (2-D RoPE: a quarter of it per axis and half)")
+        if self.window_patches_side < self.spatial_merge_size:
+            raise UserError(f"window_size {self.window_size} px is smaller than one merged token")
+        if self.normalization != "RMSNorm":
+            raise UserError("the Qwen2.5-VL ViT uses RMSNorm")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def padded_heads(self, tp: int) -> int:
+        """Heads built at tensor-parallel size ``tp``: the real ones rounded up to a multiple of ``tp`` (padded
+        heads have zero weights and stay zero)."""
+        return -(-self.num_attention_heads // tp) * tp
+
+    def full_attention(self, layer: int) -> bool:
+        return layer in self.fullatt_block_indexes
+
+    @property
+    def window_patches_side(self) -> int:
+        """Patches per side of a full window (8 at 112 px: 4 x 4 merged tokens)."""
+        return self.window_size // (self.spatial_merge_size * self.patch_size) * self.spatial_merge_size
+
+    @property
+    def patch_dim(self) -> int:
+        """Values of one patch row (3 x 2 x 14 x 14 = 1176)."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def merge_unit(self) -> int:
+        return self.spatial_merge_size**2
+
+
+def _attention_sq(spec: ModelSpec, shape, window: bool) -> float:
+    """Sum of squared attention-segment lengths (patches^2) of one ViT layer kind over the micro-batch."""
+    n = float(shape.vision_items)
+    if window:
+        given = shape.vision_window_tokens_sq
+        return given if given is not None else n * spec.vision.window_patches_side**2
+    given = shape.vision_attn_tokens_sq
+    return given if given is not None else n * n
+
+
+def _check_cp(shape) -> None:
+    if shape.cp != 1:
+        raise UserError("qwen2.5-vl: context parallelism is not modelled for this family yet (MicroBatchShape.cp "
+                        f"{shape.cp}); plan it at CP 1")
+
+
+class VisionEmbedCost(CostComponent):
+    """Conv3d patch embedding without bias (a 1176-wide reduction per patch: low efficiency)."""
+
+    kind, code, efficiency = "qwen_vit_embed", VISION_EMBED, 0.3
+
+    def flops(self, shape, tp):
+        v = self.spec.vision
+        return shape.vision_items * 2.0 * v.patch_dim * v.hidden_size, 0.0
+
+    def params(self, tp):
+        v = self.spec.vision
+        return v.patch_dim * v.hidden_size
+
+    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False):
+        _check_cp(shape)
+        v, D = self.spec.vision, shape.dtype_bytes
+        pixels = shape.vision_items * v.patch_dim * D
+        return ActBytes(pixels, pixels, pixels, shape.vision_items * v.hidden_size * D)
+
+
+class _VisionLayerCost(CostComponent):
+    window = False
+
+    def flops(self, shape, tp):
+        v = self.spec.vision
+        n, h, f, width = shape.vision_items, v.hidden_size, v.ffn_hidden_size, v.padded_heads(tp) * v.head_dim
+        core = 4.0 * _attention_sq(self.spec, shape, self.window) * width
+        return 2.0 * n * (4 * h * width + 3 * h * f) + core, core
+
+    def params(self, tp):
+        v = self.spec.vision
+        h, f, width = v.hidden_size, v.ffn_hidden_size, v.padded_heads(tp) * v.head_dim
+        return 4 * h * width + 3 * width + h + 3 * h * f + 2 * f + h + 2 * h  # attention, MLP, two RMSNorms
+
+    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False):
+        _check_cp(shape)
+        v, D, n = self.spec.vision, shape.dtype_bytes, shape.vision_items
+        attended = _attention_sq(self.spec, shape, self.window) / n if n else 0.0
+        per_tok, core = layer_act_bytes_per_token(
+            v.hidden_size, v.num_attention_heads, v.num_attention_heads, v.ffn_hidden_size, True, attended, D, tp,
+            dropout, attention, rotary=True, per_sample=attention == "flash", built_heads=v.padded_heads(tp),
+            sequence_parallel=sequence_parallel)
+        full = n * v.hidden_size * D + n * v.head_dim * 4.0  # input, fp32 rotary table
+        return ActBytes(n * per_tok, full, n * (per_tok - core), n * v.hidden_size * D)
+
+    def tp_allreduce_bytes(self, shape, sequence_parallel=False, tp=1):
+        vit = shape.vision_items * self.spec.vision.hidden_size * shape.dtype_bytes
+        return 2 * vit, 2 * vit
+
+
+class WindowLayerCost(_VisionLayerCost):
+    """A ViT layer attending within each window (quadratic per window)."""
+
+    kind, code, window = "qwen_vit_window_layer", VISION_LAYER, True
+
+
+class FullLayerCost(_VisionLayerCost):
+    """A ViT layer attending over each whole image (quadratic per image)."""
+
+    kind, code, window = "qwen_vit_full_layer", VISION_LAYER, False
+
+
+class MergerCost(CostComponent):
+    """RMSNorm per patch, 2x2 patches concatenated, Linear-GELU-Linear into the LLM's width."""
+
+    kind, code, efficiency = "qwen_merger", PROJECTOR, 0.4
+
+    def _sizes(self):
+        v = self.spec.vision
+        return v.hidden_size * v.merge_unit, self.spec.language.hidden_size
+
+    def flops(self, shape, tp):
+        hi, ho = self._sizes()
+        tokens = shape.vision_items / self.spec.vision.merge_unit
+        return 2.0 * tokens * (hi * hi + hi * ho), 0.0
+
+    def params(self, tp):
+        hi, ho = self._sizes()
+        return self.spec.vision.hidden_size + hi * hi + hi + hi * ho + ho
+
+    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False):
+        _check_cp(shape)
+        hi, ho = self._sizes()
+        D, tokens = shape.dtype_bytes, shape.vision_items / self.spec.vision.merge_unit
+        act = tokens * (2 * hi * D + 2 * hi * D / tp)  # norm input and output; GELU input, fc2 input (split)
+        return ActBytes(act, tokens * hi * D, act, tokens * ho * D)
+
+    def tp_allreduce_bytes(self, shape, sequence_parallel=False, tp=1):
+        out = shape.vision_items / self.spec.vision.merge_unit * self.spec.language.hidden_size * shape.dtype_bytes
+        return out, out
+
+
+def unit_list(spec: ModelSpec):
+    v = spec.vision
+    units = [("vit.embed", VisionEmbedCost, None)]
+    units += [(f"vit.layer.{i}", FullLayerCost if v.full_attention(i) else WindowLayerCost, i)
+              for i in range(v.num_layers)]
+    units += [("projector", MergerCost, None), ("llm.embed", TextEmbedCost, None)]
+    units += [(f"llm.layer.{i}", TextLayerCost, i) for i in range(spec.language.num_layers)]
+    return units + [("llm.head", HeadCost, None)]
+
+
+# --------------------------------------------------------------------------------------------
+# Presets: the published config.json of Qwen/Qwen2.5-VL-{3B,7B,32B,72B}-Instruct (flat form: top-level text
+# fields, vision_config). ViT (all four): depth 32, hidden 1280, 16 heads, intermediate 3420, window 112,
+# patch 14, temporal patch 2, merge 2, full attention at 7/15/23/31, out_hidden_size = the LLM width.
+# LLM: rope_theta 1e6, rms_norm_eps 1e-6, rope_scaling {type: mrope, mrope_section: [16, 24, 24]}, q/k/v bias.
+# --------------------------------------------------------------------------------------------
+QWEN2_5_VL_VIT = VisionSpec(num_layers=32, hidden_size=1280, num_attention_heads=16, ffn_hidden_size=3420)
+_TEXT = dict(rotary_base=1000000, qkv_bias=True, norm_eps=1e-6, mrope_section=(16, 24, 24))
+
+
+def _preset(name, layers, hidden, heads, groups, ffn, vocab, tie):
+    return ModelSpec(name=name, vision=QWEN2_5_VL_VIT, family="qwen2_5_vl",
+                     language=LanguageSpec(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                                           num_query_groups=groups, ffn_hidden_size=ffn, vocab_size=vocab,
+                                           tie_word_embeddings=tie, **_TEXT))
+
+
+PRESETS: dict[str, ModelSpec] = {
+    "qwen2.5-vl-3b": _preset("qwen2.5-vl-3b", 36, 2048, 16, 2, 11008, 151936, True),
+    "qwen2.5-vl-7b": _preset("qwen2.5-vl-7b", 28, 3584, 28, 4, 18944, 152064, False),
+    "qwen2.5-vl-32b": _preset("qwen2.5-vl-32b", 64, 5120, 40, 8, 27648, 152064, False),
+    "qwen2.5-vl-72b": _preset("qwen2.5-vl-72b", 80, 8192, 64, 8, 29568, 152064, False),
+    # a CPU model: 4 ViT layers (full attention at 1 and 3), 3 heads (no TP > 1 divides them), 56 px windows
+    "qwen2.5-vl-tiny": ModelSpec(
+        name="qwen2.5-vl-tiny", family="qwen2_5_vl", init_method_std=0.06,
+        vision=VisionSpec(num_layers=4, hidden_size=48, num_attention_heads=3, ffn_hidden_size=96,
+                          fullatt_block_indexes=(1, 3), window_size=56),
+        language=LanguageSpec(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                              ffn_hidden_size=192, vocab_size=384, rotary_base=1000000, qkv_bias=True, norm_eps=1e-6,
+                              mrope_section=(2, 3, 3))),
+}
+
+QWEN2_5_VL = Family(
+    name="qwen2_5_vl", vision_spec=VisionSpec,
+    components=(VisionEmbedCost, WindowLayerCost, FullLayerCost, MergerCost, TextEmbedCost, TextLayerCost, HeadCost),
+    unit_list=unit_list, vision_item="patch", presets=PRESETS)
