@@ -186,7 +186,6 @@ def measured_freeze(args) -> dict:
     from omnibal_ext.memory.memory_model import FP32_ADAM, stage_memory
     from omnibal_ext.model.cost_model import get_device
     from omnibal_ext.model.costs import CostTable
-    from omnibal_ext.model.layout import parse_layout
     from omnibal_ext.model.partition import search_partition
     from omnibal_ext.model.simulate import simulate_layout
     from omnibal_ext.model.trainable import Freeze

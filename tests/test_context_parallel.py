@@ -2,7 +2,6 @@
 features, the attention's key order, and the balance of the published OmniBal stats packed by ISF."""
 import math
 
-import numpy as np
 import pytest
 import torch
 

@@ -1,6 +1,5 @@
 """Data at scale: --skip-bad-samples (bad records left out, listed with file:line and reason, counted in the
 log; the default stays: stop), --truncate-long-samples, and --load of a file refused."""
-import argparse
 import os
 import types
 

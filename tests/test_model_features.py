@@ -8,7 +8,7 @@ import torch
 
 from omnibal_ext.errors import UserError
 from omnibal_ext.model.families.internvl import vit_layers_for_feature_layer
-from omnibal_ext.model.units import ModelSpec, build_units, get_preset, spec_from_dict
+from omnibal_ext.model.units import build_units, get_preset, spec_from_dict
 
 
 def perturb_named(module, seed=0):

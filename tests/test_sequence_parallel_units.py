@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from omnibal_ext.model.cost_model import DEVICES, MicroBatchShape, analytic_costs
+from omnibal_ext.model.cost_model import MicroBatchShape, analytic_costs
 from omnibal_ext.model.units import get_preset
 
 

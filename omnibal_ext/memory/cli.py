@@ -27,12 +27,11 @@ import sys
 
 from ..errors import UserError, report
 from ..model.costs import CostTable
-from ..model.layout import LayoutError, default_layout, parse_layout
+from ..model.layout import default_layout, parse_layout
 from ..model.units import PRESETS, build_units, get_preset
 from .memory_model import GIB, stage_memory
 from .recompute import (
     MemoryBudgetError,
-    RecomputeFlagError,
     evaluate_plan,
     full_recompute_plan,
     no_recompute_plan,

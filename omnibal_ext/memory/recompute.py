@@ -53,7 +53,6 @@ from .memory_model import (
     in_flight_1f1b,
     stage_memory,
     stage_time_s,
-    static_bytes,
     unit_static_bytes,
     unit_modes,
 )

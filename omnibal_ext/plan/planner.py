@@ -9,7 +9,7 @@ from ..data.search import random_baseline
 from ..data.stats import SampleStats
 from ..memory.memory_model import GIB, MIXED_BF16_ADAM
 from ..model.layout import default_layout
-from .config import PlanConfig, PlanError, check_request
+from .config import PlanConfig, check_request
 from .configs import candidate_configs, num_microbatches, refusal, screen_config
 from .context import PlanContext, best_candidate, build_context, simulate_candidate
 from .data_level import cap_shape, isf_loads, isf_plan, mean_isf_group, random_loads, shape_dict, shape_of

@@ -16,7 +16,6 @@ Micro-batch fields read (besides the shared ``tokens``, ``labels``, ``cu_seqlens
 """
 from __future__ import annotations
 
-import torch
 from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 
