@@ -38,5 +38,5 @@ def test_profile_at_launch_uses_the_isf_groups(tmp_path, data_cache):
     assert proc.returncode == 0, proc.stderr[-3000:]
     caps = ast.literal_eval(re.search(r"> ISF: .* params (\{[^}]*\})", proc.stdout).group(1))
     meta = json.loads(profile.read_text())["meta"]
-    assert (meta["memory_shape"]["tiles"], meta["memory_shape"]["llm_tokens"]) == (caps["qv"], caps["qt"])
+    assert (meta["memory_shape"]["vision_items"], meta["memory_shape"]["llm_tokens"]) == (caps["qv"], caps["qt"])
     assert meta["shape"]["llm_tokens"] < caps["qt"]  # the mean group, below the cap
