@@ -63,7 +63,10 @@ def add_plan_parser(subparsers, scan_metas: MetaScanner | None = None,
     p.add_argument("--gpu-memory", type=float, required=True, metavar="GIB", help="memory of one GPU, GiB")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: chosen)")
     p.add_argument("--pp", type=int, default=None, help="pipeline-parallel size (default: chosen)")
-    p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: gpus / (tp * pp))")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: gpus / (tp * pp * cp))")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel size (the trainer's --context-parallel-size; default 1): costs and "
+                        "memory per CP rank, no sequence parallelism at CP > 1")
     p.add_argument("--device", default="a100-80g", help=f"device preset of the cost model: {', '.join(DEVICES)}")
     p.add_argument("--samples", type=int, default=None,
                    help="dataset size for GPU-days, samples (one epoch; default: the stats' count)")
@@ -123,7 +126,7 @@ def plan_config(args):
     from omnibal_ext.plan import PlanConfig
 
     return PlanConfig(model=args.model, gpus=args.gpus, gpu_memory_bytes=args.gpu_memory * GIB, tp=args.tp,
-                      pp=args.pp, dp=args.dp, device=args.device, samples=args.samples,
+                      pp=args.pp, dp=args.dp, cp=args.cp, device=args.device, samples=args.samples,
                       samples_per_group=args.samples_per_group, max_seq_length=args.max_seq_length,
                       global_batch_size=args.global_batch_size, memory_reserve=args.memory_reserve,
                       attention=args.attention, sim_iterations=args.sim_iterations, choose_for=args.choose_for,

@@ -110,3 +110,44 @@ def test_cp_balance_on_the_published_stats(groups, cp):
         computed, _ = rank_work(lengths, tiles, cp, real_only=False)
         assert len(set(computed)) == 1
     assert worst <= 1.10, worst
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_planner_arithmetic_equals_the_split(cp):
+    """omnibal_ext's tensor-free figures (``cp_split``, ``MicroBatchShape.cp``: what the planner counts) equal what
+    ``split_batch`` gives each rank, on random packed micro-batches: tokens, attended pairs (pads included, and
+    real only through ``rank_work``) and tiles."""
+    import numpy as np
+
+    from omnibal_ext.model import cp_split
+    from omnibal_ext.model.cost_model import MicroBatchShape
+
+    rng = np.random.default_rng(cp)
+    for _ in range(20):
+        lengths = rng.integers(1, 40, rng.integers(1, 6)).tolist()
+        tiles = rng.integers(0, 4, len(lengths)).tolist()
+        batch_samples, first = [], 0
+        for n, t in zip(lengths, tiles):
+            ids = torch.tensor(rng.integers(1, 50, n))  # no PAD (0) among real tokens
+            k = max(t, 1)  # text-only samples carry a dummy tile
+            pix = torch.arange(first, first + k, dtype=torch.float32).view(-1, 1, 1, 1).expand(-1, 3, 2, 2)
+            first += k
+            batch_samples.append({"input_ids": ids, "labels": ids + 100, "image_flags": torch.tensor([1] * t or [0]),
+                                  "pixel_values": pix})
+        whole = collate_packed(batch_samples, PAD)
+        n_tiles = int(whole["sample_tiles"].sum())
+        parts = [split_batch(whole, cp, r, PAD, None) for r in range(cp)]
+        padded = cp_split.padded_lengths(lengths, cp)
+        shape = MicroBatchShape(n_tiles, int(padded.sum()), llm_attn_tokens_sq=float((padded ** 2).sum()), cp=cp)
+        assert parts[0]["cu_seqlens"].tolist() == [0] + np.cumsum(padded).tolist()
+        pairs_all = int(cp_split.rank_pairs_padded(lengths, cp).sum())
+        real_pairs, rank_tiles = rank_work(lengths, n_tiles, cp)
+        for r, p in enumerate(parts):
+            pos = p["position_ids"][0]
+            assert pos.numel() == shape.rank_llm_tokens
+            got_all = int((pos + 1).sum())  # causal within the padded segment: position + 1 keys per query
+            assert got_all == pairs_all == rank_work(lengths, n_tiles, cp, real_only=False)[0][r]
+            assert 2 * got_all == shape.rank_attn_tokens_sq + shape.rank_llm_tokens  # P^2/cp + P/cp, summed
+            assert int(((pos + 1) * (p["tokens"][0] != PAD)).sum()) == real_pairs[r]
+            assert min(p["pixel_values"].shape[0], len(tile_ranges(n_tiles, cp)[r])) == rank_tiles[r]
+        assert max(rank_tiles) == shape.rank_vision_items

@@ -14,7 +14,7 @@ from omnibal_ext.model.cost_model import DEVICES, MicroBatchShape, analytic_cost
 from omnibal_ext.model.layout import PipelineLayout, default_layout, parse_layout
 from omnibal_ext.model.simulate import layout_stage_costs, simulate_pipeline
 from omnibal_ext.model.units import build_units, get_preset
-from omnibal_ext.plan import (SETTINGS, Loads, PlanConfig, PlanError, basis_costs, make_plan, memory_need,
+from omnibal_ext.plan import (SETTINGS, Loads, PlanConfig, PlanError, basis_costs, format_plan, make_plan, memory_need,
                               memory_need_table, random_loads, simulate_loads, stage_coefficients)
 
 A100 = DEVICES["a100-80g"]
@@ -272,3 +272,74 @@ def test_plan_internvl3_presets(name, kv_groups, head_dim):
     plan = make_plan(synthetic_stats(1200, 4), PlanConfig(name, 64, 80 * GIB, global_batch_size=256, sim_iterations=2,
                                                       isf_max_candidates=4))
     check_plan(plan, name, 64, 72 * GIB)
+
+
+# ------------------------------------------------------------------------------------------------
+def _llm_only_stages(plan, setting):
+    """Indices of the row's pipeline stages that hold LLM units only (no ViT, no projector)."""
+    flag = plan.row(setting).layout_flag
+    return [i for i, s in enumerate(flag.split("|")) if "v" not in s and "P" not in s]
+
+
+def test_plan_with_context_parallelism_counts_per_rank_work():
+    """--cp 2 on the same data: DP halves, the LLM stages' time per micro-batch about halves (the same default
+    layout and full recompute: the +data row), every stage's memory drops, and the trainer flags carry
+    --context-parallel-size without --sequence-parallel (the trainer refuses both)."""
+    stats = synthetic_stats(3000, 0)
+    plans = {cp: make_plan(stats, PlanConfig("internvl-6b-20b", 16, 80 * GIB, tp=2, pp=4, cp=cp, sim_iterations=2,
+                                             isf_max_candidates=5, isf_search_samples=3000)) for cp in (1, 2)}
+    one, two = plans[1], plans[2]
+    assert (one.dp, two.dp, one.cp, two.cp) == (2, 1, 1, 2)
+    row1, row2 = one.row("+data"), two.row("+data")
+    assert row1.layout_flag == row2.layout_flag
+    llm = _llm_only_stages(one, "+data")
+    assert llm
+    for i in llm:
+        assert 0.45 < row2.stage_time_s[i] / row1.stage_time_s[i] < 0.6
+    for s in range(4):  # the ViT stages too: half the tiles each
+        assert row2.stage_time_s[s] < 0.65 * row1.stage_time_s[s]
+    assert all(b < a for a, b in zip(row1.stage_peak_bytes, row2.stage_peak_bytes))
+    assert one.trainer_flags["--sequence-parallel"] is True and "--context-parallel-size" not in one.trainer_flags
+    assert two.trainer_flags["--context-parallel-size"] == 2 and two.trainer_flags["--sequence-parallel"] is False
+    assert "--sequence-parallel" not in two.trainer_args and "--context-parallel-size=2" in two.trainer_args
+    assert two.shapes["isf_caps"]["cp"] == 2 and two.to_dict()["cp"] == 2
+    assert "CP=2" in format_plan(two)
+
+
+def test_context_parallel_costs_leave_out_sequence_parallelism():
+    from omnibal_ext.plan.context import build_context
+    from omnibal_ext.plan.trainer_flags import sequence_parallel
+
+    assert sequence_parallel(2) and not sequence_parallel(2, 2) and not sequence_parallel(1)
+    spec = get_preset("internvl-6b-20b")
+    shape = MicroBatchShape(8, 4096, llm_attn_tokens_sq=4096.0 * 1024, cp=2)
+    ctx = build_context(spec, A100, 2, 4, 1, 8, 70 * GIB, "unfused", shape, shape, cp=2)
+    assert ctx.costs_isf.meta["sequence_parallel"] is False and ctx.grad_ranks == 2
+    with pytest.raises(ValueError):
+        build_context(spec, A100, 2, 4, 1, 8, 70 * GIB, "unfused", MicroBatchShape(8, 4096), shape, cp=2)
+
+
+def test_cp_data_level_pads_as_the_trainer():
+    from omnibal_ext.model.cp_split import padded_lengths
+    from omnibal_ext.plan.data_level import cap_shape, isf_plan, mean_isf_group
+
+    stats = synthetic_stats(2000, 3)
+    config = PlanConfig("tiny", 4, GIB, cp=4, isf_max_candidates=4, isf_search_samples=2000)
+    data = isf_plan(stats, 1, config)
+    g = data.grouping
+    shape1, _ = mean_isf_group(stats, g)
+    shape4, _ = mean_isf_group(stats, g, 4)
+    tok = [padded_lengths(stats.tokens[m], 4) for m in g.groups()]
+    np.testing.assert_allclose(shape4[1:], [np.mean([t.sum() for t in tok]), np.mean([(t.astype(float) ** 2).sum()
+                                                                                    for t in tok])])
+    assert shape4[1] > shape1[1] and shape4[0] == shape1[0]
+    cap = cap_shape(data.params, stats, 4, g)
+    assert cap.cp == 4 and cap.llm_tokens >= max(t.sum() for t in tok) and cap.vision_items == data.params.qv
+
+
+def test_cp_request_checks():
+    stats = synthetic_stats(200, 1)
+    with pytest.raises(PlanError, match="--cp"):
+        make_plan(stats, PlanConfig("tiny", 4, GIB, cp=3))
+    with pytest.raises(PlanError, match="--cp"):
+        make_plan(stats, PlanConfig("tiny", 4, GIB, tp=1, pp=2, dp=1, cp=1))

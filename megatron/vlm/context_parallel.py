@@ -30,57 +30,11 @@ import dataclasses
 
 import torch
 
+# the split arithmetic, shared with the planner (tensor-free); chunk_pairs and rank_work are re-exported
+from omnibal_ext.model.cp_split import chunk_pairs, padded_chunk, rank_chunks, rank_work, tile_ranges  # noqa: F401
+
 IGNORE_INDEX = -100
 CP_KEYS = ("image_feature_index",)  # read by the LLM embedding under CP (with the tokens)
-
-
-def padded_chunk(length: int, cp: int) -> tuple[int, int]:
-    """(length padded to a multiple of 2 x cp, chunk length = padded / (2 cp))."""
-    padded = -(-length // (2 * cp)) * 2 * cp
-    return padded, padded // (2 * cp)
-
-
-def rank_chunks(cp: int, rank: int) -> tuple[int, int]:
-    """The two chunks (of 2 x cp per segment) CP rank ``rank`` holds, in its order."""
-    return rank, 2 * cp - 1 - rank
-
-
-def tile_ranges(n_tiles: int, cp: int) -> list[range]:
-    """``n_tiles`` tiles cut into ``cp`` contiguous runs as even as whole tiles allow (the first n % cp one longer)."""
-    base, extra = divmod(n_tiles, cp)
-    out, start = [], 0
-    for r in range(cp):
-        n = base + (r < extra)
-        out.append(range(start, start + n))
-        start += n
-    return out
-
-
-def chunk_pairs(length: int, cp: int, rank: int) -> int:
-    """Attended (query, key) pairs of CP rank ``rank`` on a segment of ``length`` tokens (pads included):
-    causal within the padded segment, each of its two chunks attending to every key up to itself."""
-    _, c = padded_chunk(length, cp)
-    return sum(c * i * c + c * (c + 1) // 2 for i in rank_chunks(cp, rank))
-
-
-def rank_work(lengths, tiles: int, cp: int, real_only: bool = True) -> tuple[list[int], list[int]]:
-    """(attended pairs, ViT tiles) of each CP rank for a micro-batch of samples of ``lengths`` tokens and ``tiles``
-    tiles, split as ``split_batch`` splits it.  real_only: pairs of real tokens only (a query and a key of the
-    sample; pads excluded), else every pair the attention computes (pads included: equal on every rank)."""
-    pairs = [0] * cp
-    for length in lengths:
-        length = int(length)
-        if not real_only:
-            for r in range(cp):
-                pairs[r] += chunk_pairs(length, cp, r)
-            continue
-        _, c = padded_chunk(length, cp)
-        for r in range(cp):
-            for i in rank_chunks(cp, r):  # query q (0-based) attends keys 0..q: q + 1 pairs, real queries only
-                lo, hi = i * c, min((i + 1) * c, length)
-                if hi > lo:
-                    pairs[r] += (hi * (hi + 1) - lo * (lo + 1)) // 2
-    return pairs, [len(t) for t in tile_ranges(int(tiles), cp)]
 
 
 def split_batch(batch: dict, cp: int, rank: int, pad_id: int, img_context_id: int | None) -> dict:

@@ -30,7 +30,8 @@ class PlanConfig:
     gpu_memory_bytes: float  # memory of one GPU, bytes
     tp: int | None = None  # tensor-parallel size (None: chosen)
     pp: int | None = None  # pipeline-parallel size, stages (None: chosen)
-    dp: int | None = None  # data-parallel size (None: gpus / (tp * pp))
+    dp: int | None = None  # data-parallel size (None: gpus / (tp * pp * cp))
+    cp: int = 1  # context-parallel size (--context-parallel-size; a constraint, not searched)
     device: str | DeviceSpec = "a100-80g"  # cost-model device: a DeviceSpec or a preset name
     samples: int | None = None  # dataset size for GPU-days, samples per epoch (None: the stats' count)
     samples_per_group: int = 4  # K: samples per micro-batch (random batching), target per ISF group
@@ -91,11 +92,14 @@ def check_request(config: PlanConfig, stats: SampleStats) -> None:
                         f"got {k}")
     if config.global_batch_size < 1 or config.sim_iterations < 1:
         raise PlanError("global_batch_size and sim_iterations must be >= 1")
-    for name, v in (("--tp", tp), ("--pp", pp), ("--dp", dp)):
-        if v is not None and v < 1:
-            raise PlanError(f"{name} must be >= 1, got {v}")
-    if tp is not None and pp is not None and dp is not None and tp * pp * dp != gpus:
-        raise PlanError(f"--tp {tp} x --pp {pp} x --dp {dp} = {tp * pp * dp} but --gpus is {gpus}")
+    cp = config.cp
+    for name, v in (("--tp", tp), ("--pp", pp), ("--dp", dp), ("--cp", cp)):
+        if v is not None and (v < 1 or int(v) != v):
+            raise PlanError(f"{name} must be a positive integer, got {v}")
+    if gpus % cp:
+        raise PlanError(f"--cp {cp} does not divide --gpus {gpus}")
+    if tp is not None and pp is not None and dp is not None and tp * pp * dp * cp != gpus:
+        raise PlanError(f"--tp {tp} x --pp {pp} x --dp {dp} x --cp {cp} = {tp * pp * dp * cp} but --gpus is {gpus}")
     if len(stats) == 0:
         raise PlanError("the stats hold no samples")
     if config.choose_for not in ("omnibal", "baseline"):

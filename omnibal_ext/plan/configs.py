@@ -33,14 +33,21 @@ def num_microbatches(global_batch: int, dp: int, k: int) -> int:
 
 
 def candidate_configs(spec: ModelSpec, gpus: int, tp=None, pp=None, dp=None,
-                      min_pp: int = 1) -> tuple[list[tuple[int, int, int]], list[dict]]:
-    """(tp, pp, dp) triples to try (pipeline depth at least ``min_pp``), and the skipped ones with a reason."""
+                      min_pp: int = 1, cp: int = 1) -> tuple[list[tuple[int, int, int]], list[dict]]:
+    """(tp, pp, dp) triples to try (pipeline depth at least ``min_pp``), and the skipped ones with a reason.
+
+    cp: the context-parallel size (fixed, not searched): DP = gpus / (TP x PP x CP)."""
     n_units = len(build_units(spec))
+    if gpus % cp:
+        return [], [{"cp": cp, "reason": f"CP {cp} does not divide {gpus} GPUs"}]
+    full_gpus = gpus
+    gpus //= cp  # GPUs per CP rank: the (tp, pp, dp) grid of one CP slice
     tps = [tp] if tp is not None else [t for t in TP_CHOICES if gpus % t == 0]
     out, skipped = [], []
     for t in tps:
         if gpus % t:
-            skipped.append({"tp": t, "reason": f"TP {t} does not divide {gpus} GPUs"})
+            skipped.append({"tp": t, "reason": f"TP {t} does not divide {gpus} GPUs"
+                            + (f" per CP rank ({full_gpus} / CP {cp})" if cp > 1 else "")})
             continue
         problem = tp_problem(spec, t)
         if problem:
@@ -49,7 +56,8 @@ def candidate_configs(spec: ModelSpec, gpus: int, tp=None, pp=None, dp=None,
         pps = [pp] if pp is not None else divisors(gpus // t)
         for p in pps:
             if (gpus // t) % p:
-                skipped.append({"tp": t, "pp": p, "reason": f"TP {t} x PP {p} does not divide {gpus} GPUs"})
+                skipped.append({"tp": t, "pp": p, "reason": f"TP {t} x PP {p} does not divide {gpus} GPUs"
+                                + (f" per CP rank ({full_gpus} / CP {cp})" if cp > 1 else "")})
                 continue
             d = gpus // (t * p)
             if dp is not None and d != dp:
@@ -73,18 +81,20 @@ def candidate_configs(spec: ModelSpec, gpus: int, tp=None, pp=None, dp=None,
 def screen_config(spec: ModelSpec, device: DeviceSpec, budget: float, attention: str, cfg: tuple[int, int, int],
                   k: int, global_batch: int, cap_shape: MicroBatchShape, random_shape: MicroBatchShape,
                   mean_isf: tuple[np.ndarray, float], mean_random: np.ndarray, baseline_needed: bool,
-                  cache: dict | None = None, trainable=None) -> dict:
+                  cache: dict | None = None, trainable=None, cp: int = 1) -> dict:
     """Quick look at one (tp, pp, dp): least memory need, the baseline's memory, and the time per sample
     of the balanced (+memory) plan and of the baseline, each with every micro-batch at its mean shape.
 
     budget: bytes per GPU; k: samples per micro-batch; global_batch: samples per iteration; mean_isf:
-    (mean ISF group shape, mean samples per group); mean_random: the mean padded random micro-batch shape.
+    (mean ISF group shape, mean samples per group); mean_random: the mean padded random micro-batch shape;
+    cp: the context-parallel size (the shapes carry it; ``rec["cp"]`` is written when > 1).
     """
     t, p, d = cfg
     m = num_microbatches(global_batch, d, k)
-    ctx = build_context(spec, device, t, p, d, m, budget, attention, cap_shape, random_shape, trainable)
+    ctx = build_context(spec, device, t, p, d, m, budget, attention, cap_shape, random_shape, trainable, cp)
     need, stage, _ = memory_need(ctx.need)
-    rec = {"tp": t, "pp": p, "dp": d, "micro_batches": m, "least_need_bytes": need, "need_stage": stage,
+    rec = {"tp": t, "pp": p, **({"cp": cp} if cp > 1 else {}), "dp": d, "micro_batches": m,
+           "least_need_bytes": need, "need_stage": stage,
            "fits": bool(need <= budget)}
     default = default_layout(spec, p)
     full = full_recompute_plan(default, ctx.costs_random.units)
@@ -109,6 +119,11 @@ def screen_config(spec: ModelSpec, device: DeviceSpec, budget: float, attention:
     return rec
 
 
+def _cp(rec: dict) -> str:
+    """" CP=n" for a screened configuration with context parallelism, else ""."""
+    return f" CP={rec['cp']}" if rec.get("cp", 1) > 1 else ""
+
+
 def refusal(spec: ModelSpec, gpus: int, gpu_memory: float, budget: float, tried: list[dict], skipped: list[dict],
             baseline_needed: bool) -> PlanError:
     """Why no configuration can be planned: the least demanding one, its stage and need (bytes per GPU)."""
@@ -120,16 +135,17 @@ def refusal(spec: ModelSpec, gpus: int, gpu_memory: float, budget: float, tried:
         b = min(tried, key=lambda r: r["baseline_peak_bytes"])
         return PlanError(
             f"{spec.name} on {gpus} GPUs of {gpu_memory / GIB:.0f} GiB: the Megatron-default baseline fits no "
-            f"configuration: the least demanding, TP={b['tp']} PP={b['pp']} DP={b['dp']}, needs "
+            f"configuration: the least demanding, TP={b['tp']} PP={b['pp']}{_cp(b)} DP={b['dp']}, needs "
             f"{b['baseline_peak_bytes'] / GIB:.1f} GiB against a budget of {budget / GIB:.1f} GiB per GPU")
     planner_failed = [r for r in tried if "reason" in r]
     if best["least_need_bytes"] <= budget and planner_failed:  # memory would do, the planner found no plan
         return PlanError(
             f"{spec.name} on {gpus} GPUs of {gpu_memory / GIB:.0f} GiB: no configuration has a plan that fits "
             f"{budget / GIB:.1f} GiB per GPU: " + "; ".join(
-                f"TP={r['tp']} PP={r['pp']} DP={r['dp']}: {r['reason']}" for r in planner_failed))
+                f"TP={r['tp']} PP={r['pp']}{_cp(r)} DP={r['dp']}: {r['reason']}" for r in planner_failed))
     return PlanError(
         f"{spec.name} does not fit {gpus} GPUs of {gpu_memory / GIB:.0f} GiB: the least demanding configuration, "
-        f"TP={best['tp']} PP={best['pp']} DP={best['dp']}, needs {best['least_need_bytes'] / GIB:.1f} GiB on "
+        f"TP={best['tp']} PP={best['pp']}{_cp(best)} DP={best['dp']}, needs "
+        f"{best['least_need_bytes'] / GIB:.1f} GiB on "
         f"pipeline stage {best['need_stage']} (full recompute, best layout) against a budget of "
         f"{budget / GIB:.1f} GiB per GPU")

@@ -41,36 +41,47 @@ class PlanContext:
     need: np.ndarray  # memory_need_table of costs_isf
     precision: Precision  # static bytes per parameter (the distributed optimizer is assumed)
     trainable: Trainable | None = None  # frozen units (None: every unit trains); the cost tables above include it
+    cp: int = 1  # context-parallel size: the cost tables are one CP rank's; gradients are reduced over DP x CP
+
+    @property
+    def grad_ranks(self) -> int:
+        """Ranks holding one copy of the model: DP x CP (gradient all-reduce, distributed optimizer shards)."""
+        return self.dp * self.cp
 
 
 def build_context(spec: ModelSpec, device: DeviceSpec, tp: int, pp: int, dp: int, m: int, budget: float,
                   attention: str, cap_shape: MicroBatchShape, random_shape: MicroBatchShape,
-                  trainable: Trainable | None = None) -> PlanContext:
+                  trainable: Trainable | None = None, cp: int = 1) -> PlanContext:
     """The context of one configuration: costs at the ISF caps and at the mean padded random micro-batch, with
     ``trainable``'s frozen units applied (omnibal_ext.model.trainable; linear in the shape, so the basis too).
-    With TP > 1 the plan runs sequence parallelism (``trainer_flags.sequence_parallel``), and its costs
-    count it."""
+    With TP > 1 the plan runs sequence parallelism (``trainer_flags.sequence_parallel``; not with CP > 1), and
+    its costs count it.  cp: the context-parallel size; the shapes carry it (``MicroBatchShape.cp``) and the
+    costs and memory are one CP rank's; the optimizer state is sharded over DP x CP (megatron-core's
+    distributed optimizer)."""
     frozen = trainable.apply if trainable is not None else (lambda c: c)
-    sp = sequence_parallel(tp)
+    sp = sequence_parallel(tp, cp)
+    for shape in (cap_shape, random_shape):
+        if shape.cp != cp:
+            raise ValueError(f"build_context: a shape split over CP {shape.cp}, the configuration's CP is {cp}")
     costs_isf = frozen(analytic_costs(spec, cap_shape, tp, device, attention=attention, sequence_parallel=sp))
     costs_random = frozen(analytic_costs(spec, random_shape, tp, device, attention=attention, sequence_parallel=sp))
-    basis = tuple(frozen(c) for c in basis_costs(spec, tp, device, attention, sequence_parallel=sp))
+    basis = tuple(frozen(c) for c in basis_costs(spec, tp, device, attention, sequence_parallel=sp, cp=cp))
     precision = training_precision(device)
     return PlanContext(spec, device, tp, pp, dp, m, budget, attention, basis,
-                       costs_isf, costs_random, memory_need_table(costs_isf, pp, tp, dp, m, precision=precision),
-                       precision, trainable)
+                       costs_isf, costs_random, memory_need_table(costs_isf, pp, tp, dp * cp, m, precision=precision),
+                       precision, trainable, cp)
 
 
 def allreduce_s(ctx: PlanContext, layout: PipelineLayout) -> float:
     """Ring all-reduce of the fp32 gradients of the layout's largest stage, seconds (frozen units: none)."""
     params = unit_params(ctx.costs_isf, ctx.tp, trained_only=True)
     largest = max(params[list(r)].sum() for r in layout.stage_slices())
-    return allreduce_seconds(4.0 * largest, ctx.dp, ctx.device.p2p_bytes_per_s)
+    return allreduce_seconds(4.0 * largest, ctx.grad_ranks, ctx.device.p2p_bytes_per_s)
 
 
 def stage_peaks(ctx: PlanContext, costs: CostTable, layout: PipelineLayout, stages) -> tuple[float, ...]:
     """Per stage, peak bytes per GPU of ``memory_model.stage_memory`` (1F1B, distributed optimizer)."""
-    mem = stage_memory(costs, layout, stages, ctx.pp, ctx.tp, ctx.dp, ctx.m, precision=ctx.precision)
+    mem = stage_memory(costs, layout, stages, ctx.pp, ctx.tp, ctx.grad_ranks, ctx.m, precision=ctx.precision)
     return tuple(float(x.peak_bytes) for x in mem)
 
 
@@ -100,6 +111,7 @@ def best_candidate(cands: list[Candidate]) -> Candidate:
 
 def nothing_fits(ctx: PlanContext, setting: str, failures: list[str]) -> PlanError:
     """The planner's refusal of a row: the configuration and why each candidate failed."""
-    configuration = (f"{ctx.spec.name} at TP={ctx.tp} PP={ctx.pp} DP={ctx.dp}, {ctx.m} micro-batches, budget "
+    cp = f" CP={ctx.cp}" if ctx.cp > 1 else ""
+    configuration = (f"{ctx.spec.name} at TP={ctx.tp} PP={ctx.pp}{cp} DP={ctx.dp}, {ctx.m} micro-batches, budget "
                      f"{ctx.budget / GIB:.1f} GiB per GPU")
     return PlanError(f"no {setting} plan fits {configuration}: " + "; ".join(failures))

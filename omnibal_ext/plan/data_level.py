@@ -4,6 +4,11 @@ Megatron's default: ``K`` random samples per micro-batch padded to the longest o
 K samples' tiles; LLM tokens ``K * longest``; attention ``K * longest^2``).  ISF: one packed group
 per micro-batch (its tiles, its tokens, ``sum(len_i^2)`` of its samples), steps in the balanced
 order the sampler serves.
+
+Context parallelism (``cp`` > 1): the trainer pads every sample of a micro-batch to a multiple of 2 x CP tokens
+and splits it over the CP ranks (``omnibal_ext.model.cp_split``); the shapes here then hold the padded
+figures (tokens: ``sum(padded)``, attention: ``sum(padded^2)``) and ``MicroBatchShape(..., cp=cp)`` gives the cost
+model one rank's share of them.  The ISF caps Qv/Qt stay per micro-batch (real tiles and tokens of a group).
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import numpy as np
 from ..data.search import SearchConfig, plan_isf, random_group_totals, step_matrix_epoch0
 from ..data.stats import SampleStats
 from ..model.cost_model import MicroBatchShape
+from ..model.cp_split import cp_multiple, padded_lengths
 from .config import PlanConfig, PlanError
 
 SHAPE_FIELDS = ("tiles", "llm_tokens", "llm_attn_tokens_sq")  # the three columns of a micro-batch shape
@@ -41,28 +47,55 @@ def isf_plan(stats: SampleStats, dp: int, config: PlanConfig):
     return plan_isf(stats.vit, stats.tokens, search)
 
 
-def group_sq_tokens(stats: SampleStats, grouping) -> np.ndarray:
-    """Per ISF group, the sum of its samples' squared token counts (tokens^2)."""
-    tok = stats.tokens.astype(np.float64)
-    return np.add.reduceat(tok[grouping.members] ** 2, grouping.offsets[:-1]) if len(grouping) else np.zeros(0)
+def _member_lengths(stats: SampleStats, grouping, cp: int) -> np.ndarray:
+    """Token counts of the groups' members (padded as the trainer pads them under CP), float64."""
+    return padded_lengths(stats.tokens[grouping.members], cp).astype(np.float64)
 
 
-def mean_isf_group(stats: SampleStats, grouping) -> tuple[np.ndarray, float]:
-    """(mean (tiles, tokens, sum len^2) of an ISF group, mean samples per group)."""
-    shape = np.array([grouping.tiles.mean(), grouping.tokens.mean(), float(np.mean(group_sq_tokens(stats, grouping)))])
+def group_sq_tokens(stats: SampleStats, grouping, cp: int = 1) -> np.ndarray:
+    """Per ISF group, the sum of its samples' squared token counts (tokens^2; under CP of the padded counts)."""
+    if not len(grouping):
+        return np.zeros(0)
+    return np.add.reduceat(_member_lengths(stats, grouping, cp) ** 2, grouping.offsets[:-1])
+
+
+def group_llm_tokens(stats: SampleStats, grouping, cp: int = 1) -> np.ndarray:
+    """Per ISF group, the LLM tokens the trainer runs: its tokens, padded per sample under CP."""
+    if cp == 1 or not len(grouping):
+        return grouping.tokens.astype(np.float64)
+    return np.add.reduceat(_member_lengths(stats, grouping, cp), grouping.offsets[:-1])
+
+
+def mean_isf_group(stats: SampleStats, grouping, cp: int = 1) -> tuple[np.ndarray, float]:
+    """(mean (tiles, tokens, sum len^2) of an ISF group (CP: padded), mean samples per group)."""
+    shape = np.array([grouping.tiles.mean(), float(np.mean(group_llm_tokens(stats, grouping, cp))),
+                      float(np.mean(group_sq_tokens(stats, grouping, cp)))])
     return shape, float(grouping.sizes.mean())
 
 
-def cap_shape(params, stats: SampleStats) -> MicroBatchShape:
-    """The largest micro-batch the ISF caps allow: Qv tiles, Qt tokens, attention ``min(Qt, longest) * Qt``."""
+def cap_shape(params, stats: SampleStats, cp: int = 1, grouping=None) -> MicroBatchShape:
+    """The largest micro-batch the ISF caps allow: Qv tiles, Qt tokens, attention ``min(Qt, longest) * Qt``.
+
+    Under CP (``cp`` > 1) a group of n samples gains at most n (2 CP - 1) pad tokens: the tokens are
+    ``Qt + (2 CP - 1) * largest group`` (``grouping``'s; else Qt / shortest sample), the longest sample is padded,
+    and the shape is split over ``cp`` ranks (``MicroBatchShape.cp``)."""
     longest = int(stats.tokens.max()) if len(stats) else 0
-    return MicroBatchShape(int(params.qv), int(params.qt), llm_attn_tokens_sq=float(min(params.qt, longest)) * params.qt)
+    qt = int(params.qt)
+    if cp > 1:
+        if grouping is not None and len(grouping):
+            most = int(grouping.sizes.max())
+        else:
+            most = -(-qt // max(1, int(stats.tokens.min()) if len(stats) else 1))
+        qt += (cp_multiple(cp) - 1) * most
+        longest = int(padded_lengths([longest], cp)[0])
+    return MicroBatchShape(int(params.qv), qt, llm_attn_tokens_sq=float(min(qt, longest)) * qt, cp=cp)
 
 
-def shape_of(v: np.ndarray) -> MicroBatchShape:
-    """A (tiles, tokens, sum len^2) vector as a MicroBatchShape (rounded; attention at most tokens^2)."""
+def shape_of(v: np.ndarray, cp: int = 1) -> MicroBatchShape:
+    """A (tiles, tokens, sum len^2) vector as a MicroBatchShape split over ``cp`` ranks (rounded; attention at most
+    tokens^2)."""
     tiles, tokens = int(round(v[0])), int(round(v[1]))
-    return MicroBatchShape(tiles, tokens, llm_attn_tokens_sq=float(min(v[2], float(tokens) ** 2)))
+    return MicroBatchShape(tiles, tokens, llm_attn_tokens_sq=float(min(v[2], float(tokens) ** 2)), cp=cp)
 
 
 def shape_dict(v: np.ndarray) -> dict:
@@ -91,20 +124,23 @@ def sampled_loads(group_shape: np.ndarray, group_real: np.ndarray, group_samples
 
 
 def random_loads(stats: SampleStats, k: int, dp: int, m: int, iterations: int,
-                 seed: int) -> tuple[Loads, np.ndarray, np.ndarray]:
+                 seed: int, cp: int = 1) -> tuple[Loads, np.ndarray, np.ndarray]:
     """Megatron's random batching: (loads of sampled iterations, mean and worst (tiles, padded tokens,
-    padded sum len^2) over every micro-batch of the epoch)."""
+    padded sum len^2) over every micro-batch of the epoch).  Under CP the padded row is rounded up to a multiple
+    of 2 x CP (one segment per row: the sample and its padding)."""
     gt, gv, gmax, sizes = random_group_totals(stats.vit, stats.tokens, k, seed)
-    padded = (sizes * gmax).astype(np.float64)
-    shape = np.stack([gv.astype(np.float64), padded, sizes * gmax.astype(np.float64) ** 2], axis=1)
+    width = padded_lengths(gmax, cp).astype(np.float64)
+    padded = (sizes * width).astype(np.float64)
+    shape = np.stack([gv.astype(np.float64), padded, sizes * width ** 2], axis=1)
     full = len(gt) // dp
     steps = np.arange(full * dp).reshape(full, dp)
     return sampled_loads(shape, gt, sizes, steps, m, iterations), shape.mean(axis=0), shape.max(axis=0)
 
 
-def isf_loads(stats: SampleStats, data_plan, m: int, iterations: int, seed: int) -> Loads:
-    """ISF: one packed group per micro-batch, steps in the balanced order the sampler serves."""
+def isf_loads(stats: SampleStats, data_plan, m: int, iterations: int, seed: int, cp: int = 1) -> Loads:
+    """ISF: one packed group per micro-batch, steps in the balanced order the sampler serves (CP: padded)."""
     g = data_plan.grouping
-    shape = np.stack([g.tiles.astype(np.float64), g.tokens.astype(np.float64), group_sq_tokens(stats, g)], axis=1)
+    shape = np.stack([g.tiles.astype(np.float64), group_llm_tokens(stats, g, cp), group_sq_tokens(stats, g, cp)],
+                     axis=1)
     steps = step_matrix_epoch0(len(g), data_plan.assembly.width, data_plan.assembly.order, seed)
     return sampled_loads(shape, g.tokens, g.sizes, steps, m, iterations)

@@ -25,13 +25,17 @@ MODE_NAMES = {0: "none", 1: "selective", 2: "full"}  # memory_model's per-unit r
 
 
 def basis_costs(spec: ModelSpec, tp: int, device: DeviceSpec, attention: str = "unfused",
-                sequence_parallel: bool = False) -> tuple[CostTable, ...]:
-    """Cost tables at the unit shapes: tiles only, tokens only, tokens + attention (see stage_coefficients)."""
+                sequence_parallel: bool = False, cp: int = 1) -> tuple[CostTable, ...]:
+    """Cost tables at the unit shapes: tiles only, tokens only, tokens + attention (see stage_coefficients).
+
+    cp: context-parallel size; the unit shapes are split over ``cp`` ranks (``MicroBatchShape.cp``), so the
+    coefficients give one CP rank's time of a whole micro-batch's (padded) shape (BASIS is a multiple of any
+    power-of-two CP, so the split's rounding does not enter)."""
     b = int(BASIS)
     kw = dict(attention=attention, sequence_parallel=sequence_parallel)
-    return (analytic_costs(spec, MicroBatchShape(b, 0), tp, device, **kw),
-            analytic_costs(spec, MicroBatchShape(0, b, llm_attn_tokens_sq=0.0), tp, device, **kw),
-            analytic_costs(spec, MicroBatchShape(0, b, llm_attn_tokens_sq=BASIS**2), tp, device, **kw))
+    return (analytic_costs(spec, MicroBatchShape(b, 0, cp=cp), tp, device, **kw),
+            analytic_costs(spec, MicroBatchShape(0, b, llm_attn_tokens_sq=0.0, cp=cp), tp, device, **kw),
+            analytic_costs(spec, MicroBatchShape(0, b, llm_attn_tokens_sq=BASIS**2, cp=cp), tp, device, **kw))
 
 
 def stage_coefficients(basis: Sequence[CostTable], layout: PipelineLayout, pp: int, p2p_bytes_per_s: float,

@@ -11,10 +11,12 @@ from .linear_costs import stage_modes
 
 def joint_plan(ctx: PlanContext, cache: dict | None):
     """``plan_layout_and_recompute`` at the ISF caps, memoised per configuration (screen, then plan)."""
-    key = (ctx.tp, ctx.pp, ctx.dp, ctx.m, ctx.budget, ctx.attention, tuple(sorted(ctx.costs_isf.meta["shape"].items())))
+    key = (ctx.tp, ctx.pp, ctx.dp, ctx.cp, ctx.m, ctx.budget, ctx.attention,
+           tuple(sorted(ctx.costs_isf.meta["shape"].items())))
     if cache is not None and key in cache:
         return cache[key]
-    joint = plan_layout_and_recompute(ctx.costs_isf, ctx.pp, ctx.budget, ctx.tp, ctx.dp, ctx.m, precision=ctx.precision)
+    joint = plan_layout_and_recompute(ctx.costs_isf, ctx.pp, ctx.budget, ctx.tp, ctx.grad_ranks, ctx.m,
+                                      precision=ctx.precision)
     if cache is not None:
         cache[key] = joint
     return joint
@@ -42,7 +44,7 @@ def memory_candidates(ctx: PlanContext, layouts: list[tuple[str, PipelineLayout]
             continue
         seen.add(layout)
         try:
-            plan = plan_recompute(ctx.costs_isf, layout, ctx.budget, ctx.pp, ctx.tp, ctx.dp, ctx.m,
+            plan = plan_recompute(ctx.costs_isf, layout, ctx.budget, ctx.pp, ctx.tp, ctx.grad_ranks, ctx.m,
                                   precision=ctx.precision)
         except MemoryBudgetError as e:
             failures.append(f"{how} layout + adaptive recompute: {e}")

@@ -40,20 +40,21 @@ def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict) -
     """Screen every candidate (tp, pp, dp) and keep the fastest that fits; PlanError when none does."""
     spec, dev, budget, k = config.spec, config.device_spec, config.budget_bytes, int(config.samples_per_group)
     gpus, gpu_memory = config.gpus, config.gpu_memory_bytes
-    configs, skipped = candidate_configs(spec, gpus, config.tp, config.pp, config.dp, config.min_pp)
+    cp = int(config.cp)
+    configs, skipped = candidate_configs(spec, gpus, config.tp, config.pp, config.dp, config.min_pp, cp)
     if not configs:
         raise refusal(spec, gpus, gpu_memory, budget, [], skipped, config.require_baseline_fit)
     # Provisional ISF thresholds for screening: caps depend on K, hardly on the DP size.
     first_dp = config.dp if config.dp is not None else (configs[0][2] if len(configs) == 1 else SCREEN_DP)
     data = isf_plan(stats, first_dp, config)
-    cap = cap_shape(data.params, stats)
-    _, mean_random, worst = random_loads(stats, k, 1, 1, 1, config.seed)
-    random_shape = shape_of(mean_random)
-    mean_isf = mean_isf_group(stats, data.grouping)
+    cap = cap_shape(data.params, stats, cp, data.grouping)
+    _, mean_random, worst = random_loads(stats, k, 1, 1, 1, config.seed, cp)
+    random_shape = shape_of(mean_random, cp)
+    mean_isf = mean_isf_group(stats, data.grouping, cp)
 
     def screen(cfg, caps, baseline_needed, cache=None):
         return screen_config(spec, dev, budget, config.attention, cfg, k, config.global_batch_size, caps,
-                             random_shape, mean_isf, mean_random, baseline_needed, cache, config.trainable)
+                             random_shape, mean_isf, mean_random, baseline_needed, cache, config.trainable, cp)
 
     tried = [screen(c, cap, config.require_baseline_fit, cache) for c in configs]
     usable = [r for r in tried if r["fits"] and "estimated_seconds_per_sample" in r]
@@ -65,9 +66,9 @@ def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict) -
     t, p, d = chosen["tp"], chosen["pp"], chosen["dp"]
     if d != first_dp:
         data = isf_plan(stats, d, config)
-        cap = cap_shape(data.params, stats)
+        cap = cap_shape(data.params, stats, cp, data.grouping)
     m = num_microbatches(config.global_batch_size, d, k)
-    ctx = build_context(spec, dev, t, p, d, m, budget, config.attention, cap, random_shape, config.trainable)
+    ctx = build_context(spec, dev, t, p, d, m, budget, config.attention, cap, random_shape, config.trainable, cp)
     if memory_need(ctx.need)[0] > budget:  # the final thresholds moved the caps: say so plainly
         raise refusal(spec, gpus, gpu_memory, budget, [screen((t, p, d), cap, False)], skipped, False)
     return _Chosen(ctx, data, cap, worst, tried, skipped, len(usable))
@@ -79,6 +80,8 @@ def _notes(config: PlanConfig, ctx: PlanContext, k: int, usable: int, baseline) 
     notes = [f"budget = {config.gpu_memory_bytes / GIB:.1f} GiB x (1 - {config.memory_reserve}) = "
              f"{budget / GIB:.1f} GiB per GPU",
              f"{ctx.m} micro-batches per iteration = ceil({config.global_batch_size} / ({ctx.dp} DP x {k} samples))",
+             *([f"context parallel over {ctx.cp} ranks: samples padded to a multiple of {2 * ctx.cp} tokens, stage "
+                f"times and memory per CP rank, no sequence parallelism"] if ctx.cp > 1 else []),
              f"{config.sim_iterations} iterations simulated per setting (every DP rank; slowest rank + all-reduce)",
              f"configuration chosen for the fastest "
              f"{'balanced plan' if config.choose_for == 'omnibal' else 'Megatron default'} among {usable} that fit"]
@@ -102,8 +105,8 @@ def make_plan(stats: SampleStats, config: PlanConfig) -> Plan:
     ctx, data = chosen.ctx, chosen.data
     t, p, d, m = ctx.tp, ctx.pp, ctx.dp, ctx.m
 
-    loads_r, _, _ = random_loads(stats, k, d, m, config.sim_iterations, seed)
-    loads_i = isf_loads(stats, data, m, config.sim_iterations, seed)
+    loads_r, _, _ = random_loads(stats, k, d, m, config.sim_iterations, seed, ctx.cp)
+    loads_i = isf_loads(stats, data, m, config.sim_iterations, seed, ctx.cp)
     default = default_layout(spec, p)
 
     base = simulate_candidate(ctx, default_candidate(ctx, default), loads_r, True)
@@ -124,7 +127,7 @@ def make_plan(stats: SampleStats, config: PlanConfig) -> Plan:
 
     final = rows[-1]
     flags = plan_trainer_flags(spec.name, t, p, final.layout_flag, final.recompute_flag, data.params, k, m * d * k,
-                               bf16=ctx.precision == MIXED_BF16_ADAM, freeze_flags=config.freeze.flags())
+                               bf16=ctx.precision == MIXED_BF16_ADAM, freeze_flags=config.freeze.flags(), cp=ctx.cp)
     shapes = {
         "isf_caps": chosen.cap.to_dict(),
         "isf_mean": shape_dict(loads_i.mean_shape),
@@ -134,7 +137,7 @@ def make_plan(stats: SampleStats, config: PlanConfig) -> Plan:
     isf = {"params": data.params.to_dict(), "metrics": dict(data.metrics), "groups": int(len(data.grouping)),
            "search_seconds": float(data.seconds_search), "samples_per_group": float(data.grouping.sizes.mean())}
     return Plan(
-        model=spec.name, device=dev.name, gpus=gpus, tp=t, pp=p, dp=d,
+        model=spec.name, device=dev.name, gpus=gpus, tp=t, pp=p, dp=d, cp=ctx.cp,
         gpu_memory_bytes=float(config.gpu_memory_bytes), budget_bytes=config.budget_bytes, samples=samples,
         samples_per_group=k, global_batch_size=m * d * k, num_microbatches=m, attention=config.attention, isf=isf,
         random=dict(random_baseline(stats.vit, stats.tokens, d, k, seed)), shapes=shapes, rows=tuple(rows),

@@ -11,7 +11,8 @@ def format_plan(plan: Plan) -> str:
     p = plan.isf["params"]
     lines = [
         f"{plan.model} on {plan.gpus} x {plan.device} ({plan.gpu_memory_bytes / GIB:.0f} GiB, budget "
-        f"{g(plan.budget_bytes):.1f} GiB/GPU): TP={plan.tp} PP={plan.pp} DP={plan.dp}, "
+        f"{g(plan.budget_bytes):.1f} GiB/GPU): TP={plan.tp} PP={plan.pp} "
+        f"{f'CP={plan.cp} ' if plan.cp > 1 else ''}DP={plan.dp}, "
         f"{plan.num_microbatches} micro-batches x {plan.samples_per_group} samples, global batch "
         f"{plan.global_batch_size}, {plan.samples} samples per epoch",
         f"ISF: Qv={p['qv']} Qt={p['qt']} Q'v={p['qv_min']} Q't={p['qt_min']} T={p['iters']}; "

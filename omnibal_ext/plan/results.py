@@ -80,6 +80,7 @@ class Plan:
     notes: tuple[str, ...] = ()
     timelines: dict = field(default_factory=dict, compare=False, repr=False)  # setting -> SimResult
     stage_time_bars: dict = field(default_factory=dict, compare=False, repr=False)  # setting -> stage times
+    cp: int = 1  # context-parallel size: stage times and memory are one CP rank's
 
     def row(self, setting: str) -> SettingPrediction:
         for r in self.rows:
@@ -102,7 +103,7 @@ class Plan:
     def to_dict(self) -> dict:
         return {
             "model": self.model, "device": self.device, "gpus": self.gpus, "tp": self.tp, "pp": self.pp,
-            "dp": self.dp, "gpu_memory_bytes": self.gpu_memory_bytes, "budget_bytes": self.budget_bytes,
+            "dp": self.dp, "cp": self.cp, "gpu_memory_bytes": self.gpu_memory_bytes, "budget_bytes": self.budget_bytes,
             "samples": self.samples, "samples_per_group": self.samples_per_group,
             "global_batch_size": self.global_batch_size, "num_microbatches": self.num_microbatches,
             "attention": self.attention,

@@ -17,20 +17,22 @@ def tp_problem(spec: ModelSpec, tp: int) -> str | None:
     return None
 
 
-def sequence_parallel(tp: int) -> bool:
+def sequence_parallel(tp: int, cp: int = 1) -> bool:
     """Whether a plan at ``tp`` runs sequence parallelism: always with TP > 1 (it only splits what TP leaves
-    replicated, so it lowers activation memory at the same TP traffic; ``--sequence-parallel``)."""
-    return tp > 1
+    replicated, so it lowers activation memory at the same TP traffic; ``--sequence-parallel``), except with
+    context parallelism (``cp`` > 1), where the trainer refuses ``--sequence-parallel``."""
+    return tp > 1 and cp == 1
 
 
 def plan_trainer_flags(model: str, tp: int, pp: int, layout_flag: str, recompute_flag: str, isf_params,
                        samples_per_group: int, global_batch_size: int, bf16: bool,
-                       freeze_flags: list[str] = ()) -> dict:
+                       freeze_flags: list[str] = (), cp: int = 1) -> dict:
     """The flags ``pretrain_vlm.py`` runs the plan with (``--omnibal-plan`` applies them).
 
     isf_params: the ISF thresholds (qv, qt, qv_min, qt_min: tiles and tokens per group);
     samples_per_group: K, the micro-batch size; global_batch_size: samples per iteration; freeze_flags: the
-    freeze flags the plan was made with (``Freeze.flags()``), which the trainer must train with.
+    freeze flags the plan was made with (``Freeze.flags()``), which the trainer must train with; cp: the
+    context-parallel size (``--context-parallel-size``, written when > 1; no sequence parallelism then).
     """
     freeze = {}
     for i, f in enumerate(freeze_flags):
@@ -41,7 +43,8 @@ def plan_trainer_flags(model: str, tp: int, pp: int, layout_flag: str, recompute
         "--model": model,
         "--tensor-model-parallel-size": tp,
         "--pipeline-model-parallel-size": pp,
-        "--sequence-parallel": sequence_parallel(tp),
+        "--sequence-parallel": sequence_parallel(tp, cp),
+        **({"--context-parallel-size": cp} if cp > 1 else {}),
         "--pipeline-layout": layout_flag,
         "--recompute-plan": recompute_flag,
         "--omnibal-isf": True,
