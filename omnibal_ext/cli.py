@@ -85,6 +85,11 @@ def add_plan_parser(subparsers, scan_metas: MetaScanner | None = None,
                         "Megatron's default")
     p.add_argument("--min-pp", type=int, default=1, metavar="P",
                    help="when choosing the parallel sizes, only pipelines of at least P stages (default 1)")
+    p.add_argument("--vpp", type=int, default=None, metavar="V",
+                   help="model chunks per pipeline rank, the interleaved pipeline (default: chosen among 1..--max-vpp "
+                        "where the micro-batches per pipeline are a multiple of PP, when predicted faster)")
+    p.add_argument("--max-vpp", type=int, default=2, metavar="V", help="largest V tried when --vpp is not given "
+                                                                        "(default 2; 1: no interleaving)")
     p.add_argument("--sim-iterations", type=int, default=8, help="iterations simulated per setting (default 8)")
     p.add_argument("--seed", type=int, default=0)
     add_freeze_flags(p)
@@ -130,7 +135,8 @@ def plan_config(args):
                       samples_per_group=args.samples_per_group, max_seq_length=args.max_seq_length,
                       global_batch_size=args.global_batch_size, memory_reserve=args.memory_reserve,
                       attention=args.attention, sim_iterations=args.sim_iterations, choose_for=args.choose_for,
-                      min_pp=args.min_pp, seed=args.seed, freeze=Freeze.from_args(args))
+                      min_pp=args.min_pp, seed=args.seed, freeze=Freeze.from_args(args),
+                      vpp=getattr(args, "vpp", None), max_vpp=getattr(args, "max_vpp", 2))
 
 
 def build_parser(scan_metas: MetaScanner | None = None, model_from_hf: HFModelReader | None = None,

@@ -70,7 +70,8 @@ def simulated(args) -> dict:
     stats = load_stats(bl.stats_files(args.stats_dir))
     paper = PlanConfig(args.preset, args.gpus, args.gpu_memory_gib * GIB, samples=args.sim_samples,
                        samples_per_group=bl.PAPER_SAMPLES_PER_GROUP, global_batch_size=bl.PAPER_GLOBAL_BATCH,
-                       attention="flash", sim_iterations=args.sim_iterations)
+                       attention="flash", sim_iterations=args.sim_iterations,
+                       vpp=1)  # the memory level alone: +memory stays on the plain pipeline, as +model
     # the configuration of reproduce_paper.py's ablation: the authors' TP and PP
     plan = make_plan(stats, dataclasses.replace(paper, tp=bl.PAPER_TP, pp=bl.PAPER_PP))
     full, adaptive = plan.row("+model"), plan.row("+memory")

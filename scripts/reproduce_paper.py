@@ -45,6 +45,10 @@ Assumptions (not numbers we could check; change them with the flags)
   projector on stage 0, the LLM layers split evenly.  Its time is predicted even where it would not
   fit memory in our model, and the table says so.
 * ``--sweep`` prints the ablation at every other (TP, PP) with a pipeline, at the same global batch.
+* The paper's rows run no interleaved pipeline (V = 1, as the authors ran).  Beyond the paper, the script
+  also prints 6B+20B on the same GPUs with sequence parallelism (every plan with TP > 1 runs it) and V chosen
+  by the planner (up to ``--max-vpp``): at the authors' TP/PP/DP, and with TP, PP, DP and V all chosen;
+  both against the authors' configuration (its Megatron-default baseline and our V = 1 +memory plan).
 
 Usage::
 
@@ -94,12 +98,21 @@ def load_stats_dir(stats_dir: Path = STATS_DIR):
                          f"with the repository are in {bl.STATS_DIR})") from None
 
 
+def plan_of(stats, model: str, gpus: int, gpu_memory_gib: float, k: int, global_batch: int, samples: int,
+            sim_iterations: int, isf_candidates: int, tp: int | None, pp: int | None, vpp: int | None = 1,
+            max_vpp: int = 2):
+    """``make_plan`` under the script's assumptions (vpp 1: no interleaving, as the paper; None: chosen)."""
+    return make_plan(stats, PlanConfig(model, gpus, gpu_memory_gib * GIB, tp=tp, pp=pp, samples=samples,
+                                       samples_per_group=k, global_batch_size=global_batch, attention="flash",
+                                       sim_iterations=sim_iterations, isf_max_candidates=isf_candidates,
+                                       vpp=vpp, max_vpp=max_vpp))
+
+
 def predict(stats, model: str, gpus: int, gpu_memory_gib: float, k: int, global_batch: int, samples: int,
             sim_iterations: int, isf_candidates: int, tp: int, pp: int) -> tuple[list[dict], dict]:
-    """Rows of one model (SETTINGS order plus the headline row) and its plan summary."""
-    plan = make_plan(stats, PlanConfig(model, gpus, gpu_memory_gib * GIB, tp=tp, pp=pp, samples=samples,
-                                       samples_per_group=k, global_batch_size=global_batch, attention="flash",
-                                       sim_iterations=sim_iterations, isf_max_candidates=isf_candidates))
+    """Rows of one model (SETTINGS order plus the headline row) and its plan summary (no interleaving)."""
+    plan = plan_of(stats, model, gpus, gpu_memory_gib, k, global_batch, samples, sim_iterations, isf_candidates,
+                   tp, pp, vpp=1)
     rows = []
     for r in plan.rows:
         paper_days = PAPER_GPU_DAYS.get((model, r.setting))
@@ -133,6 +146,45 @@ def predict(stats, model: str, gpus: int, gpu_memory_gib: float, k: int, global_
                "random_dist_ratio_vit": plan.random["dist_ratio_vit"], "notes": list(plan.notes),
                "trainer_args": plan.trainer_args}
     return rows, summary
+
+
+BEYOND_MODEL = "internvl-6b-20b"
+
+
+def beyond_paper(stats, args, paper_rows: list[dict]) -> list[dict]:
+    """6B+20B beyond the paper: sequence parallelism (TP > 1) and V chosen by the planner, at the authors'
+    TP/PP/DP and with every size chosen, against the authors' configuration (``paper_rows``: its rows at V = 1)."""
+    by = {r["setting"]: r for r in paper_rows if r["model"] == BEYOND_MODEL}
+    base_days, plain_days = by["baseline"]["predicted_gpu_days"], by["+memory"]["predicted_gpu_days"]
+    out = []
+    for label, tp, pp in (("+memory, V chosen, authors' TP/PP/DP", args.tp, args.pp),
+                          ("+memory, TP/PP/DP and V chosen", None, None)):
+        plan = plan_of(stats, BEYOND_MODEL, args.gpus, args.gpu_memory, args.samples_per_group,
+                       args.global_batch_size, args.samples, args.sim_iterations, args.isf_candidates, tp, pp,
+                       vpp=None, max_vpp=args.max_vpp)
+        r = plan.row("+memory")
+        out.append({"model": BEYOND_MODEL, "setting": label, "tp": plan.tp, "pp": plan.pp, "dp": plan.dp,
+                    "vpp": plan.vpp, "sequence_parallel": bool(plan.trainer_flags.get("--sequence-parallel")),
+                    "micro_batches": plan.num_microbatches, "predicted_gpu_days": r.gpu_days,
+                    "speedup_over_authors_baseline": base_days / r.gpu_days,
+                    "speedup_over_authors_config_plan": plain_days / r.gpu_days,
+                    "fits_memory": r.fits_memory, "iteration_s": r.iteration_s, "bubble_fraction": r.bubble_fraction,
+                    "layout": r.layout_flag, "recompute": r.recompute_flag, "trainer_args": plan.trainer_args})
+    return out
+
+
+def format_beyond(rows: list[dict], authors: dict) -> str:
+    head = (f"{'model':<16} {'setting':<38} {'TP':>3} {'PP':>3} {'DP':>3} {'V':>2} {'SP':>3} {'pred GPU-days':>13} "
+            f"{'vs baseline':>11} {'vs V=1 plan':>11}")
+    lines = [head, "-" * len(head),
+             f"{authors['model']:<16} {'+memory, authors config (V=1)':<38} {authors['tp']:>3} {authors['pp']:>3} "
+             f"{authors['dp']:>3} {1:>2} {'yes' if authors['tp'] > 1 else 'no':>3} {authors['gpu_days']:>13.1f} "
+             f"{authors['speedup']:>10.2f}x {1.0:>10.2f}x"]
+    for r in rows:
+        lines.append(f"{r['model']:<16} {r['setting']:<38} {r['tp']:>3} {r['pp']:>3} {r['dp']:>3} {r['vpp']:>2} "
+                     f"{'yes' if r['sequence_parallel'] else 'no':>3} {r['predicted_gpu_days']:>13.1f} "
+                     f"{r['speedup_over_authors_baseline']:>10.2f}x {r['speedup_over_authors_config_plan']:>10.2f}x")
+    return "\n".join(lines)
 
 
 def sweep(stats, model: str, args) -> list[dict]:
@@ -198,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pp", type=int, default=bl.PAPER_PP, help="pipeline depth (default 4, the authors')")
     p.add_argument("--sweep", action="store_true",
                    help="also predict the ablation at every (TP, PP) with PP >= 2 that fits (JSON: sweep)")
+    p.add_argument("--max-vpp", type=int, default=2, metavar="V",
+                   help="largest V the planner tries in the rows beyond the paper (default 2)")
+    p.add_argument("--no-beyond", action="store_true",
+                   help="skip the 6B+20B rows beyond the paper (sequence parallelism, V chosen)")
     p.add_argument("--json", default=None, metavar="OUT", help="write rows, per-model plans and assumptions here")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -224,6 +280,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"- {a}")
     doc = {"rows": rows, "plans": plans, "assumptions": assumptions, "tolerance": TOLERANCE,
            "samples": args.samples, "gpus": args.gpus}
+    if BEYOND_MODEL in args.models and not args.no_beyond:
+        doc["beyond_paper"] = beyond_paper(stats, args, rows)
+        by = {r["setting"]: r for r in rows if r["model"] == BEYOND_MODEL}
+        authors = {"model": BEYOND_MODEL, "tp": args.tp, "pp": args.pp, "dp": args.gpus // (args.tp * args.pp),
+                   "gpu_days": by["+memory"]["predicted_gpu_days"], "speedup": by["+memory"]["predicted_speedup"]}
+        print("\nBeyond the paper: sequence parallelism (TP > 1) and V (interleaved chunks per rank) chosen by the "
+              "planner; speed-ups over the authors' configuration's Megatron-default baseline and its V=1 plan:")
+        print(format_beyond(doc["beyond_paper"], authors))
     if args.sweep:
         doc["sweep"] = [r for model in args.models for r in sweep(stats, model, args)]
         print("\nThe ablation at every parallel configuration (* = the Megatron default is over the budget there):")

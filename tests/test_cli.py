@@ -56,7 +56,8 @@ def test_plan_command_writes_plan_and_figures(tmp_path, capsys):
     assert doc["samples"] == 100000 and doc["model"] == "tiny"
     flags = doc["trainer_flags"]
     spec = get_preset("tiny")
-    layout = parse_layout(flags["--pipeline-layout"], spec, flags["--pipeline-model-parallel-size"])
+    layout = parse_layout(flags["--pipeline-layout"], spec, flags["--pipeline-model-parallel-size"], vpp=doc["vpp"])
+    assert flags.get("--virtual-pipeline-model-parallel-size", None) == (doc["vpp"] if doc["vpp"] > 1 else None)
     assert len(parse_recompute_plan(flags["--recompute-plan"], layout.num_stages)) == layout.num_stages
     assert flags["--tensor-model-parallel-size"] * flags["--pipeline-model-parallel-size"] * doc["dp"] == 4
     assert [r["setting"] for r in doc["rows"]] == ["baseline", "+data", "+model", "+memory"]
@@ -86,11 +87,12 @@ def test_plan_flags_become_the_plan_config():
     args = build_parser().parse_args(base + [
         "--tp", "2", "--pp", "2", "--dp", "2", "--device", "cpu", "--samples", "99", "--samples-per-group", "3",
         "--max-seq-length", "512", "--global-batch-size", "48", "--memory-reserve", "0.2", "--attention", "flash",
-        "--choose-for", "baseline", "--min-pp", "2", "--sim-iterations", "3", "--seed", "7"])
+        "--choose-for", "baseline", "--min-pp", "2", "--sim-iterations", "3", "--seed", "7", "--vpp", "2",
+        "--max-vpp", "3"])
     assert plan_config(args) == PlanConfig(
         "tiny", 8, 40 * GIB, tp=2, pp=2, dp=2, device="cpu", samples=99, samples_per_group=3, max_seq_length=512,
         global_batch_size=48, memory_reserve=0.2, attention="flash", choose_for="baseline", min_pp=2,
-        sim_iterations=3, seed=7)
+        sim_iterations=3, seed=7, vpp=2, max_vpp=3)
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan_config(args).gpus = 4
 
@@ -113,6 +115,33 @@ def test_plan_launches_the_trainer_with_the_memory_it_planned(tmp_path, device):
     assert args.use_distributed_optimizer and args.bf16 == (device != "cpu")
     assert precision_of(args) == training_precision(get_device(device))
     assert precision_of(args).bytes_per_param(4, True) == (2 + 4 + 12 / 4 if device != "cpu" else 4 + 4 + 8 / 4)
+
+
+@pytest.mark.parametrize("sizes", [["--tp", "4", "--pp", "4", "--dp", "8"], []])
+def test_plan_6b_20b_on_128_gpus_runs_sequence_parallel_and_the_trainer_takes_its_flags(tmp_path, capsys, sizes):
+    """`omnibal plan --model internvl-6b-20b --gpus 128 --gpu-memory 80` (sizes given: the authors' TP4 PP4 DP8,
+    or chosen): --sequence-parallel exactly when TP > 1, and the trainer parses the plan's flags, V included."""
+    from megatron.training.arguments import parse_args
+
+    f = stats_file(tmp_path / "s.json", 600, 6, tokens_per_tile=256)
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--data", f, "--model", "internvl-6b-20b", "--gpus", "128", "--gpu-memory", "80",
+                 "--global-batch-size", "512", "--sim-iterations", "1", "--json", str(out)] + sizes) == 0
+    doc = json.loads(out.read_text())
+    flags, v = doc["trainer_flags"], doc["vpp"]
+    if sizes:
+        assert (doc["tp"], doc["pp"], doc["dp"], doc["num_microbatches"]) == (4, 4, 8, 16)
+    assert flags["--sequence-parallel"] == (doc["tp"] > 1)
+    assert ("--sequence-parallel" in doc["trainer_args"]) == (doc["tp"] > 1)
+    assert ("--virtual-pipeline-model-parallel-size" in doc["trainer_args"]) == (v > 1)
+    spec = get_preset("internvl-6b-20b")
+    layout = parse_layout(flags["--pipeline-layout"], spec, doc["pp"], vpp=v)
+    assert layout.num_stages == v * doc["pp"]
+    assert len(parse_recompute_plan(flags["--recompute-plan"], layout.num_stages)) == layout.num_stages
+    args = parse_args(["--omnibal-plan", str(out)], world_size=128)
+    assert args.sequence_parallel == (doc["tp"] > 1) and args.pipeline_model_parallel_size == doc["pp"]
+    assert (args.virtual_pipeline_model_parallel_size or 1) == v
+    assert f"TP={doc['tp']} PP={doc['pp']} DP={doc['dp']}" in capsys.readouterr().out
 
 
 def test_plan_reads_folders_and_meta_jsons(tmp_path):

@@ -125,8 +125,10 @@ def check_plan(plan, spec_name: str, gpus: int, budget: float):
               "--recompute-plan", "--omnibal-isf-qv", "--omnibal-isf-qt", "--micro-batch-size"):
         assert f in flags and f in d["trainer_args"]
     assert flags["--omnibal-isf-qv"] == d["isf"]["params"]["qv"] and flags["--omnibal-isf-qt"] == d["isf"]["params"]["qt"]
-    layout = parse_layout(flags["--pipeline-layout"], spec, flags["--pipeline-model-parallel-size"])
-    stages = parse_recompute_plan(flags["--recompute-plan"], plan.pp)
+    v = flags.get("--virtual-pipeline-model-parallel-size") or 1  # left out (None) at V = 1
+    assert v == plan.vpp == d["vpp"] and ("--virtual-pipeline-model-parallel-size" in d["trainer_args"]) == (v > 1)
+    layout = parse_layout(flags["--pipeline-layout"], spec, flags["--pipeline-model-parallel-size"], vpp=v)
+    stages = parse_recompute_plan(flags["--recompute-plan"], plan.pp * v)
     validate_recompute_plan(stages, layout, build_units(spec))
     assert flags["--global-batch-size"] == plan.num_microbatches * plan.dp * flags["--micro-batch-size"]
     assert flags["--use-distributed-optimizer"] is True and flags["--bf16"] == (plan.device != "cpu")
@@ -135,6 +137,12 @@ def check_plan(plan, spec_name: str, gpus: int, budget: float):
     assert rows["+data"].stage_units == default_layout(spec, plan.pp).stage_units
     assert rows["baseline"].stage_units == rows["+data"].stage_units
     units = build_units(spec)
+    assert all(rows[s].vpp == 1 for s in ("baseline", "+data", "+model"))  # the paper's ablation: no interleaving
+    if v > 1:  # per chunk: every layer recomputed or none (the interleaved memory level's plans)
+        full = full_recompute_plan(layout, units)
+        assert all(st == f or (st.vit_full_layers, st.llm_full_layers, st.vit_selective, st.llm_selective)
+                   == (0, 0, False, False) for st, f in zip(stages, full))
+        assert plan.pp <= plan.num_microbatches and plan.num_microbatches % plan.pp == 0
     for s in ("baseline", "+data", "+model"):  # full recompute of every layer
         lay = PipelineLayout(rows[s].stage_units)
         assert parse_recompute_plan(rows[s].recompute_flag, plan.pp) == full_recompute_plan(lay, units)
@@ -150,7 +158,8 @@ def check_plan(plan, spec_name: str, gpus: int, budget: float):
     assert ("--sequence-parallel" in d["trainer_args"]) == (plan.tp > 1)
     costs = analytic_costs(spec, MicroBatchShape.from_dict(caps), plan.tp, A100, attention=plan.attention,
                            sequence_parallel=plan.tp > 1)
-    peaks = [x.peak_bytes for x in stage_memory(costs, layout, stages, plan.pp, plan.tp, plan.dp, plan.num_microbatches)]
+    peaks = [x.peak_bytes for x in stage_memory(costs, layout, stages, plan.pp, plan.tp, plan.dp, plan.num_microbatches,
+                                                virtual_stages=v)]
     np.testing.assert_allclose(peaks, rows["+memory"].stage_peak_bytes, rtol=1e-12)
     for r in plan.rows:  # GPU-days from time per sample, samples and GPUs
         assert r.gpu_days == pytest.approx(plan.samples * r.iteration_s / r.samples_per_iteration * gpus / 86400)
@@ -343,3 +352,59 @@ def test_cp_request_checks():
         make_plan(stats, PlanConfig("tiny", 4, GIB, cp=3))
     with pytest.raises(PlanError, match="--cp"):
         make_plan(stats, PlanConfig("tiny", 4, GIB, tp=1, pp=2, dp=1, cp=1))
+
+
+# The interleaved pipeline (V model chunks per rank)
+def _plan_6b20b(global_batch: int, **kw):
+    """InternVL 6B+20B at TP4 PP4 DP1 on 16 GPUs of 80 GiB (K = 4: global batch 64 = 16 micro-batches)."""
+    return make_plan(synthetic_stats(1200, 5), PlanConfig("internvl-6b-20b", 16, 80 * GIB, tp=4, pp=4, dp=1,
+                                                          global_batch_size=global_batch, attention="flash",
+                                                          sim_iterations=2, isf_max_candidates=4, **kw))
+
+
+def test_plan_picks_interleaving_when_predicted_faster_and_its_flags_parse():
+    plan = _plan_6b20b(64)
+    assert plan.num_microbatches == 16 and plan.vpp == 2
+    check_plan(plan, "internvl-6b-20b", 16, 72 * GIB)  # flags, layout and per-chunk recompute, memory per rank
+    flags = plan.trainer_flags
+    assert flags["--virtual-pipeline-model-parallel-size"] == 2
+    assert "--virtual-pipeline-model-parallel-size=2" in plan.trainer_args and "--sequence-parallel" in plan.trainer_args
+    spec = get_preset("internvl-6b-20b")
+    layout = parse_layout(flags["--pipeline-layout"], spec, 4, vpp=2)
+    assert layout.num_stages == 8 and parse_layout(flags["--pipeline-layout"], spec, 4, vpp=None) == layout
+    with pytest.raises(Exception):  # not a plain 4-stage layout
+        parse_layout(flags["--pipeline-layout"], spec, 4)
+    final = plan.row("+memory")
+    assert final.vpp == 2 and len(final.stage_units) == 8 and len(final.stage_peak_bytes) == 4
+    assert plan.to_dict()["vpp"] == 2 and any("V=2" in n for n in plan.notes)
+    screened = [c for c in plan.configs_tried if "estimated_seconds_per_sample_by_vpp" in c]
+    assert screened and screened[0]["vpp"] == 2
+    by_v = screened[0]["estimated_seconds_per_sample_by_vpp"]
+    assert by_v["2"] < by_v["1"]
+    # the simulator's verdict: the same request held at V = 1 predicts a slower +memory iteration
+    plain = _plan_6b20b(64, vpp=1)
+    assert plain.vpp == 1 and "--virtual-pipeline-model-parallel-size" not in plain.trainer_args
+    assert final.iteration_s < plain.row("+memory").iteration_s
+    assert [r.iteration_s for r in plan.rows[:3]] == [r.iteration_s for r in plain.rows[:3]]  # ablation rows: V = 1
+    assert "V=2 (interleaved)" in format_plan(plan) and "(per chunk)" in format_plan(plan)
+
+
+def test_plan_never_interleaves_when_the_micro_batches_do_not_allow_it():
+    plan = _plan_6b20b(56)  # 14 micro-batches per pipeline: not a multiple of PP 4
+    assert plan.num_microbatches == 14 and plan.vpp == 1
+    assert "--virtual-pipeline-model-parallel-size" not in plan.trainer_args
+    assert all(c.get("vpp", 1) == 1 for c in plan.configs_tried)
+    assert any("not a multiple of PP 4" in n for n in plan.notes)
+    check_plan(plan, "internvl-6b-20b", 16, 72 * GIB)
+    with pytest.raises(PlanError, match="V=2: 14 micro-batches per pipeline are not a multiple of PP 4"):
+        _plan_6b20b(56, vpp=2)
+
+
+def test_vpp_problem_rules():
+    from omnibal_ext.plan.interleaved import vpp_problem
+
+    assert vpp_problem(4, 16, 2, 100) is None and vpp_problem(4, 4, 3, 100) is None
+    assert vpp_problem(4, 16, 1, 3) is None  # V = 1 is always allowed
+    assert "PP >= 2" in vpp_problem(1, 16, 2, 100)
+    assert "not a multiple" in vpp_problem(4, 2, 2, 100) and "not a multiple" in vpp_problem(4, 6, 2, 100)
+    assert "exceed" in vpp_problem(4, 16, 2, 7)

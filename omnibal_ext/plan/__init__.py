@@ -69,7 +69,14 @@ than +data when the default layout fits memory (when it does not, +data could no
 the attention heads and key/value groups of both ViT and LLM (the trainer's rule), pp dividing
 gpus/tp, the default layout possible; each is screened by the least memory any layout needs with
 full recompute (an exact min-max over contiguous splits, :func:`memory_need`) and by the
-balanced (+memory) iteration at the mean ISF group; the fastest per sample that fits wins.  If none
+balanced (+memory) iteration at the mean ISF group; the fastest per sample that fits wins.
+
+*The interleaved pipeline.*  For each configuration whose micro-batches per pipeline are at least PP and a
+multiple of it, V = 2..``max_vpp`` model chunks per rank are also screened and planned for +memory
+(``interleaved``): the partition search over V x PP virtual stages, memory per rank with the interleaved
+in-flight replay (``memory_model.stage_memory(virtual_stages=V)``), each chunk's layers recomputed fully or
+not at all, simulated with the interleaved 1F1B schedule; V > 1 wins only when predicted faster.  The
+baseline, +data and +model rows keep V = 1 (the paper's ablation).  If none
 fits, :class:`PlanError` names the least demanding configuration, its stage and its need.
 """
 # Modules, one job each:
@@ -81,6 +88,7 @@ fits, :class:`PlanError` names the least demanding configuration, its stage and 
 #   context        one configuration's costs and memory table; candidates and their simulation
 #   model_level    +model: layout search with full recompute, memory-checked
 #   memory_level   +memory: layout search with adaptive recompute, adaptive recompute on given layouts
+#   interleaved    +memory with V > 1 chunks per rank: allowed V, V x PP layout search, full/none recompute per chunk
 #   simulation     sampled iterations through the 1F1B simulator
 #   predictions    a setting's prediction row, GPU-days and speed-ups
 #   planner        make_plan: all of the above in order

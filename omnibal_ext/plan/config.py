@@ -48,6 +48,10 @@ class PlanConfig:
     choose_for: str = "omnibal"
     min_pp: int = 1  # consider only pipelines of at least this many stages (an ablation of the model level needs 2)
     seed: int = 0  # seeds random batching, the ISF search and the step order
+    # model chunks per pipeline rank (the interleaved pipeline): None: chosen among 1..max_vpp where the
+    # micro-batches per pipeline allow it (>= PP and a multiple of PP) and the simulator predicts it faster
+    vpp: int | None = None
+    max_vpp: int = 2  # largest V tried when vpp is None
     freeze: Freeze = Freeze()  # frozen parts of the model (--freeze-vit, ...): costs and memory follow
 
     @property
@@ -100,6 +104,10 @@ def check_request(config: PlanConfig, stats: SampleStats) -> None:
         raise PlanError(f"--cp {cp} does not divide --gpus {gpus}")
     if tp is not None and pp is not None and dp is not None and tp * pp * dp * cp != gpus:
         raise PlanError(f"--tp {tp} x --pp {pp} x --dp {dp} x --cp {cp} = {tp * pp * dp * cp} but --gpus is {gpus}")
+    if config.vpp is not None and config.vpp < 1:
+        raise PlanError(f"--vpp must be >= 1, got {config.vpp}")
+    if config.max_vpp < 1:
+        raise PlanError(f"--max-vpp must be >= 1, got {config.max_vpp}")
     if len(stats) == 0:
         raise PlanError("the stats hold no samples")
     if config.choose_for not in ("omnibal", "baseline"):

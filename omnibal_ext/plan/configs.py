@@ -13,6 +13,7 @@ from ..model.layout import LayoutError, default_layout
 from ..model.units import ModelSpec, build_units
 from .config import PlanError
 from .context import allreduce_s, build_context, stage_peaks
+from .interleaved import interleaved_candidates, vpp_problem
 from .linear_costs import full_modes, stage_coefficients
 from .memory_level import joint_plan, joint_stage_modes
 from .memory_need import memory_need
@@ -81,13 +82,15 @@ def candidate_configs(spec: ModelSpec, gpus: int, tp=None, pp=None, dp=None,
 def screen_config(spec: ModelSpec, device: DeviceSpec, budget: float, attention: str, cfg: tuple[int, int, int],
                   k: int, global_batch: int, cap_shape: MicroBatchShape, random_shape: MicroBatchShape,
                   mean_isf: tuple[np.ndarray, float], mean_random: np.ndarray, baseline_needed: bool,
-                  cache: dict | None = None, trainable=None, cp: int = 1) -> dict:
+                  cache: dict | None = None, trainable=None, cp: int = 1, vpps=(1,)) -> dict:
     """Quick look at one (tp, pp, dp): least memory need, the baseline's memory, and the time per sample
     of the balanced (+memory) plan and of the baseline, each with every micro-batch at its mean shape.
 
     budget: bytes per GPU; k: samples per micro-batch; global_batch: samples per iteration; mean_isf:
     (mean ISF group shape, mean samples per group); mean_random: the mean padded random micro-batch shape;
     cp: the context-parallel size (the shapes carry it; ``rec["cp"]`` is written when > 1).
+    vpps: the model chunks per rank V to try (V > 1: ``interleaved``; skipped where the micro-batches do not
+    allow it); the fastest is ``vpp``.
     """
     t, p, d = cfg
     m = num_microbatches(global_batch, d, k)
@@ -111,11 +114,35 @@ def screen_config(spec: ModelSpec, device: DeviceSpec, budget: float, attention:
     except (MemoryBudgetError, partition.PartitionError) as e:
         rec["fits"], rec["reason"] = False, str(e)
         return rec
-    coefs = stage_coefficients(ctx.basis, joint.layout, p, device.p2p_bytes_per_s, joint_stage_modes(ctx, joint))
     shape, group_samples = mean_isf
-    it = mean_shape_iteration_s(coefs, shape, m)
-    it += allreduce_s(ctx, joint.layout)
-    rec["estimated_seconds_per_sample"] = it / (m * d * group_samples)
+    per_sample = {}
+    if 1 in vpps:
+        coefs = stage_coefficients(ctx.basis, joint.layout, p, device.p2p_bytes_per_s, joint_stage_modes(ctx, joint))
+        it = mean_shape_iteration_s(coefs, shape, m)
+        it += allreduce_s(ctx, joint.layout)
+        per_sample[1] = it / (m * d * group_samples)
+    n_units = len(ctx.costs_isf.units)
+    failures = []
+    for v in vpps:
+        if v == 1:
+            continue
+        problem = vpp_problem(p, m, v, n_units)
+        if problem:
+            failures.append(problem)
+            continue
+        cands, why = interleaved_candidates(ctx, v)
+        failures += why
+        for c in cands:
+            coefs = stage_coefficients(ctx.basis, c.layout, p, device.p2p_bytes_per_s, c.modes)
+            it = mean_shape_iteration_s(coefs, shape, m, v) + allreduce_s(ctx, c.layout)
+            per_sample[v] = min(per_sample.get(v, np.inf), it / (m * d * group_samples))
+    if not per_sample:
+        rec["fits"], rec["reason"] = False, "; ".join(failures) or "no V to try"
+        return rec
+    v = min(per_sample, key=lambda x: (per_sample[x], x))
+    rec["vpp"] = v
+    rec["estimated_seconds_per_sample"] = per_sample[v]
+    rec["estimated_seconds_per_sample_by_vpp"] = {str(x): float(s) for x, s in sorted(per_sample.items())}
     return rec
 
 

@@ -73,15 +73,19 @@ def build_context(spec: ModelSpec, device: DeviceSpec, tp: int, pp: int, dp: int
 
 
 def allreduce_s(ctx: PlanContext, layout: PipelineLayout) -> float:
-    """Ring all-reduce of the fp32 gradients of the layout's largest stage, seconds (frozen units: none)."""
+    """Ring all-reduce of the fp32 gradients of the layout's largest pipeline rank (all its chunks), seconds
+    (frozen units: none)."""
     params = unit_params(ctx.costs_isf, ctx.tp, trained_only=True)
-    largest = max(params[list(r)].sum() for r in layout.stage_slices())
+    per_stage = np.array([params[list(r)].sum() for r in layout.stage_slices()])
+    largest = per_stage.reshape(-1, ctx.pp).sum(axis=0).max()  # layout stage c runs on rank c % pp
     return allreduce_seconds(4.0 * largest, ctx.grad_ranks, ctx.device.p2p_bytes_per_s)
 
 
 def stage_peaks(ctx: PlanContext, costs: CostTable, layout: PipelineLayout, stages) -> tuple[float, ...]:
-    """Per stage, peak bytes per GPU of ``memory_model.stage_memory`` (1F1B, distributed optimizer)."""
-    mem = stage_memory(costs, layout, stages, ctx.pp, ctx.tp, ctx.grad_ranks, ctx.m, precision=ctx.precision)
+    """Per pipeline rank, peak bytes per GPU of ``memory_model.stage_memory`` (1F1B, distributed optimizer; a
+    layout of ``pp * V`` stages: the interleaved schedule, each rank holding its V chunks)."""
+    mem = stage_memory(costs, layout, stages, ctx.pp, ctx.tp, ctx.grad_ranks, ctx.m, precision=ctx.precision,
+                       virtual_stages=layout.num_stages // ctx.pp)
     return tuple(float(x.peak_bytes) for x in mem)
 
 
@@ -95,12 +99,13 @@ class Candidate:
     modes: list  # per-unit recompute mode names
     coefs: tuple = ()
     sim: SimSummary | None = None
+    vpp: int = 1  # model chunks per pipeline rank (the layout has pp * vpp stages; > 1: interleaved)
 
 
 def simulate_candidate(ctx: PlanContext, cand: Candidate, loads: Loads, keep_timeline: bool) -> Candidate:
     """Fill in the candidate's linear stage costs and its simulation on ``loads``; returns it."""
     cand.coefs = stage_coefficients(ctx.basis, cand.layout, ctx.pp, ctx.device.p2p_bytes_per_s, cand.modes)
-    cand.sim = simulate_loads(cand.coefs, loads, allreduce_s(ctx, cand.layout), keep_timeline)
+    cand.sim = simulate_loads(cand.coefs, loads, allreduce_s(ctx, cand.layout), keep_timeline, cand.vpp)
     return cand
 
 

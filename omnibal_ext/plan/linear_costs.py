@@ -40,14 +40,16 @@ def basis_costs(spec: ModelSpec, tp: int, device: DeviceSpec, attention: str = "
 
 def stage_coefficients(basis: Sequence[CostTable], layout: PipelineLayout, pp: int, p2p_bytes_per_s: float,
                        recompute_modes: Sequence[str] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(fwd, bwd, p2p), each (3, pp): seconds per stage = [tiles, tokens, sum len^2] @ coefficients.
+    """(fwd, bwd, p2p), each (3, pp * V): seconds per stage = [tiles, tokens, sum len^2] @ coefficients.
 
-    bwd includes the recompute extra of ``recompute_modes`` (per-unit "none"/"selective"/"full").
+    bwd includes the recompute extra of ``recompute_modes`` (per-unit "none"/"selective"/"full").  A layout of
+    ``pp * V`` stages (interleaved) gives column ``i * V + v`` to rank ``i``'s chunk ``v`` (layout stage
+    ``v * pp + i``); V = 1 is one column per stage.
     """
     per = [layout_stage_costs(c, layout, pp, p2p_bytes_per_s, recompute_modes) for c in basis]
     out = []
     for k in range(3):
-        tiles, toks, toks_attn = (per[j][k][:, 0] for j in range(3))
+        tiles, toks, toks_attn = (per[j][k].reshape(-1) for j in range(3))
         out.append(np.stack([tiles / BASIS, toks / BASIS, (toks_attn - toks) / BASIS**2]))
     return tuple(out)
 

@@ -11,7 +11,8 @@ from ..memory.memory_model import GIB, MIXED_BF16_ADAM
 from ..model.layout import default_layout
 from .config import PlanConfig, check_request
 from .configs import candidate_configs, num_microbatches, refusal, screen_config
-from .context import PlanContext, best_candidate, build_context, simulate_candidate
+from .context import PlanContext, best_candidate, build_context, nothing_fits, simulate_candidate
+from .interleaved import RECOMPUTE_NOTE, check_fixed_vpp, interleaved_candidates, vpp_problem, vpp_values
 from .data_level import cap_shape, isf_loads, isf_plan, mean_isf_group, random_loads, shape_dict, shape_of
 from .memory_level import memory_candidates
 from .memory_need import memory_need
@@ -52,9 +53,11 @@ def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict) -
     random_shape = shape_of(mean_random, cp)
     mean_isf = mean_isf_group(stats, data.grouping, cp)
 
+    vpps = vpp_values(config.vpp, config.max_vpp)
+
     def screen(cfg, caps, baseline_needed, cache=None):
         return screen_config(spec, dev, budget, config.attention, cfg, k, config.global_batch_size, caps,
-                             random_shape, mean_isf, mean_random, baseline_needed, cache, config.trainable, cp)
+                             random_shape, mean_isf, mean_random, baseline_needed, cache, config.trainable, cp, vpps)
 
     tried = [screen(c, cap, config.require_baseline_fit, cache) for c in configs]
     usable = [r for r in tried if r["fits"] and "estimated_seconds_per_sample" in r]
@@ -74,7 +77,8 @@ def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict) -
     return _Chosen(ctx, data, cap, worst, tried, skipped, len(usable))
 
 
-def _notes(config: PlanConfig, ctx: PlanContext, k: int, usable: int, baseline) -> list[str]:
+def _notes(config: PlanConfig, ctx: PlanContext, k: int, usable: int, baseline, plan_vpp: int = 1,
+           tried_vpp: list[int] = (), vpp_skipped: str = "") -> list[str]:
     """The report's notes: budget, micro-batches, simulation, choice, and a baseline over the budget."""
     budget = config.budget_bytes
     notes = [f"budget = {config.gpu_memory_bytes / GIB:.1f} GiB x (1 - {config.memory_reserve}) = "
@@ -85,6 +89,13 @@ def _notes(config: PlanConfig, ctx: PlanContext, k: int, usable: int, baseline) 
              f"{config.sim_iterations} iterations simulated per setting (every DP rank; slowest rank + all-reduce)",
              f"configuration chosen for the fastest "
              f"{'balanced plan' if config.choose_for == 'omnibal' else 'Megatron default'} among {usable} that fit"]
+    if plan_vpp > 1:
+        notes.append(f"interleaved pipeline: V={plan_vpp} model chunks per rank ({plan_vpp} x {ctx.pp} virtual "
+                     f"stages), predicted faster than V=1; {RECOMPUTE_NOTE}")
+    elif tried_vpp:
+        notes.append(f"interleaved pipeline: V in {tried_vpp} tried; V=1 predicted fastest")
+    elif vpp_skipped:
+        notes.append(f"interleaved pipeline not considered: {vpp_skipped}")
     if not baseline.fits_memory:
         notes.append(f"the Megatron-default baseline exceeds the budget at its mean padded micro-batch "
                      f"({max(baseline.stage_peak_bytes) / GIB:.1f} GiB); its time is predicted as if it ran")
@@ -114,8 +125,26 @@ def make_plan(stats: SampleStats, config: PlanConfig) -> Plan:
     model_c = [simulate_candidate(ctx, c, loads_i, True) for c in model_candidates(ctx, default)]
     # +model must fit memory with full recompute (the default layout may not)
     plus_model = best_candidate(fitting_model_candidates(ctx, model_c))
-    mem_c = [simulate_candidate(ctx, c, loads_i, True)
-             for c in memory_candidates(ctx, [("+model", plus_model.layout), ("default", default)], cache)]
+    n_units = len(ctx.costs_isf.units)
+    check_fixed_vpp(config.vpp, p, m, n_units)
+    vpps = vpp_values(config.vpp, config.max_vpp)
+    mem_c, vpp_failures, tried_vpp, skipped = [], [], [], []
+    if 1 in vpps:
+        mem_c = [simulate_candidate(ctx, c, loads_i, True)
+                 for c in memory_candidates(ctx, [("+model", plus_model.layout), ("default", default)], cache)]
+    for v in vpps:
+        if v == 1:
+            continue
+        problem = vpp_problem(p, m, v, n_units)
+        if problem:
+            skipped.append(problem)
+            continue
+        tried_vpp.append(v)
+        cands, why = interleaved_candidates(ctx, v)
+        vpp_failures += why
+        mem_c += [simulate_candidate(ctx, c, loads_i, True) for c in cands]
+    if not mem_c:
+        raise nothing_fits(ctx, "+memory", vpp_failures or ["no V to try"])
     plus_memory = best_candidate(mem_c)
 
     rows = with_speedups([
@@ -127,7 +156,8 @@ def make_plan(stats: SampleStats, config: PlanConfig) -> Plan:
 
     final = rows[-1]
     flags = plan_trainer_flags(spec.name, t, p, final.layout_flag, final.recompute_flag, data.params, k, m * d * k,
-                               bf16=ctx.precision == MIXED_BF16_ADAM, freeze_flags=config.freeze.flags(), cp=ctx.cp)
+                               bf16=ctx.precision == MIXED_BF16_ADAM, freeze_flags=config.freeze.flags(), cp=ctx.cp,
+                               vpp=final.vpp)
     shapes = {
         "isf_caps": chosen.cap.to_dict(),
         "isf_mean": shape_dict(loads_i.mean_shape),
@@ -142,7 +172,7 @@ def make_plan(stats: SampleStats, config: PlanConfig) -> Plan:
         samples_per_group=k, global_batch_size=m * d * k, num_microbatches=m, attention=config.attention, isf=isf,
         random=dict(random_baseline(stats.vit, stats.tokens, d, k, seed)), shapes=shapes, rows=tuple(rows),
         trainer_flags=flags, configs_tried=tuple(chosen.tried + chosen.skipped),
-        notes=tuple(_notes(config, ctx, k, chosen.usable, rows[0])),
+        notes=tuple(_notes(config, ctx, k, chosen.usable, rows[0], final.vpp, tried_vpp, "; ".join(skipped))),
         timelines={r.setting: c.sim.timeline for r, c in zip(rows, (base, plus_data, plus_model, plus_memory))},
         stage_time_bars={r.setting: list(r.stage_time_s) for r in rows},
     )

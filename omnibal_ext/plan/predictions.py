@@ -28,7 +28,7 @@ def prediction_row(ctx: PlanContext, setting: str, batching: str, cand: Candidat
     """
     units = build_units(ctx.spec)
     peaks = stage_peaks(ctx, costs_mem, cand.layout, cand.stages)
-    stage_t = mean_shape @ (cand.coefs[0] + cand.coefs[1])
+    stage_t = (mean_shape @ (cand.coefs[0] + cand.coefs[1])).reshape(ctx.pp, -1).sum(axis=1)  # per rank
     s = cand.sim
     return SettingPrediction(
         setting=setting, batching=batching, how=cand.how, layout_flag=cand.layout.to_flag(units),
@@ -37,7 +37,7 @@ def prediction_row(ctx: PlanContext, setting: str, batching: str, cand: Candidat
         stage_peak_bytes=peaks, fits_memory=bool(max(peaks) <= ctx.budget), iteration_s=s.iteration_s,
         balanced_iteration_s=s.balanced_iteration_s, bubble_fraction=s.bubble_fraction,
         allreduce_s=allreduce_s(ctx, cand.layout), samples_per_iteration=s.samples_per_iteration,
-        tokens_per_s=s.tokens_per_s, gpu_days=gpu_days(samples, s.seconds_per_sample, gpus))
+        tokens_per_s=s.tokens_per_s, gpu_days=gpu_days(samples, s.seconds_per_sample, gpus), vpp=cand.vpp)
 
 
 def with_speedups(rows: list[SettingPrediction]) -> list[SettingPrediction]:

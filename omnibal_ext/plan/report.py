@@ -12,7 +12,8 @@ def format_plan(plan: Plan) -> str:
     lines = [
         f"{plan.model} on {plan.gpus} x {plan.device} ({plan.gpu_memory_bytes / GIB:.0f} GiB, budget "
         f"{g(plan.budget_bytes):.1f} GiB/GPU): TP={plan.tp} PP={plan.pp} "
-        f"{f'CP={plan.cp} ' if plan.cp > 1 else ''}DP={plan.dp}, "
+        f"{f'CP={plan.cp} ' if plan.cp > 1 else ''}DP={plan.dp}"
+        f"{f' V={plan.vpp} (interleaved)' if plan.vpp > 1 else ''}, "
         f"{plan.num_microbatches} micro-batches x {plan.samples_per_group} samples, global batch "
         f"{plan.global_batch_size}, {plan.samples} samples per epoch",
         f"ISF: Qv={p['qv']} Qt={p['qt']} Q'v={p['qv_min']} Q't={p['qt_min']} T={p['iters']}; "
@@ -34,11 +35,13 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"{r.setting:<9} layout ({r.how}): {r.layout_flag}   recompute: {r.recompute_flag}")
     lines.append("")
     base, final = plan.row("baseline"), plan.row("+memory")
-    lines.append(f"{'stage':>5} {'default s':>9} {'GiB':>6} {'+memory s':>9} {'GiB':>6}  recompute")
+    lines.append(f"{'stage':>5} {'default s':>9} {'GiB':>6} {'+memory s':>9} {'GiB':>6}  recompute"
+                 f"{' (per chunk)' if final.vpp > 1 else ''}")
     rc = final.recompute_flag.split("|")
     for s in range(plan.pp):
+        chunks = ",".join(rc[c * plan.pp + s] for c in range(final.vpp))  # rank s runs layout stages s, s + pp, ...
         lines.append(f"{s:>5} {plan.row('+data').stage_time_s[s]:9.3f} {g(plan.row('+data').stage_peak_bytes[s]):6.1f} "
-                     f"{final.stage_time_s[s]:9.3f} {g(final.stage_peak_bytes[s]):6.1f}  {rc[s]}")
+                     f"{final.stage_time_s[s]:9.3f} {g(final.stage_peak_bytes[s]):6.1f}  {chunks}")
     lines.append(f"(stage seconds per mean ISF micro-batch; baseline mean padded micro-batch: slowest stage "
                  f"{max(base.stage_time_s):.3f} s)")
     lines.append("")

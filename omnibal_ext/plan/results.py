@@ -12,9 +12,10 @@ from .trainer_flags import trainer_command
 class SettingPrediction:
     """Prediction of one setting (see the module docstring).
 
-    stage_time_s: per stage, forward + backward + recompute seconds of the mean micro-batch of this
-        setting's batching (no communication).
-    stage_peak_bytes: per stage, peak memory at the memory shape (bytes per GPU).
+    stage_time_s: per pipeline rank (all its chunks), forward + backward + recompute seconds of the mean
+        micro-batch of this setting's batching (no communication).
+    stage_peak_bytes: per pipeline rank, peak memory at the memory shape (bytes per GPU).
+    stage_units, recompute_flag, layout_flag: per layout stage (``vpp * pp`` of them; interleaved when vpp > 1).
     iteration_s: mean simulated iteration, slowest DP rank + all-reduce, seconds.
     balanced_iteration_s: the same with every micro-batch at the mean shape, seconds.
     bubble_fraction: idle share of the slowest rank's pipeline (mean over sampled iterations).
@@ -39,6 +40,7 @@ class SettingPrediction:
     tokens_per_s: float
     gpu_days: float
     speedup: float = 1.0
+    vpp: int = 1  # model chunks per pipeline rank (--virtual-pipeline-model-parallel-size)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -93,6 +95,11 @@ class Plan:
         return self.row("+memory").layout_flag
 
     @property
+    def vpp(self) -> int:
+        """Model chunks per pipeline rank of the plan (the +memory row; > 1: the interleaved pipeline)."""
+        return self.row("+memory").vpp
+
+    @property
     def recompute_plan(self) -> str:
         return self.row("+memory").recompute_flag
 
@@ -107,7 +114,7 @@ class Plan:
             "samples": self.samples, "samples_per_group": self.samples_per_group,
             "global_batch_size": self.global_batch_size, "num_microbatches": self.num_microbatches,
             "attention": self.attention,
-            "pipeline_layout": self.pipeline_layout, "recompute_plan": self.recompute_plan,
+            "vpp": self.vpp, "pipeline_layout": self.pipeline_layout, "recompute_plan": self.recompute_plan,
             "isf": self.isf, "random": self.random, "shapes": self.shapes,
             "rows": [r.to_dict() for r in self.rows],
             "trainer_flags": dict(self.trainer_flags), "trainer_args": self.trainer_args,

@@ -28,33 +28,37 @@ class SimSummary:
     timeline: SimResult | None = None
 
 
-def simulate_loads(coefs, loads: Loads, allreduce_s: float, keep_timeline: bool = False) -> SimSummary:
+def simulate_loads(coefs, loads: Loads, allreduce_s: float, keep_timeline: bool = False,
+                   vpp: int = 1) -> SimSummary:
     """Simulate every sampled iteration (each DP rank its own micro-batches; slowest rank + all-reduce).
 
-    coefs: (fwd, bwd, p2p) of ``linear_costs.stage_coefficients``; allreduce_s: gradient all-reduce, seconds.
+    coefs: (fwd, bwd, p2p) of ``linear_costs.stage_coefficients``; allreduce_s: gradient all-reduce, seconds;
+    vpp: model chunks per pipeline rank (> 1: the interleaved schedule; coefs then have pp * vpp columns).
     """
     fwd_c, bwd_c, p2p_c = coefs
-    F, B, C = (loads.shape @ c for c in (fwd_c, bwd_c, p2p_c))  # (I, R, m, P)
-    I, R, m, _ = F.shape
+    F, B, C = (loads.shape @ c for c in (fwd_c, bwd_c, p2p_c))  # (I, R, m, P * V)
+    I, R, m, cols = F.shape
+    F, B, C = (x.reshape(I, R, m, cols // vpp, vpp) for x in (F, B, C))
     times, bubbles, timeline = [], [], None
     for i in range(I):
         worst = None
         for r in range(R):
-            res = simulate_pipeline(F[i, r][..., None], B[i, r][..., None], m, C[i, r][..., None])
+            res = simulate_pipeline(F[i, r], B[i, r], m, C[i, r], vpp=vpp)
             if worst is None or res.iteration_s > worst.iteration_s:
                 worst = res
         times.append(worst.iteration_s + allreduce_s)
         bubbles.append(worst.bubble_fraction)
         if keep_timeline and timeline is None:
             timeline = worst
-    bal = mean_shape_iteration_s(coefs, loads.mean_shape, m) + allreduce_s
+    bal = mean_shape_iteration_s(coefs, loads.mean_shape, m, vpp) + allreduce_s
     total_t = float(np.sum(times))
     total_samples = float(loads.samples.sum())
     return SimSummary(float(np.mean(times)), float(bal), float(np.mean(bubbles)), total_samples / I,
                       total_t / total_samples, float(loads.real_tokens.sum()) / total_t, timeline)
 
 
-def mean_shape_iteration_s(coefs, mean_shape: np.ndarray, m: int) -> float:
-    """One pipeline iteration (no all-reduce), seconds, with every one of ``m`` micro-batches at ``mean_shape``."""
-    fwd_c, bwd_c, p2p_c = coefs
-    return simulate_pipeline(mean_shape @ fwd_c, mean_shape @ bwd_c, m, mean_shape @ p2p_c).iteration_s
+def mean_shape_iteration_s(coefs, mean_shape: np.ndarray, m: int, vpp: int = 1) -> float:
+    """One pipeline iteration (no all-reduce), seconds, with every one of ``m`` micro-batches at ``mean_shape``
+    (``vpp`` model chunks per rank)."""
+    f, b, c = ((mean_shape @ x).reshape(-1, vpp) for x in coefs)
+    return simulate_pipeline(f, b, m, c, vpp=vpp).iteration_s

@@ -26,13 +26,14 @@ def sequence_parallel(tp: int, cp: int = 1) -> bool:
 
 def plan_trainer_flags(model: str, tp: int, pp: int, layout_flag: str, recompute_flag: str, isf_params,
                        samples_per_group: int, global_batch_size: int, bf16: bool,
-                       freeze_flags: list[str] = (), cp: int = 1) -> dict:
+                       freeze_flags: list[str] = (), cp: int = 1, vpp: int = 1) -> dict:
     """The flags ``pretrain_vlm.py`` runs the plan with (``--omnibal-plan`` applies them).
 
     isf_params: the ISF thresholds (qv, qt, qv_min, qt_min: tiles and tokens per group);
     samples_per_group: K, the micro-batch size; global_batch_size: samples per iteration; freeze_flags: the
     freeze flags the plan was made with (``Freeze.flags()``), which the trainer must train with; cp: the
-    context-parallel size (``--context-parallel-size``, written when > 1; no sequence parallelism then).
+    context-parallel size (``--context-parallel-size``, written when > 1; no sequence parallelism then); vpp: model
+    chunks per pipeline rank (> 1: ``--virtual-pipeline-model-parallel-size``, the layout has ``vpp x pp`` stages).
     """
     freeze = {}
     for i, f in enumerate(freeze_flags):
@@ -43,6 +44,7 @@ def plan_trainer_flags(model: str, tp: int, pp: int, layout_flag: str, recompute
         "--model": model,
         "--tensor-model-parallel-size": tp,
         "--pipeline-model-parallel-size": pp,
+        "--virtual-pipeline-model-parallel-size": vpp if vpp > 1 else None,
         "--sequence-parallel": sequence_parallel(tp, cp),
         **({"--context-parallel-size": cp} if cp > 1 else {}),
         "--pipeline-layout": layout_flag,
