@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ..errors import UserError
 from .spec import ROLES, TEXT_LAYER, ModelSpec, Unit
-from .units import build_units, role_summary
+from .units import build_units, code_runs, role_summary
 
 _TOKEN = re.compile(r"\s*([A-Za-z])(?:\s*\*\s*(\d+))?\s*,?")
 
@@ -51,18 +51,7 @@ class PipelineLayout:
         return list(range(rank, self.num_stages, pp))
 
     def to_flag(self, units: list[Unit]) -> str:
-        stages = []
-        for rng in self.stage_slices():
-            codes = [units[i].code for i in rng]
-            parts, i = [], 0
-            while i < len(codes):
-                j = i
-                while j < len(codes) and codes[j] == codes[i]:
-                    j += 1
-                parts.append(codes[i] if j - i == 1 else f"{codes[i]}*{j - i}")
-                i = j
-            stages.append("".join(parts))
-        return "|".join(stages)
+        return "|".join("".join(code_runs(units[i].code for i in rng)) for rng in self.stage_slices())
 
 
 def validate_layout(layout: PipelineLayout, num_units: int, pp: int, flag: str = "--pipeline-layout",

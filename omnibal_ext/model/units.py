@@ -14,6 +14,7 @@ llm.layer.{Ll-1}, llm.head.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from ..errors import UserError
 from .components import CostComponent
@@ -73,14 +74,12 @@ def get_preset(name: str) -> ModelSpec:
         raise UserError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}") from None
 
 
+def code_runs(codes) -> list[str]:
+    """Layout letters grouped into runs in the layout syntax: ``["I", "v*4", "P"]``."""
+    return [code if n == 1 else f"{code}*{n}" for code, n in ((c, len(list(g))) for c, g in itertools.groupby(codes))]
+
+
 def role_summary(spec: ModelSpec) -> str:
     """The model's units by role, for messages: ``I v*4 P E t*4 L``."""
-    codes = [u.code for u in build_units(spec)]
-    parts, i = [], 0
-    while i < len(codes):
-        j = i
-        while j < len(codes) and codes[j] == codes[i]:
-            j += 1
-        parts.append(codes[i] if j - i == 1 else f"{codes[i]}*{j - i}")
-        i = j
-    return " ".join(parts) + " (" + ", ".join(f"{c}={n}" for c, n in ROLES.items()) + ")"
+    runs = code_runs(u.code for u in build_units(spec))
+    return " ".join(runs) + " (" + ", ".join(f"{c}={n}" for c, n in ROLES.items()) + ")"
