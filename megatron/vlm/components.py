@@ -299,6 +299,21 @@ class Head(RuntimeComponent):
 GPT_DECODER = (TextEmbed, TextLayer, Head)
 
 
+class PaddedHeadLayers(RuntimeComponent):
+    """ViT layers built with heads padded to a multiple of TP (``megatron/vlm/padded_heads.py``): their checkpoint
+    holds the real heads only (``sharding.drop_padded_heads``), so it loads at any TP size."""
+
+    def sharded_state_dict(self, unit, module, module_prefix, metadata):
+        from megatron.vlm.padded_heads import tp_rank
+        from megatron.vlm.sharding import drop_padded_heads
+
+        sd = super().sharded_state_dict(unit, module, module_prefix, metadata)
+        cfg = self.ctx.vision_config
+        drop_padded_heads(sd, module_prefix, self.spec.vision.num_attention_heads,
+                          cfg.num_attention_heads // cfg.tensor_model_parallel_size, tp_rank(cfg), cfg.kv_channels)
+        return sd
+
+
 @dataclasses.dataclass(frozen=True)
 class RuntimeFamily:
     """A model family at run time.

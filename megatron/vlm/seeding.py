@@ -27,7 +27,7 @@ class SeededTransformerLayer(TransformerLayer):
     """A TransformerLayer whose weights are drawn from a generator seeded by its unit index.
 
     redraw: called as ``redraw(layer, config)`` after megatron's initialisation, again from the unit's seed,
-    when a family draws some weights its own way (InternViT's padded heads: ``draw_padded_layer``).
+    when a family draws some weights its own way (padded ViT heads: ``megatron/vlm/padded_heads.py``).
     """
 
     def __init__(self, config, submodules, layer_number=1, seed=0, first_unit_index=0, redraw=None, **kwargs):

@@ -4,15 +4,13 @@ from __future__ import annotations
 import dataclasses
 
 import torch.nn.functional as F
-from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 
 from omnibal_ext.model.families.internvl import ProjectorCost, VisionEmbedCost, VisionLayerCost
 
 from megatron.vlm import layers, sequence_parallel
-from megatron.vlm.components import RuntimeComponent
+from megatron.vlm.components import PaddedHeadLayers, RuntimeComponent
 from megatron.vlm.drop_path import iteration_keys, layer_rates
-from megatron.vlm.sharding import drop_padded_heads
 
 from . import hf
 from .layers import layer_spec
@@ -35,7 +33,7 @@ class VisionEmbed(RuntimeComponent):
         hf.vision_embed_recipes(unit, table)
 
 
-class VisionLayer(RuntimeComponent):
+class VisionLayer(PaddedHeadLayers):
     """InternViT layers: full attention within each tile (no mask), heads padded to a multiple of TP, and
     the layer features of the VisionSpec (qkv bias, qk-norm, layer scale)."""
 
@@ -73,15 +71,6 @@ class VisionLayer(RuntimeComponent):
         if cfg.sequence_parallel and self.sp_leaves:
             x = sequence_parallel.leave(x)[:self.spec.vision.seq_per_tile]
         return x
-
-    def sharded_state_dict(self, unit, module, module_prefix, metadata):
-        """Padded heads dropped: the attention tensors saved per real head (megatron/vlm/sharding.py)."""
-        sd = super().sharded_state_dict(unit, module, module_prefix, metadata)
-        cfg = self.ctx.vision_config
-        tp = cfg.tensor_model_parallel_size
-        drop_padded_heads(sd, module_prefix, self.spec.vision.num_attention_heads, cfg.num_attention_heads // tp,
-                          parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0, cfg.kv_channels)
-        return sd
 
     @classmethod
     def hf_recipes(cls, unit, table):

@@ -9,7 +9,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -17,46 +17,23 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron.vlm import layers
+from megatron.vlm.padded_heads import draw_padded_attention, tp_rank
 
 
 def draw_padded_layer(layer: TransformerLayer, config: TransformerConfig, real_heads: int) -> None:
-    """Draw a multi-head layer's matrices for ``real_heads`` heads and zero the padded heads after them.
-
-    ``config.num_attention_heads`` >= real_heads (a multiple of the TP size). The full matrices of the
-    real model are drawn on the host in a fixed order (QKV, out-projection, MLP in, MLP out), so a
-    layer's weights are the same at every TP size, padded or not, and this rank keeps its slice;
-    biases start at zero. Megatron's fused QKV holds, per head, rows [q | k | v] of ``kv_channels``
-    each; the out-projection's input columns follow the heads. A padded head's q, k, v are zero, so
-    its attention output is zero; its out-projection columns are zero, so that output reaches nothing
-    and every gradient the head gets is zero: padded heads stay zero under training.
-
-    megatron-core's own initialisation still runs first and is overwritten here: it is also what marks
-    the weights tensor-parallel (with ``perform_initialization`` off the gradient norm would count the
-    TP shards as replicated).
-    """
-    heads, d, h = config.num_attention_heads, config.kv_channels, config.hidden_size
-    if config.num_query_groups not in (None, heads):
-        raise ValueError("draw_padded_layer: multi-head attention only (the ViT's)")
-    if not 1 <= real_heads <= heads:
-        raise ValueError(f"draw_padded_layer: {real_heads} real heads for a layer of {heads}")
-    tp = config.tensor_model_parallel_size
-    rank = parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0
-    mine = slice(rank * heads // tp, (rank + 1) * heads // tp)
-    qkv = torch.zeros(heads, 3 * d, h)
-    config.init_method(qkv[:real_heads])
-    proj = torch.zeros(h, heads, d)
-    proj_real = torch.empty(h, real_heads, d)
-    config.output_layer_init_method(proj_real)
-    proj[:, :real_heads] = proj_real
-    fc1 = torch.empty(config.ffn_hidden_size, h)
+    """Draw an InternViT layer's matrices for ``real_heads`` heads: the attention as
+    ``padded_heads.draw_padded_attention`` draws it (padded heads zero), then the MLP in and out (this TP rank's
+    slice of the full matrices, in that fixed order, so the weights are the same at every TP size); biases zero."""
+    draw_padded_attention(layer, config, real_heads)
+    h, f, tp, rank = config.hidden_size, config.ffn_hidden_size, config.tensor_model_parallel_size, tp_rank(config)
+    fc1 = torch.empty(f, h)
     config.init_method(fc1)
-    fc2 = torch.empty(h, config.ffn_hidden_size)
+    fc2 = torch.empty(h, f)
     config.output_layer_init_method(fc2)
-    ffn_mine = slice(rank * config.ffn_hidden_size // tp, (rank + 1) * config.ffn_hidden_size // tp)
-    attn, mlp = layer.self_attention, layer.mlp
+    ffn_mine = slice(rank * f // tp, (rank + 1) * f // tp)
+    mlp = layer.mlp
     with torch.no_grad():
-        for linear, full in ((attn.linear_qkv, qkv[mine].reshape(-1, h)), (attn.linear_proj, proj[:, mine].reshape(h, -1)),
-                             (mlp.linear_fc1, fc1[ffn_mine]), (mlp.linear_fc2, fc2[:, ffn_mine])):
+        for linear, full in ((mlp.linear_fc1, fc1[ffn_mine]), (mlp.linear_fc2, fc2[:, ffn_mine])):
             linear.weight.copy_(full.to(linear.weight.dtype))
             if getattr(linear, "bias", None) is not None:
                 linear.bias.zero_()

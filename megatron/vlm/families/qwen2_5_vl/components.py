@@ -16,15 +16,13 @@ Micro-batch fields read (besides the shared ``tokens``, ``labels``, ``cu_seqlens
 """
 from __future__ import annotations
 
-from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 
 from omnibal_ext.model.families.qwen2_5_vl import FullLayerCost, MergerCost, VisionEmbedCost, WindowLayerCost
 
 from megatron.vlm import layers
 from megatron.vlm.attention import segment_params
-from megatron.vlm.components import RuntimeComponent, TextEmbed, TextLayer
-from megatron.vlm.sharding import drop_padded_heads
+from megatron.vlm.components import PaddedHeadLayers, RuntimeComponent, TextEmbed, TextLayer
 from megatron.vlm.text import packed_causal_mask
 
 from . import hf
@@ -48,7 +46,7 @@ class VisionEmbed(RuntimeComponent):
         hf.vision_embed_recipes(unit, table)
 
 
-class _VisionLayers(RuntimeComponent):
+class _VisionLayers(PaddedHeadLayers):
     """ViT layers over the packed patch tokens [patches, 1, H] (THD, one segment per window or per image,
     no mask), 2-D RoPE; heads padded to a multiple of TP. Both kinds live in the stage's ``vit_blocks``."""
 
@@ -83,15 +81,6 @@ class _VisionLayers(RuntimeComponent):
         for block in module:
             x = block(hidden_states=x, attention_mask=None, rotary_pos_emb=c["rope"], packed_seq_params=params)
         return x
-
-    def sharded_state_dict(self, unit, module, module_prefix, metadata):
-        """Padded heads dropped: the attention tensors saved per real head (megatron/vlm/sharding.py)."""
-        sd = super().sharded_state_dict(unit, module, module_prefix, metadata)
-        cfg = self.ctx.vision_config
-        tp = cfg.tensor_model_parallel_size
-        drop_padded_heads(sd, module_prefix, self.spec.vision.num_attention_heads, cfg.num_attention_heads // tp,
-                          parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0, cfg.kv_channels)
-        return sd
 
     @classmethod
     def hf_recipes(cls, unit, table):

@@ -8,7 +8,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -17,6 +17,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from omnibal_ext.model.spec import ModelSpec
 
 from megatron.vlm import layers
+from megatron.vlm.padded_heads import draw_padded_attention
 from megatron.vlm.config import _common
 from megatron.vlm.text import word_embedding
 
@@ -29,29 +30,6 @@ def vision_config(spec: ModelSpec, tp: int, on_cpu: bool, dtype: torch.dtype) ->
         kv_channels=v.head_dim, ffn_hidden_size=v.ffn_hidden_size, add_bias_linear=True, add_qkv_bias=True,
         gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", layernorm_epsilon=v.norm_eps,
         **_common(tp=tp, pp=1, on_cpu=on_cpu, dtype=dtype, init_method_std=spec.init_method_std))
-
-
-def draw_padded_attention(layer, config: TransformerConfig, real_heads: int) -> None:
-    """The attention matrices of a ViT layer drawn for ``real_heads`` heads (a fixed order on the host: QKV,
-    out-projection), padded heads zero, this TP rank's heads kept; attention biases zero. So a layer's
-    attention weights do not depend on the TP size, and padded heads give zero output and zero gradients."""
-    heads, d, h = config.num_attention_heads, config.kv_channels, config.hidden_size
-    tp = config.tensor_model_parallel_size
-    rank = parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0
-    mine = slice(rank * heads // tp, (rank + 1) * heads // tp)
-    qkv = torch.zeros(heads, 3 * d, h)
-    config.init_method(qkv[:real_heads])
-    proj = torch.zeros(h, heads, d)
-    real = torch.empty(h, real_heads, d)
-    config.output_layer_init_method(real)
-    proj[:, :real_heads] = real
-    attn = layer.self_attention
-    with torch.no_grad():
-        attn.linear_qkv.weight.copy_(qkv[mine].reshape(-1, h).to(attn.linear_qkv.weight.dtype))
-        attn.linear_proj.weight.copy_(proj[:, mine].reshape(h, -1).to(attn.linear_proj.weight.dtype))
-        for linear in (attn.linear_qkv, attn.linear_proj):
-            if getattr(linear, "bias", None) is not None:
-                linear.bias.zero_()
 
 
 def vision_layer_spec(seed: int, first_unit_index: int, transformer_impl: str, attention_backend: str,
