@@ -66,7 +66,8 @@ def add_plan_parser(subparsers, scan_metas: MetaScanner | None = None,
     p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: gpus / (tp * pp * cp))")
     p.add_argument("--cp", type=int, default=1,
                    help="context-parallel size (the trainer's --context-parallel-size; default 1): costs and "
-                        "memory per CP rank, no sequence parallelism at CP > 1")
+                        "memory per CP rank; with sequence parallelism (TP > 1) each sample is padded to a multiple "
+                        "of 2 x CP x TP")
     p.add_argument("--device", default="a100-80g", help=f"device preset of the cost model: {', '.join(DEVICES)}")
     p.add_argument("--samples", type=int, default=None,
                    help="dataset size for GPU-days, samples (one epoch; default: the stats' count)")

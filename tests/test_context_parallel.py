@@ -37,14 +37,18 @@ class FakeGroup:
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
-@pytest.mark.parametrize("cp", [2, 3, 4])
-def test_split_reassembles_the_padded_batch(packed, cp):
+@pytest.mark.parametrize("cp,sp_tp", [(2, 1), (3, 1), (4, 1), (2, 2), (3, 2)])
+def test_split_reassembles_the_padded_batch(packed, cp, sp_tp):
+    """sp_tp: --sequence-parallel's TP (segments padded to 2 x CP x TP: every rank's part of each splits over TP)."""
     whole = collate_packed(samples(), PAD) if packed else collate_padded(samples(), PAD)
-    parts = [split_batch(whole, cp, r, PAD, IMG) for r in range(cp)]
+    parts = [split_batch(whole, cp, r, PAD, IMG, sp_tp=sp_tp) for r in range(cp)]
     cu = parts[0]["cu_seqlens"].tolist()
     assert all(p["cu_seqlens"].tolist() == cu for p in parts)
-    assert all((e - a) % (2 * cp) == 0 for a, e in zip(cu[:-1], cu[1:]))
+    assert all((e - a) % (2 * cp * sp_tp) == 0 and e - a - (2 * cp * sp_tp) < e0 - a0
+               for a, e, a0, e0 in zip(cu[:-1], cu[1:], whole["cu_seqlens"][:-1].tolist(),
+                                       whole["cu_seqlens"][1:].tolist()))
     t_local = cu[-1] // cp
+    assert t_local % sp_tp == 0
     assert all(p["tokens"].shape == (1, t_local) for p in parts)
     # the attention's gather order puts every segment back together: the unsplit padded micro-batch
     gathered = torch.cat([p["tokens"][0] for p in parts])
@@ -112,8 +116,20 @@ def test_cp_balance_on_the_published_stats(groups, cp):
     assert worst <= 1.10, worst
 
 
-@pytest.mark.parametrize("cp", [2, 3, 4])
-def test_planner_arithmetic_equals_the_split(cp):
+def test_collate_pads_segments_not_the_row_under_cp_and_sp():
+    """--sequence-parallel with CP: the collate adds no row padding segment (each segment is padded to 2 x CP x TP
+    by the split instead)."""
+    from megatron.vlm.batches import Collate, StageInputs
+
+    whole = collate_packed(samples(), PAD)
+    got = Collate(PAD, True, StageInputs.everything(), None, pad_to_multiple=2, cp=2, cp_rank=1)(samples())
+    want = split_batch(whole, 2, 1, PAD, None, sp_tp=2)
+    assert got["cu_seqlens"].tolist() == want["cu_seqlens"].tolist() == [0, 8, 16, 24]
+    assert torch.equal(got["tokens"], want["tokens"]) and torch.equal(got["labels"], want["labels"])
+
+
+@pytest.mark.parametrize("cp,sp_tp", [(2, 1), (3, 1), (4, 1), (2, 2), (2, 4)])
+def test_planner_arithmetic_equals_the_split(cp, sp_tp):
     """omnibal_ext's tensor-free figures (``cp_split``, ``MicroBatchShape.cp``: what the planner counts) equal what
     ``split_batch`` gives each rank, on random packed micro-batches: tokens, attended pairs (pads included, and
     real only through ``rank_work``) and tiles."""
@@ -136,17 +152,17 @@ def test_planner_arithmetic_equals_the_split(cp):
                                   "pixel_values": pix})
         whole = collate_packed(batch_samples, PAD)
         n_tiles = int(whole["sample_tiles"].sum())
-        parts = [split_batch(whole, cp, r, PAD, None) for r in range(cp)]
-        padded = cp_split.padded_lengths(lengths, cp)
+        parts = [split_batch(whole, cp, r, PAD, None, sp_tp=sp_tp) for r in range(cp)]
+        padded = cp_split.padded_lengths(lengths, cp, sp_tp)
         shape = MicroBatchShape(n_tiles, int(padded.sum()), llm_attn_tokens_sq=float((padded ** 2).sum()), cp=cp)
         assert parts[0]["cu_seqlens"].tolist() == [0] + np.cumsum(padded).tolist()
-        pairs_all = int(cp_split.rank_pairs_padded(lengths, cp).sum())
-        real_pairs, rank_tiles = rank_work(lengths, n_tiles, cp)
+        pairs_all = int(cp_split.rank_pairs_padded(lengths, cp, sp_tp).sum())
+        real_pairs, rank_tiles = rank_work(lengths, n_tiles, cp, sp_tp=sp_tp)
         for r, p in enumerate(parts):
             pos = p["position_ids"][0]
             assert pos.numel() == shape.rank_llm_tokens
             got_all = int((pos + 1).sum())  # causal within the padded segment: position + 1 keys per query
-            assert got_all == pairs_all == rank_work(lengths, n_tiles, cp, real_only=False)[0][r]
+            assert got_all == pairs_all == rank_work(lengths, n_tiles, cp, real_only=False, sp_tp=sp_tp)[0][r]
             assert 2 * got_all == shape.rank_attn_tokens_sq + shape.rank_llm_tokens  # P^2/cp + P/cp, summed
             assert int(((pos + 1) * (p["tokens"][0] != PAD)).sum()) == real_pairs[r]
             assert min(p["pixel_values"].shape[0], len(tile_ranges(n_tiles, cp)[r])) == rank_tiles[r]

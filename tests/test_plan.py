@@ -293,7 +293,7 @@ def _llm_only_stages(plan, setting):
 def test_plan_with_context_parallelism_counts_per_rank_work():
     """--cp 2 on the same data: DP halves, the LLM stages' time per micro-batch about halves (the same default
     layout and full recompute: the +data row), every stage's memory drops, and the trainer flags carry
-    --context-parallel-size without --sequence-parallel (the trainer refuses both)."""
+    --context-parallel-size with --sequence-parallel (TP 2: samples padded to 2 x CP x TP = 8)."""
     stats = synthetic_stats(3000, 0)
     plans = {cp: make_plan(stats, PlanConfig("internvl-6b-20b", 16, 80 * GIB, tp=2, pp=4, cp=cp, sim_iterations=2,
                                              isf_max_candidates=5, isf_search_samples=3000)) for cp in (1, 2)}
@@ -309,41 +309,52 @@ def test_plan_with_context_parallelism_counts_per_rank_work():
         assert row2.stage_time_s[s] < 0.65 * row1.stage_time_s[s]
     assert all(b < a for a, b in zip(row1.stage_peak_bytes, row2.stage_peak_bytes))
     assert one.trainer_flags["--sequence-parallel"] is True and "--context-parallel-size" not in one.trainer_flags
-    assert two.trainer_flags["--context-parallel-size"] == 2 and two.trainer_flags["--sequence-parallel"] is False
-    assert "--sequence-parallel" not in two.trainer_args and "--context-parallel-size=2" in two.trainer_args
+    assert two.trainer_flags["--context-parallel-size"] == 2 and two.trainer_flags["--sequence-parallel"] is True
+    assert "--sequence-parallel" in two.trainer_args and "--context-parallel-size=2" in two.trainer_args
+    assert any("padded to a multiple of 8 tokens (2 x CP x TP" in n for n in two.notes)
     assert two.shapes["isf_caps"]["cp"] == 2 and two.to_dict()["cp"] == 2
     assert "CP=2" in format_plan(two)
 
 
-def test_context_parallel_costs_leave_out_sequence_parallelism():
+def test_context_parallel_costs_count_sequence_parallelism():
     from omnibal_ext.plan.context import build_context
-    from omnibal_ext.plan.trainer_flags import sequence_parallel
+    from omnibal_ext.plan.trainer_flags import sequence_parallel, sp_tp
 
-    assert sequence_parallel(2) and not sequence_parallel(2, 2) and not sequence_parallel(1)
+    assert sequence_parallel(2) and not sequence_parallel(1) and (sp_tp(1), sp_tp(4)) == (1, 4)
     spec = get_preset("internvl-6b-20b")
     shape = MicroBatchShape(8, 4096, llm_attn_tokens_sq=4096.0 * 1024, cp=2)
     ctx = build_context(spec, A100, 2, 4, 1, 8, 70 * GIB, "unfused", shape, shape, cp=2)
-    assert ctx.costs_isf.meta["sequence_parallel"] is False and ctx.grad_ranks == 2
+    assert ctx.costs_isf.meta["sequence_parallel"] is True and ctx.grad_ranks == 2
     with pytest.raises(ValueError):
         build_context(spec, A100, 2, 4, 1, 8, 70 * GIB, "unfused", MicroBatchShape(8, 4096), shape, cp=2)
 
 
 def test_cp_data_level_pads_as_the_trainer():
-    from omnibal_ext.model.cp_split import padded_lengths
+    """Under CP the ISF plan groups, and the shapes count, every sample padded to 2 x CP (x TP with sequence
+    parallelism), computed here by brute force: Qt caps the padded tokens of every group."""
     from omnibal_ext.plan.data_level import cap_shape, isf_plan, mean_isf_group
+
+    def pad(n, multiple):
+        while n % multiple:
+            n += 1
+        return n
 
     stats = synthetic_stats(2000, 3)
     config = PlanConfig("tiny", 4, GIB, cp=4, isf_max_candidates=4, isf_search_samples=2000)
-    data = isf_plan(stats, 1, config)
-    g = data.grouping
-    shape1, _ = mean_isf_group(stats, g)
-    shape4, _ = mean_isf_group(stats, g, 4)
-    tok = [padded_lengths(stats.tokens[m], 4) for m in g.groups()]
-    np.testing.assert_allclose(shape4[1:], [np.mean([t.sum() for t in tok]), np.mean([(t.astype(float) ** 2).sum()
-                                                                                    for t in tok])])
-    assert shape4[1] > shape1[1] and shape4[0] == shape1[0]
-    cap = cap_shape(data.params, stats, 4, g)
-    assert cap.cp == 4 and cap.llm_tokens >= max(t.sum() for t in tok) and cap.vision_items == data.params.qv
+    for sp_tp in (1, 2):
+        data = isf_plan(stats, 1, config, sp_tp)
+        g = data.grouping
+        tok = [np.array([pad(int(n), 8 * sp_tp) for n in stats.tokens[m]]) for m in g.groups()]
+        assert g.tokens.tolist() == [int(t.sum()) for t in tok]
+        assert max(t.sum() for t in tok) <= data.params.qt
+        shape, _ = mean_isf_group(stats, g, 4, sp_tp)
+        np.testing.assert_allclose(shape, [g.tiles.mean(), np.mean([t.sum() for t in tok]),
+                                           np.mean([(t.astype(float) ** 2).sum() for t in tok])])
+        real = np.mean([stats.tokens[m].sum() for m in g.groups()])
+        assert shape[1] > real
+        cap = cap_shape(data.params, stats, 4, sp_tp)
+        assert cap.cp == 4 and cap.llm_tokens == data.params.qt and cap.vision_items == data.params.qv
+        assert cap.llm_attn_tokens_sq == min(cap.llm_tokens, pad(int(stats.tokens.max()), 8 * sp_tp)) * cap.llm_tokens
 
 
 def test_cp_request_checks():

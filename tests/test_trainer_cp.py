@@ -77,3 +77,14 @@ def test_cp2_pp2_equals_serial_and_resumes_at_cp1(workdir, serial, tmp_path):
     assert "loaded checkpoint of iteration 4" in out
     assert [r["iteration"] for r in resumed] == [5, 6, 7, 8]
     assert_close([r["lm loss"] for r in resumed], [r["lm loss"] for r in serial[False][4:]])
+
+
+def test_cp2_with_tp2_sequence_parallel_equals_serial(workdir, serial):
+    """4 processes: TP2 --sequence-parallel x CP2 (every sample padded to a multiple of 2 x CP x TP = 8, pads
+    masked): the serial run's losses; the per-rank activations below CP2's alone (SP splits the replicated part)."""
+    d, data = workdir
+    records, _ = run_training(4, BASE + data + ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                                "--sequence-parallel"], d, "cp2sp2")
+    assert [r["iteration"] for r in records] == list(range(1, 9))
+    assert_close([r["lm loss"] for r in records], [r["lm loss"] for r in serial[False]])
+    assert_close([r["grad norm"] for r in records], [r["grad norm"] for r in serial[False]], rel=1e-3)

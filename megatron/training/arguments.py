@@ -354,9 +354,6 @@ def validate_args(args, world_size: int) -> None:
     if cp > 1 and args.transformer_impl == "transformer_engine":
         raise ArgumentError("--context-parallel-size with --transformer-impl transformer_engine is not supported yet: "
                             "use --transformer-impl local (SegmentAttention's all-gather context parallelism)")
-    if cp > 1 and args.sequence_parallel:
-        raise ArgumentError("--sequence-parallel with --context-parallel-size > 1 is not supported yet (each sample "
-                            "would need padding to a multiple of 2 x CP x TP): use one of them")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer (it overlaps the "
                             "distributed optimizer's parameter all-gather)")

@@ -102,21 +102,23 @@ class Collate:
 
     def __init__(self, pad_id: int, packed: bool, inputs: StageInputs, image_tokens: tuple[int, int] | None,
                  pad_to_multiple: int = 1, cp: int = 1, cp_rank: int = 0):
-        """pad_to_multiple: row length rounded up to a multiple of it (--sequence-parallel: TP)."""
+        """pad_to_multiple: --sequence-parallel's TP: without CP the row length is rounded up to a multiple of it,
+        with CP every segment to a multiple of 2 x CP x it (``split_batch``)."""
         self.pad_id, self.packed, self.inputs, self.image_tokens = pad_id, packed, inputs, image_tokens
         self.pad_to_multiple = pad_to_multiple
         self.cp, self.cp_rank = cp, cp_rank  # context parallelism: this rank's part (megatron/vlm/context_parallel.py)
 
     def __call__(self, samples: list[dict]) -> dict:
-        fn = partial(collate_packed, pad_id=self.pad_id, pad_to_multiple=self.pad_to_multiple) if self.packed else \
-            partial(collate_padded, pad_id=self.pad_id, seq_length=None, pad_to_multiple=self.pad_to_multiple)
+        row_multiple = self.pad_to_multiple if self.cp == 1 else 1
+        fn = partial(collate_packed, pad_id=self.pad_id, pad_to_multiple=row_multiple) if self.packed else \
+            partial(collate_padded, pad_id=self.pad_id, seq_length=None, pad_to_multiple=row_multiple)
         batch = fn(samples)
         if self.image_tokens is not None and self.inputs.tokens:
             check_image_tokens(batch, *self.image_tokens)
         keys = self.inputs.keys
         if self.cp > 1:
             batch = split_batch(batch, self.cp, self.cp_rank, self.pad_id,
-                                self.image_tokens[0] if self.image_tokens else None)
+                                self.image_tokens[0] if self.image_tokens else None, sp_tp=self.pad_to_multiple)
             keys += ("num_tiles",) + (CP_KEYS if self.inputs.tokens and "image_feature_index" in batch else ())
         return {k: batch[k] for k in keys}
 

@@ -4,7 +4,8 @@ The CP ranks of a data-parallel rank read the same micro-batch; each keeps its p
 the collate on the host):
 
 * LLM tokens: every segment of the micro-batch's THD description (each sample, each run of padding) is padded at
-  its end to a multiple of 2 x CP tokens (pads: ``pad_id``, label -100, segment -1; after every real token of the
+  its end to a multiple of 2 x CP tokens (2 x CP x TP with sequence parallelism, so that TP divides every rank's
+  part of every segment and megatron-core's sequence-parallel scatter splits the rank's tokens evenly; pads: ``pad_id``, label -100, segment -1; after every real token of the
   sample, so causal attention never lets a real token see them) and cut into 2 x CP equal chunks; CP rank r keeps
   chunks r and 2 CP - 1 - r of every segment, in that order.  Under causal attention chunk i attends to i + 1
   chunks, so every rank attends (r + 1) + (2 CP - r) = 2 CP + 1 chunks per segment: balanced per sample.
@@ -37,8 +38,9 @@ IGNORE_INDEX = -100
 CP_KEYS = ("image_feature_index",)  # read by the LLM embedding under CP (with the tokens)
 
 
-def split_batch(batch: dict, cp: int, rank: int, pad_id: int, img_context_id: int | None) -> dict:
-    """CP rank ``rank``'s part of a collated micro-batch (see the module docstring); tokens, labels, position_ids,
+def split_batch(batch: dict, cp: int, rank: int, pad_id: int, img_context_id: int | None, sp_tp: int = 1) -> dict:
+    """CP rank ``rank``'s part of a collated micro-batch (see the module docstring; sp_tp: the TP size under
+    sequence parallelism, else 1); tokens, labels, position_ids,
     segment_ids become [1, t / cp] (t: the padded total), ``cu_seqlens``/``max_seqlen`` the padded unsplit ones,
     pixel_values this rank's tiles; ``num_tiles`` (a Python int) and, with tokens, ``image_feature_index`` are
     added; the per-sample and per-tile metadata stay whole."""
@@ -57,7 +59,7 @@ def split_batch(batch: dict, cp: int, rank: int, pad_id: int, img_context_id: in
     bounds = batch["cu_seqlens"].tolist()
     src, pos, lengths = [], [], []
     for a, e in zip(bounds[:-1], bounds[1:]):
-        padded, c = padded_chunk(e - a, cp)
+        padded, c = padded_chunk(e - a, cp, sp_tp)
         lengths.append(padded)
         for i in rank_chunks(cp, rank):
             for p in range(i * c, (i + 1) * c):

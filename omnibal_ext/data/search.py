@@ -9,7 +9,12 @@ as the full set would), each is grouped by ISF and assembled into balanced steps
             + 0.05 * (1 - fill_vit) + 0.02 * |samples_per_group - K| / K
 
 Stage 1 tries a grid of token caps and tile caps, stage 2 the lower bounds around the best, stage 3
-the pass count T.  The search stops at ``max_candidates`` or after ``time_budget_s`` seconds
+the pass count T.
+
+Context parallelism (``SearchConfig.cp`` > 1): the trainer pads every sample to a multiple of 2 x CP tokens
+(2 x CP x TP with sequence parallelism, ``sp_tp``) and each CP rank runs 1 / CP of the padded tokens, so the search
+and the grouping count every sample's padded tokens (``cp_split.padded_lengths``): Qt caps, and the step assembly
+balances, CP x the per-rank tokens of a micro-batch.  At CP 1 the real tokens are counted, unchanged.  The search stops at ``max_candidates`` or after ``time_budget_s`` seconds
 (at least one candidate always runs) and reports every candidate it tried with its metrics.
 """
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..errors import UserError
+from ..model.cp_split import padded_lengths
 from .assign import DEFAULT_KEYS, StepAssembly, assemble_steps
 from .isf import Grouping, ISFParams, isf_group, isf_multi
 from .metrics import evaluate_steps
@@ -38,7 +44,9 @@ class SearchConfig:
     time_budget_s (CPU seconds of this process) bound the search: the candidate count binds normally,
     so the result is deterministic for a seed, the time budget is a safety net on slow machines;
     search_samples: subset size the candidates run on;
-    oversize: policy for samples over the caps; seed: seeds the subset and ISF.
+    oversize: policy for samples over the caps; seed: seeds the subset and ISF;
+    cp: context-parallel size, sp_tp: the TP size under sequence parallelism (else 1): with cp > 1 every sample's
+    tokens are counted padded as the trainer pads them (a multiple of 2 x cp x sp_tp; see the module docstring).
     """
 
     dp_size: int = 8
@@ -53,6 +61,8 @@ class SearchConfig:
     search_samples: int = 40_000
     oversize: str = "error"
     seed: int = 0
+    cp: int = 1
+    sp_tp: int = 1
 
     def __post_init__(self) -> None:
         if self.samples_per_group is None and self.max_seq_len is None:
@@ -61,6 +71,13 @@ class SearchConfig:
             raise UserError(f"SearchConfig: samples_per_group must be > 0, got {self.samples_per_group}")
         if self.dp_size < 1 or self.sp < 1:
             raise UserError(f"SearchConfig: dp_size and sp must be >= 1, got {self.dp_size}, {self.sp}")
+        if self.cp < 1 or self.sp_tp < 1:
+            raise UserError(f"SearchConfig: cp and sp_tp must be >= 1, got {self.cp}, {self.sp_tp}")
+
+    def counted_tokens(self, tokens: np.ndarray) -> np.ndarray:
+        """The token counts ISF groups by: each sample padded as the trainer pads it under context parallelism
+        (int64; ``tokens`` itself at cp 1)."""
+        return padded_lengths(tokens, self.cp, self.sp_tp) if self.cp > 1 else tokens
 
 
 @dataclass
@@ -133,7 +150,7 @@ def search_params(vit, tokens, cfg: SearchConfig) -> SearchResult:
     t0 = time.perf_counter()
     c_start = time.process_time()
     vit = np.asarray(vit, dtype=np.int64)
-    tokens = np.asarray(tokens, dtype=np.int64)
+    tokens = cfg.counted_tokens(np.asarray(tokens, dtype=np.int64))
     n = len(vit)
     if n == 0:
         raise ValueError("search_params: no samples")
@@ -234,9 +251,10 @@ class DataPlan:
 
 
 def plan_isf(vit, tokens, cfg: SearchConfig, params: ISFParams | None = None) -> DataPlan:
-    """Search thresholds (unless ``params`` is given), group all samples and assemble steps."""
+    """Search thresholds (unless ``params`` is given), group all samples and assemble steps (``cfg.cp`` > 1: on the
+    padded token counts, so the grouping's tokens are padded totals)."""
     vit = np.asarray(vit, dtype=np.int64)
-    tokens = np.asarray(tokens, dtype=np.int64)
+    tokens = cfg.counted_tokens(np.asarray(tokens, dtype=np.int64))
     search = None
     t_search = 0.0
     keys = DEFAULT_KEYS
@@ -253,9 +271,9 @@ def plan_isf(vit, tokens, cfg: SearchConfig, params: ISFParams | None = None) ->
 def plan_isf_multi(vit, tokens, source, cfg: SearchConfig,
                    params_by_source: dict[int, ISFParams] | None = None) -> DataPlan:
     """Multi-group mode: thresholds per dataset group (searched per group unless given), ISF per
-    group, one merged group list assembled into balanced steps across groups."""
+    group, one merged group list assembled into balanced steps across groups (``cfg.cp`` > 1: padded tokens)."""
     vit = np.asarray(vit, dtype=np.int64)
-    tokens = np.asarray(tokens, dtype=np.int64)
+    tokens = cfg.counted_tokens(np.asarray(tokens, dtype=np.int64))
     source = np.asarray(source)
     t_search = 0.0
     searches = {}

@@ -1,7 +1,8 @@
 """Context parallelism's split arithmetic, tensor-free: what each CP rank of a micro-batch holds.
 
 The trainer (``megatron/vlm/context_parallel.py``, which imports these) pads every segment of a packed micro-batch
-(each sample, each run of padding) at its end to a multiple of 2 x CP tokens and cuts it into 2 x CP equal chunks;
+(each sample, each run of padding) at its end to a multiple of 2 x CP tokens (2 x CP x TP with sequence parallelism,
+``sp_tp`` = TP, so that TP divides every CP rank's part) and cuts it into 2 x CP equal chunks;
 CP rank r keeps chunks r and 2 CP - 1 - r (balanced for causal attention: every rank attends 2 CP + 1 chunks of
 each segment).  The ViT's tiles are cut into CP contiguous runs, at most ceil(tiles / CP) each.
 
@@ -15,23 +16,27 @@ from __future__ import annotations
 import numpy as np
 
 
-def padded_chunk(length: int, cp: int) -> tuple[int, int]:
-    """(length padded to a multiple of 2 x cp, chunk length = padded / (2 cp))."""
-    padded = -(-length // (2 * cp)) * 2 * cp
+def padded_chunk(length: int, cp: int, sp_tp: int = 1) -> tuple[int, int]:
+    """(length padded to a multiple of 2 x cp x sp_tp, chunk length = padded / (2 cp)); sp_tp: the TP size under
+    sequence parallelism, else 1."""
+    m = 2 * cp * sp_tp
+    padded = -(-length // m) * m
     return padded, padded // (2 * cp)
 
 
-def padded_lengths(lengths, cp: int) -> np.ndarray:
-    """Segment lengths (array-like of ints) each padded as the trainer pads them, int64: to a multiple of 2 x cp
-    under context parallelism (:func:`padded_chunk`), unchanged at cp 1 (no split, no padding)."""
-    m = cp_multiple(cp)
+def padded_lengths(lengths, cp: int, sp_tp: int = 1) -> np.ndarray:
+    """Segment lengths (array-like of ints) each padded as the trainer pads them, int64: to a multiple of
+    2 x cp x sp_tp under context parallelism (:func:`padded_chunk`), unchanged at cp 1 (no split, no padding; with
+    sequence parallelism alone the trainer pads the row, not the segments)."""
+    m = cp_multiple(cp, sp_tp)
     lengths = np.asarray(lengths, dtype=np.int64)
     return -(-lengths // m) * m
 
 
-def cp_multiple(cp: int) -> int:
-    """The multiple the trainer pads each segment to: 2 x cp with context parallelism, 1 without."""
-    return 1 if cp == 1 else 2 * cp
+def cp_multiple(cp: int, sp_tp: int = 1) -> int:
+    """The multiple the trainer pads each segment to: 2 x cp (x sp_tp, the TP size under sequence parallelism)
+    with context parallelism, 1 without."""
+    return 1 if cp == 1 else 2 * cp * sp_tp
 
 
 def rank_chunks(cp: int, rank: int) -> tuple[int, int]:
@@ -50,33 +55,33 @@ def tile_ranges(n_tiles: int, cp: int) -> list[range]:
     return out
 
 
-def chunk_pairs(length: int, cp: int, rank: int) -> int:
+def chunk_pairs(length: int, cp: int, rank: int, sp_tp: int = 1) -> int:
     """Attended (query, key) pairs of CP rank ``rank`` on a segment of ``length`` tokens (pads included):
     causal within the padded segment, each of its two chunks attending to every key up to itself."""
-    _, c = padded_chunk(length, cp)
+    _, c = padded_chunk(length, cp, sp_tp)
     return sum(c * i * c + c * (c + 1) // 2 for i in rank_chunks(cp, rank))
 
 
-def rank_pairs_padded(lengths, cp: int) -> np.ndarray:
+def rank_pairs_padded(lengths, cp: int, sp_tp: int = 1) -> np.ndarray:
     """Per segment, the attended pairs (pads included) of every CP rank, equal on all ranks (the closed form of
     :func:`chunk_pairs`): P (P + 1) / (2 cp) for the padded length P = 2 cp c, i.e. P^2 / (2 cp) + c."""
-    p = padded_lengths(lengths, cp)
+    p = padded_lengths(lengths, cp, sp_tp)
     return p * (p + 1) // (2 * cp)
 
 
-def rank_work(lengths, tiles: int, cp: int, real_only: bool = True) -> tuple[list[int], list[int]]:
+def rank_work(lengths, tiles: int, cp: int, real_only: bool = True, sp_tp: int = 1) -> tuple[list[int], list[int]]:
     """(attended pairs, ViT tiles) of each CP rank for a micro-batch of samples of ``lengths`` tokens and ``tiles``
     tiles, split as the trainer's ``split_batch`` splits it.  real_only: pairs of real tokens only (a query and a
     key of the sample; pads excluded), else every pair the attention computes (pads included: equal on every
-    rank)."""
+    rank); sp_tp: the TP size under sequence parallelism (segments padded to 2 x cp x sp_tp)."""
     pairs = [0] * cp
     for length in lengths:
         length = int(length)
         if not real_only:
             for r in range(cp):
-                pairs[r] += chunk_pairs(length, cp, r)
+                pairs[r] += chunk_pairs(length, cp, r, sp_tp)
             continue
-        _, c = padded_chunk(length, cp)
+        _, c = padded_chunk(length, cp, sp_tp)
         for r in range(cp):
             for i in rank_chunks(cp, r):  # query q (0-based) attends keys 0..q: q + 1 pairs, real queries only
                 lo, hi = i * c, min((i + 1) * c, length)

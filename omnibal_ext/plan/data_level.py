@@ -6,9 +6,11 @@ per micro-batch (its tiles, its tokens, ``sum(len_i^2)`` of its samples), steps 
 order the sampler serves.
 
 Context parallelism (``cp`` > 1): the trainer pads every sample of a micro-batch to a multiple of 2 x CP tokens
-and splits it over the CP ranks (``omnibal_ext.model.cp_split``); the shapes here then hold the padded
-figures (tokens: ``sum(padded)``, attention: ``sum(padded^2)``) and ``MicroBatchShape(..., cp=cp)`` gives the cost
-model one rank's share of them.  The ISF caps Qv/Qt stay per micro-batch (real tiles and tokens of a group).
+(2 x CP x TP with sequence parallelism: ``sp_tp`` = TP, else 1) and splits it over the CP ranks
+(``omnibal_ext.model.cp_split``); the shapes here then hold the padded figures (tokens: ``sum(padded)``, attention:
+``sum(padded^2)``) and ``MicroBatchShape(..., cp=cp)`` gives the cost model one rank's share of them.  The ISF
+search and grouping count the padded tokens too (``SearchConfig.cp``): Qt caps CP x a rank's tokens, Qv the tiles
+of the micro-batch.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import numpy as np
 from ..data.search import SearchConfig, plan_isf, random_group_totals, step_matrix_epoch0
 from ..data.stats import SampleStats
 from ..model.cost_model import MicroBatchShape
-from ..model.cp_split import cp_multiple, padded_lengths
+from ..model.cp_split import padded_lengths
 from .config import PlanConfig, PlanError
 
 SHAPE_FIELDS = ("tiles", "llm_tokens", "llm_attn_tokens_sq")  # the three columns of a micro-batch shape
@@ -39,55 +41,53 @@ class Loads:
         return self.shape.reshape(-1, 3).mean(axis=0)
 
 
-def isf_plan(stats: SampleStats, dp: int, config: PlanConfig):
-    """ISF thresholds and groups for ``dp`` data-parallel ranks (``data.search.plan_isf``)."""
+def isf_plan(stats: SampleStats, dp: int, config: PlanConfig, sp_tp: int = 1):
+    """ISF thresholds and groups for ``dp`` data-parallel ranks (``data.search.plan_isf``); under CP on the padded
+    token counts (each sample to a multiple of 2 x CP x ``sp_tp``): Qt caps and the assembly balances the per-rank
+    tokens x CP."""
     search = SearchConfig(dp_size=dp, samples_per_group=float(config.samples_per_group),
                           max_seq_len=config.max_seq_length, seed=config.seed,
-                          max_candidates=config.isf_max_candidates, search_samples=config.isf_search_samples)
+                          max_candidates=config.isf_max_candidates, search_samples=config.isf_search_samples,
+                          cp=int(config.cp), sp_tp=sp_tp)
     return plan_isf(stats.vit, stats.tokens, search)
 
 
-def _member_lengths(stats: SampleStats, grouping, cp: int) -> np.ndarray:
+def _member_lengths(stats: SampleStats, grouping, cp: int, sp_tp: int = 1) -> np.ndarray:
     """Token counts of the groups' members (padded as the trainer pads them under CP), float64."""
-    return padded_lengths(stats.tokens[grouping.members], cp).astype(np.float64)
+    return padded_lengths(stats.tokens[grouping.members], cp, sp_tp).astype(np.float64)
 
 
-def group_sq_tokens(stats: SampleStats, grouping, cp: int = 1) -> np.ndarray:
+def group_sq_tokens(stats: SampleStats, grouping, cp: int = 1, sp_tp: int = 1) -> np.ndarray:
     """Per ISF group, the sum of its samples' squared token counts (tokens^2; under CP of the padded counts)."""
     if not len(grouping):
         return np.zeros(0)
-    return np.add.reduceat(_member_lengths(stats, grouping, cp) ** 2, grouping.offsets[:-1])
+    return np.add.reduceat(_member_lengths(stats, grouping, cp, sp_tp) ** 2, grouping.offsets[:-1])
 
 
-def group_llm_tokens(stats: SampleStats, grouping, cp: int = 1) -> np.ndarray:
+def group_llm_tokens(stats: SampleStats, grouping, cp: int = 1, sp_tp: int = 1) -> np.ndarray:
     """Per ISF group, the LLM tokens the trainer runs: its tokens, padded per sample under CP."""
     if cp == 1 or not len(grouping):
         return grouping.tokens.astype(np.float64)
-    return np.add.reduceat(_member_lengths(stats, grouping, cp), grouping.offsets[:-1])
+    return np.add.reduceat(_member_lengths(stats, grouping, cp, sp_tp), grouping.offsets[:-1])
 
 
-def mean_isf_group(stats: SampleStats, grouping, cp: int = 1) -> tuple[np.ndarray, float]:
+def mean_isf_group(stats: SampleStats, grouping, cp: int = 1, sp_tp: int = 1) -> tuple[np.ndarray, float]:
     """(mean (tiles, tokens, sum len^2) of an ISF group (CP: padded), mean samples per group)."""
-    shape = np.array([grouping.tiles.mean(), float(np.mean(group_llm_tokens(stats, grouping, cp))),
-                      float(np.mean(group_sq_tokens(stats, grouping, cp)))])
+    shape = np.array([grouping.tiles.mean(), float(np.mean(group_llm_tokens(stats, grouping, cp, sp_tp))),
+                      float(np.mean(group_sq_tokens(stats, grouping, cp, sp_tp)))])
     return shape, float(grouping.sizes.mean())
 
 
-def cap_shape(params, stats: SampleStats, cp: int = 1, grouping=None) -> MicroBatchShape:
+def cap_shape(params, stats: SampleStats, cp: int = 1, sp_tp: int = 1) -> MicroBatchShape:
     """The largest micro-batch the ISF caps allow: Qv tiles, Qt tokens, attention ``min(Qt, longest) * Qt``.
 
-    Under CP (``cp`` > 1) a group of n samples gains at most n (2 CP - 1) pad tokens: the tokens are
-    ``Qt + (2 CP - 1) * largest group`` (``grouping``'s; else Qt / shortest sample), the longest sample is padded,
-    and the shape is split over ``cp`` ranks (``MicroBatchShape.cp``)."""
+    Under CP (``cp`` > 1) the ISF plan counted each sample's tokens padded to a multiple of 2 CP (x TP with sequence
+    parallelism, ``sp_tp``; ``isf_plan``), so Qt caps the padded tokens; the longest sample is padded, and the shape
+    is split over ``cp`` ranks (``MicroBatchShape.cp``)."""
     longest = int(stats.tokens.max()) if len(stats) else 0
     qt = int(params.qt)
     if cp > 1:
-        if grouping is not None and len(grouping):
-            most = int(grouping.sizes.max())
-        else:
-            most = -(-qt // max(1, int(stats.tokens.min()) if len(stats) else 1))
-        qt += (cp_multiple(cp) - 1) * most
-        longest = int(padded_lengths([longest], cp)[0])
+        longest = int(padded_lengths([longest], cp, sp_tp)[0])
     return MicroBatchShape(int(params.qv), qt, llm_attn_tokens_sq=float(min(qt, longest)) * qt, cp=cp)
 
 
@@ -124,12 +124,12 @@ def sampled_loads(group_shape: np.ndarray, group_real: np.ndarray, group_samples
 
 
 def random_loads(stats: SampleStats, k: int, dp: int, m: int, iterations: int,
-                 seed: int, cp: int = 1) -> tuple[Loads, np.ndarray, np.ndarray]:
+                 seed: int, cp: int = 1, sp_tp: int = 1) -> tuple[Loads, np.ndarray, np.ndarray]:
     """Megatron's random batching: (loads of sampled iterations, mean and worst (tiles, padded tokens,
     padded sum len^2) over every micro-batch of the epoch).  Under CP the padded row is rounded up to a multiple
-    of 2 x CP (one segment per row: the sample and its padding)."""
+    of 2 x CP (x ``sp_tp``; one segment per row: the sample and its padding)."""
     gt, gv, gmax, sizes = random_group_totals(stats.vit, stats.tokens, k, seed)
-    width = padded_lengths(gmax, cp).astype(np.float64)
+    width = padded_lengths(gmax, cp, sp_tp).astype(np.float64)
     padded = (sizes * width).astype(np.float64)
     shape = np.stack([gv.astype(np.float64), padded, sizes * width ** 2], axis=1)
     full = len(gt) // dp
@@ -137,10 +137,12 @@ def random_loads(stats: SampleStats, k: int, dp: int, m: int, iterations: int,
     return sampled_loads(shape, gt, sizes, steps, m, iterations), shape.mean(axis=0), shape.max(axis=0)
 
 
-def isf_loads(stats: SampleStats, data_plan, m: int, iterations: int, seed: int, cp: int = 1) -> Loads:
+def isf_loads(stats: SampleStats, data_plan, m: int, iterations: int, seed: int, cp: int = 1,
+              sp_tp: int = 1) -> Loads:
     """ISF: one packed group per micro-batch, steps in the balanced order the sampler serves (CP: padded)."""
     g = data_plan.grouping
-    shape = np.stack([g.tiles.astype(np.float64), group_llm_tokens(stats, g, cp), group_sq_tokens(stats, g, cp)],
-                     axis=1)
+    shape = np.stack([g.tiles.astype(np.float64), group_llm_tokens(stats, g, cp, sp_tp),
+                      group_sq_tokens(stats, g, cp, sp_tp)], axis=1)
     steps = step_matrix_epoch0(len(g), data_plan.assembly.width, data_plan.assembly.order, seed)
-    return sampled_loads(shape, g.tokens, g.sizes, steps, m, iterations)
+    real = g.tokens if cp == 1 or not len(g) else np.add.reduceat(stats.tokens[g.members], g.offsets[:-1])
+    return sampled_loads(shape, real, g.sizes, steps, m, iterations)

@@ -8,6 +8,7 @@ import numpy as np
 from ..data.search import random_baseline
 from ..data.stats import SampleStats
 from ..memory.memory_model import GIB, MIXED_BF16_ADAM
+from ..model.cp_split import cp_multiple
 from ..model.layout import default_layout
 from .config import PlanConfig, check_request
 from .configs import candidate_configs, num_microbatches, refusal, screen_config
@@ -19,7 +20,7 @@ from .memory_need import memory_need
 from .model_level import default_candidate, fitting_model_candidates, model_candidates
 from .predictions import prediction_row, with_speedups
 from .results import Plan
-from .trainer_flags import plan_trainer_flags
+from .trainer_flags import plan_trainer_flags, sp_tp
 
 SCREEN_DP = 8  # DP size of the provisional ISF thresholds when several configurations are screened
 
@@ -47,19 +48,36 @@ def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict) -
         raise refusal(spec, gpus, gpu_memory, budget, [], skipped, config.require_baseline_fit)
     # Provisional ISF thresholds for screening: caps depend on K, hardly on the DP size.
     first_dp = config.dp if config.dp is not None else (configs[0][2] if len(configs) == 1 else SCREEN_DP)
-    data = isf_plan(stats, first_dp, config)
-    cap = cap_shape(data.params, stats, cp, data.grouping)
-    _, mean_random, worst = random_loads(stats, k, 1, 1, 1, config.seed, cp)
-    random_shape = shape_of(mean_random, cp)
-    mean_isf = mean_isf_group(stats, data.grouping, cp)
+    data_at: dict = {}  # (padding TP, DP) -> ISF plan
+    shapes: dict = {}  # padding TP -> shapes
+
+    def isf_at(tp: int, dp: int):
+        """The ISF plan for ``dp`` ranks at ``tp`` (under CP with sequence parallelism every sample is padded to
+        2 x CP x TP, and the search counts the padded tokens, so it depends on TP; at CP 1 it does not)."""
+        s = sp_tp(tp) if cp > 1 else 1
+        if (s, dp) not in data_at:
+            data_at[s, dp] = isf_plan(stats, dp, config, s)
+        return data_at[s, dp]
+
+    def shapes_at(tp: int) -> tuple:
+        """(ISF caps, random shape, mean ISF group, mean and worst random micro-batch) of the provisional ISF
+        plan at ``tp``."""
+        s = sp_tp(tp) if cp > 1 else 1
+        if s not in shapes:
+            data = isf_at(tp, first_dp)
+            _, mean_random, worst = random_loads(stats, k, 1, 1, 1, config.seed, cp, s)
+            shapes[s] = (cap_shape(data.params, stats, cp, s), shape_of(mean_random, cp),
+                         mean_isf_group(stats, data.grouping, cp, s), mean_random, worst)
+        return shapes[s]
 
     vpps = vpp_values(config.vpp, config.max_vpp)
 
     def screen(cfg, caps, baseline_needed, cache=None):
+        _, random_shape, mean_isf, mean_random, _ = shapes_at(cfg[0])
         return screen_config(spec, dev, budget, config.attention, cfg, k, config.global_batch_size, caps,
                              random_shape, mean_isf, mean_random, baseline_needed, cache, config.trainable, cp, vpps)
 
-    tried = [screen(c, cap, config.require_baseline_fit, cache) for c in configs]
+    tried = [screen(c, shapes_at(c[0])[0], config.require_baseline_fit, cache) for c in configs]
     usable = [r for r in tried if r["fits"] and "estimated_seconds_per_sample" in r]
     if not usable:
         raise refusal(spec, gpus, gpu_memory, budget, tried, skipped, config.require_baseline_fit)
@@ -67,9 +85,9 @@ def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict) -
                  else "baseline_estimated_seconds_per_sample")
     chosen = min(usable, key=lambda r: (r[speed_key], r["tp"], r["pp"]))
     t, p, d = chosen["tp"], chosen["pp"], chosen["dp"]
-    if d != first_dp:
-        data = isf_plan(stats, d, config)
-        cap = cap_shape(data.params, stats, cp, data.grouping)
+    _, random_shape, _, _, worst = shapes_at(t)
+    data = isf_at(t, d)
+    cap = cap_shape(data.params, stats, cp, sp_tp(t))
     m = num_microbatches(config.global_batch_size, d, k)
     ctx = build_context(spec, dev, t, p, d, m, budget, config.attention, cap, random_shape, config.trainable, cp)
     if memory_need(ctx.need)[0] > budget:  # the final thresholds moved the caps: say so plainly
@@ -84,8 +102,9 @@ def _notes(config: PlanConfig, ctx: PlanContext, k: int, usable: int, baseline, 
     notes = [f"budget = {config.gpu_memory_bytes / GIB:.1f} GiB x (1 - {config.memory_reserve}) = "
              f"{budget / GIB:.1f} GiB per GPU",
              f"{ctx.m} micro-batches per iteration = ceil({config.global_batch_size} / ({ctx.dp} DP x {k} samples))",
-             *([f"context parallel over {ctx.cp} ranks: samples padded to a multiple of {2 * ctx.cp} tokens, stage "
-                f"times and memory per CP rank, no sequence parallelism"] if ctx.cp > 1 else []),
+             *([f"context parallel over {ctx.cp} ranks: samples padded to a multiple of "
+                f"{cp_multiple(ctx.cp, sp_tp(ctx.tp))} tokens (2 x CP{' x TP: sequence parallelism' if sp_tp(ctx.tp) > 1 else ''}), "
+                f"stage times and memory per CP rank"] if ctx.cp > 1 else []),
              f"{config.sim_iterations} iterations simulated per setting (every DP rank; slowest rank + all-reduce)",
              f"configuration chosen for the fastest "
              f"{'balanced plan' if config.choose_for == 'omnibal' else 'Megatron default'} among {usable} that fit"]
@@ -116,8 +135,8 @@ def make_plan(stats: SampleStats, config: PlanConfig) -> Plan:
     ctx, data = chosen.ctx, chosen.data
     t, p, d, m = ctx.tp, ctx.pp, ctx.dp, ctx.m
 
-    loads_r, _, _ = random_loads(stats, k, d, m, config.sim_iterations, seed, ctx.cp)
-    loads_i = isf_loads(stats, data, m, config.sim_iterations, seed, ctx.cp)
+    loads_r, _, _ = random_loads(stats, k, d, m, config.sim_iterations, seed, ctx.cp, sp_tp(t))
+    loads_i = isf_loads(stats, data, m, config.sim_iterations, seed, ctx.cp, sp_tp(t))
     default = default_layout(spec, p)
 
     base = simulate_candidate(ctx, default_candidate(ctx, default), loads_r, True)

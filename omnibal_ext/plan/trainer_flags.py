@@ -17,11 +17,18 @@ def tp_problem(spec: ModelSpec, tp: int) -> str | None:
     return None
 
 
-def sequence_parallel(tp: int, cp: int = 1) -> bool:
+def sequence_parallel(tp: int) -> bool:
     """Whether a plan at ``tp`` runs sequence parallelism: always with TP > 1 (it only splits what TP leaves
-    replicated, so it lowers activation memory at the same TP traffic; ``--sequence-parallel``), except with
-    context parallelism (``cp`` > 1), where the trainer refuses ``--sequence-parallel``."""
-    return tp > 1 and cp == 1
+    replicated, so it lowers activation memory at the same TP traffic; ``--sequence-parallel``), context
+    parallelism or not."""
+    return tp > 1
+
+
+def sp_tp(tp: int) -> int:
+    """The TP size sequence parallelism splits each CP rank's tokens over (``tp`` where the plan runs it, else 1):
+    under context parallelism the trainer pads every sample to a multiple of 2 x CP x this
+    (``cp_split.padded_lengths``)."""
+    return tp if sequence_parallel(tp) else 1
 
 
 def plan_trainer_flags(model: str, tp: int, pp: int, layout_flag: str, recompute_flag: str, isf_params,
@@ -32,7 +39,7 @@ def plan_trainer_flags(model: str, tp: int, pp: int, layout_flag: str, recompute
     isf_params: the ISF thresholds (qv, qt, qv_min, qt_min: tiles and tokens per group);
     samples_per_group: K, the micro-batch size; global_batch_size: samples per iteration; freeze_flags: the
     freeze flags the plan was made with (``Freeze.flags()``), which the trainer must train with; cp: the
-    context-parallel size (``--context-parallel-size``, written when > 1; no sequence parallelism then); vpp: model
+    context-parallel size (``--context-parallel-size``, written when > 1); vpp: model
     chunks per pipeline rank (> 1: ``--virtual-pipeline-model-parallel-size``, the layout has ``vpp x pp`` stages).
     """
     freeze = {}
@@ -45,7 +52,7 @@ def plan_trainer_flags(model: str, tp: int, pp: int, layout_flag: str, recompute
         "--tensor-model-parallel-size": tp,
         "--pipeline-model-parallel-size": pp,
         "--virtual-pipeline-model-parallel-size": vpp if vpp > 1 else None,
-        "--sequence-parallel": sequence_parallel(tp, cp),
+        "--sequence-parallel": sequence_parallel(tp),
         **({"--context-parallel-size": cp} if cp > 1 else {}),
         "--pipeline-layout": layout_flag,
         "--recompute-plan": recompute_flag,
