@@ -105,3 +105,17 @@ def test_values_that_work_are_accepted():
                        "--omnibal-isf", "--omnibal-isf-qv", "8", "--omnibal-isf-qt", "300",
                        "--omnibal-isf-qv-min", "8", "--omnibal-isf-qt-min", "0"])
     assert args.omnibal_isf_qv_min == 8 and args.train_iters == 0
+
+
+def test_isf_token_multiple_is_what_context_parallelism_pads_to():
+    """ISF counts each sample's tokens to the multiple CP pads it to: 2 x CP, x TP with --sequence-parallel (the
+    trainer's split pads the same, megatron/vlm/context_parallel.py), 1 without CP; the flag overrides it."""
+    cpu = torch.device("cpu")
+    for argv, world, want in ([[], 1, 1], [["--context-parallel-size", "2"], 2, 4],
+                              [["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                "--sequence-parallel"], 4, 8],
+                              [["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2, 1],
+                              [["--omnibal-isf", "--omnibal-isf-token-multiple", "4"], 1, 4]):
+        assert plan_run(parse_args(argv, world), world, cpu).isf_token_multiple == want, argv
+    with pytest.raises(ArgumentError, match="--omnibal-isf-token-multiple given without --omnibal-isf"):
+        parse_args(["--omnibal-isf-token-multiple", "4"], 1)

@@ -1,10 +1,12 @@
-"""The ISF threshold search and grouping under context parallelism (SearchConfig.cp, sp_tp): every sample counted
+"""The ISF threshold search and grouping under context parallelism (SearchConfig.token_multiple = 2 x CP x TP with
+sequence parallelism, ``cp_split.cp_multiple``): every sample counted
 padded as the trainer pads it, so Qt caps, and the step assembly balances, the per-rank tokens; checked against a
 brute-force split of each group over the CP ranks.  At CP 1 nothing changes."""
 import numpy as np
 import pytest
 
 from omnibal_ext.data.search import SearchConfig, plan_isf
+from omnibal_ext.model.cp_split import cp_multiple
 
 
 def data(n=600, seed=0):
@@ -29,7 +31,8 @@ def rank_tokens(lengths, cp, multiple):
 @pytest.mark.parametrize("cp,sp_tp", [(2, 1), (4, 1), (2, 2), (2, 4)])
 def test_search_caps_and_balances_the_padded_per_rank_tokens(cp, sp_tp):
     vit, tokens = data()
-    cfg = SearchConfig(dp_size=4, samples_per_group=4, seed=1, max_candidates=6, cp=cp, sp_tp=sp_tp)
+    cfg = SearchConfig(dp_size=4, samples_per_group=4, seed=1, max_candidates=6,
+                       token_multiple=cp_multiple(cp, sp_tp))
     plan = plan_isf(vit, tokens, cfg)
     g, qt = plan.grouping, plan.params.qt
     per_rank = [rank_tokens(tokens[m], cp, 2 * cp * sp_tp) for m in g.groups()]
@@ -49,6 +52,7 @@ def test_search_caps_and_balances_the_padded_per_rank_tokens(cp, sp_tp):
 def test_cp1_is_unchanged():
     vit, tokens = data(400, 3)
     base = plan_isf(vit, tokens, SearchConfig(dp_size=2, samples_per_group=3, seed=0, max_candidates=5))
-    one = plan_isf(vit, tokens, SearchConfig(dp_size=2, samples_per_group=3, seed=0, max_candidates=5, cp=1, sp_tp=4))
+    one = plan_isf(vit, tokens, SearchConfig(dp_size=2, samples_per_group=3, seed=0, max_candidates=5,
+                                             token_multiple=cp_multiple(1, 4)))
     assert base.params == one.params and np.array_equal(base.grouping.members, one.grouping.members)
     assert np.array_equal(base.grouping.tokens, one.grouping.tokens) and base.metrics == one.metrics

@@ -1,7 +1,8 @@
 """Context parallelism (--context-parallel-size) on CPU (gloo) against the single-process run.
 
 Each launch checks several things: losses and gradient norms of 8 iterations within 1e-4 (relative) of the
-serial run, with and without ISF, CP2 x PP2 with the ViT split over the stages, the activation bytes
+serial run, with and without ISF (which counts each sample padded to 2 x CP tokens under CP; the serial run is told
+to count so), CP2 x PP2 with the ViT split over the stages, TP2 --sequence-parallel x CP2, the activation bytes
 (--log-activation-memory) roughly halved at CP2, and a checkpoint saved at CP2 resumed at CP1.
 """
 import json
@@ -17,6 +18,10 @@ BASE = ["--train-iters", "8", "--micro-batch-size", "2", "--global-batch-size", 
         "--log-activation-memory"]
 
 
+# the serial run groups as CP2 does: each sample's tokens counted padded to 2 x CP = 4 (the CP2 run's default)
+ISF = ["--omnibal-isf", "--omnibal-isf-token-multiple", "4"]
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory, data_cache):
     return tmp_path_factory.mktemp("cp"), ["--data-cache-dir", str(data_cache)]
@@ -25,7 +30,7 @@ def workdir(tmp_path_factory, data_cache):
 @pytest.fixture(scope="module")
 def serial(workdir):
     d, data = workdir
-    return {isf: run_training(1, BASE + data + (["--omnibal-isf"] if isf else []), d, f"serial-{kind(isf)}")[0]
+    return {isf: run_training(1, BASE + data + (ISF if isf else []), d, f"serial-{kind(isf)}")[0]
             for isf in (False, True)}
 
 

@@ -84,3 +84,17 @@ def test_interleaved_checkpoints_and_memory(tmp_path, data_cache):
     static = pp4["static_bytes_per_stage"]
     assert memory["static_bytes_per_stage"] == [static[0] + static[2], static[1] + static[3]]
     assert all(a > 0 for a in memory["peak_act_bytes_per_stage"])
+
+
+def test_interleaved_with_tp2_sequence_parallel_equals_serial(tmp_path, data_cache):
+    """4 processes: TP2 --sequence-parallel x PP2 interleaved (V = 2): split hidden states travel between the
+    chunks of a block (ViT and LLM stages on both ranks); the serial run's losses within 1e-4."""
+    flags = BASE + ["--data-cache-dir", str(data_cache)]
+    serial, _ = run_training(1, flags, tmp_path, "serial")
+    records, out = run_training(4, flags + INTERLEAVED + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                                tmp_path, "sp-interleaved")
+    assert f"layout {LAYOUT}, interleaved: 2 model chunks per rank," in out
+    iterations = list(range(1, 9))
+    assert [r["iteration"] for r in records] == iterations
+    assert_close(losses(records, iterations), losses(serial, iterations), 1e-4)
+    assert_close([r["grad norm"] for r in records], [r["grad norm"] for r in serial], 1e-3)

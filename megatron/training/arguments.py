@@ -190,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--omnibal-isf-qt", type=int, default=None, help="LLM token cap per group (default: searched)")
     g.add_argument("--omnibal-isf-qv-min", type=int, default=None, help="ISF lower bound Q'v (default 90%% of Qv)")
     g.add_argument("--omnibal-isf-qt-min", type=int, default=None, help="ISF lower bound Q't (default 90%% of Qt)")
+    g.add_argument("--omnibal-isf-token-multiple", type=int, default=None, metavar="N",
+                   help="ISF counts each sample's tokens rounded up to a multiple of N, so Qt caps and the step "
+                        "assembly balances the padded tokens (default: what --context-parallel-size pads a sample "
+                        "to, 2 x CP, x TP with --sequence-parallel; 1 without CP); give it to a run without CP to "
+                        "group as a CP run does")
     g.add_argument("--omnibal-partition", choices=["none", "auto"], default="none",
                    help="auto: profile (or read --omnibal-profile), search and apply a balanced layout")
     g.add_argument("--omnibal-profile", default=None,
@@ -287,9 +292,10 @@ _LOWER_BOUNDS = (
     ("--seq-length", 1), ("--max-num-tiles", 1), ("--min-num-tiles", 1), ("--num-workers", 0), ("--prefetch-factor", 1),
     ("--lr", 0), ("--min-lr", 0), ("--lr-warmup-iters", 0),
     ("--omnibal-isf-qv", 1), ("--omnibal-isf-qt", 1), ("--omnibal-isf-qv-min", 0), ("--omnibal-isf-qt-min", 0),
-    ("--ckpt-step", 0), ("--keep-checkpoints", 1),
+    ("--omnibal-isf-token-multiple", 1), ("--ckpt-step", 0), ("--keep-checkpoints", 1),
 )
-_ISF_VALUES = ("--omnibal-isf-qv", "--omnibal-isf-qt", "--omnibal-isf-qv-min", "--omnibal-isf-qt-min")
+_ISF_VALUES = ("--omnibal-isf-qv", "--omnibal-isf-qt", "--omnibal-isf-qv-min", "--omnibal-isf-qt-min",
+               "--omnibal-isf-token-multiple")
 
 
 def _flag_value(args, flag: str):

@@ -29,14 +29,24 @@ def isf_params_from_args(args) -> ISFParams | None:
         raise ArgumentError(f"--omnibal-isf-*: {e}") from None
 
 
-def check_samples_fit_caps(args, dataset) -> None:
+def search_config(args, plan: RunPlan) -> SearchConfig:
+    """The ISF search's settings of this run (tokens counted to ``plan.isf_token_multiple``)."""
+    return SearchConfig(dp_size=plan.data_parallel_size, samples_per_group=args.micro_batch_size,
+                        seed=args.seed, time_budget_s=math.inf, token_multiple=plan.isf_token_multiple)
+
+
+def check_samples_fit_caps(args, plan: RunPlan, dataset) -> None:
     """Refuse fixed ISF caps below a single sample, naming the sample's ``file:line``, its size and the flag
     to raise (ISF itself would stop with sample indices only, on rank 0 alone).  Runs on every rank."""
     qv, qt = args.omnibal_isf_qv, args.omnibal_isf_qt
     if qv is None and qt is None:
         return  # searched caps hold the largest sample
     tokens, tiles = dataset.sample_lengths()
-    for flag, cap, sizes, unit in (("--omnibal-isf-qt", qt, tokens, "tokens"), ("--omnibal-isf-qv", qv, tiles, "tiles")):
+    m = plan.isf_token_multiple
+    counted, token_unit = search_config(args, plan).counted_tokens(tokens), \
+        "tokens" if m == 1 else f"tokens padded to a multiple of {m}"
+    for flag, cap, sizes, unit in (("--omnibal-isf-qt", qt, counted, token_unit),
+                                   ("--omnibal-isf-qv", qv, tiles, "tiles")):
         over = np.flatnonzero(sizes > cap)
         if len(over):
             i = int(over[np.argmax(sizes[over])])
@@ -56,12 +66,12 @@ def isf_groups(args, plan: RunPlan, dataset) -> tuple[list[np.ndarray], np.ndarr
     {"tiles", "tokens", "attn_tokens_sq"} (sum of squared sample lengths per group: what a micro-batch costs on
     average) are RunPlan's ``isf_params`` and ``isf_mean_group``.
     """
-    check_samples_fit_caps(args, dataset)
+    check_samples_fit_caps(args, plan, dataset)
     box = [None]
     if dist.get_rank() == 0:
         tokens, tiles = dataset.sample_lengths()
-        cfg = SearchConfig(dp_size=plan.data_parallel_size, samples_per_group=args.micro_batch_size,
-                           seed=args.seed, time_budget_s=math.inf)
+        cfg = search_config(args, plan)
+        tokens = cfg.counted_tokens(tokens)
         data_plan = plan_isf(tiles, tokens, cfg, isf_params_from_args(args))
         check_partition(data_plan.grouping, len(dataset))
         g = data_plan.grouping
@@ -84,7 +94,8 @@ def isf_subset_groups(tokens: np.ndarray, tiles: np.ndarray, sample_ids: np.ndar
                       dp_size: int, seed: int) -> tuple[list[np.ndarray], np.ndarray]:
     """(groups, balanced step order) of the samples ``sample_ids`` only, by ISF with ``params``.
 
-    tokens, tiles: int64 [N] per sample of the whole training set; groups hold global sample ids.
+    tokens, tiles: int64 [N] per sample of the whole training set (tokens as ISF counts them:
+    ``SearchConfig.counted_tokens``); groups hold global sample ids.
     The same method as the run's plan (its caps, step assembly for ``dp_size`` ranks), on a subset.
     """
     ids = np.asarray(sample_ids, dtype=np.int64)
@@ -104,6 +115,7 @@ def isf_regroup(args, plan: RunPlan, dataset):
         box = [None]
         if dist.get_rank() == 0:
             tokens, tiles = dataset.sample_lengths()
+            tokens = search_config(args, plan).counted_tokens(tokens)
             box = [isf_subset_groups(tokens, tiles, sample_ids, ISFParams(**plan.isf_params),
                                      plan.data_parallel_size, args.seed)]
         dist.broadcast_object_list(box, src=0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from omnibal_ext.memory.recompute import RecomputePlan
+from omnibal_ext.model.cp_split import cp_multiple
 from omnibal_ext.memory.stage_recompute import StageRecompute
 from omnibal_ext.model.layout import PipelineLayout
 from omnibal_ext.model.trainable import Trainable, trainable_of
@@ -55,7 +56,10 @@ class RunPlan:
     (given or searched); else None."""
     isf_mean_group: dict | None = None
     """With --omnibal-isf: the mean group {"tiles", "tokens", "attn_tokens_sq": sum of squared sample
-    lengths, tokens^2} (what a micro-batch costs on average); else None."""
+    lengths, tokens^2} (what a micro-batch costs on average; counted tokens); else None."""
+    isf_token_multiple: int = 1
+    """ISF counts each sample's tokens rounded up to a multiple of this (--omnibal-isf-token-multiple, default what
+    context parallelism pads a sample to: 2 x CP, x TP with --sequence-parallel; 1 without CP)."""
     layout: PipelineLayout | None = None
     """Units per pipeline stage (--pipeline-layout, Megatron's default, or searched by --omnibal-partition
     auto); None until chosen."""
@@ -103,4 +107,13 @@ def plan_run(args, world_size: int, device) -> RunPlan:
                    log_activation_memory=args.log_activation_memory or args.omnibal_recompute == "auto",
                    tokenizer_model=args.tokenizer_model, trainable=trainable_of(args, model_spec_of(args)),
                    context_parallel_size=getattr(args, "context_parallel_size", 1),
+                   isf_token_multiple=isf_token_multiple(args),
                    virtual_pipeline_size=virtual_pipeline_size(args))
+
+
+def isf_token_multiple(args) -> int:
+    """--omnibal-isf-token-multiple, else the multiple context parallelism pads every sample to (1 without CP)."""
+    if getattr(args, "omnibal_isf_token_multiple", None) is not None:
+        return args.omnibal_isf_token_multiple
+    sp_tp = args.tensor_model_parallel_size if args.sequence_parallel else 1
+    return cp_multiple(getattr(args, "context_parallel_size", 1), sp_tp)

@@ -11,10 +11,11 @@ as the full set would), each is grouped by ISF and assembled into balanced steps
 Stage 1 tries a grid of token caps and tile caps, stage 2 the lower bounds around the best, stage 3
 the pass count T.
 
-Context parallelism (``SearchConfig.cp`` > 1): the trainer pads every sample to a multiple of 2 x CP tokens
-(2 x CP x TP with sequence parallelism, ``sp_tp``) and each CP rank runs 1 / CP of the padded tokens, so the search
-and the grouping count every sample's padded tokens (``cp_split.padded_lengths``): Qt caps, and the step assembly
-balances, CP x the per-rank tokens of a micro-batch.  At CP 1 the real tokens are counted, unchanged.  The search stops at ``max_candidates`` or after ``time_budget_s`` seconds
+Context parallelism: the trainer pads every sample to a multiple of 2 x CP tokens (2 x CP x TP with sequence
+parallelism; ``cp_split.cp_multiple``) and each CP rank runs 1 / CP of the padded tokens, so with
+``SearchConfig.token_multiple`` set to that multiple the search and the grouping count every sample's padded tokens:
+Qt caps, and the step assembly balances, CP x the per-rank tokens of a micro-batch.  At 1 (the default, no CP) the
+real tokens are counted, unchanged.  The search stops at ``max_candidates`` or after ``time_budget_s`` seconds
 (at least one candidate always runs) and reports every candidate it tried with its metrics.
 """
 from __future__ import annotations
@@ -26,7 +27,6 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..errors import UserError
-from ..model.cp_split import padded_lengths
 from .assign import DEFAULT_KEYS, StepAssembly, assemble_steps
 from .isf import Grouping, ISFParams, isf_group, isf_multi
 from .metrics import evaluate_steps
@@ -45,8 +45,8 @@ class SearchConfig:
     so the result is deterministic for a seed, the time budget is a safety net on slow machines;
     search_samples: subset size the candidates run on;
     oversize: policy for samples over the caps; seed: seeds the subset and ISF;
-    cp: context-parallel size, sp_tp: the TP size under sequence parallelism (else 1): with cp > 1 every sample's
-    tokens are counted padded as the trainer pads them (a multiple of 2 x cp x sp_tp; see the module docstring).
+    token_multiple: every sample's tokens are counted rounded up to a multiple of it (context parallelism: what the
+    trainer pads a sample to, ``cp_split.cp_multiple``; see the module docstring), 1: the real tokens.
     """
 
     dp_size: int = 8
@@ -61,8 +61,7 @@ class SearchConfig:
     search_samples: int = 40_000
     oversize: str = "error"
     seed: int = 0
-    cp: int = 1
-    sp_tp: int = 1
+    token_multiple: int = 1
 
     def __post_init__(self) -> None:
         if self.samples_per_group is None and self.max_seq_len is None:
@@ -71,13 +70,14 @@ class SearchConfig:
             raise UserError(f"SearchConfig: samples_per_group must be > 0, got {self.samples_per_group}")
         if self.dp_size < 1 or self.sp < 1:
             raise UserError(f"SearchConfig: dp_size and sp must be >= 1, got {self.dp_size}, {self.sp}")
-        if self.cp < 1 or self.sp_tp < 1:
-            raise UserError(f"SearchConfig: cp and sp_tp must be >= 1, got {self.cp}, {self.sp_tp}")
+        if self.token_multiple < 1:
+            raise UserError(f"SearchConfig: token_multiple must be >= 1, got {self.token_multiple}")
 
     def counted_tokens(self, tokens: np.ndarray) -> np.ndarray:
-        """The token counts ISF groups by: each sample padded as the trainer pads it under context parallelism
-        (int64; ``tokens`` itself at cp 1)."""
-        return padded_lengths(tokens, self.cp, self.sp_tp) if self.cp > 1 else tokens
+        """The token counts ISF groups by: each sample rounded up to a multiple of ``token_multiple`` (int64;
+        ``tokens`` itself at 1)."""
+        m = self.token_multiple
+        return -(-tokens // m) * m if m > 1 else tokens
 
 
 @dataclass
@@ -251,8 +251,8 @@ class DataPlan:
 
 
 def plan_isf(vit, tokens, cfg: SearchConfig, params: ISFParams | None = None) -> DataPlan:
-    """Search thresholds (unless ``params`` is given), group all samples and assemble steps (``cfg.cp`` > 1: on the
-    padded token counts, so the grouping's tokens are padded totals)."""
+    """Search thresholds (unless ``params`` is given), group all samples and assemble steps (on
+    ``cfg.counted_tokens``: with a ``token_multiple`` the grouping's tokens are padded totals)."""
     vit = np.asarray(vit, dtype=np.int64)
     tokens = cfg.counted_tokens(np.asarray(tokens, dtype=np.int64))
     search = None
@@ -271,7 +271,7 @@ def plan_isf(vit, tokens, cfg: SearchConfig, params: ISFParams | None = None) ->
 def plan_isf_multi(vit, tokens, source, cfg: SearchConfig,
                    params_by_source: dict[int, ISFParams] | None = None) -> DataPlan:
     """Multi-group mode: thresholds per dataset group (searched per group unless given), ISF per
-    group, one merged group list assembled into balanced steps across groups (``cfg.cp`` > 1: padded tokens)."""
+    group, one merged group list assembled into balanced steps across groups (on ``cfg.counted_tokens``)."""
     vit = np.asarray(vit, dtype=np.int64)
     tokens = cfg.counted_tokens(np.asarray(tokens, dtype=np.int64))
     source = np.asarray(source)

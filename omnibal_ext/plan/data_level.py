@@ -9,7 +9,7 @@ Context parallelism (``cp`` > 1): the trainer pads every sample of a micro-batch
 (2 x CP x TP with sequence parallelism: ``sp_tp`` = TP, else 1) and splits it over the CP ranks
 (``omnibal_ext.model.cp_split``); the shapes here then hold the padded figures (tokens: ``sum(padded)``, attention:
 ``sum(padded^2)``) and ``MicroBatchShape(..., cp=cp)`` gives the cost model one rank's share of them.  The ISF
-search and grouping count the padded tokens too (``SearchConfig.cp``): Qt caps CP x a rank's tokens, Qv the tiles
+search and grouping count the padded tokens too (``SearchConfig.token_multiple``): Qt caps CP x a rank's tokens, Qv the tiles
 of the micro-batch.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 from ..data.search import SearchConfig, plan_isf, random_group_totals, step_matrix_epoch0
 from ..data.stats import SampleStats
 from ..model.cost_model import MicroBatchShape
-from ..model.cp_split import padded_lengths
+from ..model.cp_split import cp_multiple, padded_lengths
 from .config import PlanConfig, PlanError
 
 SHAPE_FIELDS = ("tiles", "llm_tokens", "llm_attn_tokens_sq")  # the three columns of a micro-batch shape
@@ -48,7 +48,7 @@ def isf_plan(stats: SampleStats, dp: int, config: PlanConfig, sp_tp: int = 1):
     search = SearchConfig(dp_size=dp, samples_per_group=float(config.samples_per_group),
                           max_seq_len=config.max_seq_length, seed=config.seed,
                           max_candidates=config.isf_max_candidates, search_samples=config.isf_search_samples,
-                          cp=int(config.cp), sp_tp=sp_tp)
+                          token_multiple=cp_multiple(int(config.cp), sp_tp))
     return plan_isf(stats.vit, stats.tokens, search)
 
 
