@@ -21,6 +21,10 @@ Checks:
                    block-diagonal mask: same outputs; forward+backward time and peak memory of each
   layer_throughput `omnibal profile` of the 6B+20B layers (9 tiles, 4096 tokens in 1024-token samples)
                    per available spec: forward+backward ms and share of the bf16 peak, against profiles/h200
+  cp_attention     context parallelism: the tiny model, 5 iterations, --context-parallel-size 2 (2 processes)
+                   against the world-of-one run, losses within 1e-4 relative: on CUDA (NCCL, TF32 off) with
+                   2+ GPUs, else on the CPU (gloo); both run the local layers' SegmentAttention (K/V all-gather),
+                   the layers the trainer picks under CP (TransformerEngine's CP attention is not wired)
   e2e_cut          InternVL-6B+20B cut to 1 ViT + 2 LLM layers (real widths), bf16, distributed optimizer,
                    ISF, --omnibal-recompute auto, 256 digits samples at 448 px: tokens/s, MFU, measured
                    torch.cuda.max_memory_allocated vs the memory model's static + activation prediction
@@ -41,10 +45,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-CHECKS = ("fp32_parity", "bf16_learns", "te_vs_local", "thd_vs_dense", "layer_throughput", "e2e_cut")
+CHECKS = ("fp32_parity", "bf16_learns", "te_vs_local", "thd_vs_dense", "cp_attention", "layer_throughput", "e2e_cut")
 # seconds per check: the sum stays under 10 minutes with the start-up of each subprocess
-# (440 s in all: scripts/gpu_check.sh, wheel install included, stays inside 8 minutes)
-TIMEOUTS = {"fp32_parity": 100, "bf16_learns": 80, "te_vs_local": 40, "thd_vs_dense": 40,
+# (510 s in all: scripts/gpu_check.sh, wheel install included, stays inside 9 minutes)
+TIMEOUTS = {"fp32_parity": 100, "bf16_learns": 80, "te_vs_local": 40, "thd_vs_dense": 40, "cp_attention": 70,
             "layer_throughput": 75, "e2e_cut": 105}
 TINY = ["--train-iters", "5", "--eval-interval", "0", "--log-interval", "1", "--lr-warmup-iters", "0",
         "--seed", "7", "--transformer-impl", "local"]
@@ -86,12 +90,16 @@ def _env() -> dict:
     return e
 
 
-def run_trainer(work: Path, name: str, flags: list[str], timeout: float) -> tuple[list[dict], list[dict], str]:
-    """(iteration records, other records (memory, balance), output tail) of one world-of-one run."""
+def run_trainer(work: Path, name: str, flags: list[str], timeout: float,
+                nproc: int = 1) -> tuple[list[dict], list[dict], str]:
+    """(iteration records, other records (memory, balance), output tail) of one run: a world of one, or
+    ``nproc`` processes started by torchrun (standalone rendezvous on this machine)."""
     log = work / f"{name}.jsonl"
     if log.exists():
         log.unlink()
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--trainer", "--data-cache-dir", str(work / "data_cache"),
+    launch = [sys.executable] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    cmd = [*launch, str(Path(__file__).resolve()), "--trainer", "--data-cache-dir", str(work / "data_cache"),
            "--json-log", str(log), *flags]
     proc = subprocess.run(cmd, cwd=work, env=_env(), capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
@@ -310,6 +318,34 @@ def check_thd_vs_dense(work: Path, cuda: bool, deadline: float) -> dict:
     return {"status": "pass" if err <= tol else "fail", "device": device.type, "model": model,
             "dtype": str(dtype).replace("torch.", ""), "tokens": tokens, "sample_tokens": sample,
             "max_rel_err": err, "tolerance": tol, **numbers}
+
+
+def cp_check_device(cuda: bool, gpus: int) -> tuple[str, str]:
+    """(device, why) the context-parallel check runs on: CUDA with NCCL needs a device per rank (2), else the CPU
+    with gloo (the same local layers)."""
+    if cuda and gpus >= 2:
+        return "cuda", f"{gpus} CUDA devices: CP2 over NCCL"
+    return "cpu", ("1 CUDA device: NCCL needs one per CP rank, so CP2 ran on the CPU (gloo)" if cuda else
+                   "no CUDA device: CP2 ran on the CPU (gloo)")
+
+
+def check_cp_attention(work: Path, cuda: bool, deadline: float) -> dict:
+    import torch
+
+    device, why = cp_check_device(cuda, torch.cuda.device_count() if cuda else 0)
+    flags = TINY + ["--device", device, "--micro-batch-size", "2", "--global-batch-size", "4"]
+    serial, _, _ = run_trainer(work, f"cp1_{device}", flags, deadline - time.time())
+    split, _, out = run_trainer(work, f"cp2_{device}", flags + ["--context-parallel-size", "2"],
+                                deadline - time.time(), nproc=2)
+    serial_losses, cp_losses = [r["lm loss"] for r in serial], [r["lm loss"] for r in split]
+    if len(cp_losses) != len(serial_losses) or not serial_losses:
+        return {"status": "fail", "reason": f"CP2 logged {len(cp_losses)} iterations, the serial run "
+                                            f"{len(serial_losses)}: {out[-600:]}"}
+    err = max(_rel(a, b) for a, b in zip(cp_losses, serial_losses))
+    return {"status": "pass" if err <= 1e-4 else "fail", "criterion": "CP2 losses within 1e-4 of the serial run",
+            "device": device, "path": why, "attention": "local SegmentAttention (K/V all-gather over the CP group); "
+            "TransformerEngine's CP attention is not wired", "serial_losses": serial_losses, "cp2_losses": cp_losses,
+            "max_rel_err": err}
 
 
 def check_layer_throughput(work: Path, cuda: bool, deadline: float) -> dict:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from act_bounds import act_ratio_range
 from launch import run_training
 
 pytestmark = pytest.mark.slow
@@ -43,7 +44,8 @@ def test_sequence_parallel_equals_serial(tmp_path, data_cache, isf):
         with_sp = _memory(tmp_path, "sp")["peak_act_bytes_per_stage"][0]
         without = _memory(tmp_path, "tp")["peak_act_bytes_per_stage"][0]
         print("peak activation bytes per rank: TP2+SP", with_sp, "TP2", without)
-        assert 0 < with_sp < 0.85 * without, (with_sp, without)
+        _, hi = act_ratio_range({"tp": 2, "sequence_parallel": True}, {"tp": 2})  # the model: 0.86 at most
+        assert 0 < with_sp < without and with_sp / without < hi, (with_sp, without, hi)
 
 
 def test_sequence_parallel_activation_bytes_match_the_model(tmp_path):

@@ -5,8 +5,9 @@ the collate on the host):
 
 * LLM tokens: every segment of the micro-batch's THD description (each sample, each run of padding) is padded at
   its end to a multiple of 2 x CP tokens (2 x CP x TP with sequence parallelism, so that TP divides every rank's
-  part of every segment and megatron-core's sequence-parallel scatter splits the rank's tokens evenly; pads: ``pad_id``, label -100, segment -1; after every real token of the
-  sample, so causal attention never lets a real token see them) and cut into 2 x CP equal chunks; CP rank r keeps
+  part of every segment and megatron-core's sequence-parallel scatter splits the rank's tokens evenly; pads:
+  ``pad_id``, label -100, segment -1; after every real token of the sample, so causal attention never lets a real
+  token see them) and cut into 2 x CP equal chunks; CP rank r keeps
   chunks r and 2 CP - 1 - r of every segment, in that order.  Under causal attention chunk i attends to i + 1
   chunks, so every rank attends (r + 1) + (2 CP - r) = 2 CP + 1 chunks per segment: balanced per sample.
   ``cu_seqlens``/``max_seqlen`` describe the padded, *unsplit* micro-batch (megatron-core's and TransformerEngine's

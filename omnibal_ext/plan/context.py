@@ -55,9 +55,9 @@ def build_context(spec: ModelSpec, device: DeviceSpec, tp: int, pp: int, dp: int
     """The context of one configuration: costs at the ISF caps and at the mean padded random micro-batch, with
     ``trainable``'s frozen units applied (omnibal_ext.model.trainable; linear in the shape, so the basis too).
     With TP > 1 the plan runs sequence parallelism (``trainer_flags.sequence_parallel``, with or without CP), and
-    its costs count it (under CP the shapes hold the samples padded to 2 x CP x TP).  cp: the context-parallel size; the shapes carry it (``MicroBatchShape.cp``) and the
-    costs and memory are one CP rank's; the optimizer state is sharded over DP x CP (megatron-core's
-    distributed optimizer)."""
+    its costs count it (under CP the shapes hold the samples padded to 2 x CP x TP).  cp: the context-parallel
+    size; the shapes carry it (``MicroBatchShape.cp``) and the costs and memory are one CP rank's; the optimizer
+    state is sharded over DP x CP (megatron-core's distributed optimizer)."""
     frozen = trainable.apply if trainable is not None else (lambda c: c)
     sp = sequence_parallel(tp)
     for shape in (cap_shape, random_shape):

@@ -9,8 +9,8 @@ Context parallelism (``cp`` > 1): the trainer pads every sample of a micro-batch
 (2 x CP x TP with sequence parallelism: ``sp_tp`` = TP, else 1) and splits it over the CP ranks
 (``omnibal_ext.model.cp_split``); the shapes here then hold the padded figures (tokens: ``sum(padded)``, attention:
 ``sum(padded^2)``) and ``MicroBatchShape(..., cp=cp)`` gives the cost model one rank's share of them.  The ISF
-search and grouping count the padded tokens too (``SearchConfig.token_multiple``): Qt caps CP x a rank's tokens, Qv the tiles
-of the micro-batch.
+search and grouping count the padded tokens too (``SearchConfig.token_multiple``): Qt caps CP x a rank's tokens,
+Qv the tiles of the micro-batch.
 """
 from __future__ import annotations
 

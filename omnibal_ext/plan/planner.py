@@ -103,8 +103,9 @@ def _notes(config: PlanConfig, ctx: PlanContext, k: int, usable: int, baseline, 
              f"{budget / GIB:.1f} GiB per GPU",
              f"{ctx.m} micro-batches per iteration = ceil({config.global_batch_size} / ({ctx.dp} DP x {k} samples))",
              *([f"context parallel over {ctx.cp} ranks: samples padded to a multiple of "
-                f"{cp_multiple(ctx.cp, sp_tp(ctx.tp))} tokens (2 x CP{' x TP: sequence parallelism' if sp_tp(ctx.tp) > 1 else ''}), "
-                f"stage times and memory per CP rank"] if ctx.cp > 1 else []),
+                f"{cp_multiple(ctx.cp, sp_tp(ctx.tp))} tokens (2 x CP"
+                f"{' x TP: sequence parallelism' if sp_tp(ctx.tp) > 1 else ''}), stage times and memory per CP rank"]
+               if ctx.cp > 1 else []),
              f"{config.sim_iterations} iterations simulated per setting (every DP rank; slowest rank + all-reduce)",
              f"configuration chosen for the fastest "
              f"{'balanced plan' if config.choose_for == 'omnibal' else 'Megatron default'} among {usable} that fit"]
