@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from omnibal_ext.memory.recompute import RecomputePlan
-from omnibal_ext.model.cp_split import cp_multiple
 from omnibal_ext.memory.stage_recompute import StageRecompute
+from omnibal_ext.model.cp_split import cp_multiple
 from omnibal_ext.model.layout import PipelineLayout
 from omnibal_ext.model.trainable import Trainable, trainable_of
 from omnibal_ext.model.units import ModelSpec, build_units

@@ -9,14 +9,14 @@ as the full set would), each is grouped by ISF and assembled into balanced steps
             + 0.05 * (1 - fill_vit) + 0.02 * |samples_per_group - K| / K
 
 Stage 1 tries a grid of token caps and tile caps, stage 2 the lower bounds around the best, stage 3
-the pass count T.
+the pass count T.  The search stops at ``max_candidates`` or after ``time_budget_s`` seconds
+(at least one candidate always runs) and reports every candidate it tried with its metrics.
 
 Context parallelism: the trainer pads every sample to a multiple of 2 x CP tokens (2 x CP x TP with sequence
 parallelism; ``cp_split.cp_multiple``) and each CP rank runs 1 / CP of the padded tokens, so with
 ``SearchConfig.token_multiple`` set to that multiple the search and the grouping count every sample's padded tokens:
 Qt caps, and the step assembly balances, CP x the per-rank tokens of a micro-batch.  At 1 (the default, no CP) the
-real tokens are counted, unchanged.  The search stops at ``max_candidates`` or after ``time_budget_s`` seconds
-(at least one candidate always runs) and reports every candidate it tried with its metrics.
+real tokens are counted, unchanged.
 """
 from __future__ import annotations
 

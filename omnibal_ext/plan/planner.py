@@ -51,10 +51,14 @@ def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict) -
     data_at: dict = {}  # (padding TP, DP) -> ISF plan
     shapes: dict = {}  # padding TP -> shapes
 
+    def padding_tp(tp: int) -> int:
+        """Under CP with sequence parallelism every sample is padded to 2 x CP x TP and the ISF search counts the
+        padded tokens, so the data level depends on TP; at CP 1 it does not."""
+        return sp_tp(tp) if cp > 1 else 1
+
     def isf_at(tp: int, dp: int):
-        """The ISF plan for ``dp`` ranks at ``tp`` (under CP with sequence parallelism every sample is padded to
-        2 x CP x TP, and the search counts the padded tokens, so it depends on TP; at CP 1 it does not)."""
-        s = sp_tp(tp) if cp > 1 else 1
+        """The ISF plan for ``dp`` ranks at ``tp``."""
+        s = padding_tp(tp)
         if (s, dp) not in data_at:
             data_at[s, dp] = isf_plan(stats, dp, config, s)
         return data_at[s, dp]
@@ -62,7 +66,7 @@ def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict) -
     def shapes_at(tp: int) -> tuple:
         """(ISF caps, random shape, mean ISF group, mean and worst random micro-batch) of the provisional ISF
         plan at ``tp``."""
-        s = sp_tp(tp) if cp > 1 else 1
+        s = padding_tp(tp)
         if s not in shapes:
             data = isf_at(tp, first_dp)
             _, mean_random, worst = random_loads(stats, k, 1, 1, 1, config.seed, cp, s)
