@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ...errors import UserError
 from ..components import ActBytes, CostComponent, HeadCost, TextEmbedCost, TextLayerCost, layer_act_bytes_per_token
 from ..spec import PROJECTOR, VISION_EMBED, VISION_LAYER, LanguageSpec, ModelSpec
@@ -95,6 +97,21 @@ def _attention_sq(spec: ModelSpec, shape, window: bool) -> float:
         return given if given is not None else n * spec.vision.window_patches_side**2
     given = shape.vision_attn_tokens_sq
     return given if given is not None else n * n
+
+
+def image_segments_sq(spec: ModelSpec, rows, cols) -> tuple[np.ndarray, np.ndarray]:
+    """(full-attention, window) sums of squared segment lengths (patches^2) of images of ``rows x cols`` patches
+    (arrays, one per image): the whole image is one segment, ``(rows*cols)^2``; windows of ``w x w`` patches
+    (``window_patches_side``) tile it from the top left, ragged at the bottom and right edges, so their squares
+    sum to ``S(rows) * S(cols)`` with ``S(n) = (n // w) * w^2 + (n % w)^2``."""
+    w = spec.vision.window_patches_side
+    rows = np.asarray(rows, dtype=np.float64)
+    cols = np.asarray(cols, dtype=np.float64)
+
+    def side(n):
+        return np.floor(n / w) * w * w + np.mod(n, w) ** 2
+
+    return (rows * cols) ** 2, side(rows) * side(cols)
 
 
 def _check_cp(shape) -> None:
@@ -240,4 +257,4 @@ PRESETS: dict[str, ModelSpec] = {
 QWEN2_5_VL = Family(
     name="qwen2_5_vl", vision_spec=VisionSpec,
     components=(VisionEmbedCost, WindowLayerCost, FullLayerCost, MergerCost, TextEmbedCost, TextLayerCost, HeadCost),
-    unit_list=unit_list, vision_item="patch", presets=PRESETS)
+    unit_list=unit_list, vision_item="patch", presets=PRESETS, segments_sq=image_segments_sq)
