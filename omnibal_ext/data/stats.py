@@ -144,6 +144,13 @@ class SampleStats:
                              "counts; write them with a pre-training scan or derive them (omnibal_ext.data.native)")
         return self.images.per_sample(self.images.patches)
 
+    def in_vision_items(self, item: str) -> "SampleStats":
+        """These stats with ``vit`` holding the ViT's work in ``item`` (``vision_items``): what the planners
+        count for a family (patches at native resolution)."""
+        if item == "tile":
+            return self
+        return SampleStats(self.vision_items(item), self.tokens, self.source, list(self.files), self.images)
+
     def vision_items(self, item: str) -> np.ndarray:
         """The ViT's work per sample in a family's unit (``Family.vision_item``): "tile" -> ``vit``, "patch" ->
         ``patches``."""

@@ -109,3 +109,35 @@ def sample_time_units(stats: SampleStats, spec: ModelSpec, device: DeviceSpec, t
     """(ViT, LLM) predicted time of each sample in ISF's integer units (``TIME_UNIT_S``), int64 (n,)."""
     vit, llm = sample_times(sample_work(stats, spec), time_coefficients(spec, device, tp, attention))
     return (np.round(vit / TIME_UNIT_S).astype(np.int64), np.round(llm / TIME_UNIT_S).astype(np.int64))
+
+
+@dataclass(frozen=True)
+class VisionSegments:
+    """The ViT attention segments of a dataset per ViT item, for shapes built from item counts alone (the planner's
+    micro-batches): full-attention and window squared lengths per item on average over the data (``mean_*``: a
+    micro-batch of the data's images) and at most (``max_*``: the largest image's, an upper bound of any
+    micro-batch's, since ``sum P_i^2 <= max P * sum P``)."""
+
+    mean_full: float
+    mean_window: float
+    max_full: float
+    max_window: float
+
+    def shape_sq(self, items: float, mean: bool) -> dict:
+        """``MicroBatchShape`` keywords of the ViT segments of ``items`` ViT items."""
+        full, window = (self.mean_full, self.mean_window) if mean else (self.max_full, self.max_window)
+        return {"vision_attn_tokens_sq": float(items) * full, "vision_window_tokens_sq": float(items) * window}
+
+
+def vision_segments(stats: SampleStats, spec: ModelSpec) -> VisionSegments | None:
+    """The data's ViT segments per item (``VisionSegments``), or None for a family with fixed-size items."""
+    if family_of(spec).segments_sq is None or stats.images is None or not len(stats.images.patches):
+        return None
+    work = sample_work(stats, spec)
+    im = stats.images
+    rows, cols = patch_grid(im.height, im.width, im.patches)
+    full, window = family_of(spec).segments_sq(spec, rows, cols)
+    per_item = im.patches.astype(np.float64)
+    total = max(float(work.vit_items.sum()), 1.0)
+    return VisionSegments(float(work.vit_full_sq.sum()) / total, float(work.vit_window_sq.sum()) / total,
+                          float((full / per_item).max()), float((window / per_item).max()))

@@ -9,6 +9,8 @@ from ..data.search import random_baseline
 from ..data.stats import SampleStats
 from ..memory.memory_model import GIB, MIXED_BF16_ADAM
 from ..model.layout import default_layout
+from ..model.sample_time import vision_segments
+from ..model.units import family_of
 from .config import PlanConfig, check_request
 from .configs import candidate_configs, num_microbatches, refusal, screen_config
 from .context import PlanContext, best_candidate, build_context, nothing_fits, simulate_candidate
@@ -37,7 +39,7 @@ class _Chosen:
     usable: int  # configurations that fit
 
 
-def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict) -> _Chosen:
+def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict, segments=None) -> _Chosen:
     """Screen every candidate (tp, pp, dp) and keep the fastest that fits; PlanError when none does."""
     spec, dev, budget, k = config.spec, config.device_spec, config.budget_bytes, int(config.samples_per_group)
     gpus, gpu_memory = config.gpus, config.gpu_memory_bytes
@@ -48,16 +50,17 @@ def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict) -
     # Provisional ISF thresholds for screening: caps depend on K, hardly on the DP size.
     first_dp = config.dp if config.dp is not None else (configs[0][2] if len(configs) == 1 else SCREEN_DP)
     data = isf_plan(stats, first_dp, config)
-    cap = cap_shape(data.params, stats, cp, data.grouping)
+    cap = cap_shape(data.params, stats, cp, data.grouping, segments)
     _, mean_random, worst = random_loads(stats, k, 1, 1, 1, config.seed, cp)
-    random_shape = shape_of(mean_random, cp)
+    random_shape = shape_of(mean_random, cp, segments)
     mean_isf = mean_isf_group(stats, data.grouping, cp)
 
     vpps = vpp_values(config.vpp, config.max_vpp)
 
     def screen(cfg, caps, baseline_needed, cache=None):
         return screen_config(spec, dev, budget, config.attention, cfg, k, config.global_batch_size, caps,
-                             random_shape, mean_isf, mean_random, baseline_needed, cache, config.trainable, cp, vpps)
+                             random_shape, mean_isf, mean_random, baseline_needed, cache, config.trainable, cp, vpps,
+                             segments)
 
     tried = [screen(c, cap, config.require_baseline_fit, cache) for c in configs]
     usable = [r for r in tried if r["fits"] and "estimated_seconds_per_sample" in r]
@@ -69,9 +72,10 @@ def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict) -
     t, p, d = chosen["tp"], chosen["pp"], chosen["dp"]
     if d != first_dp:
         data = isf_plan(stats, d, config)
-        cap = cap_shape(data.params, stats, cp, data.grouping)
+        cap = cap_shape(data.params, stats, cp, data.grouping, segments)
     m = num_microbatches(config.global_batch_size, d, k)
-    ctx = build_context(spec, dev, t, p, d, m, budget, config.attention, cap, random_shape, config.trainable, cp)
+    ctx = build_context(spec, dev, t, p, d, m, budget, config.attention, cap, random_shape, config.trainable, cp,
+                        segments)
     if memory_need(ctx.need)[0] > budget:  # the final thresholds moved the caps: say so plainly
         raise refusal(spec, gpus, gpu_memory, budget, [screen((t, p, d), cap, False)], skipped, False)
     return _Chosen(ctx, data, cap, worst, tried, skipped, len(usable))
@@ -105,14 +109,18 @@ def _notes(config: PlanConfig, ctx: PlanContext, k: int, usable: int, baseline, 
 def make_plan(stats: SampleStats, config: PlanConfig) -> Plan:
     """Plan data, model and memory balance together (see the package docstring).
 
-    stats: per-sample tiles and tokens; config: the request (:class:`PlanConfig`).
+    stats: per-sample tiles and tokens (and, for a family counting patches, each sample's images: the plan then
+    counts patches as its ViT items, and its micro-batch shapes carry the data's ViT attention segments per
+    patch, ``model.sample_time.VisionSegments``); config: the request (:class:`PlanConfig`).
     Raises PlanError when nothing fits.
     """
     spec, dev = config.spec, config.device_spec
+    segments = vision_segments(stats, spec)
+    stats = stats.in_vision_items(family_of(spec).vision_item)
     check_request(config, stats)
     k, samples, gpus, seed = int(config.samples_per_group), config.epoch_samples(stats), config.gpus, config.seed
     cache: dict = {}
-    chosen = _choose_configuration(stats, config, cache)
+    chosen = _choose_configuration(stats, config, cache, segments)
     ctx, data = chosen.ctx, chosen.data
     t, p, d, m = ctx.tp, ctx.pp, ctx.dp, ctx.m
 
