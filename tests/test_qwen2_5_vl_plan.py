@@ -15,7 +15,7 @@ from omnibal_ext.model.layout import PipelineLayout
 from omnibal_ext.model.sample_time import sample_work, vision_segments
 from omnibal_ext.model.shape import MicroBatchShape
 from omnibal_ext.model.spec import VISION_LAYER
-from omnibal_ext.model.units import build_units, get_preset
+from omnibal_ext.model.units import build_units, get_preset, unit_components
 from omnibal_ext.plan import PlanConfig, make_plan
 from omnibal_ext.plan.data_level import cap_shape, shape_of
 
@@ -75,3 +75,18 @@ def test_plan_counts_patches_for_qwen():
     assert plan.shapes["isf_caps"]["vision_attn_tokens_sq"] == pytest.approx(
         plan.isf["params"]["qv"] * stats.images.patches.max())
     assert plan.rows[-1].gpu_days <= plan.rows[0].gpu_days
+
+
+@pytest.mark.parametrize("patches", [3000, 3001])
+def test_vit_layer_sequence_parallel_splits_input_and_send(patches):
+    spec = get_preset("qwen2.5-vl-7b")
+    layer = next(c for c in unit_components(spec) if c.kind == "qwen_vit_window_layer")
+    shape = MicroBatchShape(patches, 2048)
+    v, padded = spec.vision, -(-patches // 2) * 2
+    plain = layer.act_bytes(shape, 2, False, "flash")
+    split = layer.act_bytes(shape, 2, False, "flash", sequence_parallel=True)
+    assert plain.send == patches * v.hidden_size * 2 and split.send == padded * v.hidden_size * 2 / 2
+    assert split.full == padded * v.hidden_size + padded * v.head_dim * 4.0
+    assert layer.tp_allreduce_bytes(shape, True, 2)[0] == 2 * padded * v.hidden_size * 2
+    with pytest.raises(Exception, match="packed whole onto the CP ranks"):
+        layer.act_bytes(MicroBatchShape(patches, 2048, cp=2), 2, False, "flash")
