@@ -145,7 +145,8 @@ def bench_native(name: str, stats: SampleStats, spec, device, cfg: SearchConfig)
     p = plan.params
     print(f"ISF in time: caps {p.qv} patches, {p.qt} tokens, vit {p.vit_time * TIME_UNIT_S * 1e3:.1f} ms, "
           f"llm {p.llm_time * TIME_UNIT_S * 1e3:.1f} ms; {len(plan.grouping)} groups; search+grouping "
-          f"{plan.seconds_search + plan.seconds_group:.2f} s wall, {ct:.2f} s cpu")
+          f"{plan.seconds_search + plan.seconds_group:.2f} s wall, {ct:.2f} s cpu; ISF by counts: caps "
+          f"{counts.params.qv} patches, {counts.params.qt} tokens")
     return {"samples": len(stats), "model": spec.name, "device": device.name, "rows": rows,
             "params_time": p.to_dict(), "params_counts": counts.params.to_dict(),
             "patches_mean": float(patches.mean()), "tokens_mean": float(tokens.mean()),

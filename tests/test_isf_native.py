@@ -154,3 +154,16 @@ def test_isf_in_time_balances_time_better_than_random():
     per = (plan.grouping.vit_time + plan.grouping.llm_time)[steps].astype(float)
     expect = np.mean((per.max(1)[:, None] - per).sum(1) / (per.max(1) * per.shape[1]))
     assert plan.metrics["dist_ratio_time"] == pytest.approx(expect)
+
+
+def test_tight_count_caps_keep_the_grouping():
+    from omnibal_ext.data.search_time import tight_count_caps
+
+    vit, tok, times = _timed_data(4000, 2)
+    p = ISFParams(qv=40000, qt=20000, qv_min=0, qt_min=0, iters=6, vit_time=60000, llm_time=400000,
+                  vit_time_min=50000, llm_time_min=380000)
+    g = isf_group(vit, tok, p, seed=3, times=times)
+    tight = tight_count_caps(p, g)
+    assert tight.qv == g.tiles.max() < p.qv and tight.qt == g.tokens.max() < p.qt
+    g2 = isf_group(vit, tok, tight, seed=3, times=times)
+    assert np.array_equal(g.members, g2.members) and np.array_equal(g.offsets, g2.offsets)

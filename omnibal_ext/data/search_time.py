@@ -15,6 +15,7 @@ ViT/LLM time ratio, times 1, 1.2, 1.6), stage 2 the lower bounds, stage 3 the pa
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -152,7 +153,8 @@ def search_params_time(vit, tokens, times, cfg: SearchConfig) -> SearchResult:
 
 
 def plan_isf_time(vit, tokens, times, cfg: SearchConfig, params: ISFParams | None = None) -> DataPlan:
-    """Search time thresholds (unless ``params`` is given), group all samples in time and assemble steps."""
+    """Search time thresholds (unless ``params`` is given), group all samples in time and assemble steps; searched
+    count caps are then lowered to the largest group's (``tight_count_caps``)."""
     vit = np.asarray(vit, dtype=np.int64)
     tokens = np.asarray(tokens, dtype=np.int64)
     search, t_search, keys = None, 0.0, DEFAULT_KEYS
@@ -162,5 +164,17 @@ def plan_isf_time(vit, tokens, times, cfg: SearchConfig, params: ISFParams | Non
         keys = [tuple(search.best["assembly_key"]), ("tiles", 0.0)]
     t0 = time.perf_counter()
     g = isf_group(vit, tokens, params, seed=cfg.seed, times=times)
+    if search is not None and len(g):
+        params = tight_count_caps(params, g)
     m, asm = evaluate_grouping_time(g, cfg.dp_size, cfg.sp, params, seed=cfg.seed, keys=keys)
     return DataPlan(params, g, asm, m, search, time.perf_counter() - t0, t_search)
+
+
+def tight_count_caps(params: ISFParams, g: Grouping) -> ISFParams:
+    """``params`` with the count caps lowered to the largest group of ``g`` (what memory must be planned for).
+
+    The grouping stays the same: every partial sum of a group stays within its total, so the lower caps block
+    no sample a group took, and a group that closed at a cap would close at the lower one too; the walks do not
+    depend on the caps."""
+    return dataclasses.replace(params, qv=max(params.qv_min, int(g.tiles.max())),
+                               qt=max(params.qt_min, int(g.tokens.max())))
