@@ -167,3 +167,31 @@ def test_tight_count_caps_keep_the_grouping():
     assert tight.qv == g.tiles.max() < p.qv and tight.qt == g.tokens.max() < p.qt
     g2 = isf_group(vit, tok, tight, seed=3, times=times)
     assert np.array_equal(g.members, g2.members) and np.array_equal(g.offsets, g2.offsets)
+
+
+def test_cli_search_and_pack_in_time(tmp_path):
+    from omnibal_cli import main
+    from omnibal_ext.data.assign import load_pack
+    from omnibal_ext.model.cost_model import DEVICES
+    from omnibal_ext.model.sample_time import sample_time_units
+
+    rng = np.random.default_rng(4)
+    tiles = rng.choice([1, 3, 4, 5], 1500)
+    stats = native.derive_native_stats(from_arrays(tiles, 256 * tiles + rng.integers(20, 600, 1500)), max_num=4)
+    f = tmp_path / "native.json"
+    f.write_text(json.dumps(native.records_of(stats)))
+    out, pack = tmp_path / "out.json", tmp_path / "pack.json"
+    args = ["--stats", str(f), "--model", "qwen2.5-vl-7b", "--samples-per-group", "4", "--max-candidates", "6"]
+    assert main(["isf", "search", *args, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["params"]["vit_time"] > 0 and doc["params"]["qv"] >= stats.patches.max()
+    assert doc["isf"]["dist_ratio_vit_time"] < doc["random"]["dist_ratio_vit_time"]
+    assert main(["isf", "pack", *args, "--out", str(pack)]) == 0
+    plan = load_pack(pack)
+    vt, lt = sample_time_units(stats, get_preset("qwen2.5-vl-7b"), DEVICES["h200-141g"])
+    p = plan.meta["params"]
+    assert all(vt[g].sum() <= p["vit_time"] and lt[g].sum() <= p["llm_time"] for g in plan.groups)
+    assert sorted(np.concatenate(plan.groups).tolist()) == list(range(len(stats)))
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps([{"vit_num": 1, "token_num": 300}]))
+    assert main(["isf", "search", "--stats", str(plain), "--model", "qwen2.5-vl-7b"]) == 2  # no images: refused
