@@ -71,6 +71,7 @@ def test_stats_file_with_images_round_trip(tmp_path):
     assert s.patches.tolist() == [1580, 0, 1580, 0]
     assert s.subset(np.array([2, 1])).images.width.tolist() == [640, 30]
     assert native.records_of(s.subset(np.array([0, 1]))) == recs
+    assert s.summary()["all"]["patches_mean"] == 790 and s.summary()["all"]["images_mean"] == 1
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([recs[0], {"vit_num": 0, "token_num": 3}]))
     with pytest.raises(StatsError, match="record 1 has no \"images\""):

@@ -161,19 +161,26 @@ class SampleStats:
         raise ValueError(f"vision_items: unknown item {item!r} (tile or patch)")
 
     def summary(self) -> dict:
-        """Counts and means per file and overall (tiles and tokens per sample)."""
+        """Counts and means per file and overall (tiles and tokens per sample; with per-image sizes also
+        images and patches per sample)."""
+        patches = self.patches if self.images is not None else None
+        images = np.diff(self.images.offsets) if self.images is not None else None
 
         def describe(mask: np.ndarray) -> dict:
             v, t = self.vit[mask], self.tokens[mask]
             if len(v) == 0:
                 return {"samples": 0}
-            return {
+            out = {
                 "samples": int(len(v)),
                 "tiles_mean": float(v.mean()), "tiles_max": int(v.max()),
                 "tiles_zero": int((v == 0).sum()),
                 "tokens_mean": float(t.mean()), "tokens_min": int(t.min()), "tokens_max": int(t.max()),
                 "tokens_p99": float(np.percentile(t, 99)),
             }
+            if patches is not None:
+                out.update({"images_mean": float(images[mask].mean()), "patches_mean": float(patches[mask].mean()),
+                            "patches_max": int(patches[mask].max())})
+            return out
 
         out = {"all": describe(np.ones(len(self), dtype=bool)), "files": {}}
         for i, name in enumerate(self.files):
