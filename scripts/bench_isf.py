@@ -7,14 +7,27 @@ tokens and ViT tiles), fill, samples per group, and the time of the threshold se
 grouping (wall and CPU seconds of this single-threaded process).
 
     python scripts/bench_isf.py [--stats-dir DIR] [--dp 8] [--samples-per-group 4] [--json OUT]
+        [--qwen-model qwen2.5-vl-7b] [--scan-images DIR ...]
 
 Targets: LLM and ViT DistRatio <= 0.02 at token fill >= 0.95 with ~4 samples/group at DP 8;
 1.2M grouping + search <= 3 s on one core.
+
+Qwen2.5-VL at native resolution (``--qwen-model``, not with ``--no-qwen``): each sample's ViT and LLM time is
+predicted by the cost model (``omnibal_ext.model.sample_time``: ``--qwen-device``, TP 1, flash attention), and
+three batchings are compared in time at DP 8: random (K samples per device), ISF by counts (patches and tokens)
+and ISF in time. Two datasets: (1) the published stats with one image per sample whose size is drawn to give the
+sample's InternVL tile count (``omnibal_ext.data.native.derive_native_stats``: the stats hold no sizes, so these
+are sizes consistent with the tiles, not the real ones), and (2) with ``--scan-images``, the real image files
+found under the given folders (sizes read from their headers; each sample gets one of them, drawn uniformly,
+and the text length of a random sample of the published stats). Target: ISF in time reaches a DistRatio in
+time <= 0.01 (ViT and LLM).
 """
 from __future__ import annotations
 
 import argparse
 import sys
+
+import numpy as np
 import time
 from pathlib import Path
 
@@ -25,8 +38,18 @@ import benchlib as bl  # noqa: E402  (puts the repository on the path)
 from omnibal_ext.data.cli import format_table  # noqa: E402
 from omnibal_ext.data.search import SearchConfig, random_baseline, search_params  # noqa: E402
 from omnibal_ext.data.isf import isf_group  # noqa: E402
-from omnibal_ext.data.search import evaluate_grouping  # noqa: E402
-from omnibal_ext.data.stats import load_stats, resample  # noqa: E402
+from omnibal_ext.data.search import evaluate_grouping, step_matrix_epoch0  # noqa: E402
+from omnibal_ext.data.native import derive_native_stats, native_patches  # noqa: E402
+from omnibal_ext.data.search_time import (plan_isf_time, random_baseline_time,  # noqa: E402
+                                          steps_time_metrics)
+from omnibal_ext.data.stats import ImageStats, SampleStats, load_stats, resample  # noqa: E402
+from omnibal_ext.model.cost_model import get_device  # noqa: E402
+from omnibal_ext.model.sample_time import TIME_UNIT_S, sample_time_units  # noqa: E402
+from omnibal_ext.model.units import get_preset  # noqa: E402
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".gif", ".webp", ".bmp", ".tif", ".tiff")
+TIME_KEYS = ("dist_ratio_vit_time", "dist_ratio_llm_time", "dist_ratio_time", "dist_ratio_vit", "dist_ratio_llm",
+             "fill_llm_time", "samples_per_group")
 
 
 
@@ -61,6 +84,75 @@ def bench_one(name: str, vit, tokens, cfg: SearchConfig) -> dict:
     }
 
 
+def scan_image_sizes(dirs, min_side: int = 28) -> list[tuple[int, int, str]]:
+    """(width, height, path) of every readable image file under ``dirs`` with both sides >= ``min_side`` px,
+    one per (file size, name) (copies of one file in several places count once); sizes from the headers."""
+    from PIL import Image
+
+    found, seen = [], set()
+    for d in dirs:
+        for path in sorted(Path(d).rglob("*")):
+            if path.suffix.lower() not in IMAGE_SUFFIXES or not path.is_file():
+                continue
+            try:
+                key = (path.stat().st_size, path.name)
+                if key in seen:
+                    continue
+                with Image.open(path) as im:
+                    w, h = im.size
+            except (OSError, ValueError, Image.DecompressionBombError):
+                continue
+            if min(w, h) >= min_side and max(w, h) / min(w, h) <= 200:
+                seen.add(key)
+                found.append((int(w), int(h), str(path)))
+    return found
+
+
+def scanned_stats(sizes, published: SampleStats, n: int, seed: int) -> SampleStats:
+    """``n`` one-image samples: an image of ``sizes`` (drawn uniformly) and the text tokens of a random published
+    sample (its tokens less InternVL's 256 per tile), plus the image's merged patches."""
+    rng = np.random.default_rng(seed)
+    pick = rng.integers(0, len(sizes), n)
+    w = np.array([s[0] for s in sizes], dtype=np.int64)[pick]
+    h = np.array([s[1] for s in sizes], dtype=np.int64)[pick]
+    text = (published.tokens - 256 * published.vit)[rng.integers(0, len(published), n)]
+    patches = native_patches(h, w)
+    images = ImageStats(np.arange(n + 1, dtype=np.int64), w, h, patches)
+    return SampleStats(np.ones(n, dtype=np.int64), text + patches // 4, np.zeros(n, dtype=np.int32),
+                       ["scanned"], images)
+
+
+def bench_native(name: str, stats: SampleStats, spec, device, cfg: SearchConfig) -> dict:
+    """Random, ISF by counts and ISF in time on one native-resolution dataset, balance in predicted time."""
+    times = sample_time_units(stats, spec, device)
+    patches, tokens = stats.patches, stats.tokens
+    rnd = random_baseline_time(patches, tokens, times, cfg.dp_size, cfg.samples_per_group, cfg.seed)
+    counts = search_params(patches, tokens, cfg)
+    g = isf_group(patches, tokens, counts.params, seed=cfg.seed)
+    m_counts, asm = evaluate_grouping(g, cfg.dp_size, cfg.sp, counts.params.qt, counts.params.qv, seed=cfg.seed,
+                                      keys=[tuple(counts.best["assembly_key"]), ("tiles", 0.0)])
+    steps = step_matrix_epoch0(len(g), asm.width, asm.order, cfg.seed)
+    m_counts.update(steps_time_metrics(steps, g, times))
+    m_counts["fill_llm_time"] = float("nan")  # no time cap
+    plan, wt, ct = timed(lambda: plan_isf_time(patches, tokens, times, cfg))
+    rows = {"random": rnd, "isf-counts": m_counts, "isf-time": plan.metrics}
+    print(f"\n== {name}: {len(stats)} samples, {spec.name} on {device.name}, DP {cfg.dp_size}, "
+          f"K {cfg.samples_per_group}; patches/sample mean {patches.mean():.0f}, tokens mean {tokens.mean():.0f}")
+    head = f"{'batching':<11}" + "".join(f"{k:>21}" for k in TIME_KEYS)
+    print(head + "\n" + "-" * len(head))
+    for k, m in rows.items():
+        print(f"{k:<11}" + "".join(f"{m[c]:>21.4f}" for c in TIME_KEYS))
+    p = plan.params
+    print(f"ISF in time: caps {p.qv} patches, {p.qt} tokens, vit {p.vit_time * TIME_UNIT_S * 1e3:.1f} ms, "
+          f"llm {p.llm_time * TIME_UNIT_S * 1e3:.1f} ms; {len(plan.grouping)} groups; search+grouping "
+          f"{plan.seconds_search + plan.seconds_group:.2f} s wall, {ct:.2f} s cpu; ISF by counts: caps "
+          f"{counts.params.qv} patches, {counts.params.qt} tokens")
+    return {"samples": len(stats), "model": spec.name, "device": device.name, "rows": rows,
+            "params_time": p.to_dict(), "params_counts": counts.params.to_dict(),
+            "patches_mean": float(patches.mean()), "tokens_mean": float(tokens.mean()),
+            "seconds": {"time_plan_wall": wt, "time_plan_cpu": ct}}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stats-dir", type=Path, default=bl.STATS_DIR)
@@ -69,6 +161,12 @@ def main(argv=None) -> int:
     ap.add_argument("--resample", type=int, default=1_200_000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="OUT")
+    ap.add_argument("--no-qwen", action="store_true", help="skip the Qwen2.5-VL native-resolution part")
+    ap.add_argument("--qwen-model", default="qwen2.5-vl-7b")
+    ap.add_argument("--qwen-device", default="h200-141g")
+    ap.add_argument("--scan-images", nargs="+", metavar="DIR", default=[],
+                    help="folders whose image files give the scanned dataset's sizes")
+    ap.add_argument("--scan-samples", type=int, default=40_000)
     args = ap.parse_args(argv)
     try:
         files = bl.stats_files(args.stats_dir)
@@ -87,6 +185,26 @@ def main(argv=None) -> int:
         checks[f"{key}: dist_llm<=0.02"] = m["dist_ratio_llm"] <= 0.02
         checks[f"{key}: dist_vit<=0.02"] = m["dist_ratio_vit"] <= 0.02
         checks[f"{key}: fill_llm>=0.95"] = m["fill_llm"] >= 0.95
+    if not args.no_qwen:
+        spec, device = get_preset(args.qwen_model), get_device(args.qwen_device)
+        derived = derive_native_stats(stats, seed=args.seed)
+        out["qwen_published"] = bench_native("Qwen2.5-VL, published stats with drawn sizes", derived, spec, device, cfg)
+        if args.scan_images:
+            sizes = scan_image_sizes(args.scan_images)
+            if not sizes:
+                print(f"no image files under {args.scan_images}", file=sys.stderr)
+                return 1
+            scanned = scanned_stats(sizes, stats, args.scan_samples, args.seed)
+            out["qwen_scanned"] = bench_native(f"Qwen2.5-VL, {len(sizes)} scanned image files", scanned, spec,
+                                               device, cfg)
+            out["qwen_scanned"]["images"] = {"files": len(sizes), "dirs": args.scan_images,
+                                             "width_median": float(np.median([s[0] for s in sizes])),
+                                             "height_median": float(np.median([s[1] for s in sizes]))}
+        for key in ("qwen_published", "qwen_scanned"):
+            if key in out:
+                m = out[key]["rows"]["isf-time"]
+                checks[f"{key}: isf-time dist_vit_time<=0.01"] = m["dist_ratio_vit_time"] <= 0.01
+                checks[f"{key}: isf-time dist_llm_time<=0.01"] = m["dist_ratio_llm_time"] <= 0.01
     s = out["resampled"]["seconds"]
     checks["1.2M search+grouping <= 3 s (cpu)"] = s["total_cpu"] <= 3.0
     checks["1.2M search+grouping <= 3 s (wall)"] = s["total_wall"] <= 3.0

@@ -50,9 +50,17 @@ Assumptions (not numbers we could check; change them with the flags)
   by the planner (up to ``--max-vpp``): at the authors' TP/PP/DP, and with TP, PP, DP and V all chosen;
   both against the authors' configuration (its Megatron-default baseline and our V = 1 +memory plan).
 
+Beyond the paper: Qwen2.5-VL at native resolution (``--qwen`` or ``--qwen-only``)
+--------------------------------------------------------------------------------
+``omnibal plan`` for qwen2.5-vl-7b and -72b on 64 and 128 GPUs (``--qwen-gpus``), TP, PP, DP and V chosen, on the
+published stats with one image per sample whose size is drawn to give its InternVL tile count
+(``omnibal_ext.data.native.derive_native_stats``; the stats hold no image sizes), resampled as above; the
+planner counts patches as ViT items and its micro-batch shapes carry the data's ViT attention segments.
+
 Usage::
 
     python scripts/reproduce_paper.py [--samples 1200000] [--gpus 128] [--tp 4 --pp 4] [--sweep] [--json OUT]
+        [--qwen | --qwen-only] [--qwen-gpus 64 128]
 """
 from __future__ import annotations
 
@@ -63,6 +71,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl  # noqa: E402  (puts the repository on the path)
+from omnibal_ext.data.native import derive_native_stats  # noqa: E402
 from omnibal_ext.data.stats import load_stats, resample  # noqa: E402
 from omnibal_ext.memory.memory_model import GIB  # noqa: E402
 from omnibal_ext.plan import SETTINGS, PlanConfig, PlanError, candidate_configs, make_plan  # noqa: E402
@@ -216,6 +225,44 @@ def format_sweep(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+QWEN_MODELS = ("qwen2.5-vl-7b", "qwen2.5-vl-72b")
+
+
+def qwen_plans(stats, args) -> list[dict]:
+    """``make_plan`` of each Qwen2.5-VL model at each GPU count (TP, PP, DP, V chosen) on native stats."""
+    out = []
+    for model in QWEN_MODELS:
+        for gpus in args.qwen_gpus:
+            plan = plan_of(stats, model, gpus, args.gpu_memory, args.samples_per_group, args.global_batch_size,
+                           args.samples, args.sim_iterations, args.isf_candidates, None, None, vpp=None,
+                           max_vpp=args.max_vpp)
+            base, final = plan.row("baseline"), plan.row("+memory")
+            out.append({"model": model, "gpus": gpus, "tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "vpp": plan.vpp,
+                        "sequence_parallel": bool(plan.trainer_flags.get("--sequence-parallel")),
+                        "micro_batches": plan.num_microbatches, "layout": final.layout_flag,
+                        "recompute": final.recompute_flag, "iteration_s": final.iteration_s,
+                        "baseline_iteration_s": base.iteration_s, "peak_gib": max(final.stage_peak_bytes) / GIB,
+                        "baseline_peak_gib": max(base.stage_peak_bytes) / GIB, "baseline_fits": base.fits_memory,
+                        "gpu_days": final.gpu_days, "speedup": final.speedup,
+                        "speedups": {r.setting: r.speedup for r in plan.rows},
+                        "isf_params": plan.isf["params"], "isf_metrics": plan.isf["metrics"],
+                        "trainer_args": plan.trainer_args})
+    return out
+
+
+def format_qwen(rows: list[dict]) -> str:
+    head = (f"{'model':<15} {'GPUs':>4} {'TP':>3} {'PP':>3} {'DP':>3} {'V':>2} {'SP':>3} {'step s':>7} {'base s':>7} "
+            f"{'peak GiB':>8} {'+data':>6} {'+model':>6} {'+memory':>7}  layout (+memory)")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        sp = r["speedups"]
+        lines.append(f"{r['model']:<15} {r['gpus']:>4} {r['tp']:>3} {r['pp']:>3} {r['dp']:>3} {r['vpp']:>2} "
+                     f"{'yes' if r['sequence_parallel'] else 'no':>3} {r['iteration_s']:>7.2f} "
+                     f"{r['baseline_iteration_s']:>7.2f} {r['peak_gib']:>8.1f} {sp['+data']:>5.2f}x "
+                     f"{sp['+model']:>5.2f}x {sp['+memory']:>6.2f}x  {r['layout']}")
+    return "\n".join(lines)
+
+
 def format_table(rows: list[dict]) -> str:
     f = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
     head = (f"{'model':<16} {'setting':<9} {'pred GPU-days':>13} {'pred speed-up':>13} {'paper GPU-days':>14} "
@@ -255,10 +302,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-beyond", action="store_true",
                    help="skip the 6B+20B rows beyond the paper (sequence parallelism, V chosen)")
     p.add_argument("--json", default=None, metavar="OUT", help="write rows, per-model plans and assumptions here")
+    p.add_argument("--qwen", action="store_true", help="also plan Qwen2.5-VL at native resolution (JSON: qwen)")
+    p.add_argument("--qwen-only", action="store_true", help="only the Qwen2.5-VL plans")
+    p.add_argument("--qwen-gpus", type=int, nargs="+", default=[64, 128], help="GPU counts of the Qwen2.5-VL plans")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    stats = load_stats_dir(args.stats_dir)
-    stats = resample(stats, args.samples, args.seed)
+    published = load_stats_dir(args.stats_dir)
+    if args.qwen or args.qwen_only:
+        native = resample(derive_native_stats(published, seed=args.seed), args.samples, args.seed)
+        qwen = {"qwen": qwen_plans(native, args)}
+        print("Beyond the paper: Qwen2.5-VL at native resolution (published stats with drawn image sizes; TP, PP, DP "
+              "and V chosen; step s: the +memory plan's predicted iteration, base s: the Megatron default's):")
+        print(format_qwen(qwen["qwen"]))
+        if args.qwen_only:
+            if args.json:
+                bl.write_json(args.json, {**qwen, "samples": args.samples, "global_batch": args.global_batch_size})
+            return 0
+    stats = resample(published, args.samples, args.seed)
     rows, plans = [], []
     for model in args.models:
         r, s = predict(stats, model, args.gpus, args.gpu_memory, args.samples_per_group, args.global_batch_size,
@@ -292,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         doc["sweep"] = [r for model in args.models for r in sweep(stats, model, args)]
         print("\nThe ablation at every parallel configuration (* = the Megatron default is over the budget there):")
         print(format_sweep(doc["sweep"]))
+    if args.qwen:
+        doc.update(qwen)
     if args.json:
         bl.write_json(args.json, doc)
     return 0

@@ -50,6 +50,7 @@ class StageContext:
     attention_backend: str
     output: str  # "loss" or "logits"
     vision_drop_path_rate: float = 0.0  # ViT stochastic depth at the last layer (megatron/vlm/drop_path.py)
+    stage_start: int = 0  # index in ``units`` of the stage's first unit
 
     @property
     def thd(self) -> bool:
@@ -69,14 +70,21 @@ class StageContext:
         after = self.units[last + 1] if last + 1 < len(self.units) else None
         return enters, after is None or (after.kind != kind and after.code not in split_after)
 
-    def layer_recompute(self, role: str) -> tuple[int, bool]:
-        """(fully recomputed layers, selective) of this stage's layers of ``role``."""
+    def layer_recompute(self, role: str, first_index: int | None = None) -> tuple[int, bool]:
+        """(fully recomputed layers, selective) of the run of ``role`` layers starting at unit ``first_index``:
+        the stage's plan recomputes its first ``full`` layers of the role in unit order (as the memory model
+        counts them), so a run after others of the role on the stage (Qwen2.5-VL's window and full-attention
+        layers alternate) gets what they left (``first_index`` None: the stage's first run)."""
         r = self.recompute
         if role == VISION_LAYER:
-            return r.vit_full_layers, r.vit_selective
-        if role == TEXT_LAYER:
-            return r.llm_full_layers, r.llm_selective
-        raise ValueError(f"role {role!r} has no layers to recompute")
+            full, selective = r.vit_full_layers, r.vit_selective
+        elif role == TEXT_LAYER:
+            full, selective = r.llm_full_layers, r.llm_selective
+        else:
+            raise ValueError(f"role {role!r} has no layers to recompute")
+        start = self.stage_start if first_index is None else first_index
+        before = sum(1 for u in self.units[self.stage_start:start] if u.code == role)
+        return max(0, full - before), selective
 
 
 class RuntimeComponent:
@@ -205,7 +213,7 @@ class TextLayer(RuntimeComponent):
                                  first_unit_index, ctx.transformer_impl, ctx.attention_backend)
 
     def build(self, units):
-        full, selective = self.ctx.layer_recompute(self.code())
+        full, selective = self.ctx.layer_recompute(self.code(), units[0].index)
         self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.language_config, (HEAD,))
         return layers.build_blocks(self.ctx.language_config, self.layer_spec, units[0].index, len(units),
                                    full, selective)

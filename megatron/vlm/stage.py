@@ -138,7 +138,7 @@ class VLMStage(MegatronModule):
         self.ctx = StageContext(spec=spec, units=tuple(units), vision_config=vision_config, language_config=llm_config,
                                 seed=build.seed, recompute=self.recompute, img_context_id=build.img_context_id,
                                 transformer_impl=impl, attention_backend=backend, output=build.output,
-                                vision_drop_path_rate=build.vision_drop_path_rate)
+                                vision_drop_path_rate=build.vision_drop_path_rate, stage_start=unit_range.start)
         self.parts: list[_Part] = []
         for run in _runs(self.units):
             component = family.component(run[0].kind)(self.ctx)

@@ -2,10 +2,11 @@
 
 numpy only (no torch, no megatron).  Modules:
 
-* ``stats``   load/validate per-sample stats (ViT tiles, LLM tokens), resample;
-* ``isf``     ISF grouping (single and multi-group), oversize policies;
+* ``stats``   load/validate per-sample stats (ViT tiles, LLM tokens, optional per-image sizes), resample;
+* ``native``  native-resolution image arithmetic: smart_resize patches, patch grids, sizes drawn to fit tiles;
+* ``isf``     ISF grouping (single and multi-group), oversize policies, ISF in predicted time;
 * ``assign``  balanced step assembly across DP ranks (tokens AND tiles), pack files;
-* ``search``  automatic threshold search and the whole plan;
+* ``search``  automatic threshold search and the whole plan; ``search_time`` the same in predicted time;
 * ``metrics`` PadRatio, DistRatio, fill, ``step_balance`` for one training step;
 * ``sampler`` ``GroupBatchSampler`` and ``random_groups``;
 * ``cli``     ``omnibal isf stats|search|pack``.

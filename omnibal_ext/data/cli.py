@@ -11,6 +11,11 @@ JSON contract of ``search`` (keys kept stable): samples_in, samples_out, groups,
 oversize}, isf and random {pad_ratio, dist_ratio_llm, dist_ratio_vit, fill_llm, fill_vit,
 samples_per_group}, report (ISF counts), search (candidates tried), config, files.
 
+ISF in time (``--model NAME``, native resolution): the samples' ViT work is counted in the model family's unit
+(patches for Qwen2.5-VL: the stats must list each sample's images) and groups are balanced in the time the cost
+model predicts (``--device``), ``data/search_time.py``; the JSON's ``params`` then hold the time caps too, and
+``isf`` and ``random`` add the time metrics (dist_ratio_vit_time, dist_ratio_llm_time, dist_ratio_time).
+
 Inputs: ``--stats FILE...``.  ``add_isf_parser(subparsers, stats_loader=...)`` lets the caller
 accept other inputs (e.g. a meta JSON): the loader gets the parsed args and returns SampleStats.
 """
@@ -28,9 +33,11 @@ from .assign import make_pack, save_pack
 from .isf import ISFParams, OVERSIZE_POLICIES
 from .search import (DataPlan, SearchConfig, params_summary, plan_isf, plan_isf_multi, random_baseline,
                      random_group_totals, step_matrix_epoch0)
+from .search_time import plan_isf_time, random_baseline_time
 from .stats import SampleStats, StatsError, load_stats, resample
 
 METRIC_KEYS = ("pad_ratio", "dist_ratio_llm", "dist_ratio_vit", "fill_llm", "fill_vit", "samples_per_group")
+TIME_KEYS = ("dist_ratio_vit_time", "dist_ratio_llm_time", "dist_ratio_time")
 
 StatsLoader = Callable[[argparse.Namespace], SampleStats]
 
@@ -67,6 +74,10 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     for name in ("qt", "qv", "qt-min", "qv-min"):
         p.add_argument(f"--{name}", type=int, default=None,
                        help="fixed threshold (give all four to skip the search)")
+    p.add_argument("--model", default=None, metavar="NAME",
+                   help="ISF in predicted time for this model preset (its family's ViT items: patches for "
+                        "Qwen2.5-VL), thresholds searched")
+    p.add_argument("--device", default="h200-141g", help="cost-model device of --model (default h200-141g)")
 
 
 def add_isf_parser(subparsers, stats_loader: StatsLoader | None = None) -> argparse.ArgumentParser:
@@ -113,8 +124,29 @@ def _fixed_params(args) -> ISFParams | None:
                      oversize=args.oversize)
 
 
-def _plan(args, stats: SampleStats) -> tuple[DataPlan, SearchConfig]:
+def _times(args, stats: SampleStats):
+    """(ViT items per sample, (ViT, LLM) predicted time units per sample) of ``--model``, or None without it."""
+    if args.model is None:
+        return None
+    from ..model.cost_model import get_device
+    from ..model.sample_time import sample_time_units
+    from ..model.units import family_of, get_preset
+
+    if args.per_source or _fixed_params(args) is not None:
+        raise UserError("omnibal isf: --model (ISF in time) searches its thresholds over all files: no --per-source, "
+                        "no fixed --qt/--qv")
+    spec = get_preset(args.model)
+    items = stats.vision_items(family_of(spec).vision_item)
+    return items, sample_time_units(stats, spec, get_device(args.device))
+
+
+def _plan(args, stats: SampleStats, timed=None) -> tuple[DataPlan, SearchConfig]:
+    """The data plan of ``args``; ``timed``: ``_times``'s result (ISF in time)."""
     cfg = _config(args)
+    if timed is not None:
+        if cfg.samples_per_group is None:
+            raise UserError("omnibal isf: --model (ISF in time) needs --samples-per-group K")
+        return plan_isf_time(timed[0], stats.tokens, timed[1], cfg), cfg
     fixed = _fixed_params(args)
     if args.per_source:
         per = None if fixed is None else {i: fixed for i in range(len(stats.files))}
@@ -144,12 +176,12 @@ def _result_json(plan: DataPlan, cfg: SearchConfig, stats: SampleStats, random: 
     }
 
 
-def format_table(rows: dict[str, dict]) -> str:
-    """A plain-text table: one row per batching, one column per metric."""
-    head = f"{'batching':<10}" + "".join(f"{k:>19}" for k in METRIC_KEYS)
+def format_table(rows: dict[str, dict], keys=METRIC_KEYS) -> str:
+    """A plain-text table: one row per batching, one column per metric (``keys``)."""
+    head = f"{'batching':<10}" + "".join(f"{k:>21}" if len(k) > 18 else f"{k:>19}" for k in keys)
     lines = [head, "-" * len(head)]
     for name, m in rows.items():
-        lines.append(f"{name:<10}" + "".join(f"{m[k]:>19.4f}" for k in METRIC_KEYS))
+        lines.append(f"{name:<10}" + "".join(f"{m[k]:>21.4f}" if len(k) > 18 else f"{m[k]:>19.4f}" for k in keys))
     return "\n".join(lines)
 
 
@@ -220,11 +252,19 @@ def cmd_search(args, loader: StatsLoader) -> int:
     stats = loader(args)
     if args.resample:
         stats = resample(stats, args.resample, args.seed)
-    plan, cfg = _plan(args, stats)
+    timed = _times(args, stats)
+    plan, cfg = _plan(args, stats, timed)
     k = cfg.samples_per_group or plan.metrics["samples_per_group"]
-    random = random_baseline(stats.vit, stats.tokens, cfg.dp_size * cfg.sp, k, cfg.seed)
+    if timed is None:
+        random = random_baseline(stats.vit, stats.tokens, cfg.dp_size * cfg.sp, k, cfg.seed)
+    else:
+        random = random_baseline_time(timed[0], stats.tokens, timed[1], cfg.dp_size * cfg.sp, k, cfg.seed)
     doc = _result_json(plan, cfg, stats, random)
     print(format_table({"random": random, "isf": plan.metrics}))
+    if timed is not None:
+        doc["isf"].update({k: plan.metrics[k] for k in TIME_KEYS})
+        doc["random"].update({k: random[k] for k in TIME_KEYS})
+        print(format_table({"random": random, "isf": plan.metrics}, TIME_KEYS))
     p = doc["params"]
     print(f"params: qt={p['qt']} qv={p['qv']} qt_min={p['qt_min']} qv_min={p['qv_min']} iters={p['iters']}; "
           f"{doc['groups']} groups of {doc['samples_in']} samples "
@@ -242,7 +282,7 @@ def g_left(plan: DataPlan) -> int:
 
 def cmd_pack(args, loader: StatsLoader) -> int:
     stats = loader(args)
-    plan, cfg = _plan(args, stats)
+    plan, cfg = _plan(args, stats, _times(args, stats))
     meta = {"files": list(stats.files), "num_samples": int(len(stats)), "dp_size": cfg.dp_size, "sp": cfg.sp,
             "seed": cfg.seed, "params": params_summary(plan.params), "metrics": plan.metrics,
             "report": plan.grouping.report}

@@ -11,6 +11,12 @@ Samples larger than a cap follow ``oversize``: ``"error"`` (raise, naming how ma
 ``"solo"`` (each becomes its own group) or ``"truncate"`` (its tokens are cut to ``qt`` and its
 tiles to ``qv``; the trainer must apply the same cut, the pack file lists these samples).
 
+ISF in time (native resolution): with per-sample predicted times (``times``: ViT-side and LLM-side, integer
+units, ``model/sample_time.py``) and time caps in the params (``vit_time``, ``llm_time``), a group also closes
+before its ViT or LLM time would exceed its cap, and the filter keeps the groups that reach ``vit_time_min`` or
+``llm_time_min`` instead of the count bounds: the counts (tiles or patches, tokens) stay hard caps (memory is
+planned for them), the balance is in time.
+
 The greedy pass is vectorised: with prefix sums ``C`` of tokens (tiles) along the walk, the end of
 the group starting at position ``s`` is ``searchsorted(C, C[s] + cap, 'right') - 1`` for every ``s``
 at once; only the chain of group starts (one step per group, not per sample) is followed in Python.
@@ -40,9 +46,13 @@ class OversizeError(UserError):
 class ISFParams:
     """Thresholds of one ISF run.
 
-    qv: tile cap per group (Qv, ViT tiles);  qt: token cap per group (Qt, LLM tokens);
+    qv: ViT cap per group (Qv, in the family's ViT items: tiles, or patches at native resolution);
+    qt: token cap per group (Qt, LLM tokens);
     qv_min / qt_min: lower bounds (Q'v, Q't) a group must reach (either one) to be kept;
     iters: sampling passes at most (T); oversize: policy for samples over a cap.
+    ISF in time (all None/0 otherwise): vit_time / llm_time: caps on a group's predicted ViT and LLM time
+    (integer time units of the ``times`` given to ``isf_group``); vit_time_min / llm_time_min: the lower bounds
+    that then replace qv_min / qt_min in the filter.
     """
 
     qv: int
@@ -51,6 +61,10 @@ class ISFParams:
     qt_min: int
     iters: int = 10
     oversize: str = "error"
+    vit_time: int | None = None
+    llm_time: int | None = None
+    vit_time_min: int = 0
+    llm_time_min: int = 0
 
     def __post_init__(self) -> None:
         if self.qt <= 0 or self.qv < 0:
@@ -63,9 +77,27 @@ class ISFParams:
             raise UserError(f"ISFParams: iters must be >= 1, got {self.iters}")
         if self.oversize not in OVERSIZE_POLICIES:
             raise UserError(f"ISFParams: oversize must be one of {OVERSIZE_POLICIES}, got {self.oversize!r}")
+        if (self.vit_time is None) != (self.llm_time is None):
+            raise UserError("ISFParams: vit_time and llm_time go together")
+        if self.timed:
+            if not (0 <= self.vit_time_min <= self.vit_time and 0 <= self.llm_time_min <= self.llm_time):
+                raise UserError(f"ISFParams: need 0 <= vit_time_min <= vit_time and 0 <= llm_time_min <= llm_time, "
+                                f"got {self.vit_time_min}, {self.vit_time}, {self.llm_time_min}, {self.llm_time}")
+            if self.oversize == "truncate":
+                raise UserError("ISFParams: oversize='truncate' cuts counts, not time; use 'error' or 'solo' in time")
+
+    @property
+    def timed(self) -> bool:
+        """Whether the groups are balanced in predicted time (time caps given)."""
+        return self.vit_time is not None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields; the time ones only when set (so count-based params keep their old form)."""
+        d = asdict(self)
+        if not self.timed:
+            for k in ("vit_time", "llm_time", "vit_time_min", "llm_time_min"):
+                del d[k]
+        return d
 
 
 @dataclass
@@ -76,7 +108,8 @@ class Grouping:
     ``members[offsets[g]:offsets[g+1]]``; tokens/tiles: int64 (G,) totals per group (after
     truncation); max_tokens: int64 (G,) longest sample per group; kind: int8 (G,), KIND_*;
     truncated: (k, 3) int64 rows [sample, tokens_after, tiles_after] of truncated samples;
-    report: counts and timings (see ``isf_group``).
+    report: counts and timings (see ``isf_group``); vit_time/llm_time: int64 (G,) predicted time per group
+    when grouped in time (``times``), else None.
     """
 
     members: np.ndarray
@@ -87,6 +120,8 @@ class Grouping:
     kind: np.ndarray
     truncated: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int64))
     report: dict = field(default_factory=dict)
+    vit_time: np.ndarray | None = None
+    llm_time: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -123,11 +158,19 @@ def _finish(members, offsets, tok, vit, kind, truncated=None, report=None) -> Gr
                     report or {})
 
 
-def greedy_starts(tokens: np.ndarray, tiles: np.ndarray, qt: int, qv: int) -> np.ndarray:
+def group_sums(values: np.ndarray, members: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Per-group sums of per-sample ``values`` (int64) for groups in CSR form."""
+    if len(offsets) < 2:
+        return np.zeros(0, dtype=np.int64)
+    return np.add.reduceat(np.asarray(values, dtype=np.int64)[members], offsets[:-1])
+
+
+def greedy_starts(tokens: np.ndarray, tiles: np.ndarray, qt: int, qv: int, extra=()) -> np.ndarray:
     """Group boundaries of one greedy pass over samples in walk order.
 
     Returns int64 positions ``b`` with b[0] = 0 and b[-1] = n; group j holds walk positions
     b[j]..b[j+1]-1.  Every sample must fit the caps on its own (tokens <= qt, tiles <= qv).
+    extra: more (per-sample values in walk order, cap) pairs a group must also stay within (ISF in time).
 
     ``nxt[s]`` (where a group opened at ``s`` ends) comes from prefix sums and searchsorted for all
     ``s`` at once; the chain 0, nxt[0], nxt[nxt[0]], ... is then read by pointer doubling: with
@@ -146,6 +189,12 @@ def greedy_starts(tokens: np.ndarray, tiles: np.ndarray, qt: int, qv: int) -> np
     over = np.flatnonzero(cv[nxt] - cv[:-1] > qv)
     if len(over):
         nxt[over] = np.searchsorted(cv, cv[over] + qv, side="right") - 1
+    for values, cap in extra:  # each further cap can only end a group earlier
+        cx = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(values, out=cx[1:])
+        over = np.flatnonzero(cx[nxt] - cx[:-1] > cap)
+        if len(over):
+            nxt[over] = np.searchsorted(cx, cx[over] + cap, side="right") - 1
     if np.any(nxt <= start):
         raise ValueError("greedy_starts: a sample exceeds the caps on its own")
     jump = np.append(nxt, n)  # position n maps to itself
@@ -160,12 +209,15 @@ def greedy_starts(tokens: np.ndarray, tiles: np.ndarray, qt: int, qv: int) -> np
     return np.append(chain, n)
 
 
-def _oversize_mask(tok: np.ndarray, vit: np.ndarray, p: ISFParams) -> np.ndarray:
-    return (tok > p.qt) | (vit > p.qv)
+def _oversize_mask(tok: np.ndarray, vit: np.ndarray, p: ISFParams, times=None) -> np.ndarray:
+    over = (tok > p.qt) | (vit > p.qv)
+    if times is not None:
+        over |= (times[0] > p.vit_time) | (times[1] > p.llm_time)
+    return over
 
 
 def isf_group(vit, tokens, params: ISFParams, seed: int = 0, sample_ids: np.ndarray | None = None,
-              shard_size: int = 1 << 16) -> Grouping:
+              shard_size: int = 1 << 16, times: tuple[np.ndarray, np.ndarray] | None = None) -> Grouping:
     """Run ISF over samples with ``vit`` tiles and ``tokens`` tokens each.
 
     sample_ids: the indices to put in the groups (default ``arange(n)``), so a subset can be
@@ -173,6 +225,8 @@ def isf_group(vit, tokens, params: ISFParams, seed: int = 0, sample_ids: np.ndar
     random into shards grouped independently (the result is still one partition).  Deterministic
     for a seed.  The report holds: samples_in, samples_out, groups, kept_groups, leftover_groups,
     leftover_samples, solo_groups, truncated_samples, passes, shards, seconds.
+    times: (ViT, LLM) predicted time of each sample in integer units, required by (and only used with) params
+    that have time caps (ISF in time, module docstring); the result then carries per-group times.
     """
     t0 = time.perf_counter()
     vit = np.asarray(vit, dtype=np.int64)
@@ -184,7 +238,13 @@ def isf_group(vit, tokens, params: ISFParams, seed: int = 0, sample_ids: np.ndar
                          f"{vit.shape}, {tok.shape}, {ids.shape}")
     vit = vit.copy()
     p = params
-    over = _oversize_mask(tok, vit, p)
+    if p.timed != (times is not None):
+        raise ValueError("isf_group: params with time caps need times, and times need params with time caps")
+    if times is not None:
+        times = tuple(np.asarray(t, dtype=np.int64) for t in times)
+        if any(t.shape != (n,) for t in times):
+            raise ValueError(f"isf_group: times must be two arrays of {n} samples")
+    over = _oversize_mask(tok, vit, p, times)
     n_over = int(over.sum())
     truncated = np.zeros((0, 3), dtype=np.int64)
     solo = np.zeros(0, dtype=np.int64)
@@ -192,8 +252,10 @@ def isf_group(vit, tokens, params: ISFParams, seed: int = 0, sample_ids: np.ndar
         bad = ids[over]
         if p.oversize == "error":
             shown = ", ".join(str(i) for i in bad[:20].tolist()) + (", ..." if n_over > 20 else "")
+            caps = f"qt={p.qt} tokens, qv={p.qv} ViT items" + (
+                f", vit_time={p.vit_time}, llm_time={p.llm_time}" if p.timed else "")
             raise OversizeError(
-                f"{n_over} sample(s) exceed the group caps (qt={p.qt} tokens, qv={p.qv} tiles): sample "
+                f"{n_over} sample(s) exceed the group caps ({caps}): sample "
                 f"indices [{shown}]; raise the caps or choose oversize='solo' or 'truncate'")
         if p.oversize == "truncate":
             np.minimum(tok, p.qt, out=tok)
@@ -211,7 +273,8 @@ def isf_group(vit, tokens, params: ISFParams, seed: int = 0, sample_ids: np.ndar
     kept_m, kept_s, left_m, left_s = [], [], [], []
     passes = 0
     for shard in np.array_split(pool, n_shards):
-        km, ks, lm, ls, n_pass = _isf_passes(tok[shard], vit[shard], p, rng)
+        shard_times = None if times is None else (times[0][shard], times[1][shard])
+        km, ks, lm, ls, n_pass = _isf_passes(tok[shard], vit[shard], p, rng, shard_times)
         kept_m.append(shard[km])
         kept_s.append(ks)
         left_m.append(shard[lm])
@@ -226,6 +289,8 @@ def isf_group(vit, tokens, params: ISFParams, seed: int = 0, sample_ids: np.ndar
     kind = np.concatenate([np.full(n_kept, KIND_KEPT, np.int8), np.full(n_left, KIND_LEFTOVER, np.int8),
                            np.full(len(solo), KIND_SOLO, np.int8)])
     g = _finish(members, offsets, tok, vit, kind, truncated)
+    if times is not None:
+        g.vit_time, g.llm_time = (group_sums(t, g.members, g.offsets) for t in times)
     g.members = ids[g.members]
     g.report = {
         "samples_in": n,
@@ -243,8 +308,8 @@ def isf_group(vit, tokens, params: ISFParams, seed: int = 0, sample_ids: np.ndar
     return g
 
 
-def _isf_passes(tok: np.ndarray, vit: np.ndarray, p: ISFParams, rng: np.random.Generator):
-    """Sampling and filtering passes over samples ``0..len(tok)-1``.
+def _isf_passes(tok: np.ndarray, vit: np.ndarray, p: ISFParams, rng: np.random.Generator, times=None):
+    """Sampling and filtering passes over samples ``0..len(tok)-1`` (``times``: ISF in time).
 
     Returns (kept members, kept group sizes, leftover members, leftover group sizes, passes run);
     members are local positions, group after group.
@@ -257,9 +322,14 @@ def _isf_passes(tok: np.ndarray, vit: np.ndarray, p: ISFParams, rng: np.random.G
         passes += 1
         walk = pool[rng.permutation(len(pool))]
         tw, vw = tok[walk], vit[walk]
-        b = greedy_starts(tw, vw, p.qt, p.qv)
+        if times is None:
+            b = greedy_starts(tw, vw, p.qt, p.qv)
+            keep = (np.add.reduceat(tw, b[:-1]) >= p.qt_min) | (np.add.reduceat(vw, b[:-1]) >= p.qv_min)
+        else:
+            vt, lt = times[0][walk], times[1][walk]
+            b = greedy_starts(tw, vw, p.qt, p.qv, extra=((vt, p.vit_time), (lt, p.llm_time)))
+            keep = (np.add.reduceat(lt, b[:-1]) >= p.llm_time_min) | (np.add.reduceat(vt, b[:-1]) >= p.vit_time_min)
         sizes = np.diff(b)
-        keep = (np.add.reduceat(tw, b[:-1]) >= p.qt_min) | (np.add.reduceat(vw, b[:-1]) >= p.qv_min)
         pos_keep = np.repeat(keep, sizes)
         kept_m.append(walk[pos_keep])
         kept_s.append(sizes[keep])
@@ -290,6 +360,8 @@ def merge_groupings(parts: list[Grouping]) -> Grouping:
         np.concatenate([p.tokens for p in parts]), np.concatenate([p.tiles for p in parts]),
         np.concatenate([p.max_tokens for p in parts]), np.concatenate([p.kind for p in parts]),
         np.concatenate([p.truncated for p in parts]), report,
+        *((np.concatenate([p.vit_time for p in parts]), np.concatenate([p.llm_time for p in parts]))
+          if all(p.vit_time is not None for p in parts) else (None, None)),
     )
 
 

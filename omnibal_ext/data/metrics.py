@@ -137,3 +137,24 @@ def evaluate_steps(
         "fill_vit": fill(gv, cap_v),
         "samples_per_group": float(gs.mean()) if gs.size else 0.0,
     }
+
+
+def time_metrics(steps: np.ndarray, group_vit_time: np.ndarray, group_llm_time: np.ndarray,
+                 vit_cap: float | None = None, llm_cap: float | None = None) -> dict:
+    """Balance of a step plan in predicted time (ISF at native resolution).
+
+    steps: (S, N) group ids as in ``evaluate_steps``; group_vit_time/group_llm_time: per-group predicted ViT-side
+    and LLM-side time (any unit). Returns dist_ratio_vit_time, dist_ratio_llm_time, dist_ratio_time (of each
+    rank's ViT + LLM time: what a step waits for when one stage runs both), fill_vit_time and fill_llm_time
+    (mean group time over the cap; the largest group when no cap is given).
+    """
+    steps = np.asarray(steps, dtype=np.int64)
+    vt = np.asarray(group_vit_time, dtype=np.float64)
+    lt = np.asarray(group_llm_time, dtype=np.float64)
+    return {
+        "dist_ratio_vit_time": dist_ratio_matrix(vt[steps]),
+        "dist_ratio_llm_time": dist_ratio_matrix(lt[steps]),
+        "dist_ratio_time": dist_ratio_matrix((vt + lt)[steps]),
+        "fill_vit_time": fill(vt, vit_cap if vit_cap is not None else (vt.max() if vt.size else 0)),
+        "fill_llm_time": fill(lt, llm_cap if llm_cap is not None else (lt.max() if lt.size else 0)),
+    }

@@ -6,6 +6,12 @@ A stats file is a JSON list with one object per sample::
 
 ``vit_num`` is the number of image tiles the sample feeds the ViT (may be 0 for text-only samples,
 or 1 for a dummy tile), ``token_num`` its full LLM sequence length in tokens (image tokens included).
+At native resolution (Qwen2.5-VL) a record may also list its images::
+
+    {"vit_num": 2, "token_num": 900, "images": [{"width": 640, "height": 480, "patches": 1564}, ...]}
+
+``width``/``height`` the image's size in px, ``patches`` the 14 x 14 px patches smart_resize gives it
+(``data/native.py``); when one record has ``images`` every record must (``[]`` for none).
 Other keys are ignored.  Several files concatenate in the order given; each sample keeps the index
 of its file (``source``) for the multi-group mode.  A gzip-compressed file (such as the published
 stats shipped in ``data/omnibal_stats/*.json.gz``) is read the same way, recognised by its content.
@@ -23,10 +29,67 @@ import numpy as np
 from ..errors import UserError
 
 REQUIRED_KEYS = ("vit_num", "token_num")
+IMAGE_KEYS = ("width", "height", "patches")
 
 
 class StatsError(UserError):
     """A stats file or record that cannot be used; the message names the file and the record."""
+
+
+@dataclass
+class ImageStats:
+    """Per-image sizes of the samples, in CSR form: sample ``i`` has images ``offsets[i]:offsets[i+1]``.
+
+    offsets: int64 (n+1,); width, height: int64 px of each image (before resizing); patches: int64 14 x 14 px
+    patches of each image after smart_resize.
+    """
+
+    offsets: np.ndarray
+    width: np.ndarray
+    height: np.ndarray
+    patches: np.ndarray
+
+    def __post_init__(self) -> None:
+        self.offsets = np.asarray(self.offsets, dtype=np.int64)
+        self.width, self.height, self.patches = (np.asarray(a, dtype=np.int64)
+                                                 for a in (self.width, self.height, self.patches))
+        k = len(self.patches)
+        if (self.offsets.ndim != 1 or len(self.offsets) < 1 or self.offsets[0] != 0 or self.offsets[-1] != k
+                or np.any(np.diff(self.offsets) < 0) or self.width.shape != (k,) or self.height.shape != (k,)):
+            raise StatsError("ImageStats: offsets must rise from 0 to the image count, width/height/patches one each")
+        if k and min(self.width.min(), self.height.min(), self.patches.min()) <= 0:
+            raise StatsError("ImageStats: image width, height and patches must be positive")
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.offsets) - 1
+
+    def per_sample(self, values: np.ndarray) -> np.ndarray:
+        """Sum of per-image ``values`` over each sample's images: (n,) (0 for a sample without images)."""
+        out = np.zeros(self.num_samples, dtype=np.asarray(values).dtype)
+        counts = np.diff(self.offsets)
+        has = counts > 0
+        if has.any():
+            out[has] = np.add.reduceat(np.asarray(values), self.offsets[:-1][has])
+        return out
+
+    def subset(self, indices: np.ndarray) -> "ImageStats":
+        indices = np.asarray(indices, dtype=np.int64)
+        counts = np.diff(self.offsets)[indices]
+        offsets = np.zeros(len(indices) + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        take = np.repeat(self.offsets[:-1][indices] - offsets[:-1], counts) + np.arange(offsets[-1])
+        return ImageStats(offsets, self.width[take], self.height[take], self.patches[take])
+
+    @staticmethod
+    def concat(parts: Sequence["ImageStats"]) -> "ImageStats":
+        offsets = [np.zeros(1, dtype=np.int64)]
+        base = 0
+        for p in parts:
+            offsets.append(p.offsets[1:] + base)
+            base += int(p.offsets[-1])
+        cat = (lambda name: np.concatenate([getattr(p, name) for p in parts]) if parts else np.zeros(0, np.int64))
+        return ImageStats(np.concatenate(offsets), cat("width"), cat("height"), cat("patches"))
 
 
 @dataclass
@@ -37,12 +100,14 @@ class SampleStats:
     tokens: int64 (n,), LLM tokens per sample.
     source: int32 (n,), index into ``files`` of the file each sample came from.
     files: the stats files (or dataset names), in load order.
+    images: each sample's images (size and patches) when the stats hold them, else None.
     """
 
     vit: np.ndarray
     tokens: np.ndarray
     source: np.ndarray
     files: list[str] = field(default_factory=list)
+    images: ImageStats | None = None
 
     def __post_init__(self) -> None:
         self.vit = np.asarray(self.vit, dtype=np.int64)
@@ -59,6 +124,8 @@ class SampleStats:
             raise StatsError(f"SampleStats: negative vit/tokens at sample indices {bad[:10].tolist()}")
         if n and (self.source.min() < 0 or (self.files and self.source.max() >= len(self.files))):
             raise StatsError(f"SampleStats: source ids must index files (0..{len(self.files) - 1})")
+        if self.images is not None and self.images.num_samples != n:
+            raise StatsError(f"SampleStats: images describe {self.images.num_samples} samples, not {n}")
 
     def __len__(self) -> int:
         return len(self.vit)
@@ -66,22 +133,54 @@ class SampleStats:
     def subset(self, indices: np.ndarray) -> "SampleStats":
         """The samples at ``indices`` (in that order)."""
         indices = np.asarray(indices, dtype=np.int64)
-        return SampleStats(self.vit[indices], self.tokens[indices], self.source[indices], list(self.files))
+        images = None if self.images is None else self.images.subset(indices)
+        return SampleStats(self.vit[indices], self.tokens[indices], self.source[indices], list(self.files), images)
+
+    @property
+    def patches(self) -> np.ndarray:
+        """Patches per sample (sum over its images): int64 (n,); StatsError when the stats hold no images."""
+        if self.images is None:
+            raise StatsError(f"{', '.join(self.files) or 'these stats'}: no per-image sizes (\"images\"), so no patch "
+                             "counts; write them with a pre-training scan or derive them (omnibal_ext.data.native)")
+        return self.images.per_sample(self.images.patches)
+
+    def in_vision_items(self, item: str) -> "SampleStats":
+        """These stats with ``vit`` holding the ViT's work in ``item`` (``vision_items``): what the planners
+        count for a family (patches at native resolution)."""
+        if item == "tile":
+            return self
+        return SampleStats(self.vision_items(item), self.tokens, self.source, list(self.files), self.images)
+
+    def vision_items(self, item: str) -> np.ndarray:
+        """The ViT's work per sample in a family's unit (``Family.vision_item``): "tile" -> ``vit``, "patch" ->
+        ``patches``."""
+        if item == "tile":
+            return self.vit
+        if item == "patch":
+            return self.patches
+        raise ValueError(f"vision_items: unknown item {item!r} (tile or patch)")
 
     def summary(self) -> dict:
-        """Counts and means per file and overall (tiles and tokens per sample)."""
+        """Counts and means per file and overall (tiles and tokens per sample; with per-image sizes also
+        images and patches per sample)."""
+        patches = self.patches if self.images is not None else None
+        images = np.diff(self.images.offsets) if self.images is not None else None
 
         def describe(mask: np.ndarray) -> dict:
             v, t = self.vit[mask], self.tokens[mask]
             if len(v) == 0:
                 return {"samples": 0}
-            return {
+            out = {
                 "samples": int(len(v)),
                 "tiles_mean": float(v.mean()), "tiles_max": int(v.max()),
                 "tiles_zero": int((v == 0).sum()),
                 "tokens_mean": float(t.mean()), "tokens_min": int(t.min()), "tokens_max": int(t.max()),
                 "tokens_p99": float(np.percentile(t, 99)),
             }
+            if patches is not None:
+                out.update({"images_mean": float(images[mask].mean()), "patches_mean": float(patches[mask].mean()),
+                            "patches_max": int(patches[mask].max())})
+            return out
 
         out = {"all": describe(np.ones(len(self), dtype=bool)), "files": {}}
         for i, name in enumerate(self.files):
@@ -117,6 +216,30 @@ def _record_error(path: str, records: list, key: str | None = None) -> StatsErro
     return StatsError(f"{path}: invalid records")
 
 
+def parse_images(records: list, path: str) -> ImageStats | None:
+    """The records' ``images`` lists as ImageStats, or None when no record has one; StatsError names ``path``
+    and the record of a missing or malformed list."""
+    first = next((i for i, r in enumerate(records) if "images" in r), None)
+    if first is None:
+        return None
+    counts, values = [], []
+    for i, rec in enumerate(records):
+        images = rec.get("images")
+        if not isinstance(images, list):
+            raise StatsError(f"{path}: record {i} has no \"images\" list (record {first} has one; give every record "
+                             "one, [] for no image)")
+        for j, im in enumerate(images):
+            if not isinstance(im, dict) or not all(_is_count(im.get(k)) and im.get(k) > 0 for k in IMAGE_KEYS):
+                raise StatsError(f"{path}: record {i}, image {j}: expected positive integer "
+                                 f"{', '.join(IMAGE_KEYS)}, got {im!r}")
+            values.append((im["width"], im["height"], im["patches"]))
+        counts.append(len(images))
+    offsets = np.zeros(len(records) + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    table = np.asarray(values, dtype=np.int64).reshape(-1, 3)
+    return ImageStats(offsets, table[:, 0], table[:, 1], table[:, 2])
+
+
 def parse_records(records, path: str) -> tuple[np.ndarray, np.ndarray]:
     """(vit, tokens) int64 arrays from a decoded JSON list; StatsError names ``path`` and the record."""
     if not isinstance(records, list):
@@ -143,6 +266,12 @@ def open_text(path: str | Path):
 
 def load_stats_file(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     """(vit, tokens) of one stats file (JSON, or gzip-compressed JSON)."""
+    vit, tokens, _ = load_stats_file_images(path)
+    return vit, tokens
+
+
+def load_stats_file_images(path: str | Path) -> tuple[np.ndarray, np.ndarray, ImageStats | None]:
+    """(vit, tokens, images or None) of one stats file (JSON, or gzip-compressed JSON)."""
     path = str(path)
     try:
         with open_text(path) as f:
@@ -153,7 +282,8 @@ def load_stats_file(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
         raise StatsError(f"{path}: not valid JSON: {e}") from e
     except UnicodeDecodeError as e:
         raise StatsError(f"{path}: not valid JSON (not UTF-8 text): {e}") from e
-    return parse_records(records, path)
+    vit, tokens = parse_records(records, path)
+    return vit, tokens, parse_images(records, path)
 
 
 def load_stats(paths: Sequence[str | Path]) -> SampleStats:
@@ -162,13 +292,20 @@ def load_stats(paths: Sequence[str | Path]) -> SampleStats:
         paths = [paths]
     if not paths:
         raise StatsError("no stats files given")
-    vits, toks, srcs = [], [], []
+    vits, toks, srcs, images = [], [], [], []
     for i, p in enumerate(paths):
-        v, t = load_stats_file(p)
+        v, t, im = load_stats_file_images(p)
         vits.append(v)
         toks.append(t)
         srcs.append(np.full(len(v), i, dtype=np.int32))
-    return SampleStats(np.concatenate(vits), np.concatenate(toks), np.concatenate(srcs), [str(p) for p in paths])
+        images.append(im)
+    if any(im is not None for im in images) and not all(im is not None for im in images):
+        some = paths[[im is None for im in images].index(False)]
+        none = paths[[im is None for im in images].index(True)]
+        raise StatsError(f"{none}: no per-image sizes (\"images\") but {some} has them; give them for every file")
+    merged = ImageStats.concat(images) if images[0] is not None else None
+    return SampleStats(np.concatenate(vits), np.concatenate(toks), np.concatenate(srcs), [str(p) for p in paths],
+                       merged)
 
 
 def resample_indices(num_samples: int, m: int, seed: int) -> np.ndarray:

@@ -82,7 +82,7 @@ def candidate_configs(spec: ModelSpec, gpus: int, tp=None, pp=None, dp=None,
 def screen_config(spec: ModelSpec, device: DeviceSpec, budget: float, attention: str, cfg: tuple[int, int, int],
                   k: int, global_batch: int, cap_shape: MicroBatchShape, random_shape: MicroBatchShape,
                   mean_isf: tuple[np.ndarray, float], mean_random: np.ndarray, baseline_needed: bool,
-                  cache: dict | None = None, trainable=None, cp: int = 1, vpps=(1,)) -> dict:
+                  cache: dict | None = None, trainable=None, cp: int = 1, vpps=(1,), segments=None) -> dict:
     """Quick look at one (tp, pp, dp): least memory need, the baseline's memory, and the time per sample
     of the balanced (+memory) plan and of the baseline, each with every micro-batch at its mean shape.
 
@@ -90,11 +90,12 @@ def screen_config(spec: ModelSpec, device: DeviceSpec, budget: float, attention:
     (mean ISF group shape, mean samples per group); mean_random: the mean padded random micro-batch shape;
     cp: the context-parallel size (the shapes carry it; ``rec["cp"]`` is written when > 1).
     vpps: the model chunks per rank V to try (V > 1: ``interleaved``; skipped where the micro-batches do not
-    allow it); the fastest is ``vpp``.
+    allow it); the fastest is ``vpp``. segments: the data's ViT segments per item (``build_context``).
     """
     t, p, d = cfg
     m = num_microbatches(global_batch, d, k)
-    ctx = build_context(spec, device, t, p, d, m, budget, attention, cap_shape, random_shape, trainable, cp)
+    ctx = build_context(spec, device, t, p, d, m, budget, attention, cap_shape, random_shape, trainable, cp,
+                        segments)
     need, stage, _ = memory_need(ctx.need)
     rec = {"tp": t, "pp": p, **({"cp": cp} if cp > 1 else {}), "dp": d, "micro_batches": m,
            "least_need_bytes": need, "need_stage": stage,

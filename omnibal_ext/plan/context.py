@@ -51,13 +51,13 @@ class PlanContext:
 
 def build_context(spec: ModelSpec, device: DeviceSpec, tp: int, pp: int, dp: int, m: int, budget: float,
                   attention: str, cap_shape: MicroBatchShape, random_shape: MicroBatchShape,
-                  trainable: Trainable | None = None, cp: int = 1) -> PlanContext:
+                  trainable: Trainable | None = None, cp: int = 1, segments=None) -> PlanContext:
     """The context of one configuration: costs at the ISF caps and at the mean padded random micro-batch, with
     ``trainable``'s frozen units applied (omnibal_ext.model.trainable; linear in the shape, so the basis too).
     With TP > 1 the plan runs sequence parallelism (``trainer_flags.sequence_parallel``, with or without CP), and
     its costs count it (under CP the shapes hold the samples padded to 2 x CP x TP).  cp: the context-parallel
     size; the shapes carry it (``MicroBatchShape.cp``) and the costs and memory are one CP rank's; the optimizer
-    state is sharded over DP x CP (megatron-core's distributed optimizer)."""
+    state is sharded over DP x CP (megatron-core's distributed optimizer). segments: the data's ViT segments per item for the basis (``linear_costs``)."""
     frozen = trainable.apply if trainable is not None else (lambda c: c)
     sp = sequence_parallel(tp)
     for shape in (cap_shape, random_shape):
@@ -65,7 +65,8 @@ def build_context(spec: ModelSpec, device: DeviceSpec, tp: int, pp: int, dp: int
             raise ValueError(f"build_context: a shape split over CP {shape.cp}, the configuration's CP is {cp}")
     costs_isf = frozen(analytic_costs(spec, cap_shape, tp, device, attention=attention, sequence_parallel=sp))
     costs_random = frozen(analytic_costs(spec, random_shape, tp, device, attention=attention, sequence_parallel=sp))
-    basis = tuple(frozen(c) for c in basis_costs(spec, tp, device, attention, sequence_parallel=sp, cp=cp))
+    basis = tuple(frozen(c) for c in basis_costs(spec, tp, device, attention, sequence_parallel=sp, cp=cp,
+                                                    segments=segments))
     precision = training_precision(device)
     return PlanContext(spec, device, tp, pp, dp, m, budget, attention, basis,
                        costs_isf, costs_random, memory_need_table(costs_isf, pp, tp, dp * cp, m, precision=precision),

@@ -78,24 +78,27 @@ def mean_isf_group(stats: SampleStats, grouping, cp: int = 1, sp_tp: int = 1) ->
     return shape, float(grouping.sizes.mean())
 
 
-def cap_shape(params, stats: SampleStats, cp: int = 1, sp_tp: int = 1) -> MicroBatchShape:
+def cap_shape(params, stats: SampleStats, cp: int = 1, sp_tp: int = 1, segments=None) -> MicroBatchShape:
     """The largest micro-batch the ISF caps allow: Qv tiles, Qt tokens, attention ``min(Qt, longest) * Qt``.
 
     Under CP (``cp`` > 1) the ISF plan counted each sample's tokens padded to a multiple of 2 CP (x TP with sequence
     parallelism, ``sp_tp``; ``isf_plan``), so Qt caps the padded tokens; the longest sample is padded, and the shape
-    is split over ``cp`` ranks (``MicroBatchShape.cp``)."""
+    is split over ``cp`` ranks (``MicroBatchShape.cp``). segments: the data's ViT segments per item
+    (``model.sample_time.VisionSegments``), at their largest (None: the family's default)."""
     longest = int(stats.tokens.max()) if len(stats) else 0
     qt = int(params.qt)
     if cp > 1:
         longest = int(padded_lengths([longest], cp, sp_tp)[0])
-    return MicroBatchShape(int(params.qv), qt, llm_attn_tokens_sq=float(min(qt, longest)) * qt, cp=cp)
+    vit_sq = {} if segments is None else segments.shape_sq(params.qv, mean=False)
+    return MicroBatchShape(int(params.qv), qt, llm_attn_tokens_sq=float(min(qt, longest)) * qt, cp=cp, **vit_sq)
 
 
-def shape_of(v: np.ndarray, cp: int = 1) -> MicroBatchShape:
+def shape_of(v: np.ndarray, cp: int = 1, segments=None) -> MicroBatchShape:
     """A (tiles, tokens, sum len^2) vector as a MicroBatchShape split over ``cp`` ranks (rounded; attention at most
-    tokens^2)."""
+    tokens^2; ``segments``: the data's mean ViT segments per item)."""
     tiles, tokens = int(round(v[0])), int(round(v[1]))
-    return MicroBatchShape(tiles, tokens, llm_attn_tokens_sq=float(min(v[2], float(tokens) ** 2)), cp=cp)
+    vit_sq = {} if segments is None else segments.shape_sq(tiles, mean=True)
+    return MicroBatchShape(tiles, tokens, llm_attn_tokens_sq=float(min(v[2], float(tokens) ** 2)), cp=cp, **vit_sq)
 
 
 def shape_dict(v: np.ndarray) -> dict:

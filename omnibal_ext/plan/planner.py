@@ -10,6 +10,8 @@ from ..data.stats import SampleStats
 from ..memory.memory_model import GIB, MIXED_BF16_ADAM
 from ..model.cp_split import cp_multiple
 from ..model.layout import default_layout
+from ..model.sample_time import vision_segments
+from ..model.units import family_of
 from .config import PlanConfig, check_request
 from .configs import candidate_configs, num_microbatches, refusal, screen_config
 from .context import PlanContext, best_candidate, build_context, nothing_fits, simulate_candidate
@@ -38,7 +40,7 @@ class _Chosen:
     usable: int  # configurations that fit
 
 
-def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict) -> _Chosen:
+def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict, segments=None) -> _Chosen:
     """Screen every candidate (tp, pp, dp) and keep the fastest that fits; PlanError when none does."""
     spec, dev, budget, k = config.spec, config.device_spec, config.budget_bytes, int(config.samples_per_group)
     gpus, gpu_memory = config.gpus, config.gpu_memory_bytes
@@ -70,7 +72,7 @@ def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict) -
         if s not in shapes:
             data = isf_at(tp, first_dp)
             _, mean_random, worst = random_loads(stats, k, 1, 1, 1, config.seed, cp, s)
-            shapes[s] = (cap_shape(data.params, stats, cp, s), shape_of(mean_random, cp),
+            shapes[s] = (cap_shape(data.params, stats, cp, s, segments), shape_of(mean_random, cp, segments),
                          mean_isf_group(stats, data.grouping, cp, s), mean_random, worst)
         return shapes[s]
 
@@ -79,7 +81,8 @@ def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict) -
     def screen(cfg, caps, baseline_needed, cache=None):
         _, random_shape, mean_isf, mean_random, _ = shapes_at(cfg[0])
         return screen_config(spec, dev, budget, config.attention, cfg, k, config.global_batch_size, caps,
-                             random_shape, mean_isf, mean_random, baseline_needed, cache, config.trainable, cp, vpps)
+                             random_shape, mean_isf, mean_random, baseline_needed, cache, config.trainable, cp, vpps,
+                             segments)
 
     tried = [screen(c, shapes_at(c[0])[0], config.require_baseline_fit, cache) for c in configs]
     usable = [r for r in tried if r["fits"] and "estimated_seconds_per_sample" in r]
@@ -91,9 +94,10 @@ def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict) -
     t, p, d = chosen["tp"], chosen["pp"], chosen["dp"]
     _, random_shape, _, _, worst = shapes_at(t)
     data = isf_at(t, d)
-    cap = cap_shape(data.params, stats, cp, sp_tp(t))
+    cap = cap_shape(data.params, stats, cp, sp_tp(t), segments)
     m = num_microbatches(config.global_batch_size, d, k)
-    ctx = build_context(spec, dev, t, p, d, m, budget, config.attention, cap, random_shape, config.trainable, cp)
+    ctx = build_context(spec, dev, t, p, d, m, budget, config.attention, cap, random_shape, config.trainable, cp,
+                        segments)
     if memory_need(ctx.need)[0] > budget:  # the final thresholds moved the caps: say so plainly
         raise refusal(spec, gpus, gpu_memory, budget, [screen((t, p, d), cap, False)], skipped, False)
     return _Chosen(ctx, data, cap, worst, tried, skipped, len(usable))
@@ -129,14 +133,18 @@ def _notes(config: PlanConfig, ctx: PlanContext, k: int, usable: int, baseline, 
 def make_plan(stats: SampleStats, config: PlanConfig) -> Plan:
     """Plan data, model and memory balance together (see the package docstring).
 
-    stats: per-sample tiles and tokens; config: the request (:class:`PlanConfig`).
+    stats: per-sample tiles and tokens (and, for a family counting patches, each sample's images: the plan then
+    counts patches as its ViT items, and its micro-batch shapes carry the data's ViT attention segments per
+    patch, ``model.sample_time.VisionSegments``); config: the request (:class:`PlanConfig`).
     Raises PlanError when nothing fits.
     """
     spec, dev = config.spec, config.device_spec
+    segments = vision_segments(stats, spec)
+    stats = stats.in_vision_items(family_of(spec).vision_item)
     check_request(config, stats)
     k, samples, gpus, seed = int(config.samples_per_group), config.epoch_samples(stats), config.gpus, config.seed
     cache: dict = {}
-    chosen = _choose_configuration(stats, config, cache)
+    chosen = _choose_configuration(stats, config, cache, segments)
     ctx, data = chosen.ctx, chosen.data
     t, p, d, m = ctx.tp, ctx.pp, ctx.dp, ctx.m
 

@@ -19,7 +19,10 @@ class Family:
     """name: ``ModelSpec.family``; vision_spec: the dataclass of ``ModelSpec.vision``; components: one
     ``CostComponent`` class per kind of unit; unit_list(spec): (global name, component class, layer
     number or None) in pipeline order, roles in the order I v* P E t* L; vision_item: what the ViT's
-    work is counted in (``MicroBatchShape.vision_items``, ISF's Qv); presets: published sizes by name."""
+    work is counted in (``MicroBatchShape.vision_items``, ISF's Qv); presets: published sizes by name;
+    segments_sq(spec, rows, cols): for ViTs whose items vary in size, the (full-attention, window) sums of squared
+    attention-segment lengths of images of ``rows x cols`` patches (``MicroBatchShape.vision_attn_tokens_sq``,
+    ``vision_window_tokens_sq``), None where an item's attention is fixed (InternVL's tiles)."""
 
     name: str
     vision_spec: type
@@ -27,3 +30,4 @@ class Family:
     unit_list: Callable[[ModelSpec], list[tuple[str, type[CostComponent], int | None]]]
     vision_item: str
     presets: dict[str, ModelSpec] = field(default_factory=dict)
+    segments_sq: Callable | None = None

@@ -22,8 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ...errors import UserError
-from ..components import ActBytes, CostComponent, HeadCost, TextEmbedCost, TextLayerCost, layer_act_bytes_per_token
+from ..components import (ActBytes, CostComponent, HeadCost, TextEmbedCost, TextLayerCost, layer_act_bytes_per_token,
+                          sp_tokens)
 from ..spec import PROJECTOR, VISION_EMBED, VISION_LAYER, LanguageSpec, ModelSpec
 from . import Family
 
@@ -97,10 +100,28 @@ def _attention_sq(spec: ModelSpec, shape, window: bool) -> float:
     return given if given is not None else n * n
 
 
+def image_segments_sq(spec: ModelSpec, rows, cols) -> tuple[np.ndarray, np.ndarray]:
+    """(full-attention, window) sums of squared segment lengths (patches^2) of images of ``rows x cols`` patches
+    (arrays, one per image): the whole image is one segment, ``(rows*cols)^2``; windows of ``w x w`` patches
+    (``window_patches_side``) tile it from the top left, ragged at the bottom and right edges, so their squares
+    sum to ``S(rows) * S(cols)`` with ``S(n) = (n // w) * w^2 + (n % w)^2``."""
+    w = spec.vision.window_patches_side
+    rows = np.asarray(rows, dtype=np.float64)
+    cols = np.asarray(cols, dtype=np.float64)
+
+    def side(n):
+        return np.floor(n / w) * w * w + np.mod(n, w) ** 2
+
+    return (rows * cols) ** 2, side(rows) * side(cols)
+
+
 def _check_cp(shape) -> None:
+    """CP > 1 is refused: the runtime family splits no micro-batch over CP ranks, and a split of whole images
+    (which vary in patches, and whose full-attention layers cannot be cut) would need a per-micro-batch packing
+    of images onto ranks that neither side has; the LLM side's per-rank counting is shared and would carry over."""
     if shape.cp != 1:
-        raise UserError("qwen2.5-vl: context parallelism is not modelled for this family yet (MicroBatchShape.cp "
-                        f"{shape.cp}); plan it at CP 1")
+        raise UserError("qwen2.5-vl: context parallelism is not supported for this family yet (MicroBatchShape.cp "
+                        f"{shape.cp}: its images would have to be packed whole onto the CP ranks); plan it at CP 1")
 
 
 class VisionEmbedCost(CostComponent):
@@ -138,6 +159,8 @@ class _VisionLayerCost(CostComponent):
         return 4 * h * width + 3 * width + h + 3 * h * f + 2 * f + h + 2 * h  # attention, MLP, two RMSNorms
 
     def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False):
+        # sequence parallel: the packed patches padded to a multiple of TP once (segments stay whole), and the
+        # layer input kept for full recompute and sent to the next stage split over TP, as InternViT's
         _check_cp(shape)
         v, D, n = self.spec.vision, shape.dtype_bytes, shape.vision_items
         attended = _attention_sq(self.spec, shape, self.window) / n if n else 0.0
@@ -145,11 +168,14 @@ class _VisionLayerCost(CostComponent):
             v.hidden_size, v.num_attention_heads, v.num_attention_heads, v.ffn_hidden_size, True, attended, D, tp,
             dropout, attention, rotary=True, per_sample=attention == "flash", built_heads=v.padded_heads(tp),
             sequence_parallel=sequence_parallel)
-        full = n * v.hidden_size * D + n * v.head_dim * 4.0  # input, fp32 rotary table
-        return ActBytes(n * per_tok, full, n * (per_tok - core), n * v.hidden_size * D)
+        n = sp_tokens(n, tp, sequence_parallel)
+        split = tp if sequence_parallel else 1
+        full = n * v.hidden_size * D / split + n * v.head_dim * 4.0  # input, fp32 rotary table
+        return ActBytes(n * per_tok, full, n * (per_tok - core), n * v.hidden_size * D / split)
 
     def tp_allreduce_bytes(self, shape, sequence_parallel=False, tp=1):
-        vit = shape.vision_items * self.spec.vision.hidden_size * shape.dtype_bytes
+        n = sp_tokens(shape.vision_items, tp, sequence_parallel)  # all-gather + reduce-scatter of the padded patches
+        vit = n * self.spec.vision.hidden_size * shape.dtype_bytes
         return 2 * vit, 2 * vit
 
 
@@ -210,6 +236,18 @@ def unit_list(spec: ModelSpec):
 # fields, vision_config). ViT (all four): depth 32, hidden 1280, 16 heads, intermediate 3420, window 112,
 # patch 14, temporal patch 2, merge 2, full attention at 7/15/23/31, out_hidden_size = the LLM width.
 # LLM: rope_theta 1e6, rms_norm_eps 1e-6, rope_scaling {type: mrope, mrope_section: [16, 24, 24]}, q/k/v bias.
+# Where each fact was checked (copies of the published config.json quoted in public repositories, read with the
+# project's code search; the Hub itself is not reachable from here):
+# * 3B: config.json quoted whole (hidden 2048, 36 layers, 16 heads, 2 KV heads, intermediate 11008, vocab 151936,
+#   tie_word_embeddings true, vision depth 32/hidden 1280/heads 16/intermediate 3420/window 112/fullatt
+#   [7, 15, 23, 31], out_hidden_size 2048, mrope_section [16, 24, 24]);
+# * 7B: config.json quoted whole (3584, 28 layers, 28/4 heads, 18944, vocab 152064, untied, the same vision_config
+#   with out_hidden_size 3584); transformers' module print of the 7B agrees (k/v_proj 512 wide, merger
+#   5120 -> 3584);
+# * 32B: the text fields of Qwen2.5-VL-32B-Instruct's config.json quoted (5120, 64 layers, 40/8 heads, 27648, vocab
+#   152064); its vision_config hidden/intermediate/patch/out_hidden_size 5120 (depth and heads: the shared tower);
+# * 72B: its LLM is Qwen2.5-72B, whose config.json is quoted whole (8192, 80 layers, 64/8 heads, 29568, vocab
+#   152064, untied); the VL-72B's own config.json was not found, so out_hidden_size 8192 follows the merger's rule.
 # --------------------------------------------------------------------------------------------
 QWEN2_5_VL_VIT = VisionSpec(num_layers=32, hidden_size=1280, num_attention_heads=16, ffn_hidden_size=3420)
 _TEXT = dict(rotary_base=1000000, qkv_bias=True, norm_eps=1e-6, mrope_section=(16, 24, 24))
@@ -240,4 +278,4 @@ PRESETS: dict[str, ModelSpec] = {
 QWEN2_5_VL = Family(
     name="qwen2_5_vl", vision_spec=VisionSpec,
     components=(VisionEmbedCost, WindowLayerCost, FullLayerCost, MergerCost, TextEmbedCost, TextLayerCost, HeadCost),
-    unit_list=unit_list, vision_item="patch", presets=PRESETS)
+    unit_list=unit_list, vision_item="patch", presets=PRESETS, segments_sq=image_segments_sq)

@@ -50,7 +50,7 @@ class VisionLayer(PaddedHeadLayers):
                           ctx.attention_backend, real_heads=v.num_attention_heads, vision=v, drop_path=drop_path)
 
     def build(self, units):
-        full, selective = self.ctx.layer_recompute(self.code())
+        full, selective = self.ctx.layer_recompute(self.code(), units[0].index)
         self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.vision_config)
         return layers.build_blocks(self.ctx.vision_config, self.layer_spec, units[0].index, len(units),
                                    full, selective)

@@ -59,7 +59,7 @@ class _VisionLayers(PaddedHeadLayers):
                                  self.spec.vision.num_attention_heads)
 
     def build(self, units):
-        full, selective = self.ctx.layer_recompute(self.code())
+        full, selective = self.ctx.layer_recompute(self.code(), units[0].index)
         return layers.build_blocks(self.ctx.vision_config, self.layer_spec, units[0].index, len(units),
                                    full, selective)
 

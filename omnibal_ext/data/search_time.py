@@ -1,0 +1,180 @@
+"""ISF threshold search in predicted time (native resolution): the counterpart of ``search.py`` for groups
+balanced in time.
+
+Given per-sample ViT items (tiles or patches), tokens and predicted ViT and LLM times (integer units,
+``model/sample_time.py``), the search picks the time caps and lower bounds; the counts stay hard caps (memory
+is planned for them: ``max_seq_len`` / ``vit_cap`` when given, else twice / two and a half times the target
+group's mean tokens / ViT items, never below the largest sample). Candidates run on a random subset, are
+grouped by ISF in time, assembled into balanced steps by their times, and scored::
+
+    score = dist_ratio_llm_time + dist_ratio_vit_time + 4 * max(0, min_fill - fill_llm_time)
+            + 0.05 * (1 - fill_vit_time) + 0.02 * |samples_per_group - K| / K
+
+Stage 1 tries a grid of LLM-time caps (around K mean sample times) and ViT-time caps (the LLM cap at the data's
+ViT/LLM time ratio, times 1, 1.2, 1.6), stage 2 the lower bounds, stage 3 the pass count, as ``search.py`` does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import numpy as np
+
+from .assign import DEFAULT_KEYS, StepAssembly, assemble_steps
+from .isf import Grouping, ISFParams, group_sums, isf_group
+from .metrics import evaluate_steps, time_metrics
+from .search import DataPlan, SearchConfig, SearchResult, random_group_totals, step_matrix_epoch0
+
+
+def evaluate_grouping_time(g: Grouping, dp_size: int, sp: int = 1, params: ISFParams | None = None, seed: int = 0,
+                           assembly: StepAssembly | None = None, keys=DEFAULT_KEYS) -> tuple[dict, StepAssembly]:
+    """Metrics of groups balanced in time: steps assembled by the groups' (LLM, ViT) times; the count metrics
+    of ``evaluate_steps`` plus ``time_metrics``."""
+    if assembly is None:
+        assembly = assemble_steps(g.llm_time, g.vit_time, dp_size, sp, keys=keys)
+    steps = step_matrix_epoch0(len(g), assembly.width, assembly.order, seed)
+    qt = qv = vcap = lcap = None
+    if params is not None:
+        qt, qv, vcap, lcap = params.qt, params.qv, params.vit_time, params.llm_time
+    m = evaluate_steps(steps, g.tokens, g.tiles, g.sizes, None, qt, qv)
+    m.update(time_metrics(steps, g.vit_time, g.llm_time, vcap, lcap))
+    return m, assembly
+
+
+def steps_time_metrics(steps: np.ndarray, g: Grouping, times) -> dict:
+    """Time balance of a step plan of groups formed without times (ISF by counts): the groups' times are summed
+    from the samples' ``times`` = (ViT, LLM)."""
+    vt, lt = (group_sums(t, g.members, g.offsets) for t in times)
+    return time_metrics(steps, vt, lt)
+
+
+def random_baseline_time(vit, tokens, times, dp_size: int, k: int, seed: int = 0) -> dict:
+    """``search.random_baseline`` with the time metrics of its groups (``k`` random samples per device; the
+    groups' times are their samples' summed times: the real work, as its DistRatio counts real tokens)."""
+    gt, gv, gm, sizes = random_group_totals(vit, tokens, k, seed)
+    lt, vt, _, _ = random_group_totals(times[0], times[1], k, seed)  # the same permutation, so the same groups
+    steps = step_matrix_epoch0(len(gt), dp_size, None, seed)
+    m = evaluate_steps(steps, gt, gv, sizes, gm)
+    m.update(time_metrics(steps, vt, lt))
+    return m
+
+
+def _score(m: dict, cfg: SearchConfig) -> float:
+    s = m["dist_ratio_llm_time"] + m["dist_ratio_vit_time"] + 4.0 * max(0.0, cfg.min_fill - m["fill_llm_time"])
+    s += 0.05 * (1.0 - min(1.0, m["fill_vit_time"]))
+    if cfg.samples_per_group:
+        s += 0.02 * abs(m["samples_per_group"] - cfg.samples_per_group) / cfg.samples_per_group
+    return s
+
+
+def count_caps(vit: np.ndarray, tokens: np.ndarray, cfg: SearchConfig) -> tuple[int, int]:
+    """(qv, qt): the hard count caps of ISF in time (module docstring)."""
+    k = cfg.samples_per_group or 1.0
+    qt = cfg.max_seq_len if cfg.max_seq_len is not None else max(int(tokens.max()), math.ceil(2.0 * k * tokens.mean()))
+    qv = cfg.vit_cap if cfg.vit_cap is not None else max(int(vit.max()), math.ceil(2.5 * k * vit.mean()))
+    return int(qv), int(qt)
+
+
+def search_params_time(vit, tokens, times, cfg: SearchConfig) -> SearchResult:
+    """Choose ISF-in-time thresholds for these samples (module docstring); ``times`` = (ViT, LLM) int arrays."""
+    t0 = time.perf_counter()
+    c_start = time.process_time()
+    vit = np.asarray(vit, dtype=np.int64)
+    tokens = np.asarray(tokens, dtype=np.int64)
+    vt_all, lt_all = (np.asarray(t, dtype=np.int64) for t in times)
+    n = len(vit)
+    if n == 0:
+        raise ValueError("search_params_time: no samples")
+    if cfg.samples_per_group is None:
+        raise ValueError("search_params_time: give samples_per_group (K)")
+    rng = np.random.default_rng(cfg.seed)
+    sub = np.sort(rng.choice(n, size=cfg.search_samples, replace=False)) if n > cfg.search_samples else np.arange(n)
+    sv, st, svt, slt = vit[sub], tokens[sub], vt_all[sub], lt_all[sub]
+    qv, qt = count_caps(vit, tokens, cfg)
+    strict = cfg.oversize == "error"
+    mean_lt, mean_vt = float(slt.mean()), float(svt.mean())
+    base = cfg.samples_per_group * mean_lt / 0.965
+    lt_grid = sorted({int(round(base * f)) for f in (0.97, 1.0, 1.04)})
+    if strict:
+        lt_grid = sorted({max(c, int(lt_all.max())) for c in lt_grid})
+
+    def vt_grid_for(lcap: int) -> list[int]:
+        rho = mean_vt / max(mean_lt, 1.0)
+        out = {int(math.ceil(lcap * rho * f)) for f in (1.0, 1.2, 1.6)}
+        return sorted({max(c, int(vt_all.max())) if strict else c for c in out})
+
+    candidates: list[dict] = []
+    seen: set = set()
+    best: dict | None = None
+
+    def run(p: ISFParams) -> None:
+        nonlocal best
+        key = (p.vit_time, p.llm_time, p.vit_time_min, p.llm_time_min, p.iters)
+        if key in seen:
+            return
+        seen.add(key)
+        c0 = time.perf_counter()
+        g = isf_group(sv, st, p, seed=cfg.seed, times=(svt, slt))
+        m, asm = evaluate_grouping_time(g, cfg.dp_size, cfg.sp, p, seed=cfg.seed)
+        rec = {"params": p.to_dict(), **m, "leftover_groups": g.report["leftover_groups"], "groups": len(g),
+               "passes": g.report["passes"], "assembly_key": list(asm.key), "seconds": time.perf_counter() - c0}
+        rec["score"] = _score(m, cfg)
+        candidates.append(rec)
+        if best is None or rec["score"] < best["score"]:
+            best = rec
+
+    def budget_left() -> bool:
+        return len(candidates) < cfg.max_candidates and time.process_time() - c_start < cfg.time_budget_s
+
+    def params(vcap, lcap, a, b, iters=cfg.iters) -> ISFParams:
+        return ISFParams(qv=qv, qt=qt, qv_min=0, qt_min=0, iters=iters, oversize=cfg.oversize, vit_time=vcap,
+                         llm_time=lcap, vit_time_min=min(vcap, int(math.ceil(b * vcap))),
+                         llm_time_min=int(math.ceil(a * lcap)))
+
+    mid = lt_grid[len(lt_grid) // 2]
+    for lcap in [mid] + [c for c in lt_grid if c != mid]:
+        for vcap in vt_grid_for(lcap):
+            if candidates and not budget_left():
+                break
+            run(params(vcap, lcap, 0.96, 1.0))
+    bq = best["params"]
+    for a in (0.94, 0.95, 0.97, 0.98):
+        for b in (1.0, 0.85):
+            if not budget_left():
+                break
+            run(params(bq["vit_time"], bq["llm_time"], a, b))
+    bq = best["params"]
+    for iters in (max(1, cfg.iters // 2), cfg.iters * 2):
+        if not budget_left():
+            break
+        run(ISFParams(**{**bq, "iters": iters}))
+    return SearchResult(ISFParams(**best["params"]), best, candidates, time.perf_counter() - t0, len(sv))
+
+
+def plan_isf_time(vit, tokens, times, cfg: SearchConfig, params: ISFParams | None = None) -> DataPlan:
+    """Search time thresholds (unless ``params`` is given), group all samples in time and assemble steps; searched
+    count caps are then lowered to the largest group's (``tight_count_caps``)."""
+    vit = np.asarray(vit, dtype=np.int64)
+    tokens = np.asarray(tokens, dtype=np.int64)
+    search, t_search, keys = None, 0.0, DEFAULT_KEYS
+    if params is None:
+        search = search_params_time(vit, tokens, times, cfg)
+        params, t_search = search.params, search.seconds
+        keys = [tuple(search.best["assembly_key"]), ("tiles", 0.0)]
+    t0 = time.perf_counter()
+    g = isf_group(vit, tokens, params, seed=cfg.seed, times=times)
+    if search is not None and len(g):
+        params = tight_count_caps(params, g)
+    m, asm = evaluate_grouping_time(g, cfg.dp_size, cfg.sp, params, seed=cfg.seed, keys=keys)
+    return DataPlan(params, g, asm, m, search, time.perf_counter() - t0, t_search)
+
+
+def tight_count_caps(params: ISFParams, g: Grouping) -> ISFParams:
+    """``params`` with the count caps lowered to the largest group of ``g`` (what memory must be planned for).
+
+    The grouping stays the same: every partial sum of a group stays within its total, so the lower caps block
+    no sample a group took, and a group that closed at a cap would close at the lower one too; the walks do not
+    depend on the caps."""
+    return dataclasses.replace(params, qv=max(params.qv_min, int(g.tiles.max())),
+                               qt=max(params.qt_min, int(g.tokens.max())))

@@ -1,0 +1,143 @@
+"""Predicted training time of each sample, ViT side and LLM side apart: what ISF balances at native resolution.
+
+The cost model's time of a micro-batch is linear in five sums over its samples (``MicroBatchShape``): ViT items,
+the ViT's squared full-attention segment lengths (one segment per image), its squared window lengths, LLM tokens
+and the LLM's squared sample lengths (packed attention stays within a sample). Each is a sum over samples, so a
+micro-batch's predicted time is the sum of its samples' times: ``time_coefficients`` reads the five rates off the
+cost model (forward plus backward of every unit, TP all-reduces included), and ``sample_times`` gives every
+sample its ViT-side (embedding, ViT layers, projector) and LLM-side (embedding, layers, head) seconds.
+``tests/test_isf_native.py`` checks the sum of a group's sample times against the cost model of the group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..data.native import patch_grid
+from ..data.stats import SampleStats
+from .cost_model import DeviceSpec, analytic_costs
+from .shape import MicroBatchShape
+from .spec import PROJECTOR, VISION_EMBED, VISION_LAYER, ModelSpec
+from .units import family_of
+
+VISION_CODES = (VISION_EMBED, VISION_LAYER, PROJECTOR)
+BASIS = 1 << 20  # the size of the unit shapes the rates are read at (large: the float rounding stays tiny)
+
+
+@dataclass(frozen=True)
+class TimeCoefficients:
+    """Seconds (forward + backward, one TP rank) per unit of each sum.
+
+    vit_item: per ViT item (tile or patch); vit_full_sq / vit_window_sq: per squared patch of the
+    full-attention / window segments; llm_token: per LLM token; llm_token_sq: per squared sample length.
+    ViT-side units: embedding, ViT layers, projector; LLM side: the rest.
+    """
+
+    vit_item: float
+    vit_full_sq: float
+    vit_window_sq: float
+    llm_token: float
+    llm_token_sq: float
+
+
+def _split_seconds(spec, shape, tp, device, attention) -> tuple[float, float]:
+    costs = analytic_costs(spec, shape, tp, device, attention=attention)
+    vit = sum(u.fwd_s + u.bwd_s for u in costs.units if u.code in VISION_CODES)
+    llm = sum(u.fwd_s + u.bwd_s for u in costs.units if u.code not in VISION_CODES)
+    return vit, llm
+
+
+def time_coefficients(spec: ModelSpec, device: DeviceSpec, tp: int = 1, attention: str = "flash") -> TimeCoefficients:
+    """The cost model's per-unit rates of ``spec`` on ``device`` at TP ``tp`` (see the module docstring)."""
+    b = float(BASIS)
+
+    def seconds(items=0, tokens=0, full=0.0, window=0.0, tokens_sq=0.0):
+        shape = MicroBatchShape(items, tokens, llm_attn_tokens_sq=tokens_sq, vision_attn_tokens_sq=full,
+                                vision_window_tokens_sq=window)
+        return _split_seconds(spec, shape, tp, device, attention)
+
+    item, _ = seconds(items=BASIS)
+    full, _ = seconds(full=b * b)
+    window, _ = seconds(window=b * b)
+    _, token = seconds(tokens=BASIS)
+    _, token_sq = seconds(tokens=BASIS, tokens_sq=b * b)
+    return TimeCoefficients(item / b, full / b**2, window / b**2, token / b, (token_sq - token) / b**2)
+
+
+@dataclass(frozen=True)
+class SampleWork:
+    """The five sums of each sample (float64 (n,)): ViT items, full-attention and window squared segment
+    lengths (patches^2), LLM tokens, squared sample length (tokens^2)."""
+
+    vit_items: np.ndarray
+    vit_full_sq: np.ndarray
+    vit_window_sq: np.ndarray
+    llm_tokens: np.ndarray
+    llm_tokens_sq: np.ndarray
+
+
+def sample_work(stats: SampleStats, spec: ModelSpec) -> SampleWork:
+    """Each sample's work for ``spec``'s family: ViT items in its unit (``Family.vision_item``), the squared
+    segment sums of its images (``Family.segments_sq``, from each image's patch grid; zero for families whose
+    items are fixed-size) and its tokens."""
+    family = family_of(spec)
+    items = stats.vision_items(family.vision_item).astype(np.float64)
+    full = window = np.zeros(len(stats))
+    if family.segments_sq is not None and stats.images is not None and len(stats.images.patches):
+        im = stats.images
+        rows, cols = patch_grid(im.height, im.width, im.patches)
+        f, w = family.segments_sq(spec, rows, cols)
+        full, window = im.per_sample(f), im.per_sample(w)
+    tokens = stats.tokens.astype(np.float64)
+    return SampleWork(items, full, window, tokens, tokens**2)
+
+
+def sample_times(work: SampleWork, coeffs: TimeCoefficients) -> tuple[np.ndarray, np.ndarray]:
+    """(ViT-side seconds, LLM-side seconds) of each sample: float64 (n,)."""
+    c = coeffs
+    vit = c.vit_item * work.vit_items + c.vit_full_sq * work.vit_full_sq + c.vit_window_sq * work.vit_window_sq
+    llm = c.llm_token * work.llm_tokens + c.llm_token_sq * work.llm_tokens_sq
+    return vit, llm
+
+
+TIME_UNIT_S = 1e-9  # ISF's integer time unit (nanoseconds)
+
+
+def sample_time_units(stats: SampleStats, spec: ModelSpec, device: DeviceSpec, tp: int = 1,
+                      attention: str = "flash") -> tuple[np.ndarray, np.ndarray]:
+    """(ViT, LLM) predicted time of each sample in ISF's integer units (``TIME_UNIT_S``), int64 (n,)."""
+    vit, llm = sample_times(sample_work(stats, spec), time_coefficients(spec, device, tp, attention))
+    return (np.round(vit / TIME_UNIT_S).astype(np.int64), np.round(llm / TIME_UNIT_S).astype(np.int64))
+
+
+@dataclass(frozen=True)
+class VisionSegments:
+    """The ViT attention segments of a dataset per ViT item, for shapes built from item counts alone (the planner's
+    micro-batches): full-attention and window squared lengths per item on average over the data (``mean_*``: a
+    micro-batch of the data's images) and at most (``max_*``: the largest image's, an upper bound of any
+    micro-batch's, since ``sum P_i^2 <= max P * sum P``)."""
+
+    mean_full: float
+    mean_window: float
+    max_full: float
+    max_window: float
+
+    def shape_sq(self, items: float, mean: bool) -> dict:
+        """``MicroBatchShape`` keywords of the ViT segments of ``items`` ViT items."""
+        full, window = (self.mean_full, self.mean_window) if mean else (self.max_full, self.max_window)
+        return {"vision_attn_tokens_sq": float(items) * full, "vision_window_tokens_sq": float(items) * window}
+
+
+def vision_segments(stats: SampleStats, spec: ModelSpec) -> VisionSegments | None:
+    """The data's ViT segments per item (``VisionSegments``), or None for a family with fixed-size items."""
+    if family_of(spec).segments_sq is None or stats.images is None or not len(stats.images.patches):
+        return None
+    work = sample_work(stats, spec)
+    im = stats.images
+    rows, cols = patch_grid(im.height, im.width, im.patches)
+    full, window = family_of(spec).segments_sq(spec, rows, cols)
+    per_item = im.patches.astype(np.float64)
+    total = max(float(work.vit_items.sum()), 1.0)
+    return VisionSegments(float(work.vit_full_sq.sum()) / total, float(work.vit_window_sq.sum()) / total,
+                          float((full / per_item).max()), float((window / per_item).max()))
