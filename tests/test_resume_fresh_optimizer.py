@@ -110,3 +110,48 @@ def test_unfrozen_on_resume_steps_like_a_fresh_adamw(tmp_path, extra, capsys):
     load_checkpoint(find_checkpoint(str(tmp_path / "b")), args, plan, model, optimizer, scheduler)
     _step(model, optimizer, scheduler, refs, 5)
     _check(model, refs, "after a second resume")
+
+
+def _steps_by_role(model, optimizer):
+    """{role: the set of Adam step counts of that role's trained parameters} (per parameter, from its state)."""
+    from megatron.training.checkpointing.param_steps import _adam_states
+    from megatron.training.checkpointing.state import model_sharded_state_dict
+
+    role_of = {sh.key: sh.data.vlm_role for sh in model_sharded_state_dict(model).values()
+               if hasattr(getattr(sh, "data", None), "vlm_role")}
+    out = {}
+    for key, states in _adam_states(model, optimizer).items():
+        out.setdefault(role_of[key], set()).update(float(s["step"]) for s in states)
+    return out
+
+
+def test_bf16_distributed_optimizer_keeps_per_parameter_steps(tmp_path):
+    """The bf16 distributed optimizer (sharded fp32 main copies): every trained tensor's step is found, the
+    unfrozen ViT's start at 0 while the others keep the run's, and a save with steps that differ (which
+    megatron-core refuses on its own) keeps them."""
+    from megatron.training.checkpointing import find_checkpoint, load_checkpoint, save_checkpoint
+
+    def steps(model, optimizer, scheduler, n):
+        for _ in range(n):
+            for p in _named(model).values():
+                if p.requires_grad:
+                    p.main_grad.copy_(torch.full(p.shape, 1e-3))
+            assert optimizer.step()[0]
+            scheduler.step(increment=16)
+
+    extra = ["--bf16", "--use-distributed-optimizer"]
+    args, plan, model, optimizer, scheduler = _build(extra + ["--freeze-vit", "--save", str(tmp_path / "a")])
+    steps(model, optimizer, scheduler, 2)
+    trained_roles = {p.vlm_role for p in _named(model).values() if p.requires_grad}
+    assert _steps_by_role(model, optimizer) == {r: {2.0} for r in trained_roles}
+    save_checkpoint(args, plan, 2, 32, model, optimizer, scheduler, _NoData())
+    args, plan, model, optimizer, scheduler = _build(extra + ["--load", str(tmp_path / "a"), "--save", str(tmp_path / "b")])
+    load_checkpoint(find_checkpoint(str(tmp_path / "a")), args, plan, model, optimizer, scheduler)
+    steps(model, optimizer, scheduler, 1)
+    want = {r: {3.0} for r in trained_roles} | {"I": {1.0}, "v": {1.0}}
+    assert _steps_by_role(model, optimizer) == want
+    save_checkpoint(args, plan, 3, 48, model, optimizer, scheduler, _NoData())
+    assert _steps_by_role(model, optimizer) == want  # put back after the save
+    args, plan, model, optimizer, scheduler = _build(extra + ["--load", str(tmp_path / "b")])
+    load_checkpoint(find_checkpoint(str(tmp_path / "b")), args, plan, model, optimizer, scheduler)
+    assert _steps_by_role(model, optimizer) == want
