@@ -112,6 +112,15 @@ def test_unfrozen_on_resume_steps_like_a_fresh_adamw(tmp_path, extra, capsys):
     _check(model, refs, "after a second resume")
 
 
+def _main_params(model, optimizer):
+    """{parameter name: its fp32 main copy (flattened)} of the bf16 optimizers (one rank: whole tensors)."""
+    from megatron.training.checkpointing.param_steps import _model_and_state_params
+
+    name_of = {id(p): n for n, p in _named(model).items()}
+    return {name_of[id(p)]: main.detach().reshape(-1).clone()
+            for opt in optimizer.chained_optimizers for p, main in _model_and_state_params(opt)}
+
+
 def _steps_by_role(model, optimizer):
     """{role: the set of Adam step counts of that role's trained parameters} (per parameter, from its state)."""
     from megatron.training.checkpointing.param_steps import _adam_states
@@ -125,8 +134,9 @@ def _steps_by_role(model, optimizer):
     return out
 
 
-def test_bf16_distributed_optimizer_keeps_per_parameter_steps(tmp_path):
-    """The bf16 distributed optimizer (sharded fp32 main copies): every trained tensor's step is found, the
+@pytest.mark.parametrize("extra", [["--bf16"], ["--bf16", "--use-distributed-optimizer"]], ids=["mixed", "distributed"])
+def test_bf16_optimizers_keep_per_parameter_steps(tmp_path, extra):
+    """The bf16 optimizers (fp32 main copies; their sharded form): every trained tensor's step is found, the
     unfrozen ViT's start at 0 while the others keep the run's, and a save with steps that differ (which
     megatron-core refuses on its own) keeps them."""
     from megatron.training.checkpointing import find_checkpoint, load_checkpoint, save_checkpoint
@@ -139,14 +149,20 @@ def test_bf16_distributed_optimizer_keeps_per_parameter_steps(tmp_path):
             assert optimizer.step()[0]
             scheduler.step(increment=16)
 
-    extra = ["--bf16", "--use-distributed-optimizer"]
     args, plan, model, optimizer, scheduler = _build(extra + ["--freeze-vit", "--save", str(tmp_path / "a")])
     steps(model, optimizer, scheduler, 2)
     trained_roles = {p.vlm_role for p in _named(model).values() if p.requires_grad}
     assert _steps_by_role(model, optimizer) == {r: {2.0} for r in trained_roles}
     save_checkpoint(args, plan, 2, 32, model, optimizer, scheduler, _NoData())
+    mains = _main_params(model, optimizer)
     args, plan, model, optimizer, scheduler = _build(extra + ["--load", str(tmp_path / "a"), "--save", str(tmp_path / "b")])
     load_checkpoint(find_checkpoint(str(tmp_path / "a")), args, plan, model, optimizer, scheduler)
+    # fp32 main copies: the saved ones, and for the unfrozen ViT its loaded bf16 weights
+    loaded = _main_params(model, optimizer)
+    weights = {n: p.detach().float().reshape(-1) for n, p in _named(model).items()}
+    assert set(loaded) - set(mains) and all(_named(model)[n].vlm_role in "Iv" for n in set(loaded) - set(mains))
+    for name, main in loaded.items():
+        assert torch.equal(main, mains.get(name, weights[name])), name
     steps(model, optimizer, scheduler, 1)
     want = {r: {3.0} for r in trained_roles} | {"I": {1.0}, "v": {1.0}}
     assert _steps_by_role(model, optimizer) == want

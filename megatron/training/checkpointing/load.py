@@ -13,8 +13,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factor
 
 from .files import check_files, sizes_problems
 from .layout import TRACKER, Checkpoint, CheckpointError, complete_iterations, iteration_dir
-from .optimizer import (adapt_optimizer_request, fresh_optimizer_entries, init_optimizer_state, load_optimizer,
-                        skeleton)
+from .optimizer import (adapt_optimizer_request, fresh_optimizer_entries, init_optimizer_state, keep_list_positions,
+                        load_optimizer, skeleton)
 from .param_steps import per_parameter_steps, set_steps
 from .state import load_model_state, model_sharded_state_dict, rng_object, set_rng_state, sharded_state_dict, world_of
 
@@ -80,6 +80,8 @@ def load_checkpoint(ckpt: Checkpoint, args, plan, model, optimizer, scheduler) -
     if same_world:
         request["rng"] = rng_object(None)
     template = skeleton(request.get("optimizer"))  # the load rewrites the request's factories in place
+    if fresh:
+        request["optimizer"] = keep_list_positions(request["optimizer"])
     keys = {path: sh.key for path, sh in request["model"].items()}
     loaded = dist_checkpointing.load(request, ckpt.path)
     load_model_state(model, loaded["model"])
