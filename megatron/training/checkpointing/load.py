@@ -13,8 +13,9 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factor
 
 from .files import check_files, sizes_problems
 from .layout import TRACKER, Checkpoint, CheckpointError, complete_iterations, iteration_dir
-from .optimizer import (adapt_optimizer_request, fresh_optimizer_entries, init_optimizer_state, load_optimizer,
-                        skeleton)
+from .optimizer import (adapt_optimizer_request, fresh_optimizer_entries, init_optimizer_state, keep_list_positions,
+                        load_optimizer, skeleton)
+from .param_steps import per_parameter_steps, set_steps
 from .state import load_model_state, model_sharded_state_dict, rng_object, set_rng_state, sharded_state_dict, world_of
 
 
@@ -79,12 +80,16 @@ def load_checkpoint(ckpt: Checkpoint, args, plan, model, optimizer, scheduler) -
     if same_world:
         request["rng"] = rng_object(None)
     template = skeleton(request.get("optimizer"))  # the load rewrites the request's factories in place
+    if fresh:
+        request["optimizer"] = keep_list_positions(request["optimizer"])
     keys = {path: sh.key for path, sh in request["model"].items()}
     loaded = dist_checkpointing.load(request, ckpt.path)
     load_model_state(model, loaded["model"])
     if with_optimizer:
         weights = {keys[path]: tensor for path, tensor in loaded["model"].items()}
         load_optimizer(optimizer, loaded["optimizer"], template, weights, saved_run, args, rebuild=bool(fresh))
+        # megatron-core loaded one step for all: each parameter's own (param_steps.py), 0 for the fresh ones
+        set_steps(model, optimizer, {**common.get("param_steps", {}), **{key: 0 for key in fresh_params}})
         scheduler.load_state_dict(common["scheduler"])
     else:
         optimizer.reload_model_params()
@@ -101,9 +106,10 @@ def load_checkpoint(ckpt: Checkpoint, args, plan, model, optimizer, scheduler) -
               flush=True)
     if fresh_params and dist.get_rank() == 0:
         shown = ", ".join(fresh_params[:6]) + (f", ... ({len(fresh_params)} in all)" if len(fresh_params) > 6 else "")
+        fresh_state = ("Adam moments 0, step 0" if per_parameter_steps() else
+                       "Adam moments 0; the step count is the run's: the fused Adam keeps one per parameter group")
         print(f"> the checkpoint holds no optimizer state for {len(fresh_params)} parameter(s) this run trains "
-              f"(frozen when it was saved): they start with fresh optimizer state (Adam moments 0; the step count is the "
-              f"run's, which megatron-core keeps one for all parameters): {shown}",
+              f"(frozen when it was saved): they start with fresh optimizer state ({fresh_state}): {shown}",
               flush=True)
     return common
 

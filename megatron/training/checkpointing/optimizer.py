@@ -89,6 +89,19 @@ def fresh_optimizer_entries(request: dict, saved_keys) -> list[str]:
     return fresh
 
 
+def keep_list_positions(tree):
+    """``tree`` with every list that holds a fresh or model-weight placeholder (``fresh_optimizer_entries``) made
+    an {index: item} dict, for the load: megatron-core's load drops a list's items that are not sharded and
+    closes the gaps (dict_utils.extract_matching_values), which misplaces the sharded items after them (the
+    mixed-precision optimizer's ``fp32_from_fp16_params``).  ``load_optimizer``'s rebuild reads them by index."""
+    if isinstance(tree, dict):
+        return {k: keep_list_positions(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        items = [keep_list_positions(v) for v in tree]
+        return dict(enumerate(items)) if any(isinstance(v, (_Fresh, _FromModel)) for v in tree) else items
+    return tree
+
+
 @dataclasses.dataclass(frozen=True)
 class _FromModel:
     """In an optimizer load request: this tensor is the model's weight under checkpoint key ``key``."""
@@ -182,9 +195,13 @@ def _rebuilt(template, loaded, step: torch.Tensor, model_weights: dict):
         return template.value
     if isinstance(template, LocalNonpersistentObject):
         return template.unwrap()
-    if isinstance(template, list):
-        return [_rebuilt(t, loaded[i] if isinstance(loaded, list) and i < len(loaded) else None, step, model_weights)
-                for i, t in enumerate(template)]
+    if isinstance(template, list):  # loaded as a list, or as an {index: item} dict (keep_list_positions)
+        def item(i):
+            if isinstance(loaded, dict):
+                return loaded.get(i)
+            return loaded[i] if isinstance(loaded, list) and i < len(loaded) else None
+
+        return [_rebuilt(t, item(i), step, model_weights) for i, t in enumerate(template)]
     if not isinstance(template, dict):
         return template
     out = {k: _rebuilt(t, loaded.get(k) if isinstance(loaded, dict) else None, step, model_weights)

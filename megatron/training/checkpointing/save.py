@@ -12,6 +12,7 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 
 from .files import fsync_dir, hash_files, write_json, write_text
 from .layout import MANIFEST, TRACKER, complete_iterations, iteration_dir
+from .param_steps import one_step_for_save
 from .state import rng_object, rng_state, run_description, sharded_state_dict, to_tensors
 
 
@@ -19,11 +20,12 @@ def save_checkpoint(args, plan, iteration: int, consumed_samples: int, model, op
     """Save iteration ``iteration`` under ``args.save`` atomically (see the module docstring); every rank calls it."""
     root = args.save
     tmp = _fresh_folder(root, iteration)
-    sd = sharded_state_dict(model, optimizer, with_optimizer=True, is_loading=False)
-    sd.update({"rng": rng_object(rng_state()), "iteration": iteration, "consumed_samples": consumed_samples,
-               "scheduler": scheduler.state_dict(), "data": to_tensors(train_data.state_dict()),
-               "run": run_description(args, plan)})
-    dist_checkpointing.save(sd, tmp, sharded_strategy=_save_strategy(), validate_access_integrity=True)
+    with one_step_for_save(model, optimizer) as param_steps:  # megatron-core saves one Adam step for all
+        sd = sharded_state_dict(model, optimizer, with_optimizer=True, is_loading=False)
+        sd.update({"rng": rng_object(rng_state()), "iteration": iteration, "consumed_samples": consumed_samples,
+                   "scheduler": scheduler.state_dict(), "data": to_tensors(train_data.state_dict()),
+                   "run": run_description(args, plan), "param_steps": param_steps})
+        dist_checkpointing.save(sd, tmp, sharded_strategy=_save_strategy(), validate_access_integrity=True)
     fault_point("save", iteration)
     _publish(root, iteration, args.keep_checkpoints)
 
