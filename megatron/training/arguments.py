@@ -151,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer-model", default=None, help="local Hugging Face tokenizer folder (default: byte-level)")
     g.add_argument("--max-num-tiles", type=int, default=6, help="most tiles per image, thumbnail excluded")
     g.add_argument("--min-num-tiles", type=int, default=1, help="fewest tiles per image (InternVL's min_dynamic_patch)")
+    g.add_argument("--min-pixels", type=int, default=None,
+                   help="Qwen2.5-VL: fewest pixels (height x width) an image is resized to (default: the "
+                        "--hf-checkpoint folder's preprocessor_config.json, else 3136)")
+    g.add_argument("--max-pixels", type=int, default=None,
+                   help="Qwen2.5-VL: most pixels an image is resized to (default: the folder's "
+                        "preprocessor_config.json, else 1003520)")
     g.add_argument("--seq-length", type=int, default=512, help="longest sample in tokens")
     g.add_argument("--skip-bad-samples", action="store_true",
                    help="leave out records that fail the pre-training scan (missing or undecodable image, bad "
@@ -287,7 +293,7 @@ _LOWER_BOUNDS = (
     ("--seq-length", 1), ("--max-num-tiles", 1), ("--min-num-tiles", 1), ("--num-workers", 0), ("--prefetch-factor", 1),
     ("--lr", 0), ("--min-lr", 0), ("--lr-warmup-iters", 0),
     ("--omnibal-isf-qv", 1), ("--omnibal-isf-qt", 1), ("--omnibal-isf-qv-min", 0), ("--omnibal-isf-qt-min", 0),
-    ("--ckpt-step", 0), ("--keep-checkpoints", 1),
+    ("--ckpt-step", 0), ("--keep-checkpoints", 1), ("--min-pixels", 1), ("--max-pixels", 1),
 )
 _ISF_VALUES = ("--omnibal-isf-qv", "--omnibal-isf-qt", "--omnibal-isf-qv-min", "--omnibal-isf-qt-min")
 
