@@ -13,7 +13,7 @@ from omnibal_ext.errors import UserError
 from omnibal_ext.model.layout import parse_layout
 from omnibal_ext.model.trainable import add_freeze_flags, trainable_of
 from omnibal_ext.model.families.internvl import vit_layers_for_feature_layer
-from omnibal_ext.model.units import PRESETS, ModelSpec, build_units, get_preset
+from omnibal_ext.model.units import PRESETS, ModelSpec, build_units, family_of, get_preset
 from omnibal_ext.plan import tp_problem, trainer_argv
 
 
@@ -377,11 +377,9 @@ def validate_args(args, world_size: int) -> None:
     if tp_problem(spec, tp):  # the planner's rule: the LLM's heads and groups divide, the ViT's are padded
         raise ArgumentError(f"--num-attention-heads {lang.num_attention_heads} (key/value groups {lang.kv_groups}) "
                             f"is not divisible by --tensor-model-parallel-size {tp}")
-    if spec.vision.image_size % spec.vision.patch_size:
-        raise ArgumentError(f"--patch-size {spec.vision.patch_size} does not divide --image-size {spec.vision.image_size}")
-    grid = spec.vision.image_size // spec.vision.patch_size
-    if grid % int(round(1 / spec.downsample_ratio)):
-        raise ArgumentError(f"the ViT patch grid {grid}x{grid} cannot be pixel-shuffled by {spec.downsample_ratio}")
+    problem = family_of(spec).spec_problem(spec)
+    if problem:
+        raise ArgumentError(problem)
     _, microbatches = batch_sizes(args, dp)
     if vpp > 1:
         check_interleaving(vpp, pp, microbatches, n_units)

@@ -121,6 +121,7 @@ class ImageRule:
     """
 
     dummy_items: int = 0
+    unit: str = "items"  # what an item is, for stats ("tiles", "patches")
 
     def items(self, width: int, height: int, num_images: int) -> int:
         raise NotImplementedError
@@ -139,7 +140,7 @@ class TileImages(ImageRule):
     """InternVL's dynamic tiling (``ReaderConfig``'s tile fields): items are tiles (thumbnail included), each
     ``tokens_per_tile`` image-context tokens; a sample without images feeds one black tile."""
 
-    dummy_items = 1
+    dummy_items, unit = 1, "tiles"
 
     def __init__(self, config: ReaderConfig):
         self.config = config

@@ -19,7 +19,8 @@ class Family:
     """name: ``ModelSpec.family``; vision_spec: the dataclass of ``ModelSpec.vision``; components: one
     ``CostComponent`` class per kind of unit; unit_list(spec): (global name, component class, layer
     number or None) in pipeline order, roles in the order I v* P E t* L; vision_item: what the ViT's
-    work is counted in (``MicroBatchShape.vision_items``, ISF's Qv); presets: published sizes by name."""
+    work is counted in (``MicroBatchShape.vision_items``, ISF's Qv); presets: published sizes by name;
+    spec_problem(spec): what makes a ModelSpec of the family unbuildable (a message naming the flag), or None."""
 
     name: str
     vision_spec: type
@@ -27,3 +28,4 @@ class Family:
     unit_list: Callable[[ModelSpec], list[tuple[str, type[CostComponent], int | None]]]
     vision_item: str
     presets: dict[str, ModelSpec] = field(default_factory=dict)
+    spec_problem: Callable[[ModelSpec], str | None] = lambda spec: None  # noqa: E731

@@ -41,6 +41,7 @@ class PatchImages(ImageRule):
     """Native resolution: an image's ViT items are its patches after ``smart_resize``."""
 
     processor: ImageProcessorConfig = ImageProcessorConfig()
+    unit = "patches"
 
     def grid(self, width: int, height: int) -> tuple[int, int, int]:
         """``grid_thw`` (1, gh, gw) in patches of an image of ``width x height`` px."""
