@@ -197,3 +197,27 @@ def test_scan_refuses_aspect_over_200_and_video_with_file_line(tmp_path):
     assert f"{ann}:2: image {tmp_path}/thin.png: image of 2010x10 px" in lines[1] and "aspect ratio of 201.0" in lines[1]
     assert f"{ann}:3: 'videos': video input is not implemented" in lines[2]
     assert f"{ann}:4: messages[0] has a <video> placeholder" in lines[3]
+
+
+def test_isf_stats_write_records_each_image(tmp_path, capsys):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    from omnibal_cli import main as omnibal
+
+    folder, _, records, meta, ann = write_folder(tmp_path)
+    hf_tiny_qwen.hf_config().save_pretrained(str(folder))  # config.json: the model (and so the family)
+    out = tmp_path / "stats.json"
+    assert omnibal(["isf", "stats", "--stats", str(meta), "--hf-checkpoint", str(folder), "--write", str(out)]) == 0
+    assert "wrote the stats of 4 samples" in capsys.readouterr().out
+    stats = json.loads(out.read_text())
+    roots = [tmp_path, tmp_path, tmp_path, tmp_path / "images"]
+    for entry, record, root in zip(stats, records, roots):
+        paths = record.get("images") or ([record["image"]] if "image" in record else [])
+        images = []
+        for p in paths:
+            width, height = Image.open(root / p).size
+            h, w = smart_resize(height, width, 28, 3136, MAX_PIXELS)  # the folder's limits
+            images.append({"width": width, "height": height, "patches": h * w // 196})
+        assert entry["images"] == images
+        assert entry["vit_num"] == sum(i["patches"] for i in images)
+        assert entry["token_num"] == len(reference(folder, record, root)[0]["input_ids"][0])
