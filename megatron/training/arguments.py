@@ -142,9 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", default=None,
-                   help="InternVL meta JSON; default: the built-in digits dataset, made on first run")
+                   help="meta JSON, or one annotation JSONL (InternVL conversations or messages records); default: "
+                        "the built-in digits dataset, made on first run")
     g.add_argument("--valid-data-path", default=None,
-                   help="InternVL meta JSON for evaluation (default: the built-in dataset's held-out split)")
+                   help="meta JSON or annotation JSONL for evaluation (default: the built-in dataset's held-out split)")
     g.add_argument("--data-cache-dir", default="data_cache",
                    help="where the built-in dataset is written and the validation scans of datasets are kept "
                         "(scans/: a restart of the same data reads its scan instead of decoding every image again)")
@@ -380,6 +381,14 @@ def validate_args(args, world_size: int) -> None:
     problem = family_of(spec).spec_problem(spec)
     if problem:
         raise ArgumentError(problem)
+    profiles = args.omnibal_partition == "auto" or args.omnibal_recompute == "auto" or args.omnibal_profile
+    if profiles and not (args.omnibal_profile and os.path.exists(args.omnibal_profile)):
+        from megatron.vlm.families import runtime_family
+
+        if not runtime_family(spec).data.profiled:
+            raise ArgumentError(f"--omnibal-partition/--omnibal-recompute auto and --omnibal-profile measure the units with "
+                                f"the trainer's profiler, which does not build model family {spec.family!r}'s micro-batches "
+                                "yet: give --pipeline-layout and --recompute-plan (or an existing --omnibal-profile file)")
     _, microbatches = batch_sizes(args, dp)
     if vpp > 1:
         check_interleaving(vpp, pp, microbatches, n_units)

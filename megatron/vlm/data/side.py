@@ -12,7 +12,8 @@ Every family reads the same formats (``internvl.py``: meta JSON or an annotation
   gets), and ``tile_check(spec)``: the tokens per ViT item for the loader's image-token check (None: the
   batcher checks itself);
 * ``default_image_px(spec)``: the image side of the built-in digits data for this model;
-* ``context_parallel``: whether its micro-batches can be split over context-parallel ranks.
+* ``context_parallel``: whether its micro-batches can be split over context-parallel ranks;
+* ``profiled``: whether the trainer's profiler (``megatron/training/profiling.py``) can build its micro-batches.
 
 ``TILED`` is InternVL's (dynamic tiles, ``collate.py``'s fields); it is ``RuntimeFamily``'s default.
 """
@@ -53,6 +54,7 @@ class DataSide:
     tile_check: Callable = lambda spec: spec.tokens_per_tile  # noqa: E731
     default_image_px: Callable = lambda spec: spec.vision.image_size  # noqa: E731
     context_parallel: bool = True
+    profiled: bool = True
 
 
 TILED = DataSide()

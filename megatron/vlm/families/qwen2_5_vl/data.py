@@ -127,4 +127,4 @@ class QwenBatcher(Batcher):
 
 
 QWEN_DATA = DataSide(image_tokens=IMAGE_TOKENS, reader=reader, batcher=QwenBatcher, tile_check=lambda spec: None,
-                     default_image_px=lambda spec: 56, context_parallel=False)
+                     default_image_px=lambda spec: 56, context_parallel=False, profiled=False)
