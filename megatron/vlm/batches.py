@@ -32,7 +32,7 @@ import torch.distributed as dist
 from omnibal_ext.data.sampler import GroupBatchSampler
 
 from megatron.vlm.context_parallel import CP_KEYS, split_batch
-from megatron.vlm.data.collate import check_image_tokens
+from megatron.vlm.data.collate import check_image_tokens, on_host
 from megatron.vlm.data.side import Batcher
 
 PIXEL_KEYS = ("pixel_values",)
@@ -154,10 +154,10 @@ def broadcast_batch(batch: dict | None, src: int, group) -> dict:
         shape, dtype = rest
         if me == src:
             t = batch[k].contiguous()
-            t = t.cuda() if cuda and k not in ("cu_seqlens",) else t
+            t = t.cuda() if cuda and not on_host(k) else t
         else:
-            t = torch.empty(shape, dtype=dtype, device="cuda" if cuda and k != "cu_seqlens" else "cpu")
-        if cuda and k == "cu_seqlens":  # stays on the host: small, sent by value
+            t = torch.empty(shape, dtype=dtype, device="cuda" if cuda and not on_host(k) else "cpu")
+        if cuda and on_host(k):  # packed-sequence boundaries stay on the host: small, sent by value
             holder = [t if me == src else None]
             dist.broadcast_object_list(holder, src=src, group=group)
             t = holder[0]
