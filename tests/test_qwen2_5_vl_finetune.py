@@ -1,7 +1,7 @@
 """Fine-tune a tiny Hugging Face Qwen2.5-VL (its own small tokenizer and chat template) from --hf-checkpoint at PP2
-(the ViT split over the stages: window and full-attention layers on each) with ISF packing on ``messages`` JSONL data with photos (--max-pixels keeping them small); the loss falls;
-`omnibal hf export` of the result loads in transformers and its logits equal our model's on the exported folder
-(slow)."""
+(the ViT split over the stages: window and full-attention layers on each) with ISF packing on ``messages`` JSONL
+data with photos (--max-pixels keeping them small); the loss falls; its first iteration at TP2 (padded ViT heads, the micro-batch broadcast over TP) equals PP2's; `omnibal hf
+export` of the result loads in transformers and its logits equal our model's on the exported folder (slow)."""
 import json
 
 import pytest
@@ -67,6 +67,15 @@ def test_finetune_qwen_pp2_isf_messages_photos_then_export(tmp_path, data_cache)
     assert len(losses) == 25
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.7 * first, losses
+
+    # TP2 (3 ViT heads padded to 4; TP rank 0 loads and broadcasts the micro-batch): the same first iteration
+    tp2 = flags[:flags.index("--pipeline-model-parallel-size")]
+    tp2 += ["--tensor-model-parallel-size", "2", "--omnibal-isf", "--train-iters", "1"]
+    for flag in ("--micro-batch-size", "--global-batch-size", "--lr", "--lr-warmup-iters", "--eval-interval",
+                 "--seq-length", "--data-cache-dir", "--seed"):
+        tp2 += [flag, flags[flags.index(flag) + 1]]
+    again, _ = run_training(2, tp2, tmp_path, "qwen_tp2")
+    assert abs(again[0]["lm loss"] - records[0]["lm loss"]) <= 1e-5 * records[0]["lm loss"], (again, records[0])
 
     assert omnibal(["hf", "export", "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]) == 0
     tuned = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(tmp_path / "out")).eval()
