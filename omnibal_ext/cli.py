@@ -141,7 +141,8 @@ def plan_config(args):
 
 
 def build_parser(scan_metas: MetaScanner | None = None, model_from_hf: HFModelReader | None = None,
-                 more_commands: Sequence[Callable] = (), write_stats: StatsWriter | None = None) -> argparse.ArgumentParser:
+                 more_commands: Sequence[Callable] = (),
+                 write_stats: StatsWriter | None = None) -> argparse.ArgumentParser:
     """The ``omnibal`` parser with the planner commands (the hooks: see :func:`add_plan_parser`; ``write_stats``:
     ``isf stats --write``, see :func:`add_stats_writing`), then ``more_commands`` (functions registering a command
     on the subparsers, e.g. omnibal_cli's ``profile``)."""

@@ -1,7 +1,7 @@
 """Fine-tune a tiny Hugging Face Qwen2.5-VL (its own small tokenizer and chat template) from --hf-checkpoint at PP2
 (the ViT split over the stages: window and full-attention layers on each) with ISF packing on ``messages`` JSONL
-data with photos (--max-pixels keeping them small); the loss falls; its first iteration at TP2 (padded ViT heads, the micro-batch broadcast over TP) equals PP2's; `omnibal hf
-export` of the result loads in transformers and its logits equal our model's on the exported folder (slow)."""
+data with photos (--max-pixels keeping them small); the loss falls; its first iteration at TP2 (padded ViT heads,
+the micro-batch broadcast over TP) equals PP2's; `omnibal hf export` of the result loads in transformers and its logits equal our model's on the exported folder (slow)."""
 import json
 
 import pytest
@@ -55,7 +55,8 @@ def test_finetune_qwen_pp2_isf_messages_photos_then_export(tmp_path, data_cache)
     model.save_pretrained(str(hf))
     data = write_data(tmp_path)
     flags = ["--hf-checkpoint", str(hf), "--data-path", data, "--max-pixels", str(28 * 28 * 12),
-             "--pipeline-model-parallel-size", "2", "--pipeline-layout", "Iv*2|v*2PEt*2L", "--omnibal-isf", "--train-iters", "25", "--micro-batch-size", "4",
+             "--pipeline-model-parallel-size", "2", "--pipeline-layout", "Iv*2|v*2PEt*2L", "--omnibal-isf",
+             "--train-iters", "25", "--micro-batch-size", "4",
              "--global-batch-size", "8", "--lr", "3e-3", "--lr-warmup-iters", "2", "--eval-interval", "0",
              "--seq-length", "256", "--data-cache-dir", str(data_cache), "--save", str(tmp_path / "ckpt"),
              "--seed", "5"]

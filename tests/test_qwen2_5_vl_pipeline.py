@@ -93,7 +93,8 @@ def test_reader_matches_processor_and_labels_answers(tmp_path):
     folder, ids, records, meta, _ = write_folder(tmp_path)
     spec = model_preset("qwen2.5-vl-tiny")
     tokenizer = build_tokenizer(str(folder), image_tokens=IMAGE_TOKENS)
-    assert tokenizer.img_context_id == ids["<|image_pad|>"] and tokenizer.vocab_size == len(hf_tiny_qwen.QWEN_SPECIALS) + 96
+    assert tokenizer.img_context_id == ids["<|image_pad|>"]
+    assert tokenizer.vocab_size == len(hf_tiny_qwen.QWEN_SPECIALS) + 96  # nothing added
     args = SimpleNamespace(min_pixels=None, max_pixels=None)
     dataset = InternVLDataset(str(meta), tokenizer, **reader(args, spec, str(folder)), max_seq_length=4096)
     assert len(dataset) == 4
@@ -124,7 +125,8 @@ def test_reader_matches_processor_and_labels_answers(tmp_path):
         want, _ = reference(folder, record, roots[i])
         n = len(want["input_ids"][0])
         grid = want.get("image_grid_thw")
-        pos, _ = model.get_rope_index(want["input_ids"], mm_token_type_ids=want["mm_token_type_ids"], image_grid_thw=grid)
+        pos, _ = model.get_rope_index(want["input_ids"], mm_token_type_ids=want["mm_token_type_ids"],
+                                      image_grid_thw=grid)
         assert torch.equal(batch["mrope_position_ids"][:, 0, start:start + n], pos[:, 0]), i
         grids += [] if grid is None else grid.tolist()
         start += n
@@ -194,7 +196,8 @@ def test_scan_refuses_aspect_over_200_and_video_with_file_line(tmp_path):
         InternVLDataset(str(ann), tokenizer, **kw, max_seq_length=4096)
     lines = str(e.value).splitlines()
     assert lines[0].startswith("3 problem(s)")
-    assert f"{ann}:2: image {tmp_path}/thin.png: image of 2010x10 px" in lines[1] and "aspect ratio of 201.0" in lines[1]
+    assert f"{ann}:2: image {tmp_path}/thin.png: image of 2010x10 px" in lines[1]
+    assert "aspect ratio of 201.0" in lines[1]
     assert f"{ann}:3: 'videos': video input is not implemented" in lines[2]
     assert f"{ann}:4: messages[0] has a <video> placeholder" in lines[3]
 

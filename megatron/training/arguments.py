@@ -29,10 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("model")
     g.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="model size preset")
     g.add_argument("--hf-checkpoint", default=None, metavar="DIR",
-                   help="start from this Hugging Face InternVL folder (config.json + *.safetensors, native or "
-                        "original layout): the model comes from its config.json (no model flags needed; a model "
-                        "flag that disagrees is an error), each rank loads its own units and TP slices from the "
-                        "safetensors, and a tokenizer there is the default --tokenizer-model")
+                   help="start from this Hugging Face InternVL or Qwen2.5-VL folder (config.json + *.safetensors; "
+                        "InternVL native or original layout): the model comes from its config.json (no model flags "
+                        "needed; a model flag that disagrees is an error), each rank loads its own units and TP slices "
+                        "from the safetensors, and a tokenizer there is the default --tokenizer-model")
     for flag, help_ in [
         ("--vision-num-layers", "ViT layers"), ("--vision-hidden-size", "ViT hidden size"),
         ("--vision-num-attention-heads", "ViT heads"), ("--vision-ffn-hidden-size", "ViT MLP size"),
@@ -386,9 +386,10 @@ def validate_args(args, world_size: int) -> None:
         from megatron.vlm.families import runtime_family
 
         if not runtime_family(spec).data.profiled:
-            raise ArgumentError(f"--omnibal-partition/--omnibal-recompute auto and --omnibal-profile measure the units with "
-                                f"the trainer's profiler, which does not build model family {spec.family!r}'s micro-batches "
-                                "yet: give --pipeline-layout and --recompute-plan (or an existing --omnibal-profile file)")
+            raise ArgumentError(f"--omnibal-partition/--omnibal-recompute auto and --omnibal-profile measure the units "
+                                f"with the trainer's profiler, which does not build model family {spec.family!r}'s "
+                                "micro-batches yet: give --pipeline-layout and --recompute-plan (or an existing "
+                                "--omnibal-profile file)")
     _, microbatches = batch_sizes(args, dp)
     if vpp > 1:
         check_interleaving(vpp, pp, microbatches, n_units)

@@ -7,9 +7,9 @@ Every family reads the same formats (``internvl.py``: meta JSON or an annotation
   must know (``megatron.vlm.data.tokenizer.build_tokenizer``);
 * ``reader(args, spec, hf_folder)``: the reader settings (``InternVLDataset`` keywords: tile sizes, or the
   family's ``ImageRule`` in ``images``);
-* ``batcher(spec, image_token_id, rule)``: the picklable maker of micro-batches, a ``Batcher`` (its ``make`` collates
-  the samples with the family's extra fields, ``rule`` being the reader's ``ImageRule``; its ``keys`` says which fields a stage reading ``StageInputs``
-  gets), and ``tile_check(spec)``: the tokens per ViT item for the loader's image-token check (None: the
+* ``batcher(spec, image_token_id, rule)``: the picklable maker of micro-batches, a ``Batcher`` (its ``make``
+  collates the samples with the family's extra fields, ``rule`` being the reader's ``ImageRule``; its ``keys``
+  says which fields a stage reading ``StageInputs`` gets), and ``tile_check(spec)``: the tokens per ViT item for the loader's image-token check (None: the
   batcher checks itself);
 * ``default_image_px(spec)``: the image side of the built-in digits data for this model;
 * ``context_parallel``: whether its micro-batches can be split over context-parallel ranks;

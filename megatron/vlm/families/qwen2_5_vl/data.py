@@ -7,7 +7,7 @@ Reading (``megatron/vlm/data/internvl.py`` with ``PatchImages`` as the image rul
 ``gh * gw`` patch rows (its ViT items, ``image_processing``) and ``<|vision_start|>`` + ``<|image_pad|>`` x
 ``gh * gw / 4`` + ``<|vision_end|>`` in the text; an aspect ratio over 200 is refused by the pre-training scan
 with ``file:line``.  A sample without images feeds the ViT nothing; a micro-batch without any image gets one
-2 x 2-patch black image whose single merged token no text token takes (the stage chain still runs the ViT).
+2 x 2-patch all-zero image whose single merged token no text token takes (the stage chain still runs the ViT).
 
 Micro-batches (``QwenBatcher``): ``collate.py``'s fields (THD: one sample per row, or several packed in one row
 with ``--omnibal-isf``), plus ``components.py``'s: ``mrope_position_ids [3, b, s]`` (each sample from 0, as
@@ -94,17 +94,18 @@ class QwenBatcher(Batcher):
         tokens = batch["tokens"]
         lengths = [len(s["input_ids"]) for s in samples]
         positions = np.empty((3, *tokens.shape), dtype=np.int64)
-        rows = [(0, list(zip(lengths, grids)))] if packed else [(r, [(n, g)]) for r, (n, g) in enumerate(zip(lengths, grids))]
-        for row, members in rows:
+        members = list(zip(lengths, grids))  # (tokens, image grids) per sample
+        rows = [(0, members)] if packed else [(r, [m]) for r, m in enumerate(members)]
+        for row, in_row in rows:
             start = 0
-            for n, sample_grids in members:
+            for n, sample_grids in in_row:
                 positions[:, row, start:start + n], _ = mrope_position_ids(
                     tokens[row, start:start + n].numpy(), sample_grids, self.image_token_id, self.merge)
                 start += n
             positions[:, row, start:] = np.arange(tokens.shape[1] - start)
         batch["mrope_position_ids"] = torch.from_numpy(positions)
         every = [g for sample_grids in grids for g in sample_grids]
-        if not every:  # the ViT still runs: one black image of one merged token, taken by no text token
+        if not every:  # the ViT still runs: one all-zero image of one merged token, taken by no text token
             every = [(1, self.merge, self.merge)]
             if "pixel_values" in batch:
                 batch["pixel_values"] = torch.cat([batch["pixel_values"],
