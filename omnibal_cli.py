@@ -5,7 +5,8 @@ It sits above both the planners (``omnibal_ext``, which imports nothing of the t
 
 * ``omnibal isf|partition|memory|plan``  the planner commands (``omnibal_ext.cli``), given the trainer's
                                      readers: InternVL meta JSONs as ``--stats``/``--data``
-                                     (:func:`scan_metas`) and ``omnibal plan --hf-checkpoint``
+                                     (:func:`scan_metas`), ``omnibal isf stats --write`` (any family's
+                                     data: :func:`write_scanned_stats`) and ``omnibal plan --hf-checkpoint``
                                      (:func:`model_from_hf`);
 * ``omnibal profile``                measure the units on this machine (runs the trainer's profiler);
 * ``omnibal hf import|export``       Hugging Face InternVL folders to and from trainer checkpoints
@@ -44,6 +45,42 @@ def scan_metas(metas, spec=None) -> list:
     return found
 
 
+def write_scanned_stats(args) -> int:
+    """``omnibal isf stats --stats DATA... --write OUT``: each meta JSON or annotation JSONL of ``args.stats``
+    scanned (validated) by the trainer's reader with the model's family data side (``--hf-checkpoint``: its
+    config, tokenizer and image processor; ``--model``: a preset with the byte-level tokenizer or
+    OMNIBAL_TOKENIZER; neither: InternVL-Chat's 448 px tiles), written to OUT as
+    ``[{"vit_num", "token_num", "images": [{"width", "height", "tiles" | "patches"}]}]``; returns the samples."""
+    import os
+
+    from megatron.vlm.data.internvl import ReaderConfig, scan_annotations
+    from megatron.vlm.data.stats import image_stats_records, write_json
+    from megatron.vlm.data.tokenizer import build_tokenizer
+    from megatron.vlm.families import runtime_family
+    from megatron.vlm.hf.convert import has_tokenizer
+    from omnibal_ext.cli import data_files
+    from omnibal_ext.model.units import get_preset
+
+    hf = args.hf_checkpoint
+    spec = model_from_hf(hf) if hf else get_preset(args.model) if args.model else None
+    if spec is None:
+        reader, image_tokens = dict(image_size=448, tokens_per_tile=256, max_num_tiles=args.max_num_tiles,
+                                    min_num_tiles=args.min_num_tiles), None
+    else:
+        data = runtime_family(spec).data
+        reader, image_tokens = data.reader(args, spec, hf), data.image_tokens
+    folder = hf if hf and has_tokenizer(hf) else os.environ.get("OMNIBAL_TOKENIZER")
+    tokenizer = build_tokenizer(folder, **({"image_tokens": image_tokens} if image_tokens else {}))
+    config = ReaderConfig(**reader, max_seq_length=None)
+    records = []
+    for path in data_files(args.stats, "--stats"):
+        scan = scan_annotations(path, tokenizer, config, progress=True)
+        records += image_stats_records(scan, config.image_rule.unit)
+    write_json(records, args.write)
+    print(f"wrote the stats of {len(records)} samples to {args.write}")
+    return len(records)
+
+
 def load_stats_or_meta(paths, flag: str = "--stats", spec=None):
     """Stats files or InternVL meta JSONs (read by :func:`scan_metas`): ``omnibal_ext.cli.load_stats_or_meta``."""
     return planner_cli.load_stats_or_meta(paths, flag, spec, scan_metas)
@@ -61,7 +98,8 @@ def model_from_hf(folder: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return planner_cli.build_parser(scan_metas, model_from_hf, more_commands=(add_profile_parser, add_hf_parser))
+    return planner_cli.build_parser(scan_metas, model_from_hf, more_commands=(add_profile_parser, add_hf_parser),
+                                    write_stats=write_scanned_stats)
 
 
 def add_profile_parser(subparsers) -> argparse.ArgumentParser:

@@ -32,6 +32,7 @@ from omnibal_ext.model.trainable import add_freeze_flags
 # hooks the `omnibal` command gives (omnibal_cli.py): the trainer's readers
 MetaScanner = Callable[[Sequence[str], object], list]  # (meta JSON paths, ModelSpec or None) -> [(tiles, tokens)]
 HFModelReader = Callable[[str], object]  # Hugging Face folder -> ModelSpec of its config.json
+StatsWriter = Callable[[argparse.Namespace], int]  # `isf stats --write`: scan --stats' data, write stats; samples
 
 
 def add_plan_parser(subparsers, scan_metas: MetaScanner | None = None,
@@ -141,21 +142,52 @@ def plan_config(args):
 
 
 def build_parser(scan_metas: MetaScanner | None = None, model_from_hf: HFModelReader | None = None,
-                 more_commands: Sequence[Callable] = ()) -> argparse.ArgumentParser:
-    """The ``omnibal`` parser with the planner commands (the hooks: see :func:`add_plan_parser`), then
-    ``more_commands`` (functions registering a command on the subparsers, e.g. omnibal_cli's ``profile``)."""
+                 more_commands: Sequence[Callable] = (),
+                 write_stats: StatsWriter | None = None) -> argparse.ArgumentParser:
+    """The ``omnibal`` parser with the planner commands (the hooks: see :func:`add_plan_parser`; ``write_stats``:
+    ``isf stats --write``, see :func:`add_stats_writing`), then ``more_commands`` (functions registering a command
+    on the subparsers, e.g. omnibal_cli's ``profile``)."""
     from omnibal_ext.memory.cli import add_memory_parser
     from omnibal_ext.model.cli import add_partition_parser
 
     parser = argparse.ArgumentParser(prog="omnibal", description="OmniBal-Megatron balancing tools")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_isf_parser(sub, stats_loader=lambda args: load_stats_or_meta(args.stats, "--stats", None, scan_metas))
+    isf = add_isf_parser(sub, stats_loader=lambda args: load_stats_or_meta(args.stats, "--stats", None, scan_metas))
+    if write_stats is not None:
+        add_stats_writing(isf, write_stats)
     add_partition_parser(sub)
     add_memory_parser(sub)
     add_plan_parser(sub, scan_metas, model_from_hf)
     for add in more_commands:
         add(sub)
     return parser
+
+
+def add_stats_writing(isf: argparse.ArgumentParser, write_stats: StatsWriter) -> None:
+    """``isf stats --write OUT``: the data given to ``--stats`` (meta JSONs or annotation JSONLs) scanned by the
+    trainer's reader for the model of ``--hf-checkpoint``/``--model`` (its family's images: InternVL tiles,
+    Qwen2.5-VL patches) and written to OUT as stats with each image's width, height and ViT items; then
+    summarised as usual."""
+    sub = next(a for a in isf._actions if isinstance(a, argparse._SubParsersAction))
+    p = sub.choices["stats"]
+    p.add_argument("--write", metavar="OUT", default=None,
+                   help="scan the data given to --stats with the trainer's reader and write per-sample stats "
+                        "({vit_num, token_num, images: [{width, height, tiles|patches}]}) to OUT")
+    p.add_argument("--model", default=None, help="with --write: the model preset whose family reads the images")
+    p.add_argument("--hf-checkpoint", default=None, metavar="DIR",
+                   help="with --write: the model (config.json), tokenizer and image processor of a Hugging Face folder")
+    p.add_argument("--min-pixels", type=int, default=None, help="with --write, Qwen2.5-VL: --min-pixels")
+    p.add_argument("--max-pixels", type=int, default=None, help="with --write, Qwen2.5-VL: --max-pixels")
+    p.add_argument("--max-num-tiles", type=int, default=6, help="with --write, InternVL: --max-num-tiles")
+    p.add_argument("--min-num-tiles", type=int, default=1, help="with --write, InternVL: --min-num-tiles")
+    summarise = p.get_default("func")
+
+    def run(args):
+        if args.write is not None:
+            write_stats(args)
+            args.stats = [args.write]
+        return summarise(args)
+    p.set_defaults(func=run)
 
 
 def data_files(paths, flag: str) -> list[str]:

@@ -68,3 +68,60 @@ def inputs(grids=GRIDS, seed=1):
 def hf_logits(model, batch):
     with torch.no_grad():
         return model(**batch).logits[0].float()
+
+
+QWEN_SPECIALS = ["<|endoftext|>", "<unk>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                 "<|image_pad|>", "<|video_pad|>"]
+QWEN_TEMPLATE = ("{% for m in messages %}{% if loop.first and m['role'] != 'system' %}<|im_start|>system\n"
+                 "You are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_tokenizer(folder) -> dict:
+    """A character-level WordLevel tokenizer with Qwen2.5-VL's special tokens and a Qwen2-style ChatML chat
+    template (a default system message) in ``folder``; returns its special tokens' ids by name."""
+    import json
+
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    chars = ["\n"] + [chr(c) for c in range(32, 127)]
+    vocab = {t: i for i, t in enumerate(QWEN_SPECIALS + chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.add_special_tokens(QWEN_SPECIALS)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<|endoftext|>", "unk_token": "<unk>",
+        "eos_token": "<|im_end|>", "chat_template": QWEN_TEMPLATE, "extra_special_tokens": {}}))
+    return {t: vocab[t] for t in QWEN_SPECIALS}
+
+
+def set_token_ids(model, ids: dict) -> None:
+    """Point the config's image/video/vision start/end token ids at ``write_tokenizer``'s."""
+    for config in (model.config, getattr(model.config, "text_config", None)):
+        if config is None:
+            continue
+        for key, token in (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+                           ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")):
+            if hasattr(config, key):
+                setattr(config, key, ids[token])
+
+
+def photos(folder, shapes=((0, 0, 640, 427), (100, 50, 420, 410), (0, 200, 640, 300), (300, 0, 380, 427))) -> list:
+    """Crops of scikit-learn's two sample photographs (china.jpg, flower.jpg: 640 x 427 px) as JPEG and PNG files
+    of several sizes and aspect ratios (up to 6.4) in ``folder``; returns (file name, subject) pairs."""
+    import os
+
+    import sklearn
+    from PIL import Image
+
+    source = os.path.join(os.path.dirname(sklearn.__file__), "datasets", "images")
+    out = []
+    for subject in ("china", "flower"):
+        with Image.open(os.path.join(source, f"{subject}.jpg")) as im:
+            im.load()
+            for k, box in enumerate(shapes):
+                name = f"{subject}{k}.{'png' if k % 2 else 'jpg'}"
+                im.crop(box).save(os.path.join(folder, name))
+                out.append((name, subject))
+    return out

@@ -20,9 +20,8 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLModel, Qwen2VLImageProcesso
 from transformers import vision_utils as ref_vision  # noqa: E402
 from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as ref_image  # noqa: E402
 
-from megatron.vlm.families.qwen2_5_vl.conversations import (ImageRef, MessagesRecordError,  # noqa: E402
-                                                            parse_messages_line, parse_messages_record,
-                                                            read_messages_jsonl)
+from megatron.vlm.data.messages import (ImageRef, MessagesRecordError,  # noqa: E402
+                                        parse_messages_line, parse_messages_record, read_messages_jsonl)
 from megatron.vlm.families.qwen2_5_vl.image_processing import (ImageProcessorConfig, ImageSizeError,  # noqa: E402
                                                                preprocess_image, resized_grid, smart_resize)
 from megatron.vlm.families.qwen2_5_vl.positions import (ImageTokenError, mrope_position_ids,  # noqa: E402

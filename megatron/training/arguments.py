@@ -13,7 +13,7 @@ from omnibal_ext.errors import UserError
 from omnibal_ext.model.layout import parse_layout
 from omnibal_ext.model.trainable import add_freeze_flags, trainable_of
 from omnibal_ext.model.families.internvl import vit_layers_for_feature_layer
-from omnibal_ext.model.units import PRESETS, ModelSpec, build_units, get_preset
+from omnibal_ext.model.units import PRESETS, ModelSpec, build_units, family_of, get_preset
 from omnibal_ext.plan import tp_problem, trainer_argv
 
 
@@ -29,10 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("model")
     g.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="model size preset")
     g.add_argument("--hf-checkpoint", default=None, metavar="DIR",
-                   help="start from this Hugging Face InternVL folder (config.json + *.safetensors, native or "
-                        "original layout): the model comes from its config.json (no model flags needed; a model "
-                        "flag that disagrees is an error), each rank loads its own units and TP slices from the "
-                        "safetensors, and a tokenizer there is the default --tokenizer-model")
+                   help="start from this Hugging Face InternVL or Qwen2.5-VL folder (config.json + *.safetensors; "
+                        "InternVL native or original layout): the model comes from its config.json (no model flags "
+                        "needed; a model flag that disagrees is an error), each rank loads its own units and TP slices "
+                        "from the safetensors, and a tokenizer there is the default --tokenizer-model")
     for flag, help_ in [
         ("--vision-num-layers", "ViT layers"), ("--vision-hidden-size", "ViT hidden size"),
         ("--vision-num-attention-heads", "ViT heads"), ("--vision-ffn-hidden-size", "ViT MLP size"),
@@ -142,15 +142,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", default=None,
-                   help="InternVL meta JSON; default: the built-in digits dataset, made on first run")
+                   help="meta JSON, or one annotation JSONL (InternVL conversations or messages records); default: "
+                        "the built-in digits dataset, made on first run")
     g.add_argument("--valid-data-path", default=None,
-                   help="InternVL meta JSON for evaluation (default: the built-in dataset's held-out split)")
+                   help="meta JSON or annotation JSONL for evaluation (default: the built-in dataset's held-out split)")
     g.add_argument("--data-cache-dir", default="data_cache",
                    help="where the built-in dataset is written and the validation scans of datasets are kept "
                         "(scans/: a restart of the same data reads its scan instead of decoding every image again)")
     g.add_argument("--tokenizer-model", default=None, help="local Hugging Face tokenizer folder (default: byte-level)")
     g.add_argument("--max-num-tiles", type=int, default=6, help="most tiles per image, thumbnail excluded")
     g.add_argument("--min-num-tiles", type=int, default=1, help="fewest tiles per image (InternVL's min_dynamic_patch)")
+    g.add_argument("--min-pixels", type=int, default=None,
+                   help="Qwen2.5-VL: fewest pixels (height x width) an image is resized to (default: the "
+                        "--hf-checkpoint folder's preprocessor_config.json, else 3136)")
+    g.add_argument("--max-pixels", type=int, default=None,
+                   help="Qwen2.5-VL: most pixels an image is resized to (default: the folder's "
+                        "preprocessor_config.json, else 1003520)")
     g.add_argument("--seq-length", type=int, default=512, help="longest sample in tokens")
     g.add_argument("--skip-bad-samples", action="store_true",
                    help="leave out records that fail the pre-training scan (missing or undecodable image, bad "
@@ -292,7 +299,8 @@ _LOWER_BOUNDS = (
     ("--seq-length", 1), ("--max-num-tiles", 1), ("--min-num-tiles", 1), ("--num-workers", 0), ("--prefetch-factor", 1),
     ("--lr", 0), ("--min-lr", 0), ("--lr-warmup-iters", 0),
     ("--omnibal-isf-qv", 1), ("--omnibal-isf-qt", 1), ("--omnibal-isf-qv-min", 0), ("--omnibal-isf-qt-min", 0),
-    ("--omnibal-isf-token-multiple", 1), ("--ckpt-step", 0), ("--keep-checkpoints", 1),
+    ("--omnibal-isf-token-multiple", 1), ("--ckpt-step", 0), ("--keep-checkpoints", 1), ("--min-pixels", 1),
+    ("--max-pixels", 1),
 )
 _ISF_VALUES = ("--omnibal-isf-qv", "--omnibal-isf-qt", "--omnibal-isf-qv-min", "--omnibal-isf-qt-min",
                "--omnibal-isf-token-multiple")
@@ -374,11 +382,18 @@ def validate_args(args, world_size: int) -> None:
     if tp_problem(spec, tp):  # the planner's rule: the LLM's heads and groups divide, the ViT's are padded
         raise ArgumentError(f"--num-attention-heads {lang.num_attention_heads} (key/value groups {lang.kv_groups}) "
                             f"is not divisible by --tensor-model-parallel-size {tp}")
-    if spec.vision.image_size % spec.vision.patch_size:
-        raise ArgumentError(f"--patch-size {spec.vision.patch_size} does not divide --image-size {spec.vision.image_size}")
-    grid = spec.vision.image_size // spec.vision.patch_size
-    if grid % int(round(1 / spec.downsample_ratio)):
-        raise ArgumentError(f"the ViT patch grid {grid}x{grid} cannot be pixel-shuffled by {spec.downsample_ratio}")
+    problem = family_of(spec).spec_problem(spec)
+    if problem:
+        raise ArgumentError(problem)
+    profiles = args.omnibal_partition == "auto" or args.omnibal_recompute == "auto" or args.omnibal_profile
+    if profiles and not (args.omnibal_profile and os.path.exists(args.omnibal_profile)):
+        from megatron.vlm.families import runtime_family
+
+        if not runtime_family(spec).data.profiled:
+            raise ArgumentError(f"--omnibal-partition/--omnibal-recompute auto and --omnibal-profile measure the units "
+                                f"with the trainer's profiler, which does not build model family {spec.family!r}'s "
+                                "micro-batches yet: give --pipeline-layout and --recompute-plan (or an existing "
+                                "--omnibal-profile file)")
     _, microbatches = batch_sizes(args, dp)
     if vpp > 1:
         check_interleaving(vpp, pp, microbatches, n_units)

@@ -19,6 +19,7 @@ from megatron.vlm.batches import MicroBatches, StageInputs
 from megatron.vlm.data.digits import FORMAT_VERSION as DIGITS_FORMAT
 from megatron.vlm.data.digits import build_digits_dataset, digits_meta_paths
 from megatron.vlm.data.internvl import InternVLDataset
+from megatron.vlm.families import runtime_family
 
 from .arguments import ArgumentError
 from .run_plan import RunPlan
@@ -27,28 +28,29 @@ DEFAULT_DATASET_SAMPLES = 6000
 
 
 def data_paths(args, plan: RunPlan) -> tuple[str, str | None]:
-    """(train meta, validation meta or None); builds the default digits data on first use."""
+    """(train meta, validation meta or None): meta JSONs or annotation JSONLs; builds the default digits data
+    on first use."""
     for flag, path in (("--data-path", args.data_path), ("--valid-data-path", args.valid_data_path)):
         if path and not os.path.exists(path):
             raise ArgumentError(f"{flag} {path}: no such file")
     if args.data_path:
         return args.data_path, args.valid_data_path
-    folder = os.path.join(args.data_cache_dir, f"digits_v{DIGITS_FORMAT}_{plan.model_spec.vision.image_size}px")
+    px = runtime_family(plan.model_spec).data.default_image_px(plan.model_spec)
+    folder = os.path.join(args.data_cache_dir, f"digits_v{DIGITS_FORMAT}_{px}px")
     if dist.get_rank() == 0:
-        build_digits_dataset(folder, num_samples=DEFAULT_DATASET_SAMPLES, seed=0,
-                             tile_size=plan.model_spec.vision.image_size)
+        build_digits_dataset(folder, num_samples=DEFAULT_DATASET_SAMPLES, seed=0, tile_size=px)
     dist.barrier()
     train, valid = digits_meta_paths(folder)
     return train, args.valid_data_path or valid
 
 
 def build_dataset(args, plan: RunPlan, tokenizer, meta_path: str) -> InternVLDataset:
+    """The dataset of ``meta_path`` read with the model family's data side (``RuntimeFamily.data``)."""
     spec = plan.model_spec
+    reader = runtime_family(spec).data.reader(args, spec, getattr(args, "hf_checkpoint", None))
     # the validation scan (every image decoded) is split over all processes and all-gathered, and kept in
     # --data-cache-dir for the next launch (a restart) of the same data, configuration and tokenizer
-    dataset = InternVLDataset(meta_path, tokenizer, image_size=spec.vision.image_size,
-                              tokens_per_tile=spec.tokens_per_tile, max_num_tiles=args.max_num_tiles,
-                              min_num_tiles=args.min_num_tiles, max_seq_length=args.seq_length, seed=args.seed,
+    dataset = InternVLDataset(meta_path, tokenizer, **reader, max_seq_length=args.seq_length, seed=args.seed,
                               scan_group=dist.group.WORLD if dist.is_initialized() else None,
                               cache_dir=os.path.join(args.data_cache_dir, "scans"),
                               truncate=getattr(args, "truncate_long_samples", False),
@@ -124,13 +126,20 @@ def build_data(args, plan: RunPlan, tokenizer, inputs: StageInputs | None = None
     dp = parallel_state.get_data_parallel_world_size()
     train_set, valid_set = datasets if datasets is not None else build_datasets(args, plan, tokenizer)
     inputs = inputs or StageInputs.everything()
-    image_tokens = (tokenizer.img_context_id, plan.model_spec.tokens_per_tile)
+    data_side = runtime_family(plan.model_spec).data
+    per_item = data_side.tile_check(plan.model_spec)  # the loader's image-token check (None: the batcher's own)
+    image_tokens = None if per_item is None else (tokenizer.img_context_id, per_item)
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp > 1 and not data_side.context_parallel:
+        raise ArgumentError(f"--context-parallel-size {cp}: not implemented for model family "
+                            f"{plan.model_spec.family!r}")
     # workers only where images are decoded: an image-free stage reads text and the scan's metadata,
     # faster in the training process than through worker processes (scripts/bench_data.py)
     loader = dict(inputs=inputs, num_workers=args.num_workers if inputs.pixels else 0,
                   prefetch_factor=args.prefetch_factor, pin_memory=device_type == "cuda",
                   pad_to_multiple=args.tensor_model_parallel_size if getattr(args, "sequence_parallel", False) else 1,
-                  cp=parallel_state.get_context_parallel_world_size(), cp_rank=parallel_state.get_context_parallel_rank())
+                  cp=cp, cp_rank=parallel_state.get_context_parallel_rank(),
+                  batcher=data_side.batcher(plan.model_spec, tokenizer.img_context_id, train_set.config.image_rule))
     if inputs.pixels and args.tensor_model_parallel_size > 1:
         loader.update(tp_group=parallel_state.get_tensor_model_parallel_group(),
                       tp_src=parallel_state.get_tensor_model_parallel_src_rank())

@@ -22,7 +22,9 @@ def setup_tokenizer(args, plan: RunPlan):
         if has_tokenizer(hf):
             tokenizer_model = hf  # the model's own tokenizer (and its special tokens)
     plan = dataclasses.replace(plan, tokenizer_model=tokenizer_model)
-    tokenizer = build_tokenizer(tokenizer_model)
+    from megatron.vlm.families import runtime_family
+
+    tokenizer = build_tokenizer(tokenizer_model, image_tokens=runtime_family(plan.model_spec).data.image_tokens)
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"> conversations are rendered with {chat_template_name(tokenizer)}", flush=True)
     if hf:
@@ -42,7 +44,8 @@ def setup_tokenizer(args, plan: RunPlan):
 
 def _check_hf_tokenizer(args, plan: RunPlan, tokenizer) -> RunPlan:
     """--hf-checkpoint: the vocabulary is the checkpoint's (config vocab_size, padded); the tokenizer must fit in
-    it and its <IMG_CONTEXT> must be the config's image_token_id."""
+    it and its image context token (InternVL's <IMG_CONTEXT>, Qwen2.5-VL's <|image_pad|>) must be the config's
+    image_token_id."""
     from megatron.vlm.hf.configs import read_config, spec_from_config
 
     spec = plan.model_spec
@@ -52,7 +55,10 @@ def _check_hf_tokenizer(args, plan: RunPlan, tokenizer) -> RunPlan:
         raise ArgumentError(f"--tokenizer-model {plan.tokenizer_model or '(byte-level)'}: {tokenizer.vocab_size} ids, "
                             f"more than the {real} rows of --hf-checkpoint {args.hf_checkpoint} (text vocab_size)")
     if info.image_token_id is not None and tokenizer.img_context_id != info.image_token_id:
-        raise ArgumentError(f"--tokenizer-model {plan.tokenizer_model or '(byte-level)'}: <IMG_CONTEXT> is id "
+        from megatron.vlm.families import runtime_family
+
+        context = runtime_family(spec).data.image_tokens[2]
+        raise ArgumentError(f"--tokenizer-model {plan.tokenizer_model or '(byte-level)'}: {context} is id "
                             f"{tokenizer.img_context_id}, but --hf-checkpoint {args.hf_checkpoint}/config.json has "
                             f"image_token_id {info.image_token_id}")
     vocab = spec.language.vocab_size

@@ -18,7 +18,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from omnibal_ext.data.metrics import step_balance
 from omnibal_ext.model.units import build_units
 
-from megatron.vlm.data.collate import HOST_KEYS
+from megatron.vlm.data.collate import on_host
 from megatron.vlm.head import HeadOutput
 from megatron.vlm.stage import StageBuild, build_stage
 from omnibal_ext.model.spec import TEXT_EMBED
@@ -216,7 +216,7 @@ def forward_step(data_iterator, model, meter: ActivationMeter | None = None, red
     t0 = time.perf_counter()
     raw = next(data_iterator)
     DATA_WAIT["s"] += time.perf_counter() - t0
-    batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) and k not in HOST_KEYS else v
+    batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) and not on_host(k) else v
              for k, v in raw.items()}  # the loader's batches are on the host (or the device); cu_seqlens stay
     if meter is not None and torch.is_grad_enabled():
         with meter.measure():

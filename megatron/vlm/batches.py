@@ -25,7 +25,6 @@ state at that step, and ``load_state_dict``/``reset`` rebuild the loader's itera
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -33,7 +32,8 @@ import torch.distributed as dist
 from omnibal_ext.data.sampler import GroupBatchSampler
 
 from megatron.vlm.context_parallel import CP_KEYS, split_batch
-from megatron.vlm.data.collate import check_image_tokens, collate_packed, collate_padded
+from megatron.vlm.data.collate import check_image_tokens, on_host
+from megatron.vlm.data.side import Batcher
 
 PIXEL_KEYS = ("pixel_values",)
 TOKEN_KEYS = ("tokens", "image_tile_index")
@@ -101,21 +101,21 @@ class Collate:
     """collate_fn of the loader: samples -> the micro-batch, reduced to the stage's keys (picklable)."""
 
     def __init__(self, pad_id: int, packed: bool, inputs: StageInputs, image_tokens: tuple[int, int] | None,
-                 pad_to_multiple: int = 1, cp: int = 1, cp_rank: int = 0):
+                 pad_to_multiple: int = 1, cp: int = 1, cp_rank: int = 0, batcher: Batcher | None = None):
         """pad_to_multiple: --sequence-parallel's TP: without CP the row length is rounded up to a multiple of it,
-        with CP every segment to a multiple of 2 x CP x it (``split_batch``)."""
+        with CP every segment to a multiple of 2 x CP x it (``split_batch``).  batcher: the family's micro-batch
+        maker (``megatron.vlm.data.side``; default: ``collate.py``'s fields)."""
         self.pad_id, self.packed, self.inputs, self.image_tokens = pad_id, packed, inputs, image_tokens
         self.pad_to_multiple = pad_to_multiple
         self.cp, self.cp_rank = cp, cp_rank  # context parallelism: this rank's part (megatron/vlm/context_parallel.py)
+        self.batcher = batcher or Batcher()
 
     def __call__(self, samples: list[dict]) -> dict:
         row_multiple = self.pad_to_multiple if self.cp == 1 else 1
-        fn = partial(collate_packed, pad_id=self.pad_id, pad_to_multiple=row_multiple) if self.packed else \
-            partial(collate_padded, pad_id=self.pad_id, seq_length=None, pad_to_multiple=row_multiple)
-        batch = fn(samples)
+        batch = self.batcher.make(samples, self.pad_id, self.packed, row_multiple)
         if self.image_tokens is not None and self.inputs.tokens:
             check_image_tokens(batch, *self.image_tokens)
-        keys = self.inputs.keys
+        keys = self.batcher.keys(self.inputs)
         if self.cp > 1:
             batch = split_batch(batch, self.cp, self.cp_rank, self.pad_id,
                                 self.image_tokens[0] if self.image_tokens else None, sp_tp=self.pad_to_multiple)
@@ -156,10 +156,10 @@ def broadcast_batch(batch: dict | None, src: int, group) -> dict:
         shape, dtype = rest
         if me == src:
             t = batch[k].contiguous()
-            t = t.cuda() if cuda and k not in ("cu_seqlens",) else t
+            t = t.cuda() if cuda and not on_host(k) else t
         else:
-            t = torch.empty(shape, dtype=dtype, device="cuda" if cuda and k != "cu_seqlens" else "cpu")
-        if cuda and k == "cu_seqlens":  # stays on the host: small, sent by value
+            t = torch.empty(shape, dtype=dtype, device="cuda" if cuda and not on_host(k) else "cpu")
+        if cuda and on_host(k):  # packed-sequence boundaries stay on the host: small, sent by value
             holder = [t if me == src else None]
             dist.broadcast_object_list(holder, src=src, group=group)
             t = holder[0]
@@ -175,14 +175,15 @@ class MicroBatches:
     inputs: what this stage reads (default: everything).  num_workers, prefetch_factor,
     pin_memory, persistent_workers: the DataLoader's.  tp_group, tp_src: the TP group of the stage and
     the global rank of its TP rank 0 (which alone loads and broadcasts); None: every rank loads.  cp, cp_rank:
-    context parallelism (each CP rank keeps its part of every micro-batch: ``split_batch``).
+    context parallelism (each CP rank keeps its part of every micro-batch: ``split_batch``).  batcher: the
+    family's micro-batch maker (``RuntimeFamily.data``; default: ``collate.py``'s fields).
     """
 
     def __init__(self, dataset, sampler: GroupBatchSampler, pad_id: int, packed: bool, seq_length: int | None = None,
                  image_tokens: tuple[int, int] | None = None, inputs: StageInputs | None = None,
                  num_workers: int = 0, prefetch_factor: int = 2, pin_memory: bool = False,
                  persistent_workers: bool = True, tp_group=None, tp_src: int = 0, pad_to_multiple: int = 1,
-                 cp: int = 1, cp_rank: int = 0):
+                 cp: int = 1, cp_rank: int = 0, batcher: Batcher | None = None):
         """image_tokens: (image-context token id, tokens per tile): check each micro-batch's image-token
         count against its real tiles on the host (the model's forward does not)."""
         if num_workers < 0:
@@ -194,7 +195,7 @@ class MicroBatches:
         self.inputs = inputs or StageInputs.everything()
         self.num_workers = num_workers
         self.tp_group, self.tp_src = tp_group, tp_src
-        self.collate = Collate(pad_id, packed, self.inputs, image_tokens, pad_to_multiple, cp, cp_rank)
+        self.collate = Collate(pad_id, packed, self.inputs, image_tokens, pad_to_multiple, cp, cp_rank, batcher)
         self._records = None
         self.iteration = 0  # the training iteration the served micro-batches belong to (set by the trainer)
         self._loads = tp_group is None or dist.get_rank() == tp_src

@@ -29,6 +29,7 @@ from omnibal_ext.model.components import CostComponent, HeadCost, TextEmbedCost,
 from omnibal_ext.model.spec import HEAD, TEXT_LAYER, VISION_LAYER, ModelSpec, Unit
 
 from megatron.vlm import layers, sequence_parallel
+from megatron.vlm.data.side import TILED, DataSide
 from megatron.vlm.head import OutputHead
 from megatron.vlm.seeding import seeded
 from megatron.vlm.sharding import unit_sharded_state_dict
@@ -335,7 +336,9 @@ class RuntimeFamily:
     where the family has no HF side. logits_batch(inputs, spec, info): the micro-batch of one sample for the
     logits check against transformers from transformers' own inputs (``megatron.vlm.hf.logits``);
     structure_twin(spec): a tiny model of ``spec``'s structure (same units, per-layer features and checkpoint
-    objects), for listing a checkpoint's extra-state objects (``megatron.vlm.hf.convert``).
+    objects), for listing a checkpoint's extra-state objects (``megatron.vlm.hf.convert``). data: its data side
+    (``megatron.vlm.data.side.DataSide``: image tokens, reader settings, micro-batch fields; default InternVL's
+    tiles).
     """
 
     name: str
@@ -346,6 +349,7 @@ class RuntimeFamily:
     hf_config: object = None
     logits_batch: Callable | None = None
     structure_twin: Callable | None = None
+    data: DataSide = TILED
 
     def component(self, kind: str) -> type[RuntimeComponent]:
         for c in self.components:

@@ -45,6 +45,12 @@ BATCH_KEYS = ("tokens", "labels", "position_ids", "segment_ids", "pixel_values",
 HOST_KEYS = ("cu_seqlens", "max_seqlen")  # stay on the host: read by Python, never waited for
 
 
+def on_host(key: str) -> bool:
+    """Whether a micro-batch field stays on the host: ``HOST_KEYS`` and every family's packed-sequence boundaries
+    (fields named ``*seqlens``, e.g. Qwen2.5-VL's ``vision_cu_window_seqlens``), which ``segment_params`` reads."""
+    return key in HOST_KEYS or key.endswith("seqlens")
+
+
 def packing(rows: list[list[int]], width: int) -> tuple[torch.Tensor, int]:
     """(cu_seqlens int32, max_seqlen) of a micro-batch of ``len(rows)`` rows of ``width`` tokens, row r
     holding the samples of lengths ``rows[r]`` in order, then padding (its own segment) up to ``width``."""

@@ -1,6 +1,7 @@
-"""Reader and map-style dataset of InternVL-format instruction data.
+"""Reader and map-style dataset of instruction data: InternVL-format and ``messages`` records, for every family.
 
-Meta JSON (paths relative to the meta file's folder unless absolute)::
+Meta JSON (paths relative to the meta file's folder unless absolute), or one annotation JSONL given directly
+(a single source, images relative to the JSONL's folder)::
 
     {"name": {"root": "images/", "annotation": "train.jsonl", "repeat_time": 1.0, "length": 1234}, ...}
 
@@ -9,9 +10,10 @@ lines drawn without replacement (seeded, kept in file order).  ``length``, when 
 number of records in the annotation (a stale meta is an error, not a silent skip).  Sources are
 concatenated in meta order.
 
-Annotation JSONL, one record per non-blank line::
+Annotation JSONL, one record per non-blank line, in either format (a file may mix them)::
 
     {"id": ..., "image": "a.png" | ["a.png", "b.png"] | absent, "conversations": [{"from": "human", ...}, ...]}
+    {"messages": [{"role": "user", "content": "<image>..."}, ...], "images": ["a.png", ...]}   (messages.py)
 
 Validation happens in one pass at construction (``scan_annotations``), before any training: every record
 is parsed, its images are decoded once (``PIL.Image.open(...).load()``: a truncated or corrupt file whose
@@ -22,6 +24,9 @@ In a distributed run the processes split the records (every world-th line) and a
 found, so each decodes 1/world of the images; the result is the one-process scan's.
 All problems are collected and raised together as ``DataValidationError`` whose lines start with
 ``annotation:line`` (or ``annotation`` and the meta entry for an empty file).
+
+How an image becomes ViT items and LLM image tokens is the family's ``ReaderConfig.images`` rule (``ImageRule``;
+Qwen2.5-VL: patches at native resolution); without one, InternVL's dynamic tiling (``TileImages``) below.
 
 Tiles per image: ``min_num_tiles..max_num_tiles`` (InternVL's ``min_dynamic_patch``/``max_dynamic_patch``),
 thumbnail excluded.  Multi-image records: each image may use ``max(1, max_num_tiles // num_images)`` tiles
@@ -47,7 +52,8 @@ from PIL import Image
 from omnibal_ext.errors import UserError
 
 from . import scan_cache
-from .template import (ConversationError, IMAGE_PLACEHOLDER, add_missing_placeholder, count_placeholders,
+from .messages import parse_messages_record
+from .template import (ConversationError, IMAGE_PLACEHOLDER, Turn, add_missing_placeholder, count_placeholders,
                        parse_conversations, plan_conversation)
 from .tiling import black_tile_tensor, count_tiles, dynamic_tiles, tiles_to_tensor
 
@@ -84,6 +90,11 @@ class ReaderConfig:
     add_bos: bool = True
     seed: int = 0  # for fractional repeat_time
     skip_bad: bool = False  # a record with a problem is left out (listed in ScanResult.skipped), not an error
+    images: object = None  # the family's ImageRule; None: InternVL's dynamic tiling from the fields above
+
+    @property
+    def image_rule(self) -> "ImageRule":
+        return self.images if self.images is not None else TileImages(self)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_num_tiles <= self.max_num_tiles:
@@ -100,8 +111,64 @@ class ReaderConfig:
         return (self.min_num_tiles, limit) if self.min_num_tiles <= limit else (1, 1)
 
 
+class ImageRule:
+    """How a family's reader turns an image into ViT items and LLM image tokens (``ReaderConfig.images``).
+
+    ``items(width, height, num_images)``: ViT items of an image of that size (px) in a record of ``num_images``
+    images (raises a ``UserError`` for a size the family refuses); ``image_tokens(items)``: the LLM tokens between
+    the image's start and end tokens; ``pixels(image, num_images)``: its float32 ViT input, ``items`` rows;
+    ``dummy_items`` / ``dummy_pixels()``: what a sample without images feeds the ViT (``image_flags`` 0).
+    """
+
+    dummy_items: int = 0
+    unit: str = "items"  # what an item is, for stats ("tiles", "patches")
+
+    def items(self, width: int, height: int, num_images: int) -> int:
+        raise NotImplementedError
+
+    def image_tokens(self, items: int) -> int:
+        raise NotImplementedError
+
+    def pixels(self, image: Image.Image, num_images: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dummy_pixels(self) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TileImages(ImageRule):
+    """InternVL's dynamic tiling (``ReaderConfig``'s tile fields): items are tiles (thumbnail included), each
+    ``tokens_per_tile`` image-context tokens; a sample without images feeds one black tile."""
+
+    dummy_items, unit = 1, "tiles"
+
+    def __init__(self, config: ReaderConfig):
+        self.config = config
+
+    def items(self, width, height, num_images):
+        cfg = self.config
+        lo, hi = cfg.tile_range(num_images)
+        return count_tiles(width, height, cfg.image_size, lo, hi, cfg.use_thumbnail)
+
+    def image_tokens(self, items):
+        return items * self.config.tokens_per_tile
+
+    def pixels(self, image, num_images):
+        cfg = self.config
+        lo, hi = cfg.tile_range(num_images)
+        return tiles_to_tensor(dynamic_tiles(image, cfg.image_size, lo, hi, cfg.use_thumbnail))
+
+    def dummy_pixels(self):
+        return black_tile_tensor(self.config.image_size)
+
+
 def read_meta(meta_path: str) -> list[SourceSpec]:
-    """Parse and check the meta JSON (see module docstring)."""
+    """Parse and check the meta JSON, or make the one source of an annotation JSONL (see module docstring)."""
+    if meta_path.endswith(".jsonl"):
+        if not os.path.isfile(meta_path):
+            raise DataValidationError(f"{meta_path}: annotation file not found")
+        path = os.path.normpath(os.path.abspath(meta_path))
+        return [SourceSpec(os.path.splitext(os.path.basename(path))[0], os.path.dirname(path), path)]
     try:
         with open(meta_path) as f:
             meta = json.load(f)
@@ -146,6 +213,24 @@ def record_images(record: dict) -> list[str]:
     raise ConversationError("'image' must be a path or a list of paths")
 
 
+def record_turns(record) -> tuple[list[Turn], list[str]]:
+    """(turns, image paths as written) of a decoded record of either format; its problems raise a ``UserError``
+    (the caller names ``file:line``)."""
+    if not isinstance(record, dict):
+        raise ConversationError("record must be a JSON object")
+    if "messages" in record:
+        conversation = parse_messages_record(record, "")
+        return [Turn(t.role, t.text) for t in conversation.turns], list(conversation.images)
+    if "conversations" not in record:
+        raise ConversationError("missing 'conversations'")
+    images = record_images(record)
+    turns = add_missing_placeholder(parse_conversations(record["conversations"]), len(images))
+    placeholders = count_placeholders(turns)
+    if placeholders != len(images):
+        raise ConversationError(f"{placeholders} {IMAGE_PLACEHOLDER} placeholders but {len(images)} images")
+    return turns, images
+
+
 @dataclass
 class ScanResult:
     """Everything the validation pass learned, per record (M records) and per dataset sample (N)."""
@@ -161,7 +246,7 @@ class ScanResult:
     rec_tokens: np.ndarray  # int64 [M] tokens after truncation
     rec_images_kept: np.ndarray  # int64 [M] images surviving truncation
     rec_real_tiles: np.ndarray  # int64 [M] tiles of the kept images (= image_flags.sum())
-    rec_tiles: np.ndarray  # int64 [M] tiles fed to the ViT (1 dummy tile when no image is kept)
+    rec_tiles: np.ndarray  # int64 [M] items fed to the ViT (the rule's dummy items when no image is kept)
     order: np.ndarray  # int64 [N] record index of each dataset sample (repeat_time applied)
     num_truncated: int
     num_without_loss: int  # truncated samples left with no answer token
@@ -271,7 +356,8 @@ def scan_share(sources: list[SourceSpec], tokenizer, config: ReaderConfig, rank:
                     errors += [(s_idx, line_no, j, f"{src.annotation}:{line_no}: {msg}") for j, msg in enumerate(found)]
                     continue
                 sizes, tiles, tokens, kept, real, truncated, without_loss = found
-                records.append((s_idx, line_offset, line_no, tokens, kept, real, real if real > 0 else 1))
+                records.append((s_idx, line_offset, line_no, tokens, kept, real,
+                                real if real > 0 else config.image_rule.dummy_items))
                 images += [(w, h, t) for (w, h), t in zip(sizes, tiles)]
                 per_record.append(len(sizes))
                 num_truncated += truncated
@@ -290,16 +376,8 @@ def _scan_record(raw: bytes, src: SourceSpec, tokenizer, config: ReaderConfig):
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         return [f"not valid JSON ({getattr(e, 'msg', e)})"]
     try:
-        if not isinstance(record, dict):
-            raise ConversationError("record must be a JSON object")
-        if "conversations" not in record:
-            raise ConversationError("missing 'conversations'")
-        images = record_images(record)
-        turns = add_missing_placeholder(parse_conversations(record["conversations"]), len(images))
-        placeholders = count_placeholders(turns)
-        if placeholders != len(images):
-            raise ConversationError(f"{placeholders} {IMAGE_PLACEHOLDER} placeholders but {len(images)} images")
-    except ConversationError as e:
+        turns, images = record_turns(record)
+    except UserError as e:
         return [str(e)]
     sizes, problems = [], []
     for rel in images:
@@ -313,10 +391,18 @@ def _scan_record(raw: bytes, src: SourceSpec, tokenizer, config: ReaderConfig):
             problems.append(f"cannot decode image {path}: {e}")
     if problems:
         return problems
-    lo_tiles, hi_tiles = config.tile_range(len(images))
-    tiles = [count_tiles(w, h, config.image_size, lo_tiles, hi_tiles, config.use_thumbnail) for w, h in sizes]
+    rule = config.image_rule
+    tiles = []
+    for rel, (w, h) in zip(images, sizes):
+        try:
+            tiles.append(rule.items(w, h, len(images)))
+        except UserError as e:
+            problems.append(f"image {os.path.join(src.root, rel)}: {e}")
+    if problems:
+        return problems
     try:  # a chat template can refuse a conversation: a problem of this record, named like the others
-        plan = plan_conversation(turns, tokenizer, tiles, config.tokens_per_tile, config.system, config.add_bos)
+        plan = plan_conversation(turns, tokenizer, [rule.image_tokens(t) for t in tiles], 1, config.system,
+                                 config.add_bos)
     except ConversationError as e:
         return [str(e)]
     cut, kept = plan.cut_for(config.max_seq_length)
@@ -373,25 +459,26 @@ def merge_shares(meta_path: str, sources: list[SourceSpec], shares: list[ScanSha
 
 
 class InternVLDataset(torch.utils.data.Dataset):
-    """Map-style dataset over an InternVL meta JSON; validated in full at construction.
+    """Map-style dataset over a meta JSON (or one annotation JSONL); validated in full at construction.
 
     ``__getitem__(i)`` -> ``{"input_ids": int64 [n], "labels": int64 [n], "pixel_values": float32
-    [k, 3, S, S], "image_flags": int64 [k]}`` with ``n == sample_lengths()[0][i]`` tokens and
-    ``k == sample_lengths()[1][i]`` tiles.  ``scan_group`` and ``cache_dir``: see ``scan_annotations``.
+    [k, ...], "image_flags": int64 [k], "image_sizes": int64 [images, 2]}`` with ``n == sample_lengths()[0][i]``
+    tokens, ``k == sample_lengths()[1][i]`` ViT items (tiles; the ``images`` rule's unit when given) and the
+    (width, height) px of each kept image.  ``scan_group`` and ``cache_dir``: see ``scan_annotations``.
     """
 
     def __init__(self, meta_path: str, tokenizer, image_size: int, tokens_per_tile: int, max_num_tiles: int,
                  max_seq_length: int | None, use_thumbnail: bool = True, truncate: bool = False, *,
                  system: str | None = None, add_bos: bool = True, seed: int = 0, progress: bool = False,
                  min_num_tiles: int = 1, scan_group=None, cache_dir: str | None = None,
-                 skip_bad: bool = False) -> None:
+                 skip_bad: bool = False, images: ImageRule | None = None) -> None:
         self.meta_path = meta_path
         self.tokenizer = tokenizer
         self.config = ReaderConfig(image_size=image_size, tokens_per_tile=tokens_per_tile,
                                    max_num_tiles=max_num_tiles, min_num_tiles=min_num_tiles,
                                    max_seq_length=max_seq_length,
                                    use_thumbnail=use_thumbnail, truncate=truncate, system=system,
-                                   add_bos=add_bos, seed=seed, skip_bad=skip_bad)
+                                   add_bos=add_bos, seed=seed, skip_bad=skip_bad, images=images)
         self.scan = scan_annotations(meta_path, tokenizer, self.config, progress=progress, group=scan_group,
                                      cache_dir=cache_dir)
 
@@ -399,12 +486,12 @@ class InternVLDataset(torch.utils.data.Dataset):
         return len(self.scan.order)
 
     def sample_lengths(self) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens int64 [N], tiles int64 [N]) of every sample, dummy tile counted; no pixel decode."""
+        """(tokens int64 [N], ViT items int64 [N]) of every sample, dummy items counted; no pixel decode."""
         s = self.scan
         return s.rec_tokens[s.order].copy(), s.rec_tiles[s.order].copy()
 
     def sample_real_tiles(self) -> np.ndarray:
-        """int64 [N]: tiles of real images per sample (the sum of its ``image_flags``)."""
+        """int64 [N]: ViT items of real images per sample (the sum of its ``image_flags``)."""
         return self.scan.rec_real_tiles[self.scan.order].copy()
 
     def where(self, index: int) -> str:
@@ -416,43 +503,44 @@ class InternVLDataset(torch.utils.data.Dataset):
 
     def sample(self, index: int, decode_images: bool = True) -> dict:
         """Sample ``index``; ``decode_images=False`` opens no image file: ``pixel_values`` is left out and
-        ``image_flags`` comes from the validation scan's tile counts (the text's image-context tokens
-        depend on the tile counts only, so tokens and labels are the same as with images)."""
+        ``image_flags`` comes from the validation scan's item counts (the text's image tokens depend on the
+        counts only, so tokens and labels are the same as with images)."""
         if not -len(self) <= index < len(self):
             raise IndexError(f"sample {index} out of range for {len(self)} samples")
         s, cfg = self.scan, self.config
+        rule = cfg.image_rule
         r = int(s.order[index])
         src = s.sources[s.rec_source[r]]
         with open(src.annotation, "rb") as f:
             f.seek(int(s.rec_offset[r]))
             record = json.loads(f.readline())
-        images = record_images(record)
-        turns = add_missing_placeholder(parse_conversations(record["conversations"]), len(images))
+        turns, images = record_turns(record)
         lo, hi = int(s.img_ptr[r]), int(s.img_ptr[r + 1])
         tiles = [int(t) for t in s.img_tiles[lo:hi]]
         kept = int(s.rec_images_kept[r])
-        lo_tiles, hi_tiles = cfg.tile_range(len(images))
-        tiles_made = []
-        plan = plan_conversation(turns, self.tokenizer, tiles, cfg.tokens_per_tile, cfg.system, cfg.add_bos)
+        plan = plan_conversation(turns, self.tokenizer, [rule.image_tokens(t) for t in tiles], 1, cfg.system,
+                                 cfg.add_bos)
         input_ids, labels = plan.materialize(int(s.rec_tokens[r]))
+        sizes = torch.from_numpy(np.stack([s.img_width[lo:lo + kept], s.img_height[lo:lo + kept]], axis=1))
+        text = {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels), "image_sizes": sizes}
+        real = int(s.rec_real_tiles[r])
         if not decode_images:
-            real = int(s.rec_real_tiles[r])
-            flags = torch.ones(real, dtype=torch.int64) if real else torch.zeros(1, dtype=torch.int64)
-            return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
-                    "image_flags": flags}
+            flags = torch.ones(real, dtype=torch.int64) if real else torch.zeros(rule.dummy_items, dtype=torch.int64)
+            return {**text, "image_flags": flags}
+        pixels = []
         for k in range(kept):
             path = os.path.join(src.root, images[k])
             with Image.open(path) as im:
                 if im.size != (int(s.img_width[lo + k]), int(s.img_height[lo + k])):
                     raise DataValidationError(f"{s.where(r)}: image {path} changed size since validation")
-                tiles_made += dynamic_tiles(im, cfg.image_size, lo_tiles, hi_tiles, cfg.use_thumbnail)
-        if len(tiles_made) != sum(tiles[:kept]):  # cannot happen unless tiling and counting disagree
-            raise RuntimeError(f"{s.where(r)}: made {len(tiles_made)} tiles, validation counted {sum(tiles[:kept])}")
-        if tiles_made:
-            pixel_values = tiles_to_tensor(tiles_made)
+                pixels.append(rule.pixels(im, len(images)))
+        made = sum(len(p) for p in pixels)
+        if made != real:  # cannot happen unless the rule's pixels and its counts disagree
+            raise RuntimeError(f"{s.where(r)}: made {made} ViT items, validation counted {real}")
+        if pixels:
+            pixel_values = torch.cat(pixels)
             image_flags = torch.ones(len(pixel_values), dtype=torch.int64)
         else:
-            pixel_values = black_tile_tensor(cfg.image_size)
-            image_flags = torch.zeros(1, dtype=torch.int64)
-        return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
-                "pixel_values": pixel_values, "image_flags": image_flags}
+            pixel_values = rule.dummy_pixels()
+            image_flags = torch.zeros(len(pixel_values), dtype=torch.int64)
+        return {**text, "pixel_values": pixel_values, "image_flags": image_flags}

@@ -35,7 +35,7 @@ def scan_key(meta_path: str, sources, config, tokenizer) -> str:
         "format": FORMAT,
         "meta": meta_digest,
         "annotations": [stat(src.annotation) for src in sources],
-        "config": {k: v for k, v in dataclasses.asdict(config).items() if k != "skip_bad" or v},
+        "config": {k: v for k, v in dataclasses.asdict(config).items() if v or k not in ("skip_bad", "images")},
         "tokenizer": [repr(tokenizer), tokenizer.vocab_size, getattr(tokenizer, "chat_template", None), tok_files],
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:32]

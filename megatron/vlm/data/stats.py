@@ -4,6 +4,9 @@ Output: a JSON list, one entry per dataset sample in dataset order (``repeat_tim
 
     {"vit_num": tiles fed to the ViT (1 dummy tile for text-only), "token_num": tokens,
      "image_flags": tiles of real images}
+
+``image_stats_records`` adds each image (``omnibal isf stats --write``): ``"images": [{"width": px, "height": px,
+UNIT: ViT items}, ...]`` with UNIT the family's (``ImageRule.unit``: "tiles", "patches").
 """
 from __future__ import annotations
 
@@ -20,6 +23,28 @@ def stats_records(scan) -> list[dict]:
     return [{"vit_num": int(v), "token_num": int(t), "image_flags": int(f)} for v, t, f in zip(tiles, tokens, real)]
 
 
+def image_stats_records(scan, unit: str) -> list[dict]:
+    """``{"vit_num", "token_num", "images"}`` per sample of a ``ScanResult`` (dataset order): the ViT items fed, the
+    tokens, and each kept image's width and height (px) and its ViT items under the key ``unit``."""
+    out = []
+    for r in scan.order:
+        lo = int(scan.img_ptr[r])
+        images = [{"width": int(scan.img_width[i]), "height": int(scan.img_height[i]), unit: int(scan.img_tiles[i])}
+                  for i in range(lo, lo + int(scan.rec_images_kept[r]))]
+        out.append({"vit_num": int(scan.rec_tiles[r]), "token_num": int(scan.rec_tokens[r]), "images": images})
+    return out
+
+
+def write_json(records: list, out_path: str) -> None:
+    """``records`` as JSON at ``out_path`` (folders made; a temporary file renamed)."""
+    folder = os.path.dirname(os.path.abspath(out_path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = out_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(records, f)
+    os.replace(tmp, out_path)
+
+
 def write_stats(meta_path: str, out_path: str, tokenizer, image_size: int, tokens_per_tile: int,
                 max_num_tiles: int, use_thumbnail: bool = True, *, max_seq_length: int | None = None,
                 truncate: bool = False, system: str | None = None, progress: bool = True,
@@ -33,10 +58,5 @@ def write_stats(meta_path: str, out_path: str, tokenizer, image_size: int, token
                           system=system)
     scan = scan_annotations(meta_path, tokenizer, config, progress=progress)
     records = stats_records(scan)
-    folder = os.path.dirname(os.path.abspath(out_path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = out_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(records, f)
-    os.replace(tmp, out_path)
+    write_json(records, out_path)
     return len(records)

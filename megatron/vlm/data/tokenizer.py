@@ -96,13 +96,15 @@ class ByteTokenizer:
 class HFTokenizer:
     """A local Hugging Face tokenizer directory behind the ByteTokenizer interface.
 
-    Special tokens of ``SPECIAL_TOKENS`` missing from its vocabulary are added (so ``vocab_size`` can grow;
+    Special tokens of ``SPECIAL_TOKENS`` (with the family's ``image_tokens`` for the image start, end and
+    context ones) missing from its vocabulary are added (so ``vocab_size`` can grow;
     the model's padded vocabulary must be computed from this object's ``vocab_size``).  ``pad_id`` falls
     back to ``<pad>``, ``eos_id`` to ``<|im_end|>`` and ``bos_id`` may be ``None`` (no BOS is then
     prepended by the chat template).  Requires the ``hf`` extra (``pip install 'omnibal-megatron[hf]'``).
     """
 
-    def __init__(self, path: str, trust_remote_code: bool = False) -> None:
+    def __init__(self, path: str, trust_remote_code: bool = False,
+                 image_tokens: tuple[str, str, str] = (IMG_START, IMG_END, IMG_CONTEXT)) -> None:
         try:
             from transformers import AutoTokenizer
         except ImportError as e:
@@ -115,7 +117,8 @@ class HFTokenizer:
             raise UserError(f"--tokenizer-model {path!r}: not a local tokenizer directory")
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         vocab = tok.get_vocab()
-        missing = [t for t in SPECIAL_TOKENS if t not in vocab and t not in (PAD, BOS, EOS)]
+        specials = (PAD, BOS, EOS, IM_START, IM_END, *image_tokens)
+        missing = [t for t in specials if t not in vocab and t not in (PAD, BOS, EOS)]
         if tok.pad_token_id is None and PAD not in vocab:
             missing.insert(0, PAD)
         if missing:
@@ -123,15 +126,13 @@ class HFTokenizer:
         self._tok = tok
         self.path = path
         self.vocab_size = len(tok)
-        ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS if t in tok.get_vocab()}
+        ids = {t: tok.convert_tokens_to_ids(t) for t in specials if t in tok.get_vocab()}
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else ids[PAD]
         self.bos_id = tok.bos_token_id
         self.im_start_id = ids[IM_START]
         self.im_end_id = ids[IM_END]
         self.eos_id = tok.eos_token_id if tok.eos_token_id is not None else self.im_end_id
-        self.img_start_id = ids[IMG_START]
-        self.img_end_id = ids[IMG_END]
-        self.img_context_id = ids[IMG_CONTEXT]
+        self.img_start_id, self.img_end_id, self.img_context_id = (ids[t] for t in image_tokens)
         # the tokenizer's own Jinja chat template (tokenizer_config.json / chat_template.jinja), if any:
         # plan_conversation then renders conversations with it instead of the built-in template
         self.chat_template = getattr(tok, "chat_template", None) or None
@@ -157,8 +158,11 @@ class HFTokenizer:
         return f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size})"
 
 
-def build_tokenizer(path: str | None = None, trust_remote_code: bool = False):
-    """The byte tokenizer when ``path`` is None or empty, else ``HFTokenizer(path)``."""
+def build_tokenizer(path: str | None = None, trust_remote_code: bool = False,
+                    image_tokens: tuple[str, str, str] = (IMG_START, IMG_END, IMG_CONTEXT)):
+    """The byte tokenizer when ``path`` is None or empty, else ``HFTokenizer(path)``.  image_tokens: the model
+    family's image start, end and context token strings (``RuntimeFamily.data``; the byte tokenizer has
+    InternVL's, which serve any family trained from scratch)."""
     if not path:
         return ByteTokenizer()
-    return HFTokenizer(path, trust_remote_code=trust_remote_code)
+    return HFTokenizer(path, trust_remote_code=trust_remote_code, image_tokens=image_tokens)

@@ -22,7 +22,8 @@ class Family:
     work is counted in (``MicroBatchShape.vision_items``, ISF's Qv); presets: published sizes by name;
     segments_sq(spec, rows, cols): for ViTs whose items vary in size, the (full-attention, window) sums of squared
     attention-segment lengths of images of ``rows x cols`` patches (``MicroBatchShape.vision_attn_tokens_sq``,
-    ``vision_window_tokens_sq``), None where an item's attention is fixed (InternVL's tiles)."""
+    ``vision_window_tokens_sq``), None where an item's attention is fixed (InternVL's tiles).
+    spec_problem(spec): what makes a ModelSpec of the family unbuildable (a message naming the flag), or None."""
 
     name: str
     vision_spec: type
@@ -31,3 +32,4 @@ class Family:
     vision_item: str
     presets: dict[str, ModelSpec] = field(default_factory=dict)
     segments_sq: Callable | None = None
+    spec_problem: Callable[[ModelSpec], str | None] = lambda spec: None  # noqa: E731

@@ -248,10 +248,21 @@ PRESETS.update({
     ),
 })
 
+def spec_problem(spec: ModelSpec) -> str | None:
+    """The image size must be whole patches, and the patch grid pixel-shuffled by the downsample ratio."""
+    v = spec.vision
+    if v.image_size % v.patch_size:
+        return f"--patch-size {v.patch_size} does not divide --image-size {v.image_size}"
+    grid = v.image_size // v.patch_size
+    if grid % int(round(1 / spec.downsample_ratio)):
+        return f"the ViT patch grid {grid}x{grid} cannot be pixel-shuffled by {spec.downsample_ratio}"
+    return None
+
+
 INTERNVL = Family(
     name="internvl", vision_spec=VisionSpec,
     components=(VisionEmbedCost, VisionLayerCost, ProjectorCost, TextEmbedCost, TextLayerCost, HeadCost),
-    unit_list=unit_list, vision_item="tile", presets=PRESETS)
+    unit_list=unit_list, vision_item="tile", presets=PRESETS, spec_problem=spec_problem)
 
 
 def vit_layers_for_feature_layer(num_hidden_layers: int, vision_feature_layer: int) -> int:

@@ -1,5 +1,7 @@
 """Qwen2.5-VL family, data side: image preprocessing to patch rows (``image_processing``), the 3-D
 multimodal RoPE position ids of a sample (``positions``), the vision encoder's window permutation,
-sequence boundaries and 2-D rotary ids (``vision_windows``), and the ``messages`` JSONL record reader
-(``conversations``): plain functions over numpy/PIL.  The model (``family``: modules, components, Hugging Face
-side ``hf``, logits-check micro-batches ``batch``) is imported by ``megatron.vlm.families``, not here."""
+sequence boundaries and 2-D rotary ids (``vision_windows``): plain functions over numpy/PIL; the training data
+side (``data``: the reader's image rule and the micro-batch maker; records are read by
+``megatron/vlm/data/internvl.py``, ``messages`` records by ``megatron/vlm/data/messages.py``).  The model
+(``family``: modules, components, Hugging Face side ``hf``, logits-check micro-batches ``batch``) is imported by
+``megatron.vlm.families``, not here."""

@@ -1,11 +1,7 @@
 """Qwen2.5-VL micro-batches for the logits check: transformers' processor outputs -> the fields the family's
 stage reads (``components``' docstring lists them), built on the host from ``vision_windows`` (window order,
 boundaries, 2-D rotary ids) and ``positions`` (3-D multimodal RoPE ids as ``get_rope_index`` gives them).
-
-The training data pipeline for the family (reading ``conversations`` records, ``image_processing`` of each
-image, chat template, packing several samples in one THD row with ``packed_mrope_position_ids`` and the
-images of all samples concatenated in one ``vision_windows`` call, a per-stage ``StageInputs`` selection of
-these keys) is not written yet; it makes the same keys.
+``vision_fields`` serves the training micro-batches too (``data.QwenBatcher``).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Qwen2.5-VL at run time: the ``RuntimeFamily`` (registered in ``megatron.vlm.families``).
 
 Planning side: ``omnibal_ext.model.families.qwen2_5_vl``. Modules: ``modules``; components: ``components``; HF
-config, names and tensor recipes: ``hf``; micro-batches of the logits check: ``batch``.
+config, names and tensor recipes: ``hf``; micro-batches of the logits check: ``batch``; training data: ``data``.
 """
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from megatron.vlm.components import Head, RuntimeFamily
 from megatron.vlm.hf.config import HFConfigReader
 
 from . import batch, hf
+from .data import QWEN_DATA
 from .components import FullLayer, ImageTextEmbed, Merger, MRopeTextLayer, VisionEmbed, WindowLayer
 from .modules import vision_config
 
@@ -16,4 +17,4 @@ QWEN2_5_VL = RuntimeFamily(
     name="qwen2_5_vl", components=(VisionEmbed, WindowLayer, FullLayer, Merger, ImageTextEmbed, MRopeTextLayer, Head),
     vision_config=vision_config, hf_names=hf.Names,
     hf_config=HFConfigReader(hf.recognizes, hf.spec_from_config, hf.native_config),
-    logits_batch=batch.logits_batch, structure_twin=hf.structure_twin)
+    logits_batch=batch.logits_batch, structure_twin=hf.structure_twin, data=QWEN_DATA)

@@ -81,9 +81,10 @@ def _split(text: str, first_image: int, images: list[str]) -> tuple[str | ImageR
 
 
 def parse_messages_record(record, where: str) -> Conversation:
-    """Check one decoded record and convert it (see the module docstring); ``where`` is ``file:line``."""
+    """Check one decoded record and convert it (see the module docstring); ``where`` is ``file:line`` (empty:
+    the caller names the record)."""
     def fail(message: str):
-        raise MessagesRecordError(f"{where}: {message}")
+        raise MessagesRecordError(f"{where}: {message}" if where else message)
 
     if not isinstance(record, dict):
         fail(f"a record must be a JSON object, got {type(record).__name__}")

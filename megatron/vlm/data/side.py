@@ -1,0 +1,60 @@
+"""A model family's data side (``RuntimeFamily.data``): how its records become samples and micro-batches.
+
+Every family reads the same formats (``internvl.py``: meta JSON or an annotation JSONL, InternVL
+``conversations`` and ``messages`` records); what differs is
+
+* ``image_tokens``: the strings of its image start, end and context (placeholder) tokens, which the tokenizer
+  must know (``megatron.vlm.data.tokenizer.build_tokenizer``);
+* ``reader(args, spec, hf_folder)``: the reader settings (``InternVLDataset`` keywords: tile sizes, or the
+  family's ``ImageRule`` in ``images``);
+* ``batcher(spec, image_token_id, rule)``: the picklable maker of micro-batches, a ``Batcher`` (its ``make``
+  collates the samples with the family's extra fields, ``rule`` being the reader's ``ImageRule``; its ``keys``
+  says which fields a stage reading ``StageInputs`` gets), and ``tile_check(spec)``: the tokens per ViT item for the loader's image-token check (None: the
+  batcher checks itself);
+* ``default_image_px(spec)``: the image side of the built-in digits data for this model;
+* ``context_parallel``: whether its micro-batches can be split over context-parallel ranks;
+* ``profiled``: whether the trainer's profiler (``megatron/training/profiling.py``) can build its micro-batches.
+
+``TILED`` is InternVL's (dynamic tiles, ``collate.py``'s fields); it is ``RuntimeFamily``'s default.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .collate import collate_packed, collate_padded
+from .tokenizer import IMG_CONTEXT, IMG_END, IMG_START
+
+
+class Batcher:
+    """Samples -> one micro-batch (``collate.py``'s schema, plus a family's fields); picklable (loader workers)."""
+
+    def make(self, samples: list[dict], pad_id: int, packed: bool, pad_to_multiple: int = 1) -> dict:
+        if packed:
+            return collate_packed(samples, pad_id, pad_to_multiple=pad_to_multiple)
+        return collate_padded(samples, pad_id, seq_length=None, pad_to_multiple=pad_to_multiple)
+
+    def keys(self, inputs) -> tuple[str, ...]:
+        """The fields a stage reading ``inputs`` (``megatron.vlm.batches.StageInputs``) gets."""
+        return inputs.keys
+
+
+def tiled_reader(args, spec, hf_folder: str | None) -> dict:
+    return dict(image_size=spec.vision.image_size, tokens_per_tile=spec.tokens_per_tile,
+                max_num_tiles=args.max_num_tiles, min_num_tiles=args.min_num_tiles)
+
+
+@dataclass(frozen=True)
+class DataSide:
+    """See the module docstring."""
+
+    image_tokens: tuple[str, str, str] = (IMG_START, IMG_END, IMG_CONTEXT)
+    reader: Callable = tiled_reader
+    batcher: Callable = lambda spec, image_token_id, rule: Batcher()  # noqa: E731
+    tile_check: Callable = lambda spec: spec.tokens_per_tile  # noqa: E731
+    default_image_px: Callable = lambda spec: spec.vision.image_size  # noqa: E731
+    context_parallel: bool = True
+    profiled: bool = True
+
+
+TILED = DataSide()

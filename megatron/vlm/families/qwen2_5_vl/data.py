@@ -1,0 +1,131 @@
+"""Qwen2.5-VL's data side (``RuntimeFamily.data``): images at native resolution, micro-batches with the ViT's
+window fields and the LLM's 3-D multimodal RoPE ids.
+
+Reading (``megatron/vlm/data/internvl.py`` with ``PatchImages`` as the image rule): an image of ``w x h`` px is
+``smart_resize``d within the folder's ``min_pixels``..``max_pixels`` (``preprocessor_config.json`` of
+``--hf-checkpoint``, else transformers' defaults; ``--min-pixels``/``--max-pixels`` override), becomes
+``gh * gw`` patch rows (its ViT items, ``image_processing``) and ``<|vision_start|>`` + ``<|image_pad|>`` x
+``gh * gw / 4`` + ``<|vision_end|>`` in the text; an aspect ratio over 200 is refused by the pre-training scan
+with ``file:line``.  A sample without images feeds the ViT nothing; a micro-batch without any image gets one
+2 x 2-patch all-zero image whose single merged token no text token takes (the stage chain still runs the ViT).
+
+Micro-batches (``QwenBatcher``): ``collate.py``'s fields (THD: one sample per row, or several packed in one row
+with ``--omnibal-isf``), plus ``components.py``'s: ``mrope_position_ids [3, b, s]`` (each sample from 0, as
+``get_rope_index`` numbers it; padding continues from 0 like text), and the images of all samples in one
+``vision_windows`` call (``batch.vision_fields``: window permutation, window and image ``cu_seqlens``, 2-D
+rotary ids, ``image_grid_thw``).  Stages get the ViT fields where they read pixels and the RoPE ids where
+they read packing metadata.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from megatron.vlm.data.internvl import ImageRule
+from megatron.vlm.data.side import Batcher, DataSide
+from omnibal_ext.errors import UserError
+
+from .batch import vision_fields
+from .image_processing import ImageProcessorConfig, preprocess_image, resized_grid
+from .positions import mrope_position_ids
+
+IMAGE_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")  # start, end, context
+VISION_KEYS = ("image_grid_thw", "vision_patch_index", "vision_merged_inverse", "vision_rotary_ids",
+               "vision_cu_window_seqlens", "vision_max_window_seqlen", "vision_cu_seqlens", "vision_max_seqlen")
+
+
+@dataclass(frozen=True)
+class PatchImages(ImageRule):
+    """Native resolution: an image's ViT items are its patches after ``smart_resize``."""
+
+    processor: ImageProcessorConfig = ImageProcessorConfig()
+    unit = "patches"
+
+    def grid(self, width: int, height: int) -> tuple[int, int, int]:
+        """``grid_thw`` (1, gh, gw) in patches of an image of ``width x height`` px."""
+        return resized_grid(height, width, self.processor)
+
+    def items(self, width, height, num_images):
+        _, gh, gw = self.grid(width, height)
+        return gh * gw
+
+    def image_tokens(self, items):
+        return items // self.processor.merge_size ** 2
+
+    def pixels(self, image, num_images):
+        rows, _ = preprocess_image(image, self.processor)
+        return torch.from_numpy(rows)
+
+    def dummy_pixels(self):
+        return torch.zeros(0, self.processor.patch_dim)
+
+
+def processor_config(args, hf_folder: str | None) -> ImageProcessorConfig:
+    """The folder's image processor settings (else transformers' defaults) with --min-pixels/--max-pixels."""
+    import dataclasses
+
+    config = ImageProcessorConfig.from_folder(hf_folder) if hf_folder else ImageProcessorConfig()
+    given = {k: v for k, v in (("min_pixels", getattr(args, "min_pixels", None)),
+                               ("max_pixels", getattr(args, "max_pixels", None))) if v is not None}
+    try:
+        return dataclasses.replace(config, **given)
+    except UserError as e:
+        raise UserError(f"--min-pixels/--max-pixels: {e}") from None
+
+
+def reader(args, spec, hf_folder):
+    """``InternVLDataset`` keywords: the patch rule (the tile fields are unused)."""
+    return dict(image_size=0, tokens_per_tile=0, max_num_tiles=1, min_num_tiles=1,
+                images=PatchImages(processor_config(args, hf_folder)))
+
+
+class QwenBatcher(Batcher):
+    """``collate.py``'s micro-batch plus the ViT's window fields and the 3-D RoPE ids (module docstring)."""
+
+    def __init__(self, spec, image_token_id: int, rule: PatchImages):
+        self.spec, self.image_token_id, self.rule = spec, image_token_id, rule
+        self.merge = spec.vision.spatial_merge_size
+
+    def make(self, samples, pad_id, packed, pad_to_multiple=1):
+        batch = super().make(samples, pad_id, packed, pad_to_multiple)
+        grids = [[self._grid(sample, k) for k in range(len(sample["image_sizes"]))] for sample in samples]
+        tokens = batch["tokens"]
+        lengths = [len(s["input_ids"]) for s in samples]
+        positions = np.empty((3, *tokens.shape), dtype=np.int64)
+        members = list(zip(lengths, grids))  # (tokens, image grids) per sample
+        rows = [(0, members)] if packed else [(r, [m]) for r, m in enumerate(members)]
+        for row, in_row in rows:
+            start = 0
+            for n, sample_grids in in_row:
+                positions[:, row, start:start + n], _ = mrope_position_ids(
+                    tokens[row, start:start + n].numpy(), sample_grids, self.image_token_id, self.merge)
+                start += n
+            positions[:, row, start:] = np.arange(tokens.shape[1] - start)
+        batch["mrope_position_ids"] = torch.from_numpy(positions)
+        every = [g for sample_grids in grids for g in sample_grids]
+        if not every:  # the ViT still runs: one all-zero image of one merged token, taken by no text token
+            every = [(1, self.merge, self.merge)]
+            if "pixel_values" in batch:
+                batch["pixel_values"] = torch.cat([batch["pixel_values"],
+                                                   torch.zeros(self.merge ** 2, batch["pixel_values"].shape[1])])
+        batch.update(vision_fields(every, self.spec))
+        return batch
+
+    def _grid(self, sample: dict, k: int) -> tuple[int, int, int]:
+        """``grid_thw`` of the sample's k-th kept image, from its size (what its pixel rows were made with)."""
+        width, height = (int(x) for x in sample["image_sizes"][k])
+        return self.rule.grid(width, height)
+
+    def keys(self, inputs):
+        keys = inputs.keys
+        if inputs.pixels:
+            keys += VISION_KEYS
+        if inputs.packing:
+            keys += ("mrope_position_ids",)
+        return keys
+
+
+QWEN_DATA = DataSide(image_tokens=IMAGE_TOKENS, reader=reader, batcher=QwenBatcher, tile_check=lambda spec: None,
+                     default_image_px=lambda spec: 56, context_parallel=False, profiled=False)

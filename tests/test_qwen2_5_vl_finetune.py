@@ -1,0 +1,104 @@
+"""Fine-tune a tiny Hugging Face Qwen2.5-VL (its own small tokenizer and chat template) from --hf-checkpoint at PP2
+(the ViT split over the stages: window and full-attention layers on each) with ISF packing on ``messages`` JSONL
+data with photos (--max-pixels keeping them small); the loss falls; its first iteration at TP2 (padded ViT heads,
+the micro-batch broadcast over TP) equals PP2's; `omnibal hf export` of the result loads in transformers and its logits equal our model's on the exported folder (slow)."""
+import json
+
+import pytest
+import torch
+
+from launch import run_training
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+pytest.importorskip("sklearn")
+import hf_tiny_qwen  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ("<image>What is shown?", "Name the photo: <image>", "<image>\nWhich one?")
+
+
+def write_data(folder) -> str:
+    """A messages JSONL: one-image questions (the answer names the photo) and two-image ones (both, in order)."""
+    images = folder / "images"
+    images.mkdir()
+    pics = hf_tiny_qwen.photos(images)
+    lines = []
+    for k, (name, subject) in enumerate(pics):
+        for q in QUESTIONS:
+            lines.append({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": subject}],
+                          "images": [f"images/{name}"]})
+        other, second = pics[(k + 3) % len(pics)]
+        lines.append({"messages": [{"role": "user", "content": "<image> then <image>: which?"},
+                                   {"role": "assistant", "content": f"{subject}, {second}"}],
+                      "images": [f"images/{name}", f"images/{other}"]})
+    path = folder / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return str(path)
+
+
+def test_finetune_qwen_pp2_isf_messages_photos_then_export(tmp_path, data_cache):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from megatron.training import cpu_compat
+    from megatron.training.initialize import destroy, initialize_distributed
+    from megatron.vlm.hf.convert import HFSource
+    from megatron.vlm.hf.logits import chained_logits
+    from omnibal_cli import main as omnibal
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    ids = hf_tiny_qwen.write_tokenizer(hf)
+    model = hf_tiny_qwen.make_tiny(hf, seed=3)
+    hf_tiny_qwen.set_token_ids(model, ids)
+    model.save_pretrained(str(hf))
+    data = write_data(tmp_path)
+    flags = ["--hf-checkpoint", str(hf), "--data-path", data, "--max-pixels", str(28 * 28 * 12),
+             "--pipeline-model-parallel-size", "2", "--pipeline-layout", "Iv*2|v*2PEt*2L", "--omnibal-isf",
+             "--train-iters", "25", "--micro-batch-size", "4",
+             "--global-batch-size", "8", "--lr", "3e-3", "--lr-warmup-iters", "2", "--eval-interval", "0",
+             "--seq-length", "256", "--data-cache-dir", str(data_cache), "--save", str(tmp_path / "ckpt"),
+             "--seed", "5"]
+    records, out = run_training(2, flags, tmp_path, "qwen_finetune")
+    assert "loaded weights from --hf-checkpoint" in out
+    assert "conversations are rendered with the tokenizer's own chat template" in out
+    assert "> ISF:" in out
+    losses = [r["lm loss"] for r in records]
+    assert len(losses) == 25
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.7 * first, losses
+
+    # TP2 (3 ViT heads padded to 4; TP rank 0 loads and broadcasts the micro-batch): the same first iteration
+    tp2 = flags[:flags.index("--pipeline-model-parallel-size")]
+    tp2 += ["--tensor-model-parallel-size", "2", "--omnibal-isf", "--train-iters", "1"]
+    for flag in ("--micro-batch-size", "--global-batch-size", "--lr", "--lr-warmup-iters", "--eval-interval",
+                 "--seq-length", "--data-cache-dir", "--seed"):
+        tp2 += [flag, flags[flags.index(flag) + 1]]
+    again, _ = run_training(2, tp2, tmp_path, "qwen_tp2")
+    assert abs(again[0]["lm loss"] - records[0]["lm loss"]) <= 1e-5 * records[0]["lm loss"], (again, records[0])
+
+    assert omnibal(["hf", "export", "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]) == 0
+    tuned = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(tmp_path / "out")).eval()
+    assert not torch.equal(tuned.model.language_model.embed_tokens.weight,
+                           model.model.language_model.embed_tokens.weight)
+    tuned.config._attn_implementation = "eager"
+    tuned.model.visual.config._attn_implementation = "eager"
+    tuned.model.language_model.config._attn_implementation = "eager"
+    batch = hf_tiny_qwen.inputs()  # its image token ids made this tokenizer's; no text token is a special one
+    tokens = batch["input_ids"]
+    roles = {hf_tiny_qwen.IMAGE_ID: "<|image_pad|>", hf_tiny_qwen.VISION_START: "<|vision_start|>",
+             hf_tiny_qwen.VISION_END: "<|vision_end|>"}
+    where = {old: tokens == old for old in roles}
+    tokens[(tokens < len(ids)) & ~sum(where.values()).bool()] += 100
+    for old, name in roles.items():
+        tokens[where[old]] = ids[name]
+    batch["mm_token_type_ids"] = (tokens == ids["<|image_pad|>"]).long()
+    want = hf_tiny_qwen.hf_logits(tuned, batch)
+    with cpu_compat.patched():
+        try:
+            initialize_distributed(torch.device("cpu"), 1, 1)
+            got = chained_logits(HFSource.open(str(tmp_path / "out")), batch)
+        finally:
+            destroy()
+    assert (got - want).abs().max() <= 1e-5
