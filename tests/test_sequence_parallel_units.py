@@ -38,12 +38,13 @@ def test_cost_model_splits_the_replicated_part_and_pads_tokens():
         sp = {u.kind: u for u in analytic_costs(spec, shape, tp, attention="flash", sequence_parallel=True).units}
         for kind in ("vit_layer", "llm_layer", "llm_head"):
             assert sp[kind].act_bytes < plain[kind].act_bytes
-        # the ViT layer: 4 h D replicated bytes per token split by TP, each tile padded 1025 -> a multiple of TP
+        # the ViT layer: 4 h D replicated bytes per token and its two RMSNorms' fp32 1/rms split by TP, each tile
+        # padded 1025 -> a multiple of TP
         v, D = spec.vision, 2
         seq = -(-v.seq_per_tile // tp) * tp
         per_tok_plain = plain["vit_layer"].act_bytes / (9 * v.seq_per_tile)
         per_tok_sp = sp["vit_layer"].act_bytes / (9 * seq)
-        assert per_tok_plain - per_tok_sp == pytest.approx(4 * v.hidden_size * D * (1 - 1 / tp))
+        assert per_tok_plain - per_tok_sp == pytest.approx((4 * v.hidden_size * D + 2 * 4) * (1 - 1 / tp))
         assert sp["vit_layer"].act_bytes_full == pytest.approx(9 * seq * v.hidden_size * D / tp)
         # at TP 1 the flag changes nothing
     one = analytic_costs(spec, shape, 1, sequence_parallel=True)

@@ -35,6 +35,37 @@ class ActBytes:
     send: float  # its output, sent when a stage boundary follows it
 
 
+@dataclass(frozen=True)
+class LayerKernels:
+    """What the device's kernels keep for backward where devices differ: an explicit input of the memory model
+    (``DeviceSpec.kernels``, which ``analytic_costs`` passes on).
+
+    rms_norm: "fused" (one kernel, as torch runs RMSNorm on CUDA: the input and an fp32 1/rms per token, as
+    measured on the H200) or "composite" (torch's RMSNorm on a CPU, built from elementwise ops: it also keeps
+    the normalised ``x/rms``, ``h*D`` per token, for the weight's gradient). LayerNorm is one kernel on both
+    (input, fp32 mean and 1/std per token).
+    """
+
+    rms_norm: str = "fused"
+
+    def __post_init__(self):
+        if self.rms_norm not in ("fused", "composite"):
+            raise UserError(f"LayerKernels.rms_norm must be 'fused' or 'composite', got {self.rms_norm!r}")
+
+
+FUSED_KERNELS = LayerKernels()
+
+
+def norm_bytes_per_token(hidden: int, dtype_bytes: int, norm: str, kernels: LayerKernels) -> float:
+    """Bytes one norm keeps per token beyond its input: fp32 statistics (LayerNorm: mean and 1/std; RMSNorm:
+    1/rms) and, for a composite RMSNorm, the normalised tensor."""
+    if norm == "LayerNorm":
+        return 2 * 4.0
+    if norm != "RMSNorm":
+        raise UserError(f"norm must be LayerNorm or RMSNorm, got {norm!r}")
+    return 4.0 + (hidden * dtype_bytes if kernels.rms_norm == "composite" else 0)
+
+
 class CostComponent:
     """One kind of unit of a model, bound to its ``ModelSpec``.
 
@@ -64,7 +95,8 @@ class CostComponent:
         raise NotImplementedError
 
     def act_bytes(self, shape: MicroBatchShape, tp: int, dropout: bool, attention: str,
-                  sequence_parallel: bool = False) -> ActBytes:
+                  sequence_parallel: bool = False, kernels: LayerKernels = FUSED_KERNELS) -> ActBytes:
+        """Activation bytes at ``shape`` on one TP rank; ``kernels``: what the device's kernels keep."""
         raise NotImplementedError
 
     def tp_allreduce_bytes(self, shape: MicroBatchShape, sequence_parallel: bool = False,
@@ -81,21 +113,30 @@ def sp_tokens(tokens: int, tp: int, sequence_parallel: bool) -> int:
 
 def layer_act_bytes_per_token(
     hidden: int, heads: int, kv_groups: int, ffn: int, swiglu: bool, attended: float,
-    dtype_bytes: int, tp: int, dropout: bool, attention: str, *, rotary: bool = False, per_sample: bool = False,
-    built_heads: int | None = None, head_dim: int | None = None, sequence_parallel: bool = False,
+    dtype_bytes: int, tp: int, dropout: bool, attention: str, *, norm: str, rotary: bool = False,
+    per_sample: bool = False, built_heads: int | None = None, head_dim: int | None = None,
+    sequence_parallel: bool = False, kernels: LayerKernels = FUSED_KERNELS, kv_gathered: bool = False,
 ) -> tuple[float, float]:
     """(all, attention-core) activation bytes per token of one pre-norm layer (see cost_model's docstring).
 
     attended: attended length per token (tokens), so the core keeps ``heads*attended`` scores per token.
-    rotary: the layer applies rotary embeddings; per_sample: attention runs once per packed sample;
-    built_heads: heads the layer is built with (padded for TP; default ``heads``); head_dim: per-head
-    width (default hidden / heads); sequence_parallel: the norm inputs, linear inputs and dropout masks
-    (replicated without it) are split by TP; the rotary tables stay whole.
+    norm: "LayerNorm" or "RMSNorm" (with ``kernels``: what the norms keep); rotary: the layer applies rotary
+    embeddings; per_sample: attention runs once per packed sample; built_heads: heads the layer is built with
+    (padded for TP; default ``heads``); head_dim: per-head width (default hidden / heads); sequence_parallel:
+    the norm inputs, linear inputs, norm statistics and dropout masks (replicated without it) are split by TP;
+    the rotary tables stay whole; kv_gathered: context parallelism, the attention gets keys and values
+    all-gathered over the CP group (the caller counts them): the local fused QKV output and rotated keys are
+    not kept.
 
-    Beyond the textbook count, what this trainer's megatron-core local layers keep, as measured on an
-    H200 (``profiles/h200``; the ViT layer matches to 0.1%, the LLM layers to 0.1%):
-    * keys and values repeated to every query head before attention (megatron-core's core attention
-      and ``SegmentAttention`` both do): K, V cost ``2*h*D/t``, not ``2*g*d*D/t``;
+    Beyond the textbook count, what this trainer's megatron-core local layers keep (saved tensors counted
+    tensor by tensor on a CPU, within 0.1% at TP 2 with and without sequence parallelism:
+    tests/test_sequence_parallel.py; on an H200: ``profiles/h200``, tests/test_cost_model.py):
+    * each norm's fp32 statistics, and a composite RMSNorm's normalised tensor (``norm_bytes_per_token``);
+    * attention "flash" (``SegmentAttention``: SDPA with grouped keys and values, ``enable_gqa``): the value
+      is a view of the fused QKV output, so all of it stays, ``(h + 2*g*d)*D/t``; with rotary embeddings
+      the rotated query and key are new tensors, ``(h + g*d)*D/t`` more;
+    * attention "unfused" (megatron-core's ``DotProductAttention``): Q plus K, V repeated to every query head,
+      ``(h + 2*h)*D/t``;
     * a gated MLP through megatron-core's unfused GLU (no bias, so no bias-activation fusion) also
       keeps ``act(x_glu)`` and ``x_linear + offset``: ``5*f*D/t``, not ``3*f*D/t``;
     * rotary embeddings keep cos and sin for q and for k: ``4*d*D``, replicated;
@@ -104,13 +145,20 @@ def layer_act_bytes_per_token(
     """
     d_bytes, p = dtype_bytes, (1 if dropout else 0)
     head_dim = head_dim or hidden // heads
+    groups = kv_groups if kv_groups < heads else (built_heads or heads)  # MHA: every built head has its K, V
     heads = built_heads or heads
     width = heads * head_dim  # attention width: hidden, unless heads are padded
-    replicated = 4 * hidden * d_bytes + 2 * hidden * p
+    replicated = 4 * hidden * d_bytes + 2 * hidden * p + 2 * norm_bytes_per_token(hidden, d_bytes, norm, kernels)
     if sequence_parallel:
         replicated /= tp
     replicated += 4 * head_dim * d_bytes if rotary else 0
-    split = (width + 2 * max(kv_groups, heads) * head_dim) * d_bytes + width * d_bytes
+    if attention == "unfused":
+        qkv = 3 * width
+    elif kv_gathered:
+        qkv = width if rotary else 0  # the rotated query; the keys and values come all-gathered
+    else:
+        qkv = width + 2 * groups * head_dim + ((width + groups * head_dim) if rotary else 0)
+    split = qkv * d_bytes + width * d_bytes
     split += (5 if swiglu else 2) * ffn * d_bytes
     if per_sample:
         split += width * d_bytes
@@ -150,8 +198,11 @@ class TextEmbedCost(CostComponent):
     def params(self, tp):
         return self.spec.language.vocab_size * self.spec.language.hidden_size
 
-    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False):
-        ids = shape.rank_llm_tokens * 8.0  # int64 token ids
+    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False, kernels=FUSED_KERNELS):
+        # int64 token ids, the bool mask of the image-context slots (and, split over TP, of the ids outside this
+        # rank's vocabulary rows), and the int64 index of the tiles
+        T = sp_tokens(shape.rank_llm_tokens, tp, sequence_parallel)
+        ids = T * (9.0 + (1.0 if tp > 1 else 0.0)) + shape.rank_vision_items * 8.0
         return ActBytes(ids, ids, ids, shape.rank_llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes)
 
     def tp_allreduce_bytes(self, shape, sequence_parallel=False, tp=1):
@@ -174,27 +225,36 @@ class TextLayerCost(CostComponent):
         n = h * qkv_rows + lm.num_attention_heads * d * h + (3 if lm.swiglu else 2) * h * f + 2 * h
         return n + (qkv_rows if lm.qkv_bias else 0)
 
-    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False):
+    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False, kernels=FUSED_KERNELS):
         lm, D = self.spec.language, shape.dtype_bytes
         T = sp_tokens(shape.rank_llm_tokens, tp, sequence_parallel)  # the padding is a segment of its own
         attended = (shape.rank_attn_tokens_sq + (T - shape.rank_llm_tokens) ** 2) / T if T else 0.0
         per_tok, core = layer_act_bytes_per_token(
             lm.hidden_size, lm.num_attention_heads, lm.kv_groups, lm.ffn_hidden_size, lm.swiglu,
-            attended, D, tp, dropout, attention, rotary=True, per_sample=attention == "flash",
-            head_dim=lm.kv_channels, sequence_parallel=sequence_parallel)
-        # context parallelism: the attention keeps the keys and values all-gathered from the CP group, all
-        # the micro-batch's tokens instead of this rank's (``cp_kv_bytes``)
-        gathered = self.cp_kv_bytes(shape, tp) - self.cp_kv_bytes(shape, tp, local=True)
+            attended, D, tp, dropout, attention, norm=lm.normalization, rotary=True, per_sample=attention == "flash",
+            head_dim=lm.kv_channels, sequence_parallel=sequence_parallel, kernels=kernels,
+            kv_gathered=shape.cp > 1 and attention == "flash")
+        gathered = self.cp_attention_bytes(shape, tp) if attention == "flash" else 0.0
         split = tp if sequence_parallel else 1
-        full = T * lm.hidden_size * D / split + T * lm.kv_channels * 4.0  # input, fp32 rotary table
+        # full recompute: the input and megatron-core's fp32 rotary table, one row per position of the longest
+        # sample; the shape holds sum(len^2) only, so the token-weighted mean length sum(len^2) / T stands for it
+        # (exact for samples of one length)
+        table = min(T, shape.attn_tokens_sq / shape.llm_tokens if shape.llm_tokens else 0.0)
+        full = T * lm.hidden_size * D / split + table * lm.kv_channels * 4.0
         return ActBytes(T * per_tok + gathered, full, T * (per_tok - core) + gathered, T * lm.hidden_size * D / split)
 
-    def cp_kv_bytes(self, shape, tp: int, local: bool = False) -> float:
-        """Bytes of the keys and values the attention keeps: of all the micro-batch's tokens when it runs
-        context-parallel (the all-gathered K/V; ``local``: of this rank's tokens only), per TP rank."""
-        lm = self.spec.language
-        tokens = shape.rank_llm_tokens if local or shape.cp == 1 else shape.llm_tokens
-        return tokens * 2.0 * max(lm.kv_groups, lm.num_attention_heads) * lm.kv_channels * shape.dtype_bytes / tp
+    def cp_attention_bytes(self, shape, tp: int) -> float:
+        """What the context-parallel attention (``SegmentAttention``) keeps beyond a rank's own tokens, per TP rank:
+        the keys and values of all the micro-batch's tokens, all-gathered over the CP group (grouped, not repeated
+        to every head), and the masks of the chunks that attend to keys of later chunks. Every sample of padded
+        length L is cut into 2 CP chunks of c = L / (2 CP); the busiest rank's two chunks attend to 2 CP + 1 chunks
+        of keys (rank 0's first attends causally, without a mask), and SDPA keeps each boolean mask as a mask of
+        the query's dtype, c x (chunks before it + 1) c: ``(2 CP + 1) / (4 CP^2) * sum(L^2) * D``. 0 without CP."""
+        if shape.cp == 1:
+            return 0.0
+        lm, D, cp = self.spec.language, shape.dtype_bytes, shape.cp
+        kv = shape.llm_tokens * 2.0 * lm.kv_groups * lm.kv_channels * D / tp
+        return kv + (2 * cp + 1) / (4 * cp * cp) * shape.attn_tokens_sq * D
 
     def tp_allreduce_bytes(self, shape, sequence_parallel=False, tp=1):
         llm = shape.rank_llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes
@@ -214,13 +274,16 @@ class HeadCost(CostComponent):
         lm = self.spec.language
         return lm.vocab_size * lm.hidden_size + lm.hidden_size
 
-    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False):
-        # final-norm input and output-layer input (split by TP under sequence parallelism: the output layer
-        # saves its input before the all-gather), plus the fp32 softmax of the vocab-parallel loss
+    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False, kernels=FUSED_KERNELS):
+        # final-norm input and what the norm keeps (norm_bytes_per_token), output-layer input (split by TP under
+        # sequence parallelism: the output layer saves its input before the all-gather), and of the vocab-parallel
+        # loss the fp32 softmax, the target's local index (int64) and its mask (bool)
         lm, D = self.spec.language, shape.dtype_bytes
         T = sp_tokens(shape.rank_llm_tokens, tp, sequence_parallel)
-        hidden = T * lm.hidden_size * D / (tp if sequence_parallel else 1)
-        act = 2 * hidden + T * (lm.vocab_size / tp) * 4.0
+        split = tp if sequence_parallel else 1
+        hidden = T * lm.hidden_size * D / split
+        norm = T * norm_bytes_per_token(lm.hidden_size, D, lm.normalization, kernels) / split
+        act = 2 * hidden + norm + T * ((lm.vocab_size / tp) * 4.0 + 9.0)
         return ActBytes(act, hidden, act, 0.0)
 
     def tp_allreduce_bytes(self, shape, sequence_parallel=False, tp=1):

@@ -46,9 +46,11 @@ With ``D = dtype_bytes``, ``t = tp`` and ``p`` = 1 with dropout (1-byte masks) e
   ``sum(len_i^2)/T``).
 
 With p=1, D=2, MHA, f=4h this is exactly Korthikanti's ``34 + 5*a*s/h`` at t=1. What our trainer's
-layers keep beyond that (GQA keys and values repeated to every head, megatron-core's unfused GLU,
-rotary tables, per-sample attention outputs) is listed in ``layer_act_bytes_per_token``; with it the
-model matches the H200 profiles in ``profiles/h200`` to 0.1%. ``act_bytes``
+layers keep beyond that (the norms' fp32 statistics, the fused QKV output and rotated query and key of
+grouped attention, megatron-core's unfused GLU, rotary tables, per-sample attention outputs; what differs
+by device, ``DeviceSpec.kernels``: a CPU's composite RMSNorm) is listed in ``layer_act_bytes_per_token``;
+with it the model matches the saved tensors of our layers on a CPU and the H200 profiles in
+``profiles/h200`` to 0.1%. ``act_bytes``
 assumes unfused attention (``attention="unfused"``, the default) so that selective recompute
 (``act_bytes_selective``: the same without the attention core) has something to save; with
 ``attention="flash"`` the core keeps only its output and log-sum-exp, and selective recompute
@@ -63,7 +65,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import UserError
-from .components import CostComponent
+from .components import FUSED_KERNELS, CostComponent, LayerKernels
 from .costs import CostTable, UnitCost
 from .shape import MicroBatchShape
 from .spec import ModelSpec
@@ -82,6 +84,7 @@ class DeviceSpec:
     bwd_over_fwd: backward time / forward time of a unit (no recompute); 2.0 is the FLOP ratio.
     tp_bytes_per_s: all-reduce bus bandwidth among the GPUs of a node (tensor parallelism), bytes/s:
         an all-reduce of ``n`` bytes over ``t`` ranks takes ``2 (t-1)/t * n / tp_bytes_per_s``.
+    kernels: what its kernels keep for backward where devices differ (``components.LayerKernels``).
     """
 
     name: str
@@ -91,6 +94,7 @@ class DeviceSpec:
     memory_bytes: float
     bwd_over_fwd: float = 2.0
     tp_bytes_per_s: float = 100e9
+    kernels: LayerKernels = FUSED_KERNELS
 
 
 GiB = 2**30
@@ -111,7 +115,7 @@ DEVICES: dict[str, DeviceSpec] = {
     "a100-80g": DeviceSpec("a100-80g", 312e12, 0.8 * 2.039e12, 25e9, 80 * GiB, A100_BWD_OVER_FWD, 230e9),
     "h100-80g": DeviceSpec("h100-80g", 989e12, 0.8 * 3.35e12, 50e9, 80 * GiB, HOPPER_BWD_OVER_FWD, 450e9),
     "h200-141g": DeviceSpec("h200-141g", 989e12, 0.8 * 4.8e12, 50e9, 141e9, HOPPER_BWD_OVER_FWD, 450e9),
-    "cpu": DeviceSpec("cpu", 100e9, 20e9, 5e9, 16 * GiB, 2.0, 5e9),
+    "cpu": DeviceSpec("cpu", 100e9, 20e9, 5e9, 16 * GiB, 2.0, 5e9, LayerKernels(rms_norm="composite")),
 }
 
 def get_device(name: str) -> DeviceSpec:
@@ -185,9 +189,10 @@ def tp_allreduce_s(nbytes: float, tp: int, device: DeviceSpec) -> float:
 
 
 def _costs_from_rates(spec, shape, tp, rates, dropout, attention, source, meta, comm_device=None,
-                      sequence_parallel: bool = False) -> CostTable:
+                      sequence_parallel: bool = False, kernels: LayerKernels = FUSED_KERNELS) -> CostTable:
     """comm_device: add its TP all-reduce times (a profile's fitted rates already hold its own);
-    sequence_parallel: the trainer's --sequence-parallel (components.py: activations and TP traffic)."""
+    sequence_parallel: the trainer's --sequence-parallel (components.py: activations and TP traffic);
+    kernels: what the device's kernels keep (activation bytes)."""
     if tp < 1:
         raise UserError(f"tensor-parallel size must be >= 1, got {tp}")
     sp = bool(sequence_parallel) and tp > 1
@@ -204,7 +209,7 @@ def _costs_from_rates(spec, shape, tp, rates, dropout, attention, source, meta, 
             fwd_bytes, bwd_bytes = c.tp_allreduce_bytes(shape, sequence_parallel=sp, tp=tp)
             fwd += tp_allreduce_s(fwd_bytes, tp, comm_device)
             bwd += tp_allreduce_s(bwd_bytes, tp, comm_device)
-        b = c.act_bytes(shape, tp, dropout, attention, sequence_parallel=sp)
+        b = c.act_bytes(shape, tp, dropout, attention, sequence_parallel=sp, kernels=kernels)
         rows.append(UnitCost(u.name, u.kind, fwd, bwd, float(b.act), float(b.full), float(b.selective),
                              float(core_s), float(b.send), n_param, u.code))
     meta = dict(meta)
@@ -235,7 +240,7 @@ def analytic_costs(
     rates = _seconds_per_work(device, unit_components(spec), efficiency)
     return _costs_from_rates(spec, shape, tp, rates, dropout, attention, "analytic",
                              {"device": device.name, "efficiency": {**default_efficiency(spec), **(efficiency or {})}},
-                             comm_device=device, sequence_parallel=sequence_parallel)
+                             comm_device=device, sequence_parallel=sequence_parallel, kernels=device.kernels)
 
 
 def calibrate(profile: CostTable, spec: ModelSpec, shape: MicroBatchShape, tp: int = 1) -> dict[str, float]:
@@ -314,7 +319,8 @@ def calibrated_costs(
     return _costs_from_rates(spec, shape, tp, rates, dropout, attention, "calibrated",
                              {"device": meta.get("device", device.name), "calibration": fitted,
                               "profile_model": profile_spec.name},
-                             comm_device=device if profile_tp == 1 else None, sequence_parallel=sequence_parallel)
+                             comm_device=device if profile_tp == 1 else None, sequence_parallel=sequence_parallel,
+                             kernels=device.kernels)
 
 
 def profile_report(profile: CostTable, device: DeviceSpec, attention: str | None = None) -> list[dict]:

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...errors import UserError
-from ..components import (ActBytes, CostComponent, HeadCost, TextEmbedCost, TextLayerCost, layer_act_bytes_per_token,
-                          sp_tokens)
+from ..components import (FUSED_KERNELS, ActBytes, CostComponent, HeadCost, TextEmbedCost, TextLayerCost,
+                          layer_act_bytes_per_token, norm_bytes_per_token, sp_tokens)
 from ..spec import PROJECTOR, VISION_EMBED, VISION_LAYER, LanguageSpec, ModelSpec
 from . import Family
 
@@ -90,9 +90,11 @@ class VisionEmbedCost(CostComponent):
         n = v.in_channels * v.patch_size**2 * v.hidden_size + v.hidden_size  # conv + bias
         return n + v.hidden_size + v.seq_per_tile * v.hidden_size  # class token + position embedding
 
-    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False):
+    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False, kernels=FUSED_KERNELS):
         v, D = self.spec.vision, shape.dtype_bytes
-        pixels = shape.rank_vision_items * v.in_channels * v.image_size**2 * D
+        # the convolution keeps its input: under context parallelism a view of this rank's tiles into the pixels
+        # of all the micro-batch's tiles (every CP rank decodes them all), which stay whole
+        pixels = shape.vision_items * v.in_channels * v.image_size**2 * D
         return ActBytes(pixels, pixels, pixels, shape.rank_vision_items * v.seq_per_tile * v.hidden_size * D)
 
 
@@ -112,14 +114,15 @@ class VisionLayerCost(CostComponent):
         n += 2 * width if v.qk_norm else 0  # q and k norm weights over the full width
         return n + (2 * h if v.layer_scale_init is not None else 0)  # ls1, ls2
 
-    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False):
+    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False, kernels=FUSED_KERNELS):
         # sequence parallel: every tile padded to a multiple of TP tokens (the pads masked out of attention)
         v, D = self.spec.vision, shape.dtype_bytes
         seq = sp_tokens(v.seq_per_tile, tp, sequence_parallel)
         tokens = shape.rank_vision_items * seq
         per_tok, core = layer_act_bytes_per_token(
             v.hidden_size, v.num_attention_heads, v.num_attention_heads, v.ffn_hidden_size, False,
-            seq, D, tp, dropout, attention, built_heads=v.padded_heads(tp), sequence_parallel=sequence_parallel)
+            seq, D, tp, dropout, attention, norm=v.normalization, built_heads=v.padded_heads(tp),
+            sequence_parallel=sequence_parallel, kernels=kernels)
         full = tokens * v.hidden_size * D / (tp if sequence_parallel else 1)
         return ActBytes(tokens * per_tok, full, tokens * (per_tok - core), full)
 
@@ -146,10 +149,11 @@ class ProjectorCost(CostComponent):
         hi, ho = self.spec.projector_in_size, self.spec.language.hidden_size
         return 2 * hi + hi * ho + ho + ho * ho + ho
 
-    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False):
+    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False, kernels=FUSED_KERNELS):
         hi, ho, D = self.spec.projector_in_size, self.spec.language.hidden_size, shape.dtype_bytes
         n = self._image_tokens(shape)
-        act = n * (2 * hi * D + 2 * ho * D / tp)  # norm input and output, GELU input, fc2 input
+        # LayerNorm input, statistics and output, GELU input, fc2 input
+        act = n * (2 * hi * D + norm_bytes_per_token(hi, D, "LayerNorm", kernels) + 2 * ho * D / tp)
         return ActBytes(act, n * hi * D, act, n * ho * D)
 
     def tp_allreduce_bytes(self, shape, sequence_parallel=False, tp=1):

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import UserError
-from ..components import (ActBytes, CostComponent, HeadCost, TextEmbedCost, TextLayerCost, layer_act_bytes_per_token,
-                          sp_tokens)
+from ..components import (FUSED_KERNELS, ActBytes, CostComponent, HeadCost, TextEmbedCost, TextLayerCost,
+                          layer_act_bytes_per_token, sp_tokens)
 from ..spec import PROJECTOR, VISION_EMBED, VISION_LAYER, LanguageSpec, ModelSpec
 from . import Family
 
@@ -137,7 +137,7 @@ class VisionEmbedCost(CostComponent):
         v = self.spec.vision
         return v.patch_dim * v.hidden_size
 
-    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False):
+    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False, kernels=FUSED_KERNELS):
         _check_cp(shape)
         v, D = self.spec.vision, shape.dtype_bytes
         pixels = shape.vision_items * v.patch_dim * D
@@ -158,7 +158,7 @@ class _VisionLayerCost(CostComponent):
         h, f, width = v.hidden_size, v.ffn_hidden_size, v.padded_heads(tp) * v.head_dim
         return 4 * h * width + 3 * width + h + 3 * h * f + 2 * f + h + 2 * h  # attention, MLP, two RMSNorms
 
-    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False):
+    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False, kernels=FUSED_KERNELS):
         # sequence parallel: the packed patches padded to a multiple of TP once (segments stay whole), and the
         # layer input kept for full recompute and sent to the next stage split over TP, as InternViT's
         _check_cp(shape)
@@ -166,8 +166,8 @@ class _VisionLayerCost(CostComponent):
         attended = _attention_sq(self.spec, shape, self.window) / n if n else 0.0
         per_tok, core = layer_act_bytes_per_token(
             v.hidden_size, v.num_attention_heads, v.num_attention_heads, v.ffn_hidden_size, True, attended, D, tp,
-            dropout, attention, rotary=True, per_sample=attention == "flash", built_heads=v.padded_heads(tp),
-            sequence_parallel=sequence_parallel)
+            dropout, attention, norm="RMSNorm", rotary=True, per_sample=attention == "flash",
+            built_heads=v.padded_heads(tp), sequence_parallel=sequence_parallel, kernels=kernels)
         n = sp_tokens(n, tp, sequence_parallel)
         split = tp if sequence_parallel else 1
         full = n * v.hidden_size * D / split + n * v.head_dim * 4.0  # input, fp32 rotary table
@@ -209,7 +209,7 @@ class MergerCost(CostComponent):
         hi, ho = self._sizes()
         return self.spec.vision.hidden_size + hi * hi + hi + hi * ho + ho
 
-    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False):
+    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False, kernels=FUSED_KERNELS):
         _check_cp(shape)
         hi, ho = self._sizes()
         D, tokens = shape.dtype_bytes, shape.vision_items / self.spec.vision.merge_unit
