@@ -5,7 +5,8 @@
 
 The whole tiny model as one stage (fp32, CPU), one packed micro-batch (``--tiles`` tiles, ``--tokens`` LLM tokens
 in samples of ``--sample`` tokens), split by the collate's CP split; the bytes autograd saves in the forward
-(``ActivationMeter``) against the analytic components' sum at the same shape.  Prints one JSON line per rank.
+(``ActivationMeter``) against the analytic components' sum at the same shape on the CPU's kernels
+(``DEVICES["cpu"]``).  Prints one JSON line per rank (tests/test_cp_memory.py reads them).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def main() -> None:
     from megatron.training.profiling import synthetic_batch
     from megatron.vlm.context_parallel import split_batch
     from megatron.vlm.stage import StageBuild, build_stage
-    from omnibal_ext.model.cost_model import analytic_costs
+    from omnibal_ext.model.cost_model import DEVICES, analytic_costs
     from omnibal_ext.model.shape import MicroBatchShape
     from omnibal_ext.model.units import build_units, get_preset
 
@@ -53,7 +54,7 @@ def main() -> None:
             out = stage(batch)
         out.loss.sum().backward()
         costs = analytic_costs(spec, MicroBatchShape(a.tiles, a.tokens, 4, float(a.tokens * a.sample), cp=cp),
-                               attention="flash")
+                               device=DEVICES["cpu"], attention="flash")
         predicted = sum(u.act_bytes for u in costs.units)
         measured = meter.per_microbatch[0]
         print(json.dumps({"cp": cp, "rank": dist.get_rank(), "measured_bytes": measured, "predicted_bytes": predicted,

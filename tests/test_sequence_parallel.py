@@ -50,9 +50,9 @@ def test_sequence_parallel_equals_serial(tmp_path, data_cache, isf):
 
 def test_sequence_parallel_activation_bytes_match_the_model(tmp_path):
     """Measured saved bytes of one ViT and one LLM layer at TP 2 (tests/sp_profile_probe.py) against
-    analytic_costs(tp=2, sequence_parallel=...): the ViT layer within 5% with and without it (each tile padded
-    17 -> 18 tokens under it, the replicated part halved); the LLM layer: sequence parallelism saves at least
-    the halved replicated part the model counts."""
+    analytic_costs(tp=2, device cpu, sequence_parallel=...): each layer within 5% with and without it, with and
+    without full recompute (each tile padded 17 -> 18 tokens and the LLM row 301 -> 302 under it), and what
+    sequence parallelism saves (the replicated part halved) within 5% of what the model says it saves."""
     sys.path.insert(0, str(HERE.parent / "scripts"))
     import benchlib
 
@@ -66,15 +66,15 @@ def test_sequence_parallel_activation_bytes_match_the_model(tmp_path):
     assert run.returncode == 0, run.stderr[-4000:]
     measured = json.loads(out.read_text())
     shape = MicroBatchShape.from_dict(measured["shape"])
-    model = {key: {u.kind: u for u in analytic_costs(get_preset("tiny"), shape, 2, DEVICES["a100-80g"],
+    model = {key: {u.kind: u for u in analytic_costs(get_preset("tiny"), shape, 2, DEVICES["cpu"],
                                                      attention="flash", sequence_parallel=key == "sp").units}
              for key in ("tp", "sp")}
-    for key in ("tp", "sp"):
-        for field in ("act_bytes", "act_bytes_full"):
-            got, want = measured[key]["vit_layer"][field], getattr(model[key]["vit_layer"], field)
-            assert got == pytest.approx(want, rel=0.05), (key, field, got, want)
-    vit_saved = measured["tp"]["vit_layer"]["act_bytes"] - measured["sp"]["vit_layer"]["act_bytes"]
-    assert vit_saved == pytest.approx(model["tp"]["vit_layer"].act_bytes - model["sp"]["vit_layer"].act_bytes, rel=0.05)
-    llm_saved = measured["tp"]["llm_layer"]["act_bytes"] - measured["sp"]["llm_layer"]["act_bytes"]
-    assert llm_saved >= model["tp"]["llm_layer"].act_bytes - model["sp"]["llm_layer"].act_bytes > 0
-    assert measured["sp"]["llm_layer"]["act_bytes_full"] < 0.6 * measured["tp"]["llm_layer"]["act_bytes_full"]
+    for kind in ("vit_layer", "llm_layer"):
+        for key in ("tp", "sp"):
+            for field in ("act_bytes", "act_bytes_full"):
+                got, want = measured[key][kind][field], getattr(model[key][kind], field)
+                print(kind, key, field, "measured", got, "model", want)
+                assert got == pytest.approx(want, rel=0.05), (kind, key, field, got, want)
+        saved = measured["tp"][kind]["act_bytes"] - measured["sp"][kind]["act_bytes"]
+        assert saved == pytest.approx(model["tp"][kind].act_bytes - model["sp"][kind].act_bytes, rel=0.05), kind
+        assert measured["sp"][kind]["act_bytes_full"] < 0.6 * measured["tp"][kind]["act_bytes_full"], kind
