@@ -141,7 +141,10 @@ def layer_act_bytes_per_token(
       keeps ``act(x_glu)`` and ``x_linear + offset``: ``5*f*D/t``, not ``3*f*D/t``;
     * rotary embeddings keep cos and sin for q and for k: ``4*d*D``, replicated;
     * attention run per packed sample keeps each sample's output beside the concatenated
-      out-projection input: ``h*D/t`` more.
+      out-projection input: ``h*D/t`` more. Counted whenever attention runs per sample: a row of one segment
+      (no padding, no CP) keeps its one output as the out-projection input, ``h*D/t`` less (measured), but a
+      shape that does not say its samples (``llm_attn_tokens_sq`` None, the memory caps) stands for rows of
+      several.
     """
     d_bytes, p = dtype_bytes, (1 if dropout else 0)
     head_dim = head_dim or hidden // heads
