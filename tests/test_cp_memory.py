@@ -2,6 +2,7 @@
 tiny model as one stage, fp32, 8 tiles and 1024 LLM tokens in samples of 256) against the memory model
 (``MicroBatchShape.cp``) on the CPU's kernels."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,8 @@ def _check(tmp_path, cp: int) -> list[dict]:
          "--master-port", str(benchlib.free_port()), script, "--context-parallel-size", str(cp)]
     run = subprocess.run(cmd, cwd=tmp_path, env=benchlib.trainer_env(), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
-    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    # the ranks print one JSON object each; two may share a line of the merged output
+    rows = [json.loads(obj) for obj in re.findall(r"\{[^{}]*\}", run.stdout)]
     assert sorted(r["rank"] for r in rows) == list(range(cp)), run.stdout
     return rows
 
