@@ -23,7 +23,7 @@ from megatron.vlm.data.internvl import InternVLDataset  # noqa: E402
 from megatron.vlm.data.tokenizer import build_tokenizer  # noqa: E402
 from megatron.vlm.families.qwen2_5_vl.data import IMAGE_TOKENS, reader  # noqa: E402
 from omnibal_ext.data.isf import ISFParams, group_sums  # noqa: E402
-from omnibal_ext.data.metrics import time_metrics  # noqa: E402
+from omnibal_ext.data.metrics import step_balance_time, time_metrics  # noqa: E402
 from omnibal_ext.data.search import SearchConfig, plan_isf, step_matrix_epoch0  # noqa: E402
 from omnibal_ext.data.search_time import plan_isf_time  # noqa: E402
 from omnibal_ext.data.stats import load_stats  # noqa: E402
@@ -136,3 +136,52 @@ def test_internvl_isf_groups_stay_by_counts(tmp_path, world, capsys):
     assert [g.tolist() for g in groups] == [g.tolist() for g in want.grouping.groups()]
     assert np.array_equal(order, want.assembly.order)
     assert "in time" not in capsys.readouterr().out
+
+
+def test_step_balance_time_sums_each_rank_samples_times():
+    times = (np.array([5, 1, 2, 7, 0]), np.array([10, 20, 30, 40, 50]))
+    got = step_balance_time([[0, 1], [2, 3, 4]], times)
+    llm, vit = np.array([30.0, 120.0]), np.array([6.0, 9.0])  # each rank's sums
+    assert got["dist_ratio_llm_time"] == pytest.approx((120 - llm).sum() / (120 * 2))
+    assert got["dist_ratio_vit_time"] == pytest.approx((9 - vit).sum() / (9 * 2))
+
+
+@pytest.mark.slow
+def test_qwen_dp2_isf_trains_the_time_plan_and_logs_its_balance(tmp_path, world, capsys):
+    """DP2 with --omnibal-isf: the trainer prints the plan computed here, and each iteration's logged Dist ratios in
+    time are those of the samples the sampler serves the two ranks (summed predicted times)."""
+    from itertools import islice
+
+    from launch import run_training
+    from omnibal_cli import model_from_hf
+    from omnibal_ext.data.sampler import GroupBatchSampler
+
+    folder, data = qwen_data(tmp_path)
+    model = hf_tiny_qwen.make_tiny(folder, seed=3)
+    hf_tiny_qwen.set_token_ids(model, hf_tiny_qwen.write_tokenizer(folder))
+    model.save_pretrained(str(folder))
+    spec = model_from_hf(str(folder))
+    args = args_for()
+    dataset = InternVLDataset(str(data), build_tokenizer(str(folder), image_tokens=IMAGE_TOKENS),
+                              **reader(args, spec, str(folder)), max_seq_length=None)
+    groups, order, _, _ = isf_groups(args, SimpleNamespace(model_spec=spec, data_parallel_size=DP,
+                                                           isf_token_multiple=1), dataset)
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("> ISF:")][0]
+    times = isf_times(args, dataset, spec, dataset.sample_lengths()[0])[1]
+
+    iters, m = 3, 2
+    flags = ["--hf-checkpoint", str(folder), "--data-path", str(data), "--omnibal-isf", "--train-iters", str(iters),
+             "--micro-batch-size", str(K), "--global-batch-size", str(K * DP * m), "--eval-interval", "0",
+             "--seq-length", "1024", "--data-cache-dir", str(tmp_path / "cache"), "--seed", str(SEED)]
+    records, out = run_training(DP, flags, tmp_path, "qwen_isf_time")
+    assert line in out and len(records) == iters
+    served = [list(islice(GroupBatchSampler(groups, DP, r, seed=SEED, order=order, microbatches=m), iters * m))
+              for r in range(DP)]
+    for i, rec in enumerate(records):
+        for key, t in (("dist ratio llm time", times[1]), ("dist ratio vit time", times[0])):
+            per_step = []
+            for j in range(i * m, (i + 1) * m):
+                sums = np.array([t[served[r][j]].sum() for r in range(DP)], dtype=np.float64)
+                per_step.append((sums.max() - sums).sum() / (sums.max() * DP))
+            assert rec[key] == pytest.approx(np.mean(per_step), abs=1e-12), (i, key)
+    assert max(rec["dist ratio vit time"] for rec in records) > 0  # the ranks' images differ

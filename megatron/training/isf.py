@@ -84,6 +84,14 @@ def isf_times(args, dataset, spec, counted_tokens: np.ndarray) -> tuple[np.ndarr
     return stats.vision_items(family.vision_item), times
 
 
+def run_sample_times(args, plan: RunPlan, dataset) -> tuple[np.ndarray, np.ndarray] | None:
+    """(ViT, LLM) predicted time of every training sample (``isf_times``, tokens as ISF counts them) for the
+    per-iteration Dist ratios in time, with or without --omnibal-isf; None for a family grouped by counts."""
+    timed = isf_times(args, dataset, plan.model_spec,
+                      search_config(args, plan).counted_tokens(dataset.sample_lengths()[0]))
+    return None if timed is None else timed[1]
+
+
 def plan_data(args, plan: RunPlan, dataset) -> DataPlan:
     """The run's ISF data plan (thresholds searched unless fixed, groups, balanced step order, metrics): in predicted
     time for a family with ``isf_times``, with --omnibal-isf-qv/-qt as the hard count caps; else by counts."""
