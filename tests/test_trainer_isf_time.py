@@ -109,6 +109,18 @@ def test_qwen_isf_groups_in_time_as_omnibal_ext_does(tmp_path, world, capsys):
     assert (f"in time: dist ratio llm {m['dist_ratio_llm_time']:.4f} vit {m['dist_ratio_vit_time']:.4f} "
             f"total {m['dist_ratio_time']:.4f}, fill llm {m['fill_llm_time']:.3f} vit {m['fill_vit_time']:.3f}") in line
 
+    # fixed caps (as `omnibal plan` prints them): hard count caps, the time thresholds searched under them
+    qv, qt = int(stats.patches.max()) + 8, int(stats.tokens.max()) + 40
+    fixed = args_for()
+    fixed.omnibal_isf_qv, fixed.omnibal_isf_qt = qv, qt
+    groups_fixed, _, params_fixed, _ = isf_groups(fixed, plan, dataset)
+    capped = plan_isf_time(stats.patches, stats.tokens, times, SearchConfig(
+        dp_size=DP, samples_per_group=K, seed=SEED, time_budget_s=math.inf, vit_cap=qv, max_seq_len=qt))
+    assert [g.tolist() for g in groups_fixed] == [g.tolist() for g in capped.grouping.groups()]
+    assert params_fixed["qv"] <= qv and params_fixed["qt"] <= qt and params_fixed["vit_time"] is not None
+    assert max(int(stats.tokens[g].sum()) for g in groups_fixed) <= qt < params["qt"]
+    capsys.readouterr()
+
     # the regroup of a DP change groups a subset in time with the run's caps
     tokens, _ = dataset.sample_lengths()
     items, trainer_times = isf_times(args, dataset, spec, tokens)
