@@ -32,7 +32,7 @@ def main(argv=None) -> dict:
 
     import torch.distributed as dist
 
-    from megatron.training import checkpointing, setup, training
+    from megatron.training import checkpointing, isf, setup, training
     from megatron.training.run_plan import plan_run
     from megatron.training.tokenizer_setup import setup_tokenizer
 
@@ -102,7 +102,9 @@ def main(argv=None) -> dict:
               f"layout {plan.layout_flag}, "
               + (f"interleaved: {plan.virtual_pipeline_size} model chunks per rank, " if plan.virtual_pipeline_size > 1 else "")
               + f"{plan.num_microbatches} micro-batches per iteration", flush=True)
-    summary = training.train(args, plan, model, optimizer, scheduler, train_data, valid_data, start, consumed)
+    sample_times = isf.run_sample_times(args, plan, datasets[0])  # the Dist ratios in time (None: counts only)
+    summary = training.train(args, plan, model, optimizer, scheduler, train_data, valid_data, start, consumed,
+                             sample_times=sample_times)
     summary["layout"] = list(layout.stage_units)
     return summary
 

@@ -193,10 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("omnibal")
     g.add_argument("--omnibal-isf", action="store_true", help="ISF data balancing: one packed group per micro-batch")
-    g.add_argument("--omnibal-isf-qv", type=int, default=None, help="ViT tile cap per group (default: searched)")
-    g.add_argument("--omnibal-isf-qt", type=int, default=None, help="LLM token cap per group (default: searched)")
-    g.add_argument("--omnibal-isf-qv-min", type=int, default=None, help="ISF lower bound Q'v (default 90%% of Qv)")
-    g.add_argument("--omnibal-isf-qt-min", type=int, default=None, help="ISF lower bound Q't (default 90%% of Qt)")
+    g.add_argument("--omnibal-isf-qv", type=int, default=None,
+                   help="ViT item cap per group: tiles, or patches at native resolution, where the groups are "
+                        "balanced in predicted time and the caps are hard caps (default: searched)")
+    g.add_argument("--omnibal-isf-qt", type=int, default=None,
+                   help="LLM token cap per group (in time: a hard cap; default: searched)")
+    g.add_argument("--omnibal-isf-qv-min", type=int, default=None, help="ISF lower bound Q'v (default 90%% of Qv; unused in time)")
+    g.add_argument("--omnibal-isf-qt-min", type=int, default=None, help="ISF lower bound Q't (default 90%% of Qt; unused in time)")
     g.add_argument("--omnibal-isf-token-multiple", type=int, default=None, metavar="N",
                    help="ISF counts each sample's tokens rounded up to a multiple of N, so Qt caps and the step "
                         "assembly balances the padded tokens (default: what --context-parallel-size pads a sample "

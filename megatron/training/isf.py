@@ -1,6 +1,14 @@
-"""ISF in the trainer: group the training set so that each micro-batch is one balanced pack."""
+"""ISF in the trainer: group the training set so that each micro-batch is one balanced pack.
+
+A family whose ViT items vary in cost (``Family.segments_sq``: native resolution) is grouped in predicted time
+(``omnibal_ext/data/search_time.py``): each sample's ViT-side and LLM-side time from the cost model of the run's
+model at its TP (on ``ISF_TIME_DEVICE``: ISF balances the times' ratios), each image's patch grid from the
+pre-training scan; the count caps stay hard caps (--omnibal-isf-qv/-qt when given, else searched).  Other
+families are grouped by counts (``omnibal_ext/data/search.py``).
+"""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -8,7 +16,11 @@ import torch.distributed as dist
 
 from omnibal_ext.data.assign import assemble_steps
 from omnibal_ext.data.isf import ISFParams, check_partition, isf_group
-from omnibal_ext.data.search import SearchConfig, plan_isf
+from omnibal_ext.data.search import DataPlan, SearchConfig, plan_isf
+from omnibal_ext.data.search_time import plan_isf_time
+from omnibal_ext.model.cost_model import get_device
+from omnibal_ext.model.sample_time import sample_time_units
+from omnibal_ext.model.units import family_of
 
 from .arguments import ArgumentError
 from .run_plan import RunPlan
@@ -46,7 +58,7 @@ def check_samples_fit_caps(args, plan: RunPlan, dataset) -> None:
     counted, token_unit = search_config(args, plan).counted_tokens(tokens), \
         "tokens" if m == 1 else f"tokens padded to a multiple of {m}"
     for flag, cap, sizes, unit in (("--omnibal-isf-qt", qt, counted, token_unit),
-                                   ("--omnibal-isf-qv", qv, tiles, "tiles")):
+                                   ("--omnibal-isf-qv", qv, tiles, dataset.config.image_rule.unit)):
         over = np.flatnonzero(sizes > cap)
         if len(over):
             i = int(over[np.argmax(sizes[over])])
@@ -54,6 +66,56 @@ def check_samples_fit_caps(args, plan: RunPlan, dataset) -> None:
                 f"{flag} {cap} is below a single sample: {dataset.where(i)} has {int(sizes[i])} {unit} "
                 f"({len(over)} sample(s) over the cap, largest {int(sizes[i])}); raise {flag} to at least "
                 f"{int(sizes[i])}")
+
+
+ISF_TIME_DEVICE = "h200-141g"  # the cost model's device of ISF in time (``omnibal isf --model``'s default)
+
+
+def isf_times(args, dataset, spec, counted_tokens: np.ndarray) -> tuple[np.ndarray, tuple] | None:
+    """(ViT items int64 [N], (ViT, LLM) predicted time int64 [N] each, ``sample_time.TIME_UNIT_S`` units) of every
+    sample for ISF in time (LLM time of ``counted_tokens``: ISF's count of each sample), or None for a family
+    whose ViT items cost alike (grouped by counts)."""
+    family = family_of(spec)
+    if family.segments_sq is None:
+        return None
+    stats = dataclasses.replace(dataset.sample_stats(), tokens=counted_tokens)
+    times = sample_time_units(stats, spec, get_device(ISF_TIME_DEVICE), tp=args.tensor_model_parallel_size,
+                              grids=dataset.image_grids())
+    return stats.vision_items(family.vision_item), times
+
+
+def run_sample_times(args, plan: RunPlan, dataset) -> tuple[np.ndarray, np.ndarray] | None:
+    """(ViT, LLM) predicted time of every training sample (``isf_times``, tokens as ISF counts them) for the
+    per-iteration Dist ratios in time, with or without --omnibal-isf; None for a family grouped by counts."""
+    timed = isf_times(args, dataset, plan.model_spec,
+                      search_config(args, plan).counted_tokens(dataset.sample_lengths()[0]))
+    return None if timed is None else timed[1]
+
+
+def plan_data(args, plan: RunPlan, dataset) -> DataPlan:
+    """The run's ISF data plan (thresholds searched unless fixed, groups, balanced step order, metrics): in predicted
+    time for a family with ``isf_times``, with --omnibal-isf-qv/-qt as the hard count caps; else by counts."""
+    tokens, tiles = dataset.sample_lengths()
+    cfg = search_config(args, plan)
+    tokens = cfg.counted_tokens(tokens)
+    timed = isf_times(args, dataset, plan.model_spec, tokens)
+    if timed is None:
+        return plan_isf(tiles, tokens, cfg, isf_params_from_args(args))
+    if args.omnibal_isf_qv is not None:
+        cfg = dataclasses.replace(cfg, vit_cap=args.omnibal_isf_qv, max_seq_len=args.omnibal_isf_qt)
+    return plan_isf_time(timed[0], tokens, timed[1], cfg)
+
+
+def report_line(num_samples: int, num_groups: int, params: dict, m: dict) -> str:
+    """The trainer's ISF line: the caps and the planned balance (DistRatio and fill, in time too when grouped in
+    time)."""
+    line = (f"> ISF: {num_samples} samples -> {num_groups} groups, params {params}; "
+            f"planned dist ratio llm {m['dist_ratio_llm']:.4f} vit {m['dist_ratio_vit']:.4f}, "
+            f"fill llm {m['fill_llm']:.3f} vit {m['fill_vit']:.3f}, ")
+    if "dist_ratio_llm_time" in m:
+        line += (f"in time: dist ratio llm {m['dist_ratio_llm_time']:.4f} vit {m['dist_ratio_vit_time']:.4f} "
+                 f"total {m['dist_ratio_time']:.4f}, fill llm {m['fill_llm_time']:.3f} vit {m['fill_vit_time']:.3f}, ")
+    return line + f"{m['samples_per_group']:.2f} samples/group"
 
 
 def isf_groups(args, plan: RunPlan, dataset) -> tuple[list[np.ndarray], np.ndarray, dict, dict]:
@@ -69,10 +131,8 @@ def isf_groups(args, plan: RunPlan, dataset) -> tuple[list[np.ndarray], np.ndarr
     check_samples_fit_caps(args, plan, dataset)
     box = [None]
     if dist.get_rank() == 0:
-        tokens, tiles = dataset.sample_lengths()
-        cfg = search_config(args, plan)
-        tokens = cfg.counted_tokens(tokens)
-        data_plan = plan_isf(tiles, tokens, cfg, isf_params_from_args(args))
+        data_plan = plan_data(args, plan, dataset)
+        tokens = search_config(args, plan).counted_tokens(dataset.sample_lengths()[0])
         check_partition(data_plan.grouping, len(dataset))
         g = data_plan.grouping
         box = [{"groups": g.groups(), "order": data_plan.assembly.order, "params": data_plan.params.to_dict(),
@@ -82,25 +142,27 @@ def isf_groups(args, plan: RunPlan, dataset) -> tuple[list[np.ndarray], np.ndarr
     dist.broadcast_object_list(box, src=0)
     result = box[0]
     if dist.get_rank() == 0:
-        m = result["metrics"]
-        print(f"> ISF: {len(dataset)} samples -> {len(result['groups'])} groups, params {result['params']}; "
-              f"planned dist ratio llm {m['dist_ratio_llm']:.4f} vit {m['dist_ratio_vit']:.4f}, "
-              f"fill llm {m['fill_llm']:.3f} vit {m['fill_vit']:.3f}, "
-              f"{m['samples_per_group']:.2f} samples/group", flush=True)
+        print(report_line(len(dataset), len(result["groups"]), result["params"], result["metrics"]), flush=True)
     return result["groups"], result["order"], result["params"], result["mean_group"]
 
 
 def isf_subset_groups(tokens: np.ndarray, tiles: np.ndarray, sample_ids: np.ndarray, params: ISFParams,
-                      dp_size: int, seed: int) -> tuple[list[np.ndarray], np.ndarray]:
+                      dp_size: int, seed: int, times: tuple | None = None) -> tuple[list[np.ndarray], np.ndarray]:
     """(groups, balanced step order) of the samples ``sample_ids`` only, by ISF with ``params``.
 
     tokens, tiles: int64 [N] per sample of the whole training set (tokens as ISF counts them:
-    ``SearchConfig.counted_tokens``); groups hold global sample ids.
+    ``SearchConfig.counted_tokens``; tiles: ViT items); groups hold global sample ids.  times: (ViT, LLM) int64
+    [N] predicted times (``isf_times``) when ``params`` have time caps: grouped and assembled in time.
     The same method as the run's plan (its caps, step assembly for ``dp_size`` ranks), on a subset.
     """
     ids = np.asarray(sample_ids, dtype=np.int64)
-    grouping = isf_group(np.asarray(tiles)[ids], np.asarray(tokens)[ids], params, seed=seed, sample_ids=ids)
-    assembly = assemble_steps(grouping.tokens, grouping.tiles, dp_size)
+    sub_times = None if times is None else tuple(np.asarray(t)[ids] for t in times)
+    grouping = isf_group(np.asarray(tiles)[ids], np.asarray(tokens)[ids], params, seed=seed, sample_ids=ids,
+                         times=sub_times)
+    if times is None:
+        assembly = assemble_steps(grouping.tokens, grouping.tiles, dp_size)
+    else:
+        assembly = assemble_steps(grouping.llm_time, grouping.vit_time, dp_size)
     return grouping.groups(), assembly.order
 
 
@@ -116,8 +178,11 @@ def isf_regroup(args, plan: RunPlan, dataset):
         if dist.get_rank() == 0:
             tokens, tiles = dataset.sample_lengths()
             tokens = search_config(args, plan).counted_tokens(tokens)
+            timed = isf_times(args, dataset, plan.model_spec, tokens)
+            if timed is not None:
+                tiles, times = timed
             box = [isf_subset_groups(tokens, tiles, sample_ids, ISFParams(**plan.isf_params),
-                                     plan.data_parallel_size, args.seed)]
+                                     plan.data_parallel_size, args.seed, None if timed is None else times)]
         dist.broadcast_object_list(box, src=0)
         return box[0]
     return regroup

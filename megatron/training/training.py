@@ -15,7 +15,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from omnibal_ext.data.metrics import step_balance
+from omnibal_ext.data.metrics import step_balance, step_balance_time
 from omnibal_ext.model.units import build_units
 
 from megatron.vlm.data.collate import on_host
@@ -270,7 +270,8 @@ class MetricsLog:
         fmt = {"consumed samples": "{:12d}", "elapsed time per iteration (ms)": "{:.1f}",
                "learning rate": "{:.6E}", "global batch size": "{:5d}", "lm loss": "{:.6E}", "token mean loss": "{:.6E}",
                "answer acc": "{:.4f}", "grad norm": "{:.4f}", "tokens/s": "{:.1f}", "images/s": "{:.1f}",
-               "pad ratio": "{:.4f}", "data wait ms": "{:.1f}", "dist ratio llm": "{:.4f}", "dist ratio vit": "{:.4f}"}
+               "pad ratio": "{:.4f}", "data wait ms": "{:.1f}", "dist ratio llm": "{:.4f}", "dist ratio vit": "{:.4f}",
+               "dist ratio llm time": "{:.4f}", "dist ratio vit time": "{:.4f}"}
         for key, value in metrics.items():
             if value is None:
                 continue
@@ -291,8 +292,9 @@ class MetricsLog:
             self.json.close()
 
 
-def _batch_balance(records: list[dict], balance_fn) -> dict:
-    """Pad/Dist ratios of the micro-batches this iteration trained, across data-parallel ranks."""
+def _batch_balance(records: list[dict], balance_fn, sample_times=None) -> dict:
+    """Pad/Dist ratios of the micro-batches this iteration trained, across data-parallel ranks; with
+    ``sample_times`` (ViT, LLM) per sample id, the Dist ratios in predicted time too."""
     gathered = [None] * parallel_state.get_data_parallel_world_size()
     dist.all_gather_object(gathered, records, group=parallel_state.get_data_parallel_group_gloo())
     per_step = []
@@ -300,13 +302,18 @@ def _batch_balance(records: list[dict], balance_fn) -> dict:
         tokens = [rank_records[j]["tokens"] for rank_records in gathered]
         tiles = [rank_records[j]["tiles"] for rank_records in gathered]
         per_step.append(balance_fn(tokens, tiles, packed=records[j]["packed"]))
+        if sample_times is not None:
+            per_step[-1].update(step_balance_time([rank_records[j]["ids"] for rank_records in gathered], sample_times))
     keys = per_step[0].keys() if per_step else []
     return {k: sum(s[k] for s in per_step) / len(per_step) for k in keys}
 
 
 def train(args, plan: RunPlan, model, optimizer, scheduler, train_data, valid_data=None, start_iteration: int = 0,
-          consumed_samples: int = 0, balance_fn=step_balance) -> dict:
-    """Run iterations start_iteration+1 .. train_iters; returns a summary for the caller."""
+          consumed_samples: int = 0, balance_fn=step_balance, sample_times=None) -> dict:
+    """Run iterations start_iteration+1 .. train_iters; returns a summary for the caller.
+
+    sample_times: (ViT, LLM) predicted time of every training sample (``isf.run_sample_times``), or None: the
+    logged Dist ratios in time too."""
     config = unwrap_model(model[0]).config
     config.no_sync_func = model[0].no_sync if len(model) == 1 else [m.no_sync for m in model]
     config.finalize_model_grads_func = finalize_grads
@@ -366,7 +373,7 @@ def train(args, plan: RunPlan, model, optimizer, scheduler, train_data, valid_da
                                        sum(len(r["tokens"]) for r in records)], dtype=torch.float64)
         dist.all_reduce(samples_tokens, group=parallel_state.get_data_parallel_group_gloo())
         consumed_samples += int(samples_tokens[2])
-        balance = _batch_balance(records, balance_fn) if balance_fn else {}
+        balance = _batch_balance(records, balance_fn, sample_times) if balance_fn else {}
         for k, v in balance.items():
             balance_sums[k] = balance_sums.get(k, 0.0) + v
         balance_count += bool(balance)

@@ -225,7 +225,7 @@ class MicroBatches:
         batch["iteration"] = self.iteration  # a Python value: the drop path's key (megatron/vlm/drop_path.py)
         if self._records is not None:
             self._records.append({"tokens": batch["sample_tokens"].tolist(), "tiles": batch["sample_tiles"].tolist(),
-                                  "packed": self.packed})
+                                  "ids": batch["sample_ids"].tolist(), "packed": self.packed})
         return batch
 
     def start_recording(self) -> None:

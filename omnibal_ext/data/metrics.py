@@ -88,6 +88,16 @@ def step_balance(
     }
 
 
+def step_balance_time(ids_per_rank: Sequence[Sequence[int]], sample_times) -> dict:
+    """Balance of ONE training step in predicted time: ``ids_per_rank[r]`` lists the samples rank r got,
+    ``sample_times`` = (ViT, LLM) predicted time of every sample (arrays indexed by sample id).
+    Returns {"dist_ratio_llm_time", "dist_ratio_vit_time"} of the ranks' summed times."""
+    vit, llm = (np.asarray(t, dtype=np.float64) for t in sample_times)
+    ids = [np.asarray(r, dtype=np.int64) for r in ids_per_rank]
+    return {"dist_ratio_llm_time": dist_ratio_one([llm[r].sum() for r in ids]),
+            "dist_ratio_vit_time": dist_ratio_one([vit[r].sum() for r in ids])}
+
+
 def fill(group_totals: np.ndarray, cap: float) -> float:
     """Mean group total (tokens or tiles) over the cap; 0 for no groups or a zero cap."""
     g = np.asarray(group_totals, dtype=np.float64)

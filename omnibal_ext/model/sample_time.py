@@ -77,16 +77,17 @@ class SampleWork:
     llm_tokens_sq: np.ndarray
 
 
-def sample_work(stats: SampleStats, spec: ModelSpec) -> SampleWork:
+def sample_work(stats: SampleStats, spec: ModelSpec, grids=None) -> SampleWork:
     """Each sample's work for ``spec``'s family: ViT items in its unit (``Family.vision_item``), the squared
     segment sums of its images (``Family.segments_sq``, from each image's patch grid; zero for families whose
-    items are fixed-size) and its tokens."""
+    items are fixed-size) and its tokens.  grids: (rows, cols) int arrays, the patch grid of each image of
+    ``stats.images`` when the data side knows it (the trainer's scan), else recovered by ``patch_grid``."""
     family = family_of(spec)
     items = stats.vision_items(family.vision_item).astype(np.float64)
     full = window = np.zeros(len(stats))
     if family.segments_sq is not None and stats.images is not None and len(stats.images.patches):
         im = stats.images
-        rows, cols = patch_grid(im.height, im.width, im.patches)
+        rows, cols = grids if grids is not None else patch_grid(im.height, im.width, im.patches)
         f, w = family.segments_sq(spec, rows, cols)
         full, window = im.per_sample(f), im.per_sample(w)
     tokens = stats.tokens.astype(np.float64)
@@ -105,9 +106,10 @@ TIME_UNIT_S = 1e-9  # ISF's integer time unit (nanoseconds)
 
 
 def sample_time_units(stats: SampleStats, spec: ModelSpec, device: DeviceSpec, tp: int = 1,
-                      attention: str = "flash") -> tuple[np.ndarray, np.ndarray]:
-    """(ViT, LLM) predicted time of each sample in ISF's integer units (``TIME_UNIT_S``), int64 (n,)."""
-    vit, llm = sample_times(sample_work(stats, spec), time_coefficients(spec, device, tp, attention))
+                      attention: str = "flash", grids=None) -> tuple[np.ndarray, np.ndarray]:
+    """(ViT, LLM) predicted time of each sample in ISF's integer units (``TIME_UNIT_S``), int64 (n,); ``grids``:
+    see ``sample_work``."""
+    vit, llm = sample_times(sample_work(stats, spec, grids), time_coefficients(spec, device, tp, attention))
     return (np.round(vit / TIME_UNIT_S).astype(np.int64), np.round(llm / TIME_UNIT_S).astype(np.int64))
 
 

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from omnibal_ext.data.stats import ImageStats, SampleStats
 from omnibal_ext.errors import UserError
 
 from . import scan_cache
@@ -134,6 +135,10 @@ class ImageRule:
 
     def dummy_pixels(self) -> torch.Tensor:
         raise NotImplementedError
+
+    def grid(self, width: int, height: int) -> tuple[int, int, int] | None:
+        """``(t, rows, cols)`` patches of an image of that size when its items are a patch grid, else None."""
+        return None
 
 
 class TileImages(ImageRule):
@@ -489,6 +494,29 @@ class InternVLDataset(torch.utils.data.Dataset):
         """(tokens int64 [N], ViT items int64 [N]) of every sample, dummy items counted; no pixel decode."""
         s = self.scan
         return s.rec_tokens[s.order].copy(), s.rec_tiles[s.order].copy()
+
+    def sample_stats(self) -> SampleStats:
+        """Every sample's stats (as ``omnibal isf stats --write`` writes them): ViT items, tokens and each kept
+        image's width, height (px) and ViT items; no pixel decode."""
+        s = self.scan
+        kept = s.rec_images_kept[s.order]
+        offsets = np.zeros(len(self) + 1, dtype=np.int64)
+        np.cumsum(kept, out=offsets[1:])
+        take = np.repeat(s.img_ptr[s.order] - offsets[:-1], kept) + np.arange(offsets[-1])
+        images = ImageStats(offsets, s.img_width[take], s.img_height[take], s.img_tiles[take])
+        tokens, items = self.sample_lengths()
+        return SampleStats(items, tokens, np.zeros(len(self), dtype=np.int32), [self.meta_path], images)
+
+    def image_grids(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(rows, cols) int64 patch grid of each image of ``sample_stats().images`` (the image rule's), or None
+        when the rule's items are not patch grids (tiles)."""
+        im = self.sample_stats().images
+        rule = self.config.image_rule
+        grids = [rule.grid(int(w), int(h)) for w, h in zip(im.width, im.height)]
+        if any(g is None for g in grids):
+            return None
+        return (np.array([g[1] for g in grids], dtype=np.int64).reshape(-1),
+                np.array([g[2] for g in grids], dtype=np.int64).reshape(-1))
 
     def sample_real_tiles(self) -> np.ndarray:
         """int64 [N]: ViT items of real images per sample (the sum of its ``image_flags``)."""

@@ -1,0 +1,199 @@
+"""The trainer's --omnibal-isf plans in predicted time for Qwen2.5-VL: its groups and step order equal
+``omnibal_ext``'s ISF in time computed on the stats ``omnibal isf stats --write`` writes of the same data (each
+image's patch grid recovered by ``patch_grid`` there, read from the scan in the trainer), and the time DistRatio
+it prints is ``time_metrics`` of those groups; InternVL data is still grouped by counts, as ``plan_isf``
+groups it."""
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+pytest.importorskip("sklearn")
+import hf_tiny_qwen  # noqa: E402
+
+from megatron.training.isf import ISF_TIME_DEVICE, isf_groups, isf_subset_groups, isf_times  # noqa: E402
+from megatron.vlm.data.internvl import InternVLDataset  # noqa: E402
+from megatron.vlm.data.tokenizer import build_tokenizer  # noqa: E402
+from megatron.vlm.families.qwen2_5_vl.data import IMAGE_TOKENS, reader  # noqa: E402
+from omnibal_ext.data.isf import ISFParams, group_sums  # noqa: E402
+from omnibal_ext.data.metrics import step_balance_time, time_metrics  # noqa: E402
+from omnibal_ext.data.search import SearchConfig, plan_isf, step_matrix_epoch0  # noqa: E402
+from omnibal_ext.data.search_time import plan_isf_time  # noqa: E402
+from omnibal_ext.data.stats import load_stats  # noqa: E402
+from omnibal_ext.model.cost_model import get_device  # noqa: E402
+from omnibal_ext.model.sample_time import sample_time_units  # noqa: E402
+from omnibal_ext.model.units import get_preset  # noqa: E402
+
+MAX_PIXELS = 28 * 28 * 40
+DP, K, SEED = 2, 4, 5
+
+
+@pytest.fixture
+def world(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def args_for(**kw):
+    return SimpleNamespace(micro_batch_size=K, seed=SEED, omnibal_isf_qv=None, omnibal_isf_qt=None,
+                           omnibal_isf_qv_min=None, omnibal_isf_qt_min=None, tensor_model_parallel_size=1,
+                           min_pixels=None, max_pixels=None, **kw)
+
+
+def qwen_data(tmp_path):
+    """A tiny Hugging Face folder (config, tokenizer, image limits) and a messages JSONL of photos of several
+    sizes, one or two per sample, and text-only samples."""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    hf_tiny_qwen.write_tokenizer(folder)
+    hf_tiny_qwen.hf_config().save_pretrained(str(folder))
+    (folder / "preprocessor_config.json").write_text(json.dumps({"min_pixels": 3136, "max_pixels": MAX_PIXELS}))
+    (tmp_path / "images").mkdir()
+    pics = hf_tiny_qwen.photos(tmp_path / "images")
+    rng = np.random.default_rng(0)
+    lines = []
+    for k in range(48):
+        n = int(rng.integers(0, 3))
+        chosen = [pics[int(i)] for i in rng.integers(0, len(pics), n)]
+        answer = " ".join(s for _, s in chosen) + "x" * int(rng.integers(1, 60))
+        lines.append({"messages": [{"role": "user", "content": "<image>" * n + "Say?"},
+                                   {"role": "assistant", "content": answer}],
+                      "images": [f"images/{name}" for name, _ in chosen]})
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return folder, path
+
+
+def test_qwen_isf_groups_in_time_as_omnibal_ext_does(tmp_path, world, capsys):
+    from omnibal_cli import main as omnibal
+    from omnibal_cli import model_from_hf
+
+    folder, data = qwen_data(tmp_path)
+    spec = model_from_hf(str(folder))
+    args = args_for()
+    dataset = InternVLDataset(str(data), build_tokenizer(str(folder), image_tokens=IMAGE_TOKENS),
+                              **reader(args, spec, str(folder)), max_seq_length=None)
+    plan = SimpleNamespace(model_spec=spec, data_parallel_size=DP, isf_token_multiple=1)
+    groups, order, params, _ = isf_groups(args, plan, dataset)
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("> ISF:")][0]
+
+    # independently: the written stats, each image's grid recovered from its size and patch count
+    out = tmp_path / "stats.json"
+    assert omnibal(["isf", "stats", "--stats", str(data), "--hf-checkpoint", str(folder), "--write", str(out)]) == 0
+    stats = load_stats([str(out)])
+    times = sample_time_units(stats, spec, get_device(ISF_TIME_DEVICE))
+    assert len(np.unique(times[0])) > 3  # images of several sizes
+    cfg = SearchConfig(dp_size=DP, samples_per_group=K, seed=SEED, time_budget_s=math.inf)
+    want = plan_isf_time(stats.patches, stats.tokens, times, cfg)
+    assert want.params.timed and params == want.params.to_dict()
+    assert [g.tolist() for g in groups] == [g.tolist() for g in want.grouping.groups()]
+    assert np.array_equal(order, want.assembly.order)
+    # by counts the same data groups otherwise (what the time plan changes)
+    counts = plan_isf(stats.patches, stats.tokens, cfg)
+    assert [g.tolist() for g in counts.grouping.groups()] != [g.tolist() for g in groups]
+
+    # the time DistRatio printed: time_metrics of the groups' summed sample times over the step plan
+    members = np.concatenate(groups)
+    offsets = np.cumsum([0] + [len(g) for g in groups])
+    vt, lt = (group_sums(t[members], np.arange(len(members)), offsets) for t in times)
+    steps = step_matrix_epoch0(len(groups), want.assembly.width, order, SEED)
+    m = time_metrics(steps, vt, lt, params["vit_time"], params["llm_time"])
+    assert (f"in time: dist ratio llm {m['dist_ratio_llm_time']:.4f} vit {m['dist_ratio_vit_time']:.4f} "
+            f"total {m['dist_ratio_time']:.4f}, fill llm {m['fill_llm_time']:.3f} vit {m['fill_vit_time']:.3f}") in line
+
+    # fixed caps (as `omnibal plan` prints them): hard count caps, the time thresholds searched under them
+    qv, qt = int(stats.patches.max()) + 8, int(stats.tokens.max()) + 40
+    fixed = args_for()
+    fixed.omnibal_isf_qv, fixed.omnibal_isf_qt = qv, qt
+    groups_fixed, _, params_fixed, _ = isf_groups(fixed, plan, dataset)
+    capped = plan_isf_time(stats.patches, stats.tokens, times, SearchConfig(
+        dp_size=DP, samples_per_group=K, seed=SEED, time_budget_s=math.inf, vit_cap=qv, max_seq_len=qt))
+    assert [g.tolist() for g in groups_fixed] == [g.tolist() for g in capped.grouping.groups()]
+    assert params_fixed["qv"] <= qv and params_fixed["qt"] <= qt and params_fixed["vit_time"] is not None
+    assert max(int(stats.tokens[g].sum()) for g in groups_fixed) <= qt < params["qt"]
+    capsys.readouterr()
+
+    # the regroup of a DP change groups a subset in time with the run's caps
+    tokens, _ = dataset.sample_lengths()
+    items, trainer_times = isf_times(args, dataset, spec, tokens)
+    assert all(np.array_equal(a, b) for a, b in zip(trainer_times, times))
+    ids = np.arange(10, 40)
+    sub, _ = isf_subset_groups(tokens, items, ids, ISFParams(**params), 3, SEED, trainer_times)
+    assert sorted(np.concatenate(sub).tolist()) == ids.tolist()
+    assert max(int(trainer_times[1][g].sum()) for g in sub) <= params["llm_time"]
+
+
+def test_internvl_isf_groups_stay_by_counts(tmp_path, world, capsys):
+    from megatron.vlm.data.digits import build_digits_dataset
+
+    meta = build_digits_dataset(str(tmp_path / "digits"), num_samples=80, seed=0, tile_size=32)
+    dataset = InternVLDataset(meta, build_tokenizer(None), image_size=32, tokens_per_tile=4, max_num_tiles=6,
+                              max_seq_length=None)
+    spec = get_preset("tiny")
+    args = args_for()
+    plan = SimpleNamespace(model_spec=spec, data_parallel_size=DP, isf_token_multiple=1)
+    assert isf_times(args, dataset, spec, dataset.sample_lengths()[0]) is None
+    groups, order, params, _ = isf_groups(args, plan, dataset)
+    tokens, tiles = dataset.sample_lengths()
+    want = plan_isf(tiles, tokens, SearchConfig(dp_size=DP, samples_per_group=K, seed=SEED, time_budget_s=math.inf))
+    assert params == want.params.to_dict() and "vit_time" not in params
+    assert [g.tolist() for g in groups] == [g.tolist() for g in want.grouping.groups()]
+    assert np.array_equal(order, want.assembly.order)
+    assert "in time" not in capsys.readouterr().out
+
+
+def test_step_balance_time_sums_each_rank_samples_times():
+    times = (np.array([5, 1, 2, 7, 0]), np.array([10, 20, 30, 40, 50]))
+    got = step_balance_time([[0, 1], [2, 3, 4]], times)
+    llm, vit = np.array([30.0, 120.0]), np.array([6.0, 9.0])  # each rank's sums
+    assert got["dist_ratio_llm_time"] == pytest.approx((120 - llm).sum() / (120 * 2))
+    assert got["dist_ratio_vit_time"] == pytest.approx((9 - vit).sum() / (9 * 2))
+
+
+@pytest.mark.slow
+def test_qwen_dp2_isf_trains_the_time_plan_and_logs_its_balance(tmp_path, world, capsys):
+    """DP2 with --omnibal-isf: the trainer prints the plan computed here, and each iteration's logged Dist ratios in
+    time are those of the samples the sampler serves the two ranks (summed predicted times)."""
+    from itertools import islice
+
+    from launch import run_training
+    from omnibal_cli import model_from_hf
+    from omnibal_ext.data.sampler import GroupBatchSampler
+
+    folder, data = qwen_data(tmp_path)
+    model = hf_tiny_qwen.make_tiny(folder, seed=3)
+    hf_tiny_qwen.set_token_ids(model, hf_tiny_qwen.write_tokenizer(folder))
+    model.save_pretrained(str(folder))
+    spec = model_from_hf(str(folder))
+    args = args_for()
+    dataset = InternVLDataset(str(data), build_tokenizer(str(folder), image_tokens=IMAGE_TOKENS),
+                              **reader(args, spec, str(folder)), max_seq_length=None)
+    groups, order, _, _ = isf_groups(args, SimpleNamespace(model_spec=spec, data_parallel_size=DP,
+                                                           isf_token_multiple=1), dataset)
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("> ISF:")][0]
+    times = isf_times(args, dataset, spec, dataset.sample_lengths()[0])[1]
+
+    iters, m = 3, 2
+    flags = ["--hf-checkpoint", str(folder), "--data-path", str(data), "--omnibal-isf", "--train-iters", str(iters),
+             "--micro-batch-size", str(K), "--global-batch-size", str(K * DP * m), "--eval-interval", "0",
+             "--seq-length", "1024", "--data-cache-dir", str(tmp_path / "cache"), "--seed", str(SEED)]
+    records, out = run_training(DP, flags, tmp_path, "qwen_isf_time")
+    assert line in out and len(records) == iters
+    served = [list(islice(GroupBatchSampler(groups, DP, r, seed=SEED, order=order, microbatches=m), iters * m))
+              for r in range(DP)]
+    for i, rec in enumerate(records):
+        for key, t in (("dist ratio llm time", times[1]), ("dist ratio vit time", times[0])):
+            per_step = []
+            for j in range(i * m, (i + 1) * m):
+                sums = np.array([t[served[r][j]].sum() for r in range(DP)], dtype=np.float64)
+                per_step.append((sums.max() - sums).sum() / (sums.max() * DP))
+            assert rec[key] == pytest.approx(np.mean(per_step), abs=1e-12), (i, key)
+    assert max(rec["dist ratio vit time"] for rec in records) > 0  # the ranks' images differ
