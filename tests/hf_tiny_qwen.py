@@ -149,3 +149,16 @@ def write_messages_data(folder) -> str:
     path = folder / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     return str(path)
+
+
+def training_flags(tmp_path, data_cache, seed=3) -> list[str]:
+    """Trainer flags of a fine-tune of a tiny HF Qwen2.5-VL (its tokenizer; ``write_messages_data`` photos kept
+    small by --max-pixels) written under ``tmp_path``; the run's sizes and parallelism are the caller's."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    ids = write_tokenizer(hf)
+    model = make_tiny(hf, seed=seed)
+    set_token_ids(model, ids)
+    model.save_pretrained(str(hf))
+    return ["--hf-checkpoint", str(hf), "--data-path", write_messages_data(tmp_path), "--max-pixels",
+            str(28 * 28 * 12), "--eval-interval", "0", "--seq-length", "256", "--data-cache-dir", str(data_cache)]

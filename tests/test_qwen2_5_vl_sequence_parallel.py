@@ -14,16 +14,9 @@ pytestmark = pytest.mark.slow
 
 
 def test_qwen_sequence_parallel_equals_serial(tmp_path, data_cache):
-    hf = tmp_path / "hf"
-    hf.mkdir()
-    ids = hf_tiny_qwen.write_tokenizer(hf)
-    model = hf_tiny_qwen.make_tiny(hf, seed=3)
-    hf_tiny_qwen.set_token_ids(model, ids)
-    model.save_pretrained(str(hf))
-    flags = ["--hf-checkpoint", str(hf), "--data-path", hf_tiny_qwen.write_messages_data(tmp_path),
-             "--max-pixels", str(28 * 28 * 12), "--omnibal-isf", "--train-iters", "4", "--micro-batch-size", "4",
-             "--global-batch-size", "8", "--lr", "3e-3", "--lr-warmup-iters", "0", "--eval-interval", "0",
-             "--seq-length", "256", "--data-cache-dir", str(data_cache), "--seed", "5"]
+    flags = hf_tiny_qwen.training_flags(tmp_path, data_cache) + [
+        "--omnibal-isf", "--train-iters", "4", "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "3e-3",
+        "--lr-warmup-iters", "0", "--seed", "5"]
     serial, _ = run_training(1, flags, tmp_path, "serial")
     sp, _ = run_training(2, flags + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], tmp_path, "sp")
     assert [r["iteration"] for r in sp] == [1, 2, 3, 4]
