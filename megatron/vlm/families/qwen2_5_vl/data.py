@@ -177,7 +177,7 @@ def profile_batch(spec, shape, image_token_id: int, device, pad_to_multiple: int
     exact = ImageProcessorConfig(min_pixels=1, max_pixels=max(r * c for r, c in grids) * p * p, patch_size=p,
                                  temporal_patch_size=v.temporal_patch_size, merge_size=m)
     batch = QwenBatcher(spec, image_token_id, PatchImages(exact)).make(samples, 0, True, pad_to_multiple)
-    return {k: v.to(device) if k in ("tokens", "labels", "pixel_values") else v for k, v in batch.items()}
+    return {k: t.to(device) if k in ("tokens", "labels", "pixel_values") else t for k, t in batch.items()}
 
 
 QWEN_DATA = DataSide(image_tokens=IMAGE_TOKENS, reader=reader, batcher=QwenBatcher, tile_check=lambda spec: None,
