@@ -38,18 +38,25 @@ profiler, at the ISF caps) calibrated to the row's mean measured micro-batch sha
 (omnibal_ext.model.cost_model.calibrated_costs: per-kind seconds per FLOP from the profile, FLOPs at
 the shape), m micro-batches.
 
+``--model qwen2.5-vl``: the same four rows on the tiny Qwen2.5-VL (``qwen2.5-vl-tiny``: 4 ViT layers, full
+attention at 1 and 3, 56 px windows; 4 LLM layers) with the same stats-matched samples, each tile a 56 px image
+(4 x 4 patches, one window, 4 merged LLM tokens, as the hetero model's 4 per tile): its ViT items are patches
+(16 per image), the predicted shapes' ViT segments one image (= one window) each.
+
 On a 2-core machine keep PP=2 x DP=1 (one core per stage): more processes than cores time-share the
 cores and hide pipeline imbalance; --dp/--tp are for bigger machines.
 
 Outputs (``--out`` folder): e2e.json (also ``--json``), e2e.png (bar chart), the runs' logs.
 
-Usage: python scripts/bench_e2e.py [--json OUT] [--out DIR] [--quick] [--repeats 2] [--samples N --micro-batches m]
+Usage: python scripts/bench_e2e.py [--model internvl|qwen2.5-vl] [--json OUT] [--out DIR] [--quick] [--repeats 2]
+       [--samples N --micro-batches m]
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -61,30 +68,61 @@ ROWS = ("baseline", "+data", "+model", "+memory")
 BUDGET_FRACTION = 0.9  # of the baseline's measured peak without recompute
 
 
-def choose_samples(args, dp: int, k: int, m: int) -> tuple[object, int, int]:
+@dataclass(frozen=True)
+class BenchModel:
+    """A benchmarked model: its trainer flags, the side in px of the data's square images (one per stats tile),
+    LLM tokens and ViT items (the family's unit: tiles, patches) per such image, and the ViT tokens of one
+    image's attention segment (None: the family's fixed tiles, which the cost model sizes itself); its chart title.
+    """
+
+    flags: dict
+    title: str
+    image_px: int
+    tokens_per_image: int
+    items_per_image: int = 1
+    segment_tokens: int | None = None
+
+
+MODELS = {
+    "internvl": BenchModel(bl.HETERO_MODEL, "tiny heterogeneous VLM", image_px=32, tokens_per_image=4),
+    "qwen2.5-vl": BenchModel({"--model": "qwen2.5-vl-tiny"}, "tiny Qwen2.5-VL", image_px=56, tokens_per_image=4, items_per_image=16,
+                             segment_tokens=16),
+}
+
+
+def spec_of(model: BenchModel):
+    """The ModelSpec of ``model``'s flags (the trainer's own flag handling)."""
+    from megatron.training.arguments import build_parser, model_spec_from_args
+
+    return model_spec_from_args(build_parser().parse_args(bl.trainer_argv(model.flags)))
+
+
+def choose_samples(args, model: BenchModel, dp: int, k: int, m: int) -> tuple[object, int, int]:
     """(dataset, N, ISF groups): the smallest N >= --samples with N/K and G multiples of m*DP."""
     from megatron.vlm.data.synthetic import LengthRule, sample_plan
 
-    spec = bl.hetero_spec()
-    rule = LengthRule(tokens_per_tile_model=spec.tokens_per_tile, max_tokens=bl.MAX_SAMPLE_TOKENS)
+    rule = LengthRule(tokens_per_tile_model=model.tokens_per_image, max_tokens=bl.MAX_SAMPLE_TOKENS)
     files = bl.stats_files(args.stats_dir)
     step = m * k * dp
     n = -(-args.samples // step) * step
     for _ in range(200):
         plan = sample_plan(files, n, rule, args.data_seed)
-        g = bl.isf_group_count(plan["tokens"], rule.tiles(plan["vit_num"]), dp, k, args.seed)
+        items = rule.tiles(plan["vit_num"]) * model.items_per_image
+        g = bl.isf_group_count(plan["tokens"], items, dp, k, args.seed)
         if g % (m * dp) == 0:
-            data = bl.build_data(os.path.join(args.out, "data"), n, spec.vision.image_size, spec.tokens_per_tile,
+            data = bl.build_data(os.path.join(args.out, "data"), n, model.image_px, model.tokens_per_image,
                                  args.stats_dir, args.data_seed)
             return data, n, g
         n += step
     raise RuntimeError(f"no dataset size from {args.samples} on gives ISF groups divisible by {m * dp}")
 
 
-def mean_shape(summary: dict, m: int, dp: int, k: int, padded: bool, packed_sq: float):
-    """Mean micro-batch (tiles, LLM tokens as computed, sum of squared lengths) of a run.
+def mean_shape(summary: dict, m: int, dp: int, k: int, padded: bool, packed_sq: float,
+               segment_tokens: int | None = None):
+    """Mean micro-batch (ViT items, LLM tokens as computed, sum of squared lengths) of a run.
 
-    packed_sq: mean sum of squared sample lengths of a packed micro-batch (tokens^2)."""
+    packed_sq: mean sum of squared sample lengths of a packed micro-batch (tokens^2); segment_tokens: ViT
+    tokens per attention segment (image and window alike; None: the family's tiles)."""
     from omnibal_ext.model.cost_model import MicroBatchShape
 
     per_mb = m * dp
@@ -97,8 +135,11 @@ def mean_shape(summary: dict, m: int, dp: int, k: int, padded: bool, packed_sq: 
     else:  # one packed row; the trainer attends within each sample
         tokens = real
         sq = packed_sq
-    return MicroBatchShape(max(1, int(round(tiles))), max(1, int(round(tokens))), dtype_bytes=4,
-                           llm_attn_tokens_sq=float(min(sq, round(tokens) ** 2)))
+    items = max(1, int(round(tiles)))
+    vit_sq = None if segment_tokens is None else float(items * segment_tokens)
+    return MicroBatchShape(items, max(1, int(round(tokens))), dtype_bytes=4,
+                           llm_attn_tokens_sq=float(min(sq, round(tokens) ** 2)),
+                           vision_attn_tokens_sq=vit_sq, vision_window_tokens_sq=vit_sq)
 
 
 def predict(profile_path, spec_dict, layout, shape, pp, m, tp, modes_fn) -> float:
@@ -156,15 +197,16 @@ def run(args) -> dict:
 
     args.out = os.path.abspath(args.out)
     os.makedirs(args.out, exist_ok=True)
-    spec = bl.hetero_spec()
+    model = MODELS[args.model]
+    spec = spec_of(model)
     pp, tp, dp, k, m = 2, args.tp, args.dp, args.micro_batch_size, args.micro_batches
     world = tp * pp * dp
-    data, n, groups = choose_samples(args, dp, k, m)
+    data, n, groups = choose_samples(args, model, dp, k, m)
     iters = {"random": n // (m * k * dp), "isf": groups // (m * dp)}
     print(f"> {n} samples ({data.info['tokens_mean']:.0f} tokens, {data.info['tiles_mean']:.2f} tiles mean): "
           f"baseline {iters['random']} iterations of {m * k * dp} samples, ISF {groups} groups -> "
           f"{iters['isf']} iterations", flush=True)
-    common = bl.trainer_argv({**bl.HETERO_MODEL, "--pipeline-model-parallel-size": pp,
+    common = bl.trainer_argv({**model.flags, "--pipeline-model-parallel-size": pp,
                            "--tensor-model-parallel-size": tp, "--data-path": data.meta,
                            "--seq-length": data.seq_length, "--micro-batch-size": k,
                            "--global-batch-size": k * m * dp, "--seed": args.seed, "--lr-warmup-iters": 1})
@@ -226,7 +268,8 @@ def run(args) -> dict:
             modes_fn = lambda c, layout=layout, stages=stages: stage_modes(c, layout, stages)  # noqa: E731
         else:
             modes_fn = full_modes
-        shape = mean_shape(s, m, dp, k, padded=name == "baseline", packed_sq=packed_sq)
+        shape = mean_shape(s, m, dp, k, padded=name == "baseline", packed_sq=packed_sq,
+                           segment_tokens=model.segment_tokens)
         pred = predict(profile, costs.meta["spec"], layout, shape, pp, m, tp, modes_fn)
         mem = r.memory or {}
         rows.append({
@@ -250,7 +293,7 @@ def run(args) -> dict:
         r["predicted_speedup"] = r["predicted_samples_per_s"] / base["predicted_samples_per_s"]
     seen = {t for r in rows for t in r["tokens_seen_per_run"]}
     out = {
-        "model": dict(bl.HETERO_MODEL), "pp": pp, "tp": tp, "dp": dp, "micro_batches": m, "micro_batch_size": k,
+        "model": dict(model.flags), "family": spec.family, "pp": pp, "tp": tp, "dp": dp, "micro_batches": m, "micro_batch_size": k,
         "samples": n, "isf_groups": groups, "iterations": iters, "warmup": args.warmup, "quick": args.quick,
         "data": {**data.info, "meta": data.meta, "tokens_total": int(data.tokens.sum())},
         "budget_bytes": budget, "budget_note": budget_note, "profile": profile, "rows": rows,
@@ -300,6 +343,8 @@ def format_rows(res: dict) -> str:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(MODELS), default="internvl",
+                    help="internvl: the heterogeneous tiny InternVL-style VLM; qwen2.5-vl: qwen2.5-vl-tiny")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--out", default="bench_out/e2e", help="folder for runs, JSON and the PNG chart")
     ap.add_argument("--quick", action="store_true", help="tiny epoch (16 samples, 2 micro-batches): a smoke test")
@@ -326,7 +371,7 @@ def main(argv=None) -> dict:
     if args.json:
         bl.write_json(args.json, res)
     png = plot(res["rows"], os.path.join(args.out, "e2e.png"),
-               f"tiny heterogeneous VLM, CPU PP={res['pp']} DP={res['dp']}, one epoch of {res['samples']} samples")
+               f"{MODELS[args.model].title}, CPU PP={res['pp']} DP={res['dp']}, one epoch of {res['samples']} samples")
     print(f"wrote {os.path.join(args.out, 'e2e.json')} and {png}")
     return res
 

@@ -5,6 +5,8 @@ the LLM's mrope_section is [2, 1, 1] (not the published [16, 24, 24]). Two image
 4 x 3) are no multiples of the window."""
 from __future__ import annotations
 
+import json
+
 import torch
 
 VOCAB, IMAGE_ID, VISION_START, VISION_END = 300, 290, 288, 289
@@ -125,3 +127,38 @@ def photos(folder, shapes=((0, 0, 640, 427), (100, 50, 420, 410), (0, 200, 640, 
                 im.crop(box).save(os.path.join(folder, name))
                 out.append((name, subject))
     return out
+
+
+QUESTIONS = ("<image>What is shown?", "Name the photo: <image>", "<image>\nWhich one?")
+
+
+def write_messages_data(folder) -> str:
+    """A messages JSONL: one-image questions (the answer names the photo) and two-image ones (both, in order)."""
+    images = folder / "images"
+    images.mkdir()
+    pics = photos(images)
+    lines = []
+    for k, (name, subject) in enumerate(pics):
+        for q in QUESTIONS:
+            lines.append({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": subject}],
+                          "images": [f"images/{name}"]})
+        other, second = pics[(k + 3) % len(pics)]
+        lines.append({"messages": [{"role": "user", "content": "<image> then <image>: which?"},
+                                   {"role": "assistant", "content": f"{subject}, {second}"}],
+                      "images": [f"images/{name}", f"images/{other}"]})
+    path = folder / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return str(path)
+
+
+def training_flags(tmp_path, data_cache, seed=3) -> list[str]:
+    """Trainer flags of a fine-tune of a tiny HF Qwen2.5-VL (its tokenizer; ``write_messages_data`` photos kept
+    small by --max-pixels) written under ``tmp_path``; the run's sizes and parallelism are the caller's."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    ids = write_tokenizer(hf)
+    model = make_tiny(hf, seed=seed)
+    set_token_ids(model, ids)
+    model.save_pretrained(str(hf))
+    return ["--hf-checkpoint", str(hf), "--data-path", write_messages_data(tmp_path), "--max-pixels",
+            str(28 * 28 * 12), "--eval-interval", "0", "--seq-length", "256", "--data-cache-dir", str(data_cache)]

@@ -44,3 +44,24 @@ def test_bench_e2e_quick(tmp_path):
     assert res["budget_bytes"] < max(ref["total_bytes_per_stage"])
     assert all(r["peak_total_bytes"] <= res["budget_bytes"] for r in rows), [r["peak_total_bytes"] for r in rows]
     assert (tmp_path / "runs" / "e2e.png").stat().st_size > 0
+
+
+def test_qwen_bench_model_counts_what_the_reader_makes():
+    """--model qwen2.5-vl: a data image (a stats tile) of ``image_px`` is, by the family's reader at its default
+    pixel limits, ``items_per_image`` patches and ``tokens_per_image`` LLM tokens, one window and one image segment
+    of ``segment_tokens`` patches."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_e2e
+
+    from megatron.vlm.families.qwen2_5_vl.data import PatchImages
+
+    model = bench_e2e.MODELS["qwen2.5-vl"]
+    spec = bench_e2e.spec_of(model)
+    rule = PatchImages()
+    patches = rule.items(model.image_px, model.image_px, 1)
+    assert patches == model.items_per_image == model.segment_tokens
+    assert rule.image_tokens(patches) == model.tokens_per_image
+    assert spec.vision.window_size == model.image_px  # one window per image
+    hetero = bench_e2e.spec_of(bench_e2e.MODELS["internvl"])
+    assert (hetero.vision.image_size, hetero.tokens_per_tile) == (32, 4) == (
+        bench_e2e.MODELS["internvl"].image_px, bench_e2e.MODELS["internvl"].tokens_per_image)

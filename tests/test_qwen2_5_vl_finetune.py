@@ -2,7 +2,6 @@
 (the ViT split over the stages: window and full-attention layers on each) with ISF packing on ``messages`` JSONL
 data with photos (--max-pixels keeping them small); the loss falls; its first iteration at TP2 (padded ViT heads,
 the micro-batch broadcast over TP) equals PP2's; `omnibal hf export` of the result loads in transformers and its logits equal our model's on the exported folder (slow)."""
-import json
 
 import pytest
 import torch
@@ -15,28 +14,6 @@ pytest.importorskip("sklearn")
 import hf_tiny_qwen  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-QUESTIONS = ("<image>What is shown?", "Name the photo: <image>", "<image>\nWhich one?")
-
-
-def write_data(folder) -> str:
-    """A messages JSONL: one-image questions (the answer names the photo) and two-image ones (both, in order)."""
-    images = folder / "images"
-    images.mkdir()
-    pics = hf_tiny_qwen.photos(images)
-    lines = []
-    for k, (name, subject) in enumerate(pics):
-        for q in QUESTIONS:
-            lines.append({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": subject}],
-                          "images": [f"images/{name}"]})
-        other, second = pics[(k + 3) % len(pics)]
-        lines.append({"messages": [{"role": "user", "content": "<image> then <image>: which?"},
-                                   {"role": "assistant", "content": f"{subject}, {second}"}],
-                      "images": [f"images/{name}", f"images/{other}"]})
-    path = folder / "train.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
-    return str(path)
-
 
 def test_finetune_qwen_pp2_isf_messages_photos_then_export(tmp_path, data_cache):
     from transformers import Qwen2_5_VLForConditionalGeneration
@@ -53,7 +30,7 @@ def test_finetune_qwen_pp2_isf_messages_photos_then_export(tmp_path, data_cache)
     model = hf_tiny_qwen.make_tiny(hf, seed=3)
     hf_tiny_qwen.set_token_ids(model, ids)
     model.save_pretrained(str(hf))
-    data = write_data(tmp_path)
+    data = hf_tiny_qwen.write_messages_data(tmp_path)
     flags = ["--hf-checkpoint", str(hf), "--data-path", data, "--max-pixels", str(28 * 28 * 12),
              "--pipeline-model-parallel-size", "2", "--pipeline-layout", "Iv*2|v*2PEt*2L", "--omnibal-isf",
              "--train-iters", "25", "--micro-batch-size", "4",

@@ -388,15 +388,6 @@ def validate_args(args, world_size: int) -> None:
     problem = family_of(spec).spec_problem(spec)
     if problem:
         raise ArgumentError(problem)
-    profiles = args.omnibal_partition == "auto" or args.omnibal_recompute == "auto" or args.omnibal_profile
-    if profiles and not (args.omnibal_profile and os.path.exists(args.omnibal_profile)):
-        from megatron.vlm.families import runtime_family
-
-        if not runtime_family(spec).data.profiled:
-            raise ArgumentError(f"--omnibal-partition/--omnibal-recompute auto and --omnibal-profile measure the units "
-                                f"with the trainer's profiler, which does not build model family {spec.family!r}'s "
-                                "micro-batches yet: give --pipeline-layout and --recompute-plan (or an existing "
-                                "--omnibal-profile file)")
     _, microbatches = batch_sizes(args, dp)
     if vpp > 1:
         check_interleaving(vpp, pp, microbatches, n_units)

@@ -1,7 +1,9 @@
 """Profile every unit of the model on this device: the costs the balancing planners read.
 
-Units of one kind (all ViT layers, all LLM layers) cost the same, so one of each is built: a
-stage module over the unit list of a copy of the model with one ViT and one LLM layer.  Each unit
+Units of one kind (all ViT layers of a kind, all LLM layers) cost the same, so one of each is built: a
+stage module over the unit list of a copy of the model with one LLM layer and the fewest leading ViT layers
+that hold every ViT layer kind (one for InternViT).  The micro-batch is the family's (its data side's
+``profile_batch``; InternVL's tiles: ``synthetic_batch``).  Each unit
 runs on the output of the one before it, at a given micro-batch shape, through
 omnibal_ext.model.profile.measure_unit (median forward/backward seconds, saved-tensor bytes).  The
 layers are measured three times — without recompute, with full and with selective recompute — for
@@ -22,12 +24,23 @@ from omnibal_ext.errors import UserError
 from omnibal_ext.model.cost_model import MicroBatchShape
 from omnibal_ext.model.costs import CostTable, UnitCost
 from omnibal_ext.model.profile import environment_meta, measure_unit, to_unit_cost
-from omnibal_ext.model.spec import LAYER_ROLES
+from omnibal_ext.model.spec import LAYER_ROLES, VISION_LAYER
 from omnibal_ext.model.units import build_units, unit_components
 
 from megatron.vlm.data.collate import packing
+from megatron.vlm.families import runtime_family
 from megatron.vlm.stage import StageBuild, VLMStage, build_stage
 from omnibal_ext.memory.recompute import StageRecompute
+
+
+def vision_layers_of_every_kind(spec) -> int:
+    """The fewest leading ViT layers that hold a layer of every ViT layer kind of ``spec`` (1 for InternViT;
+    Qwen2.5-VL: up to its first full-attention layer), what the profiled copy of the model keeps."""
+    vit = [u for u in build_units(spec) if u.code == VISION_LAYER]
+    firsts = {}
+    for k, u in enumerate(vit):
+        firsts.setdefault(u.kind, k)
+    return max(firsts.values(), default=0) + 1
 
 
 def synthetic_batch(spec, shape: MicroBatchShape, img_context_id: int, device, pad_to_multiple: int = 1) -> dict:
@@ -80,7 +93,7 @@ def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, devic
                   warmup: int = 2, repeats: int = 5) -> CostTable:
     """Measured costs of every unit of the model ``spec`` at ``shape`` (one micro-batch, this TP)."""
     tp = args.tensor_model_parallel_size
-    mini = spec.replace(vision=dataclasses.replace(spec.vision, num_layers=1),
+    mini = spec.replace(vision=dataclasses.replace(spec.vision, num_layers=vision_layers_of_every_kind(spec)),
                         language=dataclasses.replace(spec.language, num_layers=1))
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     on_cpu = device.type == "cpu"
@@ -99,9 +112,10 @@ def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, devic
         return m.to(device=device, dtype=dtype).train()
 
     plain = stage(StageRecompute())
-    full = stage(StageRecompute(1, False, 1, False))
+    full = stage(StageRecompute(mini.vision.num_layers, False, 1, False))
     selective = stage(StageRecompute(0, True, 0, True))
-    batch = synthetic_batch(mini, shape, img_context_id, device, pad_to_multiple=tp if sp else 1)
+    family_batch = runtime_family(mini).data.profile_batch or synthetic_batch
+    batch = family_batch(mini, shape, img_context_id, device, pad_to_multiple=tp if sp else 1)
     batch["pixel_values"] = batch["pixel_values"].to(dtype)
     cache: dict = {}  # per micro-batch inputs (the LLM layers' context), built once, outside the timings
     for part in plain.parts:

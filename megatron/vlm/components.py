@@ -60,16 +60,16 @@ class StageContext:
 
     def sequence_parallel_edges(self, units: list[Unit], config: TransformerConfig,
                                 split_after: tuple[str, ...] = ()) -> tuple[bool, bool]:
-        """(enters, leaves) the sequence-parallel region, for a run of ``units`` of one kind built with
-        ``config``: it enters unless the unit before it (in the whole model) is of its kind, so the input
-        comes split; it leaves unless the unit after it is of its kind or has a role in ``split_after`` (the
-        head reads split hidden states). Both False without sequence parallelism."""
+        """(enters, leaves) the sequence-parallel region, for a run of ``units`` of one role (``code``: a family's
+        several ViT layer kinds share one region) built with ``config``: it enters unless the unit before it (in
+        the whole model) has its role, so the input comes split; it leaves unless the unit after it has its role
+        or one in ``split_after`` (the head reads split hidden states). Both False without sequence parallelism."""
         if not config.sequence_parallel:
             return False, False
-        first, last, kind = units[0].index, units[-1].index, units[0].kind
-        enters = first == 0 or self.units[first - 1].kind != kind
+        first, last, role = units[0].index, units[-1].index, units[0].code
+        enters = first == 0 or self.units[first - 1].code != role
         after = self.units[last + 1] if last + 1 < len(self.units) else None
-        return enters, after is None or (after.kind != kind and after.code not in split_after)
+        return enters, after is None or (after.code != role and after.code not in split_after)
 
     def layer_recompute(self, role: str, first_index: int | None = None) -> tuple[int, bool]:
         """(fully recomputed layers, selective) of the run of ``role`` layers starting at unit ``first_index``:

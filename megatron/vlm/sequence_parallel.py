@@ -15,7 +15,9 @@ need not divide the tokens per tile (1025 for InternViT, 17 for the tiny model):
 zero tokens up to a multiple of TP, the pad keys masked out of attention (``vit_pad_mask``), the pads cut
 off after the last ViT layer.  Pads never reach a real token, so values and gradients are the unpadded
 model's.  The cost: ``ceil(T/TP)*TP - T`` tokens per tile (InternViT-6B at TP 2: 1 of 1025, 0.1%; tiny:
-1 of 17, 6%) in every ViT layer's compute and activations, which the cost model counts.
+1 of 17, 6%) in every ViT layer's compute and activations, which the cost model counts.  A packed (THD) ViT
+(Qwen2.5-VL: all images' patches in one row, segments per window or image) pads the row once, the pads a
+segment of their own (``with_pad_segment``), so segments stay whole.
 
 Parameters that every TP rank holds whole but that see only the rank's tokens (norms, layer scale, the
 row-parallel linears' biases) carry ``sequence_parallel = True``, so megatron-core's ``finalize_model_grads``
@@ -61,3 +63,13 @@ def vit_pad_mask(tokens: int, padded: int, device=None) -> torch.Tensor | None:
     mask = torch.zeros(1, 1, 1, padded, dtype=torch.bool, device=device)
     mask[..., tokens:] = True
     return mask
+
+
+def with_pad_segment(cu_seqlens: torch.Tensor, max_seqlen: int, padded: int) -> tuple[torch.Tensor, int]:
+    """Packed-segment bounds (int32, host) of ``cu_seqlens[-1]`` tokens padded to ``padded``: the pads one
+    more segment (attending to themselves only), and the longest segment then."""
+    tokens = int(cu_seqlens[-1])
+    if padded == tokens:
+        return cu_seqlens, int(max_seqlen)
+    bound = torch.tensor([padded], dtype=cu_seqlens.dtype)
+    return torch.cat([cu_seqlens, bound]), max(int(max_seqlen), padded - tokens)

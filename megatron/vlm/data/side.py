@@ -13,7 +13,9 @@ Every family reads the same formats (``internvl.py``: meta JSON or an annotation
   batcher checks itself);
 * ``default_image_px(spec)``: the image side of the built-in digits data for this model;
 * ``context_parallel``: whether its micro-batches can be split over context-parallel ranks;
-* ``profiled``: whether the trainer's profiler (``megatron/training/profiling.py``) can build its micro-batches.
+* ``profile_batch(spec, shape, image_token_id, device, pad_to_multiple)``: the micro-batch the trainer's profiler
+  (``megatron/training/profiling.py``) runs at a ``MicroBatchShape``, made by its ``Batcher`` (None: the
+  profiler's own tiled one).
 
 ``TILED`` is InternVL's (dynamic tiles, ``collate.py``'s fields); it is ``RuntimeFamily``'s default.
 """
@@ -54,7 +56,7 @@ class DataSide:
     tile_check: Callable = lambda spec: spec.tokens_per_tile  # noqa: E731
     default_image_px: Callable = lambda spec: spec.vision.image_size  # noqa: E731
     context_parallel: bool = True
-    profiled: bool = True
+    profile_batch: Callable | None = None
 
 
 TILED = DataSide()

@@ -16,11 +16,14 @@ Micro-batch fields read (besides the shared ``tokens``, ``labels``, ``cu_seqlens
 """
 from __future__ import annotations
 
+import dataclasses
+
+import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 
 from omnibal_ext.model.families.qwen2_5_vl import FullLayerCost, MergerCost, VisionEmbedCost, WindowLayerCost
 
-from megatron.vlm import layers
+from megatron.vlm import layers, sequence_parallel
 from megatron.vlm.attention import segment_params
 from megatron.vlm.components import PaddedHeadLayers, RuntimeComponent, TextEmbed, TextLayer
 from megatron.vlm.text import packed_causal_mask
@@ -48,10 +51,15 @@ class VisionEmbed(RuntimeComponent):
 
 class _VisionLayers(PaddedHeadLayers):
     """ViT layers over the packed patch tokens [patches, 1, H] (THD, one segment per window or per image,
-    no mask), 2-D RoPE; heads padded to a multiple of TP. Both kinds live in the stage's ``vit_blocks``."""
+    no mask), 2-D RoPE; heads padded to a multiple of TP. Both kinds live in the stage's ``vit_blocks``.
+
+    Sequence parallelism: the patches are padded once to a multiple of TP (the pads one more segment of both
+    kinds' bounds, zero RoPE) and split where the ViT's layers start; window and full-attention runs share the
+    region (it is left where the ViT's layers end, and the pads cut off)."""
 
     attr, reads, layers = "vit_blocks", frozenset({"pixels"}), True
     window = False
+    sp_enters = sp_leaves = False  # sequence-parallel region edges (set by build)
 
     def layer_spec(self, first_unit_index: int):
         ctx = self.ctx
@@ -60,26 +68,41 @@ class _VisionLayers(PaddedHeadLayers):
 
     def build(self, units):
         full, selective = self.ctx.layer_recompute(self.code(), units[0].index)
+        self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.vision_config)
         return layers.build_blocks(self.ctx.vision_config, self.layer_spec, units[0].index, len(units),
                                    full, selective)
 
     def context(self, batch: dict, device) -> dict:
-        """RoPE and the packed parameters of both kinds, built once per micro-batch (``cache["qwen_vit"]``)."""
-        v = self.spec.vision
+        """RoPE and the packed parameters of both kinds, built once per micro-batch (``cache["qwen_vit"]``); the
+        patch count and the count padded for sequence parallelism."""
+        v, cfg = self.spec.vision, self.ctx.vision_config
+        patches = int(batch["vision_cu_seqlens"][-1])
+        padded = patches
+        if cfg.sequence_parallel:
+            padded = sequence_parallel.padded_tokens(patches, cfg.tensor_model_parallel_size)
         rope = vision_rotary(batch["vision_rotary_ids"].to(device), v.head_dim, v.rotary_base)
+        rope = F.pad(rope, (0, 0, 0, 0, 0, 0, 0, padded - patches))
         te = self.ctx.transformer_impl == "transformer_engine"
-        return {"rope": rope,
-                "window": segment_params(batch["vision_cu_window_seqlens"], batch["vision_max_window_seqlen"],
-                                         device if te else None),
-                "full": segment_params(batch["vision_cu_seqlens"], batch["vision_max_seqlen"], device if te else None)}
+
+        def params(cu_seqlens, max_seqlen):
+            return segment_params(*sequence_parallel.with_pad_segment(cu_seqlens, max_seqlen, padded),
+                                  device if te else None)
+
+        return {"rope": rope, "patches": patches, "padded": padded,
+                "window": params(batch["vision_cu_window_seqlens"], batch["vision_max_window_seqlen"]),
+                "full": params(batch["vision_cu_seqlens"], batch["vision_max_seqlen"])}
 
     def forward(self, module, x, batch, cache):
         if "qwen_vit" not in cache:
             cache["qwen_vit"] = self.context(batch, x.device)
         c = cache["qwen_vit"]
+        if self.sp_enters:
+            x = sequence_parallel.enter(F.pad(x, (0, 0, 0, 0, 0, c["padded"] - c["patches"])))
         params = c["window" if self.window else "full"]
         for block in module:
             x = block(hidden_states=x, attention_mask=None, rotary_pos_emb=c["rope"], packed_seq_params=params)
+        if self.sp_leaves:
+            x = sequence_parallel.leave(x)[:c["patches"]]
         return x
 
     @classmethod
@@ -105,7 +128,9 @@ class Merger(RuntimeComponent):
     cost, attr, reads = MergerCost, "projector", frozenset({"pixels"})
 
     def build(self, units):
-        return PatchMerger(self.spec, self.ctx.vision_config, self.ctx.language_config)
+        # replicated over TP (full inputs, its RMSNorm whole on every rank) also under sequence parallelism
+        return PatchMerger(self.spec, self.ctx.vision_config,
+                           dataclasses.replace(self.ctx.language_config, sequence_parallel=False))
 
     def forward(self, module, x, batch, cache):
         y = module(x)

@@ -127,5 +127,58 @@ class QwenBatcher(Batcher):
         return keys
 
 
+def profile_images(spec, shape) -> list[tuple[int, int]]:
+    """Patch grids (rows, cols) of the images of a profiled micro-batch of ``shape.vision_items`` patches: one
+    image, or ``vision_items^2 / vision_attn_tokens_sq`` images of equal size when the shape gives that sum,
+    each the most nearly square grid of merged tokens (patches rounded down to whole merged tokens, at least
+    one per image)."""
+    m = spec.vision.spatial_merge_size
+    n = shape.vision_items
+    count = 1 if not shape.vision_attn_tokens_sq else max(1, round(n * n / shape.vision_attn_tokens_sq))
+    merged = max(1, n // (m * m) // count)
+    rows = max(r for r in range(1, int(merged ** 0.5) + 1) if merged % r == 0)
+    return [(rows * m, merged // rows * m)] * count
+
+
+def profile_batch(spec, shape, image_token_id: int, device, pad_to_multiple: int = 1) -> dict:
+    """The micro-batch the trainer's profiler runs at ``shape``, made by ``QwenBatcher``: the images of
+    ``profile_images`` (random pixels; sizes their grids exactly, which ``smart_resize`` keeps) in the first
+    sample, the ``shape.llm_tokens`` tokens cut into samples of ``attn_tokens_sq / llm_tokens`` (the first long
+    enough for the images' tokens), packed in one row padded to a multiple of ``pad_to_multiple``; tokens, labels
+    and pixels on ``device``."""
+    v = spec.vision
+    m, p = v.spatial_merge_size, v.patch_size
+    grids = profile_images(spec, shape)
+    image_tokens = sum(r * c for r, c in grids) // (m * m)
+    s = shape.llm_tokens
+    if s < image_tokens + 2:
+        raise UserError(f"profile shape: {s} LLM tokens cannot hold {sum(r * c for r, c in grids)} patches' "
+                        f"{image_tokens} image tokens")
+    g = torch.Generator().manual_seed(0)
+    sample_len = max(1, round(shape.attn_tokens_sq / s))
+    first = max(sample_len, image_tokens + 2)
+    lengths = [first] + [sample_len] * ((s - first) // sample_len) + ([(s - first) % sample_len]
+                                                                      if (s - first) % sample_len else [])
+    patch_dim = v.in_channels * v.temporal_patch_size * p * p
+    samples = []
+    for k, n in enumerate(lengths):
+        ids = torch.randint(0, 256, (n,), generator=g)
+        ids[ids == image_token_id] = 0
+        sample = {"input_ids": ids, "labels": torch.randint(0, 256, (n,), generator=g),
+                  "image_flags": torch.zeros(0, dtype=torch.int64), "pixel_values": torch.zeros(0, patch_dim),
+                  "image_sizes": torch.zeros(0, 2, dtype=torch.int64)}
+        if k == 0:
+            ids[1:1 + image_tokens] = image_token_id
+            patches = sum(r * c for r, c in grids)
+            sample.update(image_flags=torch.ones(patches, dtype=torch.int64),
+                          pixel_values=torch.randn(patches, patch_dim, generator=g),
+                          image_sizes=torch.tensor([(c * p, r * p) for r, c in grids], dtype=torch.int64))
+        samples.append(sample)
+    exact = ImageProcessorConfig(min_pixels=1, max_pixels=max(r * c for r, c in grids) * p * p, patch_size=p,
+                                 temporal_patch_size=v.temporal_patch_size, merge_size=m)
+    batch = QwenBatcher(spec, image_token_id, PatchImages(exact)).make(samples, 0, True, pad_to_multiple)
+    return {k: t.to(device) if k in ("tokens", "labels", "pixel_values") else t for k, t in batch.items()}
+
+
 QWEN_DATA = DataSide(image_tokens=IMAGE_TOKENS, reader=reader, batcher=QwenBatcher, tile_check=lambda spec: None,
-                     default_image_px=lambda spec: 56, context_parallel=False, profiled=False)
+                     default_image_px=lambda spec: 56, context_parallel=False, profile_batch=profile_batch)
