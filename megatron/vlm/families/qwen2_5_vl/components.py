@@ -20,7 +20,6 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import Multimod
 
 from omnibal_ext.model.families.qwen2_5_vl import FullLayerCost, MergerCost, VisionEmbedCost, WindowLayerCost
 
-from megatron.vlm import layers
 from megatron.vlm.attention import segment_params
 from megatron.vlm.components import PaddedHeadLayers, RuntimeComponent, TextEmbed, TextLayer
 from megatron.vlm.text import packed_causal_mask
@@ -59,9 +58,7 @@ class _VisionLayers(PaddedHeadLayers):
                                  self.spec.vision.num_attention_heads)
 
     def build(self, units):
-        full, selective = self.ctx.layer_recompute(self.code())
-        return layers.build_blocks(self.ctx.vision_config, self.layer_spec, units[0].index, len(units),
-                                   full, selective)
+        return self.ctx.build_layers(units, self.ctx.vision_config, self.layer_spec, self.code())
 
     def context(self, batch: dict, device) -> dict:
         """RoPE and the packed parameters of both kinds, built once per micro-batch (``cache["qwen_vit"]``)."""
