@@ -20,10 +20,11 @@ under sequence parallelism and are marked ``sequence_parallel`` with the other r
 (``layers.build_blocks``), so their gradients are summed over TP.
 
 Dropout on the adapter's input (``--lora-dropout``): the keep mask of the full input (all tokens, all
-features) is drawn from the adapter's own state of megatron-core's RNG tracker, seeded by (seed, unit,
+features) is drawn from the adapter's own state in megatron-core's RNG tracker, seeded by (seed, unit,
 linear) alike on every TP rank, and a rank keeps its slice (its tokens under sequence parallelism, its
 features for a row-parallel base): every TP size draws the serial run's masks.  megatron-core's activation
-recompute saves and restores the tracker's states, so a recomputed layer replays the same masks.
+recompute saves and restores the tracker's states, so a recomputed layer replays the same masks, and
+checkpoints keep them with the RNG states (a resume at the same TP/PP/DP continues the streams).
 
 Checkpoints: ``lora_a`` / ``lora_b`` beside the base's ``weight``, split along the same axis as the base
 (a gated fc1's ``lora_b`` as its ``weight``: gate and up halves), so they reshard across TP sizes.
@@ -147,15 +148,26 @@ class LoraMixin:
         if self.parallel == "row":
             shape[-1] *= self.tp
         keep = 1.0 - self.lora_dropout
-        with tensor_parallel.get_cuda_rng_tracker().fork(self.lora_stream):
-            u = torch.rand(shape, device=x.device)
-        mask = (u < keep).to(x.dtype) / keep
+        mask = (self._uniform(shape, x.device) < keep).to(x.dtype) / keep
         r = self.rank_in_tp
         if seq_split:
             mask = mask.narrow(0, r * x.shape[0], x.shape[0])
         if self.parallel == "row":
             mask = mask.narrow(-1, r * x.shape[-1], x.shape[-1])
         return mask
+
+    def _uniform(self, shape: list[int], device) -> torch.Tensor:
+        """Uniform [0, 1) numbers of ``shape`` from this adapter's stream, whose state lives in megatron-core's RNG
+        tracker (saved and restored by its recompute), drawn by a generator of its own (the tracker's ``fork``
+        would swap the device's default generator, which on CPU is the CPU generator it warns about)."""
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        states = tracker.get_states()
+        gen = torch.Generator(device=device)
+        gen.set_state(states[self.lora_stream])
+        u = torch.rand(shape, generator=gen, device=device)
+        states[self.lora_stream] = gen.get_state()
+        tracker.set_states(states)
+        return u
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint

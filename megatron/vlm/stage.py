@@ -274,6 +274,8 @@ class VLMStage(MegatronModule):
                 with torch.no_grad():
                     x = part.component.forward(self.module_of(part), x, batch, cache)
             else:
+                if k == self.no_grad_parts and self._recomputed_after_frozen(part, x):
+                    x = x.detach().requires_grad_()
                 x = part.component.forward(self.module_of(part), x, batch, cache)
             if self.detach_input and k == self.zero_grad_after:
                 x = _zero_input_grad(x, self.input_tensor)
@@ -282,6 +284,18 @@ class VLMStage(MegatronModule):
         # megatron-core frees a sent stage output's storage (deallocate_pipeline_outputs), which a view of
         # another tensor (the projector's unsqueeze, a reshape) cannot give up
         return make_viewless_tensor(x, requires_grad=x.requires_grad, keep_graph=True)
+
+
+    def _recomputed_after_frozen(self, part: _Part, x) -> bool:
+        """The first part run with autograd gets an input without a gradient (the frozen prefix ran without
+        autograd, or the stage input is detached) and holds fully recomputed layers: megatron-core's recompute
+        (``tensor_parallel.checkpoint``) back-propagates only when its input needs a gradient, so the input is
+        made to need one, or the layers' trained parameters (LoRA adapters, unfrozen ViT layers) get none."""
+        if not (self.no_grad_parts or self.detach_input) or not torch.is_grad_enabled():
+            return False
+        if not torch.is_tensor(x) or x.requires_grad or not part.component.layers:
+            return False
+        return self.ctx.layer_recompute(part.component.code())[0] > 0
 
 
 class _ZeroInputGrad(torch.autograd.Function):
