@@ -3,6 +3,7 @@ slow, training at TP2 against the serial run (with dropout and full recompute), 
 checkpoints, and the merged HF export's logits in transformers.
 """
 import argparse
+import contextlib
 
 import pytest
 import torch
@@ -96,32 +97,56 @@ def test_memory_model_lora_bytes_closed_form(tp):
         assert sum(u.lora_params for u in got.units) == _built_adapter_params(lora)
 
 
-def _built_adapter_params(lora) -> int:
-    """Adapter parameters of a whole tiny model built with ``lora`` (megatron-core's layers, TP1)."""
+@contextlib.contextmanager
+def _world():
+    """A world of one (gloo) with megatron's groups inside the CPU patches, torn down after."""
     from megatron.training import cpu_compat
-    from megatron.training.initialize import initialize_distributed
-    from megatron.vlm.stage import StageBuild, build_stage
-
-    import torch.distributed as dist
+    from megatron.training.initialize import destroy, initialize_distributed
 
     with cpu_compat.patched():
-        started = dist.is_initialized()
-        if not started:
-            initialize_distributed(torch.device("cpu"), 1, 1)
         try:
-            units = build_units(TINY)
-            stage = build_stage(StageBuild(TINY, range(len(units)), lora=lora,
-                                           trainable=Freeze(lora=lora).trainable(units, False, TINY).trains))
-            trained = {n for n, p in stage.named_parameters() if p.requires_grad}
-            assert trained == {n for n, _ in stage.named_parameters() if "lora_" in n or n.startswith("projector.")}
-            return sum(p.numel() for n, p in stage.named_parameters() if "lora_" in n)
+            initialize_distributed(torch.device("cpu"), 1, 1)
+            yield
         finally:
-            if not started:
-                from megatron.core import parallel_state
+            destroy()
 
-                parallel_state.destroy_model_parallel()
-                dist.destroy_process_group()
 
+def _built_adapter_params(lora) -> int:
+    """Adapter parameters of a whole tiny model built with ``lora`` (megatron-core's layers, TP1)."""
+    from megatron.vlm.stage import StageBuild, build_stage
+
+    with _world():
+        units = build_units(TINY)
+        stage = build_stage(StageBuild(TINY, range(len(units)), lora=lora,
+                                       trainable=Freeze(lora=lora).trainable(units, False, TINY).trains))
+        trained = {n for n, p in stage.named_parameters() if p.requires_grad}
+        assert trained == {n for n, _ in stage.named_parameters() if "lora_" in n or n.startswith("projector.")}
+        return sum(p.numel() for n, p in stage.named_parameters() if "lora_" in n)
+
+
+def test_hf_model_loads_into_a_lora_stage(tmp_path):
+    """An HF model loaded into a stage with adapters on every linear (none in the HF folder: fresh, B = 0) gives
+    transformers' logits (1e-5): the adapters start as no-ops and the loader leaves them alone."""
+    pytest.importorskip("transformers")
+    import hf_tiny
+
+    from megatron.vlm.hf.convert import HFSource
+    from megatron.vlm.hf.load import load_hf_into_stage
+    from megatron.vlm.hf.logits import gather_vocab, image_token_id, logits_stage, make_batch
+
+    model = hf_tiny.make_tiny(tmp_path, seed=2, vit="ln-bias", text="llama", vit_heads=4)
+    batch = hf_tiny.inputs()
+    lora = Lora(4, targets=tuple(parse_targets("llm,vit")))
+    with _world():
+        src = HFSource.open(str(tmp_path))
+        stage = logits_stage(src.spec, range(len(build_units(src.spec))), image_token_id(src), lora=lora)
+        load_hf_into_stage(stage, src)
+        adapters = [p for n, p in stage.named_parameters() if "lora_" in n]
+        assert len(adapters) == 2 * 4 * (src.spec.vision.num_layers + src.spec.language.num_layers)
+        assert all(torch.count_nonzero(p) > 0 for n, p in stage.named_parameters() if n.endswith("lora_a"))
+        with torch.no_grad():
+            got = gather_vocab(stage(make_batch(src, batch)), src.spec.language.vocab_real)
+    assert (got - hf_tiny.hf_logits(model, batch)).abs().max() <= 1e-5
 
 LORA_BASE = ["--train-iters", "4", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr-warmup-iters", "0",
              "--lr", "5e-3", "--seed", "5", "--eval-interval", "0", "--lora-rank", "4",
@@ -161,14 +186,15 @@ def test_tp2_with_dropout_and_recompute_equals_serial_base_frozen(tmp_path, data
 
 
 @pytest.mark.slow
-def test_tp2_equals_serial_and_its_checkpoint_resumes_at_tp1(tmp_path, data_cache):
-    """Without dropout: TP2 gives the serial run's losses (1e-5) and its checkpoint of iteration 2, resharded to TP1
-    (adapters, their Adam state), continues to the serial run's third loss."""
+def test_tp2_sequence_parallel_equals_serial_and_its_checkpoint_resumes_at_tp1(tmp_path, data_cache):
+    """Without dropout: TP2 with sequence parallelism (the adapters' h all-gathered / reduce-scattered, replicated
+    adapter weights' gradients summed over TP) gives the serial run's losses (1e-5) and its checkpoint of iteration
+    2, resharded to TP1 (adapters, their Adam state), continues to the serial run's third loss."""
     from launch import run_training
 
     flags = LORA_BASE + ["--data-cache-dir", str(data_cache), "--train-iters", "3"]
     serial, _ = run_training(1, flags, tmp_path, "serial")
-    tp2, _ = run_training(2, flags + ["--tensor-model-parallel-size", "2", "--exit-interval", "2",
+    tp2, _ = run_training(2, flags + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--exit-interval", "2",
                                       "--save", str(tmp_path / "tp2")], tmp_path, "tp2")
     resumed, out = run_training(1, flags + ["--load", str(tmp_path / "tp2")], tmp_path, "resumed")
     assert "resharded" in out and [r["iteration"] for r in tp2 + resumed] == [1, 2, 3]
@@ -221,50 +247,18 @@ def _our_logits_with_adapters(ckpt, exported, batch) -> torch.Tensor:
     """Our model at TP1 with the checkpoint's LoRA adapters (not merged), loaded from ``ckpt``; [s, real vocab]."""
     from megatron.core import dist_checkpointing
 
-    from megatron.training import cpu_compat
     from megatron.training.checkpointing import find_checkpoint
-    from megatron.training.initialize import destroy, initialize_distributed
     from megatron.vlm.hf.convert import HFSource
     from megatron.vlm.hf.logits import gather_vocab, image_token_id, logits_stage, make_batch
     from omnibal_ext.model.units import spec_from_dict
 
-    path = find_checkpoint(str(ckpt)).path
-    run = dist_checkpointing.load_common_state_dict(path)["run"]
-    lora = Lora(run["lora"]["rank"], run["lora"]["alpha"], targets=tuple(run["lora"]["targets"]))
-    spec = spec_from_dict(run["model"])
-    with cpu_compat.patched():
-        try:
-            initialize_distributed(torch.device("cpu"), 1, 1)
-            src = HFSource.open(str(exported))
-            stage = logits_stage(spec, range(len(build_units(spec))), image_token_id(src), lora=lora)
-            stage.load_state_dict(dist_checkpointing.load(stage.sharded_state_dict(), path))
-            with torch.no_grad():
-                return gather_vocab(stage(make_batch(src, batch)), spec.language.vocab_real)
-        finally:
-            destroy()
-
-
-def test_plan_carries_the_lora_flags_and_counts_the_adapters():
-    """`omnibal plan` with LoRA: the trainer flags carry the LoRA flags (the trainer parses them back to the same
-    Lora), and the planned static bytes of the last stage fall (a frozen LLM holds weights and adapters only)."""
-    from test_plan import synthetic_stats
-
-    from megatron.training.arguments import parse_args
-    from omnibal_ext.plan import PlanConfig, make_plan
-    from omnibal_ext.plan.trainer_flags import trainer_argv
-
-    stats = synthetic_stats(1200, 3)
-    lora = Lora(16, dropout=0.05, targets=("llm.qkv", "llm.fc2"))
-    plans = {}
-    for name, freeze in (("full", Freeze()), ("lora", Freeze(lora=lora))):
-        plans[name] = make_plan(stats, PlanConfig("internvl-6b-20b", 16, 80 * 2**30, tp=1, pp=4, global_batch_size=64,
-                                                  sim_iterations=2, isf_max_candidates=4, freeze=freeze))
-    flags = plans["lora"].trainer_flags
-    assert (flags["--lora-rank"], flags["--lora-dropout"], flags["--lora-targets"]) == (16, "0.05", "llm.qkv,llm.fc2")
-    args = parse_args(trainer_argv(flags), world_size=16)
-    assert Lora.from_args(args) == lora
-    # the baseline row (Megatron's default layout, full recompute) is the same run but for what trains: its last
-    # stage (LLM layers and head only) holds frozen weights and small adapters instead of trained weights
-    full, tuned = ({r.setting: r for r in p.rows}["baseline"] for p in (plans["full"], plans["lora"]))
-    assert full.layout_flag == tuned.layout_flag
-    assert tuned.stage_peak_bytes[-1] < 0.5 * full.stage_peak_bytes[-1]
+    with _world():
+        path = find_checkpoint(str(ckpt)).path
+        run = dist_checkpointing.load_common_state_dict(path)["run"]
+        lora = Lora(run["lora"]["rank"], run["lora"]["alpha"], targets=tuple(run["lora"]["targets"]))
+        spec = spec_from_dict(run["model"])
+        src = HFSource.open(str(exported))
+        stage = logits_stage(spec, range(len(build_units(spec))), image_token_id(src), lora=lora)
+        stage.load_state_dict(dist_checkpointing.load(stage.sharded_state_dict(), path))
+        with torch.no_grad():
+            return gather_vocab(stage(make_batch(src, batch)), spec.language.vocab_real)
