@@ -4,6 +4,7 @@ checkpoints, and the merged HF export's logits in transformers.
 """
 import argparse
 import contextlib
+import os
 
 import pytest
 import torch
@@ -259,6 +260,65 @@ def _our_logits_with_adapters(ckpt, exported, batch) -> torch.Tensor:
         spec = spec_from_dict(run["model"])
         src = HFSource.open(str(exported))
         stage = logits_stage(spec, range(len(build_units(spec))), image_token_id(src), lora=lora)
-        stage.load_state_dict(dist_checkpointing.load(stage.sharded_state_dict(), path))
+        request = stage.sharded_state_dict()
+        loaded = dist_checkpointing.load(request, path)  # with the checkpoint's common state
+        stage.load_state_dict({k: loaded[k] for k in request})
         with torch.no_grad():
             return gather_vocab(stage(make_batch(src, batch)), spec.language.vocab_real)
+
+
+def _family_case(family, folder):
+    """(transformers model saved to ``folder``, its class, inputs, logits function) of a tiny HF model of ``family``."""
+    if family == "internvl":
+        import hf_tiny as tiny
+        from transformers import InternVLForConditionalGeneration as cls
+
+        return tiny.make_tiny(folder, seed=6, vit="rms-qknorm", text="qwen2", vit_heads=4), cls, tiny.inputs(), \
+            tiny.hf_logits
+    import hf_tiny_qwen as tiny
+    from transformers import Qwen2_5_VLForConditionalGeneration as cls
+
+    def eager(model, batch):
+        for c in (model.config, model.model.visual.config, model.model.language_model.config):
+            c._attn_implementation = "eager"
+        return tiny.hf_logits(model, batch)
+
+    return tiny.make_tiny(folder, seed=6), cls, tiny.inputs(), eager
+
+
+@pytest.mark.parametrize("family", ["internvl", "qwen2_5_vl"])
+def test_export_merges_adapters_of_every_linear(tmp_path, family):
+    """Adapters on all eight linears with random B, saved as a checkpoint (global layouts: the ViT's per-head QKV
+    and out-projection, gated fc1 halves) and exported: transformers' logits on the merged folder equal our
+    model's with the adapters (1e-5), for both families."""
+    pytest.importorskip("transformers")
+    from megatron.core import dist_checkpointing
+
+    from megatron.training.checkpointing import TRACKER, describe_run, iteration_dir
+    from megatron.vlm.hf.convert import HFSource, export_hf
+    from megatron.vlm.hf.load import load_hf_into_stage
+    from megatron.vlm.hf.logits import gather_vocab, image_token_id, logits_stage, make_batch
+
+    model, cls, batch, hf_logits = _family_case(family, tmp_path / "hf")
+    lora = Lora(4, alpha=6.0, targets=tuple(parse_targets("llm,vit")))
+    ckpt = tmp_path / "ckpt"
+    with _world():
+        src = HFSource.open(str(tmp_path / "hf"))
+        stage = logits_stage(src.spec, range(len(build_units(src.spec))), image_token_id(src), lora=lora)
+        load_hf_into_stage(stage, src)
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, p in stage.named_parameters():
+                if name.endswith("lora_b"):
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+            ours = gather_vocab(stage(make_batch(src, batch)), src.spec.language.vocab_real)
+        run = {**describe_run(src.spec, hf=src.meta()), "lora": lora.to_dict()}
+        os.makedirs(iteration_dir(str(ckpt), 1))
+        dist_checkpointing.save({"model": stage.sharded_state_dict(), "run": run, "iteration": 1},
+                                iteration_dir(str(ckpt), 1))
+    (ckpt / TRACKER).write_text("1")
+    export_hf(str(ckpt), str(tmp_path / "out"))
+    merged = cls.from_pretrained(str(tmp_path / "out")).eval()
+    want = hf_logits(merged, batch)
+    assert (ours - hf_logits(model, batch)).abs().max() > 1e-3  # the adapters change the model
+    assert (ours - want).abs().max() <= 1e-5

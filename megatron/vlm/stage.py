@@ -166,6 +166,10 @@ class VLMStage(MegatronModule):
         self.tied_group = None  # set by megatron.training.training.build_model when E and L are apart
         self._tie_embeddings()
         self.no_grad_parts, self.detach_input, self.zero_grad_after = self._freeze(build.trainable)
+        self.recomputed_trained_parts = frozenset(
+            k for k, part in enumerate(self.parts)
+            if part.component.layers and self.ctx.layer_recompute(part.component.code())[0] > 0
+            and any(p.requires_grad for p in self.module_of(part).parameters()))
 
     # freezing (omnibal_ext.model.trainable) --------------------------------------------------------
     def _freeze(self, trains: tuple[bool, ...] | None) -> tuple[int, bool, int]:
@@ -274,7 +278,7 @@ class VLMStage(MegatronModule):
                 with torch.no_grad():
                     x = part.component.forward(self.module_of(part), x, batch, cache)
             else:
-                if k == self.no_grad_parts and self._recomputed_after_frozen(part, x):
+                if self._recomputed_without_input_grad(k, x):
                     x = x.detach().requires_grad_()
                 x = part.component.forward(self.module_of(part), x, batch, cache)
             if self.detach_input and k == self.zero_grad_after:
@@ -286,16 +290,13 @@ class VLMStage(MegatronModule):
         return make_viewless_tensor(x, requires_grad=x.requires_grad, keep_graph=True)
 
 
-    def _recomputed_after_frozen(self, part: _Part, x) -> bool:
-        """The first part run with autograd gets an input without a gradient (the frozen prefix ran without
-        autograd, or the stage input is detached) and holds fully recomputed layers: megatron-core's recompute
-        (``tensor_parallel.checkpoint``) back-propagates only when its input needs a gradient, so the input is
-        made to need one, or the layers' trained parameters (LoRA adapters, unfrozen ViT layers) get none."""
-        if not (self.no_grad_parts or self.detach_input) or not torch.is_grad_enabled():
-            return False
-        if not torch.is_tensor(x) or x.requires_grad or not part.component.layers:
-            return False
-        return self.ctx.layer_recompute(part.component.code())[0] > 0
+    def _recomputed_without_input_grad(self, k: int, x) -> bool:
+        """Part ``k`` holds fully recomputed layers with trained parameters (LoRA adapters, unfrozen layers) and gets
+        an input that needs no gradient (after a frozen prefix run without autograd, a detached stage input, a
+        micro-batch without images into a frozen embedding): megatron-core's recompute (``tensor_parallel.checkpoint``)
+        back-propagates only when its input needs a gradient, so the input is made to need one."""
+        return (k in self.recomputed_trained_parts and torch.is_grad_enabled() and torch.is_tensor(x)
+                and not x.requires_grad)
 
 
 class _ZeroInputGrad(torch.autograd.Function):
