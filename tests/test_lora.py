@@ -5,6 +5,7 @@ checkpoints, and the merged HF export's logits in transformers.
 import argparse
 import contextlib
 import os
+import warnings
 
 import pytest
 import torch
@@ -261,7 +262,10 @@ def _our_logits_with_adapters(ckpt, exported, batch) -> torch.Tensor:
         src = HFSource.open(str(exported))
         stage = logits_stage(spec, range(len(build_units(spec))), image_token_id(src), lora=lora)
         request = stage.sharded_state_dict()
-        loaded = dist_checkpointing.load(request, path)  # with the checkpoint's common state
+        with warnings.catch_warnings():  # megatron-core 0.16's torch_dist loader calls torch's deprecated APIs
+            warnings.filterwarnings("ignore", message="`load_state_dict` is deprecated", category=FutureWarning)
+            warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
+            loaded = dist_checkpointing.load(request, path)  # with the checkpoint's common state
         stage.load_state_dict({k: loaded[k] for k in request})
         with torch.no_grad():
             return gather_vocab(stage(make_batch(src, batch)), spec.language.vocab_real)
