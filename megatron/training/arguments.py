@@ -409,10 +409,29 @@ def validate_args(args, world_size: int) -> None:
                             "latest_checkpointed_iteration.txt and iter_N/)")
     if args.ckpt_step is not None and not args.load:
         raise ArgumentError("--ckpt-step needs --load")
-    trainable_of(args, spec)  # FreezeError: flags that do not fit together or freeze everything
+    trainable_of(args, spec)  # FreezeError/LoraError: flags that do not fit together or freeze everything
+    check_lora(args, spec, tp)
     for flag, value in (("--vision-lr", args.vision_lr), ("--projector-lr", args.projector_lr)):
         if value is not None and value < 0:
             raise ArgumentError(f"{flag} {value}: must be >= 0")
+
+
+def check_lora(args, spec: ModelSpec, tp: int) -> None:
+    """LoRA runs on megatron-core's torch linears, and the ViT's attention adapters on unpadded heads."""
+    from omnibal_ext.model.lora import Lora
+
+    lora = Lora.from_args(args)
+    if not lora.on:
+        return
+    if args.transformer_impl == "transformer_engine":
+        raise ArgumentError("--lora-rank with --transformer-impl transformer_engine is not supported (TE fuses the "
+                            "norm into qkv/fc1): use --transformer-impl local or auto")
+    padded = spec.vision.padded_heads(tp) != spec.vision.num_attention_heads
+    attention = [t for t in lora.targets if t in ("vit.qkv", "vit.proj")]
+    if padded and attention:
+        raise ArgumentError(f"--lora-targets {','.join(attention)}: the ViT's {spec.vision.num_attention_heads} heads "
+                            f"are padded at --tensor-model-parallel-size {tp}; adapters on padded heads are not "
+                            "supported (pick a TP size that divides the heads, or adapt vit.fc1/vit.fc2 only)")
 
 
 def virtual_pipeline_size(args) -> int:

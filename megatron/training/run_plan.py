@@ -15,6 +15,7 @@ from omnibal_ext.memory.recompute import RecomputePlan
 from omnibal_ext.memory.stage_recompute import StageRecompute
 from omnibal_ext.model.cp_split import cp_multiple
 from omnibal_ext.model.layout import PipelineLayout
+from omnibal_ext.model.lora import Lora
 from omnibal_ext.model.trainable import Trainable, trainable_of
 from omnibal_ext.model.units import ModelSpec, build_units
 
@@ -72,6 +73,9 @@ class RunPlan:
     """Model chunks per pipeline rank (V; --virtual-pipeline-model-parallel-size or --pipeline-layout's stages
     / PP): the layout has V x PP stages, stage i runs on pipeline rank i mod PP as its chunk i div PP, under
     megatron-core's interleaved 1F1B schedule when V > 1."""
+    lora: Lora = Lora()
+    """LoRA adapters (--lora-*; omnibal_ext.model.lora): rank 0 = none; with them the layers run megatron-core's
+    torch linears (--transformer-impl local)."""
     recompute_plan: RecomputePlan | None = None
     """With --omnibal-recompute auto: the planner's answer, with its predicted peak and static bytes and the
     budget per stage (reported beside the measured memory); else None."""
@@ -107,7 +111,7 @@ def plan_run(args, world_size: int, device) -> RunPlan:
                    log_activation_memory=args.log_activation_memory or args.omnibal_recompute == "auto",
                    tokenizer_model=args.tokenizer_model, trainable=trainable_of(args, model_spec_of(args)),
                    context_parallel_size=getattr(args, "context_parallel_size", 1),
-                   isf_token_multiple=isf_token_multiple(args),
+                   isf_token_multiple=isf_token_multiple(args), lora=Lora.from_args(args),
                    virtual_pipeline_size=virtual_pipeline_size(args))
 
 

@@ -47,12 +47,12 @@ def build_model(args, plan: RunPlan, img_context_id: int, device: torch.device):
     for stage in plan.rank_stages(rank, pp):
         module = build_stage(StageBuild(
             spec, layout.stage_range(stage), tp=tp, pp=pp, dtype=dtype,
-            transformer_impl="local" if args.sequence_parallel else
+            transformer_impl="local" if args.sequence_parallel or plan.lora.on else
             resolve_transformer_impl(args.transformer_impl, device, args.attention_backend, plan.context_parallel_size),
             attention_backend=args.attention_backend, seed=args.seed, recompute=plan.recompute[stage],
             img_context_id=img_context_id, on_cpu=on_cpu, sequence_parallel=args.sequence_parallel,
             cp=plan.context_parallel_size, trainable=None if plan.trainable is None else plan.trainable.trains,
-            vision_drop_path_rate=args.vision_drop_path_rate))
+            vision_drop_path_rate=args.vision_drop_path_rate, lora=plan.lora))
         if vpp > 1:  # read by megatron-core's interleaved schedule and p2p communicator (model[0]'s config)
             module.config.virtual_pipeline_model_parallel_size = vpp
         module.to(device=device, dtype=dtype)

@@ -26,6 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from omnibal_ext.memory.recompute import StageRecompute
 from omnibal_ext.model.components import CostComponent, HeadCost, TextEmbedCost, TextLayerCost
+from omnibal_ext.model.lora import Lora
 from omnibal_ext.model.spec import HEAD, TEXT_LAYER, VISION_LAYER, ModelSpec, Unit
 
 from megatron.vlm import layers, sequence_parallel
@@ -52,6 +53,14 @@ class StageContext:
     output: str  # "loss" or "logits"
     vision_drop_path_rate: float = 0.0  # ViT stochastic depth at the last layer (megatron/vlm/drop_path.py)
     stage_start: int = 0  # index in ``units`` of the stage's first unit
+    lora: Lora = Lora()  # LoRA adapters (megatron/vlm/lora.py); rank 0: none
+
+    def build_layers(self, units: list[Unit], config: TransformerConfig, spec_for, role: str) -> torch.nn.ModuleList:
+        """The TransformerBlock segments of a run of layer ``units`` of ``role`` built with ``config``: this stage's
+        recompute of the role and the LoRA adapters its targets put on these layers (``layers.build_blocks``)."""
+        full, selective = self.layer_recompute(role, units[0].index)
+        return layers.build_blocks(config, spec_for, units[0].index, len(units), full, selective,
+                                   self.lora, self.lora.linears(role))
 
     @property
     def thd(self) -> bool:
@@ -214,10 +223,8 @@ class TextLayer(RuntimeComponent):
                                  first_unit_index, ctx.transformer_impl, ctx.attention_backend)
 
     def build(self, units):
-        full, selective = self.ctx.layer_recompute(self.code(), units[0].index)
         self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.language_config, (HEAD,))
-        return layers.build_blocks(self.ctx.language_config, self.layer_spec, units[0].index, len(units),
-                                   full, selective)
+        return self.ctx.build_layers(units, self.ctx.language_config, self.layer_spec, self.code())
 
     def extra_modules(self):
         lang = self.spec.language

@@ -32,7 +32,7 @@ def mix32(x):
     return (x >> 16) ^ x
 
 
-def _key(*parts: int) -> int:
+def hash_key(*parts: int) -> int:
     """Hash of a tuple of non-negative Python ints (64-bit ones split into two halves)."""
     h = 0x9E3779B9
     for p in parts:
@@ -44,13 +44,13 @@ def _key(*parts: int) -> int:
 
 def tile_keys(sample_ids: list[int], tiles_per_sample: list[int]) -> torch.Tensor:
     """int64 [sum of tiles]: the key of each tile of a micro-batch, from (sample id, tile index in the sample)."""
-    keys = [_key(sid, t) for sid, n in zip(sample_ids, tiles_per_sample) for t in range(n)]
+    keys = [hash_key(sid, t) for sid, n in zip(sample_ids, tiles_per_sample) for t in range(n)]
     return torch.tensor(keys, dtype=torch.int64)
 
 
 def iteration_keys(keys: torch.Tensor, seed: int, iteration: int) -> torch.Tensor:
     """The tiles' keys of one training iteration (device tensor in, device tensor out; no sync)."""
-    return mix32(keys ^ _key(seed, iteration))
+    return mix32(keys ^ hash_key(seed, iteration))
 
 
 def layer_rates(rate: float, depth: int) -> list[float]:
@@ -60,7 +60,7 @@ def layer_rates(rate: float, depth: int) -> list[float]:
 
 def keep_mask(keys: torch.Tensor, layer: int, branch: int, drop_prob: float, dtype) -> torch.Tensor:
     """[tiles] of 0 (dropped) or 1 / keep probability, for ViT layer ``layer`` and branch (0 attention, 1 MLP)."""
-    h = mix32(keys ^ _key(layer, branch))
+    h = mix32(keys ^ hash_key(layer, branch))
     u = (h >> 8).to(torch.float64) * (1.0 / (1 << 24))  # uniform in [0, 1)
     keep = 1.0 - drop_prob
     return (u < keep).to(dtype) / keep

@@ -28,6 +28,7 @@ class SeededTransformerLayer(TransformerLayer):
 
     redraw: called as ``redraw(layer, config)`` after megatron's initialisation, again from the unit's seed,
     when a family draws some weights its own way (padded ViT heads: ``megatron/vlm/padded_heads.py``).
+    LoRA linears (``megatron/vlm/lora.py``) then draw their adapters for the unit (``draw_adapter``).
     """
 
     def __init__(self, config, submodules, layer_number=1, seed=0, first_unit_index=0, redraw=None, **kwargs):
@@ -37,3 +38,6 @@ class SeededTransformerLayer(TransformerLayer):
         if redraw is not None:
             with seeded(seed, unit):
                 redraw(self, config)
+        for module in self.modules():
+            if hasattr(module, "draw_adapter"):
+                module.draw_adapter(seed, unit)

@@ -32,6 +32,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import make_viewless_tensor
 
 from omnibal_ext.memory.recompute import StageRecompute
+from omnibal_ext.model.lora import Lora
 from omnibal_ext.model.spec import HEAD, TEXT_EMBED, ModelSpec, Unit
 from omnibal_ext.model.units import build_units
 
@@ -39,6 +40,7 @@ from megatron.vlm.components import RuntimeComponent, StageContext
 from megatron.vlm.config import language_config
 from megatron.vlm.head import OUTPUTS
 from megatron.vlm.layers import uses_segment_attention
+from megatron.vlm.lora import is_adapter
 from megatron.vlm.seeding import seeded
 from megatron.vlm.tied import allreduce_tied_grad
 
@@ -72,6 +74,7 @@ class StageBuild:
     sequence_parallel: bool = False  # --sequence-parallel: the ViT and LLM layers' (megatron/vlm/sequence_parallel.py)
     cp: int = 1  # context-parallel size of the LLM (megatron/vlm/context_parallel.py); the ViT has none
     vision_drop_path_rate: float = 0.0  # ViT stochastic depth, rising linearly to this at the last layer
+    lora: Lora = Lora()  # LoRA adapters on the layers its targets name (megatron/vlm/lora.py); rank 0: none
 
 
 @dataclasses.dataclass
@@ -138,7 +141,8 @@ class VLMStage(MegatronModule):
         self.ctx = StageContext(spec=spec, units=tuple(units), vision_config=vision_config, language_config=llm_config,
                                 seed=build.seed, recompute=self.recompute, img_context_id=build.img_context_id,
                                 transformer_impl=impl, attention_backend=backend, output=build.output,
-                                vision_drop_path_rate=build.vision_drop_path_rate, stage_start=unit_range.start)
+                                vision_drop_path_rate=build.vision_drop_path_rate, stage_start=unit_range.start,
+                                lora=build.lora)
         self.parts: list[_Part] = []
         for run in _runs(self.units):
             component = family.component(run[0].kind)(self.ctx)
@@ -163,25 +167,32 @@ class VLMStage(MegatronModule):
         self.tied_group = None  # set by megatron.training.training.build_model when E and L are apart
         self._tie_embeddings()
         self.no_grad_parts, self.detach_input, self.zero_grad_after = self._freeze(build.trainable)
+        self.recomputed_trained_parts = frozenset(
+            k for k, part in enumerate(self.parts)
+            if part.component.layers and self.ctx.layer_recompute(part.component.code())[0] > 0
+            and any(p.requires_grad for p in self.module_of(part).parameters()))
 
     # freezing (omnibal_ext.model.trainable) --------------------------------------------------------
     def _freeze(self, trains: tuple[bool, ...] | None) -> tuple[int, bool, int]:
         """Tag every parameter with its unit's role (``vlm_role``: the per-module learning rates of
         megatron.training.training.build_optimizer match it), switch off ``requires_grad`` of frozen units'
-        parameters (megatron-core's DDP then gives them no gradient buffer and its optimizer no state).
+        parameters (megatron-core's DDP then gives them no gradient buffer and its optimizer no state) except
+        their LoRA adapters, which train (a unit with adapters counts as trainable below).
 
         Returns (parts, detach, after): how many leading parts of the stage run without autograd (those whose
         units and everything upstream are frozen); whether the stage input is used detached (nothing upstream
         of the stage trains, so no gradient of it is needed); the part after which the input's zero gradient
         is attached (``_zero_input_grad``)."""
         for unit, module, _ in self.unit_modules():
-            for p in module.parameters():
+            for name, p in module.named_parameters():
                 p.vlm_role = unit.code
-                if trains is not None and not trains[unit.index]:
+                if trains is not None and not trains[unit.index] and not is_adapter(name):
                     p.requires_grad_(False)
         if trains is None:
             return 0, False, -1
-        first_trained = next((i for i, t in enumerate(trains) if t), len(trains))
+        lora = self.build_args.lora
+        first_trained = next((u.index for u in self.ctx.units if trains[u.index] or lora.linears(u.code)),
+                             len(trains))
         parts = sum(1 for _ in itertools.takewhile(lambda p: p.units[-1].index < first_trained, self.parts))
         detach = self.units[0].index > 0 and first_trained >= self.units[0].index
         return parts, detach, min(parts, len(self.parts) - 1)
@@ -268,6 +279,8 @@ class VLMStage(MegatronModule):
                 with torch.no_grad():
                     x = part.component.forward(self.module_of(part), x, batch, cache)
             else:
+                if self._recomputed_without_input_grad(k, x):
+                    x = x.detach().requires_grad_()
                 x = part.component.forward(self.module_of(part), x, batch, cache)
             if self.detach_input and k == self.zero_grad_after:
                 x = _zero_input_grad(x, self.input_tensor)
@@ -276,6 +289,15 @@ class VLMStage(MegatronModule):
         # megatron-core frees a sent stage output's storage (deallocate_pipeline_outputs), which a view of
         # another tensor (the projector's unsqueeze, a reshape) cannot give up
         return make_viewless_tensor(x, requires_grad=x.requires_grad, keep_graph=True)
+
+
+    def _recomputed_without_input_grad(self, k: int, x) -> bool:
+        """Part ``k`` holds fully recomputed layers with trained parameters (LoRA adapters, unfrozen layers) and gets
+        an input that needs no gradient (after a frozen prefix run without autograd, a detached stage input, a
+        micro-batch without images into a frozen embedding): megatron-core's recompute (``tensor_parallel.checkpoint``)
+        back-propagates only when its input needs a gradient, so the input is made to need one."""
+        return (k in self.recomputed_trained_parts and torch.is_grad_enabled() and torch.is_tensor(x)
+                and not x.requires_grad)
 
 
 class _ZeroInputGrad(torch.autograd.Function):

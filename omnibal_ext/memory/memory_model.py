@@ -18,6 +18,9 @@ Adam exp_avg (m)            4      ...
 Adam exp_avg_sq (v)         4      ... 12 bytes in all
 ==========================  =====  ====================================================
 
+LoRA adapters (``UnitCost.lora_params``, a frozen unit's trained adapters) count as trained parameters; a rank
+holds ``(lora_params - lora_replicated) / tp + lora_replicated`` of them (``lora_rank_params``).
+
 = 18 bytes/parameter.  With the distributed optimizer (ZeRO-1 style) the 12 optimizer bytes are
 sharded over the ``dp`` data-parallel ranks: ``2 + 4 + 12 / dp`` bytes/parameter (the fp32 gradient
 buffer stays whole: gradients are reduce-scattered inside it).  Other numbers go through
@@ -191,6 +194,8 @@ def _unit_arrays(costs: CostTable) -> dict[str, np.ndarray]:
         "sel_s": np.array([x.selective_recompute_s for x in u], dtype=np.float64),
         "params": np.array([x.param_count for x in u], dtype=np.float64),
         "frozen": np.array([bool(x.frozen) for x in u], dtype=bool),
+        "lora": np.array([x.lora_params for x in u], dtype=np.float64),
+        "lora_replicated": np.array([x.lora_replicated for x in u], dtype=np.float64),
         # 1: ViT layer, 2: LLM layer, 0: any other unit (never recomputed)
         "block": np.array([1 if x.code == VISION_LAYER else 2 if x.code == TEXT_LAYER else 0 for x in u]),
     }
@@ -231,10 +236,18 @@ def static_bytes(param_count: float, dp: int, distributed_optimizer: bool = True
 def unit_static_bytes(costs: CostTable, tp: int, dp: int, distributed_optimizer: bool = True,
                       precision: Precision = MIXED_BF16_ADAM) -> np.ndarray:
     """Static bytes of each unit on one rank: a frozen unit (``UnitCost.frozen``) holds its weights only (no
-    gradient buffer, no optimizer state), the others ``precision.bytes_per_param`` per parameter."""
+    gradient buffer, no optimizer state), the others ``precision.bytes_per_param`` per parameter; LoRA
+    adapters (trained) ``precision.bytes_per_param`` each."""
     a = _unit_arrays(costs)
-    per = np.where(a["frozen"], precision.param_bytes, precision.bytes_per_param(dp, distributed_optimizer))
-    return a["params"] / tp * per
+    trained = precision.bytes_per_param(dp, distributed_optimizer)
+    per = np.where(a["frozen"], precision.param_bytes, trained)
+    return a["params"] / tp * per + lora_rank_params(costs, tp) * trained
+
+
+def lora_rank_params(costs: CostTable, tp: int) -> np.ndarray:
+    """LoRA adapter parameters of each unit on one TP rank: the split part / tp plus the replicated part."""
+    a = _unit_arrays(costs)
+    return (a["lora"] - a["lora_replicated"]) / tp + a["lora_replicated"]
 
 
 def in_flight_1f1b(pp: int, num_microbatches: int) -> np.ndarray:
@@ -280,7 +293,7 @@ def stage_memory(costs: CostTable, layout: PipelineLayout, plan: Sequence[StageR
     modes = unit_modes(costs, layout, plan)
     act = unit_activation_bytes(costs, modes)
     trans = unit_transient_bytes(costs, modes)
-    params = _unit_arrays(costs)["params"] / tp
+    params = _unit_arrays(costs)["params"] / tp + lora_rank_params(costs, tp)
     stat_u = unit_static_bytes(costs, tp, dp, distributed_optimizer, precision)
     slices = [list(r) for r in layout.stage_slices()]
     st_act = np.array([act[s].sum() for s in slices])

@@ -70,7 +70,7 @@ def with_freezing(args, costs: CostTable) -> CostTable:
     if not freeze.any:
         return costs
     spec = get_preset(args.model)
-    return freeze.trainable(build_units(spec), spec.language.tie_word_embeddings).apply(costs)
+    return freeze.trainable(build_units(spec), spec.language.tie_word_embeddings, spec).apply(costs)
 
 
 def _unfrozen_costs(args) -> CostTable:

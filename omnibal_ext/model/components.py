@@ -99,6 +99,11 @@ class CostComponent:
         """Activation bytes at ``shape`` on one TP rank; ``kernels``: what the device's kernels keep."""
         raise NotImplementedError
 
+    def linears(self, tp: int) -> dict[str, tuple[int, int]]:
+        """A layer kind's linears LoRA can adapt (``omnibal_ext.model.lora.LINEARS``: qkv, proj, fc1, fc2) as
+        (in, out) features, whole model (at ``tp``: padded heads included); {} for other kinds."""
+        return {}
+
     def tp_allreduce_bytes(self, shape: MicroBatchShape, sequence_parallel: bool = False,
                            tp: int = 1) -> tuple[float, float]:
         """(forward, backward) bytes the unit all-reduces over its TP group (of ``tp`` ranks) per micro-batch
@@ -227,6 +232,12 @@ class TextLayerCost(CostComponent):
         qkv_rows = lm.num_attention_heads * d + 2 * lm.kv_groups * d
         n = h * qkv_rows + lm.num_attention_heads * d * h + (3 if lm.swiglu else 2) * h * f + 2 * h
         return n + (qkv_rows if lm.qkv_bias else 0)
+
+    def linears(self, tp):
+        lm = self.spec.language
+        h, f, width = lm.hidden_size, lm.ffn_hidden_size, lm.num_attention_heads * lm.kv_channels
+        return {"qkv": (h, width + 2 * lm.kv_groups * lm.kv_channels), "proj": (width, h),
+                "fc1": (h, (2 if lm.swiglu else 1) * f), "fc2": (f, h)}
 
     def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False, kernels=FUSED_KERNELS):
         lm, D = self.spec.language, shape.dtype_bytes

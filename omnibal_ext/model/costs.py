@@ -27,6 +27,8 @@ class UnitCost:
     param_count: int  # parameters of the unit (whole model, before tensor-parallel split)
     code: str | None = None  # the unit's role (layout letter); None: the role of ``kind`` in its family
     frozen: bool = False  # its weights do not train (omnibal_ext.model.trainable): static bytes are the weights only
+    lora_params: int = 0  # LoRA adapter parameters (trained; whole model, omnibal_ext.model.lora)
+    lora_replicated: int = 0  # of which every TP rank holds whole (a rank: (lora - replicated) / tp + replicated)
 
     def __post_init__(self):
         if self.code is None:
@@ -49,7 +51,7 @@ class CostTable:
         names = {f.name for f in dataclasses.fields(UnitCost)}
         units = []
         for i, u in enumerate(d["units"]):
-            missing = names - set(u) - {"code", "frozen"}  # tables written before units carried these
+            missing = names - set(u) - {"code", "frozen", "lora_params", "lora_replicated"}  # tables written before units carried these
             if missing:
                 raise ValueError(f"cost table unit {i} ({u.get('name', '?')}): missing keys {sorted(missing)}")
             units.append(UnitCost(**{k: u[k] for k in names if k in u}))

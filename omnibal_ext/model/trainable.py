@@ -9,6 +9,11 @@ it against a model's unit list into a :class:`Trainable` (per unit: trains or fr
 * the projector = role ``P``;
 * the LLM = roles ``E``, ``t`` and ``L`` (``--unfreeze-lm-head`` trains ``L`` again).
 
+LoRA (``--lora-*``, ``omnibal_ext.model.lora``) freezes the base weights of every model its targets name (as
+``--freeze-llm`` / ``--freeze-vit`` would) and gives the adapted layers trained adapters: such a unit is frozen
+(its weights: no gradient, no optimizer state) but has something trainable (``Trainable.adapters``), so it and
+everything after it run with autograd.
+
 A frozen unit keeps its weights: no gradient, no optimizer state.  What it still costs depends on
 what is upstream of it (units before it in the list):
 
@@ -16,7 +21,9 @@ what is upstream of it (units before it in the list):
   only: no backward time and no activations kept;
 * something trainable upstream: its backward computes the input gradient only, not the weight
   gradient, ``INPUT_GRAD_SHARE`` of the full backward (the backward's two matmuls per forward matmul
-  become one), and it keeps its activations.
+  become one), and it keeps its activations;
+* a frozen unit with adapters: the input-gradient backward plus its adapters' weight gradients, counted as
+  the weight-gradient share of the backward scaled by adapter parameters / unit parameters.
 
 :meth:`Trainable.apply` writes that into a :class:`~omnibal_ext.model.costs.CostTable` (and marks
 frozen units ``frozen``, so the memory model counts only their weights as static bytes); the
@@ -30,6 +37,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..errors import UserError
+from .lora import Lora, add_lora_flags
 from .spec import HEAD, PROJECTOR, TEXT_EMBED, TEXT_LAYER, VISION_EMBED, VISION_LAYER, Unit
 
 # Share of a unit's backward that remains when only the input gradient is computed (its weights are
@@ -53,24 +61,36 @@ class Freeze:
     llm: bool = False
     unfreeze_vit_layers: int | None = None  # with ``vit``: the ViT layers [N:] train again
     unfreeze_lm_head: bool = False  # with ``llm``: the output head trains again
+    lora: Lora = Lora()  # LoRA adapters (--lora-*): the models they adapt are frozen, the adapters train
 
     @classmethod
     def from_args(cls, args) -> "Freeze":
         """From parsed flags (attributes ``freeze_vit``, ``freeze_projector``, ``freeze_llm``,
-        ``unfreeze_vit_layers``, ``unfreeze_lm_head``; missing ones: off)."""
+        ``unfreeze_vit_layers``, ``unfreeze_lm_head`` and the ``lora_*`` ones; missing ones: off)."""
         return cls(bool(getattr(args, "freeze_vit", False)), bool(getattr(args, "freeze_projector", False)),
                    bool(getattr(args, "freeze_llm", False)), getattr(args, "unfreeze_vit_layers", None),
-                   bool(getattr(args, "unfreeze_lm_head", False)))
+                   bool(getattr(args, "unfreeze_lm_head", False)), Lora.from_args(args))
 
     @property
     def any(self) -> bool:
-        return self.vit or self.projector or self.llm
+        return self.vit or self.projector or self.llm or self.lora.on
+
+    @property
+    def vit_frozen(self) -> bool:
+        """The ViT's base weights are frozen: --freeze-vit, or LoRA adapts it."""
+        return self.vit or self.lora.adapts("vit")
+
+    @property
+    def llm_frozen(self) -> bool:
+        """The LLM's base weights are frozen: --freeze-llm, or LoRA adapts it."""
+        return self.llm or self.lora.adapts("llm")
 
     def check(self) -> None:
-        """Raise FreezeError for combinations that mean nothing."""
-        if self.unfreeze_vit_layers is not None and not self.vit:
+        """Raise FreezeError (LoraError) for combinations that mean nothing."""
+        self.lora.check()
+        if self.unfreeze_vit_layers is not None and not self.vit_frozen:
             raise FreezeError("--unfreeze-vit-layers needs --freeze-vit (it trains some frozen ViT layers again)")
-        if self.unfreeze_lm_head and not self.llm:
+        if self.unfreeze_lm_head and not self.llm_frozen:
             raise FreezeError("--unfreeze-lm-head needs --freeze-llm (it trains the frozen output head again)")
 
     def flags(self) -> list[str]:
@@ -81,10 +101,11 @@ class Freeze:
             out += ["--unfreeze-vit-layers", str(self.unfreeze_vit_layers)]
         if self.unfreeze_lm_head:
             out.append("--unfreeze-lm-head")
-        return out
+        return out + self.lora.flags()
 
-    def trainable(self, units: Sequence[Unit], tie_word_embeddings: bool = False) -> "Trainable":
-        """Per unit of ``units`` (a model's whole unit list, in order): trains or not."""
+    def trainable(self, units: Sequence[Unit], tie_word_embeddings: bool = False, spec=None) -> "Trainable":
+        """Per unit of ``units`` (a model's whole unit list, in order): trains or not, and its adapters (with
+        LoRA: ``spec``, the ModelSpec, sizes them)."""
         self.check()
         vit_layers = [u.index for u in units if u.code == VISION_LAYER]
         unfrozen_vit = set(vit_layers[slice(self.unfreeze_vit_layers, None)]) \
@@ -92,16 +113,23 @@ class Freeze:
         trains = []
         for u in units:
             if u.code in VIT_ROLES:
-                t = not self.vit or u.index in unfrozen_vit
+                t = not self.vit_frozen or u.index in unfrozen_vit
             elif u.code == PROJECTOR:
                 t = not self.projector
             elif u.code in LLM_ROLES:
-                t = not self.llm or (u.code == HEAD and self.unfreeze_lm_head)
+                t = not self.llm_frozen or (u.code == HEAD and self.unfreeze_lm_head)
             else:  # a role no flag names trains
                 t = True
             trains.append(t)
-        out = Trainable(tuple(trains))
-        if not any(trains):
+        adapters = ()
+        if self.lora.on:
+            if spec is None:
+                raise ValueError("Freeze.trainable with LoRA needs the model spec (adapter sizes)")
+            from .units import unit_components
+
+            adapters = tuple(self.lora.unit_adapter_params(c) for c in unit_components(spec))
+        out = Trainable(tuple(trains), adapters)
+        if not any(trains) and not out.adapted_units:
             raise FreezeError(f"{' '.join(self.flags())} freeze every unit: nothing would train")
         if tie_word_embeddings:
             e = [trains[u.index] for u in units if u.code == TEXT_EMBED]
@@ -114,9 +142,11 @@ class Freeze:
 
 @dataclass(frozen=True)
 class Trainable:
-    """Per pipeline unit (in unit-list order): True = trains, False = frozen."""
+    """Per pipeline unit (in unit-list order): True = trains, False = frozen; with LoRA, per unit its adapter
+    parameters (all, replicated over TP), whole model (``Lora.unit_adapter_params``; () = no adapters)."""
 
     trains: tuple[bool, ...]
+    adapters: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def everything(cls, num_units: int) -> "Trainable":
@@ -127,7 +157,16 @@ class Trainable:
 
     @property
     def all_train(self) -> bool:
-        return all(self.trains)
+        return all(self.trains) and not self.adapted_units
+
+    @property
+    def adapted_units(self) -> tuple[int, ...]:
+        """Units with LoRA adapters."""
+        return tuple(i for i, (a, _) in enumerate(self.adapters) if a)
+
+    def has_trainable(self, index: int) -> bool:
+        """Unit ``index`` trains or holds adapters (which train)."""
+        return self.trains[index] or (bool(self.adapters) and self.adapters[index][0] > 0)
 
     @property
     def frozen_units(self) -> tuple[int, ...]:
@@ -137,7 +176,7 @@ class Trainable:
     def frozen_prefix(self) -> int:
         """Units at the start of the list with nothing trainable up to and including them (they run
         without autograd): the index of the first trainable unit."""
-        return next((i for i, t in enumerate(self.trains) if t), len(self.trains))
+        return next((i for i in range(len(self.trains)) if self.has_trainable(i)), len(self.trains))
 
     def needs_autograd(self, index: int) -> bool:
         """Whether unit ``index`` runs with autograd (it trains, or a trainable unit is upstream)."""
@@ -158,9 +197,16 @@ class Trainable:
             elif i < prefix:  # forward only, no autograd: nothing kept, no backward, nothing to recompute
                 units.append(dataclasses.replace(u, bwd_s=0.0, act_bytes=0.0, act_bytes_full=0.0,
                                                  act_bytes_selective=0.0, selective_recompute_s=0.0, frozen=True))
+            elif self.has_trainable(i):  # frozen base with adapters: input gradient + adapters' weight gradients
+                lora, replicated = self.adapters[i]
+                share = input_grad_share + (1.0 - input_grad_share) * lora / max(u.param_count, 1)
+                units.append(dataclasses.replace(u, bwd_s=u.bwd_s * share, frozen=True, lora_params=lora,
+                                                 lora_replicated=replicated))
             else:
                 units.append(dataclasses.replace(u, bwd_s=u.bwd_s * input_grad_share, frozen=True))
         meta = {**costs.meta, "frozen_units": list(self.frozen_units), "input_grad_share": input_grad_share}
+        if self.adapted_units:
+            meta["lora_units"] = list(self.adapted_units)
         return dataclasses.replace(costs, units=tuple(units), meta=meta)
 
     def describe(self, units: Sequence[Unit]) -> str:
@@ -177,7 +223,8 @@ class Trainable:
             n = j - i + 1
             parts.append(frozen[i].code if n == 1 else f"{frozen[i].code}*{n}")
             i = j + 1
-        return (f"frozen {' '.join(parts)} ({len(frozen)} of {len(units)} units; the first "
+        lora = f"; LoRA adapters on {len(self.adapted_units)} of them" if self.adapted_units else ""
+        return (f"frozen {' '.join(parts)} ({len(frozen)} of {len(units)} units{lora}; the first "
                 f"{self.frozen_prefix} run without autograd)")
 
 
@@ -193,10 +240,11 @@ def add_freeze_flags(p) -> None:
     g.add_argument("--unfreeze-vit-layers", type=int, default=None, metavar="N",
                    help="with --freeze-vit: the ViT layers [N:] (Python's slice) train again; -4 = the last four")
     g.add_argument("--unfreeze-lm-head", action="store_true", help="with --freeze-llm: the output head trains again")
+    add_lora_flags(p)
 
 
 def trainable_of(args, spec) -> Trainable:
     """The Trainable of parsed freeze flags for the model ``spec`` (a ModelSpec)."""
     from .units import build_units
 
-    return Freeze.from_args(args).trainable(build_units(spec), spec.language.tie_word_embeddings)
+    return Freeze.from_args(args).trainable(build_units(spec), spec.language.tie_word_embeddings, spec)

@@ -59,7 +59,7 @@ class PlanConfig:
         """The units that train under ``freeze`` (None: all of them)."""
         if not self.freeze.any:
             return None
-        return self.freeze.trainable(build_units(self.spec), self.spec.language.tie_word_embeddings)
+        return self.freeze.trainable(build_units(self.spec), self.spec.language.tie_word_embeddings, self.spec)
 
     @property
     def spec(self) -> ModelSpec:

@@ -5,7 +5,8 @@ import numpy as np
 
 from ..model.spec import LAYER_ROLES
 from ..memory.memory_model import (FP32_ADAM, MIXED_BF16_ADAM, MODE_FULL, MODE_NONE, Precision, in_flight_1f1b,
-                                   unit_activation_bytes, unit_static_bytes, unit_transient_bytes)
+                                   lora_rank_params, unit_activation_bytes, unit_static_bytes,
+                                   unit_transient_bytes)
 from ..model.cost_model import DeviceSpec
 from ..model.costs import CostTable
 
@@ -16,8 +17,10 @@ def training_precision(device: DeviceSpec) -> Precision:
 
 
 def unit_params(costs: CostTable, tp: int, trained_only: bool = False) -> np.ndarray:
-    """Parameters of each unit held by one tensor-parallel rank (float64); ``trained_only``: 0 for frozen units."""
-    return np.array([0 if trained_only and u.frozen else u.param_count for u in costs.units], dtype=np.float64) / tp
+    """Parameters of each unit held by one tensor-parallel rank (float64), LoRA adapters included;
+    ``trained_only``: a frozen unit's adapters only."""
+    base = np.array([0 if trained_only and u.frozen else u.param_count for u in costs.units], dtype=np.float64)
+    return base / tp + lora_rank_params(costs, tp)
 
 
 def memory_need_table(costs: CostTable, pp: int, tp: int, dp: int, num_microbatches: int,

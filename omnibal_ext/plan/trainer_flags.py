@@ -38,7 +38,7 @@ def plan_trainer_flags(model: str, tp: int, pp: int, layout_flag: str, recompute
 
     isf_params: the ISF thresholds (qv, qt, qv_min, qt_min: tiles and tokens per group);
     samples_per_group: K, the micro-batch size; global_batch_size: samples per iteration; freeze_flags: the
-    freeze flags the plan was made with (``Freeze.flags()``), which the trainer must train with; cp: the
+    freeze and LoRA flags the plan was made with (``Freeze.flags()``), which the trainer must train with; cp: the
     context-parallel size (``--context-parallel-size``, written when > 1); vpp: model
     chunks per pipeline rank (> 1: ``--virtual-pipeline-model-parallel-size``, the layout has ``vpp x pp`` stages).
     """
@@ -46,7 +46,7 @@ def plan_trainer_flags(model: str, tp: int, pp: int, layout_flag: str, recompute
     for i, f in enumerate(freeze_flags):
         if f.startswith("--"):
             nxt = freeze_flags[i + 1] if i + 1 < len(freeze_flags) else None
-            freeze[f] = int(nxt) if nxt is not None and not nxt.startswith("--") else True
+            freeze[f] = _flag_value(nxt) if nxt is not None and not nxt.startswith("--") else True
     return {**freeze, 
         "--model": model,
         "--tensor-model-parallel-size": tp,
@@ -67,6 +67,15 @@ def plan_trainer_flags(model: str, tp: int, pp: int, layout_flag: str, recompute
         "--use-distributed-optimizer": True,
         "--bf16": bf16,
     }
+
+
+def _flag_value(text: str):
+    """A freeze/LoRA flag's value as given: an int where it is one (--unfreeze-vit-layers, --lora-rank), else the
+    text (--lora-dropout 0.1, --lora-targets llm.qkv)."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
 
 
 def trainer_argv(flags: dict) -> list[str]:

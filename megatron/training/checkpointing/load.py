@@ -11,6 +11,8 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
+from megatron.vlm.lora import is_adapter
+
 from .files import check_files, sizes_problems
 from .layout import TRACKER, Checkpoint, CheckpointError, complete_iterations, iteration_dir
 from .optimizer import (adapt_optimizer_request, fresh_optimizer_entries, init_optimizer_state, keep_list_positions,
@@ -83,7 +85,10 @@ def load_checkpoint(ckpt: Checkpoint, args, plan, model, optimizer, scheduler) -
     if fresh:
         request["optimizer"] = keep_list_positions(request["optimizer"])
     keys = {path: sh.key for path, sh in request["model"].items()}
+    fresh_adapters = {path: request["model"].pop(path).data for path in list(request["model"])
+                      if is_adapter(keys[path]) and keys[path] not in saved_keys}
     loaded = dist_checkpointing.load(request, ckpt.path)
+    loaded["model"].update(fresh_adapters)  # LoRA adapters the checkpoint lacks keep their fresh values
     load_model_state(model, loaded["model"])
     if with_optimizer:
         weights = {keys[path]: tensor for path, tensor in loaded["model"].items()}
@@ -104,6 +109,9 @@ def load_checkpoint(ckpt: Checkpoint, args, plan, model, optimizer, scheduler) -
               + ("" if same_world or not saved_run else
                  f" (saved at TP={saved_run['tp']} PP={saved_run['pp']} DP={saved_run['dp']}, resharded; RNG re-seeded)"),
               flush=True)
+    if fresh_adapters and dist.get_rank() == 0:
+        print(f"> the checkpoint holds no LoRA adapters for this run's {len(fresh_adapters)} adapter tensor(s) on this "
+              "rank: they start fresh (B = 0)", flush=True)
     if fresh_params and dist.get_rank() == 0:
         shown = ", ".join(fresh_params[:6]) + (f", ... ({len(fresh_params)} in all)" if len(fresh_params) > 6 else "")
         fresh_state = ("Adam moments 0, step 0" if per_parameter_steps() else
@@ -155,7 +163,8 @@ def _check_tensors(ckpt: Checkpoint, model) -> set:
         if not isinstance(sh, ShardedTensor):
             continue
         if sh.key not in saved:
-            problems.append(f"tensor {sh.key} is not in it")
+            if not is_adapter(sh.key):  # LoRA adapters missing from the checkpoint start fresh
+                problems.append(f"tensor {sh.key} is not in it")
         elif tuple(saved[sh.key].global_shape) != tuple(sh.global_shape):
             problems.append(f"tensor {sh.key} has shape {tuple(saved[sh.key].global_shape)} there, "
                             f"{tuple(sh.global_shape)} in this model")

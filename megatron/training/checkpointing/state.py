@@ -34,7 +34,7 @@ def run_description(args, plan) -> dict:
     run = describe_run(plan.model_spec, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                        plan.data_parallel_size, plan.layout_flag, args.use_distributed_optimizer,
                        args.bf16, args.seed, plan.tokenizer_model, plan.hf_meta)
-    return {**run, "cp": plan.context_parallel_size}
+    return {**run, "cp": plan.context_parallel_size, "lora": plan.lora.to_dict() if plan.lora.on else None}
 
 
 def world_of(run: dict) -> tuple:

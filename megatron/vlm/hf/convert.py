@@ -6,7 +6,9 @@ import: config.json -> ModelSpec; every HF tensor -> our unit-keyed global tenso
         folder) and "iteration" 0. ``pretrain_vlm.py --load SAVE`` loads it at any TP/PP/layout.
 export: any checkpoint of ours (any TP/PP/DP/layout) -> config.json + safetensors in the native HF layout
         (the imported key style), vocabulary unpadded, a tied head written once (as the embedding), tokenizer
-        files copied from the training's tokenizer (or the imported folder).
+        files copied from the training's tokenizer (or the imported folder). LoRA adapters (``lora_a``/``lora_b``
+        beside a weight) are merged into it, ``W + alpha / r * B @ A`` (``megatron.vlm.lora.merge``), so the
+        folder is a plain HF checkpoint.
 """
 from __future__ import annotations
 
@@ -149,6 +151,8 @@ def export_hf(load: str, out: str, step: int | None = None, dtype: str | None = 
     table, _ = recipes(spec, native, style)
     tensors = read_global_tensors(path, [k for k in table if not (spec.language.tie_word_embeddings
                                                                   and k == "llm.head.output.weight")])
+    if run.get("lora"):
+        merge_adapters(path, tensors, float(run["lora"]["scaling"]))
     if spec.language.tie_word_embeddings:
         tensors["llm.head.output.weight"] = tensors["llm.embed.word.weight"]
     torch_dtype = DTYPES[dtype or meta.get("dtype") or "float32"]
@@ -161,6 +165,23 @@ def export_hf(load: str, out: str, step: int | None = None, dtype: str | None = 
     files = write_safetensors(hf, out, max_shard_bytes)
     copied = copy_tokenizer(out, run.get("tokenizer"), meta.get("source"))
     return {"iteration": step, "tensors": len(hf), "files": files, "tokenizer": copied}
+
+
+def merge_adapters(path: str, tensors: dict[str, torch.Tensor], scaling: float) -> int:
+    """Merge the LoRA adapters the checkpoint ``path`` holds beside any of ``tensors``' weights into them (in place);
+    returns how many weights took adapters."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron.training.checkpointing import read_global_tensors
+    from megatron.vlm.lora import merge
+
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    pairs = {k: (k[:-len("weight")] + "lora_a", k[:-len("weight")] + "lora_b") for k in tensors
+             if k.endswith(".weight") and k[:-len("weight")] + "lora_a" in saved}
+    adapters = read_global_tensors(path, [name for pair in pairs.values() for name in pair])
+    for key, (a, b) in pairs.items():
+        tensors[key] = merge(tensors[key], adapters[a], adapters[b], scaling)
+    return len(pairs)
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], out: str, max_shard_bytes: int) -> list[str]:

@@ -64,9 +64,12 @@ def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
 def load_hf_into_stage(stage, src) -> int:
     """Load ``src`` (an :class:`~megatron.vlm.hf.convert.HFSource`) into ``stage`` (a VLMStage, unwrapped),
     one tensor piece at a time, written straight into the parameters (besides them, at most a chunk of one
-    piece is held, plus the safetensors pages read); returns the number of pieces read."""
+    piece is held, plus the safetensors pages read; LoRA adapters keep their fresh values); returns the number
+    of pieces read."""
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+
+    from megatron.vlm.lora import is_adapter
 
     table, _ = recipes(src.spec, src.info, src.style, [u.name for u in stage.units])
     params = {id(p) for p in stage.parameters()}
@@ -90,6 +93,9 @@ def load_hf_into_stage(stage, src) -> int:
             if isinstance(item, ShardedObject):
                 continue  # modules' (empty) extra state
             target = item.data
+            if is_adapter(item.key):  # LoRA adapters: an HF model has none, they keep their fresh values
+                loaded.add(id(target))
+                continue
             if id(target) not in params:
                 raise RuntimeError(f"load_hf_into_stage: {path} is not a parameter of the stage")
             if isinstance(item, ShardedTensorFactory):  # per-head ViT tensors, swiglu halves

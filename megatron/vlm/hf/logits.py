@@ -25,12 +25,15 @@ def make_batch(src, inputs: dict) -> dict:
     return family.logits_batch(inputs, src.spec, src.info)
 
 
-def logits_stage(spec, unit_range, img_context_id: int, tp: int = 1, pp: int = 1):
-    """A stage of ``spec`` in logits mode (the last stage returns this TP rank's logits), fp32, eval."""
+def logits_stage(spec, unit_range, img_context_id: int, tp: int = 1, pp: int = 1, lora=None):
+    """A stage of ``spec`` in logits mode (the last stage returns this TP rank's logits), fp32, eval; ``lora``: its
+    LoRA adapters (``omnibal_ext.model.lora.Lora``; None: none)."""
+    from omnibal_ext.model.lora import Lora
+
     from megatron.vlm.stage import StageBuild, build_stage
 
     return build_stage(StageBuild(spec, unit_range, tp=tp, pp=pp, img_context_id=img_context_id, seed=0,
-                                  output="logits")).eval()
+                                  output="logits", lora=lora or Lora())).eval()
 
 
 def image_token_id(src, given: int | None = None) -> int:

@@ -114,6 +114,11 @@ class VisionLayerCost(CostComponent):
         n += 2 * width if v.qk_norm else 0  # q and k norm weights over the full width
         return n + (2 * h if v.layer_scale_init is not None else 0)  # ls1, ls2
 
+    def linears(self, tp):
+        v = self.spec.vision
+        h, f, width = v.hidden_size, v.ffn_hidden_size, v.padded_heads(tp) * v.head_dim
+        return {"qkv": (h, 3 * width), "proj": (width, h), "fc1": (h, f), "fc2": (f, h)}
+
     def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False, kernels=FUSED_KERNELS):
         # sequence parallel: every tile padded to a multiple of TP tokens (the pads masked out of attention)
         v, D = self.spec.vision, shape.dtype_bytes

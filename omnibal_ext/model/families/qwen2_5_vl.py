@@ -158,6 +158,11 @@ class _VisionLayerCost(CostComponent):
         h, f, width = v.hidden_size, v.ffn_hidden_size, v.padded_heads(tp) * v.head_dim
         return 4 * h * width + 3 * width + h + 3 * h * f + 2 * f + h + 2 * h  # attention, MLP, two RMSNorms
 
+    def linears(self, tp):
+        v = self.spec.vision
+        h, f, width = v.hidden_size, v.ffn_hidden_size, v.padded_heads(tp) * v.head_dim
+        return {"qkv": (h, 3 * width), "proj": (width, h), "fc1": (h, 2 * f), "fc2": (f, h)}  # SwiGLU fc1
+
     def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False, kernels=FUSED_KERNELS):
         # sequence parallel: the packed patches padded to a multiple of TP once (segments stay whole), and the
         # layer input kept for full recompute and sent to the next stage split over TP, as InternViT's

@@ -8,7 +8,7 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from omnibal_ext.model.families.internvl import ProjectorCost, VisionEmbedCost, VisionLayerCost
 
-from megatron.vlm import layers, sequence_parallel
+from megatron.vlm import sequence_parallel
 from megatron.vlm.components import PaddedHeadLayers, RuntimeComponent
 from megatron.vlm.drop_path import iteration_keys, layer_rates
 
@@ -50,10 +50,8 @@ class VisionLayer(PaddedHeadLayers):
                           ctx.attention_backend, real_heads=v.num_attention_heads, vision=v, drop_path=drop_path)
 
     def build(self, units):
-        full, selective = self.ctx.layer_recompute(self.code(), units[0].index)
         self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.vision_config)
-        return layers.build_blocks(self.ctx.vision_config, self.layer_spec, units[0].index, len(units),
-                                   full, selective)
+        return self.ctx.build_layers(units, self.ctx.vision_config, self.layer_spec, self.code())
 
     def forward(self, module, x, batch, cache):
         mask, cfg = None, self.ctx.vision_config

@@ -23,7 +23,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import Multimod
 
 from omnibal_ext.model.families.qwen2_5_vl import FullLayerCost, MergerCost, VisionEmbedCost, WindowLayerCost
 
-from megatron.vlm import layers, sequence_parallel
+from megatron.vlm import sequence_parallel
 from megatron.vlm.attention import segment_params
 from megatron.vlm.components import PaddedHeadLayers, RuntimeComponent, TextEmbed, TextLayer
 from megatron.vlm.text import packed_causal_mask
@@ -67,10 +67,8 @@ class _VisionLayers(PaddedHeadLayers):
                                  self.spec.vision.num_attention_heads)
 
     def build(self, units):
-        full, selective = self.ctx.layer_recompute(self.code(), units[0].index)
         self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.vision_config)
-        return layers.build_blocks(self.ctx.vision_config, self.layer_spec, units[0].index, len(units),
-                                   full, selective)
+        return self.ctx.build_layers(units, self.ctx.vision_config, self.layer_spec, self.code())
 
     def context(self, batch: dict, device) -> dict:
         """RoPE and the packed parameters of both kinds, built once per micro-batch (``cache["qwen_vit"]``); the
