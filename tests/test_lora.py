@@ -271,30 +271,19 @@ def _our_logits_with_adapters(ckpt, exported, batch) -> torch.Tensor:
             return gather_vocab(stage(make_batch(src, batch)), spec.language.vocab_real)
 
 
-def _family_case(family, folder):
-    """(transformers model saved to ``folder``, its class, inputs, logits function) of a tiny HF model of ``family``."""
-    if family == "internvl":
-        import hf_tiny as tiny
-        from transformers import InternVLForConditionalGeneration as cls
+def _family_case(folder):
+    """(transformers model saved to ``folder``, its class, inputs, logits function) of a tiny HF InternVL."""
+    import hf_tiny as tiny
+    from transformers import InternVLForConditionalGeneration as cls
 
-        return tiny.make_tiny(folder, seed=6, vit="rms-qknorm", text="qwen2", vit_heads=4), cls, tiny.inputs(), \
-            tiny.hf_logits
-    import hf_tiny_qwen as tiny
-    from transformers import Qwen2_5_VLForConditionalGeneration as cls
-
-    def eager(model, batch):
-        for c in (model.config, model.model.visual.config, model.model.language_model.config):
-            c._attn_implementation = "eager"
-        return tiny.hf_logits(model, batch)
-
-    return tiny.make_tiny(folder, seed=6), cls, tiny.inputs(), eager
+    return tiny.make_tiny(folder, seed=6, vit="rms-qknorm", text="qwen2", vit_heads=4), cls, tiny.inputs(), \
+        tiny.hf_logits
 
 
-@pytest.mark.parametrize("family", ["internvl"])  # qwen2_5_vl: _family_case has it, not yet run to the end here
-def test_export_merges_adapters_of_every_linear(tmp_path, family):
+def test_export_merges_adapters_of_every_linear(tmp_path):
     """Adapters on all eight linears with random B, saved as a checkpoint (global layouts: the ViT's per-head QKV
     and out-projection, gated fc1 halves) and exported: transformers' logits on the merged folder equal our
-    model's with the adapters (1e-5), for both families."""
+    model's with the adapters (1e-5) (InternVL; Qwen2.5-VL's merge is not yet checked)."""
     pytest.importorskip("transformers")
     from megatron.core import dist_checkpointing
 
@@ -303,7 +292,7 @@ def test_export_merges_adapters_of_every_linear(tmp_path, family):
     from megatron.vlm.hf.load import load_hf_into_stage
     from megatron.vlm.hf.logits import gather_vocab, image_token_id, logits_stage, make_batch
 
-    model, cls, batch, hf_logits = _family_case(family, tmp_path / "hf")
+    model, cls, batch, hf_logits = _family_case(tmp_path / "hf")
     lora = Lora(4, alpha=6.0, targets=tuple(parse_targets("llm,vit")))
     ckpt = tmp_path / "ckpt"
     with _world():
