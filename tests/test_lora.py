@@ -288,6 +288,7 @@ def test_export_merges_adapters_of_every_linear(tmp_path):
     from megatron.core import dist_checkpointing
 
     from megatron.training.checkpointing import TRACKER, describe_run, iteration_dir
+    from megatron.training.checkpointing.save import InProcessTorchDistSave
     from megatron.vlm.hf.convert import HFSource, export_hf
     from megatron.vlm.hf.load import load_hf_into_stage
     from megatron.vlm.hf.logits import gather_vocab, image_token_id, logits_stage, make_batch
@@ -308,7 +309,8 @@ def test_export_merges_adapters_of_every_linear(tmp_path):
         run = {**describe_run(src.spec, hf=src.meta()), "lora": lora.to_dict()}
         os.makedirs(iteration_dir(str(ckpt), 1))
         dist_checkpointing.save({"model": stage.sharded_state_dict(), "run": run, "iteration": 1},
-                                iteration_dir(str(ckpt), 1))
+                                iteration_dir(str(ckpt), 1),  # in this process: megatron's writer forks and hangs here
+                                sharded_strategy=InProcessTorchDistSave("torch_dist", 1))
     (ckpt / TRACKER).write_text("1")
     export_hf(str(ckpt), str(tmp_path / "out"))
     merged = cls.from_pretrained(str(tmp_path / "out")).eval()
