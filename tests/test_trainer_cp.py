@@ -81,10 +81,6 @@ def test_cp2_pp2_equals_serial_and_resumes_at_cp1(workdir, serial, tmp_path):
                               d, "cp2pp2")
     assert_close([r["lm loss"] for r in records], [r["lm loss"] for r in serial[False]])
     assert_close([r["grad norm"] for r in records], [r["grad norm"] for r in serial[False]], rel=1e-3)
-    both = memory_record(d, "cp2sp2")["peak_act_bytes_per_stage"][0]
-    serial_act = memory_record(d, "serial-random")["peak_act_bytes_per_stage"][0]
-    lo, hi = act_ratio_range({"tp": 2, "sequence_parallel": True, "cp": 2}, {})
-    assert lo < both / serial_act < hi, (both, serial_act, lo, hi)
     resumed, out = run_training(1, BASE + data + ["--load", str(ckpt), "--ckpt-step", "4"], d, "cp1-resumed")
     assert "loaded checkpoint of iteration 4" in out
     assert [r["iteration"] for r in resumed] == [5, 6, 7, 8]
