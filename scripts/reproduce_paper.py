@@ -250,17 +250,17 @@ def qwen_plans(stats, args) -> list[dict]:
     return out
 
 
+QWEN_COLUMNS = [("model", "model", ""), ("GPUs", "gpus", "d"), ("TP", "tp", "d"), ("PP", "pp", "d"),
+                ("DP", "dp", "d"), ("V", "vpp", "d"), ("SP", "sp", ""), ("step s", "iteration_s", ".2f"),
+                ("base s", "baseline_iteration_s", ".2f"), ("peak GiB", "peak_gib", ".1f"),
+                ("+data", "+data", ".2f"), ("+model", "+model", ".2f"), ("+memory", "+memory", ".2f"),
+                ("layout (+memory)", "layout", "")]
+
+
 def format_qwen(rows: list[dict]) -> str:
-    head = (f"{'model':<15} {'GPUs':>4} {'TP':>3} {'PP':>3} {'DP':>3} {'V':>2} {'SP':>3} {'step s':>7} {'base s':>7} "
-            f"{'peak GiB':>8} {'+data':>6} {'+model':>6} {'+memory':>7}  layout (+memory)")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        sp = r["speedups"]
-        lines.append(f"{r['model']:<15} {r['gpus']:>4} {r['tp']:>3} {r['pp']:>3} {r['dp']:>3} {r['vpp']:>2} "
-                     f"{'yes' if r['sequence_parallel'] else 'no':>3} {r['iteration_s']:>7.2f} "
-                     f"{r['baseline_iteration_s']:>7.2f} {r['peak_gib']:>8.1f} {sp['+data']:>5.2f}x "
-                     f"{sp['+model']:>5.2f}x {sp['+memory']:>6.2f}x  {r['layout']}")
-    return "\n".join(lines)
+    """The Qwen plans as a table (speed-ups over the baseline, x)."""
+    shown = [{**r, **r["speedups"], "sp": "yes" if r["sequence_parallel"] else "no"} for r in rows]
+    return bl.format_table(shown, QWEN_COLUMNS)
 
 
 def format_table(rows: list[dict]) -> str:
