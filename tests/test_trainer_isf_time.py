@@ -18,7 +18,7 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("sklearn")
 import hf_tiny_qwen  # noqa: E402
 
-from megatron.training.isf import ISF_TIME_DEVICE, isf_groups, isf_subset_groups, isf_times  # noqa: E402
+from megatron.training.isf import isf_groups, isf_subset_groups, isf_times  # noqa: E402
 from megatron.vlm.data.internvl import InternVLDataset  # noqa: E402
 from megatron.vlm.data.tokenizer import build_tokenizer  # noqa: E402
 from megatron.vlm.families.qwen2_5_vl.data import IMAGE_TOKENS, reader  # noqa: E402
@@ -28,7 +28,7 @@ from omnibal_ext.data.search import SearchConfig, plan_isf, step_matrix_epoch0  
 from omnibal_ext.data.search_time import plan_isf_time  # noqa: E402
 from omnibal_ext.data.stats import load_stats  # noqa: E402
 from omnibal_ext.model.cost_model import get_device  # noqa: E402
-from omnibal_ext.model.sample_time import sample_time_units  # noqa: E402
+from omnibal_ext.model.sample_time import ISF_TIME_DEVICE, sample_time_units  # noqa: E402
 from omnibal_ext.model.units import get_preset  # noqa: E402
 
 MAX_PIXELS = 28 * 28 * 40
@@ -44,8 +44,10 @@ def world(tmp_path):
 
 def args_for(**kw):
     return SimpleNamespace(micro_batch_size=K, seed=SEED, omnibal_isf_qv=None, omnibal_isf_qt=None,
-                           omnibal_isf_qv_min=None, omnibal_isf_qt_min=None, tensor_model_parallel_size=1,
-                           min_pixels=None, max_pixels=None, **kw)
+                           omnibal_isf_qv_min=None, omnibal_isf_qt_min=None, omnibal_isf_iters=None,
+                           omnibal_isf_vit_time=None, omnibal_isf_llm_time=None, omnibal_isf_vit_time_min=None,
+                           omnibal_isf_llm_time_min=None, omnibal_isf_time_device=ISF_TIME_DEVICE,
+                           tensor_model_parallel_size=1, min_pixels=None, max_pixels=None, **kw)
 
 
 def qwen_data(tmp_path):

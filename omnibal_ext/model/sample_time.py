@@ -113,6 +113,21 @@ def sample_time_units(stats: SampleStats, spec: ModelSpec, device: DeviceSpec, t
     return (np.round(vit / TIME_UNIT_S).astype(np.int64), np.round(llm / TIME_UNIT_S).astype(np.int64))
 
 
+ISF_TIME_DEVICE = "h200-141g"  # the cost model's device of ISF in time when none is named (the trainer without a plan)
+
+
+def isf_sample_times(stats: SampleStats, spec: ModelSpec, device: DeviceSpec, tp: int = 1,
+                     grids=None) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]] | None:
+    """What ISF in time groups ``stats`` by: (ViT items int64 (n,) in the family's unit, (ViT, LLM) predicted time
+    int64 (n,) each in ``TIME_UNIT_S``, ``sample_time_units`` of ``spec`` on ``device`` at TP ``tp``), or None for a
+    family whose ViT items cost alike (``Family.segments_sq`` None: grouped by counts).  The stats' tokens are what
+    ISF counts (padded under CP).  The one per-sample time model of the trainer and of ``omnibal plan``."""
+    family = family_of(spec)
+    if family.segments_sq is None:
+        return None
+    return stats.vision_items(family.vision_item), sample_time_units(stats, spec, device, tp=tp, grids=grids)
+
+
 @dataclass(frozen=True)
 class VisionSegments:
     """The ViT attention segments of a dataset per ViT item, for shapes built from item counts alone (the planner's
