@@ -15,8 +15,8 @@ from .config import PlanConfig, check_request
 from .configs import candidate_configs, num_microbatches, refusal, screen_config
 from .context import PlanContext, best_candidate, build_context, nothing_fits, simulate_candidate
 from .interleaved import RECOMPUTE_NOTE, check_fixed_vpp, interleaved_candidates, vpp_problem, vpp_values
-from .data_level import (cap_shape, grouped_in_time, isf_loads, isf_plan, mean_isf_group, random_loads,
-                         random_metrics, shape_dict, shape_of)
+from .data_level import (cap_shape, isf_loads, isf_plan, mean_isf_group, plan_work, random_loads, random_metrics,
+                         shape_dict, shape_of)
 from .memory_level import memory_candidates
 from .memory_need import memory_need
 from .model_level import default_candidate, fitting_model_candidates, model_candidates
@@ -40,8 +40,9 @@ class _Chosen:
     usable: int  # configurations that fit
 
 
-def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict, segments=None) -> _Chosen:
-    """Screen every candidate (tp, pp, dp) and keep the fastest that fits; PlanError when none does."""
+def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict, segments=None, work=None) -> _Chosen:
+    """Screen every candidate (tp, pp, dp) and keep the fastest that fits; PlanError when none does (``work``:
+    ``data_level.plan_work``'s, where ISF groups in time)."""
     spec, dev, budget, k = config.spec, config.device_spec, config.budget_bytes, int(config.samples_per_group)
     gpus, gpu_memory = config.gpus, config.gpu_memory_bytes
     cp = int(config.cp)
@@ -52,19 +53,18 @@ def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict, s
     first_dp = config.dp if config.dp is not None else (configs[0][2] if len(configs) == 1 else SCREEN_DP)
     data_at: dict = {}  # (data_key(TP), DP) -> ISF plan
     shapes: dict = {}  # data_key(TP) -> shapes
-    timed = grouped_in_time(config)
 
     def data_key(tp: int) -> tuple[int, int]:
         """(TP of the samples' predicted times, padding TP): the data level depends on TP where ISF groups in
         predicted time (the times are one TP rank's) and under CP with sequence parallelism (every sample padded to
         2 x CP x TP, the ISF search counting the padded tokens); else on neither."""
-        return (tp if timed else 1, sp_tp(tp) if cp > 1 else 1)
+        return (tp if work is not None else 1, sp_tp(tp) if cp > 1 else 1)
 
     def isf_at(tp: int, dp: int):
         """The ISF plan for ``dp`` ranks at ``tp``."""
         key = data_key(tp)
         if (key, dp) not in data_at:
-            data_at[key, dp] = isf_plan(stats, dp, config, key[1], key[0])
+            data_at[key, dp] = isf_plan(stats, dp, config, key[1], key[0], work)
         return data_at[key, dp]
 
     def shapes_at(tp: int) -> tuple:
@@ -149,7 +149,8 @@ def make_plan(stats: SampleStats, config: PlanConfig) -> Plan:
     check_request(config, stats)
     k, samples, gpus, seed = int(config.samples_per_group), config.epoch_samples(stats), config.gpus, config.seed
     cache: dict = {}
-    chosen = _choose_configuration(stats, config, cache, segments)
+    work = plan_work(stats, config)
+    chosen = _choose_configuration(stats, config, cache, segments, work)
     ctx, data = chosen.ctx, chosen.data
     t, p, d, m = ctx.tp, ctx.pp, ctx.dp, ctx.m
 
@@ -207,7 +208,7 @@ def make_plan(stats: SampleStats, config: PlanConfig) -> Plan:
         model=spec.name, device=dev.name, gpus=gpus, tp=t, pp=p, dp=d, cp=ctx.cp,
         gpu_memory_bytes=float(config.gpu_memory_bytes), budget_bytes=config.budget_bytes, samples=samples,
         samples_per_group=k, global_batch_size=m * d * k, num_microbatches=m, attention=config.attention, isf=isf,
-        random=dict(random_metrics(stats, config, d, t, sp_tp(t) if ctx.cp > 1 else 1)), shapes=shapes,
+        random=dict(random_metrics(stats, config, d, t, sp_tp(t) if ctx.cp > 1 else 1, work)), shapes=shapes,
         rows=tuple(rows),
         trainer_flags=flags, configs_tried=tuple(chosen.tried + chosen.skipped),
         notes=tuple(_notes(config, ctx, k, chosen.usable, rows[0], final.vpp, tried_vpp, "; ".join(skipped))),
