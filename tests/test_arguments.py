@@ -93,6 +93,16 @@ def test_global_batch_default_is_four_micro_batches_per_rank():
      "--omnibal-isf-qt-min 200 is above --omnibal-isf-qt 100"),
     (["--omnibal-isf", "--omnibal-isf-qv-min", "3"], "--omnibal-isf-qv-min 3 needs --omnibal-isf-qv"),
     (["--omnibal-isf-qv", "4", "--omnibal-isf-qt", "100"], "--omnibal-isf-qv --omnibal-isf-qt given without --omnibal-isf"),
+    (["--omnibal-isf", "--omnibal-isf-qv", "4", "--omnibal-isf-qt", "100", "--omnibal-isf-vit-time", "9"],
+     "--omnibal-isf-vit-time and --omnibal-isf-llm-time go together"),
+    (["--omnibal-isf", "--omnibal-isf-vit-time", "9", "--omnibal-isf-llm-time", "9"],
+     "--omnibal-isf-vit-time/--omnibal-isf-llm-time need --omnibal-isf-qv/-qt"),
+    (["--omnibal-isf", "--omnibal-isf-qv", "4", "--omnibal-isf-qt", "100", "--omnibal-isf-vit-time", "9",
+      "--omnibal-isf-llm-time", "9", "--omnibal-isf-llm-time-min", "10"],
+     "--omnibal-isf-llm-time-min 10 is above --omnibal-isf-llm-time 9"),
+    (["--omnibal-isf", "--omnibal-isf-iters", "3"], "--omnibal-isf-iters needs fixed thresholds"),
+    (["--omnibal-isf", "--omnibal-isf-qv", "4", "--omnibal-isf-qt", "100", "--omnibal-isf-iters", "0"],
+     "--omnibal-isf-iters 0: must be >= 1"),
 ])
 def test_bad_values_are_refused_before_any_process_group(argv, match):
     """validate_args (run before initialize_distributed) names the flag and its value."""

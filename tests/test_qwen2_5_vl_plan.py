@@ -1,23 +1,28 @@
 """Qwen2.5-VL in the planners: recompute of alternating window/full-attention ViT runs as the memory model counts it
 (checked on built stages), the data's ViT segments in the plan's micro-batch shapes, and `omnibal plan` on native
-stats (patches as ViT items)."""
+stats (patches as ViT items, groups balanced in predicted time: the thresholds, DistRatio in time, shapes and
+trainer flags of the time groups)."""
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
 
-from omnibal_ext.data.native import derive_native_stats
+from omnibal_ext.data.isf import ISFParams
+from omnibal_ext.data.native import derive_native_stats, records_of
+from omnibal_ext.data.search import step_matrix_epoch0
 from omnibal_ext.data.stats import from_arrays
 from omnibal_ext.memory.memory_model import MODE_FULL, unit_modes
 from omnibal_ext.memory.stage_recompute import StageRecompute
-from omnibal_ext.model.cost_model import analytic_costs
+from omnibal_ext.model.cost_model import analytic_costs, get_device
 from omnibal_ext.model.layout import PipelineLayout
-from omnibal_ext.model.sample_time import sample_work, vision_segments
+from omnibal_ext.model.sample_time import sample_time_units, sample_work, vision_segments
 from omnibal_ext.model.shape import MicroBatchShape
 from omnibal_ext.model.spec import VISION_LAYER
 from omnibal_ext.model.units import build_units, get_preset, unit_components
-from omnibal_ext.plan import PlanConfig, make_plan
-from omnibal_ext.plan.data_level import cap_shape, shape_of
+from omnibal_ext.plan import PlanConfig, format_plan, make_plan
+from omnibal_ext.plan.data_level import cap_shape, isf_plan, shape_of
 
 
 def _recomputed_layers(stage) -> list[bool]:
@@ -75,6 +80,83 @@ def test_plan_counts_patches_for_qwen():
     assert plan.shapes["isf_caps"]["vision_attn_tokens_sq"] == pytest.approx(
         plan.isf["params"]["qv"] * stats.images.patches.max())
     assert plan.rows[-1].gpu_days <= plan.rows[0].gpu_days
+
+
+def _dist_ratio(per_rank: np.ndarray) -> float:
+    """Mean over steps of sum(max - t) / (max * ranks), of (steps, ranks) totals."""
+    top = per_rank.max(axis=1)
+    return float(np.mean((top[:, None] - per_rank).sum(axis=1) / (top * per_rank.shape[1])))
+
+
+def test_plan_groups_native_data_in_predicted_time():
+    spec = get_preset("qwen2.5-vl-7b")
+    rng = np.random.default_rng(0)
+    tiles = rng.choice([1, 3, 4, 5], 3000)
+    stats = derive_native_stats(from_arrays(tiles, 256 * tiles + rng.integers(50, 400, 3000)), max_num=4)
+    config = PlanConfig(model=spec, gpus=16, gpu_memory_bytes=80 * 2**30, device="h100-80g", global_batch_size=256,
+                        sim_iterations=2, max_vpp=1)
+    plan = make_plan(stats, config)
+    p = plan.isf["params"]
+    assert p["vit_time"] > 0 and p["llm_time"] > 0 and p["llm_time_min"] <= p["llm_time"]
+
+    # the plan's groups (its data level at the chosen sizes) and each sample's time, straight from the cost model of
+    # the plan's model and device at its TP
+    data = isf_plan(stats.in_vision_items("patch"), plan.dp, config, 1, plan.tp)
+    assert data.params.to_dict() == p
+    vt, lt = sample_time_units(stats, spec, get_device("h100-80g"), tp=plan.tp)
+    groups = data.grouping.groups()
+    assert sorted(np.concatenate(groups).tolist()) == list(range(len(stats)))
+    gvt, glt = (np.array([t[g].sum() for g in groups], dtype=np.float64) for t in (vt, lt))
+    gp = np.array([stats.patches[g].sum() for g in groups])
+    gt = np.array([stats.tokens[g].sum() for g in groups])
+    assert gvt.max() <= p["vit_time"] and glt.max() <= p["llm_time"]
+    # the count caps are the time groups' largest (what memory is planned for), and the caps' shape holds them
+    assert (gp.max(), gt.max()) == (p["qv"], p["qt"]) and plan.shapes["isf_caps"]["vision_items"] == p["qv"]
+
+    # DistRatio in time: recomputed from the samples' times over the step plan the sampler serves
+    steps = step_matrix_epoch0(len(groups), data.assembly.width, data.assembly.order, config.seed)
+    m = plan.isf["metrics"]
+    assert m["dist_ratio_vit_time"] == pytest.approx(_dist_ratio(gvt[steps]), rel=1e-12)
+    assert m["dist_ratio_llm_time"] == pytest.approx(_dist_ratio(glt[steps]), rel=1e-12)
+    assert m["dist_ratio_time"] == pytest.approx(_dist_ratio((gvt + glt)[steps]), rel=1e-12)
+    assert m["dist_ratio_time"] < 0.02 < plan.random["dist_ratio_time"]  # random batching, in time too
+    assert "dist_ratio_llm" in m and "DistRatio in time llm" in format_plan(plan)
+
+    # the mean ISF micro-batch of the simulated iterations: the time groups' (patches, tokens, sum len^2)
+    n_steps, mb, iters = len(steps), plan.num_microbatches, config.sim_iterations
+    served = np.concatenate([steps[(i * n_steps // iters + np.arange(mb)) % n_steps].ravel() for i in range(iters)])
+    sq = np.array([(stats.tokens[g].astype(float) ** 2).sum() for g in groups])
+    want = [gp[served].mean(), gt[served].mean(), sq[served].mean()]
+    assert [plan.shapes["isf_mean"][k] for k in ("tiles", "llm_tokens", "llm_attn_tokens_sq")] == pytest.approx(want)
+
+    # the trainer is told the thresholds as found, the pass count and the device of the times
+    f = plan.trainer_flags
+    assert (f["--omnibal-isf-vit-time"], f["--omnibal-isf-llm-time"], f["--omnibal-isf-vit-time-min"],
+            f["--omnibal-isf-llm-time-min"], f["--omnibal-isf-iters"], f["--omnibal-isf-qv"], f["--omnibal-isf-qt"]) == (
+        p["vit_time"], p["llm_time"], p["vit_time_min"], p["llm_time_min"], p["iters"], p["qv"], p["qt"])
+    assert f["--omnibal-isf-time-device"] == "h100-80g"
+
+
+def test_omnibal_plan_cli_writes_time_thresholds_the_trainer_reads(tmp_path):
+    from megatron.training.arguments import build_parser, check_isf_flags, plan_flags
+    from megatron.training.isf import isf_params_from_args
+    from omnibal_cli import main
+
+    rng = np.random.default_rng(2)
+    tiles = rng.choice([1, 3, 4, 5], 1500)
+    stats = derive_native_stats(from_arrays(tiles, 256 * tiles + rng.integers(50, 400, 1500)), max_num=4)
+    f, out = tmp_path / "native.json", tmp_path / "plan.json"
+    f.write_text(json.dumps(records_of(stats)))
+    assert main(["plan", "--data", str(f), "--model", "qwen2.5-vl-7b", "--gpus", "16", "--gpu-memory", "80",
+                 "--dp", "4", "--device", "h200-141g", "--global-batch-size", "128", "--sim-iterations", "1", "--max-vpp", "1",
+                 "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    p = doc["isf"]["params"]
+    assert p["vit_time"] > 0 and p["llm_time"] > 0 and p["qv"] >= stats.patches.max()
+    assert doc["isf"]["metrics"]["dist_ratio_time"] < doc["random"]["dist_ratio_time"]
+    args = build_parser().parse_args(plan_flags(str(out)))  # what --omnibal-plan applies
+    check_isf_flags(args)
+    assert isf_params_from_args(args) == ISFParams(**p) and args.omnibal_isf_time_device == "h200-141g"
 
 
 @pytest.mark.parametrize("patches", [3000, 3001])

@@ -52,11 +52,9 @@ def test_cost_model_splits_the_replicated_part_and_pads_tokens():
 
 
 def test_plan_emits_sequence_parallel_with_tp():
+    from omnibal_ext.data.isf import ISFParams
     from omnibal_ext.plan.trainer_flags import plan_trainer_flags, trainer_argv
 
-    class P:
-        qv = qt = qv_min = qt_min = 1
-
     for tp in (1, 2, 4):
-        argv = trainer_argv(plan_trainer_flags("internvl-6b-20b", tp, 4, "x", "-", P, 4, 64, True))
+        argv = trainer_argv(plan_trainer_flags("internvl-6b-20b", tp, 4, "x", "-", ISFParams(1, 1, 1, 1), 4, 64, True))
         assert ("--sequence-parallel" in argv) == (tp > 1)

@@ -18,7 +18,8 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("sklearn")
 import hf_tiny_qwen  # noqa: E402
 
-from megatron.training.isf import ISF_TIME_DEVICE, isf_groups, isf_subset_groups, isf_times  # noqa: E402
+from megatron.training.arguments import ArgumentError  # noqa: E402
+from megatron.training.isf import isf_groups, isf_subset_groups, isf_times  # noqa: E402
 from megatron.vlm.data.internvl import InternVLDataset  # noqa: E402
 from megatron.vlm.data.tokenizer import build_tokenizer  # noqa: E402
 from megatron.vlm.families.qwen2_5_vl.data import IMAGE_TOKENS, reader  # noqa: E402
@@ -28,7 +29,7 @@ from omnibal_ext.data.search import SearchConfig, plan_isf, step_matrix_epoch0  
 from omnibal_ext.data.search_time import plan_isf_time  # noqa: E402
 from omnibal_ext.data.stats import load_stats  # noqa: E402
 from omnibal_ext.model.cost_model import get_device  # noqa: E402
-from omnibal_ext.model.sample_time import sample_time_units  # noqa: E402
+from omnibal_ext.model.sample_time import ISF_TIME_DEVICE, sample_time_units  # noqa: E402
 from omnibal_ext.model.units import get_preset  # noqa: E402
 
 MAX_PIXELS = 28 * 28 * 40
@@ -44,8 +45,10 @@ def world(tmp_path):
 
 def args_for(**kw):
     return SimpleNamespace(micro_batch_size=K, seed=SEED, omnibal_isf_qv=None, omnibal_isf_qt=None,
-                           omnibal_isf_qv_min=None, omnibal_isf_qt_min=None, tensor_model_parallel_size=1,
-                           min_pixels=None, max_pixels=None, **kw)
+                           omnibal_isf_qv_min=None, omnibal_isf_qt_min=None, omnibal_isf_iters=None,
+                           omnibal_isf_vit_time=None, omnibal_isf_llm_time=None, omnibal_isf_vit_time_min=None,
+                           omnibal_isf_llm_time_min=None, omnibal_isf_time_device=ISF_TIME_DEVICE,
+                           tensor_model_parallel_size=1, min_pixels=None, max_pixels=None, **kw)
 
 
 def qwen_data(tmp_path):
@@ -131,6 +134,54 @@ def test_qwen_isf_groups_in_time_as_omnibal_ext_does(tmp_path, world, capsys):
     assert max(int(trainer_times[1][g].sum()) for g in sub) <= params["llm_time"]
 
 
+def test_qwen_isf_applies_a_plans_time_thresholds_without_a_search(tmp_path, world, monkeypatch):
+    """`omnibal plan` on the data's stats; the trainer given its flags (what --omnibal-plan applies) groups with the
+    plan's thresholds as given, the groups the plan made, and searches nothing."""
+    import omnibal_ext.data.search_time as search_time
+    from megatron.training.arguments import build_parser, check_isf_flags
+    from omnibal_cli import main as omnibal
+    from omnibal_cli import model_from_hf
+    from omnibal_ext.plan import PlanConfig, make_plan
+    from omnibal_ext.plan.data_level import isf_plan
+    from omnibal_ext.plan.trainer_flags import trainer_argv
+
+    folder, data = qwen_data(tmp_path)
+    spec = model_from_hf(str(folder))
+    dataset = InternVLDataset(str(data), build_tokenizer(str(folder), image_tokens=IMAGE_TOKENS),
+                              **reader(args_for(), spec, str(folder)), max_seq_length=None)
+    out = tmp_path / "stats.json"
+    assert omnibal(["isf", "stats", "--stats", str(data), "--hf-checkpoint", str(folder), "--write", str(out)]) == 0
+    stats = load_stats([str(out)])
+    config = PlanConfig(model=spec, gpus=DP, tp=1, pp=1, dp=DP, device="h100-80g", gpu_memory_bytes=80 * 2**30,
+                        samples_per_group=K, global_batch_size=K * DP, sim_iterations=1, max_vpp=1, seed=SEED)
+    plan = make_plan(stats, config)
+    params = ISFParams(**plan.isf["params"])
+    assert params.timed and plan.trainer_flags["--omnibal-isf-time-device"] == "h100-80g"
+    flags = {"--hf-checkpoint": str(folder), **{k: v for k, v in plan.trainer_flags.items() if k != "--model"}}
+    args = build_parser().parse_args(trainer_argv(flags) + ["--seed", str(SEED)])  # as `omnibal plan --hf-checkpoint`
+    check_isf_flags(args)
+
+    # independently: ISF in time with the plan's params on the samples' times on the plan's device, no search
+    times = sample_time_units(stats, spec, get_device("h100-80g"))
+    want = plan_isf_time(stats.patches, stats.tokens, times, SearchConfig(dp_size=DP, samples_per_group=K, seed=SEED),
+                         params=params)
+    planned = isf_plan(stats.in_vision_items("patch"), DP, config, 1, 1).grouping.groups()
+
+    def no_search(*a, **k):
+        raise AssertionError("the trainer searched thresholds although the plan gives them")
+    monkeypatch.setattr(search_time, "search_params_time", no_search)
+    groups, order, got, _ = isf_groups(args, SimpleNamespace(model_spec=spec, data_parallel_size=DP,
+                                                             isf_token_multiple=1), dataset)
+    assert got == params.to_dict()
+    assert [g.tolist() for g in groups] == [g.tolist() for g in want.grouping.groups()] == [g.tolist() for g in planned]
+    assert np.array_equal(order, want.assembly.order)
+    # without the time thresholds the trainer searches (as it does without a plan)
+    searched = build_parser().parse_args(trainer_argv({k: v for k, v in flags.items()
+                                                       if "time" not in k and "iters" not in k}))
+    with pytest.raises(AssertionError, match="searched thresholds"):
+        isf_groups(searched, SimpleNamespace(model_spec=spec, data_parallel_size=DP, isf_token_multiple=1), dataset)
+
+
 def test_internvl_isf_groups_stay_by_counts(tmp_path, world, capsys):
     from megatron.vlm.data.digits import build_digits_dataset
 
@@ -148,6 +199,10 @@ def test_internvl_isf_groups_stay_by_counts(tmp_path, world, capsys):
     assert [g.tolist() for g in groups] == [g.tolist() for g in want.grouping.groups()]
     assert np.array_equal(order, want.assembly.order)
     assert "in time" not in capsys.readouterr().out
+    timed = args_for()  # time thresholds (a plan in time) for a family grouped by counts: refused, naming the flags
+    timed.omnibal_isf_qv, timed.omnibal_isf_qt, timed.omnibal_isf_vit_time, timed.omnibal_isf_llm_time = 99, 9999, 5, 5
+    with pytest.raises(ArgumentError, match="--omnibal-isf-vit-time/--omnibal-isf-llm-time: tiny's ViT items cost"):
+        isf_groups(timed, plan, dataset)
 
 
 def test_step_balance_time_sums_each_rank_samples_times():

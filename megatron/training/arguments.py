@@ -10,6 +10,8 @@ import dataclasses
 import os
 
 from omnibal_ext.errors import UserError
+from omnibal_ext.model.cost_model import DEVICES
+from omnibal_ext.model.sample_time import ISF_TIME_DEVICE
 from omnibal_ext.model.layout import parse_layout
 from omnibal_ext.model.trainable import add_freeze_flags, trainable_of
 from omnibal_ext.model.families.internvl import vit_layers_for_feature_layer
@@ -200,6 +202,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LLM token cap per group (in time: a hard cap; default: searched)")
     g.add_argument("--omnibal-isf-qv-min", type=int, default=None, help="ISF lower bound Q'v (default 90%% of Qv; unused in time)")
     g.add_argument("--omnibal-isf-qt-min", type=int, default=None, help="ISF lower bound Q't (default 90%% of Qt; unused in time)")
+    g.add_argument("--omnibal-isf-iters", type=int, default=None, metavar="T",
+                   help="ISF passes T with fixed thresholds (default 10; `omnibal plan` writes its searched T for a plan "
+                        "in time)")
+    g.add_argument("--omnibal-isf-vit-time", type=int, default=None, metavar="NS",
+                   help="in time (native resolution): cap on a group's predicted ViT time, ns of the cost model on "
+                        "--omnibal-isf-time-device at this TP (needs --omnibal-isf-qv/-qt, the hard count caps; "
+                        "`omnibal plan` writes it; default: searched)")
+    g.add_argument("--omnibal-isf-llm-time", type=int, default=None, metavar="NS",
+                   help="in time: cap on a group's predicted LLM time, ns (with --omnibal-isf-vit-time)")
+    g.add_argument("--omnibal-isf-vit-time-min", type=int, default=None, metavar="NS",
+                   help="in time: lower bound of a kept group's ViT time, ns (default 90%% of the cap)")
+    g.add_argument("--omnibal-isf-llm-time-min", type=int, default=None, metavar="NS",
+                   help="in time: lower bound of a kept group's LLM time, ns (default 90%% of the cap)")
+    g.add_argument("--omnibal-isf-time-device", choices=sorted(DEVICES), default=ISF_TIME_DEVICE,
+                   help="cost-model device of the samples' predicted times (ISF in time, the logged Dist ratios in "
+                        f"time; default {ISF_TIME_DEVICE}; `omnibal plan` writes its --device)")
     g.add_argument("--omnibal-isf-token-multiple", type=int, default=None, metavar="N",
                    help="ISF counts each sample's tokens rounded up to a multiple of N, so Qt caps and the step "
                         "assembly balances the padded tokens (default: what --context-parallel-size pads a sample "
@@ -302,11 +320,14 @@ _LOWER_BOUNDS = (
     ("--seq-length", 1), ("--max-num-tiles", 1), ("--min-num-tiles", 1), ("--num-workers", 0), ("--prefetch-factor", 1),
     ("--lr", 0), ("--min-lr", 0), ("--lr-warmup-iters", 0),
     ("--omnibal-isf-qv", 1), ("--omnibal-isf-qt", 1), ("--omnibal-isf-qv-min", 0), ("--omnibal-isf-qt-min", 0),
-    ("--omnibal-isf-token-multiple", 1), ("--ckpt-step", 0), ("--keep-checkpoints", 1), ("--min-pixels", 1),
+    ("--omnibal-isf-token-multiple", 1), ("--omnibal-isf-iters", 1), ("--omnibal-isf-vit-time", 0),
+    ("--omnibal-isf-llm-time", 1), ("--omnibal-isf-vit-time-min", 0), ("--omnibal-isf-llm-time-min", 0),
+    ("--ckpt-step", 0), ("--keep-checkpoints", 1), ("--min-pixels", 1),
     ("--max-pixels", 1),
 )
 _ISF_VALUES = ("--omnibal-isf-qv", "--omnibal-isf-qt", "--omnibal-isf-qv-min", "--omnibal-isf-qt-min",
-               "--omnibal-isf-token-multiple")
+               "--omnibal-isf-token-multiple", "--omnibal-isf-iters", "--omnibal-isf-vit-time", "--omnibal-isf-llm-time",
+               "--omnibal-isf-vit-time-min", "--omnibal-isf-llm-time-min")
 
 
 def _flag_value(args, flag: str):
@@ -324,15 +345,29 @@ def check_lower_bounds(args) -> None:
 
 
 def check_isf_flags(args) -> None:
-    """--omnibal-isf-* need --omnibal-isf; the caps go together; each lower bound is at most its cap."""
+    """--omnibal-isf-* need --omnibal-isf; the caps go together; each lower bound is at most its cap; the time
+    thresholds need the count caps (their hard caps)."""
     given = [flag for flag in _ISF_VALUES if _flag_value(args, flag) is not None]
     if given and not args.omnibal_isf:
         raise ArgumentError(f"{' '.join(given)} given without --omnibal-isf: add --omnibal-isf or drop them")
     qv, qt = args.omnibal_isf_qv, args.omnibal_isf_qt
     if (qv is None) != (qt is None):
         raise ArgumentError("--omnibal-isf-qv and --omnibal-isf-qt go together (or give neither to search them)")
+    vt, lt = args.omnibal_isf_vit_time, args.omnibal_isf_llm_time
+    if (vt is None) != (lt is None):
+        raise ArgumentError("--omnibal-isf-vit-time and --omnibal-isf-llm-time go together (or give neither to search "
+                            "them)")
+    if vt is not None and qv is None:
+        raise ArgumentError("--omnibal-isf-vit-time/--omnibal-isf-llm-time need --omnibal-isf-qv/-qt (the hard count "
+                            "caps the memory is planned for)")
+    if args.omnibal_isf_iters is not None and qv is None:
+        raise ArgumentError("--omnibal-isf-iters needs fixed thresholds (--omnibal-isf-qv/-qt); a search tries its own")
     for low_flag, low, cap_flag, cap in (("--omnibal-isf-qv-min", args.omnibal_isf_qv_min, "--omnibal-isf-qv", qv),
-                                         ("--omnibal-isf-qt-min", args.omnibal_isf_qt_min, "--omnibal-isf-qt", qt)):
+                                         ("--omnibal-isf-qt-min", args.omnibal_isf_qt_min, "--omnibal-isf-qt", qt),
+                                         ("--omnibal-isf-vit-time-min", args.omnibal_isf_vit_time_min,
+                                          "--omnibal-isf-vit-time", vt),
+                                         ("--omnibal-isf-llm-time-min", args.omnibal_isf_llm_time_min,
+                                          "--omnibal-isf-llm-time", lt)):
         if low is not None and cap is None:
             raise ArgumentError(f"{low_flag} {low} needs {cap_flag} (a lower bound of a fixed cap)")
         if low is not None and low > cap:

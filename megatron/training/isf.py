@@ -2,9 +2,11 @@
 
 A family whose ViT items vary in cost (``Family.segments_sq``: native resolution) is grouped in predicted time
 (``omnibal_ext/data/search_time.py``): each sample's ViT-side and LLM-side time from the cost model of the run's
-model at its TP (on ``ISF_TIME_DEVICE``: ISF balances the times' ratios), each image's patch grid from the
-pre-training scan; the count caps stay hard caps (--omnibal-isf-qv/-qt when given, else searched).  Other
-families are grouped by counts (``omnibal_ext/data/search.py``).
+model at its TP on --omnibal-isf-time-device (``sample_time.isf_sample_times``, the time model of `omnibal plan`),
+each image's patch grid from the pre-training scan; the count caps stay hard caps (--omnibal-isf-qv/-qt when given,
+else searched).  With the time thresholds given (--omnibal-isf-vit-time/-llm-time: `omnibal plan` writes them)
+the groups are made with them as given, nothing searched.  Other families are grouped by counts
+(``omnibal_ext/data/search.py``).
 """
 from __future__ import annotations
 
@@ -19,24 +21,31 @@ from omnibal_ext.data.isf import ISFParams, check_partition, isf_group
 from omnibal_ext.data.search import DataPlan, SearchConfig, plan_isf
 from omnibal_ext.data.search_time import plan_isf_time
 from omnibal_ext.model.cost_model import get_device
-from omnibal_ext.model.sample_time import sample_time_units
-from omnibal_ext.model.units import family_of
+from omnibal_ext.model.sample_time import isf_sample_times
 
 from .arguments import ArgumentError
 from .run_plan import RunPlan
 
 
 def isf_params_from_args(args) -> ISFParams | None:
-    """Fixed thresholds from --omnibal-isf-qv/-qt[-min] (lower bounds default to 90% of the caps), or None."""
+    """Fixed thresholds from --omnibal-isf-qv/-qt[-min], --omnibal-isf-iters and the time thresholds
+    --omnibal-isf-vit-time/-llm-time[-min] (lower bounds default to 90% of their caps), or None."""
     qv, qt = args.omnibal_isf_qv, args.omnibal_isf_qt
     if qv is None and qt is None:
         return None
     if qv is None or qt is None:
         raise ArgumentError("--omnibal-isf-qv and --omnibal-isf-qt go together (or give neither to search them)")
-    qv_min = int(0.9 * qv) if args.omnibal_isf_qv_min is None else args.omnibal_isf_qv_min
-    qt_min = int(0.9 * qt) if args.omnibal_isf_qt_min is None else args.omnibal_isf_qt_min
+
+    def low(value, cap):
+        return int(0.9 * cap) if value is None else value
+
+    vt, lt = args.omnibal_isf_vit_time, args.omnibal_isf_llm_time
+    timed = {} if vt is None else {"vit_time": vt, "llm_time": lt, "vit_time_min": low(args.omnibal_isf_vit_time_min, vt),
+                                   "llm_time_min": low(args.omnibal_isf_llm_time_min, lt)}
+    iters = {} if args.omnibal_isf_iters is None else {"iters": args.omnibal_isf_iters}
     try:
-        return ISFParams(qv=qv, qt=qt, qv_min=qv_min, qt_min=qt_min)
+        return ISFParams(qv=qv, qt=qt, qv_min=low(args.omnibal_isf_qv_min, qv), qt_min=low(args.omnibal_isf_qt_min, qt),
+                         **iters, **timed)
     except ValueError as e:
         raise ArgumentError(f"--omnibal-isf-*: {e}") from None
 
@@ -68,20 +77,14 @@ def check_samples_fit_caps(args, plan: RunPlan, dataset) -> None:
                 f"{int(sizes[i])}")
 
 
-ISF_TIME_DEVICE = "h200-141g"  # the cost model's device of ISF in time (``omnibal isf --model``'s default)
-
-
 def isf_times(args, dataset, spec, counted_tokens: np.ndarray) -> tuple[np.ndarray, tuple] | None:
     """(ViT items int64 [N], (ViT, LLM) predicted time int64 [N] each, ``sample_time.TIME_UNIT_S`` units) of every
-    sample for ISF in time (LLM time of ``counted_tokens``: ISF's count of each sample), or None for a family
-    whose ViT items cost alike (grouped by counts)."""
-    family = family_of(spec)
-    if family.segments_sq is None:
-        return None
+    sample for ISF in time (``sample_time.isf_sample_times`` on --omnibal-isf-time-device at the run's TP; LLM time
+    of ``counted_tokens``: ISF's count of each sample), or None for a family whose ViT items cost alike (grouped by
+    counts)."""
     stats = dataclasses.replace(dataset.sample_stats(), tokens=counted_tokens)
-    times = sample_time_units(stats, spec, get_device(ISF_TIME_DEVICE), tp=args.tensor_model_parallel_size,
-                              grids=dataset.image_grids())
-    return stats.vision_items(family.vision_item), times
+    return isf_sample_times(stats, spec, get_device(args.omnibal_isf_time_device), tp=args.tensor_model_parallel_size,
+                            grids=dataset.image_grids())
 
 
 def run_sample_times(args, plan: RunPlan, dataset) -> tuple[np.ndarray, np.ndarray] | None:
@@ -94,13 +97,20 @@ def run_sample_times(args, plan: RunPlan, dataset) -> tuple[np.ndarray, np.ndarr
 
 def plan_data(args, plan: RunPlan, dataset) -> DataPlan:
     """The run's ISF data plan (thresholds searched unless fixed, groups, balanced step order, metrics): in predicted
-    time for a family with ``isf_times``, with --omnibal-isf-qv/-qt as the hard count caps; else by counts."""
+    time for a family with ``isf_times``, with --omnibal-isf-qv/-qt as the hard count caps and the time thresholds
+    as given when the flags give them (a plan's: nothing searched); else by counts."""
     tokens, tiles = dataset.sample_lengths()
     cfg = search_config(args, plan)
     tokens = cfg.counted_tokens(tokens)
     timed = isf_times(args, dataset, plan.model_spec, tokens)
+    fixed = isf_params_from_args(args)
     if timed is None:
-        return plan_isf(tiles, tokens, cfg, isf_params_from_args(args))
+        if fixed is not None and fixed.timed:
+            raise ArgumentError(f"--omnibal-isf-vit-time/--omnibal-isf-llm-time: {plan.model_spec.name}'s ViT items "
+                                "cost alike, so ISF groups by counts; drop the time thresholds")
+        return plan_isf(tiles, tokens, cfg, fixed)
+    if fixed is not None and fixed.timed:
+        return plan_isf_time(timed[0], tokens, timed[1], cfg, fixed)
     if args.omnibal_isf_qv is not None:
         cfg = dataclasses.replace(cfg, vit_cap=args.omnibal_isf_qv, max_seq_len=args.omnibal_isf_qt)
     return plan_isf_time(timed[0], tokens, timed[1], cfg)

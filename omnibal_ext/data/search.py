@@ -20,9 +20,11 @@ real tokens are counted, unchanged.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -137,71 +139,89 @@ def random_baseline(vit, tokens, dp_size: int, k: int, seed: int = 0) -> dict:
     return evaluate_steps(steps, gt, gv, sizes, gm)
 
 
-def _score(m: dict, cfg: SearchConfig) -> float:
-    s = m["dist_ratio_llm"] + m["dist_ratio_vit"] + 4.0 * max(0.0, cfg.min_fill - m["fill_llm"])
-    s += 0.05 * (1.0 - min(1.0, m["fill_vit"]))
+def search_score(m: dict, cfg: SearchConfig, suffix: str = "") -> float:
+    """The score of a candidate's metrics ``m`` (module docstring); ``suffix`` picks the balance measured:
+    "" counts, "_time" predicted time (``dist_ratio_llm_time``, ...)."""
+    s = m["dist_ratio_llm" + suffix] + m["dist_ratio_vit" + suffix]
+    s += 4.0 * max(0.0, cfg.min_fill - m["fill_llm" + suffix])
+    s += 0.05 * (1.0 - min(1.0, m["fill_vit" + suffix]))
     if cfg.samples_per_group:
         s += 0.02 * abs(m["samples_per_group"] - cfg.samples_per_group) / cfg.samples_per_group
     return s
 
 
-def search_params(vit, tokens, cfg: SearchConfig) -> SearchResult:
-    """Choose ISF thresholds for these samples (see the module docstring)."""
+def search_subset(n: int, cfg: SearchConfig) -> np.ndarray:
+    """Sorted indices of the samples the candidates run on: ``cfg.search_samples`` drawn (seeded) when there are
+    more, else all ``n``."""
+    if n > cfg.search_samples:
+        return np.sort(np.random.default_rng(cfg.seed).choice(n, size=cfg.search_samples, replace=False))
+    return np.arange(n)
+
+
+def llm_cap_grid(cfg: SearchConfig, mean: float, largest: int) -> list[int]:
+    """Stage-1 caps of the LLM side (tokens, or LLM time): K mean samples at the expected fill of kept groups,
+    x 0.97, 1, 1.04; never below the largest sample under ``oversize="error"``.  ``mean``: over the subset."""
+    base = cfg.samples_per_group * mean / 0.965  # expected fill of kept groups
+    grid = {int(round(base * f)) for f in (0.97, 1.0, 1.04)}
+    return sorted({max(c, largest) for c in grid} if cfg.oversize == "error" else grid)
+
+
+def vit_cap_grid(cfg: SearchConfig, llm_cap: int, mean_vit: float, mean_llm: float, largest: int,
+                 limit: int | None = None) -> list[int]:
+    """Stage-1 caps of the ViT side (tiles, or ViT time) for one LLM cap: the cap at the data's ViT / LLM ratio,
+    x 1, 1.2, 1.6; never below the largest sample under ``oversize="error"``, at most ``limit``."""
+    rho = mean_vit / max(mean_llm, 1.0)
+    out = set()
+    for c in {int(math.ceil(llm_cap * rho * f)) for f in (1.0, 1.2, 1.6)}:
+        if cfg.oversize == "error":
+            c = max(c, largest)
+        if limit is not None:
+            c = min(c, limit)
+        out.add(max(c, 0))
+    return sorted(out)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """One instance of the threshold search (``run_search``): what it varies and how it measures a candidate.
+
+    llm_caps: the stage-1 LLM-side caps; vit_caps(llm cap): the ViT-side caps tried with one;
+    params(vit cap, llm cap, a, b, iters): the ISFParams of two caps and the lower bounds' fractions a (LLM) and
+    b (ViT) of them; caps(params dict): the (ViT, LLM) caps of a candidate's params; evaluate(params): (metrics,
+    grouping, step assembly) of the subset grouped with them; suffix: the metrics ``search_score`` reads.
+    Counts (``search_params``) and predicted time (``search_time.search_params_time``) are the two instances.
+    """
+
+    llm_caps: list[int]
+    vit_caps: Callable[[int], list[int]]
+    params: Callable[[int, int, float, float, int], ISFParams]
+    caps: Callable[[dict], tuple[int, int]]
+    evaluate: Callable[[ISFParams], tuple[dict, Grouping, StepAssembly]]
+    suffix: str = ""
+
+
+def run_search(space: SearchSpace, cfg: SearchConfig, search_samples: int) -> SearchResult:
+    """Stage 1 tries the caps (the middle LLM cap first, so a tight budget still gets a sensible point), stage 2
+    the lower bounds around the best caps, stage 3 the pass count T; each candidate grouped and scored
+    (``search_score``); stops at ``cfg.max_candidates`` or ``cfg.time_budget_s`` CPU seconds, after at least one.
+    search_samples: the subset's size (reported)."""
     t0 = time.perf_counter()
     c_start = time.process_time()
-    vit = np.asarray(vit, dtype=np.int64)
-    tokens = cfg.counted_tokens(np.asarray(tokens, dtype=np.int64))
-    n = len(vit)
-    if n == 0:
-        raise ValueError("search_params: no samples")
-    rng = np.random.default_rng(cfg.seed)
-    if n > cfg.search_samples:
-        sub = np.sort(rng.choice(n, size=cfg.search_samples, replace=False))
-        sv, st = vit[sub], tokens[sub]
-    else:
-        sv, st = vit, tokens
-    mean_t, mean_v = float(st.mean()), float(sv.mean())
-    max_t, max_v = int(tokens.max()), int(vit.max())
-    strict = cfg.oversize == "error"
-
-    # ---- token caps
-    if cfg.max_seq_len is not None:
-        qt_grid = [int(cfg.max_seq_len)]
-    else:
-        base = cfg.samples_per_group * mean_t / 0.965  # expected fill of kept groups
-        qt_grid = sorted({int(round(base * f)) for f in (0.97, 1.0, 1.04)})
-        if strict:
-            qt_grid = sorted({max(q, max_t) for q in qt_grid})
-    # ---- tile caps: proportional to the token cap at the data's tiles-per-token ratio
-    def qv_grid_for(qt: int) -> list[int]:
-        rho = mean_v / max(mean_t, 1.0)
-        cands = {int(math.ceil(qt * rho * f)) for f in (1.0, 1.2, 1.6)}
-        out = set()
-        for q in cands:
-            if strict:
-                q = max(q, max_v)
-            if cfg.vit_cap is not None:
-                q = min(q, cfg.vit_cap)
-            out.add(max(q, 0))
-        return sorted(out)
-
     candidates: list[dict] = []
     seen: set = set()
     best: dict | None = None
 
     def run(p: ISFParams) -> None:
         nonlocal best
-        key = (p.qv, p.qt, p.qv_min, p.qt_min, p.iters)
-        if key in seen:
+        if p in seen:
             return
-        seen.add(key)
+        seen.add(p)
         c0 = time.perf_counter()
-        g = isf_group(sv, st, p, seed=cfg.seed)
-        m, asm = evaluate_grouping(g, cfg.dp_size, cfg.sp, p.qt, p.qv, seed=cfg.seed)
+        m, g, asm = space.evaluate(p)
         rec = {"params": p.to_dict(), **m, "leftover_groups": g.report["leftover_groups"],
                "groups": len(g), "passes": g.report["passes"], "assembly_key": list(asm.key),
                "seconds": time.perf_counter() - c0}
-        rec["score"] = _score(m, cfg)
+        rec["score"] = search_score(m, cfg, space.suffix)
         candidates.append(rec)
         if best is None or rec["score"] < best["score"]:
             best = rec
@@ -209,32 +229,50 @@ def search_params(vit, tokens, cfg: SearchConfig) -> SearchResult:
     def budget_left() -> bool:
         return len(candidates) < cfg.max_candidates and time.process_time() - c_start < cfg.time_budget_s
 
-    def params(qv, qt, a, b, iters=cfg.iters) -> ISFParams:
-        return ISFParams(qv=qv, qt=qt, qv_min=min(qv, int(math.ceil(b * qv))), qt_min=int(math.ceil(a * qt)),
-                         iters=iters, oversize=cfg.oversize)
-
-    # stage 1: caps (the middle token cap first, so a tight budget still gets a sensible point)
-    mid = qt_grid[len(qt_grid) // 2]
-    stage1 = [(qv, qt) for qt in [mid] + [q for q in qt_grid if q != mid] for qv in qv_grid_for(qt)]
-    for qv, qt in stage1:
+    mid = space.llm_caps[len(space.llm_caps) // 2]
+    stage1 = [(v, c) for c in [mid] + [c for c in space.llm_caps if c != mid] for v in space.vit_caps(c)]
+    for vcap, lcap in stage1:
         if candidates and not budget_left():
             break
-        run(params(qv, qt, 0.96, 1.0))
-    # stage 2: lower bounds around the best caps
-    bq = best["params"]
+        run(space.params(vcap, lcap, 0.96, 1.0, cfg.iters))
+    vcap, lcap = space.caps(best["params"])
     for a in (0.94, 0.95, 0.97, 0.98):
         for b in (1.0, 0.85):
             if not budget_left():
                 break
-            run(params(bq["qv"], bq["qt"], a, b))
-    # stage 3: pass count
-    bq = best["params"]
+            run(space.params(vcap, lcap, a, b, cfg.iters))
+    bp = ISFParams(**best["params"])
     for iters in (max(1, cfg.iters // 2), cfg.iters * 2):
         if not budget_left():
             break
-        run(ISFParams(bq["qv"], bq["qt"], bq["qv_min"], bq["qt_min"], iters, cfg.oversize))
-    bp = best["params"]
-    return SearchResult(ISFParams(**bp), best, candidates, time.perf_counter() - t0, len(sv))
+        run(dataclasses.replace(bp, iters=iters))
+    return SearchResult(ISFParams(**best["params"]), best, candidates, time.perf_counter() - t0, search_samples)
+
+
+def search_params(vit, tokens, cfg: SearchConfig) -> SearchResult:
+    """Choose ISF thresholds for these samples (see the module docstring)."""
+    vit = np.asarray(vit, dtype=np.int64)
+    tokens = cfg.counted_tokens(np.asarray(tokens, dtype=np.int64))
+    if len(vit) == 0:
+        raise ValueError("search_params: no samples")
+    sub = search_subset(len(vit), cfg)
+    sv, st = vit[sub], tokens[sub]
+    mean_t, mean_v = float(st.mean()), float(sv.mean())
+    max_t, max_v = int(tokens.max()), int(vit.max())
+    qt_grid = [int(cfg.max_seq_len)] if cfg.max_seq_len is not None else llm_cap_grid(cfg, mean_t, max_t)
+
+    def params(qv, qt, a, b, iters) -> ISFParams:
+        return ISFParams(qv=qv, qt=qt, qv_min=min(qv, int(math.ceil(b * qv))), qt_min=int(math.ceil(a * qt)),
+                         iters=iters, oversize=cfg.oversize)
+
+    def evaluate(p: ISFParams):
+        g = isf_group(sv, st, p, seed=cfg.seed)
+        m, asm = evaluate_grouping(g, cfg.dp_size, cfg.sp, p.qt, p.qv, seed=cfg.seed)
+        return m, g, asm
+
+    space = SearchSpace(qt_grid, lambda qt: vit_cap_grid(cfg, qt, mean_v, mean_t, max_v, cfg.vit_cap), params,
+                        lambda p: (p["qv"], p["qt"]), evaluate)
+    return run_search(space, cfg, len(sv))
 
 
 @dataclass

@@ -11,7 +11,8 @@ grouped by ISF in time, assembled into balanced steps by their times, and scored
             + 0.05 * (1 - fill_vit_time) + 0.02 * |samples_per_group - K| / K
 
 Stage 1 tries a grid of LLM-time caps (around K mean sample times) and ViT-time caps (the LLM cap at the data's
-ViT/LLM time ratio, times 1, 1.2, 1.6), stage 2 the lower bounds, stage 3 the pass count, as ``search.py`` does.
+ViT/LLM time ratio, times 1, 1.2, 1.6), stage 2 the lower bounds, stage 3 the pass count: ``search.run_search``,
+the one threshold search, with time caps (``SearchSpace``) in place of count caps.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ import numpy as np
 from .assign import DEFAULT_KEYS, StepAssembly, assemble_steps
 from .isf import Grouping, ISFParams, group_sums, isf_group
 from .metrics import evaluate_steps, time_metrics
-from .search import DataPlan, SearchConfig, SearchResult, random_group_totals, step_matrix_epoch0
+from .search import (DataPlan, SearchConfig, SearchResult, SearchSpace, llm_cap_grid, random_group_totals, run_search,
+                     search_subset, step_matrix_epoch0, vit_cap_grid)
 
 
 def evaluate_grouping_time(g: Grouping, dp_size: int, sp: int = 1, params: ISFParams | None = None, seed: int = 0,
@@ -60,14 +62,6 @@ def random_baseline_time(vit, tokens, times, dp_size: int, k: int, seed: int = 0
     return m
 
 
-def _score(m: dict, cfg: SearchConfig) -> float:
-    s = m["dist_ratio_llm_time"] + m["dist_ratio_vit_time"] + 4.0 * max(0.0, cfg.min_fill - m["fill_llm_time"])
-    s += 0.05 * (1.0 - min(1.0, m["fill_vit_time"]))
-    if cfg.samples_per_group:
-        s += 0.02 * abs(m["samples_per_group"] - cfg.samples_per_group) / cfg.samples_per_group
-    return s
-
-
 def count_caps(vit: np.ndarray, tokens: np.ndarray, cfg: SearchConfig) -> tuple[int, int]:
     """(qv, qt): the hard count caps of ISF in time (module docstring)."""
     k = cfg.samples_per_group or 1.0
@@ -77,79 +71,34 @@ def count_caps(vit: np.ndarray, tokens: np.ndarray, cfg: SearchConfig) -> tuple[
 
 
 def search_params_time(vit, tokens, times, cfg: SearchConfig) -> SearchResult:
-    """Choose ISF-in-time thresholds for these samples (module docstring); ``times`` = (ViT, LLM) int arrays."""
-    t0 = time.perf_counter()
-    c_start = time.process_time()
+    """Choose ISF-in-time thresholds for these samples (module docstring); ``times`` = (ViT, LLM) int arrays: the
+    search of ``search.run_search`` over time caps, the count caps fixed."""
     vit = np.asarray(vit, dtype=np.int64)
     tokens = np.asarray(tokens, dtype=np.int64)
     vt_all, lt_all = (np.asarray(t, dtype=np.int64) for t in times)
-    n = len(vit)
-    if n == 0:
+    if len(vit) == 0:
         raise ValueError("search_params_time: no samples")
     if cfg.samples_per_group is None:
         raise ValueError("search_params_time: give samples_per_group (K)")
-    rng = np.random.default_rng(cfg.seed)
-    sub = np.sort(rng.choice(n, size=cfg.search_samples, replace=False)) if n > cfg.search_samples else np.arange(n)
+    sub = search_subset(len(vit), cfg)
     sv, st, svt, slt = vit[sub], tokens[sub], vt_all[sub], lt_all[sub]
     qv, qt = count_caps(vit, tokens, cfg)
-    strict = cfg.oversize == "error"
     mean_lt, mean_vt = float(slt.mean()), float(svt.mean())
-    base = cfg.samples_per_group * mean_lt / 0.965
-    lt_grid = sorted({int(round(base * f)) for f in (0.97, 1.0, 1.04)})
-    if strict:
-        lt_grid = sorted({max(c, int(lt_all.max())) for c in lt_grid})
 
-    def vt_grid_for(lcap: int) -> list[int]:
-        rho = mean_vt / max(mean_lt, 1.0)
-        out = {int(math.ceil(lcap * rho * f)) for f in (1.0, 1.2, 1.6)}
-        return sorted({max(c, int(vt_all.max())) if strict else c for c in out})
-
-    candidates: list[dict] = []
-    seen: set = set()
-    best: dict | None = None
-
-    def run(p: ISFParams) -> None:
-        nonlocal best
-        key = (p.vit_time, p.llm_time, p.vit_time_min, p.llm_time_min, p.iters)
-        if key in seen:
-            return
-        seen.add(key)
-        c0 = time.perf_counter()
-        g = isf_group(sv, st, p, seed=cfg.seed, times=(svt, slt))
-        m, asm = evaluate_grouping_time(g, cfg.dp_size, cfg.sp, p, seed=cfg.seed)
-        rec = {"params": p.to_dict(), **m, "leftover_groups": g.report["leftover_groups"], "groups": len(g),
-               "passes": g.report["passes"], "assembly_key": list(asm.key), "seconds": time.perf_counter() - c0}
-        rec["score"] = _score(m, cfg)
-        candidates.append(rec)
-        if best is None or rec["score"] < best["score"]:
-            best = rec
-
-    def budget_left() -> bool:
-        return len(candidates) < cfg.max_candidates and time.process_time() - c_start < cfg.time_budget_s
-
-    def params(vcap, lcap, a, b, iters=cfg.iters) -> ISFParams:
+    def params(vcap, lcap, a, b, iters) -> ISFParams:
         return ISFParams(qv=qv, qt=qt, qv_min=0, qt_min=0, iters=iters, oversize=cfg.oversize, vit_time=vcap,
                          llm_time=lcap, vit_time_min=min(vcap, int(math.ceil(b * vcap))),
                          llm_time_min=int(math.ceil(a * lcap)))
 
-    mid = lt_grid[len(lt_grid) // 2]
-    for lcap in [mid] + [c for c in lt_grid if c != mid]:
-        for vcap in vt_grid_for(lcap):
-            if candidates and not budget_left():
-                break
-            run(params(vcap, lcap, 0.96, 1.0))
-    bq = best["params"]
-    for a in (0.94, 0.95, 0.97, 0.98):
-        for b in (1.0, 0.85):
-            if not budget_left():
-                break
-            run(params(bq["vit_time"], bq["llm_time"], a, b))
-    bq = best["params"]
-    for iters in (max(1, cfg.iters // 2), cfg.iters * 2):
-        if not budget_left():
-            break
-        run(ISFParams(**{**bq, "iters": iters}))
-    return SearchResult(ISFParams(**best["params"]), best, candidates, time.perf_counter() - t0, len(sv))
+    def evaluate(p: ISFParams):
+        g = isf_group(sv, st, p, seed=cfg.seed, times=(svt, slt))
+        m, asm = evaluate_grouping_time(g, cfg.dp_size, cfg.sp, p, seed=cfg.seed)
+        return m, g, asm
+
+    space = SearchSpace(llm_cap_grid(cfg, mean_lt, int(lt_all.max())),
+                        lambda lcap: vit_cap_grid(cfg, lcap, mean_vt, mean_lt, int(vt_all.max())), params,
+                        lambda p: (p["vit_time"], p["llm_time"]), evaluate, suffix="_time")
+    return run_search(space, cfg, len(sv))
 
 
 def plan_isf_time(vit, tokens, times, cfg: SearchConfig, params: ISFParams | None = None) -> DataPlan:

@@ -10,6 +10,7 @@ sample its ViT-side (embedding, ViT layers, projector) and LLM-side (embedding, 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,12 +106,42 @@ def sample_times(work: SampleWork, coeffs: TimeCoefficients) -> tuple[np.ndarray
 TIME_UNIT_S = 1e-9  # ISF's integer time unit (nanoseconds)
 
 
+def time_units(work: SampleWork, coeffs: TimeCoefficients) -> tuple[np.ndarray, np.ndarray]:
+    """``sample_times`` in ISF's integer units (``TIME_UNIT_S``): int64 (n,) each."""
+    vit, llm = sample_times(work, coeffs)
+    return (np.round(vit / TIME_UNIT_S).astype(np.int64), np.round(llm / TIME_UNIT_S).astype(np.int64))
+
+
 def sample_time_units(stats: SampleStats, spec: ModelSpec, device: DeviceSpec, tp: int = 1,
                       attention: str = "flash", grids=None) -> tuple[np.ndarray, np.ndarray]:
     """(ViT, LLM) predicted time of each sample in ISF's integer units (``TIME_UNIT_S``), int64 (n,); ``grids``:
     see ``sample_work``."""
-    vit, llm = sample_times(sample_work(stats, spec, grids), time_coefficients(spec, device, tp, attention))
-    return (np.round(vit / TIME_UNIT_S).astype(np.int64), np.round(llm / TIME_UNIT_S).astype(np.int64))
+    return time_units(sample_work(stats, spec, grids), time_coefficients(spec, device, tp, attention))
+
+
+def with_tokens(work: SampleWork, tokens: np.ndarray) -> SampleWork:
+    """``work`` with other LLM tokens per sample (e.g. padded under CP): its ViT sums kept."""
+    t = np.asarray(tokens).astype(np.float64)
+    return dataclasses.replace(work, llm_tokens=t, llm_tokens_sq=t**2)
+
+
+ISF_TIME_DEVICE = "h200-141g"  # the cost model's device of ISF in time when none is named (the trainer without a plan)
+
+
+def isf_sample_times(stats: SampleStats, spec: ModelSpec, device: DeviceSpec, tp: int = 1, grids=None,
+                     work: SampleWork | None = None) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]] | None:
+    """What ISF in time groups ``stats`` by: (ViT items int64 (n,) in the family's unit, (ViT, LLM) predicted time
+    int64 (n,) each in ``TIME_UNIT_S``, ``sample_time_units`` of ``spec`` on ``device`` at TP ``tp``), or None for a
+    family whose ViT items cost alike (``Family.segments_sq`` None: grouped by counts).  The stats' tokens are what
+    ISF counts (padded under CP).  The one per-sample time model of the trainer and of ``omnibal plan``.
+    work: the stats' ``sample_work`` when the caller holds it (it does not depend on TP; a planner trying several TPs
+    computes it once), else computed from the stats and ``grids``."""
+    family = family_of(spec)
+    if family.segments_sq is None:
+        return None
+    if work is None:
+        work = sample_work(stats, spec, grids)
+    return stats.vision_items(family.vision_item), time_units(work, time_coefficients(spec, device, tp))
 
 
 @dataclass(frozen=True)

@@ -11,17 +11,27 @@ Context parallelism (``cp`` > 1): the trainer pads every sample of a micro-batch
 ``sum(padded^2)``) and ``MicroBatchShape(..., cp=cp)`` gives the cost model one rank's share of them.  The ISF
 search and grouping count the padded tokens too (``SearchConfig.token_multiple``): Qt caps CP x a rank's tokens,
 Qv the tiles of the micro-batch.
+
+Native resolution (a family whose ViT items vary in cost, ``Family.segments_sq``; stats listing each sample's
+images): ISF groups in predicted time as the trainer does (``data/search_time.py``), each sample's ViT and LLM time
+from ``model.sample_time.isf_sample_times`` of the plan's model on its device at the configuration's TP (the
+trainer's time model; ``--omnibal-isf-time-device`` carries the device), the count caps hard caps; the data plan's
+params hold the time thresholds and its metrics the DistRatio in time beside the counts'.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..data.search import SearchConfig, plan_isf, random_group_totals, step_matrix_epoch0
+from ..data.search import SearchConfig, plan_isf, random_baseline, random_group_totals, step_matrix_epoch0
+from ..data.search_time import plan_isf_time, random_baseline_time
 from ..data.stats import SampleStats
 from ..model.cost_model import MicroBatchShape
 from ..model.cp_split import cp_multiple, padded_lengths
+from ..model.sample_time import SampleWork, isf_sample_times, sample_work, with_tokens
+from ..model.units import family_of
 from .config import PlanConfig, PlanError
 
 SHAPE_FIELDS = ("tiles", "llm_tokens", "llm_attn_tokens_sq")  # the three columns of a micro-batch shape
@@ -41,15 +51,55 @@ class Loads:
         return self.shape.reshape(-1, 3).mean(axis=0)
 
 
-def isf_plan(stats: SampleStats, dp: int, config: PlanConfig, sp_tp: int = 1):
+def grouped_in_time(config: PlanConfig) -> bool:
+    """Whether the plan's ISF groups in predicted time (a family whose ViT items vary in cost, as the trainer
+    decides: ``sample_time.isf_sample_times``); its data level then depends on the TP."""
+    return family_of(config.spec).segments_sq is not None
+
+
+def _search_config(dp: int, config: PlanConfig, sp_tp: int) -> SearchConfig:
+    return SearchConfig(dp_size=dp, samples_per_group=float(config.samples_per_group),
+                        max_seq_len=config.max_seq_length, seed=config.seed,
+                        max_candidates=config.isf_max_candidates, search_samples=config.isf_search_samples,
+                        token_multiple=cp_multiple(int(config.cp), sp_tp))
+
+
+def plan_work(stats: SampleStats, config: PlanConfig) -> SampleWork | None:
+    """The samples' work (``sample_time.sample_work``: ViT items, segments, tokens) where the plan groups in time,
+    computed once for every TP tried; None where it groups by counts."""
+    return sample_work(stats, config.spec) if grouped_in_time(config) else None
+
+
+def isf_times_at(stats: SampleStats, config: PlanConfig, tp: int, sp_tp: int = 1, work: SampleWork | None = None):
+    """(ViT items, (ViT, LLM) predicted time units) of every sample at TP ``tp`` on the plan's device, tokens as ISF
+    counts them (``isf_plan``), or None where ISF groups by counts; ``work``: ``plan_work``'s (else computed)."""
+    tokens = _search_config(1, config, sp_tp).counted_tokens(stats.tokens)
+    return isf_sample_times(dataclasses.replace(stats, tokens=tokens), config.spec, config.device_spec, tp,
+                            work=None if work is None else with_tokens(work, tokens))
+
+
+def isf_plan(stats: SampleStats, dp: int, config: PlanConfig, sp_tp: int = 1, tp: int = 1,
+             work: SampleWork | None = None):
     """ISF thresholds and groups for ``dp`` data-parallel ranks (``data.search.plan_isf``); under CP on the padded
     token counts (each sample to a multiple of 2 x CP x ``sp_tp``): Qt caps and the assembly balances the per-rank
-    tokens x CP."""
-    search = SearchConfig(dp_size=dp, samples_per_group=float(config.samples_per_group),
-                          max_seq_len=config.max_seq_length, seed=config.seed,
-                          max_candidates=config.isf_max_candidates, search_samples=config.isf_search_samples,
-                          token_multiple=cp_multiple(int(config.cp), sp_tp))
-    return plan_isf(stats.vit, stats.tokens, search)
+    tokens x CP.  Native resolution: in predicted time at TP ``tp`` (``data.search_time.plan_isf_time``; module
+    docstring; ``work``: ``plan_work``'s)."""
+    search = _search_config(dp, config, sp_tp)
+    timed = isf_times_at(stats, config, tp, sp_tp, work)
+    if timed is None:
+        return plan_isf(stats.vit, stats.tokens, search)
+    return plan_isf_time(timed[0], search.counted_tokens(stats.tokens), timed[1], search)
+
+
+def random_metrics(stats: SampleStats, config: PlanConfig, dp: int, tp: int, sp_tp: int = 1,
+                   work: SampleWork | None = None) -> dict:
+    """Random batching's metrics (``data.search.random_baseline``), with its DistRatio in time where the plan groups
+    in time (``random_baseline_time``, the times of ``isf_times_at``)."""
+    k, seed = int(config.samples_per_group), config.seed
+    timed = isf_times_at(stats, config, tp, sp_tp, work)
+    if timed is None:
+        return random_baseline(stats.vit, stats.tokens, dp, k, seed)
+    return random_baseline_time(stats.vit, stats.tokens, timed[1], dp, k, seed)
 
 
 def _member_lengths(stats: SampleStats, grouping, cp: int, sp_tp: int = 1) -> np.ndarray:

@@ -5,7 +5,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..data.search import random_baseline
 from ..data.stats import SampleStats
 from ..memory.memory_model import GIB, MIXED_BF16_ADAM
 from ..model.cp_split import cp_multiple
@@ -16,7 +15,8 @@ from .config import PlanConfig, check_request
 from .configs import candidate_configs, num_microbatches, refusal, screen_config
 from .context import PlanContext, best_candidate, build_context, nothing_fits, simulate_candidate
 from .interleaved import RECOMPUTE_NOTE, check_fixed_vpp, interleaved_candidates, vpp_problem, vpp_values
-from .data_level import cap_shape, isf_loads, isf_plan, mean_isf_group, random_loads, shape_dict, shape_of
+from .data_level import (cap_shape, isf_loads, isf_plan, mean_isf_group, plan_work, random_loads, random_metrics,
+                         shape_dict, shape_of)
 from .memory_level import memory_candidates
 from .memory_need import memory_need
 from .model_level import default_candidate, fitting_model_candidates, model_candidates
@@ -40,8 +40,9 @@ class _Chosen:
     usable: int  # configurations that fit
 
 
-def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict, segments=None) -> _Chosen:
-    """Screen every candidate (tp, pp, dp) and keep the fastest that fits; PlanError when none does."""
+def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict, segments=None, work=None) -> _Chosen:
+    """Screen every candidate (tp, pp, dp) and keep the fastest that fits; PlanError when none does (``work``:
+    ``data_level.plan_work``'s, where ISF groups in time)."""
     spec, dev, budget, k = config.spec, config.device_spec, config.budget_bytes, int(config.samples_per_group)
     gpus, gpu_memory = config.gpus, config.gpu_memory_bytes
     cp = int(config.cp)
@@ -50,31 +51,33 @@ def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict, s
         raise refusal(spec, gpus, gpu_memory, budget, [], skipped, config.require_baseline_fit)
     # Provisional ISF thresholds for screening: caps depend on K, hardly on the DP size.
     first_dp = config.dp if config.dp is not None else (configs[0][2] if len(configs) == 1 else SCREEN_DP)
-    data_at: dict = {}  # (padding TP, DP) -> ISF plan
-    shapes: dict = {}  # padding TP -> shapes
+    data_at: dict = {}  # (data_key(TP), DP) -> ISF plan
+    shapes: dict = {}  # data_key(TP) -> shapes
 
-    def padding_tp(tp: int) -> int:
-        """Under CP with sequence parallelism every sample is padded to 2 x CP x TP and the ISF search counts the
-        padded tokens, so the data level depends on TP; at CP 1 it does not."""
-        return sp_tp(tp) if cp > 1 else 1
+    def data_key(tp: int) -> tuple[int, int]:
+        """(TP of the samples' predicted times, padding TP): the data level depends on TP where ISF groups in
+        predicted time (the times are one TP rank's) and under CP with sequence parallelism (every sample padded to
+        2 x CP x TP, the ISF search counting the padded tokens); else on neither."""
+        return (tp if work is not None else 1, sp_tp(tp) if cp > 1 else 1)
 
     def isf_at(tp: int, dp: int):
         """The ISF plan for ``dp`` ranks at ``tp``."""
-        s = padding_tp(tp)
-        if (s, dp) not in data_at:
-            data_at[s, dp] = isf_plan(stats, dp, config, s)
-        return data_at[s, dp]
+        key = data_key(tp)
+        if (key, dp) not in data_at:
+            data_at[key, dp] = isf_plan(stats, dp, config, key[1], key[0], work)
+        return data_at[key, dp]
 
     def shapes_at(tp: int) -> tuple:
         """(ISF caps, random shape, mean ISF group, mean and worst random micro-batch) of the provisional ISF
         plan at ``tp``."""
-        s = padding_tp(tp)
-        if s not in shapes:
+        key = data_key(tp)
+        if key not in shapes:
+            s = key[1]
             data = isf_at(tp, first_dp)
             _, mean_random, worst = random_loads(stats, k, 1, 1, 1, config.seed, cp, s)
-            shapes[s] = (cap_shape(data.params, stats, cp, s, segments), shape_of(mean_random, cp, segments),
-                         mean_isf_group(stats, data.grouping, cp, s), mean_random, worst)
-        return shapes[s]
+            shapes[key] = (cap_shape(data.params, stats, cp, s, segments), shape_of(mean_random, cp, segments),
+                           mean_isf_group(stats, data.grouping, cp, s), mean_random, worst)
+        return shapes[key]
 
     vpps = vpp_values(config.vpp, config.max_vpp)
 
@@ -134,8 +137,10 @@ def make_plan(stats: SampleStats, config: PlanConfig) -> Plan:
     """Plan data, model and memory balance together (see the package docstring).
 
     stats: per-sample tiles and tokens (and, for a family counting patches, each sample's images: the plan then
-    counts patches as its ViT items, and its micro-batch shapes carry the data's ViT attention segments per
-    patch, ``model.sample_time.VisionSegments``); config: the request (:class:`PlanConfig`).
+    counts patches as its ViT items, groups them in predicted time as the trainer does (``data_level``; the ISF
+    thresholds, the micro-batch shapes and the step times are those of the time groups), and its micro-batch
+    shapes carry the data's ViT attention segments per patch, ``model.sample_time.VisionSegments``); config: the
+    request (:class:`PlanConfig`).
     Raises PlanError when nothing fits.
     """
     spec, dev = config.spec, config.device_spec
@@ -144,7 +149,8 @@ def make_plan(stats: SampleStats, config: PlanConfig) -> Plan:
     check_request(config, stats)
     k, samples, gpus, seed = int(config.samples_per_group), config.epoch_samples(stats), config.gpus, config.seed
     cache: dict = {}
-    chosen = _choose_configuration(stats, config, cache, segments)
+    work = plan_work(stats, config)
+    chosen = _choose_configuration(stats, config, cache, segments, work)
     ctx, data = chosen.ctx, chosen.data
     t, p, d, m = ctx.tp, ctx.pp, ctx.dp, ctx.m
 
@@ -189,7 +195,7 @@ def make_plan(stats: SampleStats, config: PlanConfig) -> Plan:
     final = rows[-1]
     flags = plan_trainer_flags(spec.name, t, p, final.layout_flag, final.recompute_flag, data.params, k, m * d * k,
                                bf16=ctx.precision == MIXED_BF16_ADAM, freeze_flags=config.freeze.flags(), cp=ctx.cp,
-                               vpp=final.vpp)
+                               vpp=final.vpp, time_device=dev.name)
     shapes = {
         "isf_caps": chosen.cap.to_dict(),
         "isf_mean": shape_dict(loads_i.mean_shape),
@@ -202,7 +208,8 @@ def make_plan(stats: SampleStats, config: PlanConfig) -> Plan:
         model=spec.name, device=dev.name, gpus=gpus, tp=t, pp=p, dp=d, cp=ctx.cp,
         gpu_memory_bytes=float(config.gpu_memory_bytes), budget_bytes=config.budget_bytes, samples=samples,
         samples_per_group=k, global_batch_size=m * d * k, num_microbatches=m, attention=config.attention, isf=isf,
-        random=dict(random_baseline(stats.vit, stats.tokens, d, k, seed)), shapes=shapes, rows=tuple(rows),
+        random=dict(random_metrics(stats, config, d, t, sp_tp(t) if ctx.cp > 1 else 1, work)), shapes=shapes,
+        rows=tuple(rows),
         trainer_flags=flags, configs_tried=tuple(chosen.tried + chosen.skipped),
         notes=tuple(_notes(config, ctx, k, chosen.usable, rows[0], final.vpp, tried_vpp, "; ".join(skipped))),
         timelines={r.setting: c.sim.timeline for r, c in zip(rows, (base, plus_data, plus_model, plus_memory))},

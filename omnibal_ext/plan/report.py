@@ -21,6 +21,7 @@ def format_plan(plan: Plan) -> str:
         f"DistRatio llm {plan.isf['metrics']['dist_ratio_llm']:.4f} vit {plan.isf['metrics']['dist_ratio_vit']:.4f} "
         f"(random: PadRatio {plan.random['pad_ratio']:.3f}, DistRatio llm {plan.random['dist_ratio_llm']:.3f} "
         f"vit {plan.random['dist_ratio_vit']:.3f})",
+        *([time_line(plan)] if "dist_ratio_time" in plan.isf["metrics"] else []),
         "",
         f"{'setting':<9} {'batch':<6} {'slowest s':>9} {'peak GiB':>8} {'fits':>4} {'iter s':>8} {'straggle':>8} "
         f"{'bubble':>6} {'tokens/s':>9} {'GPU-days':>9} {'speed-up':>8}",
@@ -49,6 +50,16 @@ def format_plan(plan: Plan) -> str:
     for n in plan.notes:
         lines.append(f"note: {n}")
     return "\n".join(lines)
+
+
+def time_line(plan: Plan) -> str:
+    """The ISF line of a plan grouped in predicted time: its time thresholds and DistRatio in time vs random's."""
+    p, m, r = plan.isf["params"], plan.isf["metrics"], plan.random
+    return (f"ISF in predicted time: ViT {p['vit_time'] / 1e6:.3f} ms (min {p['vit_time_min'] / 1e6:.3f}), LLM "
+            f"{p['llm_time'] / 1e6:.3f} ms (min {p['llm_time_min'] / 1e6:.3f}) per group; DistRatio in time llm "
+            f"{m['dist_ratio_llm_time']:.4f} vit {m['dist_ratio_vit_time']:.4f} total {m['dist_ratio_time']:.4f} "
+            f"(random: llm {r['dist_ratio_llm_time']:.3f} vit {r['dist_ratio_vit_time']:.3f} total "
+            f"{r['dist_ratio_time']:.3f})")
 
 
 def plot_plan(plan: Plan, prefix: str) -> list[str]:
