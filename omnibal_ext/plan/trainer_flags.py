@@ -36,9 +36,9 @@ def plan_trainer_flags(model: str, tp: int, pp: int, layout_flag: str, recompute
                        freeze_flags: list[str] = (), cp: int = 1, vpp: int = 1, time_device: str | None = None) -> dict:
     """The flags ``pretrain_vlm.py`` runs the plan with (``--omnibal-plan`` applies them).
 
-    isf_params: the ISF thresholds (qv, qt, qv_min, qt_min: tiles and tokens per group; in predicted time also the
-    time caps and bounds in ns and the pass count T, which the trainer then applies as given, its times from the cost
-    model of ``time_device``, the plan's);
+    isf_params: the ISF thresholds (qv, qt, qv_min, qt_min: tiles and tokens per group; the pass count T; in
+    predicted time also the time caps and bounds in ns), which the trainer applies as given (its times from the
+    cost model of ``time_device``, the plan's);
     samples_per_group: K, the micro-batch size; global_batch_size: samples per iteration; freeze_flags: the
     freeze and LoRA flags the plan was made with (``Freeze.flags()``), which the trainer must train with; cp: the
     context-parallel size (``--context-parallel-size``, written when > 1); vpp: model
@@ -49,7 +49,7 @@ def plan_trainer_flags(model: str, tp: int, pp: int, layout_flag: str, recompute
         if f.startswith("--"):
             nxt = freeze_flags[i + 1] if i + 1 < len(freeze_flags) else None
             freeze[f] = _flag_value(nxt) if nxt is not None and not nxt.startswith("--") else True
-    return {**freeze, 
+    return {**freeze,
         "--model": model,
         "--tensor-model-parallel-size": tp,
         "--pipeline-model-parallel-size": pp,
@@ -63,6 +63,7 @@ def plan_trainer_flags(model: str, tp: int, pp: int, layout_flag: str, recompute
         "--omnibal-isf-qt": int(isf_params.qt),
         "--omnibal-isf-qv-min": int(isf_params.qv_min),
         "--omnibal-isf-qt-min": int(isf_params.qt_min),
+        "--omnibal-isf-iters": int(isf_params.iters),  # the passes T the plan grouped with (default: 10)
         **(time_flags(isf_params, time_device) if isf_params.timed else {}),
         "--micro-batch-size": samples_per_group,
         "--global-batch-size": global_batch_size,
@@ -73,12 +74,11 @@ def plan_trainer_flags(model: str, tp: int, pp: int, layout_flag: str, recompute
 
 
 def time_flags(isf_params, time_device: str | None) -> dict:
-    """The trainer flags of ISF thresholds in predicted time: the time caps and bounds (ns), the pass count T and the
+    """The trainer flags of ISF thresholds in predicted time: the time caps and bounds (ns) and the
     cost model's device of the times (so that the trainer groups exactly as the plan did)."""
     if time_device is None:
         raise ValueError("plan_trainer_flags: ISF thresholds in time need the device of their times")
-    return {"--omnibal-isf-iters": int(isf_params.iters),
-            "--omnibal-isf-vit-time": int(isf_params.vit_time),
+    return {"--omnibal-isf-vit-time": int(isf_params.vit_time),
             "--omnibal-isf-llm-time": int(isf_params.llm_time),
             "--omnibal-isf-vit-time-min": int(isf_params.vit_time_min),
             "--omnibal-isf-llm-time-min": int(isf_params.llm_time_min),
