@@ -245,6 +245,40 @@ def test_merged_hf_export_logits_equal_ours(tmp_path, data_cache):
     assert (got - want).abs().max() <= 1e-5
 
 
+@pytest.mark.slow
+def test_qwen_merged_hf_export_logits_equal_ours(tmp_path, data_cache):
+    """A tiny HF Qwen2.5-VL trained from --hf-checkpoint with LoRA on the LLM and the ViT's SwiGLU MLP (with bias) at
+    TP2 (its 3 ViT heads are padded to 4 there: no adapters on vit.qkv/vit.proj), exported with the adapters merged:
+    transformers' logits on the export equal our model's with the adapters (unmerged) within 1e-5, and the merge
+    changed the ViT's MLP weights."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("sklearn")
+    import hf_tiny_qwen
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from launch import run_training
+    from omnibal_cli import main as omnibal
+
+    flags = hf_tiny_qwen.training_flags(tmp_path, data_cache, seed=4) + [
+        "--tensor-model-parallel-size", "2", "--train-iters", "3", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--lr", "1e-2", "--lr-warmup-iters", "0", "--save", str(tmp_path / "ckpt"),
+        "--lora-rank", "4", "--lora-alpha", "16", "--lora-targets", "llm,vit.fc1,vit.fc2"]
+    _, out = run_training(2, flags, tmp_path, "lora")
+    assert "LoRA adapters" in out
+    assert omnibal(["hf", "export", "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]) == 0
+    base = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(tmp_path / "hf"))
+    merged = hf_tiny_qwen.eager(Qwen2_5_VLForConditionalGeneration.from_pretrained(str(tmp_path / "out")).eval())
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        assert not torch.equal(getattr(merged.model.visual.blocks[0].mlp, name).weight,
+                               getattr(base.model.visual.blocks[0].mlp, name).weight), name
+    assert torch.equal(merged.model.visual.blocks[0].attn.qkv.weight, base.model.visual.blocks[0].attn.qkv.weight)
+    batch = hf_tiny_qwen.inputs_with_token_ids(hf_tiny_qwen.SPECIAL_IDS)
+    want = hf_tiny_qwen.hf_logits(merged, batch)
+    got = _our_logits_with_adapters(tmp_path / "ckpt", tmp_path / "out", batch)
+    assert (got - want).abs().max() <= 1e-5
+
+
 def _our_logits_with_adapters(ckpt, exported, batch) -> torch.Tensor:
     """Our model at TP1 with the checkpoint's LoRA adapters (not merged), loaded from ``ckpt``; [s, real vocab]."""
     from megatron.core import dist_checkpointing
@@ -271,19 +305,27 @@ def _our_logits_with_adapters(ckpt, exported, batch) -> torch.Tensor:
             return gather_vocab(stage(make_batch(src, batch)), spec.language.vocab_real)
 
 
-def _family_case(folder):
-    """(transformers model saved to ``folder``, its class, inputs, logits function) of a tiny HF InternVL."""
-    import hf_tiny as tiny
-    from transformers import InternVLForConditionalGeneration as cls
+def _family_case(family, folder):
+    """(transformers model saved to ``folder``, its class, inputs, logits function) of a tiny HF model of ``family``
+    (Qwen2.5-VL: 3 ViT heads, windows and full attention, eager attention in transformers)."""
+    if family == "internvl":
+        import hf_tiny as tiny
+        from transformers import InternVLForConditionalGeneration as cls
 
-    return tiny.make_tiny(folder, seed=6, vit="rms-qknorm", text="qwen2", vit_heads=4), cls, tiny.inputs(), \
-        tiny.hf_logits
+        return tiny.make_tiny(folder, seed=6, vit="rms-qknorm", text="qwen2", vit_heads=4), cls, tiny.inputs(), \
+            tiny.hf_logits
+    import hf_tiny_qwen as tiny
+    from transformers import Qwen2_5_VLForConditionalGeneration as cls
+
+    return tiny.make_tiny(folder, seed=6), cls, tiny.inputs(), lambda model, batch: tiny.hf_logits(tiny.eager(model),
+                                                                                                  batch)
 
 
-def test_export_merges_adapters_of_every_linear(tmp_path):
+@pytest.mark.parametrize("family", ["internvl", "qwen2_5_vl"])
+def test_export_merges_adapters_of_every_linear(tmp_path, family):
     """Adapters on all eight linears with random B, saved as a checkpoint (global layouts: the ViT's per-head QKV
-    and out-projection, gated fc1 halves) and exported: transformers' logits on the merged folder equal our
-    model's with the adapters (1e-5) (InternVL; Qwen2.5-VL's merge is not yet checked)."""
+    and out-projection, gated fc1 halves; Qwen's ViT: biased SwiGLU fc1) and exported: transformers' logits on the
+    merged folder equal our model's with the adapters (1e-5), for both families."""
     pytest.importorskip("transformers")
     from megatron.core import dist_checkpointing
 
@@ -293,13 +335,15 @@ def test_export_merges_adapters_of_every_linear(tmp_path):
     from megatron.vlm.hf.load import load_hf_into_stage
     from megatron.vlm.hf.logits import gather_vocab, image_token_id, logits_stage, make_batch
 
-    model, cls, batch, hf_logits = _family_case(tmp_path / "hf")
+    model, cls, batch, hf_logits = _family_case(family, tmp_path / "hf")
     lora = Lora(4, alpha=6.0, targets=tuple(parse_targets("llm,vit")))
     ckpt = tmp_path / "ckpt"
     with _world():
         src = HFSource.open(str(tmp_path / "hf"))
         stage = logits_stage(src.spec, range(len(build_units(src.spec))), image_token_id(src), lora=lora)
         load_hf_into_stage(stage, src)
+        adapted = sum(n.endswith("lora_b") for n, _ in stage.named_parameters())
+        assert adapted == 4 * (src.spec.vision.num_layers + src.spec.language.num_layers)  # ViT targets included
         g = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for name, p in stage.named_parameters():
