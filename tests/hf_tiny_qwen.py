@@ -8,17 +8,10 @@ from __future__ import annotations
 import json
 
 import torch
+from hf_tiny import perturb
 
 VOCAB, IMAGE_ID, VISION_START, VISION_END = 300, 290, 288, 289
 GRIDS = ((1, 6, 10), (1, 8, 6))  # patches (t, h, w)
-
-
-def perturb(model, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(0.2 * noise if (p.dim() > 1 or name.endswith("bias")) else 1.0 + 0.3 * noise)
 
 
 def hf_config(tie=False, depth=4, full=(1, 2), llm_layers=2, section=(2, 1, 1)):

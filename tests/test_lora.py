@@ -3,12 +3,12 @@ slow, training at TP2 against the serial run (with dropout and full recompute), 
 checkpoints, and the merged HF export's logits in transformers.
 """
 import argparse
-import contextlib
 import os
 import warnings
 
 import pytest
 import torch
+from hf_tiny import world_of_one
 
 from omnibal_ext.errors import UserError
 from omnibal_ext.memory.memory_model import FP32_ADAM, MIXED_BF16_ADAM, stage_memory
@@ -99,25 +99,11 @@ def test_memory_model_lora_bytes_closed_form(tp):
         assert sum(u.lora_params for u in got.units) == _built_adapter_params(lora)
 
 
-@contextlib.contextmanager
-def _world():
-    """A world of one (gloo) with megatron's groups inside the CPU patches, torn down after."""
-    from megatron.training import cpu_compat
-    from megatron.training.initialize import destroy, initialize_distributed
-
-    with cpu_compat.patched():
-        try:
-            initialize_distributed(torch.device("cpu"), 1, 1)
-            yield
-        finally:
-            destroy()
-
-
 def _built_adapter_params(lora) -> int:
     """Adapter parameters of a whole tiny model built with ``lora`` (megatron-core's layers, TP1)."""
     from megatron.vlm.stage import StageBuild, build_stage
 
-    with _world():
+    with world_of_one():
         units = build_units(TINY)
         stage = build_stage(StageBuild(TINY, range(len(units)), lora=lora,
                                        trainable=Freeze(lora=lora).trainable(units, False, TINY).trains))
@@ -139,7 +125,7 @@ def test_hf_model_loads_into_a_lora_stage(tmp_path):
     model = hf_tiny.make_tiny(tmp_path, seed=2, vit="ln-bias", text="llama", vit_heads=4)
     batch = hf_tiny.inputs()
     lora = Lora(4, targets=tuple(parse_targets("llm,vit")))
-    with _world():
+    with world_of_one():
         src = HFSource.open(str(tmp_path))
         stage = logits_stage(src.spec, range(len(build_units(src.spec))), image_token_id(src), lora=lora)
         load_hf_into_stage(stage, src)
@@ -211,18 +197,13 @@ def test_merged_hf_export_logits_equal_ours(tmp_path, data_cache):
     pytest.importorskip("transformers")
     pytest.importorskip("tokenizers")
     import hf_tiny
-    from test_hf_finetune import VOCAB, write_tokenizer
     from transformers import InternVLForConditionalGeneration
 
     from launch import run_training
     from omnibal_cli import main as omnibal
 
     hf = tmp_path / "hf"
-    hf.mkdir()
-    image_id = write_tokenizer(hf)
-    model = hf_tiny.make_tiny(hf, seed=4, vit="ln-bias", text="qwen2", vit_heads=3, vocab=VOCAB)
-    model.config.image_token_id = image_id
-    model.save_pretrained(str(hf))
+    model, image_id = hf_tiny.make_tiny_with_tokenizer(hf, seed=4, vit="ln-bias", text="qwen2", vit_heads=3)
     assert omnibal(["hf", "import", "--hf-checkpoint", str(hf), "--save", str(tmp_path / "imported")]) == 0
     flags = ["--hf-checkpoint", str(hf), "--load", str(tmp_path / "imported"), "--tensor-model-parallel-size", "2",
              "--train-iters", "3", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-2",
@@ -235,11 +216,7 @@ def test_merged_hf_export_logits_equal_ours(tmp_path, data_cache):
     merged = InternVLForConditionalGeneration.from_pretrained(str(tmp_path / "out")).eval()
     q = merged.model.language_model.layers[0].self_attn.q_proj.weight
     assert not torch.equal(q, model.model.language_model.layers[0].self_attn.q_proj.weight)
-    batch = hf_tiny.inputs(vocab=VOCAB, tiles=2)
-    ids = batch["input_ids"]
-    text = ids != VOCAB - 1
-    ids[text & (ids == image_id)] = image_id + 1  # random text ids that happen to be the image token
-    ids[~text] = image_id
+    batch = hf_tiny.inputs_with_image_id(image_id)
     want = hf_tiny.hf_logits(merged, batch)
     got = _our_logits_with_adapters(tmp_path / "ckpt", tmp_path / "out", batch)
     assert (got - want).abs().max() <= 1e-5
@@ -288,7 +265,7 @@ def _our_logits_with_adapters(ckpt, exported, batch) -> torch.Tensor:
     from megatron.vlm.hf.logits import gather_vocab, image_token_id, logits_stage, make_batch
     from omnibal_ext.model.units import spec_from_dict
 
-    with _world():
+    with world_of_one():
         path = find_checkpoint(str(ckpt)).path
         run = dist_checkpointing.load_common_state_dict(path)["run"]
         lora = Lora(run["lora"]["rank"], run["lora"]["alpha"], targets=tuple(run["lora"]["targets"]))
@@ -338,7 +315,7 @@ def test_export_merges_adapters_of_every_linear(tmp_path, family):
     model, cls, batch, hf_logits = _family_case(family, tmp_path / "hf")
     lora = Lora(4, alpha=6.0, targets=tuple(parse_targets("llm,vit")))
     ckpt = tmp_path / "ckpt"
-    with _world():
+    with world_of_one():
         src = HFSource.open(str(tmp_path / "hf"))
         stage = logits_stage(src.spec, range(len(build_units(src.spec))), image_token_id(src), lora=lora)
         load_hf_into_stage(stage, src)
