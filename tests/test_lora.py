@@ -238,8 +238,8 @@ def test_qwen_merged_hf_export_logits_equal_ours(tmp_path, data_cache):
     from omnibal_cli import main as omnibal
 
     flags = hf_tiny_qwen.training_flags(tmp_path, data_cache, seed=4) + [
-        "--tensor-model-parallel-size", "2", "--train-iters", "3", "--micro-batch-size", "2",
-        "--global-batch-size", "4", "--lr", "1e-2", "--lr-warmup-iters", "0", "--save", str(tmp_path / "ckpt"),
+        "--tensor-model-parallel-size", "2", "--train-iters", "2", "--micro-batch-size", "2",
+        "--global-batch-size", "2", "--lr", "1e-2", "--lr-warmup-iters", "0", "--save", str(tmp_path / "ckpt"),
         "--lora-rank", "4", "--lora-alpha", "16", "--lora-targets", "llm,vit.fc1,vit.fc2"]
     _, out = run_training(2, flags, tmp_path, "lora")
     assert "LoRA adapters" in out
