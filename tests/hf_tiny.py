@@ -1,6 +1,10 @@
 """Tiny random transformers InternVL models for the HF conversion tests (no download): every parameter
-perturbed (HF init leaves norms, biases and layer scales constant, which would hide swapped keys)."""
+perturbed (HF init leaves norms, biases and layer scales constant, which would hide swapped keys); a small
+character tokenizer for fine-tunes; our model's logits of an HF folder (in this process, a world of one)."""
 from __future__ import annotations
+
+import contextlib
+import json
 
 import torch
 
@@ -67,3 +71,70 @@ def inputs(vocab=300, tiles=2, text=7, seed=1):
 def hf_logits(model, batch):
     with torch.no_grad():
         return model(input_ids=batch["input_ids"], pixel_values=batch["pixel_values"]).logits[0].float()
+
+
+SPECIALS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>"]
+CHARS = ["\n"] + [chr(c) for c in range(32, 127)]
+VOCAB = 110  # 7 special + 96 characters = 103 ids; the model has a few rows more
+
+
+def write_tokenizer(folder):
+    """A character-level WordLevel tokenizer with InternVL's special tokens and a ChatML chat template."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.add_special_tokens(SPECIALS)
+    tok.save(str(folder / "tokenizer.json"))
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>", "unk_token": "<unk>",
+        "eos_token": "<|im_end|>", "chat_template": template, "extra_special_tokens": {}}))
+    return vocab["<IMG_CONTEXT>"]
+
+
+def make_tiny_with_tokenizer(folder, seed=0, **kw):
+    """A new folder ``folder`` with ``write_tokenizer``'s tokenizer and a tiny perturbed model (``make_tiny``, a
+    ``VOCAB``-row vocabulary) whose image token is that tokenizer's; returns (the model, the image token id)."""
+    folder.mkdir()
+    image_id = write_tokenizer(folder)
+    model = make_tiny(folder, seed=seed, vocab=VOCAB, **kw)
+    model.config.image_token_id = image_id
+    model.save_pretrained(str(folder))
+    return model, image_id
+
+
+def inputs_with_image_id(image_id: int, tiles=2):
+    """``inputs`` over a ``VOCAB``-row vocabulary with ``image_id`` as the image token (random text ids that
+    happen to be ``image_id`` moved to the next id)."""
+    batch = inputs(vocab=VOCAB, tiles=tiles)
+    ids = batch["input_ids"]
+    text = ids != VOCAB - 1
+    ids[text & (ids == image_id)] = image_id + 1
+    ids[~text] = image_id
+    return batch
+
+
+@contextlib.contextmanager
+def world_of_one():
+    """A world of one (gloo) with megatron's groups inside the CPU patches, torn down after."""
+    from megatron.training import cpu_compat
+    from megatron.training.initialize import destroy, initialize_distributed
+
+    with cpu_compat.patched():
+        try:
+            initialize_distributed(torch.device("cpu"), 1, 1)
+            yield
+        finally:
+            destroy()
+
+
+def our_logits(folder, batch) -> torch.Tensor:
+    """Our model's logits [s, real vocab] of the HF folder ``folder`` on ``batch`` (TP1, in this process)."""
+    from megatron.vlm.hf.convert import HFSource
+    from megatron.vlm.hf.logits import chained_logits
+
+    with world_of_one():
+        return chained_logits(HFSource.open(str(folder)), batch)

@@ -8,17 +8,10 @@ from __future__ import annotations
 import json
 
 import torch
+from hf_tiny import perturb
 
 VOCAB, IMAGE_ID, VISION_START, VISION_END = 300, 290, 288, 289
 GRIDS = ((1, 6, 10), (1, 8, 6))  # patches (t, h, w)
-
-
-def perturb(model, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(0.2 * noise if (p.dim() > 1 or name.endswith("bias")) else 1.0 + 0.3 * noise)
 
 
 def hf_config(tie=False, depth=4, full=(1, 2), llm_layers=2, section=(2, 1, 1)):
@@ -46,9 +39,13 @@ def make_tiny(folder, seed=0, **kw):
     if kw.get("tie"):
         model.tie_weights()
     model.save_pretrained(str(folder))
-    model.config._attn_implementation = "eager"
-    model.model.visual.config._attn_implementation = "eager"
-    model.model.language_model.config._attn_implementation = "eager"
+    return eager(model)
+
+
+def eager(model):
+    """``model`` with transformers' eager attention in all its parts (the reference for 1e-5 comparisons)."""
+    for config in (model.config, model.model.visual.config, model.model.language_model.config):
+        config._attn_implementation = "eager"
     return model
 
 
@@ -67,6 +64,20 @@ def inputs(grids=GRIDS, seed=1):
             "image_grid_thw": torch.tensor(grids), "mm_token_type_ids": (ids == IMAGE_ID).long()}
 
 
+def inputs_with_token_ids(ids: dict, grids=GRIDS, seed=1):
+    """``inputs`` in the ids of ``write_tokenizer``'s tokenizer (``ids``: its special tokens by name): the image
+    token ids made this tokenizer's; text ids moved past its special tokens."""
+    batch = inputs(grids, seed)
+    tokens = batch["input_ids"]
+    roles = {IMAGE_ID: "<|image_pad|>", VISION_START: "<|vision_start|>", VISION_END: "<|vision_end|>"}
+    where = {old: tokens == old for old in roles}
+    tokens[(tokens < len(ids)) & ~sum(where.values()).bool()] += 100
+    for old, name in roles.items():
+        tokens[where[old]] = ids[name]
+    batch["mm_token_type_ids"] = (tokens == ids["<|image_pad|>"]).long()
+    return batch
+
+
 def hf_logits(model, batch):
     with torch.no_grad():
         return model(**batch).logits[0].float()
@@ -74,6 +85,7 @@ def hf_logits(model, batch):
 
 QWEN_SPECIALS = ["<|endoftext|>", "<unk>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                  "<|image_pad|>", "<|video_pad|>"]
+SPECIAL_IDS = {t: i for i, t in enumerate(QWEN_SPECIALS)}  # write_tokenizer's ids of the special tokens
 QWEN_TEMPLATE = ("{% for m in messages %}{% if loop.first and m['role'] != 'system' %}<|im_start|>system\n"
                  "You are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -87,7 +99,7 @@ def write_tokenizer(folder) -> dict:
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
     chars = ["\n"] + [chr(c) for c in range(32, 127)]
-    vocab = {t: i for i, t in enumerate(QWEN_SPECIALS + chars)}
+    vocab = {**SPECIAL_IDS, **{t: len(QWEN_SPECIALS) + i for i, t in enumerate(chars)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.add_special_tokens(QWEN_SPECIALS)
@@ -107,6 +119,17 @@ def set_token_ids(model, ids: dict) -> None:
                            ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")):
             if hasattr(config, key):
                 setattr(config, key, ids[token])
+
+
+def make_tiny_with_tokenizer(folder, seed=0, **kw):
+    """A new folder ``folder`` with ``write_tokenizer``'s tokenizer and a tiny perturbed model (``make_tiny``) whose
+    image/vision token ids are that tokenizer's; returns (the model (eval, fp32, eager), the special tokens' ids)."""
+    folder.mkdir()
+    ids = write_tokenizer(folder)
+    model = make_tiny(folder, seed=seed, **kw)
+    set_token_ids(model, ids)
+    model.save_pretrained(str(folder))
+    return model, ids
 
 
 def photos(folder, shapes=((0, 0, 640, 427), (100, 50, 420, 410), (0, 200, 640, 300), (300, 0, 380, 427))) -> list:
@@ -155,10 +178,6 @@ def training_flags(tmp_path, data_cache, seed=3) -> list[str]:
     """Trainer flags of a fine-tune of a tiny HF Qwen2.5-VL (its tokenizer; ``write_messages_data`` photos kept
     small by --max-pixels) written under ``tmp_path``; the run's sizes and parallelism are the caller's."""
     hf = tmp_path / "hf"
-    hf.mkdir()
-    ids = write_tokenizer(hf)
-    model = make_tiny(hf, seed=seed)
-    set_token_ids(model, ids)
-    model.save_pretrained(str(hf))
+    make_tiny_with_tokenizer(hf, seed)
     return ["--hf-checkpoint", str(hf), "--data-path", write_messages_data(tmp_path), "--max-pixels",
             str(28 * 28 * 12), "--eval-interval", "0", "--seq-length", "256", "--data-cache-dir", str(data_cache)]

@@ -3,12 +3,12 @@ slow, training at TP2 against the serial run (with dropout and full recompute), 
 checkpoints, and the merged HF export's logits in transformers.
 """
 import argparse
-import contextlib
 import os
 import warnings
 
 import pytest
 import torch
+from hf_tiny import world_of_one
 
 from omnibal_ext.errors import UserError
 from omnibal_ext.memory.memory_model import FP32_ADAM, MIXED_BF16_ADAM, stage_memory
@@ -99,25 +99,11 @@ def test_memory_model_lora_bytes_closed_form(tp):
         assert sum(u.lora_params for u in got.units) == _built_adapter_params(lora)
 
 
-@contextlib.contextmanager
-def _world():
-    """A world of one (gloo) with megatron's groups inside the CPU patches, torn down after."""
-    from megatron.training import cpu_compat
-    from megatron.training.initialize import destroy, initialize_distributed
-
-    with cpu_compat.patched():
-        try:
-            initialize_distributed(torch.device("cpu"), 1, 1)
-            yield
-        finally:
-            destroy()
-
-
 def _built_adapter_params(lora) -> int:
     """Adapter parameters of a whole tiny model built with ``lora`` (megatron-core's layers, TP1)."""
     from megatron.vlm.stage import StageBuild, build_stage
 
-    with _world():
+    with world_of_one():
         units = build_units(TINY)
         stage = build_stage(StageBuild(TINY, range(len(units)), lora=lora,
                                        trainable=Freeze(lora=lora).trainable(units, False, TINY).trains))
@@ -139,7 +125,7 @@ def test_hf_model_loads_into_a_lora_stage(tmp_path):
     model = hf_tiny.make_tiny(tmp_path, seed=2, vit="ln-bias", text="llama", vit_heads=4)
     batch = hf_tiny.inputs()
     lora = Lora(4, targets=tuple(parse_targets("llm,vit")))
-    with _world():
+    with world_of_one():
         src = HFSource.open(str(tmp_path))
         stage = logits_stage(src.spec, range(len(build_units(src.spec))), image_token_id(src), lora=lora)
         load_hf_into_stage(stage, src)
@@ -211,18 +197,13 @@ def test_merged_hf_export_logits_equal_ours(tmp_path, data_cache):
     pytest.importorskip("transformers")
     pytest.importorskip("tokenizers")
     import hf_tiny
-    from test_hf_finetune import VOCAB, write_tokenizer
     from transformers import InternVLForConditionalGeneration
 
     from launch import run_training
     from omnibal_cli import main as omnibal
 
     hf = tmp_path / "hf"
-    hf.mkdir()
-    image_id = write_tokenizer(hf)
-    model = hf_tiny.make_tiny(hf, seed=4, vit="ln-bias", text="qwen2", vit_heads=3, vocab=VOCAB)
-    model.config.image_token_id = image_id
-    model.save_pretrained(str(hf))
+    model, image_id = hf_tiny.make_tiny_with_tokenizer(hf, seed=4, vit="ln-bias", text="qwen2", vit_heads=3)
     assert omnibal(["hf", "import", "--hf-checkpoint", str(hf), "--save", str(tmp_path / "imported")]) == 0
     flags = ["--hf-checkpoint", str(hf), "--load", str(tmp_path / "imported"), "--tensor-model-parallel-size", "2",
              "--train-iters", "3", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-2",
@@ -235,12 +216,42 @@ def test_merged_hf_export_logits_equal_ours(tmp_path, data_cache):
     merged = InternVLForConditionalGeneration.from_pretrained(str(tmp_path / "out")).eval()
     q = merged.model.language_model.layers[0].self_attn.q_proj.weight
     assert not torch.equal(q, model.model.language_model.layers[0].self_attn.q_proj.weight)
-    batch = hf_tiny.inputs(vocab=VOCAB, tiles=2)
-    ids = batch["input_ids"]
-    text = ids != VOCAB - 1
-    ids[text & (ids == image_id)] = image_id + 1  # random text ids that happen to be the image token
-    ids[~text] = image_id
+    batch = hf_tiny.inputs_with_image_id(image_id)
     want = hf_tiny.hf_logits(merged, batch)
+    got = _our_logits_with_adapters(tmp_path / "ckpt", tmp_path / "out", batch)
+    assert (got - want).abs().max() <= 1e-5
+
+
+@pytest.mark.slow
+def test_qwen_merged_hf_export_logits_equal_ours(tmp_path, data_cache):
+    """A tiny HF Qwen2.5-VL trained from --hf-checkpoint with LoRA on the LLM and the ViT's SwiGLU MLP (with bias) at
+    TP2 (its 3 ViT heads are padded to 4 there: no adapters on vit.qkv/vit.proj), exported with the adapters merged:
+    transformers' logits on the export equal our model's with the adapters (unmerged) within 1e-5, and the merge
+    changed the ViT's MLP weights."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("sklearn")
+    import hf_tiny_qwen
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from launch import run_training
+    from omnibal_cli import main as omnibal
+
+    flags = hf_tiny_qwen.training_flags(tmp_path, data_cache, seed=4) + [
+        "--tensor-model-parallel-size", "2", "--train-iters", "2", "--micro-batch-size", "2",
+        "--global-batch-size", "2", "--lr", "1e-2", "--lr-warmup-iters", "0", "--save", str(tmp_path / "ckpt"),
+        "--lora-rank", "4", "--lora-alpha", "16", "--lora-targets", "llm,vit.fc1,vit.fc2"]
+    _, out = run_training(2, flags, tmp_path, "lora")
+    assert "LoRA adapters" in out
+    assert omnibal(["hf", "export", "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]) == 0
+    base = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(tmp_path / "hf"))
+    merged = hf_tiny_qwen.eager(Qwen2_5_VLForConditionalGeneration.from_pretrained(str(tmp_path / "out")).eval())
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        assert not torch.equal(getattr(merged.model.visual.blocks[0].mlp, name).weight,
+                               getattr(base.model.visual.blocks[0].mlp, name).weight), name
+    assert torch.equal(merged.model.visual.blocks[0].attn.qkv.weight, base.model.visual.blocks[0].attn.qkv.weight)
+    batch = hf_tiny_qwen.inputs_with_token_ids(hf_tiny_qwen.SPECIAL_IDS)
+    want = hf_tiny_qwen.hf_logits(merged, batch)
     got = _our_logits_with_adapters(tmp_path / "ckpt", tmp_path / "out", batch)
     assert (got - want).abs().max() <= 1e-5
 
@@ -254,7 +265,7 @@ def _our_logits_with_adapters(ckpt, exported, batch) -> torch.Tensor:
     from megatron.vlm.hf.logits import gather_vocab, image_token_id, logits_stage, make_batch
     from omnibal_ext.model.units import spec_from_dict
 
-    with _world():
+    with world_of_one():
         path = find_checkpoint(str(ckpt)).path
         run = dist_checkpointing.load_common_state_dict(path)["run"]
         lora = Lora(run["lora"]["rank"], run["lora"]["alpha"], targets=tuple(run["lora"]["targets"]))
@@ -271,19 +282,27 @@ def _our_logits_with_adapters(ckpt, exported, batch) -> torch.Tensor:
             return gather_vocab(stage(make_batch(src, batch)), spec.language.vocab_real)
 
 
-def _family_case(folder):
-    """(transformers model saved to ``folder``, its class, inputs, logits function) of a tiny HF InternVL."""
-    import hf_tiny as tiny
-    from transformers import InternVLForConditionalGeneration as cls
+def _family_case(family, folder):
+    """(transformers model saved to ``folder``, its class, inputs, logits function) of a tiny HF model of ``family``
+    (Qwen2.5-VL: 3 ViT heads, windows and full attention, eager attention in transformers)."""
+    if family == "internvl":
+        import hf_tiny as tiny
+        from transformers import InternVLForConditionalGeneration as cls
 
-    return tiny.make_tiny(folder, seed=6, vit="rms-qknorm", text="qwen2", vit_heads=4), cls, tiny.inputs(), \
-        tiny.hf_logits
+        return tiny.make_tiny(folder, seed=6, vit="rms-qknorm", text="qwen2", vit_heads=4), cls, tiny.inputs(), \
+            tiny.hf_logits
+    import hf_tiny_qwen as tiny
+    from transformers import Qwen2_5_VLForConditionalGeneration as cls
+
+    return tiny.make_tiny(folder, seed=6), cls, tiny.inputs(), lambda model, batch: tiny.hf_logits(tiny.eager(model),
+                                                                                                  batch)
 
 
-def test_export_merges_adapters_of_every_linear(tmp_path):
+@pytest.mark.parametrize("family", ["internvl", "qwen2_5_vl"])
+def test_export_merges_adapters_of_every_linear(tmp_path, family):
     """Adapters on all eight linears with random B, saved as a checkpoint (global layouts: the ViT's per-head QKV
-    and out-projection, gated fc1 halves) and exported: transformers' logits on the merged folder equal our
-    model's with the adapters (1e-5) (InternVL; Qwen2.5-VL's merge is not yet checked)."""
+    and out-projection, gated fc1 halves; Qwen's ViT: biased SwiGLU fc1) and exported: transformers' logits on the
+    merged folder equal our model's with the adapters (1e-5), for both families."""
     pytest.importorskip("transformers")
     from megatron.core import dist_checkpointing
 
@@ -293,13 +312,15 @@ def test_export_merges_adapters_of_every_linear(tmp_path):
     from megatron.vlm.hf.load import load_hf_into_stage
     from megatron.vlm.hf.logits import gather_vocab, image_token_id, logits_stage, make_batch
 
-    model, cls, batch, hf_logits = _family_case(tmp_path / "hf")
+    model, cls, batch, hf_logits = _family_case(family, tmp_path / "hf")
     lora = Lora(4, alpha=6.0, targets=tuple(parse_targets("llm,vit")))
     ckpt = tmp_path / "ckpt"
-    with _world():
+    with world_of_one():
         src = HFSource.open(str(tmp_path / "hf"))
         stage = logits_stage(src.spec, range(len(build_units(src.spec))), image_token_id(src), lora=lora)
         load_hf_into_stage(stage, src)
+        adapted = sum(n.endswith("lora_b") for n, _ in stage.named_parameters())
+        assert adapted == 4 * (src.spec.vision.num_layers + src.spec.language.num_layers)  # ViT targets included
         g = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for name, p in stage.named_parameters():

@@ -18,18 +18,11 @@ pytestmark = pytest.mark.slow
 def test_finetune_qwen_pp2_isf_messages_photos_then_export(tmp_path, data_cache):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from megatron.training import cpu_compat
-    from megatron.training.initialize import destroy, initialize_distributed
-    from megatron.vlm.hf.convert import HFSource
-    from megatron.vlm.hf.logits import chained_logits
+    import hf_tiny
     from omnibal_cli import main as omnibal
 
     hf = tmp_path / "hf"
-    hf.mkdir()
-    ids = hf_tiny_qwen.write_tokenizer(hf)
-    model = hf_tiny_qwen.make_tiny(hf, seed=3)
-    hf_tiny_qwen.set_token_ids(model, ids)
-    model.save_pretrained(str(hf))
+    model, ids = hf_tiny_qwen.make_tiny_with_tokenizer(hf, seed=3)
     data = hf_tiny_qwen.write_messages_data(tmp_path)
     flags = ["--hf-checkpoint", str(hf), "--data-path", data, "--max-pixels", str(28 * 28 * 12),
              "--pipeline-model-parallel-size", "2", "--pipeline-layout", "Iv*2|v*2PEt*2L", "--omnibal-isf",
@@ -59,23 +52,7 @@ def test_finetune_qwen_pp2_isf_messages_photos_then_export(tmp_path, data_cache)
     tuned = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(tmp_path / "out")).eval()
     assert not torch.equal(tuned.model.language_model.embed_tokens.weight,
                            model.model.language_model.embed_tokens.weight)
-    tuned.config._attn_implementation = "eager"
-    tuned.model.visual.config._attn_implementation = "eager"
-    tuned.model.language_model.config._attn_implementation = "eager"
-    batch = hf_tiny_qwen.inputs()  # its image token ids made this tokenizer's; no text token is a special one
-    tokens = batch["input_ids"]
-    roles = {hf_tiny_qwen.IMAGE_ID: "<|image_pad|>", hf_tiny_qwen.VISION_START: "<|vision_start|>",
-             hf_tiny_qwen.VISION_END: "<|vision_end|>"}
-    where = {old: tokens == old for old in roles}
-    tokens[(tokens < len(ids)) & ~sum(where.values()).bool()] += 100
-    for old, name in roles.items():
-        tokens[where[old]] = ids[name]
-    batch["mm_token_type_ids"] = (tokens == ids["<|image_pad|>"]).long()
+    hf_tiny_qwen.eager(tuned)
+    batch = hf_tiny_qwen.inputs_with_token_ids(ids)  # no text token is a special one
     want = hf_tiny_qwen.hf_logits(tuned, batch)
-    with cpu_compat.patched():
-        try:
-            initialize_distributed(torch.device("cpu"), 1, 1)
-            got = chained_logits(HFSource.open(str(tmp_path / "out")), batch)
-        finally:
-            destroy()
-    assert (got - want).abs().max() <= 1e-5
+    assert (hf_tiny.our_logits(tmp_path / "out", batch) - want).abs().max() <= 1e-5

@@ -5,8 +5,6 @@ packed rows are padded to a multiple of TP), a TP2 run without it (activation me
 tests/sp_profile_probe.py that profiles one ViT and one LLM layer at TP 2 with and without it.
 """
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,6 @@ from launch import run_training
 
 pytestmark = pytest.mark.slow
 
-HERE = Path(__file__).resolve().parent
 BASE = ["--train-iters", "8", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr-warmup-iters", "0",
         "--lr", "2e-3", "--log-interval", "1", "--seed", "7", "--eval-interval", "0"]
 SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
@@ -53,18 +50,12 @@ def test_sequence_parallel_activation_bytes_match_the_model(tmp_path):
     analytic_costs(tp=2, device cpu, sequence_parallel=...): each layer within 5% with and without it, with and
     without full recompute (each tile padded 17 -> 18 tokens and the LLM row 301 -> 302 under it), and what
     sequence parallelism saves (the replicated part halved) within 5% of what the model says it saves."""
-    sys.path.insert(0, str(HERE.parent / "scripts"))
-    import benchlib
+    import sp_profile_probe
 
     from omnibal_ext.model.cost_model import DEVICES, MicroBatchShape, analytic_costs
     from omnibal_ext.model.units import get_preset
 
-    out = tmp_path / "probe.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(benchlib.free_port()), str(HERE / "sp_profile_probe.py"), str(out)]
-    run = subprocess.run(cmd, cwd=tmp_path, env=benchlib.trainer_env(), capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    measured = json.loads(out.read_text())
+    measured = sp_profile_probe.launch(tmp_path)
     shape = MicroBatchShape.from_dict(measured["shape"])
     model = {key: {u.kind: u for u in analytic_costs(get_preset("tiny"), shape, 2, DEVICES["cpu"],
                                                      attention="flash", sequence_parallel=key == "sp").units}

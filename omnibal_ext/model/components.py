@@ -149,7 +149,8 @@ def layer_act_bytes_per_token(
       out-projection input: ``h*D/t`` more. Counted whenever attention runs per sample: a row of one segment
       (no padding, no CP) keeps its one output as the out-projection input, ``h*D/t`` less (measured), but a
       shape that does not say its samples (``llm_attn_tokens_sq`` None, the memory caps) stands for rows of
-      several.
+      several. The per-sample outputs are part of the returned core: selective recompute re-runs the attention
+      and keeps only its concatenated output (the out-projection input).
     """
     d_bytes, p = dtype_bytes, (1 if dropout else 0)
     head_dim = head_dim or hidden // heads
@@ -168,14 +169,14 @@ def layer_act_bytes_per_token(
         qkv = width + 2 * groups * head_dim + ((width + groups * head_dim) if rotary else 0)
     split = qkv * d_bytes + width * d_bytes
     split += (5 if swiglu else 2) * ffn * d_bytes
-    if per_sample:
-        split += width * d_bytes
     if attention == "unfused":
         core = heads * attended * (d_bytes + p + p * d_bytes)
     elif attention == "flash":
         core = heads * 4.0  # fp32 log-sum-exp per head; the output is counted as the out-proj input
     else:
         raise UserError(f"attention must be 'unfused' or 'flash', got {attention!r}")
+    if per_sample:
+        core += width * d_bytes  # each sample's output, beside their concatenation
     return replicated + (split + core) / tp, core / tp
 
 

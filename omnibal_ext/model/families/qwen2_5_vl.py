@@ -26,7 +26,7 @@ import numpy as np
 
 from ...errors import UserError
 from ..components import (FUSED_KERNELS, ActBytes, CostComponent, HeadCost, TextEmbedCost, TextLayerCost,
-                          layer_act_bytes_per_token, sp_tokens)
+                          layer_act_bytes_per_token, norm_bytes_per_token, sp_tokens)
 from ..spec import PROJECTOR, VISION_EMBED, VISION_LAYER, LanguageSpec, ModelSpec
 from . import Family
 
@@ -100,6 +100,16 @@ def _attention_sq(spec: ModelSpec, shape, window: bool) -> float:
     return given if given is not None else n * n
 
 
+def _several_segments(shape, window: bool, padded: int) -> bool:
+    """Whether a ViT layer kind's packed attention runs over more than one segment (``padded`` tokens: a
+    sequence-parallel pad is a segment of its own). One segment keeps its output as the out-projection input;
+    several keep each output beside their concatenation. A shape that does not give the kind's sum of squares
+    stands for several (as the LLM's rows)."""
+    n = shape.vision_items
+    given = shape.vision_window_tokens_sq if window else shape.vision_attn_tokens_sq
+    return given is None or given < float(n) * n or padded > n  # sum(len^2) == n^2 only for one segment
+
+
 def image_segments_sq(spec: ModelSpec, rows, cols) -> tuple[np.ndarray, np.ndarray]:
     """(full-attention, window) sums of squared segment lengths (patches^2) of images of ``rows x cols`` patches
     (arrays, one per image): the whole image is one segment, ``(rows*cols)^2``; windows of ``w x w`` patches
@@ -138,10 +148,12 @@ class VisionEmbedCost(CostComponent):
         return v.patch_dim * v.hidden_size
 
     def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False, kernels=FUSED_KERNELS):
+        # the convolution's input (the pixels in the compute dtype) and the int64 index that puts the patches in
+        # window order
         _check_cp(shape)
         v, D = self.spec.vision, shape.dtype_bytes
-        pixels = shape.vision_items * v.patch_dim * D
-        return ActBytes(pixels, pixels, pixels, shape.vision_items * v.hidden_size * D)
+        act = shape.vision_items * (v.patch_dim * D + 8.0)
+        return ActBytes(act, act, act, shape.vision_items * v.hidden_size * D)
 
 
 class _VisionLayerCost(CostComponent):
@@ -168,12 +180,14 @@ class _VisionLayerCost(CostComponent):
         # layer input kept for full recompute and sent to the next stage split over TP, as InternViT's
         _check_cp(shape)
         v, D, n = self.spec.vision, shape.dtype_bytes, shape.vision_items
+        padded = sp_tokens(n, tp, sequence_parallel)
         attended = _attention_sq(self.spec, shape, self.window) / n if n else 0.0
+        per_sample = attention == "flash" and _several_segments(shape, self.window, padded)
         per_tok, core = layer_act_bytes_per_token(
             v.hidden_size, v.num_attention_heads, v.num_attention_heads, v.ffn_hidden_size, True, attended, D, tp,
-            dropout, attention, norm="RMSNorm", rotary=True, per_sample=attention == "flash",
+            dropout, attention, norm="RMSNorm", rotary=True, per_sample=per_sample,
             built_heads=v.padded_heads(tp), sequence_parallel=sequence_parallel, kernels=kernels)
-        n = sp_tokens(n, tp, sequence_parallel)
+        n = padded
         split = tp if sequence_parallel else 1
         full = n * v.hidden_size * D / split + n * v.head_dim * 4.0  # input, fp32 rotary table
         return ActBytes(n * per_tok, full, n * (per_tok - core), n * v.hidden_size * D / split)
@@ -215,10 +229,14 @@ class MergerCost(CostComponent):
         return self.spec.vision.hidden_size + hi * hi + hi + hi * ho + ho
 
     def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False, kernels=FUSED_KERNELS):
+        # per patch the norm's input and what it keeps (norm_bytes_per_token); per merged token the fc1 input
+        # (replicated), the GELU input and the fc2 input (split), and the int64 index back to processor order
         _check_cp(shape)
-        hi, ho = self._sizes()
-        D, tokens = shape.dtype_bytes, shape.vision_items / self.spec.vision.merge_unit
-        act = tokens * (2 * hi * D + 2 * hi * D / tp)  # norm input and output; GELU input, fc2 input (split)
+        v, (hi, ho) = self.spec.vision, self._sizes()
+        D, n = shape.dtype_bytes, shape.vision_items
+        tokens = n / v.merge_unit
+        norm = n * (v.hidden_size * D + norm_bytes_per_token(v.hidden_size, D, "RMSNorm", kernels))
+        act = norm + tokens * (hi * D + 2 * hi * D / tp + 8.0)
         return ActBytes(act, tokens * hi * D, act, tokens * ho * D)
 
     def tp_allreduce_bytes(self, shape, sequence_parallel=False, tp=1):
