@@ -29,6 +29,7 @@ count is all-reduced over DP x CP by ``finalize_model_grads``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -36,15 +37,18 @@ import torch
 from omnibal_ext.model.cp_split import chunk_pairs, padded_chunk, rank_chunks, rank_work, tile_ranges  # noqa: F401
 
 IGNORE_INDEX = -100
-CP_KEYS = ("image_feature_index",)  # read by the LLM embedding under CP (with the tokens)
 
 
 def split_batch(batch: dict, cp: int, rank: int, pad_id: int, img_context_id: int | None, sp_tp: int = 1) -> dict:
-    """CP rank ``rank``'s part of a collated micro-batch (see the module docstring; sp_tp: the TP size under
-    sequence parallelism, else 1); tokens, labels, position_ids,
-    segment_ids become [1, t / cp] (t: the padded total), ``cu_seqlens``/``max_seqlen`` the padded unsplit ones,
-    pixel_values this rank's tiles; ``num_tiles`` (a Python int) and, with tokens, ``image_feature_index`` are
-    added; the per-sample and per-tile metadata stay whole."""
+    """CP rank ``rank``'s part of a collated micro-batch of tiles (see the module docstring; the default
+    ``Batcher.split_cp``): ``split_tiles`` then ``split_tokens``."""
+    return split_tokens(split_tiles(batch, cp, rank), cp, rank, pad_id, img_context_id, sp_tp)
+
+
+def split_tiles(batch: dict, cp: int, rank: int) -> dict:
+    """The vision part of the tiled split: pixel_values (and the drop path's ``tile_keys``) of this rank's run of
+    tiles (``tile_ranges``; one tile whose output nobody reads when the rank has none); ``num_tiles`` (a Python int,
+    the micro-batch's tiles) added; the per-sample and per-tile metadata stay whole."""
     out = dict(batch)
     n_tiles = int(batch["sample_tiles"].sum())
     out["num_tiles"] = n_tiles
@@ -55,21 +59,39 @@ def split_batch(batch: dict, cp: int, rank: int, pad_id: int, img_context_id: in
         out["pixel_values"] = batch["pixel_values"][tiles.start:tiles.stop]
         if "tile_keys" in batch:  # the drop path's keys of this rank's tiles
             out["tile_keys"] = batch["tile_keys"][tiles.start:tiles.stop]
+    return out
+
+
+def padded_layout(bounds: list[int], cp: int, sp_tp: int = 1, rank: int | None = None) -> tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
+    """(source, position) int64 [tokens]: for every token of the padded layout of the micro-batch whose segments
+    have ``cu_seqlens`` ``bounds`` (each segment padded at its end to a multiple of 2 x cp x sp_tp), its index in
+    the unsplit micro-batch (-1: a pad) and its position in its segment; ``rank`` given: only that CP rank's
+    chunks (r and 2 cp - 1 - r of every segment, in that order), None: the whole padded, unsplit layout."""
+    src, pos = [], []
+    for a, e in zip(bounds[:-1], bounds[1:]):
+        padded, c = padded_chunk(e - a, cp, sp_tp)
+        spans = [range(padded)] if rank is None else [range(i * c, (i + 1) * c) for i in rank_chunks(cp, rank)]
+        for span in spans:
+            for p in span:
+                src.append(a + p if a + p < e else -1)
+                pos.append(p)
+    return torch.tensor(src, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64)
+
+
+def split_tokens(batch: dict, cp: int, rank: int, pad_id: int, img_context_id: int | None, sp_tp: int = 1) -> dict:
+    """The LLM part of CP rank ``rank``'s split (module docstring; sp_tp: the TP size under sequence parallelism,
+    else 1): tokens, labels, position_ids, segment_ids become [1, t / cp] (t: the padded total),
+    ``cu_seqlens``/``max_seqlen`` the padded unsplit ones; with tokens and ``img_context_id``,
+    ``image_feature_index`` (each local image-context token's ordinal among the unsplit micro-batch's) is added.
+    Every other field is left as it is."""
+    out = dict(batch)
     if "cu_seqlens" not in batch:
         return out
     bounds = batch["cu_seqlens"].tolist()
-    src, pos, lengths = [], [], []
-    for a, e in zip(bounds[:-1], bounds[1:]):
-        padded, c = padded_chunk(e - a, cp, sp_tp)
-        lengths.append(padded)
-        for i in rank_chunks(cp, rank):
-            for p in range(i * c, (i + 1) * c):
-                src.append(a + p if a + p < e else -1)
-                pos.append(p)
-    src_t = torch.tensor(src, dtype=torch.int64)
+    src_t, pos_t = padded_layout(bounds, cp, sp_tp, rank)
     real = src_t >= 0
     take = src_t.clamp(min=0)
-    pos_t = torch.tensor(pos, dtype=torch.int64)
 
     def pick(key: str, fill) -> torch.Tensor:
         flat = batch[key].reshape(-1)
@@ -80,6 +102,7 @@ def split_batch(batch: dict, cp: int, rank: int, pad_id: int, img_context_id: in
             out[key] = pick(key, fill)
     if "position_ids" in batch:  # the position in the unsplit segment (a sample's own positions; pads go on)
         out["position_ids"] = pos_t.reshape(1, -1)
+    lengths = [padded_chunk(e - a, cp, sp_tp)[0] for a, e in zip(bounds[:-1], bounds[1:])]
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(torch.int32)
     out["cu_seqlens"], out["max_seqlen"] = cu, max(lengths)
@@ -133,15 +156,37 @@ def all_gather_cp(x: torch.Tensor, group) -> torch.Tensor:
     return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=group)
 
 
-def gather_tiles(x: torch.Tensor, n_tiles: int, tokens_per_tile: int, group) -> torch.Tensor:
-    """The projector's output for this rank's tiles [k * T, 1, H] -> every tile's [n_tiles * T, 1, H] in order
-    (padded to the longest rank's run for the all-gather, padding dropped)."""
-    cp, rank = group.size(), group.rank()
-    ranges = tile_ranges(n_tiles, cp)
-    longest = max(len(r) for r in ranges) * tokens_per_tile
-    mine = x[:len(ranges[rank]) * tokens_per_tile]
+def gather_rows(x: torch.Tensor, counts: list[int], group) -> torch.Tensor:
+    """Rows of every rank of ``group`` in rank order: this rank's first ``counts[rank]`` rows of ``x [n, ...]``
+    (rows after them, a dummy item's output, are dropped) -> [sum(counts), ...] (padded to the largest count for
+    the all-gather, padding dropped; backward: reduce-scatter). ``counts``: per rank, equal on every rank (host
+    ints). InternVL's projector output: tiles x tokens per tile of each rank's run (``tile_ranges``)."""
+    rank, longest = group.rank(), max(counts)
+    mine = x[:counts[rank]]
+    if longest == 0:  # no rank has rows for anyone (every rank knows it)
+        return mine
     if mine.shape[0] < longest:
         mine = torch.cat([mine, mine.new_zeros((longest - mine.shape[0], *mine.shape[1:]))])
     gathered = all_gather_cp(mine.contiguous(), group)
-    keep = torch.cat([torch.arange(j * longest, j * longest + len(r) * tokens_per_tile) for j, r in enumerate(ranges)])
+    keep = torch.cat([torch.arange(j * longest, j * longest + n) for j, n in enumerate(counts)])
     return gathered.index_select(0, keep.to(gathered.device))
+
+
+def vision_process_groups():
+    """megatron-core's process groups for ViT layers: under CP the ViT is data-parallel inside the CP group (each
+    rank runs its own items whole), so its layers get a CP group of this rank alone (megatron-core's THD RoPE
+    would otherwise cut per-token frequencies into CP chunks); None without CP (megatron-core's default groups)."""
+    from megatron.vlm.text import context_parallel_group
+
+    group = context_parallel_group()
+    return None if group is None else _without_cp(group)
+
+
+@functools.cache
+def _without_cp(cp_group):
+    import torch.distributed as dist
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    groups.cp = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    return groups
