@@ -181,3 +181,51 @@ def test_omnibal_plan_runs_at_cp2(tmp_path):
     assert flags["--context-parallel-size"] == 2
     assert flags["--tensor-model-parallel-size"] * flags["--pipeline-model-parallel-size"] * docs[2]["dp"] * 2 == 16
     assert "--context-parallel-size" not in docs[1]["trainer_flags"]
+
+
+def _training(tmp_path, data_cache, isf: bool, micro_batch: int = 1) -> list[str]:
+    import hf_tiny_qwen
+
+    # random: ``micro_batch`` samples per micro-batch (one: 1 image over 2 ranks, one rank running the dummy, or 2
+    # images of different sizes); ISF: packs of several images of different sizes; the serial run groups as the CP2
+    # run does (each sample's tokens counted padded to 2 x CP = 4)
+    sizes = ["--omnibal-isf", "--omnibal-isf-token-multiple", "4", "--micro-batch-size", "4"] if isf \
+        else ["--micro-batch-size", str(micro_batch)]
+    return hf_tiny_qwen.training_flags(tmp_path, data_cache) + sizes + [
+        "--train-iters", "3", "--global-batch-size", "4", "--lr", "3e-3", "--lr-warmup-iters", "0", "--seed", "5"]
+
+
+def _assert_same_run(got, want):
+    assert [r["iteration"] for r in got] == [r["iteration"] for r in want] == [1, 2, 3]
+    for g, w in zip(got, want):
+        assert abs(g["lm loss"] - w["lm loss"]) <= 1e-4 * abs(w["lm loss"]), (g, w)
+        assert abs(g["grad norm"] - w["grad norm"]) <= 1e-3 * abs(w["grad norm"]), (g, w)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isf", [False, True], ids=["random", "isf"])
+def test_qwen_cp2_equals_serial(tmp_path, data_cache, isf):
+    from launch import run_training
+
+    pytest.importorskip("transformers")
+    pytest.importorskip("sklearn")
+    flags = _training(tmp_path, data_cache, isf)
+    serial, _ = run_training(1, flags, tmp_path, "serial")
+    cp, _ = run_training(2, flags + ["--context-parallel-size", "2"], tmp_path, "cp2")
+    _assert_same_run(cp, serial)
+
+
+@pytest.mark.slow
+def test_qwen_cp2_with_tp2_sequence_parallel_equals_serial(tmp_path, data_cache):
+    """4 processes: TP2 --sequence-parallel x CP2, two samples per micro-batch (2 to 4 images over the CP ranks;
+    segments padded to 2 x CP x TP = 8; each rank's ViT patches padded for TP on their own): the serial run's losses
+    and gradient norms.  (Random batching: ISF in time groups by the cost model at the run's TP.)"""
+    from launch import run_training
+
+    pytest.importorskip("transformers")
+    pytest.importorskip("sklearn")
+    flags = _training(tmp_path, data_cache, isf=False, micro_batch=2)
+    serial, _ = run_training(1, flags, tmp_path, "serial")
+    both, _ = run_training(4, flags + ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                       "--sequence-parallel"], tmp_path, "cp2sp2")
+    _assert_same_run(both, serial)

@@ -174,19 +174,29 @@ def gather_rows(x: torch.Tensor, counts: list[int], group) -> torch.Tensor:
 
 def vision_process_groups():
     """megatron-core's process groups for ViT layers: under CP the ViT is data-parallel inside the CP group (each
-    rank runs its own items whole), so its layers get a CP group of this rank alone (megatron-core's THD RoPE
+    rank runs its own items whole), so its layers get the CP group ``own_rank_group`` (megatron-core's THD RoPE
     would otherwise cut per-token frequencies into CP chunks); None without CP (megatron-core's default groups)."""
-    from megatron.vlm.text import context_parallel_group
-
-    group = context_parallel_group()
-    return None if group is None else _without_cp(group)
-
-
-@functools.cache
-def _without_cp(cp_group):
-    import torch.distributed as dist
+    own = own_rank_group()
+    if own is None:
+        return None
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     groups = ProcessGroupCollection.use_mpu_process_groups()
-    groups.cp = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    groups.cp = own
     return groups
+
+
+def own_rank_group():
+    """Under CP, a process group of this rank alone, for megatron-core parts that would otherwise slice what they
+    compute by the CP group (made once per process); None without CP."""
+    from megatron.vlm.text import context_parallel_group
+
+    group = context_parallel_group()
+    return None if group is None else _own_group(group)
+
+
+@functools.cache
+def _own_group(cp_group):
+    import torch.distributed as dist
+
+    return dist.new_group([dist.get_rank()], use_local_synchronization=True)

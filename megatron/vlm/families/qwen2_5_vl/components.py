@@ -29,7 +29,7 @@ from omnibal_ext.model.families.qwen2_5_vl import FullLayerCost, MergerCost, Vis
 from megatron.vlm import sequence_parallel
 from megatron.vlm.attention import segment_params
 from megatron.vlm.components import PaddedHeadLayers, RuntimeComponent, TextEmbed, TextLayer
-from megatron.vlm.context_parallel import gather_rows
+from megatron.vlm.context_parallel import gather_rows, own_rank_group
 from megatron.vlm.text import context_parallel_group, packed_causal_mask
 
 from . import hf
@@ -182,7 +182,9 @@ class MRopeTextLayer(TextLayer):
                 params = segment_params(batch["cu_seqlens"], int(batch["max_seqlen"]), device if te else None,
                                         context_parallel_group())
                 self.rotary.inv_freq = self.rotary.inv_freq.to(device)
-                rope = self.rotary(ids.reshape(3, 1, -1).to(device), section)  # [t, 1, 1, d]
+                # [t, 1, 1, d]: every token's (CP: of the padded unsplit layout, not sliced here: megatron-core's THD
+                # RoPE takes this rank's chunks of every segment)
+                rope = self.rotary(ids.reshape(3, 1, -1).to(device), section, cp_group=own_rank_group())
                 cache["text_context"] = {"attention_mask": None, "rotary_pos_emb": rope, "packed_seq_params": params}
             else:
                 self.rotary.inv_freq = self.rotary.inv_freq.to(device)
