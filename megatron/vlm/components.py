@@ -195,8 +195,7 @@ class TextEmbed(RuntimeComponent):
 
     def forward(self, module, x, batch, cache):
         if "image_feature_index" in batch:  # context parallelism: every rank's tiles, then this rank's tokens'
-            from megatron.vlm.context_parallel import gather_rows, tile_ranges
-            from megatron.vlm.text import context_parallel_group
+            from megatron.vlm.context_parallel import context_parallel_group, gather_rows, tile_ranges
 
             group = context_parallel_group()
             T = self.spec.tokens_per_tile

@@ -172,6 +172,15 @@ def gather_rows(x: torch.Tensor, counts: list[int], group) -> torch.Tensor:
     return gathered.index_select(0, keep.to(gathered.device))
 
 
+def context_parallel_group():
+    """megatron-core's context-parallel group when it has more than one rank, else None."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized() or parallel_state.get_context_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_context_parallel_group()
+
+
 def vision_process_groups():
     """megatron-core's process groups for ViT layers: under CP the ViT is data-parallel inside the CP group (each
     rank runs its own items whole), so its layers get the CP group ``own_rank_group`` (megatron-core's THD RoPE
@@ -189,8 +198,6 @@ def vision_process_groups():
 def own_rank_group():
     """Under CP, a process group of this rank alone, for megatron-core parts that would otherwise slice what they
     compute by the CP group (made once per process); None without CP."""
-    from megatron.vlm.text import context_parallel_group
-
     group = context_parallel_group()
     return None if group is None else _own_group(group)
 

@@ -29,8 +29,8 @@ from omnibal_ext.model.families.qwen2_5_vl import FullLayerCost, MergerCost, Vis
 from megatron.vlm import sequence_parallel
 from megatron.vlm.attention import segment_params
 from megatron.vlm.components import PaddedHeadLayers, RuntimeComponent, TextEmbed, TextLayer
-from megatron.vlm.context_parallel import gather_rows, own_rank_group
-from megatron.vlm.text import context_parallel_group, packed_causal_mask
+from megatron.vlm.context_parallel import context_parallel_group, gather_rows, own_rank_group
+from megatron.vlm.text import packed_causal_mask
 
 from . import hf
 from .modules import ImageTokenEmbedding, PatchEmbedding, PatchMerger, vision_layer_spec, vision_rotary
