@@ -1,7 +1,8 @@
 """Context parallelism (--context-parallel-size) for the LLM, and the ViT's tiles divided over the same ranks.
 
-The CP ranks of a data-parallel rank read the same micro-batch; each keeps its part (``split_batch``, applied by
-the collate on the host):
+The CP ranks of a data-parallel rank read the same micro-batch; each keeps its part (the family's
+``Batcher.split_cp``, applied by the collate on the host; the default, InternVL's, is ``split_batch``: the tokens'
+``split_tokens``, shared by every family, and the tiles' ``split_tiles``):
 
 * LLM tokens: every segment of the micro-batch's THD description (each sample, each run of padding) is padded at
   its end to a multiple of 2 x CP tokens (2 x CP x TP with sequence parallelism, so that TP divides every rank's
@@ -15,9 +16,20 @@ the collate on the host):
   position it has in the unsplit sample (``position_ids`` hold it too).
 * ViT tiles: the micro-batch's tiles (dummy tiles included) are cut into CP contiguous runs, as even as whole
   tiles allow (at most ceil(tiles / CP) each); rank r's ViT runs on its run only (the ViT is data-parallel inside
-  the CP group).  The LLM embedding all-gathers the projector's output over the CP group (``gather_tiles``;
-  backward: reduce-scatter) and picks, for each of its image-context tokens, the feature of that token in the
-  unsplit micro-batch (``image_feature_index``, host-built).
+  the CP group).  The LLM embedding all-gathers the projector's output over the CP group (``gather_rows`` of
+  every rank's tiles x tokens per tile; backward: reduce-scatter) and picks, for each of its image-context tokens,
+  the feature of that token in the unsplit micro-batch (``image_feature_index``, host-built).
+* Images of varying size (Qwen2.5-VL, ``QwenBatcher.split_cp``): window and full attention need a whole image, so
+  images go whole to the ranks, in contiguous runs of the micro-batch's order balanced by patch count (the least
+  possible largest run: ``cp_split.image_runs``; not by predicted time, whose full-attention part is quadratic per
+  image); a rank gets its images' pixel rows and their ViT fields, one all-zero 2 x 2-patch image whose output
+  nobody reads when it has none.  ``vision_rank_tokens`` (every rank's merged tokens, host ints) sizes the LLM
+  embedding's ``gather_rows``, then ``image_feature_index`` picks as above.  Multimodal RoPE: the
+  ``mrope_position_ids`` stay in the padded, unsplit layout (each segment padded as above), one frequency row per
+  token of ``cu_seqlens``, which megatron-core's THD RoPE (given the CP group in the packed parameters) slices to
+  this rank's chunks by absolute offset.
+* ViT layers are built with a CP group of their rank alone (``vision_process_groups``): their tokens are not CP
+  chunks, and megatron-core's RoPE would slice them as such.
 
 The core attention (``megatron.vlm.attention.SegmentAttention``) all-gathers keys and values over the CP group
 (differentiable: the backward reduce-scatters, so each rank gets the gradients every rank's queries put on its
