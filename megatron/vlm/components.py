@@ -30,6 +30,7 @@ from omnibal_ext.model.lora import Lora
 from omnibal_ext.model.spec import HEAD, TEXT_LAYER, VISION_LAYER, ModelSpec, Unit
 
 from megatron.vlm import layers, sequence_parallel
+from megatron.vlm.context_parallel import context_parallel_group, gather_rows, tile_ranges, vision_process_groups
 from megatron.vlm.data.side import TILED, DataSide
 from megatron.vlm.head import OutputHead
 from megatron.vlm.seeding import seeded
@@ -59,8 +60,6 @@ class StageContext:
         """The TransformerBlock segments of a run of layer ``units`` of ``role`` built with ``config``: this stage's
         recompute of the role and the LoRA adapters its targets put on these layers (``layers.build_blocks``); ViT
         layers without the CP group (``context_parallel.vision_process_groups``)."""
-        from megatron.vlm.context_parallel import vision_process_groups
-
         full, selective = self.layer_recompute(role, units[0].index)
         return layers.build_blocks(config, spec_for, units[0].index, len(units), full, selective,
                                    self.lora, self.lora.linears(role),
@@ -195,8 +194,6 @@ class TextEmbed(RuntimeComponent):
 
     def forward(self, module, x, batch, cache):
         if "image_feature_index" in batch:  # context parallelism: every rank's tiles, then this rank's tokens'
-            from megatron.vlm.context_parallel import context_parallel_group, gather_rows, tile_ranges
-
             group = context_parallel_group()
             T = self.spec.tokens_per_tile
             x = gather_rows(x, [len(r) * T for r in tile_ranges(batch["num_tiles"], group.size())], group)

@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from megatron.vlm.context_parallel import split_batch
+
 from .collate import collate_packed, collate_padded
 from .tokenizer import IMG_CONTEXT, IMG_END, IMG_START
 
@@ -45,8 +47,6 @@ class Batcher:
                  sp_tp: int = 1) -> dict:
         """Context-parallel rank ``rank``'s part of the micro-batch ``make`` built (``megatron/vlm/
         context_parallel.py``): the LLM tokens cut into 2 x CP chunks per segment, the tiles into contiguous runs."""
-        from megatron.vlm.context_parallel import split_batch
-
         return split_batch(batch, cp, rank, pad_id, img_context_id, sp_tp)
 
     def cp_keys(self, inputs) -> tuple[str, ...]:

@@ -23,9 +23,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from megatron.vlm.context_parallel import padded_layout, split_tokens
 from megatron.vlm.data.internvl import ImageRule
 from megatron.vlm.data.side import Batcher, DataSide
 from omnibal_ext.errors import UserError
+from omnibal_ext.model.cp_split import image_runs
 
 from .batch import vision_fields
 from .image_processing import ImageProcessorConfig, preprocess_image, resized_grid
@@ -134,9 +136,6 @@ class QwenBatcher(Batcher):
         contiguous runs balanced by patches (``image_runs``): this rank's pixel rows and ``vision_fields`` (an
         all-zero 2 x 2-patch image whose output nobody reads when it has none), and ``vision_rank_tokens`` (every
         rank's merged image tokens, host ints: the LLM embedding's all-gather)."""
-        from megatron.vlm.context_parallel import padded_layout, split_tokens
-        from omnibal_ext.model.cp_split import image_runs
-
         out = split_tokens(batch, cp, rank, pad_id, self.image_token_id, sp_tp)
         if "mrope_position_ids" in batch and "cu_seqlens" in batch:
             src, pos = padded_layout(batch["cu_seqlens"].tolist(), cp, sp_tp)
