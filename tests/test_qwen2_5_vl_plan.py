@@ -170,5 +170,3 @@ def test_vit_layer_sequence_parallel_splits_input_and_send(patches):
     assert plain.send == patches * v.hidden_size * 2 and split.send == padded * v.hidden_size * 2 / 2
     assert split.full == padded * v.hidden_size + padded * v.head_dim * 4.0
     assert layer.tp_allreduce_bytes(shape, True, 2)[0] == 2 * padded * v.hidden_size * 2
-    with pytest.raises(Exception, match="packed whole onto the CP ranks"):
-        layer.act_bytes(MicroBatchShape(patches, 2048, cp=2), 2, False, "flash")

@@ -31,7 +31,6 @@ import torch.distributed as dist
 
 from omnibal_ext.data.sampler import GroupBatchSampler
 
-from megatron.vlm.context_parallel import CP_KEYS, split_batch
 from megatron.vlm.data.collate import check_image_tokens, on_host
 from megatron.vlm.data.side import Batcher
 
@@ -103,7 +102,7 @@ class Collate:
     def __init__(self, pad_id: int, packed: bool, inputs: StageInputs, image_tokens: tuple[int, int] | None,
                  pad_to_multiple: int = 1, cp: int = 1, cp_rank: int = 0, batcher: Batcher | None = None):
         """pad_to_multiple: --sequence-parallel's TP: without CP the row length is rounded up to a multiple of it,
-        with CP every segment to a multiple of 2 x CP x it (``split_batch``).  batcher: the family's micro-batch
+        with CP every segment to a multiple of 2 x CP x it (``Batcher.split_cp``).  batcher: the family's micro-batch
         maker (``megatron.vlm.data.side``; default: ``collate.py``'s fields)."""
         self.pad_id, self.packed, self.inputs, self.image_tokens = pad_id, packed, inputs, image_tokens
         self.pad_to_multiple = pad_to_multiple
@@ -117,9 +116,10 @@ class Collate:
             check_image_tokens(batch, *self.image_tokens)
         keys = self.batcher.keys(self.inputs)
         if self.cp > 1:
-            batch = split_batch(batch, self.cp, self.cp_rank, self.pad_id,
-                                self.image_tokens[0] if self.image_tokens else None, sp_tp=self.pad_to_multiple)
-            keys += ("num_tiles",) + (CP_KEYS if self.inputs.tokens and "image_feature_index" in batch else ())
+            img_context_id = self.image_tokens[0] if self.image_tokens else None
+            batch = self.batcher.split_cp(batch, self.cp, self.cp_rank, self.pad_id, img_context_id,
+                                          sp_tp=self.pad_to_multiple)
+            keys += tuple(k for k in self.batcher.cp_keys(self.inputs) if k in batch)
         return {k: batch[k] for k in keys}
 
 
@@ -175,7 +175,7 @@ class MicroBatches:
     inputs: what this stage reads (default: everything).  num_workers, prefetch_factor,
     pin_memory, persistent_workers: the DataLoader's.  tp_group, tp_src: the TP group of the stage and
     the global rank of its TP rank 0 (which alone loads and broadcasts); None: every rank loads.  cp, cp_rank:
-    context parallelism (each CP rank keeps its part of every micro-batch: ``split_batch``).  batcher: the
+    context parallelism (each CP rank keeps its part of every micro-batch: ``Batcher.split_cp``).  batcher: the
     family's micro-batch maker (``RuntimeFamily.data``; default: ``collate.py``'s fields).
     """
 

@@ -30,6 +30,7 @@ from omnibal_ext.model.lora import Lora
 from omnibal_ext.model.spec import HEAD, TEXT_LAYER, VISION_LAYER, ModelSpec, Unit
 
 from megatron.vlm import layers, sequence_parallel
+from megatron.vlm.context_parallel import context_parallel_group, gather_rows, tile_ranges, vision_process_groups
 from megatron.vlm.data.side import TILED, DataSide
 from megatron.vlm.head import OutputHead
 from megatron.vlm.seeding import seeded
@@ -57,10 +58,12 @@ class StageContext:
 
     def build_layers(self, units: list[Unit], config: TransformerConfig, spec_for, role: str) -> torch.nn.ModuleList:
         """The TransformerBlock segments of a run of layer ``units`` of ``role`` built with ``config``: this stage's
-        recompute of the role and the LoRA adapters its targets put on these layers (``layers.build_blocks``)."""
+        recompute of the role and the LoRA adapters its targets put on these layers (``layers.build_blocks``); ViT
+        layers without the CP group (``context_parallel.vision_process_groups``)."""
         full, selective = self.layer_recompute(role, units[0].index)
         return layers.build_blocks(config, spec_for, units[0].index, len(units), full, selective,
-                                   self.lora, self.lora.linears(role))
+                                   self.lora, self.lora.linears(role),
+                                   vision_process_groups() if role == VISION_LAYER else None)
 
     @property
     def thd(self) -> bool:
@@ -191,10 +194,9 @@ class TextEmbed(RuntimeComponent):
 
     def forward(self, module, x, batch, cache):
         if "image_feature_index" in batch:  # context parallelism: every rank's tiles, then this rank's tokens'
-            from megatron.vlm.context_parallel import gather_tiles
-            from megatron.vlm.text import context_parallel_group
-
-            x = gather_tiles(x, batch["num_tiles"], self.spec.tokens_per_tile, context_parallel_group())
+            group = context_parallel_group()
+            T = self.spec.tokens_per_tile
+            x = gather_rows(x, [len(r) * T for r in tile_ranges(batch["num_tiles"], group.size())], group)
             return module(batch["tokens"], x, batch["image_tile_index"], batch["image_feature_index"])
         return module(batch["tokens"], x, batch["image_tile_index"])
 

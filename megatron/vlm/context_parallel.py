@@ -1,7 +1,8 @@
 """Context parallelism (--context-parallel-size) for the LLM, and the ViT's tiles divided over the same ranks.
 
-The CP ranks of a data-parallel rank read the same micro-batch; each keeps its part (``split_batch``, applied by
-the collate on the host):
+The CP ranks of a data-parallel rank read the same micro-batch; each keeps its part (the family's
+``Batcher.split_cp``, applied by the collate on the host; the default, InternVL's, is ``split_batch``: the tokens'
+``split_tokens``, shared by every family, and the tiles' ``split_tiles``):
 
 * LLM tokens: every segment of the micro-batch's THD description (each sample, each run of padding) is padded at
   its end to a multiple of 2 x CP tokens (2 x CP x TP with sequence parallelism, so that TP divides every rank's
@@ -15,9 +16,20 @@ the collate on the host):
   position it has in the unsplit sample (``position_ids`` hold it too).
 * ViT tiles: the micro-batch's tiles (dummy tiles included) are cut into CP contiguous runs, as even as whole
   tiles allow (at most ceil(tiles / CP) each); rank r's ViT runs on its run only (the ViT is data-parallel inside
-  the CP group).  The LLM embedding all-gathers the projector's output over the CP group (``gather_tiles``;
-  backward: reduce-scatter) and picks, for each of its image-context tokens, the feature of that token in the
-  unsplit micro-batch (``image_feature_index``, host-built).
+  the CP group).  The LLM embedding all-gathers the projector's output over the CP group (``gather_rows`` of
+  every rank's tiles x tokens per tile; backward: reduce-scatter) and picks, for each of its image-context tokens,
+  the feature of that token in the unsplit micro-batch (``image_feature_index``, host-built).
+* Images of varying size (Qwen2.5-VL, ``QwenBatcher.split_cp``): window and full attention need a whole image, so
+  images go whole to the ranks, in contiguous runs of the micro-batch's order balanced by patch count (the least
+  possible largest run: ``cp_split.image_runs``; not by predicted time, whose full-attention part is quadratic per
+  image); a rank gets its images' pixel rows and their ViT fields, one all-zero 2 x 2-patch image whose output
+  nobody reads when it has none.  ``vision_rank_tokens`` (every rank's merged tokens, host ints) sizes the LLM
+  embedding's ``gather_rows``, then ``image_feature_index`` picks as above.  Multimodal RoPE: the
+  ``mrope_position_ids`` stay in the padded, unsplit layout (each segment padded as above), one frequency row per
+  token of ``cu_seqlens``, which megatron-core's THD RoPE (given the CP group in the packed parameters) slices to
+  this rank's chunks by absolute offset.
+* ViT layers are built with a CP group of their rank alone (``vision_process_groups``): their tokens are not CP
+  chunks, and megatron-core's RoPE would slice them as such.
 
 The core attention (``megatron.vlm.attention.SegmentAttention``) all-gathers keys and values over the CP group
 (differentiable: the backward reduce-scatters, so each rank gets the gradients every rank's queries put on its
@@ -29,6 +41,7 @@ count is all-reduced over DP x CP by ``finalize_model_grads``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -36,15 +49,18 @@ import torch
 from omnibal_ext.model.cp_split import chunk_pairs, padded_chunk, rank_chunks, rank_work, tile_ranges  # noqa: F401
 
 IGNORE_INDEX = -100
-CP_KEYS = ("image_feature_index",)  # read by the LLM embedding under CP (with the tokens)
 
 
 def split_batch(batch: dict, cp: int, rank: int, pad_id: int, img_context_id: int | None, sp_tp: int = 1) -> dict:
-    """CP rank ``rank``'s part of a collated micro-batch (see the module docstring; sp_tp: the TP size under
-    sequence parallelism, else 1); tokens, labels, position_ids,
-    segment_ids become [1, t / cp] (t: the padded total), ``cu_seqlens``/``max_seqlen`` the padded unsplit ones,
-    pixel_values this rank's tiles; ``num_tiles`` (a Python int) and, with tokens, ``image_feature_index`` are
-    added; the per-sample and per-tile metadata stay whole."""
+    """CP rank ``rank``'s part of a collated micro-batch of tiles (see the module docstring; the default
+    ``Batcher.split_cp``): ``split_tiles`` then ``split_tokens``."""
+    return split_tokens(split_tiles(batch, cp, rank), cp, rank, pad_id, img_context_id, sp_tp)
+
+
+def split_tiles(batch: dict, cp: int, rank: int) -> dict:
+    """The vision part of the tiled split: pixel_values (and the drop path's ``tile_keys``) of this rank's run of
+    tiles (``tile_ranges``; one tile whose output nobody reads when the rank has none); ``num_tiles`` (a Python int,
+    the micro-batch's tiles) added; the per-sample and per-tile metadata stay whole."""
     out = dict(batch)
     n_tiles = int(batch["sample_tiles"].sum())
     out["num_tiles"] = n_tiles
@@ -55,21 +71,39 @@ def split_batch(batch: dict, cp: int, rank: int, pad_id: int, img_context_id: in
         out["pixel_values"] = batch["pixel_values"][tiles.start:tiles.stop]
         if "tile_keys" in batch:  # the drop path's keys of this rank's tiles
             out["tile_keys"] = batch["tile_keys"][tiles.start:tiles.stop]
+    return out
+
+
+def padded_layout(bounds: list[int], cp: int, sp_tp: int = 1, rank: int | None = None) -> tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
+    """(source, position) int64 [tokens]: for every token of the padded layout of the micro-batch whose segments
+    have ``cu_seqlens`` ``bounds`` (each segment padded at its end to a multiple of 2 x cp x sp_tp), its index in
+    the unsplit micro-batch (-1: a pad) and its position in its segment; ``rank`` given: only that CP rank's
+    chunks (r and 2 cp - 1 - r of every segment, in that order), None: the whole padded, unsplit layout."""
+    src, pos = [], []
+    for a, e in zip(bounds[:-1], bounds[1:]):
+        padded, c = padded_chunk(e - a, cp, sp_tp)
+        spans = [range(padded)] if rank is None else [range(i * c, (i + 1) * c) for i in rank_chunks(cp, rank)]
+        for span in spans:
+            for p in span:
+                src.append(a + p if a + p < e else -1)
+                pos.append(p)
+    return torch.tensor(src, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64)
+
+
+def split_tokens(batch: dict, cp: int, rank: int, pad_id: int, img_context_id: int | None, sp_tp: int = 1) -> dict:
+    """The LLM part of CP rank ``rank``'s split (module docstring; sp_tp: the TP size under sequence parallelism,
+    else 1): tokens, labels, position_ids, segment_ids become [1, t / cp] (t: the padded total),
+    ``cu_seqlens``/``max_seqlen`` the padded unsplit ones; with tokens and ``img_context_id``,
+    ``image_feature_index`` (each local image-context token's ordinal among the unsplit micro-batch's) is added.
+    Every other field is left as it is."""
+    out = dict(batch)
     if "cu_seqlens" not in batch:
         return out
     bounds = batch["cu_seqlens"].tolist()
-    src, pos, lengths = [], [], []
-    for a, e in zip(bounds[:-1], bounds[1:]):
-        padded, c = padded_chunk(e - a, cp, sp_tp)
-        lengths.append(padded)
-        for i in rank_chunks(cp, rank):
-            for p in range(i * c, (i + 1) * c):
-                src.append(a + p if a + p < e else -1)
-                pos.append(p)
-    src_t = torch.tensor(src, dtype=torch.int64)
+    src_t, pos_t = padded_layout(bounds, cp, sp_tp, rank)
     real = src_t >= 0
     take = src_t.clamp(min=0)
-    pos_t = torch.tensor(pos, dtype=torch.int64)
 
     def pick(key: str, fill) -> torch.Tensor:
         flat = batch[key].reshape(-1)
@@ -80,6 +114,7 @@ def split_batch(batch: dict, cp: int, rank: int, pad_id: int, img_context_id: in
             out[key] = pick(key, fill)
     if "position_ids" in batch:  # the position in the unsplit segment (a sample's own positions; pads go on)
         out["position_ids"] = pos_t.reshape(1, -1)
+    lengths = [padded_chunk(e - a, cp, sp_tp)[0] for a, e in zip(bounds[:-1], bounds[1:])]
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(torch.int32)
     out["cu_seqlens"], out["max_seqlen"] = cu, max(lengths)
@@ -133,15 +168,54 @@ def all_gather_cp(x: torch.Tensor, group) -> torch.Tensor:
     return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=group)
 
 
-def gather_tiles(x: torch.Tensor, n_tiles: int, tokens_per_tile: int, group) -> torch.Tensor:
-    """The projector's output for this rank's tiles [k * T, 1, H] -> every tile's [n_tiles * T, 1, H] in order
-    (padded to the longest rank's run for the all-gather, padding dropped)."""
-    cp, rank = group.size(), group.rank()
-    ranges = tile_ranges(n_tiles, cp)
-    longest = max(len(r) for r in ranges) * tokens_per_tile
-    mine = x[:len(ranges[rank]) * tokens_per_tile]
+def gather_rows(x: torch.Tensor, counts: list[int], group) -> torch.Tensor:
+    """Rows of every rank of ``group`` in rank order: this rank's first ``counts[rank]`` rows of ``x [n, ...]``
+    (rows after them, a dummy item's output, are dropped) -> [sum(counts), ...] (padded to the largest count for
+    the all-gather, padding dropped; backward: reduce-scatter). ``counts``: per rank, equal on every rank (host
+    ints). InternVL's projector output: tiles x tokens per tile of each rank's run (``tile_ranges``)."""
+    rank, longest = group.rank(), max(counts)
+    mine = x[:counts[rank]]
+    if longest == 0:  # no rank has rows for anyone (every rank knows it)
+        return mine
     if mine.shape[0] < longest:
         mine = torch.cat([mine, mine.new_zeros((longest - mine.shape[0], *mine.shape[1:]))])
     gathered = all_gather_cp(mine.contiguous(), group)
-    keep = torch.cat([torch.arange(j * longest, j * longest + len(r) * tokens_per_tile) for j, r in enumerate(ranges)])
+    keep = torch.cat([torch.arange(j * longest, j * longest + n) for j, n in enumerate(counts)])
     return gathered.index_select(0, keep.to(gathered.device))
+
+
+def context_parallel_group():
+    """megatron-core's context-parallel group when it has more than one rank, else None."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized() or parallel_state.get_context_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_context_parallel_group()
+
+
+def vision_process_groups():
+    """megatron-core's process groups for ViT layers: under CP the ViT is data-parallel inside the CP group (each
+    rank runs its own items whole), so its layers get the CP group ``own_rank_group`` (megatron-core's THD RoPE
+    would otherwise cut per-token frequencies into CP chunks); None without CP (megatron-core's default groups)."""
+    own = own_rank_group()
+    if own is None:
+        return None
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    groups.cp = own
+    return groups
+
+
+def own_rank_group():
+    """Under CP, a process group of this rank alone, for megatron-core parts that would otherwise slice what they
+    compute by the CP group (made once per process); None without CP."""
+    group = context_parallel_group()
+    return None if group is None else _own_group(group)
+
+
+@functools.cache
+def _own_group(cp_group):
+    import torch.distributed as dist
+
+    return dist.new_group([dist.get_rank()], use_local_synchronization=True)

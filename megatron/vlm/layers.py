@@ -108,18 +108,19 @@ def segment_configs(base: TransformerConfig, num_layers: int, full_layers: int, 
 
 
 def build_blocks(config: TransformerConfig, spec_for, first_index: int, n_layers: int, full_layers: int,
-                 selective: bool, lora=None, lora_linears: tuple[str, ...] = ()) -> torch.nn.ModuleList:
+                 selective: bool, lora=None, lora_linears: tuple[str, ...] = (),
+                 pg_collection=None) -> torch.nn.ModuleList:
     """TransformerBlock segments of ``n_layers`` consecutive layer units from unit ``first_index``;
     ``spec_for(first_unit_index)`` is the layer spec of a segment starting at that unit. lora: the LoRA flags
     (``omnibal_ext.model.lora.Lora``) and lora_linears the linears of these layers that carry adapters
-    (``megatron/vlm/lora.py``)."""
+    (``megatron/vlm/lora.py``). pg_collection: megatron-core's process groups of the blocks (None: its default)."""
     from megatron.vlm.lora import with_lora
 
     blocks = torch.nn.ModuleList()
     offset = 0
     for n, cfg in segment_configs(config, n_layers, min(full_layers, n_layers), selective):
         spec = with_lora(spec_for(first_index + offset), lora, lora_linears)
-        blocks.append(TransformerBlock(cfg, spec, post_layer_norm=False))
+        blocks.append(TransformerBlock(cfg, spec, post_layer_norm=False, pg_collection=pg_collection))
         offset += n
     if config.sequence_parallel:  # replicated parameters that see 1/TP of the tokens: gradients summed over TP
         mark_sequence_parallel(blocks)

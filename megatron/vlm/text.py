@@ -19,6 +19,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.vlm.attention import segment_params
+from megatron.vlm.context_parallel import context_parallel_group
 
 from omnibal_ext.model.spec import ModelSpec
 
@@ -91,15 +92,6 @@ def text_context(batch: dict, rotary, thd: bool, device=None) -> dict:
         return {"attention_mask": None, "rotary_pos_emb": rope, "packed_seq_params": params}
     rope = rotary(max_seqlen)[:, 0][batch["position_ids"].transpose(0, 1)]
     return {"attention_mask": packed_causal_mask(batch["segment_ids"]), "rotary_pos_emb": rope}
-
-
-def context_parallel_group():
-    """megatron-core's context-parallel group when it has more than one rank, else None."""
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized() or parallel_state.get_context_parallel_world_size() == 1:
-        return None
-    return parallel_state.get_context_parallel_group()
 
 
 def run_text_blocks(blocks, x: torch.Tensor, context: dict, thd: bool) -> torch.Tensor:

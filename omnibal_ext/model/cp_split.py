@@ -4,7 +4,8 @@ The trainer (``megatron/vlm/context_parallel.py``, which imports these) pads eve
 (each sample, each run of padding) at its end to a multiple of 2 x CP tokens (2 x CP x TP with sequence parallelism,
 ``sp_tp`` = TP, so that TP divides every CP rank's part) and cuts it into 2 x CP equal chunks;
 CP rank r keeps chunks r and 2 CP - 1 - r (balanced for causal attention: every rank attends 2 CP + 1 chunks of
-each segment).  The ViT's tiles are cut into CP contiguous runs, at most ceil(tiles / CP) each.
+each segment).  The ViT's tiles are cut into CP contiguous runs, at most ceil(tiles / CP) each; images of varying
+size that cannot be cut (Qwen2.5-VL's) go whole, in contiguous runs balanced by patches (:func:`image_runs`).
 
 The planner counts a micro-batch's per-rank work from the padded lengths (:func:`padded_lengths`): its LLM tokens
 are ``sum(padded)`` (each rank runs 1 / CP of them) and its attention ``sum(padded^2)`` (each rank computes
@@ -53,6 +54,28 @@ def tile_ranges(n_tiles: int, cp: int) -> list[range]:
         out.append(range(start, start + n))
         start += n
     return out
+
+
+def image_runs(sizes, cp: int) -> list[range]:
+    """Whole images of ``sizes`` (patches each, in micro-batch order) cut into ``cp`` contiguous runs whose largest
+    total is the least possible (exact: a search over the cuts, O(cp x n^2) for n images); each run, from the first,
+    takes as many images as fit in that total, so later runs may be empty (fewer images than ranks)."""
+    sizes = [int(s) for s in sizes]
+    prefix = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]) if sizes else np.zeros(1, dtype=np.int64)
+    n = len(sizes)
+    best = np.where(np.arange(n + 1) == 0, 0, np.iinfo(np.int64).max)  # least largest total of the first i in k runs
+    for _ in range(cp):
+        best = np.array([min(max(int(best[j]), int(prefix[i] - prefix[j])) for j in range(i + 1))
+                         for i in range(n + 1)], dtype=np.int64)
+    target = int(best[n])
+    runs, start = [], 0
+    for _ in range(cp):
+        end = start
+        while end < n and prefix[end + 1] - prefix[start] <= target:
+            end += 1
+        runs.append(range(start, end))
+        start = end
+    return runs
 
 
 def chunk_pairs(length: int, cp: int, rank: int, sp_tp: int = 1) -> int:

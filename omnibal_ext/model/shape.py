@@ -23,7 +23,8 @@ class MicroBatchShape:
     cp: context-parallel ranks the micro-batch is split over (the trainer's --context-parallel-size): each
         rank runs ``rank_llm_tokens`` LLM tokens (every sample cut into 2 x CP chunks, balanced for causal
         attention, so ``rank_attn_tokens_sq`` of the attention work), all-gathers the keys and values of all
-        ``llm_tokens``, and runs ``rank_vision_items`` of the ViT's items (whole tiles, as even as they allow).
+        ``llm_tokens``, and runs ``rank_vision_items`` of the ViT's items (whole tiles, as even as they allow; whole
+        images of varying size: ``rank_vision_sq`` of their attention squares too, an approximation).
         The components' FLOPs and bytes are those of one (the busiest) CP rank.
     """
 
@@ -71,8 +72,13 @@ class MicroBatchShape:
 
     @property
     def rank_vision_items(self) -> int:
-        """ViT items (tiles) of the busiest CP rank: ceil(items / CP)."""
+        """ViT items (tiles, patches) of the busiest CP rank: ceil(items / CP)."""
         return -(-self.vision_items // self.cp)
+
+    def rank_vision_sq(self, sum_sq: float) -> float:
+        """One CP rank's share of a ViT sum of squared segment lengths (``vision_attn_tokens_sq``,
+        ``vision_window_tokens_sq``): sum_sq / CP (whole images per rank: an approximation, a rank can get more)."""
+        return sum_sq / self.cp
 
     def to_dict(self) -> dict:
         d = {"vision_items": self.vision_items, "llm_tokens": self.llm_tokens, "dtype_bytes": self.dtype_bytes,

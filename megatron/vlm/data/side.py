@@ -9,8 +9,9 @@ Every family reads the same formats (``internvl.py``: meta JSON or an annotation
   family's ``ImageRule`` in ``images``);
 * ``batcher(spec, image_token_id, rule)``: the picklable maker of micro-batches, a ``Batcher`` (its ``make``
   collates the samples with the family's extra fields, ``rule`` being the reader's ``ImageRule``; its ``keys``
-  says which fields a stage reading ``StageInputs`` gets), and ``tile_check(spec)``: the tokens per ViT item for the loader's image-token check (None: the
-  batcher checks itself);
+  says which fields a stage reading ``StageInputs`` gets; its ``split_cp`` keeps a context-parallel rank's part,
+  ``cp_keys`` the fields that split adds), and ``tile_check(spec)``: the tokens per ViT item for the loader's
+  image-token check (None: the batcher checks itself);
 * ``default_image_px(spec)``: the image side of the built-in digits data for this model;
 * ``context_parallel``: whether its micro-batches can be split over context-parallel ranks;
 * ``profile_batch(spec, shape, image_token_id, device, pad_to_multiple)``: the micro-batch the trainer's profiler
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
+
+from megatron.vlm.context_parallel import split_batch
 
 from .collate import collate_packed, collate_padded
 from .tokenizer import IMG_CONTEXT, IMG_END, IMG_START
@@ -39,6 +42,16 @@ class Batcher:
     def keys(self, inputs) -> tuple[str, ...]:
         """The fields a stage reading ``inputs`` (``megatron.vlm.batches.StageInputs``) gets."""
         return inputs.keys
+
+    def split_cp(self, batch: dict, cp: int, rank: int, pad_id: int, img_context_id: int | None,
+                 sp_tp: int = 1) -> dict:
+        """Context-parallel rank ``rank``'s part of the micro-batch ``make`` built (``megatron/vlm/
+        context_parallel.py``): the LLM tokens cut into 2 x CP chunks per segment, the tiles into contiguous runs."""
+        return split_batch(batch, cp, rank, pad_id, img_context_id, sp_tp)
+
+    def cp_keys(self, inputs) -> tuple[str, ...]:
+        """The fields ``split_cp`` adds that a stage reading ``inputs`` gets (where the split made them)."""
+        return ("num_tiles",) + (("image_feature_index",) if inputs.tokens else ())
 
 
 def tiled_reader(args, spec, hf_folder: str | None) -> dict:

@@ -12,6 +12,11 @@ squared segment lengths, ``MicroBatchShape.vision_attn_tokens_sq`` (images) and
 ``vision_window_tokens_sq`` (windows); when they are not given, the patches are taken as one image and as
 full windows.
 
+Context parallelism (``MicroBatchShape.cp``): the runtime gives each CP rank whole images (contiguous runs balanced
+by patches); the components count the busiest rank as ``ceil(patches / CP)`` patches and ``1 / CP`` of the
+attention squares, as for InternVL's tiles -- an approximation (whole images: a rank can get more, up to the
+largest image's share).
+
 FLOPs (forward, one multiply-add = 2), ``n`` patches, ``h`` hidden, ``f`` MLP hidden, ``w`` attention width:
 * ViT layer: ``2*n*(4*h*w + 3*h*f)`` (QKV + out projection, 3-matrix SwiGLU MLP) plus attention scores and
   context ``4*S*w`` with ``S`` the layer kind's sum of squared segment lengths;
@@ -91,13 +96,14 @@ class VisionSpec:
 
 
 def _attention_sq(spec: ModelSpec, shape, window: bool) -> float:
-    """Sum of squared attention-segment lengths (patches^2) of one ViT layer kind over the micro-batch."""
+    """Sum of squared attention-segment lengths (patches^2) of one ViT layer kind over the micro-batch, one CP
+    rank's share (``MicroBatchShape.rank_vision_sq``)."""
     n = float(shape.vision_items)
     if window:
         given = shape.vision_window_tokens_sq
-        return given if given is not None else n * spec.vision.window_patches_side**2
+        return shape.rank_vision_sq(given if given is not None else n * spec.vision.window_patches_side**2)
     given = shape.vision_attn_tokens_sq
-    return given if given is not None else n * n
+    return shape.rank_vision_sq(given if given is not None else n * n)
 
 
 def _several_segments(shape, window: bool, padded: int) -> bool:
@@ -107,7 +113,8 @@ def _several_segments(shape, window: bool, padded: int) -> bool:
     stands for several (as the LLM's rows)."""
     n = shape.vision_items
     given = shape.vision_window_tokens_sq if window else shape.vision_attn_tokens_sq
-    return given is None or given < float(n) * n or padded > n  # sum(len^2) == n^2 only for one segment
+    # sum(len^2) == n^2 only for one segment (of the micro-batch; its CP rank's part then is that one too)
+    return given is None or given < float(n) * n or padded > shape.rank_vision_items
 
 
 def image_segments_sq(spec: ModelSpec, rows, cols) -> tuple[np.ndarray, np.ndarray]:
@@ -125,15 +132,6 @@ def image_segments_sq(spec: ModelSpec, rows, cols) -> tuple[np.ndarray, np.ndarr
     return (rows * cols) ** 2, side(rows) * side(cols)
 
 
-def _check_cp(shape) -> None:
-    """CP > 1 is refused: the runtime family splits no micro-batch over CP ranks, and a split of whole images
-    (which vary in patches, and whose full-attention layers cannot be cut) would need a per-micro-batch packing
-    of images onto ranks that neither side has; the LLM side's per-rank counting is shared and would carry over."""
-    if shape.cp != 1:
-        raise UserError("qwen2.5-vl: context parallelism is not supported for this family yet (MicroBatchShape.cp "
-                        f"{shape.cp}: its images would have to be packed whole onto the CP ranks); plan it at CP 1")
-
-
 class VisionEmbedCost(CostComponent):
     """Conv3d patch embedding without bias (a 1176-wide reduction per patch: low efficiency)."""
 
@@ -141,7 +139,7 @@ class VisionEmbedCost(CostComponent):
 
     def flops(self, shape, tp):
         v = self.spec.vision
-        return shape.vision_items * 2.0 * v.patch_dim * v.hidden_size, 0.0
+        return shape.rank_vision_items * 2.0 * v.patch_dim * v.hidden_size, 0.0
 
     def params(self, tp):
         v = self.spec.vision
@@ -150,10 +148,9 @@ class VisionEmbedCost(CostComponent):
     def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False, kernels=FUSED_KERNELS):
         # the convolution's input (the pixels in the compute dtype) and the int64 index that puts the patches in
         # window order
-        _check_cp(shape)
-        v, D = self.spec.vision, shape.dtype_bytes
-        act = shape.vision_items * (v.patch_dim * D + 8.0)
-        return ActBytes(act, act, act, shape.vision_items * v.hidden_size * D)
+        v, D, n = self.spec.vision, shape.dtype_bytes, shape.rank_vision_items
+        act = n * (v.patch_dim * D + 8.0)
+        return ActBytes(act, act, act, n * v.hidden_size * D)
 
 
 class _VisionLayerCost(CostComponent):
@@ -161,7 +158,7 @@ class _VisionLayerCost(CostComponent):
 
     def flops(self, shape, tp):
         v = self.spec.vision
-        n, h, f, width = shape.vision_items, v.hidden_size, v.ffn_hidden_size, v.padded_heads(tp) * v.head_dim
+        n, h, f, width = shape.rank_vision_items, v.hidden_size, v.ffn_hidden_size, v.padded_heads(tp) * v.head_dim
         core = 4.0 * _attention_sq(self.spec, shape, self.window) * width
         return 2.0 * n * (4 * h * width + 3 * h * f) + core, core
 
@@ -178,8 +175,7 @@ class _VisionLayerCost(CostComponent):
     def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False, kernels=FUSED_KERNELS):
         # sequence parallel: the packed patches padded to a multiple of TP once (segments stay whole), and the
         # layer input kept for full recompute and sent to the next stage split over TP, as InternViT's
-        _check_cp(shape)
-        v, D, n = self.spec.vision, shape.dtype_bytes, shape.vision_items
+        v, D, n = self.spec.vision, shape.dtype_bytes, shape.rank_vision_items
         padded = sp_tokens(n, tp, sequence_parallel)
         attended = _attention_sq(self.spec, shape, self.window) / n if n else 0.0
         per_sample = attention == "flash" and _several_segments(shape, self.window, padded)
@@ -193,7 +189,8 @@ class _VisionLayerCost(CostComponent):
         return ActBytes(n * per_tok, full, n * (per_tok - core), n * v.hidden_size * D / split)
 
     def tp_allreduce_bytes(self, shape, sequence_parallel=False, tp=1):
-        n = sp_tokens(shape.vision_items, tp, sequence_parallel)  # all-gather + reduce-scatter of the padded patches
+        # all-gather + reduce-scatter of the padded patches
+        n = sp_tokens(shape.rank_vision_items, tp, sequence_parallel)
         vit = n * self.spec.vision.hidden_size * shape.dtype_bytes
         return 2 * vit, 2 * vit
 
@@ -221,7 +218,7 @@ class MergerCost(CostComponent):
 
     def flops(self, shape, tp):
         hi, ho = self._sizes()
-        tokens = shape.vision_items / self.spec.vision.merge_unit
+        tokens = shape.rank_vision_items / self.spec.vision.merge_unit
         return 2.0 * tokens * (hi * hi + hi * ho), 0.0
 
     def params(self, tp):
@@ -231,16 +228,15 @@ class MergerCost(CostComponent):
     def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False, kernels=FUSED_KERNELS):
         # per patch the norm's input and what it keeps (norm_bytes_per_token); per merged token the fc1 input
         # (replicated), the GELU input and the fc2 input (split), and the int64 index back to processor order
-        _check_cp(shape)
         v, (hi, ho) = self.spec.vision, self._sizes()
-        D, n = shape.dtype_bytes, shape.vision_items
+        D, n = shape.dtype_bytes, shape.rank_vision_items
         tokens = n / v.merge_unit
         norm = n * (v.hidden_size * D + norm_bytes_per_token(v.hidden_size, D, "RMSNorm", kernels))
         act = norm + tokens * (hi * D + 2 * hi * D / tp + 8.0)
         return ActBytes(act, tokens * hi * D, act, tokens * ho * D)
 
     def tp_allreduce_bytes(self, shape, sequence_parallel=False, tp=1):
-        out = shape.vision_items / self.spec.vision.merge_unit * self.spec.language.hidden_size * shape.dtype_bytes
+        out = shape.rank_vision_items / self.spec.vision.merge_unit * self.spec.language.hidden_size * shape.dtype_bytes
         return out, out
 
 

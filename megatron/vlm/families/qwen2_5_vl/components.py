@@ -10,7 +10,10 @@ Micro-batch fields read (besides the shared ``tokens``, ``labels``, ``cu_seqlens
   (windows) and ``vision_cu_seqlens`` / ``vision_max_seqlen`` (images, one segment per frame): int32 host
   boundaries in patch tokens -- the ViT layers;
 * ``vision_merged_inverse [image tokens]`` (back to processor order) -- the merger;
-* ``mrope_position_ids [3, b, s]`` (temporal, height, width) -- the LLM layers.
+* ``mrope_position_ids [3, b, s]`` (temporal, height, width) -- the LLM layers;
+* under context parallelism (``data.QwenBatcher.split_cp``): the ViT fields of this rank's whole images,
+  ``mrope_position_ids [3, 1, t]`` of the padded unsplit micro-batch, and ``image_feature_index`` /
+  ``vision_rank_tokens`` -- the LLM embedding.
 
 ``batch.logits_batch`` makes them from transformers' inputs; ``vision_windows`` and ``positions`` compute them.
 """
@@ -26,6 +29,7 @@ from omnibal_ext.model.families.qwen2_5_vl import FullLayerCost, MergerCost, Vis
 from megatron.vlm import sequence_parallel
 from megatron.vlm.attention import segment_params
 from megatron.vlm.components import PaddedHeadLayers, RuntimeComponent, TextEmbed, TextLayer
+from megatron.vlm.context_parallel import context_parallel_group, gather_rows, own_rank_group
 from megatron.vlm.text import packed_causal_mask
 
 from . import hf
@@ -146,6 +150,9 @@ class ImageTextEmbed(TextEmbed):
         return ImageTokenEmbedding(self.spec, self.ctx.language_config, self.ctx.img_context_id)
 
     def forward(self, module, x, batch, cache):
+        if "image_feature_index" in batch:  # context parallelism: every rank's images, then this rank's tokens'
+            x = gather_rows(x, batch["vision_rank_tokens"], context_parallel_group())
+            x = x.index_select(0, batch["image_feature_index"].to(x.device))
         return module(batch["tokens"], x)
 
 
@@ -153,7 +160,9 @@ class MRopeTextLayer(TextLayer):
     """Qwen2.5 decoder layers with multimodal RoPE: per-token frequencies from ``mrope_position_ids`` (megatron-
     core's ``MultimodalRotaryEmbedding``); THD: one frequency row per token of the flattened micro-batch, which
     megatron-core's ``apply_rotary_pos_emb`` maps by absolute offset, so the ids, not the segment, say the
-    position (text after an image continues from the image's largest id)."""
+    position (text after an image continues from the image's largest id).  Context parallelism: the ids come in
+    the padded, unsplit layout (``QwenBatcher.split_cp``), one row per token of ``cu_seqlens``, so megatron-core
+    takes this rank's chunks of the frequencies itself (its CP group passed in the packed parameters too)."""
 
     reads = frozenset({"packing"})
 
@@ -170,9 +179,12 @@ class MRopeTextLayer(TextLayer):
             ids = batch["mrope_position_ids"]  # [3, b, s]
             if self.ctx.thd:
                 te = self.ctx.transformer_impl == "transformer_engine"
-                params = segment_params(batch["cu_seqlens"], int(batch["max_seqlen"]), device if te else None)
+                params = segment_params(batch["cu_seqlens"], int(batch["max_seqlen"]), device if te else None,
+                                        context_parallel_group())
                 self.rotary.inv_freq = self.rotary.inv_freq.to(device)
-                rope = self.rotary(ids.reshape(3, 1, -1).to(device), section)  # [t, 1, 1, d]
+                # [t, 1, 1, d]: every token's (CP: of the padded unsplit layout, not sliced here: megatron-core's THD
+                # RoPE takes this rank's chunks of every segment)
+                rope = self.rotary(ids.reshape(3, 1, -1).to(device), section, cp_group=own_rank_group())
                 cache["text_context"] = {"attention_mask": None, "rotary_pos_emb": rope, "packed_seq_params": params}
             else:
                 self.rotary.inv_freq = self.rotary.inv_freq.to(device)

@@ -14,7 +14,7 @@ with ``--omnibal-isf``), plus ``components.py``'s: ``mrope_position_ids [3, b, s
 ``get_rope_index`` numbers it; padding continues from 0 like text), and the images of all samples in one
 ``vision_windows`` call (``batch.vision_fields``: window permutation, window and image ``cu_seqlens``, 2-D
 rotary ids, ``image_grid_thw``).  Stages get the ViT fields where they read pixels and the RoPE ids where
-they read packing metadata.
+they read packing metadata.  Context parallelism: ``QwenBatcher.split_cp`` (whole images per CP rank).
 """
 from __future__ import annotations
 
@@ -23,9 +23,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from megatron.vlm.context_parallel import padded_layout, split_tokens
 from megatron.vlm.data.internvl import ImageRule
 from megatron.vlm.data.side import Batcher, DataSide
 from omnibal_ext.errors import UserError
+from omnibal_ext.model.cp_split import image_runs
 
 from .batch import vision_fields
 from .image_processing import ImageProcessorConfig, preprocess_image, resized_grid
@@ -126,6 +128,37 @@ class QwenBatcher(Batcher):
             keys += ("mrope_position_ids",)
         return keys
 
+    def split_cp(self, batch, cp, rank, pad_id, img_context_id, sp_tp=1):
+        """Context-parallel rank ``rank``'s part (``megatron/vlm/context_parallel.py``): the LLM tokens as every family
+        splits them (``split_tokens``, ``image_feature_index`` over this family's image tokens) with
+        ``mrope_position_ids [3, 1, t]`` in the padded, *unsplit* layout (megatron-core's THD RoPE takes this rank's
+        chunks of per-token frequencies itself; pads: their position in the segment); the images go whole, in
+        contiguous runs balanced by patches (``image_runs``): this rank's pixel rows and ``vision_fields`` (an
+        all-zero 2 x 2-patch image whose output nobody reads when it has none), and ``vision_rank_tokens`` (every
+        rank's merged image tokens, host ints: the LLM embedding's all-gather)."""
+        out = split_tokens(batch, cp, rank, pad_id, self.image_token_id, sp_tp)
+        if "mrope_position_ids" in batch and "cu_seqlens" in batch:
+            src, pos = padded_layout(batch["cu_seqlens"].tolist(), cp, sp_tp)
+            ids = batch["mrope_position_ids"].reshape(3, -1)[:, src.clamp(min=0)]
+            out["mrope_position_ids"] = torch.where(src >= 0, ids, pos).reshape(3, 1, -1)
+        real = int(batch["sample_tiles"].sum()) > 0  # else the micro-batch's one image is make's dummy
+        grids = [tuple(g) for g in batch["image_grid_thw"].tolist()] if real else []
+        patches = [t * h * w for t, h, w in grids]
+        runs = image_runs(patches, cp)
+        out["vision_rank_tokens"] = [sum(patches[i] for i in r) // self.merge ** 2 for r in runs]
+        mine = runs[rank]
+        first, last = sum(patches[:mine.start]), sum(patches[:mine.stop])
+        if "pixel_values" in batch:
+            pixels = batch["pixel_values"][first:last]
+            out["pixel_values"] = pixels if len(mine) else torch.zeros(self.merge ** 2, pixels.shape[1])
+        if "tile_keys" in batch:
+            out["tile_keys"] = batch["tile_keys"][first:last]
+        out.update(vision_fields(grids[mine.start:mine.stop] or [(1, self.merge, self.merge)], self.spec))
+        return out
+
+    def cp_keys(self, inputs):
+        return ("image_feature_index", "vision_rank_tokens") if inputs.tokens else ()
+
 
 def profile_images(spec, shape) -> list[tuple[int, int]]:
     """Patch grids (rows, cols) of the images of a profiled micro-batch of ``shape.vision_items`` patches: one
@@ -181,4 +214,4 @@ def profile_batch(spec, shape, image_token_id: int, device, pad_to_multiple: int
 
 
 QWEN_DATA = DataSide(image_tokens=IMAGE_TOKENS, reader=reader, batcher=QwenBatcher, tile_check=lambda spec: None,
-                     default_image_px=lambda spec: 56, context_parallel=False, profile_batch=profile_batch)
+                     default_image_px=lambda spec: 56, profile_batch=profile_batch)
