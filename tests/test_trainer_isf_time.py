@@ -5,6 +5,7 @@ it prints is ``time_metrics`` of those groups; InternVL data is still grouped by
 groups it."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from types import SimpleNamespace
@@ -99,6 +100,17 @@ def test_qwen_isf_groups_in_time_as_omnibal_ext_does(tmp_path, world, capsys):
     assert want.params.timed and params == want.params.to_dict()
     assert [g.tolist() for g in groups] == [g.tolist() for g in want.grouping.groups()]
     assert np.array_equal(order, want.assembly.order)
+    # under CP ISF counts every sample padded to the multiple (2 x CP): its tokens and LLM times
+    cp_plan = SimpleNamespace(model_spec=spec, data_parallel_size=DP, isf_token_multiple=4)
+    groups_cp, _, params_cp, _ = isf_groups(args, cp_plan, dataset)
+    padded = -(-stats.tokens // 4) * 4
+    assert not np.array_equal(padded, stats.tokens)
+    times_cp = sample_time_units(dataclasses.replace(stats, tokens=padded), spec, get_device(ISF_TIME_DEVICE))
+    want_cp = plan_isf_time(stats.patches, padded, times_cp, cfg)
+    assert params_cp == want_cp.params.to_dict()
+    assert [g.tolist() for g in groups_cp] == [g.tolist() for g in want_cp.grouping.groups()]
+    capsys.readouterr()
+
     # by counts the same data groups otherwise (what the time plan changes)
     counts = plan_isf(stats.patches, stats.tokens, cfg)
     assert [g.tolist() for g in counts.grouping.groups()] != [g.tolist() for g in groups]
