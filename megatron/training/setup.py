@@ -130,9 +130,6 @@ def build_data(args, plan: RunPlan, tokenizer, inputs: StageInputs | None = None
     per_item = data_side.tile_check(plan.model_spec)  # the loader's image-token check (None: the batcher's own)
     image_tokens = None if per_item is None else (tokenizer.img_context_id, per_item)
     cp = parallel_state.get_context_parallel_world_size()
-    if cp > 1 and not data_side.context_parallel:
-        raise ArgumentError(f"--context-parallel-size {cp}: not implemented for model family "
-                            f"{plan.model_spec.family!r}")
     # workers only where images are decoded: an image-free stage reads text and the scan's metadata,
     # faster in the training process than through worker processes (scripts/bench_data.py)
     loader = dict(inputs=inputs, num_workers=args.num_workers if inputs.pixels else 0,

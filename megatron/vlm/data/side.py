@@ -13,7 +13,6 @@ Every family reads the same formats (``internvl.py``: meta JSON or an annotation
   ``cp_keys`` the fields that split adds), and ``tile_check(spec)``: the tokens per ViT item for the loader's
   image-token check (None: the batcher checks itself);
 * ``default_image_px(spec)``: the image side of the built-in digits data for this model;
-* ``context_parallel``: whether its micro-batches can be split over context-parallel ranks;
 * ``profile_batch(spec, shape, image_token_id, device, pad_to_multiple)``: the micro-batch the trainer's profiler
   (``megatron/training/profiling.py``) runs at a ``MicroBatchShape``, made by its ``Batcher`` (None: the
   profiler's own tiled one).
@@ -68,7 +67,6 @@ class DataSide:
     batcher: Callable = lambda spec, image_token_id, rule: Batcher()  # noqa: E731
     tile_check: Callable = lambda spec: spec.tokens_per_tile  # noqa: E731
     default_image_px: Callable = lambda spec: spec.vision.image_size  # noqa: E731
-    context_parallel: bool = True
     profile_batch: Callable | None = None
 
 
