@@ -21,10 +21,20 @@ from omnibal_ext.model.units import build_units, get_preset
 TINY = get_preset("tiny")  # I v*4 P E t*4 L
 
 
-def codes_of(freeze):
-    units = build_units(TINY)
+def codes_of(freeze, spec=TINY):
+    units = build_units(spec)
     t = freeze.trainable(units)
     return "".join(u.code if ok else "." for u, ok in zip(units, t.trains)), t.frozen_prefix
+
+
+def test_roles_are_the_same_for_every_family():
+    """Qwen2.5-VL's units (patch embedding, window and full-attention ViT layers, merger) take the roles of
+    InternVL's (ViT, ViT layers, projector): the same freeze flags train the same places."""
+    qwen = get_preset("qwen2.5-vl-tiny")  # I v(window) v(full) v v P E t*4 L
+    assert [u.kind for u in build_units(qwen)][1:3] == ["qwen_vit_window_layer", "qwen_vit_full_layer"]
+    for freeze in (Freeze(vit=True), Freeze(vit=True, unfreeze_vit_layers=-2), Freeze(projector=True),
+                   Freeze(llm=True, unfreeze_lm_head=True), Freeze(vit=True, llm=True)):
+        assert codes_of(freeze, qwen) == codes_of(freeze)
 
 
 def test_roles_and_unfreeze_slices():
