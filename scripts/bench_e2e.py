@@ -188,6 +188,24 @@ def plot(rows: list[dict], path: str, title: str) -> str:
     return path
 
 
+def repeat_rows(first: dict, flags: dict, repeats: int, out: str, world: int,
+                warmup: int) -> dict[str, list]:
+    """Every row's runs: its first-pass run ``first[name]``, then ``repeats`` - 1 more with the same flags,
+    the rows alternating (benchlib.alternate_runs).  The profile exists by then, so a repeat must run the
+    first run's layout and recompute plan (RuntimeError otherwise)."""
+    runs = {name: [first[name]] for name in ROWS}
+    if repeats > 1:
+        more = bl.alternate_runs({name: flags[name] for name in ROWS}, repeats - 1, out, "e2e_rep",
+                                 nproc=world, warmup=warmup)
+        for name in ROWS:
+            for r in more[name]:
+                if (r.layout_flag, r.recompute_flag) != (first[name].layout_flag, first[name].recompute_flag):
+                    raise RuntimeError(f"{name}: a repeat ran layout {r.layout_flag} / plan {r.recompute_flag}, "
+                                       f"the first run {first[name].layout_flag} / {first[name].recompute_flag}")
+            runs[name] += more[name]
+    return runs
+
+
 def run(args) -> dict:
     from omnibal_ext.memory.memory_model import MemoryModelError
     from omnibal_ext.memory.recompute import MemoryBudgetError, parse_recompute_plan, plan_recompute
@@ -245,16 +263,7 @@ def run(args) -> dict:
     print(f"  +memory: {bl.steady_ms(results['+memory'].records, args.warmup):.0f} ms/iter, plan "
           f"{results['+memory'].recompute_flag}", flush=True)
 
-    runs = {name: [results[name]] for name in ROWS}
-    if args.repeats > 1:  # the same flags again: the profile now exists, so layout and plan repeat
-        more = bl.alternate_runs({name: flags[name] for name in ROWS}, args.repeats - 1, args.out, "e2e_rep",
-                                 nproc=world, warmup=args.warmup)
-        for name in ROWS:
-            for r in more[name]:
-                if (r.layout_flag, r.recompute_flag) != (results[name].layout_flag, results[name].recompute_flag):
-                    raise RuntimeError(f"{name}: a repeat ran layout {r.layout_flag} / plan {r.recompute_flag}, "
-                                       f"the first run {results[name].layout_flag} / {results[name].recompute_flag}")
-            runs[name] += more[name]
+    runs = repeat_rows(results, flags, args.repeats, args.out, world, args.warmup)
 
     packed_sq = float((data.tokens.astype(float) ** 2).sum()) / groups  # mean sum(len^2) of an ISF group
     rows = []

@@ -126,15 +126,17 @@ def run_trainer(flags: list[str], workdir: str | os.PathLike, name: str, nproc: 
                 check: bool = True, threads: int = 1, torchrun_flags: tuple[str, ...] = (),
                 env: dict | None = None) -> RunResult:
     """``torchrun --nproc-per-node nproc *torchrun_flags pretrain_vlm.py --json-log workdir/name.jsonl *flags``
-    (``env``: extra environment variables)."""
+    (``env``: extra environment variables); a world of one without torchrun_flags is a plain ``python
+    pretrain_vlm.py`` (the trainer's own world of one: no agent process to start)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / f"{name}.jsonl"
     if log.exists():
         log.unlink()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *torchrun_flags,
-           str(ROOT / "pretrain_vlm.py"), "--json-log", str(log), *flags]
+    launcher = [sys.executable] if nproc == 1 and not torchrun_flags else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *torchrun_flags]
+    cmd = [*launcher, str(ROOT / "pretrain_vlm.py"), "--json-log", str(log), *flags]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=workdir, env={**trainer_env(threads), **(env or {})}, capture_output=True,
                           text=True, timeout=timeout)

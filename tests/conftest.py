@@ -40,3 +40,38 @@ def megatron_world():
         dist.destroy_process_group()
     for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
         os.environ.pop(var, None)
+
+
+
+class SharedRuns:
+    """Trainer launches shared by the tests of a session: ``run(nproc, flags)`` launches ``flags`` once (in
+    ``folder``, named run0, run1, ...) and returns (iteration records, output, path of its JSON log) to every
+    test asking for the same nproc and flags: a launch is deterministic in them.  Flags that write (--save)
+    point under ``folder``, so the same flags mean the same run."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self._runs: dict[tuple, tuple[list[dict], str, Path]] = {}
+
+    def run(self, nproc: int, flags: list[str]) -> tuple[list[dict], str, Path]:
+        from launch import run_training
+
+        key = (nproc, *flags)
+        if key not in self._runs:
+            name = f"run{len(self._runs)}"
+            records, out = run_training(nproc, list(flags), self.folder, name)
+            self._runs[key] = (records, out, self.folder / f"{name}.jsonl")
+        records, out, log = self._runs[key]
+        return [dict(r) for r in records], out, log
+
+
+@pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory):
+    return SharedRuns(tmp_path_factory.mktemp("shared_runs"))
+
+
+@pytest.fixture(scope="session")
+def serial_run(shared_runs):
+    """``serial_run(flags)``: the iteration records of the single-process run of ``flags``, launched once per
+    session (shared_runs): the tests comparing parallel runs with the same serial flags share it."""
+    return lambda flags: shared_runs.run(1, flags)[0]

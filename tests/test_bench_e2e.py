@@ -1,4 +1,5 @@
-"""scripts/bench_e2e.py --quick: the four rows are produced and each trained the same tokens."""
+"""scripts/bench_e2e.py --quick: the four rows are produced and each trained the same tokens; --repeats: the rows
+run again alternating, with the first run's layout and plan, and each row's speed pools its runs."""
 import json
 import subprocess
 import sys
@@ -13,7 +14,7 @@ KEYS = {"name", "ms_per_iter", "samples_per_s", "tokens_per_s", "speedup", "pred
 @pytest.mark.slow
 def test_bench_e2e_quick(tmp_path):
     out = tmp_path / "e2e.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--quick", "--repeats", "2",
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--quick", "--repeats", "1",
                            "--json", str(out), "--out", str(tmp_path / "runs")],
                           capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -33,8 +34,8 @@ def test_bench_e2e_quick(tmp_path):
     total = int(ds.sample_lengths()[0].sum())
     assert len(ds) == res["samples"]
     assert {r["tokens_seen"] for r in rows} == {total}
-    # two alternating runs of every row, each one the same epoch, their speed pooled
-    assert all(r["runs"] == 2 and r["tokens_seen_per_run"] == [total, total] for r in rows)
+    # one run of every row (repeats, their alternation and pooling: test_repeats_alternate_and_pool_their_speed)
+    assert all(r["runs"] == 1 and r["tokens_seen_per_run"] == [total] for r in rows)
     assert rows[0]["speedup"] == pytest.approx(1.0)
     assert rows[1]["pad_ratio"] == 0.0 and rows[0]["pad_ratio"] > 0  # ISF packs, random batching pads
     assert rows[3]["recompute"] != "full" and rows[2]["layout"] == rows[3]["layout"]
@@ -65,3 +66,43 @@ def test_qwen_bench_model_counts_what_the_reader_makes():
     hetero = bench_e2e.spec_of(bench_e2e.MODELS["internvl"])
     assert (hetero.vision.image_size, hetero.tokens_per_tile) == (32, 4) == (
         bench_e2e.MODELS["internvl"].image_px, bench_e2e.MODELS["internvl"].tokens_per_image)
+
+
+def test_repeats_alternate_and_pool_their_speed(monkeypatch, tmp_path):
+    """bench_e2e.repeat_rows with benchlib's launcher replaced by a fake: the repeats run the rows in turn with
+    their flags, a row's pooled speed is that of its runs' steady iterations together (by hand), and a repeat
+    that ran another layout or plan than the first run is an error."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_e2e
+    import benchlib as bl
+
+    calls, layouts = [], {}
+    ms = {"baseline": [[100, 10, 30], [90, 20, 50]], "+data": [[80, 5, 7], [70, 9, 11]],
+          "+model": [[60, 4, 4], [60, 6, 6]], "+memory": [[50, 3, 5], [50, 1, 2]]}
+
+    def record(t):
+        return {bl.ITER_KEY: t, "global batch size": 8, "tokens/s": 64e3 / t, "images/s": 4000.0 / t}
+
+    def fake_run(flags, workdir, name, nproc=2, **_):
+        row, rep = flags[0], len([c for c in calls if c[0] == flags[0]])
+        calls.append((row, name, nproc))
+        return bl.RunResult(name, flags, [record(t) for t in ms[row][rep]], None, "", 0.0, 0,
+                            layouts.get(row, f"L-{row}"), "p" if row == "+memory" else None)
+
+    monkeypatch.setattr(bl, "run_trainer", fake_run)
+    flags = {name: [name] for name in bench_e2e.ROWS}
+    first = {name: fake_run(flags[name], tmp_path, f"first_{name}", 2) for name in bench_e2e.ROWS}
+    calls.clear()
+    calls.extend((name, "first", 2) for name in bench_e2e.ROWS)
+    runs = bench_e2e.repeat_rows(first, flags, 2, str(tmp_path), 2, warmup=1)
+    assert [c[0] for c in calls[4:]] == list(bench_e2e.ROWS)  # one more pass, the rows in turn
+    assert [c[1] for c in calls[4:]] == [f"e2e_rep_{n}_0" for n in bench_e2e.ROWS]
+    pooled = bl.pooled_rates(runs["baseline"], warmup=1)
+    assert pooled["runs"] == 2 and pooled["ms_per_iter"] == pytest.approx(25.0)  # median of 10, 30, 20, 50
+    assert pooled["samples_per_s"] == pytest.approx(4 * 8 / 0.110)
+    assert pooled["tokens_per_s"] == pytest.approx(4 * 64 / 0.110)  # 64 tokens an iteration
+    assert bench_e2e.repeat_rows(first, flags, 1, str(tmp_path), 2, warmup=1) == {n: [first[n]] for n in bench_e2e.ROWS}
+    calls.clear()
+    layouts["+model"] = "another"
+    with pytest.raises(RuntimeError, match=r"\+model: a repeat ran layout another"):
+        bench_e2e.repeat_rows(first, flags, 2, str(tmp_path), 2, warmup=1)

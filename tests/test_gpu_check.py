@@ -1,5 +1,6 @@
-"""scripts/gpu_check.py without CUDA: exits 0, says so, writes every check, the CUDA ones skipped with reasons, the
-CPU parts (fp32 parity's CPU halves, THD vs the dense mask, CP2 vs serial on gloo) run and checked."""
+"""scripts/gpu_check.py without CUDA: exits 0, says so, writes every check, the CUDA ones (fp32 parity included: its
+CPU halves compare with the CUDA ones) skipped with reasons, the CPU parts (THD vs the dense mask, CP2 vs serial on
+gloo) run and checked."""
 import json
 import subprocess
 import sys
@@ -26,13 +27,13 @@ def test_gpu_check_cpu_path(tmp_path):
                             "layer_throughput", "e2e_cut"]
     for name in ("fp32_parity", "bf16_learns", "te_vs_local", "layer_throughput", "e2e_cut"):
         assert checks[name]["status"] == "skipped" and checks[name]["reason"], (name, checks[name])
-    for variant in checks["fp32_parity"]["variants"].values():  # the CPU halves ran: 5 finite losses each
-        assert len(variant["cpu_losses"]) == 5 and variant["cpu_losses"][4] < variant["cpu_losses"][0]
+    assert "variants" not in checks["fp32_parity"]  # no trainer run without a CUDA half to compare with
     assert checks["thd_vs_dense"]["status"] == "pass" and checks["thd_vs_dense"]["max_rel_err"] < 1e-4
     # context parallelism's CPU half: CP2 (2 processes, gloo) against the serial run, 5 losses each
     cp = checks["cp_attention"]
     assert cp["status"] == "pass" and cp["device"] == "cpu" and len(cp["cp2_losses"]) == 5, cp
     assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(cp["cp2_losses"], cp["serial_losses"]))
+    assert cp["serial_losses"][4] < cp["serial_losses"][0]  # the serial reference learns
     for line in ("fp32_parity", "thd_vs_dense", "cp_attention"):
         assert line in proc.stdout  # the printed table
 

@@ -110,7 +110,7 @@ def test_profile_orders_vit_and_llm_layers_by_size(megatron_world):
 
     def layer_fwd(spec, attention_backend="unfused"):
         args = SimpleNamespace(tensor_model_parallel_size=1, bf16=False, seed=1, attention_backend=attention_backend)
-        costs = profile_units(args, spec, shape, 263, torch.device("cpu"), warmup=1, repeats=5)
+        costs = profile_units(args, spec, shape, 263, torch.device("cpu"), warmup=1, repeats=3)
         by_kind = {u.kind: u for u in costs.units}
         assert [u.name for u in costs.units] == [u.name for u in build_units(spec)]
         for u in costs.units:

@@ -25,9 +25,9 @@ def _memory(workdir: Path, name: str) -> dict:
 
 
 @pytest.mark.parametrize("isf", [False, True], ids=["random", "isf"])
-def test_sequence_parallel_equals_serial(tmp_path, data_cache, isf):
+def test_sequence_parallel_equals_serial(tmp_path, data_cache, serial_run, isf):
     flags = BASE + ["--data-cache-dir", str(data_cache)] + (["--omnibal-isf"] if isf else [])
-    serial, _ = run_training(1, flags, tmp_path, "serial")
+    serial = serial_run(flags)  # the session's serial run of these flags (shared with the interleaved tests)
     sp, _ = run_training(2, flags + SP + ["--log-activation-memory"], tmp_path, "sp")
     assert [r["iteration"] for r in sp] == list(range(1, 9))
     for got, want in zip(sp, serial):  # 8 iterations: replicated parameters' gradients are summed over TP

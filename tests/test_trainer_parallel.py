@@ -23,9 +23,9 @@ def workdir(tmp_path_factory, data_cache):
 
 
 @pytest.fixture(scope="module")
-def serial(workdir):
-    d, data = workdir
-    records, _ = run_training(1, BASE + data, d, "serial")
+def serial(workdir, serial_run):
+    _, data = workdir
+    records = serial_run(BASE + data)  # shared with test_trainer_tied's untied run
     assert [r["iteration"] for r in records] == [1, 2, 3, 4, 5, 6]
     return records
 
@@ -47,9 +47,9 @@ def assert_close(got, want, rel=1e-4):
     (4, ["--pipeline-model-parallel-size", "2"]),  # PP=2 x DP=2
     (2, ["--pipeline-model-parallel-size", "2", "--pipeline-layout", "Iv*2|v*2PEt*4L"]),  # ViT split over stages
 ], ids=["tp2", "pp2", "dp2", "pp2dp2", "pp2-vit-split"])
-def test_parallel_equals_serial(workdir, serial, nproc, flags):
-    d, data = workdir
-    records, out = run_training(nproc, BASE + data + flags, d, "par")
+def test_parallel_equals_serial(workdir, serial, shared_runs, nproc, flags):
+    _, data = workdir
+    records, _, _ = shared_runs.run(nproc, BASE + data + flags)  # pp2dp2: test_resume_is_exact's uninterrupted run
     assert_close(losses(records), losses(serial))
     assert_close([r["grad norm"] for r in records[:5]], [r["grad norm"] for r in serial[:5]], rel=1e-3)
     assert all(r["global batch size"] == 8 for r in records)
@@ -57,19 +57,19 @@ def test_parallel_equals_serial(workdir, serial, nproc, flags):
     assert records[4]["lm loss"] < records[0]["lm loss"]
 
 
-@pytest.mark.parametrize("plan", ["v4,t2|-", "-|t2s"], ids=["full-stage0", "selective-stage1"])
-def test_recompute_changes_nothing(workdir, serial, plan):
+def test_recompute_changes_nothing(workdir, serial):
+    """One launch, both kinds: full recompute of stage 0's ViT and LLM layers, selective of stage 1's."""
     d, data = workdir
-    flags = ["--pipeline-model-parallel-size", "2", f"--recompute-plan={plan}"]
+    flags = ["--pipeline-model-parallel-size", "2", "--recompute-plan=v4,t2|t2s"]
     records, out = run_training(2, BASE + data + flags, d, "recompute")
     assert_close(losses(records, 6), losses(serial, 6), rel=1e-5 * 10)
     assert_close([r["grad norm"] for r in records], [r["grad norm"] for r in serial], rel=1e-4)
 
 
-def test_resume_is_exact(workdir, tmp_path):
+def test_resume_is_exact(workdir, shared_runs, tmp_path):
     d, data = workdir
     flags = BASE + data + ["--pipeline-model-parallel-size", "2"]
-    full, _ = run_training(4, flags, d, "full")
+    full, _, _ = shared_runs.run(4, flags)  # test_parallel_equals_serial[pp2dp2]'s run
     ckpt = tmp_path / "ckpt"
     first, _ = run_training(4, flags + ["--save", str(ckpt), "--exit-interval", "3"], d, "first")
     assert [r["iteration"] for r in first] == [1, 2, 3]
