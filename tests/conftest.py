@@ -42,7 +42,6 @@ def megatron_world():
         os.environ.pop(var, None)
 
 
-
 class SharedRuns:
     """Trainer launches shared by the tests of a session: ``run(nproc, flags)`` launches ``flags`` once (in
     ``folder``, named run0, run1, ...) and returns (iteration records, output, path of its JSON log) to every
