@@ -15,6 +15,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,36 +123,72 @@ class RunResult:
         return self.output[-chars:]
 
 
+def launch_ranks(cmd: list[str], nproc: int, workdir: Path, env: dict, timeout: float) -> tuple[int, str]:
+    """``python *cmd`` as ``nproc`` ranks of one world on this host (the environment torchrun gives its workers:
+    RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), without torchrun's agent: it costs
+    a Python process importing torch per launch.  As torchrun does, the first rank to fail stops the others.
+    Returns (the first nonzero exit code or 0, the ranks' stdout and stderr in rank order)."""
+    port = str(free_port())
+    logs = [tempfile.TemporaryFile(mode="w+") for _ in range(nproc)]
+    procs = [subprocess.Popen([sys.executable, "-u", *cmd], cwd=workdir, stdout=f, stderr=subprocess.STDOUT,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
+                                   "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for r, f in enumerate(logs)]
+    deadline, failed = time.monotonic() + timeout, 0
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = next((p.returncode for p in procs if p.returncode), 0)
+            if failed:  # a rank failed: the others would wait on it
+                break
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(cmd, timeout)
+            time.sleep(0.05)
+        failed = failed or next((p.returncode for p in procs if p.returncode), 0)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    out = []
+    for f in logs:
+        f.seek(0)
+        out.append(f.read())
+        f.close()
+    return failed, "".join(out)
+
+
 def run_trainer(flags: list[str], workdir: str | os.PathLike, name: str, nproc: int = 2, timeout: int = 3600,
                 check: bool = True, threads: int = 1, torchrun_flags: tuple[str, ...] = (),
                 env: dict | None = None) -> RunResult:
-    """``torchrun --nproc-per-node nproc *torchrun_flags pretrain_vlm.py --json-log workdir/name.jsonl *flags``
-    (``env``: extra environment variables); a world of one without torchrun_flags is a plain ``python
-    pretrain_vlm.py`` (the trainer's own world of one: no agent process to start)."""
+    """``pretrain_vlm.py --json-log workdir/name.jsonl *flags`` on ``nproc`` ranks (``env``: extra environment
+    variables): under torchrun with ``torchrun_flags`` (restarts), else the ranks started directly
+    (``launch_ranks``: no agent process)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / f"{name}.jsonl"
     if log.exists():
         log.unlink()
-    launcher = [sys.executable] if nproc == 1 and not torchrun_flags else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *torchrun_flags]
-    cmd = [*launcher, str(ROOT / "pretrain_vlm.py"), "--json-log", str(log), *flags]
+    cmd = [str(ROOT / "pretrain_vlm.py"), "--json-log", str(log), *flags]
+    env = {**trainer_env(threads), **(env or {})}
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=workdir, env={**trainer_env(threads), **(env or {})}, capture_output=True,
-                          text=True, timeout=timeout)
+    if torchrun_flags:
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *torchrun_flags,
+                               *cmd], cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+        returncode, out = proc.returncode, proc.stdout + proc.stderr
+    else:
+        returncode, out = launch_ranks(cmd, nproc, workdir, env, timeout)
     wall = time.perf_counter() - t0
-    out = proc.stdout + proc.stderr
     (workdir / f"{name}.out").write_text(out)
     lines = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
     records = [r for r in lines if not r.get("prefix")]
     memory = next((r for r in lines if r.get("prefix") == "memory "), None)
     m = re.search(r"> model .*?layout (\S+),", out)
     rc = re.search(r"> omnibal recompute: plan (\S+) for a budget", out)
-    result = RunResult(name, list(flags), records, memory, out, wall, proc.returncode,
+    result = RunResult(name, list(flags), records, memory, out, wall, returncode,
                        m.group(1) if m else None, rc.group(1) if rc else None)
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"trainer run {name} failed ({proc.returncode}):\n{result.error_tail()}")
+    if check and returncode != 0:
+        raise RuntimeError(f"trainer run {name} failed ({returncode}):\n{result.error_tail()}")
     return result
 
 

@@ -11,9 +11,9 @@ BASE = ["--train-iters", "3", "--micro-batch-size", "2", "--global-batch-size", 
         "--lr", "2e-3", "--log-interval", "1", "--seed", "7", "--eval-interval", "0"]
 
 
-@pytest.mark.parametrize("parallel", [["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]],
-                         ids=["tp2", "pp2"])
-@pytest.mark.parametrize("batching", [[], ["--omnibal-isf"]], ids=["random", "isf"])
+@pytest.mark.parametrize("parallel,batching", [(["--tensor-model-parallel-size", "2"], []),
+                                              (["--pipeline-model-parallel-size", "2"], ["--omnibal-isf"])],
+                         ids=["random-tp2", "isf-pp2"])  # each parallelism and each batching once
 def test_thd_equals_dense_mask_in_the_trainer(tmp_path, data_cache, parallel, batching):
     flags = BASE + parallel + batching + ["--data-cache-dir", str(data_cache)]
     thd, _ = run_training(2, flags, tmp_path, "thd")
