@@ -38,6 +38,26 @@ class Unit:
 
 
 @dataclass(frozen=True)
+class SideTensor:
+    """A tensor that one unit produces and later units read, carried beside the hidden states: within a stage in
+    the forward's cache, across stage boundaries with the activations (Qwen3-VL's DeepStack features).
+
+    name: its name on both sides (``megatron.vlm.side``); producer: the unit index that makes it; consumers: the
+    unit indices that read it (it is live on every boundary between the producer and its last consumer); width:
+    values per row; rows: what its rows count per micro-batch ("image_tokens": the LLM image tokens)."""
+
+    name: str
+    producer: int
+    consumers: tuple[int, ...]
+    width: int
+    rows: str = "image_tokens"
+
+    @property
+    def last_consumer(self) -> int:
+        return max(self.consumers)
+
+
+@dataclass(frozen=True)
 class LanguageSpec:
     """A GPT decoder (InternLM2 / Llama / Qwen2 style: RMSNorm, SwiGLU, grouped-query attention, RoPE)."""
 

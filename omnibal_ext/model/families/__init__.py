@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..components import CostComponent
-from ..spec import ModelSpec
+from ..spec import ModelSpec, SideTensor
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,9 @@ class Family:
     segments_sq(spec, rows, cols): for ViTs whose items vary in size, the (full-attention, window) sums of squared
     attention-segment lengths of images of ``rows x cols`` patches (``MicroBatchShape.vision_attn_tokens_sq``,
     ``vision_window_tokens_sq``), None where an item's attention is fixed (InternVL's tiles).
-    spec_problem(spec): what makes a ModelSpec of the family unbuildable (a message naming the flag), or None."""
+    spec_problem(spec): what makes a ModelSpec of the family unbuildable (a message naming the flag), or None.
+    side_tensors(spec): the tensors its units hand to later units beside the hidden states (``SideTensor``:
+    DeepStack features), () for most families."""
 
     name: str
     vision_spec: type
@@ -33,3 +35,4 @@ class Family:
     presets: dict[str, ModelSpec] = field(default_factory=dict)
     segments_sq: Callable | None = None
     spec_problem: Callable[[ModelSpec], str | None] = lambda spec: None  # noqa: E731
+    side_tensors: Callable[[ModelSpec], tuple[SideTensor, ...]] = lambda spec: ()  # noqa: E731
