@@ -16,7 +16,8 @@ warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")  # meg
 
 def main(argv=None) -> dict:
     from megatron.training.arguments import ArgumentError, parse_args, virtual_pipeline_size
-    from megatron.training.initialize import choose_device, initialize_distributed, set_seeds, world_size_from_env
+    from megatron.training.initialize import (choose_device, distributed_timeout, initialize_distributed, set_seeds,
+                                              world_size_from_env)
 
     world_size = world_size_from_env()
     args = parse_args(argv, world_size)  # checked, never written to: what follows from it is the run plan
@@ -25,7 +26,7 @@ def main(argv=None) -> dict:
         raise ArgumentError("--bf16 needs a CUDA device: megatron-core's mixed-precision optimizer takes CUDA "
                             "tensors only (train in fp32 on CPU)")
     initialize_distributed(device, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                           args.context_parallel_size, virtual_pipeline_size(args))
+                           args.context_parallel_size, virtual_pipeline_size(args), distributed_timeout(args))
     set_seeds(args.seed)
 
     import dataclasses

@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "multiple of PP")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: cuda+NCCL when a GPU is visible, else cpu+gloo")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="how long a collective or p2p transfer waits for the other ranks before it fails with an "
+                        "error (every process group: torch.distributed's, megatron-core's and ours); a rank that "
+                        "stalls then stops the run instead of hanging it")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap the data-parallel gradient reduction with the backward pass (megatron-core "
@@ -396,7 +400,9 @@ def validate_args(args, world_size: int) -> None:
                                    or args.attention_backend == "unfused"):
         raise ArgumentError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the tokens "
                             "over the TP ranks) and megatron-core's torch layers with --attention-backend auto")
-    cp = getattr(args, "context_parallel_size", 1)
+    if not args.distributed_timeout_minutes > 0:
+        raise ArgumentError(f"--distributed-timeout-minutes {args.distributed_timeout_minutes}: must be > 0")
+    cp = args.context_parallel_size
     if cp < 1:
         raise ArgumentError(f"--context-parallel-size {cp}: must be >= 1")
     if cp > 1 and args.attention_backend == "unfused":

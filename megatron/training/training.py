@@ -25,6 +25,7 @@ from omnibal_ext.model.spec import TEXT_EMBED
 
 from . import checkpointing
 from .arguments import ArgumentError
+from .initialize import distributed_timeout
 from .interleaved import chunk_data, interleaved_peak, schedule_groups, sum_tied_grads
 from .loss_reduction import prefetch, weight
 from .memory import ActivationMeter, one_f_one_b_peak, static_bytes
@@ -64,7 +65,7 @@ def build_model(args, plan: RunPlan, img_context_id: int, device: torch.device):
         if embed_rank != pp - 1:  # every rank takes part in making the groups
             from megatron.vlm.tied import build_tied_embedding_group
 
-            group = build_tied_embedding_group(embed_rank, pp - 1)
+            group = build_tied_embedding_group(embed_rank, pp - 1, timeout=distributed_timeout(args))
             for module in modules:
                 module.tied_group = group
     # bucket_size left at megatron-core's default (40M parameters or 1M x DP, one bucket without overlap);
