@@ -261,7 +261,7 @@ def hf_spec_from_args(args) -> ModelSpec:
     parser = build_parser()
     if args.model != parser.get_default("model"):
         raise ArgumentError(f"--model {args.model} and --hf-checkpoint {folder} both name a model: drop --model")
-    given = [d for d in MODEL_DESTS if getattr(args, d, None) != parser.get_default(d)]
+    given = [d for d in MODEL_DESTS if getattr(args, d) != parser.get_default(d)]
     conflicts = []
     for d in given:
         if d == "vision_feature_layer":
@@ -289,8 +289,8 @@ def model_spec_from_args(args, base: ModelSpec | None = None) -> ModelSpec:
         ("ffn_hidden_size", "ffn_hidden_size")] if getattr(args, a) is not None}
     v.update({k: getattr(args, a) for k, a in [
         ("normalization", "vision_normalization"), ("norm_eps", "vision_norm_eps"), ("qkv_bias", "vision_qkv_bias"),
-        ("qk_norm", "vision_qk_norm")] if getattr(args, a, None) is not None})
-    scale = getattr(args, "vision_layer_scale_init", None)
+        ("qk_norm", "vision_qk_norm")] if getattr(args, a) is not None})
+    scale = args.vision_layer_scale_init
     if scale is not None:
         if scale.lower() == "none":
             v["layer_scale_init"] = None
@@ -302,8 +302,8 @@ def model_spec_from_args(args, base: ModelSpec | None = None) -> ModelSpec:
     lang.update({k: getattr(args, a) for k, a in [
         ("qkv_bias", "qkv_bias"), ("head_dim", "head_dim"), ("norm_eps", "norm_epsilon"),
         ("rotary_base", "rotary_base"), ("tie_word_embeddings", "tie_word_embeddings")]
-        if getattr(args, a, None) is not None})
-    feature_layer = getattr(args, "vision_feature_layer", -1)
+        if getattr(args, a) is not None})
+    feature_layer = args.vision_feature_layer
     if feature_layer != -1:
         n = v.get("num_layers", spec.vision.num_layers)
         try:
@@ -505,13 +505,13 @@ def check_interleaving(vpp: int, pp: int, microbatches: int, n_units: int | None
 def model_spec_of(args) -> ModelSpec:
     """The model the flags describe: --hf-checkpoint's config.json, else the preset with the model flags
     (vocabulary not yet padded for the tokenizer)."""
-    return hf_spec_from_args(args) if getattr(args, "hf_checkpoint", None) else model_spec_from_args(args)
+    return hf_spec_from_args(args) if args.hf_checkpoint else model_spec_from_args(args)
 
 
 def data_parallel_size(args, world_size: int) -> int:
     """world size / (TP x PP x CP); raises ArgumentError when it does not divide."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    cp = getattr(args, "context_parallel_size", 1)
+    cp = args.context_parallel_size
     if world_size % (tp * pp * cp):
         raise ArgumentError(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "

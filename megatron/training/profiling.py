@@ -100,13 +100,13 @@ def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, devic
     mini_units = build_units(mini)
     from .training import resolve_transformer_impl
 
-    sp = bool(getattr(args, "sequence_parallel", False)) and tp > 1
-    impl = "local" if sp else resolve_transformer_impl(getattr(args, "transformer_impl", "auto"), device,
-                                                       getattr(args, "attention_backend", "auto"))
+    sp = args.sequence_parallel and tp > 1
+    impl = "local" if sp else resolve_transformer_impl(args.transformer_impl, device,
+                                                       args.attention_backend)
 
     def stage(recompute):
         m = build_stage(StageBuild(mini, range(len(mini_units)), tp=tp, dtype=dtype, transformer_impl=impl,
-                                   attention_backend=getattr(args, "attention_backend", "auto"), seed=args.seed,
+                                   attention_backend=args.attention_backend, seed=args.seed,
                                    recompute=recompute, img_context_id=img_context_id, on_cpu=on_cpu,
                                    sequence_parallel=sp))
         return m.to(device=device, dtype=dtype).train()
@@ -168,7 +168,7 @@ def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, devic
             "shape": shape.to_dict(), "spec": spec.to_dict(), "tp": tp, "sequence_parallel": sp,
             "warmup": warmup, "repeats": repeats,
             # SegmentAttention keeps no scores, as FlashAttention; "unfused" keeps megatron-core's
-            "attention": "unfused" if getattr(args, "attention_backend", "auto") == "unfused" else "flash"}
+            "attention": "unfused" if args.attention_backend == "unfused" else "flash"}
     table = CostTable(tuple(units), source="profile", meta=meta)
     return broadcast_table(table)
 

@@ -47,14 +47,14 @@ def data_paths(args, plan: RunPlan) -> tuple[str, str | None]:
 def build_dataset(args, plan: RunPlan, tokenizer, meta_path: str) -> InternVLDataset:
     """The dataset of ``meta_path`` read with the model family's data side (``RuntimeFamily.data``)."""
     spec = plan.model_spec
-    reader = runtime_family(spec).data.reader(args, spec, getattr(args, "hf_checkpoint", None))
+    reader = runtime_family(spec).data.reader(args, spec, args.hf_checkpoint)
     # the validation scan (every image decoded) is split over all processes and all-gathered, and kept in
     # --data-cache-dir for the next launch (a restart) of the same data, configuration and tokenizer
     dataset = InternVLDataset(meta_path, tokenizer, **reader, max_seq_length=args.seq_length, seed=args.seed,
                               scan_group=dist.group.WORLD if dist.is_initialized() else None,
                               cache_dir=os.path.join(args.data_cache_dir, "scans"),
-                              truncate=getattr(args, "truncate_long_samples", False),
-                              skip_bad=getattr(args, "skip_bad_samples", False))
+                              truncate=args.truncate_long_samples,
+                              skip_bad=args.skip_bad_samples)
     skipped = dataset.scan.skipped
     if skipped and (not dist.is_initialized() or dist.get_rank() == 0):
         report = skipped_report_path(args, meta_path)
@@ -134,7 +134,7 @@ def build_data(args, plan: RunPlan, tokenizer, inputs: StageInputs | None = None
     # faster in the training process than through worker processes (scripts/bench_data.py)
     loader = dict(inputs=inputs, num_workers=args.num_workers if inputs.pixels else 0,
                   prefetch_factor=args.prefetch_factor, pin_memory=device_type == "cuda",
-                  pad_to_multiple=args.tensor_model_parallel_size if getattr(args, "sequence_parallel", False) else 1,
+                  pad_to_multiple=args.tensor_model_parallel_size if args.sequence_parallel else 1,
                   cp=cp, cp_rank=parallel_state.get_context_parallel_rank(),
                   batcher=data_side.batcher(plan.model_spec, tokenizer.img_context_id, train_set.config.image_rule))
     if inputs.pixels and args.tensor_model_parallel_size > 1:

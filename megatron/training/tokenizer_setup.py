@@ -14,7 +14,7 @@ from .run_plan import RunPlan
 
 def setup_tokenizer(args, plan: RunPlan):
     """(tokenizer, ``plan`` with the tokenizer's source and the model's vocabulary sized from it)."""
-    hf = getattr(args, "hf_checkpoint", None)
+    hf = args.hf_checkpoint
     tokenizer_model = plan.tokenizer_model
     if hf and tokenizer_model is None:
         from megatron.vlm.hf.convert import has_tokenizer
