@@ -3,7 +3,7 @@ both sides, serves the planners (unit list, analytic costs, layout parser) and t
 
 The toy is InternVL with another projector: one linear layer (pixel shuffle, then a single Linear into the
 LLM's width) instead of LayerNorm and a 2-layer MLP.  Its planning side is a ``Family`` with its own
-``ProjectorCost`` subclass in ``omnibal_ext.model.units.FAMILIES``; its runtime side a ``RuntimeFamily``
+``ProjectorCost`` subclass, registered by ``omnibal_ext.model.families.register``; its runtime side a ``RuntimeFamily``
 with its own projector component in ``megatron.vlm.families``; everything else is InternVL's and the shared
 GPT decoder's.
 """
@@ -14,10 +14,11 @@ import torch
 
 from omnibal_ext.model.components import HeadCost, TextEmbedCost, TextLayerCost
 from omnibal_ext.model.cost_model import MicroBatchShape, analytic_costs, unit_param_counts
+from omnibal_ext.model import families as planning
 from omnibal_ext.model.families import Family
 from omnibal_ext.model.families.internvl import ProjectorCost, VisionEmbedCost, VisionLayerCost, VisionSpec
 from omnibal_ext.model.spec import PROJECTOR, TEXT_EMBED
-from omnibal_ext.model.units import FAMILIES, build_units, get_preset
+from omnibal_ext.model.units import build_units, get_preset
 
 TOY = "toy-linear-projector"
 
@@ -86,16 +87,16 @@ def toy_family():
         def forward(self, module, x, batch, cache):
             return module(x)
 
-    FAMILIES[TOY] = Family(
+    planning.register(Family(
         name=TOY, vision_spec=VisionSpec,
         components=(VisionEmbedCost, VisionLayerCost, LinearProjectorCost, TextEmbedCost, TextLayerCost, HeadCost),
-        unit_list=toy_unit_list, vision_item="tile")
+        unit_list=toy_unit_list, vision_item="tile"))
     runtime.register(RuntimeFamily(name=TOY, components=(VisionEmbed, VisionLayer, LinearProjectorUnit, *GPT_DECODER),
                                    vision_config=vision_config))
     try:
         yield
     finally:
-        FAMILIES.pop(TOY, None)
+        planning.unregister(TOY)
         runtime.unregister(TOY)
 
 

@@ -19,7 +19,7 @@ from ...errors import UserError
 from ..components import (FUSED_KERNELS, ActBytes, CostComponent, HeadCost, TextEmbedCost, TextLayerCost,
                           layer_act_bytes_per_token, norm_bytes_per_token, sp_tokens)
 from ..spec import PROJECTOR, VISION_EMBED, VISION_LAYER, LanguageSpec, ModelSpec
-from . import Family
+from . import Family, register
 
 
 @dataclass(frozen=True)
@@ -268,10 +268,10 @@ def spec_problem(spec: ModelSpec) -> str | None:
     return None
 
 
-INTERNVL = Family(
+INTERNVL = register(Family(
     name="internvl", vision_spec=VisionSpec,
     components=(VisionEmbedCost, VisionLayerCost, ProjectorCost, TextEmbedCost, TextLayerCost, HeadCost),
-    unit_list=unit_list, vision_item="tile", presets=PRESETS, spec_problem=spec_problem)
+    unit_list=unit_list, vision_item="tile", presets=PRESETS, spec_problem=spec_problem))
 
 
 def vit_layers_for_feature_layer(num_hidden_layers: int, vision_feature_layer: int) -> int:
