@@ -14,7 +14,6 @@ import torch
 
 from omnibal_ext.model.components import HeadCost, TextEmbedCost, TextLayerCost
 from omnibal_ext.model.cost_model import MicroBatchShape, analytic_costs, unit_param_counts
-from omnibal_ext.model import families as planning
 from omnibal_ext.model.families import Family
 from omnibal_ext.model.families.internvl import ProjectorCost, VisionEmbedCost, VisionLayerCost, VisionSpec
 from omnibal_ext.model.spec import PROJECTOR, TEXT_EMBED
@@ -87,16 +86,15 @@ def toy_family():
         def forward(self, module, x, batch, cache):
             return module(x)
 
-    planning.register(Family(
+    plan = Family(
         name=TOY, vision_spec=VisionSpec,
         components=(VisionEmbedCost, VisionLayerCost, LinearProjectorCost, TextEmbedCost, TextLayerCost, HeadCost),
-        unit_list=toy_unit_list, vision_item="tile"))
-    runtime.register(RuntimeFamily(name=TOY, components=(VisionEmbed, VisionLayer, LinearProjectorUnit, *GPT_DECODER),
-                                   vision_config=vision_config))
+        unit_list=toy_unit_list, vision_item="tile")
+    runtime.register(RuntimeFamily(planning=plan, components=(VisionEmbed, VisionLayer, LinearProjectorUnit,
+                                                              *GPT_DECODER), vision_config=vision_config))
     try:
         yield
     finally:
-        planning.unregister(TOY)
         runtime.unregister(TOY)
 
 

@@ -15,6 +15,7 @@ import importlib.util
 import pkgutil
 
 from omnibal_ext.errors import UserError
+from omnibal_ext.model import families as planning
 from omnibal_ext.model.spec import ModelSpec, Unit
 
 from megatron.vlm.components import RuntimeComponent, RuntimeFamily
@@ -23,16 +24,19 @@ FAMILIES: dict[str, RuntimeFamily] = {}  # name -> RuntimeFamily; filled by ``re
 
 
 def register(family: RuntimeFamily) -> RuntimeFamily:
-    """Add (or replace) a runtime family. Returns ``family``."""
+    """Add (or replace) a family: its runtime side here and its planning side (``family.planning``) in
+    ``omnibal_ext.model.families``. Returns ``family``."""
     if not isinstance(family, RuntimeFamily):
         raise TypeError(f"register: {family!r} is no megatron.vlm.components.RuntimeFamily")
+    planning.register(family.planning)
     FAMILIES[family.name] = family
     return family
 
 
 def unregister(name: str) -> None:
-    """Remove a family registered by ``register`` (tests)."""
+    """Remove a family registered by ``register``, both sides (tests)."""
     FAMILIES.pop(name, None)
+    planning.unregister(name)
 
 
 def import_family_modules(modules) -> None:

@@ -19,7 +19,34 @@ from typing import Callable
 
 from ...errors import UserError
 from ..components import CostComponent
+from ..lora import TARGETS
 from ..spec import ModelSpec, SideTensor
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a family implements beyond the plain forward and backward of its units. ``megatron.training.arguments``
+    refuses a flag that asks for something its family does not declare (``CAPABILITY_FLAGS`` there maps each field
+    to its flags); the defaults declare nothing, so a new family states what it supports.
+
+    drop_path: ViT stochastic depth (``--vision-drop-path-rate``); context_parallel: ``--context-parallel-size`` > 1;
+    sequence_parallel: ``--sequence-parallel``; lora_targets: the ``--lora-targets`` its layers take (from
+    ``omnibal_ext.model.lora.TARGETS``); image_flags: the data flags its image rule reads (``--max-num-tiles`` ...:
+    the reader refuses the others when given); video: video records; moe: mixture-of-experts LLM layers."""
+
+    drop_path: bool = False
+    context_parallel: bool = False
+    sequence_parallel: bool = False
+    lora_targets: tuple[str, ...] = ()
+    image_flags: tuple[str, ...] = ()
+    video: bool = False
+    moe: bool = False
+
+    def __post_init__(self):
+        bad = [t for t in self.lora_targets if t not in TARGETS]
+        if bad:
+            raise ValueError(f"Capabilities.lora_targets: {bad} are no LoRA targets ({', '.join(TARGETS)})")
+
 
 
 @dataclass(frozen=True)
@@ -33,7 +60,8 @@ class Family:
     ``vision_window_tokens_sq``), None where an item's attention is fixed (InternVL's tiles).
     spec_problem(spec): what makes a ModelSpec of the family unbuildable (a message naming the flag), or None.
     side_tensors(spec): the tensors its units hand to later units beside the hidden states (``SideTensor``:
-    DeepStack features), () for most families."""
+    DeepStack features), () for most families. capabilities: what it implements beyond the plain model
+    (``Capabilities``: drop path, CP, SP, LoRA targets, image flags, video, MoE), checked when flags are parsed."""
 
     name: str
     vision_spec: type
@@ -44,6 +72,7 @@ class Family:
     segments_sq: Callable | None = None
     spec_problem: Callable[[ModelSpec], str | None] = lambda spec: None  # noqa: E731
     side_tensors: Callable[[ModelSpec], tuple[SideTensor, ...]] = lambda spec: ()  # noqa: E731
+    capabilities: Capabilities = Capabilities()
 
 
 FAMILIES: dict[str, Family] = {}  # name -> Family; filled by ``register`` only

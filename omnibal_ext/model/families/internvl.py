@@ -19,7 +19,8 @@ from ...errors import UserError
 from ..components import (FUSED_KERNELS, ActBytes, CostComponent, HeadCost, TextEmbedCost, TextLayerCost,
                           layer_act_bytes_per_token, norm_bytes_per_token, sp_tokens)
 from ..spec import PROJECTOR, VISION_EMBED, VISION_LAYER, LanguageSpec, ModelSpec
-from . import Family, register
+from ..lora import TARGETS as LORA_TARGETS
+from . import Capabilities, Family, register
 
 
 @dataclass(frozen=True)
@@ -271,7 +272,9 @@ def spec_problem(spec: ModelSpec) -> str | None:
 INTERNVL = register(Family(
     name="internvl", vision_spec=VisionSpec,
     components=(VisionEmbedCost, VisionLayerCost, ProjectorCost, TextEmbedCost, TextLayerCost, HeadCost),
-    unit_list=unit_list, vision_item="tile", presets=PRESETS, spec_problem=spec_problem))
+    unit_list=unit_list, vision_item="tile", presets=PRESETS, spec_problem=spec_problem,
+    capabilities=Capabilities(drop_path=True, context_parallel=True, sequence_parallel=True,
+                              lora_targets=LORA_TARGETS, image_flags=("--max-num-tiles", "--min-num-tiles"))))
 
 
 def vit_layers_for_feature_layer(num_hidden_layers: int, vision_feature_layer: int) -> int:

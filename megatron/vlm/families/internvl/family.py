@@ -1,6 +1,8 @@
 """InternVL at run time: the ``RuntimeFamily`` (registered when ``megatron.vlm.families`` discovers it)."""
 from __future__ import annotations
 
+from omnibal_ext.model.families.internvl import INTERNVL as PLANNING
+
 from megatron.vlm.components import GPT_DECODER, RuntimeFamily
 from megatron.vlm.config import vision_config
 from megatron.vlm.families import register
@@ -10,8 +12,8 @@ from . import hf
 from .components import ProjectorUnit, VisionEmbed, VisionLayer
 
 INTERNVL = register(RuntimeFamily(
-    name="internvl", components=(VisionEmbed, VisionLayer, ProjectorUnit, *GPT_DECODER),
-    vision_config=vision_config, hf_names=hf.Names, hf_skipped_names=hf.skipped_names,
-    hf_config=hf_config.HFConfigReader(hf_config.internvl_recognizes, hf_config.internvl_spec_from_config,
-                                       hf_config.internvl_native_config),
-    logits_batch=hf.logits_batch, structure_twin=hf.structure_twin))
+    planning=PLANNING, components=(VisionEmbed, VisionLayer, ProjectorUnit, *GPT_DECODER),
+    vision_config=vision_config,
+    hf=hf_config.HFSide(hf_config.internvl_recognizes, hf_config.internvl_spec_from_config,
+                        hf_config.internvl_native_config, names=hf.Names, logits_batch=hf.logits_batch,
+                        structure_twin=hf.structure_twin, skipped_names=hf.skipped_names)))
