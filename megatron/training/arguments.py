@@ -14,7 +14,7 @@ from omnibal_ext.model.cost_model import DEVICES
 from omnibal_ext.model.sample_time import ISF_TIME_DEVICE
 from omnibal_ext.model.layout import parse_layout
 from omnibal_ext.model.trainable import add_freeze_flags, trainable_of
-from omnibal_ext.model.families.internvl import vit_layers_for_feature_layer
+from omnibal_ext.model.spec import vit_layers_for_feature_layer
 from omnibal_ext.model.units import PRESETS, ModelSpec, build_units, family_of, get_preset
 from omnibal_ext.plan import tp_problem, trainer_argv
 
