@@ -42,7 +42,6 @@ from megatron.vlm.head import OUTPUTS
 from megatron.vlm.layers import uses_segment_attention
 from megatron.vlm.lora import is_adapter
 from megatron.vlm.seeding import seeded
-from megatron.vlm.tied import allreduce_tied_grad
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,14 +232,6 @@ class VLMStage(MegatronModule):
             if part is not None:
                 return part.component.tied_weight(self.module_of(part))
         return None
-
-    def allreduce_tied_embedding_grads(self) -> None:
-        """Sum the tied weight's gradient over the stages holding E and L (``tied_group``), so both copies
-        take the same step. Runs before megatron's finalize_model_grads (the DP reduction), on the local
-        accumulated gradients, which is right for the plain and the distributed optimizer alike."""
-        if self.tied_group is None:
-            return
-        allreduce_tied_grad(self.tied_embedding_weight(), self.tied_group)
 
     # checkpoint ------------------------------------------------------------------------------------
     def unit_modules(self):

@@ -178,10 +178,6 @@ class Trainable:
         without autograd): the index of the first trainable unit."""
         return next((i for i in range(len(self.trains)) if self.has_trainable(i)), len(self.trains))
 
-    def needs_autograd(self, index: int) -> bool:
-        """Whether unit ``index`` runs with autograd (it trains, or a trainable unit is upstream)."""
-        return index >= self.frozen_prefix
-
     def apply(self, costs, input_grad_share: float = INPUT_GRAD_SHARE):
         """``costs`` (a CostTable over the same units) as they are with these units frozen (see the module
         docstring); unchanged when everything trains."""

@@ -26,6 +26,7 @@ import torch
 from megatron.vlm.context_parallel import padded_layout, split_tokens
 from megatron.vlm.data.internvl import ImageRule
 from megatron.vlm.data.side import Batcher, DataSide
+from megatron.vlm.drop_path import image_patch_keys
 from omnibal_ext.errors import UserError
 from omnibal_ext.model.cp_split import image_runs
 
@@ -120,8 +121,12 @@ class QwenBatcher(Batcher):
             positions[:, row, start:] = np.arange(tokens.shape[1] - start)
         batch["mrope_position_ids"] = torch.from_numpy(positions)
         every = [g for sample_grids in grids for g in sample_grids]
+        # drop path per image: each patch row keyed by (sample id, image index in the sample)
+        batch["tile_keys"] = image_patch_keys(batch["sample_ids"].tolist(),
+                                              [[t * h * w for t, h, w in sample_grids] for sample_grids in grids])
         if not every:  # the ViT still runs: one all-zero image of one merged token, taken by no text token
             every = [(1, self.merge, self.merge)]
+            batch["tile_keys"] = torch.zeros(self.merge ** 2, dtype=torch.int64)
             if "pixel_values" in batch:
                 batch["pixel_values"] = torch.cat([batch["pixel_values"],
                                                    torch.zeros(self.merge ** 2, batch["pixel_values"].shape[1])])
@@ -168,8 +173,9 @@ class QwenBatcher(Batcher):
         if "pixel_values" in batch:
             pixels = batch["pixel_values"][first:last]
             out["pixel_values"] = pixels if len(mine) else torch.zeros(self.merge ** 2, pixels.shape[1])
-        if "tile_keys" in batch:
-            out["tile_keys"] = batch["tile_keys"][first:last]
+        if "tile_keys" in batch:  # the drop path's keys of this rank's patches (the dummy image's: zeros)
+            keys = batch["tile_keys"][first:last]
+            out["tile_keys"] = keys if len(mine) else torch.zeros(self.merge ** 2, dtype=torch.int64)
         out.update(self.vision_fields(grids[mine.start:mine.stop] or [(1, self.merge, self.merge)]))
         return out
 
