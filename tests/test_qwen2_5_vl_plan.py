@@ -18,7 +18,7 @@ from omnibal_ext.memory.memory_model import MODE_FULL, unit_modes
 from omnibal_ext.memory.stage_recompute import StageRecompute
 from omnibal_ext.model.cost_model import analytic_costs, get_device
 from omnibal_ext.model.layout import PipelineLayout
-from omnibal_ext.model.sample_time import sample_time_units, sample_work, vision_segments
+from omnibal_ext.model.sample_time import sample_time_units, vision_segments
 from omnibal_ext.model.shape import MicroBatchShape
 from omnibal_ext.model.spec import VISION_LAYER
 from omnibal_ext.model.units import build_units, get_preset, unit_components
