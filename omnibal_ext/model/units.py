@@ -21,9 +21,10 @@ from .components import CostComponent
 from .families import Family
 from .families.internvl import INTERNVL
 from .families.qwen2_5_vl import QWEN2_5_VL
+from .families.qwen3_vl import QWEN3_VL
 from .spec import ROLES, LanguageSpec, ModelSpec, Unit
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (INTERNVL, QWEN2_5_VL)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (INTERNVL, QWEN2_5_VL, QWEN3_VL)}
 PRESETS: dict[str, ModelSpec] = {name: spec for f in FAMILIES.values() for name, spec in f.presets.items()}
 
 
