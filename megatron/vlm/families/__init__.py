@@ -13,8 +13,10 @@ from megatron.vlm.components import RuntimeComponent, RuntimeFamily
 
 from .internvl import INTERNVL
 from .qwen2_5_vl.family import QWEN2_5_VL
+from .qwen3_vl.family import QWEN3_VL
 
-FAMILIES: dict[str, RuntimeFamily] = {INTERNVL.name: INTERNVL, QWEN2_5_VL.name: QWEN2_5_VL}
+FAMILIES: dict[str, RuntimeFamily] = {INTERNVL.name: INTERNVL, QWEN2_5_VL.name: QWEN2_5_VL,
+                                   QWEN3_VL.name: QWEN3_VL}
 
 
 def register(family: RuntimeFamily) -> None:
