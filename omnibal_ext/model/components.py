@@ -232,7 +232,7 @@ class TextLayerCost(CostComponent):
         h, f, d = lm.hidden_size, lm.ffn_hidden_size, lm.kv_channels
         qkv_rows = lm.num_attention_heads * d + 2 * lm.kv_groups * d
         n = h * qkv_rows + lm.num_attention_heads * d * h + (3 if lm.swiglu else 2) * h * f + 2 * h
-        return n + (qkv_rows if lm.qkv_bias else 0)
+        return n + (qkv_rows if lm.qkv_bias else 0) + (2 * d if lm.qk_norm else 0)  # per-head q/k norm weights
 
     def linears(self, tp):
         lm = self.spec.language
