@@ -287,13 +287,13 @@ SMALL_VIT = VisionSpec(num_layers=24, hidden_size=1024, num_attention_heads=16, 
                        deepstack_visual_indexes=(5, 11, 17))
 LARGE_VIT = VisionSpec(num_layers=27, hidden_size=1152, num_attention_heads=16, ffn_hidden_size=4304,
                        deepstack_visual_indexes=(8, 16, 24))
-_TEXT = dict(rotary_base=5000000, qkv_bias=False, norm_eps=1e-6, head_dim=128, vocab_size=151936,
+_TEXT = dict(rotary_base=5000000, norm_eps=1e-6, head_dim=128, vocab_size=151936,
              mrope_section=(24, 20, 20))
 
 
 def qwen3_language(**kw) -> LanguageSpec:
-    """A Qwen3 decoder: per-head q/k RMSNorm, explicit head_dim, interleaved multimodal RoPE."""
-    return LanguageSpec(**kw)
+    """A Qwen3 decoder: per-head q/k RMSNorm, explicit head_dim, no qkv bias, interleaved multimodal RoPE."""
+    return LanguageSpec(qk_norm=True, mrope_interleaved=True, qkv_bias=False, **kw)
 
 
 def _preset(name, vit, layers, hidden, heads, groups, ffn, tie):
