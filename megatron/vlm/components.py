@@ -143,6 +143,12 @@ class RuntimeComponent:
     def prepare(self, module: torch.nn.Module, batch: dict, cache: dict) -> None:
         """Build what ``forward`` keeps in ``cache`` for ``batch`` now (the profiler times units without it)."""
 
+    def parameter_role(self, unit: Unit, name: str) -> str:
+        """The role (layout letter) parameter ``name`` of ``unit``'s module plays for freezing, LoRA and the
+        per-module learning rates: the unit's own, unless a unit holds parts of another role (Qwen3-VL's DeepStack
+        mergers, the projector's, in ViT layer units)."""
+        return unit.code
+
     # checkpoint ------------------------------------------------------------------------------------
     def unit_modules(self, module: torch.nn.Module, units: list[Unit], blocks: range = range(0)):
         """(unit, its module, path of that module below ``attr``) for each of ``units``; a layer kind's

@@ -211,6 +211,14 @@ class DeepStackLayerCost(VisionLayerCost):
     def params(self, tp):
         return super().params(tp) + _merger_params(self.spec, _merger_sizes(self.spec)[0])
 
+    def params_of_role(self, role, tp=1):
+        """The layer is the ViT's, the merger the projector's (fc1's output and fc2's input split over TP; its norm
+        and fc2's bias replicated)."""
+        hi, ho = _merger_sizes(self.spec)
+        if role == PROJECTOR:
+            return _merger_params(self.spec, hi), 2 * hi + ho
+        return (super().params(tp), 0) if role == self.code else (0, 0)
+
     def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False, kernels=FUSED_KERNELS):
         layer = super().act_bytes(shape, tp, dropout, attention, sequence_parallel, kernels)
         extra = _merger_act(self.spec, shape, tp, _merger_sizes(self.spec)[0], kernels)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from omnibal_ext.errors import UserError
+from omnibal_ext.model.spec import HEAD, PROJECTOR
 from omnibal_ext.model.families.qwen3_vl import (DeepStackLayerCost, MergerCost, VisionEmbedCost, VisionLayerCost,
                                                  deepstack_name)
 
@@ -158,6 +159,11 @@ class DeepStackLayers(VisionLayers):
     def profile_forward(self, module, x, batch, cache):
         return self.forward(module[:1], x, batch, cache)
 
+    def parameter_role(self, unit, name):
+        """The DeepStack merger is the projector's (``--freeze-projector``, its learning rate), whatever stage runs
+        it; the layer is the ViT's."""
+        return PROJECTOR if name.startswith("deepstack_merger.") else unit.code
+
     @classmethod
     def hf_recipes(cls, unit, table):
         hf.vision_layer_recipes(unit, table)
@@ -192,8 +198,6 @@ class DeepStackTextLayer(MRopeTextLayer):
     slots: tuple[int | None, ...] = ()  # per block: the DeepStack feature added after it, or None (set by build)
 
     def build(self, units):
-        from omnibal_ext.model.spec import HEAD
-
         if self.ctx.language_config.context_parallel_size > 1 and self.spec.vision.deepstack_visual_indexes:
             raise UserError("Qwen3-VL: DeepStack under context parallelism (--context-parallel-size > 1) is not "
                             "implemented")
