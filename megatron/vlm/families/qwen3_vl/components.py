@@ -191,10 +191,12 @@ class DeepStackTextLayer(MRopeTextLayer):
     """Qwen3 decoder layers with multimodal RoPE (Qwen2.5-VL's ``MRopeTextLayer``); layer ``j`` below the number of
     DeepStack features is a block of its own, and DeepStack feature ``j`` (side tensor ``deepstack.{j}``) is added
     to its output at the image tokens (``tokens == img_context_id``), as transformers'
-    ``Qwen3VLTextModel._deepstack_process`` does. A micro-batch without images has no features (nothing added).
+    ``Qwen3VLTextModel._deepstack_process`` does (every micro-batch runs the ViT: one without images gets a stand-in
+    image whose tokens no text token takes, so its features add nothing).
 
     Sequence parallelism: the feature is scattered over the micro-batch's tokens and this TP rank's slice added."""
 
+    reads = frozenset({"packing", "tokens"})  # the tokens say where the image tokens are
     slots: tuple[int | None, ...] = ()  # per block: the DeepStack feature added after it, or None (set by build)
 
     def build(self, units):
@@ -231,10 +233,9 @@ class DeepStackTextLayer(MRopeTextLayer):
         if self.sp_enters:
             x = sequence_parallel.enter(x)
         context = self.context(module, batch, cache)
-        images = "pixel_values" in batch
         for block, slot in zip(module, self.slots):
             x = run_text_blocks([block], x, context, self.ctx.thd)
-            if slot is not None and images:
+            if slot is not None:
                 x = self._add_feature(x, take_side(cache, deepstack_name(slot)), batch)
         return sequence_parallel.leave(x) if self.sp_leaves else x
 
