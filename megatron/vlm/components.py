@@ -145,6 +145,12 @@ class RuntimeComponent:
     def prepare(self, module: torch.nn.Module, batch: dict, cache: dict) -> None:
         """Build what ``forward`` keeps in ``cache`` for ``batch`` now (the profiler times units without it)."""
 
+    def parameter_role(self, unit: Unit, name: str) -> str:
+        """The role (layout letter) parameter ``name`` of ``unit``'s module plays for freezing, LoRA and the
+        per-module learning rates: the unit's own, unless a unit holds parts of another role (Qwen3-VL's DeepStack
+        mergers, the projector's, in ViT layer units)."""
+        return unit.code
+
     # checkpoint ------------------------------------------------------------------------------------
     def unit_modules(self, module: torch.nn.Module, units: list[Unit], blocks: range = range(0)):
         """(unit, its module, path of that module below ``attr``) for each of ``units``; a layer kind's
@@ -215,16 +221,18 @@ class TextEmbed(RuntimeComponent):
 
 
 class TextLayer(RuntimeComponent):
-    """GPT decoder layers (megatron-core's layer spec): causal attention within each packed sample, RoPE."""
+    """GPT decoder layers (megatron-core's layer spec): causal attention within each packed sample, RoPE; per-head
+    q/k RMSNorm where the LanguageSpec has ``qk_norm`` (Qwen3)."""
 
     cost, attr, reads, layers = TextLayerCost, "llm_blocks", frozenset({"packing"}), True
     sp_enters = sp_leaves = False  # sequence-parallel region edges (set by build)
 
     def layer_spec(self, first_unit_index: int):
         ctx = self.ctx
-        return layers.layer_spec(self.spec.language.normalization,
+        spec = layers.layer_spec(self.spec.language.normalization,
                                  layers.llm_mask_type(ctx.transformer_impl, ctx.attention_backend), ctx.seed,
                                  first_unit_index, ctx.transformer_impl, ctx.attention_backend)
+        return layers.with_qk_norm(spec) if self.spec.language.qk_norm else spec
 
     def build(self, units):
         self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.language_config, (HEAD,))

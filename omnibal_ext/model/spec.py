@@ -59,7 +59,7 @@ class SideTensor:
 
 @dataclass(frozen=True)
 class LanguageSpec:
-    """A GPT decoder (InternLM2 / Llama / Qwen2 style: RMSNorm, SwiGLU, grouped-query attention, RoPE)."""
+    """A GPT decoder (InternLM2 / Llama / Qwen2 / Qwen3 style: RMSNorm, SwiGLU, grouped-query attention, RoPE)."""
 
     num_layers: int
     hidden_size: int
@@ -84,8 +84,16 @@ class LanguageSpec:
     # rotated by the temporal, height and width position ids (HF: mrope_section; megatron-core's
     # TransformerConfig.mrope_section); None: plain 1-D RoPE
     mrope_section: tuple[int, ...] | None = None
+    # the sections interleaved (Qwen3-VL, HF: mrope_interleaved): frequency j rotates by the height id when
+    # j % 3 == 1 and j < 3 * section[1], by the width id when j % 3 == 2 and j < 3 * section[2], else by the
+    # temporal id (megatron/vlm/rope.py); False: consecutive chunks of section[0], section[1], section[2]
+    mrope_interleaved: bool = False
+    # RMSNorm of every query and key head over its head_dim values, before RoPE (Qwen3; HF: q_norm / k_norm)
+    qk_norm: bool = False
 
     def __post_init__(self):
+        if self.mrope_interleaved and self.mrope_section is None:
+            raise UserError("mrope_interleaved needs an mrope_section (interleaved multimodal RoPE)")
         if self.mrope_section is not None:
             object.__setattr__(self, "mrope_section", tuple(int(x) for x in self.mrope_section))
             if len(self.mrope_section) != 3 or min(self.mrope_section) < 0 \

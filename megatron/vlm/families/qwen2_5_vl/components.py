@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch.nn.functional as F
-from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 
 from omnibal_ext.model.families.qwen2_5_vl import FullLayerCost, MergerCost, VisionEmbedCost, WindowLayerCost
 
@@ -32,6 +31,7 @@ from megatron.vlm.components import PaddedHeadLayers, RuntimeComponent, TextEmbe
 from megatron.vlm.context_parallel import context_parallel_group, gather_rows, own_rank_group
 from megatron.vlm.drop_path import iteration_keys, layer_rates, with_drop_path
 from megatron.vlm.padded_heads import tp_rank
+from megatron.vlm.rope import MultimodalRope
 from megatron.vlm.text import packed_causal_mask
 
 from . import hf
@@ -179,37 +179,35 @@ class ImageTextEmbed(TextEmbed):
 
 
 class MRopeTextLayer(TextLayer):
-    """Qwen2.5 decoder layers with multimodal RoPE: per-token frequencies from ``mrope_position_ids`` (megatron-
-    core's ``MultimodalRotaryEmbedding``); THD: one frequency row per token of the flattened micro-batch, which
-    megatron-core's ``apply_rotary_pos_emb`` maps by absolute offset, so the ids, not the segment, say the
-    position (text after an image continues from the image's largest id).  Context parallelism: the ids come in
-    the padded, unsplit layout (``QwenBatcher.split_cp``), one row per token of ``cu_seqlens``, so megatron-core
-    takes this rank's chunks of the frequencies itself (its CP group passed in the packed parameters too)."""
+    """Decoder layers with multimodal RoPE: per-token frequencies from ``mrope_position_ids``
+    (``megatron.vlm.rope``: the LanguageSpec's ``mrope_section``, chunked as Qwen2.5-VL's or interleaved as
+    Qwen3-VL's ``mrope_interleaved``); the layers are the shared TextLayer's (Qwen2.5 or Qwen3: per-head q/k norm
+    where the spec says). THD: one frequency row per token of the flattened micro-batch, which megatron-core's
+    ``apply_rotary_pos_emb`` maps by absolute offset, so the ids, not the segment, say the position (text after an
+    image continues from the image's largest id).  Context parallelism: the ids come in the padded, unsplit layout
+    (``QwenBatcher.split_cp``), one row per token of ``cu_seqlens``, so megatron-core takes this rank's chunks of
+    the frequencies itself (its CP group passed in the packed parameters too)."""
 
     reads = frozenset({"packing"})
 
     def extra_modules(self):
         lang = self.spec.language
-        self.rotary = MultimodalRotaryEmbedding(kv_channels=lang.kv_channels, rotary_percent=1.0,
-                                                rotary_base=lang.rotary_base)
+        self.rotary = MultimodalRope(lang.kv_channels, lang.rotary_base, lang.mrope_section, lang.mrope_interleaved)
         return {"mrope": self.rotary}
 
     def context(self, module, batch, cache):
         if "text_context" not in cache:
             device = next(module.parameters()).device
-            section = list(self.spec.language.mrope_section)
-            ids = batch["mrope_position_ids"]  # [3, b, s]
+            ids = batch["mrope_position_ids"].to(device)  # [3, b, s]
             if self.ctx.thd:
                 te = self.ctx.transformer_impl == "transformer_engine"
                 params = segment_params(batch["cu_seqlens"], int(batch["max_seqlen"]), device if te else None,
                                         context_parallel_group())
-                self.rotary.inv_freq = self.rotary.inv_freq.to(device)
                 # [t, 1, 1, d]: every token's (CP: of the padded unsplit layout, not sliced here: megatron-core's THD
                 # RoPE takes this rank's chunks of every segment)
-                rope = self.rotary(ids.reshape(3, 1, -1).to(device), section, cp_group=own_rank_group())
+                rope = self.rotary(ids.reshape(3, 1, -1))
                 cache["text_context"] = {"attention_mask": None, "rotary_pos_emb": rope, "packed_seq_params": params}
             else:
-                self.rotary.inv_freq = self.rotary.inv_freq.to(device)
                 cache["text_context"] = {"attention_mask": packed_causal_mask(batch["segment_ids"]),
-                                         "rotary_pos_emb": self.rotary(ids.to(device), section)}  # [s, b, 1, d]
+                                         "rotary_pos_emb": self.rotary(ids)}  # [s, b, 1, d]
         return cache["text_context"]
