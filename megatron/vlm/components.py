@@ -179,6 +179,12 @@ class RuntimeComponent:
         """The tied input/output embedding weight this unit holds (None: none)."""
         return None
 
+    def param_role(self, unit: Unit, name: str) -> str:
+        """The role (layout letter) of ``unit``'s parameter ``name`` (relative to the unit's module) for freezing
+        and the per-role learning rates: the unit's own, but a DeepStack merger held by a ViT layer unit is the
+        projector's (``P``)."""
+        return unit.code
+
 
 # ---------------------------------------------------------------------------------------------------
 # The GPT decoder's components, shared by every family
