@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False)
 
     g = p.add_argument_group("model")
+    g.add_argument("--family-module", action="append", default=[], metavar="MODULE",
+                   help="import MODULE (a module name or a path to a .py file) before the flags are parsed: a model "
+                        "family defined outside this repository registers itself (and its presets) there; repeatable")
     g.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="model size preset")
     g.add_argument("--hf-checkpoint", default=None, metavar="DIR",
                    help="start from this Hugging Face InternVL or Qwen2.5-VL folder (config.json + *.safetensors; "
@@ -544,8 +547,37 @@ def requested_device(argv=None) -> str:
     patches (cpu_compat) must be in place before any process group starts."""
     import sys
 
-    args, _ = build_parser().parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    import_family_modules(argv)
+    args, _ = build_parser().parse_known_args(argv)
     return args.device
+
+
+def import_family_modules(argv: list[str]) -> None:
+    """Import every ``--family-module`` of ``argv`` (a module name, or a path to a .py file imported under its file
+    name), so that the families and presets they register are known to the parser (``--model``'s choices)."""
+    import importlib
+    import importlib.util
+    import sys
+
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--family-module", action="append", default=[])
+    for module in pre.parse_known_args(argv)[0].family_module:
+        if module.endswith(".py"):
+            if not os.path.isfile(module):
+                raise ArgumentError(f"--family-module {module}: no such file")
+            name = os.path.splitext(os.path.basename(module))[0]
+            if name in sys.modules:
+                continue
+            spec = importlib.util.spec_from_file_location(name, module)
+            loaded = importlib.util.module_from_spec(spec)
+            sys.modules[name] = loaded
+            spec.loader.exec_module(loaded)
+        else:
+            try:
+                importlib.import_module(module)
+            except ImportError as e:
+                raise ArgumentError(f"--family-module {module}: cannot import it ({e})") from None
 
 
 def parse_args(argv=None, world_size: int = 1):
@@ -555,6 +587,7 @@ def parse_args(argv=None, world_size: int = 1):
     import sys
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    import_family_modules(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.omnibal_plan:
