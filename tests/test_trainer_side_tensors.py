@@ -8,7 +8,8 @@ whose ViT layers 1 and 2 feed mergers whose features are added to LLM layers 0 a
 * CP2 x PP2, ``Iv*4PE|t*4L``: both cross ViT -> LLM holding this CP rank's tiles' rows;
 * --freeze-vit (the mergers train) at PP2 against the serial --freeze-vit run.
 
-Losses of every iteration within 1e-5 (relative) of serial.
+Losses of every iteration within 1e-5 (relative) of serial (4 micro-batches per iteration: megatron-core's interleaved
+schedule with as many micro-batches as pipeline ranks did not finish on gloo here, with or without side tensors).
 """
 from pathlib import Path
 
@@ -17,8 +18,8 @@ import pytest
 pytestmark = pytest.mark.slow
 
 TOY = str(Path(__file__).resolve().parent / "toy_deepstack.py")
-BASE = ["--family-module", TOY, "--model", "toy-deepstack", "--train-iters", "4", "--micro-batch-size", "2",
-        "--global-batch-size", "4", "--lr-warmup-iters", "0", "--lr", "2e-3", "--log-interval", "1", "--seed", "7",
+BASE = ["--family-module", TOY, "--model", "toy-deepstack", "--train-iters", "3", "--micro-batch-size", "2",
+        "--global-batch-size", "8", "--lr-warmup-iters", "0", "--lr", "2e-3", "--log-interval", "1", "--seed", "7",
         "--eval-interval", "0"]
 CASES = {
     "pp2-recompute": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-layout", "Iv*2|v*2PEt*4L",
@@ -44,6 +45,6 @@ def test_side_tensors_equal_serial(data_cache, shared_runs, serial_run, case):
     serial = losses(serial_run(flags))
     records, out, _ = shared_runs.run(nproc, flags + parallel)
     got = losses(records)
-    assert len(got) == len(serial) == 4
+    assert len(got) == len(serial) == 3
     assert all(abs(g - s) <= 1e-5 * abs(s) for g, s in zip(got, serial)), (case, got, serial)
     assert serial[-1] < serial[0]

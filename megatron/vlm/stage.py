@@ -315,7 +315,6 @@ class VLMStage(MegatronModule):
         # another tensor (the projector's unsqueeze, a reshape) cannot give up
         return make_viewless_tensor(x, requires_grad=x.requires_grad, keep_graph=True)
 
-
     def _rows(self, side, batch: dict) -> int:
         """Rows of side tensor ``side`` in ``batch`` on this rank (host ints only: ``DataSide.side_rows``)."""
         if side.rows != "image_tokens":
@@ -326,6 +325,7 @@ class VLMStage(MegatronModule):
 
             return self.side_rows(self.spec, batch, cp, parallel_state.get_context_parallel_rank())
         return self.side_rows(self.spec, batch, 1, 0)
+
 
     def _recomputed_without_input_grad(self, k: int, x) -> bool:
         """Part ``k`` holds fully recomputed layers with trained parameters (LoRA adapters, unfrozen layers) and gets
