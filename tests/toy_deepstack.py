@@ -33,7 +33,7 @@ def side_tensors(spec):
     vit = [u.index for u in units if u.code == "v"]
     llm = [u.index for u in units if u.code == "t"]
     return tuple(SideTensor(f"deepstack.{k}", vit[p], (llm[c],), spec.language.hidden_size)
-                 for k, (p, c) in enumerate(zip(PRODUCERS, CONSUMERS)))
+                 for k, (p, c) in enumerate(zip(PRODUCERS, CONSUMERS)) if p < len(vit) and c < len(llm))
 
 
 def toy_spec():

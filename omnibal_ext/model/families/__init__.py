@@ -25,7 +25,8 @@ class Family:
     ``vision_window_tokens_sq``), None where an item's attention is fixed (InternVL's tiles).
     spec_problem(spec): what makes a ModelSpec of the family unbuildable (a message naming the flag), or None.
     side_tensors(spec): the tensors its units hand to later units beside the hidden states (``SideTensor``:
-    DeepStack features), () for most families."""
+    DeepStack features), () for most families; only those whose producer and consumers ``spec`` has (the trainer's
+    profiler runs a model of few layers: ``megatron.training.profiling.profile_units``)."""
 
     name: str
     vision_spec: type
