@@ -42,7 +42,6 @@ from megatron.vlm.head import OUTPUTS
 from megatron.vlm.layers import uses_segment_attention
 from megatron.vlm.lora import is_adapter
 from megatron.vlm.seeding import seeded
-from megatron.vlm.tied import allreduce_tied_grad
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +173,8 @@ class VLMStage(MegatronModule):
 
     # freezing (omnibal_ext.model.trainable) --------------------------------------------------------
     def _freeze(self, trains: tuple[bool, ...] | None) -> tuple[int, bool, int]:
-        """Tag every parameter with its unit's role (``vlm_role``: the per-module learning rates of
+        """Tag every parameter with its role (``vlm_role``, its unit's unless the component says otherwise:
+        ``RuntimeComponent.parameter_role``; the per-module learning rates of
         megatron.training.training.build_optimizer match it), switch off ``requires_grad`` of frozen units'
         parameters (megatron-core's DDP then gives them no gradient buffer and its optimizer no state) except
         their LoRA adapters, which train (a unit with adapters counts as trainable below).
@@ -183,16 +183,26 @@ class VLMStage(MegatronModule):
         units and everything upstream are frozen); whether the stage input is used detached (nothing upstream
         of the stage trains, so no gradient of it is needed); the part after which the input's zero gradient
         is attached (``_zero_input_grad``)."""
-        for unit, module, _ in self.unit_modules():
-            for name, p in module.named_parameters():
-                p.vlm_role = unit.code
-                if trains is not None and not trains[unit.index] and not is_adapter(name):
-                    p.requires_grad_(False)
+        # a parameter of another role than its unit's (a DeepStack merger, role P, in a ViT layer's unit) trains
+        # as the first unit of its role does
+        role_trains = {} if trains is None else {u.code: trains[u.index] for u in reversed(self.ctx.units)}
+        holds_trained = []  # this stage's units with a parameter that trains
+        for part in self.parts:
+            c = part.component
+            for unit, module, _ in c.unit_modules(getattr(self, c.attr), part.units, part.blocks):
+                for name, p in module.named_parameters():
+                    role = c.parameter_role(unit, name)
+                    p.vlm_role = role
+                    if trains is not None and not is_adapter(name) \
+                            and not (trains[unit.index] if role == unit.code else role_trains[role]):
+                        p.requires_grad_(False)
+                    if p.requires_grad:
+                        holds_trained.append(unit.index)
         if trains is None:
             return 0, False, -1
         lora = self.build_args.lora
-        first_trained = next((u.index for u in self.ctx.units if trains[u.index] or lora.linears(u.code)),
-                             len(trains))
+        first_trained = min([next((u.index for u in self.ctx.units if trains[u.index] or lora.linears(u.code)),
+                                  len(trains)), *holds_trained])
         parts = sum(1 for _ in itertools.takewhile(lambda p: p.units[-1].index < first_trained, self.parts))
         detach = self.units[0].index > 0 and first_trained >= self.units[0].index
         return parts, detach, min(parts, len(self.parts) - 1)
@@ -233,14 +243,6 @@ class VLMStage(MegatronModule):
             if part is not None:
                 return part.component.tied_weight(self.module_of(part))
         return None
-
-    def allreduce_tied_embedding_grads(self) -> None:
-        """Sum the tied weight's gradient over the stages holding E and L (``tied_group``), so both copies
-        take the same step. Runs before megatron's finalize_model_grads (the DP reduction), on the local
-        accumulated gradients, which is right for the plain and the distributed optimizer alike."""
-        if self.tied_group is None:
-            return
-        allreduce_tied_grad(self.tied_embedding_weight(), self.tied_group)
 
     # checkpoint ------------------------------------------------------------------------------------
     def unit_modules(self):

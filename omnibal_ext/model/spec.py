@@ -156,3 +156,18 @@ class ModelSpec:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def vit_layers_for_feature_layer(num_hidden_layers: int, vision_feature_layer: int) -> int:
+    """ViT layers to build for a checkpoint of ``num_hidden_layers`` layers whose features are taken at
+    HF ``vision_feature_layer``: the model simply has that many layers (the later ones are not loaded).
+
+    HF indexes ``hidden_states`` with it: entry 0 is the embedding output, entry i the output of layer i,
+    so -1 (the usual value: ``last_hidden_state``) is all layers, -k is ``num_hidden_layers + 1 - k`` layers,
+    and k >= 1 is k layers.
+    """
+    n = num_hidden_layers + 1 + vision_feature_layer if vision_feature_layer < 0 else vision_feature_layer
+    if not 1 <= n <= num_hidden_layers:
+        raise UserError(f"vision_feature_layer {vision_feature_layer} selects no ViT layer of {num_hidden_layers} "
+                        f"(valid: -{num_hidden_layers}..-1 or 1..{num_hidden_layers})")
+    return n

@@ -1,5 +1,5 @@
 """HF ``config.json`` readers: what every family's reader shares (``read_config``, ``HFInfo``, ``HFConfigError``,
-``HFConfigReader``, the padded vocabulary) and InternVL's reader (``internvl_*``). Which family reads a config is
+``HFSide``, the padded vocabulary) and InternVL's reader (``internvl_*``). Which family reads a config is
 decided in ``megatron.vlm.hf.configs`` (``spec_from_config``, ``native_config``).
 
 Two layouts are read:
@@ -134,6 +134,10 @@ def _language(cfg: dict, where: str, family: str) -> LanguageSpec:
         tie_word_embeddings=False)  # set by the caller (where the layout keeps it)
 
 
+def _none_skipped(info: "HFInfo", spec: ModelSpec, names: set[str], style: str) -> set[str]:
+    return set()
+
+
 def text_language_spec(cfg: dict, where: str) -> LanguageSpec:
     """The LanguageSpec of a text decoder's config (``model_type`` llama, qwen2, qwen3 or internlm2: sizes,
     ``head_dim``, ``rms_norm_eps``, ``rope_theta`` / ``rope_parameters``, qkv bias, Qwen3's per-head q/k norm,
@@ -144,14 +148,24 @@ def text_language_spec(cfg: dict, where: str) -> LanguageSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class HFConfigReader:
-    """A family's config.json side (``RuntimeFamily.hf_config``): ``recognizes(cfg)`` says whether a config is the
-    family's; ``spec_from_config(cfg, name, where)`` -> (ModelSpec, HFInfo); ``native_config(spec, info, source)``
-    -> the config.json an export writes."""
+class HFSide:
+    """A family's Hugging Face side (``RuntimeFamily.hf``).
+
+    recognizes(cfg): whether a config.json is the family's; spec_from_config(cfg, name, where) -> (ModelSpec,
+    HFInfo); native_config(spec, info, source) -> the config.json an export writes; names(info, style): its HF
+    tensor names (the GPT decoder's: ``embed()``, ``llm_layer(i)``, ``final_norm()``, ``head``; style "legacy"
+    as checkpoints hold them, "modern" the in-memory names); logits_batch(inputs, spec, info): the micro-batch of
+    one sample from transformers' own inputs (``megatron.vlm.hf.logits``); structure_twin(spec): a tiny model of
+    ``spec``'s structure (same units, per-layer features and checkpoint objects: ``megatron.vlm.hf.convert``);
+    skipped_names(info, spec, names, style): HF tensors it leaves out on purpose (default: none)."""
 
     recognizes: Callable[[dict], bool]
-    spec_from_config: Callable
-    native_config: Callable
+    spec_from_config: Callable[..., "tuple[ModelSpec, HFInfo]"]
+    native_config: Callable[[ModelSpec, "HFInfo", "dict | None"], dict]
+    names: Callable[["HFInfo", str], object]
+    logits_batch: Callable[[dict, ModelSpec, "HFInfo"], dict]
+    structure_twin: Callable[[ModelSpec], ModelSpec]
+    skipped_names: Callable[["HFInfo", ModelSpec, set, str], set] = _none_skipped
 
 
 def internvl_recognizes(cfg: dict) -> bool:

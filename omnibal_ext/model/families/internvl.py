@@ -19,7 +19,9 @@ from ...errors import UserError
 from ..components import (FUSED_KERNELS, ActBytes, CostComponent, HeadCost, TextEmbedCost, TextLayerCost,
                           layer_act_bytes_per_token, norm_bytes_per_token, sp_tokens)
 from ..spec import PROJECTOR, VISION_EMBED, VISION_LAYER, LanguageSpec, ModelSpec
-from . import Family
+from ..spec import vit_layers_for_feature_layer  # noqa: F401  (its HF reader's)
+from ..lora import TARGETS as LORA_TARGETS
+from . import Capabilities, Family, register
 
 
 @dataclass(frozen=True)
@@ -297,22 +299,9 @@ def spec_problem(spec: ModelSpec) -> str | None:
     return None
 
 
-INTERNVL = Family(
+INTERNVL = register(Family(
     name="internvl", vision_spec=VisionSpec,
     components=(VisionEmbedCost, VisionLayerCost, ProjectorCost, TextEmbedCost, TextLayerCost, HeadCost),
-    unit_list=unit_list, vision_item="tile", presets=PRESETS, spec_problem=spec_problem)
-
-
-def vit_layers_for_feature_layer(num_hidden_layers: int, vision_feature_layer: int) -> int:
-    """ViT layers to build for a checkpoint of ``num_hidden_layers`` layers whose features are taken at
-    HF ``vision_feature_layer``: the model simply has that many layers (the later ones are not loaded).
-
-    HF indexes ``hidden_states`` with it: entry 0 is the embedding output, entry i the output of layer i,
-    so -1 (InternVL's usual value: ``last_hidden_state``, no final norm as ``use_mean_pooling`` leaves it
-    out) is all layers, -k is ``num_hidden_layers + 1 - k`` layers, and k >= 1 is k layers.
-    """
-    n = num_hidden_layers + 1 + vision_feature_layer if vision_feature_layer < 0 else vision_feature_layer
-    if not 1 <= n <= num_hidden_layers:
-        raise UserError(f"vision_feature_layer {vision_feature_layer} selects no ViT layer of {num_hidden_layers} "
-                        f"(valid: -{num_hidden_layers}..-1 or 1..{num_hidden_layers})")
-    return n
+    unit_list=unit_list, vision_item="tile", presets=PRESETS, spec_problem=spec_problem,
+    capabilities=Capabilities(drop_path=True, context_parallel=True, sequence_parallel=True,
+                              lora_targets=LORA_TARGETS, image_flags=("--max-num-tiles", "--min-num-tiles"))))

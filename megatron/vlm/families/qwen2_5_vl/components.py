@@ -28,7 +28,9 @@ from omnibal_ext.model.families.qwen2_5_vl import FullLayerCost, MergerCost, Vis
 from megatron.vlm import sequence_parallel
 from megatron.vlm.attention import segment_params
 from megatron.vlm.components import PaddedHeadLayers, RuntimeComponent, TextEmbed, TextLayer
-from megatron.vlm.context_parallel import context_parallel_group, gather_rows
+from megatron.vlm.context_parallel import context_parallel_group, gather_rows, own_rank_group
+from megatron.vlm.drop_path import iteration_keys, layer_rates, with_drop_path
+from megatron.vlm.padded_heads import tp_rank
 from megatron.vlm.rope import MultimodalRope
 from megatron.vlm.text import packed_causal_mask
 
@@ -67,8 +69,12 @@ class _VisionLayers(PaddedHeadLayers):
 
     def layer_spec(self, first_unit_index: int):
         ctx = self.ctx
-        return vision_layer_spec(ctx.seed, first_unit_index, ctx.transformer_impl, ctx.attention_backend,
+        spec = vision_layer_spec(ctx.seed, first_unit_index, ctx.transformer_impl, ctx.attention_backend,
                                  self.spec.vision.num_attention_heads)
+        if ctx.vision_drop_path_rate > 0:  # per image: every patch row of an image takes its image's key
+            first = next(u.index for u in ctx.units if u.code == self.code())
+            with_drop_path(spec, first, layer_rates(ctx.vision_drop_path_rate, self.spec.vision.num_layers), axis=0)
+        return spec
 
     def build(self, units):
         self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.vision_config)
@@ -90,9 +96,23 @@ class _VisionLayers(PaddedHeadLayers):
             return segment_params(*sequence_parallel.with_pad_segment(cu_seqlens, max_seqlen, padded),
                                   device if te else None)
 
-        return {"rope": rope, "patches": patches, "padded": padded,
+        return {"rope": rope, "patches": patches, "padded": padded, "keys": self.drop_path_keys(batch, padded, device),
                 "window": params(batch["vision_cu_window_seqlens"], batch["vision_max_window_seqlen"]),
                 "full": params(batch["vision_cu_seqlens"], batch["vision_max_seqlen"])}
+
+    def drop_path_keys(self, batch: dict, padded: int, device):
+        """Drop path (training only): this iteration's key of each of the rows the layers run, [rows] int64 on
+        ``device`` -- the patches' image keys (``tile_keys``, processor order) in window order, padded to ``padded``
+        rows and, under sequence parallelism, this TP rank's rows; None without drop path."""
+        if not (self.ctx.vision_drop_path_rate > 0 and "tile_keys" in batch):
+            return None
+        keys = batch["tile_keys"].to(device).index_select(0, batch["vision_patch_index"].to(device))
+        keys = F.pad(iteration_keys(keys, self.ctx.seed, int(batch.get("iteration", 0))), (0, padded - len(keys)))
+        cfg = self.ctx.vision_config
+        if cfg.sequence_parallel:
+            rows = padded // cfg.tensor_model_parallel_size
+            keys = keys[tp_rank(cfg) * rows:(tp_rank(cfg) + 1) * rows]
+        return keys
 
     def forward(self, module, x, batch, cache):
         if "qwen_vit" not in cache:
@@ -101,8 +121,10 @@ class _VisionLayers(PaddedHeadLayers):
         if self.sp_enters:
             x = sequence_parallel.enter(F.pad(x, (0, 0, 0, 0, 0, c["padded"] - c["patches"])))
         params = c["window" if self.window else "full"]
+        keys = c["keys"] if module.training else None  # drop path: the blocks' context (saved for recompute)
         for block in module:
-            x = block(hidden_states=x, attention_mask=None, rotary_pos_emb=c["rope"], packed_seq_params=params)
+            x = block(hidden_states=x, attention_mask=None, rotary_pos_emb=c["rope"], packed_seq_params=params,
+                      context=keys)
         if self.sp_leaves:
             x = sequence_parallel.leave(x)[:c["patches"]]
         return x
