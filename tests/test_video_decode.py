@@ -148,3 +148,19 @@ def test_zero_decodable_frames_and_unreadable_files(tmp_path):
     with pytest.raises(VideoError, match=r"missing.mp4: no such file"):
         probe_video(str(tmp_path / "missing.mp4"))
     assert issubclass(VideoError, UserError)
+
+
+def test_bench_video_decode_runs(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_video_decode", os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_video_decode.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--out", str(tmp_path), "--quick", "--seconds", "10", "--sizes", "64x48", "--gop", "15"]) == 0
+    import json
+
+    rows = json.loads((tmp_path / "video_decode.json").read_text())["rows"]
+    seek, plain = [r for r in rows if r["seek"]], [r for r in rows if not r["seek"]]
+    assert len(seek) == len(plain) == 1 and seek[0]["sampled_per_clip"] == 16
+    assert seek[0]["decoded_per_clip"] <= plain[0]["decoded_per_clip"]
