@@ -1,6 +1,6 @@
 """Run by tests/test_gated_delta_net_tp2.py under torchrun (2 ranks, TP 2, gloo): our Gated DeltaNet on the packed
 row of gdn_cases at TP 2, without and with sequence parallelism. Rank 0 writes the outputs, input gradients and
-weight gradients (in the HF layout, from both ranks' shards) to ``argv[1]/tp2.pt``; the test compares with TP 1."""
+weight gradients (in the HF layout, from both ranks' shards) and rank 0's saved bytes to ``argv[1]/tp2.pt``; the test compares with TP 1."""
 import sys
 
 import torch
@@ -10,6 +10,7 @@ def run(sequence_parallel: bool) -> dict:
     import gdn_cases
 
     from megatron.core import parallel_state
+    from megatron.training.memory import ActivationMeter
     from megatron.vlm.gated_delta_net_hf import OUR_NAMES, ours_to_hf
 
     rank = parallel_state.get_tensor_model_parallel_rank()
@@ -21,7 +22,9 @@ def run(sequence_parallel: bool) -> dict:
         half = x.shape[0] // 2
         x, seed_w = x[rank * half:(rank + 1) * half], seed_w[rank * half:(rank + 1) * half]
     x = x.clone().requires_grad_()
-    out, _ = layer(x, packed_seq_params=gdn_cases.thd_params(cu))
+    meter = ActivationMeter(layer)
+    with meter.measure():
+        out, _ = layer(x, packed_seq_params=gdn_cases.thd_params(cu))
     (out * seed_w).sum().backward()
     shards = [None, None]
     torch.distributed.all_gather_object(shards, {n: p.grad for n, p in layer.named_parameters()}, group=group)
@@ -33,7 +36,8 @@ def run(sequence_parallel: bool) -> dict:
         out, x_grad = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     else:
         out, x_grad = out.detach(), x.grad
-    return {"out": out, "x_grad": x_grad, "grads": grads, "norm_grads": norm_grads}
+    return {"out": out, "x_grad": x_grad, "grads": grads, "norm_grads": norm_grads,
+            "saved_bytes": meter.per_microbatch[0]}
 
 
 def main(folder: str) -> None:

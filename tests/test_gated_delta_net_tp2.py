@@ -1,5 +1,6 @@
 """Our Gated DeltaNet at TP 2 (two gloo ranks under torchrun), without and with sequence parallelism, against
-TP 1 in this process: outputs, input gradients and every weight gradient (norm weight: summed over TP)."""
+TP 1 in this process: outputs, input gradients and every weight gradient (norm weight: summed over TP); the
+bytes a rank saves against the closed form."""
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def test_tp2_and_sequence_parallel_equal_tp1(megatron_world, tmp_path):
     from megatron.vlm.gated_delta_net_hf import OUR_NAMES, ours_to_hf
+    from omnibal_ext.model.linear_attention import LinearAttentionShape, linear_attention_act_bytes
 
     env = benchlib.trainer_env()
     env["PYTHONPATH"] = HERE + os.pathsep + env["PYTHONPATH"]
@@ -40,3 +42,7 @@ def test_tp2_and_sequence_parallel_equal_tp1(megatron_world, tmp_path):
             torch.testing.assert_close(got["grads"][name], g, rtol=1e-5, atol=1e-5, msg=f"sp={sp} {name}")
         for g in got["norm_grads"]:  # summed over TP on both ranks
             torch.testing.assert_close(g, grads["norm.weight"], rtol=1e-5, atol=1e-5)
+        shape = LinearAttentionShape(gdn_cases.HIDDEN, gdn_cases.KEY_HEADS, gdn_cases.KEY_DIM, gdn_cases.VALUE_HEADS,
+                                     gdn_cases.VALUE_DIM, gdn_cases.KERNEL)
+        assert got["saved_bytes"] == linear_attention_act_bytes(shape, gdn_cases.LENGTHS, tp=2, sequence_parallel=sp,
+                                                                dtype_bytes=4).total

@@ -147,21 +147,57 @@ def chunked_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     return out.index_select(0, keep)
 
 
+class _RecomputedDeltaRule(torch.autograd.Function):
+    """``chunked_delta_rule`` keeping only its inputs for the backward, which runs it again (as fla's kernel
+    recomputes its chunk states): its per-chunk matrices and states are never held between forward and backward.
+    q, k come per key head and are repeated to the value heads inside."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, segments, chunk, ratio):
+        ctx.segments, ctx.chunk, ctx.ratio = segments, chunk, ratio
+        ctx.save_for_backward(q, k, v, g, beta)
+        with torch.no_grad():
+            return _repeated_rule(q, k, v, g, beta, segments, chunk, ratio)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        with torch.enable_grad():
+            out = _repeated_rule(*inputs, ctx.segments, ctx.chunk, ctx.ratio)
+        wanted = [t for t in inputs if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad_out))
+        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None)
+
+
+def _repeated_rule(q, k, v, g, beta, segments, chunk, ratio):
+    if ratio > 1:
+        q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
+    return chunked_delta_rule(q, k, v, g, beta, segments, chunk)
+
+
 def delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, segments: Segments,
                cu_seqlens: Tensor | None, chunk: int = 64, backend: str = "auto") -> Tensor:
     """The gated delta rule over packed segments: fla's varlen kernel on a GPU where it imports (``auto``, ``fla``),
-    else ``chunked_delta_rule``. Shapes as ``chunked_delta_rule``; cu_seqlens: the segments' bounds (any device)."""
+    else ``chunked_delta_rule`` (its internals recomputed in the backward: ``_RecomputedDeltaRule``).
+
+    q, k: [t, key heads, k_dim] (each key head serving value heads / key heads consecutive value heads); v: [t, h,
+    v_dim]; g, beta: [t, h]; cu_seqlens: the segments' bounds (any device) or None. Returns [t, h, v_dim], fp32."""
     if backend not in BACKENDS:
         raise ValueError(f"delta_rule: backend must be one of {BACKENDS}, got {backend!r}")
+    ratio = v.shape[1] // k.shape[1]
     use_fla = backend == "fla" or (backend == "auto" and q.is_cuda and fla_available())
     if not use_fla:
-        return chunked_delta_rule(q, k, v, g, beta, segments, chunk)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta)):
+            return _RecomputedDeltaRule.apply(q, k, v, g, beta, segments, chunk, ratio)
+        return _repeated_rule(q, k, v, g, beta, segments, chunk, ratio)
     if not fla_available():
         raise RuntimeError("delta_rule: backend 'fla' asked for, but flash-linear-attention does not import")
     if cu_seqlens is None:
         bounds = [0] + [end for _, end in segments]
         cu_seqlens = torch.tensor(bounds, dtype=torch.long)
     # fla's chunk size is its own (64); untested: this machine has neither a GPU nor fla
+    if ratio > 1:
+        q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
     o, _ = _fla_chunk_gated_delta_rule(
         q=q.unsqueeze(0), k=k.unsqueeze(0), v=v.unsqueeze(0), g=g.float().unsqueeze(0), beta=beta.unsqueeze(0),
         scale=q.shape[-1] ** -0.5, initial_state=None, output_final_state=False,

@@ -191,15 +191,15 @@ class GatedDeltaNet(MegatronModule):
         qkv, z, beta, a = torch.split(projected, [sum(self.sections[:3]), *self.sections[3:]], dim=-1)
         qkv = F.silu(causal_conv1d(qkv, self.conv1d.weight[:, 0], segments))
         q, k, v = torch.split(qkv, self.sections[:3], dim=-1)
-        heads, ratio = dims.value_heads // tp, dims.value_heads // dims.key_heads
-        q = l2_normalize(q.reshape(b * s, -1, dims.key_head_dim)).repeat_interleave(ratio, dim=1)
-        k = l2_normalize(k.reshape(b * s, -1, dims.key_head_dim)).repeat_interleave(ratio, dim=1)
+        heads = dims.value_heads // tp
+        q = l2_normalize(q.reshape(b * s, -1, dims.key_head_dim))
+        k = l2_normalize(k.reshape(b * s, -1, dims.key_head_dim))
         v = v.reshape(b * s, heads, dims.value_head_dim)
         beta = beta.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         cu_seqlens = packed_seq_params.cu_seqlens_q if packed_seq_params is not None else None
         o = delta_rule(q, k, v, g, beta, segments, cu_seqlens, self.chunk_size, self.backend).to(hidden_states.dtype)
-        o = self.out_norm(o, z.reshape(b * s, heads, dims.value_head_dim))
+        o = self.out_norm(o, z.reshape(b * s, heads, dims.value_head_dim).contiguous())  # not in_proj's output
         o = o.reshape(b, s, -1).transpose(0, 1)  # [s, b, value_dim / tp]
         return self.out_proj(o)
 
