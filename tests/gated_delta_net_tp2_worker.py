@@ -36,7 +36,9 @@ def run(sequence_parallel: bool) -> dict:
         out, x_grad = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     else:
         out, x_grad = out.detach(), x.grad
-    return {"out": out, "x_grad": x_grad, "grads": grads, "norm_grads": norm_grads,
+    pieces = [None, None]
+    torch.distributed.all_gather_object(pieces, gdn_cases.checkpoint_pieces(layer), group=group)
+    return {"checkpoint": gdn_cases.assemble(pieces[0] + pieces[1]), "out": out, "x_grad": x_grad, "grads": grads, "norm_grads": norm_grads,
             "saved_bytes": meter.per_microbatch[0]}
 
 

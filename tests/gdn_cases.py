@@ -77,3 +77,23 @@ def thd_params(cu):
     from megatron.vlm.attention import segment_params
 
     return segment_params(cu, int((cu[1:] - cu[:-1]).max()))
+
+
+def checkpoint_pieces(layer) -> list:
+    """(key, global shape, global offset, data) of every tensor the layer's sharded state dict saves."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    sd = layer.sharded_state_dict(prefix="gdn.")
+    apply_factories(sd)
+    return [(t.key, tuple(t.global_shape), tuple(t.global_offset), t.data.detach().clone())
+            for t in nested_values(sd) if isinstance(t, ShardedTensor)]  # not the linears' extra state
+
+
+def assemble(pieces: list) -> dict:
+    """The global tensors of checkpoint pieces (those of every rank)."""
+    out = {}
+    for key, shape, offset, data in pieces:
+        whole = out.setdefault(key, torch.full(shape, float("nan")))
+        whole[tuple(slice(o, o + n) for o, n in zip(offset, data.shape))] = data
+    return out

@@ -132,3 +132,17 @@ def test_context_parallel_is_refused(megatron_world):
     cfg = gdn_cases.our_config(context_parallel_size=2)
     with pytest.raises(UserError, match="context parallelism"):
         build_module(gated_delta_net_spec(), config=cfg, layer_number=1)
+
+
+def test_checkpoint_parts_are_the_hf_blocks(megatron_world):
+    hf = gdn_cases.hf_tensors(gdn_cases.hf_layer())
+    checkpoint = gdn_cases.assemble(gdn_cases.checkpoint_pieces(gdn_cases.our_layer(hf)))
+    q, k, v = torch.split(hf["in_proj_qkv.weight"], [16, 16, 24])
+    cq, ck, cv = torch.split(hf["conv1d.weight"], [16, 16, 24])
+    want = {"in_proj.weight.q": q, "in_proj.weight.k": k, "in_proj.weight.v": v, "in_proj.weight.z":
+            hf["in_proj_z.weight"], "in_proj.weight.b": hf["in_proj_b.weight"], "in_proj.weight.a": hf["in_proj_a.weight"],
+            "conv1d.weight.q": cq, "conv1d.weight.k": ck, "conv1d.weight.v": cv, "A_log": hf["A_log"],
+            "dt_bias": hf["dt_bias"], "out_norm.weight": hf["norm.weight"], "out_proj.weight": hf["out_proj.weight"]}
+    assert sorted(checkpoint) == sorted(f"gdn.{n}" for n in want)
+    for name, t in want.items():
+        assert torch.equal(checkpoint[f"gdn.{name}"], t), name

@@ -1,6 +1,6 @@
 """Our Gated DeltaNet at TP 2 (two gloo ranks under torchrun), without and with sequence parallelism, against
 TP 1 in this process: outputs, input gradients and every weight gradient (norm weight: summed over TP); the
-bytes a rank saves against the closed form."""
+bytes a rank saves against the closed form; the checkpoint's global tensors (sharded_state_dict) equal TP 1's."""
 import os
 import subprocess
 import sys
@@ -34,8 +34,15 @@ def test_tp2_and_sequence_parallel_equal_tp1(megatron_world, tmp_path):
     out, _ = layer(x, packed_seq_params=gdn_cases.thd_params(cu))
     (out * seed_w).sum().backward()
     grads = ours_to_hf([{n: p.grad for n, p in layer.named_parameters() if n in OUR_NAMES}], layer.dims)
+    checkpoint = gdn_cases.assemble(gdn_cases.checkpoint_pieces(layer))
+    assert sorted(checkpoint) == sorted(f"gdn.{n}" for n in (
+        *(f"in_proj.weight.{p}" for p in "qkvzba"), *(f"conv1d.weight.{p}" for p in "qkv"), "A_log", "dt_bias",
+        "out_norm.weight", "out_proj.weight"))
     for sp in (False, True):
         got = tp2[sp]
+        assert got["checkpoint"].keys() == checkpoint.keys()
+        for key, t in checkpoint.items():  # the same global tensors at TP 2: a checkpoint loads at either
+            assert torch.equal(got["checkpoint"][key], t), key
         torch.testing.assert_close(got["out"], out.detach(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got["x_grad"], x.grad, rtol=1e-5, atol=1e-5)
         for name, g in grads.items():

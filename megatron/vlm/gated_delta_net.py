@@ -24,6 +24,7 @@ runs on the whole row. Context parallelism is refused (the state would have to p
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -202,6 +203,46 @@ class GatedDeltaNet(MegatronModule):
         o = self.out_norm(o, z.reshape(b * s, heads, dims.value_head_dim).contiguous())  # not in_proj's output
         o = o.reshape(b, s, -1).transpose(0, 1)  # [s, b, value_dim / tp]
         return self.out_proj(o)
+
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """Checkpoint tensors whose global shapes do not depend on TP: ``in_proj.weight`` stored as its parts
+        ``.q .k .v .z .b .a``, ``conv1d.weight`` as ``.q .k .v``, each split over TP along its rows; ``A_log``,
+        ``dt_bias`` split, the norm weight replicated, ``out_proj.weight`` split along its columns."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, sharded_state_dict_default
+
+        own = {"A_log": self.A_log, "dt_bias": self.dt_bias, "conv1d.weight": self.conv1d.weight}
+        sd = make_sharded_tensors_for_checkpoint(own, prefix, {name: 0 for name in own}, sharded_offsets)
+        for name in ("in_proj", "out_norm", "out_proj"):
+            sd.update(sharded_state_dict_default(getattr(self, name), f"{prefix}{name}.", sharded_offsets, metadata))
+        sd[f"{prefix}in_proj.weight"] = _split_rows(sd[f"{prefix}in_proj.weight"], self.sections, "qkvzba")
+        sd[f"{prefix}conv1d.weight"] = _split_rows(sd[f"{prefix}conv1d.weight"], self.sections[:3], "qkv")
+        return sd
+
+
+def _split_rows(sh, sections: list[int], names: str):
+    """A factory storing a TP-split tensor (rows: this rank's ``sections``, one per name) as one tensor per name,
+    ``key.<name>``, each split over TP (megatron-core's ShardedTensor.narrow on every rank alike)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    base = sh.without_data()
+
+    def build(key, data, replica_id, flattened_range):
+        if flattened_range is not None:
+            raise NotImplementedError(f"{key}: flattened (distributed-optimizer bucket) views are not supported")
+        whole = dataclasses.replace(base, key=key, data=data, dtype=data.dtype, replica_id=replica_id)
+        parts, start = {}, 0
+        for name, width in zip(names, sections):
+            (piece,) = whole.narrow(0, start, width)
+            piece.key = f"{key}.{name}"
+            parts[name] = piece
+            start += width
+        return parts
+
+    def merge(loaded: dict):
+        return torch.cat([loaded[name] for name in names])
+
+    return ShardedTensorFactory(sh.key, sh.data, build, merge, sh.replica_id)
 
 
 def gated_delta_net_spec(chunk_size: int = 64, backend: str = "auto") -> ModuleSpec:
