@@ -1,6 +1,7 @@
 """Run by tests/test_gated_delta_net_tp2.py under torchrun (2 ranks, TP 2, gloo): our Gated DeltaNet on the packed
 row of gdn_cases at TP 2, without and with sequence parallelism. Rank 0 writes the outputs, input gradients and
-weight gradients (in the HF layout, from both ranks' shards) and rank 0's saved bytes to ``argv[1]/tp2.pt``; the test compares with TP 1."""
+weight gradients (in the HF layout, from both ranks' shards), rank 0's saved bytes and the checkpoint's global
+tensors to ``argv[1]/tp2.pt``; the test compares with TP 1."""
 import sys
 
 import torch
@@ -38,7 +39,8 @@ def run(sequence_parallel: bool) -> dict:
         out, x_grad = out.detach(), x.grad
     pieces = [None, None]
     torch.distributed.all_gather_object(pieces, gdn_cases.checkpoint_pieces(layer), group=group)
-    return {"checkpoint": gdn_cases.assemble(pieces[0] + pieces[1]), "out": out, "x_grad": x_grad, "grads": grads, "norm_grads": norm_grads,
+    return {"checkpoint": gdn_cases.assemble(pieces[0] + pieces[1]), "out": out, "x_grad": x_grad, "grads": grads,
+            "norm_grads": norm_grads,
             "saved_bytes": meter.per_microbatch[0]}
 
 

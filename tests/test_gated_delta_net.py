@@ -139,8 +139,9 @@ def test_checkpoint_parts_are_the_hf_blocks(megatron_world):
     checkpoint = gdn_cases.assemble(gdn_cases.checkpoint_pieces(gdn_cases.our_layer(hf)))
     q, k, v = torch.split(hf["in_proj_qkv.weight"], [16, 16, 24])
     cq, ck, cv = torch.split(hf["conv1d.weight"], [16, 16, 24])
-    want = {"in_proj.weight.q": q, "in_proj.weight.k": k, "in_proj.weight.v": v, "in_proj.weight.z":
-            hf["in_proj_z.weight"], "in_proj.weight.b": hf["in_proj_b.weight"], "in_proj.weight.a": hf["in_proj_a.weight"],
+    want = {"in_proj.weight.q": q, "in_proj.weight.k": k, "in_proj.weight.v": v,
+            "in_proj.weight.z": hf["in_proj_z.weight"], "in_proj.weight.b": hf["in_proj_b.weight"],
+            "in_proj.weight.a": hf["in_proj_a.weight"],
             "conv1d.weight.q": cq, "conv1d.weight.k": ck, "conv1d.weight.v": cv, "A_log": hf["A_log"],
             "dt_bias": hf["dt_bias"], "out_norm.weight": hf["norm.weight"], "out_proj.weight": hf["out_proj.weight"]}
     assert sorted(checkpoint) == sorted(f"gdn.{n}" for n in want)

@@ -198,8 +198,10 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, segment
     # fla's chunk size is its own (64); untested: this machine has neither a GPU nor fla
     if ratio > 1:
         q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
+    dtype = v.dtype  # fla wants q, k, v, beta in one dtype (g in fp32)
     o, _ = _fla_chunk_gated_delta_rule(
-        q=q.unsqueeze(0), k=k.unsqueeze(0), v=v.unsqueeze(0), g=g.float().unsqueeze(0), beta=beta.unsqueeze(0),
+        q=q.to(dtype).unsqueeze(0), k=k.to(dtype).unsqueeze(0), v=v.unsqueeze(0), g=g.float().unsqueeze(0),
+        beta=beta.to(dtype).unsqueeze(0),
         scale=q.shape[-1] ** -0.5, initial_state=None, output_final_state=False,
         cu_seqlens=cu_seqlens.to(q.device, torch.long), use_qk_l2norm_in_kernel=False)
     return o[0]

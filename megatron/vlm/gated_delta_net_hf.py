@@ -48,13 +48,16 @@ def hf_to_ours(hf: dict[str, Tensor], dims: LinearAttentionDims, rank: int = 0, 
     cq, ck, cv = _qkv_blocks(hf["conv1d.weight"], dims)
     heads = dims.value_heads
     in_proj = torch.cat([_rows(q, dims.key_dim, rank, tp), _rows(k, dims.key_dim, rank, tp),
-                         _rows(v, dims.value_dim, rank, tp), _rows(hf["in_proj_z.weight"], dims.value_dim, rank, tp),
-                         _rows(hf["in_proj_b.weight"], heads, rank, tp), _rows(hf["in_proj_a.weight"], heads, rank, tp)])
+                         _rows(v, dims.value_dim, rank, tp),
+                         _rows(hf["in_proj_z.weight"], dims.value_dim, rank, tp),
+                         _rows(hf["in_proj_b.weight"], heads, rank, tp),
+                         _rows(hf["in_proj_a.weight"], heads, rank, tp)])
     conv = torch.cat([_rows(cq, dims.key_dim, rank, tp), _rows(ck, dims.key_dim, rank, tp),
                       _rows(cv, dims.value_dim, rank, tp)])
     out_proj = _rows(hf["out_proj.weight"].t(), dims.value_dim, rank, tp).t()
     return {"in_proj.weight": in_proj.clone(), "conv1d.weight": conv.clone(),
-            "A_log": _rows(hf["A_log"], heads, rank, tp).clone(), "dt_bias": _rows(hf["dt_bias"], heads, rank, tp).clone(),
+            "A_log": _rows(hf["A_log"], heads, rank, tp).clone(),
+            "dt_bias": _rows(hf["dt_bias"], heads, rank, tp).clone(),
             "out_norm.weight": hf["norm.weight"].clone(), "out_proj.weight": out_proj.contiguous()}
 
 
