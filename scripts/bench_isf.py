@@ -7,7 +7,7 @@ tokens and ViT tiles), fill, samples per group, and the time of the threshold se
 grouping (wall and CPU seconds of this single-threaded process).
 
     python scripts/bench_isf.py [--stats-dir DIR] [--dp 8] [--samples-per-group 4] [--json OUT]
-        [--qwen-model qwen2.5-vl-7b] [--scan-images DIR ...]
+        [--qwen-model qwen2.5-vl-7b] [--min-pixels PX --max-pixels PX] [--scan-images DIR ...]
 
 Targets: LLM and ViT DistRatio <= 0.02 at token fill >= 0.95 with ~4 samples/group at DP 8;
 1.2M grouping + search <= 3 s on one core.
@@ -20,7 +20,9 @@ sample's InternVL tile count (``omnibal_ext.data.native.derive_native_stats``: t
 are sizes consistent with the tiles, not the real ones), and (2) with ``--scan-images``, the real image files
 found under the given folders (sizes read from their headers; each sample gets one of them, drawn uniformly,
 and the text length of a random sample of the published stats). Target: ISF in time reaches a DistRatio in
-time <= 0.01 (ViT and LLM).
+time <= 0.01 (ViT and LLM). The images' patches follow the model's ViT (patch and merge sizes) and the pixel
+budget of ``--min-pixels``/``--max-pixels`` (Qwen2.5-VL's by default; a Qwen3-VL model:
+``--qwen-model qwen3-vl-8b --min-pixels 65536 --max-pixels 16777216``, its published budget).
 """
 from __future__ import annotations
 
@@ -108,17 +110,24 @@ def scan_image_sizes(dirs, min_side: int = 28) -> list[tuple[int, int, str]]:
     return found
 
 
-def scanned_stats(sizes, published: SampleStats, n: int, seed: int) -> SampleStats:
+def native_rule(spec, args) -> dict:
+    """``native_patches`` keywords of ``spec``'s images: its ViT's patch and merge sizes, the pixel budget of
+    --min-pixels/--max-pixels (default: the module's)."""
+    budget = {k: v for k, v in (("min_pixels", args.min_pixels), ("max_pixels", args.max_pixels)) if v is not None}
+    return dict(patch=spec.vision.patch_size, merge=spec.vision.spatial_merge_size, **budget)
+
+
+def scanned_stats(sizes, published: SampleStats, n: int, seed: int, rule: dict) -> SampleStats:
     """``n`` one-image samples: an image of ``sizes`` (drawn uniformly) and the text tokens of a random published
-    sample (its tokens less InternVL's 256 per tile), plus the image's merged patches."""
+    sample (its tokens less InternVL's 256 per tile), plus the image's merged patches (``rule``: ``native_rule``)."""
     rng = np.random.default_rng(seed)
     pick = rng.integers(0, len(sizes), n)
     w = np.array([s[0] for s in sizes], dtype=np.int64)[pick]
     h = np.array([s[1] for s in sizes], dtype=np.int64)[pick]
     text = (published.tokens - 256 * published.vit)[rng.integers(0, len(published), n)]
-    patches = native_patches(h, w)
+    patches = native_patches(h, w, **rule)
     images = ImageStats(np.arange(n + 1, dtype=np.int64), w, h, patches)
-    return SampleStats(np.ones(n, dtype=np.int64), text + patches // 4, np.zeros(n, dtype=np.int32),
+    return SampleStats(np.ones(n, dtype=np.int64), text + patches // rule["merge"] ** 2, np.zeros(n, dtype=np.int32),
                        ["scanned"], images)
 
 
@@ -164,6 +173,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-qwen", action="store_true", help="skip the Qwen2.5-VL native-resolution part")
     ap.add_argument("--qwen-model", default="qwen2.5-vl-7b")
     ap.add_argument("--qwen-device", default="h200-141g")
+    ap.add_argument("--min-pixels", type=int, default=None,
+                    help="native-resolution pixel budget per image, px (default: Qwen2.5-VL's; Qwen3-VL's: 65536)")
+    ap.add_argument("--max-pixels", type=int, default=None,
+                    help="(default: Qwen2.5-VL's 1003520; Qwen3-VL's: 16777216)")
     ap.add_argument("--scan-images", nargs="+", metavar="DIR", default=[],
                     help="folders whose image files give the scanned dataset's sizes")
     ap.add_argument("--scan-samples", type=int, default=40_000)
@@ -187,15 +200,17 @@ def main(argv=None) -> int:
         checks[f"{key}: fill_llm>=0.95"] = m["fill_llm"] >= 0.95
     if not args.no_qwen:
         spec, device = get_preset(args.qwen_model), get_device(args.qwen_device)
-        derived = derive_native_stats(stats, seed=args.seed)
-        out["qwen_published"] = bench_native("Qwen2.5-VL, published stats with drawn sizes", derived, spec, device, cfg)
+        rule = native_rule(spec, args)
+        derived = derive_native_stats(stats, seed=args.seed, **rule)
+        out["qwen_published"] = bench_native(f"{spec.name}, published stats with drawn sizes", derived, spec, device,
+                                             cfg)
         if args.scan_images:
             sizes = scan_image_sizes(args.scan_images)
             if not sizes:
                 print(f"no image files under {args.scan_images}", file=sys.stderr)
                 return 1
-            scanned = scanned_stats(sizes, stats, args.scan_samples, args.seed)
-            out["qwen_scanned"] = bench_native(f"Qwen2.5-VL, {len(sizes)} scanned image files", scanned, spec,
+            scanned = scanned_stats(sizes, stats, args.scan_samples, args.seed, rule)
+            out["qwen_scanned"] = bench_native(f"{spec.name}, {len(sizes)} scanned image files", scanned, spec,
                                                device, cfg)
             out["qwen_scanned"]["images"] = {"files": len(sizes), "dirs": args.scan_images,
                                              "width_median": float(np.median([s[0] for s in sizes])),

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node N scripts/hf_logits.py --hf-checkpoint DIR --inputs IN.pt --out OUT.pt \\
         [--tensor-model-parallel-size T] [--pipeline-model-parallel-size P] [--pipeline-layout L]
 
-IN.pt: transformers' own inputs for the model's family (``RuntimeFamily.logits_batch`` makes the micro-batch):
+IN.pt: transformers' own inputs for the model's family (``HFSide.logits_batch`` makes the micro-batch):
 InternVL ``{"input_ids": LongTensor [1, s], "pixel_values": FloatTensor [tiles, 3, H, W]}``, the input_ids already
 holding image_seq_length image-token ids per tile; Qwen2.5-VL ``{"input_ids" [1, s], "pixel_values" [patches,
 3*2*14*14], "image_grid_thw" [n, 3], "mm_token_type_ids" [1, s]}`` as its processor returns them. OUT.pt: float32

@@ -26,7 +26,7 @@ def perturb(model, seed=0):
 
 
 def hf_config(vit="ln-bias", text="qwen2", vit_heads=2, vocab=300, vit_layers=2, llm_layers=2, tie=None, head_dim=12):
-    from transformers import InternVLConfig, LlamaConfig, Qwen2Config
+    from transformers import InternVLConfig, LlamaConfig, Qwen2Config, Qwen3Config
     from transformers.models.internvl.configuration_internvl import InternVLVisionConfig
 
     vc = InternVLVisionConfig(hidden_size=8 * vit_heads, num_attention_heads=vit_heads, intermediate_size=32,
@@ -37,6 +37,9 @@ def hf_config(vit="ln-bias", text="qwen2", vit_heads=2, vocab=300, vit_layers=2,
                   rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
     if text == "qwen2":
         tc = Qwen2Config(**common)
+        tie = False if tie is None else tie
+    elif text == "qwen3":  # InternVL3.5: per-head q/k norm, head_dim not hidden / heads (12, not 8)
+        tc = Qwen3Config(**common, head_dim=head_dim or 8, attention_bias=False)
         tie = False if tie is None else tie
     else:
         tc = LlamaConfig(**common, head_dim=head_dim or 8, attention_bias=False, mlp_bias=False)

@@ -1,11 +1,14 @@
-"""Build this rank's bf16 (or fp32) model and megatron-core optimizer on CPU without training, print
-measured static bytes (megatron.training.memory.static_bytes) beside the memory model's prediction.
+"""Build this rank's bf16 (or fp32) model and megatron-core optimizer on CPU, print measured static bytes
+(megatron.training.memory.static_bytes) beside the memory model's prediction: before any step (Adam's moments
+not allocated yet: static_bytes counts them as they will be) and after one optimizer step on zero gradients
+(the moments torch allocated, measured).
 
     python tests/static_probe.py OUT_DIR [trainer flags]            # a world of one
     torchrun --nproc-per-node 2 tests/static_probe.py OUT_DIR ...   # DP 2
 
-Writes OUT_DIR/rank<R>.json per rank: {"rank", "measured": {...breakdown}, "predicted", "params"} (a
-file each: two ranks printing to one stdout can interleave their lines).
+Writes OUT_DIR/rank<R>.json per rank: {"rank", "measured": {...breakdown after the step}, "before_step": {...},
+"moment_tensors", "predicted", "params", "trained_params"} (a file each: two ranks printing to one stdout can
+interleave their lines).
 """
 from __future__ import annotations
 
@@ -19,6 +22,21 @@ warnings.filterwarnings("ignore")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+
+
+def moment_tensors(optimizer) -> dict:
+    """Adam's state tensors as torch holds them after a step: {"exp_avg", "exp_avg_sq"} -> [count, bytes]."""
+    from megatron.core.optimizer import ChainedOptimizer
+
+    leaves = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    out = {"exp_avg": [0, 0], "exp_avg_sq": [0, 0]}
+    for opt in leaves:
+        for state in opt.optimizer.state.values():
+            for key in out:
+                if key in state:
+                    out[key][0] += 1
+                    out[key][1] += state[key].numel() * state[key].element_size()
+    return out
 
 
 def main(out_dir: Path, argv: list[str]) -> None:
@@ -53,8 +71,15 @@ def main(out_dir: Path, argv: list[str]) -> None:
             plan.data_parallel_size, 1, args.use_distributed_optimizer, setup.precision_of(args))[stage].static_bytes
         rank = torch.distributed.get_rank()
         trained = sum(p.numel() for p in model[0].parameters() if p.requires_grad)
-        row = {"rank": rank, "params": params, "trained_params": trained,
-               "measured": static_bytes(model, optimizer, breakdown=True), "predicted": predicted}
+        before = static_bytes(model, optimizer, breakdown=True)
+        for chunk in model:  # one step on zero gradients: torch allocates Adam's exp_avg and exp_avg_sq
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        ok, _, _ = optimizer.step()
+        assert ok, "the optimizer skipped its step"
+        row = {"rank": rank, "params": params, "trained_params": trained, "before_step": before,
+               "measured": static_bytes(model, optimizer, breakdown=True), "predicted": predicted,
+               "moment_tensors": moment_tensors(optimizer)}
         (out_dir / f"rank{rank}.json").write_text(json.dumps(row))
         destroy()
 

@@ -1,7 +1,13 @@
-"""cpu_compat.patched(): the CPU patches hold inside the context only, nesting included."""
+"""cpu_compat.patched(): the CPU patches hold inside the context only, nesting included; megatron-core's MoE layer
+runs under them at expert parallelism 2."""
+from pathlib import Path
+
+import pytest
 import torch
 
 from megatron.training import cpu_compat
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def patched_attributes():
@@ -58,3 +64,26 @@ def test_an_exception_inside_still_restores():
     except KeyError:
         pass
     assert torch.Tensor.cuda is original and not cpu_compat.active()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_moe_layer_at_expert_parallel_2_equals_a_plain_torch_moe(dispatcher, tmp_path):
+    """megatron-core's MoELayer (SequentialMLP, top-2 softmax) at EP2 on gloo, inside the patches: each rank's output
+    and its input's and experts' gradients equal a plain-torch MoE over both ranks' tokens and weights
+    (tests/moe_cpu_probe.py). Without the MoE patches the alltoall dispatcher fails (cuda streams, split sizes) and
+    the router raises NameError (te_general_gemm)."""
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from benchlib import launch_ranks
+
+    rc, out = launch_ranks([str(ROOT / "tests" / "moe_cpu_probe.py"), dispatcher], 2, tmp_path,
+                           {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, timeout=180)
+    assert rc == 0, out[-3000:]
+    reports = [json.loads(line.split("MOE_REPORT ", 1)[1]) for line in out.splitlines() if "MOE_REPORT " in line]
+    assert len(reports) == 2
+    for r in reports:  # relative to the reference's largest magnitude
+        assert max(r.values()) <= 1e-5, r

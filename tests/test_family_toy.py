@@ -1,46 +1,19 @@
-"""Adding a model family is a path: a toy family defined entirely here, through the public registration of
-both sides, serves the planners (unit list, analytic costs, layout parser) and the trainer's stage.
+"""Adding a model family is a path: a toy family defined entirely outside the package (``tests/toy_family.py``),
+registered through the public ``register``, serves the planners (unit list, analytic costs, layout parser), the
+trainer's stage, the HF conversion and the trainer itself (``--family-module``, PP2 with ISF).
 
-The toy is InternVL with another projector: one linear layer (pixel shuffle, then a single Linear into the
-LLM's width) instead of LayerNorm and a 2-layer MLP.  Its planning side is a ``Family`` with its own
-``ProjectorCost`` subclass in ``omnibal_ext.model.units.FAMILIES``; its runtime side a ``RuntimeFamily``
-with its own projector component in ``megatron.vlm.families``; everything else is InternVL's and the shared
-GPT decoder's.
+The toy is InternVL with another projector (one Linear after the pixel shuffle); see ``toy_family.py``.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from omnibal_ext.model.components import HeadCost, TextEmbedCost, TextLayerCost
 from omnibal_ext.model.cost_model import MicroBatchShape, analytic_costs, unit_param_counts
-from omnibal_ext.model.families import Family
-from omnibal_ext.model.families.internvl import ProjectorCost, VisionEmbedCost, VisionLayerCost, VisionSpec
 from omnibal_ext.model.spec import PROJECTOR, TEXT_EMBED
-from omnibal_ext.model.units import FAMILIES, build_units, get_preset
+from omnibal_ext.model.units import build_units, get_preset
 
 TOY = "toy-linear-projector"
-
-
-class LinearProjectorCost(ProjectorCost):
-    """Pixel shuffle and one Linear (with bias) into the LLM's width."""
-
-    kind = "linear_projector"
-
-    def flops(self, shape, tp):
-        hi, ho = self.spec.projector_in_size, self.spec.language.hidden_size
-        return 2.0 * self._image_tokens(shape) * hi * ho, 0.0
-
-    def params(self, tp):
-        return self.spec.projector_in_size * self.spec.language.hidden_size + self.spec.language.hidden_size
-
-
-def toy_unit_list(spec):
-    units = [("vit.embed", VisionEmbedCost, None)]
-    units += [(f"vit.layer.{i}", VisionLayerCost, i) for i in range(spec.vision.num_layers)]
-    units += [("projector", LinearProjectorCost, None), ("llm.embed", TextEmbedCost, None)]
-    units += [(f"llm.layer.{i}", TextLayerCost, i) for i in range(spec.language.num_layers)]
-    return units + [("llm.head", HeadCost, None)]
 
 
 def toy_spec():
@@ -49,53 +22,16 @@ def toy_spec():
 
 @pytest.fixture
 def toy_family():
-    """Both sides of the toy family registered for the test, unregistered after it."""
-    from megatron.core import tensor_parallel
-    from megatron.core.transformer.module import MegatronModule
+    """The toy family (``toy_family.py``, a module outside the package) registered for the test through the
+    public ``register``, unregistered after it."""
+    import importlib
 
     from megatron.vlm import families as runtime
-    from megatron.vlm.components import GPT_DECODER, RuntimeComponent, RuntimeFamily
-    from megatron.vlm.config import vision_config
-    from megatron.vlm.families.internvl.components import VisionEmbed, VisionLayer
 
-    class LinearProjector(MegatronModule):
-        """[1 + P, n, Hv] -> drop the class token -> pixel shuffle -> Linear -> [n * tokens per tile, 1, Hl]."""
-
-        def __init__(self, spec, config):
-            super().__init__(config=config)
-            self.grid = int(round(spec.vision.patches_per_tile ** 0.5))
-            self.factor = int(round(1 / spec.downsample_ratio))
-            self.fc = tensor_parallel.ColumnParallelLinear(
-                spec.projector_in_size, spec.language.hidden_size, config=config, init_method=config.init_method,
-                bias=True, gather_output=True)
-
-        def forward(self, vit_out):
-            x = vit_out[1:].transpose(0, 1)
-            n, _, h = x.shape
-            g, f = self.grid, self.factor
-            x = x.reshape(n, g // f, f, g // f, f, h).permute(0, 1, 3, 2, 4, 5).reshape(n * (g // f) ** 2, f * f * h)
-            x, _ = self.fc(x)
-            return x.unsqueeze(1)
-
-    class LinearProjectorUnit(RuntimeComponent):
-        cost, attr = LinearProjectorCost, "projector"
-
-        def build(self, units):
-            return LinearProjector(self.spec, self.ctx.language_config)
-
-        def forward(self, module, x, batch, cache):
-            return module(x)
-
-    FAMILIES[TOY] = Family(
-        name=TOY, vision_spec=VisionSpec,
-        components=(VisionEmbedCost, VisionLayerCost, LinearProjectorCost, TextEmbedCost, TextLayerCost, HeadCost),
-        unit_list=toy_unit_list, vision_item="tile")
-    runtime.register(RuntimeFamily(name=TOY, components=(VisionEmbed, VisionLayer, LinearProjectorUnit, *GPT_DECODER),
-                                   vision_config=vision_config))
+    runtime.register(importlib.import_module("toy_family").FAMILY)  # the first import registers it too
     try:
         yield
     finally:
-        FAMILIES.pop(TOY, None)
         runtime.unregister(TOY)
 
 
@@ -177,3 +113,58 @@ def _batch(spec):
               "pixel_values": torch.randn(2, v.in_channels, v.image_size, v.image_size, generator=g),
               "image_flags": torch.ones(2, dtype=torch.int64)}
     return collate_padded([sample], pad_id=0)
+
+
+def test_toy_family_converts_to_hf_and_back(megatron_world, toy_family, tmp_path):
+    """Its HF side (a config reader recognizing its model_type, InternVL's tensor names, the projector's own
+    tensors) writes a folder that the registry recognizes as the toy's and that loads back bit for bit."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from megatron.vlm.hf.config import HFInfo
+    from megatron.vlm.hf.configs import native_config
+    from megatron.vlm.hf.convert import HFSource
+    from megatron.vlm.hf.keys import recipes, to_hf
+    from megatron.vlm.hf.load import load_hf_into_stage
+    from megatron.vlm.stage import StageBuild, build_stage
+
+    spec = get_preset("toy-tiny")
+    info = HFInfo(layout="native", text_family="llama", vit_layers_in_checkpoint=spec.vision.num_layers,
+                  image_token_id=263)
+    _, shapes = recipes(spec, info)
+    assert {"toy_projector.weight", "toy_projector.bias"} <= set(shapes)
+    g = torch.Generator().manual_seed(0)
+    hf = {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    save_file(hf, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(native_config(spec, info, None)))
+
+    src = HFSource.open(str(folder))
+    assert src.spec.family == TOY
+    stage = build_stage(StageBuild(src.spec, range(len(build_units(src.spec))), img_context_id=263, seed=3))
+    load_hf_into_stage(stage, src)
+    assert torch.equal(stage.projector.fc.weight, hf["toy_projector.weight"])
+    back = to_hf(src.spec, src.info, src.global_tensors())
+    assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+@pytest.mark.slow
+def test_toy_family_trains_at_pp2_with_isf(tmp_path, data_cache):
+    """The trainer imports the plugin (``--family-module toy_family``) on every rank and trains its preset at PP2
+    with ISF: the loss falls."""
+    import os
+
+    from launch import run_training
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    flags = ["--family-module", "toy_family", "--model", "toy-tiny", "--pipeline-model-parallel-size", "2",
+             "--omnibal-isf", "--train-iters", "12", "--micro-batch-size", "4", "--global-batch-size", "8",
+             "--lr", "3e-3", "--lr-warmup-iters", "1", "--eval-interval", "0", "--data-cache-dir", str(data_cache),
+             "--seed", "5"]
+    records, out = run_training(2, flags, tmp_path, "toy", env={"PYTHONPATH": tests + os.pathsep + os.environ.get(
+        "PYTHONPATH", "")})
+    losses = [r["lm loss"] for r in records]
+    assert len(losses) == 12
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses

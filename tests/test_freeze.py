@@ -27,14 +27,32 @@ def codes_of(freeze, spec=TINY):
     return "".join(u.code if ok else "." for u, ok in zip(units, t.trains)), t.frozen_prefix
 
 
-def test_roles_are_the_same_for_every_family():
-    """Qwen2.5-VL's units (patch embedding, window and full-attention ViT layers, merger) take the roles of
-    InternVL's (ViT, ViT layers, projector): the same freeze flags train the same places."""
-    qwen = get_preset("qwen2.5-vl-tiny")  # I v(window) v(full) v v P E t*4 L
-    assert [u.kind for u in build_units(qwen)][1:3] == ["qwen_vit_window_layer", "qwen_vit_full_layer"]
-    for freeze in (Freeze(vit=True), Freeze(vit=True, unfreeze_vit_layers=-2), Freeze(projector=True),
-                   Freeze(llm=True, unfreeze_lm_head=True), Freeze(vit=True, llm=True)):
-        assert codes_of(freeze, qwen) == codes_of(freeze)
+def test_qwen_units_take_the_vit_projector_and_llm_roles():
+    """Qwen2.5-VL's units (patch embedding, window and full-attention ViT layers, merger) are the ViT, its layers
+    and the projector: what each freeze flag trains, written out by unit name (the window/full alternation does not
+    change which layers --unfreeze-vit-layers picks: the last two are vit.layer.2 (window) and vit.layer.3 (full))."""
+    qwen = get_preset("qwen2.5-vl-tiny")
+    units = build_units(qwen)
+    assert [u.name for u in units] == ["vit.embed", "vit.layer.0", "vit.layer.1", "vit.layer.2", "vit.layer.3",
+                                       "projector", "llm.embed", "llm.layer.0", "llm.layer.1", "llm.layer.2",
+                                       "llm.layer.3", "llm.head"]
+    assert [u.kind for u in units][:6] == ["qwen_vit_embed", "qwen_vit_window_layer", "qwen_vit_full_layer",
+                                           "qwen_vit_window_layer", "qwen_vit_full_layer", "qwen_merger"]
+    vit = {"vit.embed", "vit.layer.0", "vit.layer.1", "vit.layer.2", "vit.layer.3"}
+    llm = {"llm.embed", "llm.layer.0", "llm.layer.1", "llm.layer.2", "llm.layer.3", "llm.head"}
+    every = vit | {"projector"} | llm
+    cases = [  # (flags, the units that train, units of the frozen prefix)
+        (Freeze(vit=True), every - vit, 5),
+        (Freeze(vit=True, unfreeze_vit_layers=-2), every - {"vit.embed", "vit.layer.0", "vit.layer.1"}, 3),
+        (Freeze(vit=True, unfreeze_vit_layers=1), every - {"vit.embed", "vit.layer.0"}, 2),
+        (Freeze(projector=True), every - {"projector"}, 0),
+        (Freeze(llm=True, unfreeze_lm_head=True), vit | {"projector", "llm.head"}, 0),
+        (Freeze(vit=True, llm=True), {"projector"}, 5),
+    ]
+    for freeze, trains, prefix in cases:
+        t = freeze.trainable(units)
+        assert {u.name for u, ok in zip(units, t.trains) if ok} == trains, freeze
+        assert t.frozen_prefix == prefix, freeze
 
 
 def test_roles_and_unfreeze_slices():

@@ -1,5 +1,6 @@
 """TP 2 (two gloo ranks under torchrun) against TP 1 in this process: qk-norm over padded ViT heads
-(3 heads -> 4) and the vocabulary-padded loss."""
+(3 heads -> 4), a Qwen3 decoder layer (per-head q/k norm: output, input and norm-weight gradients) and the
+vocabulary-padded loss."""
 import os
 import subprocess
 import sys
@@ -35,6 +36,13 @@ def test_tp2_qk_norm_with_padded_heads_and_vocab_padding_equal_tp1(megatron_worl
     torch.testing.assert_close(tp2["x_grad"], x.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(tp2["q_grad"], layer.self_attention.q_layernorm.weight.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(tp2["k_grad"], layer.self_attention.k_layernorm.weight.grad, rtol=1e-5, atol=1e-5)
+
+    layer, rope, x, seed = tp2_cases.qwen3_layer_and_input(tp=1)  # Qwen3: per-head q/k norm gradients summed over TP
+    out = tp2_cases.run_qwen3(layer, rope, x, seed)
+    attn = layer.self_attention
+    for key, want in (("out", out.detach()), ("x_grad", x.grad), ("q_grad", attn.q_layernorm.weight.grad),
+                      ("k_grad", attn.k_layernorm.weight.grad)):
+        torch.testing.assert_close(tp2["qwen3"][key], want, rtol=1e-5, atol=1e-5, msg=key)
 
     padded = tp2_cases.tiny_model(tp=1, real_vocab=True)
     unpadded = tp2_cases.tiny_model(tp=1, real_vocab=False, vocab_size=real)

@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from isf_reference import dist_ratio, reference_isf
 
 from omnibal_ext.data.isf import ISFParams
 from omnibal_ext.data.native import derive_native_stats, records_of
@@ -17,7 +18,7 @@ from omnibal_ext.memory.memory_model import MODE_FULL, unit_modes
 from omnibal_ext.memory.stage_recompute import StageRecompute
 from omnibal_ext.model.cost_model import analytic_costs, get_device
 from omnibal_ext.model.layout import PipelineLayout
-from omnibal_ext.model.sample_time import sample_time_units, sample_work, vision_segments
+from omnibal_ext.model.sample_time import sample_time_units, vision_segments
 from omnibal_ext.model.shape import MicroBatchShape
 from omnibal_ext.model.spec import VISION_LAYER
 from omnibal_ext.model.units import build_units, get_preset, unit_components
@@ -49,21 +50,46 @@ def test_mixed_vit_runs_recompute_the_stages_first_layers(megatron_world, full_l
     assert _recomputed_layers(stage) == planned == [i < full_layers for i in range(4)]
 
 
+def _segments_by_hand(height, width, side: int) -> tuple[list[int], list[int], list[int]]:
+    """(patches, full-attention square, window squares) of each image: its size resized as transformers'
+    Qwen2-VL image processor resizes it (``smart_resize``, its default pixel limits), 14 px patches; the whole image
+    is one full-attention segment; windows of ``side`` x ``side`` patches from the top left corner, cut at the
+    right and bottom edges (transformers pads the merged grid at its end)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    patches, full, window = [], [], []
+    for h, w in zip(height, width):
+        rh, rw = smart_resize(int(h), int(w))
+        rows, cols = rh // 14, rw // 14
+        patches.append(rows * cols)
+        full.append((rows * cols) ** 2)
+        window.append(sum((min(side, rows - i) * min(side, cols - j)) ** 2
+                          for i in range(0, rows, side) for j in range(0, cols, side)))
+    return patches, full, window
+
+
 def test_plan_shapes_carry_the_datas_vit_segments():
+    pytest.importorskip("transformers")
     spec = get_preset("qwen2.5-vl-7b")
     stats = derive_native_stats(from_arrays([1, 5, 3, 5, 4] * 20, [400, 1400, 900, 1300, 1100] * 20), max_num=4)
+    patches, full, window = (np.array(x, dtype=np.float64) for x in
+                             _segments_by_hand(stats.images.height, stats.images.width, 8))  # 112 px windows
+    assert np.array_equal(patches, stats.images.patches)
     seg = vision_segments(stats, spec)
-    work = sample_work(stats, spec)
-    assert seg.mean_full == pytest.approx(work.vit_full_sq.sum() / work.vit_items.sum())
-    assert seg.max_full == stats.images.patches.max()  # an image's full-attention square per patch: its patches
-    assert seg.max_window <= spec.vision.window_patches_side ** 2
+    assert seg.mean_full == pytest.approx(full.sum() / patches.sum(), rel=1e-12)
+    assert seg.mean_window == pytest.approx(window.sum() / patches.sum(), rel=1e-12)
+    assert seg.max_full == pytest.approx((full / patches).max(), rel=1e-12)  # an image's square per patch
+    assert seg.max_window == pytest.approx((window / patches).max(), rel=1e-12)
+    assert seg.max_window < seg.max_full and seg.max_window <= 64
     shape = shape_of(np.array([3000.0, 4000.0, 5e6]), 1, seg)
-    assert shape.vision_attn_tokens_sq == pytest.approx(3000 * seg.mean_full)
+    assert shape.vision_attn_tokens_sq == pytest.approx(3000 * full.sum() / patches.sum())
+    assert shape.vision_window_tokens_sq == pytest.approx(3000 * window.sum() / patches.sum())
 
     class Caps:
         qv, qt = 12000, 5000
     cap = cap_shape(Caps, stats.in_vision_items("patch"), 1, None, seg)
-    assert cap.vision_items == 12000 and cap.vision_attn_tokens_sq == pytest.approx(12000 * seg.max_full)
+    assert cap.vision_items == 12000 and cap.vision_attn_tokens_sq == pytest.approx(12000 * (full / patches).max())
+    assert cap.vision_window_tokens_sq == pytest.approx(12000 * (window / patches).max())
     assert vision_segments(stats, get_preset("internvl-6b-20b")) is None  # fixed-size tiles: the family's own
 
 
@@ -82,12 +108,6 @@ def test_plan_counts_patches_for_qwen():
     assert plan.rows[-1].gpu_days <= plan.rows[0].gpu_days
 
 
-def _dist_ratio(per_rank: np.ndarray) -> float:
-    """Mean over steps of sum(max - t) / (max * ranks), of (steps, ranks) totals."""
-    top = per_rank.max(axis=1)
-    return float(np.mean((top[:, None] - per_rank).sum(axis=1) / (top * per_rank.shape[1])))
-
-
 def test_plan_groups_native_data_in_predicted_time():
     spec = get_preset("qwen2.5-vl-7b")
     rng = np.random.default_rng(0)
@@ -99,13 +119,13 @@ def test_plan_groups_native_data_in_predicted_time():
     p = plan.isf["params"]
     assert p["vit_time"] > 0 and p["llm_time"] > 0 and p["llm_time_min"] <= p["llm_time"]
 
-    # the plan's groups (its data level at the chosen sizes) and each sample's time, straight from the cost model of
-    # the plan's model and device at its TP
+    # the plan's groups (its data level at the chosen sizes) are ISF's, run one sample at a time with the plan's
+    # thresholds on each sample's time from the cost model of the plan's model and device at its TP
     data = isf_plan(stats.in_vision_items("patch"), plan.dp, config, 1, plan.tp)
     assert data.params.to_dict() == p
     vt, lt = sample_time_units(stats, spec, get_device("h100-80g"), tp=plan.tp)
     groups = data.grouping.groups()
-    assert sorted(np.concatenate(groups).tolist()) == list(range(len(stats)))
+    assert [g.tolist() for g in groups] == reference_isf(stats.patches, stats.tokens, p, config.seed, (vt, lt))
     gvt, glt = (np.array([t[g].sum() for g in groups], dtype=np.float64) for t in (vt, lt))
     gp = np.array([stats.patches[g].sum() for g in groups])
     gt = np.array([stats.tokens[g].sum() for g in groups])
@@ -115,10 +135,11 @@ def test_plan_groups_native_data_in_predicted_time():
 
     # DistRatio in time: recomputed from the samples' times over the step plan the sampler serves
     steps = step_matrix_epoch0(len(groups), data.assembly.width, data.assembly.order, config.seed)
+    assert sorted(steps.ravel().tolist()) == list(range(steps.size)) and steps.shape[1] == plan.dp
     m = plan.isf["metrics"]
-    assert m["dist_ratio_vit_time"] == pytest.approx(_dist_ratio(gvt[steps]), rel=1e-12)
-    assert m["dist_ratio_llm_time"] == pytest.approx(_dist_ratio(glt[steps]), rel=1e-12)
-    assert m["dist_ratio_time"] == pytest.approx(_dist_ratio((gvt + glt)[steps]), rel=1e-12)
+    assert m["dist_ratio_vit_time"] == pytest.approx(dist_ratio(gvt[steps]), rel=1e-12)
+    assert m["dist_ratio_llm_time"] == pytest.approx(dist_ratio(glt[steps]), rel=1e-12)
+    assert m["dist_ratio_time"] == pytest.approx(dist_ratio((gvt + glt)[steps]), rel=1e-12)
     assert m["dist_ratio_time"] < 0.02 < plan.random["dist_ratio_time"]  # random batching, in time too
     assert "dist_ratio_llm" in m and "DistRatio in time llm" in format_plan(plan)
 

@@ -1,8 +1,10 @@
 """Measured static bytes (megatron-core's allocations) equal the memory model's prediction.
 
 tests/static_probe.py builds the stage model and megatron-core's optimizer on CPU (bf16 parameters:
-Float16OptimizerWithFloat16Params or DistributedOptimizer inside a ChainedOptimizer) without running a
-step, and prints static_bytes' breakdown beside omnibal_ext.memory.memory_model's static bytes.
+Float16OptimizerWithFloat16Params or DistributedOptimizer inside a ChainedOptimizer), runs one optimizer step
+(so torch allocates Adam's moments) and prints static_bytes' breakdown, measured after that step, beside
+omnibal_ext.memory.memory_model's static bytes; the breakdown before the step (moments not yet allocated,
+counted as they will be) must equal it.
 """
 import json
 import subprocess
@@ -36,6 +38,10 @@ def test_static_bytes_match_memory_model_dp1(flags, per_param, tmp_path):
     n, measured = row["params"], row["measured"]
     for kind, b in per_param.items():  # fp32 master weights of bf16 parameters are counted now
         assert measured[kind] == b * n, (kind, measured)
+    # Adam's state as torch allocated it in the step: two fp32 tensors per updated tensor, one float per parameter
+    assert row["moment_tensors"]["exp_avg"][1] == row["moment_tensors"]["exp_avg_sq"][1] == 4 * n
+    assert row["moment_tensors"]["exp_avg"][0] > 0
+    assert row["before_step"] == measured  # counted before the step as the step then allocates
     assert measured["total"] == row["predicted"]
 
 

@@ -71,3 +71,43 @@ def tiny_model(tp: int, real_vocab: bool, vocab_size: int | None = None):
     spec = spec.replace(language=lang)
     units = build_units(spec)
     return build_stage(StageBuild(spec, range(len(units)), tp=tp, img_context_id=263, seed=3))
+
+
+# A Qwen3 decoder layer: 4 heads in 2 key-value groups, head_dim 12 (not hidden / heads = 8), per-head q/k norm
+QWEN3 = dict(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2, head_dim=12,
+             ffn_hidden_size=48, vocab_size=128, rotary_base=50000, norm_eps=1e-6, qk_norm=True)
+QWEN3_TOKENS = 9
+
+
+def qwen3_layer_and_input(tp: int):
+    """A Qwen3 LLM layer as the shared TextLayer builds it (weights drawn per unit: the same at TP 1 and 2; the
+    q/k-norm and layer-norm weights moved off their constant start), its [s, 1, d] RoPE table, an input that
+    wants its gradient and the output-gradient seed. megatron-core's unfused attention with its causal mask."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron.vlm import layers
+    from megatron.vlm.config import language_config
+    from omnibal_ext.model.spec import LanguageSpec
+
+    spec = get_preset("tiny").replace(language=LanguageSpec(**QWEN3))
+    cfg = language_config(spec, tp, True, torch.float32)
+    layer_spec = layers.with_qk_norm(layers.layer_spec("RMSNorm", AttnMaskType.causal, 5, 1, "local", "unfused"))
+    layer = build_module(layer_spec, config=cfg, layer_number=1)
+    with torch.no_grad():
+        for i, (name, p) in enumerate(layer.named_parameters()):
+            if "layernorm" in name or "layer_norm" in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(100 + i)))
+    rope = RotaryEmbedding(kv_channels=spec.language.kv_channels, rotary_percent=1.0,
+                           rotary_base=spec.language.rotary_base, use_cpu_initialization=True)(QWEN3_TOKENS)
+    x = torch.randn(QWEN3_TOKENS, 1, 32, generator=torch.Generator().manual_seed(12)).requires_grad_()
+    return layer, rope, x, 13
+
+
+def run_qwen3(layer, rope, x, grad_seed):
+    out = layer(hidden_states=x, attention_mask=None, rotary_pos_emb=rope)
+    out = out[0] if isinstance(out, tuple) else out
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed))
+    (out * w).sum().backward()
+    return out

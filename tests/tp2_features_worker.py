@@ -1,5 +1,5 @@
 """Run by tests/test_model_features_tp2.py under torchrun (2 ranks, TP 2, gloo): the ViT layer with
-qk-norm over padded heads (3 heads -> 4) and the tiny model's loss with a padded vocabulary, at TP 2.
+qk-norm over padded heads (3 heads -> 4), a Qwen3 LLM layer (per-head q/k norm) and the tiny model's loss with a padded vocabulary, at TP 2.
 Rank 0 writes what it computed to ``argv[1]/tp2.pt``; the test compares it with TP 1."""
 import sys
 
@@ -34,6 +34,11 @@ def main(folder: str) -> None:
         import tp2_cases
 
         result = vit_case()
+        layer, rope, x, seed = tp2_cases.qwen3_layer_and_input(tp=2)
+        out = tp2_cases.run_qwen3(layer, rope, x, seed)
+        attn = layer.self_attention  # the per-head norms are replicated: every rank holds the whole gradient
+        result["qwen3"] = {"out": out.detach(), "x_grad": x.grad.detach(), "q_grad": attn.q_layernorm.weight.grad,
+                           "k_grad": attn.k_layernorm.weight.grad}
         batch = torch.load(f"{folder}/batch.pt", weights_only=False)
         model = tp2_cases.tiny_model(tp=2, real_vocab=True).eval()
         with torch.no_grad():

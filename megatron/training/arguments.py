@@ -14,7 +14,7 @@ from omnibal_ext.model.cost_model import DEVICES
 from omnibal_ext.model.sample_time import ISF_TIME_DEVICE
 from omnibal_ext.model.layout import parse_layout
 from omnibal_ext.model.trainable import add_freeze_flags, trainable_of
-from omnibal_ext.model.families.internvl import vit_layers_for_feature_layer
+from omnibal_ext.model.spec import vit_layers_for_feature_layer
 from omnibal_ext.model.units import PRESETS, ModelSpec, build_units, family_of, get_preset
 from omnibal_ext.plan import tp_problem, trainer_argv
 
@@ -29,6 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False)
 
     g = p.add_argument_group("model")
+    g.add_argument("--family-module", action="append", default=[], metavar="MODULE",
+                   help="import MODULE (a module name or a path to a .py file) before the flags are parsed "
+                        "(repeatable): a model family defined outside this repository that registers itself with "
+                        "megatron.vlm.families.register() when imported; its presets and --hf-checkpoint configs "
+                        "become known")
     g.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="model size preset")
     g.add_argument("--hf-checkpoint", default=None, metavar="DIR",
                    help="start from this Hugging Face InternVL or Qwen2.5-VL folder (config.json + *.safetensors; "
@@ -279,10 +284,18 @@ def hf_spec_from_args(args) -> ModelSpec:
 
 def model_spec_from_args(args, base: ModelSpec | None = None) -> ModelSpec:
     spec = base if base is not None else get_preset(args.model)
-    v = {k: getattr(args, a) for k, a in [
+    vision_dests = [
         ("num_layers", "vision_num_layers"), ("hidden_size", "vision_hidden_size"),
         ("num_attention_heads", "vision_num_attention_heads"), ("ffn_hidden_size", "vision_ffn_hidden_size"),
-        ("image_size", "image_size"), ("patch_size", "patch_size")] if getattr(args, a) is not None}
+        ("image_size", "image_size"), ("patch_size", "patch_size"), ("normalization", "vision_normalization"),
+        ("norm_eps", "vision_norm_eps"), ("qkv_bias", "vision_qkv_bias"), ("qk_norm", "vision_qk_norm"),
+        ("layer_scale_init", "vision_layer_scale_init")]
+    fields = {f.name for f in dataclasses.fields(spec.vision)}
+    for key, dest in vision_dests:  # a ViT setting the family's ViT does not have: refused, not ignored
+        if key not in fields and getattr(args, dest, None) is not None:
+            raise ArgumentError(f"--{dest.replace('_', '-')}: model family {spec.family}'s ViT "
+                                f"({type(spec.vision).__name__}) has no {key!r} setting; drop the flag")
+    v = {k: getattr(args, a) for k, a in vision_dests[:6] if getattr(args, a) is not None}
     lang = {k: getattr(args, a) for k, a in [
         ("num_layers", "num_layers"), ("hidden_size", "hidden_size"),
         ("num_attention_heads", "num_attention_heads"), ("num_query_groups", "num_query_groups"),
@@ -429,6 +442,7 @@ def validate_args(args, world_size: int) -> None:
     problem = family_of(spec).spec_problem(spec)
     if problem:
         raise ArgumentError(problem)
+    check_capabilities(args, spec)
     _, microbatches = batch_sizes(args, dp)
     if vpp > 1:
         check_interleaving(vpp, pp, microbatches, n_units)
@@ -455,6 +469,41 @@ def validate_args(args, world_size: int) -> None:
     for flag, value in (("--vision-lr", args.vision_lr), ("--projector-lr", args.projector_lr)):
         if value is not None and value < 0:
             raise ArgumentError(f"{flag} {value}: must be >= 0")
+
+
+# ``Capabilities`` field -> (flag, whether the flags ask for it): a family that does not declare the field refuses
+# the flag (``check_capabilities``). Fields without a flag yet (no flag asks for them): ``UNFLAGGED_CAPABILITIES``.
+CAPABILITY_FLAGS = {
+    "drop_path": ("--vision-drop-path-rate", lambda args: args.vision_drop_path_rate > 0),
+    "context_parallel": ("--context-parallel-size", lambda args: args.context_parallel_size > 1),
+    "sequence_parallel": ("--sequence-parallel", lambda args: bool(args.sequence_parallel)),
+}
+UNFLAGGED_CAPABILITIES = ("video", "moe")
+IMAGE_FLAGS = ("--max-num-tiles", "--min-num-tiles", "--min-pixels", "--max-pixels")  # read by some image rules
+
+
+def check_capabilities(args, spec: ModelSpec) -> None:
+    """Refuse a flag that asks for what ``spec``'s family does not declare (``Family.capabilities``), naming the
+    family and the flag: a flag is honoured or refused, never ignored."""
+    from omnibal_ext.model.lora import Lora
+
+    caps = family_of(spec).capabilities
+    who = f"model family {spec.family}"
+    for field, (flag, asked) in CAPABILITY_FLAGS.items():
+        if asked(args) and not getattr(caps, field):
+            raise ArgumentError(f"{flag}: {who} does not implement it (Capabilities.{field}); drop the flag")
+    lora = Lora.from_args(args)
+    if lora.on:
+        bad = [t for t in lora.targets if t not in caps.lora_targets]
+        if bad:
+            raise ArgumentError(f"--lora-targets {','.join(bad)}: {who} has no adapters there (it takes: "
+                                f"{', '.join(caps.lora_targets) or 'none'})")
+    defaults = build_parser()
+    for flag in IMAGE_FLAGS:
+        dest = flag[2:].replace("-", "_")
+        if flag not in caps.image_flags and getattr(args, dest) != defaults.get_default(dest):
+            raise ArgumentError(f"{flag}: {who}'s image rule does not read it (it reads: "
+                                f"{', '.join(caps.image_flags) or 'no image flag'}); drop the flag")
 
 
 def check_lora(args, spec: ModelSpec, tp: int) -> None:
@@ -545,12 +594,26 @@ def plan_flags(path: str) -> list[str]:
     return trainer_argv(flags)
 
 
+def import_family_modules(argv: list[str]) -> None:
+    """Import the ``--family-module`` modules of ``argv`` (before the parser is built: their presets are
+    ``--model`` choices). Each registers its family (``megatron.vlm.families.register``)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--family-module", action="append", default=[])
+    modules = pre.parse_known_args(argv)[0].family_module
+    if modules:
+        from megatron.vlm.families import import_family_modules as import_modules
+
+        import_modules(modules)
+
+
 def requested_device(argv=None) -> str:
     """The --device of ``argv`` (default: sys.argv[1:]) before the full parse and checks: the CPU
     patches (cpu_compat) must be in place before any process group starts."""
     import sys
 
-    args, _ = build_parser().parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    import_family_modules(argv)
+    args, _ = build_parser().parse_known_args(argv)
     return args.device
 
 
@@ -561,6 +624,7 @@ def parse_args(argv=None, world_size: int = 1):
     import sys
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    import_family_modules(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.omnibal_plan:

@@ -96,6 +96,62 @@ def _with_cuda_type_names(fn):
     return wrapper
 
 
+class _HostEvent:
+    """Stands for a CUDA event on the host: work on the CPU is done when it is issued."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _HostStream:
+    """Stands for a CUDA stream on the host (one in-order stream: waiting on it is a no-op)."""
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def record_event(self, event=None) -> _HostEvent:
+        return _HostEvent()
+
+
+_HOST_STREAM = _HostStream()
+
+
+def _host_tensor_as_numpy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """``moe_utils.maybe_move_tensor_to_cpu`` for host tensors: the split sizes it copies off the GPU come back as
+    numpy arrays there (what ``all_to_all_single`` takes as its split lists); a host tensor is returned unconverted,
+    and gloo's ``all_to_all_single`` refuses a tensor of split sizes (TypeError)."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
+
+
+def _moe_patches() -> list[tuple[object, str, object]]:
+    """megatron-core's MoE layer without TransformerEngine, on the host.
+
+    * ``transformer/moe/moe_utils.py`` imports ``te_general_gemm`` only when TransformerEngine imports, yet the
+      router's GEMM (``RouterGatingLinearFunction``) tests ``te_general_gemm is not None``: NameError without TE.
+      Defined as None, it takes its torch.mm branch.
+    * ``MoEAlltoAllTokenDispatcher`` makes a class-wide ``torch.cuda.Stream()`` in its constructor (when its
+      ``cuda_dtoh_stream`` is None) and in its forward compares ``torch.cuda.current_stream()`` with it, enters
+      ``torch.cuda.stream(...)`` and synchronises on its ``record_event()``: the host stand-ins above, one stream
+      that is also the current one, so no copy is treated as on a side stream.
+    * The same dispatcher turns its split sizes into numpy arrays with ``maybe_move_tensor_to_cpu``, which converts
+      CUDA tensors only: ``_host_tensor_as_numpy`` converts host ones too.
+    """
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    patches = [
+        (token_dispatcher, "maybe_move_tensor_to_cpu", _host_tensor_as_numpy),
+        (MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", _HOST_STREAM),
+        (torch.cuda, "current_stream", lambda *args, **kwargs: _HOST_STREAM),
+        (torch.cuda, "stream", lambda stream=None: contextlib.nullcontext()),
+    ]
+    if "te_general_gemm" not in vars(moe_utils):
+        patches.append((moe_utils, "te_general_gemm", None))
+    return patches
+
+
 def _patches() -> list[tuple[object, str, object]]:
     """(owner, attribute, replacement) of every CPU patch."""
     from megatron.core.optimizer import clip_grads, optimizer
@@ -103,7 +159,7 @@ def _patches() -> list[tuple[object, str, object]]:
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
     from megatron.core.tensor_parallel import random as tp_random
 
-    return [
+    return [*_moe_patches(),
         # device=torch.cuda.current_device() in tensor_parallel (gather buffers), DDP grad buffers
         # (distributed/param_and_grad_buffer.py), p2p receive buffers, RoPE.
         (torch.cuda, "current_device", lambda: "cpu"),

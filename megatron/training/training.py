@@ -81,7 +81,7 @@ def build_model(args, plan: RunPlan, img_context_id: int, device: torch.device):
 
 def finalize_grads(model, num_tokens=None, **kwargs):
     """megatron-core's finalize_model_grads, after summing the tied embedding's gradients across the
-    stages that hold E and L (``interleaved.sum_tied_grads``, megatron/vlm/tied.py)."""
+    stages that hold E and L (interleaved.sum_tied_grads, megatron/vlm/tied.py)."""
     sum_tied_grads([unwrap_model(chunk) for chunk in model])
     return finalize_model_grads(model, num_tokens, **kwargs)
 

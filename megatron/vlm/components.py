@@ -17,7 +17,7 @@ letter) are its planning-side component's (``cost``), so the two sides cannot di
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -26,6 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from omnibal_ext.memory.recompute import StageRecompute
 from omnibal_ext.model.components import CostComponent, HeadCost, TextEmbedCost, TextLayerCost
+from omnibal_ext.model.families import Capabilities, Family
 from omnibal_ext.model.lora import Lora
 from omnibal_ext.model.spec import HEAD, TEXT_LAYER, VISION_LAYER, ModelSpec, Unit
 
@@ -33,6 +34,7 @@ from megatron.vlm import layers, sequence_parallel
 from megatron.vlm.context_parallel import context_parallel_group, gather_rows, tile_ranges, vision_process_groups
 from megatron.vlm.data.side import TILED, DataSide
 from megatron.vlm.head import OutputHead
+from megatron.vlm.hf.config import HFSide
 from megatron.vlm.seeding import seeded
 from megatron.vlm.sharding import unit_sharded_state_dict
 from megatron.vlm.text import TextEmbedding, run_text_blocks, text_context, word_embedding
@@ -143,6 +145,12 @@ class RuntimeComponent:
     def prepare(self, module: torch.nn.Module, batch: dict, cache: dict) -> None:
         """Build what ``forward`` keeps in ``cache`` for ``batch`` now (the profiler times units without it)."""
 
+    def parameter_role(self, unit: Unit, name: str) -> str:
+        """The role (layout letter) parameter ``name`` of ``unit``'s module plays for freezing, LoRA and the
+        per-module learning rates: the unit's own, unless a unit holds parts of another role (Qwen3-VL's DeepStack
+        mergers, the projector's, in ViT layer units)."""
+        return unit.code
+
     # checkpoint ------------------------------------------------------------------------------------
     def unit_modules(self, module: torch.nn.Module, units: list[Unit], blocks: range = range(0)):
         """(unit, its module, path of that module below ``attr``) for each of ``units``; a layer kind's
@@ -213,16 +221,18 @@ class TextEmbed(RuntimeComponent):
 
 
 class TextLayer(RuntimeComponent):
-    """GPT decoder layers (megatron-core's layer spec): causal attention within each packed sample, RoPE."""
+    """GPT decoder layers (megatron-core's layer spec): causal attention within each packed sample, RoPE; per-head
+    q/k RMSNorm where the LanguageSpec has ``qk_norm`` (Qwen3)."""
 
     cost, attr, reads, layers = TextLayerCost, "llm_blocks", frozenset({"packing"}), True
     sp_enters = sp_leaves = False  # sequence-parallel region edges (set by build)
 
     def layer_spec(self, first_unit_index: int):
         ctx = self.ctx
-        return layers.layer_spec(self.spec.language.normalization,
+        spec = layers.layer_spec(self.spec.language.normalization,
                                  layers.llm_mask_type(ctx.transformer_impl, ctx.attention_backend), ctx.seed,
                                  first_unit_index, ctx.transformer_impl, ctx.attention_backend)
+        return layers.with_qk_norm(spec) if self.spec.language.qk_norm else spec
 
     def build(self, units):
         self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.language_config, (HEAD,))
@@ -332,33 +342,44 @@ class PaddedHeadLayers(RuntimeComponent):
         return sd
 
 
+class VisionConfig(Protocol):
+    def __call__(self, spec: ModelSpec, tp: int, on_cpu: bool, dtype: torch.dtype) -> TransformerConfig:
+        """The ViT's TransformerConfig for tensor-parallel size ``tp`` (``on_cpu``: CPU initialization)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RuntimeFamily:
-    """A model family at run time.
+    """A model family: one object joining its planning side, its runtime side, its data side and its HF side.
 
-    name: ``ModelSpec.family`` (and the planning side's ``Family.name``); components: one
-    ``RuntimeComponent`` class per unit kind of the planning side; vision_config(spec, tp, on_cpu, dtype):
-    the ViT's TransformerConfig; hf_names(info, style): the family's Hugging Face tensor names (the GPT
-    decoder's: ``embed()``, ``llm_layer(i)``, ``final_norm()``, ``head``), hf_skipped_names(info, spec,
-    names, style): HF tensors it leaves out on purpose; hf_config: its config.json reader
-    (``megatron.vlm.hf.config.HFConfigReader``: ``recognizes``, ``spec_from_config``, ``native_config``); None
-    where the family has no HF side. logits_batch(inputs, spec, info): the micro-batch of one sample for the
-    logits check against transformers from transformers' own inputs (``megatron.vlm.hf.logits``);
-    structure_twin(spec): a tiny model of ``spec``'s structure (same units, per-layer features and checkpoint
-    objects), for listing a checkpoint's extra-state objects (``megatron.vlm.hf.convert``). data: its data side
-    (``megatron.vlm.data.side.DataSide``: image tokens, reader settings, micro-batch fields; default InternVL's
-    tiles).
+    planning: the planning side (``omnibal_ext.model.families.Family``: name, unit list, costs, presets,
+    capabilities); components: one ``RuntimeComponent`` class per unit kind of the planning side (checked);
+    vision_config: the ViT's TransformerConfig; hf: its Hugging Face side (``megatron.vlm.hf.config.HFSide``:
+    config reader, tensor names, logits-check micro-batches, structure twin), None where it has none; data: its
+    data side (``megatron.vlm.data.side.DataSide``: image tokens, image rule, micro-batches).
+
+    ``megatron.vlm.families.register`` registers both sides (``name`` is the planning side's).
     """
 
-    name: str
+    planning: Family
     components: tuple[type[RuntimeComponent], ...]
-    vision_config: Callable
-    hf_names: Callable | None = None
-    hf_skipped_names: Callable | None = None
-    hf_config: object = None
-    logits_batch: Callable | None = None
-    structure_twin: Callable | None = None
+    vision_config: VisionConfig
+    hf: HFSide | None = None
     data: DataSide = TILED
+
+    def __post_init__(self):
+        runtime = {c.kind() for c in self.components}
+        missing = [c.kind for c in self.planning.components if c.kind not in runtime]
+        if missing:
+            raise TypeError(f"family {self.name!r}: no runtime component for unit kind(s) {', '.join(missing)}")
+
+    @property
+    def name(self) -> str:
+        """``ModelSpec.family``."""
+        return self.planning.name
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.planning.capabilities
 
     def component(self, kind: str) -> type[RuntimeComponent]:
         for c in self.components:

@@ -57,6 +57,9 @@ def language_config(spec: ModelSpec, tp: int, on_cpu: bool, dtype: torch.dtype, 
         num_layers=lang.num_layers, hidden_size=lang.hidden_size, num_attention_heads=lang.num_attention_heads,
         num_query_groups=lang.kv_groups, kv_channels=lang.kv_channels, ffn_hidden_size=lang.ffn_hidden_size,
         add_bias_linear=False, add_qkv_bias=lang.qkv_bias,  # Qwen2: bias on q, k, v only
+        # Qwen3's per-head q/k norms come from the layer spec (PerHeadRMSNorm sums its own gradient over TP);
+        # qk_layernorm stays False, or finalize_model_grads would sum every "q_layernorm" again, the ViT's too
+        qk_layernorm=False,
         gated_linear_unit=lang.swiglu, activation_func=F.silu if lang.swiglu else F.gelu,
         normalization=lang.normalization, layernorm_epsilon=lang.norm_eps,
         **_common(tp=tp, pp=pp, on_cpu=on_cpu, dtype=dtype, init_method_std=spec.init_method_std))

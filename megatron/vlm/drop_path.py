@@ -1,6 +1,7 @@
-"""Stochastic depth (drop path) of the ViT, as InternViT's: each layer's attention and MLP branches are dropped
-per tile (InternViT's batch element) with a rate rising linearly over the layers, ``linspace(0, rate, depth)``,
-and the kept branches scaled by 1 / keep probability (timm's ``drop_path``).
+"""Stochastic depth (drop path) of the ViT: each layer's attention and MLP branches are dropped per ViT item (a
+tile where the ViT's batch element is a tile; an image where the ViT runs the patches of all images in one packed
+row) with a rate rising linearly over the layers, ``linspace(0, rate, depth)``, and the kept branches scaled by
+1 / keep probability (timm's ``drop_path``).
 
 The mask is not drawn from an RNG state but hashed from (seed, iteration, sample id, tile within the sample,
 layer, branch): a counter-based draw, so every TP/PP/DP size, layout, micro-batch size and packing gives the
@@ -48,6 +49,14 @@ def tile_keys(sample_ids: list[int], tiles_per_sample: list[int]) -> torch.Tenso
     return torch.tensor(keys, dtype=torch.int64)
 
 
+def image_patch_keys(sample_ids: list[int], patches_per_image: list[list[int]]) -> torch.Tensor:
+    """int64 [sum of patches]: one key per patch row, every patch of an image taking its image's key, from (sample
+    id, image index in the sample): drop path per image over packed patch rows."""
+    keys = [hash_key(sid, k) for sid, sizes in zip(sample_ids, patches_per_image)
+            for k, n in enumerate(sizes) for _ in range(n)]
+    return torch.tensor(keys, dtype=torch.int64)
+
+
 def iteration_keys(keys: torch.Tensor, seed: int, iteration: int) -> torch.Tensor:
     """The tiles' keys of one training iteration (device tensor in, device tensor out; no sync)."""
     return mix32(keys ^ hash_key(seed, iteration))
@@ -67,8 +76,9 @@ def keep_mask(keys: torch.Tensor, layer: int, branch: int, drop_prob: float, dty
 
 
 class DropPathBDA(torch.nn.Module):
-    """Bias-dropout-add with drop path of the branch per tile, and optionally InternViT's layer scale:
-    ``residual + keep_mask * scale * dropout(x + bias)`` (hidden states [tokens per tile, tiles, hidden]).
+    """Bias-dropout-add with drop path of the branch per item, and optionally InternViT's layer scale:
+    ``residual + keep_mask * scale * dropout(x + bias)``; ``axis``: the hidden states' dimension the keys run
+    along (1: [tokens per tile, tiles, hidden], one key per tile; 0: packed rows [rows, 1, hidden], one per row).
 
     A TransformerLayer's ``self_attn_bda`` (branch 0) / ``mlp_bda`` (branch 1) submodule; called like
     megatron-core's bias-dropout-add, ``bda(training, fused)(x_with_bias, residual, dropout_prob)``.
@@ -77,9 +87,10 @@ class DropPathBDA(torch.nn.Module):
     same parameter as ``LayerScale``'s, so checkpoints and HF names do not change).
     """
 
-    def __init__(self, config=None, hidden_size: int = 0, branch: int = 0, scale_init: float | None = None):
+    def __init__(self, config=None, hidden_size: int = 0, branch: int = 0, scale_init: float | None = None,
+                 axis: int = 1):
         super().__init__()
-        self.branch = branch
+        self.branch, self.axis = branch, axis
         self.layer, self.drop_prob, self.keys = 0, 0.0, None
         if scale_init is not None:
             self.scale = torch.nn.Parameter(torch.full((hidden_size,), float(scale_init)))
@@ -96,7 +107,9 @@ class DropPathBDA(torch.nn.Module):
                 x = x * self.scale
             if training and self.drop_prob > 0 and self.keys is not None:
                 mask = keep_mask(self.keys, self.layer, self.branch, self.drop_prob, x.dtype)
-                x = x * mask.view(1, -1, *([1] * (x.dim() - 2)))
+                shape = [1] * x.dim()
+                shape[self.axis] = -1
+                x = x * mask.view(shape)
             return residual + x
 
         return bias_dropout_droppath_add
@@ -123,3 +136,19 @@ class DropPathLayer(SeededTransformerLayer):
         finally:
             self.self_attn_bda.keys = self.mlp_bda.keys = None
         return out, keys
+
+
+def with_drop_path(spec, vit_first_unit: int, rates, scale_init: float | None = None, hidden_size: int = 0,
+                   axis: int = 1):
+    """A ViT layer ``spec`` (a megatron-core ModuleSpec of a ``SeededTransformerLayer``) made a ``DropPathLayer``
+    whose two bias-dropout-adds are ``DropPathBDA`` (carrying the layer scale ``scale_init`` when not None, over
+    ``hidden_size``); vit_first_unit: unit index of ViT layer 0; rates: drop probability per ViT layer; axis: see
+    ``DropPathBDA``. The spec is changed in place and returned."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    spec.module = DropPathLayer
+    spec.params = {**spec.params, "vit_first_unit": vit_first_unit, "rates": tuple(rates)}
+    for name, branch in (("self_attn_bda", 0), ("mlp_bda", 1)):
+        setattr(spec.submodules, name, ModuleSpec(module=DropPathBDA, params={
+            "hidden_size": hidden_size, "branch": branch, "scale_init": scale_init, "axis": axis}))
+    return spec

@@ -19,7 +19,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.vlm.attention import SegmentAttention
-from megatron.vlm.norms import TorchNorm
+from megatron.vlm.norms import PerHeadRMSNorm, TorchNorm
 from megatron.vlm.seeding import SeededTransformerLayer
 from megatron.vlm.sequence_parallel import mark_sequence_parallel
 
@@ -61,6 +61,15 @@ def layer_spec(normalization: str, mask_type: AttnMaskType, seed: int, first_uni
     if uses_segment_attention(transformer_impl, attention_backend):
         attn.submodules.core_attention = SegmentAttention
     _allow_sequence_parallel_norms(spec)
+    return spec
+
+
+def with_qk_norm(spec: ModuleSpec) -> ModuleSpec:
+    """``spec`` with a per-head RMSNorm of the queries and the keys (Qwen3: ``PerHeadRMSNorm`` as the attention's
+    ``q_layernorm`` / ``k_layernorm``, which megatron-core applies per head before RoPE); changed in place."""
+    attn = spec.submodules.self_attention.submodules
+    attn.q_layernorm = PerHeadRMSNorm
+    attn.k_layernorm = PerHeadRMSNorm
     return spec
 
 

@@ -26,3 +26,31 @@ class TorchNorm:
             for p in norm.parameters():
                 p.sequence_parallel = True
         return norm
+
+
+class PerHeadRMSNorm(torch.nn.Module):
+    """RMSNorm of each attention head over its ``head_dim`` values (Qwen3's q_norm / k_norm), built as
+    SelfAttention's ``q_layernorm`` / ``k_layernorm`` submodule (``megatron.vlm.layers.with_qk_norm``).
+
+    It gets this TP rank's heads ``[s, b, heads, head_dim]`` and normalises in fp32, then scales by the weight
+    in the input's dtype (transformers' Qwen3RMSNorm order). The weight ``[head_dim]`` is the same on every TP
+    rank while each rank sees only its heads, so its gradient is summed over TP here (identity forward,
+    all-reduce backward: ``copy_to_tensor_model_parallel_region``). It is deliberately neither marked
+    ``sequence_parallel`` nor announced by the config's ``qk_layernorm``: megatron-core's finalize_model_grads
+    would then sum it again, and its name match would also catch the ViT's TP-split qk-norms."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **_unused):
+        super().__init__()
+        self.tp = config.tensor_model_parallel_size
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if self.tp > 1:
+            from megatron.core import tensor_parallel
+
+            weight = tensor_parallel.copy_to_tensor_model_parallel_region(weight)
+        flat = x.float()
+        y = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * y.to(x.dtype)

@@ -36,9 +36,10 @@ def padded_tokens(tokens: int, tp: int) -> int:
 
 
 def mark_sequence_parallel(module: torch.nn.Module) -> None:
-    """Mark every parameter of ``module`` that is not split over TP as ``sequence_parallel``."""
+    """Mark every parameter of ``module`` that is not split over TP as ``sequence_parallel``; one whose gradient
+    its module sums over TP itself (``grad_summed_over_tp``: the Gated DeltaNet's norm weight) is left alone."""
     for p in module.parameters():
-        if not getattr(p, "tensor_model_parallel", False):
+        if not getattr(p, "tensor_model_parallel", False) and not getattr(p, "grad_summed_over_tp", False):
             p.sequence_parallel = True
 
 

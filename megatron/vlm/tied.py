@@ -3,7 +3,7 @@
 On a stage holding the text embedding (E) and the head (L) the output layer uses the embedding's Parameter
 itself; on a last stage without E the head holds a copy drawn exactly as the embedding is (E's unit seed),
 kept equal by summing the two copies' gradients over the group of the two ranks holding E and L
-(``build_tied_embedding_group``; ``megatron/training/interleaved.py``'s ``sum_tied_grads``, before the data-parallel
+(``build_tied_embedding_group``; ``megatron.training.interleaved.sum_tied_grads``, before the data-parallel
 reduction), and marked ``shared`` so the gradient norm counts the weight once.  megatron-core's own
 embedding group assumes E on the first stage, which our layouts do not promise.
 """

@@ -58,10 +58,12 @@ def smart_resize(height, width, factor: int = FACTOR, min_pixels: int = MIN_PIXE
     return new_h.astype(np.int64), new_w.astype(np.int64)
 
 
-def native_patches(height, width, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> np.ndarray:
-    """Patches (14 x 14 px) of each image after ``smart_resize``: int64."""
-    h, w = smart_resize(height, width, FACTOR, min_pixels, max_pixels)
-    return (h // PATCH) * (w // PATCH)
+def native_patches(height, width, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS, patch: int = PATCH,
+                   merge: int = MERGE) -> np.ndarray:
+    """Patches (``patch`` x ``patch`` px) of each image after ``smart_resize`` to multiples of ``patch x merge`` px
+    (``merge`` x ``merge`` patches per LLM token): int64."""
+    h, w = smart_resize(height, width, patch * merge, min_pixels, max_pixels)
+    return (h // patch) * (w // patch)
 
 
 def patch_grid(height, width, patches, merge: int = MERGE, search: int = 16) -> tuple[np.ndarray, np.ndarray]:
@@ -153,11 +155,12 @@ def draw_sizes_for_tiles(tiles, max_num: int, seed: int = 0, aspect_max: float =
 
 def derive_native_stats(stats: SampleStats, max_num: int | None = None, seed: int = 0,
                         tokens_per_tile: int = 256, min_pixels: int = MIN_PIXELS,
-                        max_pixels: int = MAX_PIXELS) -> SampleStats:
+                        max_pixels: int = MAX_PIXELS, patch: int = PATCH, merge: int = MERGE) -> SampleStats:
     """Native-resolution stats from InternVL tile stats: one image per sample with ``vit > 0``, its size drawn to
     give the sample's tile count (``draw_sizes_for_tiles``; ``max_num`` defaults to the largest grid the stats
-    show, ``max(vit) - 1``), its patches from ``native_patches``; the sample's tokens lose InternVL's
-    ``tokens_per_tile`` image tokens per tile and gain ``patches / 4`` (one per merged 2 x 2 patches); its text
+    show, ``max(vit) - 1``), its patches from ``native_patches`` (``patch`` px patches, ``merge`` x ``merge`` per
+    LLM token, the pixel budget in px; the defaults are the module's constants); the sample's tokens lose
+    InternVL's ``tokens_per_tile`` image tokens per tile and gain ``patches / merge^2``; its text
     tokens are kept as they are (InternVL's and Qwen's tokenizers differ: an approximation). Samples without
     tiles keep no image."""
     vit = stats.vit
@@ -168,11 +171,11 @@ def derive_native_stats(stats: SampleStats, max_num: int | None = None, seed: in
     height = np.zeros(0, dtype=np.int64)
     if has.any():
         width, height = draw_sizes_for_tiles(vit[has], max_num, seed)
-    patches = native_patches(height, width, min_pixels, max_pixels)
+    patches = native_patches(height, width, min_pixels, max_pixels, patch, merge)
     offsets = np.zeros(len(vit) + 1, dtype=np.int64)
     np.cumsum(has.astype(np.int64), out=offsets[1:])
     images = ImageStats(offsets, width, height, patches)
-    tokens = stats.tokens - tokens_per_tile * vit + images.per_sample(patches) // (MERGE * MERGE)
+    tokens = stats.tokens - tokens_per_tile * vit + images.per_sample(patches) // (merge * merge)
     if tokens.min(initial=1) <= 0:
         raise UserError(f"derive_native_stats: sample {int(np.argmin(tokens))} has fewer tokens than "
                         f"{tokens_per_tile} per tile; is tokens_per_tile right?")

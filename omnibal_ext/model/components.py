@@ -94,6 +94,12 @@ class CostComponent:
         """Parameters of one unit, whole model (at ``tp``: padded heads included)."""
         raise NotImplementedError
 
+    def params_of_role(self, role: str, tp: int = 1) -> tuple[int, int]:
+        """(all, replicated over TP) parameters of the unit that play ``role`` (a layout letter) for freezing: all
+        of them for the unit's own role; a unit may hold parts of another (Qwen3-VL's DeepStack mergers, the
+        projector's, in ViT layer units). Replicated ones are counted 0 where a kind never splits them apart."""
+        return (self.params(tp), 0) if role == self.code else (0, 0)
+
     def act_bytes(self, shape: MicroBatchShape, tp: int, dropout: bool, attention: str,
                   sequence_parallel: bool = False, kernels: LayerKernels = FUSED_KERNELS) -> ActBytes:
         """Activation bytes at ``shape`` on one TP rank; ``kernels``: what the device's kernels keep."""
@@ -232,7 +238,7 @@ class TextLayerCost(CostComponent):
         h, f, d = lm.hidden_size, lm.ffn_hidden_size, lm.kv_channels
         qkv_rows = lm.num_attention_heads * d + 2 * lm.kv_groups * d
         n = h * qkv_rows + lm.num_attention_heads * d * h + (3 if lm.swiglu else 2) * h * f + 2 * h
-        return n + (qkv_rows if lm.qkv_bias else 0)
+        return n + (qkv_rows if lm.qkv_bias else 0) + (2 * d if lm.qk_norm else 0)  # per-head q/k norm weights
 
     def linears(self, tp):
         lm = self.spec.language

@@ -134,12 +134,6 @@ def unit_flops(spec: ModelSpec, shape: MicroBatchShape, tp: int = 1) -> list[flo
     return [c.flops(shape, tp)[0] for c in unit_components(spec)]
 
 
-def unit_mem_bytes(spec: ModelSpec, shape: MicroBatchShape, tp: int = 1) -> list[float]:
-    """Memory traffic (bytes) of the memory-bound units' forward, per TP rank (0 for the others: they
-    are matmul-bound and their elementwise work is folded into their efficiency)."""
-    return [c.mem_bytes(shape) if c.memory_bound else 0.0 for c in unit_components(spec)]
-
-
 def unit_work(spec: ModelSpec, shape: MicroBatchShape, tp: int = 1) -> list[float]:
     """What calibration divides time by: forward FLOPs per TP rank, or memory bytes for memory-bound units."""
     return [c.mem_bytes(shape) if c.memory_bound else c.flops(shape, tp)[0] / tp for c in unit_components(spec)]
@@ -215,7 +209,9 @@ def _costs_from_rates(spec, shape, tp, rates, dropout, attention, source, meta, 
     meta = dict(meta)
     meta.update({"model": spec.name, "spec": spec.to_dict(), "shape": shape.to_dict(), "tp": tp,
                  "dropout": dropout, "attention": attention, "sequence_parallel": sp})
-    return CostTable(tuple(rows), source, meta)
+    from .side_bytes import with_side_bytes
+
+    return with_side_bytes(CostTable(tuple(rows), source, meta), spec, shape)
 
 
 def analytic_costs(

@@ -44,7 +44,10 @@ class SideTensor:
 
     name: its name on both sides (``megatron.vlm.side``); producer: the unit index that makes it; consumers: the
     unit indices that read it (it is live on every boundary between the producer and its last consumer); width:
-    values per row; rows: what its rows count per micro-batch ("image_tokens": the LLM image tokens)."""
+    values per row (every TP rank holds whole rows: side tensors are replicated over TP, also under sequence
+    parallelism); rows: what its rows count per micro-batch ("image_tokens": the LLM image tokens of the vision
+    items this CP rank's ViT runs, ``DataSide.side_rows`` at run time, ``omnibal_ext.model.side_bytes`` when
+    planning).  Across stages it travels packed with the hidden states (``megatron.vlm.side``)."""
 
     name: str
     producer: int
@@ -59,7 +62,7 @@ class SideTensor:
 
 @dataclass(frozen=True)
 class LanguageSpec:
-    """A GPT decoder (InternLM2 / Llama / Qwen2 style: RMSNorm, SwiGLU, grouped-query attention, RoPE)."""
+    """A GPT decoder (InternLM2 / Llama / Qwen2 / Qwen3 style: RMSNorm, SwiGLU, grouped-query attention, RoPE)."""
 
     num_layers: int
     hidden_size: int
@@ -84,8 +87,16 @@ class LanguageSpec:
     # rotated by the temporal, height and width position ids (HF: mrope_section; megatron-core's
     # TransformerConfig.mrope_section); None: plain 1-D RoPE
     mrope_section: tuple[int, ...] | None = None
+    # the sections interleaved (Qwen3-VL, HF: mrope_interleaved): frequency j rotates by the height id when
+    # j % 3 == 1 and j < 3 * section[1], by the width id when j % 3 == 2 and j < 3 * section[2], else by the
+    # temporal id (megatron/vlm/rope.py); False: consecutive chunks of section[0], section[1], section[2]
+    mrope_interleaved: bool = False
+    # RMSNorm of every query and key head over its head_dim values, before RoPE (Qwen3; HF: q_norm / k_norm)
+    qk_norm: bool = False
 
     def __post_init__(self):
+        if self.mrope_interleaved and self.mrope_section is None:
+            raise UserError("mrope_interleaved needs an mrope_section (interleaved multimodal RoPE)")
         if self.mrope_section is not None:
             object.__setattr__(self, "mrope_section", tuple(int(x) for x in self.mrope_section))
             if len(self.mrope_section) != 3 or min(self.mrope_section) < 0 \
@@ -148,3 +159,18 @@ class ModelSpec:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def vit_layers_for_feature_layer(num_hidden_layers: int, vision_feature_layer: int) -> int:
+    """ViT layers to build for a checkpoint of ``num_hidden_layers`` layers whose features are taken at
+    HF ``vision_feature_layer``: the model simply has that many layers (the later ones are not loaded).
+
+    HF indexes ``hidden_states`` with it: entry 0 is the embedding output, entry i the output of layer i,
+    so -1 (the usual value: ``last_hidden_state``) is all layers, -k is ``num_hidden_layers + 1 - k`` layers,
+    and k >= 1 is k layers.
+    """
+    n = num_hidden_layers + 1 + vision_feature_layer if vision_feature_layer < 0 else vision_feature_layer
+    if not 1 <= n <= num_hidden_layers:
+        raise UserError(f"vision_feature_layer {vision_feature_layer} selects no ViT layer of {num_hidden_layers} "
+                        f"(valid: -{num_hidden_layers}..-1 or 1..{num_hidden_layers})")
+    return n

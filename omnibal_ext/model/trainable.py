@@ -128,6 +128,8 @@ class Freeze:
             from .units import unit_components
 
             adapters = tuple(self.lora.unit_adapter_params(c) for c in unit_components(spec))
+        if spec is not None:
+            adapters = _trained_parts(units, trains, adapters, spec)
         out = Trainable(tuple(trains), adapters)
         if not any(trains) and not out.adapted_units:
             raise FreezeError(f"{' '.join(self.flags())} freeze every unit: nothing would train")
@@ -138,6 +140,29 @@ class Freeze:
                 raise FreezeError("--unfreeze-lm-head with tied word embeddings: the output layer is the frozen "
                                   "input embedding's weight (give --no-tie-word-embeddings or drop the flag)")
         return out
+
+
+def _trained_parts(units, trains: list[bool], adapters: tuple, spec) -> tuple:
+    """``adapters`` (per unit: trained parameters of a frozen unit, all and replicated over TP) plus the parts of
+    another role that train in frozen units (``CostComponent.params_of_role``: Qwen3-VL's DeepStack mergers follow
+    the projector inside frozen ViT layer units). A trained unit's frozen parts (the mergers under
+    --freeze-projector with the ViT training) are counted as trained: a small overcount."""
+    from .units import unit_components
+
+    role_trains = {u.code: trains[u.index] for u in reversed(units)}
+    comps = unit_components(spec)
+    out = list(adapters) if adapters else [(0, 0)] * len(units)
+    changed = False
+    for u, c in zip(units, comps):
+        if trains[u.index]:
+            continue
+        for role, on in role_trains.items():
+            if role != u.code and on:
+                n, rep = c.params_of_role(role)
+                if n:
+                    out[u.index] = (out[u.index][0] + n, out[u.index][1] + rep)
+                    changed = True
+    return tuple(out) if (changed or adapters) else ()
 
 
 @dataclass(frozen=True)
@@ -177,10 +202,6 @@ class Trainable:
         """Units at the start of the list with nothing trainable up to and including them (they run
         without autograd): the index of the first trainable unit."""
         return next((i for i in range(len(self.trains)) if self.has_trainable(i)), len(self.trains))
-
-    def needs_autograd(self, index: int) -> bool:
-        """Whether unit ``index`` runs with autograd (it trains, or a trainable unit is upstream)."""
-        return index >= self.frozen_prefix
 
     def apply(self, costs, input_grad_share: float = INPUT_GRAD_SHARE):
         """``costs`` (a CostTable over the same units) as they are with these units frozen (see the module

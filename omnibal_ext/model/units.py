@@ -1,4 +1,5 @@
-"""The one ordered list of pipeline units of a model, and the registry of model families.
+"""The one ordered list of pipeline units of a model, and the registry of model families
+(``omnibal_ext.model.families``).
 
 Every part of OmniBal speaks of the same units by the same names: the trainer builds a pipeline
 stage from a contiguous slice of the list, the profiler and the cost model give each unit its
@@ -8,8 +9,8 @@ their roles come in the order of the layout letters::
 
     I (ViT embedding), v* (ViT layers), P (projector), E (LLM embedding), t* (LLM layers), L (head)
 
-InternVL's list: vit.embed, vit.layer.0 .. vit.layer.{Lv-1}, projector, llm.embed, llm.layer.0 ..
-llm.layer.{Ll-1}, llm.head.
+A list: vit.embed, vit.layer.0 .. vit.layer.{Lv-1}, projector, llm.embed, llm.layer.0 .. llm.layer.{Ll-1},
+llm.head.
 """
 from __future__ import annotations
 
@@ -18,20 +19,8 @@ import itertools
 
 from ..errors import UserError
 from .components import CostComponent
-from .families import Family
-from .families.internvl import INTERNVL
-from .families.qwen2_5_vl import QWEN2_5_VL
+from .families import FAMILIES, PRESETS, Family, family_of  # noqa: F401  (the registry; callers take it from here)
 from .spec import ROLES, LanguageSpec, ModelSpec, Unit
-
-FAMILIES: dict[str, Family] = {f.name: f for f in (INTERNVL, QWEN2_5_VL)}
-PRESETS: dict[str, ModelSpec] = {name: spec for f in FAMILIES.values() for name, spec in f.presets.items()}
-
-
-def family_of(spec: ModelSpec) -> Family:
-    try:
-        return FAMILIES[spec.family]
-    except KeyError:
-        raise UserError(f"model {spec.name!r}: unknown family {spec.family!r}; known: {', '.join(FAMILIES)}") from None
 
 
 def build_units(spec: ModelSpec) -> list[Unit]:
@@ -58,8 +47,8 @@ def role_of_kind(kind: str) -> str:
 
 def spec_from_dict(d: dict) -> ModelSpec:
     """A ``ModelSpec`` from ``ModelSpec.to_dict()``; fields missing from older dicts take their defaults
-    (a dict without ``family`` is InternVL's, the only family before there were several)."""
-    family = FAMILIES.get(d.get("family", INTERNVL.name))
+    (a dict without ``family`` is of ``ModelSpec``'s default family, the only one before there were several)."""
+    family = FAMILIES.get(d.get("family", ModelSpec.family))
     if family is None:
         raise UserError(f"model {d.get('name')!r}: unknown family {d['family']!r}; known: {', '.join(FAMILIES)}")
     fields = {f.name for f in dataclasses.fields(ModelSpec)} - {"vision", "language"}

@@ -1,16 +1,16 @@
 """HF ``config.json`` readers: what every family's reader shares (``read_config``, ``HFInfo``, ``HFConfigError``,
-``HFConfigReader``, the padded vocabulary) and InternVL's reader (``internvl_*``). Which family reads a config is
+``HFSide``, the padded vocabulary) and InternVL's reader (``internvl_*``). Which family reads a config is
 decided in ``megatron.vlm.hf.configs`` (``spec_from_config``, ``native_config``).
 
 Two layouts are read:
 
 * native (``InternVLForConditionalGeneration``, ``model_type`` "internvl"): ``vision_config`` (InternViT),
-  ``text_config`` (Qwen2 or Llama), ``downsample_ratio``, ``image_token_id``, ``vision_feature_layer``,
+  ``text_config`` (Qwen2, Qwen3 or Llama), ``downsample_ratio``, ``image_token_id``, ``vision_feature_layer``,
   ``vision_feature_select_strategy``, ``projector_hidden_act``, top-level ``tie_word_embeddings`` (what
   transformers ties by; default true);
 * original OpenGVLab (``InternVLChatModel``): ``vision_config`` (InternVisionConfig: ``qkv_bias``,
   ``qk_normalization``, ``norm_type``, ``initializer_factor`` = layer-scale start), ``llm_config``
-  (InternLM2 or Qwen2), ``select_layer``, ``ps_version``.
+  (InternLM2, Qwen2 or Qwen3: InternVL3.5), ``select_layer``, ``ps_version``.
 
 Everything the model here does not implement is refused with a UserError naming the config key.
 """
@@ -26,6 +26,8 @@ from omnibal_ext.model.families.internvl import VisionSpec, vit_layers_for_featu
 from omnibal_ext.model.units import LanguageSpec, ModelSpec
 
 VOCAB_MULTIPLE = 128  # padded vocabulary rows: the real size rounded up to this (Megatron's default)
+QWEN3_HEAD_DIM = 128  # transformers' Qwen3Config.head_dim default (not hidden / heads)
+TEXT_FAMILIES = ("llama", "qwen2", "qwen3", "internlm2")  # the text decoders ``_language`` reads
 
 
 class HFConfigError(UserError):
@@ -37,7 +39,7 @@ class HFInfo:
     """What the ModelSpec does not say about an HF checkpoint."""
 
     layout: str  # "native" or "original"
-    text_family: str  # "qwen2", "llama" or "internlm2"
+    text_family: str  # "qwen2", "qwen3", "llama" or "internlm2"
     vit_layers_in_checkpoint: int  # HF num_hidden_layers (the spec may build fewer: vision_feature_layer)
     image_token_id: int | None  # None: not in the config (original layout: the tokenizer's <IMG_CONTEXT>)
     image_seq_length: int | None = None
@@ -113,10 +115,14 @@ def _language(cfg: dict, where: str, family: str) -> LanguageSpec:
         _refuse(cfg, "attention_bias", where, lambda v: not v, "Llama's attention_bias also biases o_proj")
     if family == "internlm2":
         _refuse(cfg, "bias", where, lambda v: not v, "no InternLM2 attention biases")
+    if family == "qwen3":
+        _refuse(cfg, "attention_bias", where, lambda v: not v, "Qwen3's attention_bias also biases o_proj")
+        _refuse(cfg, "layer_types", where, lambda v: all(x == "full_attention" for x in v),
+                "only full attention in every layer")
     theta, scaling = _rope(cfg, where)
     heads = int(_req(cfg, "num_attention_heads", where))
     hidden = int(_req(cfg, "hidden_size", where))
-    head_dim = cfg.get("head_dim")
+    head_dim = cfg.get("head_dim", QWEN3_HEAD_DIM if family == "qwen3" else None)  # Qwen3Config's default: 128
     real = int(_req(cfg, "vocab_size", where))
     return LanguageSpec(
         num_layers=int(_req(cfg, "num_hidden_layers", where)), hidden_size=hidden, num_attention_heads=heads,
@@ -124,19 +130,42 @@ def _language(cfg: dict, where: str, family: str) -> LanguageSpec:
         num_query_groups=int(cfg.get("num_key_value_heads") or heads),
         vocab_size=padded_vocab(real), real_vocab_size=real, rotary_base=theta, rope_scaling=scaling,
         head_dim=int(head_dim) if head_dim and int(head_dim) != hidden // heads else None,
-        qkv_bias=family == "qwen2", norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        qkv_bias=family == "qwen2", qk_norm=family == "qwen3", norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=False)  # set by the caller (where the layout keeps it)
 
 
+def _none_skipped(info: "HFInfo", spec: ModelSpec, names: set[str], style: str) -> set[str]:
+    return set()
+
+
+def text_language_spec(cfg: dict, where: str) -> LanguageSpec:
+    """The LanguageSpec of a text decoder's config (``model_type`` llama, qwen2, qwen3 or internlm2: sizes,
+    ``head_dim``, ``rms_norm_eps``, ``rope_theta`` / ``rope_parameters``, qkv bias, Qwen3's per-head q/k norm,
+    ``tie_word_embeddings``), for a family whose LLM is one of them."""
+    family = _text_family(cfg.get("model_type"), f"{where}.model_type", TEXT_FAMILIES)
+    return dataclasses.replace(_language(cfg, where, family),
+                               tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+
+
 @dataclasses.dataclass(frozen=True)
-class HFConfigReader:
-    """A family's config.json side (``RuntimeFamily.hf_config``): ``recognizes(cfg)`` says whether a config is the
-    family's; ``spec_from_config(cfg, name, where)`` -> (ModelSpec, HFInfo); ``native_config(spec, info, source)``
-    -> the config.json an export writes."""
+class HFSide:
+    """A family's Hugging Face side (``RuntimeFamily.hf``).
+
+    recognizes(cfg): whether a config.json is the family's; spec_from_config(cfg, name, where) -> (ModelSpec,
+    HFInfo); native_config(spec, info, source) -> the config.json an export writes; names(info, style): its HF
+    tensor names (the GPT decoder's: ``embed()``, ``llm_layer(i)``, ``final_norm()``, ``head``; style "legacy"
+    as checkpoints hold them, "modern" the in-memory names); logits_batch(inputs, spec, info): the micro-batch of
+    one sample from transformers' own inputs (``megatron.vlm.hf.logits``); structure_twin(spec): a tiny model of
+    ``spec``'s structure (same units, per-layer features and checkpoint objects: ``megatron.vlm.hf.convert``);
+    skipped_names(info, spec, names, style): HF tensors it leaves out on purpose (default: none)."""
 
     recognizes: Callable[[dict], bool]
-    spec_from_config: Callable
-    native_config: Callable
+    spec_from_config: Callable[..., "tuple[ModelSpec, HFInfo]"]
+    native_config: Callable[[ModelSpec, "HFInfo", "dict | None"], dict]
+    names: Callable[["HFInfo", str], object]
+    logits_batch: Callable[[dict, ModelSpec, "HFInfo"], dict]
+    structure_twin: Callable[[ModelSpec], ModelSpec]
+    skipped_names: Callable[["HFInfo", ModelSpec, set, str], set] = _none_skipped
 
 
 def internvl_recognizes(cfg: dict) -> bool:
@@ -164,7 +193,7 @@ def _text_family(model_type: str | None, where: str, allowed: tuple[str, ...]) -
 def _native(cfg: dict, name: str, where: str) -> tuple[ModelSpec, HFInfo]:
     v, t = cfg["vision_config"], cfg["text_config"]
     vw, tw = f"{where}: vision_config", f"{where}: text_config"
-    family = _text_family(t.get("model_type"), f"{tw}.model_type", ("qwen2", "llama"))
+    family = _text_family(t.get("model_type"), f"{tw}.model_type", ("qwen2", "qwen3", "llama"))
     _refuse(v, "use_mean_pooling", vw, lambda x: bool(x), "use_mean_pooling false adds a final ViT LayerNorm")
     _refuse(v, "use_absolute_position_embeddings", vw, lambda x: bool(x), "only absolute position embeddings")
     _refuse(v, "use_mask_token", vw, lambda x: not x, "no mask token")
@@ -203,7 +232,7 @@ def _native(cfg: dict, name: str, where: str) -> tuple[ModelSpec, HFInfo]:
 def _original(cfg: dict, name: str, where: str) -> tuple[ModelSpec, HFInfo]:
     v, t = cfg["vision_config"], cfg["llm_config"]
     vw, tw = f"{where}: vision_config", f"{where}: llm_config"
-    family = _text_family(t.get("model_type"), f"{tw}.model_type", ("internlm2", "qwen2"))
+    family = _text_family(t.get("model_type"), f"{tw}.model_type", ("internlm2", "qwen2", "qwen3"))
     _refuse(cfg, "ps_version", where, lambda x: x == "v2", "only pixel shuffle v2")
     _refuse(v, "hidden_act", vw, lambda x: x == "gelu", "only GELU in the ViT MLP")
     _refuse(v, "num_channels", vw, lambda x: int(x) == 3, "RGB tiles only")
@@ -256,8 +285,10 @@ def internvl_native_config(spec: ModelSpec, info: HFInfo, source: dict | None) -
             "intermediate_size": lang.ffn_hidden_size, "vocab_size": lang.vocab_real, "hidden_act": "silu",
             "rms_norm_eps": lang.norm_eps, "rope_parameters": {"rope_type": "default", "rope_theta": float(lang.rotary_base)},
             "tie_word_embeddings": lang.tie_word_embeddings, "head_dim": lang.kv_channels}
+    if family in ("llama", "qwen3"):
+        text.update(attention_bias=False)
     if family == "llama":
-        text.update(attention_bias=False, mlp_bias=False)
+        text.update(mlp_bias=False)
     vision = {"model_type": "internvl_vision", "hidden_size": v.hidden_size, "num_hidden_layers": v.num_layers,
               "num_attention_heads": v.num_attention_heads, "intermediate_size": v.ffn_hidden_size,
               "image_size": [v.image_size, v.image_size], "patch_size": [v.patch_size, v.patch_size],

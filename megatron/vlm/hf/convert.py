@@ -85,12 +85,9 @@ def structure_twin(spec: ModelSpec) -> ModelSpec:
     """A tiny model with ``spec``'s structure (unit list, per-layer features, heads): the same checkpoint keys
     and objects, for listing the ShardedObjects (modules' extra state) a checkpoint of ``spec`` holds (the
     family's ``structure_twin``)."""
-    from megatron.vlm.families import runtime_family
+    from megatron.vlm.hf.configs import hf_side
 
-    family = runtime_family(spec)
-    if family.structure_twin is None:
-        raise UserError(f"model family {family.name!r} has no structure twin (RuntimeFamily.structure_twin)")
-    return family.structure_twin(spec)
+    return hf_side(spec).structure_twin(spec)
 
 
 def extra_state_objects(spec: ModelSpec) -> list:

@@ -20,21 +20,18 @@ from __future__ import annotations
 
 import torch
 
-from omnibal_ext.errors import UserError
 from omnibal_ext.model.units import ModelSpec, build_units
 
-from megatron.vlm.families import component_of, runtime_family
+from megatron.vlm.families import component_of
 
 from .config import HFInfo
+from .configs import hf_side
 from .recipes import HFKeysError, Recipe, Table
 
 
 def hf_names(spec: ModelSpec, info: HFInfo, style: str = "legacy"):
     """The HF tensor names of ``spec``'s family for a checkpoint of ``info``'s layout in ``style``."""
-    family = runtime_family(spec)
-    if family.hf_names is None:
-        raise UserError(f"model family {family.name!r} has no Hugging Face mapping")
-    return family.hf_names(info, style)
+    return hf_side(spec).names(info, style)
 
 
 def recipes(spec: ModelSpec, info: HFInfo, style: str = "legacy", units=None) -> tuple[dict[str, Recipe], dict]:
@@ -52,8 +49,7 @@ def recipes(spec: ModelSpec, info: HFInfo, style: str = "legacy", units=None) ->
 # ---------------------------------------------------------------------------------------------------
 def skipped_names(info: HFInfo, spec: ModelSpec, names: set[str], style: str) -> set[str]:
     """HF tensors the family leaves out on purpose (InternVL: ViT layers after ``vision_feature_layer``)."""
-    skipped = runtime_family(spec).hf_skipped_names
-    return set() if skipped is None else skipped(info, spec, names, style)
+    return hf_side(spec).skipped_names(info, spec, names, style)
 
 
 def check_names(table_shapes: dict, reader, spec: ModelSpec, info: HFInfo, style: str, folder: str,

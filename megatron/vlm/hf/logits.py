@@ -1,6 +1,6 @@
 """Logits of our model on an HF folder (the check against transformers: scripts/hf_logits.py).
 
-Inputs are transformers' own, turned into a micro-batch by the model family (``RuntimeFamily.logits_batch``):
+Inputs are transformers' own, turned into a micro-batch by the model family (``HFSide.logits_batch``):
 InternVL ``input_ids [1, s]`` already holding ``image_seq_length`` image-token ids per tile, ``pixel_values
 [tiles, 3, H, W]``; Qwen2.5-VL ``input_ids``, ``pixel_values [patches, 3*2*14*14]``, ``image_grid_thw [n, 3]``,
 ``mm_token_type_ids [1, s]``. Output: float32 logits ``[s, real vocab]``.
@@ -15,14 +15,9 @@ from omnibal_ext.model.units import build_units
 
 def make_batch(src, inputs: dict) -> dict:
     """A micro-batch of one sample from transformers' inputs (the family's ``logits_batch``)."""
-    from omnibal_ext.errors import UserError
+    from megatron.vlm.hf.configs import hf_side
 
-    from megatron.vlm.families import runtime_family
-
-    family = runtime_family(src.spec)
-    if family.logits_batch is None:
-        raise UserError(f"model family {family.name!r} has no logits check (RuntimeFamily.logits_batch)")
-    return family.logits_batch(inputs, src.spec, src.info)
+    return hf_side(src.spec).logits_batch(inputs, src.spec, src.info)
 
 
 def logits_stage(spec, unit_range, img_context_id: int, tp: int = 1, pp: int = 1, lora=None):

@@ -171,6 +171,9 @@ def add_llm_layer(add, hf, m: dict, u: str, spec: ModelSpec, info: HFInfo) -> No
         if lang.qkv_bias:
             qb, kb, vb = (hf(m[x] + "bias", ((heads if x == "q" else g) * d,)) for x in "qkv")
             add(sa + "linear_qkv.bias", Recipe((rows,), _grouped(qb, kb, vb, g, per, d)))
+    if lang.qk_norm:  # Qwen3's per-head norms: one [head_dim] weight each, replicated over TP
+        for x in "qk":
+            add(sa + f"{x}_layernorm.weight", whole(hf(m[f"{x}_norm"], (d,)), (d,)))
     add(sa + "linear_proj.weight", whole(hf(m["o"], (H, heads * d)), (H, heads * d)))
     add(sa + "linear_qkv.layer_norm_weight", whole(hf(m["norm1"], (H,)), (H,)))
     add(u + "mlp.linear_fc1.layer_norm_weight", whole(hf(m["norm2"], (H,)), (H,)))

@@ -1,17 +1,52 @@
-"""Model families, planning side: what a family declares so that every planner serves it.
+"""Model families, planning side: what a family declares so that every planner serves it, and the registry.
 
 A family is a ``Family``: its name, its ViT spec class, the cost component of each kind of unit it
 has, its ordered unit list and its presets. Its runtime side (modules, checkpoint and Hugging Face
-keys, data) lives in ``megatron/vlm/families/<name>/`` under the same name. The registry is
-``omnibal_ext.model.units``.
+keys, data) lives in ``megatron/vlm/families/<name>/`` under the same name.
+
+``register(family)`` is the only way into the registry: every module of this package registers its family when
+imported, and the package imports them all (``pkgutil``), so that no shared module names a family; a family
+defined elsewhere (a plugin, a test) calls ``register`` itself (the runtime's ``megatron.vlm.families.register``
+does it for both sides).
 """
 from __future__ import annotations
 
+import importlib
+import pkgutil
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ...errors import UserError
 from ..components import CostComponent
+from ..lora import TARGETS
 from ..spec import ModelSpec, SideTensor
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a family implements beyond the plain forward and backward of its units. ``megatron.training.arguments``
+    refuses a flag that asks for something its family does not declare (``CAPABILITY_FLAGS`` there maps each field
+    to its flags); the defaults declare nothing, so a new family states what it supports.
+
+    drop_path: ViT stochastic depth (``--vision-drop-path-rate``); context_parallel: ``--context-parallel-size`` > 1;
+    sequence_parallel: ``--sequence-parallel``; lora_targets: the ``--lora-targets`` its layers take (from
+    ``omnibal_ext.model.lora.TARGETS``); image_flags: the data flags its image rule reads (``--max-num-tiles`` ...:
+    the reader refuses the others when given); video: video records; moe: mixture-of-experts LLM layers."""
+
+    drop_path: bool = False
+    context_parallel: bool = False
+    sequence_parallel: bool = False
+    lora_targets: tuple[str, ...] = ()
+    image_flags: tuple[str, ...] = ()
+    video: bool = False
+    moe: bool = False
+
+    def __post_init__(self):
+        bad = [t for t in self.lora_targets if t not in TARGETS]
+        if bad:
+            raise ValueError(f"Capabilities.lora_targets: {bad} are no LoRA targets ({', '.join(TARGETS)})")
+
 
 
 @dataclass(frozen=True)
@@ -25,7 +60,10 @@ class Family:
     ``vision_window_tokens_sq``), None where an item's attention is fixed (InternVL's tiles).
     spec_problem(spec): what makes a ModelSpec of the family unbuildable (a message naming the flag), or None.
     side_tensors(spec): the tensors its units hand to later units beside the hidden states (``SideTensor``:
-    DeepStack features), () for most families."""
+    DeepStack features), () for most families; only those whose producer and consumers ``spec`` has (the trainer's
+    profiler runs a model of few layers: ``megatron.training.profiling.profile_units``). capabilities: what it
+    implements beyond the plain model (``Capabilities``: drop path, CP, SP, LoRA targets, image flags, video, MoE),
+    checked when flags are parsed."""
 
     name: str
     vision_spec: type
@@ -36,3 +74,55 @@ class Family:
     segments_sq: Callable | None = None
     spec_problem: Callable[[ModelSpec], str | None] = lambda spec: None  # noqa: E731
     side_tensors: Callable[[ModelSpec], tuple[SideTensor, ...]] = lambda spec: ()  # noqa: E731
+    capabilities: Capabilities = Capabilities()
+
+
+FAMILIES: dict[str, Family] = {}  # name -> Family; filled by ``register`` only
+
+
+def register(family: Family) -> Family:
+    """Add (or replace) a family's planning side; its presets become known (``PRESETS``). Returns ``family``."""
+    if not isinstance(family, Family):
+        raise TypeError(f"register: {family!r} is no omnibal_ext.model.families.Family")
+    FAMILIES[family.name] = family
+    return family
+
+
+def unregister(name: str) -> None:
+    """Remove a family registered by ``register`` (tests)."""
+    FAMILIES.pop(name, None)
+
+
+def family_of(spec: ModelSpec) -> Family:
+    try:
+        return FAMILIES[spec.family]
+    except KeyError:
+        raise UserError(f"model {spec.name!r}: unknown family {spec.family!r}; known: {', '.join(FAMILIES)}") from None
+
+
+class Presets(Mapping):
+    """Every registered family's presets by name (a live view: a family registered later adds its own)."""
+
+    def _all(self) -> dict[str, ModelSpec]:
+        return {name: spec for f in FAMILIES.values() for name, spec in f.presets.items()}
+
+    def __getitem__(self, name: str) -> ModelSpec:
+        return self._all()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+
+PRESETS = Presets()
+
+
+def _discover() -> None:
+    """Import every module of this package: each registers its family."""
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
+
+
+_discover()

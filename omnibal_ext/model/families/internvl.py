@@ -19,7 +19,9 @@ from ...errors import UserError
 from ..components import (FUSED_KERNELS, ActBytes, CostComponent, HeadCost, TextEmbedCost, TextLayerCost,
                           layer_act_bytes_per_token, norm_bytes_per_token, sp_tokens)
 from ..spec import PROJECTOR, VISION_EMBED, VISION_LAYER, LanguageSpec, ModelSpec
-from . import Family
+from ..spec import vit_layers_for_feature_layer  # noqa: F401  (its HF reader's)
+from ..lora import TARGETS as LORA_TARGETS
+from . import Capabilities, Family, register
 
 
 @dataclass(frozen=True)
@@ -257,6 +259,35 @@ PRESETS.update({
     ),
 })
 
+# --------------------------------------------------------------------------------------------
+# InternVL3.5 (dense): InternViT-300M-448px-V2_5 (InternViT-6B-448px-V2_5 for 38B) + Qwen3. Sources: the
+# InternVL3.5 quick-start table (OpenGVLab's InternVL docs: vision / language parameters 0.3B / 0.8B, 2.0B, 4.4B,
+# 8.2B, 14.8B and 5.5B / 32.8B), the llm_config of OpenGVLab/InternVL3_5-1B and -8B (Qwen3-0.6B and Qwen3-8B:
+# model_type qwen3, head_dim 128, rope_theta 1e6, rms_norm_eps 1e-6, no attention bias, vocab_size 151936, no
+# tie_word_embeddings key: Qwen3Config's default, untied) and the Qwen3 configs of the other language parts
+# (Qwen3-1.7B, -4B, -14B, -32B). Their language parameters equal the table's only untied (Qwen3-0.6B/1.7B/4B are
+# tied as text models, not inside InternVL3.5). tests/test_internvl3_5.py checks the numbers and the totals.
+# --------------------------------------------------------------------------------------------
+QWEN3 = dict(vocab_size=151936, rotary_base=1000000, norm_eps=1e-6, head_dim=128, qk_norm=True, qkv_bias=False)
+
+
+def _internvl3_5(name: str, vision: VisionSpec, layers: int, hidden: int, heads: int, groups: int, ffn: int
+                 ) -> ModelSpec:
+    return ModelSpec(name=name, vision=vision, language=LanguageSpec(
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
+        ffn_hidden_size=ffn, **QWEN3))
+
+
+PRESETS.update({
+    "internvl3.5-1b": _internvl3_5("internvl3.5-1b", INTERNVIT_300M, 28, 1024, 16, 8, 3072),  # Qwen3-0.6B
+    "internvl3.5-2b": _internvl3_5("internvl3.5-2b", INTERNVIT_300M, 28, 2048, 16, 8, 6144),  # Qwen3-1.7B
+    "internvl3.5-4b": _internvl3_5("internvl3.5-4b", INTERNVIT_300M, 36, 2560, 32, 8, 9728),  # Qwen3-4B
+    "internvl3.5-8b": _internvl3_5("internvl3.5-8b", INTERNVIT_300M, 36, 4096, 32, 8, 12288),  # Qwen3-8B
+    "internvl3.5-14b": _internvl3_5("internvl3.5-14b", INTERNVIT_300M, 40, 5120, 40, 8, 17408),  # Qwen3-14B
+    "internvl3.5-38b": _internvl3_5("internvl3.5-38b", INTERNVIT_6B, 64, 5120, 64, 8, 25600),  # Qwen3-32B
+})
+
+
 def spec_problem(spec: ModelSpec) -> str | None:
     """The image size must be whole patches, and the patch grid pixel-shuffled by the downsample ratio."""
     v = spec.vision
@@ -268,22 +299,9 @@ def spec_problem(spec: ModelSpec) -> str | None:
     return None
 
 
-INTERNVL = Family(
+INTERNVL = register(Family(
     name="internvl", vision_spec=VisionSpec,
     components=(VisionEmbedCost, VisionLayerCost, ProjectorCost, TextEmbedCost, TextLayerCost, HeadCost),
-    unit_list=unit_list, vision_item="tile", presets=PRESETS, spec_problem=spec_problem)
-
-
-def vit_layers_for_feature_layer(num_hidden_layers: int, vision_feature_layer: int) -> int:
-    """ViT layers to build for a checkpoint of ``num_hidden_layers`` layers whose features are taken at
-    HF ``vision_feature_layer``: the model simply has that many layers (the later ones are not loaded).
-
-    HF indexes ``hidden_states`` with it: entry 0 is the embedding output, entry i the output of layer i,
-    so -1 (InternVL's usual value: ``last_hidden_state``, no final norm as ``use_mean_pooling`` leaves it
-    out) is all layers, -k is ``num_hidden_layers + 1 - k`` layers, and k >= 1 is k layers.
-    """
-    n = num_hidden_layers + 1 + vision_feature_layer if vision_feature_layer < 0 else vision_feature_layer
-    if not 1 <= n <= num_hidden_layers:
-        raise UserError(f"vision_feature_layer {vision_feature_layer} selects no ViT layer of {num_hidden_layers} "
-                        f"(valid: -{num_hidden_layers}..-1 or 1..{num_hidden_layers})")
-    return n
+    unit_list=unit_list, vision_item="tile", presets=PRESETS, spec_problem=spec_problem,
+    capabilities=Capabilities(drop_path=True, context_parallel=True, sequence_parallel=True,
+                              lora_targets=LORA_TARGETS, image_flags=("--max-num-tiles", "--min-num-tiles"))))

@@ -33,7 +33,8 @@ from ...errors import UserError
 from ..components import (FUSED_KERNELS, ActBytes, CostComponent, HeadCost, TextEmbedCost, TextLayerCost,
                           layer_act_bytes_per_token, norm_bytes_per_token, sp_tokens)
 from ..spec import PROJECTOR, VISION_EMBED, VISION_LAYER, LanguageSpec, ModelSpec
-from . import Family
+from ..lora import TARGETS as LORA_TARGETS
+from . import Capabilities, Family, register
 
 
 @dataclass(frozen=True)
@@ -294,7 +295,9 @@ PRESETS: dict[str, ModelSpec] = {
                               mrope_section=(2, 3, 3))),
 }
 
-QWEN2_5_VL = Family(
+QWEN2_5_VL = register(Family(
     name="qwen2_5_vl", vision_spec=VisionSpec,
     components=(VisionEmbedCost, WindowLayerCost, FullLayerCost, MergerCost, TextEmbedCost, TextLayerCost, HeadCost),
-    unit_list=unit_list, vision_item="patch", presets=PRESETS, segments_sq=image_segments_sq)
+    unit_list=unit_list, vision_item="patch", presets=PRESETS, segments_sq=image_segments_sq,
+    capabilities=Capabilities(drop_path=True, context_parallel=True, sequence_parallel=True,
+                              lora_targets=LORA_TARGETS, image_flags=("--min-pixels", "--max-pixels"))))

@@ -1,20 +1,5 @@
 """InternVL at run time: InternViT (patch embedding, layers with padded heads, layer scale, qk-norm), the
 pixel-shuffle MLP projector and the shared GPT decoder; its Hugging Face names and config reader.
 
-Planning side: ``omnibal_ext.model.families.internvl``.
-"""
-from __future__ import annotations
-
-from megatron.vlm.components import GPT_DECODER, RuntimeFamily
-from megatron.vlm.config import vision_config
-from megatron.vlm.hf import config as hf_config
-
-from . import hf
-from .components import ProjectorUnit, VisionEmbed, VisionLayer
-
-INTERNVL = RuntimeFamily(
-    name="internvl", components=(VisionEmbed, VisionLayer, ProjectorUnit, *GPT_DECODER),
-    vision_config=vision_config, hf_names=hf.Names, hf_skipped_names=hf.skipped_names,
-    hf_config=hf_config.HFConfigReader(hf_config.internvl_recognizes, hf_config.internvl_spec_from_config,
-                                       hf_config.internvl_native_config),
-    logits_batch=hf.logits_batch, structure_twin=hf.structure_twin)
+Planning side: ``omnibal_ext.model.families.internvl``. The ``RuntimeFamily`` (``family``) is registered by
+``megatron.vlm.families``'s discovery, not imported here."""

@@ -66,6 +66,7 @@ class Names:
                     "down": p + "feed_forward.w2.weight", "norm1": p + "attention_norm.weight",
                     "norm2": p + "ffn_norm.weight"}
         return {"q": p + "self_attn.q_proj.", "k": p + "self_attn.k_proj.", "v": p + "self_attn.v_proj.",
+                "q_norm": p + "self_attn.q_norm.weight", "k_norm": p + "self_attn.k_norm.weight",
                 "o": p + "self_attn.o_proj.weight", "gate": p + "mlp.gate_proj.weight", "up": p + "mlp.up_proj.weight",
                 "down": p + "mlp.down_proj.weight", "norm1": p + "input_layernorm.weight",
                 "norm2": p + "post_attention_layernorm.weight"}

@@ -131,16 +131,10 @@ def layer_spec(normalization: str, mask_type: AttnMaskType, seed: int, first_uni
             spec.submodules.self_attn_bda = scale
             spec.submodules.mlp_bda = copy.deepcopy(scale)
     if drop_path is not None:
-        from megatron.vlm.drop_path import DropPathBDA, DropPathLayer
+        from megatron.vlm.drop_path import with_drop_path
 
         first, rates = drop_path
-        spec.module = DropPathLayer
-        spec.params = {**spec.params, "vit_first_unit": first, "rates": tuple(rates)}
-        scale_init = vision.layer_scale_init if vision is not None else None
-        hidden = vision.hidden_size if vision is not None else 0
-        spec.submodules.self_attn_bda = ModuleSpec(module=DropPathBDA, params={
-            "hidden_size": hidden, "branch": 0, "scale_init": scale_init})
-        spec.submodules.mlp_bda = ModuleSpec(module=DropPathBDA, params={
-            "hidden_size": hidden, "branch": 1, "scale_init": scale_init})
+        with_drop_path(spec, first, rates, vision.layer_scale_init if vision is not None else None,
+                       vision.hidden_size if vision is not None else 0)
     return spec
 

@@ -29,10 +29,11 @@ def vision_fields(grid_thw, spec) -> dict:
             "vision_cu_seqlens": torch.from_numpy(w.cu_seqlens), "vision_max_seqlen": w.max_seqlen}
 
 
-def logits_batch(inputs: dict, spec, info) -> dict:
+def logits_batch(inputs: dict, spec, info, fields=vision_fields) -> dict:
     """One sample from transformers' inputs: ``input_ids [1, s]``, ``pixel_values [patches, C*T*p*p]``,
     ``image_grid_thw [n, 3]`` and ``mm_token_type_ids [1, s]`` (1 on image tokens; without it the image
-    tokens are those equal to the config's ``image_token_id``)."""
+    tokens are those equal to the config's ``image_token_id``). ``fields(grid_thw, spec)``: the ViT's host-built
+    fields (a family with Qwen2.5-VL's text side and positions but another ViT passes its own)."""
     ids = inputs["input_ids"].reshape(-1).to(torch.int64)
     s = ids.shape[0]
     grids = inputs.get("image_grid_thw")
@@ -54,5 +55,5 @@ def logits_batch(inputs: dict, spec, info) -> dict:
              "sample_tokens": torch.tensor([s]), "sample_tiles": torch.tensor([len(grid_list)])}
     if grid_list:
         batch["pixel_values"] = inputs["pixel_values"].to(torch.float32)
-        batch.update(vision_fields(grid_list, spec))
+        batch.update(fields(grid_list, spec))
     return batch

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch.nn.functional as F
-from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 
 from omnibal_ext.model.families.qwen2_5_vl import FullLayerCost, MergerCost, VisionEmbedCost, WindowLayerCost
 
@@ -30,6 +29,9 @@ from megatron.vlm import sequence_parallel
 from megatron.vlm.attention import segment_params
 from megatron.vlm.components import PaddedHeadLayers, RuntimeComponent, TextEmbed, TextLayer
 from megatron.vlm.context_parallel import context_parallel_group, gather_rows, own_rank_group
+from megatron.vlm.drop_path import iteration_keys, layer_rates, with_drop_path
+from megatron.vlm.padded_heads import tp_rank
+from megatron.vlm.rope import MultimodalRope
 from megatron.vlm.text import packed_causal_mask
 
 from . import hf
@@ -67,8 +69,12 @@ class _VisionLayers(PaddedHeadLayers):
 
     def layer_spec(self, first_unit_index: int):
         ctx = self.ctx
-        return vision_layer_spec(ctx.seed, first_unit_index, ctx.transformer_impl, ctx.attention_backend,
+        spec = vision_layer_spec(ctx.seed, first_unit_index, ctx.transformer_impl, ctx.attention_backend,
                                  self.spec.vision.num_attention_heads)
+        if ctx.vision_drop_path_rate > 0:  # per image: every patch row of an image takes its image's key
+            first = next(u.index for u in ctx.units if u.code == self.code())
+            with_drop_path(spec, first, layer_rates(ctx.vision_drop_path_rate, self.spec.vision.num_layers), axis=0)
+        return spec
 
     def build(self, units):
         self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.vision_config)
@@ -90,9 +96,23 @@ class _VisionLayers(PaddedHeadLayers):
             return segment_params(*sequence_parallel.with_pad_segment(cu_seqlens, max_seqlen, padded),
                                   device if te else None)
 
-        return {"rope": rope, "patches": patches, "padded": padded,
+        return {"rope": rope, "patches": patches, "padded": padded, "keys": self.drop_path_keys(batch, padded, device),
                 "window": params(batch["vision_cu_window_seqlens"], batch["vision_max_window_seqlen"]),
                 "full": params(batch["vision_cu_seqlens"], batch["vision_max_seqlen"])}
+
+    def drop_path_keys(self, batch: dict, padded: int, device):
+        """Drop path (training only): this iteration's key of each of the rows the layers run, [rows] int64 on
+        ``device`` -- the patches' image keys (``tile_keys``, processor order) in window order, padded to ``padded``
+        rows and, under sequence parallelism, this TP rank's rows; None without drop path."""
+        if not (self.ctx.vision_drop_path_rate > 0 and "tile_keys" in batch):
+            return None
+        keys = batch["tile_keys"].to(device).index_select(0, batch["vision_patch_index"].to(device))
+        keys = F.pad(iteration_keys(keys, self.ctx.seed, int(batch.get("iteration", 0))), (0, padded - len(keys)))
+        cfg = self.ctx.vision_config
+        if cfg.sequence_parallel:
+            rows = padded // cfg.tensor_model_parallel_size
+            keys = keys[tp_rank(cfg) * rows:(tp_rank(cfg) + 1) * rows]
+        return keys
 
     def forward(self, module, x, batch, cache):
         if "qwen_vit" not in cache:
@@ -101,8 +121,10 @@ class _VisionLayers(PaddedHeadLayers):
         if self.sp_enters:
             x = sequence_parallel.enter(F.pad(x, (0, 0, 0, 0, 0, c["padded"] - c["patches"])))
         params = c["window" if self.window else "full"]
+        keys = c["keys"] if module.training else None  # drop path: the blocks' context (saved for recompute)
         for block in module:
-            x = block(hidden_states=x, attention_mask=None, rotary_pos_emb=c["rope"], packed_seq_params=params)
+            x = block(hidden_states=x, attention_mask=None, rotary_pos_emb=c["rope"], packed_seq_params=params,
+                      context=keys)
         if self.sp_leaves:
             x = sequence_parallel.leave(x)[:c["patches"]]
         return x
@@ -157,37 +179,35 @@ class ImageTextEmbed(TextEmbed):
 
 
 class MRopeTextLayer(TextLayer):
-    """Qwen2.5 decoder layers with multimodal RoPE: per-token frequencies from ``mrope_position_ids`` (megatron-
-    core's ``MultimodalRotaryEmbedding``); THD: one frequency row per token of the flattened micro-batch, which
-    megatron-core's ``apply_rotary_pos_emb`` maps by absolute offset, so the ids, not the segment, say the
-    position (text after an image continues from the image's largest id).  Context parallelism: the ids come in
-    the padded, unsplit layout (``QwenBatcher.split_cp``), one row per token of ``cu_seqlens``, so megatron-core
-    takes this rank's chunks of the frequencies itself (its CP group passed in the packed parameters too)."""
+    """Decoder layers with multimodal RoPE: per-token frequencies from ``mrope_position_ids``
+    (``megatron.vlm.rope``: the LanguageSpec's ``mrope_section``, chunked as Qwen2.5-VL's or interleaved as
+    Qwen3-VL's ``mrope_interleaved``); the layers are the shared TextLayer's (Qwen2.5 or Qwen3: per-head q/k norm
+    where the spec says). THD: one frequency row per token of the flattened micro-batch, which megatron-core's
+    ``apply_rotary_pos_emb`` maps by absolute offset, so the ids, not the segment, say the position (text after an
+    image continues from the image's largest id).  Context parallelism: the ids come in the padded, unsplit layout
+    (``QwenBatcher.split_cp``), one row per token of ``cu_seqlens``, so megatron-core takes this rank's chunks of
+    the frequencies itself (its CP group passed in the packed parameters too)."""
 
     reads = frozenset({"packing"})
 
     def extra_modules(self):
         lang = self.spec.language
-        self.rotary = MultimodalRotaryEmbedding(kv_channels=lang.kv_channels, rotary_percent=1.0,
-                                                rotary_base=lang.rotary_base)
+        self.rotary = MultimodalRope(lang.kv_channels, lang.rotary_base, lang.mrope_section, lang.mrope_interleaved)
         return {"mrope": self.rotary}
 
     def context(self, module, batch, cache):
         if "text_context" not in cache:
             device = next(module.parameters()).device
-            section = list(self.spec.language.mrope_section)
-            ids = batch["mrope_position_ids"]  # [3, b, s]
+            ids = batch["mrope_position_ids"].to(device)  # [3, b, s]
             if self.ctx.thd:
                 te = self.ctx.transformer_impl == "transformer_engine"
                 params = segment_params(batch["cu_seqlens"], int(batch["max_seqlen"]), device if te else None,
                                         context_parallel_group())
-                self.rotary.inv_freq = self.rotary.inv_freq.to(device)
                 # [t, 1, 1, d]: every token's (CP: of the padded unsplit layout, not sliced here: megatron-core's THD
                 # RoPE takes this rank's chunks of every segment)
-                rope = self.rotary(ids.reshape(3, 1, -1).to(device), section, cp_group=own_rank_group())
+                rope = self.rotary(ids.reshape(3, 1, -1))
                 cache["text_context"] = {"attention_mask": None, "rotary_pos_emb": rope, "packed_seq_params": params}
             else:
-                self.rotary.inv_freq = self.rotary.inv_freq.to(device)
                 cache["text_context"] = {"attention_mask": packed_causal_mask(batch["segment_ids"]),
-                                         "rotary_pos_emb": self.rotary(ids.to(device), section)}  # [s, b, 1, d]
+                                         "rotary_pos_emb": self.rotary(ids)}  # [s, b, 1, d]
         return cache["text_context"]

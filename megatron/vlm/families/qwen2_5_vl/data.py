@@ -26,6 +26,7 @@ import torch
 from megatron.vlm.context_parallel import padded_layout, split_tokens
 from megatron.vlm.data.internvl import ImageRule
 from megatron.vlm.data.side import Batcher, DataSide
+from megatron.vlm.drop_path import image_patch_keys
 from omnibal_ext.errors import UserError
 from omnibal_ext.model.cp_split import image_runs
 
@@ -66,9 +67,13 @@ class PatchImages(ImageRule):
 
 def processor_config(args, hf_folder: str | None) -> ImageProcessorConfig:
     """The folder's image processor settings (else transformers' defaults) with --min-pixels/--max-pixels."""
+    return with_pixel_flags(args, ImageProcessorConfig.from_folder(hf_folder) if hf_folder else ImageProcessorConfig())
+
+
+def with_pixel_flags(args, config: ImageProcessorConfig) -> ImageProcessorConfig:
+    """``config`` with the pixel budget of --min-pixels/--max-pixels where given (px)."""
     import dataclasses
 
-    config = ImageProcessorConfig.from_folder(hf_folder) if hf_folder else ImageProcessorConfig()
     given = {k: v for k, v in (("min_pixels", getattr(args, "min_pixels", None)),
                                ("max_pixels", getattr(args, "max_pixels", None))) if v is not None}
     try:
@@ -79,12 +84,21 @@ def processor_config(args, hf_folder: str | None) -> ImageProcessorConfig:
 
 def reader(args, spec, hf_folder):
     """``InternVLDataset`` keywords: the patch rule (the tile fields are unused)."""
-    return dict(image_size=0, tokens_per_tile=0, max_num_tiles=1, min_num_tiles=1,
-                images=PatchImages(processor_config(args, hf_folder)))
+    return patch_reader(processor_config(args, hf_folder))
+
+
+def patch_reader(config: ImageProcessorConfig) -> dict:
+    """``InternVLDataset`` keywords of images at native resolution by ``config`` (the tile fields unused)."""
+    return dict(image_size=0, tokens_per_tile=0, max_num_tiles=1, min_num_tiles=1, images=PatchImages(config))
 
 
 class QwenBatcher(Batcher):
-    """``collate.py``'s micro-batch plus the ViT's window fields and the 3-D RoPE ids (module docstring)."""
+    """``collate.py``'s micro-batch plus the ViT's window fields and the 3-D RoPE ids (module docstring).
+
+    A family of the same data layout with other ViT fields (Qwen3-VL: no windows) overrides ``vision_fields`` and
+    ``vision_keys``."""
+
+    vision_keys: tuple[str, ...] = VISION_KEYS  # the fields vision_fields makes, given where pixels are read
 
     def __init__(self, spec, image_token_id: int, rule: PatchImages):
         self.spec, self.image_token_id, self.rule = spec, image_token_id, rule
@@ -107,13 +121,21 @@ class QwenBatcher(Batcher):
             positions[:, row, start:] = np.arange(tokens.shape[1] - start)
         batch["mrope_position_ids"] = torch.from_numpy(positions)
         every = [g for sample_grids in grids for g in sample_grids]
+        # drop path per image: each patch row keyed by (sample id, image index in the sample)
+        batch["tile_keys"] = image_patch_keys(batch["sample_ids"].tolist(),
+                                              [[t * h * w for t, h, w in sample_grids] for sample_grids in grids])
         if not every:  # the ViT still runs: one all-zero image of one merged token, taken by no text token
             every = [(1, self.merge, self.merge)]
+            batch["tile_keys"] = torch.zeros(self.merge ** 2, dtype=torch.int64)
             if "pixel_values" in batch:
                 batch["pixel_values"] = torch.cat([batch["pixel_values"],
                                                    torch.zeros(self.merge ** 2, batch["pixel_values"].shape[1])])
-        batch.update(vision_fields(every, self.spec))
+        batch.update(self.vision_fields(every))
         return batch
+
+    def vision_fields(self, grids: list[tuple[int, int, int]]) -> dict:
+        """The ViT's host-built fields of the images ``grids`` (``grid_thw`` in patches) of one micro-batch."""
+        return vision_fields(grids, self.spec)
 
     def _grid(self, sample: dict, k: int) -> tuple[int, int, int]:
         """``grid_thw`` of the sample's k-th kept image, from its size (what its pixel rows were made with)."""
@@ -123,7 +145,7 @@ class QwenBatcher(Batcher):
     def keys(self, inputs):
         keys = inputs.keys
         if inputs.pixels:
-            keys += VISION_KEYS
+            keys += self.vision_keys
         if inputs.packing:
             keys += ("mrope_position_ids",)
         return keys
@@ -151,9 +173,10 @@ class QwenBatcher(Batcher):
         if "pixel_values" in batch:
             pixels = batch["pixel_values"][first:last]
             out["pixel_values"] = pixels if len(mine) else torch.zeros(self.merge ** 2, pixels.shape[1])
-        if "tile_keys" in batch:
-            out["tile_keys"] = batch["tile_keys"][first:last]
-        out.update(vision_fields(grids[mine.start:mine.stop] or [(1, self.merge, self.merge)], self.spec))
+        if "tile_keys" in batch:  # the drop path's keys of this rank's patches (the dummy image's: zeros)
+            keys = batch["tile_keys"][first:last]
+            out["tile_keys"] = keys if len(mine) else torch.zeros(self.merge ** 2, dtype=torch.int64)
+        out.update(self.vision_fields(grids[mine.start:mine.stop] or [(1, self.merge, self.merge)]))
         return out
 
     def cp_keys(self, inputs):
@@ -173,9 +196,10 @@ def profile_images(spec, shape) -> list[tuple[int, int]]:
     return [(rows * m, merged // rows * m)] * count
 
 
-def profile_batch(spec, shape, image_token_id: int, device, pad_to_multiple: int = 1) -> dict:
-    """The micro-batch the trainer's profiler runs at ``shape``, made by ``QwenBatcher``: the images of
-    ``profile_images`` (random pixels; sizes their grids exactly, which ``smart_resize`` keeps) in the first
+def profile_batch(spec, shape, image_token_id: int, device, pad_to_multiple: int = 1,
+                  batcher: type[QwenBatcher] = QwenBatcher) -> dict:
+    """The micro-batch the trainer's profiler runs at ``shape``, made by ``batcher`` (a ``QwenBatcher``): the
+    images of ``profile_images`` (random pixels; sizes their grids exactly, which ``smart_resize`` keeps) in the first
     sample, the ``shape.llm_tokens`` tokens cut into samples of ``attn_tokens_sq / llm_tokens`` (the first long
     enough for the images' tokens), packed in one row padded to a multiple of ``pad_to_multiple``; tokens, labels
     and pixels on ``device``."""
@@ -209,7 +233,7 @@ def profile_batch(spec, shape, image_token_id: int, device, pad_to_multiple: int
         samples.append(sample)
     exact = ImageProcessorConfig(min_pixels=1, max_pixels=max(r * c for r, c in grids) * p * p, patch_size=p,
                                  temporal_patch_size=v.temporal_patch_size, merge_size=m)
-    batch = QwenBatcher(spec, image_token_id, PatchImages(exact)).make(samples, 0, True, pad_to_multiple)
+    batch = batcher(spec, image_token_id, PatchImages(exact)).make(samples, 0, True, pad_to_multiple)
     return {k: t.to(device) if k in ("tokens", "labels", "pixel_values") else t for k, t in batch.items()}
 
 

@@ -1,20 +1,24 @@
-"""Qwen2.5-VL at run time: the ``RuntimeFamily`` (registered in ``megatron.vlm.families``).
+"""Qwen2.5-VL at run time: the ``RuntimeFamily`` (registered when ``megatron.vlm.families`` discovers it).
 
 Planning side: ``omnibal_ext.model.families.qwen2_5_vl``. Modules: ``modules``; components: ``components``; HF
 config, names and tensor recipes: ``hf``; micro-batches of the logits check: ``batch``; training data: ``data``.
 """
 from __future__ import annotations
 
+from omnibal_ext.model.families.qwen2_5_vl import QWEN2_5_VL as PLANNING
+
 from megatron.vlm.components import Head, RuntimeFamily
-from megatron.vlm.hf.config import HFConfigReader
+from megatron.vlm.families import register
+from megatron.vlm.hf.config import HFSide
 
 from . import batch, hf
 from .data import QWEN_DATA
 from .components import FullLayer, ImageTextEmbed, Merger, MRopeTextLayer, VisionEmbed, WindowLayer
 from .modules import vision_config
 
-QWEN2_5_VL = RuntimeFamily(
-    name="qwen2_5_vl", components=(VisionEmbed, WindowLayer, FullLayer, Merger, ImageTextEmbed, MRopeTextLayer, Head),
-    vision_config=vision_config, hf_names=hf.Names,
-    hf_config=HFConfigReader(hf.recognizes, hf.spec_from_config, hf.native_config),
-    logits_batch=batch.logits_batch, structure_twin=hf.structure_twin, data=QWEN_DATA)
+QWEN2_5_VL = register(RuntimeFamily(
+    planning=PLANNING, components=(VisionEmbed, WindowLayer, FullLayer, Merger, ImageTextEmbed, MRopeTextLayer, Head),
+    vision_config=vision_config,
+    hf=HFSide(hf.recognizes, hf.spec_from_config, hf.native_config, names=hf.Names, logits_batch=batch.logits_batch,
+              structure_twin=hf.structure_twin),
+    data=QWEN_DATA))

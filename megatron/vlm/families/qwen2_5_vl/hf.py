@@ -191,6 +191,7 @@ class Names:
     def llm_layer(self, i: int) -> dict[str, str]:
         p = f"{self.llm}layers.{i}."
         return {"q": p + "self_attn.q_proj.", "k": p + "self_attn.k_proj.", "v": p + "self_attn.v_proj.",
+                "q_norm": p + "self_attn.q_norm.weight", "k_norm": p + "self_attn.k_norm.weight",
                 "o": p + "self_attn.o_proj.weight", "gate": p + "mlp.gate_proj.weight", "up": p + "mlp.up_proj.weight",
                 "down": p + "mlp.down_proj.weight", "norm1": p + "input_layernorm.weight",
                 "norm2": p + "post_attention_layernorm.weight"}
@@ -209,8 +210,24 @@ def vision_layer_recipes(unit, table) -> None:
     """ViT attention per real head (megatron/vlm/hf/keys.py's docstring): HF's fused qkv holds all q rows, then
     all k rows, then all v rows; our head h is [its q rows | its k rows | its v rows]."""
     v, hf, add, u = table.spec.vision, table.hf, table.add, unit.name + "."
-    H, R, d, Fv = v.hidden_size, v.num_attention_heads, v.head_dim, v.ffn_hidden_size
+    H, Fv = v.hidden_size, v.ffn_hidden_size
     m = table.names.vit_layer(unit.layer)
+    vit_attention_recipes(table, u, m, v.num_attention_heads, v.head_dim, H)
+    add(u + "self_attention.linear_qkv.layer_norm_weight", whole(hf(m["norm1"], (H,)), (H,)))
+    add(u + "mlp.linear_fc1.layer_norm_weight", whole(hf(m["norm2"], (H,)), (H,)))
+    gate, up = hf(m["gate"] + "weight", (Fv, H)), hf(m["up"] + "weight", (Fv, H))
+    add(u + "mlp.linear_fc1.weight", Recipe((2 * Fv, H), (Part(gate, 0, Fv), Part(up, 0, Fv))))
+    gb, ub = hf(m["gate"] + "bias", (Fv,)), hf(m["up"] + "bias", (Fv,))
+    add(u + "mlp.linear_fc1.bias", Recipe((2 * Fv,), (Part(gb, 0, Fv), Part(ub, 0, Fv))))
+    add(u + "mlp.linear_fc2.weight", whole(hf(m["down"] + "weight", (H, Fv)), (H, Fv)))
+    add(u + "mlp.linear_fc2.bias", whole(hf(m["down"] + "bias", (H,)), (H,)))
+
+
+def vit_attention_recipes(table, u: str, m: dict, heads: int, d: int, H: int) -> None:
+    """A Qwen ViT layer's fused attention (``m["qkv"]``, ``m["proj"]``: HF prefixes of ``weight`` and ``bias``)
+    per real head (megatron/vlm/hf/keys.py's docstring): HF's fused qkv holds all q rows, then all k rows, then
+    all v rows; our head h is [its q rows | its k rows | its v rows]."""
+    hf, add, R = table.hf, table.add, heads
     sa = u + "self_attention."
     qkv, qkv_b = hf(m["qkv"] + "weight", (3 * H, H)), hf(m["qkv"] + "bias", (3 * H,))
 
@@ -222,14 +239,6 @@ def vision_layer_recipes(unit, table) -> None:
     proj = hf(m["proj"] + "weight", (H, H))
     add(sa + "linear_proj.weight", Recipe((R, H, d), tuple(Part(proj, 0, H, (h * d, (h + 1) * d)) for h in range(R)), H))
     add(sa + "linear_proj.bias", whole(hf(m["proj"] + "bias", (H,)), (H,)))
-    add(sa + "linear_qkv.layer_norm_weight", whole(hf(m["norm1"], (H,)), (H,)))
-    add(u + "mlp.linear_fc1.layer_norm_weight", whole(hf(m["norm2"], (H,)), (H,)))
-    gate, up = hf(m["gate"] + "weight", (Fv, H)), hf(m["up"] + "weight", (Fv, H))
-    add(u + "mlp.linear_fc1.weight", Recipe((2 * Fv, H), (Part(gate, 0, Fv), Part(up, 0, Fv))))
-    gb, ub = hf(m["gate"] + "bias", (Fv,)), hf(m["up"] + "bias", (Fv,))
-    add(u + "mlp.linear_fc1.bias", Recipe((2 * Fv,), (Part(gb, 0, Fv), Part(ub, 0, Fv))))
-    add(u + "mlp.linear_fc2.weight", whole(hf(m["down"] + "weight", (H, Fv)), (H, Fv)))
-    add(u + "mlp.linear_fc2.bias", whole(hf(m["down"] + "bias", (H,)), (H,)))
 
 
 def merger_recipes(unit, table) -> None:

@@ -65,7 +65,7 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56
     ratio = max(height, width) / min(height, width)
     if ratio > MAX_ASPECT_RATIO:
         raise ImageSizeError(f"{_prefix(where)}image of {width}x{height} px (width x height) has an aspect ratio "
-                             f"of {ratio:.1f}; Qwen2.5-VL accepts at most {MAX_ASPECT_RATIO}")
+                             f"of {ratio:.1f}; the Qwen-VL image processors accept at most {MAX_ASPECT_RATIO}")
     new_h = factor * round(height / factor)
     new_w = factor * round(width / factor)
     if new_h * new_w > max_pixels:
@@ -167,18 +167,25 @@ class ImageProcessorConfig:
 
     @classmethod
     def from_folder(cls, folder: str) -> "ImageProcessorConfig":
-        """The config of a Hugging Face model folder, found as transformers finds it: the ``image_processor``
-        entry of ``processor_config.json`` when that file has one, else ``preprocessor_config.json``, else the
-        defaults (a folder without either file)."""
-        nested = os.path.join(folder, PROCESSOR_FILE)
-        if os.path.isfile(nested):
-            d = _read_json(nested)
-            if isinstance(d, dict) and "image_processor" in d:
-                return cls.from_dict(d["image_processor"], where=f"{nested}: image_processor")
-        path = os.path.join(folder, PREPROCESSOR_FILE)
-        if os.path.isfile(path):
-            return cls.from_dict(_read_json(path), where=path)
-        return cls()
+        """The config of a Hugging Face model folder (``folder_processor_dict``), else the defaults (a folder
+        without either file)."""
+        found = folder_processor_dict(folder)
+        return cls() if found is None else cls.from_dict(*found)
+
+
+def folder_processor_dict(folder: str) -> tuple[dict, str] | None:
+    """(the image processor's settings, where they were read) of a Hugging Face model folder, found as transformers
+    finds them: the ``image_processor`` entry of ``processor_config.json`` when that file has one, else
+    ``preprocessor_config.json``; None when the folder has neither."""
+    nested = os.path.join(folder, PROCESSOR_FILE)
+    if os.path.isfile(nested):
+        d = _read_json(nested)
+        if isinstance(d, dict) and "image_processor" in d:
+            return d["image_processor"], f"{nested}: image_processor"
+    path = os.path.join(folder, PREPROCESSOR_FILE)
+    if os.path.isfile(path):
+        return _read_json(path), path
+    return None
 
 
 def _read_json(path: str):

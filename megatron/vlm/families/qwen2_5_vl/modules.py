@@ -42,16 +42,19 @@ def vision_layer_spec(seed: int, first_unit_index: int, transformer_impl: str, a
 
 class PatchEmbedding(MegatronModule):
     """Patch rows [n, C * T * p * p] (``(channel, frame, y, x)`` order) -> [n, H]: a Conv3d whose kernel is the
-    whole patch (stride = kernel), without bias, as HF stores it (``weight [H, C, T, p, p]``)."""
+    whole patch (stride = kernel), as HF stores it (``weight [H, C, T, p, p]``); without bias (Qwen2.5-VL) or with
+    one starting at zero (``bias``: Qwen3-VL)."""
 
-    def __init__(self, spec: ModelSpec, config: TransformerConfig):
+    def __init__(self, spec: ModelSpec, config: TransformerConfig, bias: bool = False):
         super().__init__(config=config)
         v = spec.vision
         self.kernel = (v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
         self.proj = torch.nn.Conv3d(v.in_channels, v.hidden_size, kernel_size=self.kernel[1:], stride=self.kernel[1:],
-                                    bias=False)
+                                    bias=bias)
         with torch.no_grad():
             config.init_method(self.proj.weight)
+            if bias:
+                self.proj.bias.zero_()
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         x = pixel_values.to(self.proj.weight.dtype).reshape(-1, *self.kernel)

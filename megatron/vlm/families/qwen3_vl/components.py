@@ -1,0 +1,250 @@
+"""Qwen3-VL's runtime components: the patch embedding with interpolated learned positions, the ViT layers (full
+attention per image), the ViT layers at DeepStack indexes (each also runs its DeepStack merger and hands the
+feature on as a side tensor), the patch merger, and the LLM layers with multimodal RoPE that add DeepStack feature
+``j`` to layer ``j``'s output at the image tokens; the LLM embedding is Qwen2.5-VL's, the head the shared GPT
+decoder's.
+
+Micro-batch fields read (besides the shared ``tokens``, ``labels``, ``cu_seqlens``, ``max_seqlen``, ...; all
+host-built by ``batch.vision_fields``):
+
+* ``pixel_values [patches, C*T*p*p]`` (processor order), ``vision_pos_index [patches, 4]`` / ``vision_pos_weight
+  [patches, 4]`` (the position table's bilinear taps) -- the patch embedding;
+* ``vision_rotary_ids [patches, 2]``, ``vision_cu_seqlens`` / ``vision_max_seqlen`` (int32 host bounds, one
+  segment per frame of each image) -- the ViT layers;
+* ``mrope_position_ids [3, b, s]`` -- the LLM layers.
+
+Patches stay in processor order (no windows), so the merger's output rows are the image tokens in text order, and
+so are every DeepStack feature's rows (side tensor ``deepstack.{j}``: ``[image tokens, 1, LLM hidden]``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from omnibal_ext.errors import UserError
+from omnibal_ext.model.spec import HEAD, PROJECTOR
+from omnibal_ext.model.families.qwen3_vl import (DeepStackLayerCost, MergerCost, VisionEmbedCost, VisionLayerCost,
+                                                 deepstack_name)
+
+from megatron.vlm import sequence_parallel
+from megatron.vlm.attention import segment_params
+from megatron.vlm.components import PaddedHeadLayers, RuntimeComponent
+from megatron.vlm.families.qwen2_5_vl.components import ImageTextEmbed, MRopeTextLayer
+from megatron.vlm.families.qwen2_5_vl.modules import vision_rotary
+from megatron.vlm.side import put_side, take_side
+from megatron.vlm.text import run_text_blocks
+
+from . import hf
+from .modules import PatchMerger, VisionEmbedding, vision_layer_spec
+
+
+class VisionEmbed(RuntimeComponent):
+    """Patch rows -> Conv3d patch embedding + interpolated learned positions -> [patches, 1, H]."""
+
+    cost, attr, reads = VisionEmbedCost, "vit_embed", frozenset({"pixels"})
+
+    def build(self, units):
+        return VisionEmbedding(self.spec, self.ctx.vision_config)
+
+    def forward(self, module, x, batch, cache):
+        device = module.proj.weight.device
+        x = module(batch["pixel_values"], batch["vision_pos_index"].to(device), batch["vision_pos_weight"].to(device))
+        return x.unsqueeze(1)
+
+    @classmethod
+    def hf_recipes(cls, unit, table):
+        hf.vision_embed_recipes(unit, table)
+
+
+def _merger_config(ctx):
+    """The mergers' config: the LLM's, replicated inputs (never sequence parallel)."""
+    return dataclasses.replace(ctx.language_config, sequence_parallel=False)
+
+
+class VisionLayers(PaddedHeadLayers):
+    """ViT layers over the packed patch tokens [patches, 1, H] (THD, one segment per image frame, no mask), 2-D
+    RoPE; heads padded to a multiple of TP. Both layer kinds live in the stage's ``vit_blocks``.
+
+    Sequence parallelism: the patches are padded once to a multiple of TP (the pads one more segment, zero RoPE)
+    and split where the ViT's layers start; plain and DeepStack layers share the region (left where the ViT's
+    layers end, the pads cut off)."""
+
+    cost, attr, reads, layers = VisionLayerCost, "vit_blocks", frozenset({"pixels"}), True
+    sp_enters = sp_leaves = False  # sequence-parallel region edges (set by build)
+
+    def layer_spec(self, first_unit_index: int):
+        ctx = self.ctx
+        return vision_layer_spec(ctx.seed, first_unit_index, ctx.transformer_impl, ctx.attention_backend,
+                                 self.spec.vision.num_attention_heads)
+
+    def build(self, units):
+        self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.vision_config)
+        return self.ctx.build_layers(units, self.ctx.vision_config, self.layer_spec, self.code())
+
+    def context(self, batch: dict, device) -> dict:
+        """RoPE and the packed parameters, built once per micro-batch (``cache["qwen3_vit"]``); the patch count and
+        the count padded for sequence parallelism."""
+        v, cfg = self.spec.vision, self.ctx.vision_config
+        patches = int(batch["vision_cu_seqlens"][-1])
+        padded = patches
+        if cfg.sequence_parallel:
+            padded = sequence_parallel.padded_tokens(patches, cfg.tensor_model_parallel_size)
+        rope = vision_rotary(batch["vision_rotary_ids"].to(device), v.head_dim, v.rotary_base)
+        rope = F.pad(rope, (0, 0, 0, 0, 0, 0, 0, padded - patches))
+        te = self.ctx.transformer_impl == "transformer_engine"
+        cu, longest = sequence_parallel.with_pad_segment(batch["vision_cu_seqlens"], batch["vision_max_seqlen"], padded)
+        return {"rope": rope, "patches": patches, "padded": padded,
+                "params": segment_params(cu, longest, device if te else None)}
+
+    def _context(self, x, batch, cache) -> dict:
+        if "qwen3_vit" not in cache:
+            cache["qwen3_vit"] = self.context(batch, x.device)
+        return cache["qwen3_vit"]
+
+    def _run(self, block, x, c):
+        return block(hidden_states=x, attention_mask=None, rotary_pos_emb=c["rope"], packed_seq_params=c["params"])
+
+    def forward(self, module, x, batch, cache):
+        c = self._context(x, batch, cache)
+        if self.sp_enters:
+            x = sequence_parallel.enter(F.pad(x, (0, 0, 0, 0, 0, c["padded"] - c["patches"])))
+        for block in module:
+            x = self._run(block, x, c)
+        if self.sp_leaves:
+            x = sequence_parallel.leave(x)[:c["patches"]]
+        return x
+
+    @classmethod
+    def hf_recipes(cls, unit, table):
+        hf.vision_layer_recipes(unit, table)
+
+
+class DeepStackLayers(VisionLayers):
+    """ViT layers at DeepStack indexes: one block per layer; after each, its DeepStack merger (a submodule of the
+    layer) runs on the layer's output (all patches: gathered under sequence parallelism) and the feature is held as
+    side tensor ``deepstack.{j}`` for LLM layer ``j``."""
+
+    cost = DeepStackLayerCost
+    slots: tuple[int, ...] = ()  # the DeepStack feature of each block (set by build)
+
+    def layer_spec(self, first_unit_index: int):
+        ctx, spec = self.ctx, self.spec
+        merger_config = _merger_config(ctx)
+        return vision_layer_spec(ctx.seed, first_unit_index, ctx.transformer_impl, ctx.attention_backend,
+                                 spec.vision.num_attention_heads,
+                                 merger=lambda: PatchMerger(spec, merger_config, after_shuffle=True))
+
+    def build(self, units):
+        self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.vision_config)
+        self.slots = tuple(self.spec.vision.deepstack_slot(u.layer) for u in units)
+        blocks = torch.nn.ModuleList()
+        for unit in units:  # one block per layer: its output feeds the merger
+            blocks.extend(self.ctx.build_layers([unit], self.ctx.vision_config, self.layer_spec, self.code()))
+        return blocks
+
+    def forward(self, module, x, batch, cache):
+        c = self._context(x, batch, cache)
+        if self.sp_enters:
+            x = sequence_parallel.enter(F.pad(x, (0, 0, 0, 0, 0, c["padded"] - c["patches"])))
+        for block, slot in zip(module, self.slots):
+            x = self._run(block, x, c)
+            full = sequence_parallel.leave(x)[:c["patches"]] if self.ctx.vision_config.sequence_parallel else x
+            put_side(cache, deepstack_name(slot), block.layers[-1].deepstack_merger(full))
+        if self.sp_leaves:
+            x = sequence_parallel.leave(x)[:c["patches"]]
+        return x
+
+    def profile_forward(self, module, x, batch, cache):
+        return self.forward(module[:1], x, batch, cache)
+
+    def parameter_role(self, unit, name):
+        """The DeepStack merger is the projector's (``--freeze-projector``, its learning rate), whatever stage runs
+        it; the layer is the ViT's."""
+        return PROJECTOR if name.startswith("deepstack_merger.") else unit.code
+
+    @classmethod
+    def hf_recipes(cls, unit, table):
+        hf.vision_layer_recipes(unit, table)
+        hf.deepstack_merger_recipes(unit, table)
+
+
+class Merger(RuntimeComponent):
+    """The 2x2 patch merger (projector): [patches, 1, Hv] -> [image tokens, 1, Hl] (processor order: text order)."""
+
+    cost, attr, reads = MergerCost, "projector", frozenset({"pixels"})
+
+    def build(self, units):
+        # replicated over TP (full inputs, its LayerNorm whole on every rank) also under sequence parallelism
+        return PatchMerger(self.spec, _merger_config(self.ctx))
+
+    def forward(self, module, x, batch, cache):
+        return module(x)
+
+    @classmethod
+    def hf_recipes(cls, unit, table):
+        hf.merger_recipes(unit, table)
+
+
+class DeepStackTextLayer(MRopeTextLayer):
+    """Qwen3 decoder layers with multimodal RoPE (Qwen2.5-VL's ``MRopeTextLayer``); layer ``j`` below the number of
+    DeepStack features is a block of its own, and DeepStack feature ``j`` (side tensor ``deepstack.{j}``) is added
+    to its output at the image tokens (``tokens == img_context_id``), as transformers'
+    ``Qwen3VLTextModel._deepstack_process`` does (every micro-batch runs the ViT: one without images gets a stand-in
+    image whose tokens no text token takes, so its features add nothing).
+
+    Sequence parallelism: the feature is scattered over the micro-batch's tokens and this TP rank's slice added."""
+
+    reads = frozenset({"packing", "tokens"})  # the tokens say where the image tokens are
+    slots: tuple[int | None, ...] = ()  # per block: the DeepStack feature added after it, or None (set by build)
+
+    def build(self, units):
+        if self.ctx.language_config.context_parallel_size > 1 and self.spec.vision.deepstack_visual_indexes:
+            raise UserError("Qwen3-VL: DeepStack under context parallelism (--context-parallel-size > 1) is not "
+                            "implemented")
+        self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.language_config, (HEAD,))
+        k = len(self.spec.vision.deepstack_visual_indexes)
+        first, rest = [u for u in units if u.layer < k], [u for u in units if u.layer >= k]
+        blocks = torch.nn.ModuleList()
+        for unit in first:
+            blocks.extend(self.ctx.build_layers([unit], self.ctx.language_config, self.layer_spec, self.code()))
+        self.slots = tuple(u.layer for u in first)
+        if rest:
+            more = self.ctx.build_layers(rest, self.ctx.language_config, self.layer_spec, self.code())
+            blocks.extend(more)
+            self.slots += (None,) * len(more)
+        return blocks
+
+    def _add_feature(self, x, feature, batch):
+        mask = (batch["tokens"].reshape(-1) == self.ctx.img_context_id).to(x.device)
+        if self.ctx.language_config.sequence_parallel:  # x: this TP rank's slice of the tokens
+            from megatron.core import parallel_state
+
+            t = x.shape[0]
+            start = parallel_state.get_tensor_model_parallel_rank() * t
+            full = torch.zeros(mask.shape[0], x.shape[-1], dtype=x.dtype, device=x.device)
+            full = full.masked_scatter(mask.unsqueeze(-1), feature.squeeze(1).to(x.dtype))
+            return x + full[start:start + t].unsqueeze(1)
+        added = torch.zeros_like(x).masked_scatter(mask.reshape(-1, 1, 1), feature.to(x.dtype))
+        return x + added
+
+    def forward(self, module, x, batch, cache):
+        if self.sp_enters:
+            x = sequence_parallel.enter(x)
+        context = self.context(module, batch, cache)
+        for block, slot in zip(module, self.slots):
+            x = run_text_blocks([block], x, context, self.ctx.thd)
+            if slot is not None:
+                x = self._add_feature(x, take_side(cache, deepstack_name(slot)), batch)
+        return sequence_parallel.leave(x) if self.sp_leaves else x
+
+    def profile_forward(self, module, x, batch, cache):
+        return self.forward(module[:1], x, batch, cache)
+
+    @classmethod
+    def hf_recipes(cls, unit, table):
+        hf.llm_layer_recipes(unit, table)
+
+
+__all__ = ["VisionEmbed", "VisionLayers", "DeepStackLayers", "Merger", "ImageTextEmbed", "DeepStackTextLayer"]

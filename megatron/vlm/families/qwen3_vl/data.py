@@ -1,0 +1,126 @@
+"""Qwen3-VL's data side (``RuntimeFamily.data``, ``QWEN3_VL_DATA``): Qwen2.5-VL's (``qwen2_5_vl.data``) with
+Qwen3-VL's image settings, no ViT windows, and the token types the model reads.
+
+Reading: an image of ``w x h`` px is ``smart_resize``d to multiples of 32 px within the folder's pixel budget
+(``image_processing.folder_config``: ``preprocessor_config.json`` of ``--hf-checkpoint``, required; without a
+folder, the published settings ``image_processing.PUBLISHED``, which the run says;
+``--min-pixels``/``--max-pixels`` override the budget), becomes ``gh * gw`` patch rows of 1536 values (its ViT
+items) and ``<|vision_start|>`` + ``<|image_pad|>`` x ``gh * gw / 4`` + ``<|vision_end|>`` in the text, rendered
+with the folder's tokenizer and chat template (``megatron/vlm/data/tokenizer.py``, ``template.py``: the same
+image tokens as Qwen2.5-VL). The folder's patch, merge and temporal patch sizes must be the model's.
+
+Micro-batches (``Qwen3Batcher``, a ``QwenBatcher``): ``collate.py``'s fields, ``mrope_position_ids [3, b, s]``
+(``positions``: each sample from 0, as ``get_rope_index`` numbers it), ``mm_token_type_ids [b, s]`` (int64, 1 on
+``<|image_pad|>``, 0 elsewhere and on padding: the processor's field, given where tokens or packing metadata are
+read, since DeepStack adds its features at the image tokens in the LLM layers), and the images' ViT fields
+(``vision_fields``: ``image_grid_thw [n, 3]``, 2-D rotary ids in processor order, one attention segment per image
+frame: full attention, no windows). A micro-batch without images gets Qwen2.5-VL's dummy 2 x 2-patch image.
+Sequence parallelism pads the row to a multiple of TP (``pad_to_multiple``; the pads are text, type 0). Context
+parallelism (``Qwen3Batcher.split_cp``): Qwen2.5-VL's split (whole images per CP rank, balanced by patches; the
+LLM tokens in 2 x CP chunks per segment), with ``mm_token_type_ids`` split like the tokens.
+
+ISF: ``PatchImages`` gives each image's ViT items (patches) and grid, from which the reader's scan makes the
+stats (``InternVLDataset.sample_stats`` / ``image_grids``), as for Qwen2.5-VL.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from megatron.vlm.context_parallel import padded_layout
+from megatron.vlm.data.side import DataSide
+from omnibal_ext.errors import UserError
+
+from ..qwen2_5_vl.data import IMAGE_TOKENS, QwenBatcher, patch_reader, with_pixel_flags
+from ..qwen2_5_vl.data import profile_batch as qwen_profile_batch
+from ..qwen2_5_vl.image_processing import ImageProcessorConfig
+from ..qwen2_5_vl.vision_windows import frame_cu_seqlens, rotary_position_ids
+from .image_processing import PUBLISHED, folder_config
+from .positions import mm_token_type_ids
+
+VISION_KEYS = ("image_grid_thw", "vision_rotary_ids", "vision_cu_seqlens", "vision_max_seqlen")
+TOKEN_TYPES = "mm_token_type_ids"
+
+
+def vision_fields(grid_thw, spec) -> dict:
+    """The ViT's host-built fields of the images ``grid_thw [n, 3]`` (patches) of one micro-batch:
+    ``image_grid_thw`` int64 [n, 3]; ``vision_rotary_ids`` int64 [patches, 2] (patch row, column in its image;
+    processor order); ``vision_cu_seqlens`` int32 [frames + 1] (one full-attention segment per frame, patches) and
+    ``vision_max_seqlen`` (int)."""
+    grids = [tuple(int(x) for x in g) for g in torch.as_tensor(grid_thw).reshape(-1, 3).tolist()]
+    cu = frame_cu_seqlens(grids)
+    return {"image_grid_thw": torch.tensor(grids, dtype=torch.int64),
+            "vision_rotary_ids": torch.from_numpy(rotary_position_ids(grids, spec.vision.spatial_merge_size)),
+            "vision_cu_seqlens": torch.from_numpy(cu), "vision_max_seqlen": int(np.diff(cu).max())}
+
+
+def check_geometry(config: ImageProcessorConfig, spec, where: str) -> None:
+    """Refuse image processor settings whose patches the model's ViT cannot read (``where`` names their file)."""
+    v = spec.vision
+    for name, ours, model in (("patch_size", config.patch_size, v.patch_size),
+                              ("merge_size", config.merge_size, v.spatial_merge_size),
+                              ("temporal_patch_size", config.temporal_patch_size, v.temporal_patch_size)):
+        if ours != model:
+            raise UserError(f"{where}: {name} {ours}, but the model's ViT ({spec.name}) has {model}")
+
+
+def processor_config(args, spec, hf_folder: str | None) -> ImageProcessorConfig:
+    """The folder's image processor settings (required), or the published ones without a folder (said on rank 0),
+    with --min-pixels/--max-pixels."""
+    if hf_folder:
+        config, where = folder_config(hf_folder)
+    else:
+        config, where = PUBLISHED, "the published Qwen3-VL image processor settings"
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            print(f"> Qwen3-VL images: no --hf-checkpoint folder, so {where}: patch {config.patch_size} px, "
+                  f"mean/std {config.image_mean[0]}/{config.image_std[0]}, {config.min_pixels}..{config.max_pixels} "
+                  "px per image (--min-pixels/--max-pixels change the budget)", flush=True)
+    check_geometry(config, spec, where)
+    return with_pixel_flags(args, config)
+
+
+def reader(args, spec, hf_folder):
+    """``InternVLDataset`` keywords: the patch rule of ``processor_config``."""
+    return patch_reader(processor_config(args, spec, hf_folder))
+
+
+class Qwen3Batcher(QwenBatcher):
+    """Qwen2.5-VL's micro-batch with Qwen3-VL's ViT fields and ``mm_token_type_ids`` (module docstring)."""
+
+    vision_keys = VISION_KEYS
+
+    def vision_fields(self, grids):
+        return vision_fields(grids, self.spec)
+
+    def make(self, samples, pad_id, packed, pad_to_multiple=1):
+        batch = super().make(samples, pad_id, packed, pad_to_multiple)
+        types = torch.from_numpy(mm_token_type_ids(batch["tokens"].numpy(), self.image_token_id))
+        batch[TOKEN_TYPES] = torch.where(batch["segment_ids"] >= 0, types, torch.zeros_like(types))
+        return batch
+
+    def keys(self, inputs):
+        keys = super().keys(inputs)
+        return keys + (TOKEN_TYPES,) if inputs.tokens or inputs.packing else keys
+
+    def split_cp(self, batch, cp, rank, pad_id, img_context_id, sp_tp=1):
+        """Qwen2.5-VL's split (``QwenBatcher.split_cp``) with ``mm_token_type_ids`` [1, t / cp] as this rank's
+        tokens (pads: 0)."""
+        out = super().split_cp(batch, cp, rank, pad_id, img_context_id, sp_tp)
+        if TOKEN_TYPES in batch and "cu_seqlens" in batch:
+            src, _ = padded_layout(batch["cu_seqlens"].tolist(), cp, sp_tp, rank)
+            flat = batch[TOKEN_TYPES].reshape(-1)
+            out[TOKEN_TYPES] = torch.where(src >= 0, flat[src.clamp(min=0)], torch.zeros_like(src)).reshape(1, -1)
+        return out
+
+
+profile_batch = functools.partial(qwen_profile_batch, batcher=Qwen3Batcher)
+"""The trainer profiler's micro-batch (``qwen2_5_vl.data.profile_batch``) made by ``Qwen3Batcher``."""
+
+QWEN3_VL_DATA = DataSide(image_tokens=IMAGE_TOKENS, reader=reader, batcher=Qwen3Batcher,
+                         tile_check=lambda spec: None, default_image_px=lambda spec: 4 * spec.vision.patch_size,
+                         profile_batch=profile_batch)
+
+__all__ = ["QWEN3_VL_DATA", "Qwen3Batcher", "VISION_KEYS", "check_geometry", "processor_config", "reader",
+           "vision_fields"]

@@ -1,0 +1,25 @@
+"""Qwen3-VL (dense) at run time: the ``RuntimeFamily`` (registered when ``megatron.vlm.families`` discovers it).
+
+Planning side: ``omnibal_ext.model.families.qwen3_vl``. Modules: ``modules``; components: ``components``; HF
+config, names and tensor recipes: ``hf``; micro-batches of the logits check: ``batch``; training data: ``data``.
+"""
+from __future__ import annotations
+
+from omnibal_ext.model.families.qwen3_vl import QWEN3_VL as PLANNING
+
+from megatron.vlm.components import Head, RuntimeFamily
+from megatron.vlm.families import register
+from megatron.vlm.hf.config import HFSide
+
+from . import batch, hf
+from .components import DeepStackLayers, DeepStackTextLayer, ImageTextEmbed, Merger, VisionEmbed, VisionLayers
+from .data import QWEN3_VL_DATA
+from .modules import vision_config
+
+QWEN3_VL = register(RuntimeFamily(
+    planning=PLANNING,
+    components=(VisionEmbed, VisionLayers, DeepStackLayers, Merger, ImageTextEmbed, DeepStackTextLayer, Head),
+    vision_config=vision_config,
+    hf=HFSide(hf.recognizes, hf.spec_from_config, hf.native_config, names=hf.Names, logits_batch=batch.logits_batch,
+              structure_twin=hf.structure_twin),
+    data=QWEN3_VL_DATA))

@@ -1,0 +1,249 @@
+"""Qwen3-VL's Hugging Face side: ``config.json`` -> ModelSpec (+ HFInfo) and back, tensor names, and the mapping of
+its own units (patch embedding with the position table, ViT layers, DeepStack mergers, merger) to our global
+tensors; the Qwen3 decoder's units map through ``megatron.vlm.hf.recipes``.
+
+config.json is nested (``text_config``, ``vision_config``) in both forms read:
+* transformers 5 (``save_pretrained``): ``text_config.rope_parameters`` with ``rope_theta``, ``mrope_section``,
+  ``mrope_interleaved``;
+* transformers 4.x (the published checkpoints): ``text_config.rope_scaling`` with ``mrope_section`` /
+  ``mrope_interleaved``, and ``rope_theta`` beside it.
+transformers' Qwen3-VL always interleaves the sections (``Qwen3VLTextRotaryEmbedding.recomposition_frequencies``,
+whatever ``mrope_interleaved`` says), and so does the model here. Missing ViT keys take transformers' class
+defaults; what the model here does not implement is refused with an HFConfigError naming the key, and so is a
+config with more DeepStack indexes than LLM layers (transformers drops the extra features silently).
+
+Tensor names (what ``save_pretrained`` and the published checkpoints hold): ``model.visual.``,
+``model.language_model.``, ``lm_head.weight``.
+"""
+from __future__ import annotations
+
+import json
+
+from omnibal_ext.model.families.qwen3_vl import VisionSpec, qwen3_language, spec_problem
+from omnibal_ext.model.spec import ModelSpec
+
+from megatron.vlm.families.qwen2_5_vl.hf import _refuse, _req, _single, vit_attention_recipes
+from megatron.vlm.hf.config import HFConfigError, HFInfo, padded_vocab
+from megatron.vlm.hf.recipes import add_llm_layer, whole
+
+MODEL_TYPES = ("qwen3_vl",)
+DEFAULT_MROPE_SECTION = (24, 20, 20)  # transformers' default when the config names none
+VISION_DEFAULTS = dict(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304, num_position_embeddings=2304,
+                       deepstack_visual_indexes=(8, 16, 24), patch_size=16, temporal_patch_size=2, in_channels=3,
+                       spatial_merge_size=2)  # transformers' Qwen3VLVisionConfig defaults
+
+
+def recognizes(cfg: dict) -> bool:
+    """Whether ``cfg`` is a (dense) Qwen3-VL config.json (model_type, or the architecture's name)."""
+    return cfg.get("model_type") in MODEL_TYPES or "Qwen3VLForConditionalGeneration" in (cfg.get("architectures") or ())
+
+
+def _rope(t: dict, where: str) -> tuple[int, tuple[int, ...]]:
+    """(rope theta, mrope_section) from ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling``."""
+    theta = t.get("rope_theta", 5000000.0)
+    section = None
+    for key in ("rope_parameters", "rope_scaling"):
+        params = t.get(key)
+        if params is None:
+            continue
+        if not isinstance(params, dict):
+            raise HFConfigError(f"{where}: {key} {params!r} is not implemented")
+        kind = params.get("rope_type", params.get("type"))
+        if kind not in (None, "default", "mrope"):
+            raise HFConfigError(f"{where}: {key} type {kind!r} is not implemented (only multimodal RoPE)")
+        theta = params.get("rope_theta", theta)
+        section = params.get("mrope_section", section)
+    if float(theta) != int(float(theta)):
+        raise HFConfigError(f"{where}: rope_theta {theta} is not an integer (the model here takes integer bases)")
+    return int(float(theta)), tuple(int(x) for x in (section or DEFAULT_MROPE_SECTION))
+
+
+def _language(t: dict, where: str, tie: bool):
+    _refuse(t, "hidden_act", where, lambda x: x == "silu", "only SiLU-gated MLPs")
+    _refuse(t, "attention_bias", where, lambda x: not x, "no attention bias (Qwen3)")
+    theta, section = _rope(t, where)
+    heads = int(_req(t, "num_attention_heads", where))
+    real = int(_req(t, "vocab_size", where))
+    try:
+        return qwen3_language(
+            num_layers=int(_req(t, "num_hidden_layers", where)), hidden_size=int(_req(t, "hidden_size", where)),
+            num_attention_heads=heads, ffn_hidden_size=int(_req(t, "intermediate_size", where)),
+            num_query_groups=int(t.get("num_key_value_heads") or heads), head_dim=int(t.get("head_dim", 128)),
+            vocab_size=padded_vocab(real), real_vocab_size=real, rotary_base=theta,
+            norm_eps=float(t.get("rms_norm_eps", 1e-6)), tie_word_embeddings=tie, mrope_section=section)
+    except HFConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the spec's own checks (mrope_section) name the problem
+        raise HFConfigError(f"{where}: {e}") from None
+
+
+def _vision(v: dict, where: str, llm_hidden: int) -> VisionSpec:
+    _refuse(v, "hidden_act", where, lambda x: x == "gelu_pytorch_tanh", "only the gelu_pytorch_tanh ViT MLP")
+    _refuse(v, "out_hidden_size", where, lambda x: int(x) == llm_hidden,
+            f"the mergers must output the LLM's width {llm_hidden}")
+    rope = v.get("rope_parameters") or {}
+    _refuse(rope, "rope_type", where + ".rope_parameters", lambda x: x == "axial", "only 2-D axial RoPE")
+    d = {**VISION_DEFAULTS, **{k: v[k] for k in VISION_DEFAULTS if v.get(k) is not None}}
+    try:
+        return VisionSpec(
+            num_layers=int(d["depth"]), hidden_size=int(d["hidden_size"]), num_attention_heads=int(d["num_heads"]),
+            ffn_hidden_size=int(d["intermediate_size"]), num_position_embeddings=int(d["num_position_embeddings"]),
+            deepstack_visual_indexes=tuple(d["deepstack_visual_indexes"]),
+            patch_size=_single(d["patch_size"], "patch_size", where),
+            temporal_patch_size=_single(d["temporal_patch_size"], "temporal_patch_size", where),
+            in_channels=int(d["in_channels"]), spatial_merge_size=int(d["spatial_merge_size"]),
+            rotary_base=int(float(rope.get("rope_theta", 10000.0))))
+    except HFConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the spec's own checks name the problem (deepstack_visual_indexes, ...)
+        raise HFConfigError(f"{where}: {e}") from None
+
+
+def spec_from_config(cfg: dict, name: str = "hf", where: str = "config.json") -> tuple[ModelSpec, HFInfo]:
+    """The ModelSpec and HFInfo of a Qwen3-VL ``config.json`` (transformers 5 or 4.x form)."""
+    t, v = cfg.get("text_config"), cfg.get("vision_config")
+    if not isinstance(t, dict) or not isinstance(v, dict):
+        raise HFConfigError(f"{where}: a Qwen3-VL config.json has text_config and vision_config")
+    tie = bool(cfg.get("tie_word_embeddings", False)) or bool(t.get("tie_word_embeddings", False))
+    lang = _language(t, f"{where}: text_config", tie)
+    vision = _vision(v, f"{where}: vision_config", lang.hidden_size)
+    if vision.spatial_merge_size != 2 or vision.in_channels != 3:
+        raise HFConfigError(f"{where}: vision_config: only a 2x2 merge of RGB patches is implemented")
+    spec = ModelSpec(name=name, vision=vision, language=lang, downsample_ratio=0.5, family="qwen3_vl")
+    problem = spec_problem(spec)
+    if problem:
+        raise HFConfigError(f"{where}: {problem}")
+    image_id = cfg.get("image_token_id", t.get("image_token_id"))
+    return spec, HFInfo("native", "qwen3", vision.num_layers, None if image_id is None else int(image_id))
+
+
+def native_config(spec: ModelSpec, info: HFInfo, source: dict | None) -> dict:
+    """A config.json for ``spec``: the imported one as it was (a round trip writes the same file), else the
+    transformers 5 form."""
+    if source is not None:
+        return json.loads(json.dumps(source))
+    v, lang = spec.vision, spec.language
+    text = {"model_type": "qwen3_vl_text", "hidden_size": lang.hidden_size, "num_hidden_layers": lang.num_layers,
+            "num_attention_heads": lang.num_attention_heads, "num_key_value_heads": lang.kv_groups,
+            "head_dim": lang.kv_channels, "intermediate_size": lang.ffn_hidden_size, "vocab_size": lang.vocab_real,
+            "hidden_act": "silu", "attention_bias": False, "rms_norm_eps": lang.norm_eps,
+            "tie_word_embeddings": lang.tie_word_embeddings,
+            "rope_parameters": {"rope_type": "default", "rope_theta": float(lang.rotary_base),
+                                "mrope_section": list(lang.mrope_section or DEFAULT_MROPE_SECTION),
+                                "mrope_interleaved": True}}
+    vision = {"model_type": "qwen3_vl_vision", "depth": v.num_layers, "hidden_size": v.hidden_size,
+              "num_heads": v.num_attention_heads, "intermediate_size": v.ffn_hidden_size,
+              "hidden_act": "gelu_pytorch_tanh", "out_hidden_size": lang.hidden_size,
+              "num_position_embeddings": v.num_position_embeddings,
+              "deepstack_visual_indexes": list(v.deepstack_visual_indexes), "patch_size": v.patch_size,
+              "temporal_patch_size": v.temporal_patch_size, "in_channels": v.in_channels,
+              "spatial_merge_size": v.spatial_merge_size,
+              "rope_parameters": {"rope_type": "axial", "rope_theta": float(v.rotary_base)}}
+    return {"architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
+            "text_config": text, "vision_config": vision, "image_token_id": info.image_token_id,
+            "tie_word_embeddings": lang.tie_word_embeddings}
+
+
+class Names:
+    """HF tensor names (``model.visual.`` / ``model.language_model.`` / ``lm_head.weight``, what transformers 4.57
+    and 5 save; ``style`` is accepted for the shared converter and has one value)."""
+
+    def __init__(self, info: HFInfo, style: str = "modern"):
+        self.info, self.style = info, style
+        self.vit, self.llm, self.head = "model.visual.", "model.language_model.", "lm_head.weight"
+
+    def patch_embed(self) -> str:
+        return self.vit + "patch_embed.proj."
+
+    def pos_embed(self) -> str:
+        return self.vit + "pos_embed.weight"
+
+    def vit_layer(self, i: int) -> dict[str, str]:
+        p = f"{self.vit}blocks.{i}."
+        return {"qkv": p + "attn.qkv.", "proj": p + "attn.proj.", "norm1": p + "norm1.", "norm2": p + "norm2.",
+                "fc1": p + "mlp.linear_fc1.", "fc2": p + "mlp.linear_fc2.", "prefix": p}
+
+    def merger(self) -> dict[str, str]:
+        p = self.vit + "merger."
+        return {"norm": p + "norm.", "fc1": p + "linear_fc1.", "fc2": p + "linear_fc2."}
+
+    def deepstack_merger(self, j: int) -> dict[str, str]:
+        p = f"{self.vit}deepstack_merger_list.{j}."
+        return {"norm": p + "norm.", "fc1": p + "linear_fc1.", "fc2": p + "linear_fc2."}
+
+    def embed(self) -> str:
+        return self.llm + "embed_tokens.weight"
+
+    def llm_layer(self, i: int) -> dict[str, str]:
+        p = f"{self.llm}layers.{i}."
+        return {"q": p + "self_attn.q_proj.", "k": p + "self_attn.k_proj.", "v": p + "self_attn.v_proj.",
+                "o": p + "self_attn.o_proj.weight", "q_norm": p + "self_attn.q_norm.weight",
+                "k_norm": p + "self_attn.k_norm.weight", "gate": p + "mlp.gate_proj.weight",
+                "up": p + "mlp.up_proj.weight", "down": p + "mlp.down_proj.weight",
+                "norm1": p + "input_layernorm.weight", "norm2": p + "post_attention_layernorm.weight"}
+
+    def final_norm(self) -> str:
+        return self.llm + "norm.weight"
+
+
+def _pair(table, key: str, hf_prefix: str, shape) -> None:
+    """Our ``{key}weight`` / ``{key}bias`` from HF ``{hf_prefix}weight`` / ``bias`` (``shape``: the weight's)."""
+    table.add(key + "weight", whole(table.hf(hf_prefix + "weight", shape), shape))
+    table.add(key + "bias", whole(table.hf(hf_prefix + "bias", (shape[0],)), (shape[0],)))
+
+
+def vision_embed_recipes(unit, table) -> None:
+    v, u = table.spec.vision, unit.name + "."
+    _pair(table, u + "proj.", table.names.patch_embed(),
+          (v.hidden_size, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size))
+    shape = (v.num_position_embeddings, v.hidden_size)
+    table.add(u + "pos_embed.weight", whole(table.hf(table.names.pos_embed(), shape), shape))
+
+
+def vision_layer_recipes(unit, table) -> None:
+    """A ViT layer: attention per real head (Qwen2.5-VL's layout), LayerNorms with bias, the 2-matrix MLP."""
+    v, u = table.spec.vision, unit.name + "."
+    H, Fv = v.hidden_size, v.ffn_hidden_size
+    m = table.names.vit_layer(unit.layer)
+    vit_attention_recipes(table, u, m, v.num_attention_heads, v.head_dim, H)
+    for ours, theirs in (("self_attention.linear_qkv.layer_norm_", m["norm1"]), ("mlp.linear_fc1.layer_norm_", m["norm2"])):
+        table.add(u + ours + "weight", whole(table.hf(theirs + "weight", (H,)), (H,)))
+        table.add(u + ours + "bias", whole(table.hf(theirs + "bias", (H,)), (H,)))
+    _pair(table, u + "mlp.linear_fc1.", m["fc1"], (Fv, H))
+    _pair(table, u + "mlp.linear_fc2.", m["fc2"], (H, Fv))
+
+
+def _merger(table, u: str, m: dict, norm_width: int) -> None:
+    v = table.spec.vision
+    W, Hl = v.hidden_size * v.merge_unit, table.spec.language.hidden_size
+    table.add(u + "norm.weight", whole(table.hf(m["norm"] + "weight", (norm_width,)), (norm_width,)))
+    table.add(u + "norm.bias", whole(table.hf(m["norm"] + "bias", (norm_width,)), (norm_width,)))
+    _pair(table, u + "fc1.", m["fc1"], (W, W))
+    _pair(table, u + "fc2.", m["fc2"], (Hl, W))
+
+
+def merger_recipes(unit, table) -> None:
+    _merger(table, unit.name + ".", table.names.merger(), table.spec.vision.hidden_size)
+
+
+def deepstack_merger_recipes(unit, table) -> None:
+    """The DeepStack merger of a ViT layer unit (its tensors under the unit's name): HF
+    ``deepstack_merger_list.{j}``, ``j`` the layer's place in ``deepstack_visual_indexes``."""
+    v = table.spec.vision
+    _merger(table, unit.name + ".deepstack_merger.", table.names.deepstack_merger(v.deepstack_slot(unit.layer)),
+            v.hidden_size * v.merge_unit)
+
+
+def llm_layer_recipes(unit, table) -> None:
+    add_llm_layer(table.add, table.hf, table.names.llm_layer(unit.layer), unit.name + ".", table.spec, table.info)
+
+
+def structure_twin(spec: ModelSpec) -> ModelSpec:
+    """A tiny model with ``spec``'s structure (unit list with the same layer kinds, heads, DeepStack indexes)."""
+    import dataclasses
+
+    v, lang = spec.vision, spec.language
+    vision = dataclasses.replace(v, hidden_size=4 * v.num_attention_heads, ffn_hidden_size=4, num_position_embeddings=4)
+    language = dataclasses.replace(lang, hidden_size=8, head_dim=2, ffn_hidden_size=4, vocab_size=128,
+                                   real_vocab_size=None, mrope_section=(1, 0, 0))
+    return spec.replace(vision=vision, language=language)

@@ -1,0 +1,73 @@
+"""Tiny random transformers Qwen3-VL models for the HF tests (no download): every parameter perturbed (HF init
+leaves norms, biases and the position table constant, which would hide swapped keys). The ViT has 3 heads (TP 2
+does not divide them), DeepStack at its first and last layer (0 and 3 of 4), a 3 x 3 learned position grid (smaller
+than the images' patch grids, so the interpolation matters); the LLM has an explicit head_dim (16, not hidden /
+heads = 8) and interleaved mrope_section [2, 3, 3] (not the published [24, 20, 20]). Two images of 6 x 10 and
+8 x 6 patches."""
+from __future__ import annotations
+
+import torch
+from hf_tiny import perturb
+
+VOCAB, IMAGE_ID, VIDEO_ID, VISION_START, VISION_END = 300, 290, 291, 288, 289
+GRIDS = ((1, 6, 10), (1, 8, 6))  # patches (t, h, w)
+PATCH = 16
+
+
+def hf_config(tie=False, depth=4, deepstack=(0, 3), llm_layers=3, section=(2, 3, 3), positions=9):
+    from transformers import Qwen3VLConfig
+
+    return Qwen3VLConfig(
+        vision_config=dict(depth=depth, hidden_size=24, num_heads=3, intermediate_size=40, out_hidden_size=32,
+                           num_position_embeddings=positions, deepstack_visual_indexes=list(deepstack),
+                           patch_size=PATCH, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                           hidden_act="gelu_pytorch_tanh"),
+        text_config=dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         intermediate_size=48, num_hidden_layers=llm_layers, vocab_size=VOCAB, rms_norm_eps=1e-6,
+                         tie_word_embeddings=tie, attention_bias=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 50000.0,
+                                          "mrope_section": list(section), "mrope_interleaved": True},
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None),
+        image_token_id=IMAGE_ID, video_token_id=VIDEO_ID, vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END, tie_word_embeddings=tie)
+
+
+def make_tiny(folder, seed=0, **kw):
+    """Save a tiny perturbed Qwen3VLForConditionalGeneration to ``folder``; returns it (eval, fp32, eager)."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(hf_config(**kw)).eval()
+    perturb(model, seed)
+    if kw.get("tie"):
+        model.tie_weights()
+    model.save_pretrained(str(folder))
+    return eager(model)
+
+
+def eager(model):
+    """``model`` with transformers' eager attention in all its parts (the reference for 1e-5 comparisons)."""
+    for config in (model.config, model.model.visual.config, model.model.language_model.config):
+        config._attn_implementation = "eager"
+    return model
+
+
+def inputs(grids=GRIDS, seed=1):
+    """What the processor returns: input_ids [1, s] (text, then per image vision_start, its merged tokens,
+    vision_end), pixel_values [patches, 3*2*16*16], image_grid_thw [n, 3], mm_token_type_ids [1, s] (1 on image
+    tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = []
+    for t, h, w in grids:
+        ids += torch.randint(0, VISION_START, (3,), generator=g).tolist() + [VISION_START]
+        ids += [IMAGE_ID] * (t * h * w // 4) + [VISION_END]
+    ids += torch.randint(0, VISION_START, (5,), generator=g).tolist()
+    ids = torch.tensor([ids])
+    patches = sum(t * h * w for t, h, w in grids)
+    return {"input_ids": ids, "pixel_values": torch.randn(patches, 3 * 2 * PATCH * PATCH, generator=g),
+            "image_grid_thw": torch.tensor(grids), "mm_token_type_ids": (ids == IMAGE_ID).long()}
+
+
+def hf_logits(model, batch):
+    with torch.no_grad():
+        return model(**batch).logits[0].float()
