@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UserError
+from .moe import MoESpec
 
 # Unit roles: the one-letter codes of the layout syntax, the same for every family. A family may have
 # several kinds of unit in one role (window and full-attention ViT layers are both ``v``).
@@ -84,8 +85,11 @@ class LanguageSpec:
     # rotated by the temporal, height and width position ids (HF: mrope_section; megatron-core's
     # TransformerConfig.mrope_section); None: plain 1-D RoPE
     mrope_section: tuple[int, ...] | None = None
+    # mixture-of-experts layers (``omnibal_ext.model.moe``); None: a dense decoder
+    moe: MoESpec | None = None
 
     def __post_init__(self):
+        self._check_moe()
         if self.mrope_section is not None:
             object.__setattr__(self, "mrope_section", tuple(int(x) for x in self.mrope_section))
             if len(self.mrope_section) != 3 or min(self.mrope_section) < 0 \
@@ -101,6 +105,18 @@ class LanguageSpec:
         if self.real_vocab_size is not None and not 1 <= self.real_vocab_size <= self.vocab_size:
             raise UserError(f"real vocabulary size {self.real_vocab_size} must be in [1, {self.vocab_size}] "
                             "(the padded vocabulary)")
+
+    def _check_moe(self) -> None:
+        """``moe`` from a dict (a spec's JSON) made an ``MoESpec``; its per-layer list must cover the layers."""
+        if isinstance(self.moe, dict):
+            object.__setattr__(self, "moe", MoESpec.from_dict(self.moe))
+        if self.moe is not None and len(self.moe.layer_freq) != self.num_layers:
+            raise UserError(f"MoESpec.layer_freq has {len(self.moe.layer_freq)} entries for the decoder's "
+                            f"{self.num_layers} layers")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (0-based) has experts."""
+        return self.moe is not None and self.moe.is_moe(layer)
 
     @property
     def kv_groups(self) -> int:
