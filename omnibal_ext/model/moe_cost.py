@@ -119,12 +119,18 @@ def routed_tokens(moe: MoESpec, run: ExpertRun, tokens: float) -> float:
 
 def moe_act_bytes_per_rank(spec: ModelSpec, run: ExpertRun, tokens: float, dtype_bytes: int, tp: int) -> float:
     """Bytes one rank's MoE MLP keeps for backward (the module docstring), ``tokens`` routed by the rank, beyond the
-    dense layer's replicated part; the shared expert split over TP."""
+    dense layer's replicated part, with the busiest rank's routed tokens of ``run`` (``routed_tokens``)."""
+    return moe_act_bytes(spec, tokens, routed_tokens(spec.language.moe, run, tokens), dtype_bytes, tp, run.grid.etp)
+
+
+def moe_act_bytes(spec: ModelSpec, tokens: float, routed: float, dtype_bytes: int, tp: int = 1,
+                  etp: int = 1) -> float:
+    """Bytes an MoE MLP keeps for backward on a rank that routes ``tokens`` tokens and whose experts run ``routed``
+    (token, expert) pairs (a measured routing, or ``routed_tokens``); the shared expert split over TP."""
     lm, moe, D = spec.language, spec.language.moe, dtype_bytes
     E, k, F = moe.num_experts, moe.topk, moe.ffn_hidden_size
     router = tokens * (9.0 * E + 20.0 * k) + 8.0 * E + 4.0
-    routed = routed_tokens(moe, run, tokens)
-    experts = routed * (lm.hidden_size * D + 12.0 + (6 if lm.swiglu else 3) * F * D / run.grid.etp)
+    experts = routed * (lm.hidden_size * D + 12.0 + (6 if lm.swiglu else 3) * F * D / etp)
     fs = moe.shared_expert_ffn_hidden_size
     shared = tokens * (5 if lm.swiglu else 2) * fs * D / tp if fs else 0.0
     gate = tokens * 2 * D if moe.shared_expert_gate else 0.0
