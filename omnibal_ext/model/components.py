@@ -125,6 +125,11 @@ class CostComponent:
         """(forward, backward) bytes one rank sends in its expert-parallel all-to-alls per micro-batch."""
         return 0.0, 0.0
 
+    def expert_weight_bytes(self, dtype_bytes: int) -> tuple[float, float]:
+        """(forward, backward) bytes of the routed experts' weights (and their gradients) one rank moves per
+        micro-batch: small expert GEMMs are bound by them, not by their FLOPs (0 for units without experts)."""
+        return 0.0, 0.0
+
     def expert_params(self) -> int:
         """Of ``params``, the routed experts' parameters (split over EP x ETP, not TP), whole model."""
         return 0

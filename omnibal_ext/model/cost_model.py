@@ -209,6 +209,10 @@ def _costs_from_rates(spec, shape, tp, rates, dropout, attention, source, meta, 
             fwd_bytes, bwd_bytes = c.tp_allreduce_bytes(shape, sequence_parallel=sp, tp=tp)
             fwd += tp_allreduce_s(fwd_bytes, tp, comm_device)
             bwd += tp_allreduce_s(bwd_bytes, tp, comm_device)
+        w_fwd, w_bwd = c.expert_weight_bytes(shape.dtype_bytes)
+        if w_fwd and a2a_device is not None:  # the local experts' weight traffic (analytic rates only)
+            fwd += w_fwd / a2a_device.mem_bytes_per_s
+            bwd += w_bwd / a2a_device.mem_bytes_per_s
         if a2a_device is not None:  # expert parallelism: the token dispatcher's all-to-alls
             a2a_fwd, a2a_bwd = c.ep_alltoall_bytes(shape, tp, sequence_parallel=sp)
             fwd += alltoall_seconds(a2a_fwd, experts.grid, a2a_device)

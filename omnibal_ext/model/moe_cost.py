@@ -21,6 +21,11 @@ parallelism) to ``topk`` experts each; two all-to-alls forward (dispatch, combin
 (``tp_bytes_per_s``) while the EP group (ETP x EP consecutive ranks in megatron-core's expert grid) fits in a node
 of ``GPUS_PER_NODE``, else at its inter-node rate per GPU (``p2p_bytes_per_s``).
 
+Expert weights: a rank runs its ``E / EP`` local experts, each a few GEMMs over the tokens routed to it; with many
+small experts these are bound by moving the weights, not by their FLOPs (``expert_weight_bytes``: the local experts'
+weights read once forward, and read again plus their fp32 gradient read and written backward), added at the
+device's memory bandwidth. This is what EP buys beyond memory: fewer experts per rank, more tokens per expert.
+
 Activations (what megatron-core 0.16's MoELayer with ``SequentialMLP`` experts saves, counted tensor by tensor on a
 CPU, ``tests/test_moe_plan.py``): beyond the dense layer's replicated part (the router reads the pre-MLP norm output
 that a dense layer's fc1 reads), per routed token on the rank ``(H*D + 12)`` (the permuted hidden state, its int64
@@ -200,6 +205,12 @@ class MoELayerCost(TextLayerCost):
         moe = moe_act_bytes_per_rank(self.spec, self.run, router_tokens(shape, tp, sequence_parallel), D, tp)
         delta = moe - mlp
         return ActBytes(dense.act + delta, dense.full, dense.selective + delta, dense.send)
+
+    def expert_weight_bytes(self, dtype_bytes):
+        """Forward: every local expert's weights read once (``expert_params / (EP x ETP)`` x D); backward: read again
+        for the input gradient, and the fp32 weight gradient read and written (``D + 8`` bytes per parameter)."""
+        local = self.expert_params() / (self.run.grid.ep * self.run.grid.etp)
+        return local * dtype_bytes, local * (dtype_bytes + 8.0)
 
     def ep_alltoall_bytes(self, shape, tp, sequence_parallel=False):
         lm, ep = self.spec.language, self.run.grid.ep
