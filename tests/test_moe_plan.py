@@ -279,3 +279,77 @@ def test_flops_and_activations_against_megatron_core_moe_layer(mcore_world, capa
             else:  # the capacity bound holds; the measured count within 5%
                 assert inp + model_worst >= saved
                 assert inp + moe_act_bytes(spec, T_MC, routed, 4) == pytest.approx(saved, rel=0.05)
+
+
+# --- omnibal plan with experts -------------------------------------------------------------------------------
+def qwen3_30b_a3b_vlm():
+    """InternVL3.5-30B-A3B's shape: InternViT-300M (the internvl3-2b preset's) and the Qwen3-30B-A3B text model as
+    published (config.json: 48 layers, hidden 2048, 32 heads, 4 key-value heads, head_dim 128, 128 experts, top-8,
+    moe_intermediate_size 768, vocab 151936, decoder_sparse_step 1, no mlp_only_layers, norm_topk_prob true)."""
+    base = get_preset("internvl3-2b")
+    lm = LanguageSpec(num_layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4, head_dim=128,
+                      ffn_hidden_size=6144, vocab_size=151936, rotary_base=1000000, norm_eps=1e-6,
+                      moe=MoESpec(128, 8, 768, layer_freq_from_qwen(48, 1, ())))
+    return base.replace(name="qwen3-30b-a3b-vlm", language=lm)
+
+
+def vlm_stats(n=1200, seed=4):
+    from omnibal_ext.data.stats import from_arrays
+
+    rng = np.random.default_rng(seed)
+    tiles = np.where(rng.random(n) < 0.15, 0, rng.integers(1, 7, n))
+    return from_arrays(tiles, rng.integers(30, 900, n) + 256 * tiles)
+
+
+def test_plan_searches_the_expert_grid_by_brute_force():
+    """A small grid: every (TP, PP, DP, EP, ETP) megatron-core allows is screened, and the plan is the fastest."""
+    from omnibal_ext.memory.memory_model import GIB
+    from omnibal_ext.plan import PlanConfig, make_plan
+
+    spec = tiny_moe_spec(freq=(1, 1, 0, 1))
+    plan = make_plan(vlm_stats(200, 1), PlanConfig(spec, 4, 4 * GIB, global_batch_size=32, sim_iterations=1,
+                                                  isf_max_candidates=2, max_vpp=1))
+    screened = {(r["tp"], r["pp"], r["dp"], r["ep"], r["etp"]) for r in plan.configs_tried if "least_need_bytes" in r}
+    want = set()
+    n_units = len(build_units(spec))
+    for tp in (1, 2, 4):
+        if spec.language.num_attention_heads % tp or spec.language.kv_groups % tp:  # the trainer's TP rule
+            continue
+        for pp in (1, 2, 4):
+            dp = 4 // (tp * pp)
+            if tp * pp * dp != 4 or pp > n_units:
+                continue
+            for ep in range(1, E + 1):
+                for etp in {1, tp}:
+                    if E % ep == 0 and (tp * dp) % (ep * etp) == 0:
+                        want.add((tp, pp, dp, ep, etp))
+    assert screened == want
+    usable = [r for r in plan.configs_tried if r.get("fits") and "estimated_seconds_per_sample" in r]
+    best = min(usable, key=lambda r: r["estimated_seconds_per_sample"])
+    assert (plan.tp, plan.pp, plan.dp, plan.ep, plan.etp) == (best["tp"], best["pp"], best["dp"], best["ep"],
+                                                              best["etp"])
+    flags = plan.trainer_flags
+    assert flags["--expert-model-parallel-size"] == plan.ep and flags["--expert-tensor-parallel-size"] == plan.etp
+    assert flags["--num-experts"] == E and flags["--moe-router-topk"] == K and flags["--moe-ffn-hidden-size"] == F
+    assert flags["--moe-layer-freq"] == "[1,1,0,1]"
+    with pytest.raises(UserError, match="--ep 4 does not divide the model's 6 experts"):
+        make_plan(vlm_stats(50, 1), PlanConfig(spec, 4, 4 * GIB, ep=4))
+    with pytest.raises(UserError, match="--ep 2: model 'tiny' has no experts"):
+        make_plan(vlm_stats(50, 1), PlanConfig("tiny", 4, 4 * GIB, ep=2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gpus,batch,tp", [(64, 512, None), (256, 2048, 2)])  # 256: TP fixed, for time (~1 min)
+def test_plan_qwen3_30b_a3b_chooses_expert_parallelism(gpus, batch, tp):
+    from omnibal_ext.memory.memory_model import GIB
+    from omnibal_ext.plan import PlanConfig, format_plan, make_plan
+
+    plan = make_plan(vlm_stats(), PlanConfig(qwen3_30b_a3b_vlm(), gpus, 80 * GIB, device="h100-80g", tp=tp,
+                                             global_batch_size=batch, sim_iterations=2, isf_max_candidates=4))
+    print(format_plan(plan))
+    assert plan.ep > 1
+    assert [r.setting for r in plan.rows] == ["baseline", "+data", "+model", "+memory"]
+    assert all(r.fits_memory for r in plan.rows[1:])
+    assert plan.rows[-1].gpu_days <= plan.rows[0].gpu_days
+    assert plan.trainer_flags["--expert-model-parallel-size"] == plan.ep
+    assert (plan.tp * plan.dp * plan.cp) % (plan.ep * plan.etp) == 0
