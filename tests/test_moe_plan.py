@@ -16,7 +16,7 @@ from omnibal_ext.model.cost_model import DEVICES, MicroBatchShape, analytic_cost
 from omnibal_ext.model.layout import PipelineLayout
 from omnibal_ext.model.moe import (ExpertGrid, MoESpec, expert_grid_problem, expert_grids, layer_freq_from_every,
                                    layer_freq_from_qwen, parse_layer_freq)
-from omnibal_ext.model.moe_cost import ExpertRun, moe_act_bytes, moe_act_bytes_per_rank, moe_mlp_flops
+from omnibal_ext.model.moe_cost import ExpertRun, MoELayerCost, moe_act_bytes, moe_act_bytes_per_rank, moe_mlp_flops
 from omnibal_ext.model.spec import LanguageSpec
 from omnibal_ext.model.units import build_units, get_preset, unit_components, spec_from_dict
 
@@ -353,3 +353,23 @@ def test_plan_qwen3_30b_a3b_chooses_expert_parallelism(gpus, batch, tp):
     assert plan.rows[-1].gpu_days <= plan.rows[0].gpu_days
     assert plan.trainer_flags["--expert-model-parallel-size"] == plan.ep
     assert (plan.tp * plan.dp * plan.cp) % (plan.ep * plan.etp) == 0
+
+
+def test_imbalance_from_the_flag_or_the_profile():
+    from omnibal_ext.model.cost_model import calibrated_costs
+
+    spec = tiny_moe_spec()
+    shape = MicroBatchShape(2, 64, 2)
+    dev = DEVICES["h100-80g"]
+    mean = analytic_costs(spec, shape, 1, dev, experts=ExpertRun(ExpertGrid(2, 1)))
+    slow = analytic_costs(spec, shape, 1, dev, experts=ExpertRun(ExpertGrid(2, 1), imbalance=2.0))
+    moe = [i for i, u in enumerate(mean.units) if u.kind == "llm_moe_layer"]
+    experts_s = 64 * K * 6 * H * F / (dev.matmul_flops_per_s * MoELayerCost.efficiency)
+    for i, (a, b) in enumerate(zip(mean.units, slow.units)):
+        assert b.fwd_s - a.fwd_s == pytest.approx(experts_s if i in moe else 0.0, rel=1e-9, abs=1e-18)
+    # a profile that measured the load: its imbalance is the default of the costs calibrated on it
+    profile = dataclasses.replace(slow, meta={**slow.meta, "moe_imbalance": 2.0})
+    cal = calibrated_costs(spec, shape, profile, 1, device=dev, experts=ExpertRun(ExpertGrid(2, 1)))
+    assert cal.meta["moe_imbalance"] == 2.0
+    with pytest.raises(UserError, match="--moe-imbalance must be >= 1"):
+        ExpertRun(ExpertGrid(2, 1), imbalance=0.5)

@@ -18,6 +18,12 @@ Adam exp_avg (m)            4      ...
 Adam exp_avg_sq (v)         4      ... 12 bytes in all
 ==========================  =====  ====================================================
 
+Mixture-of-experts layers: of a unit's ``param_count``, ``UnitCost.expert_params`` are its routed experts, split over
+EP x ETP (``UnitCost.expert_split``) instead of TP; the distributed optimizer shards their state over expert DP =
+TP x DP x CP / (EP x ETP), so a rank holds the same ``1 / (TP x DP x CP)`` of it as of the dense part
+(``expert_static_bytes``). Their activations (the routed tokens on the busiest EP rank, the dispatcher's permuted
+tokens) come with the unit's ``act_bytes`` (``omnibal_ext.model.moe_cost``).
+
 LoRA adapters (``UnitCost.lora_params``, a frozen unit's trained adapters) count as trained parameters; a rank
 holds ``(lora_params - lora_replicated) / tp + lora_replicated`` of them (``lora_rank_params``).
 
