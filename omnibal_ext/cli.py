@@ -92,6 +92,16 @@ def add_plan_parser(subparsers, scan_metas: MetaScanner | None = None,
                         "where the micro-batches per pipeline are a multiple of PP, when predicted faster)")
     p.add_argument("--max-vpp", type=int, default=2, metavar="V", help="largest V tried when --vpp is not given "
                                                                         "(default 2; 1: no interleaving)")
+    p.add_argument("--ep", type=int, default=None,
+                   help="MoE models: expert-parallel size (the trainer's --expert-model-parallel-size; default: chosen "
+                        "among the divisors of the experts that megatron-core's expert grid allows)")
+    p.add_argument("--etp", type=int, default=None,
+                   help="MoE models: expert tensor-parallel size (--expert-tensor-parallel-size; default: 1 or TP, "
+                        "chosen)")
+    p.add_argument("--moe-imbalance", type=float, default=None, metavar="F",
+                   help="MoE models: the busiest EP rank's routed tokens over the mean (>= 1), e.g. as the trainer's "
+                        "'expert load imbalance' log measured it; multiplies the experts' time and sizes their "
+                        "activations (default: unknown: time at 1.0, activations at the no-drop worst case)")
     p.add_argument("--sim-iterations", type=int, default=8, help="iterations simulated per setting (default 8)")
     p.add_argument("--seed", type=int, default=0)
     add_freeze_flags(p)
@@ -138,6 +148,7 @@ def plan_config(args):
                       global_batch_size=args.global_batch_size, memory_reserve=args.memory_reserve,
                       attention=args.attention, sim_iterations=args.sim_iterations, choose_for=args.choose_for,
                       min_pp=args.min_pp, seed=args.seed, freeze=Freeze.from_args(args),
+                      ep=args.ep, etp=args.etp, moe_imbalance=args.moe_imbalance,
                       vpp=getattr(args, "vpp", None), max_vpp=getattr(args, "max_vpp", 2))
 
 
