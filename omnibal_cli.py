@@ -23,25 +23,29 @@ from omnibal_ext import cli as planner_cli
 from omnibal_ext.errors import UserError
 
 
+PUBLISHED_TILES = dict(image_size=448, tokens_per_tile=256, max_num_tiles=6)  # the tiles of OmniBal's published stats
+
+
 def scan_metas(metas, spec=None) -> list:
-    """(tiles, tokens) per sample of each InternVL meta JSON, scanned once by the trainer's reader: tiles of
-    the model ``spec``'s image size and tokens per tile (without a model, as by ``omnibal isf``: InternVL-Chat's
+    """(tiles, tokens) per sample of each meta JSON, scanned once by the trainer's reader: dynamic tiles of the
+    model ``spec``'s image size and tokens per tile (without a model, as by ``omnibal isf``: ``PUBLISHED_TILES``,
     448 px and 256 tokens per tile), 1 to 6 tiles, the byte-level tokenizer unless OMNIBAL_TOKENIZER names a
     Hugging Face tokenizer folder.  For other settings, write the stats with
     megatron.vlm.data.stats.write_stats first."""
     import os
 
-    from megatron.vlm.data.internvl import ReaderConfig, scan_annotations
+    from megatron.vlm.data.images import TileImages
+    from megatron.vlm.data.records import ReaderConfig, scan_annotations
     from megatron.vlm.data.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(os.environ.get("OMNIBAL_TOKENIZER"))
-    image_size, tokens_per_tile = (448, 256) if spec is None else (spec.vision.image_size, spec.tokens_per_tile)
-    config = ReaderConfig(image_size=image_size, tokens_per_tile=tokens_per_tile, max_num_tiles=6,
-                          max_seq_length=None)
+    tiles = PUBLISHED_TILES if spec is None else dict(PUBLISHED_TILES, image_size=spec.vision.image_size,
+                                                      tokens_per_tile=spec.tokens_per_tile)
+    config = ReaderConfig(images=TileImages(**tiles))
     found = []
     for meta in metas:
         scan = scan_annotations(meta, tokenizer, config, progress=True)
-        found.append((scan.rec_tiles[scan.order], scan.rec_tokens[scan.order]))
+        found.append((scan.rec_items[scan.order], scan.rec_tokens[scan.order]))
     return found
 
 
@@ -49,11 +53,12 @@ def write_scanned_stats(args) -> int:
     """``omnibal isf stats --stats DATA... --write OUT``: each meta JSON or annotation JSONL of ``args.stats``
     scanned (validated) by the trainer's reader with the model's family data side (``--hf-checkpoint``: its
     config, tokenizer and image processor; ``--model``: a preset with the byte-level tokenizer or
-    OMNIBAL_TOKENIZER; neither: InternVL-Chat's 448 px tiles), written to OUT as
+    OMNIBAL_TOKENIZER; neither: the 448 px tiles of ``PUBLISHED_TILES``), written to OUT as
     ``[{"vit_num", "token_num", "images": [{"width", "height", "tiles" | "patches"}]}]``; returns the samples."""
     import os
 
-    from megatron.vlm.data.internvl import ReaderConfig, scan_annotations
+    from megatron.vlm.data.images import TileImages
+    from megatron.vlm.data.records import ReaderConfig, scan_annotations
     from megatron.vlm.data.stats import image_stats_records, write_json
     from megatron.vlm.data.tokenizer import build_tokenizer
     from megatron.vlm.families import runtime_family
@@ -64,18 +69,18 @@ def write_scanned_stats(args) -> int:
     hf = args.hf_checkpoint
     spec = model_from_hf(hf) if hf else get_preset(args.model) if args.model else None
     if spec is None:
-        reader, image_tokens = dict(image_size=448, tokens_per_tile=256, max_num_tiles=args.max_num_tiles,
-                                    min_num_tiles=args.min_num_tiles), None
+        images, image_tokens = TileImages(**dict(PUBLISHED_TILES, max_num_tiles=args.max_num_tiles),
+                                          min_num_tiles=args.min_num_tiles), None
     else:
         data = runtime_family(spec).data
-        reader, image_tokens = data.reader(args, spec, hf), data.image_tokens
+        images, image_tokens = data.image_rule(args, spec, hf), data.image_tokens
     folder = hf if hf and has_tokenizer(hf) else os.environ.get("OMNIBAL_TOKENIZER")
     tokenizer = build_tokenizer(folder, **({"image_tokens": image_tokens} if image_tokens else {}))
-    config = ReaderConfig(**reader, max_seq_length=None)
+    config = ReaderConfig(images=images)
     records = []
     for path in data_files(args.stats, "--stats"):
         scan = scan_annotations(path, tokenizer, config, progress=True)
-        records += image_stats_records(scan, config.image_rule.unit)
+        records += image_stats_records(scan, images.unit)
     write_json(records, args.write)
     print(f"wrote the stats of {len(records)} samples to {args.write}")
     return len(records)

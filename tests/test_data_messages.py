@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from megatron.vlm.data.internvl import DataValidationError, InternVLDataset
+from megatron.vlm.data import DataValidationError, RecordDataset, TileImages
 from megatron.vlm.data.tokenizer import build_tokenizer
 
 CONVERSATIONS = [  # (images, [(user, assistant), ...], system)
@@ -47,8 +47,7 @@ def data(tmp_path):
 
 
 def read(path):
-    return InternVLDataset(str(path), build_tokenizer(None), image_size=32, tokens_per_tile=4, max_num_tiles=4,
-                           max_seq_length=None)
+    return RecordDataset(str(path), build_tokenizer(None), TileImages(image_size=32, tokens_per_tile=4, max_num_tiles=4))
 
 
 def test_messages_and_internvl_records_give_the_same_samples(data):
@@ -61,7 +60,7 @@ def test_messages_and_internvl_records_give_the_same_samples(data):
             assert a.keys() == b.keys()
             assert all(torch.equal(a[k], b[k]) for k in a), (path, i)
     assert read(data / "messages.jsonl").where(1) == f"{data / 'messages.jsonl'}:2"
-    assert int(want.sample_real_tiles()[2]) == 0 and want.sample_lengths()[1][2] == 1  # text-only: a dummy tile
+    assert int(want.sample_real_items()[2]) == 0 and want.sample_lengths()[1][2] == 1  # text-only: a dummy tile
 
 
 def test_messages_record_problems_name_file_and_line(data):
