@@ -4,12 +4,12 @@ It sits above both the planners (``omnibal_ext``, which imports nothing of the t
 (``megatron``, ``pretrain_vlm``):
 
 * ``omnibal isf|partition|memory|plan``  the planner commands (``omnibal_ext.cli``), given the trainer's
-                                     readers: InternVL meta JSONs as ``--stats``/``--data``
+                                     readers: meta JSONs as ``--stats``/``--data``
                                      (:func:`scan_metas`), ``omnibal isf stats --write`` (any family's
                                      data: :func:`write_scanned_stats`) and ``omnibal plan --hf-checkpoint``
                                      (:func:`model_from_hf`);
 * ``omnibal profile``                measure the units on this machine (runs the trainer's profiler);
-* ``omnibal hf import|export``       Hugging Face InternVL folders to and from trainer checkpoints
+* ``omnibal hf import|export``       Hugging Face folders to and from trainer checkpoints
                                      (``megatron.vlm.hf``).
 
 Bad input prints one line ``omnibal <command>: error: ...`` on stderr and exits with status 2.
@@ -87,12 +87,12 @@ def write_scanned_stats(args) -> int:
 
 
 def load_stats_or_meta(paths, flag: str = "--stats", spec=None):
-    """Stats files or InternVL meta JSONs (read by :func:`scan_metas`): ``omnibal_ext.cli.load_stats_or_meta``."""
+    """Stats files or meta JSONs (read by :func:`scan_metas`): ``omnibal_ext.cli.load_stats_or_meta``."""
     return planner_cli.load_stats_or_meta(paths, flag, spec, scan_metas)
 
 
 def model_from_hf(folder: str):
-    """The ModelSpec of a Hugging Face InternVL folder's config.json (``omnibal plan --hf-checkpoint``)."""
+    """The ModelSpec of a Hugging Face folder's config.json (``omnibal plan --hf-checkpoint``)."""
     import os
 
     from megatron.vlm.hf.configs import read_config, spec_from_config
@@ -188,10 +188,10 @@ def format_profile_report(rows: list[dict], device: str) -> str:
 
 def add_hf_parser(subparsers) -> argparse.ArgumentParser:
     """``omnibal hf import|export``: offline conversion (torch is imported only when one runs)."""
-    p = subparsers.add_parser("hf", help="convert Hugging Face InternVL checkpoints to and from trainer checkpoints",
-                              description="Offline conversion between a Hugging Face InternVL folder (config.json + "
-                                          "*.safetensors; native InternVLForConditionalGeneration or original "
-                                          "InternVLChatModel layout) and a trainer checkpoint (torch_dist).")
+    p = subparsers.add_parser("hf", help="convert Hugging Face checkpoints to and from trainer checkpoints",
+                              description="Offline conversion between a Hugging Face folder (config.json + "
+                                          "*.safetensors, read by the family whose reader recognizes its config.json) "
+                                          "and a trainer checkpoint (torch_dist).")
     sub = p.add_subparsers(dest="hf_command", required=True)
     imp = sub.add_parser("import", help="HF folder -> weights-only trainer checkpoint at iteration 0 "
                                         "(load it with pretrain_vlm.py --load at any TP/PP/layout)")
@@ -199,7 +199,7 @@ def add_hf_parser(subparsers) -> argparse.ArgumentParser:
     imp.add_argument("--save", required=True, metavar="CKPT", help="checkpoint folder to write")
     imp.set_defaults(func=_run_hf_import)
     exp = sub.add_parser("export", help="trainer checkpoint (any TP/PP/DP/layout) -> native HF folder that "
-                                        "InternVLForConditionalGeneration.from_pretrained loads")
+                                        "transformers' from_pretrained of its family loads")
     exp.add_argument("--load", required=True, metavar="CKPT", help="checkpoint folder (its newest iteration)")
     exp.add_argument("--out", required=True, metavar="DIR", help="folder to write config.json + *.safetensors into")
     exp.add_argument("--ckpt-step", type=int, default=None, help="that iteration instead of the newest")

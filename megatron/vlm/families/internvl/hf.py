@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 
 from omnibal_ext.errors import UserError
-from omnibal_ext.model.families.internvl import VisionSpec, vit_layers_for_feature_layer
+from omnibal_ext.model.families.internvl import NAME, VisionSpec, vit_layers_for_feature_layer
 from omnibal_ext.model.spec import ModelSpec
 
 from megatron.vlm.hf.config import HFConfigError, HFInfo, refuse, require, square
@@ -68,17 +68,10 @@ def _native(cfg: dict, name: str, where: str) -> tuple[ModelSpec, HFInfo]:
     except UserError as e:
         raise HFConfigError(f"{where}: vision_feature_layer: {e}") from None
     lang = with_tie(READERS[family](t, tw), cfg.get("tie_word_embeddings", True))
-    vision = VisionSpec(
-        num_layers=built, hidden_size=int(require(v, "hidden_size", vw)),
-        num_attention_heads=int(require(v, "num_attention_heads", vw)),
-        ffn_hidden_size=int(require(v, "intermediate_size", vw)),
-        image_size=square(v.get("image_size", 448), "image_size", vw),
-        patch_size=square(v.get("patch_size", 14), "patch_size", vw),
-        normalization="LayerNorm" if norm == "layer_norm" else "RMSNorm",
-        norm_eps=float(v.get("layer_norm_eps", 1e-6)), qkv_bias=bool(v.get("attention_bias", False)),
-        qk_norm=bool(v.get("use_qk_norm", False)), layer_scale_init=float(v.get("layer_scale_init_value", 0.1)))
-    spec = ModelSpec(name=name, vision=vision, language=lang, downsample_ratio=float(cfg.get("downsample_ratio", 0.5)))
-    _check_shuffle(spec, where)
+    vision = _vision(v, vw, built, v.get("image_size", 448), norm, qkv_bias=bool(v.get("attention_bias", False)),
+                     qk_norm=bool(v.get("use_qk_norm", False)),
+                     layer_scale_init=float(v.get("layer_scale_init_value", 0.1)))
+    spec = _spec(cfg, name, vision, lang, where)
     info = HFInfo("native", family, n_vit, cfg.get("image_token_id"), cfg.get("image_seq_length"))
     return spec, info
 
@@ -101,17 +94,29 @@ def _original(cfg: dict, name: str, where: str) -> tuple[ModelSpec, HFInfo]:
         raise HFConfigError(f"{where}: select_layer: {e}") from None
     image_size = cfg.get("force_image_size") or v.get("image_size", 448)
     lang = with_tie(READERS[family](t, tw), t.get("tie_word_embeddings", False))
-    vision = VisionSpec(
+    vision = _vision(v, vw, built, image_size, norm, qkv_bias=bool(v.get("qkv_bias", False)),
+                     qk_norm=bool(v.get("qk_normalization", False)),
+                     layer_scale_init=float(v.get("initializer_factor", 1.0)))
+    spec = _spec(cfg, name, vision, lang, where)
+    return spec, HFInfo("original", family, n_vit, cfg.get("image_token_id"), None)
+
+
+def _vision(v: dict, vw: str, built: int, image_size, norm: str, **layout_fields) -> VisionSpec:
+    """The InternViT of ``vision_config`` ``v`` (either layout; ``layout_fields``: what the two name apart)."""
+    return VisionSpec(
         num_layers=built, hidden_size=int(require(v, "hidden_size", vw)),
         num_attention_heads=int(require(v, "num_attention_heads", vw)),
         ffn_hidden_size=int(require(v, "intermediate_size", vw)),
         image_size=square(image_size, "image_size", vw), patch_size=square(v.get("patch_size", 14), "patch_size", vw),
         normalization="LayerNorm" if norm == "layer_norm" else "RMSNorm",
-        norm_eps=float(v.get("layer_norm_eps", 1e-6)), qkv_bias=bool(v.get("qkv_bias", False)),
-        qk_norm=bool(v.get("qk_normalization", False)), layer_scale_init=float(v.get("initializer_factor", 1.0)))
-    spec = ModelSpec(name=name, vision=vision, language=lang, downsample_ratio=float(cfg.get("downsample_ratio", 0.5)))
+        norm_eps=float(v.get("layer_norm_eps", 1e-6)), **layout_fields)
+
+
+def _spec(cfg: dict, name: str, vision: VisionSpec, lang, where: str) -> ModelSpec:
+    spec = ModelSpec(name=name, vision=vision, language=lang, downsample_ratio=float(cfg.get("downsample_ratio", 0.5)),
+                     family=NAME)
     _check_shuffle(spec, where)
-    return spec, HFInfo("original", family, n_vit, cfg.get("image_token_id"), None)
+    return spec
 
 
 def _check_shuffle(spec: ModelSpec, where: str) -> None:
