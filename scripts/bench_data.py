@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Does the data pipeline keep up?  Loader throughput, TP decode strategies, and the trainer's wait for data.
 
-Data: an InternVL-format dataset (meta JSON + JSONL, megatron/vlm/data/internvl.py) of photo-sized JPEGs
+Data: a dataset of conversations records (meta JSON + JSONL, megatron/vlm/data/records.py) of photo-sized JPEGs
 made here: smooth random images of 320-1920 px a side (JPEG quality 90), 70% one-image samples, 15%
 two-image samples, 15% text-only.
 
