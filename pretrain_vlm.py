@@ -1,4 +1,4 @@
-"""Train an InternVL-style VLM with megatron-core and OmniBal balancing.
+"""Train a VLM with megatron-core and OmniBal balancing.
 
     torchrun --nproc-per-node 4 pretrain_vlm.py --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
 

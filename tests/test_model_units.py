@@ -62,13 +62,13 @@ def test_segment_attention_equals_dense_masked_attention(megatron_world, heads, 
 def test_packed_samples_give_the_same_per_sample_loss_as_alone(megatron_world, tmp_path):
     from megatron.vlm.data.collate import collate_packed, collate_padded
     from megatron.vlm.data.digits import build_digits_dataset
-    from megatron.vlm.data.internvl import InternVLDataset
+    from megatron.vlm.data import RecordDataset, TileImages
     from megatron.vlm.data.tokenizer import ByteTokenizer
 
     spec = get_preset("tiny")
     tok = ByteTokenizer()
     meta = build_digits_dataset(str(tmp_path / "digits"), num_samples=40, tile_size=spec.vision.image_size)
-    ds = InternVLDataset(meta, tok, spec.vision.image_size, spec.tokens_per_tile, 6, 512)
+    ds = RecordDataset(meta, tok, TileImages(spec.vision.image_size, spec.tokens_per_tile, 6), 512)
     samples = [ds[i] for i in range(5)]
     model = whole_model(spec).eval()
 

@@ -15,7 +15,7 @@ from omnibal_ext.model.sample_time import ISF_TIME_DEVICE
 from omnibal_ext.model.layout import parse_layout
 from omnibal_ext.model.trainable import add_freeze_flags, trainable_of
 from omnibal_ext.model.spec import vit_layers_for_feature_layer
-from omnibal_ext.model.units import PRESETS, ModelSpec, build_units, family_of, get_preset
+from omnibal_ext.model.units import PRESETS, ModelSpec, build_units, default_model, family_of, get_preset
 from omnibal_ext.plan import tp_problem, trainer_argv
 
 
@@ -25,7 +25,7 @@ class ArgumentError(UserError):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description="Train an InternVL-style VLM (ViT -> projector -> LLM) with 3D parallelism and OmniBal.",
+        description="Train a VLM (ViT -> projector -> LLM) with 3D parallelism and OmniBal.",
         allow_abbrev=False)
 
     g = p.add_argument_group("model")
@@ -34,11 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(repeatable): a model family defined outside this repository that registers itself with "
                         "megatron.vlm.families.register() when imported; its presets and --hf-checkpoint configs "
                         "become known")
-    g.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="model size preset")
+    g.add_argument("--model", default=default_model(), choices=sorted(PRESETS), help="model size preset")
     g.add_argument("--hf-checkpoint", default=None, metavar="DIR",
-                   help="start from this Hugging Face InternVL or Qwen2.5-VL folder (config.json + *.safetensors; "
-                        "InternVL native or original layout): the model comes from its config.json (no model flags "
-                        "needed; a model flag that disagrees is an error), each rank loads its own units and TP slices "
+                   help="start from this Hugging Face folder (config.json + *.safetensors of a registered family: "
+                        "the one whose reader recognizes its config.json): the model comes from its config.json (no "
+                        "model flags needed; a model flag that disagrees is an error), each rank loads its own units and TP "
+                        "slices "
                         "from the safetensors, and a tokenizer there is the default --tokenizer-model")
     for flag, help_ in [
         ("--vision-num-layers", "ViT layers"), ("--vision-hidden-size", "ViT hidden size"),
@@ -136,13 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta2", type=float, default=0.95)
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations (GPU)")
     g.add_argument("--loss-reduction", choices=["token", "sample", "square"], default="token",
-                   help="weight of a sample's answer tokens in a global batch's loss (InternVL's meanings): token = "
-                        "every answer token the same, sample = every sample the same (1/n per token), square = "
+                   help="weight of a sample's answer tokens in a global batch's loss (as VLM fine-tuning defines "
+                        "them): token = every answer token the same, sample = every sample the same (1/n per token), "
+                        "square = "
                         "1/sqrt(n) per token of a sample with n answer tokens; normalised over the whole global "
                         "batch, so it depends on neither DP, micro-batch size, packing nor PP")
     g.add_argument("--vision-drop-path-rate", type=float, default=0.0,
                    help="ViT stochastic depth: branches dropped per tile with a rate rising linearly over the "
-                        "layers to this value (InternViT's drop_path_rate); the mask is hashed from (seed, "
+                        "layers to this value (the published ViTs' drop_path_rate); the mask is hashed from (seed, "
                         "iteration, sample, tile, layer), so any TP/PP/DP/layout gives the serial run's losses")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
                    help="the same recompute on every stage (full: every layer)")
@@ -153,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", default=None,
-                   help="meta JSON, or one annotation JSONL (InternVL conversations or messages records); default: "
+                   help="meta JSON, or one annotation JSONL (conversations or messages records); default: "
                         "the built-in digits dataset, made on first run")
     g.add_argument("--valid-data-path", default=None,
                    help="meta JSON or annotation JSONL for evaluation (default: the built-in dataset's held-out split)")
@@ -162,12 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(scans/: a restart of the same data reads its scan instead of decoding every image again)")
     g.add_argument("--tokenizer-model", default=None, help="local Hugging Face tokenizer folder (default: byte-level)")
     g.add_argument("--max-num-tiles", type=int, default=6, help="most tiles per image, thumbnail excluded")
-    g.add_argument("--min-num-tiles", type=int, default=1, help="fewest tiles per image (InternVL's min_dynamic_patch)")
+    g.add_argument("--min-num-tiles", type=int, default=1, help="fewest tiles per image (min_dynamic_patch)")
     g.add_argument("--min-pixels", type=int, default=None,
-                   help="Qwen2.5-VL: fewest pixels (height x width) an image is resized to (default: the "
+                   help="native-resolution images: fewest pixels (height x width) an image is resized to (default: the "
                         "--hf-checkpoint folder's preprocessor_config.json, else 3136)")
     g.add_argument("--max-pixels", type=int, default=None,
-                   help="Qwen2.5-VL: most pixels an image is resized to (default: the folder's "
+                   help="native-resolution images: most pixels an image is resized to (default: the folder's "
                         "preprocessor_config.json, else 1003520)")
     g.add_argument("--seq-length", type=int, default=512, help="longest sample in tokens")
     g.add_argument("--skip-bad-samples", action="store_true",

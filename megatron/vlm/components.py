@@ -88,7 +88,7 @@ class StageContext:
     def layer_recompute(self, role: str, first_index: int | None = None) -> tuple[int, bool]:
         """(fully recomputed layers, selective) of the run of ``role`` layers starting at unit ``first_index``:
         the stage's plan recomputes its first ``full`` layers of the role in unit order (as the memory model
-        counts them), so a run after others of the role on the stage (Qwen2.5-VL's window and full-attention
+        counts them), so a run after others of the role on the stage (windowed and full-attention
         layers alternate) gets what they left (``first_index`` None: the stage's first run)."""
         r = self.recompute
         if role == VISION_LAYER:
@@ -147,7 +147,7 @@ class RuntimeComponent:
 
     def parameter_role(self, unit: Unit, name: str) -> str:
         """The role (layout letter) parameter ``name`` of ``unit``'s module plays for freezing, LoRA and the
-        per-module learning rates: the unit's own, unless a unit holds parts of another role (Qwen3-VL's DeepStack
+        per-module learning rates: the unit's own, unless a unit holds parts of another role (DeepStack
         mergers, the projector's, in ViT layer units)."""
         return unit.code
 

@@ -43,7 +43,7 @@ def vision_config(spec: ModelSpec, tp: int, on_cpu: bool, dtype: torch.dtype) ->
         num_layers=v.num_layers, hidden_size=v.hidden_size, num_attention_heads=v.padded_heads(tp),
         kv_channels=v.head_dim, ffn_hidden_size=v.ffn_hidden_size, add_bias_linear=True,
         # with add_bias_linear megatron-core always gives linear_qkv a bias; qkv_bias=False swaps in a
-        # bias-free linear_qkv in the layer spec (megatron/vlm/families/internvl/layers.py: layer_spec)
+        # bias-free linear_qkv in the layer spec (the family's layer spec)
         add_qkv_bias=v.qkv_bias, gated_linear_unit=False,
         # qk-norm over the full width of all heads: the q_layernorm/k_layernorm submodules are FullWidthQKNorm
         qk_layernorm=v.qk_norm,

@@ -1,13 +1,13 @@
 """Pipeline stages of a VLM, built from megatron-core parts through the model family's runtime components.
 
 A stage holds a contiguous slice of the unit list (omnibal_ext.model.units): any run of the family's units
-(InternVL: ViT patch embedding, ViT layers, projector, LLM embedding, LLM layers, output head).  Layers are
+(e.g. ViT patch embedding, ViT layers, projector, LLM embedding, LLM layers, output head).  Layers are
 placed like any other unit, so a stage may end the ViT and start the LLM.  The stage builds each run of
 consecutive units of one kind through its runtime component (``megatron.vlm.components``) and runs them in
 order; it never names a kind.
 
 Stage I/O.  Every stage reads the micro-batch (tokens, tiles, ...) it needs; between stages one tensor
-travels, in megatron's [sequence, batch, hidden] order (InternVL):
+travels, in megatron's [sequence, batch, hidden] order (a tiled family):
   inside the ViT           [tokens per tile, tiles, vision hidden]
   after the projector      [image tokens of all tiles, 1, LLM hidden]
   inside the LLM           [rows x sequence, 1, LLM hidden]  (THD: the micro-batch's rows flattened)

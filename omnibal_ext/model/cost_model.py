@@ -5,7 +5,7 @@ Everything here is for ONE micro-batch on ONE tensor-parallel rank (matching ``c
 Each unit's FLOPs, bytes and parameters come from its family's component (``components.py`` for
 the GPT decoder every family shares, ``families/<name>.py`` for the ViT and projector); this module
 turns them into times and cost tables, and calibrates them on a profile. The micro-batch
-(``MicroBatchShape``) holds ``vision_items`` (the ViT's work in its family's unit: InternVL tiles)
+(``MicroBatchShape``) holds ``vision_items`` (the ViT's work in its family's unit: tiles, patches)
 and ``llm_tokens`` LLM tokens (text plus image tokens).
 
 FLOPs of the shared decoder (forward, one multiply-add = 2 FLOPs), ``T`` tokens, ``h`` hidden, ``f``
@@ -29,7 +29,7 @@ of 1.55, and full recompute added 39% to the layer (7.7 ms more in the backward)
 uses that ratio; the Hopper presets use 1.79, our trainer's layers measured on an H200
 (``profiles/h200``); a profile (``calibrated_costs``) fits its own. Tensor-parallel all-reduces are
 added at the device's intra-node bus bandwidth (each component's ``tp_allreduce_bytes``); a ViT whose
-heads TP does not divide (InternViT-6B's 25) is built with them padded to a multiple of the TP size
+heads TP does not divide (25, say) is built with them padded to a multiple of the TP size
 (``padded_heads``), and its FLOPs, bytes and parameters count the padded heads.
 
 Activation bytes of a pre-norm transformer layer per token (our generalisation of Korthikanti et
@@ -109,7 +109,7 @@ GiB = 2**30
 # on DGX H100/H200 (NVLink 4) for large messages. The CPU entry is a rough 2-core laptop-class machine
 # (only used to sanity-check small runs; calibrate with a profile for real numbers).
 # Backward/forward time of a transformer layer: on A100 as published (module docstring); on Hopper
-# as measured here, our trainer's ViT and LLM layers of InternVL-6B+20B in bf16 on an H200 at 9 tiles
+# as measured here, our trainer's ViT and LLM layers of the 6B ViT + 20B LLM preset in bf16 on an H200 at 9 tiles
 # and 4096 tokens (profiles/h200: 7.99/4.48 ms and 11.97/6.70 ms). H100 is the same chip.
 A100_BWD_OVER_FWD = 11.9 / 7.7  # Korthikanti et al. 2022, Table 4: 22B layer on A100, ms
 HOPPER_BWD_OVER_FWD = 1.79
@@ -246,7 +246,7 @@ def analytic_costs(
     """Costs of every unit of ``spec`` for one micro-batch of ``shape`` on one TP rank of ``device``.
 
     efficiency: fraction of ``device.matmul_flops_per_s`` reached per unit kind (defaults:
-    ``default_efficiency(spec)``). dropout: count 1-byte dropout masks (InternVL fine-tuning uses none).
+    ``default_efficiency(spec)``). dropout: count 1-byte dropout masks (VLM fine-tuning usually uses none).
     attention: "unfused" (scores kept for backward) or "flash". With ``tp`` > 1 the units' times
     include their TP all-reduces (``tp_allreduce_bytes`` over ``device.tp_bytes_per_s``).
     sequence_parallel: with ``tp`` > 1, the trainer's --sequence-parallel (activations split, tokens padded).

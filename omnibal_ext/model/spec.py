@@ -8,7 +8,7 @@ family's components, never through a family's kind names.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import UserError
@@ -41,7 +41,7 @@ class Unit:
 @dataclass(frozen=True)
 class SideTensor:
     """A tensor that one unit produces and later units read, carried beside the hidden states: within a stage in
-    the forward's cache, across stage boundaries with the activations (Qwen3-VL's DeepStack features).
+    the forward's cache, across stage boundaries with the activations (DeepStack features).
 
     name: its name on both sides (``megatron.vlm.side``); producer: the unit index that makes it; consumers: the
     unit indices that read it (it is live on every boundary between the producer and its last consumer); width:
@@ -84,7 +84,7 @@ class LanguageSpec:
     # checkpoint's value and gets a UserError naming the type)
     rope_scaling: dict | None = None
     tie_word_embeddings: bool = False  # the output layer uses the input embedding's weight
-    # multimodal RoPE (Qwen2-VL / Qwen2.5-VL): the rotary frequencies (head_dim / 2 of them) cut into sections
+    # multimodal RoPE: the rotary frequencies (head_dim / 2 of them) cut into sections
     # rotated by the temporal, height and width position ids (HF: mrope_section; megatron-core's
     # TransformerConfig.mrope_section); None: plain 1-D RoPE
     mrope_section: tuple[int, ...] | None = None
@@ -158,12 +158,12 @@ class ModelSpec:
     language: LanguageSpec
     downsample_ratio: float = 0.5
     init_method_std: float = 0.02  # std of the normal weight init (Megatron's --init-method-std)
-    family: str = "internvl"
+    family: str = field(kw_only=True)  # the registered family's name: every spec names its own (no default)
 
     @property
     def tokens_per_tile(self) -> int:
         """LLM image tokens one fixed-size tile becomes after the patch merge (families whose ViT spec
-        has ``patches_per_tile``: InternVL)."""
+        has ``patches_per_tile``: fixed-size tiles)."""
         return int(round(self.vision.patches_per_tile * self.downsample_ratio**2))
 
     @property

@@ -34,7 +34,7 @@ def basis_costs(spec: ModelSpec, tp: int, device: DeviceSpec, attention: str = "
     cp: context-parallel size; the unit shapes are split over ``cp`` ranks (``MicroBatchShape.cp``), so the
     coefficients give one CP rank's time of a whole micro-batch's (padded) shape (BASIS is a multiple of any
     power-of-two CP, so the split's rounding does not enter).
-    segments: for ViTs whose items vary in size (Qwen2.5-VL's patches), the data's attention segments per item:
+    segments: for ViTs whose items vary in size (native-resolution patches), the data's attention segments per item:
     the ViT items of the basis carry ``segments.mean_shape_sq`` (None: the family's default).
     experts: how MoE layers run (``moe_cost.ExpertRun``; their costs are linear in the tokens too)."""
     b = int(BASIS)

@@ -191,9 +191,11 @@ INTERNVIT_6B = VisionSpec(
     layer_scale_init=0.1,
 )
 
+NAME = "internvl"
+
 PRESETS: dict[str, ModelSpec] = {
     "tiny": ModelSpec(
-        name="tiny",
+        family=NAME, name="tiny",
         vision=VisionSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
                           image_size=32, patch_size=8),
         language=LanguageSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=192,
@@ -204,13 +206,13 @@ PRESETS: dict[str, ModelSpec] = {
         init_method_std=0.06,
     ),
     "internvl-6b-20b": ModelSpec(
-        name="internvl-6b-20b",
+        family=NAME, name="internvl-6b-20b",
         vision=INTERNVIT_6B,
         language=LanguageSpec(num_layers=48, hidden_size=6144, num_attention_heads=48, ffn_hidden_size=16384,
                               num_query_groups=8, vocab_size=92544, rotary_base=1000000),
     ),
     "internvl-6b-34b": ModelSpec(
-        name="internvl-6b-34b",
+        family=NAME, name="internvl-6b-34b",
         vision=INTERNVIT_6B,
         language=LanguageSpec(num_layers=60, hidden_size=7168, num_attention_heads=56, ffn_hidden_size=20480,
                               num_query_groups=8, vocab_size=64000, rotary_base=5000000),
@@ -241,19 +243,19 @@ QWEN2_5 = dict(vocab_size=QWEN2_5_VOCAB_INTERNVL, real_vocab_size=151674, rotary
 
 PRESETS.update({
     "internvl3-1b": ModelSpec(  # Qwen2.5-0.5B
-        name="internvl3-1b",
+        family=NAME, name="internvl3-1b",
         vision=INTERNVIT_300M,
         language=LanguageSpec(num_layers=24, hidden_size=896, num_attention_heads=14, ffn_hidden_size=4864,
                               num_query_groups=2, **QWEN2_5),
     ),
     "internvl3-2b": ModelSpec(  # Qwen2.5-1.5B
-        name="internvl3-2b",
+        family=NAME, name="internvl3-2b",
         vision=INTERNVIT_300M,
         language=LanguageSpec(num_layers=28, hidden_size=1536, num_attention_heads=12, ffn_hidden_size=8960,
                               num_query_groups=2, **QWEN2_5),
     ),
     "internvl3-8b": ModelSpec(  # Qwen2.5-7B
-        name="internvl3-8b",
+        family=NAME, name="internvl3-8b",
         vision=INTERNVIT_300M,
         language=LanguageSpec(num_layers=28, hidden_size=3584, num_attention_heads=28, ffn_hidden_size=18944,
                               num_query_groups=4, **QWEN2_5),
@@ -274,7 +276,7 @@ QWEN3 = dict(vocab_size=151936, rotary_base=1000000, norm_eps=1e-6, head_dim=128
 
 def _internvl3_5(name: str, vision: VisionSpec, layers: int, hidden: int, heads: int, groups: int, ffn: int
                  ) -> ModelSpec:
-    return ModelSpec(name=name, vision=vision, language=LanguageSpec(
+    return ModelSpec(family=NAME, name=name, vision=vision, language=LanguageSpec(
         num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
         ffn_hidden_size=ffn, **QWEN3))
 
@@ -301,7 +303,7 @@ def spec_problem(spec: ModelSpec) -> str | None:
 
 
 INTERNVL = register(Family(
-    name="internvl", vision_spec=VisionSpec,
+    name=NAME, default_preset="tiny", vision_spec=VisionSpec,
     components=(VisionEmbedCost, VisionLayerCost, ProjectorCost, TextEmbedCost, TextLayerCost, HeadCost),
     unit_list=unit_list, vision_item="tile", presets=PRESETS, spec_problem=spec_problem,
     capabilities=Capabilities(drop_path=True, context_parallel=True, sequence_parallel=True,
