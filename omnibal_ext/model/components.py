@@ -96,7 +96,7 @@ class CostComponent:
 
     def params_of_role(self, role: str, tp: int = 1) -> tuple[int, int]:
         """(all, replicated over TP) parameters of the unit that play ``role`` (a layout letter) for freezing: all
-        of them for the unit's own role; a unit may hold parts of another (Qwen3-VL's DeepStack mergers, the
+        of them for the unit's own role; a unit may hold parts of another (DeepStack mergers, the
         projector's, in ViT layer units). Replicated ones are counted 0 where a kind never splits them apart."""
         return (self.params(tp), 0) if role == self.code else (0, 0)
 

@@ -99,7 +99,7 @@ class MoESpec:
 
 def layer_freq_from_qwen(num_layers: int, decoder_sparse_step: int, mlp_only_layers=()) -> tuple[int, ...]:
     """megatron-core's list form of Qwen's rule: layer i is MoE when (i + 1) % decoder_sparse_step == 0 and i is
-    not in ``mlp_only_layers`` (HF Qwen2-MoE / Qwen3-MoE / Qwen3-VL-MoE configs)."""
+    not in ``mlp_only_layers`` (HF ``decoder_sparse_step`` / ``mlp_only_layers`` configs)."""
     if int(decoder_sparse_step) != decoder_sparse_step or decoder_sparse_step < 1:
         raise UserError(f"decoder_sparse_step must be a positive integer, got {decoder_sparse_step!r}")
     dense = set(int(i) for i in mlp_only_layers or ())

@@ -88,7 +88,7 @@ class LanguageSpec:
     # rotated by the temporal, height and width position ids (HF: mrope_section; megatron-core's
     # TransformerConfig.mrope_section); None: plain 1-D RoPE
     mrope_section: tuple[int, ...] | None = None
-    # the sections interleaved (Qwen3-VL, HF: mrope_interleaved): frequency j rotates by the height id when
+    # the sections interleaved (HF: mrope_interleaved): frequency j rotates by the height id when
     # j % 3 == 1 and j < 3 * section[1], by the width id when j % 3 == 2 and j < 3 * section[2], else by the
     # temporal id (megatron/vlm/rope.py); False: consecutive chunks of section[0], section[1], section[2]
     mrope_interleaved: bool = False
