@@ -116,6 +116,25 @@ class CostComponent:
         (with sequence parallelism: all-reduce-equivalent bytes, an all-gather or reduce-scatter counting half)."""
         return 0.0, 0.0
 
+    # Expert parallelism (``omnibal_ext.model.moe_cost``): only MoE layers override these.
+    def with_experts(self, run) -> "CostComponent":
+        """This component under the expert run ``run`` (``moe_cost.ExpertRun``: EP / ETP sizes and the expert
+        load); a unit without experts is the same under every run."""
+        return self
+
+    def rank_work(self, shape: MicroBatchShape, tp: int) -> float:
+        """The forward work its time is proportional to on the busiest rank: FLOPs per TP rank (an MoE layer: its
+        experts' FLOPs times the expert load imbalance), or memory bytes for a memory-bound kind."""
+        return self.mem_bytes(shape) if self.memory_bound else self.flops(shape, tp)[0] / tp
+
+    def ep_alltoall_bytes(self, shape: MicroBatchShape, tp: int, sequence_parallel: bool = False) -> tuple[float, float]:
+        """(forward, backward) bytes one rank sends in its expert-parallel all-to-alls per micro-batch."""
+        return 0.0, 0.0
+
+    def expert_params(self) -> int:
+        """Of ``params``, the routed experts' parameters (split over EP x ETP, not TP), whole model."""
+        return 0
+
 
 def sp_tokens(tokens: int, tp: int, sequence_parallel: bool) -> int:
     """Tokens a sequence-parallel run pads ``tokens`` to (a multiple of ``tp``); ``tokens`` without it."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UserError
+from .moe import MoESpec
 
 # Unit roles: the one-letter codes of the layout syntax, the same for every family. A family may have
 # several kinds of unit in one role (window and full-attention ViT layers are both ``v``).
@@ -94,7 +95,11 @@ class LanguageSpec:
     # RMSNorm of every query and key head over its head_dim values, before RoPE (Qwen3; HF: q_norm / k_norm)
     qk_norm: bool = False
 
+    # mixture-of-experts layers (``omnibal_ext.model.moe``); None: a dense decoder
+    moe: MoESpec | None = None
+
     def __post_init__(self):
+        self._check_moe()
         if self.mrope_interleaved and self.mrope_section is None:
             raise UserError("mrope_interleaved needs an mrope_section (interleaved multimodal RoPE)")
         if self.mrope_section is not None:
@@ -112,6 +117,18 @@ class LanguageSpec:
         if self.real_vocab_size is not None and not 1 <= self.real_vocab_size <= self.vocab_size:
             raise UserError(f"real vocabulary size {self.real_vocab_size} must be in [1, {self.vocab_size}] "
                             "(the padded vocabulary)")
+
+    def _check_moe(self) -> None:
+        """``moe`` from a dict (a spec's JSON) made an ``MoESpec``; its per-layer list must cover the layers."""
+        if isinstance(self.moe, dict):
+            object.__setattr__(self, "moe", MoESpec.from_dict(self.moe))
+        if self.moe is not None and len(self.moe.layer_freq) != self.num_layers:
+            raise UserError(f"MoESpec.layer_freq has {len(self.moe.layer_freq)} entries for the decoder's "
+                            f"{self.num_layers} layers")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (0-based) has experts."""
+        return self.moe is not None and self.moe.is_moe(layer)
 
     @property
     def kv_groups(self) -> int:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from ...errors import UserError
 from ..components import (FUSED_KERNELS, ActBytes, CostComponent, HeadCost, TextEmbedCost, TextLayerCost,
                           layer_act_bytes_per_token, norm_bytes_per_token, sp_tokens)
+from ..moe_cost import llm_layer_units
 from ..spec import PROJECTOR, VISION_EMBED, VISION_LAYER, LanguageSpec, ModelSpec
 from ..spec import vit_layers_for_feature_layer  # noqa: F401  (its HF reader's)
 from ..lora import TARGETS as LORA_TARGETS
@@ -172,7 +173,7 @@ def unit_list(spec: ModelSpec):
     units = [("vit.embed", VisionEmbedCost, None)]
     units += [(f"vit.layer.{i}", VisionLayerCost, i) for i in range(spec.vision.num_layers)]
     units += [("projector", ProjectorCost, None), ("llm.embed", TextEmbedCost, None)]
-    units += [(f"llm.layer.{i}", TextLayerCost, i) for i in range(spec.language.num_layers)]
+    units += llm_layer_units(spec)  # MoE layers (LanguageSpec.moe) at their own kind
     return units + [("llm.head", HeadCost, None)]
 
 
