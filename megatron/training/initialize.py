@@ -24,12 +24,14 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def initialize_distributed(device: torch.device, tp: int, pp: int, cp: int = 1, vpp: int = 1) -> None:
+def initialize_distributed(device: torch.device, tp: int, pp: int, cp: int = 1, vpp: int = 1, ep: int = 1,
+                           etp: int | None = None) -> None:
     """Start torch.distributed (gloo on CPU, NCCL on GPU) and megatron's model-parallel groups.
 
     A plain ``python pretrain_vlm.py`` (no torchrun) runs as a world of one.  On CPU the caller has
     entered ``cpu_compat.patched()`` for the whole run (teardown included).  ``vpp`` > 1: model chunks per
-    pipeline rank (megatron's virtual pipeline size, which selects the interleaved schedule).
+    pipeline rank (megatron's virtual pipeline size, which selects the interleaved schedule).  ``ep`` / ``etp``:
+    the MoE experts' expert-parallel and expert-tensor-parallel sizes (megatron-core's expert grid; ETP None: TP).
     """
     if device.type == "cpu":
         from . import cpu_compat
@@ -53,7 +55,8 @@ def initialize_distributed(device: torch.device, tp: int, pp: int, cp: int = 1, 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
-            virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+            virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+            expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
 
 
 def _restart_store():

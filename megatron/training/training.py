@@ -52,7 +52,7 @@ def build_model(args, plan: RunPlan, img_context_id: int, device: torch.device):
             attention_backend=args.attention_backend, seed=args.seed, recompute=plan.recompute[stage],
             img_context_id=img_context_id, on_cpu=on_cpu, sequence_parallel=args.sequence_parallel,
             cp=plan.context_parallel_size, trainable=None if plan.trainable is None else plan.trainable.trains,
-            vision_drop_path_rate=args.vision_drop_path_rate, lora=plan.lora))
+            vision_drop_path_rate=args.vision_drop_path_rate, lora=plan.lora, moe_run=plan.moe_run))
         if vpp > 1:  # read by megatron-core's interleaved schedule and p2p communicator (model[0]'s config)
             module.config.virtual_pipeline_model_parallel_size = vpp
         module.to(device=device, dtype=dtype)
@@ -271,7 +271,8 @@ class MetricsLog:
                "learning rate": "{:.6E}", "global batch size": "{:5d}", "lm loss": "{:.6E}", "token mean loss": "{:.6E}",
                "answer acc": "{:.4f}", "grad norm": "{:.4f}", "tokens/s": "{:.1f}", "images/s": "{:.1f}",
                "pad ratio": "{:.4f}", "data wait ms": "{:.1f}", "dist ratio llm": "{:.4f}", "dist ratio vit": "{:.4f}",
-               "dist ratio llm time": "{:.4f}", "dist ratio vit time": "{:.4f}"}
+               "dist ratio llm time": "{:.4f}", "dist ratio vit time": "{:.4f}", "moe aux loss": "{:.6E}",
+               "moe z loss": "{:.6E}", "expert load imbalance": "{:.4f}", "ep load imbalance": "{:.4f}"}
         for key, value in metrics.items():
             if value is None:
                 continue
@@ -333,6 +334,9 @@ def train(args, plan: RunPlan, model, optimizer, scheduler, train_data, valid_da
     peak_act = 0
     iteration = start_iteration
     saved = None
+    from .moe_log import moe_log_of
+
+    moe_log = moe_log_of(args, plan, [unwrap_model(m) for m in model], next(model[0].parameters()).device)
     while iteration < args.train_iters:
         checkpointing.fault_point("train", iteration + 1)
         start = time.perf_counter()
@@ -342,6 +346,8 @@ def train(args, plan: RunPlan, model, optimizer, scheduler, train_data, valid_da
         if meter:
             meter.reset()
         train_data.start_recording()
+        if moe_log:
+            moe_log.start_iteration()
         train_data.iteration = iteration + 1  # the drop path's key
         DATA_WAIT["s"] = 0.0
         data_iterator, scale = train_data, None
@@ -391,6 +397,8 @@ def train(args, plan: RunPlan, model, optimizer, scheduler, train_data, valid_da
         metrics["tokens/s"] = float(samples_tokens[0]) / elapsed
         metrics["images/s"] = float(samples_tokens[1]) / elapsed
         metrics.update({k.replace("_", " "): v for k, v in balance.items()})
+        if moe_log:  # moe aux loss, expert load imbalance (megatron/training/moe_log.py)
+            metrics.update(moe_log.metrics(iteration, _gloo_world()))
         history.append(metrics)
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             log.log(iteration, args.train_iters, metrics)
@@ -420,6 +428,8 @@ def train(args, plan: RunPlan, model, optimizer, scheduler, train_data, valid_da
         log.log(iteration, args.train_iters, {k.replace("_", " "): v for k, v in summary["balance"].items()},
                 prefix="balance over the run, ")
     log.close()
+    if moe_log:
+        moe_log.close()
     return summary
 
 
