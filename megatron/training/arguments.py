@@ -349,12 +349,24 @@ def check_moe(args, spec: ModelSpec, tp: int, pp: int, cp: int, dp: int) -> None
                             "(megatron-core's aux-loss-free balancing)")
     if args.moe_aux_loss_coeff < 0 or (args.moe_z_loss_coeff is not None and args.moe_z_loss_coeff < 0):
         raise ArgumentError("--moe-aux-loss-coeff and --moe-z-loss-coeff must be >= 0")
+    from omnibal_ext.model.lora import Lora
+
+    lora = Lora.from_args(args)
+    mlp = [t for t in lora.targets if t in ("llm.fc1", "llm.fc2")] if lora.on else []
+    if mlp:
+        raise ArgumentError(f"--lora-targets {','.join(mlp)} (the default targets include them) with --num-experts: "
+                            "adapters on experts (llm.experts) are not supported yet; give --lora-targets "
+                            "llm.qkv,llm.proj (and ViT targets)")
     for flag, on in (("--omnibal-partition auto", args.omnibal_partition == "auto"),
                      ("--omnibal-recompute auto", args.omnibal_recompute == "auto"),
                      ("--omnibal-profile", bool(args.omnibal_profile))):
         if on:
             raise ArgumentError(f"{flag} with --num-experts: the trainer's profiler does not run MoE layers yet "
                                 "(give --pipeline-layout / --recompute-plan)")
+    if moe.load_balancing_type == "seq_aux_loss":
+        raise ArgumentError("--moe-router-load-balancing-type seq_aux_loss: megatron-core 0.16 takes a packed "
+                            "micro-batch (THD) as one sequence, not one per sample; not supported yet (use aux_loss "
+                            "or global_aux_loss)")
     if cp > 1:
         raise ArgumentError("--num-experts with --context-parallel-size > 1 is not supported yet (the router's "
                             "padding mask and aux losses are not split over CP ranks)")

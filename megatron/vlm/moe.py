@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.router import TopKRouter
 
 from omnibal_ext.model.moe import MoESpec
 
@@ -96,6 +97,16 @@ class SeededSequentialMLP(SequentialMLP):
                                               is_expert=True, tp_group=pg_collection.expt_tp))
 
 
+class MaskedTopKRouter(TopKRouter):
+    """megatron-core's ``TopKRouter`` whose expert-bias token count takes the padding mask: 0.16.1 ands the routing
+    map [tokens, experts] with the flattened mask [tokens] (a broadcasting error); here the mask is a column."""
+
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        if padding_mask is not None:
+            padding_mask = padding_mask.reshape(-1, 1)
+        return super()._apply_expert_bias(routing_map, padding_mask=padding_mask)
+
+
 def layer_spec(dense_spec, num_experts: int, normalization: str):
     """``dense_spec`` (a local-spec layer, already changed for the family: seeded layer, attention, norms) with
     megatron-core's MoE module as its MLP (the local backend: ``SequentialMLP`` experts, seeded per expert); the
@@ -108,6 +119,7 @@ def layer_spec(dense_spec, num_experts: int, normalization: str):
     mlp = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
                                    normalization=normalization).submodules.mlp
     mlp.submodules.experts.module = SeededSequentialMLP
+    mlp.submodules.router = MaskedTopKRouter
     spec.submodules.mlp = mlp
     return spec
 
