@@ -363,6 +363,9 @@ def check_moe(args, spec: ModelSpec, tp: int, pp: int, cp: int, dp: int) -> None
         if on:
             raise ArgumentError(f"{flag} with --num-experts: the trainer's profiler does not run MoE layers yet "
                                 "(give --pipeline-layout / --recompute-plan)")
+    if args.moe_token_dispatcher_type == "allgather":
+        raise ArgumentError("--moe-token-dispatcher-type allgather: megatron-core 0.16 refuses it with variable "
+                            "sequence lengths, which the stages' changing shapes need; use alltoall")
     if moe.load_balancing_type == "seq_aux_loss":
         raise ArgumentError("--moe-router-load-balancing-type seq_aux_loss: megatron-core 0.16 takes a packed "
                             "micro-batch (THD) as one sequence, not one per sample; not supported yet (use aux_loss "
