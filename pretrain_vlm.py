@@ -26,7 +26,9 @@ def main(argv=None) -> dict:
         raise ArgumentError("--bf16 needs a CUDA device: megatron-core's mixed-precision optimizer takes CUDA "
                             "tensors only (train in fp32 on CPU)")
     initialize_distributed(device, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                           args.context_parallel_size, virtual_pipeline_size(args), distributed_timeout(args))
+                           args.context_parallel_size, virtual_pipeline_size(args),
+                           args.expert_model_parallel_size, args.expert_tensor_parallel_size,
+                           timeout=distributed_timeout(args))
     set_seeds(args.seed)
 
     import dataclasses

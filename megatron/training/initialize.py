@@ -32,8 +32,8 @@ def distributed_timeout(args) -> datetime.timedelta:
     return datetime.timedelta(minutes=args.distributed_timeout_minutes)
 
 
-def initialize_distributed(device: torch.device, tp: int, pp: int, cp: int = 1, vpp: int = 1,
-                           timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
+def initialize_distributed(device: torch.device, tp: int, pp: int, cp: int = 1, vpp: int = 1, ep: int = 1,
+                           etp: int | None = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
     """Start torch.distributed (gloo on CPU, NCCL on GPU) and megatron's model-parallel groups.
 
     ``timeout``: how long any collective or p2p transfer of those groups (and the rendezvous) waits for the
@@ -41,7 +41,8 @@ def initialize_distributed(device: torch.device, tp: int, pp: int, cp: int = 1, 
 
     A plain ``python pretrain_vlm.py`` (no torchrun) runs as a world of one.  On CPU the caller has
     entered ``cpu_compat.patched()`` for the whole run (teardown included).  ``vpp`` > 1: model chunks per
-    pipeline rank (megatron's virtual pipeline size, which selects the interleaved schedule).
+    pipeline rank (megatron's virtual pipeline size, which selects the interleaved schedule).  ``ep`` / ``etp``:
+    the MoE experts' expert-parallel and expert-tensor-parallel sizes (megatron-core's expert grid; ETP None: TP).
     """
     if device.type == "cpu":
         from . import cpu_compat
@@ -66,6 +67,7 @@ def initialize_distributed(device: torch.device, tp: int, pp: int, cp: int = 1, 
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
             virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+            expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
             distributed_timeout_minutes=timeout.total_seconds() / 60)
 
 

@@ -19,7 +19,7 @@ from omnibal_ext.model.lora import Lora
 from omnibal_ext.model.trainable import Trainable, trainable_of
 from omnibal_ext.model.units import ModelSpec, build_units
 
-from .arguments import batch_sizes, data_parallel_size, model_spec_of, virtual_pipeline_size
+from .arguments import batch_sizes, data_parallel_size, model_spec_of, moe_run_of, virtual_pipeline_size
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,9 @@ class RunPlan:
     lora: Lora = Lora()
     """LoRA adapters (--lora-*; omnibal_ext.model.lora): rank 0 = none; with them the layers run megatron-core's
     torch linears (--transformer-impl local)."""
+    moe_run: object = None
+    """With --num-experts: how the MoE layers train (``megatron.vlm.moe.MoERun``: loss coefficients, expert bias,
+    dispatcher, EP / ETP); else None."""
     recompute_plan: RecomputePlan | None = None
     """With --omnibal-recompute auto: the planner's answer, with its predicted peak and static bytes and the
     budget per stage (reported beside the measured memory); else None."""
@@ -112,7 +115,7 @@ def plan_run(args, world_size: int, device) -> RunPlan:
                    tokenizer_model=args.tokenizer_model, trainable=trainable_of(args, model_spec_of(args)),
                    context_parallel_size=args.context_parallel_size,
                    isf_token_multiple=isf_token_multiple(args), lora=Lora.from_args(args),
-                   virtual_pipeline_size=virtual_pipeline_size(args))
+                   virtual_pipeline_size=virtual_pipeline_size(args), moe_run=moe_run_of(args))
 
 
 def isf_token_multiple(args) -> int:

@@ -28,6 +28,7 @@ from .initialize import distributed_timeout
 from .interleaved import chunk_data, interleaved_peak, schedule_groups, sum_tied_grads
 from .loss_reduction import prefetch, weight
 from .memory import ActivationMeter, one_f_one_b_peak, static_bytes
+from .moe_log import moe_log_of
 from .metrics import (BalanceMeans, DataWait, MetricGroups, MetricsLog, StepResult, batch_balance, reduce_reports,
                       step_metrics)
 from .run_plan import RunPlan
@@ -54,7 +55,7 @@ def build_model(args, plan: RunPlan, img_context_id: int, device: torch.device):
             attention_backend=args.attention_backend, seed=args.seed, recompute=plan.recompute[stage],
             img_context_id=img_context_id, on_cpu=on_cpu, sequence_parallel=args.sequence_parallel,
             cp=plan.context_parallel_size, trainable=None if plan.trainable is None else plan.trainable.trains,
-            vision_drop_path_rate=args.vision_drop_path_rate, lora=plan.lora))
+            vision_drop_path_rate=args.vision_drop_path_rate, lora=plan.lora, moe_run=plan.moe_run))
         if vpp > 1:  # read by megatron-core's interleaved schedule and p2p communicator (model[0]'s config)
             module.config.virtual_pipeline_model_parallel_size = vpp
         module.to(device=device, dtype=dtype)
@@ -311,10 +312,13 @@ def train(args, plan: RunPlan, model, optimizer, scheduler, train_data, valid_da
     logged Dist ratios in time too."""
     setup = StepSetup.build(args, plan, model)
     log = MetricsLog(args)
+    moe_log = moe_log_of(args, plan, [unwrap_model(m) for m in model], next(model[0].parameters()).device)
     history, balance_means, peak_act = [], BalanceMeans(), 0
     iteration, saved = start_iteration, None
     while iteration < args.train_iters:
         checkpointing.fault_point("train", iteration + 1)
+        if moe_log:
+            moe_log.start_iteration()
         step = train_step(args, plan, setup, model, optimizer, scheduler, train_data, iteration + 1)
         iteration += 1
         peak_act = max(peak_act, step.act_peak_bytes)
@@ -324,6 +328,8 @@ def train(args, plan: RunPlan, model, optimizer, scheduler, train_data, valid_da
         balance = batch_balance(step.records, balance_fn, setup.groups.dp_gloo, sample_times) if balance_fn else {}
         balance_means.add(balance)
         metrics.update({k.replace("_", " "): v for k, v in balance.items()})
+        if moe_log:  # moe aux loss, expert load imbalance (megatron/training/moe_log.py)
+            metrics.update(moe_log.metrics(iteration, setup.groups.world_gloo))
         if due(args.log_interval, iteration, args.train_iters):
             log.log(iteration, args.train_iters, metrics)
         if valid_data is not None and due(args.eval_interval, iteration, args.train_iters):
@@ -351,6 +357,8 @@ def train(args, plan: RunPlan, model, optimizer, scheduler, train_data, valid_da
         log.log(iteration, args.train_iters, {k.replace("_", " "): v for k, v in balance.items()},
                 prefix="balance over the run, ")
     log.close()
+    if moe_log:
+        moe_log.close()
     return summary
 
 

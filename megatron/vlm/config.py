@@ -51,8 +51,15 @@ def vision_config(spec: ModelSpec, tp: int, on_cpu: bool, dtype: torch.dtype) ->
         **_common(tp=tp, pp=1, on_cpu=on_cpu, dtype=dtype, init_method_std=spec.init_method_std))
 
 
-def language_config(spec: ModelSpec, tp: int, on_cpu: bool, dtype: torch.dtype, pp: int = 1) -> TransformerConfig:
+def language_config(spec: ModelSpec, tp: int, on_cpu: bool, dtype: torch.dtype, pp: int = 1,
+                    moe_run=None) -> TransformerConfig:
+    """The LLM's TransformerConfig; with ``spec.language.moe`` its MoE fields, trained as ``moe_run``
+    (``megatron.vlm.moe.MoERun``; None: its defaults)."""
+    from megatron.vlm.moe import config_fields
+
     lang = spec.language
+    common = _common(tp=tp, pp=pp, on_cpu=on_cpu, dtype=dtype, init_method_std=spec.init_method_std)
+    common.update(config_fields(lang.moe, moe_run, tp))
     return TransformerConfig(
         num_layers=lang.num_layers, hidden_size=lang.hidden_size, num_attention_heads=lang.num_attention_heads,
         num_query_groups=lang.kv_groups, kv_channels=lang.kv_channels, ffn_hidden_size=lang.ffn_hidden_size,
@@ -61,5 +68,4 @@ def language_config(spec: ModelSpec, tp: int, on_cpu: bool, dtype: torch.dtype, 
         # qk_layernorm stays False, or finalize_model_grads would sum every "q_layernorm" again, the ViT's too
         qk_layernorm=False,
         gated_linear_unit=lang.swiglu, activation_func=F.silu if lang.swiglu else F.gelu,
-        normalization=lang.normalization, layernorm_epsilon=lang.norm_eps,
-        **_common(tp=tp, pp=pp, on_cpu=on_cpu, dtype=dtype, init_method_std=spec.init_method_std))
+        normalization=lang.normalization, layernorm_epsilon=lang.norm_eps, **common)

@@ -76,6 +76,7 @@ class StageBuild:
     cp: int = 1  # context-parallel size of the LLM (megatron/vlm/context_parallel.py); the ViT has none
     vision_drop_path_rate: float = 0.0  # ViT stochastic depth, rising linearly to this at the last layer
     lora: Lora = Lora()  # LoRA adapters on the layers its targets name (megatron/vlm/lora.py); rank 0: none
+    moe_run: object = None  # how MoE layers train (megatron.vlm.moe.MoERun); None: its defaults
 
 
 @dataclasses.dataclass
@@ -102,10 +103,12 @@ def build_stage(build: StageBuild) -> "VLMStage":
     def with_cp(config):
         return config if build.cp == 1 else dataclasses.replace(config, context_parallel_size=build.cp)
 
+    moe = build.moe_run
     return VLMStage(build, family,
-                    stage_config=made(with_cp(language_config(spec, tp, build.on_cpu, build.dtype, pp=build.pp))),
+                    stage_config=made(with_cp(language_config(spec, tp, build.on_cpu, build.dtype, pp=build.pp,
+                                                              moe_run=moe))),
                     vision_config=made(family.vision_config(spec, tp, build.on_cpu, build.dtype)),
-                    llm_config=made(with_cp(language_config(spec, tp, build.on_cpu, build.dtype))))
+                    llm_config=made(with_cp(language_config(spec, tp, build.on_cpu, build.dtype, moe_run=moe))))
 
 
 class VLMStage(MegatronModule):
