@@ -20,7 +20,7 @@ from typing import Callable
 from ...errors import UserError
 from ..components import CostComponent
 from ..lora import TARGETS
-from ..spec import ModelSpec, SideTensor
+from ..spec import LanguageSpec, ModelSpec, SideTensor
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,8 @@ class Family:
     DeepStack features), () for most families; only those whose producer and consumers ``spec`` has (the trainer's
     profiler runs a model of few layers: ``megatron.training.profiling.profile_units``). capabilities: what it
     implements beyond the plain model (``Capabilities``: drop path, CP, SP, LoRA targets, image flags, video, MoE),
-    checked when flags are parsed."""
+    checked when flags are parsed. language_spec: the LanguageSpec (sub)class of its LLM (a hybrid decoder's
+    extra fields: Qwen3.5's layer kinds)."""
 
     name: str
     vision_spec: type
@@ -75,6 +76,7 @@ class Family:
     spec_problem: Callable[[ModelSpec], str | None] = lambda spec: None  # noqa: E731
     side_tensors: Callable[[ModelSpec], tuple[SideTensor, ...]] = lambda spec: ()  # noqa: E731
     capabilities: Capabilities = Capabilities()
+    language_spec: type = LanguageSpec  # the dataclass of ``ModelSpec.language`` (a LanguageSpec subclass)
 
 
 FAMILIES: dict[str, Family] = {}  # name -> Family; filled by ``register`` only
