@@ -21,6 +21,61 @@ from omnibal_ext.model.units import build_units, get_preset, role_summary  # noq
 TOL = 1e-5
 
 
+# The published config.json facts of the dense Qwen/Qwen3.5 folders, and where each was read (public copies found
+# with the project's code and page search; the Hub is not reachable from here):
+# * 0.8B: "a compact mirror of Qwen/Qwen3.5-0.8B's config.json" in a C++ port's test: text 24 layers, hidden 1024,
+#   intermediate 3584, 8 / 2 heads, head_dim 256, linear 16 key / 16 value heads of 128, conv kernel 4, layer_types
+#   [L, L, L, F] x 6, mrope_section [11, 11, 10], vocab 248320, tie_word_embeddings true; an engine's test of the same
+#   config: vision depth 12, hidden 768, rope_theta 1e7, partial_rotary_factor 0.25, mrope_interleaved; slime's
+#   scripts/models/qwen3.5-0.8B.sh the same LLM (--rotary-percent 0.25, --rotary-base 10000000, --apply-layernorm-1p,
+#   --attention-output-gate). The ViT's heads (12) and intermediate (3072) are not in those copies: hidden / 64 and
+#   4 x hidden, as Qwen3-VL's ViTs have (unverified);
+# * 9B: transformers' Qwen3_5TextConfig defaults, documented as "the Qwen3.5-9B style configuration": vocab 248320,
+#   hidden 4096, intermediate 12288, 32 layers, 16 / 4 heads, head_dim 256, linear 16 / 32 heads of 128, kernel 4,
+#   untied; a model page's spec of Qwen3.5-9B: 32 layers, hidden 4096, 16 heads, 4 KV heads, 8 of 32 layers gated
+#   attention, FFN 12288, 64 rope dimensions, rope base 1e7. Its ViT: Qwen3_5VisionConfig's defaults (depth 27,
+#   hidden 1152, 16 heads, intermediate 4304).
+PUBLISHED = {  # name: (ViT depth, hidden, heads, ffn, LLM layers, hidden, heads, kv, ffn, key heads, value heads, tied)
+    "qwen3.5-0.8b": (12, 768, 12, 3072, 24, 1024, 8, 2, 3584, 16, 16, True),
+    "qwen3.5-9b": (27, 1152, 16, 4304, 32, 4096, 16, 4, 12288, 16, 32, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_presets_are_the_published_sizes(name):
+    depth, vh, vheads, vffn, layers, hidden, heads, kv, ffn, nk, nv, tied = PUBLISHED[name]
+    spec = get_preset(name)
+    v, lang = spec.vision, spec.language
+    assert (v.num_layers, v.hidden_size, v.num_attention_heads, v.ffn_hidden_size) == (depth, vh, vheads, vffn)
+    assert v.deepstack_visual_indexes == () and (v.patch_size, v.spatial_merge_size) == (16, 2)
+    assert (lang.num_layers, lang.hidden_size, lang.num_attention_heads, lang.kv_groups, lang.ffn_hidden_size,
+            lang.linear_num_key_heads, lang.linear_num_value_heads, lang.tie_word_embeddings) == \
+        (layers, hidden, heads, kv, ffn, nk, nv, tied)
+    assert (lang.kv_channels, lang.rotary_dim, lang.vocab_size, lang.rotary_base, lang.mrope_section) == \
+        (256, 64, 248320, 10000000, (11, 11, 10))
+    assert (lang.linear_key_head_dim, lang.linear_value_head_dim, lang.linear_conv_kernel_dim) == (128, 128, 4)
+    assert lang.layer_types == ("linear_attention", "linear_attention", "linear_attention", "full_attention") * (layers // 4)
+    assert role_summary(spec).startswith(f"I v*{depth} P E t*{layers} L")
+
+
+def test_spec_round_trips_through_its_dict():
+    from omnibal_ext.model.units import spec_from_dict
+
+    spec = get_preset("qwen3.5-tiny")
+    assert spec_from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(layer_types=("linear_attention",) * 5), "layer_types has 5"),
+    (dict(layer_types=("linear_attention", "mamba") * 3), "unknown"),
+    (dict(linear_num_value_heads=3), "multiple"),
+    (dict(mrope_section=(2, 2, 2)), "rotary dimensions"),
+])
+def test_bad_language_spec_is_refused(change, match):
+    with pytest.raises(UserError, match=match):
+        dataclasses.replace(get_preset("qwen3.5-tiny").language, **change)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """{"untied"|"tied": (folder, transformers model)}."""
@@ -156,3 +211,30 @@ def test_context_parallel_is_refused(megatron_world):
     first = next(u.index for u in units if u.code == "t")
     with pytest.raises(UserError, match="context parallelism"):
         build_stage(StageBuild(spec, range(first, first + 1), cp=2))
+
+
+@pytest.mark.slow
+def test_hf_logits_script_tp2_and_pp2_under_torchrun(tiny, tmp_path):
+    """TP 2 (linear key heads and attention heads split, 3 ViT heads padded to 4), tied and untied; PP 2 with the
+    boundary between a linear and a full-attention layer (after LLM layer 0) and between a full and a linear one
+    (after layer 2, the tied embedding and head apart)."""
+    sys.path.insert(0, str(q.__file__).rsplit("/tests/", 1)[0] + "/scripts")
+    import benchlib
+
+    batch = q.inputs()
+    torch.save(batch, tmp_path / "in.pt")
+    runs = [("untied", ["--tensor-model-parallel-size", "2"]),
+            ("tied", ["--tensor-model-parallel-size", "2"]),
+            ("untied", ["--pipeline-model-parallel-size", "2", "--pipeline-layout", "Iv*2PEt|t*4L"]),
+            ("tied", ["--pipeline-model-parallel-size", "2", "--pipeline-layout", "Iv*2PEt*3|t*2L"])]
+    for name, flags in runs:
+        folder, model = tiny[name]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(benchlib.free_port()), str(benchlib.ROOT / "scripts" / "hf_logits.py"), "--hf-checkpoint",
+               str(folder), "--inputs", str(tmp_path / "in.pt"), "--out", str(tmp_path / "out.pt"), *flags]
+        run = subprocess.run(cmd, env=benchlib.trainer_env(), capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        got = torch.load(tmp_path / "out.pt")
+        diff = (got - q.hf_logits(model, batch)).abs().max().item()
+        print(f"{name} {' '.join(flags)}: max |diff| {diff:.3g}")
+        assert diff <= TOL, (name, flags)

@@ -24,6 +24,7 @@ runs on the whole row. Context parallelism is refused (the state would have to p
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 
@@ -170,7 +171,9 @@ class GatedDeltaNet(MegatronModule):
         self.dt_bias = torch.nn.Parameter(torch.ones(heads_local, dtype=config.params_dtype))
         for p in (self.conv1d.weight, self.A_log, self.dt_bias):
             p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
-        with get_cuda_rng_tracker().fork():  # per-rank heads: the model-parallel stream
+        tracker = get_cuda_rng_tracker()  # per-rank heads: the model-parallel stream, where one is seeded (a
+        # logits check or an import builds the layer without seeds; its weights are loaded next)
+        with tracker.fork() if tracker.is_initialized() else contextlib.nullcontext():
             torch.nn.init.kaiming_uniform_(self.conv1d.weight, a=5 ** 0.5)
             self.A_log.data.copy_(torch.empty(heads_local).uniform_(1, 16).log())
         self.out_norm = build_module(submodules.out_norm, config=config, hidden_size=dims.value_head_dim,
