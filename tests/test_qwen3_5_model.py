@@ -235,6 +235,20 @@ def test_hf_logits_script_tp2_and_pp2_under_torchrun(tiny, tmp_path):
         run = subprocess.run(cmd, env=benchlib.trainer_env(), capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         got = torch.load(tmp_path / "out.pt")
-        diff = (got - q.hf_logits(model, batch)).abs().max().item()
-        print(f"{name} {' '.join(flags)}: max |diff| {diff:.3g}")
-        assert diff <= TOL, (name, flags)
+        want = q.hf_logits(model, batch)
+        diff = (got - want).abs().max().item()
+        # TP 2 sums in another order; the gated norm turns that rounding into up to transformers' own fp32 error
+        # (its fp32 logits against its fp64 ones): measured here, so the bound is the oracle's, not ours
+        tol = TOL if "--pipeline-layout" in flags else max(TOL, _fp32_noise(model, batch, want))
+        print(f"{name} {' '.join(flags)}: max |diff| {diff:.3g} (bound {tol:.3g})")
+        assert diff <= tol, (name, flags)
+
+
+def _fp32_noise(model, batch, want) -> float:
+    """max |transformers fp32 logits - its fp64 logits| of ``model`` on ``batch``."""
+    import copy
+
+    m64 = copy.deepcopy(model).double()
+    with torch.no_grad():
+        w64 = m64(**{k: (v.double() if v.is_floating_point() else v) for k, v in batch.items()}).logits[0]
+    return (want.double() - w64).abs().max().item()
