@@ -337,12 +337,16 @@ class Head(RuntimeComponent):
     cost, attr, reads = HeadCost, "head", frozenset({"labels", "packing"})
     sp_enters = False
 
-    def build(self, units):
+    def norm_builder(self):
+        """The final norm's builder (called as megatron-core's: ``config=, hidden_size=, eps=``)."""
         from megatron.vlm.norms import TorchNorm
 
-        norm = get_gpt_layer_local_spec(normalization=self.spec.language.normalization).submodules.input_layernorm
         if self.ctx.language_config.sequence_parallel:  # megatron-core's torch norm refuses it
-            norm = TorchNorm
+            return TorchNorm
+        return get_gpt_layer_local_spec(normalization=self.spec.language.normalization).submodules.input_layernorm
+
+    def build(self, units):
+        norm = self.norm_builder()
         before = self.ctx.units[units[0].index - 1] if units[0].index else None
         # sequence parallel: the LLM layers hand over this TP rank's tokens; the norm runs on them and the
         # output layer all-gathers them (its config's sequence_parallel)

@@ -32,7 +32,7 @@ class MoESpec:
     MLP of ``LanguageSpec.ffn_hidden_size``), megatron-core's list form of ``moe_layer_freq`` (its length is checked
     against the decoder's layers by ``LanguageSpec``); shared_expert_ffn_hidden_size: the shared expert's FFN width,
     0 = none (``--moe-shared-expert-intermediate-size``); shared_expert_gate: the shared expert's output goes through
-    a sigmoid gate (a linear H -> 1; Qwen3.5-MoE); norm_topk_prob: the top-k probabilities are renormalised to sum to
+    a sigmoid gate (a linear H -> 1); norm_topk_prob: the top-k probabilities are renormalised to sum to
     1 (HF ``norm_topk_prob``); score_function: the router's score ("softmax" | "sigmoid",
     ``--moe-router-score-function``); load_balancing_type: ``--moe-router-load-balancing-type`` (aux_loss |
     seq_aux_loss | global_aux_loss | none); capacity_factor: ``--moe-expert-capacity-factor``, None = no token

@@ -104,9 +104,9 @@ class LanguageSpec:
         if self.mrope_section is not None:
             object.__setattr__(self, "mrope_section", tuple(int(x) for x in self.mrope_section))
             if len(self.mrope_section) != 3 or min(self.mrope_section) < 0 \
-                    or 2 * sum(self.mrope_section) != self.kv_channels:
+                    or 2 * sum(self.mrope_section) != self.rotary_dim:
                 raise UserError(f"mrope_section {list(self.mrope_section)} must be three sections summing to "
-                                f"head_dim / 2 = {self.kv_channels // 2}")
+                                f"the rotary dimensions / 2 = {self.rotary_dim // 2}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type")) \
                 if isinstance(self.rope_scaling, dict) else self.rope_scaling
@@ -137,6 +137,12 @@ class LanguageSpec:
     def kv_channels(self) -> int:
         """Per-head width: ``head_dim`` when given, else hidden / heads."""
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates (all of ``kv_channels``; a family with partial rotary says
+        fewer)."""
+        return self.kv_channels
 
     @property
     def vocab_real(self) -> int:

@@ -53,7 +53,7 @@ def spec_from_dict(d: dict) -> ModelSpec:
     if family is None:
         raise UserError(f"model {d.get('name')!r}: unknown family {d['family']!r}; known: {', '.join(FAMILIES)}")
     fields = {f.name for f in dataclasses.fields(ModelSpec)} - {"vision", "language"}
-    return ModelSpec(vision=family.vision_spec(**d["vision"]), language=LanguageSpec(**d["language"]),
+    return ModelSpec(vision=family.vision_spec(**d["vision"]), language=family.language_spec(**d["language"]),
                      **{k: d[k] for k in fields if k in d})
 
 

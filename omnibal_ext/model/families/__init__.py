@@ -20,7 +20,7 @@ from typing import Callable
 from ...errors import UserError
 from ..components import CostComponent
 from ..lora import TARGETS
-from ..spec import ModelSpec, SideTensor
+from ..spec import LanguageSpec, ModelSpec, SideTensor
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,8 @@ class Family:
     profiler runs a model of few layers: ``megatron.training.profiling.profile_units``). capabilities: what it
     implements beyond the plain model (``Capabilities``: drop path, CP, SP, LoRA targets, image flags, video, MoE),
     checked when flags are parsed. default_preset: the name of the preset a run without ``--model`` trains
-    (``default_model``); the registered families give one name between them."""
+    (``default_model``); the registered families give one name between them. language_spec: the LanguageSpec
+    (sub)class of its LLM (a hybrid decoder's extra fields: its layer kinds)."""
 
     name: str
     vision_spec: type
@@ -77,6 +78,7 @@ class Family:
     side_tensors: Callable[[ModelSpec], tuple[SideTensor, ...]] = lambda spec: ()  # noqa: E731
     capabilities: Capabilities = Capabilities()
     default_preset: str | None = None
+    language_spec: type = LanguageSpec  # the dataclass of ``ModelSpec.language`` (a LanguageSpec subclass)
 
 
 FAMILIES: dict[str, Family] = {}  # name -> Family; filled by ``register`` only
