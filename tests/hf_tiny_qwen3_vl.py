@@ -71,3 +71,48 @@ def inputs(grids=GRIDS, seed=1):
 def hf_logits(model, batch):
     with torch.no_grad():
         return model(**batch).logits[0].float()
+
+
+# Qwen3-VL-MoE: top-2 of 6 experts of width 20 (H 32 != 2I 40, so the two expert layouts have other shapes), layer 1
+# of 3 dense (mlp_only_layers); DeepStack features go to layers 0 (MoE) and 1 (dense)
+MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=20, mlp_only_layers=[1], decoder_sparse_step=1)
+
+
+def hf_moe_config(tie=False, llm_layers=3, **moe):
+    from transformers import Qwen3VLMoeConfig
+
+    dense = hf_config(tie=tie, llm_layers=llm_layers)
+    text = {k: v for k, v in dense.text_config.to_dict().items() if k in (
+        "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+        "num_hidden_layers", "vocab_size", "rms_norm_eps", "attention_bias", "rope_parameters")}
+    vision = {k: v for k, v in dense.vision_config.to_dict().items() if k in (
+        "depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size", "num_position_embeddings",
+        "deepstack_visual_indexes", "patch_size", "spatial_merge_size", "temporal_patch_size", "in_channels",
+        "hidden_act")}
+    return Qwen3VLMoeConfig(
+        vision_config=vision, text_config={**text, **MOE, **moe, "bos_token_id": None, "eos_token_id": None,
+                                           "pad_token_id": None},
+        image_token_id=IMAGE_ID, video_token_id=VIDEO_ID, vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END, tie_word_embeddings=tie)
+
+
+def make_tiny_moe(folder, seed=0, published=False, **kw):
+    """Save a tiny perturbed Qwen3VLMoeForConditionalGeneration to ``folder``; returns it (eval, fp32, eager).
+    ``published``: the fused expert tensors written transposed ([E, H, 2I], [E, I, H]), as the published files
+    hold them (a 5.x save_pretrained writes the in-memory [E, 2I, H], [E, H, I])."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = Qwen3VLMoeForConditionalGeneration(hf_moe_config(**kw)).eval()
+    perturb(model, seed)
+    if kw.get("tie"):
+        model.tie_weights()
+    model.save_pretrained(str(folder))
+    if published:
+        path = f"{folder}/model.safetensors"
+        tensors = load_file(path)
+        tensors = {k: v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj"))
+                   else v for k, v in tensors.items()}
+        save_file(tensors, path, metadata={"format": "pt"})
+    return eager(model)

@@ -232,6 +232,7 @@ class TextLayer(RuntimeComponent):
 
     cost, attr, reads, layers = TextLayerCost, "llm_blocks", frozenset({"packing"}), True
     sp_enters = sp_leaves = False  # sequence-parallel region edges (set by build)
+    lora_linears: tuple[str, ...] | None = None  # the LoRA targets' linears its layers have (None: all)
 
     def layer_spec(self, first_unit_index: int):
         ctx = self.ctx
@@ -242,7 +243,8 @@ class TextLayer(RuntimeComponent):
 
     def build(self, units):
         self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.language_config, (HEAD,))
-        return self.ctx.build_layers(units, self.ctx.language_config, self.layer_spec, self.code())
+        return self.ctx.build_layers(units, self.ctx.language_config, self.layer_spec, self.code(),
+                                     lora_linears=self.lora_linears)
 
     def extra_modules(self):
         lang = self.spec.language
@@ -281,6 +283,7 @@ class MoETextLayer(TextLayer):
     it). LoRA adapts the attention only."""
 
     cost = MoELayerCost
+    lora_linears = ("qkv", "proj")
 
     def layer_spec(self, first_unit_index: int):
         from megatron.vlm import moe
@@ -298,11 +301,6 @@ class MoETextLayer(TextLayer):
             layers.with_qk_norm(spec)
         return moe.layer_spec(spec, lang.moe.num_experts, lang.normalization)
 
-    def build(self, units):
-        self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.language_config, (HEAD,))
-        return self.ctx.build_layers(units, self.ctx.language_config, self.layer_spec, self.code(),
-                                     lora_linears=("qkv", "proj"))
-
     def context(self, module, batch, cache):
         if "moe_context" not in cache:
             ctx = dict(super().context(module, batch, cache))
@@ -312,7 +310,10 @@ class MoETextLayer(TextLayer):
 
     @classmethod
     def hf_recipes(cls, unit, table):
-        raise NotImplementedError("MoE decoder layers have no Hugging Face mapping yet")
+        from megatron.vlm.hf.recipes import add_moe_llm_layer
+
+        add_moe_llm_layer(table.add, table.hf, table.names.llm_layer(unit.layer), unit.name + ".", table.spec,
+                          table.info)
 
 
 def moe_padding_mask(batch: dict, thd: bool, sequence_parallel: bool) -> torch.Tensor:

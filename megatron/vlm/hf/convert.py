@@ -54,6 +54,9 @@ class HFSource:
         name = "hf:" + os.path.basename(os.path.normpath(folder))
         spec, info = spec_from_config(cfg, name, os.path.join(folder, "config.json"))
         reader = HFCheckpoint(folder)
+        from .configs import hf_side
+
+        info = hf_side(spec).checkpoint_info(info, spec, reader)
         style = detect_style(reader.names())
         src = cls(folder, cfg, spec, info, reader, style)
         if check:

@@ -30,7 +30,7 @@ from omnibal_ext.model.families.qwen3_vl import (DeepStackLayerCost, MergerCost,
 
 from megatron.vlm import sequence_parallel
 from megatron.vlm.attention import segment_params
-from megatron.vlm.components import PaddedHeadLayers, RuntimeComponent
+from megatron.vlm.components import MoETextLayer, PaddedHeadLayers, RuntimeComponent
 from megatron.vlm.families.qwen2_5_vl.components import ImageTextEmbed, MRopeTextLayer
 from megatron.vlm.families.qwen2_5_vl.modules import vision_rotary
 from megatron.vlm.side import put_side, take_side
@@ -208,10 +208,12 @@ class DeepStackTextLayer(MRopeTextLayer):
         first, rest = [u for u in units if u.layer < k], [u for u in units if u.layer >= k]
         blocks = torch.nn.ModuleList()
         for unit in first:
-            blocks.extend(self.ctx.build_layers([unit], self.ctx.language_config, self.layer_spec, self.code()))
+            blocks.extend(self.ctx.build_layers([unit], self.ctx.language_config, self.layer_spec, self.code(),
+                                                lora_linears=self.lora_linears))
         self.slots = tuple(u.layer for u in first)
         if rest:
-            more = self.ctx.build_layers(rest, self.ctx.language_config, self.layer_spec, self.code())
+            more = self.ctx.build_layers(rest, self.ctx.language_config, self.layer_spec, self.code(),
+                                         lora_linears=self.lora_linears)
             blocks.extend(more)
             self.slots += (None,) * len(more)
         return blocks
@@ -247,4 +249,20 @@ class DeepStackTextLayer(MRopeTextLayer):
         hf.llm_layer_recipes(unit, table)
 
 
-__all__ = ["VisionEmbed", "VisionLayers", "DeepStackLayers", "Merger", "ImageTextEmbed", "DeepStackTextLayer"]
+class DeepStackMoETextLayer(MoETextLayer, DeepStackTextLayer):
+    """Qwen3-VL-MoE's MoE decoder layers: the shared MoE layer (megatron-core's MoELayer, the router's padding mask)
+    run as ``DeepStackTextLayer`` runs its layers (multimodal RoPE, DeepStack feature ``j`` added after layer
+    ``j``); the experts' HF tensors are the fused ones (``hf.moe_layer_recipes``)."""
+
+    build = DeepStackTextLayer.build  # one block per DeepStack layer (MoETextLayer's is TextLayer's)
+
+    def profile_forward(self, module, x, batch, cache):
+        return DeepStackTextLayer.profile_forward(self, module, x, batch, cache)
+
+    @classmethod
+    def hf_recipes(cls, unit, table):
+        hf.moe_layer_recipes(unit, table)
+
+
+__all__ = ["VisionEmbed", "VisionLayers", "DeepStackLayers", "Merger", "ImageTextEmbed", "DeepStackTextLayer",
+           "DeepStackMoETextLayer"]
