@@ -334,5 +334,5 @@ QWEN3_VL = register(Family(
                 HeadCost),
     unit_list=unit_list, vision_item="patch", presets=PRESETS, segments_sq=image_segments_sq,
     spec_problem=spec_problem, side_tensors=side_tensors,
-    # drop path, context and sequence parallelism are declared when they are implemented and tested
-    capabilities=Capabilities(lora_targets=LORA_TARGETS, image_flags=("--min-pixels", "--max-pixels"))))
+    # context and sequence parallelism are declared when they are implemented and tested
+    capabilities=Capabilities(drop_path=True, lora_targets=LORA_TARGETS, image_flags=("--min-pixels", "--max-pixels"))))

@@ -31,13 +31,15 @@ from omnibal_ext.model.families.qwen3_vl import (DeepStackLayerCost, MergerCost,
 from megatron.vlm import sequence_parallel
 from megatron.vlm.attention import segment_params
 from megatron.vlm.components import PaddedHeadLayers, RuntimeComponent
+from megatron.vlm.drop_path import iteration_keys, layer_rates, with_drop_path
 from megatron.vlm.families.qwen2_5_vl.components import ImageTextEmbed, MRopeTextLayer
 from megatron.vlm.families.qwen2_5_vl.modules import vision_rotary
+from megatron.vlm.padded_heads import tp_rank
 from megatron.vlm.side import put_side, take_side
 from megatron.vlm.text import run_text_blocks
 
 from . import hf
-from .modules import PatchMerger, VisionEmbedding, vision_layer_spec
+from .modules import DeepStackDropPathLayer, DeepStackLayer, PatchMerger, VisionEmbedding, vision_layer_spec
 
 
 class VisionEmbed(RuntimeComponent):
@@ -69,15 +71,30 @@ class VisionLayers(PaddedHeadLayers):
 
     Sequence parallelism: the patches are padded once to a multiple of TP (the pads one more segment, zero RoPE)
     and split where the ViT's layers start; plain and DeepStack layers share the region (left where the ViT's
-    layers end, the pads cut off)."""
+    layers end, the pads cut off).
+
+    Drop path (``--vision-drop-path-rate``, ``megatron/vlm/drop_path.py``): per image, each patch row taking its
+    image's key (``tile_keys``, processor order: the rows' order), the blocks' ``context``."""
 
     cost, attr, reads, layers = VisionLayerCost, "vit_blocks", frozenset({"pixels"}), True
     sp_enters = sp_leaves = False  # sequence-parallel region edges (set by build)
 
     def layer_spec(self, first_unit_index: int):
         ctx = self.ctx
-        return vision_layer_spec(ctx.seed, first_unit_index, ctx.transformer_impl, ctx.attention_backend,
-                                 self.spec.vision.num_attention_heads)
+        return self.with_drop_path(vision_layer_spec(ctx.seed, first_unit_index, ctx.transformer_impl,
+                                                     ctx.attention_backend, self.spec.vision.num_attention_heads))
+
+    def with_drop_path(self, spec):
+        """``spec`` with drop path per image where the rate is > 0 (a ``DeepStackLayer`` stays one)."""
+        ctx = self.ctx
+        if ctx.vision_drop_path_rate <= 0:
+            return spec
+        deepstack = spec.module is DeepStackLayer
+        first = next(u.index for u in ctx.units if u.code == self.code())
+        with_drop_path(spec, first, layer_rates(ctx.vision_drop_path_rate, self.spec.vision.num_layers), axis=0)
+        if deepstack:
+            spec.module = DeepStackDropPathLayer
+        return spec
 
     def build(self, units):
         self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.vision_config)
@@ -95,8 +112,22 @@ class VisionLayers(PaddedHeadLayers):
         rope = F.pad(rope, (0, 0, 0, 0, 0, 0, 0, padded - patches))
         te = self.ctx.transformer_impl == "transformer_engine"
         cu, longest = sequence_parallel.with_pad_segment(batch["vision_cu_seqlens"], batch["vision_max_seqlen"], padded)
-        return {"rope": rope, "patches": patches, "padded": padded,
+        return {"rope": rope, "patches": patches, "padded": padded, "keys": self.drop_path_keys(batch, padded, device),
                 "params": segment_params(cu, longest, device if te else None)}
+
+    def drop_path_keys(self, batch: dict, padded: int, device):
+        """Drop path (training only): this iteration's key of each of the rows the layers run, [rows] int64 on
+        ``device`` -- the patches' image keys (``tile_keys``, processor order) padded to ``padded`` rows and, under
+        sequence parallelism, this TP rank's rows; None without drop path."""
+        if not (self.ctx.vision_drop_path_rate > 0 and "tile_keys" in batch):
+            return None
+        keys = iteration_keys(batch["tile_keys"].to(device), self.ctx.seed, int(batch.get("iteration", 0)))
+        keys = F.pad(keys, (0, padded - len(keys)))
+        cfg = self.ctx.vision_config
+        if cfg.sequence_parallel:
+            rows = padded // cfg.tensor_model_parallel_size
+            keys = keys[tp_rank(cfg) * rows:(tp_rank(cfg) + 1) * rows]
+        return keys
 
     def _context(self, x, batch, cache) -> dict:
         if "qwen3_vit" not in cache:
@@ -104,7 +135,9 @@ class VisionLayers(PaddedHeadLayers):
         return cache["qwen3_vit"]
 
     def _run(self, block, x, c):
-        return block(hidden_states=x, attention_mask=None, rotary_pos_emb=c["rope"], packed_seq_params=c["params"])
+        keys = c["keys"] if block.training else None  # drop path: the blocks' context (saved for recompute)
+        return block(hidden_states=x, attention_mask=None, rotary_pos_emb=c["rope"], packed_seq_params=c["params"],
+                     context=keys)
 
     def forward(self, module, x, batch, cache):
         c = self._context(x, batch, cache)
@@ -132,9 +165,9 @@ class DeepStackLayers(VisionLayers):
     def layer_spec(self, first_unit_index: int):
         ctx, spec = self.ctx, self.spec
         merger_config = _merger_config(ctx)
-        return vision_layer_spec(ctx.seed, first_unit_index, ctx.transformer_impl, ctx.attention_backend,
-                                 spec.vision.num_attention_heads,
-                                 merger=lambda: PatchMerger(spec, merger_config, after_shuffle=True))
+        return self.with_drop_path(vision_layer_spec(
+            ctx.seed, first_unit_index, ctx.transformer_impl, ctx.attention_backend, spec.vision.num_attention_heads,
+            merger=lambda: PatchMerger(spec, merger_config, after_shuffle=True)))
 
     def build(self, units):
         self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.vision_config)
