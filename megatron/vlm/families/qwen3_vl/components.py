@@ -227,7 +227,8 @@ class DeepStackTextLayer(MRopeTextLayer):
     ``Qwen3VLTextModel._deepstack_process`` does (every micro-batch runs the ViT: one without images gets a stand-in
     image whose tokens no text token takes, so its features add nothing).
 
-    Sequence parallelism: the feature is scattered over the micro-batch's tokens and this TP rank's slice added."""
+    Sequence parallelism: the feature is scattered over the micro-batch's tokens and this TP rank's slice added
+    (``_add_feature``)."""
 
     reads = frozenset({"packing", "tokens"})  # the tokens say where the image tokens are
     slots: tuple[int | None, ...] = ()  # per block: the DeepStack feature added after it, or None (set by build)
@@ -250,17 +251,16 @@ class DeepStackTextLayer(MRopeTextLayer):
         return blocks
 
     def _add_feature(self, x, feature, batch):
+        """``x`` plus DeepStack ``feature`` [image tokens, 1, H] at the image tokens. Under sequence parallelism
+        ``x`` is this TP rank's slice of the tokens: the feature, scattered over all the micro-batch's tokens, is
+        split like them (``sequence_parallel.enter``: its backward all-gathers the slices' gradients, so every TP
+        rank's merger gets the whole feature's gradient, as it got the whole input)."""
         mask = (batch["tokens"].reshape(-1) == self.ctx.img_context_id).to(x.device)
-        if self.ctx.language_config.sequence_parallel:  # x: this TP rank's slice of the tokens
-            from megatron.core import parallel_state
-
-            t = x.shape[0]
-            start = parallel_state.get_tensor_model_parallel_rank() * t
-            full = torch.zeros(mask.shape[0], x.shape[-1], dtype=x.dtype, device=x.device)
-            full = full.masked_scatter(mask.unsqueeze(-1), feature.squeeze(1).to(x.dtype))
-            return x + full[start:start + t].unsqueeze(1)
-        added = torch.zeros_like(x).masked_scatter(mask.reshape(-1, 1, 1), feature.to(x.dtype))
-        return x + added
+        full = torch.zeros(mask.shape[0], 1, x.shape[-1], dtype=x.dtype, device=x.device)
+        full = full.masked_scatter(mask.reshape(-1, 1, 1), feature.to(x.dtype))
+        if self.ctx.language_config.sequence_parallel:
+            full = sequence_parallel.enter(full)
+        return x + full
 
     def forward(self, module, x, batch, cache):
         if self.sp_enters:

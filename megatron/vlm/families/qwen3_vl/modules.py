@@ -66,6 +66,8 @@ class DeepStackLayer(SeededTransformerLayer):
             if redraw is not None:
                 redraw(layer, cfg)
             layer.deepstack_merger = merger()
+            for p in layer.deepstack_merger.parameters():  # it sees every patch and gets its feature's whole
+                p.sequence_parallel = False  # gradient on every TP rank: not summed over TP (mark_sequence_parallel)
 
         super().__init__(config, submodules, layer_number=layer_number, seed=seed, first_unit_index=first_unit_index,
                          redraw=redraw_then_merger, **kwargs)
