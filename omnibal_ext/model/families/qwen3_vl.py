@@ -335,4 +335,4 @@ QWEN3_VL = register(Family(
     unit_list=unit_list, vision_item="patch", presets=PRESETS, segments_sq=image_segments_sq,
     spec_problem=spec_problem, side_tensors=side_tensors,
     # context and sequence parallelism are declared when they are implemented and tested
-    capabilities=Capabilities(drop_path=True, lora_targets=LORA_TARGETS, image_flags=("--min-pixels", "--max-pixels"))))
+    capabilities=Capabilities(drop_path=True, sequence_parallel=True, context_parallel=True, lora_targets=LORA_TARGETS, image_flags=("--min-pixels", "--max-pixels"))))

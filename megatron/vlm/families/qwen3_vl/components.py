@@ -23,7 +23,6 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from omnibal_ext.errors import UserError
 from omnibal_ext.model.spec import HEAD, PROJECTOR
 from omnibal_ext.model.families.qwen3_vl import (DeepStackLayerCost, MergerCost, VisionEmbedCost, VisionLayerCost,
                                                  deepstack_name)
@@ -31,6 +30,7 @@ from omnibal_ext.model.families.qwen3_vl import (DeepStackLayerCost, MergerCost,
 from megatron.vlm import sequence_parallel
 from megatron.vlm.attention import segment_params
 from megatron.vlm.components import PaddedHeadLayers, RuntimeComponent
+from megatron.vlm.context_parallel import context_parallel_group, gather_rows
 from megatron.vlm.drop_path import iteration_keys, layer_rates, with_drop_path
 from megatron.vlm.families.qwen2_5_vl.components import ImageTextEmbed, MRopeTextLayer
 from megatron.vlm.families.qwen2_5_vl.modules import vision_rotary
@@ -228,15 +228,14 @@ class DeepStackTextLayer(MRopeTextLayer):
     image whose tokens no text token takes, so its features add nothing).
 
     Sequence parallelism: the feature is scattered over the micro-batch's tokens and this TP rank's slice added
-    (``_add_feature``)."""
+    (``_add_feature``). Context parallelism: a rank's ViT makes its own images' features; each DeepStack layer
+    gathers them over the CP group and picks its tokens' rows (``_tokens_features``), so the side tensor keeps the
+    rows of the images the rank ran (``deepstack.{j}``: the planning side's ``SideTensor`` list is unchanged)."""
 
     reads = frozenset({"packing", "tokens"})  # the tokens say where the image tokens are
     slots: tuple[int | None, ...] = ()  # per block: the DeepStack feature added after it, or None (set by build)
 
     def build(self, units):
-        if self.ctx.language_config.context_parallel_size > 1 and self.spec.vision.deepstack_visual_indexes:
-            raise UserError("Qwen3-VL: DeepStack under context parallelism (--context-parallel-size > 1) is not "
-                            "implemented")
         self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.language_config, (HEAD,))
         k = len(self.spec.vision.deepstack_visual_indexes)
         first, rest = [u for u in units if u.layer < k], [u for u in units if u.layer >= k]
@@ -249,6 +248,17 @@ class DeepStackTextLayer(MRopeTextLayer):
             blocks.extend(more)
             self.slots += (None,) * len(more)
         return blocks
+
+    @staticmethod
+    def _tokens_features(feature, batch):
+        """The DeepStack feature rows of this rank's image tokens: the feature itself, or under context
+        parallelism (the rank's images' rows) every CP rank's rows gathered and this rank's tokens' picked, as the
+        LLM embedding does with the merger's output (``vision_rank_tokens``, ``image_feature_index``; backward:
+        each rank's rows get the gradients every rank's tokens put on them)."""
+        if "image_feature_index" not in batch:
+            return feature
+        feature = gather_rows(feature, batch["vision_rank_tokens"], context_parallel_group())
+        return feature.index_select(0, batch["image_feature_index"].to(feature.device))
 
     def _add_feature(self, x, feature, batch):
         """``x`` plus DeepStack ``feature`` [image tokens, 1, H] at the image tokens. Under sequence parallelism
@@ -269,7 +279,8 @@ class DeepStackTextLayer(MRopeTextLayer):
         for block, slot in zip(module, self.slots):
             x = run_text_blocks([block], x, context, self.ctx.thd)
             if slot is not None:
-                x = self._add_feature(x, take_side(cache, deepstack_name(slot)), batch)
+                feature = self._tokens_features(take_side(cache, deepstack_name(slot)), batch)
+                x = self._add_feature(x, feature, batch)
         return sequence_parallel.leave(x) if self.sp_leaves else x
 
     def profile_forward(self, module, x, batch, cache):
