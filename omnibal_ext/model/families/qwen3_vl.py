@@ -334,5 +334,6 @@ QWEN3_VL = register(Family(
                 HeadCost),
     unit_list=unit_list, vision_item="patch", presets=PRESETS, segments_sq=image_segments_sq,
     spec_problem=spec_problem, side_tensors=side_tensors,
-    # context and sequence parallelism are declared when they are implemented and tested
-    capabilities=Capabilities(drop_path=True, sequence_parallel=True, context_parallel=True, lora_targets=LORA_TARGETS, image_flags=("--min-pixels", "--max-pixels"))))
+    # drop path: tests/test_qwen3_vl_drop_path.py; SP and CP: tests/test_qwen3_vl_training.py
+    capabilities=Capabilities(drop_path=True, sequence_parallel=True, context_parallel=True,
+                              lora_targets=LORA_TARGETS, image_flags=("--min-pixels", "--max-pixels"))))
