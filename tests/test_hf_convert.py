@@ -198,10 +198,13 @@ def write_original(model, cfg, folder, family):
                 out["language_model.model." + k[len(L):]] = val
         out["language_model.lm_head.weight"] = sd["lm_head.weight"]
         llm = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}
+        if family == "qwen3":  # InternVL3.5: Qwen3ForCausalLM (q_norm / k_norm copied with the rest)
+            llm = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "head_dim": t.head_dim,
+                   "attention_bias": False}
     llm.update(hidden_size=t.hidden_size, num_hidden_layers=t.num_hidden_layers, num_attention_heads=heads,
                num_key_value_heads=groups, intermediate_size=t.intermediate_size, vocab_size=t.vocab_size,
                rms_norm_eps=t.rms_norm_eps, rope_theta=t.rope_parameters["rope_theta"], hidden_act="silu",
-               tie_word_embeddings=False)
+               tie_word_embeddings=bool(cfg.tie_word_embeddings))
     vision = {"hidden_size": v.hidden_size, "num_hidden_layers": v.num_hidden_layers,
               "num_attention_heads": v.num_attention_heads, "intermediate_size": v.intermediate_size,
               "image_size": hf_tiny.IMAGE, "patch_size": hf_tiny.PATCH, "qkv_bias": v.attention_bias,

@@ -30,9 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("model")
     g.add_argument("--family-module", action="append", default=[], metavar="MODULE",
-                   help="import this Python module first (repeatable): a model family defined outside the package "
-                        "that registers itself with megatron.vlm.families.register() when imported; its presets "
-                        "and --hf-checkpoint configs become known")
+                   help="import MODULE (a module name or a path to a .py file) before the flags are parsed "
+                        "(repeatable): a model family defined outside this repository that registers itself with "
+                        "megatron.vlm.families.register() when imported; its presets and --hf-checkpoint configs "
+                        "become known")
     g.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="model size preset")
     g.add_argument("--hf-checkpoint", default=None, metavar="DIR",
                    help="start from this Hugging Face InternVL or Qwen2.5-VL folder (config.json + *.safetensors; "

@@ -169,7 +169,10 @@ def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, devic
             "warmup": warmup, "repeats": repeats,
             # SegmentAttention keeps no scores, as FlashAttention; "unfused" keeps megatron-core's
             "attention": "unfused" if getattr(args, "attention_backend", "auto") == "unfused" else "flash"}
-    table = CostTable(tuple(units), source="profile", meta=meta)
+    from omnibal_ext.model.side_bytes import with_side_bytes
+
+    # the side tensors' bytes at each boundary (DeepStack features: the few-layer model runs none) from the spec
+    table = with_side_bytes(CostTable(tuple(units), source="profile", meta=meta), spec, shape)
     return broadcast_table(table)
 
 
@@ -232,7 +235,7 @@ def profile_for_training(args, plan, dataset, img_context_id: int, device: torch
     if memory == timing:
         return times
     sizes = profile_units(args, plan.model_spec, memory, img_context_id, device, warmup=0, repeats=1)
-    byte_fields = ("act_bytes", "act_bytes_full", "act_bytes_selective", "send_bytes")
+    byte_fields = ("act_bytes", "act_bytes_full", "act_bytes_selective", "send_bytes", "side_send_bytes")
     units = tuple(dataclasses.replace(t, **{f: getattr(m, f) for f in byte_fields})
                   for t, m in zip(times.units, sizes.units))
     meta = {**times.meta, "shape": timing.to_dict(), "memory_shape": memory.to_dict()}

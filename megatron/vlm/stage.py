@@ -13,7 +13,8 @@ travels, in megatron's [sequence, batch, hidden] order (InternVL):
   inside the LLM           [rows x sequence, 1, LLM hidden]  (THD: the micro-batch's rows flattened)
   out of the last stage    loss mode: ``HeadOutput(loss [rows, sequence] fp32, correct [rows, sequence])``;
                            logits mode: this TP rank's logits [rows x sequence, 1, vocabulary / TP]
-The shapes change along the pipeline, so the config sets ``variable_seq_lengths``.
+The shapes change along the pipeline, so the config sets ``variable_seq_lengths``.  Side tensors (DeepStack
+features: ``megatron.vlm.side``) live at a boundary travel packed with the hidden states in that one tensor.
 
 No host sync.  Nothing in a micro-batch's forward or backward reads a device tensor on the host: the
 segment boundaries, ``max_seqlen`` and the real tiles' indices come from the collate (the host).
@@ -33,8 +34,8 @@ from megatron.core.utils import make_viewless_tensor
 
 from omnibal_ext.memory.recompute import StageRecompute
 from omnibal_ext.model.lora import Lora
-from omnibal_ext.model.spec import HEAD, TEXT_EMBED, ModelSpec, Unit
-from omnibal_ext.model.units import build_units
+from omnibal_ext.model.spec import HEAD, PROJECTOR, TEXT_EMBED, ModelSpec, Unit
+from omnibal_ext.model.units import build_units, family_of
 
 from megatron.vlm.components import RuntimeComponent, StageContext
 from megatron.vlm.config import language_config
@@ -42,6 +43,7 @@ from megatron.vlm.head import OUTPUTS
 from megatron.vlm.layers import uses_segment_attention
 from megatron.vlm.lora import is_adapter
 from megatron.vlm.seeding import seeded
+from megatron.vlm.side import live_at, pack, put_side, take_side, unpack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +137,15 @@ class VLMStage(MegatronModule):
         self.post_process = unit_range.stop == len(units)
         self.share_embeddings_and_output_weights = False
         self.units = [units[i] for i in unit_range]
+        # side tensors received with the input and sent with the output (megatron/vlm/side.py)
+        sides = family_of(spec).side_tensors(spec)
+        for side in sides:
+            if not 0 <= side.producer < min(side.consumers) or side.last_consumer >= len(units):
+                raise ValueError(f"side tensor {side.name!r}: producer unit {side.producer} must come before its "
+                                 f"consumers {list(side.consumers)}, all within the {len(units)} units")
+        self.sides_in = live_at(sides, unit_range.start)
+        self.sides_out = live_at(sides, unit_range.stop)
+        self.side_rows = family.data.side_rows
         self.input_tensor = None
         self.recompute = build.recompute or StageRecompute()
         self.ctx = StageContext(spec=spec, units=tuple(units), vision_config=vision_config, language_config=llm_config,
@@ -183,26 +194,25 @@ class VLMStage(MegatronModule):
         units and everything upstream are frozen); whether the stage input is used detached (nothing upstream
         of the stage trains, so no gradient of it is needed); the part after which the input's zero gradient
         is attached (``_zero_input_grad``)."""
-        # a parameter of another role than its unit's (a DeepStack merger, role P, in a ViT layer's unit) trains
-        # as the first unit of its role does
-        role_trains = {} if trains is None else {u.code: trains[u.index] for u in reversed(self.ctx.units)}
-        holds_trained = []  # this stage's units with a parameter that trains
+        role_trains = {}  # a role's first unit's (a parameter of another role than its unit's: DeepStack mergers)
+        for u in self.ctx.units:
+            role_trains.setdefault(u.code, True if trains is None else trains[u.index])
         for part in self.parts:
             c = part.component
             for unit, module, _ in c.unit_modules(getattr(self, c.attr), part.units, part.blocks):
                 for name, p in module.named_parameters():
                     role = c.parameter_role(unit, name)
                     p.vlm_role = role
-                    if trains is not None and not is_adapter(name) \
-                            and not (trains[unit.index] if role == unit.code else role_trains[role]):
+                    trained = trains is None or (trains[unit.index] if role == unit.code else role_trains[role])
+                    if not trained and not is_adapter(name):
                         p.requires_grad_(False)
-                    if p.requires_grad:
-                        holds_trained.append(unit.index)
         if trains is None:
             return 0, False, -1
         lora = self.build_args.lora
-        first_trained = min([next((u.index for u in self.ctx.units if trains[u.index] or lora.linears(u.code)),
-                                  len(trains)), *holds_trained])
+        first_trained = next((u.index for u in self.ctx.units if trains[u.index] or lora.linears(u.code)),
+                             len(trains))
+        if role_trains.get(PROJECTOR, False):  # a side tensor's producer holds a merger of the projector's role
+            first_trained = min([first_trained, *(s.producer for s in family_of(self.spec).side_tensors(self.spec))])
         parts = sum(1 for _ in itertools.takewhile(lambda p: p.units[-1].index < first_trained, self.parts))
         detach = self.units[0].index > 0 and first_trained >= self.units[0].index
         return parts, detach, min(parts, len(self.parts) - 1)
@@ -276,6 +286,10 @@ class VLMStage(MegatronModule):
         x, cache = self.input_tensor, {}
         if self.detach_input and x is not None:  # nothing upstream trains: no gradient of the input is needed
             x = x.detach()
+        if self.sides_in and x is not None:
+            x, received = unpack(x, [(self._rows(s, batch), s.width) for s in self.sides_in])
+            for side, tensor in zip(self.sides_in, received):
+                put_side(cache, side.name, tensor)
         for k, part in enumerate(self.parts):
             if k < self.no_grad_parts:  # frozen, nothing trainable upstream: forward only, nothing kept
                 with torch.no_grad():
@@ -288,9 +302,21 @@ class VLMStage(MegatronModule):
                 x = _zero_input_grad(x, self.input_tensor)
         if self.post_process:
             return x
+        x = pack(x, [take_side(cache, s.name) for s in self.sides_out])
         # megatron-core frees a sent stage output's storage (deallocate_pipeline_outputs), which a view of
         # another tensor (the projector's unsqueeze, a reshape) cannot give up
         return make_viewless_tensor(x, requires_grad=x.requires_grad, keep_graph=True)
+
+    def _rows(self, side, batch: dict) -> int:
+        """Rows of side tensor ``side`` in ``batch`` on this rank (host ints only: ``DataSide.side_rows``)."""
+        if side.rows != "image_tokens":
+            raise ValueError(f"side tensor {side.name!r}: rows {side.rows!r} unknown (\"image_tokens\")")
+        cp = self.build_args.cp
+        if cp > 1:
+            from megatron.core import parallel_state
+
+            return self.side_rows(self.spec, batch, cp, parallel_state.get_context_parallel_rank())
+        return self.side_rows(self.spec, batch, 1, 0)
 
 
     def _recomputed_without_input_grad(self, k: int, x) -> bool:

@@ -61,7 +61,10 @@ what is stored.  A stage's ``transient_bytes`` is the largest such value among i
 Stage outputs: the tensor a stage sends downstream is freed after the send (megatron-core's
 ``deallocate_pipeline_outputs=True``, set by the trainer): the schedule keeps only its ``.data``
 shell (one element) and ``grad_fn`` until the backward, so in-flight micro-batches hold no stage
-output beyond the tensors autograd saved, which ``act_bytes`` already counts.
+output beyond the tensors autograd saved, which ``act_bytes`` already counts.  Side tensors (DeepStack features)
+travel packed with the hidden states; the receiving stage keeps the received tensor for its backward, so a
+stage's activations per micro-batch include the side bytes live at its first boundary (``side_send_bytes`` of the
+unit before it: ``omnibal_ext.model.side_bytes``).
 
 Not modelled: the CUDA context, allocator fragmentation, communication buffers and temporary
 workspaces — leave room for them in the budget.
@@ -296,7 +299,8 @@ def stage_memory(costs: CostTable, layout: PipelineLayout, plan: Sequence[StageR
     params = _unit_arrays(costs)["params"] / tp + lora_rank_params(costs, tp)
     stat_u = unit_static_bytes(costs, tp, dp, distributed_optimizer, precision)
     slices = [list(r) for r in layout.stage_slices()]
-    st_act = np.array([act[s].sum() for s in slices])
+    side = np.array([u.side_send_bytes for u in costs.units], dtype=np.float64)
+    st_act = np.array([act[s].sum() + (side[s[0] - 1] if s[0] > 0 else 0.0) for s in slices])
     st_trans = np.array([trans[s].max() for s in slices])
     st_params = np.array([params[s].sum() for s in slices])
     st_static = np.array([stat_u[s].sum() for s in slices])

@@ -209,7 +209,9 @@ def _costs_from_rates(spec, shape, tp, rates, dropout, attention, source, meta, 
     meta = dict(meta)
     meta.update({"model": spec.name, "spec": spec.to_dict(), "shape": shape.to_dict(), "tp": tp,
                  "dropout": dropout, "attention": attention, "sequence_parallel": sp})
-    return CostTable(tuple(rows), source, meta)
+    from .side_bytes import with_side_bytes
+
+    return with_side_bytes(CostTable(tuple(rows), source, meta), spec, shape)
 
 
 def analytic_costs(

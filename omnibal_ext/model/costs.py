@@ -29,6 +29,9 @@ class UnitCost:
     frozen: bool = False  # its weights do not train (omnibal_ext.model.trainable): static bytes are the weights only
     lora_params: int = 0  # LoRA adapter parameters (trained; whole model, omnibal_ext.model.lora)
     lora_replicated: int = 0  # of which every TP rank holds whole (a rank: (lora - replicated) / tp + replicated)
+    # bytes of the side tensors (DeepStack features) live at the boundary after the unit, sent with its output when
+    # a stage boundary follows it and kept by the receiving stage per micro-batch in flight (side_bytes.py)
+    side_send_bytes: float = 0.0
 
     def __post_init__(self):
         if self.code is None:
@@ -51,7 +54,8 @@ class CostTable:
         names = {f.name for f in dataclasses.fields(UnitCost)}
         units = []
         for i, u in enumerate(d["units"]):
-            missing = names - set(u) - {"code", "frozen", "lora_params", "lora_replicated"}  # tables written before units carried these
+            missing = names - set(u) - {"code", "frozen", "lora_params", "lora_replicated",
+                                                 "side_send_bytes"}  # tables written before units carried these
             if missing:
                 raise ValueError(f"cost table unit {i} ({u.get('name', '?')}): missing keys {sorted(missing)}")
             units.append(UnitCost(**{k: u[k] for k in names if k in u}))

@@ -12,7 +12,7 @@ Planners (each returns a ``PartitionReport``):
   time is nearest to ``k * total / K`` (K = pp * vpp chunks); candidates shift each of the K-1
   boundaries by any amount in ``[-radius, radius]`` (all combinations); every stage non-empty and
   accepted by ``stage_ok``; ranked by the variance of stage time, then by total pipeline
-  communication (``send_bytes`` of the unit before each boundary). Without virtual stages the
+  communication (``send_bytes`` plus ``side_send_bytes`` of the unit before each boundary). Without virtual stages the
   best candidate is found by dynamic programming over the windows (exact over all
   ``(2r+1)^(K-1)`` combinations: both keys are sums over stages); with virtual stages the
   combinations are enumerated when there are at most ``max_candidates`` of them, else the
@@ -141,7 +141,7 @@ def unit_arrays(costs: CostTable, recompute=None) -> tuple[np.ndarray, np.ndarra
         extra = {"none": 0.0, "selective": u.selective_recompute_s, "full": u.fwd_s}[m]
         kept = {"none": u.act_bytes, "selective": u.act_bytes_selective, "full": u.act_bytes_full}[m]
         t.append(u.fwd_s + u.bwd_s + extra)
-        send.append(u.send_bytes)
+        send.append(u.send_bytes + u.side_send_bytes)  # the hidden states and the side tensors live there
         act.append(kept)
     return np.asarray(t, float), np.asarray(send, float), np.asarray(act, float)
 

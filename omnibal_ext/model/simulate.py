@@ -230,7 +230,8 @@ def layout_stage_costs(costs: CostTable, layout: PipelineLayout, pp: int, p2p_by
             cu, mode = costs.units[u], modes[u]
             fwd[i, v] += cu.fwd_s
             bwd[i, v] += cu.bwd_s + {"none": 0.0, "selective": cu.selective_recompute_s, "full": cu.fwd_s}[mode]
-        p2p[i, v] = costs.units[rng[-1]].send_bytes / p2p_bytes_per_s
+        last = costs.units[rng[-1]]  # its output and the side tensors live after it
+        p2p[i, v] = (last.send_bytes + last.side_send_bytes) / p2p_bytes_per_s
     return fwd, bwd, p2p
 
 

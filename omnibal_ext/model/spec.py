@@ -44,7 +44,10 @@ class SideTensor:
 
     name: its name on both sides (``megatron.vlm.side``); producer: the unit index that makes it; consumers: the
     unit indices that read it (it is live on every boundary between the producer and its last consumer); width:
-    values per row; rows: what its rows count per micro-batch ("image_tokens": the LLM image tokens)."""
+    values per row (every TP rank holds whole rows: side tensors are replicated over TP, also under sequence
+    parallelism); rows: what its rows count per micro-batch ("image_tokens": the LLM image tokens of the vision
+    items this CP rank's ViT runs, ``DataSide.side_rows`` at run time, ``omnibal_ext.model.side_bytes`` when
+    planning).  Across stages it travels packed with the hidden states (``megatron.vlm.side``)."""
 
     name: str
     producer: int

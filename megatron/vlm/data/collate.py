@@ -42,7 +42,8 @@ from .template import IGNORE_INDEX
 BATCH_KEYS = ("tokens", "labels", "position_ids", "segment_ids", "pixel_values", "image_flags",
               "sample_tokens", "sample_tiles", "sample_answers", "sample_ids", "tile_keys", "image_tile_index",
               "cu_seqlens", "max_seqlen")
-HOST_KEYS = ("cu_seqlens", "max_seqlen")  # stay on the host: read by Python, never waited for
+# stay on the host: read by Python, never waited for (``sample_tiles`` sizes the side tensors: megatron/vlm/side.py)
+HOST_KEYS = ("cu_seqlens", "max_seqlen", "sample_tiles")
 
 
 def on_host(key: str) -> bool:

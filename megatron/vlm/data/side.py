@@ -15,7 +15,10 @@ Every family reads the same formats (``internvl.py``: meta JSON or an annotation
 * ``default_image_px(spec)``: the image side of the built-in digits data for this model;
 * ``profile_batch(spec, shape, image_token_id, device, pad_to_multiple)``: the micro-batch the trainer's profiler
   (``megatron/training/profiling.py``) runs at a ``MicroBatchShape``, made by its ``Batcher`` (None: the
-  profiler's own tiled one).
+  profiler's own tiled one);
+* ``side_rows(spec, batch, cp, cp_rank)``: the rows of a side tensor counting ``"image_tokens"``
+  (``omnibal_ext.model.spec.SideTensor``) on this rank for ``batch``, from host-held fields only (``megatron/vlm/
+  side.py``): the merged tokens of the vision items this CP rank's ViT runs.
 
 ``TILED`` is InternVL's (dynamic tiles, ``collate.py``'s fields); it is ``RuntimeFamily``'s default.
 """
@@ -24,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from megatron.vlm.context_parallel import split_batch
+from megatron.vlm.context_parallel import split_batch, tile_ranges
 
 from .collate import collate_packed, collate_padded
 from .tokenizer import IMG_CONTEXT, IMG_END, IMG_START
@@ -58,6 +61,16 @@ def tiled_reader(args, spec, hf_folder: str | None) -> dict:
                 max_num_tiles=args.max_num_tiles, min_num_tiles=args.min_num_tiles)
 
 
+def tiled_side_rows(spec, batch: dict, cp: int, cp_rank: int) -> int:
+    """Image-token rows of a side tensor on this rank: every tile's (dummy tiles included, as the projector makes
+    them) tokens per tile, of this CP rank's run of tiles under context parallelism (one tile when it has none:
+    ``context_parallel.split_tiles``).  ``sample_tiles`` is held on the host (``collate.HOST_KEYS``)."""
+    tiles = int(batch["sample_tiles"].sum())
+    if cp > 1:
+        tiles = max(len(tile_ranges(tiles, cp)[cp_rank]), 1)
+    return tiles * spec.tokens_per_tile
+
+
 @dataclass(frozen=True)
 class DataSide:
     """See the module docstring."""
@@ -68,6 +81,7 @@ class DataSide:
     tile_check: Callable = lambda spec: spec.tokens_per_tile  # noqa: E731
     default_image_px: Callable = lambda spec: spec.vision.image_size  # noqa: E731
     profile_batch: Callable | None = None
+    side_rows: Callable = tiled_side_rows
 
 
 TILED = DataSide()

@@ -40,12 +40,27 @@ def unregister(name: str) -> None:
 
 
 def import_family_modules(modules) -> None:
-    """Import each named module (``--family-module``): a plugin that registers its family when imported."""
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except ImportError as e:
-            raise UserError(f"--family-module {name}: cannot import it ({e})") from None
+    """Import each named module (``--family-module``: a module name, or a path to a .py file imported under its file
+    name): a plugin that registers its family when imported."""
+    import os
+    import sys
+
+    for module in modules:
+        if not module.endswith(".py"):
+            try:
+                importlib.import_module(module)
+            except ImportError as e:
+                raise UserError(f"--family-module {module}: cannot import it ({e})") from None
+            continue
+        if not os.path.isfile(module):
+            raise UserError(f"--family-module {module}: no such file")
+        name = os.path.splitext(os.path.basename(module))[0]
+        if name in sys.modules:
+            continue
+        spec = importlib.util.spec_from_file_location(name, module)
+        loaded = importlib.util.module_from_spec(spec)
+        sys.modules[name] = loaded
+        spec.loader.exec_module(loaded)
 
 
 def runtime_family(spec: ModelSpec) -> RuntimeFamily:

@@ -60,8 +60,10 @@ class Family:
     ``vision_window_tokens_sq``), None where an item's attention is fixed (InternVL's tiles).
     spec_problem(spec): what makes a ModelSpec of the family unbuildable (a message naming the flag), or None.
     side_tensors(spec): the tensors its units hand to later units beside the hidden states (``SideTensor``:
-    DeepStack features), () for most families. capabilities: what it implements beyond the plain model
-    (``Capabilities``: drop path, CP, SP, LoRA targets, image flags, video, MoE), checked when flags are parsed."""
+    DeepStack features), () for most families; only those whose producer and consumers ``spec`` has (the trainer's
+    profiler runs a model of few layers: ``megatron.training.profiling.profile_units``). capabilities: what it
+    implements beyond the plain model (``Capabilities``: drop path, CP, SP, LoRA targets, image flags, video, MoE),
+    checked when flags are parsed."""
 
     name: str
     vision_spec: type

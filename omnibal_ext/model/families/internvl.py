@@ -259,6 +259,35 @@ PRESETS.update({
     ),
 })
 
+# --------------------------------------------------------------------------------------------
+# InternVL3.5 (dense): InternViT-300M-448px-V2_5 (InternViT-6B-448px-V2_5 for 38B) + Qwen3. Sources: the
+# InternVL3.5 quick-start table (OpenGVLab's InternVL docs: vision / language parameters 0.3B / 0.8B, 2.0B, 4.4B,
+# 8.2B, 14.8B and 5.5B / 32.8B), the llm_config of OpenGVLab/InternVL3_5-1B and -8B (Qwen3-0.6B and Qwen3-8B:
+# model_type qwen3, head_dim 128, rope_theta 1e6, rms_norm_eps 1e-6, no attention bias, vocab_size 151936, no
+# tie_word_embeddings key: Qwen3Config's default, untied) and the Qwen3 configs of the other language parts
+# (Qwen3-1.7B, -4B, -14B, -32B). Their language parameters equal the table's only untied (Qwen3-0.6B/1.7B/4B are
+# tied as text models, not inside InternVL3.5). tests/test_internvl3_5.py checks the numbers and the totals.
+# --------------------------------------------------------------------------------------------
+QWEN3 = dict(vocab_size=151936, rotary_base=1000000, norm_eps=1e-6, head_dim=128, qk_norm=True, qkv_bias=False)
+
+
+def _internvl3_5(name: str, vision: VisionSpec, layers: int, hidden: int, heads: int, groups: int, ffn: int
+                 ) -> ModelSpec:
+    return ModelSpec(name=name, vision=vision, language=LanguageSpec(
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
+        ffn_hidden_size=ffn, **QWEN3))
+
+
+PRESETS.update({
+    "internvl3.5-1b": _internvl3_5("internvl3.5-1b", INTERNVIT_300M, 28, 1024, 16, 8, 3072),  # Qwen3-0.6B
+    "internvl3.5-2b": _internvl3_5("internvl3.5-2b", INTERNVIT_300M, 28, 2048, 16, 8, 6144),  # Qwen3-1.7B
+    "internvl3.5-4b": _internvl3_5("internvl3.5-4b", INTERNVIT_300M, 36, 2560, 32, 8, 9728),  # Qwen3-4B
+    "internvl3.5-8b": _internvl3_5("internvl3.5-8b", INTERNVIT_300M, 36, 4096, 32, 8, 12288),  # Qwen3-8B
+    "internvl3.5-14b": _internvl3_5("internvl3.5-14b", INTERNVIT_300M, 40, 5120, 40, 8, 17408),  # Qwen3-14B
+    "internvl3.5-38b": _internvl3_5("internvl3.5-38b", INTERNVIT_6B, 64, 5120, 64, 8, 25600),  # Qwen3-32B
+})
+
+
 def spec_problem(spec: ModelSpec) -> str | None:
     """The image size must be whole patches, and the patch grid pixel-shuffled by the downsample ratio."""
     v = spec.vision

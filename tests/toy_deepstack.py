@@ -1,0 +1,193 @@
+"""A toy family with DeepStack-like side tensors, defined outside megatron/ and omnibal_ext/: InternVL's tiny model
+whose ViT layers ``PRODUCERS`` each feed a small merger (pixel shuffle, one Linear into the LLM's width) whose output
+(side tensor ``deepstack.k``) is added to the output of LLM layer ``CONSUMERS[k]`` at the image-token positions.
+
+Importing it registers both sides (planning ``Family`` with its preset ``toy-deepstack`` and runtime ``RuntimeFamily``, through
+``megatron.vlm.families.register``), so the trainer takes it with
+``--family-module tests/toy_deepstack.py --model toy-deepstack``; ``unregister()`` takes it out again.
+
+The mergers sit in their ViT layer's module (attribute ``side_merger`` of the TransformerLayer: checkpoint keys
+``vit.layer.<i>.side_merger.*``) and have the projector's role (``parameter_role``): --freeze-vit leaves them training.
+Consumers handle every parallelism like the LLM embedding: under CP they gather the side tensor's rows over the CP
+group and pick their tokens' features; under SP the addition is made full-length and scattered to this TP rank's
+tokens (backward: all-gather), so every TP rank back-propagates the same full gradient into its replicated copy.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from omnibal_ext.model.families import Family
+from omnibal_ext.model.families.internvl import INTERNVL
+from omnibal_ext.model.spec import PROJECTOR, SideTensor
+from omnibal_ext.model.units import build_units, get_preset
+
+NAME = "toy-deepstack"
+PRODUCERS = (1, 2)  # ViT layers whose outputs feed a merger
+CONSUMERS = (0, 2)  # LLM layers whose outputs get the merger's feature
+MERGER_SEED = 7919  # the mergers' init stream: seeded(seed, MERGER_SEED + unit index)
+
+
+def side_tensors(spec):
+    units = build_units(spec)
+    vit = [u.index for u in units if u.code == "v"]
+    llm = [u.index for u in units if u.code == "t"]
+    return tuple(SideTensor(f"deepstack.{k}", vit[p], (llm[c],), spec.language.hidden_size)
+                 for k, (p, c) in enumerate(zip(PRODUCERS, CONSUMERS)) if p < len(vit) and c < len(llm))
+
+
+def toy_spec():
+    return get_preset("tiny").replace(name=NAME, family=NAME)
+
+
+def _runtime(planning):
+    from megatron.vlm import families as runtime_families
+    from megatron.vlm import sequence_parallel
+    from megatron.vlm.components import GPT_DECODER, TextLayer
+    from megatron.vlm.config import vision_config
+    from megatron.vlm.context_parallel import context_parallel_group, gather_rows, tile_ranges
+    from megatron.vlm.families.internvl.components import ProjectorUnit, VisionEmbed, VisionLayer
+    from megatron.vlm.seeding import seeded
+    from megatron.vlm.side import put_side, take_side
+    from megatron.vlm.text import run_text_blocks
+    from megatron.vlm.components import RuntimeFamily
+
+    def split_at(units, cuts):
+        """``units`` (a run of layer units) cut after every unit whose index is in ``cuts``."""
+        runs, run = [], []
+        for u in units:
+            run.append(u)
+            if u.index in cuts:
+                runs.append(run)
+                run = []
+        return runs + ([run] if run else [])
+
+    def build_split(component, units, config, cuts):
+        blocks = torch.nn.ModuleList()
+        for run in split_at(units, cuts):
+            blocks.extend(component.ctx.build_layers(run, config, component.layer_spec, component.code()))
+        return blocks
+
+    def block_ends(module, first_index):
+        """(block, index of the unit its last layer is) for each block of ``module``."""
+        at = first_index - 1
+        for block in module:
+            at += len(block.layers)
+            yield block, at
+
+    class Merger(torch.nn.Module):
+        """[1 + P, n, Hv] -> drop the class token -> pixel shuffle -> Linear -> [n * tokens per tile, Hl]."""
+
+        def __init__(self, spec):
+            super().__init__()
+            self.grid = int(round(spec.vision.patches_per_tile ** 0.5))
+            self.factor = int(round(1 / spec.downsample_ratio))
+            self.fc = torch.nn.Linear(spec.projector_in_size, spec.language.hidden_size)
+            torch.nn.init.normal_(self.fc.weight, std=spec.init_method_std)
+            torch.nn.init.zeros_(self.fc.bias)
+
+        def forward(self, vit_out):
+            x = vit_out[1:].transpose(0, 1)
+            n, _, h = x.shape
+            g, f = self.grid, self.factor
+            x = x.reshape(n, g // f, f, g // f, f, h).permute(0, 1, 3, 2, 4, 5).reshape(n * (g // f) ** 2, f * f * h)
+            return self.fc(x)
+
+    class DeepStackVisionLayer(VisionLayer):
+        def sides(self):
+            return {s.producer: s.name for s in side_tensors(self.spec)}
+
+        def build(self, units):
+            self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.vision_config)
+            self.first = units[0].index
+            blocks = build_split(self, units, self.ctx.vision_config, set(self.sides()))
+            layer_of = dict(zip([u.index for u in units], (layer for b in blocks for layer in b.layers)))
+            for index in self.sides():
+                if index in layer_of:
+                    with seeded(self.ctx.seed, MERGER_SEED + index):
+                        layer_of[index].side_merger = Merger(self.spec).to(self.ctx.vision_config.params_dtype)
+            return blocks
+
+        def parameter_role(self, unit, name):
+            return PROJECTOR if name.startswith("side_merger.") else unit.code
+
+        def forward(self, module, x, batch, cache):
+            mask, cfg = None, self.ctx.vision_config
+            tokens = self.spec.vision.seq_per_tile
+            if cfg.sequence_parallel:
+                padded = sequence_parallel.padded_tokens(tokens, cfg.tensor_model_parallel_size)
+                if self.sp_enters:
+                    x = sequence_parallel.enter(F.pad(x, (0, 0, 0, 0, 0, padded - tokens)))
+                mask = sequence_parallel.vit_pad_mask(tokens, padded, x.device)
+            sides = self.sides()
+            for block, last in block_ends(module, self.first):
+                x = block(hidden_states=x, attention_mask=mask)
+                if last in sides:
+                    full = sequence_parallel.leave(x)[:tokens] if cfg.sequence_parallel else x
+                    put_side(cache, sides[last], block.layers[-1].side_merger(full))
+            if cfg.sequence_parallel and self.sp_leaves:
+                x = sequence_parallel.leave(x)[:tokens]
+            return x
+
+    class DeepStackTextLayer(TextLayer):
+        reads = frozenset({"packing", "tokens"})
+
+        def sides(self):
+            return {c: s.name for s in side_tensors(self.spec) for c in s.consumers}
+
+        def build(self, units):
+            self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.language_config,
+                                                                              ("L",))
+            self.first = units[0].index
+            return build_split(self, units, self.ctx.language_config, set(self.sides()))
+
+        def addition(self, feature, batch, like):
+            """The side tensor's rows at this rank's image-token positions, zeros elsewhere: [t, 1, H]."""
+            T, H = self.spec.tokens_per_tile, like.shape[-1]
+            group = context_parallel_group()
+            if group is not None:
+                counts = [len(r) * T for r in tile_ranges(batch["num_tiles"], group.size())]
+                feature = gather_rows(feature, counts, group)
+            feats = feature.reshape(-1, T, H).index_select(0, batch["image_tile_index"]).reshape(-1, H)
+            if "image_feature_index" in batch:
+                feats = feats.index_select(0, batch["image_feature_index"])
+            slots = (batch["tokens"] == self.ctx.img_context_id).reshape(-1, 1, 1)
+            full = torch.zeros(slots.shape[0], 1, H, dtype=like.dtype, device=like.device)
+            return full.masked_scatter(slots, feats.to(like.dtype))
+
+        def forward(self, module, x, batch, cache):
+            if self.sp_enters:
+                x = sequence_parallel.enter(x)
+            sp = self.ctx.language_config.sequence_parallel
+            context, sides = self.context(module, batch, cache), self.sides()
+            for k, (block, last) in enumerate(block_ends(module, self.first)):
+                x = run_text_blocks(module[k:k + 1], x, context, self.ctx.thd)
+                if last in sides:
+                    add = self.addition(take_side(cache, sides[last]), batch, x)
+                    x = x + (sequence_parallel.enter(add) if sp else add)
+            return sequence_parallel.leave(x) if self.sp_leaves else x
+
+    text_embed, _, head = GPT_DECODER
+    internvl = runtime_families.FAMILIES[INTERNVL.name]
+    return RuntimeFamily(planning=planning, components=(VisionEmbed, DeepStackVisionLayer, ProjectorUnit, text_embed,
+                                                        DeepStackTextLayer, head),
+                         vision_config=vision_config, data=internvl.data)
+
+
+def register():
+    """Both sides, through the public ``megatron.vlm.families.register``."""
+    from megatron.vlm import families as runtime_families
+
+    planning = Family(name=NAME, vision_spec=INTERNVL.vision_spec, components=INTERNVL.components,
+                      unit_list=INTERNVL.unit_list, vision_item="tile", presets={NAME: toy_spec()},
+                      side_tensors=side_tensors, capabilities=INTERNVL.capabilities)
+    runtime_families.register(_runtime(planning))
+
+
+def unregister():
+    from megatron.vlm import families as runtime_families
+
+    runtime_families.unregister(NAME)
+
+
+register()
