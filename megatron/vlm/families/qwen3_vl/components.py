@@ -190,7 +190,8 @@ class DeepStackLayers(VisionLayers):
         return x
 
     def profile_forward(self, module, x, batch, cache):
-        return self.forward(module[:1], x, batch, cache)
+        """The first layer and its merger (the profiler runs it many times: its feature goes to a scratch cache)."""
+        return self.forward(module[:1], x, batch, {"qwen3_vit": self._context(x, batch, cache)})
 
     def parameter_role(self, unit, name):
         """The DeepStack merger is the projector's (``--freeze-projector``, its learning rate), whatever stage runs
@@ -273,18 +274,27 @@ class DeepStackTextLayer(MRopeTextLayer):
         return x + full
 
     def forward(self, module, x, batch, cache):
+        return self._forward(module, self.slots, x, batch, cache,
+                             lambda slot: self._tokens_features(take_side(cache, deepstack_name(slot)), batch))
+
+    def _forward(self, module, slots, x, batch, cache, feature_of):
         if self.sp_enters:
             x = sequence_parallel.enter(x)
         context = self.context(module, batch, cache)
-        for block, slot in zip(module, self.slots):
+        for block, slot in zip(module, slots):
             x = run_text_blocks([block], x, context, self.ctx.thd)
             if slot is not None:
-                feature = self._tokens_features(take_side(cache, deepstack_name(slot)), batch)
-                x = self._add_feature(x, feature, batch)
+                x = self._add_feature(x, feature_of(slot), batch)
         return sequence_parallel.leave(x) if self.sp_leaves else x
 
     def profile_forward(self, module, x, batch, cache):
-        return self.forward(module[:1], x, batch, cache)
+        """The first layer, adding a zero DeepStack feature where it takes one (the profiler runs each unit alone:
+        the ViT's features are not held)."""
+        def zero_feature(slot):
+            tokens = int((batch["tokens"] == self.ctx.img_context_id).sum())
+            return x.new_zeros(tokens, 1, self.spec.language.hidden_size)
+
+        return self._forward(module[:1], self.slots[:1], x, batch, cache, zero_feature)
 
     @classmethod
     def hf_recipes(cls, unit, table):
