@@ -12,7 +12,7 @@ def run(sequence_parallel: bool) -> dict:
 
     from megatron.core import parallel_state
     from megatron.training.memory import ActivationMeter
-    from megatron.vlm.gated_delta_net_hf import OUR_NAMES, ours_to_hf
+    from megatron.vlm.families.qwen3_5.gated_delta_net_hf import OUR_NAMES, ours_to_hf
 
     rank = parallel_state.get_tensor_model_parallel_rank()
     group = parallel_state.get_tensor_model_parallel_group()

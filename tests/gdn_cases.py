@@ -55,7 +55,7 @@ def our_layer(hf: dict, tp: int = 1, rank: int = 0, chunk_size: int = 4, sequenc
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron.vlm.gated_delta_net import LinearAttentionDims, gated_delta_net_spec
-    from megatron.vlm.gated_delta_net_hf import hf_to_ours
+    from megatron.vlm.families.qwen3_5.gated_delta_net_hf import hf_to_ours
 
     cfg = our_config(tp, sequence_parallel)
     layer = build_module(gated_delta_net_spec(chunk_size=chunk_size, backend="torch"), config=cfg, layer_number=1)

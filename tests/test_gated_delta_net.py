@@ -36,7 +36,7 @@ def _ours(layer, x, cu, seed_w):
 
 
 def _our_grads_as_hf(layer):
-    from megatron.vlm.gated_delta_net_hf import OUR_NAMES, ours_to_hf
+    from megatron.vlm.families.qwen3_5.gated_delta_net_hf import OUR_NAMES, ours_to_hf
 
     grads = {n: p.grad for n, p in layer.named_parameters()}
     return ours_to_hf([{n: grads[n] for n in OUR_NAMES}], layer.dims)
@@ -99,7 +99,7 @@ def test_unpacked_batch_runs_each_sequence_alone(megatron_world):
 
 def test_hf_mapping_round_trip_is_bit_exact():
     from megatron.vlm.gated_delta_net import LinearAttentionDims
-    from megatron.vlm.gated_delta_net_hf import hf_to_ours, ours_to_hf
+    from megatron.vlm.families.qwen3_5.gated_delta_net_hf import hf_to_ours, ours_to_hf
 
     dims = LinearAttentionDims(gdn_cases.HIDDEN, 2, 8, 4, 6, 4)
     hf = gdn_cases.hf_tensors(gdn_cases.hf_layer())

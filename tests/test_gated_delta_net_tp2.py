@@ -16,7 +16,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_tp2_and_sequence_parallel_equal_tp1(megatron_world, tmp_path):
-    from megatron.vlm.gated_delta_net_hf import OUR_NAMES, ours_to_hf
+    from megatron.vlm.families.qwen3_5.gated_delta_net_hf import OUR_NAMES, ours_to_hf
     from omnibal_ext.model.linear_attention import LinearAttentionShape, linear_attention_act_bytes
 
     env = benchlib.trainer_env()

@@ -3,11 +3,10 @@ layer, a plain ViT layer and the DeepStack index among them (``Family.few_layers
 (the DeepStack layer's feature into a scratch cache, the text layer adding a zero feature); every unit priced, and
 the bytes against the memory model: sent bytes, the kept activations of the patch embedding, the merger and both
 ViT layer kinds in every recompute mode (a DeepStack merger runs outside its layer's recompute)."""
-from types import SimpleNamespace
-
 import pytest
 import torch
 
+from megatron.training.arguments import build_parser
 from omnibal_ext.model.cost_model import DEVICES, MicroBatchShape, analytic_costs
 from omnibal_ext.model.families import family_of
 from omnibal_ext.model.units import build_units, get_preset
@@ -27,7 +26,7 @@ def test_profile_prices_qwen3_units_as_the_memory_model(megatron_world):
     from megatron.training.profiling import profile_units
 
     shape = MicroBatchShape(vision_items=96, llm_tokens=120, dtype_bytes=4, vision_attn_tokens_sq=96.0 ** 2)
-    args = SimpleNamespace(tensor_model_parallel_size=1, bf16=False, seed=1)
+    args = build_parser().parse_args(["--seed", "1"])
     costs = profile_units(args, SPEC, shape, 250, torch.device("cpu"), warmup=0, repeats=1)
     assert [u.name for u in costs.units] == [u.name for u in build_units(SPEC)]
     assert all(u.fwd_s > 0 and u.bwd_s > 0 for u in costs.units)

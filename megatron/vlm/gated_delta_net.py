@@ -1,10 +1,10 @@
-"""Qwen3.5's Gated DeltaNet (linear attention) as a megatron-core module over packed samples (THD).
+"""The Gated DeltaNet (linear attention) as a megatron-core module over packed samples (THD).
 
 megatron-core 0.16's ``megatron.core.ssm.gated_delta_net.GatedDeltaNet`` needs flash-linear-attention, refuses
 packed sequences and ignores context parallelism; this module is ours, with the same parameter names and TP
 layout (its checkpoints' names), running each packed sample from a zero state (``megatron/vlm/delta_rule.py``).
 
-Forward, per token (transformers' ``Qwen3_5GatedDeltaNet``)::
+Forward, per token (as transformers' hybrid decoders compute it)::
 
     [qkv | z | b | a] = in_proj(x)                      # one column-parallel linear, no bias
     q, k, v = split(silu(causal_conv1d(qkv)))           # depthwise, kernel linear_conv_kernel_dim, no bias
@@ -24,6 +24,7 @@ runs on the whole row. Context parallelism is refused (the state would have to p
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 
@@ -134,7 +135,7 @@ def packed_segments(packed_seq_params: PackedSeqParams | None, tokens: int, batc
 
 
 class GatedDeltaNet(MegatronModule):
-    """Qwen3.5's linear-attention layer (module docstring): hidden states [s, b, h] (THD: [t, 1, h] with
+    """A gated DeltaNet linear-attention layer (module docstring): hidden states [s, b, h] (THD: [t, 1, h] with
     ``packed_seq_params``; under sequence parallelism this rank's 1/TP of them) -> (output like the input, None).
 
     chunk_size: the torch delta rule's chunk (tokens); backend: ``auto`` (fla's kernel on a GPU where it imports,
@@ -170,7 +171,9 @@ class GatedDeltaNet(MegatronModule):
         self.dt_bias = torch.nn.Parameter(torch.ones(heads_local, dtype=config.params_dtype))
         for p in (self.conv1d.weight, self.A_log, self.dt_bias):
             p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
-        with get_cuda_rng_tracker().fork():  # per-rank heads: the model-parallel stream
+        tracker = get_cuda_rng_tracker()  # per-rank heads: the model-parallel stream, where one is seeded (a
+        # logits check or an import builds the layer without seeds; its weights are loaded next)
+        with tracker.fork() if tracker.is_initialized() else contextlib.nullcontext():
             torch.nn.init.kaiming_uniform_(self.conv1d.weight, a=5 ** 0.5)
             self.A_log.data.copy_(torch.empty(heads_local).uniform_(1, 16).log())
         self.out_norm = build_module(submodules.out_norm, config=config, hidden_size=dims.value_head_dim,

@@ -21,7 +21,7 @@ from typing import Callable
 from ...errors import UserError
 from ..components import CostComponent
 from ..lora import TARGETS
-from ..spec import ModelSpec, SideTensor
+from ..spec import LanguageSpec, ModelSpec, SideTensor
 
 
 @dataclass(frozen=True)
@@ -70,9 +70,12 @@ class Family:
     DeepStack features), () for most families; only those whose producer and consumers ``spec`` has (the trainer's
     profiler runs a model of few layers: ``megatron.training.profiling.profile_units``). capabilities: what it
     implements beyond the plain model (``Capabilities``: drop path, CP, SP, LoRA targets, image flags, video, MoE),
-    checked when flags are parsed. few_layers(spec, vision_layers, llm_layers): the model of ``spec``'s first
-    ``vision_layers`` ViT and (at least) ``llm_layers`` LLM layers, what the trainer's profiler builds (default:
-    ``spec`` at those depths; Qwen3-VL also keeps the DeepStack indexes those layers hold)."""
+    checked when flags are parsed. default_preset: the name of the preset a run without ``--model`` trains
+    (``default_model``); the registered families give one name between them. language_spec: the LanguageSpec
+    (sub)class of its LLM (a hybrid decoder's extra fields: its layer kinds). few_layers(spec, vision_layers,
+    llm_layers): the model of ``spec``'s first ``vision_layers`` ViT and (at least) ``llm_layers`` LLM layers, what
+    the trainer's profiler builds (default: ``spec`` at those depths; Qwen3-VL also keeps the DeepStack indexes
+    those layers hold)."""
 
     name: str
     vision_spec: type
@@ -84,6 +87,8 @@ class Family:
     spec_problem: Callable[[ModelSpec], str | None] = lambda spec: None  # noqa: E731
     side_tensors: Callable[[ModelSpec], tuple[SideTensor, ...]] = lambda spec: ()  # noqa: E731
     capabilities: Capabilities = Capabilities()
+    default_preset: str | None = None
+    language_spec: type = LanguageSpec  # the dataclass of ``ModelSpec.language`` (a LanguageSpec subclass)
     few_layers: Callable[[ModelSpec, int, int], ModelSpec] = fewer_layers
 
 
@@ -108,6 +113,16 @@ def family_of(spec: ModelSpec) -> Family:
         return FAMILIES[spec.family]
     except KeyError:
         raise UserError(f"model {spec.name!r}: unknown family {spec.family!r}; known: {', '.join(FAMILIES)}") from None
+
+
+def default_model() -> str:
+    """The preset a run without ``--model`` trains: the ``default_preset`` the registered families give (one name;
+    a family copied from another gives the same)."""
+    named = {f.default_preset for f in FAMILIES.values() if f.default_preset}
+    if len(named) != 1:
+        raise UserError(f"no default model preset: the registered families give {sorted(named) or 'none'}; "
+                        "pass --model")
+    return named.pop()
 
 
 class Presets(Mapping):

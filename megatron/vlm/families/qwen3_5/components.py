@@ -1,0 +1,98 @@
+"""Qwen3.5's runtime components: Qwen3-VL's ViT embedding, ViT layers and merger (no DeepStack), Qwen2.5-VL's
+image-token embedding, the two LLM layer kinds (Gated DeltaNet and gated full attention, with interleaved
+multimodal RoPE over the rotated ``partial_rotary_factor`` of each head) and the head with a zero-centred final
+norm.
+
+Both LLM layer kinds are role ``t``: consecutive units of one kind on a stage form TransformerBlock segments, and
+all of them sit in the stage's ``llm_blocks`` in unit order (the stage runs a run of one kind, then the next). They
+share one sequence-parallel region (the stage's LLM layers, whatever their kinds) and one micro-batch context
+(``cache["text_context"]``: the packed parameters and the rotary angles, which the Gated DeltaNet ignores but for
+its segments).
+
+Refused when built: context parallelism (the linear layers' recurrent state would pass between CP ranks),
+TransformerEngine layers and the dense-mask backend (the norms and the Gated DeltaNet are local modules over THD
+rows).
+"""
+from __future__ import annotations
+
+from omnibal_ext.errors import UserError
+from omnibal_ext.model.families.qwen3_5 import GatedAttentionLayerCost, LinearAttentionLayerCost
+
+from megatron.vlm.components import Head
+from megatron.vlm.families.qwen2_5_vl.components import ImageTextEmbed, MRopeTextLayer
+from megatron.vlm.families.qwen3_vl.components import Merger, VisionEmbed, VisionLayers
+from megatron.vlm.rope import MultimodalRope
+
+from . import hf
+from .modules import ZeroCentredRMSNorm, attention_layer_spec, language_layer_config, linear_layer_spec
+
+
+class _Qwen35TextLayers(MRopeTextLayer):
+    """What both LLM layer kinds share: their config, the refusals, the partial multimodal RoPE."""
+
+    def _check(self) -> None:
+        ctx = self.ctx
+        if ctx.language_config.context_parallel_size > 1:
+            raise UserError("Qwen3.5: context parallelism (--context-parallel-size > 1) is not implemented: the "
+                            "Gated DeltaNet layers' recurrent state would have to pass between CP ranks")
+        if ctx.transformer_impl != "local":
+            raise UserError("Qwen3.5: --transformer-impl transformer_engine is not implemented (its zero-centred "
+                            "norms and Gated DeltaNet layers are local modules); use --transformer-impl local")
+        if not ctx.thd:
+            raise UserError("Qwen3.5: --attention-backend unfused is not implemented (the Gated DeltaNet runs on "
+                            "packed THD rows); use --attention-backend auto")
+
+    def build(self, units):
+        self._check()
+        self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.language_config, ("L",))
+        config = language_layer_config(self.ctx.language_config, self.spec.language)
+        return self.ctx.build_layers(units, config, self.layer_spec, self.code())
+
+    def extra_modules(self):
+        lang = self.spec.language
+        self.rotary = MultimodalRope(lang.rotary_dim, lang.rotary_base, lang.mrope_section, lang.mrope_interleaved)
+        return {"mrope": self.rotary}
+
+
+class LinearAttentionLayers(_Qwen35TextLayers):
+    """Gated DeltaNet layers (``linear_attention``): each packed sample from a zero state."""
+
+    cost = LinearAttentionLayerCost
+
+    def layer_spec(self, first_unit_index: int):
+        ctx = self.ctx
+        return linear_layer_spec(ctx.seed, first_unit_index, ctx.transformer_impl, ctx.attention_backend,
+                                 self.spec.language.linear_chunk_size)
+
+    @classmethod
+    def hf_recipes(cls, unit, table):
+        hf.linear_layer_recipes(unit, table)
+
+
+class GatedAttentionLayers(_Qwen35TextLayers):
+    """Gated full-attention layers (``full_attention``)."""
+
+    cost = GatedAttentionLayerCost
+
+    def layer_spec(self, first_unit_index: int):
+        ctx = self.ctx
+        return attention_layer_spec(ctx.seed, first_unit_index, ctx.transformer_impl, ctx.attention_backend)
+
+    @classmethod
+    def hf_recipes(cls, unit, table):
+        hf.attention_layer_recipes(unit, table)
+
+
+class Qwen35Head(Head):
+    """The head with the zero-centred final norm."""
+
+    def norm_builder(self):
+        return ZeroCentredRMSNorm
+
+    @classmethod
+    def hf_recipes(cls, unit, table):
+        Head.hf_recipes(unit, table)
+
+
+__all__ = ["VisionEmbed", "VisionLayers", "Merger", "ImageTextEmbed", "LinearAttentionLayers", "GatedAttentionLayers",
+           "Qwen35Head"]

@@ -1,0 +1,250 @@
+"""Qwen3.5 (dense), planning side: Qwen3-VL's ViT without DeepStack (its embedding, layers and merger costs) and a
+hybrid LLM whose layers are of two kinds, in the order ``layer_types`` gives:
+
+* ``linear_attention``: a Gated DeltaNet layer (``omnibal_ext.model.linear_attention``: in_proj, causal conv,
+  chunked gated delta rule, gated RMSNorm, out_proj) and the SwiGLU MLP -- its time is linear in tokens;
+* ``full_attention``: gated attention (``q_proj`` rows [q | gate] per head, ``sigmoid(gate)`` times the attention
+  output, q/k norms, partial rotary) and the SwiGLU MLP -- its attention core is quadratic per sample.
+
+Both are role ``t`` (LLM layers); the partition search, the recompute planner and the simulator see them as two
+unit kinds of one role through their components, as Qwen2.5-VL's window and full-attention ViT layers in ``v``.
+Every RMSNorm of the LLM is zero-centred (``1 + w``; the gated norm's weight is plain).
+
+Cost of a linear layer over a micro-batch of ``T`` tokens in samples of ``sum(L^2)``: the closed form of
+``linear_attention`` on ``n = round(T^2 / sum(L^2))`` equal segments (the shape says the squares, not the lengths;
+exact for samples of one length) plus the MLP ``6 T h f``. Selective recompute has nothing to recompute in it
+(megatron-core's selective recompute is the softmax attention core's), so its ``selective`` bytes are its ``act``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...errors import UserError
+from ..components import (FUSED_KERNELS, ActBytes, HeadCost, TextEmbedCost, TextLayerCost, llm_layer_flops,
+                          norm_bytes_per_token, sp_tokens)
+from ..linear_attention import LinearAttentionShape, linear_attention_act_bytes, linear_attention_flops
+from ..spec import LanguageSpec, ModelSpec
+from . import Capabilities, Family, register
+from .qwen3_vl import MergerCost, VisionEmbedCost, VisionLayerCost, VisionSpec, image_segments_sq
+
+LINEAR, FULL = "linear_attention", "full_attention"  # HF layer_types values
+
+
+def every_fourth_full(num_layers: int, interval: int = 4) -> tuple[str, ...]:
+    """transformers' default ``layer_types``: layer ``i`` is full attention when ``(i + 1) % interval == 0``."""
+    return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers))
+
+
+@dataclass(frozen=True)
+class Qwen35LanguageSpec(LanguageSpec):
+    """The Qwen3.5 decoder: a LanguageSpec (Qwen3's q/k norms, interleaved mrope, no qkv bias) plus its layer
+    kinds (``layer_types``: one of ``LINEAR`` / ``FULL`` per layer; empty: every fourth full), partial rotary
+    (``partial_rotary_factor`` of ``head_dim`` rotated), the Gated DeltaNet heads (HF ``linear_*``) and the torch
+    delta rule's chunk (tokens)."""
+
+    layer_types: tuple[str, ...] = ()
+    partial_rotary_factor: float = 0.25
+    linear_num_key_heads: int = 16
+    linear_key_head_dim: int = 128
+    linear_num_value_heads: int = 32
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    linear_chunk_size: int = 64
+
+    def __post_init__(self):
+        types = tuple(self.layer_types) or every_fourth_full(self.num_layers)
+        object.__setattr__(self, "layer_types", types)
+        if len(types) != self.num_layers:
+            raise UserError(f"layer_types has {len(types)} entries, the LLM {self.num_layers} layers")
+        bad = sorted({t for t in types if t not in (LINEAR, FULL)})
+        if bad:
+            raise UserError(f"layer_types: {bad} unknown (each is {LINEAR!r} or {FULL!r})")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise UserError(f"partial_rotary_factor {self.partial_rotary_factor} must give an even number of "
+                            f"rotated channels in (0, head_dim {self.kv_channels}]")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise UserError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                            f"linear_num_key_heads ({self.linear_num_key_heads})")
+        super().__post_init__()
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.kv_channels * self.partial_rotary_factor)
+
+    @property
+    def linear_shape(self) -> LinearAttentionShape:
+        return LinearAttentionShape(self.hidden_size, self.linear_num_key_heads, self.linear_key_head_dim,
+                                    self.linear_num_value_heads, self.linear_value_head_dim,
+                                    self.linear_conv_kernel_dim)
+
+    def is_linear(self, layer: int) -> bool:
+        return self.layer_types[layer] == LINEAR
+
+
+def _segments(tokens: int, attn_sq: float) -> list[int]:
+    """``tokens`` cut into ``round(tokens^2 / attn_sq)`` segments as equal as integers allow (the packed
+    samples the shape's ``sum(L^2)`` stands for)."""
+    if tokens <= 0:
+        return []
+    n = max(1, min(tokens, round(tokens * tokens / attn_sq))) if attn_sq > 0 else 1
+    base, extra = divmod(tokens, n)
+    return [base + 1] * extra + [base] * (n - extra)
+
+
+def _mlp_norm_bytes(lm: LanguageSpec, T: int, D: int, tp: int, sequence_parallel: bool, kernels) -> float:
+    """What a layer keeps besides its token mixer: the two norms' inputs and statistics and the MLP's input
+    (replicated; split under sequence parallelism), the SwiGLU MLP's ``5 f`` (split)."""
+    h, f = lm.hidden_size, lm.ffn_hidden_size
+    replicated = T * (3 * h * D + 2 * norm_bytes_per_token(h, D, "RMSNorm", kernels))
+    if sequence_parallel:
+        replicated /= tp
+    return replicated + T * 5 * f * D / tp
+
+
+class LinearAttentionLayerCost(TextLayerCost):
+    """A Gated DeltaNet layer with its SwiGLU MLP (module docstring); TP all-reduces as any decoder layer's."""
+
+    kind = "qwen3_5_linear_layer"
+    efficiency = 0.4
+
+    def _lengths(self, shape, tokens: int) -> list[int]:
+        return _segments(tokens, shape.rank_attn_tokens_sq)
+
+    def flops(self, shape, tp):
+        lm = self.spec.language
+        t = shape.rank_llm_tokens
+        lengths = self._lengths(shape, t)
+        mixer = linear_attention_flops(lm.linear_shape, lengths, lm.linear_chunk_size).total if lengths else 0.0
+        return mixer + 6.0 * t * lm.hidden_size * lm.ffn_hidden_size, 0.0
+
+    def params(self, tp):
+        lm = self.spec.language
+        s, h, f = lm.linear_shape, lm.hidden_size, lm.ffn_hidden_size
+        mixer = h * s.in_proj_dim + s.conv_dim * s.conv_kernel + 2 * s.value_heads + s.value_head_dim \
+            + s.value_heads * s.value_head_dim * h
+        return mixer + 3 * h * f + 2 * h
+
+    def linears(self, tp):
+        return {}  # no LoRA on these layers (not declared)
+
+    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False, kernels=FUSED_KERNELS):
+        lm, D = self.spec.language, shape.dtype_bytes
+        T = sp_tokens(shape.rank_llm_tokens, tp, sequence_parallel)
+        split = tp if sequence_parallel else 1
+        send = T * lm.hidden_size * D / split
+        if T == 0:
+            return ActBytes(0.0, 0.0, 0.0, 0.0)
+        lengths = self._lengths(shape, shape.rank_llm_tokens)
+        if T > shape.rank_llm_tokens:
+            lengths.append(T - shape.rank_llm_tokens)  # the sequence-parallel pad: a segment of its own
+        mixer = linear_attention_act_bytes(lm.linear_shape, lengths, tp, sequence_parallel and tp > 1, D).total
+        act = mixer + _mlp_norm_bytes(lm, T, D, tp, sequence_parallel and tp > 1, kernels)
+        return ActBytes(act, send, act, send)
+
+
+class GatedAttentionLayerCost(TextLayerCost):
+    """A gated full-attention layer: the decoder layer's cost with ``q_proj``'s gate rows (``heads * head_dim``
+    more outputs of the fused QKV), the sigmoid gate on the attention output and partial rotary (its tables
+    ``rotary_dim`` wide)."""
+
+    kind = "qwen3_5_attention_layer"
+
+    def _width(self) -> int:
+        lm = self.spec.language
+        return lm.num_attention_heads * lm.kv_channels
+
+    def flops(self, shape, tp):
+        total, core = llm_layer_flops(self.spec, shape)
+        t, h = shape.rank_llm_tokens, self.spec.language.hidden_size
+        return total + 2.0 * t * h * self._width() + 4.0 * t * self._width(), core
+
+    def params(self, tp):
+        return super().params(tp) + self.spec.language.hidden_size * self._width()
+
+    def linears(self, tp):
+        return {}  # no LoRA on these layers (not declared)
+
+    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False, kernels=FUSED_KERNELS):
+        """The decoder layer's bytes plus, per token and TP rank, the gate's rows of the fused QKV output, its
+        contiguous copy, ``sigmoid(gate)`` in fp32 and the ungated attention output (``heads * head_dim`` each)."""
+        base = super().act_bytes(shape, tp, dropout, attention, sequence_parallel, kernels)
+        T = sp_tokens(shape.rank_llm_tokens, tp, sequence_parallel)
+        gate = T * self._width() * (3 * shape.dtype_bytes + 4.0) / tp
+        return ActBytes(base.act + gate, base.full, base.selective + gate, base.send)
+
+
+def unit_list(spec: ModelSpec):
+    lm = spec.language
+    units = [("vit.embed", VisionEmbedCost, None)]
+    units += [(f"vit.layer.{i}", VisionLayerCost, i) for i in range(spec.vision.num_layers)]
+    units += [("projector", MergerCost, None), ("llm.embed", TextEmbedCost, None)]
+    units += [(f"llm.layer.{i}", LinearAttentionLayerCost if lm.is_linear(i) else GatedAttentionLayerCost, i)
+              for i in range(lm.num_layers)]
+    return units + [("llm.head", HeadCost, None)]
+
+
+def spec_problem(spec: ModelSpec) -> str | None:
+    if spec.vision.deepstack_visual_indexes:
+        return "Qwen3.5's ViT has no DeepStack (deepstack_visual_indexes must be empty)"
+    if not isinstance(spec.language, Qwen35LanguageSpec):
+        return "a Qwen3.5 model's language spec is a Qwen35LanguageSpec"
+    return None
+
+
+def qwen3_5_language(**kw) -> Qwen35LanguageSpec:
+    """A Qwen3.5 decoder: Qwen3's q/k norms, interleaved mrope, no qkv bias, plus the given layer kinds."""
+    return Qwen35LanguageSpec(qk_norm=True, mrope_interleaved=True, qkv_bias=False, **kw)
+
+
+def vision(**kw) -> VisionSpec:
+    """Qwen3-VL's ViT without DeepStack."""
+    return VisionSpec(deepstack_visual_indexes=(), **kw)
+
+
+# --------------------------------------------------------------------------------------------
+# Presets: the dense Qwen/Qwen3.5-* sizes whose config.json facts were found (where each was read:
+# tests/test_qwen3_5_model.py, PUBLISHED). Common: vocab 248320, head_dim 256, rope_theta 1e7, partial rotary
+# 0.25, mrope_section [11, 11, 10] interleaved, rms_norm_eps 1e-6, linear conv kernel 4, key/value head dims 128,
+# every fourth layer full attention; the ViT: patch 16, temporal 2, merge 2, 2304 positions. 2B, 4B and 27B are not
+# here: their linear heads and ViT sizes were not found.
+# --------------------------------------------------------------------------------------------
+_TEXT = dict(rotary_base=10000000, norm_eps=1e-6, head_dim=256, vocab_size=248320, mrope_section=(11, 11, 10),
+             partial_rotary_factor=0.25, linear_key_head_dim=128, linear_value_head_dim=128,
+             linear_conv_kernel_dim=4)
+SMALL_VIT = vision(num_layers=12, hidden_size=768, num_attention_heads=12, ffn_hidden_size=3072)
+LARGE_VIT = vision(num_layers=27, hidden_size=1152, num_attention_heads=16, ffn_hidden_size=4304)
+
+
+def _preset(name, vit, layers, hidden, heads, groups, ffn, key_heads, value_heads, tie):
+    return ModelSpec(name=name, vision=vit, family="qwen3_5", language=qwen3_5_language(
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
+        ffn_hidden_size=ffn, linear_num_key_heads=key_heads, linear_num_value_heads=value_heads,
+        tie_word_embeddings=tie, **_TEXT))
+
+
+PRESETS: dict[str, ModelSpec] = {
+    "qwen3.5-0.8b": _preset("qwen3.5-0.8b", SMALL_VIT, 24, 1024, 8, 2, 3584, 16, 16, True),
+    "qwen3.5-9b": _preset("qwen3.5-9b", LARGE_VIT, 32, 4096, 16, 4, 12288, 16, 32, False),
+    # a CPU model: 2 ViT layers, 6 LLM layers in an order other than every fourth (linear, full, linear, linear,
+    # full, linear), linear heads unlike the attention heads, a quarter of head_dim rotated
+    "qwen3.5-tiny": ModelSpec(
+        name="qwen3.5-tiny", family="qwen3_5", init_method_std=0.06,
+        vision=vision(num_layers=2, hidden_size=48, num_attention_heads=4, ffn_hidden_size=96,
+                      num_position_embeddings=16),
+        language=qwen3_5_language(
+            num_layers=6, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+            vocab_size=384, rotary_base=1000000, norm_eps=1e-6, head_dim=32, mrope_section=(1, 2, 1),
+            partial_rotary_factor=0.25, layer_types=(LINEAR, FULL, LINEAR, LINEAR, FULL, LINEAR),
+            linear_num_key_heads=2, linear_key_head_dim=16, linear_num_value_heads=4, linear_value_head_dim=8,
+            linear_conv_kernel_dim=4, linear_chunk_size=8)),
+}
+
+QWEN3_5 = register(Family(
+    name="qwen3_5", vision_spec=VisionSpec, language_spec=Qwen35LanguageSpec,
+    components=(VisionEmbedCost, VisionLayerCost, MergerCost, TextEmbedCost, LinearAttentionLayerCost,
+                GatedAttentionLayerCost, HeadCost),
+    unit_list=unit_list, vision_item="patch", presets=PRESETS, segments_sq=image_segments_sq,
+    spec_problem=spec_problem,
+    # sequence parallelism is declared: the Gated DeltaNet, the gated attention and the norms run under it (tested
+    # at TP 2); context parallelism is refused (the linear layers' state would pass between CP ranks); no LoRA
+    capabilities=Capabilities(sequence_parallel=True, image_flags=("--min-pixels", "--max-pixels"))))
