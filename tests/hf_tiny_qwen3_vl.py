@@ -138,23 +138,41 @@ def colour_images(folder, count=12, seed=0) -> list[tuple[str, str]]:
 QUESTIONS = ("<image>What colour is it?", "Name the colour: <image>", "<image>\nWhich colour?")
 
 
-def write_messages_data(folder) -> str:
-    """A ``messages`` JSONL (string content with ``<image>`` tags) over ``colour_images``: one-image questions (the
-    answer names the colour) and two-image ones (both, in order); returns its path."""
+def structured(text: str, paths: list[str]) -> list[dict]:
+    """``text``'s ``<image>`` tags as transformers' image parts (``paths`` in order), the rest as text parts."""
+    pieces = text.split("<image>")
+    parts = [{"type": "text", "text": pieces[0]}] if pieces[0] else []
+    for path, piece in zip(paths, pieces[1:]):
+        parts.append({"type": "image", "image": path})
+        parts += [{"type": "text", "text": piece}] if piece else []
+    return parts
+
+
+def write_messages_data(folder, structured_content: bool = False) -> str:
+    """A ``messages`` JSONL over ``colour_images``: one-image questions (the answer names the colour) and two-image
+    ones (both, in order); the content strings with ``<image>`` tags and an ``images`` list, or with
+    ``structured_content`` transformers' structured lists (``{"type": "image", "image": PATH}`` parts); returns its
+    path."""
     import json
 
     images = folder / "images"
     images.mkdir()
     pics = colour_images(images)
+
+    def record(question, paths, answer):
+        if not structured_content:
+            return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}],
+                    "images": paths}
+        return {"messages": [{"role": "user", "content": structured(question, paths)},
+                             {"role": "assistant", "content": [{"type": "text", "text": answer}]}]}
+
     lines = []
     for k, (name, colour) in enumerate(pics):
         for q in QUESTIONS:
-            lines.append({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": colour}],
-                          "images": [f"images/{name}"]})
+            lines.append(record(q, [f"images/{name}"], colour))
         other, second = pics[(k + 4) % len(pics)]
-        lines.append({"messages": [{"role": "user", "content": "<image> then <image>: which?"},
-                                   {"role": "assistant", "content": f"{colour}, {second}"}],
-                      "images": [f"images/{name}", f"images/{other}"]})
+        lines.append(record("<image> then <image>: which?", [f"images/{name}", f"images/{other}"],
+                            f"{colour}, {second}"))
     path = folder / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     return str(path)

@@ -1,11 +1,9 @@
 """Fine-tune a tiny Hugging Face Qwen3-VL (its own small tokenizer, chat template and ``preprocessor_config.json``)
 from --hf-checkpoint at PP2 with DeepStack feature 0 crossing the stage boundary (``Iv*2|v*2PEt*3L``) under ISF
-packing, on ``messages`` JSONL with small photo-like colour images of varied sizes (the answers name the colour);
-the loss falls; `omnibal hf export` of the result loads in transformers and its logits equal our model's on the
-exported folder (slow).
-
-The records use the string content form with ``<image>`` tags (the structured list form comes with the
-family-neutral reader)."""
+packing, on ``messages`` JSONL in transformers' structured content form (``{"type": "image", "image": PATH}``
+parts) with small photo-like colour images of varied sizes (the answers name the colour); the loss falls;
+`omnibal hf export` of the result loads in transformers and its logits equal our model's on the exported folder
+(slow). (test_qwen3_vl_training's runs read the string form with ``<image>`` tags.)"""
 
 import pytest
 import torch
@@ -27,7 +25,7 @@ def test_finetune_qwen3_vl_pp2_isf_messages_photos_then_export(tmp_path, data_ca
 
     hf = tmp_path / "hf"
     model, ids = hf_tiny_qwen3_vl.make_tiny_with_tokenizer(hf, seed=3)
-    data = hf_tiny_qwen3_vl.write_messages_data(tmp_path)
+    data = hf_tiny_qwen3_vl.write_messages_data(tmp_path, structured_content=True)
     flags = ["--hf-checkpoint", str(hf), "--data-path", data, "--pipeline-model-parallel-size", "2",
              "--pipeline-layout", "Iv*2|v*2PEt*3L", "--omnibal-isf", "--train-iters", "25", "--micro-batch-size", "4",
              "--global-batch-size", "8", "--lr", "3e-3", "--lr-warmup-iters", "2", "--eval-interval", "0",
