@@ -3,7 +3,7 @@
 Inputs are transformers' own, turned into a micro-batch by the model family (``HFSide.logits_batch``):
 InternVL ``input_ids [1, s]`` already holding ``image_seq_length`` image-token ids per tile, ``pixel_values
 [tiles, 3, H, W]``; Qwen2.5-VL ``input_ids``, ``pixel_values [patches, 3*2*14*14]``, ``image_grid_thw [n, 3]``,
-``mm_token_type_ids [1, s]``. Output: float32 logits ``[s, real vocab]``.
+``mm_token_type_ids [1, s]`` (Qwen3-VL: the same). Output: float32 logits ``[s, real vocab]``.
 """
 from __future__ import annotations
 
@@ -54,7 +54,9 @@ def gather_vocab(logits: torch.Tensor, real_vocab: int) -> torch.Tensor:
 
 def chained_logits(src, inputs: dict, cuts: list[int] = (), img_context_id: int | None = None) -> torch.Tensor:
     """In one process (TP1): the model split into stages at unit indices ``cuts``, each stage built and loaded
-    on its own, the hidden state handed from one to the next; [s, real vocab]."""
+    on its own, each stage's output handed to the next as the pipeline's P2P hands it (the hidden states with the
+    side tensors live at that cut packed in by the stage: ``megatron.vlm.side.pack``, unpacked by the next stage
+    with the rows of its ``DataSide.side_rows``); [s, real vocab]."""
     from .load import load_hf_into_stage
 
     spec = src.spec

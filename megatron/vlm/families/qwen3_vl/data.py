@@ -19,6 +19,9 @@ Sequence parallelism pads the row to a multiple of TP (``pad_to_multiple``; the 
 parallelism (``Qwen3Batcher.split_cp``): Qwen2.5-VL's split (whole images per CP rank, balanced by patches; the
 LLM tokens in 2 x CP chunks per segment), with ``mm_token_type_ids`` split like the tokens.
 
+DeepStack features crossing a pipeline boundary are sized on the receiving stage by ``side_rows`` (the merged image
+tokens of this CP rank's images, from host fields that reach every stage: ``sample_tiles``, ``vision_rank_tokens``).
+
 ISF: ``PatchImages`` gives each image's ViT items (patches) and grid, from which the reader's scan makes the
 stats (``InternVLDataset.sample_stats`` / ``image_grids``), as for Qwen2.5-VL.
 """
@@ -104,6 +107,11 @@ class Qwen3Batcher(QwenBatcher):
         keys = super().keys(inputs)
         return keys + (TOKEN_TYPES,) if inputs.tokens or inputs.packing else keys
 
+    def cp_keys(self, inputs):
+        """Qwen2.5-VL's, and ``vision_rank_tokens`` on every stage (``side_rows`` sizes the DeepStack features from it
+        on stages that read no tokens)."""
+        return tuple(dict.fromkeys((*super().cp_keys(inputs), "vision_rank_tokens")))
+
     def split_cp(self, batch, cp, rank, pad_id, img_context_id, sp_tp=1):
         """Qwen2.5-VL's split (``QwenBatcher.split_cp``) with ``mm_token_type_ids`` [1, t / cp] as this rank's
         tokens (pads: 0)."""
@@ -115,12 +123,24 @@ class Qwen3Batcher(QwenBatcher):
         return out
 
 
+def side_rows(spec, batch: dict, cp: int, cp_rank: int) -> int:
+    """Rows of a DeepStack feature (``DataSide.side_rows``): the merged tokens of the images this CP rank's ViT runs,
+    at least 1 (a rank or micro-batch without images runs the dummy 2 x 2-patch image: one token).  From host fields
+    every stage gets: ``sample_tiles`` (patch rows per sample, ``collate.HOST_KEYS``) without CP, else
+    ``vision_rank_tokens`` (every CP rank's merged image tokens, Python ints: ``QwenBatcher.split_cp``)."""
+    if cp > 1:
+        tokens = int(batch["vision_rank_tokens"][cp_rank])
+    else:
+        tokens = int(batch["sample_tiles"].sum()) // spec.vision.spatial_merge_size ** 2
+    return max(tokens, 1)
+
+
 profile_batch = functools.partial(qwen_profile_batch, batcher=Qwen3Batcher)
 """The trainer profiler's micro-batch (``qwen2_5_vl.data.profile_batch``) made by ``Qwen3Batcher``."""
 
 QWEN3_VL_DATA = DataSide(image_tokens=IMAGE_TOKENS, reader=reader, batcher=Qwen3Batcher,
                          tile_check=lambda spec: None, default_image_px=lambda spec: 4 * spec.vision.patch_size,
-                         profile_batch=profile_batch)
+                         profile_batch=profile_batch, side_rows=side_rows)
 
 __all__ = ["QWEN3_VL_DATA", "Qwen3Batcher", "VISION_KEYS", "check_geometry", "processor_config", "reader",
-           "vision_fields"]
+           "side_rows", "vision_fields"]
