@@ -131,10 +131,9 @@ def _collate(inputs, cp=1, cp_rank=0):
 
 @pytest.mark.parametrize("grids", [[[(4, 6)], [], [(2, 2), (6, 4)]], [[], []]])
 def test_side_rows_of_training_micro_batches(grids):
-    """A stage reading neither pixels nor tokens (ViT layers after a cut get pixels' fields; LLM layers read tokens:
-    the narrowest stage is the head's) sizes the features as the images' merged tokens, which the pixel and token
-    stages see: image-token ids in the tokens, patch rows / 4; one row for the dummy image of a text-only
-    micro-batch."""
+    """A stage reading neither pixels nor tokens (the narrowest there is) sizes the features as the images' merged
+    tokens, which the pixel and token stages see: image-token ids in the tokens, patch rows / 4; one row for the
+    dummy image of a text-only micro-batch."""
     from megatron.vlm.batches import StageInputs
     from megatron.vlm.families import runtime_family
 
@@ -156,16 +155,17 @@ def test_side_rows_of_training_micro_batches(grids):
 @pytest.mark.parametrize("grids, want", [([[(4, 6)], [(2, 2), (6, 4)], [(2, 4)]], [7, 8]),
                                          ([[(4, 4)], []], [4, 1]), ([[], []], [1, 1])])
 def test_side_rows_under_context_parallelism(grids, want):
-    """CP 2: every rank's rows on a stage without pixels or tokens are the merged tokens of the pixel rows that rank's
-    ViT runs (its dummy 2 x 2-patch image when it has none: one)."""
+    """CP 2: every rank's rows on a stage of LLM layers (no pixels) and on one of ViT layers are the merged tokens of
+    the pixel rows that rank's ViT runs (its dummy 2 x 2-patch image when it has none: one)."""
     from megatron.vlm.batches import StageInputs
     from megatron.vlm.families import runtime_family
 
     side_rows = runtime_family(SPEC).data.side_rows
     samples = _samples(grids)
     for rank in range(2):
-        bare = _collate(StageInputs.reading({"labels"}), cp=2, cp_rank=rank)(samples)
+        llm = _collate(StageInputs.reading({"tokens", "packing"}), cp=2, cp_rank=rank)(samples)
         pixels = _collate(StageInputs.reading({"pixels"}), cp=2, cp_rank=rank)(samples)
-        assert "pixel_values" not in bare
+        assert "pixel_values" not in llm and "image_grid_thw" not in llm
         made = pixels["pixel_values"].shape[0] // 4
-        assert side_rows(SPEC, bare, 2, rank) == want[rank] == made == int(pixels["image_grid_thw"].prod(1).sum()) // 4
+        assert made == int(pixels["image_grid_thw"].prod(1).sum()) // 4 == want[rank]
+        assert side_rows(SPEC, llm, 2, rank) == side_rows(SPEC, pixels, 2, rank) == want[rank]

@@ -19,8 +19,7 @@ Sequence parallelism pads the row to a multiple of TP (``pad_to_multiple``; the 
 parallelism (``Qwen3Batcher.split_cp``): Qwen2.5-VL's split (whole images per CP rank, balanced by patches; the
 LLM tokens in 2 x CP chunks per segment), with ``mm_token_type_ids`` split like the tokens.
 
-DeepStack features crossing a pipeline boundary are sized on the receiving stage by ``side_rows`` (the merged image
-tokens of this CP rank's images, from host fields that reach every stage: ``sample_tiles``, ``vision_rank_tokens``).
+DeepStack features crossing pipeline stages: ``side_rows`` (their rows on the receiving stage, host fields only).
 
 ISF: ``PatchImages`` gives each image's ViT items (patches) and grid, from which the reader's scan makes the
 stats (``InternVLDataset.sample_stats`` / ``image_grids``), as for Qwen2.5-VL.
@@ -107,11 +106,6 @@ class Qwen3Batcher(QwenBatcher):
         keys = super().keys(inputs)
         return keys + (TOKEN_TYPES,) if inputs.tokens or inputs.packing else keys
 
-    def cp_keys(self, inputs):
-        """Qwen2.5-VL's, and ``vision_rank_tokens`` on every stage (``side_rows`` sizes the DeepStack features from it
-        on stages that read no tokens)."""
-        return tuple(dict.fromkeys((*super().cp_keys(inputs), "vision_rank_tokens")))
-
     def split_cp(self, batch, cp, rank, pad_id, img_context_id, sp_tp=1):
         """Qwen2.5-VL's split (``QwenBatcher.split_cp``) with ``mm_token_type_ids`` [1, t / cp] as this rank's
         tokens (pads: 0)."""
@@ -124,15 +118,20 @@ class Qwen3Batcher(QwenBatcher):
 
 
 def side_rows(spec, batch: dict, cp: int, cp_rank: int) -> int:
-    """Rows of a DeepStack feature (``DataSide.side_rows``): the merged tokens of the images this CP rank's ViT runs,
-    at least 1 (a rank or micro-batch without images runs the dummy 2 x 2-patch image: one token).  From host fields
-    every stage gets: ``sample_tiles`` (patch rows per sample, ``collate.HOST_KEYS``) without CP, else
-    ``vision_rank_tokens`` (every CP rank's merged image tokens, Python ints: ``QwenBatcher.split_cp``)."""
+    """Rows of a DeepStack feature (``DataSide.side_rows``, ``megatron/vlm/side.py``) on this rank, from host-held
+    fields: the merged tokens of the images this (CP) rank's ViT runs -- of ``vision_cu_seqlens`` (the patches,
+    the dummy image's included) on a stage that runs ViT layers; else ``vision_rank_tokens`` under context
+    parallelism (one token for a rank without images: its dummy image's); else the micro-batch's patches
+    (``sample_tiles``; one token for the dummy image of a micro-batch without any)."""
+    merge_unit = spec.vision.spatial_merge_size ** 2
+    if "vision_cu_seqlens" in batch:
+        return int(batch["vision_cu_seqlens"][-1]) // merge_unit
     if cp > 1:
-        tokens = int(batch["vision_rank_tokens"][cp_rank])
-    else:
-        tokens = int(batch["sample_tiles"].sum()) // spec.vision.spatial_merge_size ** 2
-    return max(tokens, 1)
+        if "vision_rank_tokens" not in batch:
+            raise ValueError("Qwen3-VL side tensor rows under context parallelism: the stage reads neither pixels "
+                             "nor tokens (no vision_cu_seqlens, no vision_rank_tokens)")
+        return max(int(batch["vision_rank_tokens"][cp_rank]), 1)
+    return max(int(batch["sample_tiles"].sum()) // merge_unit, 1)
 
 
 profile_batch = functools.partial(qwen_profile_batch, batcher=Qwen3Batcher)
