@@ -4,12 +4,12 @@ It sits above both the planners (``omnibal_ext``, which imports nothing of the t
 (``megatron``, ``pretrain_vlm``):
 
 * ``omnibal isf|partition|memory|plan``  the planner commands (``omnibal_ext.cli``), given the trainer's
-                                     readers: InternVL meta JSONs as ``--stats``/``--data``
+                                     readers: meta JSONs as ``--stats``/``--data``
                                      (:func:`scan_metas`), ``omnibal isf stats --write`` (any family's
                                      data: :func:`write_scanned_stats`) and ``omnibal plan --hf-checkpoint``
                                      (:func:`model_from_hf`);
 * ``omnibal profile``                measure the units on this machine (runs the trainer's profiler);
-* ``omnibal hf import|export``       Hugging Face InternVL folders to and from trainer checkpoints
+* ``omnibal hf import|export``       Hugging Face folders to and from trainer checkpoints
                                      (``megatron.vlm.hf``).
 
 Bad input prints one line ``omnibal <command>: error: ...`` on stderr and exits with status 2.
@@ -23,25 +23,29 @@ from omnibal_ext import cli as planner_cli
 from omnibal_ext.errors import UserError
 
 
+PUBLISHED_TILES = dict(image_size=448, tokens_per_tile=256, max_num_tiles=6)  # the tiles of OmniBal's published stats
+
+
 def scan_metas(metas, spec=None) -> list:
-    """(tiles, tokens) per sample of each InternVL meta JSON, scanned once by the trainer's reader: tiles of
-    the model ``spec``'s image size and tokens per tile (without a model, as by ``omnibal isf``: InternVL-Chat's
+    """(tiles, tokens) per sample of each meta JSON, scanned once by the trainer's reader: dynamic tiles of the
+    model ``spec``'s image size and tokens per tile (without a model, as by ``omnibal isf``: ``PUBLISHED_TILES``,
     448 px and 256 tokens per tile), 1 to 6 tiles, the byte-level tokenizer unless OMNIBAL_TOKENIZER names a
     Hugging Face tokenizer folder.  For other settings, write the stats with
     megatron.vlm.data.stats.write_stats first."""
     import os
 
-    from megatron.vlm.data.internvl import ReaderConfig, scan_annotations
+    from megatron.vlm.data.images import TileImages
+    from megatron.vlm.data.records import ReaderConfig, scan_annotations
     from megatron.vlm.data.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(os.environ.get("OMNIBAL_TOKENIZER"))
-    image_size, tokens_per_tile = (448, 256) if spec is None else (spec.vision.image_size, spec.tokens_per_tile)
-    config = ReaderConfig(image_size=image_size, tokens_per_tile=tokens_per_tile, max_num_tiles=6,
-                          max_seq_length=None)
+    tiles = PUBLISHED_TILES if spec is None else dict(PUBLISHED_TILES, image_size=spec.vision.image_size,
+                                                      tokens_per_tile=spec.tokens_per_tile)
+    config = ReaderConfig(images=TileImages(**tiles))
     found = []
     for meta in metas:
         scan = scan_annotations(meta, tokenizer, config, progress=True)
-        found.append((scan.rec_tiles[scan.order], scan.rec_tokens[scan.order]))
+        found.append((scan.rec_items[scan.order], scan.rec_tokens[scan.order]))
     return found
 
 
@@ -49,11 +53,12 @@ def write_scanned_stats(args) -> int:
     """``omnibal isf stats --stats DATA... --write OUT``: each meta JSON or annotation JSONL of ``args.stats``
     scanned (validated) by the trainer's reader with the model's family data side (``--hf-checkpoint``: its
     config, tokenizer and image processor; ``--model``: a preset with the byte-level tokenizer or
-    OMNIBAL_TOKENIZER; neither: InternVL-Chat's 448 px tiles), written to OUT as
+    OMNIBAL_TOKENIZER; neither: the 448 px tiles of ``PUBLISHED_TILES``), written to OUT as
     ``[{"vit_num", "token_num", "images": [{"width", "height", "tiles" | "patches"}]}]``; returns the samples."""
     import os
 
-    from megatron.vlm.data.internvl import ReaderConfig, scan_annotations
+    from megatron.vlm.data.images import TileImages
+    from megatron.vlm.data.records import ReaderConfig, scan_annotations
     from megatron.vlm.data.stats import image_stats_records, write_json
     from megatron.vlm.data.tokenizer import build_tokenizer
     from megatron.vlm.families import runtime_family
@@ -64,30 +69,30 @@ def write_scanned_stats(args) -> int:
     hf = args.hf_checkpoint
     spec = model_from_hf(hf) if hf else get_preset(args.model) if args.model else None
     if spec is None:
-        reader, image_tokens = dict(image_size=448, tokens_per_tile=256, max_num_tiles=args.max_num_tiles,
-                                    min_num_tiles=args.min_num_tiles), None
+        images, image_tokens = TileImages(**dict(PUBLISHED_TILES, max_num_tiles=args.max_num_tiles),
+                                          min_num_tiles=args.min_num_tiles), None
     else:
         data = runtime_family(spec).data
-        reader, image_tokens = data.reader(args, spec, hf), data.image_tokens
+        images, image_tokens = data.image_rule(args, spec, hf), data.image_tokens
     folder = hf if hf and has_tokenizer(hf) else os.environ.get("OMNIBAL_TOKENIZER")
     tokenizer = build_tokenizer(folder, **({"image_tokens": image_tokens} if image_tokens else {}))
-    config = ReaderConfig(**reader, max_seq_length=None)
+    config = ReaderConfig(images=images)
     records = []
     for path in data_files(args.stats, "--stats"):
         scan = scan_annotations(path, tokenizer, config, progress=True)
-        records += image_stats_records(scan, config.image_rule.unit)
+        records += image_stats_records(scan, images.unit)
     write_json(records, args.write)
     print(f"wrote the stats of {len(records)} samples to {args.write}")
     return len(records)
 
 
 def load_stats_or_meta(paths, flag: str = "--stats", spec=None):
-    """Stats files or InternVL meta JSONs (read by :func:`scan_metas`): ``omnibal_ext.cli.load_stats_or_meta``."""
+    """Stats files or meta JSONs (read by :func:`scan_metas`): ``omnibal_ext.cli.load_stats_or_meta``."""
     return planner_cli.load_stats_or_meta(paths, flag, spec, scan_metas)
 
 
 def model_from_hf(folder: str):
-    """The ModelSpec of a Hugging Face InternVL folder's config.json (``omnibal plan --hf-checkpoint``)."""
+    """The ModelSpec of a Hugging Face folder's config.json (``omnibal plan --hf-checkpoint``)."""
     import os
 
     from megatron.vlm.hf.configs import read_config, spec_from_config
@@ -183,10 +188,10 @@ def format_profile_report(rows: list[dict], device: str) -> str:
 
 def add_hf_parser(subparsers) -> argparse.ArgumentParser:
     """``omnibal hf import|export``: offline conversion (torch is imported only when one runs)."""
-    p = subparsers.add_parser("hf", help="convert Hugging Face InternVL checkpoints to and from trainer checkpoints",
-                              description="Offline conversion between a Hugging Face InternVL folder (config.json + "
-                                          "*.safetensors; native InternVLForConditionalGeneration or original "
-                                          "InternVLChatModel layout) and a trainer checkpoint (torch_dist).")
+    p = subparsers.add_parser("hf", help="convert Hugging Face checkpoints to and from trainer checkpoints",
+                              description="Offline conversion between a Hugging Face folder (config.json + "
+                                          "*.safetensors, read by the family whose reader recognizes its config.json) "
+                                          "and a trainer checkpoint (torch_dist).")
     sub = p.add_subparsers(dest="hf_command", required=True)
     imp = sub.add_parser("import", help="HF folder -> weights-only trainer checkpoint at iteration 0 "
                                         "(load it with pretrain_vlm.py --load at any TP/PP/layout)")
@@ -194,7 +199,7 @@ def add_hf_parser(subparsers) -> argparse.ArgumentParser:
     imp.add_argument("--save", required=True, metavar="CKPT", help="checkpoint folder to write")
     imp.set_defaults(func=_run_hf_import)
     exp = sub.add_parser("export", help="trainer checkpoint (any TP/PP/DP/layout) -> native HF folder that "
-                                        "InternVLForConditionalGeneration.from_pretrained loads")
+                                        "transformers' from_pretrained of its family loads")
     exp.add_argument("--load", required=True, metavar="CKPT", help="checkpoint folder (its newest iteration)")
     exp.add_argument("--out", required=True, metavar="DIR", help="folder to write config.json + *.safetensors into")
     exp.add_argument("--ckpt-step", type=int, default=None, help="that iteration instead of the newest")

@@ -1,4 +1,4 @@
-"""Train an InternVL-style VLM with megatron-core and OmniBal balancing.
+"""Train a VLM with megatron-core and OmniBal balancing.
 
     torchrun --nproc-per-node 4 pretrain_vlm.py --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
 
@@ -16,7 +16,8 @@ warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")  # meg
 
 def main(argv=None) -> dict:
     from megatron.training.arguments import ArgumentError, parse_args, virtual_pipeline_size
-    from megatron.training.initialize import choose_device, initialize_distributed, set_seeds, world_size_from_env
+    from megatron.training.initialize import (choose_device, distributed_timeout, initialize_distributed, set_seeds,
+                                              world_size_from_env)
 
     world_size = world_size_from_env()
     args = parse_args(argv, world_size)  # checked, never written to: what follows from it is the run plan
@@ -25,7 +26,9 @@ def main(argv=None) -> dict:
         raise ArgumentError("--bf16 needs a CUDA device: megatron-core's mixed-precision optimizer takes CUDA "
                             "tensors only (train in fp32 on CPU)")
     initialize_distributed(device, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                           args.context_parallel_size, virtual_pipeline_size(args))
+                           args.context_parallel_size, virtual_pipeline_size(args),
+                           args.expert_model_parallel_size, args.expert_tensor_parallel_size,
+                           timeout=distributed_timeout(args))
     set_seeds(args.seed)
 
     import dataclasses

@@ -18,6 +18,7 @@ setup(
         "matplotlib==3.11.2",
         "tqdm==4.70.1",
         "xxhash==4.1.0",  # checkpoint file checksums
+        "av==18.1.0",  # PyAV: video decoding in the data loader (the newest the registry serves)
     ],
     extras_require={
         "tensorboard": ["tensorboard==2.21.0"],

@@ -6,7 +6,7 @@
 * ``omnibal plan``                   all three together, with predictions (``omnibal_ext.plan``).
 
 The ``omnibal`` command itself is ``omnibal_cli.py`` (beside pretrain_vlm.py, above this package and the
-trainer): it registers these with the trainer's InternVL reader (meta JSONs as ``--stats``/``--data``) and
+trainer): it registers these with the trainer's record reader (meta JSONs as ``--stats``/``--data``) and
 Hugging Face config reader (``omnibal plan --hf-checkpoint``) as hooks, and adds ``omnibal profile`` and
 ``omnibal hf import|export``.  This package imports nothing of the trainer.
 
@@ -37,7 +37,7 @@ StatsWriter = Callable[[argparse.Namespace], int]  # `isf stats --write`: scan -
 
 def add_plan_parser(subparsers, scan_metas: MetaScanner | None = None,
                     model_from_hf: HFModelReader | None = None) -> argparse.ArgumentParser:
-    """Register ``plan`` on an ``argparse`` subparsers object; sets ``func``.  ``scan_metas``: reads InternVL
+    """Register ``plan`` on an ``argparse`` subparsers object; sets ``func``.  ``scan_metas``: reads
     meta JSONs given to ``--data``; ``model_from_hf``: the model of ``--hf-checkpoint DIR`` (without it the flag
     is not offered)."""
     from omnibal_ext.model.cost_model import DEVICES
@@ -53,12 +53,12 @@ def add_plan_parser(subparsers, scan_metas: MetaScanner | None = None,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", nargs="+", required=True, metavar="STATS_OR_META",
                    help="per-sample stats JSON files (OmniBal format: lists of {vit_num, token_num}), "
-                        "or InternVL meta JSONs (scanned as by `omnibal isf`), or folders of either; concatenated")
+                        "or meta JSONs (scanned as by `omnibal isf`), or folders of either; concatenated")
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--model", help=f"model preset: {', '.join(PRESETS)}")
     if model_from_hf is not None:
         model.add_argument("--hf-checkpoint", metavar="DIR",
-                           help="the model of a Hugging Face InternVL folder's config.json (the plan's trainer "
+                           help="the model of a Hugging Face folder's config.json (the plan's trainer "
                                 "flags then start from it with --hf-checkpoint)")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in all")
     p.add_argument("--gpu-memory", type=float, required=True, metavar="GIB", help="memory of one GPU, GiB")
@@ -92,6 +92,16 @@ def add_plan_parser(subparsers, scan_metas: MetaScanner | None = None,
                         "where the micro-batches per pipeline are a multiple of PP, when predicted faster)")
     p.add_argument("--max-vpp", type=int, default=2, metavar="V", help="largest V tried when --vpp is not given "
                                                                         "(default 2; 1: no interleaving)")
+    p.add_argument("--ep", type=int, default=None,
+                   help="MoE models: expert-parallel size (the trainer's --expert-model-parallel-size; default: chosen "
+                        "among the divisors of the experts that megatron-core's expert grid allows)")
+    p.add_argument("--etp", type=int, default=None,
+                   help="MoE models: expert tensor-parallel size (--expert-tensor-parallel-size; default: 1 or TP, "
+                        "chosen)")
+    p.add_argument("--moe-imbalance", type=float, default=None, metavar="F",
+                   help="MoE models: the busiest EP rank's routed tokens over the mean (>= 1), e.g. as the trainer's "
+                        "'expert load imbalance' log measured it; multiplies the experts' time and sizes their "
+                        "activations (default: unknown: time at 1.0, activations at the no-drop worst case)")
     p.add_argument("--sim-iterations", type=int, default=8, help="iterations simulated per setting (default 8)")
     p.add_argument("--seed", type=int, default=0)
     add_freeze_flags(p)
@@ -138,6 +148,7 @@ def plan_config(args):
                       global_batch_size=args.global_batch_size, memory_reserve=args.memory_reserve,
                       attention=args.attention, sim_iterations=args.sim_iterations, choose_for=args.choose_for,
                       min_pp=args.min_pp, seed=args.seed, freeze=Freeze.from_args(args),
+                      ep=args.ep, etp=args.etp, moe_imbalance=args.moe_imbalance,
                       vpp=getattr(args, "vpp", None), max_vpp=getattr(args, "max_vpp", 2))
 
 
@@ -165,8 +176,8 @@ def build_parser(scan_metas: MetaScanner | None = None, model_from_hf: HFModelRe
 
 def add_stats_writing(isf: argparse.ArgumentParser, write_stats: StatsWriter) -> None:
     """``isf stats --write OUT``: the data given to ``--stats`` (meta JSONs or annotation JSONLs) scanned by the
-    trainer's reader for the model of ``--hf-checkpoint``/``--model`` (its family's images: InternVL tiles,
-    Qwen2.5-VL patches) and written to OUT as stats with each image's width, height and ViT items; then
+    trainer's reader for the model of ``--hf-checkpoint``/``--model`` (its family's image rule: tiles,
+    native-resolution patches) and written to OUT as stats with each image's width, height and ViT items; then
     summarised as usual."""
     sub = next(a for a in isf._actions if isinstance(a, argparse._SubParsersAction))
     p = sub.choices["stats"]
@@ -176,10 +187,10 @@ def add_stats_writing(isf: argparse.ArgumentParser, write_stats: StatsWriter) ->
     p.add_argument("--model", default=None, help="with --write: the model preset whose family reads the images")
     p.add_argument("--hf-checkpoint", default=None, metavar="DIR",
                    help="with --write: the model (config.json), tokenizer and image processor of a Hugging Face folder")
-    p.add_argument("--min-pixels", type=int, default=None, help="with --write, Qwen2.5-VL: --min-pixels")
-    p.add_argument("--max-pixels", type=int, default=None, help="with --write, Qwen2.5-VL: --max-pixels")
-    p.add_argument("--max-num-tiles", type=int, default=6, help="with --write, InternVL: --max-num-tiles")
-    p.add_argument("--min-num-tiles", type=int, default=1, help="with --write, InternVL: --min-num-tiles")
+    p.add_argument("--min-pixels", type=int, default=None, help="with --write, native-resolution images: --min-pixels")
+    p.add_argument("--max-pixels", type=int, default=None, help="with --write, native-resolution images: --max-pixels")
+    p.add_argument("--max-num-tiles", type=int, default=6, help="with --write, tiled images: --max-num-tiles")
+    p.add_argument("--min-num-tiles", type=int, default=1, help="with --write, tiled images: --min-num-tiles")
     summarise = p.get_default("func")
 
     def run(args):
@@ -207,7 +218,7 @@ def data_files(paths, flag: str) -> list[str]:
 
 
 def load_stats_or_meta(paths, flag: str = "--stats", spec=None, scan_metas: MetaScanner | None = None):
-    """Per-sample stats files in the OmniBal format, or InternVL meta JSONs (a JSON object, not a list).
+    """Per-sample stats files in the OmniBal format, or meta JSONs (a JSON object, not a list).
 
     Meta JSONs are read by ``scan_metas(metas, spec)`` (the ``omnibal`` command's: the trainer's reader,
     see omnibal_cli.scan_metas), which returns (tiles, tokens) per sample of each; without it they are
@@ -224,7 +235,7 @@ def load_stats_or_meta(paths, flag: str = "--stats", spec=None, scan_metas: Meta
     if len(metas) != len(files):
         raise UserError(f"{flag}: give stats files or meta JSONs, not both")
     if scan_metas is None:
-        raise UserError(f"{flag} {metas[0]}: an InternVL meta JSON; the `omnibal` command reads those with the "
+        raise UserError(f"{flag} {metas[0]}: a meta JSON; the `omnibal` command reads those with the "
                         "trainer's reader")
     tiles, tokens, source = [], [], []
     for i, (meta_tiles, meta_tokens) in enumerate(scan_metas(metas, spec)):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Does the data pipeline keep up?  Loader throughput, TP decode strategies, and the trainer's wait for data.
 
-Data: an InternVL-format dataset (meta JSON + JSONL, megatron/vlm/data/internvl.py) of photo-sized JPEGs
+Data: a dataset of conversations records (meta JSON + JSONL, megatron/vlm/data/records.py) of photo-sized JPEGs
 made here: smooth random images of 320-1920 px a side (JPEG quality 90), 70% one-image samples, 15%
 two-image samples, 15% text-only.
 
@@ -103,11 +103,11 @@ def spec():
 
 
 def open_dataset(meta: str):
-    from megatron.vlm.data import ByteTokenizer, InternVLDataset
+    from megatron.vlm.data import ByteTokenizer, RecordDataset, TileImages
 
     sp = spec()
     tok = ByteTokenizer()
-    return InternVLDataset(meta, tok, IMAGE_SIZE, sp.tokens_per_tile, MAX_TILES, SEQ), tok
+    return RecordDataset(meta, tok, TileImages(IMAGE_SIZE, sp.tokens_per_tile, MAX_TILES), SEQ), tok
 
 
 # ------------------------------------------------------------------------------------------------ loader
@@ -198,7 +198,7 @@ def _scan_worker(rank: int, port: int, meta: str, result_path: str):
     import torch.distributed as dist
 
     from megatron.vlm.data import ByteTokenizer
-    from megatron.vlm.data.internvl import scan_annotations
+    from megatron.vlm.data.records import scan_annotations
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -214,9 +214,9 @@ def _scan_worker(rank: int, port: int, meta: str, result_path: str):
 
 
 def _reader_config():
-    from megatron.vlm.data.internvl import ReaderConfig
+    from megatron.vlm.data import ReaderConfig, TileImages
 
-    return ReaderConfig(IMAGE_SIZE, spec().tokens_per_tile, MAX_TILES, SEQ)
+    return ReaderConfig(TileImages(IMAGE_SIZE, spec().tokens_per_tile, MAX_TILES), SEQ)
 
 
 def scan_times(meta: str, workdir: str) -> list[dict]:
@@ -227,7 +227,7 @@ def scan_times(meta: str, workdir: str) -> list[dict]:
     import torch.multiprocessing as mp
 
     from megatron.vlm.data import ByteTokenizer
-    from megatron.vlm.data.internvl import scan_annotations
+    from megatron.vlm.data.records import scan_annotations
 
     cache = os.path.join(workdir, "scan_cache")
     shutil.rmtree(cache, ignore_errors=True)

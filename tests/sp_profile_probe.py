@@ -5,11 +5,11 @@ argv[2], argv[3]: another preset and its micro-batch shape (``MicroBatchShape.to
 Used by tests/test_sequence_parallel.py and tests/test_qwen2_5_vl_profile.py (one launch measures both)."""
 import json
 import sys
-from types import SimpleNamespace
 
 import torch
 
 from megatron.training import cpu_compat
+from megatron.training.arguments import build_parser
 from megatron.training.initialize import initialize_distributed, set_seeds
 from megatron.training.profiling import profile_units
 from omnibal_ext.model.cost_model import MicroBatchShape
@@ -25,8 +25,8 @@ def main(path: str, preset: str = "tiny", shape: MicroBatchShape = SHAPE) -> Non
         initialize_distributed(torch.device("cpu"), 2, 1)
         set_seeds(1)
         for sp in (False, True):
-            args = SimpleNamespace(tensor_model_parallel_size=2, bf16=False, seed=1, sequence_parallel=sp,
-                                   attention_backend="auto", transformer_impl="local")
+            args = build_parser().parse_args(["--tensor-model-parallel-size", "2", "--seed", "1", "--transformer-impl",
+                                              "local"] + (["--sequence-parallel"] if sp else []))
             table = profile_units(args, spec, shape, 263, torch.device("cpu"), warmup=0, repeats=1)
             out["sp" if sp else "tp"] = {u.kind: {"act_bytes": u.act_bytes, "act_bytes_full": u.act_bytes_full,
                                                    "act_bytes_selective": u.act_bytes_selective}

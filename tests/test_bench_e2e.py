@@ -26,11 +26,11 @@ def test_bench_e2e_quick(tmp_path):
         assert r["ms_per_iter"] > 0 and r["samples_per_s"] > 0 and r["predicted_ms_per_iter"] > 0
         assert r["samples_seen"] == res["samples"]  # exactly one epoch
     # the same samples, so the same tokens: the dataset's total, counted independently from its lengths
-    from megatron.vlm.data.internvl import InternVLDataset
+    from megatron.vlm.data import RecordDataset, TileImages
     from megatron.vlm.data.tokenizer import build_tokenizer
 
-    ds = InternVLDataset(res["data"]["meta"], build_tokenizer(None), image_size=32, tokens_per_tile=4,
-                         max_num_tiles=6, max_seq_length=None)
+    ds = RecordDataset(res["data"]["meta"], build_tokenizer(None), TileImages(image_size=32, tokens_per_tile=4,
+                                                                              max_num_tiles=6))
     total = int(ds.sample_lengths()[0].sum())
     assert len(ds) == res["samples"]
     assert {r["tokens_seen"] for r in rows} == {total}

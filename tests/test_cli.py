@@ -253,7 +253,7 @@ def test_isf_reads_an_internvl_meta_json(tmp_path, capsys):
     """`omnibal isf` accepts InternVL meta JSONs: tiles and tokens come from the trainer's reader."""
     from PIL import Image
 
-    from megatron.vlm.data.internvl import ReaderConfig, scan_annotations
+    from megatron.vlm.data import ReaderConfig, TileImages, scan_annotations
     from megatron.vlm.data.tokenizer import ByteTokenizer
     from omnibal_cli import main
 
@@ -265,7 +265,7 @@ def test_isf_reads_an_internvl_meta_json(tmp_path, capsys):
     meta.write_text(json.dumps({"toy": {"root": str(tmp_path), "annotation": str(tmp_path / "a.jsonl")}}))
     out = tmp_path / "stats.json"
     assert main(["isf", "stats", "--stats", str(meta), "--json", str(out)]) == 0
-    scan = scan_annotations(str(meta), ByteTokenizer(), ReaderConfig(448, 256, 6), progress=False)
+    scan = scan_annotations(str(meta), ByteTokenizer(), ReaderConfig(TileImages(448, 256, 6)), progress=False)
     summary = json.loads(out.read_text())["all"]
     assert summary["samples"] == 3 and summary["tiles_max"] == 3 and summary["tiles_mean"] == 3.0
     assert summary["tokens_min"] == int(scan.rec_tokens.min()) and summary["tokens_max"] == int(scan.rec_tokens.max())

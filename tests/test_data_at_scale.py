@@ -8,7 +8,7 @@ import pytest
 from test_data_reader import SIZE, TOK, TPT, make_data, qa
 
 from launch import run_single
-from megatron.vlm.data import DataValidationError, InternVLDataset
+from megatron.vlm.data import DataValidationError, RecordDataset, TileImages
 
 
 def bad_data(tmp_path):
@@ -37,7 +37,7 @@ def plan_for():
 def test_default_still_stops_on_bad_records(tmp_path):
     meta, ann = bad_data(tmp_path)
     with pytest.raises(DataValidationError) as e:
-        InternVLDataset(meta, TOK, SIZE, TPT, 6, 200)
+        RecordDataset(meta, TOK, TileImages(SIZE, TPT, 6), 200)
     assert str(e.value).startswith("3 problem(s)")
     assert "--truncate-long-samples" in str(e.value) and "--skip-bad-samples" in str(e.value)
 
@@ -71,7 +71,7 @@ def test_skip_bad_samples_leaves_them_out_and_reports_them(tmp_path, capsys):
 def test_skip_bad_samples_with_nothing_left_is_an_error(tmp_path):
     meta, ann = make_data(tmp_path, ["not json", qa(image="missing.png")])
     with pytest.raises(DataValidationError, match="every record has a problem"):
-        InternVLDataset(meta, TOK, SIZE, TPT, 6, 200, skip_bad=True)
+        RecordDataset(meta, TOK, TileImages(SIZE, TPT, 6), 200, skip_bad=True)
 
 
 @pytest.mark.filterwarnings("ignore:.*truncated to max_seq_length:UserWarning")

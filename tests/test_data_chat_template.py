@@ -91,7 +91,7 @@ def test_a_template_that_refuses_a_record_names_it(tmp_path):
     scan (not an error that stops one process of a split scan while the others wait)."""
     from PIL import Image
 
-    from megatron.vlm.data import DataValidationError, InternVLDataset
+    from megatron.vlm.data import DataValidationError, RecordDataset, TileImages
 
     # renders the last assistant turn differently from the same turn inside a longer prefix
     odd = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
@@ -104,4 +104,4 @@ def test_a_template_that_refuses_a_record_names_it(tmp_path):
     meta = tmp_path / "meta.json"
     meta.write_text(json.dumps({"s": {"root": str(tmp_path), "annotation": str(ann)}}))
     with pytest.raises(DataValidationError, match=f"{ann}:1: the tokenizer's chat template does not render"):
-        InternVLDataset(str(meta), tok, 8, 4, max_num_tiles=1, max_seq_length=None)
+        RecordDataset(str(meta), tok, TileImages(8, 4, max_num_tiles=1))

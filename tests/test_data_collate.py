@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.vlm.data import (BATCH_KEYS, ByteTokenizer, InternVLDataset, build_digits_dataset, check_batch,
+from megatron.vlm.data import (BATCH_KEYS, ByteTokenizer, RecordDataset, TileImages, build_digits_dataset, check_batch,
                                collate_packed, collate_padded)
 
 TOK = ByteTokenizer()
@@ -13,8 +13,8 @@ TPT = 4
 @pytest.fixture(scope="module")
 def samples(tmp_path_factory):
     meta = build_digits_dataset(str(tmp_path_factory.mktemp("digits") / "d"), num_samples=60, tile_size=32)
-    ds = InternVLDataset(meta, TOK, 32, TPT, max_num_tiles=6, max_seq_length=512)
-    real = ds.sample_real_tiles()
+    ds = RecordDataset(meta, TOK, TileImages(32, TPT, max_num_tiles=6), max_seq_length=512)
+    real = ds.sample_real_items()
     text_only = np.flatnonzero(real == 0)[:2].tolist()
     picked = [ds[i] for i in sorted(set(range(10)) | set(text_only))]
     assert any(s["image_flags"].sum() == 0 for s in picked) and any(len(s["image_flags"]) > 1 for s in picked)

@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from megatron.vlm.batches import MicroBatches, StageInputs
-from megatron.vlm.data import ByteTokenizer, InternVLDataset
+from megatron.vlm.data import ByteTokenizer, RecordDataset, TileImages
 from omnibal_ext.data.sampler import GroupBatchSampler, random_groups
 
 TOK = ByteTokenizer()
@@ -40,7 +40,7 @@ def dataset(tmp_path_factory):
             f.write(json.dumps(rec) + "\n")
     with open(folder / "meta.json", "w") as f:
         json.dump({"set": {"root": ".", "annotation": "ann.jsonl"}}, f)
-    return InternVLDataset(str(folder / "meta.json"), TOK, SIZE, TPT, max_num_tiles=4, max_seq_length=None)
+    return RecordDataset(str(folder / "meta.json"), TOK, TileImages(SIZE, TPT, max_num_tiles=4))
 
 
 def loader(dataset, workers=0, inputs=None, packed=False, k=3, seed=1):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from megatron.vlm.data import (ByteTokenizer, DataValidationError, InternVLDataset, build_digits_dataset,
+from megatron.vlm.data import (ByteTokenizer, DataValidationError, RecordDataset, TileImages, build_digits_dataset,
                                count_tiles, write_stats)
 
 TOK = ByteTokenizer()
@@ -37,7 +37,7 @@ def qa(q="<image>\nWhat?", a="It is red.", image="a.png"):
 
 
 def dataset(meta, max_seq_length=4096, **kw):
-    return InternVLDataset(meta, TOK, SIZE, TPT, max_num_tiles=6, max_seq_length=max_seq_length, **kw)
+    return RecordDataset(meta, TOK, TileImages(SIZE, TPT, max_num_tiles=6), max_seq_length=max_seq_length, **kw)
 
 
 def test_bad_json_line_is_named(tmp_path):
@@ -99,7 +99,7 @@ def test_single_image_without_placeholder_and_text_only(tmp_path):
 def test_multi_image_tile_budget_is_split(tmp_path):
     meta, _ = make_data(tmp_path, [qa(q="<image><image>", image=["wide.png", "wide.png"]), qa(q="<image>", image="wide.png")],
                         images=(("wide.png", (200, 32)),))
-    ds = InternVLDataset(meta, TOK, SIZE, TPT, max_num_tiles=6, max_seq_length=None)
+    ds = RecordDataset(meta, TOK, TileImages(SIZE, TPT, max_num_tiles=6))
     # alone: 6 tiles (6x1) + thumbnail; two images: 3 tiles each (3x1) + thumbnail each
     assert ds.sample_lengths()[1].tolist() == [8, 7]
     assert [len(ds[i]["image_flags"]) for i in range(2)] == [8, 7]
@@ -126,7 +126,7 @@ def digits_meta(tmp_path_factory):
 
 def check_sample_lengths(ds):
     tokens, tiles = ds.sample_lengths()
-    real = ds.sample_real_tiles()
+    real = ds.sample_real_items()
     for i in range(len(ds)):
         s = ds[i]
         assert len(s["input_ids"]) == len(s["labels"]) == tokens[i]
@@ -154,7 +154,7 @@ def test_truncation_keeps_invariants_on_digits(digits_meta):
 
 def test_write_stats_equals_sample_lengths(digits_meta, tmp_path):
     out = tmp_path / "stats" / "digits.json"
-    n = write_stats(digits_meta, str(out), TOK, SIZE, TPT, max_num_tiles=6, progress=False)
+    n = write_stats(digits_meta, str(out), TOK, TileImages(SIZE, TPT, max_num_tiles=6), progress=False)
     stats = json.loads(out.read_text())
     ds = dataset(digits_meta, max_seq_length=None)
     tokens, tiles = ds.sample_lengths()
@@ -173,14 +173,14 @@ def test_min_num_tiles_as_internvl(tmp_path):
 
     two = qa(q="<image>\n<image>\nBoth?", image=["a.png", "wide.png"])
     meta, _ = make_data(tmp_path, [qa(), qa(image="wide.png"), two])
-    ds = InternVLDataset(meta, TOK, SIZE, TPT, max_num_tiles=6, max_seq_length=None, min_num_tiles=4)
+    ds = RecordDataset(meta, TOK, TileImages(SIZE, TPT, max_num_tiles=6, min_num_tiles=4))
     # a.png 32x32: grids of 4..6 tiles, closest square (2,2) + thumbnail; wide 96x32: (3,1) excluded -> (4,1)
     assert ds.sample_lengths()[1].tolist() == [5, 5, 2]  # two images: limit 3 < 4 -> one tile each
     assert [len(ds[i]["pixel_values"]) for i in range(3)] == [5, 5, 2]
-    assert ReaderConfig(SIZE, TPT, 6, min_num_tiles=4).tile_range(1) == (4, 6)
-    assert ReaderConfig(SIZE, TPT, 6, min_num_tiles=4).tile_range(2) == (1, 1)
+    assert TileImages(SIZE, TPT, 6, min_num_tiles=4).tile_range(1) == (4, 6)
+    assert TileImages(SIZE, TPT, 6, min_num_tiles=4).tile_range(2) == (1, 1)
     with pytest.raises(UserError, match="min_num_tiles <= max_num_tiles"):
-        ReaderConfig(SIZE, TPT, 6, min_num_tiles=7)
+        TileImages(SIZE, TPT, 6, min_num_tiles=7)
 
 
 def test_meta_scanned_with_the_model_tile_size(tmp_path):
@@ -217,15 +217,15 @@ def _two_sources(tmp_path, bad=False):
 def test_scan_split_over_processes_equals_one_process(tmp_path, world):
     """The scan of a distributed run (each process takes every world-th record, then all-gather) gives the
     one-process scan's result exactly, and the same problems in the same order."""
-    from megatron.vlm.data.internvl import ReaderConfig, merge_shares, read_meta, scan_annotations, scan_share
+    from megatron.vlm.data.records import ReaderConfig, merge_shares, read_meta, scan_annotations, scan_share
 
     meta = _two_sources(tmp_path)
-    config = ReaderConfig(SIZE, TPT, 6, max_seq_length=100, truncate=True, seed=3)
+    config = ReaderConfig(TileImages(SIZE, TPT, 6), max_seq_length=100, truncate=True, seed=3)
     one = scan_annotations(meta, TOK, config, progress=False)
     sources = read_meta(meta)
     split = merge_shares(meta, sources, [scan_share(sources, TOK, config, r, world) for r in range(world)], config)
-    for field in ("rec_source", "rec_offset", "rec_line", "img_ptr", "img_width", "img_height", "img_tiles",
-                  "rec_tokens", "rec_images_kept", "rec_real_tiles", "rec_tiles", "order"):
+    for field in ("rec_source", "rec_offset", "rec_line", "img_ptr", "img_width", "img_height", "img_items",
+                  "rec_tokens", "rec_images_kept", "rec_real_items", "rec_items", "order"):
         np.testing.assert_array_equal(getattr(split, field), getattr(one, field), err_msg=field)
     assert (split.num_truncated, split.num_without_loss) == (one.num_truncated, one.num_without_loss) != (0, 0)
     assert len(one.img_width) > len(one.rec_line) > 8  # multi-image records are in it
@@ -245,24 +245,24 @@ def test_scan_split_over_processes_equals_one_process(tmp_path, world):
 def test_scan_cache_is_read_back_and_follows_its_inputs(tmp_path, monkeypatch, capsys):
     """A second scan of the same data, configuration and tokenizer is read from the cache (no image decoded);
     changing the annotation or the configuration scans again."""
-    from megatron.vlm.data import internvl
-    from megatron.vlm.data.internvl import ReaderConfig, scan_annotations
+    from megatron.vlm.data import records
+    from megatron.vlm.data.records import ReaderConfig, scan_annotations
 
     meta = _two_sources(tmp_path)
     cache = str(tmp_path / "cache")
-    config = ReaderConfig(SIZE, TPT, 6, max_seq_length=100, truncate=True)
+    config = ReaderConfig(TileImages(SIZE, TPT, 6), max_seq_length=100, truncate=True)
     first = scan_annotations(meta, TOK, config, progress=False, cache_dir=cache)
     decoded = []
-    monkeypatch.setattr(internvl, "decoded_size", lambda path: decoded.append(path) or Image.open(path).size)
+    monkeypatch.setattr(records, "decoded_size", lambda path: decoded.append(path) or Image.open(path).size)
     again = scan_annotations(meta, TOK, config, progress=False, cache_dir=cache)
     assert decoded == [] and "is read from" in capsys.readouterr().out
-    for field in ("rec_offset", "img_ptr", "img_tiles", "rec_tokens", "rec_real_tiles", "order"):
+    for field in ("rec_offset", "img_ptr", "img_items", "rec_tokens", "rec_real_items", "order"):
         np.testing.assert_array_equal(getattr(again, field), getattr(first, field))
     assert (again.num_truncated, again.sources) == (first.num_truncated, first.sources)
 
-    other = scan_annotations(meta, TOK, ReaderConfig(SIZE, TPT, 2, max_seq_length=100, truncate=True),
+    other = scan_annotations(meta, TOK, ReaderConfig(TileImages(SIZE, TPT, 2), max_seq_length=100, truncate=True),
                              progress=False, cache_dir=cache)
-    assert decoded and other.img_tiles.sum() < first.img_tiles.sum()  # another tile budget: scanned again
+    assert decoded and other.img_items.sum() < first.img_items.sum()  # another tile budget: scanned again
     decoded.clear()
     ann = tmp_path / "b" / "ann.jsonl"
     ann.write_text(ann.read_text() + json.dumps(qa(a="one more")) + "\n")

@@ -1,5 +1,5 @@
 """The stats-matched synthetic dataset: every sample has the tiles and tokens the length rule intends,
-as the trainer's reader (InternVLDataset) counts them."""
+as the trainer's reader (RecordDataset) counts them."""
 import gzip
 import json
 import os
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import STATS_FILES
-from megatron.vlm.data.internvl import InternVLDataset
+from megatron.vlm.data import RecordDataset, TileImages
 from megatron.vlm.data.synthetic import LengthRule, build_stats_matched_dataset, draw_records
 from megatron.vlm.data.tokenizer import build_tokenizer
 from omnibal_ext.errors import UserError
@@ -27,8 +27,8 @@ def expected(k, n, scale, tpt_model=4, max_tokens=None):
 
 
 def read(meta, max_num_tiles=6):
-    return InternVLDataset(meta, build_tokenizer(None), image_size=32, tokens_per_tile=4,
-                           max_num_tiles=max_num_tiles, max_seq_length=None)
+    return RecordDataset(meta, build_tokenizer(None), TileImages(image_size=32, tokens_per_tile=4,
+                                                                 max_num_tiles=max_num_tiles))
 
 
 @pytest.fixture
@@ -56,7 +56,7 @@ def test_edge_records_follow_the_formula(tmp_path, edge_stats, scale, max_tokens
         src = records[rec["stats_index"]]
         assert (rec["vit_num"], rec["token_num"]) == (src["vit_num"], src["token_num"])
         assert (tiles[i], tokens[i]) == expected(src["vit_num"], src["token_num"], scale, max_tokens=max_tokens)
-        assert ds.sample_real_tiles()[i] == src["vit_num"]  # real tiles; text-only gets a dummy one
+        assert ds.sample_real_items()[i] == src["vit_num"]  # real tiles; text-only gets a dummy one
     # materialised samples agree with the counts
     for i in range(len(ds)):
         item = ds[i]

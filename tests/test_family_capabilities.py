@@ -23,6 +23,7 @@ ASKING = {
     "context_parallel": (["--context-parallel-size", "2"], 2),
     "sequence_parallel": (["--sequence-parallel", "--tensor-model-parallel-size", "2"], 2),
     "lora_targets": (["--lora-rank", "4", "--lora-targets", "vit.qkv"], 1),
+    "moe": (["--num-experts", "4", "--moe-ffn-hidden-size", "32"], 1),
 }
 IMAGE_VALUES = {"--max-num-tiles": "3", "--min-num-tiles": "2", "--min-pixels": "3136", "--max-pixels": "12544"}
 

@@ -19,13 +19,13 @@ PAD = 0
 @pytest.fixture(scope="module")
 def samples(tmp_path_factory):
     from megatron.vlm.data.digits import build_digits_dataset
-    from megatron.vlm.data.internvl import InternVLDataset
+    from megatron.vlm.data import RecordDataset, TileImages
     from megatron.vlm.data.tokenizer import ByteTokenizer
 
     spec = get_preset("tiny")
     meta = build_digits_dataset(str(tmp_path_factory.mktemp("digits") / "d"), num_samples=60,
                                 tile_size=spec.vision.image_size)
-    ds = InternVLDataset(meta, ByteTokenizer(), spec.vision.image_size, spec.tokens_per_tile, 6, 512)
+    ds = RecordDataset(meta, ByteTokenizer(), TileImages(spec.vision.image_size, spec.tokens_per_tile, 6), 512)
     globals()["PAD"] = ByteTokenizer().pad_id
     return [{**ds[i], "sample_id": i} for i in range(8)]
 

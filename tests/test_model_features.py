@@ -194,12 +194,12 @@ def with_language(spec, **changes):
 def digits_batch(tmp_path, spec, n=4):
     from megatron.vlm.data.collate import collate_padded
     from megatron.vlm.data.digits import build_digits_dataset
-    from megatron.vlm.data.internvl import InternVLDataset
+    from megatron.vlm.data import RecordDataset, TileImages
     from megatron.vlm.data.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
     meta = build_digits_dataset(str(tmp_path / "digits"), num_samples=20, tile_size=spec.vision.image_size)
-    ds = InternVLDataset(meta, tok, spec.vision.image_size, spec.tokens_per_tile, 6, 512)
+    ds = RecordDataset(meta, tok, TileImages(spec.vision.image_size, spec.tokens_per_tile, 6), 512)
     return collate_padded([ds[i] for i in range(n)], tok.pad_id), tok.vocab_size
 
 

@@ -1,10 +1,10 @@
 """The stage module and the profiler in one process (world of one, gloo)."""
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from megatron.training.arguments import build_parser
 from omnibal_ext.model.cost_model import MicroBatchShape
 from omnibal_ext.model.units import build_units, get_preset
 
@@ -62,13 +62,13 @@ def test_segment_attention_equals_dense_masked_attention(megatron_world, heads, 
 def test_packed_samples_give_the_same_per_sample_loss_as_alone(megatron_world, tmp_path):
     from megatron.vlm.data.collate import collate_packed, collate_padded
     from megatron.vlm.data.digits import build_digits_dataset
-    from megatron.vlm.data.internvl import InternVLDataset
+    from megatron.vlm.data import RecordDataset, TileImages
     from megatron.vlm.data.tokenizer import ByteTokenizer
 
     spec = get_preset("tiny")
     tok = ByteTokenizer()
     meta = build_digits_dataset(str(tmp_path / "digits"), num_samples=40, tile_size=spec.vision.image_size)
-    ds = InternVLDataset(meta, tok, spec.vision.image_size, spec.tokens_per_tile, 6, 512)
+    ds = RecordDataset(meta, tok, TileImages(spec.vision.image_size, spec.tokens_per_tile, 6), 512)
     samples = [ds[i] for i in range(5)]
     model = whole_model(spec).eval()
 
@@ -109,7 +109,7 @@ def test_profile_orders_vit_and_llm_layers_by_size(megatron_world):
     shape = MicroBatchShape(vision_items=12, llm_tokens=204, dtype_bytes=4)  # as many LLM tokens as ViT tokens
 
     def layer_fwd(spec, attention_backend="unfused"):
-        args = SimpleNamespace(tensor_model_parallel_size=1, bf16=False, seed=1, attention_backend=attention_backend)
+        args = build_parser().parse_args(["--seed", "1", "--attention-backend", attention_backend])
         costs = profile_units(args, spec, shape, 263, torch.device("cpu"), warmup=1, repeats=3)
         by_kind = {u.kind: u for u in costs.units}
         assert [u.name for u in costs.units] == [u.name for u in build_units(spec)]
@@ -145,7 +145,7 @@ def test_profile_activation_bytes_match_a_hand_count(megatron_world):
     from megatron.training.profiling import profile_units
 
     spec = get_preset("tiny")
-    args = SimpleNamespace(tensor_model_parallel_size=1, bf16=False, seed=1)
+    args = build_parser().parse_args(["--seed", "1"])
     costs = profile_units(args, spec, MicroBatchShape(vision_items=3, llm_tokens=40, dtype_bytes=4), 263, torch.device("cpu"),
                           warmup=0, repeats=1)
     by_kind = {u.kind: u for u in costs.units}

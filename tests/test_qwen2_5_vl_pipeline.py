@@ -19,9 +19,9 @@ pytest.importorskip("sklearn")
 import hf_tiny_qwen  # noqa: E402
 
 from megatron.vlm.batches import StageInputs  # noqa: E402
-from megatron.vlm.data.internvl import DataValidationError, InternVLDataset  # noqa: E402
+from megatron.vlm.data.records import DataValidationError, RecordDataset  # noqa: E402
 from megatron.vlm.data.tokenizer import build_tokenizer  # noqa: E402
-from megatron.vlm.families.qwen2_5_vl.data import IMAGE_TOKENS, QWEN_DATA, QwenBatcher, reader  # noqa: E402
+from megatron.vlm.families.qwen2_5_vl.data import IMAGE_TOKENS, QWEN_DATA, QwenBatcher, image_rule  # noqa: E402
 from megatron.vlm.families.qwen2_5_vl.batch import vision_fields  # noqa: E402
 from omnibal_ext.model.units import get_preset as model_preset  # noqa: E402
 
@@ -96,7 +96,7 @@ def test_reader_matches_processor_and_labels_answers(tmp_path):
     assert tokenizer.img_context_id == ids["<|image_pad|>"]
     assert tokenizer.vocab_size == len(hf_tiny_qwen.QWEN_SPECIALS) + 96  # nothing added
     args = SimpleNamespace(min_pixels=None, max_pixels=None)
-    dataset = InternVLDataset(str(meta), tokenizer, **reader(args, spec, str(folder)), max_seq_length=4096)
+    dataset = RecordDataset(str(meta), tokenizer, image_rule(args, spec, str(folder)), max_seq_length=4096)
     assert len(dataset) == 4
     tokens, patches = dataset.sample_lengths()
     roots = [tmp_path, tmp_path, tmp_path, tmp_path / "images"]
@@ -117,7 +117,7 @@ def test_reader_matches_processor_and_labels_answers(tmp_path):
         samples.append({**sample, "sample_id": i})
     # a packed micro-batch: each sample's 3-D RoPE ids are get_rope_index's, the ViT fields those of its images
     model = transformers.Qwen2_5_VLModel(hf_tiny_qwen.hf_config())
-    batcher = QWEN_DATA.batcher(spec, tokenizer.img_context_id, dataset.config.image_rule)
+    batcher = QWEN_DATA.batcher(spec, tokenizer.img_context_id, dataset.config.images)
     batch = batcher.make(samples, tokenizer.pad_id, packed=True, pad_to_multiple=8)
     start = 0
     grids = []
@@ -150,9 +150,9 @@ def test_text_only_micro_batch_feeds_one_unused_image(tmp_path):
     folder, _, _, _, ann = write_folder(tmp_path)
     spec = model_preset("qwen2.5-vl-tiny")
     tokenizer = build_tokenizer(str(folder), image_tokens=IMAGE_TOKENS)
-    dataset = InternVLDataset(str(ann), tokenizer, **reader(SimpleNamespace(min_pixels=None, max_pixels=None), spec,
+    dataset = RecordDataset(str(ann), tokenizer, image_rule(SimpleNamespace(min_pixels=None, max_pixels=None), spec,
                                                             None), max_seq_length=4096)  # a JSONL as --data-path
-    batch = QwenBatcher(spec, tokenizer.img_context_id, dataset.config.image_rule).make([dataset[2]], 0, packed=True)
+    batch = QwenBatcher(spec, tokenizer.img_context_id, dataset.config.images).make([dataset[2]], 0, packed=True)
     assert batch["image_grid_thw"].tolist() == [[1, 2, 2]] and batch["pixel_values"].shape == (4, 1176)
     assert not (batch["tokens"] == tokenizer.img_context_id).any() and batch["sample_tiles"].tolist() == [0]
 
@@ -161,8 +161,8 @@ def test_pixel_limits_flags_override_the_folder(tmp_path):
     folder, _, _, meta, _ = write_folder(tmp_path)
     spec = model_preset("qwen2.5-vl-tiny")
     tokenizer = build_tokenizer(str(folder), image_tokens=IMAGE_TOKENS)
-    small = reader(SimpleNamespace(min_pixels=None, max_pixels=28 * 28 * 4), spec, str(folder))
-    dataset = InternVLDataset(str(meta), tokenizer, **small, max_seq_length=4096)
+    small = image_rule(SimpleNamespace(min_pixels=None, max_pixels=28 * 28 * 4), spec, str(folder))
+    dataset = RecordDataset(str(meta), tokenizer, small, max_seq_length=4096)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
     def patches(*names):  # the folder's min_pixels, the flag's max_pixels
@@ -174,7 +174,7 @@ def test_pixel_limits_flags_override_the_folder(tmp_path):
     from omnibal_ext.errors import UserError
 
     with pytest.raises(UserError, match="--min-pixels/--max-pixels: .*min_pixels 5000 > max_pixels 3136"):
-        reader(SimpleNamespace(min_pixels=5000, max_pixels=3136), spec, str(folder))
+        image_rule(SimpleNamespace(min_pixels=5000, max_pixels=3136), spec, str(folder))
 
 
 def test_scan_refuses_aspect_over_200_and_video_with_file_line(tmp_path):
@@ -191,9 +191,9 @@ def test_scan_refuses_aspect_over_200_and_video_with_file_line(tmp_path):
         {"messages": [{"role": "user", "content": "<video>?"}, {"role": "assistant", "content": "x"}]}]) + "\n")
     spec = model_preset("qwen2.5-vl-tiny")
     tokenizer = build_tokenizer(str(folder), image_tokens=IMAGE_TOKENS)
-    kw = reader(SimpleNamespace(min_pixels=None, max_pixels=None), spec, None)
+    rule = image_rule(SimpleNamespace(min_pixels=None, max_pixels=None), spec, None)
     with pytest.raises(DataValidationError) as e:
-        InternVLDataset(str(ann), tokenizer, **kw, max_seq_length=4096)
+        RecordDataset(str(ann), tokenizer, rule, max_seq_length=4096)
     lines = str(e.value).splitlines()
     assert lines[0].startswith("3 problem(s)")
     assert f"{ann}:2: image {tmp_path}/thin.png: image of 2010x10 px" in lines[1]

@@ -2,11 +2,11 @@
 shape) through a copy of the model holding a window- and a full-attention ViT layer, its bytes against the
 memory model."""
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from megatron.training.arguments import build_parser
 from omnibal_ext.model.cost_model import MicroBatchShape, analytic_costs
 from omnibal_ext.model.units import build_units, get_preset
 
@@ -17,7 +17,7 @@ BUDGET_GIB = "0.0045"  # 4.6 MiB: below what stage 0 of the balanced layouts nee
 def _profile(shape):
     from megatron.training.profiling import profile_units
 
-    args = SimpleNamespace(tensor_model_parallel_size=1, bf16=False, seed=1)
+    args = build_parser().parse_args(["--seed", "1"])
     return profile_units(args, SPEC, shape, 250, torch.device("cpu"), warmup=0, repeats=1)
 
 

@@ -142,7 +142,7 @@ def test_folder_without_the_file_or_its_keys_is_refused(tmp_path):
         folder_config(str(tmp_path / "hf"))
     no_args = SimpleNamespace(min_pixels=None, max_pixels=None)
     with pytest.raises(UserError, match=r"preprocessor_config\.json: no such file"):
-        QWEN3_VL_DATA.reader(no_args, spec(), str(tmp_path / "hf"))
+        QWEN3_VL_DATA.image_rule(no_args, spec(), str(tmp_path / "hf"))
     for key in ("patch_size", "image_mean", "image_std"):
         folder = published_folder(tmp_path / key, {k: v for k, v in PUBLISHED_FILE.items() if k != key})
         with pytest.raises(UserError, match=rf"{key}/preprocessor_config\.json: no {key}; .*Qwen2-VL's defaults"):
@@ -364,7 +364,7 @@ def test_record_equals_the_processor_with_the_folders_tokenizer_and_template(tmp
     import hf_tiny_qwen
     from transformers import AutoTokenizer, Qwen3VLProcessor
 
-    from megatron.vlm.data.internvl import InternVLDataset
+    from megatron.vlm.data.records import RecordDataset
     from megatron.vlm.data.tokenizer import build_tokenizer
 
     folder = published_folder(tmp_path / "hf")
@@ -383,10 +383,10 @@ def test_record_equals_the_processor_with_the_folders_tokenizer_and_template(tmp
     (tmp_path / "train.jsonl").write_text(json.dumps(record) + "\n")
 
     tokenizer = build_tokenizer(str(folder), image_tokens=QWEN3_VL_DATA.image_tokens)
-    reader = QWEN3_VL_DATA.reader(SimpleNamespace(min_pixels=None, max_pixels=None), spec(), str(folder))
-    dataset = InternVLDataset(str(tmp_path / "train.jsonl"), tokenizer, **reader, max_seq_length=None)
+    rule = QWEN3_VL_DATA.image_rule(SimpleNamespace(min_pixels=None, max_pixels=None), spec(), str(folder))
+    dataset = RecordDataset(str(tmp_path / "train.jsonl"), tokenizer, rule)
     ours = dataset[0]
-    batch = Qwen3Batcher(spec(), tokenizer.img_context_id, dataset.config.image_rule).make([ours], tokenizer.pad_id,
+    batch = Qwen3Batcher(spec(), tokenizer.img_context_id, dataset.config.images).make([ours], tokenizer.pad_id,
                                                                                             True)
 
     class ImagesOnly(Qwen3VLProcessor):

@@ -14,13 +14,13 @@ from omnibal_ext.model.units import build_units, get_preset
 @pytest.fixture(scope="module")
 def samples(tmp_path_factory):
     from megatron.vlm.data.digits import build_digits_dataset
-    from megatron.vlm.data.internvl import InternVLDataset
+    from megatron.vlm.data import RecordDataset, TileImages
     from megatron.vlm.data.tokenizer import ByteTokenizer
 
     spec = get_preset("tiny")
     meta = build_digits_dataset(str(tmp_path_factory.mktemp("digits") / "d"), num_samples=40,
                                 tile_size=spec.vision.image_size)
-    ds = InternVLDataset(meta, ByteTokenizer(), spec.vision.image_size, spec.tokens_per_tile, 6, 512)
+    ds = RecordDataset(meta, ByteTokenizer(), TileImages(spec.vision.image_size, spec.tokens_per_tile, 6), 512)
     return [ds[i] for i in range(5)]
 
 

@@ -108,7 +108,7 @@ def test_truncated_image_is_named_before_training(tmp_path):
 
 
 def test_empty_annotation_file_is_named(tmp_path):
-    from megatron.vlm.data.internvl import DataValidationError
+    from megatron.vlm.data.records import DataValidationError
 
     meta, ann = write_dataset(tmp_path, [GOOD])
     ann.write_text("\n")

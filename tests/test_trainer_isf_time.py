@@ -22,9 +22,9 @@ from isf_reference import dist_ratio, reference_isf  # noqa: E402
 
 from megatron.training.arguments import ArgumentError  # noqa: E402
 from megatron.training.isf import isf_groups, isf_subset_groups, isf_times  # noqa: E402
-from megatron.vlm.data.internvl import InternVLDataset  # noqa: E402
+from megatron.vlm.data import RecordDataset, TileImages  # noqa: E402
 from megatron.vlm.data.tokenizer import build_tokenizer  # noqa: E402
-from megatron.vlm.families.qwen2_5_vl.data import IMAGE_TOKENS, reader  # noqa: E402
+from megatron.vlm.families.qwen2_5_vl.data import IMAGE_TOKENS, image_rule  # noqa: E402
 from omnibal_ext.data.isf import ISFParams  # noqa: E402
 from omnibal_ext.data.metrics import step_balance_time  # noqa: E402
 from omnibal_ext.data.search import SearchConfig, plan_isf, step_matrix_epoch0  # noqa: E402
@@ -83,8 +83,8 @@ def test_qwen_isf_groups_in_time_as_omnibal_ext_does(tmp_path, world, capsys):
     folder, data = qwen_data(tmp_path)
     spec = model_from_hf(str(folder))
     args = args_for()
-    dataset = InternVLDataset(str(data), build_tokenizer(str(folder), image_tokens=IMAGE_TOKENS),
-                              **reader(args, spec, str(folder)), max_seq_length=None)
+    dataset = RecordDataset(str(data), build_tokenizer(str(folder), image_tokens=IMAGE_TOKENS),
+                            image_rule(args, spec, str(folder)))
     plan = SimpleNamespace(model_spec=spec, data_parallel_size=DP, isf_token_multiple=1)
     groups, order, params, _ = isf_groups(args, plan, dataset)
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("> ISF:")][0]
@@ -153,8 +153,8 @@ def test_qwen_isf_applies_a_plans_time_thresholds_without_a_search(tmp_path, wor
 
     folder, data = qwen_data(tmp_path)
     spec = model_from_hf(str(folder))
-    dataset = InternVLDataset(str(data), build_tokenizer(str(folder), image_tokens=IMAGE_TOKENS),
-                              **reader(args_for(), spec, str(folder)), max_seq_length=None)
+    dataset = RecordDataset(str(data), build_tokenizer(str(folder), image_tokens=IMAGE_TOKENS),
+                            image_rule(args_for(), spec, str(folder)))
     out = tmp_path / "stats.json"
     assert omnibal(["isf", "stats", "--stats", str(data), "--hf-checkpoint", str(folder), "--write", str(out)]) == 0
     stats = load_stats([str(out)])
@@ -191,8 +191,7 @@ def test_internvl_isf_groups_stay_by_counts(tmp_path, world, capsys):
     from megatron.vlm.data.digits import build_digits_dataset
 
     meta = build_digits_dataset(str(tmp_path / "digits"), num_samples=80, seed=0, tile_size=32)
-    dataset = InternVLDataset(meta, build_tokenizer(None), image_size=32, tokens_per_tile=4, max_num_tiles=6,
-                              max_seq_length=None)
+    dataset = RecordDataset(meta, build_tokenizer(None), TileImages(image_size=32, tokens_per_tile=4, max_num_tiles=6))
     spec = get_preset("tiny")
     args = args_for()
     plan = SimpleNamespace(model_spec=spec, data_parallel_size=DP, isf_token_multiple=1)
@@ -233,8 +232,8 @@ def test_qwen_dp2_isf_trains_the_time_plan_and_logs_its_balance(tmp_path, world,
     model.save_pretrained(str(folder))
     spec = model_from_hf(str(folder))
     args = args_for()
-    dataset = InternVLDataset(str(data), build_tokenizer(str(folder), image_tokens=IMAGE_TOKENS),
-                              **reader(args, spec, str(folder)), max_seq_length=None)
+    dataset = RecordDataset(str(data), build_tokenizer(str(folder), image_tokens=IMAGE_TOKENS),
+                            image_rule(args, spec, str(folder)))
     groups, order, _, _ = isf_groups(args, SimpleNamespace(model_spec=spec, data_parallel_size=DP,
                                                            isf_token_multiple=1), dataset)
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("> ISF:")][0]

@@ -2,8 +2,8 @@
 whose ViT layers ``PRODUCERS`` each feed a small merger (pixel shuffle, one Linear into the LLM's width) whose output
 (side tensor ``deepstack.k``) is added to the output of LLM layer ``CONSUMERS[k]`` at the image-token positions.
 
-Importing it registers both sides (planning ``Family`` in ``omnibal_ext.model.units.FAMILIES`` with its preset
-``toy-deepstack``, runtime ``RuntimeFamily`` in ``megatron.vlm.families``), so the trainer takes it with
+Importing it registers both sides (planning ``Family`` with its preset ``toy-deepstack`` and runtime ``RuntimeFamily``, through
+``megatron.vlm.families.register``), so the trainer takes it with
 ``--family-module tests/toy_deepstack.py --model toy-deepstack``; ``unregister()`` takes it out again.
 
 The mergers sit in their ViT layer's module (attribute ``side_merger`` of the TransformerLayer: checkpoint keys
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from omnibal_ext.model.families import Family
 from omnibal_ext.model.families.internvl import INTERNVL
 from omnibal_ext.model.spec import PROJECTOR, SideTensor
-from omnibal_ext.model.units import FAMILIES, PRESETS, build_units, get_preset
+from omnibal_ext.model.units import build_units, get_preset
 
 NAME = "toy-deepstack"
 PRODUCERS = (1, 2)  # ViT layers whose outputs feed a merger
@@ -40,7 +40,8 @@ def toy_spec():
     return get_preset("tiny").replace(name=NAME, family=NAME)
 
 
-def _runtime():
+def _runtime(planning):
+    from megatron.vlm import families as runtime_families
     from megatron.vlm import sequence_parallel
     from megatron.vlm.components import GPT_DECODER, TextLayer
     from megatron.vlm.config import vision_config
@@ -167,27 +168,26 @@ def _runtime():
             return sequence_parallel.leave(x) if self.sp_leaves else x
 
     text_embed, _, head = GPT_DECODER
-    return RuntimeFamily(name=NAME, components=(VisionEmbed, DeepStackVisionLayer, ProjectorUnit, text_embed,
-                                                DeepStackTextLayer, head), vision_config=vision_config)
+    internvl = runtime_families.FAMILIES[INTERNVL.name]
+    return RuntimeFamily(planning=planning, components=(VisionEmbed, DeepStackVisionLayer, ProjectorUnit, text_embed,
+                                                        DeepStackTextLayer, head),
+                         vision_config=vision_config, data=internvl.data)
 
 
 def register():
-    from megatron.vlm import families as runtime
+    """Both sides, through the public ``megatron.vlm.families.register``."""
+    from megatron.vlm import families as runtime_families
 
-    spec = toy_spec()
-    FAMILIES[NAME] = Family(name=NAME, vision_spec=INTERNVL.vision_spec, components=INTERNVL.components,
-                            unit_list=INTERNVL.unit_list, vision_item="tile", presets={NAME: spec},
-                            side_tensors=side_tensors)
-    PRESETS[NAME] = spec
-    runtime.register(_runtime())
+    planning = Family(name=NAME, vision_spec=INTERNVL.vision_spec, components=INTERNVL.components,
+                      unit_list=INTERNVL.unit_list, vision_item="tile", presets={NAME: toy_spec()},
+                      side_tensors=side_tensors, capabilities=INTERNVL.capabilities)
+    runtime_families.register(_runtime(planning))
 
 
 def unregister():
-    from megatron.vlm import families as runtime
+    from megatron.vlm import families as runtime_families
 
-    FAMILIES.pop(NAME, None)
-    PRESETS.pop(NAME, None)
-    runtime.unregister(NAME)
+    runtime_families.unregister(NAME)
 
 
 register()

@@ -15,7 +15,7 @@ from omnibal_ext.model.sample_time import ISF_TIME_DEVICE
 from omnibal_ext.model.layout import parse_layout
 from omnibal_ext.model.trainable import add_freeze_flags, trainable_of
 from omnibal_ext.model.spec import vit_layers_for_feature_layer
-from omnibal_ext.model.units import PRESETS, ModelSpec, build_units, family_of, get_preset
+from omnibal_ext.model.units import PRESETS, ModelSpec, build_units, default_model, family_of, get_preset
 from omnibal_ext.plan import tp_problem, trainer_argv
 
 
@@ -25,7 +25,7 @@ class ArgumentError(UserError):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description="Train an InternVL-style VLM (ViT -> projector -> LLM) with 3D parallelism and OmniBal.",
+        description="Train a VLM (ViT -> projector -> LLM) with 3D parallelism and OmniBal.",
         allow_abbrev=False)
 
     g = p.add_argument_group("model")
@@ -34,11 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(repeatable): a model family defined outside this repository that registers itself with "
                         "megatron.vlm.families.register() when imported; its presets and --hf-checkpoint configs "
                         "become known")
-    g.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="model size preset")
+    g.add_argument("--model", default=default_model(), choices=sorted(PRESETS), help="model size preset")
     g.add_argument("--hf-checkpoint", default=None, metavar="DIR",
-                   help="start from this Hugging Face InternVL or Qwen2.5-VL folder (config.json + *.safetensors; "
-                        "InternVL native or original layout): the model comes from its config.json (no model flags "
-                        "needed; a model flag that disagrees is an error), each rank loads its own units and TP slices "
+                   help="start from this Hugging Face folder (config.json + *.safetensors of a registered family: "
+                        "the one whose reader recognizes its config.json): the model comes from its config.json (no "
+                        "model flags needed; a model flag that disagrees is an error), each rank loads its own units and TP "
+                        "slices "
                         "from the safetensors, and a tokenizer there is the default --tokenizer-model")
     for flag, help_ in [
         ("--vision-num-layers", "ViT layers"), ("--vision-hidden-size", "ViT hidden size"),
@@ -70,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tie-word-embeddings", action=B, default=None,
                    help="output layer shares the input embedding's weight (default: the preset's)")
 
+    add_moe_flags(p)
+
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -93,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "multiple of PP")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: cuda+NCCL when a GPU is visible, else cpu+gloo")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="how long a collective or p2p transfer waits for the other ranks before it fails with an "
+                        "error (every process group: torch.distributed's, megatron-core's and ours); a rank that "
+                        "stalls then stops the run instead of hanging it")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap the data-parallel gradient reduction with the backward pass (megatron-core "
@@ -132,13 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta2", type=float, default=0.95)
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations (GPU)")
     g.add_argument("--loss-reduction", choices=["token", "sample", "square"], default="token",
-                   help="weight of a sample's answer tokens in a global batch's loss (InternVL's meanings): token = "
-                        "every answer token the same, sample = every sample the same (1/n per token), square = "
+                   help="weight of a sample's answer tokens in a global batch's loss (as VLM fine-tuning defines "
+                        "them): token = every answer token the same, sample = every sample the same (1/n per token), "
+                        "square = "
                         "1/sqrt(n) per token of a sample with n answer tokens; normalised over the whole global "
                         "batch, so it depends on neither DP, micro-batch size, packing nor PP")
     g.add_argument("--vision-drop-path-rate", type=float, default=0.0,
                    help="ViT stochastic depth: branches dropped per tile with a rate rising linearly over the "
-                        "layers to this value (InternViT's drop_path_rate); the mask is hashed from (seed, "
+                        "layers to this value (the published ViTs' drop_path_rate); the mask is hashed from (seed, "
                         "iteration, sample, tile, layer), so any TP/PP/DP/layout gives the serial run's losses")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
                    help="the same recompute on every stage (full: every layer)")
@@ -149,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", default=None,
-                   help="meta JSON, or one annotation JSONL (InternVL conversations or messages records); default: "
+                   help="meta JSON, or one annotation JSONL (conversations or messages records); default: "
                         "the built-in digits dataset, made on first run")
     g.add_argument("--valid-data-path", default=None,
                    help="meta JSON or annotation JSONL for evaluation (default: the built-in dataset's held-out split)")
@@ -158,12 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(scans/: a restart of the same data reads its scan instead of decoding every image again)")
     g.add_argument("--tokenizer-model", default=None, help="local Hugging Face tokenizer folder (default: byte-level)")
     g.add_argument("--max-num-tiles", type=int, default=6, help="most tiles per image, thumbnail excluded")
-    g.add_argument("--min-num-tiles", type=int, default=1, help="fewest tiles per image (InternVL's min_dynamic_patch)")
+    g.add_argument("--min-num-tiles", type=int, default=1, help="fewest tiles per image (min_dynamic_patch)")
     g.add_argument("--min-pixels", type=int, default=None,
-                   help="Qwen2.5-VL: fewest pixels (height x width) an image is resized to (default: the "
+                   help="native-resolution images: fewest pixels (height x width) an image is resized to (default: the "
                         "--hf-checkpoint folder's preprocessor_config.json, else 3136)")
     g.add_argument("--max-pixels", type=int, default=None,
-                   help="Qwen2.5-VL: most pixels an image is resized to (default: the folder's "
+                   help="native-resolution images: most pixels an image is resized to (default: the folder's "
                         "preprocessor_config.json, else 1003520)")
     g.add_argument("--seq-length", type=int, default=512, help="longest sample in tokens")
     g.add_argument("--skip-bad-samples", action="store_true",
@@ -240,6 +248,167 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_moe_flags(p) -> None:
+    """Mixture-of-experts LLM layers (Megatron's flag names): the built-in models' experts and how they train."""
+    g = p.add_argument_group("mixture of experts (the built-in models' LLM; megatron-core's MoELayer)")
+    g.add_argument("--num-experts", type=int, default=None,
+                   help="routed experts per MoE layer (default: none, a dense LLM)")
+    g.add_argument("--moe-router-topk", type=int, default=2, help="experts each token is routed to")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="one expert's FFN width (default: --ffn-hidden-size)")
+    g.add_argument("--moe-layer-freq", default="1",
+                   help="which LLM layers are MoE: an integer N (layer i when i %% N == 0) or a list of 0/1 per "
+                        "layer, e.g. '[1,0,1,1]' (megatron-core's two forms)")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="FFN width of a shared expert every token goes through (default: none)")
+    g.add_argument("--moe-shared-expert-gate", action="store_true",
+                   help="the shared expert's output through a sigmoid gate (a linear H -> 1)")
+    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax",
+                   help="the router's score (sigmoid: DeepSeek-V3's, renormalised over the top k)")
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="softmax router: the softmax over all experts, then the top k (their probabilities not "
+                        "renormalised: HF norm_topk_prob False); default: softmax over the top-k logits")
+    g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "none"],
+                   default="aux_loss",
+                   help="load-balancing loss: aux_loss per micro-batch, seq_aux_loss per sample, global_aux_loss over "
+                        "the global batch, or none")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="weight of the load-balancing loss")
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None, help="weight of the router z-loss (default: none)")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="aux-loss-free balancing: a per-expert routing bias moved towards balance every iteration "
+                        "(needs --moe-router-score-function sigmoid)")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                   help="step of the expert bias per iteration (with --moe-router-enable-expert-bias)")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="tokens an expert takes, x its even share (default: no dropping)")
+    g.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs",
+                   help="with --moe-expert-capacity-factor: drop the lowest-probability or the latest tokens")
+    g.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather"], default="alltoall",
+                   help="how tokens reach the experts of other expert-parallel ranks")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="expert-parallel ranks (EP): each holds num-experts / EP experts; the experts' grid is "
+                        "ETP x EP x expert-DP x PP over the same world (expert DP = world / (ETP x EP x PP))")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="tensor-parallel size of each expert (ETP; default: --tensor-model-parallel-size)")
+    g.add_argument("--log-expert-load", default=None, metavar="FILE",
+                   help="write each iteration's tokens per expert per MoE layer (all ranks') as JSON lines here")
+
+
+MOE_FLAGS = ("--moe-router-topk", "--moe-ffn-hidden-size", "--moe-layer-freq", "--moe-shared-expert-intermediate-size",
+             "--moe-shared-expert-gate", "--moe-router-score-function", "--moe-router-pre-softmax",
+             "--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--moe-z-loss-coeff",
+             "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "--moe-expert-capacity-factor",
+             "--moe-token-drop-policy", "--moe-token-dispatcher-type", "--expert-model-parallel-size",
+             "--expert-tensor-parallel-size", "--log-expert-load")
+
+
+def moe_spec_from_args(args, num_layers: int, ffn_hidden_size: int):
+    """The experts the flags describe (``omnibal_ext.model.moe.MoESpec``), None without --num-experts; the MoE flags
+    without --num-experts are refused, naming them."""
+    from omnibal_ext.model.moe import MoESpec, parse_layer_freq
+
+    if args.num_experts is None:
+        defaults = build_parser()
+        given = [f for f in MOE_FLAGS if getattr(args, f[2:].replace("-", "_")) != defaults.get_default(f[2:].replace("-", "_"))]
+        if given:
+            raise ArgumentError(f"{', '.join(given)}: MoE flag(s) without --num-experts (a dense LLM); give "
+                                "--num-experts or drop them")
+        return None
+    for flag, value in (("--num-experts", args.num_experts), ("--moe-router-topk", args.moe_router_topk),
+                        ("--moe-ffn-hidden-size", args.moe_ffn_hidden_size)):
+        if value is not None and value < 1:
+            raise ArgumentError(f"{flag} {value}: must be >= 1")
+    if args.moe_router_topk > args.num_experts:
+        raise ArgumentError(f"--moe-router-topk {args.moe_router_topk} exceeds --num-experts {args.num_experts}")
+    try:
+        freq = parse_layer_freq(args.moe_layer_freq, num_layers)
+        return MoESpec(num_experts=args.num_experts, topk=args.moe_router_topk,
+                       ffn_hidden_size=args.moe_ffn_hidden_size or ffn_hidden_size, layer_freq=freq,
+                       shared_expert_ffn_hidden_size=args.moe_shared_expert_intermediate_size or 0,
+                       shared_expert_gate=args.moe_shared_expert_gate,
+                       norm_topk_prob=not args.moe_router_pre_softmax, score_function=args.moe_router_score_function,
+                       load_balancing_type=args.moe_router_load_balancing_type,
+                       capacity_factor=args.moe_expert_capacity_factor)
+    except ArgumentError:
+        raise
+    except UserError as e:
+        message = str(e)
+        flag = "--moe-layer-freq" if "layer_freq" in message or "--moe-layer-freq" in message else "--num-experts"
+        raise ArgumentError(message if message.startswith("--") else f"{flag}: {message}") from None
+
+
+def check_moe(args, spec: ModelSpec, tp: int, pp: int, cp: int, dp: int) -> None:
+    """The MoE flags against each other and megatron-core's expert grid (naming the flag)."""
+    from omnibal_ext.model.moe import ExpertGrid, expert_grid_problem
+
+    moe = spec.language.moe
+    if getattr(args, "hf_checkpoint", None) and args.num_experts is not None:
+        raise ArgumentError("--num-experts with --hf-checkpoint: the model (its experts too) comes from config.json; "
+                            "drop the MoE model flags")
+    if moe is None:
+        return
+    if args.moe_router_pre_softmax and args.moe_router_score_function != "softmax":
+        raise ArgumentError("--moe-router-pre-softmax is the softmax router's (the sigmoid router always "
+                            "renormalises its top-k scores): drop it or use --moe-router-score-function softmax")
+    if args.moe_router_enable_expert_bias and args.moe_router_score_function != "sigmoid":
+        raise ArgumentError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
+                            "(megatron-core's aux-loss-free balancing)")
+    if args.moe_aux_loss_coeff < 0 or (args.moe_z_loss_coeff is not None and args.moe_z_loss_coeff < 0):
+        raise ArgumentError("--moe-aux-loss-coeff and --moe-z-loss-coeff must be >= 0")
+    from omnibal_ext.model.lora import Lora
+
+    lora = Lora.from_args(args)
+    mlp = [t for t in lora.targets if t in ("llm.fc1", "llm.fc2")] if lora.on else []
+    if mlp:
+        raise ArgumentError(f"--lora-targets {','.join(mlp)} (the default targets include them) with --num-experts: "
+                            "adapters on experts (llm.experts) are not supported yet; give --lora-targets "
+                            "llm.qkv,llm.proj (and ViT targets)")
+    for flag, on in (("--omnibal-partition auto", args.omnibal_partition == "auto"),
+                     ("--omnibal-recompute auto", args.omnibal_recompute == "auto"),
+                     ("--omnibal-profile", bool(args.omnibal_profile))):
+        if on:
+            raise ArgumentError(f"{flag} with --num-experts: the trainer's profiler does not run MoE layers yet "
+                                "(give --pipeline-layout / --recompute-plan)")
+    if args.moe_token_dispatcher_type == "allgather":
+        raise ArgumentError("--moe-token-dispatcher-type allgather: megatron-core 0.16 refuses it with variable "
+                            "sequence lengths, which the stages' changing shapes need; use alltoall")
+    if moe.load_balancing_type == "seq_aux_loss":
+        raise ArgumentError("--moe-router-load-balancing-type seq_aux_loss: megatron-core 0.16 takes a packed "
+                            "micro-batch (THD) as one sequence, not one per sample; not supported yet (use aux_loss "
+                            "or global_aux_loss)")
+    if cp > 1:
+        raise ArgumentError("--num-experts with --context-parallel-size > 1 is not supported yet (the router's "
+                            "padding mask and aux losses are not split over CP ranks)")
+    if tp > 1 and not args.sequence_parallel:
+        raise ArgumentError(f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel "
+                            "(megatron-core's MoELayer refuses to train under TP without it)")
+    if args.transformer_impl == "transformer_engine":
+        raise ArgumentError("--num-experts runs megatron-core's local MoE (SequentialMLP): use --transformer-impl "
+                            "local or auto")
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or tp
+    if ep < 1 or etp < 1:
+        raise ArgumentError("--expert-model-parallel-size and --expert-tensor-parallel-size must be >= 1")
+    problem = expert_grid_problem(moe, ExpertGrid(ep, etp), tp, cp, dp)
+    if problem:
+        flag = "--expert-tensor-parallel-size" if problem.startswith(f"ETP {etp} does not divide the expert") \
+            else "--expert-model-parallel-size"
+        raise ArgumentError(f"{flag}: {problem} (--expert-model-parallel-size {ep}, --expert-tensor-parallel-size "
+                            f"{etp}, world {tp * cp * dp * pp})")
+
+
+def moe_run_of(args):
+    """How the MoE layers train (``megatron.vlm.moe.MoERun``) from checked flags; None without --num-experts."""
+    if args.num_experts is None:
+        return None
+    from megatron.vlm.moe import MoERun
+
+    return MoERun(aux_loss_coeff=args.moe_aux_loss_coeff, z_loss_coeff=args.moe_z_loss_coeff,
+                  expert_bias=args.moe_router_enable_expert_bias, bias_update_rate=args.moe_router_bias_update_rate,
+                  drop_policy=args.moe_token_drop_policy, dispatcher=args.moe_token_dispatcher_type,
+                  ep=args.expert_model_parallel_size,
+                  etp=args.expert_tensor_parallel_size or args.tensor_model_parallel_size)
+
+
 # dests of the flags that describe the model (besides --model)
 MODEL_DESTS = ("vision_num_layers", "vision_hidden_size", "vision_num_attention_heads", "vision_ffn_hidden_size",
                "image_size", "patch_size", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
@@ -262,7 +431,7 @@ def hf_spec_from_args(args) -> ModelSpec:
     parser = build_parser()
     if args.model != parser.get_default("model"):
         raise ArgumentError(f"--model {args.model} and --hf-checkpoint {folder} both name a model: drop --model")
-    given = [d for d in MODEL_DESTS if getattr(args, d, None) != parser.get_default(d)]
+    given = [d for d in MODEL_DESTS if getattr(args, d) != parser.get_default(d)]
     conflicts = []
     for d in given:
         if d == "vision_feature_layer":
@@ -298,8 +467,8 @@ def model_spec_from_args(args, base: ModelSpec | None = None) -> ModelSpec:
         ("ffn_hidden_size", "ffn_hidden_size")] if getattr(args, a) is not None}
     v.update({k: getattr(args, a) for k, a in [
         ("normalization", "vision_normalization"), ("norm_eps", "vision_norm_eps"), ("qkv_bias", "vision_qkv_bias"),
-        ("qk_norm", "vision_qk_norm")] if getattr(args, a, None) is not None})
-    scale = getattr(args, "vision_layer_scale_init", None)
+        ("qk_norm", "vision_qk_norm")] if getattr(args, a) is not None})
+    scale = args.vision_layer_scale_init
     if scale is not None:
         if scale.lower() == "none":
             v["layer_scale_init"] = None
@@ -311,14 +480,19 @@ def model_spec_from_args(args, base: ModelSpec | None = None) -> ModelSpec:
     lang.update({k: getattr(args, a) for k, a in [
         ("qkv_bias", "qkv_bias"), ("head_dim", "head_dim"), ("norm_eps", "norm_epsilon"),
         ("rotary_base", "rotary_base"), ("tie_word_embeddings", "tie_word_embeddings")]
-        if getattr(args, a, None) is not None})
-    feature_layer = getattr(args, "vision_feature_layer", -1)
+        if getattr(args, a) is not None})
+    feature_layer = args.vision_feature_layer
     if feature_layer != -1:
         n = v.get("num_layers", spec.vision.num_layers)
         try:
             v["num_layers"] = vit_layers_for_feature_layer(n, feature_layer)
         except UserError as e:
             raise ArgumentError(f"--vision-feature-layer: {e}") from None
+    if hasattr(args, "num_experts"):  # the MoE flags (a probe of hf_spec_from_args has none)
+        lang_now = dataclasses.replace(spec.language, **lang)
+        moe = moe_spec_from_args(args, lang_now.num_layers, lang_now.ffn_hidden_size)
+        if moe is not None:
+            lang["moe"] = moe
     spec = spec.replace(vision=dataclasses.replace(spec.vision, **v), language=dataclasses.replace(spec.language, **lang))
     if args.init_method_std is not None:
         spec = spec.replace(init_method_std=args.init_method_std)
@@ -409,7 +583,9 @@ def validate_args(args, world_size: int) -> None:
                                    or args.attention_backend == "unfused"):
         raise ArgumentError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the tokens "
                             "over the TP ranks) and megatron-core's torch layers with --attention-backend auto")
-    cp = getattr(args, "context_parallel_size", 1)
+    if not args.distributed_timeout_minutes > 0:
+        raise ArgumentError(f"--distributed-timeout-minutes {args.distributed_timeout_minutes}: must be > 0")
+    cp = args.context_parallel_size
     if cp < 1:
         raise ArgumentError(f"--context-parallel-size {cp}: must be >= 1")
     if cp > 1 and args.attention_backend == "unfused":
@@ -437,6 +613,7 @@ def validate_args(args, world_size: int) -> None:
     if problem:
         raise ArgumentError(problem)
     check_capabilities(args, spec)
+    check_moe(args, spec, tp, pp, cp, dp)
     _, microbatches = batch_sizes(args, dp)
     if vpp > 1:
         check_interleaving(vpp, pp, microbatches, n_units)
@@ -469,10 +646,11 @@ def validate_args(args, world_size: int) -> None:
 # the flag (``check_capabilities``). Fields without a flag yet (no flag asks for them): ``UNFLAGGED_CAPABILITIES``.
 CAPABILITY_FLAGS = {
     "drop_path": ("--vision-drop-path-rate", lambda args: args.vision_drop_path_rate > 0),
-    "context_parallel": ("--context-parallel-size", lambda args: getattr(args, "context_parallel_size", 1) > 1),
+    "context_parallel": ("--context-parallel-size", lambda args: args.context_parallel_size > 1),
     "sequence_parallel": ("--sequence-parallel", lambda args: bool(args.sequence_parallel)),
+    "moe": ("--num-experts", lambda args: getattr(args, "num_experts", None) is not None),
 }
-UNFLAGGED_CAPABILITIES = ("video", "moe")
+UNFLAGGED_CAPABILITIES = ("video",)
 IMAGE_FLAGS = ("--max-num-tiles", "--min-num-tiles", "--min-pixels", "--max-pixels")  # read by some image rules
 
 
@@ -548,13 +726,13 @@ def check_interleaving(vpp: int, pp: int, microbatches: int, n_units: int | None
 def model_spec_of(args) -> ModelSpec:
     """The model the flags describe: --hf-checkpoint's config.json, else the preset with the model flags
     (vocabulary not yet padded for the tokenizer)."""
-    return hf_spec_from_args(args) if getattr(args, "hf_checkpoint", None) else model_spec_from_args(args)
+    return hf_spec_from_args(args) if args.hf_checkpoint else model_spec_from_args(args)
 
 
 def data_parallel_size(args, world_size: int) -> int:
     """world size / (TP x PP x CP); raises ArgumentError when it does not divide."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    cp = getattr(args, "context_parallel_size", 1)
+    cp = args.context_parallel_size
     if world_size % (tp * pp * cp):
         raise ArgumentError(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "

@@ -125,6 +125,47 @@ def _host_tensor_as_numpy(tensor, as_numpy: bool = False, record_stream: bool = 
     return tensor
 
 
+def _uneven_gather_along_first_dim(original):
+    """``tensor_parallel.mappings._gather_along_first_dim`` whose uneven form (``output_split_sizes``) runs on gloo:
+    megatron-core all-gathers into a list of differently sized views, and gloo's allgather requires equal sizes
+    ("invalid tensor size"). Each rank's part is padded to the largest, gathered, and cut back."""
+
+    @functools.wraps(original)
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        import torch.distributed as dist
+
+        sizes = [int(n) for n in output_split_sizes]
+        longest = max(sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[:input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes)], dim=0)
+
+    return gather
+
+
+def _uneven_reduce_scatter_along_first_dim(original):
+    """``tensor_parallel.mappings._reduce_scatter_along_first_dim`` whose uneven form (``input_split_sizes``) runs on
+    gloo, which has no list ``reduce_scatter``: the whole input is all-reduced and this rank keeps its split."""
+
+    @functools.wraps(original)
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        import torch.distributed as dist
+
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        sizes = [int(n) for n in input_split_sizes]
+        start = sum(sizes[:group.rank()])
+        return total[start:start + sizes[group.rank()]].clone()
+
+    return reduce_scatter
+
+
 def _moe_patches() -> list[tuple[object, str, object]]:
     """megatron-core's MoE layer without TransformerEngine, on the host.
 
@@ -137,11 +178,18 @@ def _moe_patches() -> list[tuple[object, str, object]]:
       that is also the current one, so no copy is treated as on a side stream.
     * The same dispatcher turns its split sizes into numpy arrays with ``maybe_move_tensor_to_cpu``, which converts
       CUDA tensors only: ``_host_tensor_as_numpy`` converts host ones too.
+    * Under expert tensor parallelism (ETP > 1) it all-gathers and reduce-scatters tokens of uneven counts over the
+      ETP group (``tensor_parallel.mappings``), which gloo cannot: ``_uneven_gather_along_first_dim`` and
+      ``_uneven_reduce_scatter_along_first_dim``.
     """
+    from megatron.core.tensor_parallel import mappings
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     patches = [
+        (mappings, "_gather_along_first_dim", _uneven_gather_along_first_dim(mappings._gather_along_first_dim)),
+        (mappings, "_reduce_scatter_along_first_dim",
+         _uneven_reduce_scatter_along_first_dim(mappings._reduce_scatter_along_first_dim)),
         (token_dispatcher, "maybe_move_tensor_to_cpu", _host_tensor_as_numpy),
         (MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", _HOST_STREAM),
         (torch.cuda, "current_stream", lambda *args, **kwargs: _HOST_STREAM),

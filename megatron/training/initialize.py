@@ -24,12 +24,25 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def initialize_distributed(device: torch.device, tp: int, pp: int, cp: int = 1, vpp: int = 1) -> None:
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)  # --distributed-timeout-minutes' default
+
+
+def distributed_timeout(args) -> datetime.timedelta:
+    """--distributed-timeout-minutes as the timeout every process group of the run is made with."""
+    return datetime.timedelta(minutes=args.distributed_timeout_minutes)
+
+
+def initialize_distributed(device: torch.device, tp: int, pp: int, cp: int = 1, vpp: int = 1, ep: int = 1,
+                           etp: int | None = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
     """Start torch.distributed (gloo on CPU, NCCL on GPU) and megatron's model-parallel groups.
+
+    ``timeout``: how long any collective or p2p transfer of those groups (and the rendezvous) waits for the
+    other ranks before it raises; groups made later take it from :func:`distributed_timeout`.
 
     A plain ``python pretrain_vlm.py`` (no torchrun) runs as a world of one.  On CPU the caller has
     entered ``cpu_compat.patched()`` for the whole run (teardown included).  ``vpp`` > 1: model chunks per
-    pipeline rank (megatron's virtual pipeline size, which selects the interleaved schedule).
+    pipeline rank (megatron's virtual pipeline size, which selects the interleaved schedule).  ``ep`` / ``etp``:
+    the MoE experts' expert-parallel and expert-tensor-parallel sizes (megatron-core's expert grid; ETP None: TP).
     """
     if device.type == "cpu":
         from . import cpu_compat
@@ -44,19 +57,21 @@ def initialize_distributed(device: torch.device, tp: int, pp: int, cp: int = 1, 
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
-        store = _restart_store()
+        store = _restart_store(timeout)
         where = dict(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])) if store else {}
         dist.init_process_group(backend="gloo" if device.type == "cpu" else "nccl",
-                                timeout=datetime.timedelta(minutes=10), **where)
+                                timeout=timeout, **where)
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
-            virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+            virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+            expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+            distributed_timeout_minutes=timeout.total_seconds() / 60)
 
 
-def _restart_store():
+def _restart_store(timeout: datetime.timedelta):
     """Under torchrun's restarts (--max-restarts): the agent's store, under a prefix of this attempt.
 
     The agent keeps its store across attempts, and process groups created after a restart use the same
@@ -67,7 +82,7 @@ def _restart_store():
     if not attempt or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=datetime.timedelta(minutes=10))
+                          timeout=timeout)
     return dist.PrefixStore(f"omnibal/attempt_{attempt}/", store)
 
 

@@ -104,35 +104,58 @@ def _shape_ordered_communicator():
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
     class ShapeOrderedP2P(P2PCommunicator):
-        """megatron-core's P2PCommunicator with the shape exchange of variable-shape p2p posted in a fixed order.
+        """megatron-core's P2PCommunicator with the shape exchange of variable-shape p2p posted in a fixed order,
+        and its sends completed after the tensors', not before.
 
         Our stage outputs change shape along the pipeline (``variable_seq_lengths``), so every p2p transfer is
-        preceded by an exchange of shapes.  megatron-core posts those as send-prev, recv-prev, send-next,
-        recv-next on every rank; in the interleaved schedule's steady state a rank sends and receives in both
-        directions at once, and at PP = 2 both neighbours are the same rank, where messages pair in posting
-        order: the activation's shape arrives as the gradient's (seen on gloo: "Received data size doesn't
-        match expected size").  Here each rank sends (next, then prev) and receives (prev, then next), so the
-        k-th message one rank sends the other is the k-th it receives; the tensors themselves go through
-        megatron-core's unbatched ``_p2p_ops``, which already orders by even/odd rank.
+        preceded by an exchange of shapes.  Two faults of megatron-core's exchange show under the interleaved
+        schedule on gloo, both at PP = 2, where both neighbours are the same rank:
+
+        * order: it posts send-prev, recv-prev, send-next, recv-next on every rank; in the steady state a rank
+          sends and receives in both directions at once, and messages between two ranks pair in posting
+          order: the activation's shape arrives as the gradient's ("Received data size doesn't match expected
+          size").  Here each rank sends (next, then prev) and receives (prev, then next), so the k-th message
+          one rank sends the other is the k-th it receives; the tensors themselves go through megatron-core's
+          unbatched ``_p2p_ops``, which already orders by even/odd rank.
+        * a wait: it waits for its shape sends before posting the tensors' receives.  A gloo send completes
+          when the peer receives it, so that wait adds a dependency the one-phase exchange does not have.  With
+          as many micro-batches as pipeline ranks (V = 2) rank 0 runs every forward in its warm-up: it sends
+          its last activation (blocking until rank 1 posts the receive) and only then asks for a gradient,
+          while rank 1's next call sends a gradient shape and receives that activation's: rank 1 waited for
+          its gradient shape to be received before posting the activation's receive, and both ranks hung.
+          Here a call waits only for the shapes it receives; its shape sends are waited for after its tensors
+          (a tensor send completes once the peer posted its receive, after the peer received the shape).
         """
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._shape_sends: list = []  # (request, shape tensor kept alive until sent) of this call
 
         def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
             import torch.distributed as dist
 
             device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
             received = {"prev": None, "next": None}
-            reqs = []
             for tensor, peer in ((tensor_send_next, self.next_rank), (tensor_send_prev, self.prev_rank)):
                 if tensor is not None:
-                    reqs.append(dist.isend(torch.tensor(tensor.size(), device=device, dtype=torch.int64), peer,
-                                           group=self.pp_group))
+                    shape = torch.tensor(tensor.size(), device=device, dtype=torch.int64)
+                    self._shape_sends.append((dist.isend(shape, peer, group=self.pp_group), shape))
+            recvs = []
             for side, wanted, peer in (("prev", recv_prev, self.prev_rank), ("next", recv_next, self.next_rank)):
                 if wanted:
                     received[side] = torch.empty((3,), device=device, dtype=torch.int64)
-                    reqs.append(dist.irecv(received[side], peer, group=self.pp_group))
-            for req in reqs:
+                    recvs.append(dist.irecv(received[side], peer, group=self.pp_group))
+            for req in recvs:
                 req.wait()
             return tuple([0, 0, 0] if received[s] is None else received[s].tolist() for s in ("prev", "next"))
+
+        def _communicate(self, **kwargs):
+            result = super()._communicate(**kwargs)
+            if kwargs.get("wait_on_reqs", True):  # else (overlapped p2p, not configured) a later call waits
+                for req, _ in self._shape_sends:
+                    req.wait()
+                self._shape_sends.clear()
+            return result
 
     return ShapeOrderedP2P
 

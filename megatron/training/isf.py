@@ -67,7 +67,7 @@ def check_samples_fit_caps(args, plan: RunPlan, dataset) -> None:
     counted, token_unit = search_config(args, plan).counted_tokens(tokens), \
         "tokens" if m == 1 else f"tokens padded to a multiple of {m}"
     for flag, cap, sizes, unit in (("--omnibal-isf-qt", qt, counted, token_unit),
-                                   ("--omnibal-isf-qv", qv, tiles, dataset.config.image_rule.unit)):
+                                   ("--omnibal-isf-qv", qv, tiles, dataset.config.images.unit)):
         over = np.flatnonzero(sizes > cap)
         if len(over):
             i = int(over[np.argmax(sizes[over])])

@@ -1,12 +1,13 @@
-"""How answer-token losses are reduced to a global batch's loss (``--loss-reduction``), InternVL's meanings:
+"""How answer-token losses are reduced to a global batch's loss (``--loss-reduction``), as VLM fine-tuning defines
+them:
 
 * ``token``: every answer token weighs the same (w(n) = 1);
 * ``sample``: every sample weighs the same (w(n) = 1/n: each sample's mean);
 * ``square``: a sample with n answer tokens weighs each of them 1/sqrt(n).
 
 The loss of a global batch is ``sum_s w(n_s) sum_{i in s} l_i / sum_s w(n_s) n_s`` over all its samples s
-(n_s answer tokens), so loss and gradients depend neither on DP, micro-batch size, packing nor PP (InternVL
-normalises per micro-batch, which does).  The normaliser ``D = sum_s w(n_s) n_s`` of the whole global batch is
+(n_s answer tokens), so loss and gradients depend neither on DP, micro-batch size, packing nor PP (a
+normaliser per micro-batch would).  The normaliser ``D = sum_s w(n_s) n_s`` of the whole global batch is
 known before the step: the loss stage pulls the iteration's micro-batches first (``prefetch``; the counts n_s
 are host metadata of the collate, ``sample_answers``) and all-reduces its share of D over DP (a host tensor,
 gloo).  The configs set megatron-core's ``calculate_per_token_loss``: the schedule sums the micro-batches'

@@ -2,8 +2,8 @@
 
 Units of one kind (all ViT layers of a kind, all LLM layers) cost the same, so one of each is built: a
 stage module over the unit list of a copy of the model with one LLM layer and the fewest leading ViT layers
-that hold every ViT layer kind (one for InternViT).  The micro-batch is the family's (its data side's
-``profile_batch``; InternVL's tiles: ``synthetic_batch``).  Each unit
+that hold every ViT layer kind (one for a ViT of one layer kind).  The micro-batch is the family's (its data side's
+``profile_batch``; without one, fixed-size tiles: ``synthetic_batch``).  Each unit
 runs on the output of the one before it, at a given micro-batch shape, through
 omnibal_ext.model.profile.measure_unit (median forward/backward seconds, saved-tensor bytes).  The
 layers are measured three times — without recompute, with full and with selective recompute — for
@@ -34,8 +34,8 @@ from omnibal_ext.memory.recompute import StageRecompute
 
 
 def vision_layers_of_every_kind(spec) -> int:
-    """The fewest leading ViT layers that hold a layer of every ViT layer kind of ``spec`` (1 for InternViT;
-    Qwen2.5-VL: up to its first full-attention layer), what the profiled copy of the model keeps."""
+    """The fewest leading ViT layers that hold a layer of every ViT layer kind of ``spec`` (1 for a ViT of one
+    layer kind; windowed and full-attention layers: up to the first full one), what the profiled copy keeps."""
     vit = [u for u in build_units(spec) if u.code == VISION_LAYER]
     firsts = {}
     for k, u in enumerate(vit):
@@ -100,13 +100,13 @@ def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, devic
     mini_units = build_units(mini)
     from .training import resolve_transformer_impl
 
-    sp = bool(getattr(args, "sequence_parallel", False)) and tp > 1
-    impl = "local" if sp else resolve_transformer_impl(getattr(args, "transformer_impl", "auto"), device,
-                                                       getattr(args, "attention_backend", "auto"))
+    sp = args.sequence_parallel and tp > 1
+    impl = "local" if sp else resolve_transformer_impl(args.transformer_impl, device,
+                                                       args.attention_backend)
 
     def stage(recompute):
         m = build_stage(StageBuild(mini, range(len(mini_units)), tp=tp, dtype=dtype, transformer_impl=impl,
-                                   attention_backend=getattr(args, "attention_backend", "auto"), seed=args.seed,
+                                   attention_backend=args.attention_backend, seed=args.seed,
                                    recompute=recompute, img_context_id=img_context_id, on_cpu=on_cpu,
                                    sequence_parallel=sp))
         return m.to(device=device, dtype=dtype).train()
@@ -168,7 +168,7 @@ def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, devic
             "shape": shape.to_dict(), "spec": spec.to_dict(), "tp": tp, "sequence_parallel": sp,
             "warmup": warmup, "repeats": repeats,
             # SegmentAttention keeps no scores, as FlashAttention; "unfused" keeps megatron-core's
-            "attention": "unfused" if getattr(args, "attention_backend", "auto") == "unfused" else "flash"}
+            "attention": "unfused" if args.attention_backend == "unfused" else "flash"}
     from omnibal_ext.model.side_bytes import with_side_bytes
 
     # the side tensors' bytes at each boundary (DeepStack features: the few-layer model runs none) from the spec
@@ -245,7 +245,7 @@ def profile_for_training(args, plan, dataset, img_context_id: int, device: torch
 def profile_at_shape(argv: list[str], shape: MicroBatchShape, path: str | None = None) -> CostTable:
     """Profile the model the trainer flags ``argv`` describe at an explicit micro-batch ``shape``.
 
-    No data is read: this is how a model too large to train here (an InternVL preset, one layer of
+    No data is read: this is how a model too large to train here (a published preset, one layer of
     each kind) is measured at the group shape a plan will use. Runs as a world of one; writes the
     profile JSON to ``path`` when given.
     """

@@ -19,7 +19,7 @@ from omnibal_ext.model.lora import Lora
 from omnibal_ext.model.trainable import Trainable, trainable_of
 from omnibal_ext.model.units import ModelSpec, build_units
 
-from .arguments import batch_sizes, data_parallel_size, model_spec_of, virtual_pipeline_size
+from .arguments import batch_sizes, data_parallel_size, model_spec_of, moe_run_of, virtual_pipeline_size
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,9 @@ class RunPlan:
     lora: Lora = Lora()
     """LoRA adapters (--lora-*; omnibal_ext.model.lora): rank 0 = none; with them the layers run megatron-core's
     torch linears (--transformer-impl local)."""
+    moe_run: object = None
+    """With --num-experts: how the MoE layers train (``megatron.vlm.moe.MoERun``: loss coefficients, expert bias,
+    dispatcher, EP / ETP); else None."""
     recompute_plan: RecomputePlan | None = None
     """With --omnibal-recompute auto: the planner's answer, with its predicted peak and static bytes and the
     budget per stage (reported beside the measured memory); else None."""
@@ -110,14 +113,14 @@ def plan_run(args, world_size: int, device) -> RunPlan:
                    num_microbatches=microbatches, overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_param,
                    log_activation_memory=args.log_activation_memory or args.omnibal_recompute == "auto",
                    tokenizer_model=args.tokenizer_model, trainable=trainable_of(args, model_spec_of(args)),
-                   context_parallel_size=getattr(args, "context_parallel_size", 1),
+                   context_parallel_size=args.context_parallel_size,
                    isf_token_multiple=isf_token_multiple(args), lora=Lora.from_args(args),
-                   virtual_pipeline_size=virtual_pipeline_size(args))
+                   virtual_pipeline_size=virtual_pipeline_size(args), moe_run=moe_run_of(args))
 
 
 def isf_token_multiple(args) -> int:
     """--omnibal-isf-token-multiple, else the multiple context parallelism pads every sample to (1 without CP)."""
-    if getattr(args, "omnibal_isf_token_multiple", None) is not None:
+    if args.omnibal_isf_token_multiple is not None:
         return args.omnibal_isf_token_multiple
     sp_tp = args.tensor_model_parallel_size if args.sequence_parallel else 1
-    return cp_multiple(getattr(args, "context_parallel_size", 1), sp_tp)
+    return cp_multiple(args.context_parallel_size, sp_tp)

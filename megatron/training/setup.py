@@ -18,7 +18,7 @@ from omnibal_ext.model.units import build_units
 from megatron.vlm.batches import MicroBatches, StageInputs
 from megatron.vlm.data.digits import FORMAT_VERSION as DIGITS_FORMAT
 from megatron.vlm.data.digits import build_digits_dataset, digits_meta_paths
-from megatron.vlm.data.internvl import InternVLDataset
+from megatron.vlm.data.records import RecordDataset
 from megatron.vlm.families import runtime_family
 
 from .arguments import ArgumentError
@@ -44,17 +44,17 @@ def data_paths(args, plan: RunPlan) -> tuple[str, str | None]:
     return train, args.valid_data_path or valid
 
 
-def build_dataset(args, plan: RunPlan, tokenizer, meta_path: str) -> InternVLDataset:
+def build_dataset(args, plan: RunPlan, tokenizer, meta_path: str) -> RecordDataset:
     """The dataset of ``meta_path`` read with the model family's data side (``RuntimeFamily.data``)."""
     spec = plan.model_spec
-    reader = runtime_family(spec).data.reader(args, spec, getattr(args, "hf_checkpoint", None))
+    images = runtime_family(spec).data.image_rule(args, spec, args.hf_checkpoint)
     # the validation scan (every image decoded) is split over all processes and all-gathered, and kept in
     # --data-cache-dir for the next launch (a restart) of the same data, configuration and tokenizer
-    dataset = InternVLDataset(meta_path, tokenizer, **reader, max_seq_length=args.seq_length, seed=args.seed,
-                              scan_group=dist.group.WORLD if dist.is_initialized() else None,
-                              cache_dir=os.path.join(args.data_cache_dir, "scans"),
-                              truncate=getattr(args, "truncate_long_samples", False),
-                              skip_bad=getattr(args, "skip_bad_samples", False))
+    dataset = RecordDataset(meta_path, tokenizer, images, max_seq_length=args.seq_length, seed=args.seed,
+                            scan_group=dist.group.WORLD if dist.is_initialized() else None,
+                            cache_dir=os.path.join(args.data_cache_dir, "scans"),
+                            truncate=args.truncate_long_samples,
+                            skip_bad=args.skip_bad_samples)
     skipped = dataset.scan.skipped
     if skipped and (not dist.is_initialized() or dist.get_rank() == 0):
         report = skipped_report_path(args, meta_path)
@@ -89,7 +89,7 @@ def build_groups(args, plan: RunPlan, dataset) -> tuple[tuple[list[np.ndarray], 
     return (random_groups(len(dataset), 1, seed=args.seed), None, random_regroup(1, seed=args.seed)), plan
 
 
-def build_datasets(args, plan: RunPlan, tokenizer) -> tuple[InternVLDataset, InternVLDataset | None]:
+def build_datasets(args, plan: RunPlan, tokenizer) -> tuple[RecordDataset, RecordDataset | None]:
     """(train, valid or None) datasets; validates every record first (the scan, split over all ranks)."""
     train_meta, valid_meta = data_paths(args, plan)
     train_set = build_dataset(args, plan, tokenizer, train_meta)
@@ -127,16 +127,16 @@ def build_data(args, plan: RunPlan, tokenizer, inputs: StageInputs | None = None
     train_set, valid_set = datasets if datasets is not None else build_datasets(args, plan, tokenizer)
     inputs = inputs or StageInputs.everything()
     data_side = runtime_family(plan.model_spec).data
-    per_item = data_side.tile_check(plan.model_spec)  # the loader's image-token check (None: the batcher's own)
+    per_item = train_set.config.images.tokens_per_item  # the loader's image-token check (None: the batcher's own)
     image_tokens = None if per_item is None else (tokenizer.img_context_id, per_item)
     cp = parallel_state.get_context_parallel_world_size()
     # workers only where images are decoded: an image-free stage reads text and the scan's metadata,
     # faster in the training process than through worker processes (scripts/bench_data.py)
     loader = dict(inputs=inputs, num_workers=args.num_workers if inputs.pixels else 0,
                   prefetch_factor=args.prefetch_factor, pin_memory=device_type == "cuda",
-                  pad_to_multiple=args.tensor_model_parallel_size if getattr(args, "sequence_parallel", False) else 1,
+                  pad_to_multiple=args.tensor_model_parallel_size if args.sequence_parallel else 1,
                   cp=cp, cp_rank=parallel_state.get_context_parallel_rank(),
-                  batcher=data_side.batcher(plan.model_spec, tokenizer.img_context_id, train_set.config.image_rule))
+                  batcher=data_side.batcher(plan.model_spec, tokenizer.img_context_id, train_set.config.images))
     if inputs.pixels and args.tensor_model_parallel_size > 1:
         loader.update(tp_group=parallel_state.get_tensor_model_parallel_group(),
                       tp_src=parallel_state.get_tensor_model_parallel_src_rank())

@@ -14,7 +14,7 @@ from .run_plan import RunPlan
 
 def setup_tokenizer(args, plan: RunPlan):
     """(tokenizer, ``plan`` with the tokenizer's source and the model's vocabulary sized from it)."""
-    hf = getattr(args, "hf_checkpoint", None)
+    hf = args.hf_checkpoint
     tokenizer_model = plan.tokenizer_model
     if hf and tokenizer_model is None:
         from megatron.vlm.hf.convert import has_tokenizer
@@ -44,7 +44,7 @@ def setup_tokenizer(args, plan: RunPlan):
 
 def _check_hf_tokenizer(args, plan: RunPlan, tokenizer) -> RunPlan:
     """--hf-checkpoint: the vocabulary is the checkpoint's (config vocab_size, padded); the tokenizer must fit in
-    it and its image context token (InternVL's <IMG_CONTEXT>, Qwen2.5-VL's <|image_pad|>) must be the config's
+    it and its image context token (the family's data side's, ``DataSide.image_tokens``) must be the config's
     image_token_id."""
     from megatron.vlm.hf.configs import read_config, spec_from_config
 

@@ -1,9 +1,8 @@
 """The training loop: megatron-core's pipeline schedule, DDP, optimizer, LR schedule, logging."""
 from __future__ import annotations
 
-import json
-import os
 import time
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -15,7 +14,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from omnibal_ext.data.metrics import step_balance, step_balance_time
+from omnibal_ext.data.metrics import step_balance
 from omnibal_ext.model.units import build_units
 
 from megatron.vlm.data.collate import on_host
@@ -25,9 +24,13 @@ from omnibal_ext.model.spec import TEXT_EMBED
 
 from . import checkpointing
 from .arguments import ArgumentError
+from .initialize import distributed_timeout
 from .interleaved import chunk_data, interleaved_peak, schedule_groups, sum_tied_grads
 from .loss_reduction import prefetch, weight
 from .memory import ActivationMeter, one_f_one_b_peak, static_bytes
+from .moe_log import moe_log_of
+from .metrics import (BalanceMeans, DataWait, MetricGroups, MetricsLog, StepResult, batch_balance, reduce_reports,
+                      step_metrics)
 from .run_plan import RunPlan
 
 
@@ -52,7 +55,7 @@ def build_model(args, plan: RunPlan, img_context_id: int, device: torch.device):
             attention_backend=args.attention_backend, seed=args.seed, recompute=plan.recompute[stage],
             img_context_id=img_context_id, on_cpu=on_cpu, sequence_parallel=args.sequence_parallel,
             cp=plan.context_parallel_size, trainable=None if plan.trainable is None else plan.trainable.trains,
-            vision_drop_path_rate=args.vision_drop_path_rate, lora=plan.lora))
+            vision_drop_path_rate=args.vision_drop_path_rate, lora=plan.lora, moe_run=plan.moe_run))
         if vpp > 1:  # read by megatron-core's interleaved schedule and p2p communicator (model[0]'s config)
             module.config.virtual_pipeline_model_parallel_size = vpp
         module.to(device=device, dtype=dtype)
@@ -64,7 +67,7 @@ def build_model(args, plan: RunPlan, img_context_id: int, device: torch.device):
         if embed_rank != pp - 1:  # every rank takes part in making the groups
             from megatron.vlm.tied import build_tied_embedding_group
 
-            group = build_tied_embedding_group(embed_rank, pp - 1)
+            group = build_tied_embedding_group(embed_rank, pp - 1, timeout=distributed_timeout(args))
             for module in modules:
                 module.tied_group = group
     # bucket_size left at megatron-core's default (40M parameters or 1M x DP, one bucket without overlap);
@@ -203,9 +206,6 @@ def loss_func(batch: dict, token_correct: torch.Tensor, output_tensor: torch.Ten
     return (weighted if scale is None else weighted * scale), one, report
 
 
-DATA_WAIT = {"s": 0.0}  # seconds forward_step spent in next(data_iterator) since train() last read it
-
-
 def forward_step(data_iterator, model, meter: ActivationMeter | None = None, reduction: str = "token",
                  scale: float | None = None):
     """megatron-core's forward_step_func (``partial(forward_step, meter=...)``): one micro-batch through
@@ -213,9 +213,7 @@ def forward_step(data_iterator, model, meter: ActivationMeter | None = None, red
     check go to ``loss_func`` (with ``reduction`` and ``scale``, see there).  meter: measures the bytes
     autograd saves (training forwards only)."""
     device = next(unwrap_model(model).parameters()).device
-    t0 = time.perf_counter()
     raw = next(data_iterator)
-    DATA_WAIT["s"] += time.perf_counter() - t0
     batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) and not on_host(k) else v
              for k, v in raw.items()}  # the loader's batches are on the host (or the device); cu_seqlens stay
     if meter is not None and torch.is_grad_enabled():
@@ -228,84 +226,82 @@ def forward_step(data_iterator, model, meter: ActivationMeter | None = None, red
     return output, partial(loss_func, batch, None, reduction=reduction, scale=scale)
 
 
-def reduce_reports(reports: list[dict]) -> dict:
-    """Sum the per-micro-batch reports over micro-batches and data- and context-parallel ranks (last stage only)."""
-    if not reports:
-        return {}
-    totals = {k: sum(r[k] for r in reports) for k in reports[0]}
-    for v in totals.values():
-        dist.all_reduce(v, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-    return totals
+@dataclass(frozen=True)
+class StepSetup:
+    """What every step of a run uses: megatron-core's schedule (``forward_backward``, with the interleaved one's
+    groups), the activation meter (--log-activation-memory, else None), the metric groups and whether this rank
+    holds the last pipeline stage."""
+    forward_backward: object
+    meter: ActivationMeter | None
+    groups: MetricGroups
+    is_last: bool
+
+    @classmethod
+    def build(cls, args, plan: RunPlan, model) -> "StepSetup":
+        """Also points the model's config at our DDP no-sync and gradient finalisation (read by the schedule)."""
+        config = unwrap_model(model[0]).config
+        config.no_sync_func = model[0].no_sync if len(model) == 1 else [m.no_sync for m in model]
+        config.finalize_model_grads_func = finalize_grads
+        forward_backward = get_forward_backward_func()
+        if len(model) > 1:  # interleaved: megatron-core's schedule with our p2p shape exchange (interleaved.py)
+            forward_backward = partial(forward_backward, **schedule_groups(config))
+        meter = ActivationMeter(torch.nn.ModuleList([unwrap_model(m) for m in model])) \
+            if plan.log_activation_memory else None
+        return cls(forward_backward, meter, MetricGroups.build(distributed_timeout(args)),
+                   parallel_state.is_pipeline_last_stage())
 
 
-_GLOO_WORLD = []
+def activation_peak(meter: ActivationMeter, chunks: int, pp: int) -> int:
+    """This rank's activation peak of the step the meter measured, in its schedule's order (bytes)."""
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    return one_f_one_b_peak(meter.per_microbatch, rank, pp) if chunks == 1 else \
+        interleaved_peak(meter.per_microbatch, rank, pp, chunks)
 
 
-def _gloo_world():
-    """A gloo group of all ranks (the default group itself when it is gloo), for host-side metrics."""
-    if not _GLOO_WORLD:
-        _GLOO_WORLD.append(None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo"))
-    return _GLOO_WORLD[0]
+def train_step(args, plan: RunPlan, setup: StepSetup, model, optimizer, scheduler, train_data,
+               iteration: int) -> StepResult:
+    """Iteration ``iteration``: the global batch's micro-batches through the schedule, the optimizer and
+    LR-scheduler steps."""
+    start = time.perf_counter()
+    for m in model:
+        m.zero_grad_buffer()
+    optimizer.zero_grad()
+    if setup.meter:
+        setup.meter.reset()
+    train_data.start_recording()
+    train_data.iteration = iteration  # the drop path's key
+    wait = DataWait()
+    data_iterator, scale = wait.timed(train_data), None
+    reduction = args.loss_reduction
+    if setup.is_last and reduction != "token":  # the global batch's normaliser before the step (loss_reduction.py)
+        with wait.timing():
+            batches, norm = prefetch(train_data, plan.num_microbatches, reduction, setup.groups.dp_gloo)
+        data_iterator = wait.timed(iter(batches))
+        # the ranks whose loss counts finalize_model_grads sums (context-parallel ranks share their samples)
+        dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        scale = plan.num_microbatches * dp_cp / max(norm, 1e-30)
+    reports = setup.forward_backward(
+        forward_step_func=partial(forward_step, meter=setup.meter, reduction=reduction, scale=scale),
+        data_iterator=chunk_data(data_iterator, len(model)), model=model,
+        num_microbatches=plan.num_microbatches, seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, forward_only=False)
+    _, grad_norm, _ = optimizer.step()
+    records = train_data.stop_recording()
+    peak = activation_peak(setup.meter, len(model), args.pipeline_model_parallel_size) if setup.meter else 0
+    scheduler.step(increment=plan.global_batch_size)
+    return StepResult(reports=reports, grad_norm=None if grad_norm is None else float(grad_norm), records=records,
+                      data_wait_s=wait.seconds, elapsed_s=time.perf_counter() - start, act_peak_bytes=peak)
 
 
-class MetricsLog:
-    """Megatron-style log lines, optional TensorBoard and JSON lines, from the logging rank."""
-
-    def __init__(self, args):
-        self.is_logger = dist.get_rank() == dist.get_world_size() - 1  # a last-stage rank
-        self.writer = None
-        self.json = None
-        if self.is_logger and args.tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(args.tensorboard_dir)
-        if self.is_logger and args.json_log:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json_log)), exist_ok=True)
-            self.json = open(args.json_log, "a")
-
-    def log(self, iteration: int, total: int, metrics: dict, prefix: str = "") -> None:
-        if not self.is_logger:
-            return
-        parts = [f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] {prefix}iteration {iteration:8d}/{total:8d}"]
-        fmt = {"consumed samples": "{:12d}", "elapsed time per iteration (ms)": "{:.1f}",
-               "learning rate": "{:.6E}", "global batch size": "{:5d}", "lm loss": "{:.6E}", "token mean loss": "{:.6E}",
-               "answer acc": "{:.4f}", "grad norm": "{:.4f}", "tokens/s": "{:.1f}", "images/s": "{:.1f}",
-               "pad ratio": "{:.4f}", "data wait ms": "{:.1f}", "dist ratio llm": "{:.4f}", "dist ratio vit": "{:.4f}",
-               "dist ratio llm time": "{:.4f}", "dist ratio vit time": "{:.4f}"}
-        for key, value in metrics.items():
-            if value is None:
-                continue
-            parts.append(f"{key}: {fmt.get(key, '{}').format(value)}")
-        print(" | ".join(parts), flush=True)
-        if self.writer:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)):
-                    self.writer.add_scalar(f"{prefix}{key}", value, iteration)
-        if self.json:
-            self.json.write(json.dumps({"iteration": iteration, "prefix": prefix, **metrics}) + "\n")
-            self.json.flush()
-
-    def close(self):
-        if self.writer:
-            self.writer.close()
-        if self.json:
-            self.json.close()
+def due(interval: int | None, iteration: int, last: int) -> bool:
+    """Whether an every-``interval`` action (0 or None: never) runs after ``iteration`` (always after ``last``)."""
+    return bool(interval) and (iteration % interval == 0 or iteration == last)
 
 
-def _batch_balance(records: list[dict], balance_fn, sample_times=None) -> dict:
-    """Pad/Dist ratios of the micro-batches this iteration trained, across data-parallel ranks; with
-    ``sample_times`` (ViT, LLM) per sample id, the Dist ratios in predicted time too."""
-    gathered = [None] * parallel_state.get_data_parallel_world_size()
-    dist.all_gather_object(gathered, records, group=parallel_state.get_data_parallel_group_gloo())
-    per_step = []
-    for j in range(len(records)):
-        tokens = [rank_records[j]["tokens"] for rank_records in gathered]
-        tiles = [rank_records[j]["tiles"] for rank_records in gathered]
-        per_step.append(balance_fn(tokens, tiles, packed=records[j]["packed"]))
-        if sample_times is not None:
-            per_step[-1].update(step_balance_time([rank_records[j]["ids"] for rank_records in gathered], sample_times))
-    keys = per_step[0].keys() if per_step else []
-    return {k: sum(s[k] for s in per_step) / len(per_step) for k in keys}
+def save(args, plan: RunPlan, iteration: int, consumed_samples: int, model, optimizer, scheduler, train_data) -> None:
+    """The checkpoint of ``iteration``, the parameters gathered first (--overlap-param-gather)."""
+    sync_params(model)
+    checkpointing.save_checkpoint(args, plan, iteration, consumed_samples, model, optimizer, scheduler, train_data)
 
 
 def train(args, plan: RunPlan, model, optimizer, scheduler, train_data, valid_data=None, start_iteration: int = 0,
@@ -314,112 +310,55 @@ def train(args, plan: RunPlan, model, optimizer, scheduler, train_data, valid_da
 
     sample_times: (ViT, LLM) predicted time of every training sample (``isf.run_sample_times``), or None: the
     logged Dist ratios in time too."""
-    config = unwrap_model(model[0]).config
-    config.no_sync_func = model[0].no_sync if len(model) == 1 else [m.no_sync for m in model]
-    config.finalize_model_grads_func = finalize_grads
-    forward_backward = get_forward_backward_func()
-    if len(model) > 1:  # interleaved: megatron-core's schedule with our p2p shape exchange (interleaved.py)
-        forward_backward = partial(forward_backward, **schedule_groups(config))
+    setup = StepSetup.build(args, plan, model)
     log = MetricsLog(args)
-    is_last = parallel_state.is_pipeline_last_stage()
-    history = []
-    balance_sums, balance_count = {}, 0
-    meter = ActivationMeter(torch.nn.ModuleList([unwrap_model(m) for m in model])) if plan.log_activation_memory \
-        else None
-    reduction = args.loss_reduction
-    dp_gloo = parallel_state.get_data_parallel_group_gloo()
-    # the ranks whose loss counts finalize_model_grads sums (context-parallel ranks share their samples)
-    dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-    peak_act = 0
-    iteration = start_iteration
-    saved = None
+    moe_log = moe_log_of(args, plan, [unwrap_model(m) for m in model], next(model[0].parameters()).device)
+    history, balance_means, peak_act = [], BalanceMeans(), 0
+    iteration, saved = start_iteration, None
     while iteration < args.train_iters:
         checkpointing.fault_point("train", iteration + 1)
-        start = time.perf_counter()
-        for m in model:
-            m.zero_grad_buffer()
-        optimizer.zero_grad()
-        if meter:
-            meter.reset()
-        train_data.start_recording()
-        train_data.iteration = iteration + 1  # the drop path's key
-        DATA_WAIT["s"] = 0.0
-        data_iterator, scale = train_data, None
-        if is_last and reduction != "token":  # the global batch's normaliser before the step (loss_reduction.py)
-            t0 = time.perf_counter()
-            batches, norm = prefetch(train_data, plan.num_microbatches, reduction, dp_gloo)
-            DATA_WAIT["s"] += time.perf_counter() - t0
-            data_iterator = iter(batches)
-            scale = plan.num_microbatches * dp_cp / max(norm, 1e-30)
-        train_step = partial(forward_step, meter=meter, reduction=reduction, scale=scale)
-        reports = forward_backward(
-            forward_step_func=train_step, data_iterator=chunk_data(data_iterator, len(model)), model=model,
-            num_microbatches=plan.num_microbatches, seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size, forward_only=False)
-        ok, grad_norm, _ = optimizer.step()
-        records = train_data.stop_recording()
-        if meter:
-            rank, pp = parallel_state.get_pipeline_model_parallel_rank(), args.pipeline_model_parallel_size
-            peak_act = max(peak_act, one_f_one_b_peak(meter.per_microbatch, rank, pp) if len(model) == 1 else
-                           interleaved_peak(meter.per_microbatch, rank, pp, len(model)))
-        scheduler.step(increment=plan.global_batch_size)
+        if moe_log:
+            moe_log.start_iteration()
+        step = train_step(args, plan, setup, model, optimizer, scheduler, train_data, iteration + 1)
         iteration += 1
-        elapsed = time.perf_counter() - start
-        # the slowest rank's wait for data this iteration (a stage that waits stalls the pipeline)
-        wait = torch.tensor([DATA_WAIT["s"]], dtype=torch.float64)
-        dist.all_reduce(wait, op=dist.ReduceOp.MAX, group=_gloo_world())
-        totals = reduce_reports(reports) if is_last else {}
-        samples_tokens = torch.tensor([sum(sum(r["tokens"]) for r in records), sum(sum(r["tiles"]) for r in records),
-                                       sum(len(r["tokens"]) for r in records)], dtype=torch.float64)
-        dist.all_reduce(samples_tokens, group=parallel_state.get_data_parallel_group_gloo())
-        consumed_samples += int(samples_tokens[2])
-        balance = _batch_balance(records, balance_fn, sample_times) if balance_fn else {}
-        for k, v in balance.items():
-            balance_sums[k] = balance_sums.get(k, 0.0) + v
-        balance_count += bool(balance)
-        metrics = {
-            "consumed samples": consumed_samples,
-            "elapsed time per iteration (ms)": elapsed * 1000,
-            "learning rate": scheduler.get_lr(optimizer.param_groups[0]),
-            "global batch size": int(samples_tokens[2]),
-            "data wait ms": float(wait[0]) * 1000,
-        }
-        if totals:
-            metrics["lm loss"] = float(totals["lm loss"][0] / totals["lm loss"][1].clamp(min=1))
-            metrics["answer acc"] = float(totals["answers"][0] / totals["answers"][1].clamp(min=1))
-        metrics["grad norm"] = float(grad_norm) if grad_norm is not None else None
-        metrics["tokens/s"] = float(samples_tokens[0]) / elapsed
-        metrics["images/s"] = float(samples_tokens[1]) / elapsed
+        peak_act = max(peak_act, step.act_peak_bytes)
+        metrics = step_metrics(step, setup.groups, consumed_samples, scheduler.get_lr(optimizer.param_groups[0]),
+                               setup.is_last)
+        consumed_samples = metrics["consumed samples"]
+        balance = batch_balance(step.records, balance_fn, setup.groups.dp_gloo, sample_times) if balance_fn else {}
+        balance_means.add(balance)
         metrics.update({k.replace("_", " "): v for k, v in balance.items()})
-        history.append(metrics)
-        if iteration % args.log_interval == 0 or iteration == args.train_iters:
+        if moe_log:  # moe aux loss, expert load imbalance (megatron/training/moe_log.py)
+            metrics.update(moe_log.metrics(iteration, setup.groups.world_gloo))
+        if due(args.log_interval, iteration, args.train_iters):
             log.log(iteration, args.train_iters, metrics)
-        if args.eval_interval and valid_data is not None and (
-                iteration % args.eval_interval == 0 or iteration == args.train_iters):
+        if valid_data is not None and due(args.eval_interval, iteration, args.train_iters):
             sync_params(model)
-            ev = evaluate(args, plan, model, valid_data, forward_backward)
+            ev = evaluate(args, plan, model, valid_data, setup.forward_backward)
             if ev:
                 log.log(iteration, args.train_iters, ev, prefix="validation ")
                 metrics.update({f"validation {k}": v for k, v in ev.items()})
+        history.append(metrics)
         if args.save and args.save_interval and iteration % args.save_interval == 0:
-            sync_params(model)
-            checkpointing.save_checkpoint(args, plan, iteration, consumed_samples, model, optimizer, scheduler,
-                                          train_data)
+            save(args, plan, iteration, consumed_samples, model, optimizer, scheduler, train_data)
             saved = iteration
         if args.exit_interval and iteration == args.exit_interval:
             break
     sync_params(model)
     if args.save and saved != iteration:  # the end of training (or a resume with nothing left: a resharded copy)
-        checkpointing.save_checkpoint(args, plan, iteration, consumed_samples, model, optimizer, scheduler, train_data)
+        save(args, plan, iteration, consumed_samples, model, optimizer, scheduler, train_data)
     summary = {"iterations": iteration, "consumed_samples": consumed_samples, "history": history}
-    if meter:
+    if setup.meter:
         summary["memory"] = stage_memory_report(args, plan, model, optimizer, peak_act)
         log.log(iteration, args.train_iters, summary["memory"], prefix="memory ")
-    if balance_count:
-        summary["balance"] = {k: v / balance_count for k, v in balance_sums.items()}
-        log.log(iteration, args.train_iters, {k.replace("_", " "): v for k, v in summary["balance"].items()},
+    balance = balance_means.means()
+    if balance:
+        summary["balance"] = balance
+        log.log(iteration, args.train_iters, {k.replace("_", " "): v for k, v in balance.items()},
                 prefix="balance over the run, ")
     log.close()
+    if moe_log:
+        moe_log.close()
     return summary
 
 
@@ -465,7 +404,7 @@ def evaluate(args, plan: RunPlan, model, valid_data, forward_backward) -> dict:
         m.train()
     if not parallel_state.is_pipeline_last_stage():
         return {}
-    totals = reduce_reports(reports)
+    totals = reduce_reports(reports, parallel_state.get_data_parallel_group(with_context_parallel=True))
     return {"lm loss": float(totals["lm loss"][0] / totals["lm loss"][1].clamp(min=1)),
             "token mean loss": float(totals["token loss"][0] / totals["token loss"][1].clamp(min=1)),
             "answer acc": float(totals["answers"][0] / totals["answers"][1].clamp(min=1)),

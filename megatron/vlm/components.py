@@ -28,6 +28,7 @@ from omnibal_ext.memory.recompute import StageRecompute
 from omnibal_ext.model.components import CostComponent, HeadCost, TextEmbedCost, TextLayerCost
 from omnibal_ext.model.families import Capabilities, Family
 from omnibal_ext.model.lora import Lora
+from omnibal_ext.model.moe_cost import MoELayerCost
 from omnibal_ext.model.spec import HEAD, TEXT_LAYER, VISION_LAYER, ModelSpec, Unit
 
 from megatron.vlm import layers, sequence_parallel
@@ -58,13 +59,18 @@ class StageContext:
     stage_start: int = 0  # index in ``units`` of the stage's first unit
     lora: Lora = Lora()  # LoRA adapters (megatron/vlm/lora.py); rank 0: none
 
-    def build_layers(self, units: list[Unit], config: TransformerConfig, spec_for, role: str) -> torch.nn.ModuleList:
+    def build_layers(self, units: list[Unit], config: TransformerConfig, spec_for, role: str,
+                     lora_linears: tuple[str, ...] | None = None) -> torch.nn.ModuleList:
         """The TransformerBlock segments of a run of layer ``units`` of ``role`` built with ``config``: this stage's
-        recompute of the role and the LoRA adapters its targets put on these layers (``layers.build_blocks``); ViT
-        layers without the CP group (``context_parallel.vision_process_groups``)."""
+        recompute of the role and the LoRA adapters its targets put on these layers (``layers.build_blocks``;
+        ``lora_linears``: of those, the ones these layers have, None: all); ViT layers without the CP group
+        (``context_parallel.vision_process_groups``)."""
         full, selective = self.layer_recompute(role, units[0].index)
+        linears = self.lora.linears(role)
+        if lora_linears is not None:
+            linears = tuple(n for n in linears if n in lora_linears)
         return layers.build_blocks(config, spec_for, units[0].index, len(units), full, selective,
-                                   self.lora, self.lora.linears(role),
+                                   self.lora, linears,
                                    vision_process_groups() if role == VISION_LAYER else None)
 
     @property
@@ -88,7 +94,7 @@ class StageContext:
     def layer_recompute(self, role: str, first_index: int | None = None) -> tuple[int, bool]:
         """(fully recomputed layers, selective) of the run of ``role`` layers starting at unit ``first_index``:
         the stage's plan recomputes its first ``full`` layers of the role in unit order (as the memory model
-        counts them), so a run after others of the role on the stage (Qwen2.5-VL's window and full-attention
+        counts them), so a run after others of the role on the stage (windowed and full-attention
         layers alternate) gets what they left (``first_index`` None: the stage's first run)."""
         r = self.recompute
         if role == VISION_LAYER:
@@ -147,7 +153,7 @@ class RuntimeComponent:
 
     def parameter_role(self, unit: Unit, name: str) -> str:
         """The role (layout letter) parameter ``name`` of ``unit``'s module plays for freezing, LoRA and the
-        per-module learning rates: the unit's own, unless a unit holds parts of another role (Qwen3-VL's DeepStack
+        per-module learning rates: the unit's own, unless a unit holds parts of another role (DeepStack
         mergers, the projector's, in ViT layer units)."""
         return unit.code
 
@@ -265,6 +271,64 @@ class TextLayer(RuntimeComponent):
         from megatron.vlm.hf.recipes import add_llm_layer
 
         add_llm_layer(table.add, table.hf, table.names.llm_layer(unit.layer), unit.name + ".", table.spec, table.info)
+
+
+class MoETextLayer(TextLayer):
+    """GPT decoder layers whose MLP is megatron-core's ``MoELayer`` (``LanguageSpec.moe``; ``megatron/vlm/moe.py``):
+    top-k router, ``SequentialMLP`` experts drawn per global expert, the token dispatcher of ``MoERun``. The router
+    gets the padding mask (the collate's padding rows), so its aux losses and the expert load count real tokens only;
+    its ``layer_number`` is the decoder layer + 1 (megatron-core's aux-loss tracker indexes the decoder's layers by
+    it). LoRA adapts the attention only."""
+
+    cost = MoELayerCost
+
+    def layer_spec(self, first_unit_index: int):
+        from megatron.vlm import moe
+
+        ctx, lang = self.ctx, self.spec.language
+        units = ctx.units
+
+        def number_layer(layer, config):  # megatron-core's API for the router's tracker index
+            layer.mlp.set_layer_number(units[first_unit_index + layer.layer_number - 1].layer + 1)
+
+        spec = layers.layer_spec(lang.normalization, layers.llm_mask_type(ctx.transformer_impl, ctx.attention_backend),
+                                 ctx.seed, first_unit_index, ctx.transformer_impl, ctx.attention_backend,
+                                 redraw=number_layer)
+        if lang.qk_norm:
+            layers.with_qk_norm(spec)
+        return moe.layer_spec(spec, lang.moe.num_experts, lang.normalization)
+
+    def build(self, units):
+        self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.language_config, (HEAD,))
+        return self.ctx.build_layers(units, self.ctx.language_config, self.layer_spec, self.code(),
+                                     lora_linears=("qkv", "proj"))
+
+    def context(self, module, batch, cache):
+        if "moe_context" not in cache:
+            ctx = dict(super().context(module, batch, cache))
+            ctx["padding_mask"] = moe_padding_mask(batch, self.ctx.thd, self.ctx.language_config.sequence_parallel)
+            cache["moe_context"] = ctx
+        return cache["moe_context"]
+
+    @classmethod
+    def hf_recipes(cls, unit, table):
+        raise NotImplementedError("MoE decoder layers have no Hugging Face mapping yet")
+
+
+def moe_padding_mask(batch: dict, thd: bool, sequence_parallel: bool) -> torch.Tensor:
+    """The router's padding mask (megatron-core's ``padding_mask``: True at padding, [rows, sequence]; THD: the
+    micro-batch's rows flattened, [1, rows x sequence]) from the collate's segment ids (-1: padding); under sequence
+    parallelism this TP rank's tokens (the MoE layer sees 1/TP of them)."""
+    pad = batch["segment_ids"] < 0
+    if thd:
+        pad = pad.reshape(1, -1)
+    if sequence_parallel:
+        from megatron.core import parallel_state
+
+        tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+        n = pad.shape[1] // tp
+        pad = pad[:, rank * n:(rank + 1) * n]
+    return pad
 
 
 class Head(RuntimeComponent):

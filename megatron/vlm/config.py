@@ -43,7 +43,7 @@ def vision_config(spec: ModelSpec, tp: int, on_cpu: bool, dtype: torch.dtype) ->
         num_layers=v.num_layers, hidden_size=v.hidden_size, num_attention_heads=v.padded_heads(tp),
         kv_channels=v.head_dim, ffn_hidden_size=v.ffn_hidden_size, add_bias_linear=True,
         # with add_bias_linear megatron-core always gives linear_qkv a bias; qkv_bias=False swaps in a
-        # bias-free linear_qkv in the layer spec (megatron/vlm/families/internvl/layers.py: layer_spec)
+        # bias-free linear_qkv in the layer spec (the family's layer spec)
         add_qkv_bias=v.qkv_bias, gated_linear_unit=False,
         # qk-norm over the full width of all heads: the q_layernorm/k_layernorm submodules are FullWidthQKNorm
         qk_layernorm=v.qk_norm,
@@ -51,8 +51,15 @@ def vision_config(spec: ModelSpec, tp: int, on_cpu: bool, dtype: torch.dtype) ->
         **_common(tp=tp, pp=1, on_cpu=on_cpu, dtype=dtype, init_method_std=spec.init_method_std))
 
 
-def language_config(spec: ModelSpec, tp: int, on_cpu: bool, dtype: torch.dtype, pp: int = 1) -> TransformerConfig:
+def language_config(spec: ModelSpec, tp: int, on_cpu: bool, dtype: torch.dtype, pp: int = 1,
+                    moe_run=None) -> TransformerConfig:
+    """The LLM's TransformerConfig; with ``spec.language.moe`` its MoE fields, trained as ``moe_run``
+    (``megatron.vlm.moe.MoERun``; None: its defaults)."""
+    from megatron.vlm.moe import config_fields
+
     lang = spec.language
+    common = _common(tp=tp, pp=pp, on_cpu=on_cpu, dtype=dtype, init_method_std=spec.init_method_std)
+    common.update(config_fields(lang.moe, moe_run, tp))
     return TransformerConfig(
         num_layers=lang.num_layers, hidden_size=lang.hidden_size, num_attention_heads=lang.num_attention_heads,
         num_query_groups=lang.kv_groups, kv_channels=lang.kv_channels, ffn_hidden_size=lang.ffn_hidden_size,
@@ -61,5 +68,4 @@ def language_config(spec: ModelSpec, tp: int, on_cpu: bool, dtype: torch.dtype, 
         # qk_layernorm stays False, or finalize_model_grads would sum every "q_layernorm" again, the ViT's too
         qk_layernorm=False,
         gated_linear_unit=lang.swiglu, activation_func=F.silu if lang.swiglu else F.gelu,
-        normalization=lang.normalization, layernorm_epsilon=lang.norm_eps,
-        **_common(tp=tp, pp=pp, on_cpu=on_cpu, dtype=dtype, init_method_std=spec.init_method_std))
+        normalization=lang.normalization, layernorm_epsilon=lang.norm_eps, **common)

@@ -1,7 +1,7 @@
 """Context parallelism (--context-parallel-size) for the LLM, and the ViT's tiles divided over the same ranks.
 
 The CP ranks of a data-parallel rank read the same micro-batch; each keeps its part (the family's
-``Batcher.split_cp``, applied by the collate on the host; the default, InternVL's, is ``split_batch``: the tokens'
+``Batcher.split_cp``, applied by the collate on the host; the default (tiles) is ``split_batch``: the tokens'
 ``split_tokens``, shared by every family, and the tiles' ``split_tiles``):
 
 * LLM tokens: every segment of the micro-batch's THD description (each sample, each run of padding) is padded at
@@ -19,7 +19,7 @@ The CP ranks of a data-parallel rank read the same micro-batch; each keeps its p
   the CP group).  The LLM embedding all-gathers the projector's output over the CP group (``gather_rows`` of
   every rank's tiles x tokens per tile; backward: reduce-scatter) and picks, for each of its image-context tokens,
   the feature of that token in the unsplit micro-batch (``image_feature_index``, host-built).
-* Images of varying size (Qwen2.5-VL, ``QwenBatcher.split_cp``): window and full attention need a whole image, so
+* Images of varying size (a family's own ``Batcher.split_cp``): window and full attention need a whole image, so
   images go whole to the ranks, in contiguous runs of the micro-batch's order balanced by patch count (the least
   possible largest run: ``cp_split.image_runs``; not by predicted time, whose full-attention part is quadratic per
   image); a rank gets its images' pixel rows and their ViT fields, one all-zero 2 x 2-patch image whose output
@@ -172,7 +172,7 @@ def gather_rows(x: torch.Tensor, counts: list[int], group) -> torch.Tensor:
     """Rows of every rank of ``group`` in rank order: this rank's first ``counts[rank]`` rows of ``x [n, ...]``
     (rows after them, a dummy item's output, are dropped) -> [sum(counts), ...] (padded to the largest count for
     the all-gather, padding dropped; backward: reduce-scatter). ``counts``: per rank, equal on every rank (host
-    ints). InternVL's projector output: tiles x tokens per tile of each rank's run (``tile_ranges``)."""
+    ints). A tiled projector's output: tiles x tokens per tile of each rank's run (``tile_ranges``)."""
     rank, longest = group.rank(), max(counts)
     mine = x[:counts[rank]]
     if longest == 0:  # no rank has rows for anyone (every rank knows it)

@@ -63,7 +63,7 @@ def iteration_keys(keys: torch.Tensor, seed: int, iteration: int) -> torch.Tenso
 
 
 def layer_rates(rate: float, depth: int) -> list[float]:
-    """Drop probability of each of ``depth`` ViT layers: InternViT's ``linspace(0, rate, depth)``."""
+    """Drop probability of each of ``depth`` ViT layers: ``linspace(0, rate, depth)``, as the published ViTs do."""
     return torch.linspace(0, rate, depth).tolist() if depth > 0 else []
 
 
@@ -76,7 +76,7 @@ def keep_mask(keys: torch.Tensor, layer: int, branch: int, drop_prob: float, dty
 
 
 class DropPathBDA(torch.nn.Module):
-    """Bias-dropout-add with drop path of the branch per item, and optionally InternViT's layer scale:
+    """Bias-dropout-add with drop path of the branch per item, and optionally a layer scale:
     ``residual + keep_mask * scale * dropout(x + bias)``; ``axis``: the hidden states' dimension the keys run
     along (1: [tokens per tile, tiles, hidden], one key per tile; 0: packed rows [rows, 1, hidden], one per row).
 

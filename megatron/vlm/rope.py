@@ -1,11 +1,11 @@
-"""Multimodal RoPE frequencies (Qwen2-VL / Qwen2.5-VL chunked sections, Qwen3-VL interleaved sections).
+"""Multimodal RoPE frequencies (chunked sections, or interleaved sections).
 
 Each of a head's ``d / 2`` rotary frequencies is rotated by one of the three position ids of a token
 (temporal, height, width). Which one is the frequency's *axis*:
 
-* chunked (Qwen2.5-VL): the first ``section[0]`` frequencies take T, the next ``section[1]`` H, the last
+* chunked: the first ``section[0]`` frequencies take T, the next ``section[1]`` H, the last
   ``section[2]`` W (megatron-core's ``MultimodalRotaryEmbedding`` builds this form only);
-* interleaved (Qwen3-VL, ``mrope_interleaved``): frequency j takes H when ``j % 3 == 1`` and
+* interleaved (``mrope_interleaved``): frequency j takes H when ``j % 3 == 1`` and
   ``j < 3 * section[1]``, W when ``j % 3 == 2`` and ``j < 3 * section[2]``, else T (``section[0]`` is unused).
 
 The angles come out as megatron-core's rotary tables do: ``[s, b, 1, d]``, the ``d / 2`` angles twice (the

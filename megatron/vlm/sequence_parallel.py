@@ -11,12 +11,12 @@ layer (sequence-parallel config) all-gathers them.
 
 Token counts TP must divide.  The LLM: the collate pads every row to a multiple of TP (the pads are a
 padding segment of their own, labels ignored).  The ViT runs ``[tokens per tile, tiles, hidden]`` and TP
-need not divide the tokens per tile (1025 for InternViT, 17 for the tiny model): each tile is padded with
+need not divide the tokens per tile (1025 for 448 px tiles of 14 px patches, 17 tiny): each tile is padded with
 zero tokens up to a multiple of TP, the pad keys masked out of attention (``vit_pad_mask``), the pads cut
 off after the last ViT layer.  Pads never reach a real token, so values and gradients are the unpadded
-model's.  The cost: ``ceil(T/TP)*TP - T`` tokens per tile (InternViT-6B at TP 2: 1 of 1025, 0.1%; tiny:
+model's.  The cost: ``ceil(T/TP)*TP - T`` tokens per tile (1025 at TP 2: 1 of 1025, 0.1%; tiny:
 1 of 17, 6%) in every ViT layer's compute and activations, which the cost model counts.  A packed (THD) ViT
-(Qwen2.5-VL: all images' patches in one row, segments per window or image) pads the row once, the pads a
+(native-resolution patches: all images' patches in one row, segments per window or image) pads the row once, the pads a
 segment of their own (``with_pad_segment``), so segments stay whole.
 
 Parameters that every TP rank holds whole but that see only the rank's tokens (norms, layer scale, the
@@ -36,9 +36,10 @@ def padded_tokens(tokens: int, tp: int) -> int:
 
 
 def mark_sequence_parallel(module: torch.nn.Module) -> None:
-    """Mark every parameter of ``module`` that is not split over TP as ``sequence_parallel``."""
+    """Mark every parameter of ``module`` that is not split over TP as ``sequence_parallel``; one whose gradient
+    its module sums over TP itself (``grad_summed_over_tp``: the Gated DeltaNet's norm weight) is left alone."""
     for p in module.parameters():
-        if not getattr(p, "tensor_model_parallel", False):
+        if not getattr(p, "tensor_model_parallel", False) and not getattr(p, "grad_summed_over_tp", False):
             p.sequence_parallel = True
 
 

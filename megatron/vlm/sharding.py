@@ -8,7 +8,7 @@ own ``sharded_state_dict``: fused QKV cut by query groups, gated MLP as per-rank
 vocabulary-parallel embedding and head), so ``megatron.core.dist_checkpointing`` can load a checkpoint
 at any TP/PP/DP and layout.
 
-ViT heads padded for tensor parallelism (InternViT-6B's 25 heads become 28 at TP 4) are saved as the
+ViT heads padded for tensor parallelism (25 heads become 28 at TP 4) are saved as the
 real heads only: the attention tensors are stored head by head along a leading axis of the real head
 count (``[heads, 3 * head_dim, hidden]`` for QKV, ``[heads, hidden, head_dim]`` for the output
 projection's columns, ``[heads, head_dim]`` for the qk-norm weights), so their global shape does not depend on TP; padded heads are dropped on save and

@@ -1,4 +1,4 @@
-"""Side tensors: features that one unit produces and later units read (Qwen3-VL's DeepStack features: made by
+"""Side tensors: features that one unit produces and later units read (DeepStack features: made by
 a ViT layer's merger, added to an LLM layer's output), held per micro-batch while a stage runs.
 
 Inside a stage they live in the forward's ``cache`` (``put_side`` / ``take_side``).  Across stages they travel

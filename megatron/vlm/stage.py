@@ -1,13 +1,13 @@
 """Pipeline stages of a VLM, built from megatron-core parts through the model family's runtime components.
 
 A stage holds a contiguous slice of the unit list (omnibal_ext.model.units): any run of the family's units
-(InternVL: ViT patch embedding, ViT layers, projector, LLM embedding, LLM layers, output head).  Layers are
+(e.g. ViT patch embedding, ViT layers, projector, LLM embedding, LLM layers, output head).  Layers are
 placed like any other unit, so a stage may end the ViT and start the LLM.  The stage builds each run of
 consecutive units of one kind through its runtime component (``megatron.vlm.components``) and runs them in
 order; it never names a kind.
 
 Stage I/O.  Every stage reads the micro-batch (tokens, tiles, ...) it needs; between stages one tensor
-travels, in megatron's [sequence, batch, hidden] order (InternVL):
+travels, in megatron's [sequence, batch, hidden] order (a tiled family):
   inside the ViT           [tokens per tile, tiles, vision hidden]
   after the projector      [image tokens of all tiles, 1, LLM hidden]
   inside the LLM           [rows x sequence, 1, LLM hidden]  (THD: the micro-batch's rows flattened)
@@ -76,6 +76,7 @@ class StageBuild:
     cp: int = 1  # context-parallel size of the LLM (megatron/vlm/context_parallel.py); the ViT has none
     vision_drop_path_rate: float = 0.0  # ViT stochastic depth, rising linearly to this at the last layer
     lora: Lora = Lora()  # LoRA adapters on the layers its targets name (megatron/vlm/lora.py); rank 0: none
+    moe_run: object = None  # how MoE layers train (megatron.vlm.moe.MoERun); None: its defaults
 
 
 @dataclasses.dataclass
@@ -102,10 +103,12 @@ def build_stage(build: StageBuild) -> "VLMStage":
     def with_cp(config):
         return config if build.cp == 1 else dataclasses.replace(config, context_parallel_size=build.cp)
 
+    moe = build.moe_run
     return VLMStage(build, family,
-                    stage_config=made(with_cp(language_config(spec, tp, build.on_cpu, build.dtype, pp=build.pp))),
+                    stage_config=made(with_cp(language_config(spec, tp, build.on_cpu, build.dtype, pp=build.pp,
+                                                              moe_run=moe))),
                     vision_config=made(family.vision_config(spec, tp, build.on_cpu, build.dtype)),
-                    llm_config=made(with_cp(language_config(spec, tp, build.on_cpu, build.dtype))))
+                    llm_config=made(with_cp(language_config(spec, tp, build.on_cpu, build.dtype, moe_run=moe))))
 
 
 class VLMStage(MegatronModule):

@@ -35,7 +35,7 @@ class TextEmbedding(MegatronModule):
     """Token embedding (vocabulary-parallel) with image features written into image-context slots.
 
     tokens [b, s] and image features [n * T, 1, H] -> [b * s, 1, H] (rows flattened: THD).
-    tokens_per_item: image tokens per vision item (InternVL: per tile).
+    tokens_per_item: image tokens per vision item (fixed-size tiles: per tile).
     """
 
     def __init__(self, spec: ModelSpec, config: TransformerConfig, img_context_id: int, tokens_per_item: int):

@@ -13,10 +13,11 @@ import torch
 from megatron.core import parallel_state
 
 
-def build_tied_embedding_group(embed_stage: int, head_stage: int):
+def build_tied_embedding_group(embed_stage: int, head_stage: int, timeout=None):
     """The process group of the ranks holding the tied embedding (pipeline stage ``embed_stage``) and the
     output layer (``head_stage``) in this rank's pipeline; None if this rank holds neither. Every rank
-    must call it (it creates one group per pipeline group, in the same order everywhere)."""
+    must call it (it creates one group per pipeline group, in the same order everywhere).  ``timeout``: the
+    group's (a ``datetime.timedelta``; None: torch.distributed's default)."""
     import torch.distributed as dist
 
     pp_ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
@@ -25,7 +26,7 @@ def build_tied_embedding_group(embed_stage: int, head_stage: int):
     mine = None
     for ranks in sorted({tuple(g) for g in gathered}):
         pair = [ranks[embed_stage], ranks[head_stage]]
-        group = dist.new_group(pair)
+        group = dist.new_group(pair, timeout=timeout)
         if dist.get_rank() in pair:
             mine = group
     return mine

@@ -12,7 +12,7 @@ oversize}, isf and random {pad_ratio, dist_ratio_llm, dist_ratio_vit, fill_llm, 
 samples_per_group}, report (ISF counts), search (candidates tried), config, files.
 
 ISF in time (``--model NAME``, native resolution): the samples' ViT work is counted in the model family's unit
-(patches for Qwen2.5-VL: the stats must list each sample's images) and groups are balanced in the time the cost
+(patches at native resolution: the stats must list each sample's images) and groups are balanced in the time the cost
 model predicts (``--device``), ``data/search_time.py``; the JSON's ``params`` then hold the time caps too, and
 ``isf`` and ``random`` add the time metrics (dist_ratio_vit_time, dist_ratio_llm_time, dist_ratio_time).
 
@@ -75,8 +75,8 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{name}", type=int, default=None,
                        help="fixed threshold (give all four to skip the search)")
     p.add_argument("--model", default=None, metavar="NAME",
-                   help="ISF in predicted time for this model preset (its family's ViT items: patches for "
-                        "Qwen2.5-VL), thresholds searched")
+                   help="ISF in predicted time for this model preset (its family's ViT items: patches at "
+                        "native resolution), thresholds searched")
     p.add_argument("--device", default="h200-141g", help="cost-model device of --model (default h200-141g)")
 
 

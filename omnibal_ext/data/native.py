@@ -1,16 +1,16 @@
-"""Native-resolution image sizes for the stats: Qwen2.5-VL's patch counts, and sizes drawn to fit InternVL tiles.
+"""Native-resolution image sizes for the stats: patch counts at native resolution, and sizes drawn to fit tiles.
 
 numpy only, vectorised over images. Three jobs:
 
-* ``smart_resize``: the size in px an image is resized to before patching, Qwen2-VL's rule (both sides multiples
+* ``smart_resize``: the size in px an image is resized to before patching, the published rule (both sides multiples
   of ``factor`` = patch x merge = 28 px, the area kept within ``[min_pixels, max_pixels]``, the aspect ratio kept
   as the grid allows); the same arithmetic as the trainer's (a test compares them on many sizes), so
   ``native_patches`` is the patch count the trainer gives an image: ``(h / 14) * (w / 14)`` of the resized size.
 * ``patch_grid``: the ``(rows, cols)`` patch grid of an image from its original size and its patch count (the
   factorisation of the count into merge-aligned sides whose aspect is nearest the image's), so attention
   segments can be counted from stats that hold only ``width``, ``height`` and ``patches``.
-* ``draw_sizes_for_tiles``: image sizes consistent with InternVL tile counts, for stats that hold tiles only
-  (OmniBal's published stats). InternVL's dynamic tiling chooses, among the grids of ``cols x rows`` tiles with
+* ``draw_sizes_for_tiles``: image sizes consistent with dynamic-tiling tile counts, for stats that hold tiles only
+  (OmniBal's published stats). Dynamic tiling chooses, among the grids of ``cols x rows`` tiles with
   ``cols * rows <= max_num``, the one whose ``cols / rows`` is nearest the image's ``w / h`` (a tie goes to the
   larger grid when the image area exceeds half of that grid's pixel area) and adds a thumbnail tile when the
   grid has more than one tile. The draw: the aspect ratio log-uniform in ``[1/aspect_max, aspect_max]`` and the
@@ -25,12 +25,12 @@ import numpy as np
 from ..errors import UserError
 from .stats import ImageStats, SampleStats
 
-PATCH = 14  # px per patch side (Qwen2.5-VL)
+PATCH = 14  # px per patch side (the default native-resolution ViT's)
 MERGE = 2  # patches per side of one LLM token
 FACTOR = PATCH * MERGE
-MIN_PIXELS = 56 * 56  # transformers' Qwen2VLImageProcessor defaults, px
+MIN_PIXELS = 56 * 56  # transformers' native-resolution image processor's defaults, px
 MAX_PIXELS = 28 * 28 * 1280
-TILE = 448  # InternVL tile side, px
+TILE = 448  # tile side of OmniBal's published stats, px
 
 
 def smart_resize(height, width, factor: int = FACTOR, min_pixels: int = MIN_PIXELS,
@@ -96,17 +96,17 @@ def patch_grid(height, width, patches, merge: int = MERGE, search: int = 16) -> 
 
 
 # ---------------------------------------------------------------------------------------------
-# InternVL tiling, for sizes drawn to match a tile count
+# dynamic tiling, for sizes drawn to match a tile count
 # ---------------------------------------------------------------------------------------------
 def tile_grids(max_num: int, min_num: int = 1) -> np.ndarray:
     """(k, 2) int64 ``[cols, rows]`` of every grid with ``min_num <= cols*rows <= max_num``, by increasing
-    area then cols (the order InternVL visits them)."""
+    area then cols (the order dynamic tiling visits them)."""
     grids = [(c, r) for c in range(1, max_num + 1) for r in range(1, max_num + 1) if min_num <= c * r <= max_num]
     return np.array(sorted(grids, key=lambda g: (g[0] * g[1], g[0])), dtype=np.int64).reshape(-1, 2)
 
 
 def tiles_of(width, height, max_num: int, min_num: int = 1, tile: int = TILE, thumbnail: bool = True) -> np.ndarray:
-    """InternVL's tile count (thumbnail included) of each ``width x height`` image: int64."""
+    """Dynamic tiling's tile count (thumbnail included) of each ``width x height`` image: int64."""
     w = np.asarray(width, dtype=np.float64)
     h = np.asarray(height, dtype=np.float64)
     aspect, area = w / h, w * h
@@ -122,7 +122,7 @@ def tiles_of(width, height, max_num: int, min_num: int = 1, tile: int = TILE, th
 
 def draw_sizes_for_tiles(tiles, max_num: int, seed: int = 0, aspect_max: float = 4.0, area_lo: float = 0.5,
                          area_hi: float = 2.0, tile: int = TILE, rounds: int = 64) -> tuple[np.ndarray, np.ndarray]:
-    """(width, height) int64 px of one image per sample whose InternVL tiling (``max_num``, thumbnail) gives
+    """(width, height) int64 px of one image per sample whose dynamic tiling (``max_num``, thumbnail) gives
     ``tiles[i]`` tiles; the draw is in the module docstring. UserError for a count no image can have."""
     tiles = np.asarray(tiles, dtype=np.int64)
     n = len(tiles)
@@ -130,7 +130,7 @@ def draw_sizes_for_tiles(tiles, max_num: int, seed: int = 0, aspect_max: float =
     possible = {1} | {int(g) + 1 for g in np.prod(tile_grids(max_num), axis=1) if g > 1}
     bad = np.flatnonzero(~np.isin(tiles, sorted(possible)))
     if len(bad):
-        raise UserError(f"draw_sizes_for_tiles: sample {int(bad[0])} has {int(tiles[bad[0]])} tiles, which InternVL "
+        raise UserError(f"draw_sizes_for_tiles: sample {int(bad[0])} has {int(tiles[bad[0]])} tiles, which dynamic "
                         f"tiling with max_num={max_num} and a thumbnail cannot give (possible: {sorted(possible)})")
     rng = np.random.default_rng(seed)
     width = np.zeros(n, dtype=np.int64)
@@ -156,12 +156,12 @@ def draw_sizes_for_tiles(tiles, max_num: int, seed: int = 0, aspect_max: float =
 def derive_native_stats(stats: SampleStats, max_num: int | None = None, seed: int = 0,
                         tokens_per_tile: int = 256, min_pixels: int = MIN_PIXELS,
                         max_pixels: int = MAX_PIXELS, patch: int = PATCH, merge: int = MERGE) -> SampleStats:
-    """Native-resolution stats from InternVL tile stats: one image per sample with ``vit > 0``, its size drawn to
+    """Native-resolution stats from tile stats: one image per sample with ``vit > 0``, its size drawn to
     give the sample's tile count (``draw_sizes_for_tiles``; ``max_num`` defaults to the largest grid the stats
     show, ``max(vit) - 1``), its patches from ``native_patches`` (``patch`` px patches, ``merge`` x ``merge`` per
     LLM token, the pixel budget in px; the defaults are the module's constants); the sample's tokens lose
-    InternVL's ``tokens_per_tile`` image tokens per tile and gain ``patches / merge^2``; its text
-    tokens are kept as they are (InternVL's and Qwen's tokenizers differ: an approximation). Samples without
+    ``tokens_per_tile`` image tokens per tile and gain ``patches / merge^2``; its text
+    tokens are kept as they are (the two families' tokenizers differ: an approximation). Samples without
     tiles keep no image."""
     vit = stats.vit
     has = vit > 0

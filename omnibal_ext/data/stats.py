@@ -6,7 +6,7 @@ A stats file is a JSON list with one object per sample::
 
 ``vit_num`` is the number of image tiles the sample feeds the ViT (may be 0 for text-only samples,
 or 1 for a dummy tile), ``token_num`` its full LLM sequence length in tokens (image tokens included).
-At native resolution (Qwen2.5-VL) a record may also list its images::
+At native resolution a record may also list its images::
 
     {"vit_num": 2, "token_num": 900, "images": [{"width": 640, "height": 480, "patches": 1564}, ...]}
 

@@ -18,6 +18,12 @@ Adam exp_avg (m)            4      ...
 Adam exp_avg_sq (v)         4      ... 12 bytes in all
 ==========================  =====  ====================================================
 
+Mixture-of-experts layers: of a unit's ``param_count``, ``UnitCost.expert_params`` are its routed experts, split over
+EP x ETP (``UnitCost.expert_split``) instead of TP; the distributed optimizer shards their state over expert DP =
+TP x DP x CP / (EP x ETP), so a rank holds the same ``1 / (TP x DP x CP)`` of it as of the dense part
+(``expert_static_bytes``). Their activations (the routed tokens on the busiest EP rank, the dispatcher's permuted
+tokens) come with the unit's ``act_bytes`` (``omnibal_ext.model.moe_cost``).
+
 LoRA adapters (``UnitCost.lora_params``, a frozen unit's trained adapters) count as trained parameters; a rank
 holds ``(lora_params - lora_replicated) / tp + lora_replicated`` of them (``lora_rank_params``).
 
@@ -199,6 +205,8 @@ def _unit_arrays(costs: CostTable) -> dict[str, np.ndarray]:
         "frozen": np.array([bool(x.frozen) for x in u], dtype=bool),
         "lora": np.array([x.lora_params for x in u], dtype=np.float64),
         "lora_replicated": np.array([x.lora_replicated for x in u], dtype=np.float64),
+        "experts": np.array([x.expert_params for x in u], dtype=np.float64),
+        "expert_split": np.array([x.expert_split for x in u], dtype=np.float64),
         # 1: ViT layer, 2: LLM layer, 0: any other unit (never recomputed)
         "block": np.array([1 if x.code == VISION_LAYER else 2 if x.code == TEXT_LAYER else 0 for x in u]),
     }
@@ -244,7 +252,27 @@ def unit_static_bytes(costs: CostTable, tp: int, dp: int, distributed_optimizer:
     a = _unit_arrays(costs)
     trained = precision.bytes_per_param(dp, distributed_optimizer)
     per = np.where(a["frozen"], precision.param_bytes, trained)
-    return a["params"] / tp * per + lora_rank_params(costs, tp) * trained
+    dense = (a["params"] - a["experts"]) / tp * per + lora_rank_params(costs, tp) * trained
+    return dense + expert_static_bytes(costs, tp, dp, distributed_optimizer, precision)
+
+
+def expert_static_bytes(costs: CostTable, tp: int, dp: int, distributed_optimizer: bool = True,
+                        precision: Precision = MIXED_BF16_ADAM) -> np.ndarray:
+    """Static bytes of each unit's routed experts on one rank (MoE layers; 0 elsewhere): a rank holds
+    ``expert_params / (EP x ETP)`` (``UnitCost.expert_split``) with their gradients; the distributed optimizer shards
+    their state over expert DP = TP x DP / (EP x ETP) (``dp``: the ranks holding one copy of the dense part, DP x CP),
+    so a rank holds ``expert_params / (TP x DP)`` of it, as of the dense part. Frozen experts: weights only."""
+    a = _unit_arrays(costs)
+    local = a["experts"] / a["expert_split"]
+    opt = a["experts"] / (tp * dp) if distributed_optimizer else local
+    trained = local * (precision.param_bytes + precision.grad_bytes) + opt * precision.optimizer_bytes
+    return np.where(a["frozen"], local * precision.param_bytes, trained)
+
+
+def rank_param_counts(costs: CostTable, tp: int) -> np.ndarray:
+    """Parameters of each unit on one rank: the dense part / TP, the routed experts / (EP x ETP), LoRA adapters."""
+    a = _unit_arrays(costs)
+    return (a["params"] - a["experts"]) / tp + a["experts"] / a["expert_split"] + lora_rank_params(costs, tp)
 
 
 def lora_rank_params(costs: CostTable, tp: int) -> np.ndarray:
@@ -296,7 +324,7 @@ def stage_memory(costs: CostTable, layout: PipelineLayout, plan: Sequence[StageR
     modes = unit_modes(costs, layout, plan)
     act = unit_activation_bytes(costs, modes)
     trans = unit_transient_bytes(costs, modes)
-    params = _unit_arrays(costs)["params"] / tp + lora_rank_params(costs, tp)
+    params = rank_param_counts(costs, tp)
     stat_u = unit_static_bytes(costs, tp, dp, distributed_optimizer, precision)
     slices = [list(r) for r in layout.stage_slices()]
     side = np.array([u.side_send_bytes for u in costs.units], dtype=np.float64)

@@ -96,7 +96,7 @@ class CostComponent:
 
     def params_of_role(self, role: str, tp: int = 1) -> tuple[int, int]:
         """(all, replicated over TP) parameters of the unit that play ``role`` (a layout letter) for freezing: all
-        of them for the unit's own role; a unit may hold parts of another (Qwen3-VL's DeepStack mergers, the
+        of them for the unit's own role; a unit may hold parts of another (DeepStack mergers, the
         projector's, in ViT layer units). Replicated ones are counted 0 where a kind never splits them apart."""
         return (self.params(tp), 0) if role == self.code else (0, 0)
 
@@ -115,6 +115,30 @@ class CostComponent:
         """(forward, backward) bytes the unit all-reduces over its TP group (of ``tp`` ranks) per micro-batch
         (with sequence parallelism: all-reduce-equivalent bytes, an all-gather or reduce-scatter counting half)."""
         return 0.0, 0.0
+
+    # Expert parallelism (``omnibal_ext.model.moe_cost``): only MoE layers override these.
+    def with_experts(self, run) -> "CostComponent":
+        """This component under the expert run ``run`` (``moe_cost.ExpertRun``: EP / ETP sizes and the expert
+        load); a unit without experts is the same under every run."""
+        return self
+
+    def rank_work(self, shape: MicroBatchShape, tp: int) -> float:
+        """The forward work its time is proportional to on the busiest rank: FLOPs per TP rank (an MoE layer: its
+        experts' FLOPs times the expert load imbalance), or memory bytes for a memory-bound kind."""
+        return self.mem_bytes(shape) if self.memory_bound else self.flops(shape, tp)[0] / tp
+
+    def ep_alltoall_bytes(self, shape: MicroBatchShape, tp: int, sequence_parallel: bool = False) -> tuple[float, float]:
+        """(forward, backward) bytes one rank sends in its expert-parallel all-to-alls per micro-batch."""
+        return 0.0, 0.0
+
+    def expert_weight_bytes(self, dtype_bytes: int) -> tuple[float, float]:
+        """(forward, backward) bytes of the routed experts' weights (and their gradients) one rank moves per
+        micro-batch: small expert GEMMs are bound by them, not by their FLOPs (0 for units without experts)."""
+        return 0.0, 0.0
+
+    def expert_params(self) -> int:
+        """Of ``params``, the routed experts' parameters (split over EP x ETP, not TP), whole model."""
+        return 0
 
 
 def sp_tokens(tokens: int, tp: int, sequence_parallel: bool) -> int:

@@ -5,7 +5,7 @@ Everything here is for ONE micro-batch on ONE tensor-parallel rank (matching ``c
 Each unit's FLOPs, bytes and parameters come from its family's component (``components.py`` for
 the GPT decoder every family shares, ``families/<name>.py`` for the ViT and projector); this module
 turns them into times and cost tables, and calibrates them on a profile. The micro-batch
-(``MicroBatchShape``) holds ``vision_items`` (the ViT's work in its family's unit: InternVL tiles)
+(``MicroBatchShape``) holds ``vision_items`` (the ViT's work in its family's unit: tiles, patches)
 and ``llm_tokens`` LLM tokens (text plus image tokens).
 
 FLOPs of the shared decoder (forward, one multiply-add = 2 FLOPs), ``T`` tokens, ``h`` hidden, ``f``
@@ -29,7 +29,7 @@ of 1.55, and full recompute added 39% to the layer (7.7 ms more in the backward)
 uses that ratio; the Hopper presets use 1.79, our trainer's layers measured on an H200
 (``profiles/h200``); a profile (``calibrated_costs``) fits its own. Tensor-parallel all-reduces are
 added at the device's intra-node bus bandwidth (each component's ``tp_allreduce_bytes``); a ViT whose
-heads TP does not divide (InternViT-6B's 25) is built with them padded to a multiple of the TP size
+heads TP does not divide (25, say) is built with them padded to a multiple of the TP size
 (``padded_heads``), and its FLOPs, bytes and parameters count the padded heads.
 
 Activation bytes of a pre-norm transformer layer per token (our generalisation of Korthikanti et
@@ -67,6 +67,8 @@ import numpy as np
 from ..errors import UserError
 from .components import FUSED_KERNELS, CostComponent, LayerKernels
 from .costs import CostTable, UnitCost
+from .moe import ExpertGrid
+from .moe_cost import MEAN_RUN, ExpertRun, alltoall_seconds
 from .shape import MicroBatchShape
 from .spec import ModelSpec
 from .units import build_units, spec_from_dict, unit_components
@@ -107,7 +109,7 @@ GiB = 2**30
 # on DGX H100/H200 (NVLink 4) for large messages. The CPU entry is a rough 2-core laptop-class machine
 # (only used to sanity-check small runs; calibrate with a profile for real numbers).
 # Backward/forward time of a transformer layer: on A100 as published (module docstring); on Hopper
-# as measured here, our trainer's ViT and LLM layers of InternVL-6B+20B in bf16 on an H200 at 9 tiles
+# as measured here, our trainer's ViT and LLM layers of the 6B ViT + 20B LLM preset in bf16 on an H200 at 9 tiles
 # and 4096 tokens (profiles/h200: 7.99/4.48 ms and 11.97/6.70 ms). H100 is the same chip.
 A100_BWD_OVER_FWD = 11.9 / 7.7  # Korthikanti et al. 2022, Table 4: 22B layer on A100, ms
 HOPPER_BWD_OVER_FWD = 1.79
@@ -134,9 +136,10 @@ def unit_flops(spec: ModelSpec, shape: MicroBatchShape, tp: int = 1) -> list[flo
     return [c.flops(shape, tp)[0] for c in unit_components(spec)]
 
 
-def unit_work(spec: ModelSpec, shape: MicroBatchShape, tp: int = 1) -> list[float]:
-    """What calibration divides time by: forward FLOPs per TP rank, or memory bytes for memory-bound units."""
-    return [c.mem_bytes(shape) if c.memory_bound else c.flops(shape, tp)[0] / tp for c in unit_components(spec)]
+def unit_work(spec: ModelSpec, shape: MicroBatchShape, tp: int = 1, experts: ExpertRun = MEAN_RUN) -> list[float]:
+    """What calibration divides time by: forward FLOPs per TP rank (an MoE layer's experts at the busiest EP rank's
+    load of ``experts``), or memory bytes for memory-bound units (``CostComponent.rank_work``)."""
+    return [c.with_experts(experts).rank_work(shape, tp) for c in unit_components(spec)]
 
 
 def unit_param_counts(spec: ModelSpec, tp: int = 1) -> list[int]:
@@ -183,18 +186,21 @@ def tp_allreduce_s(nbytes: float, tp: int, device: DeviceSpec) -> float:
 
 
 def _costs_from_rates(spec, shape, tp, rates, dropout, attention, source, meta, comm_device=None,
-                      sequence_parallel: bool = False, kernels: LayerKernels = FUSED_KERNELS) -> CostTable:
+                      sequence_parallel: bool = False, kernels: LayerKernels = FUSED_KERNELS,
+                      experts: ExpertRun = MEAN_RUN, a2a_device=None) -> CostTable:
     """comm_device: add its TP all-reduce times (a profile's fitted rates already hold its own);
     sequence_parallel: the trainer's --sequence-parallel (components.py: activations and TP traffic);
-    kernels: what the device's kernels keep (activation bytes)."""
+    kernels: what the device's kernels keep (activation bytes); experts: how MoE layers run (``moe_cost``: EP /
+    ETP, expert load); a2a_device: add its expert-parallel all-to-all times (None: the profile's hold them)."""
     if tp < 1:
         raise UserError(f"tensor-parallel size must be >= 1, got {tp}")
     sp = bool(sequence_parallel) and tp > 1
     units = build_units(spec)
     params = unit_param_counts(spec, tp)
-    work = unit_work(spec, shape, tp)
+    work = unit_work(spec, shape, tp, experts)
     rows = []
-    for u, c, w, n_param in zip(units, unit_components(spec), work, params):
+    components = [c.with_experts(experts) for c in unit_components(spec)]
+    for u, c, w, n_param in zip(units, components, work, params):
         total, core = c.flops(shape, tp)
         fwd, bwd = w * rates[f"fwd:{u.kind}"], w * rates[f"bwd:{u.kind}"]
         core_s = fwd * (core / total) if total > 0 else 0.0  # the core's share of the forward time
@@ -203,12 +209,23 @@ def _costs_from_rates(spec, shape, tp, rates, dropout, attention, source, meta, 
             fwd_bytes, bwd_bytes = c.tp_allreduce_bytes(shape, sequence_parallel=sp, tp=tp)
             fwd += tp_allreduce_s(fwd_bytes, tp, comm_device)
             bwd += tp_allreduce_s(bwd_bytes, tp, comm_device)
+        w_fwd, w_bwd = c.expert_weight_bytes(shape.dtype_bytes)
+        if w_fwd and a2a_device is not None:  # the local experts' weight traffic (analytic rates only)
+            fwd += w_fwd / a2a_device.mem_bytes_per_s
+            bwd += w_bwd / a2a_device.mem_bytes_per_s
+        if a2a_device is not None:  # expert parallelism: the token dispatcher's all-to-alls
+            a2a_fwd, a2a_bwd = c.ep_alltoall_bytes(shape, tp, sequence_parallel=sp)
+            fwd += alltoall_seconds(a2a_fwd, experts.grid, a2a_device)
+            bwd += alltoall_seconds(a2a_bwd, experts.grid, a2a_device)
         b = c.act_bytes(shape, tp, dropout, attention, sequence_parallel=sp, kernels=kernels)
         rows.append(UnitCost(u.name, u.kind, fwd, bwd, float(b.act), float(b.full), float(b.selective),
-                             float(core_s), float(b.send), n_param, u.code))
+                             float(core_s), float(b.send), n_param, u.code, expert_params=int(c.expert_params()),
+                             expert_split=experts.grid.ep * experts.grid.etp if c.expert_params() else 1))
     meta = dict(meta)
     meta.update({"model": spec.name, "spec": spec.to_dict(), "shape": shape.to_dict(), "tp": tp,
                  "dropout": dropout, "attention": attention, "sequence_parallel": sp})
+    if spec.language.moe is not None:
+        meta.update({"ep": experts.grid.ep, "etp": experts.grid.etp, "moe_imbalance": experts.imbalance})
     from .side_bytes import with_side_bytes
 
     return with_side_bytes(CostTable(tuple(rows), source, meta), spec, shape)
@@ -224,22 +241,27 @@ def analytic_costs(
     dropout: bool = False,
     attention: str = "unfused",
     sequence_parallel: bool = False,
+    experts: ExpertRun = MEAN_RUN,
 ) -> CostTable:
     """Costs of every unit of ``spec`` for one micro-batch of ``shape`` on one TP rank of ``device``.
 
     efficiency: fraction of ``device.matmul_flops_per_s`` reached per unit kind (defaults:
-    ``default_efficiency(spec)``). dropout: count 1-byte dropout masks (InternVL fine-tuning uses none).
+    ``default_efficiency(spec)``). dropout: count 1-byte dropout masks (VLM fine-tuning usually uses none).
     attention: "unfused" (scores kept for backward) or "flash". With ``tp`` > 1 the units' times
     include their TP all-reduces (``tp_allreduce_bytes`` over ``device.tp_bytes_per_s``).
     sequence_parallel: with ``tp`` > 1, the trainer's --sequence-parallel (activations split, tokens padded).
+    experts: how MoE layers run (``moe_cost.ExpertRun``: EP / ETP, the busiest EP rank's load); their dispatch
+    all-to-alls are added at ``device``'s rates.
     """
     rates = _seconds_per_work(device, unit_components(spec), efficiency)
     return _costs_from_rates(spec, shape, tp, rates, dropout, attention, "analytic",
                              {"device": device.name, "efficiency": {**default_efficiency(spec), **(efficiency or {})}},
-                             comm_device=device, sequence_parallel=sequence_parallel, kernels=device.kernels)
+                             comm_device=device, sequence_parallel=sequence_parallel, kernels=device.kernels,
+                             experts=experts, a2a_device=device)
 
 
-def calibrate(profile: CostTable, spec: ModelSpec, shape: MicroBatchShape, tp: int = 1) -> dict[str, float]:
+def calibrate(profile: CostTable, spec: ModelSpec, shape: MicroBatchShape, tp: int = 1,
+              experts: ExpertRun | None = None) -> dict[str, float]:
     """Fit seconds per unit of work, per kind, from a measured ``profile`` of ``spec`` at ``shape``.
 
     Returns ``{"fwd:<kind>": s, "bwd:<kind>": s}``: seconds per forward FLOP (per TP rank) for
@@ -257,7 +279,8 @@ def calibrate(profile: CostTable, spec: ModelSpec, shape: MicroBatchShape, tp: i
     for i, (pu, u) in enumerate(zip(profile.units, units)):
         if pu.name != u.name:
             raise UserError(f"calibrate: profile unit {i} is {pu.name!r} but model {spec.name!r} has {u.name!r}")
-    work = np.asarray(unit_work(spec, shape, tp), dtype=float)
+    run = profile_expert_run(profile) if experts is None else experts
+    work = np.asarray(unit_work(spec, shape, tp, run), dtype=float)
     fwd = np.asarray([u.fwd_s for u in profile.units], dtype=float)
     bwd = np.asarray([u.bwd_s for u in profile.units], dtype=float)
     kinds = np.asarray([u.kind for u in units])
@@ -274,6 +297,15 @@ def calibrate(profile: CostTable, spec: ModelSpec, shape: MicroBatchShape, tp: i
     return rates
 
 
+def profile_expert_run(profile: CostTable) -> ExpertRun:
+    """The expert run a profile was measured under: its meta's "ep", "etp" and "moe_imbalance" (the busiest EP
+    rank's routed tokens over the mean, as ``omnibal profile`` measures it; absent: unknown)."""
+    meta = profile.meta or {}
+    imbalance = meta.get("moe_imbalance")
+    return ExpertRun(ExpertGrid(int(meta.get("ep", 1)), int(meta.get("etp", 1))),
+                     None if imbalance is None else float(imbalance))
+
+
 def calibrated_costs(
     spec: ModelSpec,
     shape: MicroBatchShape,
@@ -287,6 +319,7 @@ def calibrated_costs(
     dropout: bool = False,
     attention: str = "unfused",
     sequence_parallel: bool = False,
+    experts: ExpertRun = MEAN_RUN,
 ) -> CostTable:
     """Analytic costs of ``spec`` at ``shape`` with times scaled by rates fitted on ``profile``.
 
@@ -295,6 +328,9 @@ def calibrated_costs(
     the analytic rates of ``device`` (default: the profile's meta "device" if it names a preset,
     else a100-80g). Bytes are analytic. A profile taken at TP 1 holds no all-reduce, so ``device``'s
     TP all-reduce times are added; a profile at TP > 1 holds its own in the fitted rates.
+    experts: how MoE layers run; an unknown load (``imbalance`` None) takes the profile's measured one
+    (``profile_expert_run``), else stays unknown (time at the mean, memory at the worst case). The all-to-alls are
+    added at ``device``'s rates.
     """
     meta = profile.meta or {}
     if profile_spec is None:
@@ -310,13 +346,16 @@ def calibrated_costs(
         device = DEVICES.get(str(meta.get("device", "")), DEVICES["a100-80g"])
     rates = _seconds_per_work(device, unit_components(spec))
     fitted = calibrate(profile, profile_spec, profile_shape, profile_tp)
+    measured = profile_expert_run(profile).imbalance
+    if experts.imbalance is None and measured is not None and spec.language.moe is not None:
+        experts = ExpertRun(experts.grid, measured)
     rates.update(fitted)
     # a TP-1 profile measured no all-reduce: add ``device``'s; a TP profile's rates already hold its own
     return _costs_from_rates(spec, shape, tp, rates, dropout, attention, "calibrated",
                              {"device": meta.get("device", device.name), "calibration": fitted,
                               "profile_model": profile_spec.name},
                              comm_device=device if profile_tp == 1 else None, sequence_parallel=sequence_parallel,
-                             kernels=device.kernels)
+                             kernels=device.kernels, experts=experts, a2a_device=device)
 
 
 def profile_report(profile: CostTable, device: DeviceSpec, attention: str | None = None) -> list[dict]:

@@ -32,6 +32,9 @@ class UnitCost:
     # bytes of the side tensors (DeepStack features) live at the boundary after the unit, sent with its output when
     # a stage boundary follows it and kept by the receiving stage per micro-batch in flight (side_bytes.py)
     side_send_bytes: float = 0.0
+    # of param_count, the routed experts' (split over EP x ETP instead of TP; omnibal_ext.model.moe_cost)
+    expert_params: int = 0
+    expert_split: int = 1  # ranks the routed experts are split over: EP x ETP of the run the table was built for
 
     def __post_init__(self):
         if self.code is None:
@@ -54,8 +57,8 @@ class CostTable:
         names = {f.name for f in dataclasses.fields(UnitCost)}
         units = []
         for i, u in enumerate(d["units"]):
-            missing = names - set(u) - {"code", "frozen", "lora_params", "lora_replicated",
-                                                 "side_send_bytes"}  # tables written before units carried these
+            missing = names - set(u) - {"code", "frozen", "lora_params", "lora_replicated", "side_send_bytes",
+                                        "expert_params", "expert_split"}  # tables written before units carried these
             if missing:
                 raise ValueError(f"cost table unit {i} ({u.get('name', '?')}): missing keys {sorted(missing)}")
             units.append(UnitCost(**{k: u[k] for k in names if k in u}))

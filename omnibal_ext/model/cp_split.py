@@ -5,7 +5,7 @@ The trainer (``megatron/vlm/context_parallel.py``, which imports these) pads eve
 ``sp_tp`` = TP, so that TP divides every CP rank's part) and cuts it into 2 x CP equal chunks;
 CP rank r keeps chunks r and 2 CP - 1 - r (balanced for causal attention: every rank attends 2 CP + 1 chunks of
 each segment).  The ViT's tiles are cut into CP contiguous runs, at most ceil(tiles / CP) each; images of varying
-size that cannot be cut (Qwen2.5-VL's) go whole, in contiguous runs balanced by patches (:func:`image_runs`).
+size that cannot be cut (native-resolution ones) go whole, in contiguous runs balanced by patches (:func:`image_runs`).
 
 The planner counts a micro-batch's per-rank work from the padded lengths (:func:`padded_lengths`): its LLM tokens
 are ``sum(padded)`` (each rank runs 1 / CP of them) and its attention ``sum(padded^2)`` (each rank computes

@@ -10,16 +10,16 @@ from ..errors import UserError
 class MicroBatchShape:
     """What one micro-batch holds.
 
-    vision_items: the ViT's work in the unit its family counts it in (InternVL: 448 px tiles, each
+    vision_items: the ViT's work in the unit its family counts it in (fixed-size tiles: 448 px tiles, each
         running ``spec.vision.seq_per_tile`` tokens); the family's components turn it into tokens.
     llm_tokens: LLM sequence tokens, image tokens included.
     dtype_bytes: bytes per activation element (2 for bf16/fp16).
     llm_attn_tokens_sq: sum of squared lengths of the packed samples (tokens^2); None = one
         sequence of ``llm_tokens``.
     vision_attn_tokens_sq, vision_window_tokens_sq: for ViTs whose attention segments vary in length
-        (Qwen2.5-VL: one segment per image for full-attention layers, one per window for windowed ones),
+        (native resolution: one segment per image for full-attention layers, one per window for windowed ones),
         the sums of squared segment lengths in ViT tokens (tokens^2) of the two kinds of segments; None: the
-        family's default for ``vision_items`` (families with fixed-size items, InternVL's tiles, ignore them).
+        family's default for ``vision_items`` (families with fixed-size items, tiles, ignore them).
     cp: context-parallel ranks the micro-batch is split over (the trainer's --context-parallel-size): each
         rank runs ``rank_llm_tokens`` LLM tokens (every sample cut into 2 x CP chunks, balanced for causal
         attention, so ``rank_attn_tokens_sq`` of the attention work), all-gathers the keys and values of all

@@ -8,10 +8,11 @@ family's components, never through a family's kind names.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import UserError
+from .moe import MoESpec
 
 # Unit roles: the one-letter codes of the layout syntax, the same for every family. A family may have
 # several kinds of unit in one role (window and full-attention ViT layers are both ``v``).
@@ -40,7 +41,7 @@ class Unit:
 @dataclass(frozen=True)
 class SideTensor:
     """A tensor that one unit produces and later units read, carried beside the hidden states: within a stage in
-    the forward's cache, across stage boundaries with the activations (Qwen3-VL's DeepStack features).
+    the forward's cache, across stage boundaries with the activations (DeepStack features).
 
     name: its name on both sides (``megatron.vlm.side``); producer: the unit index that makes it; consumers: the
     unit indices that read it (it is live on every boundary between the producer and its last consumer); width:
@@ -83,18 +84,21 @@ class LanguageSpec:
     # checkpoint's value and gets a UserError naming the type)
     rope_scaling: dict | None = None
     tie_word_embeddings: bool = False  # the output layer uses the input embedding's weight
-    # multimodal RoPE (Qwen2-VL / Qwen2.5-VL): the rotary frequencies (head_dim / 2 of them) cut into sections
+    # multimodal RoPE: the rotary frequencies (head_dim / 2 of them) cut into sections
     # rotated by the temporal, height and width position ids (HF: mrope_section; megatron-core's
     # TransformerConfig.mrope_section); None: plain 1-D RoPE
     mrope_section: tuple[int, ...] | None = None
-    # the sections interleaved (Qwen3-VL, HF: mrope_interleaved): frequency j rotates by the height id when
+    # the sections interleaved (HF: mrope_interleaved): frequency j rotates by the height id when
     # j % 3 == 1 and j < 3 * section[1], by the width id when j % 3 == 2 and j < 3 * section[2], else by the
     # temporal id (megatron/vlm/rope.py); False: consecutive chunks of section[0], section[1], section[2]
     mrope_interleaved: bool = False
     # RMSNorm of every query and key head over its head_dim values, before RoPE (Qwen3; HF: q_norm / k_norm)
     qk_norm: bool = False
+    # mixture-of-experts layers (``omnibal_ext.model.moe``); None: a dense decoder
+    moe: MoESpec | None = None
 
     def __post_init__(self):
+        self._check_moe()
         if self.mrope_interleaved and self.mrope_section is None:
             raise UserError("mrope_interleaved needs an mrope_section (interleaved multimodal RoPE)")
         if self.mrope_section is not None:
@@ -112,6 +116,18 @@ class LanguageSpec:
         if self.real_vocab_size is not None and not 1 <= self.real_vocab_size <= self.vocab_size:
             raise UserError(f"real vocabulary size {self.real_vocab_size} must be in [1, {self.vocab_size}] "
                             "(the padded vocabulary)")
+
+    def _check_moe(self) -> None:
+        """``moe`` from a dict (a spec's JSON) made an ``MoESpec``; its per-layer list must cover the layers."""
+        if isinstance(self.moe, dict):
+            object.__setattr__(self, "moe", MoESpec.from_dict(self.moe))
+        if self.moe is not None and len(self.moe.layer_freq) != self.num_layers:
+            raise UserError(f"MoESpec.layer_freq has {len(self.moe.layer_freq)} entries for the decoder's "
+                            f"{self.num_layers} layers")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (0-based) has experts."""
+        return self.moe is not None and self.moe.is_moe(layer)
 
     @property
     def kv_groups(self) -> int:
@@ -142,12 +158,12 @@ class ModelSpec:
     language: LanguageSpec
     downsample_ratio: float = 0.5
     init_method_std: float = 0.02  # std of the normal weight init (Megatron's --init-method-std)
-    family: str = "internvl"
+    family: str = field(kw_only=True)  # the registered family's name: every spec names its own (no default)
 
     @property
     def tokens_per_tile(self) -> int:
         """LLM image tokens one fixed-size tile becomes after the patch merge (families whose ViT spec
-        has ``patches_per_tile``: InternVL)."""
+        has ``patches_per_tile``: fixed-size tiles)."""
         return int(round(self.vision.patches_per_tile * self.downsample_ratio**2))
 
     @property

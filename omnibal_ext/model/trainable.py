@@ -144,7 +144,7 @@ class Freeze:
 
 def _trained_parts(units, trains: list[bool], adapters: tuple, spec) -> tuple:
     """``adapters`` (per unit: trained parameters of a frozen unit, all and replicated over TP) plus the parts of
-    another role that train in frozen units (``CostComponent.params_of_role``: Qwen3-VL's DeepStack mergers follow
+    another role that train in frozen units (``CostComponent.params_of_role``: DeepStack mergers follow
     the projector inside frozen ViT layer units). A trained unit's frozen parts (the mergers under
     --freeze-projector with the ViT training) are counted as trained: a small overcount."""
     from .units import unit_components

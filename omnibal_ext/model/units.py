@@ -19,7 +19,7 @@ import itertools
 
 from ..errors import UserError
 from .components import CostComponent
-from .families import FAMILIES, PRESETS, Family, family_of  # noqa: F401  (the registry; callers take it from here)
+from .families import FAMILIES, PRESETS, Family, default_model, family_of  # noqa: F401  (the registry; callers take it from here)
 from .spec import ROLES, LanguageSpec, ModelSpec, Unit
 
 
@@ -47,8 +47,9 @@ def role_of_kind(kind: str) -> str:
 
 def spec_from_dict(d: dict) -> ModelSpec:
     """A ``ModelSpec`` from ``ModelSpec.to_dict()``; fields missing from older dicts take their defaults
-    (a dict without ``family`` is of ``ModelSpec``'s default family, the only one before there were several)."""
-    family = FAMILIES.get(d.get("family", ModelSpec.family))
+    (a dict without ``family`` is of the default preset's family, the only one before there were several)."""
+    d = {**d, "family": d.get("family") or PRESETS[default_model()].family}
+    family = FAMILIES.get(d["family"])
     if family is None:
         raise UserError(f"model {d.get('name')!r}: unknown family {d['family']!r}; known: {', '.join(FAMILIES)}")
     fields = {f.name for f in dataclasses.fields(ModelSpec)} - {"vision", "language"}

@@ -28,7 +28,7 @@ of them: tiles = the K samples' tiles (the ViT runs no padding), LLM tokens = ``
 attention ``K * longest^2`` (the padded sequences are computed in full).  ISF: one packed group
 per micro-batch: its tiles, its tokens, ``sum(len_i^2)`` of its samples (packed attention stays
 within a sample).  ``m = ceil(global batch / (dp * K))`` micro-batches per iteration.  At native resolution
-(Qwen2.5-VL) the ISF groups are balanced in predicted time as the trainer balances them (``data_level``), and the
+(native resolution) the ISF groups are balanced in predicted time as the trainer balances them (``data_level``), and the
 trainer flags carry the time thresholds, which the trainer applies without searching.
 
 *DP straggling (the model we chose).*  Not a scale factor: the iteration is simulated.  The epoch's

@@ -18,6 +18,24 @@ class PlanError(UserError):
     """No configuration fits, or the request cannot be planned (the message says why)."""
 
 
+def check_moe_request(config: "PlanConfig") -> None:
+    """Raise PlanError naming the expert-parallel flag that cannot work with the model."""
+    for name, v in (("--ep", config.ep), ("--etp", config.etp)):
+        if v is not None and (isinstance(v, bool) or v < 1 or int(v) != v):
+            raise PlanError(f"{name} must be a positive integer, got {v}")
+    moe = config.spec.language.moe
+    if moe is None:
+        for name, v in (("--ep", config.ep), ("--etp", config.etp), ("--moe-imbalance", config.moe_imbalance)):
+            if v is not None and (name == "--moe-imbalance" or v > 1):
+                raise PlanError(f"{name} {v}: model {config.spec.name!r} has no experts (LanguageSpec.moe is None)")
+        return
+    if config.ep is not None and moe.num_experts % config.ep:
+        raise PlanError(f"--ep {config.ep} does not divide the model's {moe.num_experts} experts")
+    if config.moe_imbalance is not None and not config.moe_imbalance >= 1:
+        raise PlanError(f"--moe-imbalance must be >= 1 (the busiest EP rank's routed tokens over the mean), "
+                        f"got {config.moe_imbalance}")
+
+
 @dataclass(frozen=True)
 class PlanConfig:
     """Everything :func:`~omnibal_ext.plan.make_plan` needs besides the per-sample statistics.
@@ -53,6 +71,12 @@ class PlanConfig:
     vpp: int | None = None
     max_vpp: int = 2  # largest V tried when vpp is None
     freeze: Freeze = Freeze()  # frozen parts of the model (--freeze-vit, ...): costs and memory follow
+    # mixture-of-experts models (LanguageSpec.moe): expert-parallel sizes (None: searched; omnibal_ext.model.moe) and
+    # the busiest EP rank's routed tokens over the mean (None: the experts' time at the mean, their memory at the
+    # no-drop worst case; omnibal_ext.model.moe_cost)
+    ep: int | None = None
+    etp: int | None = None
+    moe_imbalance: float | None = None
 
     @property
     def trainable(self) -> Trainable | None:
@@ -106,6 +130,7 @@ def check_request(config: PlanConfig, stats: SampleStats) -> None:
         raise PlanError(f"--tp {tp} x --pp {pp} x --dp {dp} x --cp {cp} = {tp * pp * dp * cp} but --gpus is {gpus}")
     if config.vpp is not None and config.vpp < 1:
         raise PlanError(f"--vpp must be >= 1, got {config.vpp}")
+    check_moe_request(config)
     if config.max_vpp < 1:
         raise PlanError(f"--max-vpp must be >= 1, got {config.max_vpp}")
     if len(stats) == 0:

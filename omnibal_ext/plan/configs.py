@@ -10,6 +10,7 @@ from ..memory.recompute import MemoryBudgetError, full_recompute_plan
 from ..model import partition
 from ..model.cost_model import DeviceSpec, MicroBatchShape
 from ..model.layout import LayoutError, default_layout
+from ..model.moe_cost import MEAN_RUN, ExpertRun
 from ..model.units import ModelSpec, build_units
 from .config import PlanError
 from .context import allreduce_s, build_context, stage_peaks
@@ -82,7 +83,8 @@ def candidate_configs(spec: ModelSpec, gpus: int, tp=None, pp=None, dp=None,
 def screen_config(spec: ModelSpec, device: DeviceSpec, budget: float, attention: str, cfg: tuple[int, int, int],
                   k: int, global_batch: int, cap_shape: MicroBatchShape, random_shape: MicroBatchShape,
                   mean_isf: tuple[np.ndarray, float], mean_random: np.ndarray, baseline_needed: bool,
-                  cache: dict | None = None, trainable=None, cp: int = 1, vpps=(1,), segments=None) -> dict:
+                  cache: dict | None = None, trainable=None, cp: int = 1, vpps=(1,), segments=None,
+                  experts: ExpertRun = MEAN_RUN) -> dict:
     """Quick look at one (tp, pp, dp): least memory need, the baseline's memory, and the time per sample
     of the balanced (+memory) plan and of the baseline, each with every micro-batch at its mean shape.
 
@@ -91,13 +93,15 @@ def screen_config(spec: ModelSpec, device: DeviceSpec, budget: float, attention:
     cp: the context-parallel size (the shapes carry it; ``rec["cp"]`` is written when > 1).
     vpps: the model chunks per rank V to try (V > 1: ``interleaved``; skipped where the micro-batches do not
     allow it); the fastest is ``vpp``. segments: the data's ViT segments per item (``build_context``).
+    experts: the MoE layers' expert grid and load (``rec["ep"]``, ``rec["etp"]`` are written for an MoE model).
     """
     t, p, d = cfg
     m = num_microbatches(global_batch, d, k)
     ctx = build_context(spec, device, t, p, d, m, budget, attention, cap_shape, random_shape, trainable, cp,
-                        segments)
+                        segments, experts)
     need, stage, _ = memory_need(ctx.need)
-    rec = {"tp": t, "pp": p, **({"cp": cp} if cp > 1 else {}), "dp": d, "micro_batches": m,
+    moe = {"ep": experts.grid.ep, "etp": experts.grid.etp} if spec.language.moe is not None else {}
+    rec = {"tp": t, "pp": p, **({"cp": cp} if cp > 1 else {}), **moe, "dp": d, "micro_batches": m,
            "least_need_bytes": need, "need_stage": stage,
            "fits": bool(need <= budget)}
     default = default_layout(spec, p)
@@ -148,8 +152,9 @@ def screen_config(spec: ModelSpec, device: DeviceSpec, budget: float, attention:
 
 
 def _cp(rec: dict) -> str:
-    """" CP=n" for a screened configuration with context parallelism, else ""."""
-    return f" CP={rec['cp']}" if rec.get("cp", 1) > 1 else ""
+    """" CP=n" for a screened configuration with context parallelism, " EP=e ETP=t" for an MoE model's, else ""."""
+    cp = f" CP={rec['cp']}" if rec.get("cp", 1) > 1 else ""
+    return cp + (f" EP={rec['ep']} ETP={rec['etp']}" if "ep" in rec else "")
 
 
 def refusal(spec: ModelSpec, gpus: int, gpu_memory: float, budget: float, tried: list[dict], skipped: list[dict],

@@ -9,6 +9,7 @@ from ..memory.memory_model import GIB, Precision, stage_memory
 from ..model.cost_model import DeviceSpec, MicroBatchShape, analytic_costs
 from ..model.costs import CostTable
 from ..model.layout import PipelineLayout
+from ..model.moe_cost import MEAN_RUN, ExpertRun
 from ..model.simulate import allreduce_seconds
 from ..model.trainable import Trainable
 from ..model.units import ModelSpec
@@ -42,6 +43,7 @@ class PlanContext:
     precision: Precision  # static bytes per parameter (the distributed optimizer is assumed)
     trainable: Trainable | None = None  # frozen units (None: every unit trains); the cost tables above include it
     cp: int = 1  # context-parallel size: the cost tables are one CP rank's; gradients are reduced over DP x CP
+    experts: ExpertRun = MEAN_RUN  # how MoE layers run (EP / ETP, expert load); the cost tables above are at it
 
     @property
     def grad_ranks(self) -> int:
@@ -51,26 +53,30 @@ class PlanContext:
 
 def build_context(spec: ModelSpec, device: DeviceSpec, tp: int, pp: int, dp: int, m: int, budget: float,
                   attention: str, cap_shape: MicroBatchShape, random_shape: MicroBatchShape,
-                  trainable: Trainable | None = None, cp: int = 1, segments=None) -> PlanContext:
+                  trainable: Trainable | None = None, cp: int = 1, segments=None,
+                  experts: ExpertRun = MEAN_RUN) -> PlanContext:
     """The context of one configuration: costs at the ISF caps and at the mean padded random micro-batch, with
     ``trainable``'s frozen units applied (omnibal_ext.model.trainable; linear in the shape, so the basis too).
     With TP > 1 the plan runs sequence parallelism (``trainer_flags.sequence_parallel``, with or without CP), and
     its costs count it (under CP the shapes hold the samples padded to 2 x CP x TP).  cp: the context-parallel
     size; the shapes carry it (``MicroBatchShape.cp``) and the costs and memory are one CP rank's; the optimizer
-    state is sharded over DP x CP (megatron-core's distributed optimizer). segments: the data's ViT segments per item for the basis (``linear_costs``)."""
+    state is sharded over DP x CP (megatron-core's distributed optimizer). segments: the data's ViT segments per item for the basis (``linear_costs``).
+    experts: the MoE layers' expert grid and load (``moe_cost.ExpertRun``): their all-to-alls, busiest-rank time and
+    expert memory (experts split over EP x ETP, their optimizer state over expert DP)."""
     frozen = trainable.apply if trainable is not None else (lambda c: c)
     sp = sequence_parallel(tp)
     for shape in (cap_shape, random_shape):
         if shape.cp != cp:
             raise ValueError(f"build_context: a shape split over CP {shape.cp}, the configuration's CP is {cp}")
-    costs_isf = frozen(analytic_costs(spec, cap_shape, tp, device, attention=attention, sequence_parallel=sp))
-    costs_random = frozen(analytic_costs(spec, random_shape, tp, device, attention=attention, sequence_parallel=sp))
+    kw = dict(attention=attention, sequence_parallel=sp, experts=experts)
+    costs_isf = frozen(analytic_costs(spec, cap_shape, tp, device, **kw))
+    costs_random = frozen(analytic_costs(spec, random_shape, tp, device, **kw))
     basis = tuple(frozen(c) for c in basis_costs(spec, tp, device, attention, sequence_parallel=sp, cp=cp,
-                                                    segments=segments))
+                                                    segments=segments, experts=experts))
     precision = training_precision(device)
     return PlanContext(spec, device, tp, pp, dp, m, budget, attention, basis,
                        costs_isf, costs_random, memory_need_table(costs_isf, pp, tp, dp * cp, m, precision=precision),
-                       precision, trainable, cp)
+                       precision, trainable, cp, experts)
 
 
 def allreduce_s(ctx: PlanContext, layout: PipelineLayout) -> float:
@@ -118,6 +124,8 @@ def best_candidate(cands: list[Candidate]) -> Candidate:
 def nothing_fits(ctx: PlanContext, setting: str, failures: list[str]) -> PlanError:
     """The planner's refusal of a row: the configuration and why each candidate failed."""
     cp = f" CP={ctx.cp}" if ctx.cp > 1 else ""
+    if ctx.spec.language.moe is not None:
+        cp += f" EP={ctx.experts.grid.ep} ETP={ctx.experts.grid.etp}"
     configuration = (f"{ctx.spec.name} at TP={ctx.tp} PP={ctx.pp}{cp} DP={ctx.dp}, {ctx.m} micro-batches, budget "
                      f"{ctx.budget / GIB:.1f} GiB per GPU")
     return PlanError(f"no {setting} plan fits {configuration}: " + "; ".join(failures))

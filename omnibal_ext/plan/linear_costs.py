@@ -14,6 +14,7 @@ from ..model.spec import LAYER_ROLES
 from ..memory.memory_model import unit_modes
 from ..memory.recompute import StageRecompute
 from ..model.cost_model import DeviceSpec, MicroBatchShape, analytic_costs
+from ..model.moe_cost import MEAN_RUN, ExpertRun
 from ..model.costs import CostTable
 from ..model.layout import PipelineLayout
 from ..model.sample_time import VisionSegments
@@ -27,16 +28,17 @@ MODE_NAMES = {0: "none", 1: "selective", 2: "full"}  # memory_model's per-unit r
 
 def basis_costs(spec: ModelSpec, tp: int, device: DeviceSpec, attention: str = "unfused",
                 sequence_parallel: bool = False, cp: int = 1,
-                segments: VisionSegments | None = None) -> tuple[CostTable, ...]:
+                segments: VisionSegments | None = None, experts: ExpertRun = MEAN_RUN) -> tuple[CostTable, ...]:
     """Cost tables at the unit shapes: tiles only, tokens only, tokens + attention (see stage_coefficients).
 
     cp: context-parallel size; the unit shapes are split over ``cp`` ranks (``MicroBatchShape.cp``), so the
     coefficients give one CP rank's time of a whole micro-batch's (padded) shape (BASIS is a multiple of any
     power-of-two CP, so the split's rounding does not enter).
-    segments: for ViTs whose items vary in size (Qwen2.5-VL's patches), the data's attention segments per item:
-    the ViT items of the basis carry ``segments.mean_shape_sq`` (None: the family's default)."""
+    segments: for ViTs whose items vary in size (native-resolution patches), the data's attention segments per item:
+    the ViT items of the basis carry ``segments.mean_shape_sq`` (None: the family's default).
+    experts: how MoE layers run (``moe_cost.ExpertRun``; their costs are linear in the tokens too)."""
     b = int(BASIS)
-    kw = dict(attention=attention, sequence_parallel=sequence_parallel)
+    kw = dict(attention=attention, sequence_parallel=sequence_parallel, experts=experts)
     vit_sq = {} if segments is None else segments.shape_sq(b, mean=True)
     return (analytic_costs(spec, MicroBatchShape(b, 0, cp=cp, **vit_sq), tp, device, **kw),
             analytic_costs(spec, MicroBatchShape(0, b, llm_attn_tokens_sq=0.0, cp=cp), tp, device, **kw),

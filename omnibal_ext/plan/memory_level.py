@@ -11,7 +11,7 @@ from .linear_costs import stage_modes
 
 def joint_plan(ctx: PlanContext, cache: dict | None):
     """``plan_layout_and_recompute`` at the ISF caps, memoised per configuration (screen, then plan)."""
-    key = (ctx.tp, ctx.pp, ctx.dp, ctx.cp, ctx.m, ctx.budget, ctx.attention,
+    key = (ctx.tp, ctx.pp, ctx.dp, ctx.cp, ctx.experts, ctx.m, ctx.budget, ctx.attention,
            tuple(sorted(ctx.costs_isf.meta["shape"].items())))
     if cache is not None and key in cache:
         return cache[key]

@@ -5,7 +5,7 @@ import numpy as np
 
 from ..model.spec import LAYER_ROLES
 from ..memory.memory_model import (FP32_ADAM, MIXED_BF16_ADAM, MODE_FULL, MODE_NONE, Precision, in_flight_1f1b,
-                                   lora_rank_params, unit_activation_bytes, unit_static_bytes,
+                                   lora_rank_params, rank_param_counts, unit_activation_bytes, unit_static_bytes,
                                    unit_transient_bytes)
 from ..model.cost_model import DeviceSpec
 from ..model.costs import CostTable
@@ -19,8 +19,8 @@ def training_precision(device: DeviceSpec) -> Precision:
 def unit_params(costs: CostTable, tp: int, trained_only: bool = False) -> np.ndarray:
     """Parameters of each unit held by one tensor-parallel rank (float64), LoRA adapters included;
     ``trained_only``: a frozen unit's adapters only."""
-    base = np.array([0 if trained_only and u.frozen else u.param_count for u in costs.units], dtype=np.float64)
-    return base / tp + lora_rank_params(costs, tp)
+    frozen = np.array([trained_only and u.frozen for u in costs.units])
+    return np.where(frozen, lora_rank_params(costs, tp), rank_param_counts(costs, tp))
 
 
 def memory_need_table(costs: CostTable, pp: int, tp: int, dp: int, num_microbatches: int,

@@ -9,6 +9,8 @@ from ..data.stats import SampleStats
 from ..memory.memory_model import GIB, MIXED_BF16_ADAM
 from ..model.cp_split import cp_multiple
 from ..model.layout import default_layout
+from ..model.moe import ExpertGrid, expert_grids
+from ..model.moe_cost import ExpertRun, run_for
 from ..model.sample_time import vision_segments
 from ..model.units import family_of
 from .config import PlanConfig, check_request
@@ -22,7 +24,7 @@ from .memory_need import memory_need
 from .model_level import default_candidate, fitting_model_candidates, model_candidates
 from .predictions import prediction_row, with_speedups
 from .results import Plan
-from .trainer_flags import plan_trainer_flags, sp_tp
+from .trainer_flags import moe_trainer_flags, plan_trainer_flags, sp_tp
 
 SCREEN_DP = 8  # DP size of the provisional ISF thresholds when several configurations are screened
 
@@ -46,6 +48,7 @@ def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict, s
     spec, dev, budget, k = config.spec, config.device_spec, config.budget_bytes, int(config.samples_per_group)
     gpus, gpu_memory = config.gpus, config.gpu_memory_bytes
     cp = int(config.cp)
+    moe = spec.language.moe
     configs, skipped = candidate_configs(spec, gpus, config.tp, config.pp, config.dp, config.min_pp, cp)
     if not configs:
         raise refusal(spec, gpus, gpu_memory, budget, [], skipped, config.require_baseline_fit)
@@ -81,28 +84,36 @@ def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict, s
 
     vpps = vpp_values(config.vpp, config.max_vpp)
 
-    def screen(cfg, caps, baseline_needed, cache=None):
+    def screen(cfg, caps, baseline_needed, cache=None, experts: ExpertRun = run_for(None, ExpertGrid(), None)):
         _, random_shape, mean_isf, mean_random, _ = shapes_at(cfg[0])
         return screen_config(spec, dev, budget, config.attention, cfg, k, config.global_batch_size, caps,
                              random_shape, mean_isf, mean_random, baseline_needed, cache, config.trainable, cp, vpps,
-                             segments)
+                             segments, experts)
 
-    tried = [screen(c, shapes_at(c[0])[0], config.require_baseline_fit, cache) for c in configs]
+    tried = []
+    for c in configs:  # every (TP, PP, DP) at every expert grid megatron-core allows there (dense: one)
+        grids, why = expert_grids(moe, c[0], cp, c[2], config.ep, config.etp)
+        skipped += [{"tp": c[0], "pp": c[1], "dp": c[2], "reason": w} for w in why]
+        tried += [screen(c, shapes_at(c[0])[0], config.require_baseline_fit, cache,
+                         run_for(moe, g, config.moe_imbalance)) for g in grids]
+    if not tried:
+        raise refusal(spec, gpus, gpu_memory, budget, [], skipped, config.require_baseline_fit)
     usable = [r for r in tried if r["fits"] and "estimated_seconds_per_sample" in r]
     if not usable:
         raise refusal(spec, gpus, gpu_memory, budget, tried, skipped, config.require_baseline_fit)
     speed_key = ("estimated_seconds_per_sample" if config.choose_for == "omnibal"
                  else "baseline_estimated_seconds_per_sample")
-    chosen = min(usable, key=lambda r: (r[speed_key], r["tp"], r["pp"]))
+    chosen = min(usable, key=lambda r: (r[speed_key], r["tp"], r["pp"], r.get("ep", 1), r.get("etp", 1)))
     t, p, d = chosen["tp"], chosen["pp"], chosen["dp"]
+    run = run_for(moe, ExpertGrid(chosen.get("ep", 1), chosen.get("etp", 1)), config.moe_imbalance)
     _, random_shape, _, _, worst = shapes_at(t)
     data = isf_at(t, d)
     cap = cap_shape(data.params, stats, cp, sp_tp(t), segments)
     m = num_microbatches(config.global_batch_size, d, k)
     ctx = build_context(spec, dev, t, p, d, m, budget, config.attention, cap, random_shape, config.trainable, cp,
-                        segments)
+                        segments, run)
     if memory_need(ctx.need)[0] > budget:  # the final thresholds moved the caps: say so plainly
-        raise refusal(spec, gpus, gpu_memory, budget, [screen((t, p, d), cap, False)], skipped, False)
+        raise refusal(spec, gpus, gpu_memory, budget, [screen((t, p, d), cap, False, None, run)], skipped, False)
     return _Chosen(ctx, data, cap, worst, tried, skipped, len(usable))
 
 
@@ -196,6 +207,7 @@ def make_plan(stats: SampleStats, config: PlanConfig) -> Plan:
     flags = plan_trainer_flags(spec.name, t, p, final.layout_flag, final.recompute_flag, data.params, k, m * d * k,
                                bf16=ctx.precision == MIXED_BF16_ADAM, freeze_flags=config.freeze.flags(), cp=ctx.cp,
                                vpp=final.vpp, time_device=dev.name)
+    flags.update(moe_trainer_flags(spec.language.moe, ctx.experts.grid))
     shapes = {
         "isf_caps": chosen.cap.to_dict(),
         "isf_mean": shape_dict(loads_i.mean_shape),
@@ -206,6 +218,7 @@ def make_plan(stats: SampleStats, config: PlanConfig) -> Plan:
            "search_seconds": float(data.seconds_search), "samples_per_group": float(data.grouping.sizes.mean())}
     return Plan(
         model=spec.name, device=dev.name, gpus=gpus, tp=t, pp=p, dp=d, cp=ctx.cp,
+        ep=ctx.experts.grid.ep, etp=ctx.experts.grid.etp, moe=spec.language.moe is not None,
         gpu_memory_bytes=float(config.gpu_memory_bytes), budget_bytes=config.budget_bytes, samples=samples,
         samples_per_group=k, global_batch_size=m * d * k, num_microbatches=m, attention=config.attention, isf=isf,
         random=dict(random_metrics(stats, config, d, t, sp_tp(t) if ctx.cp > 1 else 1, work)), shapes=shapes,

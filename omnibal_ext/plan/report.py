@@ -12,7 +12,7 @@ def format_plan(plan: Plan) -> str:
     lines = [
         f"{plan.model} on {plan.gpus} x {plan.device} ({plan.gpu_memory_bytes / GIB:.0f} GiB, budget "
         f"{g(plan.budget_bytes):.1f} GiB/GPU): TP={plan.tp} PP={plan.pp} "
-        f"{f'CP={plan.cp} ' if plan.cp > 1 else ''}DP={plan.dp}"
+        f"{f'CP={plan.cp} ' if plan.cp > 1 else ''}{f'EP={plan.ep} ETP={plan.etp} ' if plan.moe else ''}DP={plan.dp}"
         f"{f' V={plan.vpp} (interleaved)' if plan.vpp > 1 else ''}, "
         f"{plan.num_microbatches} micro-batches x {plan.samples_per_group} samples, global batch "
         f"{plan.global_batch_size}, {plan.samples} samples per epoch",

@@ -89,6 +89,9 @@ class Plan:
     timelines: dict = field(default_factory=dict, compare=False, repr=False)  # setting -> SimResult
     stage_time_bars: dict = field(default_factory=dict, compare=False, repr=False)  # setting -> stage times
     cp: int = 1  # context-parallel size: stage times and memory are one CP rank's
+    ep: int = 1  # expert-parallel size (MoE models)
+    etp: int = 1  # expert tensor-parallel size (MoE models)
+    moe: bool = False  # the model has MoE layers (the report and the JSON say EP and ETP)
 
     def row(self, setting: str) -> SettingPrediction:
         for r in self.rows:
@@ -116,7 +119,8 @@ class Plan:
     def to_dict(self) -> dict:
         return {
             "model": self.model, "device": self.device, "gpus": self.gpus, "tp": self.tp, "pp": self.pp,
-            "dp": self.dp, "cp": self.cp, "gpu_memory_bytes": self.gpu_memory_bytes, "budget_bytes": self.budget_bytes,
+            "dp": self.dp, "cp": self.cp, **({"ep": self.ep, "etp": self.etp} if self.moe else {}),
+            "gpu_memory_bytes": self.gpu_memory_bytes, "budget_bytes": self.budget_bytes,
             "samples": self.samples, "samples_per_group": self.samples_per_group,
             "global_batch_size": self.global_batch_size, "num_microbatches": self.num_microbatches,
             "attention": self.attention,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import shlex
 
+from ..model.moe import ExpertGrid, MoESpec
 from ..model.units import ModelSpec
 
 
@@ -70,6 +71,30 @@ def plan_trainer_flags(model: str, tp: int, pp: int, layout_flag: str, recompute
         # the memory plan assumes both: optimizer state sharded over DP, and bf16 on a GPU
         "--use-distributed-optimizer": True,
         "--bf16": bf16,
+    }
+
+
+def moe_trainer_flags(moe: MoESpec | None, grid: ExpertGrid) -> dict:
+    """The trainer flags of an MoE model (Megatron's names; {} for a dense model): the expert-parallel sizes of the
+    plan and the model's experts as ``LanguageSpec.moe`` describes them (``--moe-layer-freq`` in its list form;
+    ``--moe-router-pre-softmax`` for a softmax router whose top-k probabilities are not renormalised, Qwen3-MoE's
+    ``norm_topk_prob`` False)."""
+    if moe is None:
+        return {}
+    return {
+        "--expert-model-parallel-size": grid.ep,
+        "--expert-tensor-parallel-size": grid.etp,
+        "--num-experts": moe.num_experts,
+        "--moe-router-topk": moe.topk,
+        "--moe-ffn-hidden-size": moe.ffn_hidden_size,
+        "--moe-layer-freq": "[" + ",".join(str(x) for x in moe.layer_freq) + "]",
+        "--moe-router-score-function": moe.score_function,
+        "--moe-router-pre-softmax": moe.score_function == "softmax" and not moe.norm_topk_prob,
+        "--moe-router-load-balancing-type": moe.load_balancing_type,
+        "--moe-shared-expert-intermediate-size": moe.shared_expert_ffn_hidden_size or None,
+        "--moe-shared-expert-gate": moe.shared_expert_gate,
+        "--moe-expert-capacity-factor": moe.capacity_factor,
+        "--moe-token-dispatcher-type": "alltoall",
     }
 
 

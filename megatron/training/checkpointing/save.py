@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import time
 
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
@@ -112,9 +113,15 @@ def _remove_old(root: str, keep: int | None) -> None:
 def fault_point(where: str, iteration: int) -> None:
     """Test hook: ``OMNIBAL_FAULT=save:N`` (inside the save of iteration N, after the shards are written and
     before the manifest) or ``train:N`` (before iteration N) SIGKILLs rank ``OMNIBAL_FAULT_RANK`` (default 1)
-    of the first attempt of a torchrun job."""
+    of the first attempt of a torchrun job; with ``OMNIBAL_FAULT_STALL=S`` that rank sleeps S seconds there
+    instead (a rank that never joins the next collective)."""
     fault = os.environ.get("OMNIBAL_FAULT")
     if not fault or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
     if fault == f"{where}:{iteration}" and dist.get_rank() == int(os.environ.get("OMNIBAL_FAULT_RANK", "1")):
+        stall = os.environ.get("OMNIBAL_FAULT_STALL")
+        if stall:
+            print(f"> fault: rank {dist.get_rank()} stalls {stall} s at {where}:{iteration}", flush=True)
+            time.sleep(float(stall))
+            return
         os.kill(os.getpid(), signal.SIGKILL)

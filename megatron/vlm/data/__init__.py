@@ -1,9 +1,11 @@
-"""Data pipeline of the VLM trainer: tokenizer, chat template, dynamic tiling, InternVL-format reader,
-the built-in digits dataset, micro-batch collation and per-sample statistics (torch/PIL/numpy only)."""
+"""Data pipeline of the VLM trainer: tokenizer, chat template, the record reader and its image rules (dynamic
+tiling among them), the built-in digits dataset, micro-batch collation and per-sample statistics
+(torch/PIL/numpy only)."""
 from .collate import BATCH_KEYS, HOST_KEYS, check_batch, check_image_tokens, collate_packed, collate_padded, packing
 from .digits import build_digits_dataset, digits_meta_paths
-from .internvl import (DataValidationError, InternVLDataset, ReaderConfig, ScanResult, SourceSpec, read_meta,
-                       scan_annotations)
+from .images import ImageRule, TileImages
+from .records import (DataValidationError, ReaderConfig, RecordDataset, ScanResult, SourceSpec, read_meta,
+                      scan_annotations)
 from .stats import stats_records, write_stats
 from .template import (IGNORE_INDEX, ChatPlan, ConversationError, parse_conversations, plan_conversation,
                        render_conversation)
@@ -14,7 +16,8 @@ from .tokenizer import SPECIAL_TOKENS, ByteTokenizer, HFTokenizer, build_tokeniz
 __all__ = [
     "BATCH_KEYS", "HOST_KEYS", "check_batch", "check_image_tokens", "collate_packed", "collate_padded", "packing",
     "build_digits_dataset", "digits_meta_paths",
-    "DataValidationError", "InternVLDataset", "ReaderConfig", "ScanResult", "SourceSpec", "read_meta",
+    "ImageRule", "TileImages",
+    "DataValidationError", "RecordDataset", "ReaderConfig", "ScanResult", "SourceSpec", "read_meta",
     "scan_annotations",
     "stats_records", "write_stats",
     "IGNORE_INDEX", "ChatPlan", "ConversationError", "parse_conversations", "plan_conversation",

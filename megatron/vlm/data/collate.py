@@ -48,7 +48,7 @@ HOST_KEYS = ("cu_seqlens", "max_seqlen", "sample_tiles")
 
 def on_host(key: str) -> bool:
     """Whether a micro-batch field stays on the host: ``HOST_KEYS`` and every family's packed-sequence boundaries
-    (fields named ``*seqlens``, e.g. Qwen2.5-VL's ``vision_cu_window_seqlens``), which ``segment_params`` reads."""
+    (fields named ``*seqlens``, e.g. a windowed ViT's ``vision_cu_window_seqlens``), which ``segment_params`` reads."""
     return key in HOST_KEYS or key.endswith("seqlens")
 
 

@@ -1,4 +1,4 @@
-"""The built-in default dataset: scikit-learn's 8x8 digits written out in InternVL format.
+"""The built-in default dataset: scikit-learn's 8x8 digits written out as a meta JSON with ``conversations`` records.
 
 ``build_digits_dataset(out_dir)`` writes (paths in the metas are relative to ``out_dir``)::
 

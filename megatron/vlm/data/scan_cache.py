@@ -16,9 +16,9 @@ import os
 
 import numpy as np
 
-FORMAT = 1
-_ARRAYS = ("rec_source", "rec_offset", "rec_line", "img_ptr", "img_width", "img_height", "img_tiles", "rec_tokens",
-           "rec_images_kept", "rec_real_tiles", "rec_tiles", "order")
+FORMAT = 2  # 2: the reader configuration holds the image rule; items, not tiles
+_ARRAYS = ("rec_source", "rec_offset", "rec_line", "img_ptr", "img_width", "img_height", "img_items", "rec_tokens",
+           "rec_images_kept", "rec_real_items", "rec_items", "order")
 
 
 def scan_key(meta_path: str, sources, config, tokenizer) -> str:
@@ -29,13 +29,16 @@ def scan_key(meta_path: str, sources, config, tokenizer) -> str:
 
     tok_dir = getattr(tokenizer, "path", None)
     tok_files = sorted(stat(os.path.join(tok_dir, f)) for f in os.listdir(tok_dir)) if tok_dir else []
+    rule = config.images  # the family's image rule: its type and settings (a dataclass's fields, else its repr)
     with open(meta_path, "rb") as f:
         meta_digest = hashlib.sha256(f.read()).hexdigest()
     described = {
         "format": FORMAT,
         "meta": meta_digest,
         "annotations": [stat(src.annotation) for src in sources],
-        "config": {k: v for k, v in dataclasses.asdict(config).items() if v or k not in ("skip_bad", "images")},
+        "config": {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+                   if f.name != "images" and (getattr(config, f.name) or f.name != "skip_bad")},
+        "images": [type(rule).__qualname__, dataclasses.asdict(rule) if dataclasses.is_dataclass(rule) else repr(rule)],
         "tokenizer": [repr(tokenizer), tokenizer.vocab_size, getattr(tokenizer, "chat_template", None), tok_files],
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:32]

@@ -1,17 +1,17 @@
 """A model family's data side (``RuntimeFamily.data``): how its records become samples and micro-batches.
 
-Every family reads the same formats (``internvl.py``: meta JSON or an annotation JSONL, InternVL
-``conversations`` and ``messages`` records); what differs is
+Every family reads the same formats (``records.py``: meta JSON or an annotation JSONL, ``conversations`` and
+``messages`` records); what differs is
 
 * ``image_tokens``: the strings of its image start, end and context (placeholder) tokens, which the tokenizer
   must know (``megatron.vlm.data.tokenizer.build_tokenizer``);
-* ``reader(args, spec, hf_folder)``: the reader settings (``InternVLDataset`` keywords: tile sizes, or the
-  family's ``ImageRule`` in ``images``);
+* ``image_rule(args, spec, hf_folder)``: its ``ImageRule`` (``images.py``), how the reader turns an image into
+  ViT items and LLM image tokens; the rule's ``tokens_per_item`` serves the loader's image-token check (None:
+  the batcher checks itself);
 * ``batcher(spec, image_token_id, rule)``: the picklable maker of micro-batches, a ``Batcher`` (its ``make``
   collates the samples with the family's extra fields, ``rule`` being the reader's ``ImageRule``; its ``keys``
   says which fields a stage reading ``StageInputs`` gets; its ``split_cp`` keeps a context-parallel rank's part,
-  ``cp_keys`` the fields that split adds), and ``tile_check(spec)``: the tokens per ViT item for the loader's
-  image-token check (None: the batcher checks itself);
+  ``cp_keys`` the fields that split adds);
 * ``default_image_px(spec)``: the image side of the built-in digits data for this model;
 * ``profile_batch(spec, shape, image_token_id, device, pad_to_multiple)``: the micro-batch the trainer's profiler
   (``megatron/training/profiling.py``) runs at a ``MicroBatchShape``, made by its ``Batcher`` (None: the
@@ -20,7 +20,7 @@ Every family reads the same formats (``internvl.py``: meta JSON or an annotation
   (``omnibal_ext.model.spec.SideTensor``) on this rank for ``batch``, from host-held fields only (``megatron/vlm/
   side.py``): the merged tokens of the vision items this CP rank's ViT runs.
 
-``TILED`` is InternVL's (dynamic tiles, ``collate.py``'s fields); it is ``RuntimeFamily``'s default.
+``TILED`` (dynamic tiles, ``collate.py``'s fields) is ``RuntimeFamily``'s default.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from typing import Callable
 from megatron.vlm.context_parallel import split_batch, tile_ranges
 
 from .collate import collate_packed, collate_padded
+from .images import TileImages
 from .tokenizer import IMG_CONTEXT, IMG_END, IMG_START
 
 
@@ -56,9 +57,10 @@ class Batcher:
         return ("num_tiles",) + (("image_feature_index",) if inputs.tokens else ())
 
 
-def tiled_reader(args, spec, hf_folder: str | None) -> dict:
-    return dict(image_size=spec.vision.image_size, tokens_per_tile=spec.tokens_per_tile,
-                max_num_tiles=args.max_num_tiles, min_num_tiles=args.min_num_tiles)
+def tiled_images(args, spec, hf_folder: str | None) -> TileImages:
+    """Dynamic tiles of the ViT's image size, ``spec.tokens_per_tile`` tokens each, --min/--max-num-tiles per image."""
+    return TileImages(image_size=spec.vision.image_size, tokens_per_tile=spec.tokens_per_tile,
+                      max_num_tiles=args.max_num_tiles, min_num_tiles=args.min_num_tiles)
 
 
 def tiled_side_rows(spec, batch: dict, cp: int, cp_rank: int) -> int:
@@ -76,9 +78,8 @@ class DataSide:
     """See the module docstring."""
 
     image_tokens: tuple[str, str, str] = (IMG_START, IMG_END, IMG_CONTEXT)
-    reader: Callable = tiled_reader
+    image_rule: Callable = tiled_images
     batcher: Callable = lambda spec, image_token_id, rule: Batcher()  # noqa: E731
-    tile_check: Callable = lambda spec: spec.tokens_per_tile  # noqa: E731
     default_image_px: Callable = lambda spec: spec.vision.image_size  # noqa: E731
     profile_batch: Callable | None = None
     side_rows: Callable = tiled_side_rows

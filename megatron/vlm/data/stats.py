@@ -2,8 +2,8 @@
 
 Output: a JSON list, one entry per dataset sample in dataset order (``repeat_time`` applied)::
 
-    {"vit_num": tiles fed to the ViT (1 dummy tile for text-only), "token_num": tokens,
-     "image_flags": tiles of real images}
+    {"vit_num": ViT items fed (the rule's dummy items for text-only), "token_num": tokens,
+     "image_flags": ViT items of real images}
 
 ``image_stats_records`` adds each image (``omnibal isf stats --write``): ``"images": [{"width": px, "height": px,
 UNIT: ViT items}, ...]`` with UNIT the family's (``ImageRule.unit``: "tiles", "patches").
@@ -13,14 +13,15 @@ from __future__ import annotations
 import json
 import os
 
-from .internvl import ReaderConfig, scan_annotations
+from .images import ImageRule
+from .records import ReaderConfig, scan_annotations
 
 
 def stats_records(scan) -> list[dict]:
     """The stats entries of a ``ScanResult``, in dataset order."""
     order = scan.order
-    tiles, tokens, real = scan.rec_tiles[order], scan.rec_tokens[order], scan.rec_real_tiles[order]
-    return [{"vit_num": int(v), "token_num": int(t), "image_flags": int(f)} for v, t, f in zip(tiles, tokens, real)]
+    items, tokens, real = scan.rec_items[order], scan.rec_tokens[order], scan.rec_real_items[order]
+    return [{"vit_num": int(v), "token_num": int(t), "image_flags": int(f)} for v, t, f in zip(items, tokens, real)]
 
 
 def image_stats_records(scan, unit: str) -> list[dict]:
@@ -29,9 +30,9 @@ def image_stats_records(scan, unit: str) -> list[dict]:
     out = []
     for r in scan.order:
         lo = int(scan.img_ptr[r])
-        images = [{"width": int(scan.img_width[i]), "height": int(scan.img_height[i]), unit: int(scan.img_tiles[i])}
+        images = [{"width": int(scan.img_width[i]), "height": int(scan.img_height[i]), unit: int(scan.img_items[i])}
                   for i in range(lo, lo + int(scan.rec_images_kept[r]))]
-        out.append({"vit_num": int(scan.rec_tiles[r]), "token_num": int(scan.rec_tokens[r]), "images": images})
+        out.append({"vit_num": int(scan.rec_items[r]), "token_num": int(scan.rec_tokens[r]), "images": images})
     return out
 
 
@@ -45,17 +46,14 @@ def write_json(records: list, out_path: str) -> None:
     os.replace(tmp, out_path)
 
 
-def write_stats(meta_path: str, out_path: str, tokenizer, image_size: int, tokens_per_tile: int,
-                max_num_tiles: int, use_thumbnail: bool = True, *, max_seq_length: int | None = None,
-                truncate: bool = False, system: str | None = None, progress: bool = True,
-                min_num_tiles: int = 1) -> int:
-    """Scan ``meta_path`` (validating it) and write its stats JSON to ``out_path``; returns the sample count.
+def write_stats(meta_path: str, out_path: str, tokenizer, images: ImageRule, *, max_seq_length: int | None = None,
+                truncate: bool = False, system: str | None = None, progress: bool = True) -> int:
+    """Scan ``meta_path`` (validating it) with the image rule ``images`` and write its stats JSON to ``out_path``;
+    returns the sample count.
 
     The reader options must match the training run's for the numbers to match its samples.
     """
-    config = ReaderConfig(image_size=image_size, tokens_per_tile=tokens_per_tile, max_num_tiles=max_num_tiles,
-                          min_num_tiles=min_num_tiles, max_seq_length=max_seq_length, use_thumbnail=use_thumbnail, truncate=truncate,
-                          system=system)
+    config = ReaderConfig(images=images, max_seq_length=max_seq_length, truncate=truncate, system=system)
     scan = scan_annotations(meta_path, tokenizer, config, progress=progress)
     records = stats_records(scan)
     write_json(records, out_path)

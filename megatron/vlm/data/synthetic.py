@@ -1,4 +1,4 @@
-"""A synthetic InternVL-format dataset whose per-sample load follows real OmniBal stats files.
+"""A synthetic dataset (meta JSON, ``conversations`` records) whose per-sample load follows real OmniBal stats files.
 
 The OmniBal stats files (``data/omnibal_stats/*.json.gz``) give, per real sample, the ViT
 tiles ``vit_num`` and the LLM length ``token_num`` (image tokens included, ``tokens_per_tile_real`` =
@@ -6,7 +6,7 @@ tiles ``vit_num`` and the LLM length ``token_num`` (image tokens included, ``tok
 the trainer reads like any other, in which sample ``i`` built from record ``(k, n)`` has
 
 * exactly ``k`` ViT tiles: ``k`` square single-tile images of ``tile_size`` px (a square image of
-  one tile side is a 1x1 grid under InternVL's tiling rule, whatever ``--max-num-tiles`` and the
+  one tile side is a 1x1 grid under dynamic tiling, whatever ``--max-num-tiles`` and the
   multi-image tile split are, and gets no thumbnail); ``k == 0`` gives a text-only sample (the
   reader then feeds one dummy tile);
 * exactly ``intended_tokens(k, n) = k * tokens_per_tile_model + text(k, n)`` LLM tokens with the

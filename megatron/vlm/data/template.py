@@ -1,4 +1,4 @@
-"""The InternLM2 chat template InternVL trains with, rendered to token ids and loss labels.
+"""The built-in chat template (InternLM2's ChatML layout), rendered to token ids and loss labels.
 
 Layout of one sample (``<s>`` only when the tokenizer has a BOS id, system block only when given)::
 
@@ -46,7 +46,7 @@ class Turn:
 
 
 def parse_conversations(conversations) -> list[Turn]:
-    """Validate InternVL ``conversations`` and map roles: optional leading system, then (user, assistant)+."""
+    """Validate ``conversations`` records and map roles: optional leading system, then (user, assistant)+."""
     if not isinstance(conversations, list) or not conversations:
         raise ConversationError("'conversations' must be a non-empty list")
     turns: list[Turn] = []
@@ -89,7 +89,7 @@ def count_placeholders(turns: list[Turn]) -> int:
 
 
 def add_missing_placeholder(turns: list[Turn], num_images: int) -> list[Turn]:
-    """InternVL's rule: one image and no ``<image>`` anywhere -> prepend ``"<image>\\n"`` to the first user turn."""
+    """``conversations``: one image, no ``<image>`` anywhere -> prepend ``"<image>\\n"`` to the first user turn."""
     if num_images != 1 or count_placeholders(turns) != 0:
         return turns
     out = list(turns)

@@ -1,10 +1,10 @@
-"""InternVL dynamic tiling: cut an image into a grid of square tiles (+ a thumbnail) of side ``size`` px.
+"""Dynamic tiling: cut an image into a grid of square tiles (+ a thumbnail) of side ``size`` px.
 
 Grid choice for an image of ``w x h`` px: among all grids ``(cols, rows)`` with ``min_num <= cols*rows <=
 max_num``, visited in order of increasing area (ties of area by increasing ``cols``), keep the one whose
 aspect ratio ``cols/rows`` is closest to ``w/h``; on an exact tie a later (larger) grid replaces the kept
 one when the image area ``w*h`` exceeds half of that grid's pixel area ``0.5 * size^2 * cols*rows``
-(InternVL's rule).  The image is resized to ``(cols*size, rows*size)`` and cut row-major into
+(the published rule).  The image is resized to ``(cols*size, rows*size)`` and cut row-major into
 ``cols*rows`` tiles; when that is more than one tile and ``use_thumbnail``, the whole image resized to
 ``size x size`` is appended as a last tile.
 """
@@ -72,7 +72,7 @@ def dynamic_tiles(image: Image.Image, size: int, min_num: int = 1, max_num: int 
 @lru_cache(maxsize=8)
 def _normalise_table(mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
     """Float32 ``[3, 256]``: the normalised value of every 8-bit level of every channel, computed in the
-    order InternVL's processors use (``v * (1/255)`` in float64 rounded to float32, then ``(x - mean) / std``
+    order the published processors use (``v * (1/255)`` in float64 rounded to float32, then ``(x - mean) / std``
     in float32), so a table look-up gives the same bits as rescaling and normalising each pixel."""
     levels = (np.arange(256, dtype=np.float64) * (1.0 / 255.0)).astype(np.float32)
     m, s = np.asarray(mean, np.float32), np.asarray(std, np.float32)

@@ -1,4 +1,5 @@
-"""Offline conversion between an HF InternVL folder and a trainer checkpoint (``omnibal hf import|export``).
+"""Offline conversion between an HF folder (any family with an HF side) and a trainer
+checkpoint (``omnibal hf import|export``).
 
 import: config.json -> ModelSpec; every HF tensor -> our unit-keyed global tensor (fp32, vocabulary padded)
         -> a weights-only checkpoint at iteration 0 (``SAVE/iter_0000000`` + tracker + manifest) whose common

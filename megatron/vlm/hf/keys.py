@@ -1,7 +1,7 @@
 """The tensor mapping between an HF checkpoint and our unit-keyed GLOBAL tensors.
 
-Each unit's runtime component adds its tensors (``hf_recipes``; InternVL's own units:
-megatron/vlm/families/internvl/hf.py, with the family's HF names; the GPT decoder's: ``add_llm_layer``,
+Each unit's runtime component adds its tensors (``hf_recipes``; a family's own units:
+its folder's hf.py, with the family's HF names; the GPT decoder's: ``add_llm_layer``,
 ``vocab_recipe`` in recipes.py).  Our global tensors are what ``VLMStage.sharded_state_dict()`` declares at any TP size (megatron/vlm/sharding.py):
 
 * ViT attention per real head: ``linear_qkv.weight [R, 3d, H]`` (head h: its q rows, k rows, v rows),
@@ -48,7 +48,7 @@ def recipes(spec: ModelSpec, info: HFInfo, style: str = "legacy", units=None) ->
 # Import / export of whole tensors
 # ---------------------------------------------------------------------------------------------------
 def skipped_names(info: HFInfo, spec: ModelSpec, names: set[str], style: str) -> set[str]:
-    """HF tensors the family leaves out on purpose (InternVL: ViT layers after ``vision_feature_layer``)."""
+    """HF tensors the family leaves out on purpose (ViT layers after a feature layer, say)."""
     return hf_side(spec).skipped_names(info, spec, names, style)
 
 

@@ -1,4 +1,4 @@
-"""Load an HF InternVL folder straight into this rank's pipeline stage: only the stage's units, and of each
+"""Load an HF folder straight into this rank's pipeline stage: only the stage's units, and of each
 tensor only this TP rank's slice (``safetensors`` slices: never the whole model, nor a whole tensor that is
 split over TP).
 

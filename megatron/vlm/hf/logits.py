@@ -1,9 +1,9 @@
 """Logits of our model on an HF folder (the check against transformers: scripts/hf_logits.py).
 
 Inputs are transformers' own, turned into a micro-batch by the model family (``HFSide.logits_batch``):
-InternVL ``input_ids [1, s]`` already holding ``image_seq_length`` image-token ids per tile, ``pixel_values
-[tiles, 3, H, W]``; Qwen2.5-VL ``input_ids``, ``pixel_values [patches, 3*2*14*14]``, ``image_grid_thw [n, 3]``,
-``mm_token_type_ids [1, s]`` (Qwen3-VL: the same). Output: float32 logits ``[s, real vocab]``.
+``input_ids [1, s]`` with the image tokens already expanded, ``pixel_values`` (tiles ``[tiles, 3, H, W]`` or
+patch rows ``[patches, C*T*P*P]``) and the family's own fields (``image_grid_thw [n, 3]``, ``mm_token_type_ids
+[1, s]``, ...). Output: float32 logits ``[s, real vocab]``.
 """
 from __future__ import annotations
 

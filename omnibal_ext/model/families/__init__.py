@@ -63,7 +63,8 @@ class Family:
     DeepStack features), () for most families; only those whose producer and consumers ``spec`` has (the trainer's
     profiler runs a model of few layers: ``megatron.training.profiling.profile_units``). capabilities: what it
     implements beyond the plain model (``Capabilities``: drop path, CP, SP, LoRA targets, image flags, video, MoE),
-    checked when flags are parsed."""
+    checked when flags are parsed. default_preset: the name of the preset a run without ``--model`` trains
+    (``default_model``); the registered families give one name between them."""
 
     name: str
     vision_spec: type
@@ -75,6 +76,7 @@ class Family:
     spec_problem: Callable[[ModelSpec], str | None] = lambda spec: None  # noqa: E731
     side_tensors: Callable[[ModelSpec], tuple[SideTensor, ...]] = lambda spec: ()  # noqa: E731
     capabilities: Capabilities = Capabilities()
+    default_preset: str | None = None
 
 
 FAMILIES: dict[str, Family] = {}  # name -> Family; filled by ``register`` only
@@ -98,6 +100,16 @@ def family_of(spec: ModelSpec) -> Family:
         return FAMILIES[spec.family]
     except KeyError:
         raise UserError(f"model {spec.name!r}: unknown family {spec.family!r}; known: {', '.join(FAMILIES)}") from None
+
+
+def default_model() -> str:
+    """The preset a run without ``--model`` trains: the ``default_preset`` the registered families give (one name;
+    a family copied from another gives the same)."""
+    named = {f.default_preset for f in FAMILIES.values() if f.default_preset}
+    if len(named) != 1:
+        raise UserError(f"no default model preset: the registered families give {sorted(named) or 'none'}; "
+                        "pass --model")
+    return named.pop()
 
 
 class Presets(Mapping):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from ...errors import UserError
 from ..components import (FUSED_KERNELS, ActBytes, CostComponent, HeadCost, TextEmbedCost, TextLayerCost,
                           layer_act_bytes_per_token, norm_bytes_per_token, sp_tokens)
+from ..moe_cost import llm_layer_units
 from ..spec import PROJECTOR, VISION_EMBED, VISION_LAYER, LanguageSpec, ModelSpec
 from ..spec import vit_layers_for_feature_layer  # noqa: F401  (its HF reader's)
 from ..lora import TARGETS as LORA_TARGETS
@@ -172,7 +173,7 @@ def unit_list(spec: ModelSpec):
     units = [("vit.embed", VisionEmbedCost, None)]
     units += [(f"vit.layer.{i}", VisionLayerCost, i) for i in range(spec.vision.num_layers)]
     units += [("projector", ProjectorCost, None), ("llm.embed", TextEmbedCost, None)]
-    units += [(f"llm.layer.{i}", TextLayerCost, i) for i in range(spec.language.num_layers)]
+    units += llm_layer_units(spec)  # MoE layers (LanguageSpec.moe) at their own kind
     return units + [("llm.head", HeadCost, None)]
 
 
@@ -190,9 +191,11 @@ INTERNVIT_6B = VisionSpec(
     layer_scale_init=0.1,
 )
 
+NAME = "internvl"
+
 PRESETS: dict[str, ModelSpec] = {
     "tiny": ModelSpec(
-        name="tiny",
+        family=NAME, name="tiny",
         vision=VisionSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
                           image_size=32, patch_size=8),
         language=LanguageSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=192,
@@ -203,13 +206,13 @@ PRESETS: dict[str, ModelSpec] = {
         init_method_std=0.06,
     ),
     "internvl-6b-20b": ModelSpec(
-        name="internvl-6b-20b",
+        family=NAME, name="internvl-6b-20b",
         vision=INTERNVIT_6B,
         language=LanguageSpec(num_layers=48, hidden_size=6144, num_attention_heads=48, ffn_hidden_size=16384,
                               num_query_groups=8, vocab_size=92544, rotary_base=1000000),
     ),
     "internvl-6b-34b": ModelSpec(
-        name="internvl-6b-34b",
+        family=NAME, name="internvl-6b-34b",
         vision=INTERNVIT_6B,
         language=LanguageSpec(num_layers=60, hidden_size=7168, num_attention_heads=56, ffn_hidden_size=20480,
                               num_query_groups=8, vocab_size=64000, rotary_base=5000000),
@@ -240,19 +243,19 @@ QWEN2_5 = dict(vocab_size=QWEN2_5_VOCAB_INTERNVL, real_vocab_size=151674, rotary
 
 PRESETS.update({
     "internvl3-1b": ModelSpec(  # Qwen2.5-0.5B
-        name="internvl3-1b",
+        family=NAME, name="internvl3-1b",
         vision=INTERNVIT_300M,
         language=LanguageSpec(num_layers=24, hidden_size=896, num_attention_heads=14, ffn_hidden_size=4864,
                               num_query_groups=2, **QWEN2_5),
     ),
     "internvl3-2b": ModelSpec(  # Qwen2.5-1.5B
-        name="internvl3-2b",
+        family=NAME, name="internvl3-2b",
         vision=INTERNVIT_300M,
         language=LanguageSpec(num_layers=28, hidden_size=1536, num_attention_heads=12, ffn_hidden_size=8960,
                               num_query_groups=2, **QWEN2_5),
     ),
     "internvl3-8b": ModelSpec(  # Qwen2.5-7B
-        name="internvl3-8b",
+        family=NAME, name="internvl3-8b",
         vision=INTERNVIT_300M,
         language=LanguageSpec(num_layers=28, hidden_size=3584, num_attention_heads=28, ffn_hidden_size=18944,
                               num_query_groups=4, **QWEN2_5),
@@ -273,7 +276,7 @@ QWEN3 = dict(vocab_size=151936, rotary_base=1000000, norm_eps=1e-6, head_dim=128
 
 def _internvl3_5(name: str, vision: VisionSpec, layers: int, hidden: int, heads: int, groups: int, ffn: int
                  ) -> ModelSpec:
-    return ModelSpec(name=name, vision=vision, language=LanguageSpec(
+    return ModelSpec(family=NAME, name=name, vision=vision, language=LanguageSpec(
         num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
         ffn_hidden_size=ffn, **QWEN3))
 
@@ -300,8 +303,8 @@ def spec_problem(spec: ModelSpec) -> str | None:
 
 
 INTERNVL = register(Family(
-    name="internvl", vision_spec=VisionSpec,
+    name=NAME, default_preset="tiny", vision_spec=VisionSpec,
     components=(VisionEmbedCost, VisionLayerCost, ProjectorCost, TextEmbedCost, TextLayerCost, HeadCost),
     unit_list=unit_list, vision_item="tile", presets=PRESETS, spec_problem=spec_problem,
-    capabilities=Capabilities(drop_path=True, context_parallel=True, sequence_parallel=True,
+    capabilities=Capabilities(drop_path=True, context_parallel=True, sequence_parallel=True, moe=True,
                               lora_targets=LORA_TARGETS, image_flags=("--max-num-tiles", "--min-num-tiles"))))

@@ -32,6 +32,7 @@ import numpy as np
 from ...errors import UserError
 from ..components import (FUSED_KERNELS, ActBytes, CostComponent, HeadCost, TextEmbedCost, TextLayerCost,
                           layer_act_bytes_per_token, norm_bytes_per_token, sp_tokens)
+from ..moe_cost import llm_layer_units
 from ..spec import PROJECTOR, VISION_EMBED, VISION_LAYER, LanguageSpec, ModelSpec
 from ..lora import TARGETS as LORA_TARGETS
 from . import Capabilities, Family, register
@@ -247,7 +248,7 @@ def unit_list(spec: ModelSpec):
     units += [(f"vit.layer.{i}", FullLayerCost if v.full_attention(i) else WindowLayerCost, i)
               for i in range(v.num_layers)]
     units += [("projector", MergerCost, None), ("llm.embed", TextEmbedCost, None)]
-    units += [(f"llm.layer.{i}", TextLayerCost, i) for i in range(spec.language.num_layers)]
+    units += llm_layer_units(spec)  # MoE layers (LanguageSpec.moe) at their own kind
     return units + [("llm.head", HeadCost, None)]
 
 

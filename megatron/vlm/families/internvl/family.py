@@ -3,17 +3,16 @@ from __future__ import annotations
 
 from omnibal_ext.model.families.internvl import INTERNVL as PLANNING
 
-from megatron.vlm.components import GPT_DECODER, RuntimeFamily
+from megatron.vlm.components import GPT_DECODER, MoETextLayer, RuntimeFamily
 from megatron.vlm.config import vision_config
 from megatron.vlm.families import register
-from megatron.vlm.hf import config as hf_config
+from megatron.vlm.hf.config import HFSide
 
 from . import hf
 from .components import ProjectorUnit, VisionEmbed, VisionLayer
 
 INTERNVL = register(RuntimeFamily(
-    planning=PLANNING, components=(VisionEmbed, VisionLayer, ProjectorUnit, *GPT_DECODER),
+    planning=PLANNING, components=(VisionEmbed, VisionLayer, ProjectorUnit, *GPT_DECODER, MoETextLayer),
     vision_config=vision_config,
-    hf=hf_config.HFSide(hf_config.internvl_recognizes, hf_config.internvl_spec_from_config,
-                        hf_config.internvl_native_config, names=hf.Names, logits_batch=hf.logits_batch,
-                        structure_twin=hf.structure_twin, skipped_names=hf.skipped_names)))
+    hf=HFSide(hf.recognizes, hf.spec_from_config, hf.native_config, names=hf.Names, logits_batch=hf.logits_batch,
+              structure_twin=hf.structure_twin, skipped_names=hf.skipped_names)))

@@ -1,12 +1,156 @@
-"""InternVL's Hugging Face tensor names (native ``InternVLForConditionalGeneration`` and original OpenGVLab
-``InternVLChatModel`` layouts) and the mapping of its own units (ViT embedding, ViT layers, projector) to
-our global tensors; the GPT decoder's units map through ``megatron.vlm.hf.recipes``.  The config reader is
-``megatron.vlm.hf.config``.
+"""InternVL's Hugging Face side: ``config.json`` -> ModelSpec (+ HFInfo) and back, tensor names (native
+``InternVLForConditionalGeneration`` and original OpenGVLab ``InternVLChatModel`` layouts) and the mapping of its
+own units (ViT embedding, ViT layers, projector) to our global tensors; the GPT decoder's units map through
+``megatron.vlm.hf.recipes``, its config through ``megatron.vlm.hf.text_configs``.
+
+Two config layouts are read:
+
+* native (``InternVLForConditionalGeneration``, ``model_type`` "internvl"): ``vision_config`` (InternViT),
+  ``text_config`` (Qwen2, Qwen3 or Llama), ``downsample_ratio``, ``image_token_id``, ``vision_feature_layer``,
+  ``vision_feature_select_strategy``, ``projector_hidden_act``, top-level ``tie_word_embeddings`` (what
+  transformers ties by; default true);
+* original OpenGVLab (``InternVLChatModel``): ``vision_config`` (InternVisionConfig: ``qkv_bias``,
+  ``qk_normalization``, ``norm_type``, ``initializer_factor`` = layer-scale start), ``llm_config``
+  (InternLM2, Qwen2 or Qwen3: InternVL3.5), ``select_layer``, ``ps_version``.
+
+Everything the model here does not implement is refused with a UserError naming the config key.
 """
 from __future__ import annotations
 
-from megatron.vlm.hf.config import HFInfo
+import json
+
+from omnibal_ext.errors import UserError
+from omnibal_ext.model.families.internvl import NAME, VisionSpec, vit_layers_for_feature_layer
+from omnibal_ext.model.spec import ModelSpec
+
+from megatron.vlm.hf.config import HFConfigError, HFInfo, refuse, require, square
 from megatron.vlm.hf.recipes import Part, Recipe, whole
+from megatron.vlm.hf.text_configs import READERS, embed_name, layer_names, text_config, text_family, with_tie
+
+
+def recognizes(cfg: dict) -> bool:
+    """InternVL: the native model_type, the original layout's ``llm_config``, or a config naming no model_type."""
+    return cfg.get("model_type") in (None, "internvl", "internvl_chat") or "llm_config" in cfg
+
+
+def spec_from_config(cfg: dict, name: str = "hf", where: str = "config.json") -> tuple[ModelSpec, HFInfo]:
+    """The ModelSpec and HFInfo of an InternVL ``config.json`` (either layout)."""
+    if "llm_config" in cfg:
+        return _original(cfg, name, where)
+    if "text_config" in cfg and "vision_config" in cfg:
+        return _native(cfg, name, where)
+    raise HFConfigError(f"{where}: not an InternVL config (neither vision_config + text_config, the "
+                        "InternVLForConditionalGeneration layout, nor vision_config + llm_config, the original "
+                        "InternVLChatModel layout)")
+
+
+def _native(cfg: dict, name: str, where: str) -> tuple[ModelSpec, HFInfo]:
+    v, t = cfg["vision_config"], cfg["text_config"]
+    vw, tw = f"{where}: vision_config", f"{where}: text_config"
+    family = text_family(t.get("model_type"), f"{tw}.model_type", ("qwen2", "qwen3", "llama"))
+    refuse(v, "use_mean_pooling", vw, lambda x: bool(x), "use_mean_pooling false adds a final ViT LayerNorm")
+    refuse(v, "use_absolute_position_embeddings", vw, lambda x: bool(x), "only absolute position embeddings")
+    refuse(v, "use_mask_token", vw, lambda x: not x, "no mask token")
+    refuse(v, "hidden_act", vw, lambda x: x == "gelu", "only GELU in the ViT MLP")
+    refuse(v, "num_channels", vw, lambda x: int(x) == 3, "RGB tiles only")
+    refuse(cfg, "projector_hidden_act", where, lambda x: x == "gelu", "only a GELU projector")
+    refuse(cfg, "vision_feature_select_strategy", where, lambda x: x == "default",
+            "only 'default' (the class token is dropped)")
+    norm = v.get("norm_type", "layer_norm")
+    if norm not in ("layer_norm", "rms_norm"):
+        raise HFConfigError(f"{vw}: norm_type {norm!r} is not implemented (layer_norm or rms_norm)")
+    feature = cfg.get("vision_feature_layer", -1)
+    if not isinstance(feature, int):
+        raise HFConfigError(f"{where}: vision_feature_layer {feature!r}: only one layer (an integer) is implemented")
+    n_vit = int(require(v, "num_hidden_layers", vw))
+    try:
+        built = vit_layers_for_feature_layer(n_vit, feature)
+    except UserError as e:
+        raise HFConfigError(f"{where}: vision_feature_layer: {e}") from None
+    lang = with_tie(READERS[family](t, tw), cfg.get("tie_word_embeddings", True))
+    vision = _vision(v, vw, built, v.get("image_size", 448), norm, qkv_bias=bool(v.get("attention_bias", False)),
+                     qk_norm=bool(v.get("use_qk_norm", False)),
+                     layer_scale_init=float(v.get("layer_scale_init_value", 0.1)))
+    spec = _spec(cfg, name, vision, lang, where)
+    info = HFInfo("native", family, n_vit, cfg.get("image_token_id"), cfg.get("image_seq_length"))
+    return spec, info
+
+
+def _original(cfg: dict, name: str, where: str) -> tuple[ModelSpec, HFInfo]:
+    v, t = cfg["vision_config"], cfg["llm_config"]
+    vw, tw = f"{where}: vision_config", f"{where}: llm_config"
+    family = text_family(t.get("model_type"), f"{tw}.model_type", ("internlm2", "qwen2", "qwen3"))
+    refuse(cfg, "ps_version", where, lambda x: x == "v2", "only pixel shuffle v2")
+    refuse(v, "hidden_act", vw, lambda x: x == "gelu", "only GELU in the ViT MLP")
+    refuse(v, "num_channels", vw, lambda x: int(x) == 3, "RGB tiles only")
+    norm = v.get("norm_type", "rms_norm")
+    if norm not in ("layer_norm", "rms_norm"):
+        raise HFConfigError(f"{vw}: norm_type {norm!r} is not implemented (layer_norm or rms_norm)")
+    feature = cfg.get("select_layer", -1)
+    n_vit = int(require(v, "num_hidden_layers", vw))
+    try:
+        built = vit_layers_for_feature_layer(n_vit, int(feature))
+    except UserError as e:
+        raise HFConfigError(f"{where}: select_layer: {e}") from None
+    image_size = cfg.get("force_image_size") or v.get("image_size", 448)
+    lang = with_tie(READERS[family](t, tw), t.get("tie_word_embeddings", False))
+    vision = _vision(v, vw, built, image_size, norm, qkv_bias=bool(v.get("qkv_bias", False)),
+                     qk_norm=bool(v.get("qk_normalization", False)),
+                     layer_scale_init=float(v.get("initializer_factor", 1.0)))
+    spec = _spec(cfg, name, vision, lang, where)
+    return spec, HFInfo("original", family, n_vit, cfg.get("image_token_id"), None)
+
+
+def _vision(v: dict, vw: str, built: int, image_size, norm: str, **layout_fields) -> VisionSpec:
+    """The InternViT of ``vision_config`` ``v`` (either layout; ``layout_fields``: what the two name apart)."""
+    return VisionSpec(
+        num_layers=built, hidden_size=int(require(v, "hidden_size", vw)),
+        num_attention_heads=int(require(v, "num_attention_heads", vw)),
+        ffn_hidden_size=int(require(v, "intermediate_size", vw)),
+        image_size=square(image_size, "image_size", vw), patch_size=square(v.get("patch_size", 14), "patch_size", vw),
+        normalization="LayerNorm" if norm == "layer_norm" else "RMSNorm",
+        norm_eps=float(v.get("layer_norm_eps", 1e-6)), **layout_fields)
+
+
+def _spec(cfg: dict, name: str, vision: VisionSpec, lang, where: str) -> ModelSpec:
+    spec = ModelSpec(name=name, vision=vision, language=lang, downsample_ratio=float(cfg.get("downsample_ratio", 0.5)),
+                     family=NAME)
+    _check_shuffle(spec, where)
+    return spec
+
+
+def _check_shuffle(spec: ModelSpec, where: str) -> None:
+    r = spec.downsample_ratio
+    if r <= 0 or abs(1 / r - round(1 / r)) > 1e-9:
+        raise HFConfigError(f"{where}: downsample_ratio {r}: only 1/k is implemented")
+    grid = spec.vision.image_size // spec.vision.patch_size
+    if spec.vision.image_size % spec.vision.patch_size or grid % round(1 / r):
+        raise HFConfigError(f"{where}: image_size {spec.vision.image_size} / patch_size {spec.vision.patch_size} "
+                            f"gives a patch grid that downsample_ratio {r} cannot pixel-shuffle")
+
+
+def native_config(spec: ModelSpec, info: HFInfo, source: dict | None) -> dict:
+    """A native ``InternVLForConditionalGeneration`` config.json for ``spec``.
+
+    ``source``: the imported config.json when it was native (kept as it is: every key it had, so that an
+    import -> export round trip writes the same file); otherwise one is written from the spec (InternLM2
+    becomes Llama, as transformers' own conversion does)."""
+    if source is not None and info.layout == "native":
+        return json.loads(json.dumps(source))
+    v, lang = spec.vision, spec.language
+    text = text_config(lang, info.text_family)
+    vision = {"model_type": "internvl_vision", "hidden_size": v.hidden_size, "num_hidden_layers": v.num_layers,
+              "num_attention_heads": v.num_attention_heads, "intermediate_size": v.ffn_hidden_size,
+              "image_size": [v.image_size, v.image_size], "patch_size": [v.patch_size, v.patch_size],
+              "attention_bias": v.qkv_bias, "use_qk_norm": v.qk_norm,
+              "norm_type": "layer_norm" if v.normalization == "LayerNorm" else "rms_norm",
+              "layer_norm_eps": v.norm_eps, "layer_scale_init_value": v.layer_scale_init or 0.0,
+              "use_mean_pooling": True, "use_absolute_position_embeddings": True, "hidden_act": "gelu"}
+    return {"architectures": ["InternVLForConditionalGeneration"], "model_type": "internvl",
+            "vision_config": vision, "text_config": text, "downsample_ratio": spec.downsample_ratio,
+            "image_token_id": info.image_token_id, "image_seq_length": spec.tokens_per_tile,
+            "vision_feature_layer": -1, "vision_feature_select_strategy": "default", "projector_hidden_act": "gelu",
+            "tie_word_embeddings": lang.tie_word_embeddings}
 
 
 class Names:
@@ -56,20 +200,10 @@ class Names:
 
     # LLM -------------------------------------------------------------------------------------------
     def embed(self) -> str:
-        return self.llm + ("tok_embeddings.weight" if self.info.text_family == "internlm2" else "embed_tokens.weight")
+        return embed_name(self.llm, self.info.text_family)
 
     def llm_layer(self, i: int) -> dict[str, str]:
-        p = f"{self.llm}layers.{i}."
-        if self.info.text_family == "internlm2":
-            return {"qkv": p + "attention.wqkv.weight", "o": p + "attention.wo.weight",
-                    "gate": p + "feed_forward.w1.weight", "up": p + "feed_forward.w3.weight",
-                    "down": p + "feed_forward.w2.weight", "norm1": p + "attention_norm.weight",
-                    "norm2": p + "ffn_norm.weight"}
-        return {"q": p + "self_attn.q_proj.", "k": p + "self_attn.k_proj.", "v": p + "self_attn.v_proj.",
-                "q_norm": p + "self_attn.q_norm.weight", "k_norm": p + "self_attn.k_norm.weight",
-                "o": p + "self_attn.o_proj.weight", "gate": p + "mlp.gate_proj.weight", "up": p + "mlp.up_proj.weight",
-                "down": p + "mlp.down_proj.weight", "norm1": p + "input_layernorm.weight",
-                "norm2": p + "post_attention_layernorm.weight"}
+        return layer_names(f"{self.llm}layers.{i}.", self.info.text_family)
 
     def final_norm(self) -> str:
         return self.llm + "norm.weight"

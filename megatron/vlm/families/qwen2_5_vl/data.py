@@ -1,7 +1,7 @@
 """Qwen2.5-VL's data side (``RuntimeFamily.data``): images at native resolution, micro-batches with the ViT's
 window fields and the LLM's 3-D multimodal RoPE ids.
 
-Reading (``megatron/vlm/data/internvl.py`` with ``PatchImages`` as the image rule): an image of ``w x h`` px is
+Reading (``megatron/vlm/data/records.py`` with ``PatchImages`` as the image rule): an image of ``w x h`` px is
 ``smart_resize``d within the folder's ``min_pixels``..``max_pixels`` (``preprocessor_config.json`` of
 ``--hf-checkpoint``, else transformers' defaults; ``--min-pixels``/``--max-pixels`` override), becomes
 ``gh * gw`` patch rows (its ViT items, ``image_processing``) and ``<|vision_start|>`` + ``<|image_pad|>`` x
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from megatron.vlm.context_parallel import padded_layout, split_tokens
-from megatron.vlm.data.internvl import ImageRule
+from megatron.vlm.data.images import ImageRule
 from megatron.vlm.data.side import Batcher, DataSide
 from megatron.vlm.drop_path import image_patch_keys
 from omnibal_ext.errors import UserError
@@ -82,14 +82,9 @@ def with_pixel_flags(args, config: ImageProcessorConfig) -> ImageProcessorConfig
         raise UserError(f"--min-pixels/--max-pixels: {e}") from None
 
 
-def reader(args, spec, hf_folder):
-    """``InternVLDataset`` keywords: the patch rule (the tile fields are unused)."""
-    return patch_reader(processor_config(args, hf_folder))
-
-
-def patch_reader(config: ImageProcessorConfig) -> dict:
-    """``InternVLDataset`` keywords of images at native resolution by ``config`` (the tile fields unused)."""
-    return dict(image_size=0, tokens_per_tile=0, max_num_tiles=1, min_num_tiles=1, images=PatchImages(config))
+def image_rule(args, spec, hf_folder) -> PatchImages:
+    """The reader's image rule (``DataSide.image_rule``): patches by the folder's processor settings."""
+    return PatchImages(processor_config(args, hf_folder))
 
 
 class QwenBatcher(Batcher):
@@ -237,5 +232,5 @@ def profile_batch(spec, shape, image_token_id: int, device, pad_to_multiple: int
     return {k: t.to(device) if k in ("tokens", "labels", "pixel_values") else t for k, t in batch.items()}
 
 
-QWEN_DATA = DataSide(image_tokens=IMAGE_TOKENS, reader=reader, batcher=QwenBatcher, tile_check=lambda spec: None,
+QWEN_DATA = DataSide(image_tokens=IMAGE_TOKENS, image_rule=image_rule, batcher=QwenBatcher,
                      default_image_px=lambda spec: 56, profile_batch=profile_batch)

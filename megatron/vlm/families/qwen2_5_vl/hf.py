@@ -21,11 +21,13 @@ import json
 from omnibal_ext.model.families.qwen2_5_vl import VisionSpec
 from omnibal_ext.model.spec import LanguageSpec, ModelSpec
 
-from megatron.vlm.hf.config import HFConfigError, HFInfo, padded_vocab
+from megatron.vlm.hf.config import HFConfigError, HFInfo, refuse, square
 from megatron.vlm.hf.recipes import Part, Recipe, whole
+from megatron.vlm.hf.text_configs import embed_name, layer_names, qwen2, rope, text_config, with_tie
 
 MODEL_TYPES = ("qwen2_5_vl",)
 DEFAULT_MROPE_SECTION = (16, 24, 24)  # transformers' default when the config names none
+DEFAULT_THETA = 1000000.0  # Qwen2_5_VLTextConfig's rope_theta default
 
 
 def recognizes(cfg: dict) -> bool:
@@ -34,84 +36,33 @@ def recognizes(cfg: dict) -> bool:
         str(a).startswith("Qwen2_5_VL") for a in cfg.get("architectures") or ())
 
 
-def _req(cfg: dict, key: str, where: str):
-    if key not in cfg or cfg[key] is None:
-        raise HFConfigError(f"{where}: the key {key!r} is missing")
-    return cfg[key]
-
-
-def _refuse(cfg: dict, key: str, where: str, ok, what: str) -> None:
-    if key in cfg and cfg[key] is not None and not ok(cfg[key]):
-        raise HFConfigError(f"{where}: {key} = {cfg[key]!r} is not implemented ({what})")
-
-
-def _rope(t: dict, where: str) -> tuple[int, tuple[int, ...]]:
-    """(rope theta, mrope_section) from ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling``."""
-    theta = t.get("rope_theta", 1000000.0)
-    section = None
-    for key in ("rope_parameters", "rope_scaling"):
-        params = t.get(key)
-        if params is None:
-            continue
-        if not isinstance(params, dict):
-            raise HFConfigError(f"{where}: {key} {params!r} is not implemented")
-        kind = params.get("rope_type", params.get("type"))
-        if kind not in (None, "default", "mrope"):
-            raise HFConfigError(f"{where}: {key} type {kind!r} is not implemented (only multimodal RoPE, 'mrope')")
-        theta = params.get("rope_theta", theta)
-        section = params.get("mrope_section", section)
-    if float(theta) != int(float(theta)):
-        raise HFConfigError(f"{where}: rope_theta {theta} is not an integer (the model here takes integer bases)")
-    return int(float(theta)), tuple(int(x) for x in (section or DEFAULT_MROPE_SECTION))
-
-
 def _language(t: dict, where: str, tie: bool) -> LanguageSpec:
-    _refuse(t, "hidden_act", where, lambda x: x == "silu", "only SiLU-gated MLPs")
-    _refuse(t, "use_sliding_window", where, lambda x: not x, "no sliding-window attention")
-    theta, section = _rope(t, where)
-    heads = int(_req(t, "num_attention_heads", where))
-    hidden = int(_req(t, "hidden_size", where))
-    real = int(_req(t, "vocab_size", where))
-    head_dim = t.get("head_dim")
-    if head_dim and int(head_dim) != hidden // heads:
-        raise HFConfigError(f"{where}: head_dim {head_dim} != hidden_size / num_attention_heads (Qwen2.5 derives it)")
-    try:
-        return LanguageSpec(
-            num_layers=int(_req(t, "num_hidden_layers", where)), hidden_size=hidden, num_attention_heads=heads,
-            ffn_hidden_size=int(_req(t, "intermediate_size", where)),
-            num_query_groups=int(t.get("num_key_value_heads") or heads),
-            vocab_size=padded_vocab(real), real_vocab_size=real, rotary_base=theta, qkv_bias=True,
-            norm_eps=float(t.get("rms_norm_eps", 1e-6)), tie_word_embeddings=tie, mrope_section=section)
-    except HFConfigError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the spec's own checks (mrope_section) name the problem
-        raise HFConfigError(f"{where}: {e}") from None
-
-
-def _single(v, key: str, where: str) -> int:
-    if isinstance(v, (list, tuple)):
-        if len(set(v)) != 1:
-            raise HFConfigError(f"{where}: {key} {v} is not square; only square patches are implemented")
-        v = v[0]
-    return int(v)
+    """Qwen2.5's text: the shared Qwen2 reader with multimodal RoPE (``mrope_section``; type "mrope" allowed)."""
+    _, params = rope(t, where, DEFAULT_THETA, ("default", "mrope"))
+    section = tuple(int(x) for x in (params.get("mrope_section") or DEFAULT_MROPE_SECTION))
+    lang = qwen2(t, where, default_theta=DEFAULT_THETA, rope_kinds=("default", "mrope"), mrope_section=section)
+    if lang.head_dim is not None:
+        raise HFConfigError(f"{where}: head_dim {t['head_dim']} != hidden_size / num_attention_heads (Qwen2.5 "
+                            "derives it)")
+    return with_tie(lang, tie)
 
 
 def _vision(v: dict, where: str, llm_hidden: int) -> VisionSpec:
-    _refuse(v, "hidden_act", where, lambda x: x == "silu", "only SiLU-gated ViT MLPs")
-    _refuse(v, "out_hidden_size", where, lambda x: int(x) == llm_hidden, f"the merger must output the LLM's "
+    refuse(v, "hidden_act", where, lambda x: x == "silu", "only SiLU-gated ViT MLPs")
+    refuse(v, "out_hidden_size", where, lambda x: int(x) == llm_hidden, f"the merger must output the LLM's "
                                                                          f"width {llm_hidden}")
-    rope = v.get("rope_parameters") or {}
-    _refuse(rope, "rope_type", where + ".rope_parameters", lambda x: x in ("axial", "default"), "only 2-D axial RoPE")
+    vision_rope = v.get("rope_parameters") or {}
+    refuse(vision_rope, "rope_type", where + ".rope_parameters", lambda x: x in ("axial", "default"), "only 2-D axial RoPE")
     channels = v.get("in_channels", v.get("in_chans", 3))
     try:
         return VisionSpec(
             num_layers=int(v.get("depth", 32)), hidden_size=int(v.get("hidden_size", 3584)),
             num_attention_heads=int(v.get("num_heads", 16)), ffn_hidden_size=int(v.get("intermediate_size", 3420)),
             fullatt_block_indexes=tuple(v.get("fullatt_block_indexes", (7, 15, 23, 31))),
-            window_size=int(v.get("window_size", 112)), patch_size=_single(v.get("patch_size", 14), "patch_size", where),
-            temporal_patch_size=_single(v.get("temporal_patch_size", 2), "temporal_patch_size", where),
+            window_size=int(v.get("window_size", 112)), patch_size=square(v.get("patch_size", 14), "patch_size", where),
+            temporal_patch_size=square(v.get("temporal_patch_size", 2), "temporal_patch_size", where),
             in_channels=int(channels), spatial_merge_size=int(v.get("spatial_merge_size", 2)),
-            rotary_base=int(float(rope.get("rope_theta", 10000.0))))
+            rotary_base=int(float(vision_rope.get("rope_theta", 10000.0))))
     except HFConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - the spec's own checks name the problem
@@ -144,10 +95,7 @@ def native_config(spec: ModelSpec, info: HFInfo, source: dict | None) -> dict:
     if source is not None:
         return json.loads(json.dumps(source))
     v, lang = spec.vision, spec.language
-    text = {"model_type": "qwen2_5_vl_text", "hidden_size": lang.hidden_size, "num_hidden_layers": lang.num_layers,
-            "num_attention_heads": lang.num_attention_heads, "num_key_value_heads": lang.kv_groups,
-            "intermediate_size": lang.ffn_hidden_size, "vocab_size": lang.vocab_real, "hidden_act": "silu",
-            "rms_norm_eps": lang.norm_eps, "tie_word_embeddings": lang.tie_word_embeddings,
+    text = {**text_config(lang, "qwen2"), "model_type": "qwen2_5_vl_text",
             "rope_parameters": {"rope_type": "default", "rope_theta": float(lang.rotary_base),
                                 "mrope_section": list(lang.mrope_section or DEFAULT_MROPE_SECTION)}}
     vision = {"model_type": "qwen2_5_vl_vision", "depth": v.num_layers, "hidden_size": v.hidden_size,
@@ -186,15 +134,10 @@ class Names:
         return {"norm": p + "ln_q.weight", "fc1": p + "mlp.0.", "fc2": p + "mlp.2."}
 
     def embed(self) -> str:
-        return self.llm + "embed_tokens.weight"
+        return embed_name(self.llm, "qwen2")
 
     def llm_layer(self, i: int) -> dict[str, str]:
-        p = f"{self.llm}layers.{i}."
-        return {"q": p + "self_attn.q_proj.", "k": p + "self_attn.k_proj.", "v": p + "self_attn.v_proj.",
-                "q_norm": p + "self_attn.q_norm.weight", "k_norm": p + "self_attn.k_norm.weight",
-                "o": p + "self_attn.o_proj.weight", "gate": p + "mlp.gate_proj.weight", "up": p + "mlp.up_proj.weight",
-                "down": p + "mlp.down_proj.weight", "norm1": p + "input_layernorm.weight",
-                "norm2": p + "post_attention_layernorm.weight"}
+        return layer_names(f"{self.llm}layers.{i}.", "qwen2")
 
     def final_norm(self) -> str:
         return self.llm + "norm.weight"
@@ -207,8 +150,7 @@ def vision_embed_recipes(unit, table) -> None:
 
 
 def vision_layer_recipes(unit, table) -> None:
-    """ViT attention per real head (megatron/vlm/hf/keys.py's docstring): HF's fused qkv holds all q rows, then
-    all k rows, then all v rows; our head h is [its q rows | its k rows | its v rows]."""
+    """A ViT layer: its attention (``vit_attention_recipes``), norms and SwiGLU MLP with biases."""
     v, hf, add, u = table.spec.vision, table.hf, table.add, unit.name + "."
     H, Fv = v.hidden_size, v.ffn_hidden_size
     m = table.names.vit_layer(unit.layer)

@@ -22,7 +22,7 @@ LLM tokens in 2 x CP chunks per segment), with ``mm_token_type_ids`` split like 
 DeepStack features crossing pipeline stages: ``side_rows`` (their rows on the receiving stage, host fields only).
 
 ISF: ``PatchImages`` gives each image's ViT items (patches) and grid, from which the reader's scan makes the
-stats (``InternVLDataset.sample_stats`` / ``image_grids``), as for Qwen2.5-VL.
+stats (``RecordDataset.sample_stats`` / ``image_grids``), as for Qwen2.5-VL.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from megatron.vlm.context_parallel import padded_layout
 from megatron.vlm.data.side import DataSide
 from omnibal_ext.errors import UserError
 
-from ..qwen2_5_vl.data import IMAGE_TOKENS, QwenBatcher, patch_reader, with_pixel_flags
+from ..qwen2_5_vl.data import IMAGE_TOKENS, PatchImages, QwenBatcher, with_pixel_flags
 from ..qwen2_5_vl.data import profile_batch as qwen_profile_batch
 from ..qwen2_5_vl.image_processing import ImageProcessorConfig
 from ..qwen2_5_vl.vision_windows import frame_cu_seqlens, rotary_position_ids
@@ -83,9 +83,9 @@ def processor_config(args, spec, hf_folder: str | None) -> ImageProcessorConfig:
     return with_pixel_flags(args, config)
 
 
-def reader(args, spec, hf_folder):
-    """``InternVLDataset`` keywords: the patch rule of ``processor_config``."""
-    return patch_reader(processor_config(args, spec, hf_folder))
+def image_rule(args, spec, hf_folder) -> PatchImages:
+    """The reader's image rule (``DataSide.image_rule``): patches by ``processor_config``."""
+    return PatchImages(processor_config(args, spec, hf_folder))
 
 
 class Qwen3Batcher(QwenBatcher):
@@ -137,9 +137,9 @@ def side_rows(spec, batch: dict, cp: int, cp_rank: int) -> int:
 profile_batch = functools.partial(qwen_profile_batch, batcher=Qwen3Batcher)
 """The trainer profiler's micro-batch (``qwen2_5_vl.data.profile_batch``) made by ``Qwen3Batcher``."""
 
-QWEN3_VL_DATA = DataSide(image_tokens=IMAGE_TOKENS, reader=reader, batcher=Qwen3Batcher,
-                         tile_check=lambda spec: None, default_image_px=lambda spec: 4 * spec.vision.patch_size,
-                         profile_batch=profile_batch, side_rows=side_rows)
+QWEN3_VL_DATA = DataSide(image_tokens=IMAGE_TOKENS, image_rule=image_rule, batcher=Qwen3Batcher,
+                         default_image_px=lambda spec: 4 * spec.vision.patch_size, profile_batch=profile_batch,
+                         side_rows=side_rows)
 
-__all__ = ["QWEN3_VL_DATA", "Qwen3Batcher", "VISION_KEYS", "check_geometry", "processor_config", "reader",
+__all__ = ["QWEN3_VL_DATA", "Qwen3Batcher", "VISION_KEYS", "check_geometry", "image_rule", "processor_config",
            "side_rows", "vision_fields"]

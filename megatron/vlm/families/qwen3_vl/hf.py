@@ -20,10 +20,11 @@ from __future__ import annotations
 import json
 
 from omnibal_ext.model.families.qwen3_vl import VisionSpec, qwen3_language, spec_problem
-from omnibal_ext.model.spec import ModelSpec
+from omnibal_ext.model.spec import LanguageSpec, ModelSpec
 
-from megatron.vlm.families.qwen2_5_vl.hf import _refuse, _req, _single, vit_attention_recipes
-from megatron.vlm.hf.config import HFConfigError, HFInfo, padded_vocab
+from megatron.vlm.families.qwen2_5_vl.hf import vit_attention_recipes
+from megatron.vlm.hf.config import HFConfigError, HFInfo, padded_vocab, refuse, require, square
+from megatron.vlm.hf.text_configs import qwen3, rope, with_tie
 from megatron.vlm.hf.recipes import add_llm_layer, whole
 
 MODEL_TYPES = ("qwen3_vl",)
@@ -38,59 +39,34 @@ def recognizes(cfg: dict) -> bool:
     return cfg.get("model_type") in MODEL_TYPES or "Qwen3VLForConditionalGeneration" in (cfg.get("architectures") or ())
 
 
-def _rope(t: dict, where: str) -> tuple[int, tuple[int, ...]]:
-    """(rope theta, mrope_section) from ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling``."""
-    theta = t.get("rope_theta", 5000000.0)
-    section = None
-    for key in ("rope_parameters", "rope_scaling"):
-        params = t.get(key)
-        if params is None:
-            continue
-        if not isinstance(params, dict):
-            raise HFConfigError(f"{where}: {key} {params!r} is not implemented")
-        kind = params.get("rope_type", params.get("type"))
-        if kind not in (None, "default", "mrope"):
-            raise HFConfigError(f"{where}: {key} type {kind!r} is not implemented (only multimodal RoPE)")
-        theta = params.get("rope_theta", theta)
-        section = params.get("mrope_section", section)
-    if float(theta) != int(float(theta)):
-        raise HFConfigError(f"{where}: rope_theta {theta} is not an integer (the model here takes integer bases)")
-    return int(float(theta)), tuple(int(x) for x in (section or DEFAULT_MROPE_SECTION))
+DEFAULT_THETA = 5000000.0  # transformers' Qwen3VLTextConfig rope_theta
 
 
-def _language(t: dict, where: str, tie: bool):
-    _refuse(t, "hidden_act", where, lambda x: x == "silu", "only SiLU-gated MLPs")
-    _refuse(t, "attention_bias", where, lambda x: not x, "no attention bias (Qwen3)")
-    theta, section = _rope(t, where)
-    heads = int(_req(t, "num_attention_heads", where))
-    real = int(_req(t, "vocab_size", where))
-    try:
-        return qwen3_language(
-            num_layers=int(_req(t, "num_hidden_layers", where)), hidden_size=int(_req(t, "hidden_size", where)),
-            num_attention_heads=heads, ffn_hidden_size=int(_req(t, "intermediate_size", where)),
-            num_query_groups=int(t.get("num_key_value_heads") or heads), head_dim=int(t.get("head_dim", 128)),
-            vocab_size=padded_vocab(real), real_vocab_size=real, rotary_base=theta,
-            norm_eps=float(t.get("rms_norm_eps", 1e-6)), tie_word_embeddings=tie, mrope_section=section)
-    except HFConfigError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the spec's own checks (mrope_section) name the problem
-        raise HFConfigError(f"{where}: {e}") from None
+def _language(t: dict, where: str, tie: bool) -> LanguageSpec:
+    """Qwen3-VL's text: the shared Qwen3 reader with interleaved multimodal RoPE (``mrope_section``; type "mrope"
+    allowed; the form transformers 4.x wrote, ``rope_scaling`` beside ``rope_theta``, too)."""
+    kinds = ("default", "mrope")
+    _, params = rope(t, where, DEFAULT_THETA, kinds)
+    section = tuple(int(x) for x in (params.get("mrope_section") or DEFAULT_MROPE_SECTION))
+    lang = qwen3(t, where, default_theta=DEFAULT_THETA, rope_kinds=kinds, mrope_section=section,
+                 mrope_interleaved=True)
+    return with_tie(lang, tie)
 
 
 def _vision(v: dict, where: str, llm_hidden: int) -> VisionSpec:
-    _refuse(v, "hidden_act", where, lambda x: x == "gelu_pytorch_tanh", "only the gelu_pytorch_tanh ViT MLP")
-    _refuse(v, "out_hidden_size", where, lambda x: int(x) == llm_hidden,
+    refuse(v, "hidden_act", where, lambda x: x == "gelu_pytorch_tanh", "only the gelu_pytorch_tanh ViT MLP")
+    refuse(v, "out_hidden_size", where, lambda x: int(x) == llm_hidden,
             f"the mergers must output the LLM's width {llm_hidden}")
     rope = v.get("rope_parameters") or {}
-    _refuse(rope, "rope_type", where + ".rope_parameters", lambda x: x == "axial", "only 2-D axial RoPE")
+    refuse(rope, "rope_type", where + ".rope_parameters", lambda x: x == "axial", "only 2-D axial RoPE")
     d = {**VISION_DEFAULTS, **{k: v[k] for k in VISION_DEFAULTS if v.get(k) is not None}}
     try:
         return VisionSpec(
             num_layers=int(d["depth"]), hidden_size=int(d["hidden_size"]), num_attention_heads=int(d["num_heads"]),
             ffn_hidden_size=int(d["intermediate_size"]), num_position_embeddings=int(d["num_position_embeddings"]),
             deepstack_visual_indexes=tuple(d["deepstack_visual_indexes"]),
-            patch_size=_single(d["patch_size"], "patch_size", where),
-            temporal_patch_size=_single(d["temporal_patch_size"], "temporal_patch_size", where),
+            patch_size=square(d["patch_size"], "patch_size", where),
+            temporal_patch_size=square(d["temporal_patch_size"], "temporal_patch_size", where),
             in_channels=int(d["in_channels"]), spatial_merge_size=int(d["spatial_merge_size"]),
             rotary_base=int(float(rope.get("rope_theta", 10000.0))))
     except HFConfigError:

@@ -1,4 +1,4 @@
-"""Reader and map-style dataset of instruction data: InternVL-format and ``messages`` records, for every family.
+"""Reader and map-style dataset of instruction data (``conversations`` and ``messages`` records), for every family.
 
 Meta JSON (paths relative to the meta file's folder unless absolute), or one annotation JSONL given directly
 (a single source, images relative to the JSONL's folder)::
@@ -13,29 +13,26 @@ concatenated in meta order.
 Annotation JSONL, one record per non-blank line, in either format (a file may mix them)::
 
     {"id": ..., "image": "a.png" | ["a.png", "b.png"] | absent, "conversations": [{"from": "human", ...}, ...]}
-    {"messages": [{"role": "user", "content": "<image>..."}, ...], "images": ["a.png", ...]}   (messages.py)
+    {"messages": [{"role": "user", "content": "<image>..." | [{"type": "image", "image": "a.png"}, ...]}, ...],
+     "images": ["a.png", ...]}                                                                  (messages.py)
 
 Validation happens in one pass at construction (``scan_annotations``), before any training: every record
 is parsed, its images are decoded once (``PIL.Image.open(...).load()``: a truncated or corrupt file whose
 header reads fine is caught here, not in the middle of training; this is the scan's main cost, about one
-image decode per image reference, the pixels are not kept), its tile counts and its exact token count are
+image decode per image reference, the pixels are not kept), its ViT items and its exact token count are
 computed with the same code ``__getitem__`` uses.  An annotation file without any record is an error too.
 In a distributed run the processes split the records (every world-th line) and all-gather what they
 found, so each decodes 1/world of the images; the result is the one-process scan's.
 All problems are collected and raised together as ``DataValidationError`` whose lines start with
 ``annotation:line`` (or ``annotation`` and the meta entry for an empty file).
 
-How an image becomes ViT items and LLM image tokens is the family's ``ReaderConfig.images`` rule (``ImageRule``;
-Qwen2.5-VL: patches at native resolution); without one, InternVL's dynamic tiling (``TileImages``) below.
+How an image becomes ViT items and LLM image tokens is the family's image rule (``ReaderConfig.images``, an
+``ImageRule`` of ``images.py``; ``TileImages``: dynamic tiling); the reader holds no rule's settings.
 
-Tiles per image: ``min_num_tiles..max_num_tiles`` (InternVL's ``min_dynamic_patch``/``max_dynamic_patch``),
-thumbnail excluded.  Multi-image records: each image may use ``max(1, max_num_tiles // num_images)`` tiles
-(InternVL's rule); when that is below ``min_num_tiles`` no grid is allowed and, as in InternVL, the image
-becomes one tile.
 Truncation (``truncate=True``): a sample longer than ``max_seq_length`` is cut at that length, but an
 image block is never split: the cut moves before the first image block that does not fit, and that image
-and the later ones (their tiles too) are dropped.  Text-only samples get one black dummy tile with
-``image_flags`` 0 and no image-context tokens.
+and the later ones (their items too) are dropped.  Text-only samples get the rule's dummy items
+(``dummy_pixels``) with ``image_flags`` 0 and no image-context tokens.
 """
 from __future__ import annotations
 
@@ -53,10 +50,10 @@ from omnibal_ext.data.stats import ImageStats, SampleStats
 from omnibal_ext.errors import UserError
 
 from . import scan_cache
+from .images import ImageRule
 from .messages import parse_messages_record
 from .template import (ConversationError, IMAGE_PLACEHOLDER, Turn, add_missing_placeholder, count_placeholders,
                        parse_conversations, plan_conversation)
-from .tiling import black_tile_tensor, count_tiles, dynamic_tiles, tiles_to_tensor
 
 MAX_LISTED_ERRORS = 20
 
@@ -78,93 +75,15 @@ class SourceSpec:
 
 @dataclass(frozen=True)
 class ReaderConfig:
-    """How records become samples.  Sizes: pixels for ``image_size``, tokens for lengths."""
+    """How records become samples: the family's image rule and the text settings (lengths in tokens)."""
 
-    image_size: int  # tile side, px
-    tokens_per_tile: int  # image-context tokens per tile
-    max_num_tiles: int  # --max-num-tiles: tiles per image (before the multi-image split), thumbnail excluded
+    images: ImageRule  # the family's image rule (images.py)
     max_seq_length: int | None = None  # None: no limit
-    use_thumbnail: bool = True
     truncate: bool = False
-    min_num_tiles: int = 1
     system: str | None = None  # system prompt for conversations without their own
     add_bos: bool = True
     seed: int = 0  # for fractional repeat_time
     skip_bad: bool = False  # a record with a problem is left out (listed in ScanResult.skipped), not an error
-    images: object = None  # the family's ImageRule; None: InternVL's dynamic tiling from the fields above
-
-    @property
-    def image_rule(self) -> "ImageRule":
-        return self.images if self.images is not None else TileImages(self)
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.min_num_tiles <= self.max_num_tiles:
-            raise UserError(f"tiles per image: need 1 <= min_num_tiles <= max_num_tiles, got "
-                            f"min {self.min_num_tiles}, max {self.max_num_tiles}")
-
-    def tiles_per_image_limit(self, num_images: int) -> int:
-        return max(1, self.max_num_tiles // max(1, num_images))
-
-    def tile_range(self, num_images: int) -> tuple[int, int]:
-        """(min, max) tiles of each image of a record with ``num_images`` images; (1, 1) when the
-        multi-image split leaves fewer than ``min_num_tiles`` (InternVL then falls back to one tile)."""
-        limit = self.tiles_per_image_limit(num_images)
-        return (self.min_num_tiles, limit) if self.min_num_tiles <= limit else (1, 1)
-
-
-class ImageRule:
-    """How a family's reader turns an image into ViT items and LLM image tokens (``ReaderConfig.images``).
-
-    ``items(width, height, num_images)``: ViT items of an image of that size (px) in a record of ``num_images``
-    images (raises a ``UserError`` for a size the family refuses); ``image_tokens(items)``: the LLM tokens between
-    the image's start and end tokens; ``pixels(image, num_images)``: its float32 ViT input, ``items`` rows;
-    ``dummy_items`` / ``dummy_pixels()``: what a sample without images feeds the ViT (``image_flags`` 0).
-    """
-
-    dummy_items: int = 0
-    unit: str = "items"  # what an item is, for stats ("tiles", "patches")
-
-    def items(self, width: int, height: int, num_images: int) -> int:
-        raise NotImplementedError
-
-    def image_tokens(self, items: int) -> int:
-        raise NotImplementedError
-
-    def pixels(self, image: Image.Image, num_images: int) -> torch.Tensor:
-        raise NotImplementedError
-
-    def dummy_pixels(self) -> torch.Tensor:
-        raise NotImplementedError
-
-    def grid(self, width: int, height: int) -> tuple[int, int, int] | None:
-        """``(t, rows, cols)`` patches of an image of that size when its items are a patch grid, else None."""
-        return None
-
-
-class TileImages(ImageRule):
-    """InternVL's dynamic tiling (``ReaderConfig``'s tile fields): items are tiles (thumbnail included), each
-    ``tokens_per_tile`` image-context tokens; a sample without images feeds one black tile."""
-
-    dummy_items, unit = 1, "tiles"
-
-    def __init__(self, config: ReaderConfig):
-        self.config = config
-
-    def items(self, width, height, num_images):
-        cfg = self.config
-        lo, hi = cfg.tile_range(num_images)
-        return count_tiles(width, height, cfg.image_size, lo, hi, cfg.use_thumbnail)
-
-    def image_tokens(self, items):
-        return items * self.config.tokens_per_tile
-
-    def pixels(self, image, num_images):
-        cfg = self.config
-        lo, hi = cfg.tile_range(num_images)
-        return tiles_to_tensor(dynamic_tiles(image, cfg.image_size, lo, hi, cfg.use_thumbnail))
-
-    def dummy_pixels(self):
-        return black_tile_tensor(self.config.image_size)
 
 
 def read_meta(meta_path: str) -> list[SourceSpec]:
@@ -247,11 +166,11 @@ class ScanResult:
     img_ptr: np.ndarray  # int64 [M+1] record r's images are img_*[img_ptr[r]:img_ptr[r+1]]
     img_width: np.ndarray  # int64 [I] px
     img_height: np.ndarray  # int64 [I] px
-    img_tiles: np.ndarray  # int64 [I] tiles (thumbnail included)
+    img_items: np.ndarray  # int64 [I] ViT items of each image (the rule's)
     rec_tokens: np.ndarray  # int64 [M] tokens after truncation
     rec_images_kept: np.ndarray  # int64 [M] images surviving truncation
-    rec_real_tiles: np.ndarray  # int64 [M] tiles of the kept images (= image_flags.sum())
-    rec_tiles: np.ndarray  # int64 [M] items fed to the ViT (the rule's dummy items when no image is kept)
+    rec_real_items: np.ndarray  # int64 [M] ViT items of the kept images (= image_flags.sum())
+    rec_items: np.ndarray  # int64 [M] items fed to the ViT (the rule's dummy items when no image is kept)
     order: np.ndarray  # int64 [N] record index of each dataset sample (repeat_time applied)
     num_truncated: int
     num_without_loss: int  # truncated samples left with no answer token
@@ -283,8 +202,8 @@ class ScanShare:
     """What one process of a split scan found: the records it owns (every ``world``-th non-blank line of each
     annotation, from ``rank`` on) and the line counts every process sees alike."""
 
-    records: np.ndarray  # int64 [m, 7]: source, byte offset, line, tokens, images kept, real tiles, tiles fed
-    images: np.ndarray  # int64 [i, 3]: width px, height px, tiles; the records' images in record order
+    records: np.ndarray  # int64 [m, 7]: source, byte offset, line, tokens, images kept, real items, items fed
+    images: np.ndarray  # int64 [i, 3]: width px, height px, ViT items; the records' images in record order
     images_per_record: np.ndarray  # int64 [m]
     errors: list  # (source index, line, k-th problem of the line, message)
     nonblank_lines: list  # [sources] non-blank lines of each annotation
@@ -360,10 +279,10 @@ def scan_share(sources: list[SourceSpec], tokenizer, config: ReaderConfig, rank:
                 if isinstance(found, list):
                     errors += [(s_idx, line_no, j, f"{src.annotation}:{line_no}: {msg}") for j, msg in enumerate(found)]
                     continue
-                sizes, tiles, tokens, kept, real, truncated, without_loss = found
+                sizes, items, tokens, kept, real, truncated, without_loss = found
                 records.append((s_idx, line_offset, line_no, tokens, kept, real,
-                                real if real > 0 else config.image_rule.dummy_items))
-                images += [(w, h, t) for (w, h), t in zip(sizes, tiles)]
+                                real if real > 0 else config.images.dummy_items))
+                images += [(w, h, n) for (w, h), n in zip(sizes, items)]
                 per_record.append(len(sizes))
                 num_truncated += truncated
                 num_without_loss += without_loss
@@ -374,7 +293,7 @@ def scan_share(sources: list[SourceSpec], tokenizer, config: ReaderConfig, rank:
 
 
 def _scan_record(raw: bytes, src: SourceSpec, tokenizer, config: ReaderConfig):
-    """One annotation line: ``(image sizes, tiles per image, tokens, images kept, real tiles, truncated,
+    """One annotation line: ``(image sizes, ViT items per image, tokens, images kept, real items, truncated,
     truncated without an answer token)``, or its problems (a list of messages)."""
     try:
         record = json.loads(raw)
@@ -396,17 +315,17 @@ def _scan_record(raw: bytes, src: SourceSpec, tokenizer, config: ReaderConfig):
             problems.append(f"cannot decode image {path}: {e}")
     if problems:
         return problems
-    rule = config.image_rule
-    tiles = []
+    rule = config.images
+    items = []
     for rel, (w, h) in zip(images, sizes):
         try:
-            tiles.append(rule.items(w, h, len(images)))
+            items.append(rule.items(w, h, len(images)))
         except UserError as e:
             problems.append(f"image {os.path.join(src.root, rel)}: {e}")
     if problems:
         return problems
     try:  # a chat template can refuse a conversation: a problem of this record, named like the others
-        plan = plan_conversation(turns, tokenizer, [rule.image_tokens(t) for t in tiles], 1, config.system,
+        plan = plan_conversation(turns, tokenizer, [rule.image_tokens(n) for n in items], 1, config.system,
                                  config.add_bos)
     except ConversationError as e:
         return [str(e)]
@@ -414,13 +333,14 @@ def _scan_record(raw: bytes, src: SourceSpec, tokenizer, config: ReaderConfig):
     truncated = without_loss = False
     if cut < plan.length:
         if not config.truncate:
-            return [f"sample is {plan.length} tokens ({sum(tiles)} tiles) > max_seq_length {config.max_seq_length}; "
-                    "raise --seq-length, lower --max-num-tiles, pass --truncate-long-samples (cut it at --seq-length) "
-                    "or --skip-bad-samples (leave it out)"]
+            return [f"sample is {plan.length} tokens ({sum(items)} {rule.unit}) > max_seq_length "
+                    f"{config.max_seq_length}; raise --seq-length, give images fewer ViT items (--max-num-tiles, "
+                    "--max-pixels), pass --truncate-long-samples (cut it at --seq-length) or --skip-bad-samples "
+                    "(leave it out)"]
         truncated = True
         _, labels = plan.materialize(cut)
         without_loss = not (labels != -100).any()
-    return sizes, tiles, cut, kept, sum(tiles[:kept]), truncated, without_loss
+    return sizes, items, cut, kept, sum(items[:kept]), truncated, without_loss
 
 
 def merge_shares(meta_path: str, sources: list[SourceSpec], shares: list[ScanShare], config: ReaderConfig) -> ScanResult:
@@ -463,27 +383,24 @@ def merge_shares(meta_path: str, sources: list[SourceSpec], shares: list[ScanSha
                       skipped)
 
 
-class InternVLDataset(torch.utils.data.Dataset):
+class RecordDataset(torch.utils.data.Dataset):
     """Map-style dataset over a meta JSON (or one annotation JSONL); validated in full at construction.
 
-    ``__getitem__(i)`` -> ``{"input_ids": int64 [n], "labels": int64 [n], "pixel_values": float32
-    [k, ...], "image_flags": int64 [k], "image_sizes": int64 [images, 2]}`` with ``n == sample_lengths()[0][i]``
-    tokens, ``k == sample_lengths()[1][i]`` ViT items (tiles; the ``images`` rule's unit when given) and the
-    (width, height) px of each kept image.  ``scan_group`` and ``cache_dir``: see ``scan_annotations``.
+    ``images``: the family's image rule (``DataSide.image_rule``). ``__getitem__(i)`` -> ``{"input_ids": int64 [n],
+    "labels": int64 [n], "pixel_values": float32 [k, ...], "image_flags": int64 [k], "image_sizes": int64
+    [images, 2]}`` with ``n == sample_lengths()[0][i]`` tokens, ``k == sample_lengths()[1][i]`` ViT items (the
+    rule's ``pixels`` rows) and the (width, height) px of each kept image.  ``scan_group`` and ``cache_dir``: see
+    ``scan_annotations``.
     """
 
-    def __init__(self, meta_path: str, tokenizer, image_size: int, tokens_per_tile: int, max_num_tiles: int,
-                 max_seq_length: int | None, use_thumbnail: bool = True, truncate: bool = False, *,
-                 system: str | None = None, add_bos: bool = True, seed: int = 0, progress: bool = False,
-                 min_num_tiles: int = 1, scan_group=None, cache_dir: str | None = None,
-                 skip_bad: bool = False, images: ImageRule | None = None) -> None:
+    def __init__(self, meta_path: str, tokenizer, images: ImageRule, max_seq_length: int | None = None,
+                 truncate: bool = False, *, system: str | None = None, add_bos: bool = True, seed: int = 0,
+                 progress: bool = False, scan_group=None, cache_dir: str | None = None,
+                 skip_bad: bool = False) -> None:
         self.meta_path = meta_path
         self.tokenizer = tokenizer
-        self.config = ReaderConfig(image_size=image_size, tokens_per_tile=tokens_per_tile,
-                                   max_num_tiles=max_num_tiles, min_num_tiles=min_num_tiles,
-                                   max_seq_length=max_seq_length,
-                                   use_thumbnail=use_thumbnail, truncate=truncate, system=system,
-                                   add_bos=add_bos, seed=seed, skip_bad=skip_bad, images=images)
+        self.config = ReaderConfig(images=images, max_seq_length=max_seq_length, truncate=truncate, system=system,
+                                   add_bos=add_bos, seed=seed, skip_bad=skip_bad)
         self.scan = scan_annotations(meta_path, tokenizer, self.config, progress=progress, group=scan_group,
                                      cache_dir=cache_dir)
 
@@ -493,7 +410,7 @@ class InternVLDataset(torch.utils.data.Dataset):
     def sample_lengths(self) -> tuple[np.ndarray, np.ndarray]:
         """(tokens int64 [N], ViT items int64 [N]) of every sample, dummy items counted; no pixel decode."""
         s = self.scan
-        return s.rec_tokens[s.order].copy(), s.rec_tiles[s.order].copy()
+        return s.rec_tokens[s.order].copy(), s.rec_items[s.order].copy()
 
     def sample_stats(self) -> SampleStats:
         """Every sample's stats (as ``omnibal isf stats --write`` writes them): ViT items, tokens and each kept
@@ -503,7 +420,7 @@ class InternVLDataset(torch.utils.data.Dataset):
         offsets = np.zeros(len(self) + 1, dtype=np.int64)
         np.cumsum(kept, out=offsets[1:])
         take = np.repeat(s.img_ptr[s.order] - offsets[:-1], kept) + np.arange(offsets[-1])
-        images = ImageStats(offsets, s.img_width[take], s.img_height[take], s.img_tiles[take])
+        images = ImageStats(offsets, s.img_width[take], s.img_height[take], s.img_items[take])
         tokens, items = self.sample_lengths()
         return SampleStats(items, tokens, np.zeros(len(self), dtype=np.int32), [self.meta_path], images)
 
@@ -511,16 +428,16 @@ class InternVLDataset(torch.utils.data.Dataset):
         """(rows, cols) int64 patch grid of each image of ``sample_stats().images`` (the image rule's), or None
         when the rule's items are not patch grids (tiles)."""
         im = self.sample_stats().images
-        rule = self.config.image_rule
+        rule = self.config.images
         grids = [rule.grid(int(w), int(h)) for w, h in zip(im.width, im.height)]
         if any(g is None for g in grids):
             return None
         return (np.array([g[1] for g in grids], dtype=np.int64).reshape(-1),
                 np.array([g[2] for g in grids], dtype=np.int64).reshape(-1))
 
-    def sample_real_tiles(self) -> np.ndarray:
+    def sample_real_items(self) -> np.ndarray:
         """int64 [N]: ViT items of real images per sample (the sum of its ``image_flags``)."""
-        return self.scan.rec_real_tiles[self.scan.order].copy()
+        return self.scan.rec_real_items[self.scan.order].copy()
 
     def where(self, index: int) -> str:
         """``annotation:line`` of sample ``index``."""
@@ -536,7 +453,7 @@ class InternVLDataset(torch.utils.data.Dataset):
         if not -len(self) <= index < len(self):
             raise IndexError(f"sample {index} out of range for {len(self)} samples")
         s, cfg = self.scan, self.config
-        rule = cfg.image_rule
+        rule = cfg.images
         r = int(s.order[index])
         src = s.sources[s.rec_source[r]]
         with open(src.annotation, "rb") as f:
@@ -544,14 +461,14 @@ class InternVLDataset(torch.utils.data.Dataset):
             record = json.loads(f.readline())
         turns, images = record_turns(record)
         lo, hi = int(s.img_ptr[r]), int(s.img_ptr[r + 1])
-        tiles = [int(t) for t in s.img_tiles[lo:hi]]
+        items = [int(n) for n in s.img_items[lo:hi]]
         kept = int(s.rec_images_kept[r])
-        plan = plan_conversation(turns, self.tokenizer, [rule.image_tokens(t) for t in tiles], 1, cfg.system,
+        plan = plan_conversation(turns, self.tokenizer, [rule.image_tokens(n) for n in items], 1, cfg.system,
                                  cfg.add_bos)
         input_ids, labels = plan.materialize(int(s.rec_tokens[r]))
         sizes = torch.from_numpy(np.stack([s.img_width[lo:lo + kept], s.img_height[lo:lo + kept]], axis=1))
         text = {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels), "image_sizes": sizes}
-        real = int(s.rec_real_tiles[r])
+        real = int(s.rec_real_items[r])
         if not decode_images:
             flags = torch.ones(real, dtype=torch.int64) if real else torch.zeros(rule.dummy_items, dtype=torch.int64)
             return {**text, "image_flags": flags}

@@ -1,0 +1,193 @@
+"""Mixture-of-experts decoder layers at run time, on megatron-core's MoE (``MoELayer``, ``TopKRouter``,
+``SequentialMLP``, the alltoall / allgather token dispatchers).
+
+What a checkpoint or preset says about the experts is the planning side's ``omnibal_ext.model.moe.MoESpec``
+(``LanguageSpec.moe``); how a run trains them (loss coefficients, aux-loss-free bias, dispatcher, token drop
+policy, expert-parallel sizes) is ``MoERun``, made from the flags. ``config_fields`` maps both onto megatron-core's
+TransformerConfig fields; ``layer_spec`` turns a dense layer spec into the MoE one.
+
+Routing (megatron-core's ``topk_routing_with_score_function``): softmax scores with ``moe_router_pre_softmax`` False
+take the softmax over the top-k logits (the k probabilities sum to 1: HF ``norm_topk_prob`` True); with it True the
+softmax over all experts, then the top k (unnormalised: ``norm_topk_prob`` False). Sigmoid scores are always
+renormalised over the top k when k > 1.
+
+Expert weights: megatron-core draws each rank's local experts one after the other from the running generator, so
+EP would change them; ``SeededSequentialMLP`` draws expert ``g`` (global index) from its own seed, taken from the
+layer's seeded generator, and leaves that generator as one draw moved on: the weights of every expert, and of what
+the layer draws after them (the shared expert), do not depend on EP or ETP.
+
+Expert load: ``ExpertLoad`` records each router's routing map (a forward hook returning nothing: the router's
+output is read, never changed) as tokens per expert per layer, for the log and ``--log-expert-load``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.router import TopKRouter
+
+from omnibal_ext.model.moe import MoESpec
+
+DISPATCHERS = ("alltoall", "allgather")
+DROP_POLICIES = ("probs", "position")
+
+
+@dataclass(frozen=True)
+class MoERun:
+    """How a run trains its MoE layers (Megatron's flags). aux_loss_coeff: ``--moe-aux-loss-coeff`` (the weight of
+    ``MoESpec.load_balancing_type``'s loss); z_loss_coeff: ``--moe-z-loss-coeff`` (None: none); expert_bias:
+    ``--moe-router-enable-expert-bias`` (aux-loss-free balancing, sigmoid router), bias_update_rate its step per
+    iteration (``--moe-router-bias-update-rate``); drop_policy: ``--moe-token-drop-policy`` (with
+    ``MoESpec.capacity_factor``); dispatcher: ``--moe-token-dispatcher-type``; ep / etp:
+    ``--expert-model-parallel-size`` / ``--expert-tensor-parallel-size``."""
+
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: float | None = None
+    expert_bias: bool = False
+    bias_update_rate: float = 1e-3
+    drop_policy: str = "probs"
+    dispatcher: str = "alltoall"
+    ep: int = 1
+    etp: int = 1
+
+
+def config_fields(moe: MoESpec | None, run: MoERun | None, tp: int) -> dict:
+    """megatron-core TransformerConfig fields of a decoder with ``moe`` trained as ``run`` (none for a dense one)."""
+    if moe is None:
+        return {}
+    run = run or MoERun()
+    return dict(
+        num_moe_experts=moe.num_experts, moe_router_topk=moe.topk, moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_layer_freq=list(moe.layer_freq), moe_router_score_function=moe.score_function,
+        moe_router_pre_softmax=moe.score_function == "softmax" and not moe.norm_topk_prob,
+        moe_router_topk_scaling_factor=None,
+        moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size or None,
+        moe_shared_expert_gate=moe.shared_expert_gate,
+        moe_router_load_balancing_type=moe.load_balancing_type,
+        moe_aux_loss_coeff=run.aux_loss_coeff if moe.load_balancing_type != "none" else 0.0,
+        moe_z_loss_coeff=run.z_loss_coeff, moe_router_enable_expert_bias=run.expert_bias,
+        moe_router_bias_update_rate=run.bias_update_rate, moe_expert_capacity_factor=moe.capacity_factor,
+        moe_token_drop_policy=run.drop_policy, moe_token_dispatcher_type=run.dispatcher,
+        expert_model_parallel_size=run.ep, expert_tensor_parallel_size=run.etp,
+        moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
+        moe_router_dtype="fp32")
+
+
+def expert_seed(base: int, expert: int) -> int:
+    """The seed of global expert ``expert`` of a layer whose seeded generator gave ``base``."""
+    return (base * 1_000_033 + 104_729 * (expert + 1)) % (2**31 - 1)
+
+
+class SeededSequentialMLP(SequentialMLP):
+    """megatron-core's ``SequentialMLP`` whose local experts are drawn from their global index's seed (module
+    docstring): one ``base`` draw from the layer's generator, each expert under ``expert_seed(base, g)``."""
+
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
+        base = int(torch.randint(0, 2**31 - 1, (1,)))
+        super().__init__(0, config, submodules, pg_collection)  # no expert drawn from the running generator
+        self.num_local_experts = num_local_experts
+        first = self.ep_group.rank() * num_local_experts  # MoELayer.local_expert_indices
+        for j in range(num_local_experts):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(expert_seed(base, first + j))
+                self.local_experts.append(MLP(self.config, submodules, ffn_hidden_size=self.config.moe_ffn_hidden_size,
+                                              is_expert=True, tp_group=pg_collection.expt_tp))
+
+
+class MaskedTopKRouter(TopKRouter):
+    """megatron-core's ``TopKRouter`` whose expert-bias token count takes the padding mask: 0.16.1 ands the routing
+    map [tokens, experts] with the flattened mask [tokens] (a broadcasting error); here the mask is a column."""
+
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        if padding_mask is not None:
+            padding_mask = padding_mask.reshape(-1, 1)
+        return super()._apply_expert_bias(routing_map, padding_mask=padding_mask)
+
+
+def layer_spec(dense_spec, num_experts: int, normalization: str):
+    """``dense_spec`` (a local-spec layer, already changed for the family: seeded layer, attention, norms) with
+    megatron-core's MoE module as its MLP (the local backend: ``SequentialMLP`` experts, seeded per expert); the
+    copy is changed, ``dense_spec`` is not."""
+    import copy
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = copy.deepcopy(dense_spec)
+    mlp = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                   normalization=normalization).submodules.mlp
+    mlp.submodules.experts.module = SeededSequentialMLP
+    mlp.submodules.router = MaskedTopKRouter
+    spec.submodules.mlp = mlp
+    return spec
+
+
+def moe_layers(module: torch.nn.Module):
+    """(layer, MoELayer) of every MoE layer under ``module``, in module order (a MoE layer's ``layer_number`` is its
+    decoder layer + 1: ``MoETextLayer`` sets it through megatron-core's ``set_layer_number``)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for m in module.modules():
+        if isinstance(m, MoELayer):
+            yield m.layer_number - 1, m
+
+
+@dataclass
+class ExpertLoad:
+    """Tokens routed to each expert per decoder layer, summed over the micro-batches since ``reset`` (this rank's
+    tokens; padding excluded when the router gets the padding mask)."""
+
+    counts: dict = dataclasses.field(default_factory=dict)  # decoder layer -> float64 [E] (host)
+    handles: list = dataclasses.field(default_factory=list)
+
+    def attach(self, modules) -> "ExpertLoad":
+        """Record the routers of the MoE layers under each of ``modules`` (forward hooks; ``detach`` removes them)."""
+        for module in modules:
+            for layer, moe in moe_layers(module):
+                self.handles.append(moe.router.register_forward_hook(self._hook(layer)))
+        return self
+
+    def _hook(self, layer: int):
+        def record(router, inputs, output):
+            if not torch.is_grad_enabled():  # recomputed or evaluation forwards: not counted
+                return None
+            _, routing_map = output
+            padding = inputs[1] if len(inputs) > 1 else None
+            routed = routing_map.bool()
+            if padding is not None:
+                routed = routed & ~padding.reshape(-1, 1).bool()
+            n = routed.sum(dim=0).detach().to("cpu", torch.float64)
+            self.counts[layer] = self.counts[layer] + n if layer in self.counts else n
+            return None
+
+        return record
+
+    def reset(self) -> None:
+        self.counts = {}
+
+    def detach(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def load_metrics(counts: dict[int, torch.Tensor], ep: int) -> dict:
+    """The log's expert-load metrics from tokens per expert per layer (all ranks' tokens): ``expert load imbalance``,
+    over the MoE layers the largest max/mean tokens per expert; ``ep load imbalance``, the same over EP ranks (each
+    holding E / EP consecutive experts); ``ep rank tokens``, per EP rank its tokens summed over the layers."""
+    if not counts:
+        return {}
+    worst = worst_rank = 1.0
+    per_rank = torch.zeros(ep, dtype=torch.float64)
+    for c in counts.values():
+        mean = float(c.mean())
+        if mean > 0:
+            worst = max(worst, float(c.max()) / mean)
+        ranks = c.reshape(ep, -1).sum(dim=1)
+        per_rank += ranks
+        if float(ranks.mean()) > 0:
+            worst_rank = max(worst_rank, float(ranks.max() / ranks.mean()))
+    return {"expert load imbalance": worst, "ep load imbalance": worst_rank,
+            "ep rank tokens": [int(x) for x in per_rank]}

@@ -1,0 +1,102 @@
+#!/usr/bin/env python
+"""Video decode throughput of one data-loader worker (one process, one decoder thread).
+
+Data: H.264 files made here (megatron/vlm/data/video_synthetic.py: index-coded frames, libx264 crf 23,
+x264's default keyframe placement unless --gop), ``--seconds`` long (30) at ``--fps`` (30), at each size of
+``--sizes``.  Each clip is ``--clip-seconds`` (8) at a random start, sampled at ``--sample-fps`` (2): 16 frames,
+Qwen3-VL's rule (``video_sampling.qwen3_vl_frame_indices``) over the clip's frames.  Decoded with keyframe
+seeking (``decode_frames``) and without (from the file's start).  Per row: clips/s, sampled frames/s, and
+frames the decoder produced per clip.  Compare clips/s x workers with the samples/s a trainer step consumes.
+
+Outputs: a table on stdout and ``--json`` (default video_decode.json in ``--out``).
+
+Usage: python scripts/bench_video_decode.py [--out DIR] [--json OUT] [--clips N] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from megatron.vlm.data.video_decode import decode_frames, probe_video  # noqa: E402
+from megatron.vlm.data.video_sampling import qwen3_vl_frame_indices, video_settings  # noqa: E402
+from megatron.vlm.data.video_sampling import VideoOverrides  # noqa: E402
+from megatron.vlm.data.video_synthetic import frame_code, write_coded_video  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=None, help="folder for the videos and the JSON (default: a temporary one)")
+    p.add_argument("--json", default=None, help="JSON output path (default: OUT/video_decode.json)")
+    p.add_argument("--seconds", type=int, default=30, help="length of each source file in s")
+    p.add_argument("--fps", type=int, default=30, help="source frame rate")
+    p.add_argument("--sizes", default="224x160,640x360", help="source sizes, WxH comma-separated")
+    p.add_argument("--gop", type=int, default=None, help="frames between keyframes (default: x264's choice)")
+    p.add_argument("--clip-seconds", type=float, default=8.0)
+    p.add_argument("--sample-fps", type=float, default=2.0)
+    p.add_argument("--clips", type=int, default=20, help="clips timed per row")
+    p.add_argument("--quick", action="store_true", help="5 clips per row, the smaller size only")
+    return p.parse_args(argv)
+
+
+def bench_row(path: str, args, seek: bool, rng: np.random.Generator) -> dict:
+    info = probe_video(path)
+    s = video_settings("qwen3_vl", overrides=VideoOverrides(fps=args.sample_fps))
+    clip_frames = int(round(args.clip_seconds * info.fps))
+    starts = rng.integers(0, info.num_frames - clip_frames + 1, size=args.clips)
+    decoded = sampled = 0
+    t0 = time.perf_counter()
+    for start in starts:
+        indices = [int(start) + i for i in qwen3_vl_frame_indices(clip_frames, info.fps, s)]
+        out = decode_frames(path, info, indices, seek=seek)
+        decoded += out.decoded
+        sampled += len(indices)
+        assert frame_code(out.frames[-1]) == indices[-1]  # the right frames, not just fast ones
+    seconds = time.perf_counter() - t0
+    return {"size": f"{info.width}x{info.height}", "seek": seek, "clips": len(starts),
+            "clips_per_s": len(starts) / seconds, "frames_per_s": sampled / seconds,
+            "sampled_per_clip": sampled / len(starts), "decoded_per_clip": decoded / len(starts),
+            "ms_per_clip": 1000 * seconds / len(starts)}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.quick:
+        args.clips = 5
+        args.sizes = args.sizes.split(",")[0]
+    out = args.out or tempfile.mkdtemp(prefix="bench_video_")
+    os.makedirs(out, exist_ok=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    for size in args.sizes.split(","):
+        w, h = (int(v) for v in size.split("x"))
+        path = os.path.join(out, f"src_{w}x{h}.mp4")
+        t0 = time.perf_counter()
+        write_coded_video(path, args.seconds * args.fps, args.fps, w, h, gop=args.gop)
+        print(f"# wrote {path} ({args.seconds} s at {args.fps} fps) in {time.perf_counter() - t0:.1f} s", flush=True)
+        for seek in (True, False):
+            rows.append(bench_row(path, args, seek, rng))
+    header = f"{'source':>9} {'seek':>5} {'clips/s':>8} {'frames/s':>9} {'ms/clip':>8} {'decoded/clip':>13}"
+    print(header)
+    for r in rows:
+        print(f"{r['size']:>9} {'yes' if r['seek'] else 'no':>5} {r['clips_per_s']:8.2f} {r['frames_per_s']:9.1f} "
+              f"{r['ms_per_clip']:8.1f} {r['decoded_per_clip']:13.1f}")
+    result = {"config": {k: v for k, v in vars(args).items() if k not in ("out", "json")},
+              "clip": f"{args.clip_seconds:g} s at {args.sample_fps:g} fps from {args.seconds} s files",
+              "workers": 1, "decoder_threads": 1, "rows": rows}
+    path = args.json or os.path.join(out, "video_decode.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"# json: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
