@@ -169,7 +169,7 @@ def export_hf(load: str, out: str, step: int | None = None, dtype: str | None = 
 
 
 def tokenizer_image_token_id(spec: ModelSpec, load: str, *folders) -> int:
-    """The image-context token's id (the family's, ``DataSide.image_tokens``: InternVL's ``<IMG_CONTEXT>``) in the
+    """The image-context token's id (the family's third ``DataSide.image_tokens`` string) in the
     tokenizer of the first of ``folders`` that holds one (the training's, then the imported folder), for a config.json
     that needs ``image_token_id`` where the imported one named none; refused, naming what is missing, when no folder
     holds a tokenizer, its vocabulary lacks the token, or the id is past the model's vocabulary."""
