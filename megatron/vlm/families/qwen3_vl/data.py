@@ -19,6 +19,8 @@ Sequence parallelism pads the row to a multiple of TP (``pad_to_multiple``; the 
 parallelism (``Qwen3Batcher.split_cp``): Qwen2.5-VL's split (whole images per CP rank, balanced by patches; the
 LLM tokens in 2 x CP chunks per segment), with ``mm_token_type_ids`` split like the tokens.
 
+DeepStack features crossing pipeline stages: ``side_rows`` (their rows on the receiving stage, host fields only).
+
 ISF: ``PatchImages`` gives each image's ViT items (patches) and grid, from which the reader's scan makes the
 stats (``RecordDataset.sample_stats`` / ``image_grids``), as for Qwen2.5-VL.
 """
@@ -115,11 +117,29 @@ class Qwen3Batcher(QwenBatcher):
         return out
 
 
+def side_rows(spec, batch: dict, cp: int, cp_rank: int) -> int:
+    """Rows of a DeepStack feature (``DataSide.side_rows``, ``megatron/vlm/side.py``) on this rank, from host-held
+    fields: the merged tokens of the images this (CP) rank's ViT runs -- of ``vision_cu_seqlens`` (the patches,
+    the dummy image's included) on a stage that runs ViT layers; else ``vision_rank_tokens`` under context
+    parallelism (one token for a rank without images: its dummy image's); else the micro-batch's patches
+    (``sample_tiles``; one token for the dummy image of a micro-batch without any)."""
+    merge_unit = spec.vision.spatial_merge_size ** 2
+    if "vision_cu_seqlens" in batch:
+        return int(batch["vision_cu_seqlens"][-1]) // merge_unit
+    if cp > 1:
+        if "vision_rank_tokens" not in batch:
+            raise ValueError("Qwen3-VL side tensor rows under context parallelism: the stage reads neither pixels "
+                             "nor tokens (no vision_cu_seqlens, no vision_rank_tokens)")
+        return max(int(batch["vision_rank_tokens"][cp_rank]), 1)
+    return max(int(batch["sample_tiles"].sum()) // merge_unit, 1)
+
+
 profile_batch = functools.partial(qwen_profile_batch, batcher=Qwen3Batcher)
 """The trainer profiler's micro-batch (``qwen2_5_vl.data.profile_batch``) made by ``Qwen3Batcher``."""
 
 QWEN3_VL_DATA = DataSide(image_tokens=IMAGE_TOKENS, image_rule=image_rule, batcher=Qwen3Batcher,
-                         default_image_px=lambda spec: 4 * spec.vision.patch_size, profile_batch=profile_batch)
+                         default_image_px=lambda spec: 4 * spec.vision.patch_size, profile_batch=profile_batch,
+                         side_rows=side_rows)
 
 __all__ = ["QWEN3_VL_DATA", "Qwen3Batcher", "VISION_KEYS", "check_geometry", "image_rule", "processor_config",
-           "vision_fields"]
+           "side_rows", "vision_fields"]
