@@ -39,8 +39,8 @@ def padded_tokens(tokens: int, tp: int) -> int:
 def mark_sequence_parallel(module: torch.nn.Module) -> None:
     """Mark every parameter of ``module`` that is not split over TP as ``sequence_parallel``, except one whose
     gradient its module sums over TP itself (``grad_summed_over_tp``: the Gated DeltaNet's norm weight, the per-head
-    q/k RMSNorm) and one that says ``sequence_parallel = False`` already (whole gradient on every TP rank: Qwen3-VL's
-    DeepStack mergers inside the ViT layers, which see every patch)."""
+    q/k RMSNorm) and one that says ``sequence_parallel = False`` already (whole gradient on every TP rank: a DeepStack
+    merger inside a ViT layer, which sees every patch)."""
     for p in module.parameters():
         if (not getattr(p, "tensor_model_parallel", False) and not getattr(p, "grad_summed_over_tp", False)
                 and getattr(p, "sequence_parallel", None) is not False):
