@@ -22,7 +22,7 @@ from megatron.vlm.data.video_decode import (VideoError, VideoInfo, decode_frames
                                             probe_video)
 from megatron.vlm.data.video_sampling import VideoSettings
 
-__all__ = ["SampledVideo", "VideoError", "VideoRule", "load_video", "clip_frames", "video_seed"]
+__all__ = ["SampledVideo", "VideoError", "VideoRule", "load_video", "sampled_frames", "clip_frames", "video_seed"]
 
 
 class VideoRule:
@@ -86,13 +86,18 @@ def clip_frames(info: VideoInfo, clip_s: tuple[float, float] | None, where: str 
     return first, stop - first
 
 
-def load_video(path: str, rule: VideoRule, where: str | None = None, seed: int = 0,
-               clip_s: tuple[float, float] | None = None, seek: bool = True) -> SampledVideo:
-    """Probe ``path`` (a file, or a frame folder at ``rule.settings.folder_fps``), take ``rule``'s frames of it or
-    of ``clip_s`` (``seed``: for a rule that draws), and decode them.  Bad input: ``VideoError`` naming the file
-    after ``where``."""
+def sampled_frames(path: str, rule: VideoRule, where: str | None = None, seed: int = 0,
+                   clip_s: tuple[float, float] | None = None) -> tuple[VideoInfo, list[int]]:
+    """``(probe, frame indices)``: probe ``path`` (a file, or a frame folder at ``rule.settings.folder_fps``; its
+    header only) and take ``rule``'s frames of it or of ``clip_s`` (``seed``: for a rule that draws)."""
     info = probe_video(path, rule.settings.folder_fps, where)
     first, count = clip_frames(info, clip_s, where)
-    indices = [first + i for i in rule.frame_indices(count, info.fps, seed, is_frame_folder(path))]
+    return info, [first + i for i in rule.frame_indices(count, info.fps, seed, is_frame_folder(path))]
+
+
+def load_video(path: str, rule: VideoRule, where: str | None = None, seed: int = 0,
+               clip_s: tuple[float, float] | None = None, seek: bool = True) -> SampledVideo:
+    """``sampled_frames``, then decode those frames.  Bad input: ``VideoError`` naming the file after ``where``."""
+    info, indices = sampled_frames(path, rule, where, seed, clip_s)
     decoded = decode_frames(path, info, indices, where, seek=seek)
     return SampledVideo(info=info, indices=tuple(indices), frames=decoded.frames, decoded=decoded.decoded)
