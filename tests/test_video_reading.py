@@ -225,3 +225,41 @@ def test_qwen_video_samples(media, tmp_path):
     idx = np.linspace(0, 49, 4).round().astype(int).tolist()
     assert list(video.indices) == idx
     assert video.timestamps == pytest.approx([(idx[0] + idx[1]) / 2 / 25, (idx[2] + idx[3]) / 2 / 25])
+
+
+@pytest.mark.slow
+def test_tiny_internvl_trains_on_a_video_and_image_mix_at_pp2_with_isf(tmp_path):
+    """The built-in tiny model (InternVL family, 32-px tiles) at PP2 with --omnibal-isf on H.264 videos (1-3 s,
+    6-30 fps, 64x48 to 96x64, frame folders too) mixed with images: the loss falls."""
+    from launch import run_training
+
+    rng = np.random.default_rng(0)
+    data = tmp_path / "data"
+    data.mkdir()
+    records = []
+    for k in range(24):
+        answer = str(k % 10)
+        if k % 3 == 0:
+            Image.fromarray(np.full((32 + k, 40, 3), 25 * (k % 10), np.uint8)).save(data / f"i{k}.png")
+            records.append({"messages": [{"role": "user", "content": "<image>\nWhich shade?"},
+                                         {"role": "assistant", "content": answer}], "images": [f"i{k}.png"]})
+            continue
+        fps = int(rng.choice([6, 12, 30]))
+        size = [(64, 48), (96, 64)][k % 2]
+        if k % 4 == 1:
+            write_coded_folder(str(data / f"f{k}"), 6 + k % 5, *size)
+            name = f"f{k}"
+        else:
+            name = f"v{k}.mp4"
+            write_coded_video(str(data / name), fps * (1 + k % 3), fps, *size)
+        records.append({"video": name, "conversations": [{"from": "human", "value": "<video>\nHow long?"},
+                                                         {"from": "gpt", "value": answer}]})
+    write(data / "train.jsonl", records)
+    flags = ["--model", "tiny", "--data-path", str(data / "train.jsonl"), "--pipeline-model-parallel-size", "2",
+             "--omnibal-isf", "--train-iters", "12", "--micro-batch-size", "2", "--global-batch-size", "4",
+             "--video-max-frames", "4", "--seq-length", "512", "--lr", "3e-3", "--lr-warmup-iters", "1",
+             "--eval-interval", "0", "--data-cache-dir", str(tmp_path / "cache"), "--seed", "3"]
+    found, _ = run_training(2, flags, tmp_path, "video")
+    losses = [r["lm loss"] for r in found]
+    assert len(losses) == 12
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
