@@ -19,7 +19,7 @@ Annotation JSONL, one record per non-blank line, in either format (a file may mi
 
 A video is a file PyAV reads or a frame folder (a directory of images, ``--video-folder-fps``); in a
 ``conversations`` record it is the ``<video>`` tag (one is put before the first question when there is none, as
-InternVL's fine-tuning code does) and a ``clip`` cuts it.  How a video becomes ViT items and text is the family's
+the conversations format's reference code does) and a ``clip`` cuts it.  How a video becomes ViT items and text is the family's
 video rule (``ReaderConfig.videos``, a ``VideoRule`` of ``video.py``): the rule's frames are taken (from the
 header and a seed per record and video, ``video_seed``), its text replaces the ``<video>`` tag, holding one
 ``<image>`` block per item group; its blocks are counted like images' (``img_*`` entries: each block one entry of
@@ -200,7 +200,7 @@ def record_turns(record) -> tuple[list[Turn], list[str], list[RecordVideo]]:
     turns = add_missing_placeholder(parse_conversations(record["conversations"]), len(images))
     if any(VIDEO_TAG in t.text for t in turns if t.role != "user"):
         raise ConversationError(f"a {VIDEO_TAG} placeholder outside a human turn")
-    if len(videos) == 1 and count_video_tags(turns) == 0:  # InternVL's code puts the missing tag first
+    if len(videos) == 1 and count_video_tags(turns) == 0:  # the format's reference code puts the missing tag first
         first_user = next(k for k, t in enumerate(turns) if t.role == "user")
         turns[first_user] = Turn("user", VIDEO_TAG + "\n" + turns[first_user].text)
     placeholders = count_placeholders(turns)
