@@ -18,9 +18,9 @@ Annotation JSONL, one record per non-blank line, in either format (a file may mi
      "images": ["a.png", ...], "videos": ["v.mp4", ...]}                                        (messages.py)
 
 A video is a file PyAV reads or a frame folder (a directory of images, ``--video-folder-fps``); in a
-``conversations`` record it is the ``<video>`` tag (one is put before the first question when there is none, as
-the conversations format's reference code does) and a ``clip`` cuts it.  How a video becomes ViT items and text is the family's
-video rule (``ReaderConfig.videos``, a ``VideoRule`` of ``video.py``): the rule's frames are taken (from the
+``conversations`` record it is the ``<video>`` tag (one is put before the first question when there is none,
+as the conversations format's reference code does) and a ``clip`` cuts it.  How a video becomes ViT items and
+text is the family's video rule (``ReaderConfig.videos``, a ``VideoRule`` of ``video.py``): the rule's frames are taken (from the
 header and a seed per record and video, ``video_seed``), its text replaces the ``<video>`` tag, holding one
 ``<image>`` block per item group; its blocks are counted like images' (``img_*`` entries: each block one entry of
 the source frame size) and kept or dropped whole by truncation.  The validation scan decodes every video's
@@ -528,7 +528,8 @@ class RecordDataset(torch.utils.data.Dataset):
     """Map-style dataset over a meta JSON (or one annotation JSONL); validated in full at construction.
 
     ``images``: the family's image rule (``DataSide.image_rule``), ``videos`` its video rule (``DataSide.video_rule``,
-    None: video records refused); a video's blocks count as images below. ``__getitem__(i)`` -> ``{"input_ids": int64 [n],
+    None: video records refused); a video's blocks count as images below.
+    ``__getitem__(i)`` -> ``{"input_ids": int64 [n],
     "labels": int64 [n], "pixel_values": float32 [k, ...], "image_flags": int64 [k], "image_sizes": int64
     [images, 2]}`` with ``n == sample_lengths()[0][i]`` tokens, ``k == sample_lengths()[1][i]`` ViT items (the
     rule's ``pixels`` rows) and the (width, height) px of each kept image.  ``scan_group`` and ``cache_dir``: see
