@@ -20,8 +20,8 @@ Annotation JSONL, one record per non-blank line, in either format (a file may mi
 A video is a file PyAV reads or a frame folder (a directory of images, ``--video-folder-fps``); in a
 ``conversations`` record it is the ``<video>`` tag (one is put before the first question when there is none,
 as the conversations format's reference code does) and a ``clip`` cuts it.  How a video becomes ViT items and
-text is the family's video rule (``ReaderConfig.videos``, a ``VideoRule`` of ``video.py``): the rule's frames are taken (from the
-header and a seed per record and video, ``video_seed``), its text replaces the ``<video>`` tag, holding one
+text is the family's video rule (``ReaderConfig.videos``, a ``VideoRule`` of ``video.py``): the rule's frames are
+taken (from the header and a seed per record and video, ``video_seed``), its text replaces the ``<video>`` tag, holding one
 ``<image>`` block per item group; its blocks are counted like images' (``img_*`` entries: each block one entry of
 the source frame size) and kept or dropped whole by truncation.  The validation scan decodes every video's
 sampled frames (a truncated or corrupt file is caught there); ``__getitem__`` (in the DataLoader's workers)
