@@ -23,8 +23,7 @@ as the conversations format's reference code does) and a ``clip`` cuts it.  How 
 text is the family's video rule (``ReaderConfig.videos``, a ``VideoRule`` of ``video.py``): the rule's frames are
 taken (from the header and a seed per record and video, ``video_seed``), its text replaces the ``<video>`` tag,
 holding one ``<image>`` block per item group; its blocks are counted like images' (``img_*`` entries: each block
-one entry of
-the source frame size) and kept or dropped whole by truncation.  The validation scan decodes every video's
+one entry of the source frame size) and kept or dropped whole by truncation.  The validation scan decodes every video's
 sampled frames (a truncated or corrupt file is caught there); ``__getitem__`` (in the DataLoader's workers)
 decodes them again.  A family without a video rule refuses video records (``--skip-bad-samples`` leaves them out).
 
