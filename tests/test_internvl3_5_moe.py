@@ -6,6 +6,7 @@ within 1e-5 of transformers (fp32, eager) at every pipeline cut in one process, 
 to matter, import -> export bit-identical and loaded by transformers; EP2, TP2, PP2 and EP2 x TP2 through
 ``scripts/hf_logits.py`` under torchrun (slow)."""
 import json
+import shutil
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ import torch
 pytest.importorskip("transformers")
 import hf_tiny  # noqa: E402
 from test_hf_convert import write_original  # noqa: E402
+from test_internvl3_5 import write_context_tokenizer  # noqa: E402
 
 from omnibal_ext.errors import UserError  # noqa: E402
 from omnibal_ext.model.units import build_units, get_preset, unit_components  # noqa: E402
@@ -164,7 +166,10 @@ def test_import_export_round_trip_and_transformers_loads_it(megatron_world, tiny
     pairs = []
     for name, (native, original, _) in tiny.items():
         want = load_file(str(native / "model.safetensors"))
-        for folder, tag in ((native, "native"), (original, "original")):
+        with_tokenizer = tmp_path / f"original-{name}"
+        shutil.copytree(original, with_tokenizer)
+        write_context_tokenizer(with_tokenizer, 299)  # the original config names no image token: the tokenizer's
+        for folder, tag in ((native, "native"), (with_tokenizer, "original")):
             out = tmp_path / f"out-{name}-{tag}"
             import_hf(str(folder), str(tmp_path / f"ckpt-{name}-{tag}"))
             export_hf(str(tmp_path / f"ckpt-{name}-{tag}"), str(out))
@@ -178,8 +183,7 @@ def test_import_export_round_trip_and_transformers_loads_it(megatron_world, tiny
             else:  # written from the spec: the MoE keys read back to the same experts
                 text = config["text_config"]
                 assert text["model_type"] == "qwen3_moe" and text["mlp_only_layers"] == [1]
-                assert text["norm_topk_prob"] == (name == "topk-normalised")
-                (out / "config.json").write_text(json.dumps({**config, "image_token_id": 299}))
+                assert text["norm_topk_prob"] == (name == "topk-normalised") and config["image_token_id"] == 299
             pairs += [str(native), str(out)]
     # transformers loads the exports and gives the source models' logits (a fresh process: see test_internvl3_5)
     torch.save(hf_tiny.inputs(), tmp_path / "in.pt")
