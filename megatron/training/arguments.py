@@ -358,10 +358,14 @@ def check_moe(args, spec: ModelSpec, tp: int, pp: int, cp: int, dp: int) -> None
     from omnibal_ext.model.moe import ExpertGrid, expert_grid_problem
 
     moe = spec.language.moe
-    if getattr(args, "hf_checkpoint", None) and args.num_experts is not None:
-        raise ArgumentError("--num-experts with --hf-checkpoint: the model (its experts too) comes from config.json; "
-                            "drop the MoE model flags")
     if moe is None:
+        if getattr(args, "hf_checkpoint", None):  # a dense checkpoint: no MoE flag applies
+            defaults = build_parser()
+            given = [f for f in ("--num-experts", *MOE_FLAGS)
+                     if getattr(args, f[2:].replace("-", "_")) != defaults.get_default(f[2:].replace("-", "_"))]
+            if given:
+                raise ArgumentError(f"{', '.join(given)} with --hf-checkpoint {args.hf_checkpoint}: its LLM is dense "
+                                    "(config.json names no experts); drop them")
         return
     if args.moe_router_pre_softmax and args.moe_router_score_function != "softmax":
         raise ArgumentError("--moe-router-pre-softmax is the softmax router's (the sigmoid router always "
@@ -412,9 +416,11 @@ def check_moe(args, spec: ModelSpec, tp: int, pp: int, cp: int, dp: int) -> None
                             f"{etp}, world {tp * cp * dp * pp})")
 
 
-def moe_run_of(args):
-    """How the MoE layers train (``megatron.vlm.moe.MoERun``) from checked flags; None without --num-experts."""
-    if args.num_experts is None:
+def moe_run_of(args, spec: ModelSpec | None = None):
+    """How the MoE layers train (``megatron.vlm.moe.MoERun``) from checked flags; None for a dense model (``spec``,
+    the model the flags describe: default ``model_spec_of(args)``)."""
+    spec = model_spec_of(args) if spec is None else spec
+    if spec.language.moe is None:
         return None
     from megatron.vlm.moe import MoERun
 
@@ -457,10 +463,39 @@ def hf_spec_from_args(args) -> ModelSpec:
         setattr(probe, d, getattr(args, d))
         if model_spec_from_args(probe, base=spec) != spec:
             conflicts.append(f"--{d.replace('_', '-')} {getattr(args, d)}")
+    conflicts += hf_moe_conflicts(args, spec.language.moe)
     if conflicts:
         raise ArgumentError(f"--hf-checkpoint {folder}: model flag(s) {', '.join(conflicts)} disagree with its "
                             "config.json; drop them (the model comes from the checkpoint)")
+    if spec.language.moe is not None:  # what the checkpoint leaves to the run: the balancing loss, token dropping
+        moe = dataclasses.replace(spec.language.moe, load_balancing_type=args.moe_router_load_balancing_type,
+                                  capacity_factor=args.moe_expert_capacity_factor)
+        spec = spec.replace(language=dataclasses.replace(spec.language, moe=moe))
     return spec
+
+
+def hf_moe_conflicts(args, moe) -> list[str]:
+    """The MoE flags a checkpoint's config.json fixes (the experts, routing, MoE layers, shared expert) that were
+    given and disagree with ``moe`` (its MoESpec; None: a dense LLM, refused by ``check_moe``)."""
+    from omnibal_ext.model.moe import parse_layer_freq
+
+    if moe is None or not hasattr(args, "num_experts"):
+        return []
+    parser = build_parser()
+    fixed = {"num_experts": moe.num_experts, "moe_router_topk": moe.topk, "moe_ffn_hidden_size": moe.ffn_hidden_size,
+             "moe_shared_expert_intermediate_size": moe.shared_expert_ffn_hidden_size or None,
+             "moe_shared_expert_gate": moe.shared_expert_gate, "moe_router_score_function": moe.score_function,
+             "moe_router_pre_softmax": moe.score_function == "softmax" and not moe.norm_topk_prob}
+    out = [f"--{d.replace('_', '-')} {getattr(args, d)}" for d, want in fixed.items()
+           if getattr(args, d) != parser.get_default(d) and getattr(args, d) != want]
+    if args.moe_layer_freq != parser.get_default("moe_layer_freq"):
+        try:
+            same = parse_layer_freq(args.moe_layer_freq, len(moe.layer_freq)) == moe.layer_freq
+        except UserError:
+            same = False
+        if not same:
+            out.append(f"--moe-layer-freq {args.moe_layer_freq}")
+    return out
 
 
 def model_spec_from_args(args, base: ModelSpec | None = None) -> ModelSpec:
