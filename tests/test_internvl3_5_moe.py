@@ -256,7 +256,8 @@ def test_hf_checkpoint_fixes_the_experts_and_takes_the_run_flags(tiny, tmp_path)
     run = moe_run_of(args, spec)
     assert (spec.language.moe.num_experts, spec.language.moe.norm_topk_prob) == (6, False)
     assert (run.ep, run.etp, run.aux_loss_coeff) == (2, 1, 0.01)
-    for flags, named in ((["--num-experts", "8"], "--num-experts 8"), (["--moe-router-topk", "3"], "--moe-router-topk 3"),
+    for flags, named in ((["--num-experts", "8"], "--num-experts 8"),
+                         (["--moe-router-topk", "3"], "--moe-router-topk 3"),
                          (["--moe-layer-freq", "[1,1,1]"], r"--moe-layer-freq \[1,1,1\]"),
                          (["--moe-router-score-function", "sigmoid"], "--moe-router-score-function sigmoid"),
                          (["--moe-ffn-hidden-size", "8"], "--moe-ffn-hidden-size 8")):

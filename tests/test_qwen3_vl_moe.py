@@ -100,7 +100,8 @@ def test_config_cases(tiny):
     no_head_dim["text_config"]["rope_parameters"]["mrope_section"] = [2, 1, 1]  # 8 / 2 rotary pairs
     assert spec_from_config(no_head_dim)[0].language.kv_channels == 32 // 4
     # the text config's own tie_word_embeddings (its class default True) does not tie: the top-level one does
-    assert cfg["text_config"].get("tie_word_embeddings", True) and not spec_from_config(cfg)[0].language.tie_word_embeddings
+    assert cfg["text_config"].get("tie_word_embeddings", True)
+    assert not spec_from_config(cfg)[0].language.tie_word_embeddings
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -30,8 +30,8 @@ class HFInfo:
     vit_layers_in_checkpoint: int  # HF ViT layers (the spec may build fewer: a feature layer before the last)
     image_token_id: int | None  # None: not in the config (the tokenizer's image context token)
     image_seq_length: int | None = None
-    # the stacked (3-D) tensors the files hold transposed, by name within a layer (Qwen3-VL-MoE's published
-    # ``mlp.experts.gate_up_proj`` / ``down_proj``): only the shapes say it (``HFSide.checkpoint_info``)
+    # the stacked (3-D) tensors the files hold transposed, by name within a layer (fused experts as some
+    # published files hold them): only the shapes say it (``HFSide.checkpoint_info``)
     transposed: tuple[str, ...] = ()
 
     def __post_init__(self):

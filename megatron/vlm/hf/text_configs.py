@@ -101,7 +101,7 @@ def qwen_experts(cfg: dict, where: str, norm_topk_prob_default: bool | None) -> 
     ``num_experts_per_tok``, ``moe_intermediate_size``, the MoE layers by Qwen's rule (``decoder_sparse_step``,
     default 1, and ``mlp_only_layers``), softmax routing, no shared expert. ``norm_topk_prob_default``: the config
     class's default when the key is missing (Qwen3-MoE: False); None: the model always renormalises the top k
-    (Qwen3-VL-MoE), and a config saying otherwise is refused. ``router_aux_loss_coef`` is a training choice
+    (a VLM's MoE decoder), and a config saying otherwise is refused. ``router_aux_loss_coef`` is a training choice
     (``--moe-aux-loss-coeff``), not part of the model."""
     refuse(cfg, "shared_expert_intermediate_size", where, lambda v: not v, "no shared experts")
     refuse(cfg, "router_aux_loss_coef", where, lambda v: float(v) >= 0, "a coefficient >= 0")

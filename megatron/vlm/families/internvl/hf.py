@@ -6,7 +6,8 @@ own units (ViT embedding, ViT layers, projector) to our global tensors; the GPT 
 Two config layouts are read:
 
 * native (``InternVLForConditionalGeneration``, ``model_type`` "internvl"): ``vision_config`` (InternViT),
-  ``text_config`` (Qwen2, Qwen3, Qwen3-MoE or Llama), ``downsample_ratio``, ``image_token_id``, ``vision_feature_layer``,
+  ``text_config`` (Qwen2, Qwen3, Qwen3-MoE or Llama), ``downsample_ratio``, ``image_token_id``,
+  ``vision_feature_layer``,
   ``vision_feature_select_strategy``, ``projector_hidden_act``, top-level ``tie_word_embeddings`` (what
   transformers ties by; default true);
 * original OpenGVLab (``InternVLChatModel``): ``vision_config`` (InternVisionConfig: ``qkv_bias``,
@@ -298,6 +299,6 @@ def structure_twin(spec):
     f = int(round(1 / spec.downsample_ratio))
     vision = dataclasses.replace(v, hidden_size=2 * v.num_attention_heads, ffn_hidden_size=4, image_size=f, patch_size=1)
     moe = lang.moe and dataclasses.replace(lang.moe, ffn_hidden_size=4)
-    language = dataclasses.replace(lang, hidden_size=8, head_dim=2, ffn_hidden_size=4, vocab_size=128, real_vocab_size=None,
-                                   moe=moe)
+    language = dataclasses.replace(lang, hidden_size=8, head_dim=2, ffn_hidden_size=4, vocab_size=128,
+                                   real_vocab_size=None, moe=moe)
     return spec.replace(vision=vision, language=language)

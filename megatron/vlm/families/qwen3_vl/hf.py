@@ -73,7 +73,8 @@ def _language(t: dict, where: str, tie: bool, moe: bool = False) -> LanguageSpec
     if moe:
         extra["moe"] = qwen_experts(t, where, norm_topk_prob_default=None)
         if not t.get("head_dim"):  # Qwen3VLMoeTextConfig: hidden / heads (Qwen3's own default is 128)
-            t = {**t, "head_dim": int(require(t, "hidden_size", where)) // int(require(t, "num_attention_heads", where))}
+            hidden, heads = int(require(t, "hidden_size", where)), int(require(t, "num_attention_heads", where))
+            t = {**t, "head_dim": hidden // heads}
     lang = qwen3(t, where, default_theta=DEFAULT_THETA, rope_kinds=kinds, mrope_section=section,
                  mrope_interleaved=True, **extra)
     return with_tie(lang, tie)
@@ -169,7 +170,8 @@ def native_config(spec: ModelSpec, info: HFInfo, source: dict | None) -> dict:
               "spatial_merge_size": v.spatial_merge_size,
               "rope_parameters": {"rope_type": "axial", "rope_theta": float(v.rotary_base)}}
     if lang.moe is not None:
-        text.update(model_type="qwen3_vl_moe_text", **{k: v for k, v in moe_config(lang).items() if k != "norm_topk_prob"})
+        experts = {k: v for k, v in moe_config(lang).items() if k != "norm_topk_prob"}  # always renormalised
+        text.update(model_type="qwen3_vl_moe_text", **experts)
         vision["model_type"] = "qwen3_vl_moe_vision"
     moe = lang.moe is not None
     return {"architectures": ["Qwen3VLMoeForConditionalGeneration" if moe else "Qwen3VLForConditionalGeneration"],
@@ -285,8 +287,8 @@ def moe_layer_recipes(unit, table) -> None:
     t_gate_up, t_down = (kind in info.transposed for kind in FUSED_EXPERTS)
 
     def experts(e):
-        return (Part(gate_up, 0, F, index=e, transposed=t_gate_up), Part(gate_up, F, 2 * F, index=e, transposed=t_gate_up),
-                Part(down, 0, H, index=e, transposed=t_down))
+        return (Part(gate_up, 0, F, index=e, transposed=t_gate_up),
+                Part(gate_up, F, 2 * F, index=e, transposed=t_gate_up), Part(down, 0, H, index=e, transposed=t_down))
 
     add_moe_llm_layer(table.add, table.hf, m, unit.name + ".", spec, info, experts)
 
