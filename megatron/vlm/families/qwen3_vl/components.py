@@ -33,6 +33,7 @@ from megatron.vlm.attention import segment_params
 from megatron.vlm.components import PaddedHeadLayers, RuntimeComponent
 from megatron.vlm.families.qwen2_5_vl.components import ImageTextEmbed, MRopeTextLayer
 from megatron.vlm.families.qwen2_5_vl.modules import vision_rotary
+from megatron.vlm.micro_batch import MicroBatch
 from megatron.vlm.side import put_side, take_side
 from megatron.vlm.text import run_text_blocks
 
@@ -50,7 +51,7 @@ class VisionEmbed(RuntimeComponent):
 
     def forward(self, module, x, batch, cache):
         device = module.proj.weight.device
-        x = module(batch["pixel_values"], batch["vision_pos_index"].to(device), batch["vision_pos_weight"].to(device))
+        x = module(batch.vision.pixel_values, batch.vision.vision_pos_index.to(device), batch.vision.vision_pos_weight.to(device))
         return x.unsqueeze(1)
 
     @classmethod
@@ -83,18 +84,18 @@ class VisionLayers(PaddedHeadLayers):
         self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.vision_config)
         return self.ctx.build_layers(units, self.ctx.vision_config, self.layer_spec, self.code())
 
-    def context(self, batch: dict, device) -> dict:
+    def context(self, batch: MicroBatch, device) -> dict:
         """RoPE and the packed parameters, built once per micro-batch (``cache["qwen3_vit"]``); the patch count and
         the count padded for sequence parallelism."""
         v, cfg = self.spec.vision, self.ctx.vision_config
-        patches = int(batch["vision_cu_seqlens"][-1])
+        patches = int(batch.vision.vision_cu_seqlens[-1])
         padded = patches
         if cfg.sequence_parallel:
             padded = sequence_parallel.padded_tokens(patches, cfg.tensor_model_parallel_size)
-        rope = vision_rotary(batch["vision_rotary_ids"].to(device), v.head_dim, v.rotary_base)
+        rope = vision_rotary(batch.vision.vision_rotary_ids.to(device), v.head_dim, v.rotary_base)
         rope = F.pad(rope, (0, 0, 0, 0, 0, 0, 0, padded - patches))
         te = self.ctx.transformer_impl == "transformer_engine"
-        cu, longest = sequence_parallel.with_pad_segment(batch["vision_cu_seqlens"], batch["vision_max_seqlen"], padded)
+        cu, longest = sequence_parallel.with_pad_segment(batch.vision.vision_cu_seqlens, batch.vision.vision_max_seqlen, padded)
         return {"rope": rope, "patches": patches, "padded": padded,
                 "params": segment_params(cu, longest, device if te else None)}
 
@@ -217,7 +218,7 @@ class DeepStackTextLayer(MRopeTextLayer):
         return blocks
 
     def _add_feature(self, x, feature, batch):
-        mask = (batch["tokens"].reshape(-1) == self.ctx.img_context_id).to(x.device)
+        mask = (batch.text.tokens.reshape(-1) == self.ctx.img_context_id).to(x.device)
         if self.ctx.language_config.sequence_parallel:  # x: this TP rank's slice of the tokens
             from megatron.core import parallel_state
 

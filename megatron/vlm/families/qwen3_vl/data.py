@@ -37,6 +37,7 @@ from ..qwen2_5_vl.data import IMAGE_TOKENS, PatchImages, QwenBatcher, with_pixel
 from ..qwen2_5_vl.data import profile_batch as qwen_profile_batch
 from ..qwen2_5_vl.image_processing import ImageProcessorConfig
 from ..qwen2_5_vl.vision_windows import frame_cu_seqlens, rotary_position_ids
+from .batch import Qwen3Vision
 from .image_processing import PUBLISHED, folder_config
 from .positions import mm_token_type_ids
 
@@ -89,7 +90,7 @@ def image_rule(args, spec, hf_folder) -> PatchImages:
 class Qwen3Batcher(QwenBatcher):
     """Qwen2.5-VL's micro-batch with Qwen3-VL's ViT fields and ``mm_token_type_ids`` (module docstring)."""
 
-    vision_keys = VISION_KEYS
+    vision_part = Qwen3Vision
 
     def vision_fields(self, grids):
         return vision_fields(grids, self.spec)
@@ -99,10 +100,6 @@ class Qwen3Batcher(QwenBatcher):
         types = torch.from_numpy(mm_token_type_ids(batch["tokens"].numpy(), self.image_token_id))
         batch[TOKEN_TYPES] = torch.where(batch["segment_ids"] >= 0, types, torch.zeros_like(types))
         return batch
-
-    def keys(self, inputs):
-        keys = super().keys(inputs)
-        return keys + (TOKEN_TYPES,) if inputs.tokens or inputs.packing else keys
 
     def split_cp(self, batch, cp, rank, pad_id, img_context_id, sp_tp=1):
         """Qwen2.5-VL's split (``QwenBatcher.split_cp``) with ``mm_token_type_ids`` [1, t / cp] as this rank's
