@@ -1,4 +1,4 @@
-"""Logits of our model on a Hugging Face folder (InternVL, Qwen2.5-VL), at any TP/PP/layout (the check against transformers).
+"""Logits of our model on a Hugging Face folder (InternVL, Qwen2.5-VL, Qwen3-VL), at any TP/PP/layout (the check against transformers).
 
     torchrun --nproc-per-node N scripts/hf_logits.py --hf-checkpoint DIR --inputs IN.pt --out OUT.pt \\
         [--tensor-model-parallel-size T] [--pipeline-model-parallel-size P] [--pipeline-layout L]
@@ -6,7 +6,8 @@
 IN.pt: transformers' own inputs for the model's family (``HFSide.logits_batch`` makes the micro-batch):
 InternVL ``{"input_ids": LongTensor [1, s], "pixel_values": FloatTensor [tiles, 3, H, W]}``, the input_ids already
 holding image_seq_length image-token ids per tile; Qwen2.5-VL ``{"input_ids" [1, s], "pixel_values" [patches,
-3*2*14*14], "image_grid_thw" [n, 3], "mm_token_type_ids" [1, s]}`` as its processor returns them. OUT.pt: float32
+3*2*14*14], "image_grid_thw" [n, 3], "mm_token_type_ids" [1, s]}`` as its processor returns them (Qwen3-VL: the
+same, patches of 3*2*16*16; DeepStack features live at a stage boundary travel packed with the hidden states). OUT.pt: float32
 logits ``[s, real vocabulary]`` of our model (fp32 on CPU), written by the last stage's TP rank 0. Each rank reads
 only its own units and TP slices of the safetensors. Compare with
 ``<Model>ForConditionalGeneration.from_pretrained(DIR)(**inputs).logits[0]`` (Qwen2.5-VL: pass mm_token_type_ids,

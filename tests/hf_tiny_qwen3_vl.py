@@ -71,3 +71,108 @@ def inputs(grids=GRIDS, seed=1):
 def hf_logits(model, batch):
     with torch.no_grad():
         return model(**batch).logits[0].float()
+
+
+def write_preprocessor(folder, min_pixels=32 * 32, max_pixels=32 * 32 * 16) -> None:
+    """Qwen3-VL's ``preprocessor_config.json`` (patch 16, merge 2, mean/std 0.5) with a small pixel budget (px):
+    by default 1 .. 16 merged tokens (4 .. 64 patches) per image."""
+    import json
+
+    (folder / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessorFast", "patch_size": PATCH, "merge_size": 2,
+        "temporal_patch_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}}))
+
+
+def make_tiny_with_tokenizer(folder, seed=0, **kw):
+    """A new folder ``folder`` with ``hf_tiny_qwen``'s tokenizer and chat template, ``write_preprocessor``'s image
+    settings and a tiny perturbed model (``make_tiny``) whose image/vision token ids are that tokenizer's; returns
+    (the model (eval, fp32, eager), the special tokens' ids by name)."""
+    import hf_tiny_qwen
+
+    folder.mkdir()
+    ids = hf_tiny_qwen.write_tokenizer(folder)
+    write_preprocessor(folder)
+    model = make_tiny(folder, seed=seed, **kw)
+    hf_tiny_qwen.set_token_ids(model, ids)
+    model.save_pretrained(str(folder))
+    return model, ids
+
+
+def inputs_with_token_ids(ids: dict, grids=GRIDS, seed=1):
+    """``inputs`` in the ids of ``hf_tiny_qwen.write_tokenizer``'s tokenizer (``ids``: its special tokens by name):
+    the image tokens made that tokenizer's; other text ids moved past its special tokens."""
+    batch = inputs(grids, seed)
+    tokens = batch["input_ids"]
+    roles = {IMAGE_ID: "<|image_pad|>", VISION_START: "<|vision_start|>", VISION_END: "<|vision_end|>"}
+    where = {old: tokens == old for old in roles}
+    text = ~sum(where.values()).bool()
+    tokens[text] = tokens[text] % 100 + len(ids)
+    for old, name in roles.items():
+        tokens[where[old]] = ids[name]
+    batch["mm_token_type_ids"] = (tokens == ids["<|image_pad|>"]).long()
+    return batch
+
+
+def colour_images(folder, count=12, seed=0) -> list[tuple[str, str]]:
+    """``count`` small photo-like RGB images (JPEG and PNG, 40..150 px a side, aspect ratios up to ~3.5): a
+    dominant red, green or blue with gradients and noise; returns (file name, colour name) pairs."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(count):
+        colour = ("red", "green", "blue")[k % 3]
+        h, w = (int(x) for x in rng.integers(40, 150, size=2))
+        y, x = np.mgrid[0:h, 0:w]
+        base = np.stack([60 + 40 * np.sin(x / (7 + k)), 60 + 40 * np.cos(y / (5 + k)), 50 + 0 * x], -1)
+        base[..., k % 3] += 120
+        pixels = np.clip(base + rng.normal(0, 12, (h, w, 3)), 0, 255).astype(np.uint8)
+        name = f"{colour}{k}.{'png' if k % 2 else 'jpg'}"
+        Image.fromarray(pixels, "RGB").save(folder / name)
+        out.append((name, colour))
+    return out
+
+
+QUESTIONS = ("<image>What colour is it?", "Name the colour: <image>", "<image>\nWhich colour?")
+
+
+def structured(text: str, paths: list[str]) -> list[dict]:
+    """``text``'s ``<image>`` tags as transformers' image parts (``paths`` in order), the rest as text parts."""
+    pieces = text.split("<image>")
+    parts = [{"type": "text", "text": pieces[0]}] if pieces[0] else []
+    for path, piece in zip(paths, pieces[1:]):
+        parts.append({"type": "image", "image": path})
+        parts += [{"type": "text", "text": piece}] if piece else []
+    return parts
+
+
+def write_messages_data(folder, structured_content: bool = False) -> str:
+    """A ``messages`` JSONL over ``colour_images``: one-image questions (the answer names the colour) and two-image
+    ones (both, in order); the content strings with ``<image>`` tags and an ``images`` list, or with
+    ``structured_content`` transformers' structured lists (``{"type": "image", "image": PATH}`` parts); returns its
+    path."""
+    import json
+
+    images = folder / "images"
+    images.mkdir()
+    pics = colour_images(images)
+
+    def record(question, paths, answer):
+        if not structured_content:
+            return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}],
+                    "images": paths}
+        return {"messages": [{"role": "user", "content": structured(question, paths)},
+                             {"role": "assistant", "content": [{"type": "text", "text": answer}]}]}
+
+    lines = []
+    for k, (name, colour) in enumerate(pics):
+        for q in QUESTIONS:
+            lines.append(record(q, [f"images/{name}"], colour))
+        other, second = pics[(k + 4) % len(pics)]
+        lines.append(record("<image> then <image>: which?", [f"images/{name}", f"images/{other}"],
+                            f"{colour}, {second}"))
+    path = folder / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return str(path)

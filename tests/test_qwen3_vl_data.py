@@ -46,9 +46,11 @@ PUBLISHED_FILE = {"size": {"longest_edge": 16777216, "shortest_edge": 65536}, "p
                   "image_processor_type": "Qwen2VLImageProcessorFast"}
 
 
-def spec(patch=16, merge=2, temporal=2):
-    """The parts of a model spec the data side reads (no Qwen3-VL preset needed)."""
-    vision = SimpleNamespace(patch_size=patch, spatial_merge_size=merge, temporal_patch_size=temporal, in_channels=3)
+def spec(patch=16, merge=2, temporal=2, position_grid_side=4):
+    """The parts of a model spec the data side reads (no Qwen3-VL preset needed; ``tiny_vl``'s 4 x 4 position
+    table)."""
+    vision = SimpleNamespace(patch_size=patch, spatial_merge_size=merge, temporal_patch_size=temporal, in_channels=3,
+                             position_grid_side=position_grid_side)
     return SimpleNamespace(name="qwen3-vl-test", vision=vision)
 
 
@@ -257,6 +259,9 @@ def test_vision_fields_are_what_the_vision_model_computes(tiny_vl):
     assert torch.equal(ours["image_grid_thw"], grid)
     assert torch.equal(ours["vision_rotary_ids"], ref_vision.get_vision_position_ids(grid, 2))
     ref_cu, ref_max = ref_vision.get_vision_attention_seqlens(grid, visual.config)
+    index, weight = ref_vision.get_vision_interpolation_indices_and_weights(
+        grid, num_grid_per_side=4, mode="bilinear", align_corners=True, spatial_merge_size=2)
+    assert torch.equal(ours["vision_pos_index"], index) and torch.allclose(ours["vision_pos_weight"], weight)
     assert torch.equal(ours["vision_cu_seqlens"], ref_cu) and ours["vision_max_seqlen"] == 60
     x = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

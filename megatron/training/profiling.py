@@ -23,6 +23,7 @@ import torch.distributed as dist
 from omnibal_ext.errors import UserError
 from omnibal_ext.model.cost_model import MicroBatchShape
 from omnibal_ext.model.costs import CostTable, UnitCost
+from omnibal_ext.model.families import family_of
 from omnibal_ext.model.profile import environment_meta, measure_unit, to_unit_cost
 from omnibal_ext.model.spec import LAYER_ROLES, VISION_LAYER
 from omnibal_ext.model.units import build_units, unit_components
@@ -94,8 +95,7 @@ def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, devic
                   warmup: int = 2, repeats: int = 5) -> CostTable:
     """Measured costs of every unit of the model ``spec`` at ``shape`` (one micro-batch, this TP)."""
     tp = args.tensor_model_parallel_size
-    mini = spec.replace(vision=dataclasses.replace(spec.vision, num_layers=vision_layers_of_every_kind(spec)),
-                        language=dataclasses.replace(spec.language, num_layers=1))
+    mini = family_of(spec).few_layers(spec, vision_layers_of_every_kind(spec), 1)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     on_cpu = device.type == "cpu"
     mini_units = build_units(mini)

@@ -54,7 +54,9 @@ def gather_vocab(logits: torch.Tensor, real_vocab: int) -> torch.Tensor:
 
 def chained_logits(src, inputs: dict, cuts: list[int] = (), img_context_id: int | None = None) -> torch.Tensor:
     """In one process (TP1): the model split into stages at unit indices ``cuts``, each stage built and loaded
-    on its own, the hidden state handed from one to the next; [s, real vocab]."""
+    on its own, each stage's output handed to the next as the pipeline's P2P hands it (the hidden states with the
+    side tensors live at that cut packed in by the stage: ``megatron.vlm.side.pack``, unpacked by the next stage
+    with the rows of its ``DataSide.side_rows``); [s, real vocab]."""
     from .load import load_hf_into_stage
 
     spec = src.spec

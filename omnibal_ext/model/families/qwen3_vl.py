@@ -23,7 +23,7 @@ FLOPs (forward, one multiply-add = 2), ``n`` patches, ``h`` hidden, ``f`` MLP hi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -221,9 +221,10 @@ class DeepStackLayerCost(VisionLayerCost):
         return (super().params(tp), 0) if role == self.code else (0, 0)
 
     def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False, kernels=FUSED_KERNELS):
+        # the merger runs after the layer's block, outside its recompute: its activations are kept in every mode
         layer = super().act_bytes(shape, tp, dropout, attention, sequence_parallel, kernels)
         extra = _merger_act(self.spec, shape, tp, _merger_sizes(self.spec)[0], kernels)
-        return ActBytes(layer.act + extra, layer.full, layer.selective + extra, layer.send)
+        return ActBytes(layer.act + extra, layer.full + extra, layer.selective + extra, layer.send)
 
     def tp_allreduce_bytes(self, shape, sequence_parallel=False, tp=1):
         fwd, bwd = super().tp_allreduce_bytes(shape, sequence_parallel, tp)
@@ -275,6 +276,14 @@ def side_tensors(spec: ModelSpec) -> tuple[SideTensor, ...]:
     return tuple(SideTensor(deepstack_name(j), names.index(f"vit.layer.{layer}"), (names.index(f"llm.layer.{j}"),),
                             spec.language.hidden_size)
                  for j, layer in enumerate(spec.vision.deepstack_visual_indexes))
+
+
+def few_layers(spec: ModelSpec, vision_layers: int, llm_layers: int) -> ModelSpec:
+    """``spec``'s first ``vision_layers`` ViT layers with the DeepStack indexes among them, and ``llm_layers`` LLM
+    layers, more where the kept DeepStack features need them (``Family.few_layers``: the trainer's profiler)."""
+    kept = tuple(i for i in spec.vision.deepstack_visual_indexes if i < vision_layers)
+    vision = replace(spec.vision, num_layers=vision_layers, deepstack_visual_indexes=kept)
+    return spec.replace(vision=vision, language=replace(spec.language, num_layers=max(llm_layers, len(kept))))
 
 
 def spec_problem(spec: ModelSpec) -> str | None:
@@ -333,6 +342,7 @@ QWEN3_VL = register(Family(
     components=(VisionEmbedCost, VisionLayerCost, DeepStackLayerCost, MergerCost, TextEmbedCost, TextLayerCost,
                 HeadCost),
     unit_list=unit_list, vision_item="patch", presets=PRESETS, segments_sq=image_segments_sq,
-    spec_problem=spec_problem, side_tensors=side_tensors,
-    # drop path, context and sequence parallelism are declared when they are implemented and tested
-    capabilities=Capabilities(lora_targets=LORA_TARGETS, image_flags=("--min-pixels", "--max-pixels"))))
+    spec_problem=spec_problem, side_tensors=side_tensors, few_layers=few_layers,
+    # drop path: tests/test_qwen3_vl_drop_path.py; SP and CP: tests/test_qwen3_vl_training.py
+    capabilities=Capabilities(drop_path=True, sequence_parallel=True, context_parallel=True,
+                              lora_targets=LORA_TARGETS, image_flags=("--min-pixels", "--max-pixels"))))

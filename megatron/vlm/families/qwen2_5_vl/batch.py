@@ -74,7 +74,8 @@ def logits_batch(inputs: dict, spec, info, fields=vision_fields, vision: type[Vi
              "mrope_position_ids": torch.from_numpy(positions).reshape(3, 1, s),
              "cu_seqlens": torch.tensor([0, s], dtype=torch.int32), "max_seqlen": s,
              "segment_ids": torch.zeros(1, s, dtype=torch.int64), "position_ids": torch.arange(s).reshape(1, s),
-             "sample_tokens": torch.tensor([s]), "sample_tiles": torch.tensor([len(grid_list)])}
+             "sample_tokens": torch.tensor([s]),
+             "sample_tiles": torch.tensor([sum(t * h * w for t, h, w in grid_list)])}  # patch rows, as training's
     if grid_list:
         batch["pixel_values"] = inputs["pixel_values"].to(torch.float32)
         batch.update(fields(grid_list, spec))
