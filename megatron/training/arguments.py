@@ -173,6 +173,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-pixels", type=int, default=None,
                    help="native-resolution images: most pixels an image is resized to (default: the folder's "
                         "preprocessor_config.json, else 1003520)")
+    g.add_argument("--video-fps", type=float, default=None,
+                   help="videos: frames sampled per second of source (default: the --hf-checkpoint folder's "
+                        "video_preprocessor_config.json, else 2); refused by a family that samples a frame count")
+    g.add_argument("--video-min-frames", type=int, default=None,
+                   help="videos: fewest frames sampled (default: the folder's file, else the family's processor's)")
+    g.add_argument("--video-max-frames", type=int, default=None,
+                   help="videos: most frames sampled (default: the folder's file, else the family's processor's); "
+                        "alone below the minimum it lowers the minimum")
+    g.add_argument("--video-max-pixels", type=int, default=None,
+                   help="videos: most pixels (height x width) each frame is resized to, for a family whose video "
+                        "processor caps frames (its size.longest_edge)")
+    g.add_argument("--video-total-pixels", type=int, default=None,
+                   help="videos: most pixels of a whole video (frames x height x width), for a family whose video "
+                        "processor budgets videos (its size.longest_edge)")
+    g.add_argument("--video-folder-fps", type=float, default=24.0,
+                   help="videos: the frame rate given to a frame folder (a directory of images), which has none")
     g.add_argument("--seq-length", type=int, default=512, help="longest sample in tokens")
     g.add_argument("--skip-bad-samples", action="store_true",
                    help="leave out records that fail the pre-training scan (missing or undecodable image, bad "
@@ -649,9 +665,32 @@ CAPABILITY_FLAGS = {
     "context_parallel": ("--context-parallel-size", lambda args: args.context_parallel_size > 1),
     "sequence_parallel": ("--sequence-parallel", lambda args: bool(args.sequence_parallel)),
     "moe": ("--num-experts", lambda args: getattr(args, "num_experts", None) is not None),
+    "video": ("--video-*", lambda args: bool(video_flags_given(args))),
 }
-UNFLAGGED_CAPABILITIES = ("video",)
+UNFLAGGED_CAPABILITIES = ()
 IMAGE_FLAGS = ("--max-num-tiles", "--min-num-tiles", "--min-pixels", "--max-pixels")  # read by some image rules
+
+
+def video_flags_given(args) -> tuple[str, ...]:
+    """The ``--video-*`` flags given (``VideoOverrides.given``)."""
+    from megatron.vlm.data.video_sampling import VideoOverrides
+
+    return VideoOverrides.from_args(args).given()
+
+
+def check_video_flags(args, spec: ModelSpec) -> None:
+    """The family's video rule built from the flags (``DataSide.video_rule``): a flag its processor does not
+    implement, or settings that do not fit together, are refused now, naming the flag."""
+    from megatron.vlm.families import runtime_family
+
+    rule = runtime_family(spec).data.video_rule
+    if rule is None:
+        raise ArgumentError(f"{', '.join(video_flags_given(args))}: model family {spec.family} declares video but "
+                            "its data side has no video rule")
+    try:
+        rule(args, spec, args.hf_checkpoint)
+    except UserError as e:
+        raise ArgumentError(str(e)) from None
 
 
 def check_capabilities(args, spec: ModelSpec) -> None:
@@ -663,7 +702,11 @@ def check_capabilities(args, spec: ModelSpec) -> None:
     who = f"model family {spec.family}"
     for field, (flag, asked) in CAPABILITY_FLAGS.items():
         if asked(args) and not getattr(caps, field):
+            if field == "video":
+                flag = ", ".join(video_flags_given(args))
             raise ArgumentError(f"{flag}: {who} does not implement it (Capabilities.{field}); drop the flag")
+    if caps.video and video_flags_given(args):
+        check_video_flags(args, spec)
     lora = Lora.from_args(args)
     if lora.on:
         bad = [t for t in lora.targets if t not in caps.lora_targets]

@@ -8,6 +8,10 @@ Every family reads the same formats (``records.py``: meta JSON or an annotation 
 * ``image_rule(args, spec, hf_folder)``: its ``ImageRule`` (``images.py``), how the reader turns an image into
   ViT items and LLM image tokens; the rule's ``tokens_per_item`` serves the loader's image-token check (None:
   the batcher checks itself);
+* ``video_rule(args, spec, hf_folder)``: its ``VideoRule`` (``video.py``: the frames it takes of a video, the text
+  and image blocks they become, their pixels), from the ``--video-*`` flags (``VideoOverrides.from_args``) over the
+  folder's video processor file; None (the default): no video rule, and the reader refuses video records.  Used
+  only where the family declares ``Capabilities.video``;
 * ``batcher(spec, image_token_id, rule)``: the picklable maker of micro-batches, a ``Batcher`` (its ``make``
   collates the samples into fields with the family's extra ones, ``rule`` being the reader's ``ImageRule``; its
   ``split_cp`` keeps a context-parallel rank's part of those fields; its ``vision_part``, the family's
@@ -83,6 +87,7 @@ class DataSide:
 
     image_tokens: tuple[str, str, str] = (IMG_START, IMG_END, IMG_CONTEXT)
     image_rule: Callable = tiled_images
+    video_rule: Callable | None = None
     batcher: Callable = lambda spec, image_token_id, rule: Batcher()  # noqa: E731
     default_image_px: Callable = lambda spec: spec.vision.image_size  # noqa: E731
     profile_batch: Callable | None = None

@@ -306,5 +306,5 @@ INTERNVL = register(Family(
     name=NAME, default_preset="tiny", vision_spec=VisionSpec,
     components=(VisionEmbedCost, VisionLayerCost, ProjectorCost, TextEmbedCost, TextLayerCost, HeadCost),
     unit_list=unit_list, vision_item="tile", presets=PRESETS, spec_problem=spec_problem,
-    capabilities=Capabilities(drop_path=True, context_parallel=True, sequence_parallel=True, moe=True,
+    capabilities=Capabilities(drop_path=True, context_parallel=True, sequence_parallel=True, moe=True, video=True,
                               lora_targets=LORA_TARGETS, image_flags=("--max-num-tiles", "--min-num-tiles"))))
