@@ -6,15 +6,16 @@ hands each data-parallel rank its group of every step, resumably.
 
 Loading.  A ``torch.utils.data.DataLoader`` does the work: its ``batch_sampler`` is the
 GroupBatchSampler (the single source of order: it yields the group's sample indices), its
-``collate_fn`` builds the micro-batch from those samples: the family's ``Batcher`` collates them into fields, splits
-them for context parallelism, and types them as the stage's ``megatron.vlm.micro_batch.MicroBatch``.  ``num_workers`` worker processes read and
+``collate_fn`` builds the micro-batch from those samples: the family's ``Batcher`` collates them into
+fields, splits them for context parallelism, and types them as the stage's ``micro_batch.MicroBatch``.  ``num_workers`` worker processes read and
 decode ahead (``prefetch_factor`` micro-batches each, ``persistent_workers``); 0 reads in the
 training process.  Batches are the same, in the same order, for any ``num_workers``.
 
 What a stage loads (``StageInputs``, from its units' runtime components): pixels where the ViT embedding
 is, tokens (and the image-tile index) where the LLM embedding is, labels where the head is, packing
 metadata where LLM layers or the head are; the sample part (``sample_tokens``/``sample_tiles``...) everywhere.
-The parts and fields a stage does not read are None in its ``MicroBatch``.  A stage without the ViT embedding opens no image file.
+The parts and fields a stage does not read are None in its ``MicroBatch``.
+A stage without the ViT embedding opens no image file.
 
 Tensor parallelism.  The TP ranks of a stage need the same batch: only TP rank 0 loads it, and
 broadcasts it over the TP group (``broadcast_batch``); the other TP ranks have no loader.

@@ -208,7 +208,8 @@ class TextEmbed(RuntimeComponent):
                              self.spec.tokens_per_tile)
 
     def forward(self, module, x, batch, cache):
-        if batch.cp is not None and batch.cp.image_feature_index is not None:  # context parallelism: every rank's tiles, then this rank's tokens'
+        # context parallelism: every rank's tiles, then this rank's tokens'
+        if batch.cp is not None and batch.cp.image_feature_index is not None:
             group = context_parallel_group()
             T = self.spec.tokens_per_tile
             x = gather_rows(x, [len(r) * T for r in tile_ranges(batch.cp.num_tiles, group.size())], group)

@@ -173,7 +173,8 @@ class ImageTextEmbed(TextEmbed):
         return ImageTokenEmbedding(self.spec, self.ctx.language_config, self.ctx.img_context_id)
 
     def forward(self, module, x, batch, cache):
-        if batch.cp is not None and batch.cp.image_feature_index is not None:  # context parallelism: every rank's images, then this rank's tokens'
+        # context parallelism: every rank's images, then this rank's tokens'
+        if batch.cp is not None and batch.cp.image_feature_index is not None:
             x = gather_rows(x, batch.cp.vision_rank_tokens, context_parallel_group())
             x = x.index_select(0, batch.cp.image_feature_index.to(x.device))
         return module(batch.text.tokens, x)

@@ -53,7 +53,8 @@ class VisionEmbed(RuntimeComponent):
 
     def forward(self, module, x, batch, cache):
         device = module.proj.weight.device
-        x = module(batch.vision.pixel_values, batch.vision.vision_pos_index.to(device), batch.vision.vision_pos_weight.to(device))
+        v = batch.vision
+        x = module(v.pixel_values, v.vision_pos_index.to(device), v.vision_pos_weight.to(device))
         return x.unsqueeze(1)
 
     @classmethod
@@ -112,7 +113,8 @@ class VisionLayers(PaddedHeadLayers):
         rope = vision_rotary(batch.vision.vision_rotary_ids.to(device), v.head_dim, v.rotary_base)
         rope = F.pad(rope, (0, 0, 0, 0, 0, 0, 0, padded - patches))
         te = self.ctx.transformer_impl == "transformer_engine"
-        cu, longest = sequence_parallel.with_pad_segment(batch.vision.vision_cu_seqlens, batch.vision.vision_max_seqlen, padded)
+        cu, longest = sequence_parallel.with_pad_segment(batch.vision.vision_cu_seqlens, batch.vision.vision_max_seqlen,
+                                                         padded)
         return {"rope": rope, "patches": patches, "padded": padded, "keys": self.drop_path_keys(batch, padded, device),
                 "params": segment_params(cu, longest, device if te else None)}
 
