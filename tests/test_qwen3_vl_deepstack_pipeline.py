@@ -140,13 +140,13 @@ def test_side_rows_of_training_micro_batches(grids):
     side_rows = runtime_family(SPEC).data.side_rows
     samples = _samples(grids)
     bare = _collate(StageInputs.reading({"labels"}))(samples)
-    assert "pixel_values" not in bare and "tokens" not in bare and "image_grid_thw" not in bare
+    assert bare.vision.pixel_values is None and bare.text.tokens is None and bare.vision.image_grid_thw is None
     full = _collate(StageInputs.everything())(samples)
-    image_tokens = int((full["tokens"] == IMAGE_ID).sum())
+    image_tokens = int((full.text.tokens == IMAGE_ID).sum())
     assert image_tokens == sum(r * c for images in grids for r, c in images) // 4
     # the ViT's images (the dummy one included) make this many merged tokens
-    made = full["pixel_values"].shape[0] // 4
-    assert made == int(full["image_grid_thw"].prod(1).sum()) // 4
+    made = full.vision.pixel_values.shape[0] // 4
+    assert made == int(full.vision.image_grid_thw.prod(1).sum()) // 4
     assert side_rows(SPEC, bare, 1, 0) == max(image_tokens, 1) == made
 
 
@@ -165,7 +165,7 @@ def test_side_rows_under_context_parallelism(grids, want):
     for rank in range(2):
         llm = _collate(StageInputs.reading({"tokens", "packing"}), cp=2, cp_rank=rank)(samples)
         pixels = _collate(StageInputs.reading({"pixels"}), cp=2, cp_rank=rank)(samples)
-        assert "pixel_values" not in llm and "image_grid_thw" not in llm
-        made = pixels["pixel_values"].shape[0] // 4
-        assert made == int(pixels["image_grid_thw"].prod(1).sum()) // 4 == want[rank]
+        assert llm.vision.pixel_values is None and llm.vision.image_grid_thw is None
+        made = pixels.vision.pixel_values.shape[0] // 4
+        assert made == int(pixels.vision.image_grid_thw.prod(1).sum()) // 4 == want[rank]
         assert side_rows(SPEC, llm, 2, rank) == side_rows(SPEC, pixels, 2, rank) == want[rank]

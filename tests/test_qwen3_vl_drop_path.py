@@ -8,6 +8,8 @@ sample id draws another mask.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from omnibal_ext.model.units import build_units, get_preset
@@ -41,9 +43,8 @@ def batch(sample_list, iteration=3):
     v = SPEC.vision
     rule = PatchImages(ImageProcessorConfig(min_pixels=1, max_pixels=64 * v.patch_size ** 2, patch_size=v.patch_size,
                                             temporal_patch_size=v.temporal_patch_size, merge_size=v.spatial_merge_size))
-    b = Qwen3Batcher(SPEC, IMAGE_ID, rule).make(sample_list, 0, True, 1)
-    b["iteration"] = iteration
-    return b
+    batcher = Qwen3Batcher(SPEC, IMAGE_ID, rule)
+    return dataclasses.replace(batcher.micro_batch(batcher.make(sample_list, 0, True, 1)), iteration=iteration)
 
 
 def model(rate):

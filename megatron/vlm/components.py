@@ -36,6 +36,7 @@ from megatron.vlm.context_parallel import context_parallel_group, gather_rows, t
 from megatron.vlm.data.side import TILED, DataSide
 from megatron.vlm.head import OutputHead
 from megatron.vlm.hf.config import HFSide
+from megatron.vlm.micro_batch import MicroBatch
 from megatron.vlm.seeding import seeded
 from megatron.vlm.sharding import unit_sharded_state_dict
 from megatron.vlm.text import TextEmbedding, run_text_blocks, text_context, word_embedding
@@ -144,11 +145,11 @@ class RuntimeComponent:
         """Parameter-free helpers the stage registers after the module (the LLM layers' rotary table)."""
         return {}
 
-    def forward(self, module: torch.nn.Module, x, batch: dict, cache: dict):
+    def forward(self, module: torch.nn.Module, x, batch: MicroBatch, cache: dict):
         """The unit(s) on the previous output ``x`` (None at the model's start); ``cache``: per micro-batch."""
         raise NotImplementedError
 
-    def prepare(self, module: torch.nn.Module, batch: dict, cache: dict) -> None:
+    def prepare(self, module: torch.nn.Module, batch: MicroBatch, cache: dict) -> None:
         """Build what ``forward`` keeps in ``cache`` for ``batch`` now (the profiler times units without it)."""
 
     def parameter_role(self, unit: Unit, name: str) -> str:
@@ -185,7 +186,7 @@ class RuntimeComponent:
         """The module of one unit (a layer kind: the first block, one layer on a profiling stage)."""
         return module[0] if self.layers else module
 
-    def profile_forward(self, module: torch.nn.Module, x, batch: dict, cache: dict):
+    def profile_forward(self, module: torch.nn.Module, x, batch: MicroBatch, cache: dict):
         """One unit's forward (a layer kind: the first block)."""
         return self.forward(module[:1] if self.layers else module, x, batch, cache)
 
@@ -207,12 +208,13 @@ class TextEmbed(RuntimeComponent):
                              self.spec.tokens_per_tile)
 
     def forward(self, module, x, batch, cache):
-        if "image_feature_index" in batch:  # context parallelism: every rank's tiles, then this rank's tokens'
+        # context parallelism: every rank's tiles, then this rank's tokens'
+        if batch.cp is not None and batch.cp.image_feature_index is not None:
             group = context_parallel_group()
             T = self.spec.tokens_per_tile
-            x = gather_rows(x, [len(r) * T for r in tile_ranges(batch["num_tiles"], group.size())], group)
-            return module(batch["tokens"], x, batch["image_tile_index"], batch["image_feature_index"])
-        return module(batch["tokens"], x, batch["image_tile_index"])
+            x = gather_rows(x, [len(r) * T for r in tile_ranges(batch.cp.num_tiles, group.size())], group)
+            return module(batch.text.tokens, x, batch.vision.image_tile_index, batch.cp.image_feature_index)
+        return module(batch.text.tokens, x, batch.vision.image_tile_index)
 
     def tied_weight(self, module):
         return module.word.weight
@@ -252,7 +254,7 @@ class TextLayer(RuntimeComponent):
                                       rotary_base=lang.rotary_base, use_cpu_initialization=True)
         return {"rotary": self.rotary}
 
-    def context(self, module, batch: dict, cache: dict) -> dict:
+    def context(self, module, batch: MicroBatch, cache: dict) -> dict:
         """The LLM blocks' inputs besides the hidden states, built once per micro-batch (``text_context``)."""
         if "text_context" not in cache:
             device = next(module.parameters()).device if self.ctx.transformer_impl == "transformer_engine" else None
@@ -316,11 +318,11 @@ class MoETextLayer(TextLayer):
                           table.info)
 
 
-def moe_padding_mask(batch: dict, thd: bool, sequence_parallel: bool) -> torch.Tensor:
+def moe_padding_mask(batch: MicroBatch, thd: bool, sequence_parallel: bool) -> torch.Tensor:
     """The router's padding mask (megatron-core's ``padding_mask``: True at padding, [rows, sequence]; THD: the
     micro-batch's rows flattened, [1, rows x sequence]) from the collate's segment ids (-1: padding); under sequence
     parallelism this TP rank's tokens (the MoE layer sees 1/TP of them)."""
-    pad = batch["segment_ids"] < 0
+    pad = batch.packing.segment_ids < 0
     if thd:
         pad = pad.reshape(1, -1)
     if sequence_parallel:
@@ -357,7 +359,7 @@ class Head(RuntimeComponent):
     def forward(self, module, x, batch, cache):
         if self.sp_enters:
             x = sequence_parallel.enter(x)
-        return module(x, batch["labels"] if self.ctx.output == "loss" else None)
+        return module(x, batch.text.labels if self.ctx.output == "loss" else None)
 
     def profile_forward(self, module, x, batch, cache):
         out = self.forward(module, x, batch, cache)

@@ -110,7 +110,7 @@ class HFSide:
     spec_from_config: Callable[..., "tuple[ModelSpec, HFInfo]"]
     native_config: Callable[[ModelSpec, "HFInfo", "dict | None"], dict]
     names: Callable[["HFInfo", str], object]
-    logits_batch: Callable[[dict, ModelSpec, "HFInfo"], dict]
+    logits_batch: Callable[[dict, ModelSpec, "HFInfo"], "MicroBatch"]
     structure_twin: Callable[[ModelSpec], ModelSpec]
     skipped_names: Callable[["HFInfo", ModelSpec, set, str], set] = _none_skipped
     checkpoint_info: Callable[["HFInfo", ModelSpec, object], "HFInfo"] = _info_as_config_says

@@ -277,18 +277,19 @@ def projector_recipes(unit, table) -> None:
     add(u + "fc2.bias", whole(hf(m["fc2"] + "bias", (Hl,)), (Hl,)))
 
 
-def logits_batch(inputs: dict, spec, info) -> dict:
+def logits_batch(inputs: dict, spec, info):
     """The micro-batch of one sample from transformers' inputs (``input_ids [1, s]`` already holding
     ``image_seq_length`` image-token ids per tile, ``pixel_values [tiles, 3, H, W]``), as the collate makes it."""
     import torch
 
     from megatron.vlm.data.collate import collate_padded
+    from megatron.vlm.micro_batch import MicroBatch
 
     ids = inputs["input_ids"].reshape(-1).to(torch.int64)
     pixels = inputs["pixel_values"].to(torch.float32)
     sample = {"input_ids": ids.numpy(), "labels": torch.zeros_like(ids).numpy(), "pixel_values": pixels,
               "image_flags": torch.ones(len(pixels), dtype=torch.int64)}
-    return collate_padded([sample], pad_id=0)
+    return MicroBatch.of(collate_padded([sample], pad_id=0))
 
 
 def structure_twin(spec):

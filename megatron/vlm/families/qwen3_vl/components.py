@@ -34,6 +34,7 @@ from megatron.vlm.context_parallel import context_parallel_group, gather_rows
 from megatron.vlm.drop_path import iteration_keys, layer_rates, with_drop_path
 from megatron.vlm.families.qwen2_5_vl.components import ImageTextEmbed, MRopeTextLayer
 from megatron.vlm.families.qwen2_5_vl.modules import vision_rotary
+from megatron.vlm.micro_batch import MicroBatch
 from megatron.vlm.padded_heads import tp_rank
 from megatron.vlm.side import put_side, take_side
 from megatron.vlm.text import run_text_blocks
@@ -52,7 +53,8 @@ class VisionEmbed(RuntimeComponent):
 
     def forward(self, module, x, batch, cache):
         device = module.proj.weight.device
-        x = module(batch["pixel_values"], batch["vision_pos_index"].to(device), batch["vision_pos_weight"].to(device))
+        v = batch.vision
+        x = module(v.pixel_values, v.vision_pos_index.to(device), v.vision_pos_weight.to(device))
         return x.unsqueeze(1)
 
     @classmethod
@@ -100,28 +102,29 @@ class VisionLayers(PaddedHeadLayers):
         self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.vision_config)
         return self.ctx.build_layers(units, self.ctx.vision_config, self.layer_spec, self.code())
 
-    def context(self, batch: dict, device) -> dict:
+    def context(self, batch: MicroBatch, device) -> dict:
         """RoPE and the packed parameters, built once per micro-batch (``cache["qwen3_vit"]``); the patch count and
         the count padded for sequence parallelism."""
         v, cfg = self.spec.vision, self.ctx.vision_config
-        patches = int(batch["vision_cu_seqlens"][-1])
+        patches = int(batch.vision.vision_cu_seqlens[-1])
         padded = patches
         if cfg.sequence_parallel:
             padded = sequence_parallel.padded_tokens(patches, cfg.tensor_model_parallel_size)
-        rope = vision_rotary(batch["vision_rotary_ids"].to(device), v.head_dim, v.rotary_base)
+        rope = vision_rotary(batch.vision.vision_rotary_ids.to(device), v.head_dim, v.rotary_base)
         rope = F.pad(rope, (0, 0, 0, 0, 0, 0, 0, padded - patches))
         te = self.ctx.transformer_impl == "transformer_engine"
-        cu, longest = sequence_parallel.with_pad_segment(batch["vision_cu_seqlens"], batch["vision_max_seqlen"], padded)
+        cu, longest = sequence_parallel.with_pad_segment(batch.vision.vision_cu_seqlens, batch.vision.vision_max_seqlen,
+                                                         padded)
         return {"rope": rope, "patches": patches, "padded": padded, "keys": self.drop_path_keys(batch, padded, device),
                 "params": segment_params(cu, longest, device if te else None)}
 
-    def drop_path_keys(self, batch: dict, padded: int, device):
+    def drop_path_keys(self, batch: MicroBatch, padded: int, device):
         """Drop path (training only): this iteration's key of each of the rows the layers run, [rows] int64 on
         ``device`` -- the patches' image keys (``tile_keys``, processor order) padded to ``padded`` rows and, under
         sequence parallelism, this TP rank's rows; None without drop path."""
-        if not (self.ctx.vision_drop_path_rate > 0 and "tile_keys" in batch):
+        if not (self.ctx.vision_drop_path_rate > 0 and batch.vision.tile_keys is not None):
             return None
-        keys = iteration_keys(batch["tile_keys"].to(device), self.ctx.seed, int(batch.get("iteration", 0)))
+        keys = iteration_keys(batch.vision.tile_keys.to(device), self.ctx.seed, batch.iteration)
         keys = F.pad(keys, (0, padded - len(keys)))
         cfg = self.ctx.vision_config
         if cfg.sequence_parallel:
@@ -258,17 +261,17 @@ class DeepStackTextLayer(MRopeTextLayer):
         parallelism (the rank's images' rows) every CP rank's rows gathered and this rank's tokens' picked, as the
         LLM embedding does with the merger's output (``vision_rank_tokens``, ``image_feature_index``; backward:
         each rank's rows get the gradients every rank's tokens put on them)."""
-        if "image_feature_index" not in batch:
+        if batch.cp is None or batch.cp.image_feature_index is None:
             return feature
-        feature = gather_rows(feature, batch["vision_rank_tokens"], context_parallel_group())
-        return feature.index_select(0, batch["image_feature_index"].to(feature.device))
+        feature = gather_rows(feature, batch.cp.vision_rank_tokens, context_parallel_group())
+        return feature.index_select(0, batch.cp.image_feature_index.to(feature.device))
 
     def _add_feature(self, x, feature, batch):
         """``x`` plus DeepStack ``feature`` [image tokens, 1, H] at the image tokens. Under sequence parallelism
         ``x`` is this TP rank's slice of the tokens: the feature, scattered over all the micro-batch's tokens, is
         split like them (``sequence_parallel.enter``: its backward all-gathers the slices' gradients, so every TP
         rank's merger gets the whole feature's gradient, as it got the whole input)."""
-        mask = (batch["tokens"].reshape(-1) == self.ctx.img_context_id).to(x.device)
+        mask = (batch.text.tokens.reshape(-1) == self.ctx.img_context_id).to(x.device)
         full = torch.zeros(mask.shape[0], 1, x.shape[-1], dtype=x.dtype, device=x.device)
         full = full.masked_scatter(mask.reshape(-1, 1, 1), feature.to(x.dtype))
         if self.ctx.language_config.sequence_parallel:
@@ -293,7 +296,7 @@ class DeepStackTextLayer(MRopeTextLayer):
         """The first layer, adding a zero DeepStack feature where it takes one (the profiler runs each unit alone:
         the ViT's features are not held)."""
         def zero_feature(slot):
-            tokens = int((batch["tokens"] == self.ctx.img_context_id).sum())
+            tokens = int((batch.text.tokens == self.ctx.img_context_id).sum())
             return x.new_zeros(tokens, 1, self.spec.language.hidden_size)
 
         return self._forward(module[:1], self.slots[:1], x, batch, cache, zero_feature)

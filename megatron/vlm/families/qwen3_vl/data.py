@@ -32,12 +32,13 @@ import torch
 
 from megatron.vlm.context_parallel import padded_layout
 from megatron.vlm.data.side import DataSide
+from megatron.vlm.micro_batch import MicroBatch
 from omnibal_ext.errors import UserError
 
 from ..qwen2_5_vl.data import IMAGE_TOKENS, PatchImages, QwenBatcher, with_pixel_flags
 from ..qwen2_5_vl.data import profile_batch as qwen_profile_batch
 from ..qwen2_5_vl.image_processing import ImageProcessorConfig
-from .batch import vision_fields
+from .batch import Qwen3Vision, vision_fields
 from .image_processing import PUBLISHED, folder_config
 from .positions import mm_token_type_ids
 
@@ -80,7 +81,7 @@ def image_rule(args, spec, hf_folder) -> PatchImages:
 class Qwen3Batcher(QwenBatcher):
     """Qwen2.5-VL's micro-batch with Qwen3-VL's ViT fields and ``mm_token_type_ids`` (module docstring)."""
 
-    vision_keys = VISION_KEYS
+    vision_part = Qwen3Vision
 
     def vision_fields(self, grids):
         return vision_fields(grids, self.spec)
@@ -90,10 +91,6 @@ class Qwen3Batcher(QwenBatcher):
         types = torch.from_numpy(mm_token_type_ids(batch["tokens"].numpy(), self.image_token_id))
         batch[TOKEN_TYPES] = torch.where(batch["segment_ids"] >= 0, types, torch.zeros_like(types))
         return batch
-
-    def keys(self, inputs):
-        keys = super().keys(inputs)
-        return keys + (TOKEN_TYPES,) if inputs.tokens or inputs.packing else keys
 
     def split_cp(self, batch, cp, rank, pad_id, img_context_id, sp_tp=1):
         """Qwen2.5-VL's split (``QwenBatcher.split_cp``) with ``mm_token_type_ids`` [1, t / cp] as this rank's
@@ -106,21 +103,21 @@ class Qwen3Batcher(QwenBatcher):
         return out
 
 
-def side_rows(spec, batch: dict, cp: int, cp_rank: int) -> int:
+def side_rows(spec, batch: MicroBatch, cp: int, cp_rank: int) -> int:
     """Rows of a DeepStack feature (``DataSide.side_rows``, ``megatron/vlm/side.py``) on this rank, from host-held
     fields: the merged tokens of the images this (CP) rank's ViT runs -- of ``vision_cu_seqlens`` (the patches,
     the dummy image's included) on a stage that runs ViT layers; else ``vision_rank_tokens`` under context
     parallelism (one token for a rank without images: its dummy image's); else the micro-batch's patches
     (``sample_tiles``; one token for the dummy image of a micro-batch without any)."""
     merge_unit = spec.vision.spatial_merge_size ** 2
-    if "vision_cu_seqlens" in batch:
-        return int(batch["vision_cu_seqlens"][-1]) // merge_unit
+    if batch.vision.vision_cu_seqlens is not None:
+        return int(batch.vision.vision_cu_seqlens[-1]) // merge_unit
     if cp > 1:
-        if "vision_rank_tokens" not in batch:
+        if batch.cp is None or batch.cp.vision_rank_tokens is None:
             raise ValueError("Qwen3-VL side tensor rows under context parallelism: the stage reads neither pixels "
                              "nor tokens (no vision_cu_seqlens, no vision_rank_tokens)")
-        return max(int(batch["vision_rank_tokens"][cp_rank]), 1)
-    return max(int(batch["sample_tiles"].sum()) // merge_unit, 1)
+        return max(int(batch.cp.vision_rank_tokens[cp_rank]), 1)
+    return max(int(batch.samples.sample_tiles.sum()) // merge_unit, 1)
 
 
 profile_batch = functools.partial(qwen_profile_batch, batcher=Qwen3Batcher)
