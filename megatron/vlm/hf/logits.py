@@ -93,9 +93,10 @@ def pipeline_logits(src, inputs: dict, layout, img_context_id: int | None = None
     ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
     rank = ps.get_pipeline_model_parallel_rank()
     batch = make_batch(src, inputs)
-    if spec.language.moe is not None and tp > 1 and batch["tokens"].numel() % tp:
+    tokens = batch.text.tokens.numel()
+    if spec.language.moe is not None and tp > 1 and tokens % tp:
         raise UserError(f"--tensor-model-parallel-size {tp}: the MoE layers run sequence parallel, so the input's "
-                        f"{batch['tokens'].numel()} tokens must be a multiple of TP")
+                        f"{tokens} tokens must be a multiple of TP")
     stage = logits_stage(spec, layout.stage_range(rank), image_token_id(src, img_context_id), tp, pp, ep=ep, etp=etp)
     load_hf_into_stage(stage, src)
     with torch.no_grad():
