@@ -13,8 +13,8 @@ Micro-batches (``Qwen3Batcher``, a ``QwenBatcher``): ``collate.py``'s fields, ``
 (``positions``: each sample from 0, as ``get_rope_index`` numbers it), ``mm_token_type_ids [b, s]`` (int64, 1 on
 ``<|image_pad|>``, 0 elsewhere and on padding: the processor's field, given where tokens or packing metadata are
 read, since DeepStack adds its features at the image tokens in the LLM layers), and the images' ViT fields
-(``vision_fields``: ``image_grid_thw [n, 3]``, 2-D rotary ids in processor order, one attention segment per image
-frame: full attention, no windows). A micro-batch without images gets Qwen2.5-VL's dummy 2 x 2-patch image.
+(``batch.vision_fields``: ``image_grid_thw [n, 3]``, 2-D rotary ids in processor order, the learned position
+table's bilinear taps, one attention segment per image frame: full attention, no windows). A micro-batch without images gets Qwen2.5-VL's dummy 2 x 2-patch image.
 Sequence parallelism pads the row to a multiple of TP (``pad_to_multiple``; the pads are text, type 0). Context
 parallelism (``Qwen3Batcher.split_cp``): Qwen2.5-VL's split (whole images per CP rank, balanced by patches; the
 LLM tokens in 2 x CP chunks per segment), with ``mm_token_type_ids`` split like the tokens.
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import torch
 
 from megatron.vlm.context_parallel import padded_layout
@@ -36,24 +35,14 @@ from omnibal_ext.errors import UserError
 from ..qwen2_5_vl.data import IMAGE_TOKENS, PatchImages, QwenBatcher, with_pixel_flags
 from ..qwen2_5_vl.data import profile_batch as qwen_profile_batch
 from ..qwen2_5_vl.image_processing import ImageProcessorConfig
-from ..qwen2_5_vl.vision_windows import frame_cu_seqlens, rotary_position_ids
+from .batch import vision_fields
 from .image_processing import PUBLISHED, folder_config
 from .positions import mm_token_type_ids
 
-VISION_KEYS = ("image_grid_thw", "vision_rotary_ids", "vision_cu_seqlens", "vision_max_seqlen")
+VISION_KEYS = ("image_grid_thw", "vision_rotary_ids", "vision_pos_index", "vision_pos_weight", "vision_cu_seqlens",
+               "vision_max_seqlen")
+"""The fields ``batch.vision_fields`` makes (the ViT's, given where pixels are read)."""
 TOKEN_TYPES = "mm_token_type_ids"
-
-
-def vision_fields(grid_thw, spec) -> dict:
-    """The ViT's host-built fields of the images ``grid_thw [n, 3]`` (patches) of one micro-batch:
-    ``image_grid_thw`` int64 [n, 3]; ``vision_rotary_ids`` int64 [patches, 2] (patch row, column in its image;
-    processor order); ``vision_cu_seqlens`` int32 [frames + 1] (one full-attention segment per frame, patches) and
-    ``vision_max_seqlen`` (int)."""
-    grids = [tuple(int(x) for x in g) for g in torch.as_tensor(grid_thw).reshape(-1, 3).tolist()]
-    cu = frame_cu_seqlens(grids)
-    return {"image_grid_thw": torch.tensor(grids, dtype=torch.int64),
-            "vision_rotary_ids": torch.from_numpy(rotary_position_ids(grids, spec.vision.spatial_merge_size)),
-            "vision_cu_seqlens": torch.from_numpy(cu), "vision_max_seqlen": int(np.diff(cu).max())}
 
 
 def check_geometry(config: ImageProcessorConfig, spec, where: str) -> None:
