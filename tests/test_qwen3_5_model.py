@@ -261,3 +261,27 @@ def _fp32_noise(model, batch, want) -> float:
     with torch.no_grad():
         w64 = m64(**{k: (v.double() if v.is_floating_point() else v) for k, v in batch.items()}).logits[0]
     return (want.double() - w64).abs().max().item()
+
+
+def test_dropping_the_output_gate_or_the_zero_centring_is_caught(megatron_world, tiny, monkeypatch):
+    """The logits check above fails by far (>= 1000 x its tolerance) when the gated attention's sigmoid gate is
+    skipped (megatron-core's ``Attention._apply_output_gate``) or the norms scale by ``w`` instead of ``1 + w``."""
+    from megatron.core.transformer.attention import Attention
+
+    from megatron.vlm.families.qwen3_5 import modules
+    from megatron.vlm.hf.convert import HFSource
+    from megatron.vlm.hf.logits import chained_logits
+
+    batch = q.inputs()
+    folder, model = tiny["untied"]
+    src = HFSource.open(str(folder))
+    want = q.hf_logits(model, batch)
+    assert (chained_logits(src, batch) - want).abs().max() <= TOL
+    plain_norm = modules.zero_centred_rms_norm
+    for name, patch in (("no output gate", lambda m: m.setattr(Attention, "_apply_output_gate", lambda self, x, g: x)),
+                        ("w, not 1 + w", lambda m: m.setattr(modules, "zero_centred_rms_norm",
+                                                             lambda x, w, eps: plain_norm(x, w - 1.0, eps)))):
+        with monkeypatch.context() as m:
+            patch(m)
+            diff = (chained_logits(src, batch) - want).abs().max().item()
+        assert diff >= 1000 * TOL, (name, diff)
