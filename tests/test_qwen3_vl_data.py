@@ -48,7 +48,8 @@ PUBLISHED_FILE = {"size": {"longest_edge": 16777216, "shortest_edge": 65536}, "p
 
 def spec(patch=16, merge=2, temporal=2):
     """The parts of a model spec the data side reads (no Qwen3-VL preset needed)."""
-    vision = SimpleNamespace(patch_size=patch, spatial_merge_size=merge, temporal_patch_size=temporal, in_channels=3)
+    vision = SimpleNamespace(patch_size=patch, spatial_merge_size=merge, temporal_patch_size=temporal, in_channels=3,
+                             position_grid_side=3)
     return SimpleNamespace(name="qwen3-vl-test", vision=vision)
 
 
