@@ -1,13 +1,17 @@
 #!/usr/bin/env python
 """Benchmark of the pipeline partition planners.
 
-Part (a), offline: for the paper's models (internvl-6b-20b, internvl-6b-34b) at PP 4, 8, 16 the
-bottleneck/mean stage-time ratio of Megatron's default layout, of the parameter-count split, of
-the paper's search and of the exact optimum, with the planners' wall times. Costs: the analytic
-model (``omnibal_ext.model.cost_model``) on one A100-80G per TP rank, TP 1, one micro-batch of 9
-tiles and 4096 LLM tokens (../shared/notes/targets.md). Also, as analysis: interleaved virtual stages
-(VPP 2) and the optimum if each transformer layer were two pipeline units (attention block, MLP
-block) — what finer units could buy below the whole-layer limit.
+Part (a), offline: for the presets ``--presets`` (by default the paper's models, internvl-6b-20b and
+internvl-6b-34b) at PP 4, 8, 16 the bottleneck/mean stage-time ratio of Megatron's default layout (the ViT
+on stage 0, LLM layers split by count), of the parameter-count split, of the paper's search and of the
+exact optimum, with the planners' wall times and the optimum's layout. Costs: the analytic model
+(``omnibal_ext.model.cost_model``) on one A100-80G per TP rank, TP 1, one micro-batch of ``--tiles`` ViT
+items (the family's unit: InternVL's tiles, Qwen's patches; default 9) and each of ``--llm-tokens`` LLM
+tokens (one sample; default 4096; ../shared/notes/targets.md). Several lengths show how the best split
+moves with the data: a hybrid LLM (Qwen3.5: Gated DeltaNet layers linear in tokens, full-attention layers
+quadratic) wants fewer full-attention layers per stage as samples grow. Also, as analysis: interleaved
+virtual stages (VPP 2) and, for ViTs of fixed-size tiles, the optimum if each transformer layer were two
+pipeline units (attention block, MLP block) -- what finer units could buy below the whole-layer limit.
 
 Targets: searched <= 1.03 on 6B+20B at PP 4; at PP 8/16 the searched layout within 1% of the
 exact optimum; search <= 1 s at PP 16.
@@ -25,7 +29,9 @@ within 10% of the predicted one.  On a 2-core machine keep PP=2 x DP=1 (one core
 processes than cores time-share the cores and hide pipeline imbalance; --dp/--tp are for bigger
 machines.
 
-Usage: python scripts/bench_partition.py [--json OUT] [--radius R] [--tiles N --llm-tokens N]
+Usage: python scripts/bench_partition.py [--json OUT] [--radius R] [--presets NAME ...] [--tiles N]
+       [--llm-tokens N ...]
+       e.g. Qwen3.5: --presets qwen3.5-0.8b qwen3.5-9b --tiles 4096 --llm-tokens 4096 32768 --no-vpp
        [--measured [--iters 16 --warmup 4 --repeats 4 --micro-batches 8 --samples 1024 --workdir DIR]]
 """
 from __future__ import annotations
@@ -49,9 +55,12 @@ PRESETS = ("internvl-6b-20b", "internvl-6b-34b")
 PPS = (4, 8, 16)
 
 
-def half_layer_weights(spec, shape, costs) -> np.ndarray:
-    """Unit times with every transformer layer split into (attention block, MLP block) by FLOP share."""
+def half_layer_weights(spec, shape, costs) -> np.ndarray | None:
+    """Unit times with every transformer layer split into (attention block, MLP block) by FLOP share; None for a
+    ViT without fixed-size tiles (the MLP's share written out here is that of a tile's tokens)."""
     v, lm = spec.vision, spec.language
+    if not hasattr(v, "seq_per_tile"):
+        return None
     flops = unit_flops(spec, shape)
     w, _, _ = unit_arrays(costs)
     out = []
@@ -78,14 +87,26 @@ def preset_row(name: str, pp: int, shape: MicroBatchShape, tp: int, device: str,
     for method, r in reports.items():
         row[method] = {"bottleneck_over_mean": r.bottleneck_over_mean, "gap_to_optimum": r.gap_to_optimum,
                        "search_seconds": r.search_seconds, "flag": r.flag, "exact": r.exact}
-    if vpp == 1:
-        w = half_layer_weights(spec, shape, costs)
+    row["optimal"]["layout"] = reports["optimal"].layout.to_flag(build_units(spec))
+    row["optimal"]["llm_layers_per_stage"] = llm_layers_per_stage(spec, reports["optimal"].layout)
+    w = half_layer_weights(spec, shape, costs) if vpp == 1 else None
+    if w is not None:
         t1 = time.perf_counter()
         counts, _ = optimal_counts(w, np.zeros(len(w)), pp)
         loads = stage_loads(w, counts, pp)
         row["optimal_half_layers"] = {"bottleneck_over_mean": float(loads.max() / loads.mean()),
                                       "search_seconds": time.perf_counter() - t1}
     return row
+
+
+def llm_layers_per_stage(spec, layout) -> list[int]:
+    """LLM layers on each pipeline chunk of ``layout``."""
+    codes = [u.code for u in build_units(spec)]
+    out, start = [], 0
+    for n in layout.stage_units:
+        out.append(sum(c == TEXT_LAYER for c in codes[start:start + n]))
+        start += n
+    return out
 
 
 def check_targets(rows: list[dict]) -> list[str]:
@@ -100,28 +121,37 @@ def check_targets(rows: list[dict]) -> list[str]:
             lines.append(f"{'PASS' if ok else 'FAIL'} searched <= 1.03 on 6b-20b PP4: {s['bottleneck_over_mean']:.4f}")
         if r["pp"] in (8, 16):
             ok = s["gap_to_optimum"] <= 0.01
-            lines.append(f"{'PASS' if ok else 'FAIL'} searched within 1% of optimum, {r['model']} PP{r['pp']}: "
+            lines.append(f"{'PASS' if ok else 'FAIL'} searched within 1% of optimum, {r['model']} {r['llm_tokens']} tokens PP{r['pp']}: "
                          f"gap {s['gap_to_optimum']:.2%}")
         if r["pp"] == 16:
             ok = s["search_seconds"] <= 1.0
-            lines.append(f"{'PASS' if ok else 'FAIL'} search <= 1 s at PP16, {r['model']}: {s['search_seconds'] * 1e3:.1f} ms")
+            lines.append(f"{'PASS' if ok else 'FAIL'} search <= 1 s at PP16, {r['model']} {r['llm_tokens']} tokens: {s['search_seconds'] * 1e3:.1f} ms")
     return lines
 
 
 def format_rows(rows: list[dict]) -> str:
-    head = (f"{'model':<16} {'PP':>3} {'VPP':>3} {'default':>8} {'params':>8} {'searched':>9} {'optimal':>8} "
+    head = (f"{'model':<16} {'tokens':>6} {'PP':>3} {'VPP':>3} {'default':>8} {'params':>8} {'searched':>9} {'optimal':>8} "
             f"{'half-lyr':>8} {'search ms':>9} {'optimum ms':>10}")
     lines = [head, "-" * len(head)]
     for r in rows:
         half = r.get("optimal_half_layers", {}).get("bottleneck_over_mean")
         lines.append(
-            f"{r['model']:<16} {r['pp']:>3} {r['vpp']:>3} {r['default']['bottleneck_over_mean']:>8.3f} "
+            f"{r['model']:<16} {r['llm_tokens']:>6} {r['pp']:>3} {r['vpp']:>3} {r['default']['bottleneck_over_mean']:>8.3f} "
             f"{r['param_split']['bottleneck_over_mean']:>8.3f} {r['searched']['bottleneck_over_mean']:>9.4f} "
             f"{r['optimal']['bottleneck_over_mean']:>8.4f}{'' if r['optimal']['exact'] else '*'} "
             f"{'' if half is None else f'{half:8.4f}':>8} {r['searched']['search_seconds'] * 1e3:>9.1f} "
             f"{r['optimal']['search_seconds'] * 1e3:>10.1f}")
     lines.append("bottleneck/mean stage time (fwd+bwd per micro-batch); * = interleaved optimum is a local search, "
                  "not proven; half-lyr = exact optimum if attention and MLP blocks were separate units")
+    return "\n".join(lines)
+
+
+def format_moves(rows: list[dict]) -> str:
+    """The optimum's LLM layers per stage at each length (VPP 1): where the best split moves."""
+    lines = [f"{'model':<16} {'PP':>3} {'tokens':>6}  LLM layers per stage of the optimum"]
+    for r in sorted((r for r in rows if r["vpp"] == 1), key=lambda r: (r["model"], r["pp"], r["llm_tokens"])):
+        lines.append(f"{r['model']:<16} {r['pp']:>3} {r['llm_tokens']:>6}  "
+                     f"{' '.join(str(n) for n in r['optimal']['llm_layers_per_stage'])}")
     return "\n".join(lines)
 
 
@@ -261,8 +291,11 @@ def format_measured(res: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None, help="write the results here")
-    ap.add_argument("--tiles", type=int, default=9, help="ViT tiles per micro-batch")
-    ap.add_argument("--llm-tokens", type=int, default=4096, help="LLM tokens per micro-batch")
+    ap.add_argument("--presets", nargs="+", default=list(PRESETS), help="model presets (omnibal_ext's names)")
+    ap.add_argument("--tiles", type=int, default=9, help="ViT items per micro-batch (the family's unit: tiles, "
+                    "patches)")
+    ap.add_argument("--llm-tokens", type=int, nargs="+", default=[4096],
+                    help="LLM tokens per micro-batch (one sample); several: a row for each")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     ap.add_argument("--device", default="a100-80g")
     ap.add_argument("--radius", type=int, default=2, help="search radius, units")
@@ -287,12 +320,18 @@ def main(argv: list[str] | None = None) -> dict:
         if args.json:
             bl.write_json(args.json, results)
         return results
-    shape = MicroBatchShape(args.tiles, args.llm_tokens)
-    rows = [preset_row(name, pp, shape, args.tp, args.device, args.radius) for name in PRESETS for pp in PPS]
+    for name in args.presets:
+        get_preset(name)  # an unknown name: the presets' error before any work
+    shapes = [MicroBatchShape(args.tiles, tokens) for tokens in args.llm_tokens]
+    rows = [preset_row(name, pp, shape, args.tp, args.device, args.radius)
+            for name in args.presets for shape in shapes for pp in PPS]
     if not args.no_vpp:
-        rows += [preset_row(name, pp, shape, args.tp, args.device, args.radius, vpp=2) for name in PRESETS for pp in (4, 8)]
+        rows += [preset_row(name, pp, shape, args.tp, args.device, args.radius, vpp=2)
+                 for name in args.presets for shape in shapes for pp in (4, 8)]
     results = {"presets": rows, "targets": check_targets(rows)}
     print(format_rows(rows))
+    if len(shapes) > 1:
+        print(format_moves(rows))
     print("\n".join(results["targets"]))
     if args.measured:
         results["measured"] = measured_partition(args)

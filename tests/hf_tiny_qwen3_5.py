@@ -19,7 +19,7 @@ LAYER_TYPES = ("linear_attention", "full_attention", "full_attention", "linear_a
 __all__ = ["GRIDS", "IMAGE_ID", "PATCH", "VOCAB", "hf_config", "make_tiny", "eager", "inputs", "hf_logits"]
 
 
-def hf_config(tie=False, layer_types=LAYER_TYPES, section=(1, 1, 0), factor=0.25):
+def hf_config(tie=False, layer_types=LAYER_TYPES, section=(1, 1, 0), factor=0.25, eps=EPS):
     from transformers import Qwen3_5Config
 
     return Qwen3_5Config(
@@ -28,7 +28,7 @@ def hf_config(tie=False, layer_types=LAYER_TYPES, section=(1, 1, 0), factor=0.25
                            in_channels=3, hidden_act="gelu_pytorch_tanh"),
         text_config=dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                          intermediate_size=48, num_hidden_layers=len(layer_types), layer_types=list(layer_types),
-                         vocab_size=VOCAB, rms_norm_eps=EPS, tie_word_embeddings=tie, attention_bias=False,
+                         vocab_size=VOCAB, rms_norm_eps=eps, tie_word_embeddings=tie, attention_bias=False,
                          linear_num_key_heads=2, linear_key_head_dim=8, linear_num_value_heads=4,
                          linear_value_head_dim=6, linear_conv_kernel_dim=4,
                          rope_parameters={"rope_type": "default", "rope_theta": 50000.0, "mrope_section": list(section),
@@ -67,3 +67,39 @@ def eager(model):
     for config in (model.config, model.model.visual.config, model.model.language_model.config):
         config._attn_implementation = "eager"
     return model
+
+
+def write_preprocessor(folder, min_pixels=32 * 32, max_pixels=32 * 32 * 12) -> None:
+    """Qwen3-VL's ``preprocessor_config.json`` (patch 16, merge 2, temporal 2, mean/std 0.5) with a small pixel
+    budget (px): 1 .. 12 merged tokens (4 .. 48 patches) per image."""
+    import json
+
+    (folder / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessorFast", "patch_size": PATCH, "merge_size": 2,
+        "temporal_patch_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}}))
+
+
+def make_tiny_with_tokenizer(folder, seed=0, **kw):
+    """A new folder ``folder`` with ``hf_tiny_qwen``'s character tokenizer and ChatML template, ``write_preprocessor``'s
+    image settings and a tiny perturbed model (``make_tiny``) whose image/vision token ids are that tokenizer's;
+    returns (the model (eval, fp32, eager), the special tokens' ids by name)."""
+    import hf_tiny_qwen
+
+    folder.mkdir()
+    ids = hf_tiny_qwen.write_tokenizer(folder)
+    write_preprocessor(folder)
+    model = make_tiny(folder, seed=seed, **kw)
+    hf_tiny_qwen.set_token_ids(model, ids)
+    model.save_pretrained(str(folder))
+    return model, ids
+
+
+def training_flags(folder, data_cache, seed=3, **kw) -> list[str]:
+    """Trainer flags of a fine-tune of a tiny HF Qwen3.5 (``make_tiny_with_tokenizer`` in ``folder/hf``) on
+    ``hf_tiny_qwen.write_messages_data``'s photo questions (``folder``); sizes and parallelism are the caller's."""
+    import hf_tiny_qwen
+
+    make_tiny_with_tokenizer(folder / "hf", seed, **kw)
+    return ["--hf-checkpoint", str(folder / "hf"), "--data-path", hf_tiny_qwen.write_messages_data(folder),
+            "--eval-interval", "0", "--seq-length", "256", "--data-cache-dir", str(data_cache)]

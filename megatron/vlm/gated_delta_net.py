@@ -216,8 +216,9 @@ class GatedDeltaNet(MegatronModule):
 
         own = {"A_log": self.A_log, "dt_bias": self.dt_bias, "conv1d.weight": self.conv1d.weight}
         sd = make_sharded_tensors_for_checkpoint(own, prefix, {name: 0 for name in own}, sharded_offsets)
-        for name in ("in_proj", "out_norm", "out_proj"):
-            sd.update(sharded_state_dict_default(getattr(self, name), f"{prefix}{name}.", sharded_offsets, metadata))
+        for name in ("in_proj", "out_norm", "out_proj"):  # the TP group: each TP rank's replica of the norm weight
+            sd.update(sharded_state_dict_default(getattr(self, name), f"{prefix}{name}.", sharded_offsets, metadata,
+                                                 tp_group=self.tp_group))
         sd[f"{prefix}in_proj.weight"] = _split_rows(sd[f"{prefix}in_proj.weight"], self.sections, "qkvzba")
         sd[f"{prefix}conv1d.weight"] = _split_rows(sd[f"{prefix}conv1d.weight"], self.sections[:3], "qkv")
         return sd

@@ -205,8 +205,9 @@ def vision(**kw) -> VisionSpec:
 # Presets: the dense Qwen/Qwen3.5-* sizes whose config.json facts were found (where each was read:
 # tests/test_qwen3_5_model.py, PUBLISHED). Common: vocab 248320, head_dim 256, rope_theta 1e7, partial rotary
 # 0.25, mrope_section [11, 11, 10] interleaved, rms_norm_eps 1e-6, linear conv kernel 4, key/value head dims 128,
-# every fourth layer full attention; the ViT: patch 16, temporal 2, merge 2, 2304 positions. 2B, 4B and 27B are not
-# here: their linear heads and ViT sizes were not found.
+# every fourth layer full attention; the ViT: patch 16, temporal 2, merge 2, 2304 positions. 2B and 4B are not
+# here: 2B's sizes and 4B's ViT were not found (4B's LLM was: 32 layers, hidden 2560, 16 / 4 heads, FFN 9216,
+# linear 16 / 32 heads, tied).
 # --------------------------------------------------------------------------------------------
 _TEXT = dict(rotary_base=10000000, norm_eps=1e-6, head_dim=256, vocab_size=248320, mrope_section=(11, 11, 10),
              partial_rotary_factor=0.25, linear_key_head_dim=128, linear_value_head_dim=128,
@@ -225,6 +226,7 @@ def _preset(name, vit, layers, hidden, heads, groups, ffn, key_heads, value_head
 PRESETS: dict[str, ModelSpec] = {
     "qwen3.5-0.8b": _preset("qwen3.5-0.8b", SMALL_VIT, 24, 1024, 8, 2, 3584, 16, 16, True),
     "qwen3.5-9b": _preset("qwen3.5-9b", LARGE_VIT, 32, 4096, 16, 4, 12288, 16, 32, False),
+    "qwen3.5-27b": _preset("qwen3.5-27b", LARGE_VIT, 64, 5120, 24, 4, 17408, 16, 48, False),
     # a CPU model: 2 ViT layers, 6 LLM layers in an order other than every fourth (linear, full, linear, linear,
     # full, linear), linear heads unlike the attention heads, a quarter of head_dim rotated
     "qwen3.5-tiny": ModelSpec(

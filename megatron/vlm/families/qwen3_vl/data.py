@@ -15,7 +15,8 @@ Micro-batches (``Qwen3Batcher``, a ``QwenBatcher``): ``collate.py``'s fields, ``
 read, since DeepStack adds its features at the image tokens in the LLM layers), and the images' ViT fields
 (``batch.vision_fields``: ``image_grid_thw [n, 3]``, 2-D rotary ids in processor order, the learned position
 table's bilinear taps, one attention segment per image frame: full attention, no windows). A micro-batch
-without images gets Qwen2.5-VL's dummy 2 x 2-patch image. Sequence parallelism pads the row to a multiple of TP (``pad_to_multiple``; the pads are text, type 0). Context
+without images gets Qwen2.5-VL's dummy 2 x 2-patch image. Sequence parallelism pads the row to a multiple of TP
+(``pad_to_multiple``; the pads are text, type 0). Context
 parallelism (``Qwen3Batcher.split_cp``): Qwen2.5-VL's split (whole images per CP rank, balanced by patches; the
 LLM tokens in 2 x CP chunks per segment), with ``mm_token_type_ids`` split like the tokens.
 
