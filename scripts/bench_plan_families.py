@@ -65,6 +65,7 @@ def plan_row(stats, model: str, gpus: int, args) -> dict:
     base, final = plan.row("baseline"), plan.row("+memory")
     sides = list(final.boundary_side_bytes)
     return {"model": model, "gpus": gpus, "tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "vpp": plan.vpp,
+            "ep": plan.ep, "etp": plan.etp,
             "sequence_parallel": bool(plan.trainer_flags.get("--sequence-parallel")),
             "micro_batches": plan.num_microbatches, "layout": final.layout_flag, "recompute": final.recompute_flag,
             "iteration_s": final.iteration_s, "baseline_iteration_s": base.iteration_s,
@@ -83,7 +84,7 @@ def side_cell(sides: list[float]) -> str:
 
 
 COLUMNS = [("model", "model", ""), ("GPUs", "gpus", "d"), ("TP", "tp", "d"), ("PP", "pp", "d"), ("DP", "dp", "d"),
-           ("V", "vpp", "d"), ("step s", "iteration_s", ".2f"), ("default s", "baseline_iteration_s", ".2f"),
+           ("V", "vpp", "d"), ("EP", "ep", "d"), ("ETP", "etp", "d"), ("step s", "iteration_s", ".2f"), ("default s", "baseline_iteration_s", ".2f"),
            ("+data", "+data", ".2f"), ("+model", "+model", ".2f"), ("+memory", "+memory", ".2f"),
            ("peak GiB", "peak_gib", ".1f"), ("DeepStack MiB per boundary", "sides", ""), ("layout (+memory)", "layout", "")]
 
@@ -95,11 +96,12 @@ def format_rows(rows: list[dict]) -> str:
 
 def markdown(rows: list[dict]) -> str:
     """The table for docs/results.md."""
-    out = ["| model | GPUs | TP | PP | DP | V | +memory layout | step s (default) | +data | +model | +memory | "
-           "peak GiB | DeepStack MiB per boundary |", "|" + "---|" * 13]
+    out = ["| model | GPUs | TP | PP | DP | V | EP x ETP | +memory layout | step s (default) | +data | +model | "
+           "+memory | peak GiB | DeepStack MiB per boundary |", "|" + "---|" * 14]
     for r in rows:
         s = r["speedups"]
         out.append(f"| {r['model']} | {r['gpus']} | {r['tp']} | {r['pp']} | {r['dp']} | {r['vpp']} | "
+                   f"{r.get('ep', 1)} x {r.get('etp', 1)} | "
                    f"`{r['layout'].replace('|', chr(92) + '|')}` | {r['iteration_s']:.2f} "
                    f"({r['baseline_iteration_s']:.2f}) | {s['+data']:.2f}x | {s['+model']:.2f}x | "
                    f"{s['+memory']:.2f}x | {r['peak_gib']:.1f} | {side_cell(r['boundary_side_bytes'])} |")
