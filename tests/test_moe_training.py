@@ -62,7 +62,7 @@ def test_expert_load_file_counts_every_routed_token(data, tmp_path):
     """--log-expert-load: per iteration, per MoE layer, tokens per expert summed over the ranks; each layer routes
     every real token of the iteration to top-k = 2 experts, so its counts sum to 2 x the same token count, the
     same in every layer; the logged imbalance is the largest max/mean over the layers."""
-    path = tmp_path / "load.jsonl"
+    path = tmp_path / "expert_load.jsonl"  # not load.jsonl: the trainer's own JSON log of the run named "load"
     records, _ = run_training(2, BASE + data + ["--expert-model-parallel-size", "2", "--log-expert-load", str(path)],
                               tmp_path, "load")
     lines = [json.loads(line) for line in path.read_text().splitlines()]
