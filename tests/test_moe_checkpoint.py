@@ -60,3 +60,14 @@ def test_resume_under_another_ep_equals_uninterrupted(runs, saved, nproc, flags)
                                 f"from-{saved}")
     assert [r["iteration"] for r in records] == [5, 6]
     assert_close(losses(records, [5, 6]), losses(ep1, [5, 6]), 1e-4)
+
+
+def test_distributed_optimizer_at_ep2_resumes_at_ep1(runs):
+    """The distributed optimizer's chain at EP2 (dense state sharded over DP 2, expert state over expert DP 1) saved
+    in megatron-core's fully reshardable form resumes as plain Adam at EP1 with the uninterrupted EP1 losses."""
+    d, base, ep1, _ = runs
+    run_training(2, base + EP2 + ["--use-distributed-optimizer", "--save", str(d / "ep2-distopt"),
+                                  "--save-interval", "4"], d, "ep2-distopt")
+    records, _ = run_training(1, base + ["--load", str(d / "ep2-distopt"), "--ckpt-step", "4"], d, "from-distopt")
+    assert [r["iteration"] for r in records] == [5, 6]
+    assert_close(losses(records, [5, 6]), losses(ep1, [5, 6]), 1e-4)
