@@ -270,9 +270,8 @@ def add_moe_flags(p) -> None:
                         "renormalised: HF norm_topk_prob False); default: softmax over the top-k logits")
     g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "none"],
                    default="aux_loss",
-                   help="load-balancing loss: aux_loss per micro-batch, seq_aux_loss per packed sample (padding excluded), "
-                        "global_aux_loss over "
-                        "the global batch, or none")
+                   help="load-balancing loss: aux_loss per micro-batch, seq_aux_loss per packed sample (padding "
+                        "excluded), global_aux_loss over the global batch, or none")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="weight of the load-balancing loss")
     g.add_argument("--moe-z-loss-coeff", type=float, default=None, help="weight of the router z-loss (default: none)")
     g.add_argument("--moe-router-enable-expert-bias", action="store_true",

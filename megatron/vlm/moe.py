@@ -16,6 +16,10 @@ EP would change them; ``SeededSequentialMLP`` draws expert ``g`` (global index) 
 layer's seeded generator, and leaves that generator as one draw moved on: the weights of every expert, and of what
 the layer draws after them (the shared expert), do not depend on EP or ETP.
 
+Padding and packed samples: the router gets ``token_mask``'s mask (padding, and which packed sample each token
+belongs to) through megatron-core's ``padding_mask`` argument; megatron-core's losses and the expert-bias count see
+the padding part, and ``seq_aux_loss`` is computed per packed sample (``per_sample_aux_loss``), padding excluded.
+
 Expert load: ``ExpertLoad`` records each router's routing map (a forward hook returning nothing: the router's
 output is read, never changed) as tokens per expert per layer, for the log and ``--log-expert-load``.
 """
@@ -103,7 +107,7 @@ def token_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     ``padding_mask``), ``[..., 1 + s]`` True on the tokens of packed sample ``s``. megatron-core's ``MoELayer`` only
     transposes its first two axes and takes ``bool()`` of it on its way to the router (``MaskedTopKRouter``)."""
     samples = int(segment_ids.max()) + 1 if segment_ids.numel() else 0
-    return torch.nn.functional.one_hot(segment_ids + 1, 1 + max(samples, 0)).bool()
+    return torch.nn.functional.one_hot(segment_ids + 1, 1 + samples).bool()
 
 
 def split_token_mask(mask: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -129,7 +133,7 @@ def per_sample_aux_loss(scores: torch.Tensor, routed: torch.Tensor, members: tor
     num_experts = scores.shape[-1]
     membership = members.to(scores.dtype)
     routed_per_sample = membership.t() @ routed.to(scores.dtype)  # [S, E]
-    if reduce_group is not None and reduce_group.size() > 1:
+    if reduce_group is not None:
         routed_per_sample = reduce_from_tensor_model_parallel_region(routed_per_sample, reduce_group)
     tokens = routed_per_sample.sum(dim=1) / topk  # [S]
     present = tokens > 0
