@@ -128,8 +128,8 @@ def loader_rate(ds, tok, workers: int, pixels: bool, batches: int, k: int) -> di
     samples = tiles = 0
     for _ in range(batches):
         b = next(mb)
-        samples += len(b["sample_tokens"])
-        tiles += int(b["sample_tiles"].sum())
+        samples += len(b.samples.sample_tokens)
+        tiles += int(b.samples.sample_tiles.sum())
     dt = time.perf_counter() - t0
     del mb
     return {"stage": "ViT (decodes)" if pixels else "LLM-only", "workers": workers, "batches": batches,
@@ -146,6 +146,7 @@ def _tp_worker(rank: int, port: int, batches: int, k: int, result_path: str):
 
     from megatron.vlm.batches import broadcast_batch
     from megatron.vlm.data.collate import collate_padded
+    from megatron.vlm.micro_batch import MicroBatch
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -159,7 +160,7 @@ def _tp_worker(rank: int, port: int, batches: int, k: int, result_path: str):
             dist.barrier()
             t0 = time.perf_counter()
             if mode == "broadcast":
-                batch = collate_padded([ds[i] for i in g], tok.pad_id) if rank == 0 else None
+                batch = MicroBatch.of(collate_padded([ds[i] for i in g], tok.pad_id)) if rank == 0 else None
                 batch = broadcast_batch(batch, 0, None)
             elif mode == "split":
                 mine = [ds[i] for i in g[rank::2]]
@@ -173,8 +174,8 @@ def _tp_worker(rank: int, port: int, batches: int, k: int, result_path: str):
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             if j:  # the first is a warm-up
                 times.append(float(dt))
-        out[mode] = {"ms_per_batch": float(np.median(times)) * 1e3,
-                     "mb_per_batch": batch["pixel_values"].numel() * 4 / 2**20}
+        pixels = batch.vision.pixel_values if isinstance(batch, MicroBatch) else batch.vision.pixel_values
+        out[mode] = {"ms_per_batch": float(np.median(times)) * 1e3, "mb_per_batch": pixels.numel() * 4 / 2**20}
     if rank == 0:
         with open(result_path, "w") as f:
             json.dump(out, f)

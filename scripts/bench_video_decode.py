@@ -4,7 +4,7 @@
 Data: H.264 files made here (megatron/vlm/data/video_synthetic.py: index-coded frames, libx264 crf 23,
 x264's default keyframe placement unless --gop), ``--seconds`` long (30) at ``--fps`` (30), at each size of
 ``--sizes``.  Each clip is ``--clip-seconds`` (8) at a random start, sampled at ``--sample-fps`` (2): 16 frames,
-Qwen3-VL's rule (``video_sampling.qwen3_vl_frame_indices``) over the clip's frames.  Decoded with keyframe
+Qwen3-VL's rule (``families/qwen3_vl/video.frame_indices``) over the clip's frames.  Decoded with keyframe
 seeking (``decode_frames``) and without (from the file's start).  Per row: clips/s, sampled frames/s, and
 frames the decoder produced per clip.  Compare clips/s x workers with the samples/s a trainer step consumes.
 
@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from megatron.vlm.data.video_decode import decode_frames, probe_video  # noqa: E402
-from megatron.vlm.data.video_sampling import qwen3_vl_frame_indices, video_settings  # noqa: E402
 from megatron.vlm.data.video_sampling import VideoOverrides  # noqa: E402
+from megatron.vlm.families.qwen3_vl.video import frame_indices, settings  # noqa: E402
 from megatron.vlm.data.video_synthetic import frame_code, write_coded_video  # noqa: E402
 
 
@@ -48,13 +48,13 @@ def parse_args(argv=None):
 
 def bench_row(path: str, args, seek: bool, rng: np.random.Generator) -> dict:
     info = probe_video(path)
-    s = video_settings("qwen3_vl", overrides=VideoOverrides(fps=args.sample_fps))
+    s = settings(overrides=VideoOverrides(fps=args.sample_fps))
     clip_frames = int(round(args.clip_seconds * info.fps))
     starts = rng.integers(0, info.num_frames - clip_frames + 1, size=args.clips)
     decoded = sampled = 0
     t0 = time.perf_counter()
     for start in starts:
-        indices = [int(start) + i for i in qwen3_vl_frame_indices(clip_frames, info.fps, s)]
+        indices = [int(start) + i for i in frame_indices(clip_frames, info.fps, s)]
         out = decode_frames(path, info, indices, seek=seek)
         decoded += out.decoded
         sampled += len(indices)

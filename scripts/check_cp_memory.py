@@ -30,6 +30,7 @@ def main() -> None:
     from megatron.training.memory import ActivationMeter
     from megatron.training.profiling import synthetic_batch
     from megatron.vlm.context_parallel import split_batch
+    from megatron.vlm.micro_batch import MicroBatch
     from megatron.vlm.stage import StageBuild, build_stage
     from omnibal_ext.model.cost_model import DEVICES, analytic_costs
     from omnibal_ext.model.shape import MicroBatchShape
@@ -45,10 +46,11 @@ def main() -> None:
         img = spec.language.vocab_size - 1  # no random text token (ids < 256) is an image-context token
         stage = build_stage(StageBuild(spec, range(len(build_units(spec))), img_context_id=img, cp=cp)).train()
         shape = MicroBatchShape(a.tiles, a.tokens, 4, llm_attn_tokens_sq=float(a.tokens * a.sample))
-        batch = synthetic_batch(spec, shape, img, torch.device("cpu"))
-        batch["sample_tiles"] = torch.tensor([a.tiles])
+        fields = {**synthetic_batch(spec, shape, img, torch.device("cpu")).fields(),
+                  "sample_tiles": torch.tensor([a.tiles])}
         if cp > 1:
-            batch = split_batch(batch, cp, parallel_state.get_context_parallel_rank(), 0, img)
+            fields = split_batch(fields, cp, parallel_state.get_context_parallel_rank(), 0, img)
+        batch = MicroBatch.of(fields)
         meter = ActivationMeter(stage)
         with meter.measure():
             out = stage(batch)

@@ -1,14 +1,18 @@
-"""Logits of our model on a Hugging Face folder (InternVL, Qwen2.5-VL), at any TP/PP/layout (the check against transformers).
+"""Logits of our model on a Hugging Face folder (InternVL, Qwen2.5-VL, Qwen3-VL), at any TP/PP/layout (the check against transformers).
 
     torchrun --nproc-per-node N scripts/hf_logits.py --hf-checkpoint DIR --inputs IN.pt --out OUT.pt \\
-        [--tensor-model-parallel-size T] [--pipeline-model-parallel-size P] [--pipeline-layout L]
+        [--tensor-model-parallel-size T] [--pipeline-model-parallel-size P] [--pipeline-layout L] \\
+        [--expert-model-parallel-size E] [--expert-tensor-parallel-size ET]
 
 IN.pt: transformers' own inputs for the model's family (``HFSide.logits_batch`` makes the micro-batch):
 InternVL ``{"input_ids": LongTensor [1, s], "pixel_values": FloatTensor [tiles, 3, H, W]}``, the input_ids already
 holding image_seq_length image-token ids per tile; Qwen2.5-VL ``{"input_ids" [1, s], "pixel_values" [patches,
-3*2*14*14], "image_grid_thw" [n, 3], "mm_token_type_ids" [1, s]}`` as its processor returns them. OUT.pt: float32
+3*2*14*14], "image_grid_thw" [n, 3], "mm_token_type_ids" [1, s]}`` as its processor returns them (Qwen3-VL: the
+same, patches of 3*2*16*16; DeepStack features live at a stage boundary travel packed with the hidden states). OUT.pt: float32
 logits ``[s, real vocabulary]`` of our model (fp32 on CPU), written by the last stage's TP rank 0. Each rank reads
-only its own units and TP slices of the safetensors. Compare with
+only its own units and TP slices of the safetensors (an MoE layer: its EP rank's experts, their ETP slices). MoE
+layers under TP > 1 run sequence parallel (megatron-core's MoELayer needs it), so the input's tokens must then be a
+multiple of TP. Compare with
 ``<Model>ForConditionalGeneration.from_pretrained(DIR)(**inputs).logits[0]`` (Qwen2.5-VL: pass mm_token_type_ids,
 or transformers uses 1-D positions).
 """
@@ -33,26 +37,31 @@ def main(argv=None) -> int:
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-layout", default=None)
+    p.add_argument("--expert-model-parallel-size", type=int, default=1)
+    p.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="default: TP")
     p.add_argument("--image-token-id", type=int, default=None, help="default: the config's image_token_id")
     args = p.parse_args(argv)
 
     import torch.distributed as dist
 
     from megatron.training import cpu_compat
-    from megatron.training.initialize import destroy, initialize_distributed
+    from megatron.training.initialize import destroy, initialize_distributed, set_seeds
     from megatron.vlm.hf.convert import HFSource
     from megatron.vlm.hf.logits import pipeline_logits
     from omnibal_ext.errors import UserError, report
     from omnibal_ext.model.layout import default_layout, parse_layout
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or tp
     try:
         with cpu_compat.patched():
             try:
                 src = HFSource.open(args.hf_checkpoint)
                 layout = parse_layout(args.pipeline_layout, src.spec, pp) if args.pipeline_layout else \
                     default_layout(src.spec, pp)
-                initialize_distributed(torch.device("cpu"), tp, pp)
+                check_experts(src.spec, tp, pp, ep, etp)
+                initialize_distributed(torch.device("cpu"), tp, pp, ep=ep, etp=etp)
+                set_seeds(0)  # megatron-core's model-parallel RNG (its blocks fork it under sequence parallelism)
                 inputs = torch.load(args.inputs, weights_only=True)
                 logits = pipeline_logits(src, inputs, layout, args.image_token_id)
                 from megatron.core import parallel_state as ps
@@ -66,6 +75,19 @@ def main(argv=None) -> int:
     except UserError as e:
         return report(e, "hf_logits: ")
     return 0
+
+
+def check_experts(spec, tp: int, pp: int, ep: int, etp: int) -> None:
+    """EP / ETP against the model's experts and megatron-core's expert grid (a UserError naming the flag)."""
+    from omnibal_ext.errors import UserError
+    from omnibal_ext.model.moe import ExpertGrid, expert_grid_problem
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % (tp * pp):
+        raise UserError(f"world size {world} is not divisible by TP {tp} x PP {pp}")
+    problem = expert_grid_problem(spec.language.moe, ExpertGrid(ep, etp), tp, 1, world // (tp * pp))
+    if problem:
+        raise UserError(f"--expert-model-parallel-size {ep} / --expert-tensor-parallel-size {etp}: {problem}")
 
 
 if __name__ == "__main__":

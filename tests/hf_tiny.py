@@ -25,8 +25,12 @@ def perturb(model, seed=0):
             p.copy_(0.2 * noise if (p.dim() > 1 or name.endswith("bias")) else 1.0 + 0.3 * noise)
 
 
-def hf_config(vit="ln-bias", text="qwen2", vit_heads=2, vocab=300, vit_layers=2, llm_layers=2, tie=None, head_dim=12):
-    from transformers import InternVLConfig, LlamaConfig, Qwen2Config, Qwen3Config
+MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=20, mlp_only_layers=[1])  # H 32 != 2I 40
+
+
+def hf_config(vit="ln-bias", text="qwen2", vit_heads=2, vocab=300, vit_layers=2, llm_layers=2, tie=None, head_dim=12,
+              moe=None):
+    from transformers import InternVLConfig, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
     from transformers.models.internvl.configuration_internvl import InternVLVisionConfig
 
     vc = InternVLVisionConfig(hidden_size=8 * vit_heads, num_attention_heads=vit_heads, intermediate_size=32,
@@ -40,6 +44,9 @@ def hf_config(vit="ln-bias", text="qwen2", vit_heads=2, vocab=300, vit_layers=2,
         tie = False if tie is None else tie
     elif text == "qwen3":  # InternVL3.5: per-head q/k norm, head_dim not hidden / heads (12, not 8)
         tc = Qwen3Config(**common, head_dim=head_dim or 8, attention_bias=False)
+        tie = False if tie is None else tie
+    elif text == "qwen3_moe":  # InternVL3.5-MoE: Qwen3 attention, experts (``moe``: Qwen3MoeConfig keys, MOE's)
+        tc = Qwen3MoeConfig(**common, head_dim=head_dim or 8, attention_bias=False, **{**MOE, **(moe or {})})
         tie = False if tie is None else tie
     else:
         tc = LlamaConfig(**common, head_dim=head_dim or 8, attention_bias=False, mlp_bias=False)

@@ -68,6 +68,30 @@ def test_qwen_bench_model_counts_what_the_reader_makes():
         bench_e2e.MODELS["internvl"].image_px, bench_e2e.MODELS["internvl"].tokens_per_image)
 
 
+def test_qwen3_bench_model_counts_what_the_reader_makes():
+    """--model qwen3-vl: a data image of ``image_px``, read by the family's reader with the bench's pixel flags
+    (transformers' smart_resize within them), is ``items_per_image`` patches (one full-attention segment of
+    ``segment_tokens``) and ``tokens_per_image`` LLM tokens."""
+    from types import SimpleNamespace
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_e2e
+
+    from megatron.vlm.families.qwen3_vl.data import image_rule
+
+    model = bench_e2e.MODELS["qwen3-vl"]
+    spec = bench_e2e.spec_of(model)
+    args = SimpleNamespace(min_pixels=model.flags["--min-pixels"], max_pixels=model.flags["--max-pixels"])
+    rule = image_rule(args, spec, None)
+    patches = rule.items(model.image_px, model.image_px, 1)
+    h, w = smart_resize(model.image_px, model.image_px, factor=32, min_pixels=args.min_pixels,
+                        max_pixels=args.max_pixels)
+    assert patches == (h // 16) * (w // 16) == model.items_per_image == model.segment_tokens
+    assert rule.image_tokens(patches) == model.tokens_per_image
+
+
 def test_repeats_alternate_and_pool_their_speed(monkeypatch, tmp_path):
     """bench_e2e.repeat_rows with benchlib's launcher replaced by a fake: the repeats run the rows in turn with
     their flags, a row's pooled speed is that of its runs' steady iterations together (by hand), and a repeat

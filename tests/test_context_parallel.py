@@ -124,8 +124,8 @@ def test_collate_pads_segments_not_the_row_under_cp_and_sp():
     whole = collate_packed(samples(), PAD)
     got = Collate(PAD, True, StageInputs.everything(), None, pad_to_multiple=2, cp=2, cp_rank=1)(samples())
     want = split_batch(whole, 2, 1, PAD, None, sp_tp=2)
-    assert got["cu_seqlens"].tolist() == want["cu_seqlens"].tolist() == [0, 8, 16, 24]
-    assert torch.equal(got["tokens"], want["tokens"]) and torch.equal(got["labels"], want["labels"])
+    assert got.packing.cu_seqlens.tolist() == want["cu_seqlens"].tolist() == [0, 8, 16, 24]
+    assert torch.equal(got.text.tokens, want["tokens"]) and torch.equal(got.text.labels, want["labels"])
 
 
 @pytest.mark.parametrize("cp,sp_tp", [(2, 1), (3, 1), (4, 1), (2, 2), (2, 4)])

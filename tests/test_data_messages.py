@@ -96,7 +96,7 @@ def test_messages_record_problems_name_file_and_line(data):
     lines = str(e.value).splitlines()[1:]
     assert lines[0].strip() == f"{bad}:2: 1 <image> placeholder(s) in the messages but 0 image(s) in 'images'"
     assert lines[1].strip().startswith(f"{bad}:3: messages[0] is from assistant, expected user")
-    assert lines[2].strip() == f"{bad}:4: 'videos': video input is not implemented (images only)"
+    assert lines[2].strip() == f"{bad}:4: 0 <video> placeholder(s) in the messages but 1 video(s) in 'videos'"
 
 
 def test_structured_content_is_the_string_form():
@@ -126,7 +126,9 @@ def test_structured_content_is_the_string_form():
     ([{"type": "image", "image": "a.png", "url": "b.png"}], None, r"content\[0\]: an image part needs one path"),
     ([{"type": "text", "text": "<image> q"}], ["a.png"], r"content\[0\]: a text part holds <image>"),
     ([{"type": "text", "text": 3}], None, r"content\[0\]: a text part needs a string 'text'"),
-    ([{"type": "video", "video": "v.mp4"}], None, r"content\[0\]: video input is not implemented"),
+    ([{"type": "video", "video": "v.mp4"}], None, r"1 video\(s\): the model family does not read videos"),
+    ([{"type": "video"}], None, r"content\[0\]: a video part needs one path"),
+    ([{"type": "audio", "audio": "a.wav"}], None, r"content\[0\]: audio input is not implemented"),
     ([{"type": "table", "rows": []}], None, r"content\[0\]: expected a"),
     ([{"type": "image", "image": "a.png"}], ["b.png"], r"0 <image> placeholder\(s\) .* but 1 image"),
     ("<image><image>", ["b.png"], r"2 <image> placeholder\(s\) .* but 1 image"),

@@ -24,6 +24,7 @@ ASKING = {
     "sequence_parallel": (["--sequence-parallel", "--tensor-model-parallel-size", "2"], 2),
     "lora_targets": (["--lora-rank", "4", "--lora-targets", "vit.qkv"], 1),
     "moe": (["--num-experts", "4", "--moe-ffn-hidden-size", "32"], 1),
+    "video": (["--video-max-frames", "4"], 1),
 }
 IMAGE_VALUES = {"--max-num-tiles": "3", "--min-num-tiles": "2", "--min-pixels": "3136", "--max-pixels": "12544"}
 
@@ -50,6 +51,7 @@ def test_every_capability_field_has_a_check():
 def test_undeclared_capability_is_refused_naming_family_and_flag(bare, field):
     argv, world = ASKING[field]
     flag = CAPABILITY_FLAGS[field][0] if field in CAPABILITY_FLAGS else "--lora-targets"
+    flag = "--video-max-frames" if field == "video" else flag
     with pytest.raises(ArgumentError) as e:
         parse_args(["--model", bare] + argv, world_size=world)
     assert flag in str(e.value) and BARE in str(e.value)
@@ -82,3 +84,17 @@ def test_declared_capability_is_accepted(field):
 def test_vit_setting_the_family_lacks_is_refused():
     with pytest.raises(ArgumentError, match="--vision-qk-norm: model family qwen2_5_vl's ViT"):
         parse_args(["--model", "qwen2.5-vl-tiny", "--vision-qk-norm"])
+
+
+def test_video_flags_a_family_does_not_implement_are_refused_at_parse_time():
+    """A family declaring video refuses the video flags its processor does not implement, naming the flag; a
+    family not declaring video refuses every video flag."""
+    with pytest.raises(ArgumentError, match="--video-fps is not implemented for internvl"):
+        parse_args(["--model", "tiny", "--video-fps", "1"])
+    with pytest.raises(ArgumentError, match="--video-total-pixels is not implemented for internvl"):
+        parse_args(["--model", "tiny", "--video-total-pixels", "100000"])
+    with pytest.raises(ArgumentError, match="min_frames 9 > max_frames 8"):
+        parse_args(["--model", "tiny", "--video-min-frames", "9", "--video-max-frames", "8"])
+    parse_args(["--model", "tiny", "--video-min-frames", "2", "--video-max-frames", "4", "--video-folder-fps", "10"])
+    with pytest.raises(ArgumentError, match="--video-folder-fps: model family qwen2_5_vl does not implement it"):
+        parse_args(["--model", "qwen2.5-vl-tiny", "--video-folder-fps", "10"])

@@ -65,9 +65,9 @@ def test_toy_family_plans_and_builds(megatron_world, toy_family):
     # forward and backward, whole and split at the projector: the same loss and gradients
     batch = _batch(spec)
     out = stage(batch)
-    real = batch["labels"] != -100
+    real = batch.text.labels != -100
     (out.loss * real).sum().backward()
-    assert torch.isfinite(out.loss).all() and out.correct.shape == batch["labels"].shape
+    assert torch.isfinite(out.loss).all() and out.correct.shape == batch.text.labels.shape
     grads = {n: p.grad for n, p in stage.named_parameters()}
     assert grads["projector.fc.weight"] is not None and grads["projector.fc.weight"].abs().sum() > 0
     assert all(g is not None for g in grads.values())
@@ -101,6 +101,7 @@ def test_unknown_family_is_refused(megatron_world):
 def _batch(spec):
     """Two tiles in one sample of 96 tokens: text, the image tokens, an answer."""
     from megatron.vlm.data.collate import collate_padded
+    from megatron.vlm.micro_batch import MicroBatch
 
     n_img = 2 * spec.tokens_per_tile
     g = torch.Generator().manual_seed(0)
@@ -112,7 +113,7 @@ def _batch(spec):
     sample = {"input_ids": ids.numpy(), "labels": labels.numpy(),
               "pixel_values": torch.randn(2, v.in_channels, v.image_size, v.image_size, generator=g),
               "image_flags": torch.ones(2, dtype=torch.int64)}
-    return collate_padded([sample], pad_id=0)
+    return MicroBatch.of(collate_padded([sample], pad_id=0))
 
 
 def test_toy_family_converts_to_hf_and_back(megatron_world, toy_family, tmp_path):

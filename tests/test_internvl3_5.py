@@ -6,6 +6,7 @@ q/k norms, 3 ViT heads, every parameter perturbed, tied and untied) in the nativ
 without the q/k norms off by more than 1000x that, import -> export bit-identical and loaded by transformers; TP2 and PP2
 through ``scripts/hf_logits.py`` under torchrun (slow)."""
 import json
+import shutil
 import subprocess
 import sys
 
@@ -138,7 +139,10 @@ def test_import_export_round_trip_and_transformers_loads_it(megatron_world, tiny
     pairs = []
     for name, (native, original, _) in tiny.items():
         want = load_file(str(native / "model.safetensors"))
-        for folder, tag in ((native, "native"), (original, "original")):
+        with_tokenizer = tmp_path / f"original-{name}"
+        shutil.copytree(original, with_tokenizer)
+        write_context_tokenizer(with_tokenizer, 299)
+        for folder, tag in ((native, "native"), (with_tokenizer, "original")):
             out = tmp_path / f"out-{name}-{tag}"
             import_hf(str(folder), str(tmp_path / f"ckpt-{name}-{tag}"))
             export_hf(str(tmp_path / f"ckpt-{name}-{tag}"), str(out))
@@ -150,10 +154,8 @@ def test_import_export_round_trip_and_transformers_loads_it(megatron_world, tiny
             assert config["text_config"]["model_type"] == "qwen3" and config["text_config"]["head_dim"] == 12
             if tag == "native":
                 assert config == {**json.load(open(native / "config.json")), "dtype": "float32"}
-            else:  # an original config names no image token (the tokenizer's <IMG_CONTEXT> is it; there is none
-                # here), and the export writes None, which transformers refuses to load: given here by hand
-                assert config["image_token_id"] is None
-                (out / "config.json").write_text(json.dumps({**config, "image_token_id": 299}))
+            else:  # an original config names no image token: the folder's tokenizer's <IMG_CONTEXT> is it
+                assert config["image_token_id"] == 299
             pairs += [str(native), str(out)]
     # transformers loads the exports and gives the source models' logits, in a fresh process (the CPU patches of
     # megatron_world spoil the rotary buffers transformers recomputes in from_pretrained)
@@ -169,6 +171,39 @@ def test_import_export_round_trip_and_transformers_loads_it(megatron_world, tiny
         "print('same')\n")
     run = subprocess.run([sys.executable, "-c", script, *pairs], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "same" in run.stdout, run.stderr[-3000:]
+
+
+def write_context_tokenizer(folder, context_id: int, token: str = "<IMG_CONTEXT>") -> None:
+    """A word-level tokenizer whose ``token`` is id ``context_id`` (the ids before it: filler words)."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {"<unk>": 0, **{f"w{i}": i for i in range(1, context_id)}, token: context_id}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.add_special_tokens([token])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "extra_special_tokens": {}}))
+
+
+@pytest.mark.parametrize("tokenizer, message", [
+    (None, "names no image_token_id and no tokenizer folder is known"),
+    ("<img>", "has no <IMG_CONTEXT> token"),  # a tokenizer without the context token
+    (400, "past the model's 300-token vocabulary")])
+def test_export_of_an_original_import_needs_the_tokenizers_context_token(megatron_world, tiny, tmp_path, tokenizer,
+                                                                           message):
+    """An original-layout config names no image_token_id (transformers refuses a native config without it): without
+    a tokenizer whose <IMG_CONTEXT> fits the vocabulary the export is refused, naming what is missing."""
+    from megatron.vlm.hf.convert import export_hf, import_hf
+
+    folder = tmp_path / "original"
+    shutil.copytree(tiny["untied"][1], folder)
+    if isinstance(tokenizer, str):
+        write_context_tokenizer(folder, 299, tokenizer)
+    elif tokenizer is not None:
+        write_context_tokenizer(folder, tokenizer)
+    import_hf(str(folder), str(tmp_path / "ckpt"))
+    with pytest.raises(UserError, match=message):
+        export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))
 
 
 # --------------------------------------------------------------------------------------------------

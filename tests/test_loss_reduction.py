@@ -6,6 +6,7 @@ several sizes) gives the closed form sum_s w(n_s) sum_i l_i / sum_s w(n_s) n_s c
 rate > 0 changes the loss, recompute replays the mask (also with another micro-batch's forward in between,
 as in 1F1B), and the mask is per tile with the layer's rate.
 """
+import dataclasses
 import math
 
 import pytest
@@ -38,10 +39,12 @@ def stage(drop_path=0.0, recompute=None, seed=3):
                                   recompute=recompute, vision_drop_path_rate=drop_path)).train()
 
 
-def collate(samples, packed):
+def collate(samples, packed, iteration=0):
     from megatron.vlm.data.collate import collate_packed, collate_padded
+    from megatron.vlm.micro_batch import MicroBatch
 
-    return collate_packed(samples, PAD, pad_to_multiple=16) if packed else collate_padded(samples, PAD)
+    fields = collate_packed(samples, PAD, pad_to_multiple=16) if packed else collate_padded(samples, PAD)
+    return dataclasses.replace(MicroBatch.of(fields), iteration=iteration)
 
 
 def answers(sample) -> int:
@@ -62,11 +65,9 @@ def through_schedule(m, samples, mbs, packed, reduction):
     from megatron.training.loss_reduction import normaliser
     from megatron.training.training import forward_step
 
-    batches = [collate(samples[i:i + mbs], packed) for i in range(0, len(samples), mbs)]
-    for b in batches:
-        b["iteration"] = 1
+    batches = [collate(samples[i:i + mbs], packed, iteration=1) for i in range(0, len(samples), mbs)]
     num_mb = len(batches)
-    norm = sum(normaliser(b["sample_answers"], reduction) for b in batches)
+    norm = sum(normaliser(b.samples.sample_answers, reduction) for b in batches)
     m.zero_grad()
     reports = get_forward_backward_func()(
         forward_step_func=partial(forward_step, reduction=reduction, scale=num_mb / norm),
@@ -85,10 +86,9 @@ def closed_form(m, samples, reduction):
     m.zero_grad()
     sums, counts = [], []
     for s in samples:
-        b = collate([s], packed=False)
-        b["iteration"] = 1
+        b = collate([s], packed=False, iteration=1)
         out = m(b).loss
-        sums.append((out * (b["labels"] != -100)).sum())
+        sums.append((out * (b.text.labels != -100)).sum())
         counts.append(answers(s))
     den = sum(weight(n, reduction) * n for n in counts)
     loss = sum(weight(n, reduction) * v for v, n in zip(sums, counts)) / den
@@ -131,7 +131,7 @@ def test_square_differs_from_token_on_the_built_in_data(megatron_world, samples)
     assert len(set(counts)) > 1, counts  # the digits answers differ in length
     m = stage().eval()
     with torch.no_grad():
-        sums = [float((m(collate([s], False)).loss * (collate([s], False)["labels"] != -100)).sum())
+        sums = [float((m(collate([s], False)).loss * (collate([s], False).text.labels != -100)).sum())
                 for s in samples]
     token, square, sample = (reduce_loss(sums, counts, r) for r in ("token", "square", "sample"))
     assert abs(square - token) > 1e-4 * token and abs(sample - token) > 1e-4 * token, (token, square, sample)
@@ -139,12 +139,11 @@ def test_square_differs_from_token_on_the_built_in_data(megatron_world, samples)
 
 def _loss(m, batch):
     out = m(batch).loss
-    return (out * (batch["labels"] != -100)).sum()
+    return (out * (batch.text.labels != -100)).sum()
 
 
 def test_drop_path_rate_zero_is_the_model_without_it(megatron_world, samples):
-    batch = collate(samples[:4], packed=False)
-    batch["iteration"] = 5
+    batch = collate(samples[:4], packed=False, iteration=5)
     plain, zero, some = stage(), stage(drop_path=0.0), stage(drop_path=0.3)
     assert type(plain.vit_blocks[0].layers[0]) is type(zero.vit_blocks[0].layers[0])
     a, b, c = (_loss(x, batch).detach() for x in (plain, zero, some))
@@ -155,7 +154,7 @@ def test_drop_path_rate_zero_is_the_model_without_it(megatron_world, samples):
     with torch.no_grad():
         assert float(_loss(plain.eval(), batch)) == float(_loss(some.eval(), batch))
     # another iteration draws another mask
-    batch2 = dict(batch, iteration=6)
+    batch2 = dataclasses.replace(batch, iteration=6)
     assert float(_loss(some.train(), batch2).detach()) != float(c)
 
 
@@ -165,8 +164,7 @@ def test_drop_path_mask_replays_under_recompute(megatron_world, samples):
     from omnibal_ext.memory.recompute import StageRecompute
 
     spec = get_preset("tiny")
-    b1, b2 = collate(samples[:3], False), collate(samples[3:6], True)
-    b1["iteration"] = b2["iteration"] = 2
+    b1, b2 = collate(samples[:3], False, iteration=2), collate(samples[3:6], True, iteration=2)
     results = []
     for rec in (None, StageRecompute(spec.vision.num_layers, False, 0, False)):
         m = stage(drop_path=0.4, recompute=rec)

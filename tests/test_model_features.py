@@ -196,11 +196,12 @@ def digits_batch(tmp_path, spec, n=4):
     from megatron.vlm.data.digits import build_digits_dataset
     from megatron.vlm.data import RecordDataset, TileImages
     from megatron.vlm.data.tokenizer import ByteTokenizer
+    from megatron.vlm.micro_batch import MicroBatch
 
     tok = ByteTokenizer()
     meta = build_digits_dataset(str(tmp_path / "digits"), num_samples=20, tile_size=spec.vision.image_size)
     ds = RecordDataset(meta, tok, TileImages(spec.vision.image_size, spec.tokens_per_tile, 6), 512)
-    return collate_padded([ds[i] for i in range(n)], tok.pad_id), tok.vocab_size
+    return MicroBatch.of(collate_padded([ds[i] for i in range(n)], tok.pad_id)), tok.vocab_size
 
 
 def copy_real_rows(src, dst):
@@ -224,7 +225,7 @@ def test_vocabulary_padding_does_not_change_the_loss(megatron_world, tmp_path):
         loss, correct = padded(batch)
         want, want_correct = unpadded(batch)
         old = unmasked(batch).loss
-    answer = batch["labels"] != -100
+    answer = batch.text.labels != -100
     torch.testing.assert_close(loss[answer], want[answer], rtol=1e-6, atol=1e-6)
     assert torch.equal(correct[answer], want_correct[answer])
     assert (old[answer] - want[answer]).mean() > 0.05  # the padded rows did take part before

@@ -49,6 +49,6 @@ def test_tp2_qk_norm_with_padded_heads_and_vocab_padding_equal_tp1(megatron_worl
     copy_real_rows(padded, unpadded)
     with torch.no_grad():
         want, want_correct = unpadded.eval()(batch)
-    answer = batch["labels"] != -100
+    answer = batch.text.labels != -100
     torch.testing.assert_close(tp2["loss"][answer], want[answer], rtol=1e-5, atol=1e-5)
     assert torch.equal(tp2["correct"][answer], want_correct[answer])

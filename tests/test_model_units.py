@@ -64,6 +64,7 @@ def test_packed_samples_give_the_same_per_sample_loss_as_alone(megatron_world, t
     from megatron.vlm.data.digits import build_digits_dataset
     from megatron.vlm.data import RecordDataset, TileImages
     from megatron.vlm.data.tokenizer import ByteTokenizer
+    from megatron.vlm.micro_batch import MicroBatch
 
     spec = get_preset("tiny")
     tok = ByteTokenizer()
@@ -72,9 +73,9 @@ def test_packed_samples_give_the_same_per_sample_loss_as_alone(megatron_world, t
     samples = [ds[i] for i in range(5)]
     model = whole_model(spec).eval()
 
-    def per_token_loss(batch):
+    def per_token_loss(fields):
         with torch.no_grad():
-            return model(batch).loss
+            return model(MicroBatch.of(fields)).loss
 
     packed = collate_packed(samples, tok.pad_id)
     loss = per_token_loss(packed)[0]

@@ -6,6 +6,8 @@ with another sample equal those of a micro-batch holding its sample alone, and a
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from omnibal_ext.model.spec import PROJECTOR
@@ -40,9 +42,8 @@ def batch(sample_list, iteration=3):
     v = SPEC.vision
     rule = PatchImages(ImageProcessorConfig(min_pixels=1, max_pixels=64 * v.patch_size ** 2, patch_size=v.patch_size,
                                             temporal_patch_size=v.temporal_patch_size, merge_size=v.spatial_merge_size))
-    b = QwenBatcher(SPEC, IMAGE_ID, rule).make(sample_list, 0, True, 1)
-    b["iteration"] = iteration
-    return b
+    batcher = QwenBatcher(SPEC, IMAGE_ID, rule)
+    return dataclasses.replace(batcher.micro_batch(batcher.make(sample_list, 0, True, 1)), iteration=iteration)
 
 
 def vit_stage(rate):

@@ -140,9 +140,9 @@ def test_reader_matches_processor_and_labels_answers(tmp_path):
     rows = batcher.make(samples[:2], tokenizer.pad_id, packed=False)
     assert torch.equal(rows["mrope_position_ids"][:, 1, :len(samples[1]["input_ids"])],
                        batch["mrope_position_ids"][:, 0, len(samples[0]["input_ids"]):start - tokens[2] - tokens[3]])
-    vit_only = batcher.keys(StageInputs.reading({"pixels"}))
+    vit_only = batcher.micro_batch(batch, StageInputs.reading({"pixels"})).fields()
     assert "vision_cu_window_seqlens" in vit_only and "mrope_position_ids" not in vit_only and "tokens" not in vit_only
-    llm_only = batcher.keys(StageInputs.reading({"packing", "labels"}))
+    llm_only = batcher.micro_batch(batch, StageInputs.reading({"packing", "labels"})).fields()
     assert "mrope_position_ids" in llm_only and not any(k.startswith("vision_") for k in llm_only)
 
 

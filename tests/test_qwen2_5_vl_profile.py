@@ -26,7 +26,7 @@ def test_profile_batch_has_the_shape():
     from megatron.vlm.families.qwen2_5_vl.data import profile_batch
 
     shape = MicroBatchShape(vision_items=96, llm_tokens=120, dtype_bytes=4)
-    batch = profile_batch(SPEC, shape, 250, torch.device("cpu"), pad_to_multiple=7)
+    batch = profile_batch(SPEC, shape, 250, torch.device("cpu"), pad_to_multiple=7).fields()
     assert batch["pixel_values"].shape[0] == 96 == int(batch["vision_cu_seqlens"][-1])
     assert int((batch["tokens"] == 250).sum()) == 96 // 4
     assert batch["tokens"].shape == (1, 126) and int(batch["cu_seqlens"][-2]) == 120

@@ -12,6 +12,9 @@ import sys
 import pytest
 import torch
 
+from megatron.vlm.families.qwen3_vl.batch import Qwen3Vision
+from megatron.vlm.micro_batch import MicroBatch
+
 pytest.importorskip("transformers")
 import hf_tiny_qwen3_5 as q  # noqa: E402
 
@@ -172,7 +175,7 @@ def test_four_packed_samples_equal_four_micro_batches_of_one(megatron_world):
     def run(batch, inp):
         stage.zero_grad()
         stage.set_input_tensor(inp)
-        loss = stage(batch).loss
+        loss = stage(MicroBatch.of(batch, Qwen3Vision)).loss
         loss.sum().backward()
         return loss.detach().reshape(-1), {n: p.grad.clone() for n, p in stage.named_parameters()}
 
@@ -199,7 +202,7 @@ def test_four_packed_samples_equal_four_micro_batches_of_one(megatron_world):
     whole = dict(packed, cu_seqlens=torch.tensor([0, sum(lengths)], dtype=torch.int32), max_seqlen=sum(lengths))
     stage.set_input_tensor(x.detach())
     with torch.no_grad():
-        joined = stage(whole).loss.reshape(-1)
+        joined = stage(MicroBatch.of(whole, Qwen3Vision)).loss.reshape(-1)
     assert (joined[7:] - want_loss[7:]).abs().max() > 1e-3
 
 

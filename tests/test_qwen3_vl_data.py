@@ -46,9 +46,11 @@ PUBLISHED_FILE = {"size": {"longest_edge": 16777216, "shortest_edge": 65536}, "p
                   "image_processor_type": "Qwen2VLImageProcessorFast"}
 
 
-def spec(patch=16, merge=2, temporal=2):
-    """The parts of a model spec the data side reads (no Qwen3-VL preset needed)."""
-    vision = SimpleNamespace(patch_size=patch, spatial_merge_size=merge, temporal_patch_size=temporal, in_channels=3)
+def spec(patch=16, merge=2, temporal=2, position_grid_side=4):
+    """The parts of a model spec the data side reads (no Qwen3-VL preset needed; ``tiny_vl``'s 4 x 4 position
+    table)."""
+    vision = SimpleNamespace(patch_size=patch, spatial_merge_size=merge, temporal_patch_size=temporal, in_channels=3,
+                             position_grid_side=position_grid_side)
     return SimpleNamespace(name="qwen3-vl-test", vision=vision)
 
 
@@ -257,6 +259,9 @@ def test_vision_fields_are_what_the_vision_model_computes(tiny_vl):
     assert torch.equal(ours["image_grid_thw"], grid)
     assert torch.equal(ours["vision_rotary_ids"], ref_vision.get_vision_position_ids(grid, 2))
     ref_cu, ref_max = ref_vision.get_vision_attention_seqlens(grid, visual.config)
+    index, weight = ref_vision.get_vision_interpolation_indices_and_weights(
+        grid, num_grid_per_side=4, mode="bilinear", align_corners=True, spatial_merge_size=2)
+    assert torch.equal(ours["vision_pos_index"], index) and torch.allclose(ours["vision_pos_weight"], weight)
     assert torch.equal(ours["vision_cu_seqlens"], ref_cu) and ours["vision_max_seqlen"] == 60
     x = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -303,10 +308,11 @@ def test_micro_batch_fields_match_the_references(tiny_vl, packed):
         assert torch.equal(types[row, cols], (s["input_ids"] == IMG).long())
         ref_pos, _ = reference_rope(tiny_vl, s["input_ids"].tolist(), MICRO_BATCH[k])
         assert torch.equal(batch["mrope_position_ids"][:, row, cols], ref_pos)
-    everything = Qwen3Batcher(spec(), IMG, PatchImages(EXACT)).keys(StageInputs.everything())
-    assert set(batch) >= set(everything) and "vision_patch_index" not in batch
-    vit_only = Qwen3Batcher(spec(), IMG, PatchImages(EXACT)).keys(StageInputs.reading({"pixels"}))
-    llm_only = Qwen3Batcher(spec(), IMG, PatchImages(EXACT)).keys(StageInputs.reading({"packing"}))
+    batcher = Qwen3Batcher(spec(), IMG, PatchImages(EXACT))
+    everything = batcher.micro_batch(batch, StageInputs.everything()).fields()
+    assert set(batch) >= set(everything) - {"iteration"} and "vision_patch_index" not in batch
+    vit_only = batcher.micro_batch(batch, StageInputs.reading({"pixels"})).fields()
+    llm_only = batcher.micro_batch(batch, StageInputs.reading({"packing"})).fields()
     assert set(VISION_KEYS) <= set(vit_only) and "mm_token_type_ids" not in vit_only
     assert {"mm_token_type_ids", "mrope_position_ids"} <= set(llm_only) and "vision_cu_seqlens" not in llm_only
 
@@ -344,7 +350,7 @@ def test_profile_batch_is_a_qwen3_micro_batch():
     from omnibal_ext.model.shape import MicroBatchShape
 
     shape = MicroBatchShape(vision_items=96, llm_tokens=64, llm_attn_tokens_sq=64 * 32, vision_attn_tokens_sq=96 * 48)
-    batch = QWEN3_VL_DATA.profile_batch(spec(), shape, IMG, "cpu")
+    batch = QWEN3_VL_DATA.profile_batch(spec(), shape, IMG, "cpu").fields()
     assert batch["pixel_values"].shape == (96, 1536) and batch["tokens"].shape == (1, 64)
     assert set(VISION_KEYS) <= set(batch) and "vision_patch_index" not in batch
     assert int(batch["mm_token_type_ids"].sum()) == 96 // 4 == int((batch["tokens"] == IMG).sum())

@@ -14,6 +14,9 @@ import sys
 import pytest
 import torch
 
+from megatron.vlm.families.qwen3_vl.batch import Qwen3Vision
+from megatron.vlm.micro_batch import MicroBatch
+
 pytest.importorskip("transformers")
 import hf_tiny_qwen3_vl as q  # noqa: E402
 
@@ -293,7 +296,7 @@ def test_frozen_vit_trains_the_deepstack_mergers(megatron_world):
              "max_seqlen": s, "segment_ids": torch.zeros(1, s, dtype=torch.int64), "position_ids": torch.arange(s)[None],
              "pixel_values": torch.randn(24, spec.vision.patch_dim), **vision_fields(np.array(grids), spec)}
     stage.set_input_tensor(None)
-    stage(batch).loss.sum().backward()
+    stage(MicroBatch.of(batch, Qwen3Vision)).loss.sum().backward()
     for name, p in stage.named_parameters():
         if "deepstack_merger." in name or name.startswith("projector."):
             assert p.grad is not None and p.grad.abs().sum() > 0, name

@@ -52,6 +52,7 @@ def toy(megatron_world):
 def _batch(spec, img_context_id):
     """Two samples: 3 tiles then a text-only one (a dummy tile), 48 tokens each."""
     from megatron.vlm.data.collate import collate_padded
+    from megatron.vlm.micro_batch import MicroBatch
 
     T, v = spec.tokens_per_tile, spec.vision
     g = torch.Generator().manual_seed(1)
@@ -65,7 +66,7 @@ def _batch(spec, img_context_id):
                         "pixel_values": torch.randn(max(tiles, 1), v.in_channels, v.image_size, v.image_size,
                                                     generator=g),
                         "image_flags": torch.tensor([1] * tiles if tiles else [0], dtype=torch.int64)})
-    return collate_padded(samples, pad_id=0)
+    return MicroBatch.of(collate_padded(samples, pad_id=0))
 
 
 def _run_split(spec, cuts, batch, trainable=None):
@@ -86,7 +87,7 @@ def _run_split(spec, cuts, batch, trainable=None):
         stage.set_input_tensor(x)
         x = stage(batch)
         outputs.append(x)
-    real = batch["labels"] != -100
+    real = batch.text.labels != -100
     loss = (x.loss * real).sum()
     loss.backward()
     for k in range(len(stages) - 2, -1, -1):

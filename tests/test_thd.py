@@ -35,11 +35,12 @@ def stage(attention_backend="auto", seed=3, unit_range=None):
 
 def batches(samples):
     from megatron.vlm.data.collate import collate_packed, collate_padded
+    from megatron.vlm.micro_batch import MicroBatch
     from megatron.vlm.data.tokenizer import ByteTokenizer
 
     pad = ByteTokenizer().pad_id
-    return {"packed": collate_packed(samples, pad, pad_to_multiple=64),  # ISF-style: 5 samples + padding
-            "padded": collate_padded(samples, pad)}                      # random: one sample per row
+    return {"packed": MicroBatch.of(collate_packed(samples, pad, pad_to_multiple=64)),  # ISF: 5 samples + padding
+            "padded": MicroBatch.of(collate_padded(samples, pad))}                      # random: one sample per row
 
 
 @pytest.mark.parametrize("kind", ["packed", "padded"])
@@ -50,11 +51,11 @@ def test_thd_equals_dense_mask(megatron_world, samples, kind):
     batch = batches(samples)[kind]
     thd, dense = stage("auto"), stage("unfused")
     assert thd.thd and not dense.thd
-    real = batch["labels"] != -100
+    real = batch.text.labels != -100
     losses, grads = [], []
     for m in (thd, dense):
         loss = m(batch).loss
-        assert loss.shape == batch["tokens"].shape
+        assert loss.shape == batch.text.tokens.shape
         (loss * real).sum().backward()
         losses.append(loss.detach())
         grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
@@ -70,7 +71,7 @@ def test_stages_carry_thd_hidden_states(megatron_world, samples):
     units = build_units(spec)
     cut = [u.kind for u in units].index("llm_layer") + 2
     batch = batches(samples)["padded"]
-    b, s = batch["tokens"].shape
+    b, s = batch.text.tokens.shape
     for backend in ("auto", "unfused"):
         first, second = stage(backend, unit_range=range(0, cut)), stage(backend, unit_range=range(cut, len(units)))
         with torch.no_grad():
@@ -83,12 +84,13 @@ def test_stages_carry_thd_hidden_states(megatron_world, samples):
 def test_rope_restarts_in_every_packed_sample(megatron_world, samples):
     """A sample's per-token losses are the same alone and packed after others (positions restart)."""
     from megatron.vlm.data.collate import collate_packed
+    from megatron.vlm.micro_batch import MicroBatch
 
     m = stage("auto").eval()
     with torch.no_grad():
-        packed = m(collate_packed(samples, 0)).loss[0]
+        packed = m(MicroBatch.of(collate_packed(samples, 0))).loss[0]
         start = sum(len(s["input_ids"]) for s in samples[:3])
-        alone = m(collate_packed([samples[3]], 0)).loss[0]
+        alone = m(MicroBatch.of(collate_packed([samples[3]], 0))).loss[0]
     n = len(samples[3]["input_ids"])
     real = samples[3]["labels"] != -100
     torch.testing.assert_close(packed[start:start + n][real], alone[real], rtol=0, atol=1e-6)

@@ -1,4 +1,5 @@
-"""Frame sampling, resize sizes, timestamps and settings (megatron/vlm/data/video_sampling.py) against
+"""Frame sampling, resize sizes, timestamps and settings (megatron/vlm/data/video_sampling.py, each family's
+video.py) against
 transformers 5.23 where its code runs without torchvision, else against the rule written out here.
 
 What runs without torchvision (checked): ``transformers.video_utils`` (``VideoMetadata``), the module-level
@@ -18,7 +19,10 @@ import torch
 
 from megatron.vlm.data import video_sampling as vs
 from megatron.vlm.data.video_decode import VideoError
-from megatron.vlm.data.video_sampling import VideoOverrides, VideoSettings, video_settings
+from megatron.vlm.data.video_sampling import VideoOverrides, VideoSettings
+from megatron.vlm.families.internvl import video as internvl
+from megatron.vlm.families.qwen2_5_vl import video as qwen2
+from megatron.vlm.families.qwen3_vl import video as qwen3
 from omnibal_ext.errors import UserError
 
 q3 = pytest.importorskip("transformers.models.qwen3_vl.video_processing_qwen3_vl")
@@ -29,6 +33,15 @@ from transformers.video_utils import VideoMetadata  # noqa: E402
 # (frames, source fps): 1-8 s at 6-30 fps, a 30-s and a 2-min file, a one-frame and a three-frame video
 VIDEOS = [(6, 6.0), (7, 6.0), (17, 8.5), (30, 30.0), (48, 24.0), (75, 25.0), (101, 12.0), (240, 30.0),
           (900, 30.0), (3600, 29.97), (1, 30.0), (3, 10.0)]
+
+
+SETTINGS = {"qwen2_vl": lambda overrides=VideoOverrides(), folder=None: qwen2.settings(folder, overrides),
+            "qwen3_vl": lambda overrides=VideoOverrides(), folder=None: qwen3.settings(folder, overrides),
+            "internvl": lambda overrides=VideoOverrides(), folder=None: internvl.settings(overrides)}
+
+
+def video_settings(processor, folder=None, overrides=VideoOverrides()):
+    return SETTINGS[processor](overrides, folder)
 
 
 def _qwen3_self(s: VideoSettings, **extra):
@@ -43,7 +56,7 @@ def test_qwen3_vl_indices_equal_transformers(fps, min_frames, max_frames):
     s = video_settings("qwen3_vl", overrides=VideoOverrides(fps=fps, min_frames=min_frames, max_frames=max_frames))
     hf_sample = vars(q3.Qwen3VLVideoProcessor)["sample_frames"]
     for total, src_fps in VIDEOS:
-        ours = vs.qwen3_vl_frame_indices(total, src_fps, s)
+        ours = qwen3.frame_indices(total, src_fps, s)
         theirs = hf_sample(_qwen3_self(s), VideoMetadata(total_num_frames=total, fps=src_fps))
         assert ours == theirs.tolist(), (total, src_fps)
 
@@ -64,23 +77,23 @@ def test_qwen2_vl_indices_equal_the_processors_rule(fps, min_frames, max_frames)
     for total, src_fps in VIDEOS:
         if total < 2:
             continue  # transformers divides by zero there; we keep every frame (below)
-        assert vs.qwen2_vl_frame_indices(total, src_fps, s) == _qwen2_vl_rule(
+        assert qwen2.frame_indices(total, src_fps, s) == _qwen2_vl_rule(
             total, src_fps, fps, min_frames, max_frames, 2), (total, src_fps)
     # torch's float arange holds n + 1 values for some counts; transformers keeps them, so do we
     for total in range(2, 160):
         for n in range(2, total + 1, 2):
             # a 1-s video of `total` frames sampled at n fps: n frames exactly
             rate = VideoSettings(**{**vars(s), "fps": float(n), "min_frames": 1, "max_frames": total})
-            ours = vs.qwen2_vl_frame_indices(total, float(total), rate)
+            ours = qwen2.frame_indices(total, float(total), rate)
             assert ours == _qwen2_vl_rule(total, float(total), float(n), 1, total, 2), (total, n)
             assert ours == torch.arange(0, total, total / n).int().tolist()
-    assert vs.qwen2_vl_frame_indices(1, 30.0, s) == [0]
+    assert qwen2.frame_indices(1, 30.0, s) == [0]
 
 
 def test_qwen2_vl_does_not_sample_by_default():
     s = video_settings("qwen2_vl")
     assert not s.sample_frames
-    assert vs.qwen2_vl_frame_indices(75, 25.0, s) == list(range(75))
+    assert qwen2.frame_indices(75, 25.0, s) == list(range(75))
     assert vs.temporal_padded(list(range(75)), 2) == list(range(75)) + [74]
 
 
@@ -98,29 +111,30 @@ def _internvl_middles(total, count, pad):
 def test_internvl_indices_and_count():
     for total in list(range(1, 80)) + [240, 900, 3601]:
         for count in (1, 8, 17, 32):
-            assert vs.internvl_frame_indices(total, count) == _internvl_middles(total, count, True)
-            assert vs.internvl_frame_indices(total, count, pad=False) == _internvl_middles(total, count, False)
+            assert internvl.frame_indices(total, count) == _internvl_middles(total, count, True)
+            assert internvl.frame_indices(total, count, pad=False) == _internvl_middles(total, count, False)
     s = video_settings("internvl")
     assert (s.min_frames, s.max_frames) == (8, 32)
-    counts = {vs.internvl_frame_count(s, seed) for seed in range(400)}
+    counts = {internvl.frame_count(s, seed) for seed in range(400)}
     assert counts == set(range(8, 33))  # uniform over 8..32, each reproducible from its seed
-    assert vs.internvl_frame_count(s, 7) == vs.internvl_frame_count(s, 7)
+    assert internvl.frame_count(s, 7) == internvl.frame_count(s, 7)
     capped = video_settings("internvl", overrides=VideoOverrides(max_frames=4))
-    assert {vs.internvl_frame_count(capped, seed) for seed in range(50)} == {4}
-    assert vs.sample_frame_indices(3, 24.0, capped, is_folder=True) == [0, 1, 2]  # a folder is not padded
-    assert vs.sample_frame_indices(3, 24.0, capped) == [0, 1, 2, 2]
+    assert {internvl.frame_count(capped, seed) for seed in range(50)} == {4}
+    rule = internvl.FramesAsTiles(capped, 448)
+    assert rule.frame_indices(3, 24.0, 0, is_folder=True) == [0, 1, 2]  # a folder is not padded
+    assert rule.frame_indices(3, 24.0, 0, is_folder=False) == [0, 1, 2, 2]
 
 
 @pytest.mark.parametrize("size", [(48, 64), (160, 224), (1080, 1920), (30, 900), (2000, 3000)])
 def test_qwen2_vl_resize_equals_transformers(size):
     h, w = size
     s = video_settings("qwen2_vl", overrides=VideoOverrides(max_pixels=200_000))
-    assert vs.video_resize(16, h, w, s) == hf_qwen2_smart_resize(h, w, 28, s.min_pixels, 200_000)
+    assert qwen2.video_resize(16, h, w, s) == hf_qwen2_smart_resize(h, w, 28, s.min_pixels, 200_000)
     # with the folder's cap_pixels_per_frame: an even share of max_video_tokens' pixels (written out here)
     capped = VideoSettings(**{**vars(s), "cap_pixels_per_frame": True, "max_video_tokens": 2000})
     for n in (2, 16, 64):
         cap = max(min(200_000, int(2000 * 28 * 28 * 0.9) * 2 // n), int(s.min_pixels * 1.05))
-        assert vs.video_resize(n, h, w, capped) == hf_qwen2_smart_resize(h, w, 28, s.min_pixels, cap)
+        assert qwen2.video_resize(n, h, w, capped) == hf_qwen2_smart_resize(h, w, 28, s.min_pixels, cap)
 
 
 @pytest.mark.parametrize("size", [(48, 64), (160, 224), (20, 30), (720, 1280), (30, 900)])
@@ -130,18 +144,18 @@ def test_qwen3_vl_resize_and_grid_equal_transformers(size, frames, cap):
     h, w = size
     s = VideoSettings(**{**vars(video_settings("qwen3_vl", overrides=VideoOverrides(total_pixels=4_000_000))),
                          "cap_pixels_per_frame": cap})
-    grid = vs.video_grid_thw(frames, h, w, s)
+    grid = qwen3.video_grid_thw(frames, h, w, s)
     patches = vars(q3.Qwen3VLVideoProcessor)["get_num_of_video_patches"](_qwen3_self(s), frames, h, w, {})
     assert grid[0] * grid[1] * grid[2] == patches
     if not cap:
-        assert vs.video_resize(frames, h, w, s) == q3.smart_resize(frames, h, w, 2, 32, s.min_pixels, 4_000_000)
+        assert qwen3.video_resize(frames, h, w, s) == q3.smart_resize(frames, h, w, 2, 32, s.min_pixels, 4_000_000)
     assert grid[0] == -(-frames // 2)
 
 
 def test_qwen3_vl_refuses_a_single_frame():
     s = video_settings("qwen3_vl")
     with pytest.raises(VideoError, match="^d.jsonl:3: a video of 1 frame"):
-        vs.video_resize(1, 48, 64, s, where="d.jsonl:3")
+        qwen3.video_resize(1, 48, 64, s, where="d.jsonl:3")
     with pytest.raises(ValueError):
         q3.smart_resize(1, 48, 64, 2, 32, s.min_pixels, s.max_pixels)  # transformers refuses it too
 
@@ -151,23 +165,23 @@ def test_qwen3_vl_timestamps_equal_transformers():
     for total, src_fps in VIDEOS:
         if total < 2:
             continue
-        indices = vs.qwen3_vl_frame_indices(total, src_fps, s)
-        ours = vs.qwen3_vl_timestamps(indices, src_fps, 2)
+        indices = qwen3.frame_indices(total, src_fps, s)
+        ours = qwen3.timestamps(indices, src_fps, 2)
         theirs = Qwen3VLProcessor._calculate_timestamps(None, np.array(indices), src_fps, 2)
         assert ours == theirs
-        assert len(ours) == vs.video_grid_thw(len(indices), 48, 64, s)[0]
-    assert [vs.qwen3_vl_timestamp_text(t) for t in vs.qwen3_vl_timestamps([0, 12, 24], 24.0)] == \
+        assert len(ours) == qwen3.video_grid_thw(len(indices), 48, 64, s)[0]
+    assert [qwen3.timestamp_text(t) for t in qwen3.timestamps([0, 12, 24], 24.0)] == \
         ["<0.2 seconds>", "<1.0 seconds>"]  # (0 + 0.5) / 2 = 0.25 -> 0.2 (Python rounds half to even)
 
 
 def test_second_per_grid_ts_equals_transformers():
     s = video_settings("qwen2_vl", overrides=VideoOverrides(fps=2.0))
     for total, src_fps in VIDEOS:
-        indices = vs.qwen2_vl_frame_indices(total, src_fps, s)
+        indices = qwen2.frame_indices(total, src_fps, s)
         meta = VideoMetadata(total_num_frames=total, fps=src_fps, frames_indices=indices)
-        assert vs.second_per_grid_ts(len(indices), total, src_fps, 2) == pytest.approx(2 / meta.sampled_fps,
+        assert qwen2.second_per_grid_ts(len(indices), total, src_fps, 2) == pytest.approx(2 / meta.sampled_fps,
                                                                                       rel=1e-12)
-    assert vs.second_per_grid_ts(16, 240, 30.0) == pytest.approx(1.0)  # 2 fps sampled, 2 frames per patch
+    assert qwen2.second_per_grid_ts(16, 240, 30.0) == pytest.approx(1.0)  # 2 fps sampled, 2 frames per patch
 
 
 def test_settings_from_folder_files_and_flags(tmp_path):
@@ -217,11 +231,12 @@ def test_load_video_decodes_the_sampled_frames(tmp_path):
 
     path = write_coded_video(str(tmp_path / "v.mp4"), 150, 30, 96, 64)  # 5 s
     s = video_settings("qwen3_vl")
-    clip = load_video(path, s, where="d.jsonl:1")
-    assert list(clip.indices) == vs.qwen3_vl_frame_indices(150, 30.0, s) and len(clip.indices) == 10
+    rule = qwen3.Qwen3Frames(s)
+    clip = load_video(path, rule, where="d.jsonl:1")
+    assert list(clip.indices) == qwen3.frame_indices(150, 30.0, s) and len(clip.indices) == 10
     assert [frame_code(f) for f in clip.frames] == list(clip.indices)
-    part = load_video(path, s, clip_s=(2.0, 4.0))  # frames 60..119, sampled as a video of their own
-    assert list(part.indices) == [60 + i for i in vs.qwen3_vl_frame_indices(60, 30.0, s)]
+    part = load_video(path, rule, clip_s=(2.0, 4.0))  # frames 60..119, sampled as a video of their own
+    assert list(part.indices) == [60 + i for i in qwen3.frame_indices(60, 30.0, s)]
     assert [frame_code(f) for f in part.frames] == list(part.indices)
     with pytest.raises(VideoError, match="clip 9-10 s holds no frame"):
-        load_video(path, s, clip_s=(9.0, 10.0))
+        load_video(path, rule, clip_s=(9.0, 10.0))

@@ -146,12 +146,12 @@ def _runtime(planning):
             T, H = self.spec.tokens_per_tile, like.shape[-1]
             group = context_parallel_group()
             if group is not None:
-                counts = [len(r) * T for r in tile_ranges(batch["num_tiles"], group.size())]
+                counts = [len(r) * T for r in tile_ranges(batch.cp.num_tiles, group.size())]
                 feature = gather_rows(feature, counts, group)
-            feats = feature.reshape(-1, T, H).index_select(0, batch["image_tile_index"]).reshape(-1, H)
-            if "image_feature_index" in batch:
-                feats = feats.index_select(0, batch["image_feature_index"])
-            slots = (batch["tokens"] == self.ctx.img_context_id).reshape(-1, 1, 1)
+            feats = feature.reshape(-1, T, H).index_select(0, batch.vision.image_tile_index).reshape(-1, H)
+            if batch.cp is not None:
+                feats = feats.index_select(0, batch.cp.image_feature_index)
+            slots = (batch.text.tokens == self.ctx.img_context_id).reshape(-1, 1, 1)
             full = torch.zeros(slots.shape[0], 1, H, dtype=like.dtype, device=like.device)
             return full.masked_scatter(slots, feats.to(like.dtype))
 

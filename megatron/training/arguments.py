@@ -173,6 +173,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-pixels", type=int, default=None,
                    help="native-resolution images: most pixels an image is resized to (default: the folder's "
                         "preprocessor_config.json, else 1003520)")
+    g.add_argument("--video-fps", type=float, default=None,
+                   help="videos: frames sampled per second of source (default: the --hf-checkpoint folder's "
+                        "video_preprocessor_config.json, else 2); refused by a family that samples a frame count")
+    g.add_argument("--video-min-frames", type=int, default=None,
+                   help="videos: fewest frames sampled (default: the folder's file, else the family's processor's)")
+    g.add_argument("--video-max-frames", type=int, default=None,
+                   help="videos: most frames sampled (default: the folder's file, else the family's processor's); "
+                        "alone below the minimum it lowers the minimum")
+    g.add_argument("--video-max-pixels", type=int, default=None,
+                   help="videos: most pixels (height x width) each frame is resized to, for a family whose video "
+                        "processor caps frames (its size.longest_edge)")
+    g.add_argument("--video-total-pixels", type=int, default=None,
+                   help="videos: most pixels of a whole video (frames x height x width), for a family whose video "
+                        "processor budgets videos (its size.longest_edge)")
+    g.add_argument("--video-folder-fps", type=float, default=24.0,
+                   help="videos: the frame rate given to a frame folder (a directory of images), which has none")
     g.add_argument("--seq-length", type=int, default=512, help="longest sample in tokens")
     g.add_argument("--skip-bad-samples", action="store_true",
                    help="leave out records that fail the pre-training scan (missing or undecodable image, bad "
@@ -342,10 +358,14 @@ def check_moe(args, spec: ModelSpec, tp: int, pp: int, cp: int, dp: int) -> None
     from omnibal_ext.model.moe import ExpertGrid, expert_grid_problem
 
     moe = spec.language.moe
-    if getattr(args, "hf_checkpoint", None) and args.num_experts is not None:
-        raise ArgumentError("--num-experts with --hf-checkpoint: the model (its experts too) comes from config.json; "
-                            "drop the MoE model flags")
     if moe is None:
+        if getattr(args, "hf_checkpoint", None):  # a dense checkpoint: no MoE flag applies
+            defaults = build_parser()
+            given = [f for f in ("--num-experts", *MOE_FLAGS)
+                     if getattr(args, f[2:].replace("-", "_")) != defaults.get_default(f[2:].replace("-", "_"))]
+            if given:
+                raise ArgumentError(f"{', '.join(given)} with --hf-checkpoint {args.hf_checkpoint}: its LLM is dense "
+                                    "(config.json names no experts); drop them")
         return
     if args.moe_router_pre_softmax and args.moe_router_score_function != "softmax":
         raise ArgumentError("--moe-router-pre-softmax is the softmax router's (the sigmoid router always "
@@ -392,9 +412,11 @@ def check_moe(args, spec: ModelSpec, tp: int, pp: int, cp: int, dp: int) -> None
                             f"{etp}, world {tp * cp * dp * pp})")
 
 
-def moe_run_of(args):
-    """How the MoE layers train (``megatron.vlm.moe.MoERun``) from checked flags; None without --num-experts."""
-    if args.num_experts is None:
+def moe_run_of(args, spec: ModelSpec | None = None):
+    """How the MoE layers train (``megatron.vlm.moe.MoERun``) from checked flags; None for a dense model (``spec``,
+    the model the flags describe: default ``model_spec_of(args)``)."""
+    spec = model_spec_of(args) if spec is None else spec
+    if spec.language.moe is None:
         return None
     from megatron.vlm.moe import MoERun
 
@@ -437,10 +459,39 @@ def hf_spec_from_args(args) -> ModelSpec:
         setattr(probe, d, getattr(args, d))
         if model_spec_from_args(probe, base=spec) != spec:
             conflicts.append(f"--{d.replace('_', '-')} {getattr(args, d)}")
+    conflicts += hf_moe_conflicts(args, spec.language.moe)
     if conflicts:
         raise ArgumentError(f"--hf-checkpoint {folder}: model flag(s) {', '.join(conflicts)} disagree with its "
                             "config.json; drop them (the model comes from the checkpoint)")
+    if spec.language.moe is not None:  # what the checkpoint leaves to the run: the balancing loss, token dropping
+        moe = dataclasses.replace(spec.language.moe, load_balancing_type=args.moe_router_load_balancing_type,
+                                  capacity_factor=args.moe_expert_capacity_factor)
+        spec = spec.replace(language=dataclasses.replace(spec.language, moe=moe))
     return spec
+
+
+def hf_moe_conflicts(args, moe) -> list[str]:
+    """The MoE flags a checkpoint's config.json fixes (the experts, routing, MoE layers, shared expert) that were
+    given and disagree with ``moe`` (its MoESpec; None: a dense LLM, refused by ``check_moe``)."""
+    from omnibal_ext.model.moe import parse_layer_freq
+
+    if moe is None or not hasattr(args, "num_experts"):
+        return []
+    parser = build_parser()
+    fixed = {"num_experts": moe.num_experts, "moe_router_topk": moe.topk, "moe_ffn_hidden_size": moe.ffn_hidden_size,
+             "moe_shared_expert_intermediate_size": moe.shared_expert_ffn_hidden_size or None,
+             "moe_shared_expert_gate": moe.shared_expert_gate, "moe_router_score_function": moe.score_function,
+             "moe_router_pre_softmax": moe.score_function == "softmax" and not moe.norm_topk_prob}
+    out = [f"--{d.replace('_', '-')} {getattr(args, d)}" for d, want in fixed.items()
+           if getattr(args, d) != parser.get_default(d) and getattr(args, d) != want]
+    if args.moe_layer_freq != parser.get_default("moe_layer_freq"):
+        try:
+            same = parse_layer_freq(args.moe_layer_freq, len(moe.layer_freq)) == moe.layer_freq
+        except UserError:
+            same = False
+        if not same:
+            out.append(f"--moe-layer-freq {args.moe_layer_freq}")
+    return out
 
 
 def model_spec_from_args(args, base: ModelSpec | None = None) -> ModelSpec:
@@ -645,9 +696,32 @@ CAPABILITY_FLAGS = {
     "context_parallel": ("--context-parallel-size", lambda args: args.context_parallel_size > 1),
     "sequence_parallel": ("--sequence-parallel", lambda args: bool(args.sequence_parallel)),
     "moe": ("--num-experts", lambda args: getattr(args, "num_experts", None) is not None),
+    "video": ("--video-*", lambda args: bool(video_flags_given(args))),
 }
-UNFLAGGED_CAPABILITIES = ("video",)
+UNFLAGGED_CAPABILITIES = ()
 IMAGE_FLAGS = ("--max-num-tiles", "--min-num-tiles", "--min-pixels", "--max-pixels")  # read by some image rules
+
+
+def video_flags_given(args) -> tuple[str, ...]:
+    """The ``--video-*`` flags given (``VideoOverrides.given``)."""
+    from megatron.vlm.data.video_sampling import VideoOverrides
+
+    return VideoOverrides.from_args(args).given()
+
+
+def check_video_flags(args, spec: ModelSpec) -> None:
+    """The family's video rule built from the flags (``DataSide.video_rule``): a flag its processor does not
+    implement, or settings that do not fit together, are refused now, naming the flag."""
+    from megatron.vlm.families import runtime_family
+
+    rule = runtime_family(spec).data.video_rule
+    if rule is None:
+        raise ArgumentError(f"{', '.join(video_flags_given(args))}: model family {spec.family} declares video but "
+                            "its data side has no video rule")
+    try:
+        rule(args, spec, args.hf_checkpoint)
+    except UserError as e:
+        raise ArgumentError(str(e)) from None
 
 
 def check_capabilities(args, spec: ModelSpec) -> None:
@@ -659,7 +733,11 @@ def check_capabilities(args, spec: ModelSpec) -> None:
     who = f"model family {spec.family}"
     for field, (flag, asked) in CAPABILITY_FLAGS.items():
         if asked(args) and not getattr(caps, field):
+            if field == "video":
+                flag = ", ".join(video_flags_given(args))
             raise ArgumentError(f"{flag}: {who} does not implement it (Capabilities.{field}); drop the flag")
+    if caps.video and video_flags_given(args):
+        check_video_flags(args, spec)
     lora = Lora.from_args(args)
     if lora.on:
         bad = [t for t in lora.targets if t not in caps.lora_targets]

@@ -54,7 +54,7 @@ def prefetch(data_iterator, num_microbatches: int, reduction: str, group) -> tup
     """(the iteration's micro-batches, D over the whole global batch): pulls ``num_microbatches`` micro-batches
     from ``data_iterator`` and sums their normalisers over ``group`` (the data-parallel gloo group)."""
     batches = [next(data_iterator) for _ in range(num_microbatches)]
-    local = torch.tensor([sum(normaliser(b["sample_answers"], reduction) for b in batches)], dtype=torch.float64)
+    local = torch.tensor([sum(normaliser(b.samples.sample_answers, reduction) for b in batches)], dtype=torch.float64)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(local, group=group)
     return batches, float(local[0])

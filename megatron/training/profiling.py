@@ -23,12 +23,14 @@ import torch.distributed as dist
 from omnibal_ext.errors import UserError
 from omnibal_ext.model.cost_model import MicroBatchShape
 from omnibal_ext.model.costs import CostTable, UnitCost
+from omnibal_ext.model.families import family_of
 from omnibal_ext.model.profile import environment_meta, measure_unit, to_unit_cost
 from omnibal_ext.model.spec import LAYER_ROLES, VISION_LAYER
 from omnibal_ext.model.units import build_units, unit_components
 
 from megatron.vlm.data.collate import packing
 from megatron.vlm.families import runtime_family
+from megatron.vlm.micro_batch import MicroBatch
 from megatron.vlm.stage import StageBuild, VLMStage, build_stage
 from omnibal_ext.memory.recompute import StageRecompute
 
@@ -43,13 +45,14 @@ def vision_layers_of_every_kind(spec) -> int:
     return max(firsts.values(), default=0) + 1
 
 
-def synthetic_batch(spec, shape: MicroBatchShape, img_context_id: int, device, pad_to_multiple: int = 1) -> dict:
+def synthetic_batch(spec, shape: MicroBatchShape, img_context_id: int, device,
+                    pad_to_multiple: int = 1) -> MicroBatch:
     """One packed row of ``shape.llm_tokens`` tokens holding ``shape.vision_items`` tiles' image tokens.
 
     The row is cut into samples of equal length ``L = attn_tokens_sq / llm_tokens`` (the last one
     shorter), so that the sum of squared sample lengths the attention pays is ``shape``'s; then padded
     (a padding segment, labels ignored) to a multiple of ``pad_to_multiple`` (sequence parallelism: TP),
-    as the collate pads.
+    as the collate pads; on ``device`` (``MicroBatch.to``: the packing boundaries stay on the host).
     """
     n_img = shape.vision_items * spec.tokens_per_tile
     if shape.llm_tokens < n_img + 2:
@@ -68,16 +71,15 @@ def synthetic_batch(spec, shape: MicroBatchShape, img_context_id: int, device, p
     if pad:
         tokens = torch.cat([tokens, torch.zeros(1, pad, dtype=tokens.dtype)], 1)
     labels = torch.cat([torch.randint(0, 256, (1, s), generator=g), torch.full((1, pad), -100)], 1)
-    return {
+    return MicroBatch.of({
         "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen,
-        "image_tile_index": torch.arange(shape.vision_items, device=device),
-        "tokens": tokens.to(device),
-        "labels": labels.to(device),
-        "position_ids": torch.cat([torch.arange(s) % sample_len, torch.zeros(pad, dtype=torch.long)])[None].to(device),
-        "segment_ids": torch.cat([torch.arange(s) // sample_len, torch.full((pad,), -1)])[None].to(device),
-        "pixel_values": torch.randn(shape.vision_items, v.in_channels, v.image_size, v.image_size, generator=g).to(device),
-        "image_flags": torch.ones(shape.vision_items, dtype=torch.long, device=device),
-    }
+        "image_tile_index": torch.arange(shape.vision_items),
+        "tokens": tokens, "labels": labels,
+        "position_ids": torch.cat([torch.arange(s) % sample_len, torch.zeros(pad, dtype=torch.long)])[None],
+        "segment_ids": torch.cat([torch.arange(s) // sample_len, torch.full((pad,), -1)])[None],
+        "pixel_values": torch.randn(shape.vision_items, v.in_channels, v.image_size, v.image_size, generator=g),
+        "image_flags": torch.ones(shape.vision_items, dtype=torch.long),
+    }).to(device)
 
 
 def _param_count(module: torch.nn.Module, tp: int) -> int:
@@ -93,8 +95,7 @@ def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, devic
                   warmup: int = 2, repeats: int = 5) -> CostTable:
     """Measured costs of every unit of the model ``spec`` at ``shape`` (one micro-batch, this TP)."""
     tp = args.tensor_model_parallel_size
-    mini = spec.replace(vision=dataclasses.replace(spec.vision, num_layers=vision_layers_of_every_kind(spec)),
-                        language=dataclasses.replace(spec.language, num_layers=1))
+    mini = family_of(spec).few_layers(spec, vision_layers_of_every_kind(spec), 1)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     on_cpu = device.type == "cpu"
     mini_units = build_units(mini)
@@ -116,7 +117,7 @@ def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, devic
     selective = stage(StageRecompute(0, True, 0, True))
     family_batch = runtime_family(mini).data.profile_batch or synthetic_batch
     batch = family_batch(mini, shape, img_context_id, device, pad_to_multiple=tp if sp else 1)
-    batch["pixel_values"] = batch["pixel_values"].to(dtype)
+    batch = batch.with_vision(pixel_values=batch.vision.pixel_values.to(dtype))
     cache: dict = {}  # per micro-batch inputs (the LLM layers' context), built once, outside the timings
     for part in plain.parts:
         part.component.prepare(plain.module_of(part), batch, cache)

@@ -109,13 +109,14 @@ def plan_run(args, world_size: int, device) -> RunPlan:
     dp = data_parallel_size(args, world_size)
     global_batch, microbatches = batch_sizes(args, dp)
     overlap_grad, overlap_param = resolve_overlap(args, device)
-    return RunPlan(model_spec=model_spec_of(args), data_parallel_size=dp, global_batch_size=global_batch,
+    spec = model_spec_of(args)
+    return RunPlan(model_spec=spec, data_parallel_size=dp, global_batch_size=global_batch,
                    num_microbatches=microbatches, overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_param,
                    log_activation_memory=args.log_activation_memory or args.omnibal_recompute == "auto",
-                   tokenizer_model=args.tokenizer_model, trainable=trainable_of(args, model_spec_of(args)),
+                   tokenizer_model=args.tokenizer_model, trainable=trainable_of(args, spec),
                    context_parallel_size=args.context_parallel_size,
                    isf_token_multiple=isf_token_multiple(args), lora=Lora.from_args(args),
-                   virtual_pipeline_size=virtual_pipeline_size(args), moe_run=moe_run_of(args))
+                   virtual_pipeline_size=virtual_pipeline_size(args), moe_run=moe_run_of(args, spec))
 
 
 def isf_token_multiple(args) -> int:

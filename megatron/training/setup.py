@@ -13,7 +13,7 @@ from omnibal_ext.data.sampler import GroupBatchSampler, random_groups, random_re
 from omnibal_ext.memory.recompute import RecomputePlan, StageRecompute
 from omnibal_ext.model.layout import default_layout, parse_layout
 from omnibal_ext.model.spec import TEXT_LAYER, VISION_LAYER
-from omnibal_ext.model.units import build_units
+from omnibal_ext.model.units import build_units, family_of
 
 from megatron.vlm.batches import MicroBatches, StageInputs
 from megatron.vlm.data.digits import FORMAT_VERSION as DIGITS_FORMAT
@@ -47,14 +47,17 @@ def data_paths(args, plan: RunPlan) -> tuple[str, str | None]:
 def build_dataset(args, plan: RunPlan, tokenizer, meta_path: str) -> RecordDataset:
     """The dataset of ``meta_path`` read with the model family's data side (``RuntimeFamily.data``)."""
     spec = plan.model_spec
-    images = runtime_family(spec).data.image_rule(args, spec, args.hf_checkpoint)
+    data = runtime_family(spec).data
+    images = data.image_rule(args, spec, args.hf_checkpoint)
+    # a family declaring video reads video records with its video rule; the others' readers refuse them
+    videos = data.video_rule(args, spec, args.hf_checkpoint) if family_of(spec).capabilities.video else None
     # the validation scan (every image decoded) is split over all processes and all-gathered, and kept in
     # --data-cache-dir for the next launch (a restart) of the same data, configuration and tokenizer
     dataset = RecordDataset(meta_path, tokenizer, images, max_seq_length=args.seq_length, seed=args.seed,
                             scan_group=dist.group.WORLD if dist.is_initialized() else None,
                             cache_dir=os.path.join(args.data_cache_dir, "scans"),
                             truncate=args.truncate_long_samples,
-                            skip_bad=args.skip_bad_samples)
+                            skip_bad=args.skip_bad_samples, videos=videos)
     skipped = dataset.scan.skipped
     if skipped and (not dist.is_initialized() or dist.get_rank() == 0):
         report = skipped_report_path(args, meta_path)

@@ -17,8 +17,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from omnibal_ext.data.metrics import step_balance
 from omnibal_ext.model.units import build_units
 
-from megatron.vlm.data.collate import on_host
 from megatron.vlm.head import HeadOutput
+from megatron.vlm.micro_batch import MicroBatch
 from megatron.vlm.stage import StageBuild, build_stage
 from omnibal_ext.model.spec import TEXT_EMBED
 
@@ -157,7 +157,7 @@ def sync_params(model) -> None:
             m.enable_forward_pre_hook()
 
 
-def loss_func(batch: dict, token_correct: torch.Tensor, output_tensor: torch.Tensor, reduction: str = "token",
+def loss_func(batch: MicroBatch, token_correct: torch.Tensor, output_tensor: torch.Tensor, reduction: str = "token",
               scale: float | None = None):
     """The micro-batch's loss for the schedule, and what the log reports (megatron/training/loss_reduction.py).
 
@@ -171,13 +171,13 @@ def loss_func(batch: dict, token_correct: torch.Tensor, output_tensor: torch.Ten
     teacher forcing (exactly when greedy decoding reproduces it).  The weights come from the host's
     ``sample_answers``: nothing here reads a device value.
     """
-    labels = batch["labels"]
+    labels = batch.text.labels
     mask = labels != -100
     token_losses = (output_tensor * mask).flatten()
     loss_sum = token_losses.sum()
     num_tokens = mask.sum().to(torch.int)
-    seg = batch["segment_ids"].clamp(min=0).flatten()
-    counts = batch["sample_answers"]  # host list: n_s per sample
+    seg = batch.packing.segment_ids.clamp(min=0).flatten()
+    counts = batch.samples.sample_answers  # host list: n_s per sample
     n_samples = len(counts)
     dev = labels.device
     # per-sample sums over every token, weighted by the answer mask: no data-dependent shape (no sync)
@@ -214,8 +214,7 @@ def forward_step(data_iterator, model, meter: ActivationMeter | None = None, red
     autograd saves (training forwards only)."""
     device = next(unwrap_model(model).parameters()).device
     raw = next(data_iterator)
-    batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) and not on_host(k) else v
-             for k, v in raw.items()}  # the loader's batches are on the host (or the device); cu_seqlens stay
+    batch = raw.to(device, non_blocking=True)  # the loader's batches are on the host (or the device); cu_seqlens stay
     if meter is not None and torch.is_grad_enabled():
         with meter.measure():
             output = model(batch)

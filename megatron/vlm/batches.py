@@ -6,14 +6,16 @@ hands each data-parallel rank its group of every step, resumably.
 
 Loading.  A ``torch.utils.data.DataLoader`` does the work: its ``batch_sampler`` is the
 GroupBatchSampler (the single source of order: it yields the group's sample indices), its
-``collate_fn`` builds the micro-batch from those samples.  ``num_workers`` worker processes read and
+``collate_fn`` builds the micro-batch from those samples: the family's ``Batcher`` collates them into
+fields, splits them for context parallelism, and types them as the stage's ``micro_batch.MicroBatch``.  ``num_workers`` worker processes read and
 decode ahead (``prefetch_factor`` micro-batches each, ``persistent_workers``); 0 reads in the
 training process.  Batches are the same, in the same order, for any ``num_workers``.
 
 What a stage loads (``StageInputs``, from its units' runtime components): pixels where the ViT embedding
 is, tokens (and the image-tile index) where the LLM embedding is, labels where the head is, packing
-metadata where LLM layers or the head are; ``sample_tokens``/``sample_tiles`` (from the validation
-scan, no decode) everywhere.  A stage without the ViT embedding opens no image file.
+metadata where LLM layers or the head are; the sample part (``sample_tokens``/``sample_tiles``...) everywhere.
+The parts and fields a stage does not read are None in its ``MicroBatch``.
+A stage without the ViT embedding opens no image file.
 
 Tensor parallelism.  The TP ranks of a stage need the same batch: only TP rank 0 loads it, and
 broadcasts it over the TP group (``broadcast_batch``); the other TP ranks have no loader.
@@ -31,24 +33,20 @@ import torch.distributed as dist
 
 from omnibal_ext.data.sampler import GroupBatchSampler
 
-from megatron.vlm.data.collate import check_image_tokens, on_host
+from megatron.vlm.data.collate import check_image_tokens
 from megatron.vlm.data.side import Batcher
-
-PIXEL_KEYS = ("pixel_values",)
-TOKEN_KEYS = ("tokens", "image_tile_index")
-LABEL_KEYS = ("labels",)
-PACKING_KEYS = ("cu_seqlens", "max_seqlen", "segment_ids", "position_ids")
-ALWAYS_KEYS = ("sample_tokens", "sample_tiles", "sample_answers", "sample_ids", "tile_keys")
+from megatron.vlm.micro_batch import MicroBatch, broadcast_micro_batch
 
 
 @dataclasses.dataclass(frozen=True)
 class StageInputs:
-    """Which parts of a micro-batch a pipeline stage reads (see module docstring)."""
+    """Which parts of a micro-batch a pipeline stage reads (see module docstring; ``megatron.vlm.micro_batch``:
+    the ``MicroBatch`` parts, and the vision and CP fields, each reading declares)."""
 
-    pixels: bool = True  # pixel_values, image_flags: the ViT embedding
-    tokens: bool = True  # tokens, image_tile_index: the LLM embedding
-    labels: bool = True  # labels: the head (and its loss)
-    packing: bool = True  # cu_seqlens, max_seqlen, segment_ids, position_ids: LLM layers, head
+    pixels: bool = True  # the ViT embedding: pixels and the ViT's fields
+    tokens: bool = True  # the LLM embedding: tokens (text part), the tiles' or image tokens' indices
+    labels: bool = True  # the head (and its loss): labels (text part)
+    packing: bool = True  # LLM layers, head: the packing part (cu_seqlens, max_seqlen, segment_ids, position_ids)
 
     @classmethod
     def everything(cls) -> "StageInputs":
@@ -64,18 +62,6 @@ class StageInputs:
             raise ValueError(f"StageInputs: unknown micro-batch parts {sorted(unknown)}")
         return cls(**{f.name: f.name in parts for f in dataclasses.fields(cls)})
 
-    @property
-    def keys(self) -> tuple[str, ...]:
-        keys = list(ALWAYS_KEYS)
-        if self.pixels:
-            keys += [*PIXEL_KEYS, "image_flags"]
-        if self.tokens:
-            keys += TOKEN_KEYS
-        if self.labels:
-            keys += LABEL_KEYS
-        if self.packing:
-            keys += PACKING_KEYS
-        return tuple(keys)
 
 
 class StageDataset(torch.utils.data.Dataset):
@@ -97,7 +83,7 @@ class StageDataset(torch.utils.data.Dataset):
 
 
 class Collate:
-    """collate_fn of the loader: samples -> the micro-batch, reduced to the stage's keys (picklable)."""
+    """collate_fn of the loader: samples -> the stage's ``MicroBatch`` (picklable)."""
 
     def __init__(self, pad_id: int, packed: bool, inputs: StageInputs, image_tokens: tuple[int, int] | None,
                  pad_to_multiple: int = 1, cp: int = 1, cp_rank: int = 0, batcher: Batcher | None = None):
@@ -109,18 +95,16 @@ class Collate:
         self.cp, self.cp_rank = cp, cp_rank  # context parallelism: this rank's part (megatron/vlm/context_parallel.py)
         self.batcher = batcher or Batcher()
 
-    def __call__(self, samples: list[dict]) -> dict:
+    def __call__(self, samples: list[dict]) -> MicroBatch:
         row_multiple = self.pad_to_multiple if self.cp == 1 else 1
         batch = self.batcher.make(samples, self.pad_id, self.packed, row_multiple)
         if self.image_tokens is not None and self.inputs.tokens:
             check_image_tokens(batch, *self.image_tokens)
-        keys = self.batcher.keys(self.inputs)
         if self.cp > 1:
             img_context_id = self.image_tokens[0] if self.image_tokens else None
             batch = self.batcher.split_cp(batch, self.cp, self.cp_rank, self.pad_id, img_context_id,
                                           sp_tp=self.pad_to_multiple)
-            keys += tuple(k for k in self.batcher.cp_keys(self.inputs) if k in batch)
-        return {k: batch[k] for k in keys}
+        return self.batcher.micro_batch(batch, self.inputs)
 
 
 class _Steps:
@@ -136,37 +120,9 @@ class _Steps:
         return len(self.sampler)
 
 
-def broadcast_batch(batch: dict | None, src: int, group) -> dict:
-    """``batch`` of global rank ``src`` on every rank of ``group``: one object broadcast of its layout
-    (and its small Python values), then one broadcast per tensor.  Tensors travel on the host with a
-    gloo group; with NCCL they travel on the current CUDA device (and arrive there)."""
-    cuda = dist.get_backend(group) == "nccl"
-    me = dist.get_rank()
-    if me == src:
-        header = [{k: ("t", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("py", v)
-                   for k, v in batch.items()}]
-    else:
-        header = [None]
-    dist.broadcast_object_list(header, src=src, group=group)
-    out = {}
-    for k, (kind, *rest) in header[0].items():
-        if kind == "py":
-            out[k] = rest[0]
-            continue
-        shape, dtype = rest
-        if me == src:
-            t = batch[k].contiguous()
-            t = t.cuda() if cuda and not on_host(k) else t
-        else:
-            t = torch.empty(shape, dtype=dtype, device="cuda" if cuda and not on_host(k) else "cpu")
-        if cuda and on_host(k):  # packed-sequence boundaries stay on the host: small, sent by value
-            holder = [t if me == src else None]
-            dist.broadcast_object_list(holder, src=src, group=group)
-            t = holder[0]
-        else:
-            dist.broadcast(t, src=src, group=group)
-        out[k] = t
-    return out
+def broadcast_batch(batch: MicroBatch | None, src: int, group) -> MicroBatch:
+    """``batch`` of global rank ``src`` on every rank of ``group`` (``micro_batch.broadcast_micro_batch``)."""
+    return broadcast_micro_batch(batch, src, group)
 
 
 class MicroBatches:
@@ -215,17 +171,18 @@ class MicroBatches:
     def __iter__(self):
         return self
 
-    def __next__(self) -> dict:
+    def __next__(self) -> MicroBatch:
         if self.sampler.num_steps is not None and self._consumed >= self.sampler.num_steps:
             raise StopIteration
         batch = next(self._it) if self._loads else None
         if self.tp_group is not None:
             batch = broadcast_batch(batch, self.tp_src, self.tp_group)
         self._consumed += 1
-        batch["iteration"] = self.iteration  # a Python value: the drop path's key (megatron/vlm/drop_path.py)
+        batch = dataclasses.replace(batch, iteration=self.iteration)  # the drop path's key (megatron/vlm/drop_path.py)
         if self._records is not None:
-            self._records.append({"tokens": batch["sample_tokens"].tolist(), "tiles": batch["sample_tiles"].tolist(),
-                                  "ids": batch["sample_ids"].tolist(), "packed": self.packed})
+            info = batch.samples
+            self._records.append({"tokens": info.sample_tokens.tolist(), "tiles": info.sample_tiles.tolist(),
+                                  "ids": info.sample_ids.tolist(), "packed": self.packed})
         return batch
 
     def start_recording(self) -> None:

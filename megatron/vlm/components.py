@@ -36,6 +36,7 @@ from megatron.vlm.context_parallel import context_parallel_group, gather_rows, t
 from megatron.vlm.data.side import TILED, DataSide
 from megatron.vlm.head import OutputHead
 from megatron.vlm.hf.config import HFSide
+from megatron.vlm.micro_batch import MicroBatch
 from megatron.vlm.seeding import seeded
 from megatron.vlm.sharding import unit_sharded_state_dict
 from megatron.vlm.text import TextEmbedding, run_text_blocks, text_context, word_embedding
@@ -144,11 +145,11 @@ class RuntimeComponent:
         """Parameter-free helpers the stage registers after the module (the LLM layers' rotary table)."""
         return {}
 
-    def forward(self, module: torch.nn.Module, x, batch: dict, cache: dict):
+    def forward(self, module: torch.nn.Module, x, batch: MicroBatch, cache: dict):
         """The unit(s) on the previous output ``x`` (None at the model's start); ``cache``: per micro-batch."""
         raise NotImplementedError
 
-    def prepare(self, module: torch.nn.Module, batch: dict, cache: dict) -> None:
+    def prepare(self, module: torch.nn.Module, batch: MicroBatch, cache: dict) -> None:
         """Build what ``forward`` keeps in ``cache`` for ``batch`` now (the profiler times units without it)."""
 
     def parameter_role(self, unit: Unit, name: str) -> str:
@@ -185,7 +186,7 @@ class RuntimeComponent:
         """The module of one unit (a layer kind: the first block, one layer on a profiling stage)."""
         return module[0] if self.layers else module
 
-    def profile_forward(self, module: torch.nn.Module, x, batch: dict, cache: dict):
+    def profile_forward(self, module: torch.nn.Module, x, batch: MicroBatch, cache: dict):
         """One unit's forward (a layer kind: the first block)."""
         return self.forward(module[:1] if self.layers else module, x, batch, cache)
 
@@ -207,12 +208,13 @@ class TextEmbed(RuntimeComponent):
                              self.spec.tokens_per_tile)
 
     def forward(self, module, x, batch, cache):
-        if "image_feature_index" in batch:  # context parallelism: every rank's tiles, then this rank's tokens'
+        # context parallelism: every rank's tiles, then this rank's tokens'
+        if batch.cp is not None and batch.cp.image_feature_index is not None:
             group = context_parallel_group()
             T = self.spec.tokens_per_tile
-            x = gather_rows(x, [len(r) * T for r in tile_ranges(batch["num_tiles"], group.size())], group)
-            return module(batch["tokens"], x, batch["image_tile_index"], batch["image_feature_index"])
-        return module(batch["tokens"], x, batch["image_tile_index"])
+            x = gather_rows(x, [len(r) * T for r in tile_ranges(batch.cp.num_tiles, group.size())], group)
+            return module(batch.text.tokens, x, batch.vision.image_tile_index, batch.cp.image_feature_index)
+        return module(batch.text.tokens, x, batch.vision.image_tile_index)
 
     def tied_weight(self, module):
         return module.word.weight
@@ -232,6 +234,7 @@ class TextLayer(RuntimeComponent):
 
     cost, attr, reads, layers = TextLayerCost, "llm_blocks", frozenset({"packing"}), True
     sp_enters = sp_leaves = False  # sequence-parallel region edges (set by build)
+    lora_linears: tuple[str, ...] | None = None  # the LoRA targets' linears its layers have (None: all)
 
     def layer_spec(self, first_unit_index: int):
         ctx = self.ctx
@@ -242,7 +245,8 @@ class TextLayer(RuntimeComponent):
 
     def build(self, units):
         self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.language_config, (HEAD,))
-        return self.ctx.build_layers(units, self.ctx.language_config, self.layer_spec, self.code())
+        return self.ctx.build_layers(units, self.ctx.language_config, self.layer_spec, self.code(),
+                                     lora_linears=self.lora_linears)
 
     def extra_modules(self):
         lang = self.spec.language
@@ -250,7 +254,7 @@ class TextLayer(RuntimeComponent):
                                       rotary_base=lang.rotary_base, use_cpu_initialization=True)
         return {"rotary": self.rotary}
 
-    def context(self, module, batch: dict, cache: dict) -> dict:
+    def context(self, module, batch: MicroBatch, cache: dict) -> dict:
         """The LLM blocks' inputs besides the hidden states, built once per micro-batch (``text_context``)."""
         if "text_context" not in cache:
             device = next(module.parameters()).device if self.ctx.transformer_impl == "transformer_engine" else None
@@ -281,6 +285,7 @@ class MoETextLayer(TextLayer):
     it). LoRA adapts the attention only."""
 
     cost = MoELayerCost
+    lora_linears = ("qkv", "proj")
 
     def layer_spec(self, first_unit_index: int):
         from megatron.vlm import moe
@@ -298,11 +303,6 @@ class MoETextLayer(TextLayer):
             layers.with_qk_norm(spec)
         return moe.layer_spec(spec, lang.moe.num_experts, lang.normalization)
 
-    def build(self, units):
-        self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.language_config, (HEAD,))
-        return self.ctx.build_layers(units, self.ctx.language_config, self.layer_spec, self.code(),
-                                     lora_linears=("qkv", "proj"))
-
     def context(self, module, batch, cache):
         if "moe_context" not in cache:
             ctx = dict(super().context(module, batch, cache))
@@ -312,17 +312,20 @@ class MoETextLayer(TextLayer):
 
     @classmethod
     def hf_recipes(cls, unit, table):
-        raise NotImplementedError("MoE decoder layers have no Hugging Face mapping yet")
+        from megatron.vlm.hf.recipes import add_moe_llm_layer
+
+        add_moe_llm_layer(table.add, table.hf, table.names.llm_layer(unit.layer), unit.name + ".", table.spec,
+                          table.info)
 
 
-def moe_padding_mask(batch: dict, thd: bool, sequence_parallel: bool) -> torch.Tensor:
+def moe_padding_mask(batch: MicroBatch, thd: bool, sequence_parallel: bool) -> torch.Tensor:
     """The router's token mask (``megatron.vlm.moe.token_mask``: padding and packed-sample membership, bool [rows,
     sequence, 1 + samples]; THD: the micro-batch's rows flattened, [1, rows x sequence, 1 + samples]) from the
     collate's segment ids (-1: padding); under sequence parallelism this TP rank's tokens (the MoE layer sees 1/TP of
     them)."""
     from megatron.vlm.moe import token_mask
 
-    mask = token_mask(batch["segment_ids"])
+    mask = token_mask(batch.packing.segment_ids)
     if thd:
         mask = mask.reshape(1, -1, mask.shape[-1])
     if sequence_parallel:
@@ -359,7 +362,7 @@ class Head(RuntimeComponent):
     def forward(self, module, x, batch, cache):
         if self.sp_enters:
             x = sequence_parallel.enter(x)
-        return module(x, batch["labels"] if self.ctx.output == "loss" else None)
+        return module(x, batch.text.labels if self.ctx.output == "loss" else None)
 
     def profile_forward(self, module, x, batch, cache):
         out = self.forward(module, x, batch, cache)

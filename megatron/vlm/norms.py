@@ -36,14 +36,17 @@ class PerHeadRMSNorm(torch.nn.Module):
     in the input's dtype (transformers' Qwen3RMSNorm order). The weight ``[head_dim]`` is the same on every TP
     rank while each rank sees only its heads, so its gradient is summed over TP here (identity forward,
     all-reduce backward: ``copy_to_tensor_model_parallel_region``). It is deliberately neither marked
-    ``sequence_parallel`` nor announced by the config's ``qk_layernorm``: megatron-core's finalize_model_grads
-    would then sum it again, and its name match would also catch the ViT's TP-split qk-norms."""
+    ``sequence_parallel`` (it says ``grad_summed_over_tp``, which ``mark_sequence_parallel`` respects: under
+    --sequence-parallel the layer's other replicated parameters are marked) nor announced by the config's
+    ``qk_layernorm``: megatron-core's finalize_model_grads would then sum it again, and its name match would also
+    catch the ViT's TP-split qk-norms."""
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **_unused):
         super().__init__()
         self.tp = config.tensor_model_parallel_size
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight.grad_summed_over_tp = True  # summed over TP here: mark_sequence_parallel leaves it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight

@@ -22,7 +22,8 @@ segment of their own (``with_pad_segment``), so segments stay whole.
 Parameters that every TP rank holds whole but that see only the rank's tokens (norms, layer scale, the
 row-parallel linears' biases) carry ``sequence_parallel = True``, so megatron-core's ``finalize_model_grads``
 sums their gradients over TP (``mark_sequence_parallel``).  Parameters split over TP (the ViT's full-width
-qk-norm weight, split with its heads and fed by the all-gathered q/k) are left alone.
+qk-norm weight, split with its heads and fed by the all-gathered q/k) are left alone, and so are those whose
+module sums their gradient over TP itself or gives every TP rank the whole gradient (``mark_sequence_parallel``).
 """
 from __future__ import annotations
 
@@ -36,10 +37,13 @@ def padded_tokens(tokens: int, tp: int) -> int:
 
 
 def mark_sequence_parallel(module: torch.nn.Module) -> None:
-    """Mark every parameter of ``module`` that is not split over TP as ``sequence_parallel``; one whose gradient
-    its module sums over TP itself (``grad_summed_over_tp``: the Gated DeltaNet's norm weight) is left alone."""
+    """Mark every parameter of ``module`` that is not split over TP as ``sequence_parallel``, except one whose
+    gradient its module sums over TP itself (``grad_summed_over_tp``: the Gated DeltaNet's norm weight, the per-head
+    q/k RMSNorm) and one that says ``sequence_parallel = False`` already (whole gradient on every TP rank: a DeepStack
+    merger inside a ViT layer, which sees every patch)."""
     for p in module.parameters():
-        if not getattr(p, "tensor_model_parallel", False) and not getattr(p, "grad_summed_over_tp", False):
+        if (not getattr(p, "tensor_model_parallel", False) and not getattr(p, "grad_summed_over_tp", False)
+                and getattr(p, "sequence_parallel", None) is not False):
             p.sequence_parallel = True
 
 

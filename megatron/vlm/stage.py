@@ -42,6 +42,7 @@ from megatron.vlm.config import language_config
 from megatron.vlm.head import OUTPUTS
 from megatron.vlm.layers import uses_segment_attention
 from megatron.vlm.lora import is_adapter
+from megatron.vlm.micro_batch import MicroBatch
 from megatron.vlm.seeding import seeded
 from megatron.vlm.side import live_at, pack, put_side, take_side, unpack
 
@@ -283,7 +284,7 @@ class VLMStage(MegatronModule):
             input_tensor = input_tensor[0]
         self.input_tensor = input_tensor
 
-    def forward(self, batch: dict):
+    def forward(self, batch: MicroBatch):
         """The stage's slice of the model: the next stage's input, or at the end ``HeadOutput`` (loss mode)
         or this TP rank's logits (logits mode)."""
         x, cache = self.input_tensor, {}
@@ -310,7 +311,7 @@ class VLMStage(MegatronModule):
         # another tensor (the projector's unsqueeze, a reshape) cannot give up
         return make_viewless_tensor(x, requires_grad=x.requires_grad, keep_graph=True)
 
-    def _rows(self, side, batch: dict) -> int:
+    def _rows(self, side, batch: MicroBatch) -> int:
         """Rows of side tensor ``side`` in ``batch`` on this rank (host ints only: ``DataSide.side_rows``)."""
         if side.rows != "image_tokens":
             raise ValueError(f"side tensor {side.name!r}: rows {side.rows!r} unknown (\"image_tokens\")")

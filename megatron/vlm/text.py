@@ -20,6 +20,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.vlm.attention import segment_params
 from megatron.vlm.context_parallel import context_parallel_group
+from megatron.vlm.micro_batch import MicroBatch
 
 from omnibal_ext.model.spec import ModelSpec
 
@@ -72,7 +73,7 @@ def packed_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     return (~allowed).unsqueeze(1)
 
 
-def text_context(batch: dict, rotary, thd: bool, device=None) -> dict:
+def text_context(batch: MicroBatch, rotary, thd: bool, device=None) -> dict:
     """What the LLM blocks take besides the hidden states, built once per micro-batch.
 
     THD: ``packed_seq_params`` from the host-built ``cu_seqlens`` (kept on the host, ``device`` None, for the
@@ -81,17 +82,17 @@ def text_context(batch: dict, rotary, thd: bool, device=None) -> dict:
     ``apply_rotary_pos_emb`` restarts in every segment.  Dense (unfused): the block-diagonal mask
     [b, 1, s, s] and per-token frequencies [s, b, 1, d] gathered at ``position_ids``.
     """
-    max_seqlen = int(batch["max_seqlen"])
+    max_seqlen = int(batch.packing.max_seqlen)
     if thd:
-        params = segment_params(batch["cu_seqlens"], max_seqlen, device, context_parallel_group())
+        params = segment_params(batch.packing.cu_seqlens, max_seqlen, device, context_parallel_group())
         # tokens of the (unsplit) micro-batch (tokens are only where the embedding is)
         t = params.segments[-1][1] * (params.cp.size if params.cp is not None else 1)
         # megatron-core maps frequencies by absolute offset when there are exactly t of them (and reads
         # each segment's start with .item()); one more keeps it on the restart-per-segment mapping
         rope = rotary(max_seqlen + 1 if max_seqlen == t else max_seqlen, packed_seq=True)  # whole: no CP slicing
         return {"attention_mask": None, "rotary_pos_emb": rope, "packed_seq_params": params}
-    rope = rotary(max_seqlen)[:, 0][batch["position_ids"].transpose(0, 1)]
-    return {"attention_mask": packed_causal_mask(batch["segment_ids"]), "rotary_pos_emb": rope}
+    rope = rotary(max_seqlen)[:, 0][batch.packing.position_ids.transpose(0, 1)]
+    return {"attention_mask": packed_causal_mask(batch.packing.segment_ids), "rotary_pos_emb": rope}
 
 
 def run_text_blocks(blocks, x: torch.Tensor, context: dict, thd: bool) -> torch.Tensor:

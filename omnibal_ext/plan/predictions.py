@@ -21,7 +21,8 @@ def gpu_days(samples: int, seconds_per_sample: float, gpus: int) -> float:
 
 def prediction_row(ctx: PlanContext, setting: str, batching: str, cand: Candidate, costs_mem: CostTable,
                    mean_shape: np.ndarray, samples: int, gpus: int) -> SettingPrediction:
-    """The prediction of a simulated candidate; memory at ``costs_mem``'s shape, stage times at ``mean_shape``.
+    """The prediction of a simulated candidate; memory (and the side tensors' bytes per boundary) at ``costs_mem``'s
+    shape, stage times at ``mean_shape``.
 
     samples: samples per epoch; gpus: GPUs in all (for GPU-days).  ``speedup`` is left at 1 (see
     :func:`with_speedups`).
@@ -37,7 +38,14 @@ def prediction_row(ctx: PlanContext, setting: str, batching: str, cand: Candidat
         stage_peak_bytes=peaks, fits_memory=bool(max(peaks) <= ctx.budget), iteration_s=s.iteration_s,
         balanced_iteration_s=s.balanced_iteration_s, bubble_fraction=s.bubble_fraction,
         allreduce_s=allreduce_s(ctx, cand.layout), samples_per_iteration=s.samples_per_iteration,
-        tokens_per_s=s.tokens_per_s, gpu_days=gpu_days(samples, s.seconds_per_sample, gpus), vpp=cand.vpp)
+        tokens_per_s=s.tokens_per_s, gpu_days=gpu_days(samples, s.seconds_per_sample, gpus), vpp=cand.vpp,
+        boundary_side_bytes=boundary_side_bytes(costs_mem, cand.layout))
+
+
+def boundary_side_bytes(costs: CostTable, layout) -> tuple[float, ...]:
+    """Per boundary between the layout's stages: ``side_send_bytes`` of the unit before it (the side tensors live
+    there, at ``costs``' shape)."""
+    return tuple(float(costs.units[r.stop - 1].side_send_bytes) for r in layout.stage_slices()[:-1])
 
 
 def with_speedups(rows: list[SettingPrediction]) -> list[SettingPrediction]:

@@ -34,6 +34,10 @@ def format_plan(plan: Plan) -> str:
     lines.append("")
     for r in plan.rows:
         lines.append(f"{r.setting:<9} layout ({r.how}): {r.layout_flag}   recompute: {r.recompute_flag}")
+    final = plan.row("+memory")
+    if any(final.boundary_side_bytes):
+        lines.append("+memory side tensors (DeepStack features) sent with the hidden states per boundary, MiB per "
+                     "micro-batch at the ISF caps: " + " | ".join(f"{b / 2**20:.2f}" for b in final.boundary_side_bytes))
     lines.append("")
     base, final = plan.row("baseline"), plan.row("+memory")
     lines.append(f"{'stage':>5} {'default s':>9} {'GiB':>6} {'+memory s':>9} {'GiB':>6}  recompute"

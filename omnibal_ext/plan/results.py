@@ -16,6 +16,8 @@ class SettingPrediction:
         micro-batch of this setting's batching (no communication).
     stage_peak_bytes: per pipeline rank, peak memory at the memory shape (bytes per GPU).
     stage_units, recompute_flag, layout_flag: per layout stage (``vpp * pp`` of them; interleaved when vpp > 1).
+    boundary_side_bytes: per boundary between layout stages, the side tensors' (DeepStack features') bytes sent with
+    the hidden states (``omnibal_ext.model.side_bytes``), per micro-batch and TP rank, at the memory shape.
     iteration_s: mean simulated iteration, slowest DP rank + all-reduce, seconds.
     balanced_iteration_s: the same with every micro-batch at the mean shape, seconds.
     bubble_fraction: idle share of the slowest rank's pipeline (mean over sampled iterations).
@@ -41,9 +43,13 @@ class SettingPrediction:
     gpu_days: float
     speedup: float = 1.0
     vpp: int = 1  # model chunks per pipeline rank (--virtual-pipeline-model-parallel-size)
+    # per boundary of the layout (layout stage k -> k + 1, pp * vpp - 1 of them): bytes of the side tensors
+    # (DeepStack features) sent with the hidden states, per micro-batch and TP rank, at the memory shape
+    boundary_side_bytes: tuple[float, ...] = ()
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
+        d["boundary_side_bytes"] = list(self.boundary_side_bytes)
         d["stage_units"] = list(self.stage_units)
         d["stage_time_s"] = list(self.stage_time_s)
         d["stage_peak_bytes"] = list(self.stage_peak_bytes)

@@ -71,7 +71,7 @@ def save_global_tensors(root: str, tensors: dict, objects: list, common: dict, i
         raise RuntimeError("save_global_tensors: a world of one writes the whole model")
     tmp = _fresh_folder(root, iteration)
     model = {key: ShardedTensor.from_rank_offsets(key, t.contiguous(), replica_id=0) for key, t in tensors.items()}
-    model.update({obj.key: obj for obj in objects})
+    model.update({obj.unique_key: obj for obj in objects})  # one per shard (an MoE layer: one per expert)
     sd = {"model": model, **common}
     dist_checkpointing.save(sd, tmp, sharded_strategy=_save_strategy(), validate_access_integrity=True)
     _publish(root, iteration, None)

@@ -13,8 +13,19 @@ concatenated in meta order.
 Annotation JSONL, one record per non-blank line, in either format (a file may mix them)::
 
     {"id": ..., "image": "a.png" | ["a.png", "b.png"] | absent, "conversations": [{"from": "human", ...}, ...]}
+    {"id": ..., "video": "v.mp4" | "frames/", "clip": [start_s, end_s] (optional), "conversations": [...]}
     {"messages": [{"role": "user", "content": "<image>..." | [{"type": "image", "image": "a.png"}, ...]}, ...],
-     "images": ["a.png", ...]}                                                                  (messages.py)
+     "images": ["a.png", ...], "videos": ["v.mp4", ...]}                                        (messages.py)
+
+A video is a file PyAV reads or a frame folder (a directory of images, ``--video-folder-fps``); in a
+``conversations`` record it is the ``<video>`` tag (one is put before the first question when there is none,
+as the conversations format's reference code does) and a ``clip`` cuts it.  How a video becomes ViT items and
+text is the family's video rule (``ReaderConfig.videos``, a ``VideoRule`` of ``video.py``): the rule's frames are
+taken (from the header and a seed per record and video, ``video_seed``), its text replaces the ``<video>`` tag,
+holding one ``<image>`` block per item group; its blocks are counted like images' (``img_*`` entries: each block
+one entry of the source frame size) and kept or dropped whole by truncation.  The validation scan decodes every video's
+sampled frames (a truncated or corrupt file is caught there); ``__getitem__`` (in the DataLoader's workers)
+decodes them again.  A family without a video rule refuses video records (``--skip-bad-samples`` leaves them out).
 
 Validation happens in one pass at construction (``scan_annotations``), before any training: every record
 is parsed, its images are decoded once (``PIL.Image.open(...).load()``: a truncated or corrupt file whose
@@ -51,9 +62,11 @@ from omnibal_ext.errors import UserError
 
 from . import scan_cache
 from .images import ImageRule
-from .messages import parse_messages_record
+from .messages import VIDEO_TAG, VideoRef, parse_messages_record
 from .template import (ConversationError, IMAGE_PLACEHOLDER, Turn, add_missing_placeholder, count_placeholders,
                        parse_conversations, plan_conversation)
+from .video import VideoRule, sampled_frames, video_seed
+from .video_decode import decode_frames
 
 MAX_LISTED_ERRORS = 20
 
@@ -84,6 +97,7 @@ class ReaderConfig:
     add_bos: bool = True
     seed: int = 0  # for fractional repeat_time
     skip_bad: bool = False  # a record with a problem is left out (listed in ScanResult.skipped), not an error
+    videos: VideoRule | None = None  # the family's video rule (video.py); None: video records are refused
 
 
 def read_meta(meta_path: str) -> list[SourceSpec]:
@@ -137,22 +151,138 @@ def record_images(record: dict) -> list[str]:
     raise ConversationError("'image' must be a path or a list of paths")
 
 
-def record_turns(record) -> tuple[list[Turn], list[str]]:
-    """(turns, image paths as written) of a decoded record of either format; its problems raise a ``UserError``
-    (the caller names ``file:line``)."""
+@dataclass(frozen=True)
+class RecordVideo:
+    """One video of a record: ``path`` as written (a file or a frame folder), ``clip_s`` the ``(start, end)`` s
+    it is cut to (None: whole)."""
+
+    path: str
+    clip_s: tuple[float, float] | None = None
+
+
+def record_videos(record: dict) -> list[RecordVideo]:
+    """A ``conversations`` record's video: ``video`` as a path (or absent/empty), with an optional ``clip``."""
+    video = record.get("video")
+    if video is None or video == "":
+        if record.get("clip") is not None:
+            raise ConversationError("'clip' without a 'video'")
+        return []
+    if not isinstance(video, str):
+        raise ConversationError("'video' must be a path (a file or a frame folder)")
+    clip = record.get("clip")
+    if clip is not None:
+        if not (isinstance(clip, (list, tuple)) and len(clip) == 2 and all(isinstance(t, (int, float))
+                                                                            and not isinstance(t, bool) for t in clip)
+                and 0 <= clip[0] < clip[1]):
+            raise ConversationError(f"'clip' must be [start, end] in seconds with 0 <= start < end, got {clip!r}")
+        clip = (float(clip[0]), float(clip[1]))
+    return [RecordVideo(video, clip)]
+
+
+def count_video_tags(turns: list[Turn]) -> int:
+    return sum(t.text.count(VIDEO_TAG) for t in turns if t.role == "user")
+
+
+def record_turns(record) -> tuple[list[Turn], list[str], list[RecordVideo]]:
+    """(turns, image paths as written, videos) of a decoded record of either format; the turns' user text holds
+    an ``<image>`` per image and a ``<video>`` per video.  Its problems raise a ``UserError`` (the caller names
+    ``file:line``)."""
     if not isinstance(record, dict):
         raise ConversationError("record must be a JSON object")
     if "messages" in record:
         conversation = parse_messages_record(record, "")
-        return [Turn(t.role, t.text) for t in conversation.turns], list(conversation.images)
+        return ([Turn(t.role, t.text) for t in conversation.turns], list(conversation.images),
+                [RecordVideo(p) for p in conversation.videos])
     if "conversations" not in record:
         raise ConversationError("missing 'conversations'")
     images = record_images(record)
+    videos = record_videos(record)
     turns = add_missing_placeholder(parse_conversations(record["conversations"]), len(images))
+    if any(VIDEO_TAG in t.text for t in turns if t.role != "user"):
+        raise ConversationError(f"a {VIDEO_TAG} placeholder outside a human turn")
+    if len(videos) == 1 and count_video_tags(turns) == 0:  # the format's reference code puts the missing tag first
+        first_user = next(k for k, t in enumerate(turns) if t.role == "user")
+        turns[first_user] = Turn("user", VIDEO_TAG + "\n" + turns[first_user].text)
     placeholders = count_placeholders(turns)
     if placeholders != len(images):
         raise ConversationError(f"{placeholders} {IMAGE_PLACEHOLDER} placeholders but {len(images)} images")
-    return turns, images
+    if count_video_tags(turns) != len(videos):
+        raise ConversationError(f"{count_video_tags(turns)} {VIDEO_TAG} placeholder(s) but {len(videos)} video(s)")
+    return turns, images, videos
+
+
+def media_order(turns: list[Turn]) -> list[str]:
+    """``"image"``/``"video"`` for each tag of the user turns, in reading order."""
+    import re
+
+    pattern = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_TAG)})")
+    return ["image" if tag == IMAGE_PLACEHOLDER else "video"
+            for t in turns if t.role == "user" for tag in pattern.findall(t.text)]
+
+
+def expand_videos(turns: list[Turn], texts: list[str]) -> list[Turn]:
+    """``turns`` with the k-th ``<video>`` tag of the user turns replaced by ``texts[k]`` (the video rule's text)."""
+    out, k = [], 0
+    for t in turns:
+        if t.role != "user" or VIDEO_TAG not in t.text:
+            out.append(t)
+            continue
+        pieces = t.text.split(VIDEO_TAG)
+        text = pieces[0]
+        for piece in pieces[1:]:
+            text += texts[k] + piece
+            k += 1
+        out.append(Turn(t.role, text))
+    return out
+
+
+@dataclass(frozen=True)
+class VideoPlan:
+    """What a record's videos become: per video its probe, frame indices and block items, and the turns with
+    the rule's text in place of each ``<video>``."""
+
+    infos: tuple
+    indices: tuple[tuple[int, ...], ...]
+    blocks: tuple[tuple[int, ...], ...]
+    turns: tuple[Turn, ...]
+
+
+def plan_videos(turns: list[Turn], videos: list[RecordVideo], root: str, rule: VideoRule | None, seed: int,
+                source: int, line: int) -> VideoPlan:
+    """Probe each video (its header), take the rule's frames and blocks, and expand the turns; a ``UserError``
+    for a video the rule or the decoder refuses, or for any video without a rule."""
+    if videos and rule is None:
+        raise ConversationError(f"{len(videos)} video(s): the model family does not read videos (it does not "
+                                "declare Capabilities.video); leave them out or pass --skip-bad-samples")
+    infos, indices, blocks, texts = [], [], [], []
+    for k, video in enumerate(videos):
+        info, taken = sampled_frames(os.path.join(root, video.path), rule, None, video_seed(seed, source, line, k),
+                                     video.clip_s)
+        infos.append(info)
+        indices.append(tuple(taken))
+        blocks.append(tuple(rule.blocks(len(taken), info.width, info.height)))
+        texts.append(rule.text(taken, info.fps))
+    return VideoPlan(tuple(infos), tuple(indices), tuple(blocks), tuple(expand_videos(turns, texts)))
+
+
+def media_entries(turns: list[Turn], image_items: list[int], image_sizes: list[tuple[int, int]],
+                  videos: VideoPlan) -> tuple[list[int], list[tuple[int, int]], list[tuple[int, int]]]:
+    """(items, (width, height) px, video entry ranges): one entry per image and per video block in reading order
+    (a block has its video's frame size), and each video's ``[first, end)`` entries."""
+    items, sizes, ranges = [], [], []
+    next_image = next_video = 0
+    for kind in media_order(turns):
+        if kind == "image":
+            items.append(image_items[next_image])
+            sizes.append(image_sizes[next_image])
+            next_image += 1
+        else:
+            info, blocks = videos.infos[next_video], videos.blocks[next_video]
+            ranges.append((len(items), len(items) + len(blocks)))
+            items += blocks
+            sizes += [(info.width, info.height)] * len(blocks)
+            next_video += 1
+    return items, sizes, ranges
 
 
 @dataclass
@@ -275,7 +405,7 @@ def scan_share(sources: list[SourceSpec], tokenizer, config: ReaderConfig, rank:
                 k += 1
                 if (k - 1) % world != rank:
                     continue
-                found = _scan_record(raw, src, tokenizer, config)
+                found = _scan_record(raw, src, tokenizer, config, s_idx, line_no)
                 if isinstance(found, list):
                     errors += [(s_idx, line_no, j, f"{src.annotation}:{line_no}: {msg}") for j, msg in enumerate(found)]
                     continue
@@ -292,15 +422,16 @@ def scan_share(sources: list[SourceSpec], tokenizer, config: ReaderConfig, rank:
                      np.asarray(per_record, np.int64), errors, nonblank, num_truncated, num_without_loss)
 
 
-def _scan_record(raw: bytes, src: SourceSpec, tokenizer, config: ReaderConfig):
-    """One annotation line: ``(image sizes, ViT items per image, tokens, images kept, real items, truncated,
-    truncated without an answer token)``, or its problems (a list of messages)."""
+def _scan_record(raw: bytes, src: SourceSpec, tokenizer, config: ReaderConfig, source: int = 0, line: int = 0):
+    """One annotation line: ``(entry sizes, ViT items per entry, tokens, entries kept, real items, truncated,
+    truncated without an answer token)`` (an entry: an image or a video's block), or its problems (a list of
+    messages)."""
     try:
         record = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         return [f"not valid JSON ({getattr(e, 'msg', e)})"]
     try:
-        turns, images = record_turns(record)
+        turns, images, videos = record_turns(record)
     except UserError as e:
         return [str(e)]
     sizes, problems = [], []
@@ -313,6 +444,12 @@ def _scan_record(raw: bytes, src: SourceSpec, tokenizer, config: ReaderConfig):
             sizes.append(decoded_size(path))
         except Exception as e:  # noqa: BLE001 - any decoder failure is a data error
             problems.append(f"cannot decode image {path}: {e}")
+    try:
+        video_plan = plan_videos(turns, videos, src.root, config.videos, config.seed, source, line)
+        for video, info, taken in zip(videos, video_plan.infos, video_plan.indices):  # decoded once, here
+            decode_frames(os.path.join(src.root, video.path), info, taken)
+    except UserError as e:
+        problems.append(str(e))
     if problems:
         return problems
     rule = config.images
@@ -324,19 +461,23 @@ def _scan_record(raw: bytes, src: SourceSpec, tokenizer, config: ReaderConfig):
             problems.append(f"image {os.path.join(src.root, rel)}: {e}")
     if problems:
         return problems
+    items, sizes, video_ranges = media_entries(turns, items, sizes, video_plan)
     try:  # a chat template can refuse a conversation: a problem of this record, named like the others
-        plan = plan_conversation(turns, tokenizer, [rule.image_tokens(n) for n in items], 1, config.system,
-                                 config.add_bos)
+        plan = plan_conversation(list(video_plan.turns), tokenizer, [rule.image_tokens(n) for n in items], 1,
+                                 config.system, config.add_bos)
     except ConversationError as e:
         return [str(e)]
     cut, kept = plan.cut_for(config.max_seq_length)
+    for first, end in video_ranges:  # a video is kept or dropped whole
+        if first < kept < end:
+            cut, kept = plan.image_spans[first][0], first
     truncated = without_loss = False
     if cut < plan.length:
         if not config.truncate:
             return [f"sample is {plan.length} tokens ({sum(items)} {rule.unit}) > max_seq_length "
                     f"{config.max_seq_length}; raise --seq-length, give images fewer ViT items (--max-num-tiles, "
-                    "--max-pixels), pass --truncate-long-samples (cut it at --seq-length) or --skip-bad-samples "
-                    "(leave it out)"]
+                    "--max-pixels, --video-max-frames), pass --truncate-long-samples (cut it at --seq-length) or "
+                    "--skip-bad-samples (leave it out)"]
         truncated = True
         _, labels = plan.materialize(cut)
         without_loss = not (labels != -100).any()
@@ -386,7 +527,9 @@ def merge_shares(meta_path: str, sources: list[SourceSpec], shares: list[ScanSha
 class RecordDataset(torch.utils.data.Dataset):
     """Map-style dataset over a meta JSON (or one annotation JSONL); validated in full at construction.
 
-    ``images``: the family's image rule (``DataSide.image_rule``). ``__getitem__(i)`` -> ``{"input_ids": int64 [n],
+    ``images``: the family's image rule (``DataSide.image_rule``), ``videos`` its video rule (``DataSide.video_rule``,
+    None: video records refused); a video's blocks count as images below.
+    ``__getitem__(i)`` -> ``{"input_ids": int64 [n],
     "labels": int64 [n], "pixel_values": float32 [k, ...], "image_flags": int64 [k], "image_sizes": int64
     [images, 2]}`` with ``n == sample_lengths()[0][i]`` tokens, ``k == sample_lengths()[1][i]`` ViT items (the
     rule's ``pixels`` rows) and the (width, height) px of each kept image.  ``scan_group`` and ``cache_dir``: see
@@ -396,11 +539,11 @@ class RecordDataset(torch.utils.data.Dataset):
     def __init__(self, meta_path: str, tokenizer, images: ImageRule, max_seq_length: int | None = None,
                  truncate: bool = False, *, system: str | None = None, add_bos: bool = True, seed: int = 0,
                  progress: bool = False, scan_group=None, cache_dir: str | None = None,
-                 skip_bad: bool = False) -> None:
+                 skip_bad: bool = False, videos: VideoRule | None = None) -> None:
         self.meta_path = meta_path
         self.tokenizer = tokenizer
         self.config = ReaderConfig(images=images, max_seq_length=max_seq_length, truncate=truncate, system=system,
-                                   add_bos=add_bos, seed=seed, skip_bad=skip_bad)
+                                   add_bos=add_bos, seed=seed, skip_bad=skip_bad, videos=videos)
         self.scan = scan_annotations(meta_path, tokenizer, self.config, progress=progress, group=scan_group,
                                      cache_dir=cache_dir)
 
@@ -459,12 +602,16 @@ class RecordDataset(torch.utils.data.Dataset):
         with open(src.annotation, "rb") as f:
             f.seek(int(s.rec_offset[r]))
             record = json.loads(f.readline())
-        turns, images = record_turns(record)
+        turns, images, videos = record_turns(record)
         lo, hi = int(s.img_ptr[r]), int(s.img_ptr[r + 1])
         items = [int(n) for n in s.img_items[lo:hi]]
         kept = int(s.rec_images_kept[r])
-        plan = plan_conversation(turns, self.tokenizer, [rule.image_tokens(n) for n in items], 1, cfg.system,
-                                 cfg.add_bos)
+        video_plan = plan_videos(turns, videos, src.root, cfg.videos, cfg.seed, int(s.rec_source[r]),
+                                 int(s.rec_line[r]))
+        if sum(map(len, video_plan.blocks)) + len(images) != len(items):
+            raise DataValidationError(f"{s.where(r)}: its videos changed since validation")
+        plan = plan_conversation(list(video_plan.turns), self.tokenizer, [rule.image_tokens(n) for n in items], 1,
+                                 cfg.system, cfg.add_bos)
         input_ids, labels = plan.materialize(int(s.rec_tokens[r]))
         sizes = torch.from_numpy(np.stack([s.img_width[lo:lo + kept], s.img_height[lo:lo + kept]], axis=1))
         text = {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels), "image_sizes": sizes}
@@ -473,12 +620,28 @@ class RecordDataset(torch.utils.data.Dataset):
             flags = torch.ones(real, dtype=torch.int64) if real else torch.zeros(rule.dummy_items, dtype=torch.int64)
             return {**text, "image_flags": flags}
         pixels = []
-        for k in range(kept):
-            path = os.path.join(src.root, images[k])
-            with Image.open(path) as im:
-                if im.size != (int(s.img_width[lo + k]), int(s.img_height[lo + k])):
-                    raise DataValidationError(f"{s.where(r)}: image {path} changed size since validation")
-                pixels.append(rule.pixels(im, len(images)))
+        entry = next_image = next_video = 0
+        for kind in media_order(turns):
+            if kind == "image":
+                k = next_image
+                next_image += 1
+                entry += 1
+                if entry > kept:
+                    break
+                path = os.path.join(src.root, images[k])
+                with Image.open(path) as im:
+                    if im.size != (int(s.img_width[lo + entry - 1]), int(s.img_height[lo + entry - 1])):
+                        raise DataValidationError(f"{s.where(r)}: image {path} changed size since validation")
+                    pixels.append(rule.pixels(im, len(images)))
+            else:
+                k = next_video
+                next_video += 1
+                entry += len(video_plan.blocks[k])
+                if entry > kept:
+                    break
+                path = os.path.join(src.root, videos[k].path)
+                frames = decode_frames(path, video_plan.infos[k], video_plan.indices[k], s.where(r)).frames
+                pixels.append(cfg.videos.pixels(frames))
         made = sum(len(p) for p in pixels)
         if made != real:  # cannot happen unless the rule's pixels and its counts disagree
             raise RuntimeError(f"{s.where(r)}: made {made} ViT items, validation counted {real}")

@@ -16,9 +16,17 @@ import os
 
 import numpy as np
 
-FORMAT = 2  # 2: the reader configuration holds the image rule; items, not tiles
+FORMAT = 3  # 2: the reader configuration holds the image rule; items, not tiles. 3: the video rule, video blocks
 _ARRAYS = ("rec_source", "rec_offset", "rec_line", "img_ptr", "img_width", "img_height", "img_items", "rec_tokens",
            "rec_images_kept", "rec_real_items", "rec_items", "order")
+
+
+def described_rule(rule) -> list | None:
+    """A family's image or video rule as the key holds it: its type and settings (a dataclass's fields, else its
+    repr); None for no rule."""
+    if rule is None:
+        return None
+    return [type(rule).__qualname__, dataclasses.asdict(rule) if dataclasses.is_dataclass(rule) else repr(rule)]
 
 
 def scan_key(meta_path: str, sources, config, tokenizer) -> str:
@@ -29,7 +37,7 @@ def scan_key(meta_path: str, sources, config, tokenizer) -> str:
 
     tok_dir = getattr(tokenizer, "path", None)
     tok_files = sorted(stat(os.path.join(tok_dir, f)) for f in os.listdir(tok_dir)) if tok_dir else []
-    rule = config.images  # the family's image rule: its type and settings (a dataclass's fields, else its repr)
+
     with open(meta_path, "rb") as f:
         meta_digest = hashlib.sha256(f.read()).hexdigest()
     described = {
@@ -37,8 +45,9 @@ def scan_key(meta_path: str, sources, config, tokenizer) -> str:
         "meta": meta_digest,
         "annotations": [stat(src.annotation) for src in sources],
         "config": {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-                   if f.name != "images" and (getattr(config, f.name) or f.name != "skip_bad")},
-        "images": [type(rule).__qualname__, dataclasses.asdict(rule) if dataclasses.is_dataclass(rule) else repr(rule)],
+                   if f.name not in ("images", "videos") and (getattr(config, f.name) or f.name != "skip_bad")},
+        "images": described_rule(config.images),
+        "videos": described_rule(config.videos),
         "tokenizer": [repr(tokenizer), tokenizer.vocab_size, getattr(tokenizer, "chat_template", None), tok_files],
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:32]

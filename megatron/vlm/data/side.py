@@ -8,14 +8,18 @@ Every family reads the same formats (``records.py``: meta JSON or an annotation 
 * ``image_rule(args, spec, hf_folder)``: its ``ImageRule`` (``images.py``), how the reader turns an image into
   ViT items and LLM image tokens; the rule's ``tokens_per_item`` serves the loader's image-token check (None:
   the batcher checks itself);
+* ``video_rule(args, spec, hf_folder)``: its ``VideoRule`` (``video.py``: the frames it takes of a video, the text
+  and image blocks they become, their pixels), from the ``--video-*`` flags (``VideoOverrides.from_args``) over the
+  folder's video processor file; None (the default): no video rule, and the reader refuses video records.  Used
+  only where the family declares ``Capabilities.video``;
 * ``batcher(spec, image_token_id, rule)``: the picklable maker of micro-batches, a ``Batcher`` (its ``make``
-  collates the samples with the family's extra fields, ``rule`` being the reader's ``ImageRule``; its ``keys``
-  says which fields a stage reading ``StageInputs`` gets; its ``split_cp`` keeps a context-parallel rank's part,
-  ``cp_keys`` the fields that split adds);
+  collates the samples into fields with the family's extra ones, ``rule`` being the reader's ``ImageRule``; its
+  ``split_cp`` keeps a context-parallel rank's part of those fields; its ``vision_part``, the family's
+  ``megatron.vlm.micro_batch.VisionPart``, types them, and ``micro_batch`` makes a stage's ``MicroBatch`` of them);
 * ``default_image_px(spec)``: the image side of the built-in digits data for this model;
 * ``profile_batch(spec, shape, image_token_id, device, pad_to_multiple)``: the micro-batch the trainer's profiler
-  (``megatron/training/profiling.py``) runs at a ``MicroBatchShape``, made by its ``Batcher`` (None: the
-  profiler's own tiled one);
+  (``megatron/training/profiling.py``) runs at a ``MicroBatchShape``, a ``MicroBatch`` made by its ``Batcher``
+  (None: the profiler's own tiled one);
 * ``side_rows(spec, batch, cp, cp_rank)``: the rows of a side tensor counting ``"image_tokens"``
   (``omnibal_ext.model.spec.SideTensor``) on this rank for ``batch``, from host-held fields only (``megatron/vlm/
   side.py``): the merged tokens of the vision items this CP rank's ViT runs.
@@ -29,32 +33,36 @@ from typing import Callable
 
 from megatron.vlm.context_parallel import split_batch, tile_ranges
 
+from megatron.vlm.micro_batch import MicroBatch, TileVision
+
 from .collate import collate_packed, collate_padded
 from .images import TileImages
 from .tokenizer import IMG_CONTEXT, IMG_END, IMG_START
 
 
 class Batcher:
-    """Samples -> one micro-batch (``collate.py``'s schema, plus a family's fields); picklable (loader workers)."""
+    """Samples -> one micro-batch (``collate.py``'s schema, plus a family's fields); picklable (loader workers).
+
+    ``make`` and ``split_cp`` work on the collated fields (a dict named by the schema); ``micro_batch`` makes the
+    typed ``MicroBatch`` a stage reads of them, its vision part a ``vision_part``."""
+
+    vision_part = TileVision
 
     def make(self, samples: list[dict], pad_id: int, packed: bool, pad_to_multiple: int = 1) -> dict:
         if packed:
             return collate_packed(samples, pad_id, pad_to_multiple=pad_to_multiple)
         return collate_padded(samples, pad_id, seq_length=None, pad_to_multiple=pad_to_multiple)
 
-    def keys(self, inputs) -> tuple[str, ...]:
-        """The fields a stage reading ``inputs`` (``megatron.vlm.batches.StageInputs``) gets."""
-        return inputs.keys
+    def micro_batch(self, fields: dict, inputs=None) -> MicroBatch:
+        """The ``MicroBatch`` a stage reading ``inputs`` (``megatron.vlm.batches.StageInputs``; None: everything)
+        gets of the collated (and split) ``fields``."""
+        return MicroBatch.of(fields, self.vision_part, inputs)
 
     def split_cp(self, batch: dict, cp: int, rank: int, pad_id: int, img_context_id: int | None,
                  sp_tp: int = 1) -> dict:
         """Context-parallel rank ``rank``'s part of the micro-batch ``make`` built (``megatron/vlm/
         context_parallel.py``): the LLM tokens cut into 2 x CP chunks per segment, the tiles into contiguous runs."""
         return split_batch(batch, cp, rank, pad_id, img_context_id, sp_tp)
-
-    def cp_keys(self, inputs) -> tuple[str, ...]:
-        """The fields ``split_cp`` adds that a stage reading ``inputs`` gets (where the split made them)."""
-        return ("num_tiles",) + (("image_feature_index",) if inputs.tokens else ())
 
 
 def tiled_images(args, spec, hf_folder: str | None) -> TileImages:
@@ -63,11 +71,11 @@ def tiled_images(args, spec, hf_folder: str | None) -> TileImages:
                       max_num_tiles=args.max_num_tiles, min_num_tiles=args.min_num_tiles)
 
 
-def tiled_side_rows(spec, batch: dict, cp: int, cp_rank: int) -> int:
+def tiled_side_rows(spec, batch: MicroBatch, cp: int, cp_rank: int) -> int:
     """Image-token rows of a side tensor on this rank: every tile's (dummy tiles included, as the projector makes
     them) tokens per tile, of this CP rank's run of tiles under context parallelism (one tile when it has none:
     ``context_parallel.split_tiles``).  ``sample_tiles`` is held on the host (``collate.HOST_KEYS``)."""
-    tiles = int(batch["sample_tiles"].sum())
+    tiles = int(batch.samples.sample_tiles.sum())
     if cp > 1:
         tiles = max(len(tile_ranges(tiles, cp)[cp_rank]), 1)
     return tiles * spec.tokens_per_tile
@@ -79,6 +87,7 @@ class DataSide:
 
     image_tokens: tuple[str, str, str] = (IMG_START, IMG_END, IMG_CONTEXT)
     image_rule: Callable = tiled_images
+    video_rule: Callable | None = None
     batcher: Callable = lambda spec, image_token_id, rule: Batcher()  # noqa: E731
     default_image_px: Callable = lambda spec: spec.vision.image_size  # noqa: E731
     profile_batch: Callable | None = None

@@ -33,7 +33,7 @@ from PIL import Image, UnidentifiedImageError
 
 from omnibal_ext.errors import UserError
 
-DEFAULT_FOLDER_FPS = 24.0  # transformers' assumption for frames without a rate (video_processing_qwen3_vl)
+DEFAULT_FOLDER_FPS = 24.0  # transformers' assumption for frames without a rate (its video processors' default)
 DEFAULT_RESEEK_GAP_S = 5.0  # seek again when the next wanted frame is further ahead than this
 END_SLACK_FRAMES = 2  # a header may count a frame or two past the last time stamp; more is truncation
 

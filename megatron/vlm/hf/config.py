@@ -30,6 +30,12 @@ class HFInfo:
     vit_layers_in_checkpoint: int  # HF ViT layers (the spec may build fewer: a feature layer before the last)
     image_token_id: int | None  # None: not in the config (the tokenizer's image context token)
     image_seq_length: int | None = None
+    # the stacked (3-D) tensors the files hold transposed, by name within a layer (fused experts as some
+    # published files hold them): only the shapes say it (``HFSide.checkpoint_info``)
+    transposed: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "transposed", tuple(self.transposed or ()))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -82,6 +88,10 @@ def _none_skipped(info: "HFInfo", spec: ModelSpec, names: set[str], style: str) 
     return set()
 
 
+def _info_as_config_says(info: "HFInfo", spec: ModelSpec, reader) -> "HFInfo":
+    return info
+
+
 @dataclasses.dataclass(frozen=True)
 class HFSide:
     """A family's Hugging Face side (``RuntimeFamily.hf``).
@@ -92,12 +102,15 @@ class HFSide:
     as checkpoints hold them, "modern" the in-memory names); logits_batch(inputs, spec, info): the micro-batch of
     one sample from transformers' own inputs (``megatron.vlm.hf.logits``); structure_twin(spec): a tiny model of
     ``spec``'s structure (same units, per-layer features and checkpoint objects: ``megatron.vlm.hf.convert``);
-    skipped_names(info, spec, names, style): HF tensors it leaves out on purpose (default: none)."""
+    skipped_names(info, spec, names, style): HF tensors it leaves out on purpose (default: none);
+    checkpoint_info(info, spec, reader): ``info`` with what only the files' tensor headers say (a layout of
+    some tensors: ``HFInfo.transposed``; default: ``info`` as the config gave it)."""
 
     recognizes: Callable[[dict], bool]
     spec_from_config: Callable[..., "tuple[ModelSpec, HFInfo]"]
     native_config: Callable[[ModelSpec, "HFInfo", "dict | None"], dict]
     names: Callable[["HFInfo", str], object]
-    logits_batch: Callable[[dict, ModelSpec, "HFInfo"], dict]
+    logits_batch: Callable[[dict, ModelSpec, "HFInfo"], "MicroBatch"]
     structure_twin: Callable[[ModelSpec], ModelSpec]
     skipped_names: Callable[["HFInfo", ModelSpec, set, str], set] = _none_skipped
+    checkpoint_info: Callable[["HFInfo", ModelSpec, object], "HFInfo"] = _info_as_config_says

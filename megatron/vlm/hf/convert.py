@@ -54,6 +54,9 @@ class HFSource:
         name = "hf:" + os.path.basename(os.path.normpath(folder))
         spec, info = spec_from_config(cfg, name, os.path.join(folder, "config.json"))
         reader = HFCheckpoint(folder)
+        from .configs import hf_side
+
+        info = hf_side(spec).checkpoint_info(info, spec, reader)
         style = detect_style(reader.names())
         src = cls(folder, cfg, spec, info, reader, style)
         if check:
@@ -143,6 +146,9 @@ def export_hf(load: str, out: str, step: int | None = None, dtype: str | None = 
                               "--hf-checkpoint)")
     spec = spec_from_dict(run["model"])
     info = HFInfo.from_dict(meta["info"])
+    if info.image_token_id is None:  # an original-layout config names none: the tokenizer's context token is it
+        info = dataclasses.replace(info, image_token_id=tokenizer_image_token_id(
+            spec, load, run.get("tokenizer"), meta.get("source")))
     native = dataclasses.replace(info, layout="native",
                                  text_family="llama" if info.text_family == "internlm2" else info.text_family)
     style = meta.get("style", "legacy") if info.layout == "native" else "legacy"
@@ -163,6 +169,32 @@ def export_hf(load: str, out: str, step: int | None = None, dtype: str | None = 
     files = write_safetensors(hf, out, max_shard_bytes)
     copied = copy_tokenizer(out, run.get("tokenizer"), meta.get("source"))
     return {"iteration": step, "tensors": len(hf), "files": files, "tokenizer": copied}
+
+
+def tokenizer_image_token_id(spec: ModelSpec, load: str, *folders) -> int:
+    """The image-context token's id (the family's third ``DataSide.image_tokens`` string) in the
+    tokenizer of the first of ``folders`` that holds one (the training's, then the imported folder), for a config.json
+    that needs ``image_token_id`` where the imported one named none; refused, naming what is missing, when no folder
+    holds a tokenizer, its vocabulary lacks the token, or the id is past the model's vocabulary."""
+    from transformers import AutoTokenizer
+
+    from megatron.vlm.families import runtime_family
+
+    token = runtime_family(spec).data.image_tokens[2]
+    folder = next((f for f in folders if f and os.path.isdir(f) and has_tokenizer(f)), None)
+    if folder is None:
+        raise UserError(f"--load {load}: the imported config.json names no image_token_id and no tokenizer folder "
+                        f"is known (tried: {', '.join(f for f in folders if f) or 'none recorded'}) to take "
+                        f"{token}'s id from; transformers refuses a config without it: put the model's tokenizer "
+                        "files beside its config.json and import again, or train with --tokenizer-model")
+    tid = AutoTokenizer.from_pretrained(folder).get_vocab().get(token)
+    if tid is None:
+        raise UserError(f"--load {load}: the imported config.json names no image_token_id and the tokenizer of "
+                        f"{folder} has no {token} token to take it from")
+    if not 0 <= tid < spec.language.vocab_real:
+        raise UserError(f"--load {load}: {token} is id {tid} in the tokenizer of {folder}, past the model's "
+                        f"{spec.language.vocab_real}-token vocabulary")
+    return int(tid)
 
 
 def merge_adapters(path: str, tensors: dict[str, torch.Tensor], scaling: float) -> int:

@@ -98,6 +98,13 @@ def to_hf(spec: ModelSpec, info: HFInfo, tensors: dict[str, torch.Tensor], style
             if part.name not in hf:
                 hf[part.name] = torch.empty(shapes[part.name], dtype=dtype or tensors[key].dtype)
             target = hf[part.name]
+            if part.index is not None:  # a block of a stacked tensor (held transposed: its columns)
+                rows = block.reshape(part.rows, -1)
+                if part.transposed:
+                    target[part.index][:, part.start:part.stop] = rows.t()
+                else:
+                    target[part.index][part.start:part.stop] = rows
+                continue
             view = target.reshape(target.shape[0], -1) if target.dim() > 1 else target
             if part.cols is not None:
                 view[part.start:part.stop, part.cols[0]:part.cols[1]] = block.reshape(part.rows, -1)

@@ -20,15 +20,22 @@ def make_batch(src, inputs: dict) -> dict:
     return hf_side(src.spec).logits_batch(inputs, src.spec, src.info)
 
 
-def logits_stage(spec, unit_range, img_context_id: int, tp: int = 1, pp: int = 1, lora=None):
+def logits_stage(spec, unit_range, img_context_id: int, tp: int = 1, pp: int = 1, lora=None, ep: int = 1,
+                 etp: int | None = None):
     """A stage of ``spec`` in logits mode (the last stage returns this TP rank's logits), fp32, eval; ``lora``: its
-    LoRA adapters (``omnibal_ext.model.lora.Lora``; None: none)."""
+    LoRA adapters (``omnibal_ext.model.lora.Lora``; None: none); ``ep`` / ``etp``: the experts' EP / ETP sizes (ETP
+    None: TP). MoE layers under TP > 1 run with sequence parallelism, as megatron-core's MoELayer needs (the
+    trainer's --sequence-parallel)."""
     from omnibal_ext.model.lora import Lora
 
+    from megatron.vlm.moe import MoERun
     from megatron.vlm.stage import StageBuild, build_stage
 
+    moe = spec.language.moe is not None
+    run = MoERun(ep=ep, etp=etp or tp) if moe else None
     return build_stage(StageBuild(spec, unit_range, tp=tp, pp=pp, img_context_id=img_context_id, seed=0,
-                                  output="logits", lora=lora or Lora())).eval()
+                                  output="logits", lora=lora or Lora(), moe_run=run,
+                                  sequence_parallel=moe and tp > 1)).eval()
 
 
 def image_token_id(src, given: int | None = None) -> int:
@@ -54,7 +61,9 @@ def gather_vocab(logits: torch.Tensor, real_vocab: int) -> torch.Tensor:
 
 def chained_logits(src, inputs: dict, cuts: list[int] = (), img_context_id: int | None = None) -> torch.Tensor:
     """In one process (TP1): the model split into stages at unit indices ``cuts``, each stage built and loaded
-    on its own, the hidden state handed from one to the next; [s, real vocab]."""
+    on its own, each stage's output handed to the next as the pipeline's P2P hands it (the hidden states with the
+    side tensors live at that cut packed in by the stage: ``megatron.vlm.side.pack``, unpacked by the next stage
+    with the rows of its ``DataSide.side_rows``); [s, real vocab]."""
     from .load import load_hf_into_stage
 
     spec = src.spec
@@ -72,18 +81,23 @@ def chained_logits(src, inputs: dict, cuts: list[int] = (), img_context_id: int 
 
 
 def pipeline_logits(src, inputs: dict, layout, img_context_id: int | None = None) -> torch.Tensor | None:
-    """Under torchrun (megatron's groups started at TP/PP): this rank's stage of ``layout``, forward only,
-    hidden states passed point to point along the pipeline. Returns the logits on the last stage, else None."""
+    """Under torchrun (megatron's groups started at TP/PP and EP/ETP): this rank's stage of ``layout``, forward
+    only, hidden states passed point to point along the pipeline. Returns the logits on the last stage, else None."""
     from megatron.core import parallel_state as ps
+    from omnibal_ext.errors import UserError
 
     from .load import load_hf_into_stage
 
     spec = src.spec
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
     rank = ps.get_pipeline_model_parallel_rank()
-    stage = logits_stage(spec, layout.stage_range(rank), image_token_id(src, img_context_id), tp, pp)
-    load_hf_into_stage(stage, src)
     batch = make_batch(src, inputs)
+    if spec.language.moe is not None and tp > 1 and batch["tokens"].numel() % tp:
+        raise UserError(f"--tensor-model-parallel-size {tp}: the MoE layers run sequence parallel, so the input's "
+                        f"{batch['tokens'].numel()} tokens must be a multiple of TP")
+    stage = logits_stage(spec, layout.stage_range(rank), image_token_id(src, img_context_id), tp, pp, ep=ep, etp=etp)
+    load_hf_into_stage(stage, src)
     with torch.no_grad():
         x = None
         if rank > 0:

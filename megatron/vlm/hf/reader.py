@@ -65,3 +65,11 @@ class HFCheckpoint:
         if cols is None:
             return sl[rows[0]:rows[1]]
         return sl[rows[0]:rows[1], cols[0]:cols[1]]
+
+    def block(self, name: str, index: int, rows: tuple[int, int], transposed: bool = False) -> torch.Tensor:
+        """Rows [r0, r1) of ``tensor[index]`` (a 3-D tensor of stacked blocks); ``transposed``: its columns
+        [r0, r1), returned as rows. Only those are read."""
+        sl = self._handle(name).get_slice(name)
+        if transposed:
+            return sl[index:index + 1, :, rows[0]:rows[1]][0].t()
+        return sl[index:index + 1, rows[0]:rows[1]][0]

@@ -31,12 +31,17 @@ class NotRowsView(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Part:
-    """Rows [start, stop) of HF tensor ``name`` (columns [cols[0], cols[1]) when given); ``name`` None: zeros."""
+    """Rows [start, stop) of HF tensor ``name`` (columns [cols[0], cols[1]) when given); ``name`` None: zeros.
+
+    ``index``: the rows are of ``name[index]`` (a 3-D HF tensor of stacked blocks: fused experts), and with
+    ``transposed`` they are its columns [start, stop) (the file holds the block transposed)."""
 
     name: str | None
     start: int
     stop: int
     cols: tuple[int, int] | None = None
+    index: int | None = None
+    transposed: bool = False
 
     @property
     def rows(self) -> int:
@@ -104,7 +109,11 @@ class Recipe:
             w = width if cols is None else cols[1] - cols[0]
             return torch.zeros((b - a, *(() if w is None else (w,))), dtype=dtype or torch.float32)
         r0, r1 = part.start + a, part.start + b
-        if part.cols is not None:
+        if part.index is not None:
+            if cols is not None or part.cols is not None:
+                raise ValueError("Recipe.read: a column range of a part of a stacked (3-D) tensor")
+            t = reader.block(part.name, part.index, (r0, r1), part.transposed)
+        elif part.cols is not None:
             if cols is not None:
                 raise ValueError("Recipe.read: a column range of a column-cut part")
             t = reader.box(part.name, (r0, r1), part.cols)
@@ -158,8 +167,40 @@ def vocab_recipe(name: str, spec: ModelSpec) -> Recipe:
 
 
 def add_llm_layer(add, hf, m: dict, u: str, spec: ModelSpec, info: HFInfo) -> None:
+    """A dense decoder layer: attention and both norms (``add_llm_attention``), the gated MLP."""
+    add_llm_attention(add, hf, m, u, spec, info)
+    H, F = spec.language.hidden_size, spec.language.ffn_hidden_size
+    gate, up = hf(m["gate"], (F, H)), hf(m["up"], (F, H))
+    add(u + "mlp.linear_fc1.weight", Recipe((2 * F, H), (Part(gate, 0, F), Part(up, 0, F))))
+    add(u + "mlp.linear_fc2.weight", whole(hf(m["down"], (H, F)), (H, F)))
+
+
+def add_moe_llm_layer(add, hf, m: dict, u: str, spec: ModelSpec, info: HFInfo, experts=None) -> None:
+    """An MoE decoder layer (megatron-core's MoELayer): attention and both norms, the router ``[E, H]`` (HF
+    ``m["router"]``), the experts as our global ``mlp.experts.experts.linear_fc1.weight [E, 2F, H]`` (expert e:
+    its gate rows, then its up rows) and ``linear_fc2.weight [E, H, F]``, expert by expert along axis 0, so that
+    an EP rank reads only its experts' rows. ``experts(e)``: (gate, up, down) Parts of expert ``e`` (default:
+    one HF tensor per expert and matrix, ``m["experts"]{e}.gate_proj.weight`` ..., as Qwen3-MoE's files hold)."""
+    add_llm_attention(add, hf, m, u, spec, info)
     lang = spec.language
-    H, heads, g, d, F = lang.hidden_size, lang.num_attention_heads, lang.kv_groups, lang.kv_channels, lang.ffn_hidden_size
+    H, E, F = lang.hidden_size, lang.moe.num_experts, lang.moe.ffn_hidden_size
+    add(u + "mlp.router.weight", whole(hf(m["router"], (E, H)), (E, H)))
+    if experts is None:
+        def experts(e):
+            p = f"{m['experts']}{e}."
+            return (Part(hf(p + "gate_proj.weight", (F, H)), 0, F), Part(hf(p + "up_proj.weight", (F, H)), 0, F),
+                    Part(hf(p + "down_proj.weight", (H, F)), 0, H))
+    parts = [experts(e) for e in range(E)]
+    x = u + "mlp.experts.experts."
+    add(x + "linear_fc1.weight", Recipe((E, 2 * F, H), tuple(p for gate, up, _ in parts for p in (gate, up)), 2 * F))
+    add(x + "linear_fc2.weight", Recipe((E, H, F), tuple(down for _, _, down in parts), H))
+
+
+def add_llm_attention(add, hf, m: dict, u: str, spec: ModelSpec, info: HFInfo) -> None:
+    """A decoder layer's attention (fused QKV per group, biases, Qwen3's q/k norms, output projection) and its two
+    norms (before attention, before the MLP)."""
+    lang = spec.language
+    H, heads, g, d = lang.hidden_size, lang.num_attention_heads, lang.kv_groups, lang.kv_channels
     per = heads // g
     rows = (heads + 2 * g) * d
     sa = u + "self_attention."
@@ -177,9 +218,6 @@ def add_llm_layer(add, hf, m: dict, u: str, spec: ModelSpec, info: HFInfo) -> No
     add(sa + "linear_proj.weight", whole(hf(m["o"], (H, heads * d)), (H, heads * d)))
     add(sa + "linear_qkv.layer_norm_weight", whole(hf(m["norm1"], (H,)), (H,)))
     add(u + "mlp.linear_fc1.layer_norm_weight", whole(hf(m["norm2"], (H,)), (H,)))
-    gate, up = hf(m["gate"], (F, H)), hf(m["up"], (F, H))
-    add(u + "mlp.linear_fc1.weight", Recipe((2 * F, H), (Part(gate, 0, F), Part(up, 0, F))))
-    add(u + "mlp.linear_fc2.weight", whole(hf(m["down"], (H, F)), (H, F)))
 
 
 def _grouped(q: str, k: str, v: str, groups: int, per: int, d: int) -> tuple[Part, ...]:

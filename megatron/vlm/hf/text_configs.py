@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from omnibal_ext.errors import UserError
+from omnibal_ext.model.moe import MoESpec, layer_freq_from_qwen
 from omnibal_ext.model.spec import LanguageSpec
 
 from .config import HFConfigError, padded_vocab, refuse, require
@@ -94,8 +96,47 @@ def qwen3(cfg: dict, where: str, **kw) -> LanguageSpec:
     return decoder(cfg, where, qkv_bias=False, qk_norm=True, **kw)
 
 
+def qwen_experts(cfg: dict, where: str, norm_topk_prob_default: bool | None) -> MoESpec:
+    """The MoESpec of a Qwen MoE text config: ``num_experts`` (transformers 5 writes ``num_local_experts``),
+    ``num_experts_per_tok``, ``moe_intermediate_size``, the MoE layers by Qwen's rule (``decoder_sparse_step``,
+    default 1, and ``mlp_only_layers``), softmax routing, no shared expert. ``norm_topk_prob_default``: the config
+    class's default when the key is missing (Qwen3-MoE: False); None: the model always renormalises the top k
+    (a VLM's MoE decoder), and a config saying otherwise is refused. ``router_aux_loss_coef`` is a training choice
+    (``--moe-aux-loss-coeff``), not part of the model."""
+    refuse(cfg, "shared_expert_intermediate_size", where, lambda v: not v, "no shared experts")
+    refuse(cfg, "router_aux_loss_coef", where, lambda v: float(v) >= 0, "a coefficient >= 0")
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if experts is None:
+        raise HFConfigError(f"{where}: the key 'num_experts' is missing")
+    layers = int(require(cfg, "num_hidden_layers", where))
+    if norm_topk_prob_default is None:
+        refuse(cfg, "norm_topk_prob", where, lambda v: bool(v), "this model always renormalises its top-k weights")
+        norm = True
+    else:
+        norm = bool(cfg.get("norm_topk_prob", norm_topk_prob_default))
+    try:
+        freq = layer_freq_from_qwen(layers, int(cfg.get("decoder_sparse_step") or 1), cfg.get("mlp_only_layers") or ())
+        return MoESpec(num_experts=int(experts), topk=int(require(cfg, "num_experts_per_tok", where)),
+                       ffn_hidden_size=int(require(cfg, "moe_intermediate_size", where)), layer_freq=freq,
+                       norm_topk_prob=norm, score_function="softmax")
+    except UserError as e:
+        if isinstance(e, HFConfigError):
+            raise
+        raise HFConfigError(f"{where}: {e}") from None
+
+
+QWEN3_MOE_NORM_TOPK_DEFAULT = False  # transformers' Qwen3MoeConfig.norm_topk_prob default
+
+
+def qwen3_moe(cfg: dict, where: str, **kw) -> LanguageSpec:
+    """Qwen3-MoE: Qwen3's attention, MoE MLPs (``qwen_experts``; ``norm_topk_prob`` False unless given) where Qwen's
+    rule puts them, dense ``intermediate_size`` MLPs elsewhere."""
+    moe = kw.pop("moe", None) or qwen_experts(cfg, where, QWEN3_MOE_NORM_TOPK_DEFAULT)
+    return qwen3(cfg, where, moe=moe, **kw)
+
+
 READERS: dict[str, Callable[..., LanguageSpec]] = {"llama": llama, "qwen2": qwen2, "qwen3": qwen3,
-                                                   "internlm2": internlm2}
+                                                   "qwen3_moe": qwen3_moe, "internlm2": internlm2}
 
 
 def text_family(model_type: str | None, where: str, allowed: tuple[str, ...] = tuple(READERS)) -> str:
@@ -122,9 +163,21 @@ def text_config(lang: LanguageSpec, model_type: str) -> dict:
             "tie_word_embeddings": lang.tie_word_embeddings, "head_dim": lang.kv_channels}
     if family == "llama":
         text.update(attention_bias=False, mlp_bias=False)
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         text.update(attention_bias=False)
+    if family == "qwen3_moe":
+        text.update(moe_config(lang))
     return text
+
+
+def moe_config(lang: LanguageSpec) -> dict:
+    """The Qwen MoE keys of ``lang.moe`` (what ``qwen_experts`` reads back): every dense layer in
+    ``mlp_only_layers``, ``decoder_sparse_step`` 1."""
+    moe = lang.moe
+    return {"num_experts": moe.num_experts, "num_experts_per_tok": moe.topk,
+            "moe_intermediate_size": moe.ffn_hidden_size, "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i, x in enumerate(moe.layer_freq) if not x],
+            "norm_topk_prob": moe.norm_topk_prob}
 
 
 def embed_name(prefix: str, model_type: str) -> str:
@@ -147,7 +200,9 @@ def layer_names(prefix: str, model_type: str) -> dict[str, str]:
             "q_norm": p + "self_attn.q_norm.weight", "k_norm": p + "self_attn.k_norm.weight",
             "o": p + "self_attn.o_proj.weight", "gate": p + "mlp.gate_proj.weight", "up": p + "mlp.up_proj.weight",
             "down": p + "mlp.down_proj.weight", "norm1": p + "input_layernorm.weight",
-            "norm2": p + "post_attention_layernorm.weight"}
+            "norm2": p + "post_attention_layernorm.weight",
+            # MoE layers (Qwen's sparse blocks): the router, the experts' prefix ({e}.gate_proj.weight ...)
+            "router": p + "mlp.gate.weight", "experts": p + "mlp.experts."}
 
 
 def with_tie(lang: LanguageSpec, tie: bool) -> LanguageSpec:

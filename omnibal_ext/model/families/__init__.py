@@ -11,6 +11,7 @@ does it for both sides).
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pkgutil
 from collections.abc import Iterator, Mapping
@@ -49,6 +50,12 @@ class Capabilities:
 
 
 
+def fewer_layers(spec: ModelSpec, vision_layers: int, llm_layers: int) -> ModelSpec:
+    """``spec`` with ``vision_layers`` ViT and ``llm_layers`` LLM layers (``Family.few_layers``' default)."""
+    return spec.replace(vision=dataclasses.replace(spec.vision, num_layers=vision_layers),
+                        language=dataclasses.replace(spec.language, num_layers=llm_layers))
+
+
 @dataclass(frozen=True)
 class Family:
     """name: ``ModelSpec.family``; vision_spec: the dataclass of ``ModelSpec.vision``; components: one
@@ -65,7 +72,10 @@ class Family:
     implements beyond the plain model (``Capabilities``: drop path, CP, SP, LoRA targets, image flags, video, MoE),
     checked when flags are parsed. default_preset: the name of the preset a run without ``--model`` trains
     (``default_model``); the registered families give one name between them. language_spec: the LanguageSpec
-    (sub)class of its LLM (a hybrid decoder's extra fields: its layer kinds)."""
+    (sub)class of its LLM (a hybrid decoder's extra fields: its layer kinds). few_layers(spec, vision_layers,
+    llm_layers): the model of ``spec``'s first ``vision_layers`` ViT and (at least) ``llm_layers`` LLM layers, what
+    the trainer's profiler builds (default: ``spec`` at those depths; Qwen3-VL also keeps the DeepStack indexes
+    those layers hold)."""
 
     name: str
     vision_spec: type
@@ -79,6 +89,7 @@ class Family:
     capabilities: Capabilities = Capabilities()
     default_preset: str | None = None
     language_spec: type = LanguageSpec  # the dataclass of ``ModelSpec.language`` (a LanguageSpec subclass)
+    few_layers: Callable[[ModelSpec, int, int], ModelSpec] = fewer_layers
 
 
 FAMILIES: dict[str, Family] = {}  # name -> Family; filled by ``register`` only

@@ -291,6 +291,30 @@ PRESETS.update({
 })
 
 
+# --------------------------------------------------------------------------------------------
+# InternVL3.5-MoE: InternViT-300M-448px-V2_5 + Qwen3-30B-A3B (30B-A3B) and InternViT-6B-448px-V2_5 + Qwen3-235B-A22B
+# (241B-A28B). The Qwen3-MoE configs: 48 / 94 layers, hidden 2048 / 4096, 32 / 64 heads, 4 KV heads, head_dim 128,
+# intermediate_size 6144 / 12288 (no dense layer uses it: decoder_sparse_step 1, no mlp_only_layers), 128 experts of
+# moe_intermediate_size 768 / 1536, top 8 with norm_topk_prob true, rope_theta 1e6, vocab 151936, untied.
+# tests/test_internvl3_5_moe.py checks the numbers and the totals.
+# --------------------------------------------------------------------------------------------
+def _internvl3_5_moe(name: str, vision: VisionSpec, layers: int, hidden: int, heads: int, ffn: int, expert_ffn: int
+                     ) -> ModelSpec:
+    import dataclasses
+
+    from ..moe import MoESpec, layer_freq_from_qwen
+
+    dense = _internvl3_5(name, vision, layers, hidden, heads, 4, ffn)
+    moe = MoESpec(num_experts=128, topk=8, ffn_hidden_size=expert_ffn, layer_freq=layer_freq_from_qwen(layers, 1))
+    return dense.replace(language=dataclasses.replace(dense.language, moe=moe))
+
+
+PRESETS.update({
+    "internvl3.5-30b-a3b": _internvl3_5_moe("internvl3.5-30b-a3b", INTERNVIT_300M, 48, 2048, 32, 6144, 768),
+    "internvl3.5-241b-a28b": _internvl3_5_moe("internvl3.5-241b-a28b", INTERNVIT_6B, 94, 4096, 64, 12288, 1536),
+})
+
+
 def spec_problem(spec: ModelSpec) -> str | None:
     """The image size must be whole patches, and the patch grid pixel-shuffled by the downsample ratio."""
     v = spec.vision
@@ -306,5 +330,5 @@ INTERNVL = register(Family(
     name=NAME, default_preset="tiny", vision_spec=VisionSpec,
     components=(VisionEmbedCost, VisionLayerCost, ProjectorCost, TextEmbedCost, TextLayerCost, HeadCost),
     unit_list=unit_list, vision_item="tile", presets=PRESETS, spec_problem=spec_problem,
-    capabilities=Capabilities(drop_path=True, context_parallel=True, sequence_parallel=True, moe=True,
+    capabilities=Capabilities(drop_path=True, context_parallel=True, sequence_parallel=True, moe=True, video=True,
                               lora_targets=LORA_TARGETS, image_flags=("--max-num-tiles", "--min-num-tiles"))))

@@ -1,8 +1,9 @@
-"""Qwen3-VL (dense), planning side: its ViT (Conv3d patch embedding with bias, a learned position table
+"""Qwen3-VL (dense and MoE), planning side: its ViT (Conv3d patch embedding with bias, a learned position table
 bilinearly interpolated to each image, LayerNorm layers with a GELU MLP and 2-D rotary positions, full attention
 within each image), the 2x2 patch merger as projector, the DeepStack mergers (one per
 ``deepstack_visual_indexes`` entry, each counted in the unit of the ViT layer it reads), the Qwen3 LLM with
-interleaved multimodal RoPE, and the published model sizes.
+interleaved multimodal RoPE (Qwen3-VL-MoE: its MoE layers at their own kind, ``moe_cost.MoELayerCost``), and the
+published model sizes.
 
 The ViT's work is counted in patches (``Family.vision_item`` "patch"), as Qwen2.5-VL's: an image of
 ``grid_thw = (t, h, w)`` runs ``t*h*w`` patch tokens (16 x 16 px, two frames of a still image in one patch)
@@ -23,7 +24,7 @@ FLOPs (forward, one multiply-add = 2), ``n`` patches, ``h`` hidden, ``f`` MLP hi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -32,6 +33,8 @@ from ..components import (FUSED_KERNELS, ActBytes, CostComponent, HeadCost, Text
                           layer_act_bytes_per_token, norm_bytes_per_token, sp_tokens)
 from ..spec import PROJECTOR, VISION_EMBED, VISION_LAYER, LanguageSpec, ModelSpec, SideTensor
 from ..lora import TARGETS as LORA_TARGETS
+from ..moe import MoESpec, layer_freq_from_qwen
+from ..moe_cost import MoELayerCost, llm_layer_units
 from . import Capabilities, Family, register
 
 
@@ -221,9 +224,10 @@ class DeepStackLayerCost(VisionLayerCost):
         return (super().params(tp), 0) if role == self.code else (0, 0)
 
     def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False, kernels=FUSED_KERNELS):
+        # the merger runs after the layer's block, outside its recompute: its activations are kept in every mode
         layer = super().act_bytes(shape, tp, dropout, attention, sequence_parallel, kernels)
         extra = _merger_act(self.spec, shape, tp, _merger_sizes(self.spec)[0], kernels)
-        return ActBytes(layer.act + extra, layer.full, layer.selective + extra, layer.send)
+        return ActBytes(layer.act + extra, layer.full + extra, layer.selective + extra, layer.send)
 
     def tp_allreduce_bytes(self, shape, sequence_parallel=False, tp=1):
         fwd, bwd = super().tp_allreduce_bytes(shape, sequence_parallel, tp)
@@ -259,7 +263,7 @@ def unit_list(spec: ModelSpec):
     units += [(f"vit.layer.{i}", VisionLayerCost if v.deepstack_slot(i) is None else DeepStackLayerCost, i)
               for i in range(v.num_layers)]
     units += [("projector", MergerCost, None), ("llm.embed", TextEmbedCost, None)]
-    units += [(f"llm.layer.{i}", TextLayerCost, i) for i in range(spec.language.num_layers)]
+    units += llm_layer_units(spec)  # MoE layers (LanguageSpec.moe) at their own kind
     return units + [("llm.head", HeadCost, None)]
 
 
@@ -275,6 +279,14 @@ def side_tensors(spec: ModelSpec) -> tuple[SideTensor, ...]:
     return tuple(SideTensor(deepstack_name(j), names.index(f"vit.layer.{layer}"), (names.index(f"llm.layer.{j}"),),
                             spec.language.hidden_size)
                  for j, layer in enumerate(spec.vision.deepstack_visual_indexes))
+
+
+def few_layers(spec: ModelSpec, vision_layers: int, llm_layers: int) -> ModelSpec:
+    """``spec``'s first ``vision_layers`` ViT layers with the DeepStack indexes among them, and ``llm_layers`` LLM
+    layers, more where the kept DeepStack features need them (``Family.few_layers``: the trainer's profiler)."""
+    kept = tuple(i for i in spec.vision.deepstack_visual_indexes if i < vision_layers)
+    vision = replace(spec.vision, num_layers=vision_layers, deepstack_visual_indexes=kept)
+    return spec.replace(vision=vision, language=replace(spec.language, num_layers=max(llm_layers, len(kept))))
 
 
 def spec_problem(spec: ModelSpec) -> str | None:
@@ -328,11 +340,29 @@ PRESETS: dict[str, ModelSpec] = {
                                 mrope_section=(2, 3, 3))),
 }
 
+# --------------------------------------------------------------------------------------------
+# Qwen3-VL-MoE (transformers' Qwen3VLMoeForConditionalGeneration): Qwen/Qwen3-VL-30B-A3B-Instruct and
+# -235B-A22B-Instruct: the large ViT (27 layers, DeepStack at 8, 16, 24) and a Qwen3-MoE decoder (every layer MoE:
+# decoder_sparse_step 1, no mlp_only_layers; 128 experts, top 8, renormalised; untied; head_dim 128, rope_theta 5e6,
+# mrope_section [24, 20, 20]). The facts and where each was read are in tests/test_qwen3_vl_moe.py (PUBLISHED).
+# --------------------------------------------------------------------------------------------
+def _moe_preset(name, layers, hidden, heads, groups, ffn, expert_ffn):
+    dense = _preset(name, LARGE_VIT, layers, hidden, heads, groups, ffn, False)
+    moe = MoESpec(num_experts=128, topk=8, ffn_hidden_size=expert_ffn, layer_freq=layer_freq_from_qwen(layers, 1))
+    return dense.replace(language=replace(dense.language, moe=moe))
+
+
+PRESETS.update({
+    "qwen3-vl-30b-a3b": _moe_preset("qwen3-vl-30b-a3b", 48, 2048, 32, 4, 6144, 768),
+    "qwen3-vl-235b-a22b": _moe_preset("qwen3-vl-235b-a22b", 94, 4096, 64, 4, 12288, 1536),
+})
+
 QWEN3_VL = register(Family(
     name="qwen3_vl", vision_spec=VisionSpec,
     components=(VisionEmbedCost, VisionLayerCost, DeepStackLayerCost, MergerCost, TextEmbedCost, TextLayerCost,
-                HeadCost),
+                MoELayerCost, HeadCost),
     unit_list=unit_list, vision_item="patch", presets=PRESETS, segments_sq=image_segments_sq,
-    spec_problem=spec_problem, side_tensors=side_tensors,
-    # drop path, context and sequence parallelism are declared when they are implemented and tested
-    capabilities=Capabilities(lora_targets=LORA_TARGETS, image_flags=("--min-pixels", "--max-pixels"))))
+    spec_problem=spec_problem, side_tensors=side_tensors, few_layers=few_layers,
+    # drop path: tests/test_qwen3_vl_drop_path.py; SP and CP: tests/test_qwen3_vl_training.py
+    capabilities=Capabilities(drop_path=True, sequence_parallel=True, context_parallel=True,
+                              lora_targets=LORA_TARGETS, image_flags=("--min-pixels", "--max-pixels"), moe=True)))

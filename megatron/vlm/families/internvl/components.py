@@ -26,7 +26,7 @@ class VisionEmbed(RuntimeComponent):
         return VisionEmbedding(self.spec, self.ctx.vision_config)
 
     def forward(self, module, x, batch, cache):
-        return module(batch["pixel_values"])
+        return module(batch.vision.pixel_values)
 
     @classmethod
     def hf_recipes(cls, unit, table):
@@ -62,8 +62,8 @@ class VisionLayer(PaddedHeadLayers):
                 x = sequence_parallel.enter(F.pad(x, (0, 0, 0, 0, 0, padded - tokens)))
             mask = sequence_parallel.vit_pad_mask(tokens, padded, x.device)
         keys = None  # drop path: the tiles' keys of this iteration, as the blocks' context (saved for recompute)
-        if self.ctx.vision_drop_path_rate > 0 and module.training and "tile_keys" in batch:
-            keys = iteration_keys(batch["tile_keys"], self.ctx.seed, int(batch.get("iteration", 0)))
+        if self.ctx.vision_drop_path_rate > 0 and module.training and batch.vision.tile_keys is not None:
+            keys = iteration_keys(batch.vision.tile_keys, self.ctx.seed, batch.iteration)
         for block in module:
             x = block(hidden_states=x, attention_mask=mask, context=keys)
         if cfg.sequence_parallel and self.sp_leaves:

@@ -6,12 +6,13 @@ own units (ViT embedding, ViT layers, projector) to our global tensors; the GPT 
 Two config layouts are read:
 
 * native (``InternVLForConditionalGeneration``, ``model_type`` "internvl"): ``vision_config`` (InternViT),
-  ``text_config`` (Qwen2, Qwen3 or Llama), ``downsample_ratio``, ``image_token_id``, ``vision_feature_layer``,
+  ``text_config`` (Qwen2, Qwen3, Qwen3-MoE or Llama), ``downsample_ratio``, ``image_token_id``,
+  ``vision_feature_layer``,
   ``vision_feature_select_strategy``, ``projector_hidden_act``, top-level ``tie_word_embeddings`` (what
   transformers ties by; default true);
 * original OpenGVLab (``InternVLChatModel``): ``vision_config`` (InternVisionConfig: ``qkv_bias``,
   ``qk_normalization``, ``norm_type``, ``initializer_factor`` = layer-scale start), ``llm_config``
-  (InternLM2, Qwen2 or Qwen3: InternVL3.5), ``select_layer``, ``ps_version``.
+  (InternLM2, Qwen2, Qwen3 or Qwen3-MoE: InternVL3.5), ``select_layer``, ``ps_version``.
 
 Everything the model here does not implement is refused with a UserError naming the config key.
 """
@@ -47,7 +48,7 @@ def spec_from_config(cfg: dict, name: str = "hf", where: str = "config.json") ->
 def _native(cfg: dict, name: str, where: str) -> tuple[ModelSpec, HFInfo]:
     v, t = cfg["vision_config"], cfg["text_config"]
     vw, tw = f"{where}: vision_config", f"{where}: text_config"
-    family = text_family(t.get("model_type"), f"{tw}.model_type", ("qwen2", "qwen3", "llama"))
+    family = text_family(t.get("model_type"), f"{tw}.model_type", ("qwen2", "qwen3", "qwen3_moe", "llama"))
     refuse(v, "use_mean_pooling", vw, lambda x: bool(x), "use_mean_pooling false adds a final ViT LayerNorm")
     refuse(v, "use_absolute_position_embeddings", vw, lambda x: bool(x), "only absolute position embeddings")
     refuse(v, "use_mask_token", vw, lambda x: not x, "no mask token")
@@ -79,7 +80,7 @@ def _native(cfg: dict, name: str, where: str) -> tuple[ModelSpec, HFInfo]:
 def _original(cfg: dict, name: str, where: str) -> tuple[ModelSpec, HFInfo]:
     v, t = cfg["vision_config"], cfg["llm_config"]
     vw, tw = f"{where}: vision_config", f"{where}: llm_config"
-    family = text_family(t.get("model_type"), f"{tw}.model_type", ("internlm2", "qwen2", "qwen3"))
+    family = text_family(t.get("model_type"), f"{tw}.model_type", ("internlm2", "qwen2", "qwen3", "qwen3_moe"))
     refuse(cfg, "ps_version", where, lambda x: x == "v2", "only pixel shuffle v2")
     refuse(v, "hidden_act", vw, lambda x: x == "gelu", "only GELU in the ViT MLP")
     refuse(v, "num_channels", vw, lambda x: int(x) == 3, "RGB tiles only")
@@ -276,18 +277,19 @@ def projector_recipes(unit, table) -> None:
     add(u + "fc2.bias", whole(hf(m["fc2"] + "bias", (Hl,)), (Hl,)))
 
 
-def logits_batch(inputs: dict, spec, info) -> dict:
+def logits_batch(inputs: dict, spec, info):
     """The micro-batch of one sample from transformers' inputs (``input_ids [1, s]`` already holding
     ``image_seq_length`` image-token ids per tile, ``pixel_values [tiles, 3, H, W]``), as the collate makes it."""
     import torch
 
     from megatron.vlm.data.collate import collate_padded
+    from megatron.vlm.micro_batch import MicroBatch
 
     ids = inputs["input_ids"].reshape(-1).to(torch.int64)
     pixels = inputs["pixel_values"].to(torch.float32)
     sample = {"input_ids": ids.numpy(), "labels": torch.zeros_like(ids).numpy(), "pixel_values": pixels,
               "image_flags": torch.ones(len(pixels), dtype=torch.int64)}
-    return collate_padded([sample], pad_id=0)
+    return MicroBatch.of(collate_padded([sample], pad_id=0))
 
 
 def structure_twin(spec):
@@ -297,5 +299,7 @@ def structure_twin(spec):
     v, lang = spec.vision, spec.language
     f = int(round(1 / spec.downsample_ratio))
     vision = dataclasses.replace(v, hidden_size=2 * v.num_attention_heads, ffn_hidden_size=4, image_size=f, patch_size=1)
-    language = dataclasses.replace(lang, hidden_size=8, head_dim=2, ffn_hidden_size=4, vocab_size=128, real_vocab_size=None)
+    moe = lang.moe and dataclasses.replace(lang.moe, ffn_hidden_size=4)
+    language = dataclasses.replace(lang, hidden_size=8, head_dim=2, ffn_hidden_size=4, vocab_size=128,
+                                   real_vocab_size=None, moe=moe)
     return spec.replace(vision=vision, language=language)

@@ -5,13 +5,34 @@ boundaries, 2-D rotary ids) and ``positions`` (3-D multimodal RoPE ids as ``get_
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
+from megatron.vlm.micro_batch import MicroBatch, VisionPart, reads
 from omnibal_ext.errors import UserError
 
 from .positions import mrope_position_ids
 from .vision_windows import rotary_position_ids, vision_windows
+
+
+@dataclass(frozen=True)
+class QwenVision(VisionPart):
+    """Qwen2.5-VL's vision part of a micro-batch (``components``' docstring says what each field holds): the pixel
+    rows and the ViT's window fields where the ViT embedding is, the 3-D RoPE ids where LLM layers are; the drop
+    path's ``tile_keys`` (per patch row) everywhere."""
+
+    pixel_values: torch.Tensor | None = reads("pixels")
+    image_grid_thw: torch.Tensor | None = reads("pixels")
+    vision_patch_index: torch.Tensor | None = reads("pixels")
+    vision_merged_inverse: torch.Tensor | None = reads("pixels")
+    vision_rotary_ids: torch.Tensor | None = reads("pixels")
+    vision_cu_window_seqlens: torch.Tensor | None = reads("pixels")
+    vision_max_window_seqlen: int | None = reads("pixels")
+    vision_cu_seqlens: torch.Tensor | None = reads("pixels")
+    vision_max_seqlen: int | None = reads("pixels")
+    mrope_position_ids: torch.Tensor | None = reads("packing")
 
 
 def vision_fields(grid_thw, spec) -> dict:
@@ -29,11 +50,12 @@ def vision_fields(grid_thw, spec) -> dict:
             "vision_cu_seqlens": torch.from_numpy(w.cu_seqlens), "vision_max_seqlen": w.max_seqlen}
 
 
-def logits_batch(inputs: dict, spec, info, fields=vision_fields) -> dict:
+def logits_batch(inputs: dict, spec, info, fields=vision_fields, vision: type[VisionPart] = QwenVision) -> MicroBatch:
     """One sample from transformers' inputs: ``input_ids [1, s]``, ``pixel_values [patches, C*T*p*p]``,
     ``image_grid_thw [n, 3]`` and ``mm_token_type_ids [1, s]`` (1 on image tokens; without it the image
     tokens are those equal to the config's ``image_token_id``). ``fields(grid_thw, spec)``: the ViT's host-built
-    fields (a family with Qwen2.5-VL's text side and positions but another ViT passes its own)."""
+    fields and ``vision`` their part (a family with Qwen2.5-VL's text side and positions but another ViT passes its
+    own)."""
     ids = inputs["input_ids"].reshape(-1).to(torch.int64)
     s = ids.shape[0]
     grids = inputs.get("image_grid_thw")
@@ -52,8 +74,9 @@ def logits_batch(inputs: dict, spec, info, fields=vision_fields) -> dict:
              "mrope_position_ids": torch.from_numpy(positions).reshape(3, 1, s),
              "cu_seqlens": torch.tensor([0, s], dtype=torch.int32), "max_seqlen": s,
              "segment_ids": torch.zeros(1, s, dtype=torch.int64), "position_ids": torch.arange(s).reshape(1, s),
-             "sample_tokens": torch.tensor([s]), "sample_tiles": torch.tensor([len(grid_list)])}
+             "sample_tokens": torch.tensor([s]),
+             "sample_tiles": torch.tensor([sum(t * h * w for t, h, w in grid_list)])}  # patch rows, as training's
     if grid_list:
         batch["pixel_values"] = inputs["pixel_values"].to(torch.float32)
         batch.update(fields(grid_list, spec))
-    return batch
+    return MicroBatch.of(batch, vision)

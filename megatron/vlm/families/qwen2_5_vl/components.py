@@ -30,6 +30,7 @@ from megatron.vlm.attention import segment_params
 from megatron.vlm.components import PaddedHeadLayers, RuntimeComponent, TextEmbed, TextLayer
 from megatron.vlm.context_parallel import context_parallel_group, gather_rows, own_rank_group
 from megatron.vlm.drop_path import iteration_keys, layer_rates, with_drop_path
+from megatron.vlm.micro_batch import MicroBatch
 from megatron.vlm.padded_heads import tp_rank
 from megatron.vlm.rope import MultimodalRope
 from megatron.vlm.text import packed_causal_mask
@@ -47,8 +48,8 @@ class VisionEmbed(RuntimeComponent):
         return PatchEmbedding(self.spec, self.ctx.vision_config)
 
     def forward(self, module, x, batch, cache):
-        x = module(batch["pixel_values"])
-        return x.index_select(0, batch["vision_patch_index"].to(x.device)).unsqueeze(1)
+        x = module(batch.vision.pixel_values)
+        return x.index_select(0, batch.vision.vision_patch_index.to(x.device)).unsqueeze(1)
 
     @classmethod
     def hf_recipes(cls, unit, table):
@@ -80,15 +81,15 @@ class _VisionLayers(PaddedHeadLayers):
         self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.vision_config)
         return self.ctx.build_layers(units, self.ctx.vision_config, self.layer_spec, self.code())
 
-    def context(self, batch: dict, device) -> dict:
+    def context(self, batch: MicroBatch, device) -> dict:
         """RoPE and the packed parameters of both kinds, built once per micro-batch (``cache["qwen_vit"]``); the
         patch count and the count padded for sequence parallelism."""
         v, cfg = self.spec.vision, self.ctx.vision_config
-        patches = int(batch["vision_cu_seqlens"][-1])
+        patches = int(batch.vision.vision_cu_seqlens[-1])
         padded = patches
         if cfg.sequence_parallel:
             padded = sequence_parallel.padded_tokens(patches, cfg.tensor_model_parallel_size)
-        rope = vision_rotary(batch["vision_rotary_ids"].to(device), v.head_dim, v.rotary_base)
+        rope = vision_rotary(batch.vision.vision_rotary_ids.to(device), v.head_dim, v.rotary_base)
         rope = F.pad(rope, (0, 0, 0, 0, 0, 0, 0, padded - patches))
         te = self.ctx.transformer_impl == "transformer_engine"
 
@@ -97,17 +98,17 @@ class _VisionLayers(PaddedHeadLayers):
                                   device if te else None)
 
         return {"rope": rope, "patches": patches, "padded": padded, "keys": self.drop_path_keys(batch, padded, device),
-                "window": params(batch["vision_cu_window_seqlens"], batch["vision_max_window_seqlen"]),
-                "full": params(batch["vision_cu_seqlens"], batch["vision_max_seqlen"])}
+                "window": params(batch.vision.vision_cu_window_seqlens, batch.vision.vision_max_window_seqlen),
+                "full": params(batch.vision.vision_cu_seqlens, batch.vision.vision_max_seqlen)}
 
-    def drop_path_keys(self, batch: dict, padded: int, device):
+    def drop_path_keys(self, batch: MicroBatch, padded: int, device):
         """Drop path (training only): this iteration's key of each of the rows the layers run, [rows] int64 on
         ``device`` -- the patches' image keys (``tile_keys``, processor order) in window order, padded to ``padded``
         rows and, under sequence parallelism, this TP rank's rows; None without drop path."""
-        if not (self.ctx.vision_drop_path_rate > 0 and "tile_keys" in batch):
+        if not (self.ctx.vision_drop_path_rate > 0 and batch.vision.tile_keys is not None):
             return None
-        keys = batch["tile_keys"].to(device).index_select(0, batch["vision_patch_index"].to(device))
-        keys = F.pad(iteration_keys(keys, self.ctx.seed, int(batch.get("iteration", 0))), (0, padded - len(keys)))
+        keys = batch.vision.tile_keys.to(device).index_select(0, batch.vision.vision_patch_index.to(device))
+        keys = F.pad(iteration_keys(keys, self.ctx.seed, batch.iteration), (0, padded - len(keys)))
         cfg = self.ctx.vision_config
         if cfg.sequence_parallel:
             rows = padded // cfg.tensor_model_parallel_size
@@ -158,7 +159,7 @@ class Merger(RuntimeComponent):
 
     def forward(self, module, x, batch, cache):
         y = module(x)
-        return y.index_select(0, batch["vision_merged_inverse"].to(y.device))
+        return y.index_select(0, batch.vision.vision_merged_inverse.to(y.device))
 
     @classmethod
     def hf_recipes(cls, unit, table):
@@ -172,10 +173,11 @@ class ImageTextEmbed(TextEmbed):
         return ImageTokenEmbedding(self.spec, self.ctx.language_config, self.ctx.img_context_id)
 
     def forward(self, module, x, batch, cache):
-        if "image_feature_index" in batch:  # context parallelism: every rank's images, then this rank's tokens'
-            x = gather_rows(x, batch["vision_rank_tokens"], context_parallel_group())
-            x = x.index_select(0, batch["image_feature_index"].to(x.device))
-        return module(batch["tokens"], x)
+        # context parallelism: every rank's images, then this rank's tokens'
+        if batch.cp is not None and batch.cp.image_feature_index is not None:
+            x = gather_rows(x, batch.cp.vision_rank_tokens, context_parallel_group())
+            x = x.index_select(0, batch.cp.image_feature_index.to(x.device))
+        return module(batch.text.tokens, x)
 
 
 class MRopeTextLayer(TextLayer):
@@ -198,16 +200,16 @@ class MRopeTextLayer(TextLayer):
     def context(self, module, batch, cache):
         if "text_context" not in cache:
             device = next(module.parameters()).device
-            ids = batch["mrope_position_ids"].to(device)  # [3, b, s]
+            ids = batch.vision.mrope_position_ids.to(device)  # [3, b, s]
             if self.ctx.thd:
                 te = self.ctx.transformer_impl == "transformer_engine"
-                params = segment_params(batch["cu_seqlens"], int(batch["max_seqlen"]), device if te else None,
+                params = segment_params(batch.packing.cu_seqlens, int(batch.packing.max_seqlen), device if te else None,
                                         context_parallel_group())
                 # [t, 1, 1, d]: every token's (CP: of the padded unsplit layout, not sliced here: megatron-core's THD
                 # RoPE takes this rank's chunks of every segment)
                 rope = self.rotary(ids.reshape(3, 1, -1))
                 cache["text_context"] = {"attention_mask": None, "rotary_pos_emb": rope, "packed_seq_params": params}
             else:
-                cache["text_context"] = {"attention_mask": packed_causal_mask(batch["segment_ids"]),
+                cache["text_context"] = {"attention_mask": packed_causal_mask(batch.packing.segment_ids),
                                          "rotary_pos_emb": self.rotary(ids)}  # [s, b, 1, d]
         return cache["text_context"]

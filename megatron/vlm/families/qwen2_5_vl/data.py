@@ -27,10 +27,11 @@ from megatron.vlm.context_parallel import padded_layout, split_tokens
 from megatron.vlm.data.images import ImageRule
 from megatron.vlm.data.side import Batcher, DataSide
 from megatron.vlm.drop_path import image_patch_keys
+from megatron.vlm.micro_batch import MicroBatch
 from omnibal_ext.errors import UserError
 from omnibal_ext.model.cp_split import image_runs
 
-from .batch import vision_fields
+from .batch import QwenVision, vision_fields
 from .image_processing import ImageProcessorConfig, preprocess_image, resized_grid
 from .positions import mrope_position_ids
 
@@ -91,9 +92,9 @@ class QwenBatcher(Batcher):
     """``collate.py``'s micro-batch plus the ViT's window fields and the 3-D RoPE ids (module docstring).
 
     A family of the same data layout with other ViT fields (Qwen3-VL: no windows) overrides ``vision_fields`` and
-    ``vision_keys``."""
+    ``vision_part`` (``megatron.vlm.micro_batch.VisionPart``: the fields it types, and which stages read them)."""
 
-    vision_keys: tuple[str, ...] = VISION_KEYS  # the fields vision_fields makes, given where pixels are read
+    vision_part = QwenVision
 
     def __init__(self, spec, image_token_id: int, rule: PatchImages):
         self.spec, self.image_token_id, self.rule = spec, image_token_id, rule
@@ -137,14 +138,6 @@ class QwenBatcher(Batcher):
         width, height = (int(x) for x in sample["image_sizes"][k])
         return self.rule.grid(width, height)
 
-    def keys(self, inputs):
-        keys = inputs.keys
-        if inputs.pixels:
-            keys += self.vision_keys
-        if inputs.packing:
-            keys += ("mrope_position_ids",)
-        return keys
-
     def split_cp(self, batch, cp, rank, pad_id, img_context_id, sp_tp=1):
         """Context-parallel rank ``rank``'s part (``megatron/vlm/context_parallel.py``): the LLM tokens as every family
         splits them (``split_tokens``, ``image_feature_index`` over this family's image tokens) with
@@ -174,9 +167,6 @@ class QwenBatcher(Batcher):
         out.update(self.vision_fields(grids[mine.start:mine.stop] or [(1, self.merge, self.merge)]))
         return out
 
-    def cp_keys(self, inputs):
-        return ("image_feature_index", "vision_rank_tokens") if inputs.tokens else ()
-
 
 def profile_images(spec, shape) -> list[tuple[int, int]]:
     """Patch grids (rows, cols) of the images of a profiled micro-batch of ``shape.vision_items`` patches: one
@@ -192,12 +182,12 @@ def profile_images(spec, shape) -> list[tuple[int, int]]:
 
 
 def profile_batch(spec, shape, image_token_id: int, device, pad_to_multiple: int = 1,
-                  batcher: type[QwenBatcher] = QwenBatcher) -> dict:
+                  batcher: type[QwenBatcher] = QwenBatcher) -> MicroBatch:
     """The micro-batch the trainer's profiler runs at ``shape``, made by ``batcher`` (a ``QwenBatcher``): the
     images of ``profile_images`` (random pixels; sizes their grids exactly, which ``smart_resize`` keeps) in the first
     sample, the ``shape.llm_tokens`` tokens cut into samples of ``attn_tokens_sq / llm_tokens`` (the first long
-    enough for the images' tokens), packed in one row padded to a multiple of ``pad_to_multiple``; tokens, labels
-    and pixels on ``device``."""
+    enough for the images' tokens), packed in one row padded to a multiple of ``pad_to_multiple``; on ``device``
+    (``MicroBatch.to``: the host-held fields stay)."""
     v = spec.vision
     m, p = v.spatial_merge_size, v.patch_size
     grids = profile_images(spec, shape)
@@ -228,8 +218,8 @@ def profile_batch(spec, shape, image_token_id: int, device, pad_to_multiple: int
         samples.append(sample)
     exact = ImageProcessorConfig(min_pixels=1, max_pixels=max(r * c for r, c in grids) * p * p, patch_size=p,
                                  temporal_patch_size=v.temporal_patch_size, merge_size=m)
-    batch = batcher(spec, image_token_id, PatchImages(exact)).make(samples, 0, True, pad_to_multiple)
-    return {k: t.to(device) if k in ("tokens", "labels", "pixel_values") else t for k, t in batch.items()}
+    maker = batcher(spec, image_token_id, PatchImages(exact))
+    return maker.micro_batch(maker.make(samples, 0, True, pad_to_multiple)).to(device)
 
 
 QWEN_DATA = DataSide(image_tokens=IMAGE_TOKENS, image_rule=image_rule, batcher=QwenBatcher,

@@ -6,12 +6,31 @@ them for images, the image-token check) is Qwen2.5-VL's ``batch.logits_batch``; 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from megatron.vlm.families.qwen2_5_vl import batch as qwen2_5_vl_batch
 from megatron.vlm.families.qwen2_5_vl.vision_windows import frame_cu_seqlens, rotary_position_ids
+from megatron.vlm.micro_batch import VisionPart, reads
+
+
+@dataclass(frozen=True)
+class Qwen3Vision(VisionPart):
+    """Qwen3-VL's vision part of a micro-batch (``components``' docstring says what each field holds): the pixel
+    rows and the ViT's fields where the ViT embedding is, the 3-D RoPE ids where LLM layers are, the token types
+    where the LLM embedding or LLM layers are (DeepStack adds at the image tokens); ``tile_keys`` everywhere."""
+
+    pixel_values: torch.Tensor | None = reads("pixels")
+    image_grid_thw: torch.Tensor | None = reads("pixels")
+    vision_rotary_ids: torch.Tensor | None = reads("pixels")
+    vision_pos_index: torch.Tensor | None = reads("pixels")
+    vision_pos_weight: torch.Tensor | None = reads("pixels")
+    vision_cu_seqlens: torch.Tensor | None = reads("pixels")
+    vision_max_seqlen: int | None = reads("pixels")
+    mrope_position_ids: torch.Tensor | None = reads("packing")
+    mm_token_type_ids: torch.Tensor | None = reads("tokens", "packing")
 
 
 def _axis_taps(index: torch.Tensor, size: torch.Tensor, side: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,4 +72,4 @@ def vision_fields(grid_thw, spec) -> dict:
             "vision_cu_seqlens": torch.from_numpy(cu), "vision_max_seqlen": int(np.diff(cu).max())}
 
 
-logits_batch = functools.partial(qwen2_5_vl_batch.logits_batch, fields=vision_fields)
+logits_batch = functools.partial(qwen2_5_vl_batch.logits_batch, fields=vision_fields, vision=Qwen3Vision)

@@ -23,21 +23,24 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from omnibal_ext.errors import UserError
 from omnibal_ext.model.spec import HEAD, PROJECTOR
 from omnibal_ext.model.families.qwen3_vl import (DeepStackLayerCost, MergerCost, VisionEmbedCost, VisionLayerCost,
                                                  deepstack_name)
 
 from megatron.vlm import sequence_parallel
 from megatron.vlm.attention import segment_params
-from megatron.vlm.components import PaddedHeadLayers, RuntimeComponent
+from megatron.vlm.components import MoETextLayer, PaddedHeadLayers, RuntimeComponent
+from megatron.vlm.context_parallel import context_parallel_group, gather_rows
+from megatron.vlm.drop_path import iteration_keys, layer_rates, with_drop_path
 from megatron.vlm.families.qwen2_5_vl.components import ImageTextEmbed, MRopeTextLayer
 from megatron.vlm.families.qwen2_5_vl.modules import vision_rotary
+from megatron.vlm.micro_batch import MicroBatch
+from megatron.vlm.padded_heads import tp_rank
 from megatron.vlm.side import put_side, take_side
 from megatron.vlm.text import run_text_blocks
 
 from . import hf
-from .modules import PatchMerger, VisionEmbedding, vision_layer_spec
+from .modules import DeepStackDropPathLayer, DeepStackLayer, PatchMerger, VisionEmbedding, vision_layer_spec
 
 
 class VisionEmbed(RuntimeComponent):
@@ -50,7 +53,8 @@ class VisionEmbed(RuntimeComponent):
 
     def forward(self, module, x, batch, cache):
         device = module.proj.weight.device
-        x = module(batch["pixel_values"], batch["vision_pos_index"].to(device), batch["vision_pos_weight"].to(device))
+        v = batch.vision
+        x = module(v.pixel_values, v.vision_pos_index.to(device), v.vision_pos_weight.to(device))
         return x.unsqueeze(1)
 
     @classmethod
@@ -69,34 +73,64 @@ class VisionLayers(PaddedHeadLayers):
 
     Sequence parallelism: the patches are padded once to a multiple of TP (the pads one more segment, zero RoPE)
     and split where the ViT's layers start; plain and DeepStack layers share the region (left where the ViT's
-    layers end, the pads cut off)."""
+    layers end, the pads cut off).
+
+    Drop path (``--vision-drop-path-rate``, ``megatron/vlm/drop_path.py``): per image, each patch row taking its
+    image's key (``tile_keys``, processor order: the rows' order), the blocks' ``context``."""
 
     cost, attr, reads, layers = VisionLayerCost, "vit_blocks", frozenset({"pixels"}), True
     sp_enters = sp_leaves = False  # sequence-parallel region edges (set by build)
 
     def layer_spec(self, first_unit_index: int):
         ctx = self.ctx
-        return vision_layer_spec(ctx.seed, first_unit_index, ctx.transformer_impl, ctx.attention_backend,
-                                 self.spec.vision.num_attention_heads)
+        return self.with_drop_path(vision_layer_spec(ctx.seed, first_unit_index, ctx.transformer_impl,
+                                                     ctx.attention_backend, self.spec.vision.num_attention_heads))
+
+    def with_drop_path(self, spec):
+        """``spec`` with drop path per image where the rate is > 0 (a ``DeepStackLayer`` stays one)."""
+        ctx = self.ctx
+        if ctx.vision_drop_path_rate <= 0:
+            return spec
+        deepstack = spec.module is DeepStackLayer
+        first = next(u.index for u in ctx.units if u.code == self.code())
+        with_drop_path(spec, first, layer_rates(ctx.vision_drop_path_rate, self.spec.vision.num_layers), axis=0)
+        if deepstack:
+            spec.module = DeepStackDropPathLayer
+        return spec
 
     def build(self, units):
         self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.vision_config)
         return self.ctx.build_layers(units, self.ctx.vision_config, self.layer_spec, self.code())
 
-    def context(self, batch: dict, device) -> dict:
+    def context(self, batch: MicroBatch, device) -> dict:
         """RoPE and the packed parameters, built once per micro-batch (``cache["qwen3_vit"]``); the patch count and
         the count padded for sequence parallelism."""
         v, cfg = self.spec.vision, self.ctx.vision_config
-        patches = int(batch["vision_cu_seqlens"][-1])
+        patches = int(batch.vision.vision_cu_seqlens[-1])
         padded = patches
         if cfg.sequence_parallel:
             padded = sequence_parallel.padded_tokens(patches, cfg.tensor_model_parallel_size)
-        rope = vision_rotary(batch["vision_rotary_ids"].to(device), v.head_dim, v.rotary_base)
+        rope = vision_rotary(batch.vision.vision_rotary_ids.to(device), v.head_dim, v.rotary_base)
         rope = F.pad(rope, (0, 0, 0, 0, 0, 0, 0, padded - patches))
         te = self.ctx.transformer_impl == "transformer_engine"
-        cu, longest = sequence_parallel.with_pad_segment(batch["vision_cu_seqlens"], batch["vision_max_seqlen"], padded)
-        return {"rope": rope, "patches": patches, "padded": padded,
+        cu, longest = sequence_parallel.with_pad_segment(batch.vision.vision_cu_seqlens, batch.vision.vision_max_seqlen,
+                                                         padded)
+        return {"rope": rope, "patches": patches, "padded": padded, "keys": self.drop_path_keys(batch, padded, device),
                 "params": segment_params(cu, longest, device if te else None)}
+
+    def drop_path_keys(self, batch: MicroBatch, padded: int, device):
+        """Drop path (training only): this iteration's key of each of the rows the layers run, [rows] int64 on
+        ``device`` -- the patches' image keys (``tile_keys``, processor order) padded to ``padded`` rows and, under
+        sequence parallelism, this TP rank's rows; None without drop path."""
+        if not (self.ctx.vision_drop_path_rate > 0 and batch.vision.tile_keys is not None):
+            return None
+        keys = iteration_keys(batch.vision.tile_keys.to(device), self.ctx.seed, batch.iteration)
+        keys = F.pad(keys, (0, padded - len(keys)))
+        cfg = self.ctx.vision_config
+        if cfg.sequence_parallel:
+            rows = padded // cfg.tensor_model_parallel_size
+            keys = keys[tp_rank(cfg) * rows:(tp_rank(cfg) + 1) * rows]
+        return keys
 
     def _context(self, x, batch, cache) -> dict:
         if "qwen3_vit" not in cache:
@@ -104,7 +138,9 @@ class VisionLayers(PaddedHeadLayers):
         return cache["qwen3_vit"]
 
     def _run(self, block, x, c):
-        return block(hidden_states=x, attention_mask=None, rotary_pos_emb=c["rope"], packed_seq_params=c["params"])
+        keys = c["keys"] if block.training else None  # drop path: the blocks' context (saved for recompute)
+        return block(hidden_states=x, attention_mask=None, rotary_pos_emb=c["rope"], packed_seq_params=c["params"],
+                     context=keys)
 
     def forward(self, module, x, batch, cache):
         c = self._context(x, batch, cache)
@@ -132,9 +168,9 @@ class DeepStackLayers(VisionLayers):
     def layer_spec(self, first_unit_index: int):
         ctx, spec = self.ctx, self.spec
         merger_config = _merger_config(ctx)
-        return vision_layer_spec(ctx.seed, first_unit_index, ctx.transformer_impl, ctx.attention_backend,
-                                 spec.vision.num_attention_heads,
-                                 merger=lambda: PatchMerger(spec, merger_config, after_shuffle=True))
+        return self.with_drop_path(vision_layer_spec(
+            ctx.seed, first_unit_index, ctx.transformer_impl, ctx.attention_backend, spec.vision.num_attention_heads,
+            merger=lambda: PatchMerger(spec, merger_config, after_shuffle=True)))
 
     def build(self, units):
         self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.vision_config)
@@ -157,7 +193,8 @@ class DeepStackLayers(VisionLayers):
         return x
 
     def profile_forward(self, module, x, batch, cache):
-        return self.forward(module[:1], x, batch, cache)
+        """The first layer and its merger (the profiler runs it many times: its feature goes to a scratch cache)."""
+        return self.forward(module[:1], x, batch, {"qwen3_vit": self._context(x, batch, cache)})
 
     def parameter_role(self, unit, name):
         """The DeepStack merger is the projector's (``--freeze-projector``, its learning rate), whatever stage runs
@@ -194,57 +231,92 @@ class DeepStackTextLayer(MRopeTextLayer):
     ``Qwen3VLTextModel._deepstack_process`` does (every micro-batch runs the ViT: one without images gets a stand-in
     image whose tokens no text token takes, so its features add nothing).
 
-    Sequence parallelism: the feature is scattered over the micro-batch's tokens and this TP rank's slice added."""
+    Sequence parallelism: the feature is scattered over the micro-batch's tokens and this TP rank's slice added
+    (``_add_feature``). Context parallelism: a rank's ViT makes its own images' features; each DeepStack layer
+    gathers them over the CP group and picks its tokens' rows (``_tokens_features``), so the side tensor keeps the
+    rows of the images the rank ran (``deepstack.{j}``: the planning side's ``SideTensor`` list is unchanged)."""
 
     reads = frozenset({"packing", "tokens"})  # the tokens say where the image tokens are
     slots: tuple[int | None, ...] = ()  # per block: the DeepStack feature added after it, or None (set by build)
 
     def build(self, units):
-        if self.ctx.language_config.context_parallel_size > 1 and self.spec.vision.deepstack_visual_indexes:
-            raise UserError("Qwen3-VL: DeepStack under context parallelism (--context-parallel-size > 1) is not "
-                            "implemented")
         self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.language_config, (HEAD,))
         k = len(self.spec.vision.deepstack_visual_indexes)
         first, rest = [u for u in units if u.layer < k], [u for u in units if u.layer >= k]
         blocks = torch.nn.ModuleList()
         for unit in first:
-            blocks.extend(self.ctx.build_layers([unit], self.ctx.language_config, self.layer_spec, self.code()))
+            blocks.extend(self.ctx.build_layers([unit], self.ctx.language_config, self.layer_spec, self.code(),
+                                                lora_linears=self.lora_linears))
         self.slots = tuple(u.layer for u in first)
         if rest:
-            more = self.ctx.build_layers(rest, self.ctx.language_config, self.layer_spec, self.code())
+            more = self.ctx.build_layers(rest, self.ctx.language_config, self.layer_spec, self.code(),
+                                         lora_linears=self.lora_linears)
             blocks.extend(more)
             self.slots += (None,) * len(more)
         return blocks
 
-    def _add_feature(self, x, feature, batch):
-        mask = (batch["tokens"].reshape(-1) == self.ctx.img_context_id).to(x.device)
-        if self.ctx.language_config.sequence_parallel:  # x: this TP rank's slice of the tokens
-            from megatron.core import parallel_state
+    @staticmethod
+    def _tokens_features(feature, batch):
+        """The DeepStack feature rows of this rank's image tokens: the feature itself, or under context
+        parallelism (the rank's images' rows) every CP rank's rows gathered and this rank's tokens' picked, as the
+        LLM embedding does with the merger's output (``vision_rank_tokens``, ``image_feature_index``; backward:
+        each rank's rows get the gradients every rank's tokens put on them)."""
+        if batch.cp is None or batch.cp.image_feature_index is None:
+            return feature
+        feature = gather_rows(feature, batch.cp.vision_rank_tokens, context_parallel_group())
+        return feature.index_select(0, batch.cp.image_feature_index.to(feature.device))
 
-            t = x.shape[0]
-            start = parallel_state.get_tensor_model_parallel_rank() * t
-            full = torch.zeros(mask.shape[0], x.shape[-1], dtype=x.dtype, device=x.device)
-            full = full.masked_scatter(mask.unsqueeze(-1), feature.squeeze(1).to(x.dtype))
-            return x + full[start:start + t].unsqueeze(1)
-        added = torch.zeros_like(x).masked_scatter(mask.reshape(-1, 1, 1), feature.to(x.dtype))
-        return x + added
+    def _add_feature(self, x, feature, batch):
+        """``x`` plus DeepStack ``feature`` [image tokens, 1, H] at the image tokens. Under sequence parallelism
+        ``x`` is this TP rank's slice of the tokens: the feature, scattered over all the micro-batch's tokens, is
+        split like them (``sequence_parallel.enter``: its backward all-gathers the slices' gradients, so every TP
+        rank's merger gets the whole feature's gradient, as it got the whole input)."""
+        mask = (batch.text.tokens.reshape(-1) == self.ctx.img_context_id).to(x.device)
+        full = torch.zeros(mask.shape[0], 1, x.shape[-1], dtype=x.dtype, device=x.device)
+        full = full.masked_scatter(mask.reshape(-1, 1, 1), feature.to(x.dtype))
+        if self.ctx.language_config.sequence_parallel:
+            full = sequence_parallel.enter(full)
+        return x + full
 
     def forward(self, module, x, batch, cache):
+        return self._forward(module, self.slots, x, batch, cache,
+                             lambda slot: self._tokens_features(take_side(cache, deepstack_name(slot)), batch))
+
+    def _forward(self, module, slots, x, batch, cache, feature_of):
         if self.sp_enters:
             x = sequence_parallel.enter(x)
         context = self.context(module, batch, cache)
-        for block, slot in zip(module, self.slots):
+        for block, slot in zip(module, slots):
             x = run_text_blocks([block], x, context, self.ctx.thd)
             if slot is not None:
-                x = self._add_feature(x, take_side(cache, deepstack_name(slot)), batch)
+                x = self._add_feature(x, feature_of(slot), batch)
         return sequence_parallel.leave(x) if self.sp_leaves else x
 
     def profile_forward(self, module, x, batch, cache):
-        return self.forward(module[:1], x, batch, cache)
+        """The first layer, adding a zero DeepStack feature where it takes one (the profiler runs each unit alone:
+        the ViT's features are not held)."""
+        def zero_feature(slot):
+            tokens = int((batch.text.tokens == self.ctx.img_context_id).sum())
+            return x.new_zeros(tokens, 1, self.spec.language.hidden_size)
+
+        return self._forward(module[:1], self.slots[:1], x, batch, cache, zero_feature)
 
     @classmethod
     def hf_recipes(cls, unit, table):
         hf.llm_layer_recipes(unit, table)
 
 
-__all__ = ["VisionEmbed", "VisionLayers", "DeepStackLayers", "Merger", "ImageTextEmbed", "DeepStackTextLayer"]
+class DeepStackMoETextLayer(MoETextLayer, DeepStackTextLayer):
+    """Qwen3-VL-MoE's MoE decoder layers: the shared MoE layer (megatron-core's MoELayer, the router's padding mask)
+    run as ``DeepStackTextLayer`` runs its layers (multimodal RoPE, DeepStack feature ``j`` added after layer
+    ``j``); the experts' HF tensors are the fused ones (``hf.moe_layer_recipes``)."""
+
+    build = DeepStackTextLayer.build  # one block per DeepStack layer (MoETextLayer's is TextLayer's)
+
+    @classmethod
+    def hf_recipes(cls, unit, table):
+        hf.moe_layer_recipes(unit, table)
+
+
+__all__ = ["VisionEmbed", "VisionLayers", "DeepStackLayers", "Merger", "ImageTextEmbed", "DeepStackTextLayer",
+           "DeepStackMoETextLayer"]

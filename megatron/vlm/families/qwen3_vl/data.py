@@ -13,11 +13,13 @@ Micro-batches (``Qwen3Batcher``, a ``QwenBatcher``): ``collate.py``'s fields, ``
 (``positions``: each sample from 0, as ``get_rope_index`` numbers it), ``mm_token_type_ids [b, s]`` (int64, 1 on
 ``<|image_pad|>``, 0 elsewhere and on padding: the processor's field, given where tokens or packing metadata are
 read, since DeepStack adds its features at the image tokens in the LLM layers), and the images' ViT fields
-(``vision_fields``: ``image_grid_thw [n, 3]``, 2-D rotary ids in processor order, one attention segment per image
-frame: full attention, no windows). A micro-batch without images gets Qwen2.5-VL's dummy 2 x 2-patch image.
-Sequence parallelism pads the row to a multiple of TP (``pad_to_multiple``; the pads are text, type 0). Context
+(``batch.vision_fields``: ``image_grid_thw [n, 3]``, 2-D rotary ids in processor order, the learned position
+table's bilinear taps, one attention segment per image frame: full attention, no windows). A micro-batch
+without images gets Qwen2.5-VL's dummy 2 x 2-patch image. Sequence parallelism pads the row to a multiple of TP (``pad_to_multiple``; the pads are text, type 0). Context
 parallelism (``Qwen3Batcher.split_cp``): Qwen2.5-VL's split (whole images per CP rank, balanced by patches; the
 LLM tokens in 2 x CP chunks per segment), with ``mm_token_type_ids`` split like the tokens.
+
+DeepStack features crossing pipeline stages: ``side_rows`` (their rows on the receiving stage, host fields only).
 
 ISF: ``PatchImages`` gives each image's ViT items (patches) and grid, from which the reader's scan makes the
 stats (``RecordDataset.sample_stats`` / ``image_grids``), as for Qwen2.5-VL.
@@ -26,34 +28,24 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import torch
 
 from megatron.vlm.context_parallel import padded_layout
 from megatron.vlm.data.side import DataSide
+from megatron.vlm.micro_batch import MicroBatch
 from omnibal_ext.errors import UserError
 
 from ..qwen2_5_vl.data import IMAGE_TOKENS, PatchImages, QwenBatcher, with_pixel_flags
 from ..qwen2_5_vl.data import profile_batch as qwen_profile_batch
 from ..qwen2_5_vl.image_processing import ImageProcessorConfig
-from ..qwen2_5_vl.vision_windows import frame_cu_seqlens, rotary_position_ids
+from .batch import Qwen3Vision, vision_fields
 from .image_processing import PUBLISHED, folder_config
 from .positions import mm_token_type_ids
 
-VISION_KEYS = ("image_grid_thw", "vision_rotary_ids", "vision_cu_seqlens", "vision_max_seqlen")
+VISION_KEYS = ("image_grid_thw", "vision_rotary_ids", "vision_pos_index", "vision_pos_weight", "vision_cu_seqlens",
+               "vision_max_seqlen")
+"""The fields ``batch.vision_fields`` makes (the ViT's, given where pixels are read)."""
 TOKEN_TYPES = "mm_token_type_ids"
-
-
-def vision_fields(grid_thw, spec) -> dict:
-    """The ViT's host-built fields of the images ``grid_thw [n, 3]`` (patches) of one micro-batch:
-    ``image_grid_thw`` int64 [n, 3]; ``vision_rotary_ids`` int64 [patches, 2] (patch row, column in its image;
-    processor order); ``vision_cu_seqlens`` int32 [frames + 1] (one full-attention segment per frame, patches) and
-    ``vision_max_seqlen`` (int)."""
-    grids = [tuple(int(x) for x in g) for g in torch.as_tensor(grid_thw).reshape(-1, 3).tolist()]
-    cu = frame_cu_seqlens(grids)
-    return {"image_grid_thw": torch.tensor(grids, dtype=torch.int64),
-            "vision_rotary_ids": torch.from_numpy(rotary_position_ids(grids, spec.vision.spatial_merge_size)),
-            "vision_cu_seqlens": torch.from_numpy(cu), "vision_max_seqlen": int(np.diff(cu).max())}
 
 
 def check_geometry(config: ImageProcessorConfig, spec, where: str) -> None:
@@ -89,7 +81,7 @@ def image_rule(args, spec, hf_folder) -> PatchImages:
 class Qwen3Batcher(QwenBatcher):
     """Qwen2.5-VL's micro-batch with Qwen3-VL's ViT fields and ``mm_token_type_ids`` (module docstring)."""
 
-    vision_keys = VISION_KEYS
+    vision_part = Qwen3Vision
 
     def vision_fields(self, grids):
         return vision_fields(grids, self.spec)
@@ -99,10 +91,6 @@ class Qwen3Batcher(QwenBatcher):
         types = torch.from_numpy(mm_token_type_ids(batch["tokens"].numpy(), self.image_token_id))
         batch[TOKEN_TYPES] = torch.where(batch["segment_ids"] >= 0, types, torch.zeros_like(types))
         return batch
-
-    def keys(self, inputs):
-        keys = super().keys(inputs)
-        return keys + (TOKEN_TYPES,) if inputs.tokens or inputs.packing else keys
 
     def split_cp(self, batch, cp, rank, pad_id, img_context_id, sp_tp=1):
         """Qwen2.5-VL's split (``QwenBatcher.split_cp``) with ``mm_token_type_ids`` [1, t / cp] as this rank's
@@ -115,11 +103,29 @@ class Qwen3Batcher(QwenBatcher):
         return out
 
 
+def side_rows(spec, batch: MicroBatch, cp: int, cp_rank: int) -> int:
+    """Rows of a DeepStack feature (``DataSide.side_rows``, ``megatron/vlm/side.py``) on this rank, from host-held
+    fields: the merged tokens of the images this (CP) rank's ViT runs -- of ``vision_cu_seqlens`` (the patches,
+    the dummy image's included) on a stage that runs ViT layers; else ``vision_rank_tokens`` under context
+    parallelism (one token for a rank without images: its dummy image's); else the micro-batch's patches
+    (``sample_tiles``; one token for the dummy image of a micro-batch without any)."""
+    merge_unit = spec.vision.spatial_merge_size ** 2
+    if batch.vision.vision_cu_seqlens is not None:
+        return int(batch.vision.vision_cu_seqlens[-1]) // merge_unit
+    if cp > 1:
+        if batch.cp is None or batch.cp.vision_rank_tokens is None:
+            raise ValueError("Qwen3-VL side tensor rows under context parallelism: the stage reads neither pixels "
+                             "nor tokens (no vision_cu_seqlens, no vision_rank_tokens)")
+        return max(int(batch.cp.vision_rank_tokens[cp_rank]), 1)
+    return max(int(batch.samples.sample_tiles.sum()) // merge_unit, 1)
+
+
 profile_batch = functools.partial(qwen_profile_batch, batcher=Qwen3Batcher)
 """The trainer profiler's micro-batch (``qwen2_5_vl.data.profile_batch``) made by ``Qwen3Batcher``."""
 
 QWEN3_VL_DATA = DataSide(image_tokens=IMAGE_TOKENS, image_rule=image_rule, batcher=Qwen3Batcher,
-                         default_image_px=lambda spec: 4 * spec.vision.patch_size, profile_batch=profile_batch)
+                         default_image_px=lambda spec: 4 * spec.vision.patch_size, profile_batch=profile_batch,
+                         side_rows=side_rows)
 
 __all__ = ["QWEN3_VL_DATA", "Qwen3Batcher", "VISION_KEYS", "check_geometry", "image_rule", "processor_config",
-           "vision_fields"]
+           "side_rows", "vision_fields"]

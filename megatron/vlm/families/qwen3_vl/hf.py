@@ -14,6 +14,16 @@ config with more DeepStack indexes than LLM layers (transformers drops the extra
 
 Tensor names (what ``save_pretrained`` and the published checkpoints hold): ``model.visual.``,
 ``model.language_model.``, ``lm_head.weight``.
+
+Qwen3-VL-MoE (``model_type`` "qwen3_vl_moe", text ``qwen3_vl_moe_text``): the Qwen3 decoder with MoE layers where
+Qwen's rule puts them (``text_configs.qwen_experts``; the router always renormalises its top k; ``head_dim``
+hidden / heads when missing, the text config class's default; tied by the top-level ``tie_word_embeddings`` only).
+Each MoE layer holds ``mlp.gate.weight [E, H]`` (the router) and the fused experts ``mlp.experts.gate_up_proj``
+``[E, 2I, H]`` (gate rows first) and ``mlp.experts.down_proj [E, H, I]``, as transformers keeps them in memory and
+a 5.x ``save_pretrained`` writes them; the published files hold them transposed (``[E, H, 2I]``, ``[E, I, H]``),
+which transformers undoes on load where the shape is not the in-memory one. Import reads either (per tensor, by
+its shape: ``checkpoint_info``), each expert's block straight from the file (an EP rank reads only its experts),
+and export writes the layout that was read.
 """
 from __future__ import annotations
 
@@ -24,10 +34,12 @@ from omnibal_ext.model.spec import LanguageSpec, ModelSpec
 
 from megatron.vlm.families.qwen2_5_vl.hf import vit_attention_recipes
 from megatron.vlm.hf.config import HFConfigError, HFInfo, padded_vocab, refuse, require, square
-from megatron.vlm.hf.text_configs import qwen3, rope, with_tie
-from megatron.vlm.hf.recipes import add_llm_layer, whole
+from megatron.vlm.hf.text_configs import moe_config, qwen3, qwen_experts, rope, with_tie
+from megatron.vlm.hf.recipes import Part, add_llm_layer, add_moe_llm_layer, whole
 
-MODEL_TYPES = ("qwen3_vl",)
+MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+MOE_TEXT = "qwen3_vl_moe"  # HFInfo.text_family of an MoE decoder
+FUSED_EXPERTS = ("gate_up_proj", "down_proj")  # an MoE layer's stacked expert tensors (mlp.experts.<name>)
 DEFAULT_MROPE_SECTION = (24, 20, 20)  # transformers' default when the config names none
 VISION_DEFAULTS = dict(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304, num_position_embeddings=2304,
                        deepstack_visual_indexes=(8, 16, 24), patch_size=16, temporal_patch_size=2, in_channels=3,
@@ -36,20 +48,35 @@ VISION_DEFAULTS = dict(depth=27, hidden_size=1152, num_heads=16, intermediate_si
 
 def recognizes(cfg: dict) -> bool:
     """Whether ``cfg`` is a (dense) Qwen3-VL config.json (model_type, or the architecture's name)."""
-    return cfg.get("model_type") in MODEL_TYPES or "Qwen3VLForConditionalGeneration" in (cfg.get("architectures") or ())
+    arch = cfg.get("architectures") or ()
+    return cfg.get("model_type") in MODEL_TYPES or any(a in arch for a in ("Qwen3VLForConditionalGeneration",
+                                                                          "Qwen3VLMoeForConditionalGeneration"))
+
+
+def is_moe(cfg: dict) -> bool:
+    """A Qwen3-VL-MoE config.json (model_type or architecture)."""
+    return cfg.get("model_type") == "qwen3_vl_moe" or "Qwen3VLMoeForConditionalGeneration" in (
+        cfg.get("architectures") or ())
 
 
 DEFAULT_THETA = 5000000.0  # transformers' Qwen3VLTextConfig rope_theta
 
 
-def _language(t: dict, where: str, tie: bool) -> LanguageSpec:
+def _language(t: dict, where: str, tie: bool, moe: bool = False) -> LanguageSpec:
     """Qwen3-VL's text: the shared Qwen3 reader with interleaved multimodal RoPE (``mrope_section``; type "mrope"
-    allowed; the form transformers 4.x wrote, ``rope_scaling`` beside ``rope_theta``, too)."""
+    allowed; the form transformers 4.x wrote, ``rope_scaling`` beside ``rope_theta``, too); ``moe``: Qwen3-VL-MoE's
+    (module docstring)."""
     kinds = ("default", "mrope")
     _, params = rope(t, where, DEFAULT_THETA, kinds)
     section = tuple(int(x) for x in (params.get("mrope_section") or DEFAULT_MROPE_SECTION))
+    extra = {}
+    if moe:
+        extra["moe"] = qwen_experts(t, where, norm_topk_prob_default=None)
+        if not t.get("head_dim"):  # Qwen3VLMoeTextConfig: hidden / heads (Qwen3's own default is 128)
+            hidden, heads = int(require(t, "hidden_size", where)), int(require(t, "num_attention_heads", where))
+            t = {**t, "head_dim": hidden // heads}
     lang = qwen3(t, where, default_theta=DEFAULT_THETA, rope_kinds=kinds, mrope_section=section,
-                 mrope_interleaved=True)
+                 mrope_interleaved=True, **extra)
     return with_tie(lang, tie)
 
 
@@ -80,8 +107,9 @@ def spec_from_config(cfg: dict, name: str = "hf", where: str = "config.json") ->
     t, v = cfg.get("text_config"), cfg.get("vision_config")
     if not isinstance(t, dict) or not isinstance(v, dict):
         raise HFConfigError(f"{where}: a Qwen3-VL config.json has text_config and vision_config")
-    tie = bool(cfg.get("tie_word_embeddings", False)) or bool(t.get("tie_word_embeddings", False))
-    lang = _language(t, f"{where}: text_config", tie)
+    moe = is_moe(cfg)
+    tie = bool(cfg.get("tie_word_embeddings", False)) or (not moe and bool(t.get("tie_word_embeddings", False)))
+    lang = _language(t, f"{where}: text_config", tie, moe)
     vision = _vision(v, f"{where}: vision_config", lang.hidden_size)
     if vision.spatial_merge_size != 2 or vision.in_channels != 3:
         raise HFConfigError(f"{where}: vision_config: only a 2x2 merge of RGB patches is implemented")
@@ -90,7 +118,33 @@ def spec_from_config(cfg: dict, name: str = "hf", where: str = "config.json") ->
     if problem:
         raise HFConfigError(f"{where}: {problem}")
     image_id = cfg.get("image_token_id", t.get("image_token_id"))
-    return spec, HFInfo("native", "qwen3", vision.num_layers, None if image_id is None else int(image_id))
+    return spec, HFInfo("native", MOE_TEXT if moe else "qwen3", vision.num_layers,
+                        None if image_id is None else int(image_id))
+
+
+def checkpoint_info(info: HFInfo, spec: ModelSpec, reader) -> HFInfo:
+    """``info`` with the fused expert tensors the files hold transposed (``HFInfo.transposed``): each kind as its
+    first MoE layer's shape says (the in-memory shape: not transposed, as transformers decides)."""
+    import dataclasses
+
+    lang = spec.language
+    if lang.moe is None:
+        return info
+    names = Names(info)
+    layer = lang.moe.moe_layers[0]
+    transposed = []
+    for kind, shape in zip(FUSED_EXPERTS, _fused_shapes(spec)):
+        name = names.llm_layer(layer)["experts"] + kind
+        if name in reader.names() and tuple(reader.shape(name)) != shape:
+            transposed.append(kind)
+    return dataclasses.replace(info, transposed=tuple(transposed))
+
+
+def _fused_shapes(spec: ModelSpec) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """The in-memory shapes of ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]."""
+    lang = spec.language
+    E, F, H = lang.moe.num_experts, lang.moe.ffn_hidden_size, lang.hidden_size
+    return (E, 2 * F, H), (E, H, F)
 
 
 def native_config(spec: ModelSpec, info: HFInfo, source: dict | None) -> dict:
@@ -115,7 +169,13 @@ def native_config(spec: ModelSpec, info: HFInfo, source: dict | None) -> dict:
               "temporal_patch_size": v.temporal_patch_size, "in_channels": v.in_channels,
               "spatial_merge_size": v.spatial_merge_size,
               "rope_parameters": {"rope_type": "axial", "rope_theta": float(v.rotary_base)}}
-    return {"architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
+    if lang.moe is not None:
+        experts = {k: v for k, v in moe_config(lang).items() if k != "norm_topk_prob"}  # always renormalised
+        text.update(model_type="qwen3_vl_moe_text", **experts)
+        vision["model_type"] = "qwen3_vl_moe_vision"
+    moe = lang.moe is not None
+    return {"architectures": ["Qwen3VLMoeForConditionalGeneration" if moe else "Qwen3VLForConditionalGeneration"],
+            "model_type": "qwen3_vl_moe" if moe else "qwen3_vl",
             "text_config": text, "vision_config": vision, "image_token_id": info.image_token_id,
             "tie_word_embeddings": lang.tie_word_embeddings}
 
@@ -156,7 +216,8 @@ class Names:
                 "o": p + "self_attn.o_proj.weight", "q_norm": p + "self_attn.q_norm.weight",
                 "k_norm": p + "self_attn.k_norm.weight", "gate": p + "mlp.gate_proj.weight",
                 "up": p + "mlp.up_proj.weight", "down": p + "mlp.down_proj.weight",
-                "norm1": p + "input_layernorm.weight", "norm2": p + "post_attention_layernorm.weight"}
+                "norm1": p + "input_layernorm.weight", "norm2": p + "post_attention_layernorm.weight",
+                "router": p + "mlp.gate.weight", "experts": p + "mlp.experts."}
 
     def final_norm(self) -> str:
         return self.llm + "norm.weight"
@@ -214,12 +275,31 @@ def llm_layer_recipes(unit, table) -> None:
     add_llm_layer(table.add, table.hf, table.names.llm_layer(unit.layer), unit.name + ".", table.spec, table.info)
 
 
+def moe_layer_recipes(unit, table) -> None:
+    """An MoE layer: the shared recipes with the experts' blocks of the fused tensors (expert e: rows of
+    ``gate_up_proj[e]`` and ``down_proj[e]``, or their columns where the files hold them transposed)."""
+    m = table.names.llm_layer(unit.layer)
+    spec, info = table.spec, table.info
+    F, H = spec.language.moe.ffn_hidden_size, spec.language.hidden_size
+    shapes = _fused_shapes(spec)
+    gate_up, down = (table.hf(m["experts"] + kind, shape[:1] + shape[:0:-1] if kind in info.transposed else shape)
+                     for kind, shape in zip(FUSED_EXPERTS, shapes))
+    t_gate_up, t_down = (kind in info.transposed for kind in FUSED_EXPERTS)
+
+    def experts(e):
+        return (Part(gate_up, 0, F, index=e, transposed=t_gate_up),
+                Part(gate_up, F, 2 * F, index=e, transposed=t_gate_up), Part(down, 0, H, index=e, transposed=t_down))
+
+    add_moe_llm_layer(table.add, table.hf, m, unit.name + ".", spec, info, experts)
+
+
 def structure_twin(spec: ModelSpec) -> ModelSpec:
     """A tiny model with ``spec``'s structure (unit list with the same layer kinds, heads, DeepStack indexes)."""
     import dataclasses
 
     v, lang = spec.vision, spec.language
     vision = dataclasses.replace(v, hidden_size=4 * v.num_attention_heads, ffn_hidden_size=4, num_position_embeddings=4)
+    moe = lang.moe and dataclasses.replace(lang.moe, ffn_hidden_size=4)
     language = dataclasses.replace(lang, hidden_size=8, head_dim=2, ffn_hidden_size=4, vocab_size=128,
-                                   real_vocab_size=None, mrope_section=(1, 0, 0))
+                                   real_vocab_size=None, mrope_section=(1, 0, 0), moe=moe)
     return spec.replace(vision=vision, language=language)

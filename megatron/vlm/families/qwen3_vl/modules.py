@@ -20,6 +20,7 @@ from omnibal_ext.model.spec import ModelSpec
 
 from megatron.vlm import layers
 from megatron.vlm.config import _common
+from megatron.vlm.drop_path import DropPathLayer
 from megatron.vlm.families.qwen2_5_vl.modules import PatchEmbedding
 from megatron.vlm.padded_heads import draw_padded_attention
 from megatron.vlm.seeding import SeededTransformerLayer
@@ -65,9 +66,16 @@ class DeepStackLayer(SeededTransformerLayer):
             if redraw is not None:
                 redraw(layer, cfg)
             layer.deepstack_merger = merger()
+            for p in layer.deepstack_merger.parameters():  # it sees every patch and gets its feature's whole
+                p.sequence_parallel = False  # gradient on every TP rank: not summed over TP (mark_sequence_parallel)
 
         super().__init__(config, submodules, layer_number=layer_number, seed=seed, first_unit_index=first_unit_index,
                          redraw=redraw_then_merger, **kwargs)
+
+
+class DeepStackDropPathLayer(DeepStackLayer, DropPathLayer):
+    """A ``DeepStackLayer`` with drop path (``drop_path.DropPathLayer``: the blocks' ``context`` carries the
+    patches' keys); the merger reads the layer's output after the drop."""
 
 
 class VisionEmbedding(PatchEmbedding):
