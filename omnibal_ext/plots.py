@@ -63,3 +63,25 @@ def plot_stage_times(stage_times: Mapping[str, Sequence[float]], path: str, titl
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_curves(panels: Sequence[tuple[str, Mapping[str, tuple[Sequence[float], Sequence[float]]]]], path: str,
+                xlabel: str = "iteration", title: str | None = None) -> str:
+    """Panels side by side, one per (y label, {curve name: (x values, y values)}), the same curve names in the
+    same colours in every panel. Returns ``path``."""
+    if not panels:
+        raise ValueError("plot_curves: no panels given")
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, (ylabel, curves) in zip(axes[0], panels):
+        for name, (x, y) in curves.items():
+            ax.plot(list(x), list(y), label=name, linewidth=1.4)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -33,7 +33,6 @@ def test_flags_make_the_spec_and_the_run():
     (MOE + ["--moe-router-enable-expert-bias"], 1, "--moe-router-enable-expert-bias"),  # needs sigmoid
     (MOE + ["--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax"], 1, "--moe-router-pre-softmax"),
     (MOE + ["--tensor-model-parallel-size", "2"], 2, "--sequence-parallel"),
-    (MOE + ["--moe-router-load-balancing-type", "seq_aux_loss"], 1, "seq_aux_loss"),
     (MOE + ["--context-parallel-size", "2"], 2, "--context-parallel-size"),
     (MOE + ["--moe-token-dispatcher-type", "allgather"], 1, "--moe-token-dispatcher-type"),
     (MOE + ["--lora-rank", "4"], 1, "--lora-targets"),  # the default targets adapt the MLP: experts take none

@@ -58,11 +58,23 @@ def test_moe_isf_ep2_equals_ep1(data, shared_runs):
         assert_close(column(ep2, key), column(ep1, key), rel)
 
 
+def test_seq_aux_loss_per_packed_sample_tp2_sp_equals_serial(data, serial_run, shared_runs):
+    """seq_aux_loss (megatron/vlm/moe.py: per packed sample, padding excluded) with ISF packing several samples into
+    a row and sequence parallelism cutting them over the two TP ranks (each sample's routed tokens summed over
+    TP): the losses, gradient norms and logged aux loss of the serial run."""
+    flags = BASE + data + ISF + ["--moe-router-load-balancing-type", "seq_aux_loss"]
+    serial = serial_run(flags)
+    records, _, _ = shared_runs.run(2, flags + ["--tensor-model-parallel-size", "2", "--sequence-parallel"])
+    for key, rel in (("lm loss", 1e-4), ("grad norm", 1e-3), ("moe aux loss", 1e-4)):
+        assert_close(column(records, key), column(serial, key), rel)
+    assert all(2.5 < r["moe aux loss"] < 6.0 for r in serial)  # 3 MoE layers, each near its balanced value 1
+
+
 def test_expert_load_file_counts_every_routed_token(data, tmp_path):
     """--log-expert-load: per iteration, per MoE layer, tokens per expert summed over the ranks; each layer routes
     every real token of the iteration to top-k = 2 experts, so its counts sum to 2 x the same token count, the
     same in every layer; the logged imbalance is the largest max/mean over the layers."""
-    path = tmp_path / "load.jsonl"
+    path = tmp_path / "expert_load.jsonl"  # not load.jsonl: the trainer's own JSON log of the run named "load"
     records, _ = run_training(2, BASE + data + ["--expert-model-parallel-size", "2", "--log-expert-load", str(path)],
                               tmp_path, "load")
     lines = [json.loads(line) for line in path.read_text().splitlines()]

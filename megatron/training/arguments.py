@@ -286,8 +286,8 @@ def add_moe_flags(p) -> None:
                         "renormalised: HF norm_topk_prob False); default: softmax over the top-k logits")
     g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "none"],
                    default="aux_loss",
-                   help="load-balancing loss: aux_loss per micro-batch, seq_aux_loss per sample, global_aux_loss over "
-                        "the global batch, or none")
+                   help="load-balancing loss: aux_loss per micro-batch, seq_aux_loss per packed sample (padding "
+                        "excluded), global_aux_loss over the global batch, or none")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="weight of the load-balancing loss")
     g.add_argument("--moe-z-loss-coeff", type=float, default=None, help="weight of the router z-loss (default: none)")
     g.add_argument("--moe-router-enable-expert-bias", action="store_true",
@@ -392,10 +392,6 @@ def check_moe(args, spec: ModelSpec, tp: int, pp: int, cp: int, dp: int) -> None
     if args.moe_token_dispatcher_type == "allgather":
         raise ArgumentError("--moe-token-dispatcher-type allgather: megatron-core 0.16 refuses it with variable "
                             "sequence lengths, which the stages' changing shapes need; use alltoall")
-    if moe.load_balancing_type == "seq_aux_loss":
-        raise ArgumentError("--moe-router-load-balancing-type seq_aux_loss: megatron-core 0.16 takes a packed "
-                            "micro-batch (THD) as one sequence, not one per sample; not supported yet (use aux_loss "
-                            "or global_aux_loss)")
     if cp > 1:
         raise ArgumentError("--num-experts with --context-parallel-size > 1 is not supported yet (the router's "
                             "padding mask and aux losses are not split over CP ranks)")

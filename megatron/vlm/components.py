@@ -319,19 +319,22 @@ class MoETextLayer(TextLayer):
 
 
 def moe_padding_mask(batch: MicroBatch, thd: bool, sequence_parallel: bool) -> torch.Tensor:
-    """The router's padding mask (megatron-core's ``padding_mask``: True at padding, [rows, sequence]; THD: the
-    micro-batch's rows flattened, [1, rows x sequence]) from the collate's segment ids (-1: padding); under sequence
-    parallelism this TP rank's tokens (the MoE layer sees 1/TP of them)."""
-    pad = batch.packing.segment_ids < 0
+    """The router's token mask (``megatron.vlm.moe.token_mask``: padding and packed-sample membership, bool [rows,
+    sequence, 1 + samples]; THD: the micro-batch's rows flattened, [1, rows x sequence, 1 + samples]) from the
+    collate's segment ids (-1: padding); under sequence parallelism this TP rank's tokens (the MoE layer sees 1/TP of
+    them)."""
+    from megatron.vlm.moe import token_mask
+
+    mask = token_mask(batch.packing.segment_ids)
     if thd:
-        pad = pad.reshape(1, -1)
+        mask = mask.reshape(1, -1, mask.shape[-1])
     if sequence_parallel:
         from megatron.core import parallel_state
 
         tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
-        n = pad.shape[1] // tp
-        pad = pad[:, rank * n:(rank + 1) * n]
-    return pad
+        n = mask.shape[1] // tp
+        mask = mask[:, rank * n:(rank + 1) * n]
+    return mask
 
 
 class Head(RuntimeComponent):

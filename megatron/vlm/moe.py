@@ -16,6 +16,10 @@ EP would change them; ``SeededSequentialMLP`` draws expert ``g`` (global index) 
 layer's seeded generator, and leaves that generator as one draw moved on: the weights of every expert, and of what
 the layer draws after them (the shared expert), do not depend on EP or ETP.
 
+Padding and packed samples: the router gets ``token_mask``'s mask (padding, and which packed sample each token
+belongs to) through megatron-core's ``padding_mask`` argument; megatron-core's losses and the expert-bias count see
+the padding part, and ``seq_aux_loss`` is computed per packed sample (``per_sample_aux_loss``), padding excluded.
+
 Expert load: ``ExpertLoad`` records each router's routing map (a forward hook returning nothing: the router's
 output is read, never changed) as tokens per expert per layer, for the log and ``--log-expert-load``.
 """
@@ -97,9 +101,74 @@ class SeededSequentialMLP(SequentialMLP):
                                               is_expert=True, tp_group=pg_collection.expt_tp))
 
 
+def token_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """The router's token mask from the collate's segment ids (int [rows, sequence], the packed sample's index within
+    the micro-batch, -1 on padding): bool [rows, sequence, 1 + samples], ``[..., 0]`` True at padding (megatron-core's
+    ``padding_mask``), ``[..., 1 + s]`` True on the tokens of packed sample ``s``. megatron-core's ``MoELayer`` only
+    transposes its first two axes and takes ``bool()`` of it on its way to the router (``MaskedTopKRouter``)."""
+    samples = int(segment_ids.max()) + 1 if segment_ids.numel() else 0
+    return torch.nn.functional.one_hot(segment_ids + 1, 1 + samples).bool()
+
+
+def split_token_mask(mask: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(padding mask [sequence, rows], True at padding; sample membership bool [tokens, samples] in the router's
+    token order, or None) of a router's mask: ``token_mask``'s, after ``MoELayer``'s transpose, or megatron-core's
+    plain padding mask (no membership)."""
+    if mask is None or mask.dim() == 2:
+        return mask, None
+    return mask[..., 0], mask[..., 1:].reshape(-1, mask.shape[-1] - 1)
+
+
+def per_sample_aux_loss(scores: torch.Tensor, routed: torch.Tensor, members: torch.Tensor, topk: int,
+                        reduce_group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequence aux loss with each packed sample as a sequence (megatron-core's seq_aux_loss, DeepSeek-V2's
+    formula, per sample), padding excluded: the mean over the samples s of E / (k T_s^2) * sum_e P_se F_se, with
+    T_s the sample's real tokens, P_se its tokens' scores of expert e summed (this rank's tokens) and F_se its tokens
+    routed to e (every rank's of ``reduce_group``: sequence parallelism splits samples over TP ranks, whose parts
+    of the loss then sum to the whole). scores / routed: [tokens, E] (zero on padding), members: bool [tokens, S].
+    Returns (loss, the real tokens of ``reduce_group``'s ranks: what megatron-core's aux_loss scales its part by under
+    per-token loss with a padding mask, its token count all-reduced in place)."""
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    num_experts = scores.shape[-1]
+    membership = members.to(scores.dtype)
+    routed_per_sample = membership.t() @ routed.to(scores.dtype)  # [S, E]
+    if reduce_group is not None:
+        routed_per_sample = reduce_from_tensor_model_parallel_region(routed_per_sample, reduce_group)
+    tokens = routed_per_sample.sum(dim=1) / topk  # [S]
+    present = tokens > 0
+    scores_per_sample = membership.t() @ scores  # [S, E]
+    per_sample = (scores_per_sample * routed_per_sample).sum(dim=1) / tokens.clamp(min=1) ** 2
+    loss = per_sample[present].sum() * (num_experts / topk) / present.sum().clamp(min=1)
+    return loss, tokens.sum()
+
+
 class MaskedTopKRouter(TopKRouter):
-    """megatron-core's ``TopKRouter`` whose expert-bias token count takes the padding mask: 0.16.1 ands the routing
-    map [tokens, experts] with the flattened mask [tokens] (a broadcasting error); here the mask is a column."""
+    """megatron-core's ``TopKRouter`` taking ``token_mask``'s mask: megatron-core's parts get the padding mask, and
+    the sequence aux loss (``seq_aux_loss``) is ``per_sample_aux_loss``, one sequence per packed sample (megatron-core
+    takes each row as one: a THD row of many samples as one sequence). Its expert-bias token count takes the padding
+    mask as a column (0.16.1 ands the routing map [tokens, experts] with the flat mask [tokens], which fails)."""
+
+    def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
+
+        padding, members = split_token_mask(padding_mask)
+        probs, routing_map = super().routing(logits, padding_mask=padding)
+        coeff = self.get_aux_loss_coeff("seq_aux_loss")
+        if coeff > 0 and self.training and torch.is_grad_enabled():
+            if members is None:
+                raise ValueError("seq_aux_loss: the router needs megatron.vlm.moe.token_mask's mask (which token "
+                                 "belongs to which packed sample)")
+            flat = logits.reshape(-1, self.config.num_moe_experts)
+            routed, scores = compute_routing_scores_for_aux_loss(
+                flat, self.topk, self.score_function, padding_mask=None if padding is None else padding.reshape(-1))
+            loss, tokens = per_sample_aux_loss(scores, routed, members, self.topk, self.tp_cp_group)
+            probs = self.attach_and_log_load_balancing_loss(probs, coeff, loss * coeff, "seq_load_balancing_loss",
+                                                            self.tp_cp_group, valid_token_count=tokens)
+        return probs, routing_map
+
+    def _apply_seq_aux_loss(self, probs, *args, **kwargs):
+        return probs  # per packed sample in ``routing`` instead
 
     def _apply_expert_bias(self, routing_map, padding_mask=None):
         if padding_mask is not None:
@@ -154,7 +223,7 @@ class ExpertLoad:
             if not torch.is_grad_enabled():  # recomputed or evaluation forwards: not counted
                 return None
             _, routing_map = output
-            padding = inputs[1] if len(inputs) > 1 else None
+            padding, _ = split_token_mask(inputs[1] if len(inputs) > 1 else None)
             routed = routing_map.bool()
             if padding is not None:
                 routed = routed & ~padding.reshape(-1, 1).bool()

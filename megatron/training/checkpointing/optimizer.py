@@ -115,9 +115,10 @@ def load_optimizer(optimizer, state: dict, template: dict, model_weights: dict, 
     optimizer's own structure). Saved by another optimizer kind, the loaded common part (param groups,
     step) has that kind's structure: the state is then rebuilt on the template with the loaded tensors
     and step (``model_weights``: the loaded weights by checkpoint key, for main parameters that were not
-    saved apart). ``rebuild``: rebuild on the template whatever the kinds (some state is fresh: the checkpoint
-    was saved under other freeze flags, with other parameter groups)."""
-    if rebuild or _optimizer_kind(saved_run) != _own_kind(args):
+    saved apart); so is a state saved by another chain of optimizers (``_other_chain``: another EP size).
+    ``rebuild``: rebuild on the template whatever the kinds (some state is fresh: the checkpoint was saved under
+    other freeze flags, with other parameter groups)."""
+    if rebuild or _optimizer_kind(saved_run) != _own_kind(args) or _other_chain(template, state):
         state = _rebuilt(template, state, torch.tensor(_saved_step(state)), model_weights)
     with contextlib.ExitStack() as stack:
         for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -131,6 +132,14 @@ def load_optimizer(optimizer, state: dict, template: dict, model_weights: dict, 
         for param_state in opt.optimizer.state.values():
             if "step" in param_state:
                 param_state["step"] = param_state["step"].clone()
+
+
+def _other_chain(template, loaded) -> bool:
+    """Whether the loaded optimizer state holds parts this optimizer's request (``template``) lacks: the saved
+    optimizer was another chain of optimizers (megatron-core gives the experts an optimizer of their own when
+    EP > 1: a chain of two, keyed 0 and 1, where EP 1 has one optimizer), whose common part (param groups, step)
+    the load merged beside this one's. Adam's moments are keyed by parameter (experts by global index) either way."""
+    return isinstance(template, dict) and isinstance(loaded, dict) and bool(set(loaded) - set(template))
 
 
 @contextlib.contextmanager
