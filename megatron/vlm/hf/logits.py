@@ -93,7 +93,7 @@ def pipeline_logits(src, inputs: dict, layout, img_context_id: int | None = None
     ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
     rank = ps.get_pipeline_model_parallel_rank()
     batch = make_batch(src, inputs)
-    tokens = batch.text.tokens.numel()
+    tokens = batch.packing.segment_ids.numel()
     if spec.language.moe is not None and tp > 1 and tokens % tp:
         raise UserError(f"--tensor-model-parallel-size {tp}: the MoE layers run sequence parallel, so the input's "
                         f"{tokens} tokens must be a multiple of TP")
