@@ -174,7 +174,7 @@ def _tp_worker(rank: int, port: int, batches: int, k: int, result_path: str):
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             if j:  # the first is a warm-up
                 times.append(float(dt))
-        pixels = batch.vision.pixel_values if isinstance(batch, MicroBatch) else batch.vision.pixel_values
+        pixels = batch.vision.pixel_values if isinstance(batch, MicroBatch) else batch["pixel_values"]
         out[mode] = {"ms_per_batch": float(np.median(times)) * 1e3, "mb_per_batch": pixels.numel() * 4 / 2**20}
     if rank == 0:
         with open(result_path, "w") as f:

@@ -195,8 +195,7 @@ def _batch(spec, tiles: int, tokens: int, sample: int, device, dtype):
 
     shape = MicroBatchShape(tiles, tokens, 4 if dtype == torch.float32 else 2, llm_attn_tokens_sq=float(tokens * sample))
     b = synthetic_batch(spec, shape, 5, device)
-    b["pixel_values"] = b["pixel_values"].to(dtype)
-    return b
+    return b.with_vision(pixel_values=b.vision.pixel_values.to(dtype))
 
 
 def _te_name(local_name: str) -> str:

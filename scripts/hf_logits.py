@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     from omnibal_ext.model.layout import default_layout, parse_layout
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or tp
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size  # ETP None: TP
     try:
         with cpu_compat.patched():
             try:
@@ -85,6 +85,9 @@ def check_experts(spec, tp: int, pp: int, ep: int, etp: int) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % (tp * pp):
         raise UserError(f"world size {world} is not divisible by TP {tp} x PP {pp}")
+    if spec.language.moe is None and ep == 1 and etp is None:
+        return  # a dense model: no expert grid
+    etp = tp if etp is None else etp
     problem = expert_grid_problem(spec.language.moe, ExpertGrid(ep, etp), tp, 1, world // (tp * pp))
     if problem:
         raise UserError(f"--expert-model-parallel-size {ep} / --expert-tensor-parallel-size {etp}: {problem}")

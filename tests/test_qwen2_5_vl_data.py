@@ -298,14 +298,12 @@ def test_messages_record_to_turns():
     ('{"messages": [{"role": "user", "content": "<image><image>x"}, {"role": "assistant", "content": "y"}], '
      '"images": ["a"]}', "2 <image> placeholder.* but 1 image"),
     ('{"messages": [{"role": "human", "content": "x"}, {"role": "assistant", "content": "y"}]}', "role = 'human'"),
-    ('{"messages": [{"role": "user", "content": "<video>x"}, {"role": "assistant", "content": "y"}], '
-     '"videos": ["v.mp4"]}', "'videos': video input is not implemented"),
     ('{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"]}', "not valid JSON"),
     ('["a"]', "JSON object"),
     ('{"messages": [{"role": "user", "content": "x"}]}', "no assistant answer"),
     ('{"messages": [{"role": "user", "content": "x"}, {"role": "system", "content": "s"}]}', "only come first"),
     ('{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "<image>"}], '
-     '"images": ["a"]}', "images go in user messages"),
+     '"images": ["a"]}', "they go in user messages"),
 ])
 def test_messages_record_refusals(line, error):
     with pytest.raises(MessagesRecordError, match=r"^data/x\.jsonl:12: .*" + error):

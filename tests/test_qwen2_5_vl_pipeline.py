@@ -198,8 +198,8 @@ def test_scan_refuses_aspect_over_200_and_video_with_file_line(tmp_path):
     assert lines[0].startswith("3 problem(s)")
     assert f"{ann}:2: image {tmp_path}/thin.png: image of 2010x10 px" in lines[1]
     assert "aspect ratio of 201.0" in lines[1]
-    assert f"{ann}:3: 'videos': video input is not implemented" in lines[2]
-    assert f"{ann}:4: messages[0] has a <video> placeholder" in lines[3]
+    assert f"{ann}:3: 0 <video> placeholder(s) in the messages but 1 video(s) in 'videos'" in lines[2]
+    assert f"{ann}:4: 1 <video> placeholder(s) in the messages but 0 video(s) in 'videos'" in lines[3]
 
 
 def test_isf_stats_write_records_each_image(tmp_path, capsys):

@@ -67,8 +67,8 @@ def test_gzip_stats_read_like_plain_ones(tmp_path):
 
 
 def test_readme_data_paths_are_in_the_repository():
-    """Every data/... path or glob in the README names files of the repository (no ../shared)."""
-    readme = (ROOT / "README.md").read_text()
+    """Every data/... path or glob in the README and the docs pages names files of the repository (no ../shared)."""
+    readme = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     assert "../shared" not in readme
     paths = set(re.findall(r"(?<![\w/.])data/omnibal_stats/[\w*.]*", readme))
     assert "data/omnibal_stats/*.json.gz" in paths

@@ -35,33 +35,8 @@ from omnibal_ext.data.sampler import GroupBatchSampler
 
 from megatron.vlm.data.collate import check_image_tokens
 from megatron.vlm.data.side import Batcher
+from megatron.vlm.micro_batch import StageInputs  # noqa: F401  (callers take it from here)
 from megatron.vlm.micro_batch import MicroBatch, broadcast_micro_batch
-
-
-@dataclasses.dataclass(frozen=True)
-class StageInputs:
-    """Which parts of a micro-batch a pipeline stage reads (see module docstring; ``megatron.vlm.micro_batch``:
-    the ``MicroBatch`` parts, and the vision and CP fields, each reading declares)."""
-
-    pixels: bool = True  # the ViT embedding: pixels and the ViT's fields
-    tokens: bool = True  # the LLM embedding: tokens (text part), the tiles' or image tokens' indices
-    labels: bool = True  # the head (and its loss): labels (text part)
-    packing: bool = True  # LLM layers, head: the packing part (cu_seqlens, max_seqlen, segment_ids, position_ids)
-
-    @classmethod
-    def everything(cls) -> "StageInputs":
-        return cls()
-
-    @classmethod
-    def reading(cls, parts) -> "StageInputs":
-        """Only the parts named in ``parts`` (field names: "pixels", "tokens", "labels", "packing"); a stage's
-        are the union of its units' runtime components' ``reads`` (``megatron.vlm.families.stage_inputs``)."""
-        parts = set(parts)
-        unknown = parts - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"StageInputs: unknown micro-batch parts {sorted(unknown)}")
-        return cls(**{f.name: f.name in parts for f in dataclasses.fields(cls)})
-
 
 
 class StageDataset(torch.utils.data.Dataset):

@@ -139,8 +139,6 @@ class MicroBatch:
         """The micro-batch a stage reading ``inputs`` (``StageInputs``; None: everything) gets of the collated
         ``fields``: parts it does not read are None, and so are fields of its parts it does not read. ``vision``:
         the family's ``VisionPart`` (None: no vision part). A CP part exists where the split made its fields."""
-        from megatron.vlm.batches import StageInputs
-
         inputs = inputs or StageInputs.everything()
         text = TextPart.from_fields(fields).for_stage(inputs) if inputs.tokens or inputs.labels else None
         packing = PackingPart.from_fields(fields) if inputs.packing else None
@@ -218,3 +216,28 @@ def broadcast_micro_batch(batch: MicroBatch | None, src: int, group) -> MicroBat
         return t
 
     return _map(header[0], receive)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageInputs:
+    """Which parts of a micro-batch a pipeline stage reads (see module docstring; ``megatron.vlm.micro_batch``:
+    the ``MicroBatch`` parts, and the vision and CP fields, each reading declares)."""
+
+    pixels: bool = True  # the ViT embedding: pixels and the ViT's fields
+    tokens: bool = True  # the LLM embedding: tokens (text part), the tiles' or image tokens' indices
+    labels: bool = True  # the head (and its loss): labels (text part)
+    packing: bool = True  # LLM layers, head: the packing part (cu_seqlens, max_seqlen, segment_ids, position_ids)
+
+    @classmethod
+    def everything(cls) -> "StageInputs":
+        return cls()
+
+    @classmethod
+    def reading(cls, parts) -> "StageInputs":
+        """Only the parts named in ``parts`` (field names: "pixels", "tokens", "labels", "packing"); a stage's
+        are the union of its units' runtime components' ``reads`` (``megatron.vlm.families.stage_inputs``)."""
+        parts = set(parts)
+        unknown = parts - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"StageInputs: unknown micro-batch parts {sorted(unknown)}")
+        return cls(**{f.name: f.name in parts for f in dataclasses.fields(cls)})
