@@ -189,3 +189,35 @@ def test_ep2_trains_as_the_serial_run(tmp_path_factory, data_cache, serial_run, 
     for g, w in zip(got, serial):
         for key in ("lm loss", "grad norm"):
             assert abs(g[key] - w[key]) <= TRAIN_TOL * abs(w[key]), (key, g, w)
+
+
+def test_moe_units_cost_their_mixer_and_the_routed_tokens_in_closed_form():
+    """A layer's forward FLOPs: its token mixer (the dense kind's, whose SwiGLU MLP of the shared width the closed
+    form takes out) plus the router ``2 T H E``, the routed experts ``6 T k H I``, the shared expert ``6 T H Is``
+    and its gate ``2 T H``; parameters likewise; every layer's unit is its kind's MoE one."""
+    import dataclasses
+
+    from omnibal_ext.model.families.qwen3_5 import (GatedAttentionLayerCost, GatedAttentionMoELayerCost,
+                                                    LinearAttentionLayerCost, LinearAttentionMoELayerCost)
+    from omnibal_ext.model.moe import ExpertGrid
+    from omnibal_ext.model.moe_cost import ExpertRun
+    from omnibal_ext.model.shape import MicroBatchShape
+
+    spec = get_preset("qwen3.5-35b-a3b")
+    lang, moe = spec.language, spec.language.moe
+    dense = spec.replace(language=dataclasses.replace(lang, moe=None))
+    T, H, E, k, F, Fs = 4096, lang.hidden_size, moe.num_experts, moe.topk, moe.ffn_hidden_size, \
+        moe.shared_expert_ffn_hidden_size
+    shape = MicroBatchShape(vision_items=64, llm_tokens=T, llm_attn_tokens_sq=4 * 1024.0 ** 2)
+    mlp_flops = 2 * T * H * E + 6 * T * k * H * F + 6 * T * H * Fs + 2 * T * H
+    mlp_params = E * H + 3 * E * H * F + 3 * H * Fs + H
+    for moe_cost, dense_cost in ((LinearAttentionMoELayerCost, LinearAttentionLayerCost),
+                                 (GatedAttentionMoELayerCost, GatedAttentionLayerCost)):
+        mixer = dense_cost(dense).flops(shape, 1)[0] - 6 * T * H * Fs
+        assert moe_cost(spec).flops(shape, 1)[0] == pytest.approx(mixer + mlp_flops, rel=1e-12)
+        assert moe_cost(spec).params(1) == dense_cost(dense).params(1) - 3 * H * Fs + mlp_params
+        assert moe_cost(spec).expert_params() == 3 * E * H * F
+        run = ExpertRun(ExpertGrid(ep=8), imbalance=1.5)  # the planner's EP search keeps the kind
+        assert type(moe_cost(spec).with_experts(run)) is moe_cost and moe_cost(spec).with_experts(run).run == run
+    kinds = {u.kind for u in build_units(spec) if u.code == "t"}
+    assert kinds == {"qwen3_5_linear_moe_layer", "qwen3_5_attention_moe_layer"}
