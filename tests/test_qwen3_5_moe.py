@@ -1,7 +1,8 @@
 """Qwen3.5-MoE (the Qwen3.5 family with MoE layers, transformers' ``qwen3_5_moe``): presets at the published sizes;
 tiny random transformers ``Qwen3_5MoeForConditionalGeneration`` checkpoints (``hf_tiny_qwen3_5_moe``: top 2 of 6
 experts of width 20 beside hidden 32 (H != 2I), a gated shared expert, LLM layers linear, full, full, linear,
-linear, partial rotary, linear heads unlike the attention heads, every parameter perturbed) with the experts one
+linear, partial rotary, linear heads unlike the attention heads, every parameter perturbed, rms_norm_eps 1e-3: the
+gated norm's fp32 conditioning, ``hf_tiny_qwen3_5.make_tiny``, puts eps 1e-5 at 1.3e-5) with the experts one
 tensor each (what a 5.23 ``save_pretrained`` writes) and stacked (``gate_up_proj`` / ``down_proj``, what the
 published files hold): logits within 1e-5 of transformers (fp32, eager) at every pipeline cut in one process,
 import -> export bit-identical in the layout read and loaded by transformers; TP2 + SP, PP2 between a linear and a

@@ -9,6 +9,10 @@ share one sequence-parallel region (the stage's LLM layers, whatever their kinds
 (``cache["text_context"]``: the packed parameters and the rotary angles, which the Gated DeltaNet ignores but for
 its segments).
 
+Qwen3.5-MoE: each kind has its MoE kind (``LinearAttentionMoELayers``, ``GatedAttentionMoELayers``), the same layer
+with megatron-core's MoELayer as its MLP (router, seeded experts, the shared expert behind its sigmoid gate) and the
+router's token mask in the blocks' context.
+
 Refused when built: context parallelism (the linear layers' recurrent state would pass between CP ranks),
 TransformerEngine layers and the dense-mask backend (the norms and the Gated DeltaNet are local modules over THD
 rows).

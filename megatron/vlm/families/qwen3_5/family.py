@@ -1,4 +1,4 @@
-"""Qwen3.5 (dense) at run time: the ``RuntimeFamily`` (registered when ``megatron.vlm.families`` discovers it).
+"""Qwen3.5 (dense and MoE) at run time: the ``RuntimeFamily`` (registered when ``megatron.vlm.families`` discovers it).
 
 Planning side: ``omnibal_ext.model.families.qwen3_5``. LLM modules: ``modules``; components: ``components``; HF
 config, names and tensor recipes: ``hf``. The ViT's config, the logits-check micro-batches and the training data

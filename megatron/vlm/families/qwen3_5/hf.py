@@ -14,6 +14,16 @@ Tensor names: ``model.visual.``, ``model.language_model.layers.<i>.self_attn.`` 
 ``model.language_model.norm``, ``embed_tokens``, ``lm_head.weight``. Norm weights are stored as HF has them
 (``w`` of ``1 + w``).
 
+Qwen3.5-MoE (``model_type`` "qwen3_5_moe", text ``qwen3_5_moe_text``): every layer's MLP is the sparse MoE block
+(``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``, ``shared_expert_intermediate_size``; no dense
+``intermediate_size``), the router ``mlp.gate.weight [E, H]`` always renormalising its top k, the experts stacked as
+the published files hold them (``mlp.experts.gate_up_proj [E, 2I, H]``, gate rows first, ``down_proj [E, H, I]``)
+or one tensor per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``: what transformers 5.23's
+``save_pretrained`` writes), ``mlp.shared_expert.{gate,up,down}_proj`` and ``mlp.shared_expert_gate.weight
+[1, H]`` (``sigmoid(x . w)`` times the shared expert's output: megatron-core's ``moe_shared_expert_gate``). Import
+reads either layout (``checkpoint_info``), each expert's block straight from the file (an EP rank reads only its
+experts), and export writes the layout that was read.
+
 Our global tensors of a layer (``llm.layer.<i>.``): full attention: ``self_attention.linear_qkv.weight`` per
 key-value group ``[q of its heads | gate of its heads | k | v]`` (megatron-core's gated layout), the per-head
 ``q_layernorm`` / ``k_layernorm``; Gated DeltaNet: ``self_attention.in_proj.weight.{q,k,v,z,b,a}``,
