@@ -118,6 +118,27 @@ def test_logits_match_transformers_at_every_pipeline_cut(megatron_world, tiny, l
             assert (chained_logits(src, batch, [cut]) - want).abs().max() <= TOL, cut
 
 
+def test_stacked_experts_written_transposed_are_read_by_their_shapes(megatron_world, tiny, tmp_path):
+    """The stacked experts as Qwen3-VL-MoE's published files hold them ([E, H, 2I], [E, I, H]): read by their
+    shapes (``HFInfo.transposed``), the logits unchanged."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from megatron.vlm.hf.convert import HFSource
+    from megatron.vlm.hf.logits import chained_logits
+
+    folder, model = tiny["published"]
+    shutil.copytree(folder, tmp_path / "t")
+    tensors = {k: v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v
+               for k, v in load_file(str(folder / "model.safetensors")).items()}
+    save_file(tensors, str(tmp_path / "t" / "model.safetensors"), metadata={"format": "pt"})
+    src = HFSource.open(str(tmp_path / "t"))
+    assert src.info.fused_experts and src.info.transposed == ("gate_up_proj", "down_proj")
+    batch = tiny_moe.inputs()
+    assert (chained_logits(src, batch) - tiny_moe.hf_logits(model, batch)).abs().max() <= TOL
+
+
 def test_import_export_round_trip_in_the_layout_read_and_transformers_loads_it(megatron_world, tiny, tmp_path):
     from safetensors.torch import load_file
 
