@@ -40,7 +40,7 @@ from omnibal_ext.model.units import build_units, family_of
 from megatron.vlm.components import RuntimeComponent, StageContext
 from megatron.vlm.config import language_config
 from megatron.vlm.head import OUTPUTS
-from megatron.vlm.layers import uses_segment_attention
+from megatron.vlm.layer_impl import LOCAL, LayerImpl
 from megatron.vlm.lora import is_adapter
 from megatron.vlm.micro_batch import MicroBatch
 from megatron.vlm.seeding import seeded
@@ -62,8 +62,7 @@ class StageBuild:
     tp: int = 1
     pp: int = 1
     dtype: torch.dtype = torch.float32
-    transformer_impl: str = "local"
-    attention_backend: str = "auto"
+    impl: LayerImpl = LOCAL  # the run's layers (``layer_impl.resolve_layer_impl``)
     seed: int = 0
     recompute: StageRecompute | None = None
     img_context_id: int = 0
@@ -117,15 +116,13 @@ class VLMStage(MegatronModule):
 
     def __init__(self, build: StageBuild, family, stage_config, vision_config, llm_config):
         super().__init__(config=stage_config)
-        impl, backend = build.transformer_impl, build.attention_backend
-        if impl == "transformer_engine" and backend == "unfused":
-            raise ValueError("--attention-backend unfused is megatron-core's DotProductAttention (local layers)")
+        impl = build.impl
         if build.output not in OUTPUTS:
             raise ValueError(f"stage output must be one of {OUTPUTS}, got {build.output!r}")
-        if uses_segment_attention(impl, backend) is False and build.sequence_parallel:
+        if not impl.segment_attention and build.sequence_parallel:
             raise ValueError("sequence parallelism runs megatron-core's torch layers with SegmentAttention "
                              "(--transformer-impl local, --attention-backend auto)")
-        if impl == "transformer_engine":  # TE's fused THD RoPE reads cu_seqlens on the device;
+        if impl.transformer_engine:  # TE's fused THD RoPE reads cu_seqlens on the device;
             llm_config = dataclasses.replace(llm_config, apply_rope_fusion=True)  # megatron's unfused one
             # would read them on the host (.tolist()) in every layer
         spec = build.spec
@@ -133,7 +130,6 @@ class VLMStage(MegatronModule):
         unit_range = build.unit_range
         self.build_args = build
         self.spec = spec
-        self.transformer_impl, self.attention_backend = impl, backend
         self.model_type = ModelType.encoder_or_decoder
         # Read by megatron's finalize_model_grads: its embedding group (first and last stage) cannot say
         # where E sits in our layouts, so tied embeddings are kept in sync by this module itself.
@@ -154,7 +150,7 @@ class VLMStage(MegatronModule):
         self.recompute = build.recompute or StageRecompute()
         self.ctx = StageContext(spec=spec, units=tuple(units), vision_config=vision_config, language_config=llm_config,
                                 seed=build.seed, recompute=self.recompute, img_context_id=build.img_context_id,
-                                transformer_impl=impl, attention_backend=backend, output=build.output,
+                                impl=impl, output=build.output,
                                 vision_drop_path_rate=build.vision_drop_path_rate, stage_start=unit_range.start,
                                 lora=build.lora)
         self.parts: list[_Part] = []
@@ -224,7 +220,7 @@ class VLMStage(MegatronModule):
     @property
     def thd(self) -> bool:
         """The LLM layers take packed sequences (THD); False: the dense mask of --attention-backend unfused."""
-        return self.ctx.thd
+        return self.ctx.impl.thd
 
     # parts by role ---------------------------------------------------------------------------------
     def part(self, role: str) -> _Part | None:
