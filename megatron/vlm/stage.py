@@ -154,25 +154,25 @@ class VLMStage(MegatronModule):
                                 vision_drop_path_rate=build.vision_drop_path_rate, stage_start=unit_range.start,
                                 lora=build.lora)
         self.parts: list[_Part] = []
-        for run in _runs(self.units):
-            component = family.component(run[0].kind)(self.ctx)
+        for run in _runs(self.units):  # each component's modules registered under its name (``attr``: the
+            component = family.component(run[0].kind)(self.ctx)  # checkpoint keys' first part)
             part = _Part(component, run)
+            held = self._modules.get(component.attr)
             if component.layers:
                 blocks = component.build(run)
-                held = getattr(self, component.attr, None)
                 if held is None:
-                    setattr(self, component.attr, blocks)
+                    self.add_module(component.attr, blocks)
                     part.blocks = range(len(blocks))
                 else:  # another run of layers in the same place (a family with several layer kinds)
                     part.blocks = range(len(held), len(held) + len(blocks))
                     held.extend(blocks)
             else:
-                if getattr(self, component.attr, None) is not None:
+                if held is not None:
                     raise ValueError(f"stage holds two {component.kind()} units")
                 with seeded(build.seed, run[0].index):
-                    setattr(self, component.attr, component.build(run))
+                    self.add_module(component.attr, component.build(run))
             for name, module in component.extra_modules().items():
-                setattr(self, name, module)
+                self.add_module(name, module)
             self.parts.append(part)
         self.tied_group = None  # set by megatron.training.training.build_model when E and L are apart
         self._tie_embeddings()
@@ -199,7 +199,7 @@ class VLMStage(MegatronModule):
             role_trains.setdefault(u.code, True if trains is None else trains[u.index])
         for part in self.parts:
             c = part.component
-            for unit, module, _ in c.unit_modules(getattr(self, c.attr), part.units, part.blocks):
+            for unit, module, _ in c.unit_modules(self.get_submodule(c.attr), part.units, part.blocks):
                 for name, p in module.named_parameters():
                     role = c.parameter_role(unit, name)
                     p.vlm_role = role
@@ -229,7 +229,7 @@ class VLMStage(MegatronModule):
 
     def module_of(self, part: _Part) -> torch.nn.Module:
         """The module holding ``part`` (for a layer kind: its blocks)."""
-        module = getattr(self, part.component.attr)
+        module = self.get_submodule(part.component.attr)
         if part.component.layers and len(part.blocks) != len(module):
             return module[part.blocks.start:part.blocks.stop]
         return module
@@ -259,7 +259,7 @@ class VLMStage(MegatronModule):
         """(unit, module, where the module sits in this stage's state dict) for each unit of the stage."""
         for part in self.parts:
             c = part.component
-            for unit, module, path in c.unit_modules(getattr(self, c.attr), part.units, part.blocks):
+            for unit, module, path in c.unit_modules(self.get_submodule(c.attr), part.units, part.blocks):
                 yield unit, module, f"{c.attr}{path}."
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
