@@ -106,7 +106,7 @@ class _MoELayers:
     def context(self, module, batch, cache):
         if "moe_context" not in cache:
             ctx = dict(super().context(module, batch, cache))
-            ctx["padding_mask"] = moe_padding_mask(batch, self.ctx.thd, self.ctx.language_config.sequence_parallel)
+            ctx["padding_mask"] = moe_padding_mask(batch, self.ctx.impl.thd, self.ctx.language_config.sequence_parallel)
             cache["moe_context"] = ctx
         return cache["moe_context"]
 
