@@ -5,7 +5,7 @@ linear, partial rotary, linear heads unlike the attention heads, every parameter
 gated norm's fp32 conditioning, ``hf_tiny_qwen3_5.make_tiny``, puts eps 1e-5 at 1.3e-5) with the experts one
 tensor each (what a 5.23 ``save_pretrained`` writes) and stacked (``gate_up_proj`` / ``down_proj``, what the
 published files hold): logits within 1e-5 of transformers (fp32, eager) at every pipeline cut in one process,
-import -> export bit-identical in the layout read and loaded by transformers; TP2 + SP, PP2 between a linear and a
+import -> export bit-identical in the layout read and loaded by transformers; TP1, TP2 + SP, PP2 between a linear and a
 full-attention layer and EP2 through ``scripts/hf_logits.py`` under torchrun, and EP2 training as the serial run
 within 1e-4 (slow)."""
 import json
@@ -171,9 +171,10 @@ def test_import_export_round_trip_in_the_layout_read_and_transformers_loads_it(m
 
 
 # --------------------------------------------------------------------------------------------------
-# TP2 + SP / PP2 / EP2 under torchrun
+# TP1 / TP2 + SP / PP2 / EP2 under torchrun
 # --------------------------------------------------------------------------------------------------
-PARALLEL = {"tp2-sp": (2, ["--tensor-model-parallel-size", "2"]),  # ETP = TP = 2, sequence-parallel MoE layers
+PARALLEL = {"tp1": (1, []),
+            "tp2-sp": (2, ["--tensor-model-parallel-size", "2"]),  # ETP = TP = 2, sequence-parallel MoE layers
             # the boundary after LLM layer 0: a linear layer | a full-attention one
             "pp2-linear-full-cut": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-layout", "Iv*2PEt|t*4L"]),
             "ep2": (2, ["--expert-model-parallel-size", "2"])}
