@@ -1,0 +1,143 @@
+"""Balancing with videos (issue 27, item 6): stats carry each video (a scan of real H.264 files, the --video-*
+flags applied as the family's rule does), ViT time per temporal patch against brute-force segments and the cost
+model, CP runs by predicted time against brute force, the over-budget refusal, plans on video stats and the step
+bound a single video sets."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+av = pytest.importorskip("av")
+
+from megatron.vlm.data import RecordDataset, TileImages  # noqa: E402
+from megatron.vlm.data.tokenizer import build_tokenizer  # noqa: E402
+from megatron.vlm.data.video_sampling import VideoOverrides  # noqa: E402
+from megatron.vlm.data.video_synthetic import write_coded_video  # noqa: E402
+from megatron.vlm.families.qwen2_5_vl import video as qwen_video  # noqa: E402
+from omnibal_ext.data.stats import load_stats  # noqa: E402
+from omnibal_ext.model.cost_model import DEVICES, analytic_costs  # noqa: E402
+from omnibal_ext.model.sample_time import VISION_CODES, sample_times, sample_work, time_coefficients  # noqa: E402
+from omnibal_ext.model.shape import MicroBatchShape  # noqa: E402
+from omnibal_ext.model.units import get_preset  # noqa: E402
+
+TOK = build_tokenizer(None)
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    d = tmp_path_factory.mktemp("video_balance")
+    write_coded_video(str(d / "v.mp4"), 50, 25, 96, 64, gop=10)  # 2 s at 25 fps, 96 x 64 px
+    write_coded_video(str(d / "w.mp4"), 30, 10, 64, 48, gop=10)  # 3 s at 10 fps, 64 x 48 px
+    Image.fromarray(np.full((40, 60, 3), 200, np.uint8)).save(d / "a.png")
+    records = [{"messages": [{"role": "user", "content": "<video>what?"}, {"role": "assistant", "content": "a"}],
+                "videos": ["v.mp4"]},
+               {"messages": [{"role": "user", "content": "<image>and<video>?"}, {"role": "assistant", "content": "b"}],
+                "images": ["a.png"], "videos": ["w.mp4"]},
+               {"messages": [{"role": "user", "content": "<image>only"}, {"role": "assistant", "content": "c"}],
+                "images": ["a.png"]}]
+    (d / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return d
+
+
+def test_isf_stats_write_carries_videos_with_the_video_flags(media, tmp_path, capsys):
+    """`omnibal isf stats --write` on InternVL (frames as tiles): --video-max-frames 4 samples 4 frames of each
+    video (its rule: the flag alone lowers the minimum), one tile and one temporal segment each; images apart; an
+    old stats file (no videos) still loads and concatenates as video-free; a flag the rule refuses is refused."""
+    from omnibal_cli import build_parser
+    from omnibal_ext.cli import run
+
+    out = tmp_path / "s.json"
+    assert run(build_parser(), ["isf", "stats", "--stats", str(media / "d.jsonl"), "--write", str(out),
+                                "--model", "internvl3-1b", "--video-max-frames", "4"]) == 0
+    recs = json.loads(out.read_text())
+    assert [r["videos"] for r in recs] == [[{"frames": 4, "width": 96, "height": 64, "patches": 4, "temporal": 4}],
+                                           [{"frames": 4, "width": 64, "height": 48, "patches": 4, "temporal": 4}],
+                                           []]
+    assert [[(i["width"], i["height"]) for i in r["images"]] for r in recs] == [[], [(60, 40)], [(60, 40)]]
+    tiles = recs[2]["images"][0]["tiles"]
+    assert [r["vit_num"] for r in recs] == [4, tiles + 4, tiles]
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps([{"vit_num": 2, "token_num": 10, "images": []}]))  # no "videos"
+    assert load_stats([old]).videos is None
+    both = load_stats([out, old])
+    assert both.videos.offsets.tolist() == [0, 1, 2, 2, 2] and both.videos.frames.tolist() == [4, 4]
+    assert run(build_parser(), ["isf", "stats", "--stats", str(media / "d.jsonl"), "--write", str(out),
+                                "--model", "internvl3-1b", "--video-fps", "1"]) == 2
+    assert "--video-fps" in capsys.readouterr().err
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenOneBlock(qwen_video.QwenFrames):
+    """A Qwen2-VL video rule with one image block per video (its merged tokens' patches) and one placeholder: the
+    reader's side of a Qwen video, enough for stats (the family's own reading is another part's)."""
+
+    def blocks(self, num_frames, width, height, where=None):
+        t, gh, gw = qwen_video.video_grid_thw(num_frames, height, width, self.settings, where)
+        return [t * gh * gw]
+
+    def text(self, indices, src_fps):
+        return "<image>"
+
+
+def qwen_dataset(media, **flags):
+    from megatron.vlm.families.qwen2_5_vl.data import PatchImages
+
+    rule = QwenOneBlock(qwen_video.settings(None, VideoOverrides(**flags)))
+    return RecordDataset(str(media / "d.jsonl"), TOK, PatchImages(), 4096, videos=rule)
+
+
+def segments_brute_force(t: int, rows: int, cols: int, side: int) -> tuple[list[int], list[int]]:
+    """The ViT's attention segments of a video of t x rows x cols patches, as the Qwen ViTs make them: one
+    full-attention segment per temporal patch (transformers' cu_seqlens: rows*cols repeated t times) and, per
+    temporal slice, windows of side x side patches from the top left (ragged at the edges)."""
+    full = [rows * cols] * t
+    windows = [min(side, rows - r) * min(side, cols - c)
+               for _ in range(t) for r in range(0, rows, side) for c in range(0, cols, side)]
+    return full, windows
+
+
+@pytest.mark.parametrize("model", ["qwen2.5-vl-7b", "qwen3-vl-8b"])
+def test_qwen_video_time_is_per_temporal_patch(media, model):
+    """Qwen2-VL's rule at --video-fps 2: v.mp4 (2 s) gives 4 frames, w.mp4 (3 s) 6 (floored to the temporal patch
+    2: 2 and 3 temporal patches); each frame smart_resized from its size (64 x 96 -> 280 x 392 px at the
+    default min_pixels: 20 x 28 patches). The stats hold them; each sample's ViT time equals the cost model of
+    the brute-force segments (full attention per temporal patch, windows per slice), not one segment per video."""
+    ds = qwen_dataset(media, fps=2.0)
+    stats = ds.sample_stats()
+    v = stats.videos
+    assert v.offsets.tolist() == [0, 1, 2, 2] and v.frames.tolist() == [4, 6] and v.temporal.tolist() == [2, 3]
+    # smart_resize by hand: area below min_pixels 128*28*28 -> scaled up, each side ceil'd to 28 px
+    grids = []
+    for w, h in ((96, 64), (64, 48)):
+        beta = np.sqrt(128 * 28 * 28 / (w * h))
+        grids.append((int(np.ceil(h * beta / 28)) * 2, int(np.ceil(w * beta / 28)) * 2))
+    assert v.patches.tolist() == [2 * grids[0][0] * grids[0][1], 3 * grids[1][0] * grids[1][1]]
+    assert stats.vit.tolist() == (stats.images.per_sample(stats.images.patches) + v.per_sample(v.patches)).tolist()
+    spec = get_preset(model)
+    device = DEVICES["h200-141g"]
+    work = sample_work(stats, spec, ds.image_grids())
+    vit, _ = sample_times(work, time_coefficients(spec, device))
+    side = spec.vision.window_patches_side if model.startswith("qwen2.5") else None
+    image_grid = ds.image_grids()
+    for i in range(len(stats)):
+        full, windows = [], []
+        if i < 2:
+            f, w = segments_brute_force(int(v.temporal[i]), *grids[i], side or 10 ** 9)
+            full, windows = full + f, windows + w
+        for k in range(stats.images.offsets[i], stats.images.offsets[i + 1]):
+            f, w = segments_brute_force(1, int(image_grid[0][k]), int(image_grid[1][k]), side or 10 ** 9)
+            full, windows = full + f, windows + w
+        shape = MicroBatchShape(int(stats.vit[i]), int(stats.tokens[i]), llm_attn_tokens_sq=float(stats.tokens[i]) ** 2,
+                                vision_attn_tokens_sq=float(sum(s * s for s in full)),
+                                vision_window_tokens_sq=float(sum(s * s for s in windows)))
+        costs = analytic_costs(spec, shape, 1, device, attention="flash")
+        assert vit[i] == pytest.approx(sum(u.fwd_s + u.bwd_s for u in costs.units if u.code in VISION_CODES),
+                                       rel=1e-9)
+    # one segment per video would cost more: the model attends per temporal patch
+    assert work.vit_full_sq[0] == pytest.approx(2 * (grids[0][0] * grids[0][1]) ** 2)
+    assert work.vit_full_sq[0] < float(v.patches[0]) ** 2
