@@ -141,3 +141,53 @@ def test_qwen_video_time_is_per_temporal_patch(media, model):
     # one segment per video would cost more: the model attends per temporal patch
     assert work.vit_full_sq[0] == pytest.approx(2 * (grids[0][0] * grids[0][1]) ** 2)
     assert work.vit_full_sq[0] < float(v.patches[0]) ** 2
+
+
+def test_cp_runs_balance_predicted_time_videos_whole():
+    """CP runs of whole images and videos: each item's time (``grid_vit_time_units``) equals the cost model of its
+    brute-force segments, and the runs' largest time is the best contiguous cut (brute force); a long video of few
+    patches per frame and a large image of equal patches weigh differently in time."""
+    from omnibal_ext.model.cp_split import image_runs
+    from omnibal_ext.model.sample_time import TIME_UNIT_S, grid_vit_time_units
+
+    spec = get_preset("qwen2.5-vl-7b")
+    device = DEVICES["h200-141g"]
+    grids = [(1, 40, 48), (8, 12, 20), (1, 12, 20), (4, 24, 24), (1, 64, 60)]
+    times = grid_vit_time_units(spec, grids, device)
+    for (t, r, c), got in zip(grids, times):
+        full, windows = segments_brute_force(t, r, c, spec.vision.window_patches_side)
+        shape = MicroBatchShape(t * r * c, 0, vision_attn_tokens_sq=float(sum(s * s for s in full)),
+                                vision_window_tokens_sq=float(sum(s * s for s in windows)))
+        costs = analytic_costs(spec, shape, 1, device, attention="flash")
+        want = sum(u.fwd_s + u.bwd_s for u in costs.units if u.code in VISION_CODES) / TIME_UNIT_S
+        assert got == pytest.approx(want, rel=1e-6)
+    # (8, 12, 20) has the patches of (1, 40, 48) (1920 each) but a fraction of its full-attention work
+    assert times[1] < times[0]
+    for cp in (2, 3):
+        runs = image_runs(times, cp)
+        assert [i for r in runs for i in r] == list(range(len(grids)))
+        best = min(max(int(times[a:e].sum()) for a, e in zip((0,) + cut, cut + (len(grids),)))
+                   for cut in itertools.combinations_with_replacement(range(len(grids) + 1), cp - 1))
+        assert max(int(times[r.start:r.stop].sum()) for r in runs) == best
+
+
+def test_a_video_over_a_cp_rank_budget_is_refused_with_flags_that_fit(media):
+    """--omnibal-isf-qv 1600 at CP 2 gives each rank 800 patches; at --video-fps 2 v.mp4 has 2 and w.mp4 3 temporal
+    patches of 560: refused naming the largest's file:line and the flags; the --video-max-frames it names, applied
+    by the rule, fits."""
+    from types import SimpleNamespace
+
+    from megatron.training.arguments import ArgumentError
+    from megatron.training.isf import check_videos_fit_cp_ranks
+
+    plan = SimpleNamespace(context_parallel_size=2, model_spec=get_preset("qwen2.5-vl-7b"))
+    ds = qwen_dataset(media, fps=2.0)
+    check_videos_fit_cp_ranks(SimpleNamespace(context_parallel_size=1, model_spec=plan.model_spec), ds, 1600)
+    with pytest.raises(ArgumentError) as e:
+        check_videos_fit_cp_ranks(plan, ds, 1600)
+    msg = str(e.value)
+    assert f"{media / 'd.jsonl'}:2: a video of 6 frames" in msg and "800 patches" in msg and "--video-max-frames 2" in msg
+    assert "--video-max-pixels" not in msg  # 400 patches a frame is below the rule's min_pixels
+    fitted = qwen_dataset(media, fps=2.0, max_frames=2).sample_stats().videos
+    assert fitted.patches.max() <= 800
+    check_videos_fit_cp_ranks(plan, qwen_dataset(media, fps=2.0, max_frames=2), 1600)

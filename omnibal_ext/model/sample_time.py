@@ -17,13 +17,14 @@ tiles (InternVL) are tiles: a family without ``segments_sq`` counts them as it c
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..data.native import patch_grid
 from ..data.stats import SampleStats
-from .cost_model import DeviceSpec, analytic_costs
+from .cost_model import DeviceSpec, analytic_costs, get_device
 from .shape import MicroBatchShape
 from .spec import PROJECTOR, VISION_EMBED, VISION_LAYER, ModelSpec
 from .units import family_of
@@ -202,3 +203,23 @@ def vision_segments(stats: SampleStats, spec: ModelSpec) -> VisionSegments | Non
     total = max(float(work.vit_items.sum()), 1.0)
     return VisionSegments(float(work.vit_full_sq.sum()) / total, float(work.vit_window_sq.sum()) / total,
                           float(np.concatenate(ratios_full).max()), float(np.concatenate(ratios_window).max()))
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_coefficients(spec: ModelSpec, device: DeviceSpec, tp: int) -> TimeCoefficients:
+    return time_coefficients(spec, device, tp)
+
+
+def grid_vit_time_units(spec: ModelSpec, grids, device: DeviceSpec | None = None, tp: int = 1) -> np.ndarray:
+    """Predicted ViT-side time (``TIME_UNIT_S`` units, int64 (k,)) of each image or video of ``grids`` (``grid_thw``
+    rows ``(t, rows, cols)`` in patches) for a family with ``segments_sq``: ``t`` segments of ``rows x cols`` patches
+    (one per temporal patch, module docstring); what CP balances whole images and videos by.  device: the cost
+    model's (default ``ISF_TIME_DEVICE``)."""
+    g = np.asarray(grids, dtype=np.int64).reshape(-1, 3)
+    if not len(g):
+        return np.zeros(0, dtype=np.int64)
+    c = _cached_coefficients(spec, device or get_device(ISF_TIME_DEVICE), tp)
+    t, rows, cols = (g[:, j].astype(np.float64) for j in range(3))
+    full, window = family_of(spec).segments_sq(spec, rows, cols)
+    seconds = c.vit_item * t * rows * cols + c.vit_full_sq * t * full + c.vit_window_sq * t * window
+    return np.round(seconds / TIME_UNIT_S).astype(np.int64)
