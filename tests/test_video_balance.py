@@ -191,3 +191,56 @@ def test_a_video_over_a_cp_rank_budget_is_refused_with_flags_that_fit(media):
     fitted = qwen_dataset(media, fps=2.0, max_frames=2).sample_stats().videos
     assert fitted.patches.max() <= 800
     check_videos_fit_cp_ranks(plan, qwen_dataset(media, fps=2.0, max_frames=2), 1600)
+
+
+def video_mix_records(n=120, seed=0):
+    """Stats records of a video and image mix: every third sample one video of 2-16 temporal patches of 8-22 x
+    8-30 patches, the others one image of 8-58 x 8-58 patches; tokens its merged patches plus 50-600 text."""
+    rng = np.random.default_rng(seed)
+    recs = []
+    for i in range(n):
+        if i % 3 == 0:
+            t, gh, gw = int(rng.integers(2, 17)), 2 * int(rng.integers(4, 12)), 2 * int(rng.integers(4, 16))
+            videos = [{"frames": 2 * t, "width": gw * 14, "height": gh * 14, "patches": t * gh * gw, "temporal": t}]
+            images = []
+        else:
+            gh, gw = 2 * int(rng.integers(4, 30)), 2 * int(rng.integers(4, 30))
+            images, videos = [{"width": gw * 14, "height": gh * 14, "patches": gh * gw}], []
+        p = sum(x["patches"] for x in videos + images)
+        recs.append({"vit_num": p, "token_num": p // 4 + int(rng.integers(50, 600)), "images": images,
+                     "videos": videos})
+    return recs
+
+
+def test_plan_takes_video_stats(tmp_path):
+    """The plan's ViT segments per item (``vision_segments``: its micro-batch shapes and memory) count a video per
+    temporal patch (brute force over the records); `omnibal plan` on a stats file with videos plans ISF in time with
+    a ViT cap that holds the largest video."""
+    from omnibal_cli import build_parser
+    from omnibal_ext.cli import run
+    from omnibal_ext.model.sample_time import vision_segments
+
+    recs = video_mix_records()
+    path = tmp_path / "mix.json"
+    path.write_text(json.dumps(recs))
+    spec = get_preset("qwen2.5-vl-7b")
+    side = spec.vision.window_patches_side
+    full_sum = window_sum = items = 0
+    full_max = window_max = 0.0
+    for r in recs:
+        for m in r["images"] + r["videos"]:
+            t = m.get("temporal", 1)
+            full, windows = segments_brute_force(t, m["height"] // 14, m["width"] // 14, side)
+            f, w = sum(s * s for s in full), sum(s * s for s in windows)
+            full_sum, window_sum, items = full_sum + f, window_sum + w, items + m["patches"]
+            full_max, window_max = max(full_max, f / m["patches"]), max(window_max, w / m["patches"])
+    seg = vision_segments(load_stats([path]), spec)
+    assert (seg.mean_full, seg.mean_window) == pytest.approx((full_sum / items, window_sum / items), rel=1e-12)
+    assert (seg.max_full, seg.max_window) == pytest.approx((full_max, window_max), rel=1e-12)
+    out = tmp_path / "plan.json"
+    assert run(build_parser(), ["plan", "--data", str(path), "--model", "qwen2.5-vl-7b", "--gpus", "8", "--gpu-memory",
+                                "141", "--device", "h200-141g", "--tp", "1", "--pp", "1", "--sim-iterations", "2", "--json",
+                                str(out)]) == 0
+    flags = json.loads(out.read_text())["trainer_flags"]
+    assert flags["--omnibal-isf-qv"] >= max(m["patches"] for r in recs for m in r["videos"])
+    assert "--omnibal-isf-vit-time" in flags
