@@ -186,7 +186,8 @@ def test_a_video_over_a_cp_rank_budget_is_refused_with_flags_that_fit(media):
     with pytest.raises(ArgumentError) as e:
         check_videos_fit_cp_ranks(plan, ds, 1600)
     msg = str(e.value)
-    assert f"{media / 'd.jsonl'}:2: a video of 6 frames" in msg and "800 patches" in msg and "--video-max-frames 2" in msg
+    assert f"{media / 'd.jsonl'}:2: a video of 6 frames" in msg and "800 patches" in msg
+    assert "--video-max-frames 2" in msg
     assert "--video-max-pixels" not in msg  # 400 patches a frame is below the rule's min_pixels
     fitted = qwen_dataset(media, fps=2.0, max_frames=2).sample_stats().videos
     assert fitted.patches.max() <= 800
@@ -239,8 +240,38 @@ def test_plan_takes_video_stats(tmp_path):
     assert (seg.max_full, seg.max_window) == pytest.approx((full_max, window_max), rel=1e-12)
     out = tmp_path / "plan.json"
     assert run(build_parser(), ["plan", "--data", str(path), "--model", "qwen2.5-vl-7b", "--gpus", "8", "--gpu-memory",
-                                "141", "--device", "h200-141g", "--tp", "1", "--pp", "1", "--sim-iterations", "2", "--json",
+                                "141", "--device", "h200-141g", "--tp", "1", "--pp", "1", "--sim-iterations", "2",
+                                "--json",
                                 str(out)]) == 0
     flags = json.loads(out.read_text())["trainer_flags"]
     assert flags["--omnibal-isf-qv"] >= max(m["patches"] for r in recs for m in r["videos"])
     assert "--omnibal-isf-vit-time" in flags
+
+
+def test_a_video_over_the_mean_rank_load_sets_the_bound(tmp_path, capsys):
+    """`omnibal isf search --model` on a video mix with one very long video: the JSON's ``bound`` names it, its
+    time over the mean group time, and the step bound equals the DistRatio of its step with every other rank at
+    the mean (closed form: ``metrics.dist_ratio_one``); without it no sample sets a bound."""
+    from omnibal_ext.data.metrics import dist_ratio_one
+    from omnibal_ext.cli import run
+    from omnibal_cli import build_parser
+
+    recs = video_mix_records(240)
+    doc = {}
+    for name, extra in (("plain", []), ("long", [{"frames": 256, "width": 448, "height": 336, "temporal": 128,
+                                                   "patches": 128 * 24 * 32}])):
+        data = [dict(r) for r in recs]
+        if extra:
+            data[7] = {"vit_num": extra[0]["patches"], "token_num": extra[0]["patches"] // 4 + 100, "images": [],
+                       "videos": extra}
+        path, out = tmp_path / f"{name}.json", tmp_path / f"{name}_out.json"
+        path.write_text(json.dumps(data))
+        assert run(build_parser(), ["isf", "search", "--stats", str(path), "--model", "qwen2.5-vl-7b", "--dp", "4",
+                                    "--samples-per-group", "4", "--json", str(out)]) == 0
+        doc[name] = json.loads(out.read_text())
+    assert doc["plain"]["bound"] is None
+    b = doc["long"]["bound"]
+    assert b["sample"] == 7 and b["time"] > b["mean_rank_load"] and b["ratio"] == pytest.approx(b["time"] /
+                                                                                                  b["mean_rank_load"])
+    assert b["step_dist_ratio_bound"] == pytest.approx(dist_ratio_one([b["time"]] + [b["mean_rank_load"]] * 3))
+    assert "sample 7 takes" in capsys.readouterr().out

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from omnibal_ext.data.assign import assemble_steps
 from omnibal_ext.data.isf import ISFParams, check_partition, isf_group
 from omnibal_ext.data.search import DataPlan, SearchConfig, plan_isf
-from omnibal_ext.data.search_time import plan_isf_time
+from omnibal_ext.data.cli import bound_line
+from omnibal_ext.data.search_time import plan_isf_time, sample_bound
 from omnibal_ext.model.cost_model import get_device
 from omnibal_ext.model.cp_split import rank_vit_budget, video_fit
 from omnibal_ext.model.sample_time import isf_sample_times
@@ -180,15 +181,31 @@ def isf_groups(args, plan: RunPlan, dataset) -> tuple[list[np.ndarray], np.ndarr
         tokens = search_config(args, plan).counted_tokens(dataset.sample_lengths()[0])
         check_partition(data_plan.grouping, len(dataset))
         g = data_plan.grouping
+        times = run_sample_times(args, plan, dataset) if g.vit_time is not None else None
         box = [{"groups": g.groups(), "order": data_plan.assembly.order, "params": data_plan.params.to_dict(),
                 "mean_group": {"tiles": float(g.tiles.mean()), "tokens": float(g.tokens.mean()),
                                "attn_tokens_sq": float((tokens.astype(float) ** 2).sum() / len(g))},
-                "metrics": data_plan.metrics}]
+                "metrics": data_plan.metrics,
+                "bound": None if times is None else sample_bound(times, g, plan.data_parallel_size)}]
     dist.broadcast_object_list(box, src=0)
     result = box[0]
     if dist.get_rank() == 0:
         print(report_line(len(dataset), len(result["groups"]), result["params"], result["metrics"]), flush=True)
+        if result["bound"] is not None:
+            print(f"> ISF {bound_line(result['bound'], describe_sample(dataset, result['bound']['sample']))}",
+                  flush=True)
     return result["groups"], result["order"], result["params"], result["mean_group"]
+
+
+def describe_sample(dataset, index: int) -> str:
+    """``file:line`` of sample ``index``, with its videos (frames, patches) when it has any."""
+    videos = dataset.sample_stats().videos
+    where = dataset.where(index)
+    if videos is None or videos.offsets[index] == videos.offsets[index + 1]:
+        return where
+    k = range(int(videos.offsets[index]), int(videos.offsets[index + 1]))
+    return where + " (" + ", ".join(f"a video of {int(videos.frames[j])} frames, {int(videos.patches[j])} patches"
+                                    for j in k) + ")"
 
 
 def isf_subset_groups(tokens: np.ndarray, tiles: np.ndarray, sample_ids: np.ndarray, params: ISFParams,

@@ -278,7 +278,8 @@ class SampleStats:
             if videos is not None:
                 count = np.diff(videos.offsets)[mask]
                 out.update({"videos_mean": float(count.mean()),
-                            "video_frames_mean": float(videos.per_sample(videos.frames)[mask].sum() / max(1, count.sum())),
+                            "video_frames_mean": float(videos.per_sample(videos.frames)[mask].sum()
+                                                       / max(1, count.sum())),
                             "video_patches_mean": float(videos.per_sample(videos.patches)[mask].sum()
                                                         / max(1, count.sum())),
                             "samples_with_video": int((count > 0).sum())})

@@ -469,8 +469,8 @@ def scan_share(sources: list[SourceSpec], tokenizer, config: ReaderConfig, rank:
 
 def _scan_record(raw: bytes, src: SourceSpec, tokenizer, config: ReaderConfig, source: int = 0, line: int = 0):
     """One annotation line: ``(entry sizes, ViT items per entry, video fields per entry (``media_entries``), tokens,
-    entries kept, real items, truncated, truncated without an answer token)`` (an entry: an image or a video's block), or its problems (a list of
-    messages)."""
+    entries kept, real items, truncated, truncated without an answer token)`` (an entry: an image or a video's
+    block), or its problems (a list of messages)."""
     try:
         record = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
