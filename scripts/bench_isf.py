@@ -236,7 +236,8 @@ def main(argv=None) -> int:
     ap.add_argument("--scan-images", nargs="+", metavar="DIR", default=[],
                     help="folders whose image files give the scanned dataset's sizes")
     ap.add_argument("--scan-samples", type=int, default=40_000)
-    ap.add_argument("--video-mix", type=int, default=0, metavar="N", help="samples of the video and image mix (0: none)")
+    ap.add_argument("--video-mix", type=int, default=0, metavar="N",
+                    help="samples of the video and image mix (0: none)")
     ap.add_argument("--video-only", action="store_true", help="only the video and image mix (--video-mix, default "
                                                                   "40000)")
     ap.add_argument("--video-share", type=float, default=1 / 3, help="share of the mix's samples with a video")

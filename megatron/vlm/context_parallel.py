@@ -23,7 +23,8 @@ The CP ranks of a data-parallel rank read the same micro-batch; each keeps its p
   images (and videos) go whole to the ranks, in contiguous runs of the micro-batch's order balanced by predicted ViT
   time (the least possible largest run: ``cp_split.image_runs`` of ``sample_time.grid_vit_time_units``: patches
   plus full attention quadratic per segment, a video's segments its temporal patches, windows per temporal slice);
-  a video over one rank's share of --omnibal-isf-qv is refused before training (``training/isf.py``); a rank gets its images' pixel rows and their ViT fields, one all-zero 2 x 2-patch image whose output
+  a video over one rank's share of --omnibal-isf-qv is refused before training (``training/isf.py``); a rank
+  gets its images' pixel rows and their ViT fields, one all-zero 2 x 2-patch image whose output
   nobody reads when it has none.  ``vision_rank_tokens`` (every rank's merged tokens, host ints) sizes the LLM
   embedding's ``gather_rows``, then ``image_feature_index`` picks as above.  Multimodal RoPE: the
   ``mrope_position_ids`` stay in the padded, unsplit layout (each segment padded as above), one frequency row per
