@@ -52,6 +52,12 @@ class VideoRule:
     def pixels(self, frames: np.ndarray) -> torch.Tensor:
         raise NotImplementedError
 
+    def temporal_patches(self, num_frames: int) -> int:
+        """The ViT's attention segments in time of ``num_frames`` sampled frames (what stats and the time model
+        count): temporal patches of ``settings.temporal_patch_size`` frames, the last padded, each attended as one
+        image (the Qwen ViTs).  A rule whose frames are tiles overrides it (one segment per frame)."""
+        return -(-num_frames // self.settings.temporal_patch_size)
+
 
 @dataclass(frozen=True)
 class SampledVideo:

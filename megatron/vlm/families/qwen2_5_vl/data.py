@@ -30,6 +30,7 @@ from megatron.vlm.drop_path import image_patch_keys
 from megatron.vlm.micro_batch import MicroBatch
 from omnibal_ext.errors import UserError
 from omnibal_ext.model.cp_split import image_runs
+from omnibal_ext.model.sample_time import grid_vit_time_units
 
 from .batch import QwenVision, vision_fields
 from .image_processing import ImageProcessorConfig, preprocess_image, resized_grid
@@ -143,7 +144,8 @@ class QwenBatcher(Batcher):
         splits them (``split_tokens``, ``image_feature_index`` over this family's image tokens) with
         ``mrope_position_ids [3, 1, t]`` in the padded, *unsplit* layout (megatron-core's THD RoPE takes this rank's
         chunks of per-token frequencies itself; pads: their position in the segment); the images go whole, in
-        contiguous runs balanced by patches (``image_runs``): this rank's pixel rows and ``vision_fields`` (an
+        contiguous runs balanced by predicted ViT time (``image_runs`` of ``grid_vit_time_units``: a video's
+        temporal patches each one attention segment): this rank's pixel rows and ``vision_fields`` (an
         all-zero 2 x 2-patch image whose output nobody reads when it has none), and ``vision_rank_tokens`` (every
         rank's merged image tokens, host ints: the LLM embedding's all-gather)."""
         out = split_tokens(batch, cp, rank, pad_id, self.image_token_id, sp_tp)
@@ -154,7 +156,7 @@ class QwenBatcher(Batcher):
         real = int(batch["sample_tiles"].sum()) > 0  # else the micro-batch's one image is make's dummy
         grids = [tuple(g) for g in batch["image_grid_thw"].tolist()] if real else []
         patches = [t * h * w for t, h, w in grids]
-        runs = image_runs(patches, cp)
+        runs = image_runs(grid_vit_time_units(self.spec, grids), cp)
         out["vision_rank_tokens"] = [sum(patches[i] for i in r) // self.merge ** 2 for r in runs]
         mine = runs[rank]
         first, last = sum(patches[:mine.start]), sum(patches[:mine.stop])
