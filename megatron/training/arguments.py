@@ -392,9 +392,6 @@ def check_moe(args, spec: ModelSpec, tp: int, pp: int, cp: int, dp: int) -> None
     if args.moe_token_dispatcher_type == "allgather":
         raise ArgumentError("--moe-token-dispatcher-type allgather: megatron-core 0.16 refuses it with variable "
                             "sequence lengths, which the stages' changing shapes need; use alltoall")
-    if cp > 1:
-        raise ArgumentError("--num-experts with --context-parallel-size > 1 is not supported yet (the router's "
-                            "padding mask and aux losses are not split over CP ranks)")
     if tp > 1 and not args.sequence_parallel:
         raise ArgumentError(f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel "
                             "(megatron-core's MoELayer refuses to train under TP without it)")

@@ -322,10 +322,15 @@ def moe_padding_mask(batch: MicroBatch, thd: bool, sequence_parallel: bool) -> t
     """The router's token mask (``megatron.vlm.moe.token_mask``: padding and packed-sample membership, bool [rows,
     sequence, 1 + samples]; THD: the micro-batch's rows flattened, [1, rows x sequence, 1 + samples]) from the
     collate's segment ids (-1: padding); under sequence parallelism this TP rank's tokens (the MoE layer sees 1/TP of
-    them)."""
+    them). Under context parallelism the sample axis has one column per segment of the unsplit micro-batch
+    (``cu_seqlens``, the same on every CP rank; padding segments' columns stay empty), so that the CP ranks' per-sample
+    statistics line up when summed (a rank may hold none of a short sample's tokens)."""
+    from megatron.vlm.context_parallel import context_parallel_group
     from megatron.vlm.moe import token_mask
 
-    mask = token_mask(batch.packing.segment_ids)
+    packing = batch.packing
+    samples = len(packing.cu_seqlens) - 1 if context_parallel_group() is not None else None
+    mask = token_mask(packing.segment_ids, samples)
     if thd:
         mask = mask.reshape(1, -1, mask.shape[-1])
     if sequence_parallel:

@@ -101,12 +101,19 @@ class SeededSequentialMLP(SequentialMLP):
                                               is_expert=True, tp_group=pg_collection.expt_tp))
 
 
-def token_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+def token_mask(segment_ids: torch.Tensor, samples: int | None = None) -> torch.Tensor:
     """The router's token mask from the collate's segment ids (int [rows, sequence], the packed sample's index within
     the micro-batch, -1 on padding): bool [rows, sequence, 1 + samples], ``[..., 0]`` True at padding (megatron-core's
     ``padding_mask``), ``[..., 1 + s]`` True on the tokens of packed sample ``s``. megatron-core's ``MoELayer`` only
-    transposes its first two axes and takes ``bool()`` of it on its way to the router (``MaskedTopKRouter``)."""
-    samples = int(segment_ids.max()) + 1 if segment_ids.numel() else 0
+    transposes its first two axes and takes ``bool()`` of it on its way to the router (``MaskedTopKRouter``).
+    samples: the width of the sample axis (at least the largest segment id + 1; default: exactly that); the ranks
+    whose per-sample statistics are summed (context parallelism: each holds a part of every sample, some none of a
+    short one) must give the same."""
+    largest = int(segment_ids.max()) + 1 if segment_ids.numel() else 0
+    if samples is None:
+        samples = largest
+    elif samples < largest:
+        raise ValueError(f"token_mask: {samples} samples, but the segment ids name {largest}")
     return torch.nn.functional.one_hot(segment_ids + 1, 1 + samples).bool()
 
 
