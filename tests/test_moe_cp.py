@@ -71,3 +71,19 @@ def test_seq_aux_loss_per_sample_cp2_equals_serial(data, serial_run, shared_runs
     serial = serial_run(flags + ["--omnibal-isf-token-multiple", "4"])
     records, _, _ = shared_runs.run(2, flags + CP2)
     assert_equals_serial(records, serial)
+
+
+# interleaved pipeline: rank 0 runs stages 0 and 2 (an MoE layer on each chunk), rank 1 stages 1 (dense) and 3 (MoE)
+VPP_LAYOUT = "Iv*4PEt|t|t|tL"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc,flags", [(2, []), (4, ["--expert-model-parallel-size", "2"])], ids=["pp2v2", "ep2pp2v2"])
+def test_moe_interleaved_equals_serial(data, serial_run, shared_runs, nproc, flags):
+    """megatron-core's interleaved 1F1B schedule with MoE layers on both model chunks of a rank: the aux-loss
+    tracker and the expert load see every chunk's routers once per micro-batch."""
+    serial = serial_run(BASE + data)
+    records, out, _ = shared_runs.run(nproc, BASE + data + flags + ["--pipeline-model-parallel-size", "2",
+                                                                     "--pipeline-layout", VPP_LAYOUT])
+    assert "interleaved: 2 model chunks per rank" in out
+    assert_equals_serial(records, serial)
