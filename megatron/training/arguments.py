@@ -389,9 +389,6 @@ def check_moe(args, spec: ModelSpec, tp: int, pp: int, cp: int, dp: int) -> None
         if on:
             raise ArgumentError(f"{flag} with --num-experts: the trainer's profiler does not run MoE layers yet "
                                 "(give --pipeline-layout / --recompute-plan)")
-    if args.moe_token_dispatcher_type == "allgather":
-        raise ArgumentError("--moe-token-dispatcher-type allgather: megatron-core 0.16 refuses it with variable "
-                            "sequence lengths, which the stages' changing shapes need; use alltoall")
     if tp > 1 and not args.sequence_parallel:
         raise ArgumentError(f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel "
                             "(megatron-core's MoELayer refuses to train under TP without it)")

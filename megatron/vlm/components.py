@@ -59,6 +59,7 @@ class StageContext:
     vision_drop_path_rate: float = 0.0  # ViT stochastic depth at the last layer (megatron/vlm/drop_path.py)
     stage_start: int = 0  # index in ``units`` of the stage's first unit
     lora: Lora = Lora()  # LoRA adapters (megatron/vlm/lora.py); rank 0: none
+    moe_dispatcher: str = "alltoall"  # MoE layers' token dispatcher (--moe-token-dispatcher-type)
 
     def build_layers(self, units: list[Unit], config: TransformerConfig, spec_for, role: str,
                      lora_linears: tuple[str, ...] | None = None) -> torch.nn.ModuleList:
@@ -301,7 +302,7 @@ class MoETextLayer(TextLayer):
                                  redraw=number_layer)
         if lang.qk_norm:
             layers.with_qk_norm(spec)
-        return moe.layer_spec(spec, lang.moe.num_experts, lang.normalization)
+        return moe.layer_spec(spec, lang.moe.num_experts, lang.normalization, ctx.moe_dispatcher)
 
     def context(self, module, batch, cache):
         if "moe_context" not in cache:
