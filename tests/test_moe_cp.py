@@ -52,6 +52,34 @@ def test_token_mask_lines_up_the_cp_ranks_samples():
         token_mask(parts[0], samples=1)
 
 
+def test_plan_screens_the_expert_grid_over_dp_x_cp():
+    """omnibal plan at CP2 on 4 GPUs: every (TP, PP, DP, EP, ETP) megatron-core allows with EP from DP x CP (EP x
+    ETP dividing TP x CP x DP), brute force over the definition; the trainer flags carry CP and EP."""
+    from test_moe_plan import E, tiny_moe_spec, vlm_stats
+
+    from omnibal_ext.memory.memory_model import GIB
+    from omnibal_ext.model.units import build_units
+    from omnibal_ext.plan import PlanConfig, make_plan
+
+    spec = tiny_moe_spec(freq=(1, 1, 0, 1))
+    plan = make_plan(vlm_stats(200, 1), PlanConfig(spec, 4, 4 * GIB, global_batch_size=32, sim_iterations=1,
+                                                  isf_max_candidates=2, max_vpp=1, cp=2))
+    screened = {(r["tp"], r["pp"], r["dp"], r["ep"], r["etp"]) for r in plan.configs_tried if "least_need_bytes" in r}
+    want = set()
+    for tp in (1, 2, 4):
+        if spec.language.num_attention_heads % tp or spec.language.kv_groups % tp:
+            continue
+        for pp in (1, 2, 4):
+            dp = 4 // (tp * pp * 2)
+            if tp * pp * 2 * dp != 4 or pp > len(build_units(spec)):
+                continue
+            want |= {(tp, pp, dp, ep, etp) for ep in range(1, E + 1) for etp in {1, tp}
+                     if E % ep == 0 and (tp * 2 * dp) % (ep * etp) == 0}
+    assert screened == want and any(g[3] == 2 and g[2] == 1 for g in want)  # EP2 over the CP ranks alone
+    assert plan.trainer_flags["--context-parallel-size"] == 2
+    assert plan.trainer_flags["--expert-model-parallel-size"] == plan.ep
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc,flags", [(2, CP2), (4, CP2 + ["--expert-model-parallel-size", "2"])],
                          ids=["cp2", "ep2cp2"])
