@@ -115,3 +115,10 @@ def test_moe_interleaved_equals_serial(data, serial_run, shared_runs, nproc, fla
                                                                      "--pipeline-layout", VPP_LAYOUT])
     assert "interleaved: 2 model chunks per rank" in out
     assert_equals_serial(records, serial)
+
+
+@pytest.mark.slow
+def test_global_aux_loss_cp2_equals_serial(data, serial_run, shared_runs):
+    """global_aux_loss: megatron-core's token counts over TP x DP x CP, accumulated over the micro-batches."""
+    flags = BASE + data + ["--moe-router-load-balancing-type", "global_aux_loss"]
+    assert_equals_serial(shared_runs.run(2, flags + CP2)[0], serial_run(flags))
