@@ -119,6 +119,10 @@ def test_moe_interleaved_equals_serial(data, serial_run, shared_runs, nproc, fla
 
 @pytest.mark.slow
 def test_global_aux_loss_cp2_equals_serial(data, serial_run, shared_runs):
-    """global_aux_loss: megatron-core's token counts over TP x DP x CP, accumulated over the micro-batches."""
-    flags = BASE + data + ["--moe-router-load-balancing-type", "global_aux_loss"]
-    assert_equals_serial(shared_runs.run(2, flags + CP2)[0], serial_run(flags))
+    """global_aux_loss (megatron-core's token counts over TP x DP x CP, accumulated over the micro-batches) with the
+    z-loss (megatron/vlm/moe.py MaskedTopKRouter.apply_z_loss: the mean over the TP x CP group's real tokens; at
+    CP2 megatron-core 0.16's own would give half the gradient)."""
+    flags = BASE + data + ["--moe-router-load-balancing-type", "global_aux_loss", "--moe-z-loss-coeff", "0.1"]
+    records, serial = shared_runs.run(2, flags + CP2)[0], serial_run(flags)
+    assert_equals_serial(records, serial)
+    assert_close(column(records, "moe z loss"), column(serial, "moe z loss"), 1e-4)

@@ -183,6 +183,32 @@ class MaskedTopKRouter(TopKRouter):
                                                             self.tp_cp_group, valid_token_count=tokens)
         return probs, routing_map
 
+    def apply_z_loss(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The z-loss (ST-MoE: coefficient x the mean over the real tokens of logsumexp(logits)^2) as the mean over
+        every real token of the TP x CP group, whose ranks each hold a part of the micro-batch (sequence or context
+        parallelism): this rank's part is its tokens' sum / the group's token count (the parts sum to the mean),
+        and under per-token loss its gradient is the coefficient x its sum (the loss's token count divides it
+        later). megatron-core 0.16 takes each rank's own mean and divides the coefficient by the group size, which
+        under per-token loss scales the gradient by 1 / (TP x CP) and logs the mean of the ranks' means.
+        logits [tokens, E]; padding_mask [tokens], True at padding. Logged (tracker "z_loss") without the
+        coefficient, this rank's part of the group's mean."""
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, save_to_aux_losses_tracker
+
+        coeff = self.config.moe_z_loss_coeff
+        if coeff is None or not (self.training and torch.is_grad_enabled()):
+            return logits
+        squares = torch.logsumexp(logits, dim=-1).square()
+        real = torch.ones_like(squares) if padding_mask is None else (~padding_mask).to(squares.dtype)
+        local_sum = (squares * real).sum()
+        tokens = real.sum().detach()
+        if self.tp_cp_group.size() > 1:
+            torch.distributed.all_reduce(tokens, group=self.tp_cp_group)
+        mean_part = local_sum / tokens.clamp(min=1)
+        logits = MoEAuxLossAutoScaler.apply(logits, coeff * (local_sum if self.calculate_per_token_loss else mean_part))
+        save_to_aux_losses_tracker("z_loss", mean_part.detach(), self.layer_number, self.config.num_layers,
+                                   reduce_group=self.tp_cp_group)
+        return logits
+
     def _apply_seq_aux_loss(self, probs, *args, **kwargs):
         return probs  # per packed sample in ``routing`` instead
 
