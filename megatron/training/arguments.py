@@ -300,7 +300,9 @@ def add_moe_flags(p) -> None:
     g.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs",
                    help="with --moe-expert-capacity-factor: drop the lowest-probability or the latest tokens")
     g.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather"], default="alltoall",
-                   help="how tokens reach the experts of other expert-parallel ranks")
+                   help="how tokens reach the experts of other expert-parallel ranks: alltoall, or megatron-core's "
+                        "all-gather over the expert TP x EP group (each rank's tokens padded to the group's largest "
+                        "count, the pads routed to no expert)")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="expert-parallel ranks (EP): each holds num-experts / EP experts; the experts' grid is "
                         "ETP x EP x expert-DP x PP over the same world (expert DP = world / (ETP x EP x PP))")
