@@ -106,7 +106,8 @@ VPP_LAYOUT = "Iv*4PEt|t|t|tL"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,flags", [(2, []), (4, ["--expert-model-parallel-size", "2"])], ids=["pp2v2", "ep2pp2v2"])
+@pytest.mark.parametrize("nproc,flags", [(2, []), (4, ["--expert-model-parallel-size", "2"])],
+                         ids=["pp2v2", "ep2pp2v2"])
 def test_moe_interleaved_equals_serial(data, serial_run, shared_runs, nproc, flags):
     """megatron-core's interleaved 1F1B schedule with MoE layers on both model chunks of a rank: the aux-loss
     tracker and the expert load see every chunk's routers once per micro-batch."""
