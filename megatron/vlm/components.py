@@ -59,6 +59,7 @@ class StageContext:
     vision_drop_path_rate: float = 0.0  # ViT stochastic depth at the last layer (megatron/vlm/drop_path.py)
     stage_start: int = 0  # index in ``units`` of the stage's first unit
     lora: Lora = Lora()  # LoRA adapters (megatron/vlm/lora.py); rank 0: none
+    moe_dispatcher: str = "alltoall"  # MoE layers' token dispatcher (--moe-token-dispatcher-type)
 
     def build_layers(self, units: list[Unit], config: TransformerConfig, spec_for, role: str,
                      lora_linears: tuple[str, ...] | None = None) -> torch.nn.ModuleList:
@@ -294,7 +295,7 @@ class MoETextLayer(TextLayer):
                                  redraw=number_layer)
         if lang.qk_norm:
             layers.with_qk_norm(spec)
-        return moe.layer_spec(spec, lang.moe.num_experts, lang.normalization)
+        return moe.layer_spec(spec, lang.moe.num_experts, lang.normalization, ctx.moe_dispatcher)
 
     def context(self, module, batch, cache):
         if "moe_context" not in cache:
@@ -315,10 +316,15 @@ def moe_padding_mask(batch: MicroBatch, thd: bool, sequence_parallel: bool) -> t
     """The router's token mask (``megatron.vlm.moe.token_mask``: padding and packed-sample membership, bool [rows,
     sequence, 1 + samples]; THD: the micro-batch's rows flattened, [1, rows x sequence, 1 + samples]) from the
     collate's segment ids (-1: padding); under sequence parallelism this TP rank's tokens (the MoE layer sees 1/TP of
-    them)."""
+    them). Under context parallelism the sample axis has one column per segment of the unsplit micro-batch
+    (``cu_seqlens``, the same on every CP rank; padding segments' columns stay empty), so that the CP ranks' per-sample
+    statistics line up when summed (a rank may hold none of a short sample's tokens)."""
+    from megatron.vlm.context_parallel import context_parallel_group
     from megatron.vlm.moe import token_mask
 
-    mask = token_mask(batch.packing.segment_ids)
+    packing = batch.packing
+    samples = len(packing.cu_seqlens) - 1 if context_parallel_group() is not None else None
+    mask = token_mask(packing.segment_ids, samples)
     if thd:
         mask = mask.reshape(1, -1, mask.shape[-1])
     if sequence_parallel:

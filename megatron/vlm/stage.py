@@ -152,7 +152,8 @@ class VLMStage(MegatronModule):
                                 seed=build.seed, recompute=self.recompute, img_context_id=build.img_context_id,
                                 impl=impl, output=build.output,
                                 vision_drop_path_rate=build.vision_drop_path_rate, stage_start=unit_range.start,
-                                lora=build.lora)
+                                lora=build.lora,
+                                moe_dispatcher=build.moe_run.dispatcher if build.moe_run else "alltoall")
         self.parts: list[_Part] = []
         for run in _runs(self.units):  # each component's modules registered under its name (``attr``: the
             component = family.component(run[0].kind)(self.ctx)  # checkpoint keys' first part)
