@@ -177,7 +177,7 @@ class ImageTextEmbed(TextEmbed):
         if batch.cp is not None and batch.cp.image_feature_index is not None:
             x = gather_rows(x, batch.cp.vision_rank_tokens, context_parallel_group())
             x = x.index_select(0, batch.cp.image_feature_index.to(x.device))
-        return module(batch.text.tokens, x)
+        return module(batch.text.tokens, x, batch.vision.mm_token_type_ids)
 
 
 class MRopeTextLayer(TextLayer):

@@ -25,6 +25,6 @@ QWEN3_5 = register(RuntimeFamily(
     components=(VisionEmbed, VisionLayers, Merger, ImageTextEmbed, LinearAttentionLayers, GatedAttentionLayers,
                 Qwen35Head),
     vision_config=vision_config,
-    hf=HFSide(hf.recognizes, hf.spec_from_config, hf.native_config, names=hf.Names, logits_batch=batch.logits_batch,
+    hf=HFSide(hf.recognizes, hf.spec_from_config, hf.native_config, names=hf.Names, logits_batch=batch.image_logits_batch,
               structure_twin=hf.structure_twin),
     data=QWEN3_VL_DATA))
