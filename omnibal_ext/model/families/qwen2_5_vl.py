@@ -301,5 +301,5 @@ QWEN2_5_VL = register(Family(
     name="qwen2_5_vl", vision_spec=VisionSpec,
     components=(VisionEmbedCost, WindowLayerCost, FullLayerCost, MergerCost, TextEmbedCost, TextLayerCost, HeadCost),
     unit_list=unit_list, vision_item="patch", presets=PRESETS, segments_sq=image_segments_sq,
-    capabilities=Capabilities(drop_path=True, context_parallel=True, sequence_parallel=True,
+    capabilities=Capabilities(drop_path=True, context_parallel=True, sequence_parallel=True, video=True,
                               lora_targets=LORA_TARGETS, image_flags=("--min-pixels", "--max-pixels"))))
