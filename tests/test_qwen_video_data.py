@@ -97,3 +97,32 @@ def test_qwen3_vl_video_record_timestamps_and_positions(tmp_path):
     want, _ = model.model.get_rope_index(tokens[None], types[None], torch.tensor([grids[-1]]),
                                          torch.tensor([(t, gh, gw)]))
     assert torch.equal(batch["mrope_position_ids"], want)
+
+
+def test_qwen2_5_vl_video_pixels_equal_the_pil_image_processor_per_frame(tmp_path):
+    """Each temporal patch's rows: frame 2k's values in the patch's first frame slot and frame 2k+1's in the
+    second, each as transformers' ``Qwen2VLImageProcessorPil`` makes that frame alone (its smart_resize with the
+    video bounds is the video rule's size); an odd last frame is repeated."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    from megatron.vlm.data.video import load_video
+    from megatron.vlm.families.qwen2_5_vl import video as qwen2
+
+    write_coded_video(str(tmp_path / "v.mp4"), 5, 6, 96, 64)
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(
+        {"size": {"shortest_edge": 28 * 28 * 2, "longest_edge": 28 * 28 * 12}}))
+    s = qwen2.settings(str(tmp_path))
+    rule = qwen2.QwenFrames(s)
+    ours = rule.video_sample(str(tmp_path / "v.mp4"))
+    frames = load_video(str(tmp_path / "v.mp4"), rule).frames
+    processor = Qwen2VLImageProcessorPil(min_pixels=s.min_pixels, max_pixels=s.max_pixels)
+    t, gh, gw = ours.grid_thw
+    assert t == 3
+    rows = ours.pixel_values.reshape(t, gh * gw, 3, 2, 14 * 14)
+    for k in range(t):
+        for slot in range(2):
+            frame = frames[min(2 * k + slot, len(frames) - 1)]
+            out = processor(images=Image.fromarray(frame), return_tensors="np")
+            assert tuple(out["image_grid_thw"][0]) == (1, gh, gw)
+            want = out["pixel_values"].reshape(gh * gw, 3, 2, 14 * 14)[:, :, 0]
+            assert np.array_equal(rows[k, :, :, slot], want), (k, slot)
