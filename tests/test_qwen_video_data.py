@@ -94,6 +94,9 @@ def test_qwen3_vl_video_record_timestamps_and_positions(tmp_path):
     assert batch["vision_item_types"].tolist() == [2] * len(stamps) + [1]
     t, (_, gh, gw) = len(stamps), grids[0]
     assert grids[:t] == [(1, gh, gw)] * t
+    keys = batch["tile_keys"]  # drop path per video: its blocks' rows share a key, the image's another
+    video_rows = t * gh * gw
+    assert len(set(keys[:video_rows].tolist())) == 1 and keys[video_rows] != keys[0]
     want, _ = model.model.get_rope_index(tokens[None], types[None], torch.tensor([grids[-1]]),
                                          torch.tensor([(t, gh, gw)]))
     assert torch.equal(batch["mrope_position_ids"], want)

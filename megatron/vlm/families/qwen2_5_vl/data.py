@@ -128,8 +128,9 @@ class QwenBatcher(Batcher):
         every = [g for sample_grids in grids for g in sample_grids]
         kinds = [kind for sample_entries in entries for kind, _, _ in sample_entries]
         # drop path per image: each patch row keyed by (sample id, image index in the sample)
+        # drop path per image and per video (a video's blocks share its key)
         batch["tile_keys"] = image_patch_keys(batch["sample_ids"].tolist(),
-                                              [[t * h * w for t, h, w in sample_grids] for sample_grids in grids])
+                                              [media_patches(sample) for sample in samples_entries(samples, entries)])
         if not every:  # the ViT still runs: one all-zero image of one merged token, taken by no text token
             every, kinds = [(1, self.merge, self.merge)], [IMAGE]
             batch["tile_keys"] = torch.zeros(self.merge ** 2, dtype=torch.int64)
@@ -202,6 +203,27 @@ class QwenBatcher(Batcher):
             out["tile_keys"] = keys if len(mine) else torch.zeros(self.merge ** 2, dtype=torch.int64)
         out.update(self.vision_fields(grids[mine.start:mine.stop] or [(1, self.merge, self.merge)]))
         return out
+
+
+def samples_entries(samples, entries):
+    """Per sample: ``(patches, starts a media item)`` per entry (an image, or a video's first block)."""
+    out = []
+    for sample, sample_entries in zip(samples, entries):
+        blocks = sample.get("video_blocks") or [None] * len(sample_entries)
+        out.append([(g[0] * g[1] * g[2], block is None or block.first)
+                    for (_, g, _), block in zip(sample_entries, blocks)])
+    return out
+
+
+def media_patches(entries) -> list[int]:
+    """Patch rows per media item (image or whole video) of one sample's ``samples_entries``."""
+    out: list[int] = []
+    for patches, starts in entries:
+        if starts or not out:
+            out.append(patches)
+        else:
+            out[-1] += patches
+    return out
 
 
 def profile_images(spec, shape) -> list[tuple[int, int]]:

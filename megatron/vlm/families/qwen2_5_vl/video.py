@@ -150,10 +150,12 @@ class QwenVideo:
 @dataclass(frozen=True)
 class VideoBlock:
     """What the batcher needs of one image block a video becomes (``VideoRule.block_info``): ``grid_thw`` (t, gh,
-    gw) patches and ``second_per_grid_ts`` s per temporal patch (None: a family without it, Qwen3-VL)."""
+    gw) patches, ``second_per_grid_ts`` s per temporal patch (None: a family without it, Qwen3-VL), ``first``
+    whether it is the video's first block."""
 
     grid_thw: tuple[int, int, int]
     second_per_grid_ts: float | None = None
+    first: bool = True  # the video's first block (its drop path key, shared by its other blocks)
 
 
 @dataclass(frozen=True)

@@ -147,7 +147,7 @@ class Qwen3Frames(QwenFrames):
 
     def block_info(self, indices, info, clip_s):
         t, gh, gw = self.grid(len(indices), info.width, info.height)
-        return [VideoBlock((1, gh, gw))] * t
+        return [VideoBlock((1, gh, gw), first=k == 0) for k in range(t)]
 
 
 def video_rule(args, spec, hf_folder) -> Qwen3Frames:
