@@ -6,7 +6,9 @@ Reading (``megatron/vlm/data/records.py`` with ``PatchImages`` as the image rule
 ``--hf-checkpoint``, else transformers' defaults; ``--min-pixels``/``--max-pixels`` override), becomes
 ``gh * gw`` patch rows (its ViT items, ``image_processing``) and ``<|vision_start|>`` + ``<|image_pad|>`` x
 ``gh * gw / 4`` + ``<|vision_end|>`` in the text; an aspect ratio over 200 is refused by the pre-training scan
-with ``file:line``.  A sample without images feeds the ViT nothing; a micro-batch without any image gets one
+with ``file:line``.  A video (``video.QwenFrames``) is one block of ``t*gh*gw`` patches, ``<|video_pad|>`` tokens
+(the reader's ``mm_token_type_ids`` 2, its ``video_blocks`` the grid and ``second_per_grid_ts``), one ViT item of
+the micro-batch in text order with the images.  A sample without images feeds the ViT nothing; a micro-batch without any image gets one
 2 x 2-patch all-zero image whose single merged token no text token takes (the stage chain still runs the ViT).
 
 Micro-batches (``QwenBatcher``): ``collate.py``'s fields (THD: one sample per row, or several packed in one row
