@@ -129,3 +129,14 @@ def test_qwen2_5_vl_video_pixels_equal_the_pil_image_processor_per_frame(tmp_pat
             assert tuple(out["image_grid_thw"][0]) == (1, gh, gw)
             want = out["pixel_values"].reshape(gh * gw, 3, 2, 14 * 14)[:, :, 0]
             assert np.array_equal(rows[k, :, :, slot], want), (k, slot)
+
+
+def test_a_video_processor_of_another_patch_size_is_refused(tmp_path):
+    from megatron.vlm.families.qwen2_5_vl.video import video_rule
+    from megatron.vlm.hf.convert import HFSource
+    from omnibal_ext.errors import UserError
+
+    q25.make_tiny_with_tokenizer(tmp_path / "hf")
+    (tmp_path / "hf" / "video_preprocessor_config.json").write_text(json.dumps({"patch_size": 16}))
+    with pytest.raises(UserError, match=r"patch_size .*\(16, 2, 2\) differ from the model's vision_config \(14, 2, 2\)"):
+        video_rule(args(), HFSource.open(str(tmp_path / "hf")).spec, str(tmp_path / "hf"))

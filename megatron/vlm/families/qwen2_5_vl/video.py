@@ -223,4 +223,19 @@ def video_rule(args, spec, hf_folder) -> QwenFrames:
 
     from .data import processor_config
 
-    return QwenFrames(settings(hf_folder, VideoOverrides.from_args(args)), processor_config(args, hf_folder))
+    return QwenFrames(check_geometry(settings(hf_folder, VideoOverrides.from_args(args)), spec, hf_folder),
+                      processor_config(args, hf_folder))
+
+
+def check_geometry(s: VideoSettings, spec, hf_folder: str | None) -> VideoSettings:
+    """``s`` when its patch, temporal patch and merge sizes are the ViT's, else a ``UserError`` naming the folder's
+    video processor file (its rows would not be the ViT's patches)."""
+    from omnibal_ext.errors import UserError
+
+    v = spec.vision
+    have = (s.patch_size, s.temporal_patch_size, s.merge_size)
+    want = (v.patch_size, v.temporal_patch_size, v.spatial_merge_size)
+    if have != want:
+        raise UserError(f"{hf_folder or 'the video processor defaults'}: video processor patch_size / "
+                        f"temporal_patch_size / merge_size {have} differ from the model's vision_config {want}")
+    return s

@@ -30,7 +30,7 @@ from megatron.vlm.data.video_sampling import (DEFAULT_VIDEO_FPS, VideoOverrides,
 from ..qwen2_5_vl.image_processing import MAX_ASPECT_RATIO
 from megatron.vlm.data.template import IMAGE_PLACEHOLDER
 
-from ..qwen2_5_vl.video import QwenFrames, VideoBlock
+from ..qwen2_5_vl.video import QwenFrames, VideoBlock, check_geometry
 
 PROCESSOR = "qwen3_vl"
 DEFAULTS = dict(sample_frames=True, fps=DEFAULT_VIDEO_FPS, min_frames=4, max_frames=768, min_pixels=128 * 32 * 32,
@@ -157,4 +157,5 @@ def video_rule(args, spec, hf_folder) -> Qwen3Frames:
 
     from .data import processor_config
 
-    return Qwen3Frames(settings(hf_folder, VideoOverrides.from_args(args)), processor_config(args, spec, hf_folder))
+    return Qwen3Frames(check_geometry(settings(hf_folder, VideoOverrides.from_args(args)), spec, hf_folder),
+                       processor_config(args, spec, hf_folder))
