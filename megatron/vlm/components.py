@@ -36,6 +36,7 @@ from megatron.vlm.context_parallel import context_parallel_group, gather_rows, t
 from megatron.vlm.data.side import TILED, DataSide
 from megatron.vlm.head import OutputHead
 from megatron.vlm.hf.config import HFSide
+from megatron.vlm.layer_impl import LayerImpl
 from megatron.vlm.micro_batch import MicroBatch
 from megatron.vlm.seeding import seeded
 from megatron.vlm.sharding import unit_sharded_state_dict
@@ -53,8 +54,7 @@ class StageContext:
     seed: int
     recompute: StageRecompute
     img_context_id: int
-    transformer_impl: str
-    attention_backend: str
+    impl: LayerImpl  # how the layers are built (TransformerEngine or torch modules, THD or a dense mask)
     output: str  # "loss" or "logits"
     vision_drop_path_rate: float = 0.0  # ViT stochastic depth at the last layer (megatron/vlm/drop_path.py)
     stage_start: int = 0  # index in ``units`` of the stage's first unit
@@ -73,11 +73,6 @@ class StageContext:
         return layers.build_blocks(config, spec_for, units[0].index, len(units), full, selective,
                                    self.lora, linears,
                                    vision_process_groups() if role == VISION_LAYER else None)
-
-    @property
-    def thd(self) -> bool:
-        """The LLM layers take packed sequences (else: the dense mask of --attention-backend unfused)."""
-        return self.attention_backend != "unfused"
 
     def sequence_parallel_edges(self, units: list[Unit], config: TransformerConfig,
                                 split_after: tuple[str, ...] = ()) -> tuple[bool, bool]:
@@ -238,9 +233,8 @@ class TextLayer(RuntimeComponent):
 
     def layer_spec(self, first_unit_index: int):
         ctx = self.ctx
-        spec = layers.layer_spec(self.spec.language.normalization,
-                                 layers.llm_mask_type(ctx.transformer_impl, ctx.attention_backend), ctx.seed,
-                                 first_unit_index, ctx.transformer_impl, ctx.attention_backend)
+        spec = layers.layer_spec(self.spec.language.normalization, ctx.impl.llm_mask_type, ctx.seed,
+                                 first_unit_index, ctx.impl)
         return layers.with_qk_norm(spec) if self.spec.language.qk_norm else spec
 
     def build(self, units):
@@ -257,8 +251,8 @@ class TextLayer(RuntimeComponent):
     def context(self, module, batch: MicroBatch, cache: dict) -> dict:
         """The LLM blocks' inputs besides the hidden states, built once per micro-batch (``text_context``)."""
         if "text_context" not in cache:
-            device = next(module.parameters()).device if self.ctx.transformer_impl == "transformer_engine" else None
-            cache["text_context"] = text_context(batch, self.rotary, self.ctx.thd, device)
+            device = next(module.parameters()).device if self.ctx.impl.transformer_engine else None
+            cache["text_context"] = text_context(batch, self.rotary, self.ctx.impl.thd, device)
         return cache["text_context"]
 
     def prepare(self, module, batch, cache):
@@ -267,7 +261,7 @@ class TextLayer(RuntimeComponent):
     def forward(self, module, x, batch, cache):
         if self.sp_enters:  # the embedding's output (every token) -> this TP rank's tokens
             x = sequence_parallel.enter(x)
-        x = run_text_blocks(module, x, self.context(module, batch, cache), self.ctx.thd)
+        x = run_text_blocks(module, x, self.context(module, batch, cache), self.ctx.impl.thd)
         return sequence_parallel.leave(x) if self.sp_leaves else x
 
     @classmethod
@@ -296,8 +290,7 @@ class MoETextLayer(TextLayer):
         def number_layer(layer, config):  # megatron-core's API for the router's tracker index
             layer.mlp.set_layer_number(units[first_unit_index + layer.layer_number - 1].layer + 1)
 
-        spec = layers.layer_spec(lang.normalization, layers.llm_mask_type(ctx.transformer_impl, ctx.attention_backend),
-                                 ctx.seed, first_unit_index, ctx.transformer_impl, ctx.attention_backend,
+        spec = layers.layer_spec(lang.normalization, ctx.impl.llm_mask_type, ctx.seed, first_unit_index, ctx.impl,
                                  redraw=number_layer)
         if lang.qk_norm:
             layers.with_qk_norm(spec)
@@ -306,7 +299,7 @@ class MoETextLayer(TextLayer):
     def context(self, module, batch, cache):
         if "moe_context" not in cache:
             ctx = dict(super().context(module, batch, cache))
-            ctx["padding_mask"] = moe_padding_mask(batch, self.ctx.thd, self.ctx.language_config.sequence_parallel)
+            ctx["padding_mask"] = moe_padding_mask(batch, self.ctx.impl.thd, self.ctx.language_config.sequence_parallel)
             cache["moe_context"] = ctx
         return cache["moe_context"]
 

@@ -72,7 +72,7 @@ class _VisionLayers(PaddedHeadLayers):
 
     def layer_spec(self, first_unit_index: int):
         ctx = self.ctx
-        spec = vision_layer_spec(ctx.seed, first_unit_index, ctx.transformer_impl, ctx.attention_backend,
+        spec = vision_layer_spec(ctx.seed, first_unit_index, ctx.impl,
                                  self.spec.vision.num_attention_heads)
         if ctx.vision_drop_path_rate > 0:  # per image: every patch row of an image takes its image's key
             first = next(u.index for u in ctx.units if u.code == self.code())
@@ -93,7 +93,7 @@ class _VisionLayers(PaddedHeadLayers):
             padded = sequence_parallel.padded_tokens(patches, cfg.tensor_model_parallel_size)
         rope = vision_rotary(batch.vision.vision_rotary_ids.to(device), v.head_dim, v.rotary_base)
         rope = F.pad(rope, (0, 0, 0, 0, 0, 0, 0, padded - patches))
-        te = self.ctx.transformer_impl == "transformer_engine"
+        te = self.ctx.impl.transformer_engine
 
         def params(cu_seqlens, max_seqlen):
             return segment_params(*sequence_parallel.with_pad_segment(cu_seqlens, max_seqlen, padded),
@@ -203,8 +203,8 @@ class MRopeTextLayer(TextLayer):
         if "text_context" not in cache:
             device = next(module.parameters()).device
             ids = batch.vision.mrope_position_ids.to(device)  # [3, b, s]
-            if self.ctx.thd:
-                te = self.ctx.transformer_impl == "transformer_engine"
+            if self.ctx.impl.thd:
+                te = self.ctx.impl.transformer_engine
                 params = segment_params(batch.packing.cu_seqlens, int(batch.packing.max_seqlen), device if te else None,
                                         context_parallel_group())
                 # [t, 1, 1, d]: every token's (CP: of the padded unsplit layout, not sliced here: megatron-core's THD

@@ -9,7 +9,6 @@ import functools
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
-from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -17,6 +16,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from omnibal_ext.model.spec import ModelSpec
 
 from megatron.vlm import layers
+from megatron.vlm.layer_impl import LayerImpl
 from megatron.vlm.padded_heads import draw_padded_attention
 from megatron.vlm.config import _common
 from megatron.vlm.text import word_embedding
@@ -32,11 +32,9 @@ def vision_config(spec: ModelSpec, tp: int, on_cpu: bool, dtype: torch.dtype) ->
         **_common(tp=tp, pp=1, on_cpu=on_cpu, dtype=dtype, init_method_std=spec.init_method_std))
 
 
-def vision_layer_spec(seed: int, first_unit_index: int, transformer_impl: str, attention_backend: str,
-                      real_heads: int) -> ModuleSpec:
+def vision_layer_spec(seed: int, first_unit_index: int, impl: LayerImpl, real_heads: int) -> ModuleSpec:
     """Seeded ViT layers without a causal mask: each packed segment (image or window) attends to itself."""
-    mask = AttnMaskType.padding if transformer_impl == "transformer_engine" else AttnMaskType.no_mask
-    return layers.layer_spec("RMSNorm", mask, seed, first_unit_index, transformer_impl, attention_backend,
+    return layers.layer_spec("RMSNorm", impl.vision_mask_type, seed, first_unit_index, impl,
                              redraw=functools.partial(draw_padded_attention, real_heads=real_heads))
 
 

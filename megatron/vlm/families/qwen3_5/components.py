@@ -35,10 +35,10 @@ class _Qwen35TextLayers(MRopeTextLayer):
         if ctx.language_config.context_parallel_size > 1:
             raise UserError("Qwen3.5: context parallelism (--context-parallel-size > 1) is not implemented: the "
                             "Gated DeltaNet layers' recurrent state would have to pass between CP ranks")
-        if ctx.transformer_impl != "local":
+        if ctx.impl.transformer_engine:
             raise UserError("Qwen3.5: --transformer-impl transformer_engine is not implemented (its zero-centred "
                             "norms and Gated DeltaNet layers are local modules); use --transformer-impl local")
-        if not ctx.thd:
+        if not ctx.impl.thd:
             raise UserError("Qwen3.5: --attention-backend unfused is not implemented (the Gated DeltaNet runs on "
                             "packed THD rows); use --attention-backend auto")
 
@@ -61,7 +61,7 @@ class LinearAttentionLayers(_Qwen35TextLayers):
 
     def layer_spec(self, first_unit_index: int):
         ctx = self.ctx
-        return linear_layer_spec(ctx.seed, first_unit_index, ctx.transformer_impl, ctx.attention_backend,
+        return linear_layer_spec(ctx.seed, first_unit_index, ctx.impl,
                                  self.spec.language.linear_chunk_size)
 
     @classmethod
@@ -76,7 +76,7 @@ class GatedAttentionLayers(_Qwen35TextLayers):
 
     def layer_spec(self, first_unit_index: int):
         ctx = self.ctx
-        return attention_layer_spec(ctx.seed, first_unit_index, ctx.transformer_impl, ctx.attention_backend)
+        return attention_layer_spec(ctx.seed, first_unit_index, ctx.impl)
 
     @classmethod
     def hf_recipes(cls, unit, table):

@@ -14,6 +14,7 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.vlm import layers
+from megatron.vlm.layer_impl import LayerImpl
 from megatron.vlm.gated_delta_net import gated_delta_net_spec
 
 
@@ -66,22 +67,19 @@ def _with_norms(spec):
     return spec
 
 
-def attention_layer_spec(seed: int, first_unit_index: int, transformer_impl: str, attention_backend: str):
+def attention_layer_spec(seed: int, first_unit_index: int, impl: LayerImpl):
     """Seeded gated full-attention layers: causal within each packed sample, per-head zero-centred q/k norms (the
     config's ``attention_output_gate`` adds the gate rows)."""
-    spec = layers.layer_spec("RMSNorm", layers.llm_mask_type(transformer_impl, attention_backend), seed,
-                             first_unit_index, transformer_impl, attention_backend)
+    spec = layers.layer_spec("RMSNorm", impl.llm_mask_type, seed, first_unit_index, impl)
     attn = spec.submodules.self_attention.submodules
     attn.q_layernorm = attn.k_layernorm = PerHeadZeroCentredRMSNorm
     return _with_norms(spec)
 
 
-def linear_layer_spec(seed: int, first_unit_index: int, transformer_impl: str, attention_backend: str,
-                      chunk_size: int, backend: str = "auto"):
+def linear_layer_spec(seed: int, first_unit_index: int, impl: LayerImpl, chunk_size: int, backend: str = "auto"):
     """Seeded Gated DeltaNet layers (the token mixer in the attention's place; its input norm keyed
     ``input_layernorm.``, there being no fused QKV to hold it)."""
-    spec = layers.layer_spec("RMSNorm", layers.llm_mask_type(transformer_impl, attention_backend), seed,
-                             first_unit_index, transformer_impl, attention_backend)
+    spec = layers.layer_spec("RMSNorm", impl.llm_mask_type, seed, first_unit_index, impl)
     spec.submodules.self_attention = gated_delta_net_spec(chunk_size=chunk_size, backend=backend)
     spec.submodules.sharded_state_dict_keys_map = {
         k: v for k, v in spec.submodules.sharded_state_dict_keys_map.items() if k != "input_layernorm."}

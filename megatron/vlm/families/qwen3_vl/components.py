@@ -83,8 +83,7 @@ class VisionLayers(PaddedHeadLayers):
 
     def layer_spec(self, first_unit_index: int):
         ctx = self.ctx
-        return self.with_drop_path(vision_layer_spec(ctx.seed, first_unit_index, ctx.transformer_impl,
-                                                     ctx.attention_backend, self.spec.vision.num_attention_heads))
+        return self.with_drop_path(vision_layer_spec(ctx.seed, first_unit_index, ctx.impl, self.spec.vision.num_attention_heads))
 
     def with_drop_path(self, spec):
         """``spec`` with drop path per image where the rate is > 0 (a ``DeepStackLayer`` stays one)."""
@@ -112,7 +111,7 @@ class VisionLayers(PaddedHeadLayers):
             padded = sequence_parallel.padded_tokens(patches, cfg.tensor_model_parallel_size)
         rope = vision_rotary(batch.vision.vision_rotary_ids.to(device), v.head_dim, v.rotary_base)
         rope = F.pad(rope, (0, 0, 0, 0, 0, 0, 0, padded - patches))
-        te = self.ctx.transformer_impl == "transformer_engine"
+        te = self.ctx.impl.transformer_engine
         cu, longest = sequence_parallel.with_pad_segment(batch.vision.vision_cu_seqlens, batch.vision.vision_max_seqlen,
                                                          padded)
         return {"rope": rope, "patches": patches, "padded": padded, "keys": self.drop_path_keys(batch, padded, device),
@@ -169,7 +168,7 @@ class DeepStackLayers(VisionLayers):
         ctx, spec = self.ctx, self.spec
         merger_config = _merger_config(ctx)
         return self.with_drop_path(vision_layer_spec(
-            ctx.seed, first_unit_index, ctx.transformer_impl, ctx.attention_backend, spec.vision.num_attention_heads,
+            ctx.seed, first_unit_index, ctx.impl, spec.vision.num_attention_heads,
             merger=lambda: PatchMerger(spec, merger_config, after_shuffle=True)))
 
     def build(self, units):
@@ -288,7 +287,7 @@ class DeepStackTextLayer(MRopeTextLayer):
             x = sequence_parallel.enter(x)
         context = self.context(module, batch, cache)
         for block, slot in zip(module, slots):
-            x = run_text_blocks([block], x, context, self.ctx.thd)
+            x = run_text_blocks([block], x, context, self.ctx.impl.thd)
             if slot is not None:
                 x = self._add_feature(x, feature_of(slot), batch)
         return sequence_parallel.leave(x) if self.sp_leaves else x
