@@ -292,6 +292,34 @@ def media_entries(turns: list[Turn], image_items: list[int], image_sizes: list[t
     return items, sizes, ranges, fields
 
 
+def video_fields(input_ids: np.ndarray, spans: list[tuple[int, int]], turns: list[Turn], videos: list[RecordVideo],
+                 plan: VideoPlan, rule: VideoRule, tokenizer) -> dict:
+    """A sample's video fields (``input_ids`` is changed in place): ``video_blocks`` (per kept entry, reading order:
+    None for an image, the rule's ``VideoRule.block`` for a video's block) and ``mm_token_type_ids`` int64 [n] (1 on
+    an image's context tokens, 2 on a video's, 0 elsewhere); the context tokens of a video's blocks become the rule's
+    ``context_token`` where the tokenizer has it as one token (Qwen: ``<|video_pad|>``)."""
+    video_id = None
+    if rule.context_token is not None:
+        ids = tokenizer.encode(rule.context_token)
+        video_id = ids[0] if len(ids) == 1 else None
+    types = np.zeros(len(input_ids), dtype=np.int64)
+    blocks: list = []
+    next_video = 0
+    for kind in media_order(turns):
+        if kind == "image":
+            blocks.append(None)
+        else:
+            k = next_video
+            next_video += 1
+            blocks += rule.block_info(plan.indices[k], plan.infos[k], videos[k].clip_s)
+    blocks = blocks[:len(spans)]
+    for (start, end), block in zip(spans, blocks):
+        types[start + 1:end - 1] = 1 if block is None else 2
+        if block is not None and video_id is not None:
+            input_ids[start + 1:end - 1] = video_id
+    return {"video_blocks": blocks, "mm_token_type_ids": torch.from_numpy(types)}
+
+
 @dataclass
 class ScanResult:
     """Everything the validation pass learned, per record (M records) and per dataset sample (N)."""
@@ -576,7 +604,7 @@ class RecordDataset(torch.utils.data.Dataset):
     None: video records refused); a video's blocks count as images below.
     ``__getitem__(i)`` -> ``{"input_ids": int64 [n],
     "labels": int64 [n], "pixel_values": float32 [k, ...], "image_flags": int64 [k], "image_sizes": int64
-    [images, 2]}`` with ``n == sample_lengths()[0][i]`` tokens, ``k == sample_lengths()[1][i]`` ViT items (the
+    [images, 2]}`` (a record with videos: also ``video_blocks`` and ``mm_token_type_ids``, ``video_fields``) with ``n == sample_lengths()[0][i]`` tokens, ``k == sample_lengths()[1][i]`` ViT items (the
     rule's ``pixels`` rows) and the (width, height) px of each kept image.  ``scan_group`` and ``cache_dir``: see
     ``scan_annotations``.
     """
@@ -655,6 +683,9 @@ class RecordDataset(torch.utils.data.Dataset):
         input_ids, labels = plan.materialize(int(s.rec_tokens[r]))
         sizes = torch.from_numpy(np.stack([s.img_width[lo:lo + kept], s.img_height[lo:lo + kept]], axis=1))
         text = {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels), "image_sizes": sizes}
+        if videos:
+            text.update(video_fields(input_ids, plan.image_spans[:kept], turns, videos, video_plan, cfg.videos,
+                                     self.tokenizer))
         real = int(s.rec_real_items[r])
         if not decode_images:
             flags = torch.ones(real, dtype=torch.int64) if real else torch.zeros(rule.dummy_items, dtype=torch.int64)

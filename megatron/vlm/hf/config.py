@@ -30,6 +30,7 @@ class HFInfo:
     vit_layers_in_checkpoint: int  # HF ViT layers (the spec may build fewer: a feature layer before the last)
     image_token_id: int | None  # None: not in the config (the tokenizer's image context token)
     image_seq_length: int | None = None
+    video_token_id: int | None = None  # None: not in the config (or a family without video tokens)
     # the stacked (3-D) tensors the files hold transposed, by name within a layer (fused experts as some
     # published files hold them): only the shapes say it (``HFSide.checkpoint_info``)
     transposed: tuple[str, ...] = ()

@@ -10,6 +10,8 @@ Micro-batch fields read (besides the shared ``tokens``, ``labels``, ``cu_seqlens
   (windows) and ``vision_cu_seqlens`` / ``vision_max_seqlen`` (images, one segment per frame): int32 host
   boundaries in patch tokens -- the ViT layers;
 * ``vision_merged_inverse [image tokens]`` (back to processor order) -- the merger;
+* ``mm_token_type_ids [b, s]`` (1 image, 2 video token: where the merged features go, in order) -- the LLM
+  embedding;
 * ``mrope_position_ids [3, b, s]`` (temporal, height, width) -- the LLM layers;
 * under context parallelism (``data.QwenBatcher.split_cp``): the ViT fields of this rank's whole images,
   ``mrope_position_ids [3, 1, t]`` of the padded unsplit micro-batch, and ``image_feature_index`` /
@@ -177,7 +179,7 @@ class ImageTextEmbed(TextEmbed):
         if batch.cp is not None and batch.cp.image_feature_index is not None:
             x = gather_rows(x, batch.cp.vision_rank_tokens, context_parallel_group())
             x = x.index_select(0, batch.cp.image_feature_index.to(x.device))
-        return module(batch.text.tokens, x)
+        return module(batch.text.tokens, x, batch.vision.mm_token_type_ids)
 
 
 class MRopeTextLayer(TextLayer):

@@ -92,6 +92,14 @@ class PatchMerger(MegatronModule):
         return x.unsqueeze(1)
 
 
+def vision_slots(tokens: torch.Tensor, token_types: torch.Tensor | None, image_token_id: int) -> torch.Tensor:
+    """bool, ``tokens``' shape: the tokens that take merged ViT features (images' and videos', in text order):
+    ``token_types > 0`` (``mm_token_type_ids``), or the ``image_token_id`` tokens without them."""
+    if token_types is not None:
+        return token_types.to(tokens.device).reshape(tokens.shape) > 0
+    return tokens == image_token_id
+
+
 class ImageTokenEmbedding(MegatronModule):
     """Vocabulary-parallel token embedding with the image features written, in order, into the image-token
     slots: tokens [b, s], features [image tokens, 1, H] (or None: a batch without images) -> [b * s, 1, H]."""
@@ -101,9 +109,12 @@ class ImageTokenEmbedding(MegatronModule):
         self.word = word_embedding(spec, config)
         self.image_token_id = image_token_id
 
-    def forward(self, tokens: torch.Tensor, image_features: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, image_features: torch.Tensor | None,
+                token_types: torch.Tensor | None = None) -> torch.Tensor:
+        """``token_types [b, s]`` (``mm_token_type_ids``: > 0 on image and video tokens) says where the features go;
+        None: the ``image_token_id`` tokens."""
         emb = self.word(tokens.reshape(1, -1))  # [1, t, H]
         if image_features is not None:
-            slots = (tokens == self.image_token_id).reshape(1, -1, 1)
+            slots = vision_slots(tokens, token_types, self.image_token_id).reshape(1, -1, 1)
             emb = emb.masked_scatter(slots, image_features.squeeze(1).to(emb.dtype))
         return emb.transpose(0, 1).contiguous()  # [t, 1, H]

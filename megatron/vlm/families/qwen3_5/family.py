@@ -25,6 +25,7 @@ QWEN3_5 = register(RuntimeFamily(
     components=(VisionEmbed, VisionLayers, Merger, ImageTextEmbed, LinearAttentionLayers, GatedAttentionLayers,
                 LinearAttentionMoELayers, GatedAttentionMoELayers, Qwen35Head),
     vision_config=vision_config,
-    hf=HFSide(hf.recognizes, hf.spec_from_config, hf.native_config, names=hf.Names, logits_batch=batch.logits_batch,
-              structure_twin=hf.structure_twin, checkpoint_info=hf.checkpoint_info),
+    hf=HFSide(hf.recognizes, hf.spec_from_config, hf.native_config, names=hf.Names,
+              logits_batch=batch.image_logits_batch, structure_twin=hf.structure_twin,
+              checkpoint_info=hf.checkpoint_info),
     data=QWEN3_VL_DATA))
