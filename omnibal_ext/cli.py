@@ -168,7 +168,8 @@ def build_parser(scan_metas: MetaScanner | None = None, model_from_hf: HFModelRe
 
     parser = argparse.ArgumentParser(prog="omnibal", description="OmniBal-Megatron balancing tools")
     sub = parser.add_subparsers(dest="command", required=True)
-    isf = add_isf_parser(sub, stats_loader=functools.partial(load_isf_stats, scan_metas=scan_metas))
+    isf = add_isf_parser(sub, stats_loader=functools.partial(load_isf_stats, scan_metas=scan_metas,
+                                                                  model_from_hf=model_from_hf))
     add_isf_scan_flags(isf)
     if write_stats is not None:
         add_stats_writing(isf, write_stats)
@@ -200,13 +201,16 @@ def add_isf_scan_flags(isf: argparse.ArgumentParser) -> None:
         add_scan_flags(p, "meta JSONs in --stats and --write" if p is subs["stats"] else "meta JSONs in --stats")
 
 
-def load_isf_stats(args: argparse.Namespace, scan_metas: MetaScanner | None = None) -> SampleStats:
+def load_isf_stats(args: argparse.Namespace, scan_metas: MetaScanner | None = None,
+                   model_from_hf: HFModelReader | None = None) -> SampleStats:
     """The stats of ``omnibal isf``'s ``--stats`` (stats files or meta JSONs, read by ``--model``'s family or the
     ``--hf-checkpoint`` folder's where given; without either by 448 px tiles)."""
     from omnibal_ext.model.units import get_preset
 
     hf = args.hf_checkpoint if args.isf_command == "stats" else None
-    spec = None if hf else get_preset(args.model) if args.model else None
+    if hf and model_from_hf is None:
+        raise UserError(f"--hf-checkpoint {hf}: the `omnibal` command reads Hugging Face folders")
+    spec = model_from_hf(hf) if hf else get_preset(args.model) if args.model else None
     return load_stats_or_meta(args.stats, "--stats", spec, scan_metas, args, hf)
 
 
