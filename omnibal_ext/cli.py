@@ -235,10 +235,6 @@ def add_stats_writing(isf: argparse.ArgumentParser, write_stats: StatsWriter) ->
     p.set_defaults(func=run)
 
 
-VIDEO_FLAGS = ("video_fps", "video_min_frames", "video_max_frames", "video_max_pixels", "video_total_pixels",
-               "video_folder_fps")  # the dests of add_video_flags
-
-
 def add_scan_flags(p: argparse.ArgumentParser, applies: str) -> None:
     """The trainer's image and video flags (same names and defaults: the family's rules read them as the
     trainer's, over the --hf-checkpoint folder's processor files) for a command whose ``applies`` (e.g. "meta JSONs
