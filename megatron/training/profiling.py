@@ -25,7 +25,7 @@ from omnibal_ext.model.cost_model import MicroBatchShape
 from omnibal_ext.model.costs import CostTable, UnitCost
 from omnibal_ext.model.families import family_of
 from omnibal_ext.model.profile import environment_meta, measure_unit, to_unit_cost
-from omnibal_ext.model.spec import LAYER_ROLES, VISION_LAYER
+from omnibal_ext.model.spec import LAYER_ROLES, TEXT_LAYER, VISION_LAYER
 from omnibal_ext.model.units import build_units, unit_components
 
 from megatron.vlm.data.collate import packing
@@ -36,14 +36,24 @@ from megatron.vlm.stage import StageBuild, VLMStage, build_stage
 from omnibal_ext.memory.recompute import StageRecompute
 
 
+def _layers_of_every_kind(spec, code: str) -> int:
+    layers = [u for u in build_units(spec) if u.code == code]
+    firsts = {}
+    for k, u in enumerate(layers):
+        firsts.setdefault(u.kind, k)
+    return max(firsts.values(), default=0) + 1
+
+
 def vision_layers_of_every_kind(spec) -> int:
     """The fewest leading ViT layers that hold a layer of every ViT layer kind of ``spec`` (1 for a ViT of one
     layer kind; windowed and full-attention layers: up to the first full one), what the profiled copy keeps."""
-    vit = [u for u in build_units(spec) if u.code == VISION_LAYER]
-    firsts = {}
-    for k, u in enumerate(vit):
-        firsts.setdefault(u.kind, k)
-    return max(firsts.values(), default=0) + 1
+    return _layers_of_every_kind(spec, VISION_LAYER)
+
+
+def llm_layers_of_every_kind(spec) -> int:
+    """The fewest leading LLM layers that hold a layer of every LLM layer kind of ``spec`` (1 for a decoder of one
+    kind; MoE and dense layers: up to the first of the later kind), what the profiled copy keeps."""
+    return _layers_of_every_kind(spec, TEXT_LAYER)
 
 
 def synthetic_batch(spec, shape: MicroBatchShape, img_context_id: int, device,
@@ -96,7 +106,7 @@ def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, devic
                   warmup: int = 2, repeats: int = 5) -> CostTable:
     """Measured costs of every unit of the model ``spec`` at ``shape`` (one micro-batch, this TP)."""
     tp = args.tensor_model_parallel_size
-    mini = family_of(spec).few_layers(spec, vision_layers_of_every_kind(spec), 1)
+    mini = family_of(spec).few_layers(spec, vision_layers_of_every_kind(spec), llm_layers_of_every_kind(spec))
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     on_cpu = device.type == "cpu"
     mini_units = build_units(mini)
@@ -167,6 +177,8 @@ def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, devic
             "warmup": warmup, "repeats": repeats,
             # SegmentAttention keeps no scores, as FlashAttention; "unfused" keeps megatron-core's
             "attention": "unfused" if impl.dense_mask else "flash"}
+    if spec.language.moe is not None:  # the expert grid the MoE units ran under (cost_model.profile_expert_run)
+        meta.update(ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size or tp)
     from omnibal_ext.model.side_bytes import with_side_bytes
 
     # the side tensors' bytes at each boundary (DeepStack features: the few-layer model runs none) from the spec
