@@ -105,7 +105,11 @@ def add_plan_parser(subparsers, scan_metas: MetaScanner | None = None,
     p.add_argument("--moe-imbalance", type=float, default=None, metavar="F",
                    help="MoE models: the busiest EP rank's routed tokens over the mean (>= 1), e.g. as the trainer's "
                         "'expert load imbalance' log measured it; multiplies the experts' time and sizes their "
-                        "activations (default: unknown: time at 1.0, activations at the no-drop worst case)")
+                        "activations (default: measured (--moe-profile), else unknown: time at 1.0, activations at "
+                        "the no-drop worst case)")
+    p.add_argument("--moe-profile", default=None, metavar="PROFILE",
+                   help="MoE models: a profile JSON of `omnibal profile` (or the trainer's --omnibal-profile) on the "
+                        "training data; its measured expert load gives the imbalance at each EP tried")
     p.add_argument("--sim-iterations", type=int, default=8, help="iterations simulated per setting (default 8)")
     p.add_argument("--seed", type=int, default=0)
     add_freeze_flags(p)
@@ -154,7 +158,23 @@ def plan_config(args):
                       attention=args.attention, sim_iterations=args.sim_iterations, choose_for=args.choose_for,
                       min_pp=args.min_pp, seed=args.seed, freeze=Freeze.from_args(args),
                       ep=args.ep, etp=args.etp, moe_imbalance=args.moe_imbalance,
+                      measured_imbalance=measured_profile_imbalance(args.moe_profile),
                       vpp=getattr(args, "vpp", None), max_vpp=getattr(args, "max_vpp", 2))
+
+
+def measured_profile_imbalance(path: str | None) -> tuple[tuple[int, float], ...]:
+    """(EP, imbalance) the profile at ``path`` measured (``--moe-profile``; None: none); UserError naming the flag
+    when it holds no measured expert load."""
+    if path is None:
+        return ()
+    from omnibal_ext.model.costs import CostTable
+    from omnibal_ext.model.expert_load import measured_by_ep
+
+    measured = measured_by_ep(CostTable.load(path).meta)
+    if not measured:
+        raise UserError(f"--moe-profile {path}: the profile holds no measured expert load (an MoE model's profile "
+                        "on data: `omnibal profile` without --tiles/--llm-tokens, or the trainer's --omnibal-profile)")
+    return measured
 
 
 def build_parser(scan_metas: MetaScanner | None = None, model_from_hf: HFModelReader | None = None,
