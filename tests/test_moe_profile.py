@@ -12,8 +12,6 @@ import pytest
 
 from launch import run_training
 
-pytestmark = pytest.mark.slow
-
 E = 4
 FLAGS = ["--train-iters", "3", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr-warmup-iters", "0",
          "--lr", "2e-3", "--log-interval", "1", "--seed", "7", "--eval-interval", "0",
@@ -28,6 +26,31 @@ def recount(tokens_per_expert, ep):
     return max(loads) / (sum(loads) / ep)
 
 
+def test_the_profiled_copy_keeps_a_layer_of_each_kind():
+    """The profiler's few-layer copy (``Family.few_layers`` at ``llm_layers_of_every_kind``): the leading decoder
+    layers up to the first of each kind, their MoE rule cut to them (a dense prefix: a dense decoder)."""
+    from megatron.training.profiling import llm_layers_of_every_kind
+    from omnibal_ext.model.families import family_of
+    from omnibal_ext.model.moe import MoESpec
+    from omnibal_ext.model.units import build_units, get_preset
+
+    for name in ("tiny", "qwen3-vl-30b-a3b"):
+        base = get_preset(name)
+        n = base.language.num_layers
+        for freq, want in (((1,) * n, 1), ((0, 1) + (1,) * (n - 2), 2), ((1, 1, 0) + (1,) * (n - 3), 3)):
+            moe = MoESpec(4, 2, 32, freq)
+            spec = base.replace(language=dataclasses.replace(base.language, moe=moe))
+            assert llm_layers_of_every_kind(spec) == want
+            mini = family_of(spec).few_layers(spec, 1, want)
+            assert mini.language.num_layers == want and mini.language.moe.layer_freq == freq[:want]
+            kinds = [u.kind for u in build_units(mini) if u.code == "t"]
+            assert set(kinds) == {u.kind for u in build_units(spec) if u.code == "t"}
+        late = MoESpec(4, 2, 32, (0,) + (1,) * (n - 1))
+        dense_prefix = base.replace(language=dataclasses.replace(base.language, moe=late))
+        assert family_of(base).few_layers(dense_prefix, 1, 1).language.moe is None
+
+
+@pytest.mark.slow
 def test_partition_auto_pp2_profiles_moe_units_and_measures_the_expert_load(data_cache, tmp_path):
     from omnibal_ext.cli import measured_profile_imbalance
     from omnibal_ext.data.stats import from_arrays

@@ -1,10 +1,12 @@
 """Profile every unit of the model on this device: the costs the balancing planners read.
 
-Units of one kind (all ViT layers of a kind, all LLM layers) cost the same, so one of each is built: a
-stage module over the unit list of a copy of the model with one LLM layer and the fewest leading ViT layers
-that hold every ViT layer kind (one for a ViT of one layer kind).  The micro-batch is the family's (its data side's
-``profile_batch``; without one, fixed-size tiles: ``synthetic_batch``).  Each unit
-runs on the output of the one before it, at a given micro-batch shape, through
+Units of one kind (all ViT layers of a kind, all LLM layers of a kind) cost the same, so one of each is built: a
+stage module over the unit list of a copy of the model with the fewest leading ViT and LLM layers that hold every
+layer kind (one for a ViT or a decoder of one layer kind; dense and MoE decoder layers, ``llm_layer`` and
+``llm_moe_layer``: up to the first of the later kind; the MoE layers under the run's expert grid, recorded as the
+meta's "ep" / "etp").  An MoE model's routing is measured apart, on the training data (``routing_profile``).  The
+micro-batch is the family's (its data side's ``profile_batch``; without one, fixed-size tiles: ``synthetic_batch``).
+Each unit runs on the output of the one before it, at a given micro-batch shape, through
 omnibal_ext.model.profile.measure_unit (median forward/backward seconds, saved-tensor bytes).  The
 layers are measured three times — without recompute, with full and with selective recompute — for
 the activation bytes each keeps and the backward time selective recompute adds.
