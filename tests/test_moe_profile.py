@@ -62,7 +62,8 @@ def test_partition_auto_pp2_profiles_moe_units_and_measures_the_expert_load(data
     from omnibal_ext.model.moe_cost import ExpertRun
     from omnibal_ext.model.partition import evaluate_layout
     from omnibal_ext.model.shape import MicroBatchShape
-    from omnibal_ext.model.units import spec_from_dict
+    from omnibal_ext.errors import UserError
+    from omnibal_ext.model.units import get_preset, spec_from_dict
     from omnibal_ext.plan import PlanConfig, make_plan
 
     profile_path, load_path = tmp_path / "profile.json", tmp_path / "expert_load.jsonl"
@@ -113,7 +114,9 @@ def test_partition_auto_pp2_profiles_moe_units_and_measures_the_expert_load(data
         assert (d.fwd_s > a.fwd_s) == (m.kind == "llm_moe_layer")
 
     # omnibal plan --moe-profile: the measured load at each EP, the plan of the flag at that load
-    measured_by_ep = measured_profile_imbalance(str(profile_path))
+    measured_by_ep = measured_profile_imbalance(str(profile_path), spec)
+    with pytest.raises(UserError, match="--moe-profile .*: measured 4 experts, model 'qwen3-vl-30b-a3b' has 128"):
+        measured_profile_imbalance(str(profile_path), get_preset("qwen3-vl-30b-a3b"))
     assert measured_by_ep == tuple((ep, load["ep_imbalance"][str(ep)]["overall"]) for ep in (1, 2, 4))
     rng = np.random.default_rng(0)
     stats = from_arrays(rng.integers(1, 4, 60), rng.integers(40, 300, 60))
