@@ -37,6 +37,8 @@ from megatron.vlm.micro_batch import MicroBatch
 from megatron.vlm.stage import StageBuild, VLMStage, build_stage
 from omnibal_ext.memory.recompute import StageRecompute
 
+from .arguments import moe_run_of
+
 
 def _layers_of_every_kind(spec, code: str) -> int:
     layers = [u for u in build_units(spec) if u.code == code]
@@ -118,7 +120,7 @@ def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, devic
     def stage(recompute):
         m = build_stage(StageBuild(mini, range(len(mini_units)), tp=tp, dtype=dtype, impl=impl, seed=args.seed,
                                    recompute=recompute, img_context_id=img_context_id, on_cpu=on_cpu,
-                                   sequence_parallel=sp))
+                                   sequence_parallel=sp, moe_run=moe_run_of(args, mini)))
         return m.to(device=device, dtype=dtype).train()
 
     plain = stage(StageRecompute())
@@ -146,6 +148,8 @@ def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, devic
         return component.profile_module(module)
 
     costs = unit_components(mini)
+    if mini.language.moe is not None:
+        _track_aux_losses(mini.language.num_layers, device)
     per_kind: dict[str, UnitCost] = {}
     x = None
     for unit in mini_units:
@@ -173,6 +177,8 @@ def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, devic
                                            **extra)
         with torch.no_grad():
             x = run(plain_parts, unit, inp)
+    if mini.language.moe is not None:
+        _forget_aux_losses()
     units = [dataclasses.replace(per_kind[u.kind], name=u.name) for u in build_units(spec)]
     meta = {**environment_meta(), "device": _device_name(device), "dtype": str(dtype).replace("torch.", ""),
             "shape": shape.to_dict(), "spec": spec.to_dict(), "tp": tp, "sequence_parallel": sp,
@@ -186,6 +192,30 @@ def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, devic
     # the side tensors' bytes at each boundary (DeepStack features: the few-layer model runs none) from the spec
     table = with_side_bytes(CostTable(tuple(units), source="profile", meta=meta), spec, shape)
     return broadcast_table(table)
+
+
+def _track_aux_losses(num_layers: int, device) -> None:
+    """megatron-core's aux-loss tracker made for the copy's ``num_layers`` decoder layers (it would size its
+    tensors by the first router's block, which may hold fewer layers than the router's layer number), as the
+    trainer's ``MoELog`` makes it."""
+    from megatron.core.transformer.moe import moe_utils
+
+    from .moe_log import TRACKED
+
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    for name in TRACKED:
+        tracker.setdefault(name, {"values": torch.zeros(num_layers, device=device), "reduce_group": None,
+                                  "avg_group": None, "reduce_group_has_dp": False})
+
+
+def _forget_aux_losses() -> None:
+    """megatron-core's process-wide aux-loss state left by the copy's routers: their logged losses (by the copy's
+    layers, none training's) and the aux-loss gradient scale (a scalar where training's schedule sets a [1] tensor),
+    so training starts from none."""
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()
+    moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
 
 def _core_attention_share(component, shape: MicroBatchShape, tp: int) -> float:

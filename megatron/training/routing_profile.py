@@ -22,21 +22,21 @@ from megatron.core import parallel_state
 from omnibal_ext.model.expert_load import expert_load_meta
 from omnibal_ext.model.units import build_units
 
+from megatron.vlm.layer_impl import resolve_layer_impl
 from megatron.vlm.moe import ExpertLoad
 from megatron.vlm.stage import StageBuild, build_stage
 
 
 def whole_model(args, plan, img_context_id: int, device: torch.device):
     """Every unit of ``plan.model_spec`` as one stage, with training's initial (or ``--hf-checkpoint``'s) weights."""
-    from .training import dtype_of, resolve_transformer_impl
+    from .training import dtype_of
 
     spec = plan.model_spec
-    impl = "local" if args.sequence_parallel else resolve_transformer_impl(
-        args.transformer_impl, device, args.attention_backend, plan.context_parallel_size)
+    impl = resolve_layer_impl(args.transformer_impl, args.attention_backend, device, plan.context_parallel_size,
+                              torch_layers_only=args.sequence_parallel)
     stage = build_stage(StageBuild(
         spec, range(len(build_units(spec))), tp=args.tensor_model_parallel_size, dtype=dtype_of(args),
-        transformer_impl=impl, attention_backend=args.attention_backend, seed=args.seed,
-        img_context_id=img_context_id, on_cpu=device.type == "cpu", sequence_parallel=args.sequence_parallel,
+        impl=impl, seed=args.seed, img_context_id=img_context_id, on_cpu=device.type == "cpu", sequence_parallel=args.sequence_parallel,
         cp=plan.context_parallel_size, initialize=not args.hf_checkpoint, moe_run=plan.moe_run))
     stage.to(device=device, dtype=dtype_of(args))
     if args.hf_checkpoint:
