@@ -170,7 +170,10 @@ def measured_profile_imbalance(path: str | None, spec) -> tuple[tuple[int, float
     from omnibal_ext.model.costs import CostTable
     from omnibal_ext.model.expert_load import measured_by_ep
 
-    meta = CostTable.load(path).meta
+    try:
+        meta = CostTable.load(path).meta
+    except UserError as e:
+        raise UserError(f"--moe-profile: {e}") from None
     measured = measured_by_ep(meta)
     if not measured:
         raise UserError(f"--moe-profile {path}: the profile holds no measured expert load (an MoE model's profile "
