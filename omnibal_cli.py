@@ -129,7 +129,10 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     """``omnibal profile --json OUT [trainer flags]``: measure every unit on this machine.
 
     Runs pretrain_vlm.py's profiler in this process (a world of one) for the model the trainer
-    flags describe, at the micro-batch shape training would use, and writes the profile JSON.
+    flags describe, at the micro-batch shape training would use, and writes the profile JSON. An MoE model's
+    profile also holds the expert load of the first training iteration's micro-batches and its expert-parallel
+    imbalance at every EP size (meta "expert_load"; not with an explicit shape, which reads no data), which
+    ``omnibal plan --moe-profile`` and the calibrated cost model read.
     """
     p = subparsers.add_parser("profile", help="measure per-unit forward/backward time and activation bytes",
                               description=add_profile_parser.__doc__)

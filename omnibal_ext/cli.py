@@ -105,7 +105,11 @@ def add_plan_parser(subparsers, scan_metas: MetaScanner | None = None,
     p.add_argument("--moe-imbalance", type=float, default=None, metavar="F",
                    help="MoE models: the busiest EP rank's routed tokens over the mean (>= 1), e.g. as the trainer's "
                         "'expert load imbalance' log measured it; multiplies the experts' time and sizes their "
-                        "activations (default: unknown: time at 1.0, activations at the no-drop worst case)")
+                        "activations (default: measured (--moe-profile), else unknown: time at 1.0, activations at "
+                        "the no-drop worst case)")
+    p.add_argument("--moe-profile", default=None, metavar="PROFILE",
+                   help="MoE models: a profile JSON of `omnibal profile` (or the trainer's --omnibal-profile) on the "
+                        "training data; its measured expert load gives the imbalance at each EP tried")
     p.add_argument("--sim-iterations", type=int, default=8, help="iterations simulated per setting (default 8)")
     p.add_argument("--seed", type=int, default=0)
     add_freeze_flags(p)
@@ -124,7 +128,8 @@ def run_plan(args, scan_metas: MetaScanner | None = None, model_from_hf: HFModel
     hf_checkpoint = getattr(args, "hf_checkpoint", None)
     spec = model_from_hf(hf_checkpoint) if hf_checkpoint else get_preset(args.model)
     stats = load_stats_or_meta(args.data, "--data", spec, scan_metas, args, hf_checkpoint)
-    plan = make_plan(stats, dataclasses.replace(plan_config(args), model=spec))
+    measured = measured_profile_imbalance(args.moe_profile, spec)
+    plan = make_plan(stats, dataclasses.replace(plan_config(args), model=spec, measured_imbalance=measured))
     if hf_checkpoint:  # the trainer takes the model from the folder, not from a preset name
         flags = {"--hf-checkpoint": hf_checkpoint}
         flags.update({k: v for k, v in plan.trainer_flags.items() if k != "--model"})
@@ -155,6 +160,30 @@ def plan_config(args):
                       min_pp=args.min_pp, seed=args.seed, freeze=Freeze.from_args(args),
                       ep=args.ep, etp=args.etp, moe_imbalance=args.moe_imbalance,
                       vpp=getattr(args, "vpp", None), max_vpp=getattr(args, "max_vpp", 2))
+
+
+def measured_profile_imbalance(path: str | None, spec) -> tuple[tuple[int, float], ...]:
+    """(EP, imbalance) the profile at ``path`` measured (``--moe-profile``; None: none) for the model ``spec``;
+    UserError naming the flag when it holds no measured expert load, or one of another number of experts."""
+    if path is None:
+        return ()
+    from omnibal_ext.model.costs import CostTable
+    from omnibal_ext.model.expert_load import measured_by_ep
+
+    try:
+        meta = CostTable.load(path).meta
+    except UserError as e:
+        raise UserError(f"--moe-profile: {e}") from None
+    measured = measured_by_ep(meta)
+    if not measured:
+        raise UserError(f"--moe-profile {path}: the profile holds no measured expert load (an MoE model's profile "
+                        "on data: `omnibal profile` without --tiles/--llm-tokens, or the trainer's --omnibal-profile)")
+    moe = spec.language.moe
+    measured_experts = len(next(iter(meta["expert_load"]["tokens_per_expert"].values())))
+    if moe is None or moe.num_experts != measured_experts:
+        raise UserError(f"--moe-profile {path}: measured {measured_experts} experts, model {spec.name!r} has "
+                        f"{moe.num_experts if moe else 'none'}")
+    return measured
 
 
 def build_parser(scan_metas: MetaScanner | None = None, model_from_hf: HFModelReader | None = None,

@@ -385,12 +385,6 @@ def check_moe(args, spec: ModelSpec, tp: int, pp: int, cp: int, dp: int) -> None
         raise ArgumentError(f"--lora-targets {','.join(mlp)} (the default targets include them) with --num-experts: "
                             "adapters on experts (llm.experts) are not supported yet; give --lora-targets "
                             "llm.qkv,llm.proj (and ViT targets)")
-    for flag, on in (("--omnibal-partition auto", args.omnibal_partition == "auto"),
-                     ("--omnibal-recompute auto", args.omnibal_recompute == "auto"),
-                     ("--omnibal-profile", bool(args.omnibal_profile))):
-        if on:
-            raise ArgumentError(f"{flag} with --num-experts: the trainer's profiler does not run MoE layers yet "
-                                "(give --pipeline-layout / --recompute-plan)")
     if tp > 1 and not args.sequence_parallel:
         raise ArgumentError(f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel "
                             "(megatron-core's MoELayer refuses to train under TP without it)")
