@@ -17,6 +17,7 @@ exact for samples of one length) plus the MLP ``6 T h f``. Selective recompute h
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ...errors import UserError
@@ -183,6 +184,15 @@ def unit_list(spec: ModelSpec):
     return units + [("llm.head", HeadCost, None)]
 
 
+def few_layers(spec: ModelSpec, vision_layers: int, llm_layers: int) -> ModelSpec:
+    """``spec`` with ``vision_layers`` ViT layers and its first LLM layers, at least ``llm_layers`` and as many as hold
+    a layer of each kind of ``layer_types`` (``Family.few_layers``: the trainer's profiler measures every kind)."""
+    types = spec.language.layer_types
+    keep = max(llm_layers, max(types.index(kind) for kind in set(types)) + 1)
+    return spec.replace(vision=dataclasses.replace(spec.vision, num_layers=vision_layers),
+                        language=dataclasses.replace(spec.language, num_layers=keep, layer_types=types[:keep]))
+
+
 def spec_problem(spec: ModelSpec) -> str | None:
     if spec.vision.deepstack_visual_indexes:
         return "Qwen3.5's ViT has no DeepStack (deepstack_visual_indexes must be empty)"
@@ -246,7 +256,7 @@ QWEN3_5 = register(Family(
     components=(VisionEmbedCost, VisionLayerCost, MergerCost, TextEmbedCost, LinearAttentionLayerCost,
                 GatedAttentionLayerCost, HeadCost),
     unit_list=unit_list, vision_item="patch", presets=PRESETS, segments_sq=image_segments_sq,
-    spec_problem=spec_problem,
+    spec_problem=spec_problem, few_layers=few_layers,
     # sequence parallelism is declared: the Gated DeltaNet, the gated attention and the norms run under it (tested
     # at TP 2); context parallelism is refused (the linear layers' state would pass between CP ranks); no LoRA
     capabilities=Capabilities(sequence_parallel=True, image_flags=("--min-pixels", "--max-pixels"))))
