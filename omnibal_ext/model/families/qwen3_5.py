@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from ...errors import UserError
 from ..components import (FUSED_KERNELS, ActBytes, HeadCost, TextEmbedCost, TextLayerCost, llm_layer_flops,
-                          norm_bytes_per_token, sp_tokens)
+                          norm_bytes_per_token, rotary_table_bytes, sp_tokens)
 from ..linear_attention import LinearAttentionShape, linear_attention_act_bytes, linear_attention_flops
 from ..spec import LanguageSpec, ModelSpec
 from . import Capabilities, Family, register
@@ -139,8 +139,9 @@ class LinearAttentionLayerCost(TextLayerCost):
         if T > shape.rank_llm_tokens:
             lengths.append(T - shape.rank_llm_tokens)  # the sequence-parallel pad: a segment of its own
         mixer = linear_attention_act_bytes(lm.linear_shape, lengths, tp, sequence_parallel and tp > 1, D).total
-        act = mixer + _mlp_norm_bytes(lm, T, D, tp, sequence_parallel and tp > 1, kernels)
-        return ActBytes(act, send, act, send)
+        act = mixer + _mlp_norm_bytes(lm, T, D, tp, sequence_parallel and tp > 1, kernels) + 2 * zero_centred_bytes(lm, D)
+        # full recompute keeps the input and the rotary angles every LLM layer is given (the linear layer ignores them)
+        return ActBytes(act, send + rotary_table_bytes(lm, shape, T), act, send)
 
 
 class GatedAttentionLayerCost(TextLayerCost):
@@ -166,12 +167,30 @@ class GatedAttentionLayerCost(TextLayerCost):
         return {}  # no LoRA on these layers (not declared)
 
     def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False, kernels=FUSED_KERNELS):
-        """The decoder layer's bytes plus, per token and TP rank, the gate's rows of the fused QKV output, its
-        contiguous copy, ``sigmoid(gate)`` in fp32 and the ungated attention output (``heads * head_dim`` each)."""
+        """The decoder layer's bytes (q/k norms, partial rotary) plus, per token and TP rank, the gate's rows of the
+        fused QKV output, its contiguous copy and the ungated attention output (``heads * head_dim`` each; the
+        gated product is the out-projection input the decoder layer counts), and the ``1 + w`` of its two layer
+        norms and of the q and k norms."""
+        lm, D = self.spec.language, shape.dtype_bytes
         base = super().act_bytes(shape, tp, dropout, attention, sequence_parallel, kernels)
         T = sp_tokens(shape.rank_llm_tokens, tp, sequence_parallel)
-        gate = T * self._width() * (3 * shape.dtype_bytes + 4.0) / tp
+        gate = T * self._width() * 3 * D / tp + 2 * zero_centred_bytes(lm, D) + 2 * lm.kv_channels * D
         return ActBytes(base.act + gate, base.full, base.selective + gate, base.send)
+
+
+def zero_centred_bytes(lm: LanguageSpec, dtype_bytes: int) -> float:
+    """What a zero-centred norm over the hidden states keeps beside a plain one: its ``1 + w`` (``hidden`` values,
+    per layer, not per token)."""
+    return lm.hidden_size * dtype_bytes
+
+
+class ZeroCentredHeadCost(HeadCost):
+    """The head, its final norm zero-centred (``zero_centred_bytes`` more)."""
+
+    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False, kernels=FUSED_KERNELS):
+        b = super().act_bytes(shape, tp, dropout, attention, sequence_parallel, kernels)
+        extra = zero_centred_bytes(self.spec.language, shape.dtype_bytes)
+        return ActBytes(b.act + extra, b.full, b.selective + extra, b.send)
 
 
 def unit_list(spec: ModelSpec):
@@ -181,7 +200,7 @@ def unit_list(spec: ModelSpec):
     units += [("projector", MergerCost, None), ("llm.embed", TextEmbedCost, None)]
     units += [(f"llm.layer.{i}", LinearAttentionLayerCost if lm.is_linear(i) else GatedAttentionLayerCost, i)
               for i in range(lm.num_layers)]
-    return units + [("llm.head", HeadCost, None)]
+    return units + [("llm.head", ZeroCentredHeadCost, None)]
 
 
 def few_layers(spec: ModelSpec, vision_layers: int, llm_layers: int) -> ModelSpec:
@@ -254,7 +273,7 @@ PRESETS: dict[str, ModelSpec] = {
 QWEN3_5 = register(Family(
     name="qwen3_5", vision_spec=VisionSpec, language_spec=Qwen35LanguageSpec,
     components=(VisionEmbedCost, VisionLayerCost, MergerCost, TextEmbedCost, LinearAttentionLayerCost,
-                GatedAttentionLayerCost, HeadCost),
+                GatedAttentionLayerCost, ZeroCentredHeadCost),
     unit_list=unit_list, vision_item="patch", presets=PRESETS, segments_sq=image_segments_sq,
     spec_problem=spec_problem, few_layers=few_layers,
     # sequence parallelism is declared: the Gated DeltaNet, the gated attention and the norms run under it (tested
