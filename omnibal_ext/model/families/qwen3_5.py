@@ -234,14 +234,14 @@ def vision(**kw) -> VisionSpec:
 # Presets: the dense Qwen/Qwen3.5-* sizes whose config.json facts were found (where each was read:
 # tests/test_qwen3_5_model.py, PUBLISHED). Common: vocab 248320, head_dim 256, rope_theta 1e7, partial rotary
 # 0.25, mrope_section [11, 11, 10] interleaved, rms_norm_eps 1e-6, linear conv kernel 4, key/value head dims 128,
-# every fourth layer full attention; the ViT: patch 16, temporal 2, merge 2, 2304 positions. 2B and 4B are not
-# here: 2B's sizes and 4B's ViT were not found (4B's LLM was: 32 layers, hidden 2560, 16 / 4 heads, FFN 9216,
-# linear 16 / 32 heads, tied).
+# every fourth layer full attention; the ViT: patch 16, temporal 2, merge 2, 2304 positions. 2B is not here: its
+# sizes were not found.
 # --------------------------------------------------------------------------------------------
 _TEXT = dict(rotary_base=10000000, norm_eps=1e-6, head_dim=256, vocab_size=248320, mrope_section=(11, 11, 10),
              partial_rotary_factor=0.25, linear_key_head_dim=128, linear_value_head_dim=128,
              linear_conv_kernel_dim=4)
 SMALL_VIT = vision(num_layers=12, hidden_size=768, num_attention_heads=12, ffn_hidden_size=3072)
+MID_VIT = vision(num_layers=24, hidden_size=1024, num_attention_heads=16, ffn_hidden_size=4096)
 LARGE_VIT = vision(num_layers=27, hidden_size=1152, num_attention_heads=16, ffn_hidden_size=4304)
 
 
@@ -254,6 +254,7 @@ def _preset(name, vit, layers, hidden, heads, groups, ffn, key_heads, value_head
 
 PRESETS: dict[str, ModelSpec] = {
     "qwen3.5-0.8b": _preset("qwen3.5-0.8b", SMALL_VIT, 24, 1024, 8, 2, 3584, 16, 16, True),
+    "qwen3.5-4b": _preset("qwen3.5-4b", MID_VIT, 32, 2560, 16, 4, 9216, 16, 32, True),
     "qwen3.5-9b": _preset("qwen3.5-9b", LARGE_VIT, 32, 4096, 16, 4, 12288, 16, 32, False),
     "qwen3.5-27b": _preset("qwen3.5-27b", LARGE_VIT, 64, 5120, 24, 4, 17408, 16, 48, False),
     # a CPU model: 2 ViT layers, 6 LLM layers in an order other than every fourth (linear, full, linear, linear,
