@@ -139,7 +139,8 @@ class LinearAttentionLayerCost(TextLayerCost):
         if T > shape.rank_llm_tokens:
             lengths.append(T - shape.rank_llm_tokens)  # the sequence-parallel pad: a segment of its own
         mixer = linear_attention_act_bytes(lm.linear_shape, lengths, tp, sequence_parallel and tp > 1, D).total
-        act = mixer + _mlp_norm_bytes(lm, T, D, tp, sequence_parallel and tp > 1, kernels) + 2 * zero_centred_bytes(lm, D)
+        act = mixer + _mlp_norm_bytes(lm, T, D, tp, sequence_parallel and tp > 1, kernels)
+        act += 2 * zero_centred_bytes(lm, D)  # the two zero-centred layer norms' 1 + w
         # full recompute keeps the input and the rotary angles every LLM layer is given (the linear layer ignores them)
         return ActBytes(act, send + rotary_table_bytes(lm, shape, T), act, send)
 
