@@ -52,10 +52,10 @@ if str(ROOT) not in sys.path:
 
 CHECKS = ("fp32_parity", "bf16_learns", "te_vs_local", "thd_vs_dense", "cp_attention", "layer_throughput", "e2e_cut",
           "fla_delta_rule")
-# seconds per check: the sum stays under 10 minutes with the start-up of each subprocess
-# (510 s in all: scripts/gpu_check.sh, wheel install included, stays inside 9 minutes)
+# seconds per check, upper bounds (660 s in all; the checks before fla's measured 510 s with scripts/gpu_check.sh's
+# wheel install, inside 9 minutes; fla's has not run: --only selects a subset where device time is short)
 TIMEOUTS = {"fp32_parity": 100, "bf16_learns": 80, "te_vs_local": 40, "thd_vs_dense": 40, "cp_attention": 70,
-            "layer_throughput": 75, "e2e_cut": 105, "fla_delta_rule": 120}  # fla: Triton compiles its kernels first
+            "layer_throughput": 75, "e2e_cut": 105, "fla_delta_rule": 150}  # fla: Triton compiles its kernels first
 TINY = ["--train-iters", "5", "--eval-interval", "0", "--log-interval", "1", "--lr-warmup-iters", "0",
         "--seed", "7", "--transformer-impl", "local"]
 
