@@ -341,11 +341,3 @@ def build_data(out_dir: str | os.PathLike, num_samples: int, tile_size: int, tok
                    {"stats_files": [os.path.basename(f) for f in files], "text_scale": rule.text_scale, "max_tokens": max_tokens,
                     "tokens_mean": float(plan["tokens"].mean()), "tokens_max": int(plan["tokens"].max()),
                     "tiles_mean": float(plan["tiles"].mean())})
-
-
-def isf_group_count(tokens: np.ndarray, tiles: np.ndarray, dp: int, samples_per_group: int, seed: int) -> int:
-    """Groups the trainer's ISF planner (megatron/training/isf.py) makes of these samples."""
-    from omnibal_ext.data.search import SearchConfig, plan_isf
-
-    cfg = SearchConfig(dp_size=dp, samples_per_group=samples_per_group, seed=seed)
-    return len(plan_isf(np.asarray(tiles), np.asarray(tokens), cfg).grouping)

@@ -124,7 +124,7 @@ def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, devic
         return m.to(device=device, dtype=dtype).train()
 
     plain = stage(StageRecompute())
-    full = stage(StageRecompute(mini.vision.num_layers, False, 1, False))
+    full = stage(StageRecompute(mini.vision.num_layers, False, mini.language.num_layers, False))  # every layer
     selective = stage(StageRecompute(0, True, 0, True))
     family_batch = runtime_family(mini).data.profile_batch or synthetic_batch
     batch = family_batch(mini, shape, img_context_id, device, pad_to_multiple=tp if sp else 1)
