@@ -12,6 +12,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
+import hf_check  # noqa: E402
 import hf_tiny_qwen as q  # noqa: E402
 
 from omnibal_ext.errors import UserError  # noqa: E402
@@ -179,24 +180,14 @@ def test_import_export_round_trip_and_transformers_loads_it(megatron_world, tiny
 @pytest.mark.slow
 def test_hf_logits_script_tp2_and_pp2_under_torchrun(tiny, tmp_path):
     """TP 2 (3 ViT heads padded to 4), PP 2 with the ViT split over the stages (window layer | full layers), PP 2
-    with the tied embedding and head on different stages."""
-    sys.path.insert(0, str(q.__file__).rsplit("/tests/", 1)[0] + "/scripts")
-    import benchlib
-
+    with the tied embedding and head on different stages (one launch)."""
     batch = q.inputs()
-    torch.save(batch, tmp_path / "in.pt")
     runs = [("untied", ["--tensor-model-parallel-size", "2"]),
             ("tied", ["--tensor-model-parallel-size", "2"]),
             ("untied", ["--pipeline-model-parallel-size", "2", "--pipeline-layout", "Iv|v*3PEt*2L"]),
             ("tied", ["--pipeline-model-parallel-size", "2", "--pipeline-layout", "Iv*4PE|t*2L"])]
-    for name, flags in runs:
-        folder, model = tiny[name]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(benchlib.free_port()), str(benchlib.ROOT / "scripts" / "hf_logits.py"), "--hf-checkpoint",
-               str(folder), "--inputs", str(tmp_path / "in.pt"), "--out", str(tmp_path / "out.pt"), *flags]
-        run = subprocess.run(cmd, env=benchlib.trainer_env(), capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        got = torch.load(tmp_path / "out.pt")
-        diff = (got - q.hf_logits(model, batch)).abs().max().item()
+    got = hf_check.torchrun_logits([(tiny[name][0], flags) for name, flags in runs], batch, tmp_path)
+    for (name, flags), logits in zip(runs, got):
+        diff = (logits - q.hf_logits(tiny[name][1], batch)).abs().max().item()
         print(f"{name} {' '.join(flags)}: max |diff| {diff:.3g}")
         assert diff <= TOL, (name, flags)
