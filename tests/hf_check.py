@@ -1,8 +1,9 @@
 """The checks every Hugging Face family's tests make against transformers, written once:
 
 * ``torchrun_logits``: our logits of tiny HF folders from ``scripts/hf_logits.py`` under torchrun, several
-  (folder, layout) cases in ONE launch (``tests/hf_logits_worker.py``); the caller compares them with its own
-  oracle (transformers' logits) at its own tolerance;
+  (folder, layout) cases in ONE launch (``tests/hf_logits_worker.py``; ``logits_by_layout``: one folder at named
+  layouts, one launch per world size); the caller compares them with its own oracle (transformers' logits) at its
+  own tolerance;
 * ``import_export`` / ``assert_same_tensors`` / ``assert_transformers_loads_the_same``: the import -> export round
   trip bit-identical, and transformers loading the export to the source model's logits (in a fresh process: the
   CPU patches of ``megatron.training.cpu_compat`` spoil the rotary buffers transformers recomputes in
@@ -49,6 +50,19 @@ def torchrun_logits(cases: Sequence[tuple[Path | str, Sequence[str]]], batch: di
     run = subprocess.run(cmd, env=benchlib.trainer_env(), capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return [torch.load(workdir / f"out{k}.pt") for k in range(len(cases))]
+
+
+def logits_by_layout(folder: Path | str, batch: dict, workdir: Path,
+                     layouts: dict[str, tuple[int, Sequence[str]]]) -> dict[str, torch.Tensor]:
+    """``torchrun_logits`` of one HF ``folder`` at each of ``layouts`` (name: (world size, hf_logits.py flags)): one
+    launch per world size; returns the logits by layout name."""
+    out = {}
+    for nproc in sorted({n for n, _ in layouts.values()}):
+        names = [name for name, (n, _) in layouts.items() if n == nproc]
+        got = torchrun_logits([(folder, layouts[name][1]) for name in names], batch, Path(workdir) / f"world{nproc}",
+                              nproc)
+        out.update(zip(names, got))
+    return out
 
 
 def import_export(folder: Path | str, workdir: Path) -> Path:
