@@ -8,6 +8,7 @@
   trip bit-identical, and transformers loading the export to the source model's logits (in a fresh process: the
   CPU patches of ``megatron.training.cpu_compat`` spoil the rotary buffers transformers recomputes in
   ``from_pretrained``);
+* ``untied_and_tied``: a module fixture's two tiny checkpoints;
 * ``eager``: transformers' eager attention in a Qwen-style model (the reference for 1e-5 comparisons);
 * ``write_char_tokenizer`` / ``write_qwen_preprocessor``: a tiny folder's tokenizer and image processor files.
 """
@@ -30,6 +31,17 @@ def _benchlib():
     import benchlib
 
     return benchlib
+
+
+def untied_and_tied(tmp_path_factory, make_tiny) -> dict:
+    """{"untied"|"tied": (folder, transformers model)}: ``make_tiny(folder, seed=i, tie=...)`` (seeds 0 and 1) in
+    new temporary folders (a module fixture's pair of tiny checkpoints)."""
+    out = {}
+    for i, tie in enumerate((False, True)):
+        name = "tied" if tie else "untied"
+        folder = tmp_path_factory.mktemp(name)
+        out[name] = (folder, make_tiny(folder, seed=i, tie=tie))
+    return out
 
 
 def torchrun_logits(cases: Sequence[tuple[Path | str, Sequence[str]]], batch: dict, workdir: Path, nproc: int = 2,

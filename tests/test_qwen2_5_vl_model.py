@@ -21,12 +21,7 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """{"untied"|"tied": (folder, transformers model)}."""
-    out = {}
-    for i, tie in enumerate((False, True)):
-        name = "tied" if tie else "untied"
-        folder = tmp_path_factory.mktemp(name)
-        out[name] = (folder, q.make_tiny(folder, seed=i, tie=tie))
-    return out
+    return hf_check.untied_and_tied(tmp_path_factory, q.make_tiny)
 
 
 # --------------------------------------------------------------------------------------------------
