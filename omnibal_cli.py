@@ -53,30 +53,41 @@ def write_scanned_stats(args) -> int:
     """``omnibal isf stats --stats DATA... --write OUT``: each meta JSON or annotation JSONL of ``args.stats``
     scanned (validated) by the trainer's reader with the model's family data side (``--hf-checkpoint``: its
     config, tokenizer and image processor; ``--model``: a preset with the byte-level tokenizer or
-    OMNIBAL_TOKENIZER; neither: the 448 px tiles of ``PUBLISHED_TILES``), written to OUT as
-    ``[{"vit_num", "token_num", "images": [{"width", "height", "tiles" | "patches"}]}]``; returns the samples."""
+    OMNIBAL_TOKENIZER; neither: the 448 px tiles of ``PUBLISHED_TILES``), its videos by the family's video rule
+    with the ``--video-*`` flags as the trainer applies them (a family without one refuses video records, and
+    the flags), written to OUT as ``[{"vit_num", "token_num", "images": [{"width", "height", "tiles" | "patches"}],
+    "videos": [{"frames", "width", "height", "patches", "temporal"}]}]`` (``videos`` where the data has any);
+    returns the samples."""
     import os
 
     from megatron.vlm.data.images import TileImages
     from megatron.vlm.data.records import ReaderConfig, scan_annotations
     from megatron.vlm.data.stats import image_stats_records, write_json
     from megatron.vlm.data.tokenizer import build_tokenizer
+    from megatron.vlm.data.video_sampling import VideoOverrides
     from megatron.vlm.families import runtime_family
     from megatron.vlm.hf.convert import has_tokenizer
     from omnibal_ext.cli import data_files
-    from omnibal_ext.model.units import get_preset
+    from omnibal_ext.model.units import family_of, get_preset
 
     hf = args.hf_checkpoint
     spec = model_from_hf(hf) if hf else get_preset(args.model) if args.model else None
+    video_flags = VideoOverrides.from_args(args).given()
+    videos = None
     if spec is None:
         images, image_tokens = TileImages(**dict(PUBLISHED_TILES, max_num_tiles=args.max_num_tiles),
                                           min_num_tiles=args.min_num_tiles), None
     else:
         data = runtime_family(spec).data
         images, image_tokens = data.image_rule(args, spec, hf), data.image_tokens
+        if family_of(spec).capabilities.video and data.video_rule is not None:
+            videos = data.video_rule(args, spec, hf)
+    if videos is None and video_flags:
+        who = "no model (--model or --hf-checkpoint)" if spec is None else f"model family {spec.family}"
+        raise UserError(f"{', '.join(video_flags)}: {who} reads no videos; drop the flag")
     folder = hf if hf and has_tokenizer(hf) else os.environ.get("OMNIBAL_TOKENIZER")
     tokenizer = build_tokenizer(folder, **({"image_tokens": image_tokens} if image_tokens else {}))
-    config = ReaderConfig(images=images)
+    config = ReaderConfig(images=images, videos=videos)
     records = []
     for path in data_files(args.stats, "--stats"):
         scan = scan_annotations(path, tokenizer, config, progress=True)

@@ -191,6 +191,7 @@ def add_stats_writing(isf: argparse.ArgumentParser, write_stats: StatsWriter) ->
     p.add_argument("--max-pixels", type=int, default=None, help="with --write, native-resolution images: --max-pixels")
     p.add_argument("--max-num-tiles", type=int, default=6, help="with --write, tiled images: --max-num-tiles")
     p.add_argument("--min-num-tiles", type=int, default=1, help="with --write, tiled images: --min-num-tiles")
+    add_video_flags(p)
     summarise = p.get_default("func")
 
     def run(args):
@@ -199,6 +200,17 @@ def add_stats_writing(isf: argparse.ArgumentParser, write_stats: StatsWriter) ->
             args.stats = [args.write]
         return summarise(args)
     p.set_defaults(func=run)
+
+
+def add_video_flags(p: argparse.ArgumentParser) -> None:
+    """The trainer's ``--video-*`` flags (same names and defaults: the family's video rule reads them as the
+    trainer's, over the --hf-checkpoint folder's video processor file), for ``isf stats --write``."""
+    p.add_argument("--video-fps", type=float, default=None, help="with --write, videos: the trainer's --video-fps")
+    p.add_argument("--video-min-frames", type=int, default=None, help="with --write, videos: --video-min-frames")
+    p.add_argument("--video-max-frames", type=int, default=None, help="with --write, videos: --video-max-frames")
+    p.add_argument("--video-max-pixels", type=int, default=None, help="with --write, videos: --video-max-pixels")
+    p.add_argument("--video-total-pixels", type=int, default=None, help="with --write, videos: --video-total-pixels")
+    p.add_argument("--video-folder-fps", type=float, default=24.0, help="with --write, videos: --video-folder-fps")
 
 
 def data_files(paths, flag: str) -> list[str]:

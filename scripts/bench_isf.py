@@ -23,6 +23,16 @@ and the text length of a random sample of the published stats). Target: ISF in t
 time <= 0.01 (ViT and LLM). The images' patches follow the model's ViT (patch and merge sizes) and the pixel
 budget of ``--min-pixels``/``--max-pixels`` (Qwen2.5-VL's by default; a Qwen3-VL model:
 ``--qwen-model qwen3-vl-8b --min-pixels 65536 --max-pixels 16777216``, its published budget).
+
+A video and image mix (``--video-mix N``, or ``--video-only`` for this part alone): N samples, ``--video-share`` of
+them (1/3) one video each, the rest the published stats' images with drawn sizes (as above).  The videos' durations
+follow LLaVA-Video-178K's published duration buckets (``LLAVA_VIDEO_BUCKETS``: the rows of its subsets per bucket
+as its Hugging Face dataset viewer lists them, uniform within a bucket); their frame sizes are a STATED
+distribution (``VIDEO_SIZES``: no published resolution statistics were found); frames sampled by Qwen2-VL's video
+rule at ``--video-fps`` (2), 4 to ``--video-max-frames`` (64), floored to the temporal patch, each frame
+smart_resized within ``--video-max-pixels`` (200704 = 256 merged tokens); text from a random published sample.
+Balance is in predicted time with each video's ViT attention per temporal patch, as the Qwen ViTs attend it.
+Target: ISF in time <= 0.01 DistRatio in time (ViT and LLM) at DP 8, against random and ISF by counts.
 """
 from __future__ import annotations
 
@@ -162,6 +172,52 @@ def bench_native(name: str, stats: SampleStats, spec, device, cfg: SearchConfig)
             "seconds": {"time_plan_wall": wt, "time_plan_cpu": ct}}
 
 
+# LLaVA-Video-178K (lmms-lab/LLaVA-Video-178K, arXiv 2410.02713): rows of its subsets per duration bucket, thousands,
+# as the dataset viewer lists them (academic + youtube + nextqa + perceptiontest; activitynet lists no count)
+LLAVA_VIDEO_BUCKETS = {(0, 30): 66.2 + 539 + 11 + 1.79, (30, 60): 88.8 + 171 + 13.7 + 0.618,
+                       (60, 120): 35.2 + 202 + 9.33, (120, 180): 28.2 + 206 + 0.113}
+BENCH_DATE = "2026-12-02"
+VIDEO_SIZES = {(640, 360): 0.4, (854, 480): 0.3, (1280, 720): 0.3}  # stated (w, h) px: share of videos
+
+
+def video_mix_stats(images: SampleStats, published: SampleStats, n: int, share: float, seed: int, spec,
+                    fps: float, max_frames: int, max_pixels: int) -> SampleStats:
+    """``n`` samples: a ``share`` of them one video each (module docstring), the rest drawn from ``images``
+    (one-image native-resolution stats)."""
+    from omnibal_ext.data.stats import VideoStats
+
+    rng = np.random.default_rng(seed)
+    n_video = int(round(n * share))
+    img = images.subset(rng.integers(0, len(images), n - n_video))
+    buckets = list(LLAVA_VIDEO_BUCKETS)
+    weights = np.array([LLAVA_VIDEO_BUCKETS[b] for b in buckets])
+    pick = rng.choice(len(buckets), n_video, p=weights / weights.sum())
+    lo = np.array([b[0] for b in buckets])[pick]
+    hi = np.array([b[1] for b in buckets])[pick]
+    duration = rng.uniform(np.maximum(lo, 1), hi)
+    tp = spec.vision.temporal_patch_size
+    frames = np.clip(np.floor(duration * fps), 4, max_frames).astype(np.int64) // tp * tp
+    sizes = list(VIDEO_SIZES)
+    which = rng.choice(len(sizes), n_video, p=list(VIDEO_SIZES.values()))
+    w = np.array([s[0] for s in sizes], dtype=np.int64)[which]
+    h = np.array([s[1] for s in sizes], dtype=np.int64)[which]
+    per_frame = native_patches(h, w, min_pixels=128 * 28 * 28, max_pixels=max_pixels,
+                               patch=spec.vision.patch_size, merge=spec.vision.spatial_merge_size)
+    temporal = frames // tp
+    patches = temporal * per_frame
+    text = (published.tokens - 256 * published.vit)[rng.integers(0, len(published), n_video)]
+    merge = spec.vision.spatial_merge_size ** 2
+    vit = np.concatenate([img.patches, patches])
+    tokens = np.concatenate([img.tokens, text + patches // merge])
+    offsets_img = np.concatenate([img.images.offsets, np.full(n_video, img.images.offsets[-1])])
+    images_all = ImageStats(offsets_img, img.images.width, img.images.height, img.images.patches)
+    offsets_vid = np.concatenate([np.zeros(n - n_video, np.int64), np.arange(n_video + 1, dtype=np.int64)])
+    videos = VideoStats(offsets_vid, frames, w, h, patches, temporal)
+    order = rng.permutation(n)
+    mixed = SampleStats(vit, tokens, np.zeros(n, dtype=np.int32), ["video-mix"], images_all, videos)
+    return mixed.subset(order)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stats-dir", type=Path, default=bl.STATS_DIR)
@@ -180,6 +236,14 @@ def main(argv=None) -> int:
     ap.add_argument("--scan-images", nargs="+", metavar="DIR", default=[],
                     help="folders whose image files give the scanned dataset's sizes")
     ap.add_argument("--scan-samples", type=int, default=40_000)
+    ap.add_argument("--video-mix", type=int, default=0, metavar="N",
+                    help="samples of the video and image mix (0: none)")
+    ap.add_argument("--video-only", action="store_true", help="only the video and image mix (--video-mix, default "
+                                                                  "40000)")
+    ap.add_argument("--video-share", type=float, default=1 / 3, help="share of the mix's samples with a video")
+    ap.add_argument("--video-fps", type=float, default=2.0)
+    ap.add_argument("--video-max-frames", type=int, default=64)
+    ap.add_argument("--video-max-pixels", type=int, default=200704)
     args = ap.parse_args(argv)
     try:
         files = bl.stats_files(args.stats_dir)
@@ -189,6 +253,8 @@ def main(argv=None) -> int:
     stats = load_stats(files)
     cfg = SearchConfig(dp_size=args.dp, samples_per_group=args.samples_per_group, seed=args.seed)
     out = {"files": [str(f) for f in files], "dp_size": args.dp, "samples_per_group": args.samples_per_group}
+    if args.video_only:
+        return video_part(args, stats, cfg, out)
     out["real"] = bench_one("real stats", stats.vit, stats.tokens, cfg)
     big = resample(stats, args.resample, args.seed)
     out["resampled"] = bench_one(f"resampled to {args.resample}", big.vit, big.tokens, cfg)
@@ -220,6 +286,8 @@ def main(argv=None) -> int:
                 m = out[key]["rows"]["isf-time"]
                 checks[f"{key}: isf-time dist_vit_time<=0.01"] = m["dist_ratio_vit_time"] <= 0.01
                 checks[f"{key}: isf-time dist_llm_time<=0.01"] = m["dist_ratio_llm_time"] <= 0.01
+    if args.video_mix:
+        video_part(args, stats, cfg, out, checks)
     s = out["resampled"]["seconds"]
     checks["1.2M search+grouping <= 3 s (cpu)"] = s["total_cpu"] <= 3.0
     checks["1.2M search+grouping <= 3 s (wall)"] = s["total_wall"] <= 3.0
@@ -229,6 +297,42 @@ def main(argv=None) -> int:
         print(f"  {'PASS' if ok else 'FAIL'}  {k}")
     if args.json:
         bl.write_json(args.json, out)
+    return 0
+
+
+def video_part(args, stats: SampleStats, cfg: SearchConfig, out: dict, checks: dict | None = None) -> int:
+    """The video and image mix (module docstring) into ``out["qwen_video_mix"]``, its targets into ``checks``;
+    alone (``checks`` None): its targets printed, the JSON written."""
+    alone = checks is None
+    checks = {} if alone else checks
+    spec, device = get_preset(args.qwen_model), get_device(args.qwen_device)
+    rule = native_rule(spec, args)
+    derived = derive_native_stats(stats, seed=args.seed, **rule)
+    n = args.video_mix or 40_000
+    mix = video_mix_stats(derived, stats, n, args.video_share, args.seed, spec, args.video_fps,
+                          args.video_max_frames, args.video_max_pixels)
+    v = mix.videos
+    res = bench_native(f"{spec.name}, video and image mix ({len(v.patches)} videos, LLaVA-Video-178K durations)",
+                       mix, spec, device, cfg)
+    res["videos"] = {"count": int(len(v.patches)), "share": args.video_share, "frames_mean": float(v.frames.mean()),
+                     "frames_max": int(v.frames.max()), "patches_mean": float(v.patches.mean()),
+                     "patches_max": int(v.patches.max()), "temporal_mean": float(v.temporal.mean()),
+                     "fps": args.video_fps, "max_frames": args.video_max_frames, "max_pixels": args.video_max_pixels,
+                     "durations": {f"{a}-{b} s": w for (a, b), w in LLAVA_VIDEO_BUCKETS.items()},
+                     "durations_source": "lmms-lab/LLaVA-Video-178K dataset viewer: rows per subset (thousands)",
+                     "sizes_stated": {f"{w}x{h}": p for (w, h), p in VIDEO_SIZES.items()}}
+    res["date"] = BENCH_DATE
+    out["qwen_video_mix"] = res
+    m = res["rows"]["isf-time"]
+    checks["qwen_video_mix: isf-time dist_vit_time<=0.01"] = m["dist_ratio_vit_time"] <= 0.01
+    checks["qwen_video_mix: isf-time dist_llm_time<=0.01"] = m["dist_ratio_llm_time"] <= 0.01
+    if alone:
+        out["targets"] = checks
+        print("\ntargets:")
+        for k, ok in checks.items():
+            print(f"  {'PASS' if ok else 'FAIL'}  {k}")
+        if args.json:
+            bl.write_json(args.json, out)
     return 0
 
 

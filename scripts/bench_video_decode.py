@@ -10,7 +10,16 @@ frames the decoder produced per clip.  Compare clips/s x workers with the sample
 
 Outputs: a table on stdout and ``--json`` (default video_decode.json in ``--out``).
 
-Usage: python scripts/bench_video_decode.py [--out DIR] [--json OUT] [--clips N] [--quick]
+``--loader-vs-step``: whether the loader is hidden behind the trainer's step.  ``--train-videos`` H.264 files
+(``--train-seconds`` s at ``--fps``, ``--train-size``) are written with a one-turn record each; one process (one
+DataLoader worker) loads every sample as the trainer's dataset does (``RecordDataset.sample``: decode the rule's
+frames with keyframe seeking, resize, normalise; the built-in tiny model's frames-as-tiles rule at
+``--video-max-frames``), giving samples/s per worker; then the trainer (``pretrain_vlm.py --model tiny``, one rank,
+``--num-workers 1``) trains on the same records and its steady ms/iteration (median after 2 warm-up iterations)
+gives the samples/s a step consumes.  Workers needed = consumed / per worker (rounded up); the loader is hidden when
+``--num-workers`` >= that.  The JSON gets the row ``loader_vs_step``.
+
+Usage: python scripts/bench_video_decode.py [--out DIR] [--json OUT] [--clips N] [--quick] [--loader-vs-step]
 """
 from __future__ import annotations
 
@@ -43,7 +52,60 @@ def parse_args(argv=None):
     p.add_argument("--sample-fps", type=float, default=2.0)
     p.add_argument("--clips", type=int, default=20, help="clips timed per row")
     p.add_argument("--quick", action="store_true", help="5 clips per row, the smaller size only")
+    p.add_argument("--loader-vs-step", action="store_true", help="per-worker loading against the trainer's step")
+    p.add_argument("--train-videos", type=int, default=16)
+    p.add_argument("--train-seconds", type=int, default=8)
+    p.add_argument("--train-size", default="224x160")
+    p.add_argument("--video-max-frames", type=int, default=16)
+    p.add_argument("--train-iters", type=int, default=10)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--global-batch-size", type=int, default=4)
     return p.parse_args(argv)
+
+
+def loader_vs_step(args, out: str) -> dict:
+    """The ``--loader-vs-step`` row (module docstring)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import benchlib as bl
+    from megatron.vlm.data import RecordDataset, TileImages
+    from megatron.vlm.data.tokenizer import build_tokenizer
+    from megatron.vlm.families.internvl.video import FramesAsTiles
+    from megatron.vlm.families.internvl.video import settings as internvl_settings
+    from omnibal_ext.model.units import get_preset
+
+    data = os.path.join(out, "train")
+    os.makedirs(data, exist_ok=True)
+    w, h = (int(v) for v in args.train_size.split("x"))
+    records = []
+    for k in range(args.train_videos):
+        name = f"t{k}.mp4"
+        write_coded_video(os.path.join(data, name), args.train_seconds * args.fps, args.fps, w, h)
+        records.append({"video": name, "conversations": [{"from": "human", "value": "<video>\nWhat happens?"},
+                                                         {"from": "gpt", "value": f"scene {k}"}]})
+    jsonl = os.path.join(data, "train.jsonl")
+    with open(jsonl, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    spec = get_preset("tiny")
+    rule = FramesAsTiles(internvl_settings(VideoOverrides(max_frames=args.video_max_frames)), spec.vision.image_size)
+    dataset = RecordDataset(jsonl, build_tokenizer(None), TileImages(spec.vision.image_size, spec.tokens_per_tile, 6),
+                            2048, videos=rule)
+    t0 = time.perf_counter()
+    frames = sum(int(dataset.sample(i)["pixel_values"].shape[0]) for i in range(len(dataset)))
+    per_worker = len(dataset) / (time.perf_counter() - t0)
+    flags = ["--model", "tiny", "--data-path", jsonl, "--train-iters", str(args.train_iters), "--micro-batch-size",
+             str(args.micro_batch_size), "--global-batch-size", str(args.global_batch_size), "--video-max-frames",
+             str(args.video_max_frames), "--seq-length", "2048", "--num-workers", "1", "--eval-interval", "0",
+             "--data-cache-dir", os.path.join(out, "cache")]
+    run = bl.run_trainer(flags, os.path.join(out, "run"), "step", nproc=1, timeout=1800)
+    step = bl.rates(bl.steady(run.records, 2))
+    consumed = args.global_batch_size / (step["ms_per_iter"] / 1e3)
+    needed = int(np.ceil(consumed / per_worker))
+    return {"videos": args.train_videos, "video": f"{args.train_seconds} s at {args.fps} fps, {args.train_size}, H.264",
+            "frames_per_sample": frames / len(dataset), "model": "tiny (InternVL family, frames as 32-px tiles)",
+            "loader_samples_per_s_per_worker": per_worker, "step_ms": step["ms_per_iter"],
+            "samples_per_step": args.global_batch_size, "step_samples_per_s": consumed, "workers_needed": needed,
+            "hidden_with_workers": needed, "hidden_with_1_worker": needed <= 1, "trainer_ranks": 1,
+            "machine": "this CPU host (shared, 2 cores), one trainer rank"}
 
 
 def bench_row(path: str, args, seek: bool, rng: np.random.Generator) -> dict:
@@ -75,7 +137,7 @@ def main(argv=None) -> int:
     os.makedirs(out, exist_ok=True)
     rng = np.random.default_rng(0)
     rows = []
-    for size in args.sizes.split(","):
+    for size in (args.sizes.split(",") if args.clips > 0 else []):
         w, h = (int(v) for v in size.split("x"))
         path = os.path.join(out, f"src_{w}x{h}.mp4")
         t0 = time.perf_counter()
@@ -90,7 +152,14 @@ def main(argv=None) -> int:
               f"{r['ms_per_clip']:8.1f} {r['decoded_per_clip']:13.1f}")
     result = {"config": {k: v for k, v in vars(args).items() if k not in ("out", "json")},
               "clip": f"{args.clip_seconds:g} s at {args.sample_fps:g} fps from {args.seconds} s files",
-              "workers": 1, "decoder_threads": 1, "rows": rows}
+              "workers": 1, "decoder_threads": 1, "rows": rows, "date": "2026-12-02"}
+    if args.loader_vs_step:
+        row = loader_vs_step(args, out)
+        result["loader_vs_step"] = row
+        print(f"loader: {row['loader_samples_per_s_per_worker']:.2f} samples/s per worker "
+              f"({row['frames_per_sample']:.0f} frames each); trainer step {row['step_ms']:.0f} ms for "
+              f"{row['samples_per_step']} samples = {row['step_samples_per_s']:.2f} samples/s; workers needed to hide "
+              f"the loader: {row['workers_needed']}")
     path = args.json or os.path.join(out, "video_decode.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)

@@ -175,6 +175,7 @@ def _mini_stage(model: str, device, dtype, impl: str, backend: str, seed: int = 
     """One ViT + one LLM layer of ``model`` with the whole unit list (embeddings, projector, head)."""
     import dataclasses
 
+    from megatron.vlm.layer_impl import LayerImpl
     from megatron.vlm.stage import StageBuild, build_stage
     from omnibal_ext.model.units import build_units, get_preset
 
@@ -182,7 +183,7 @@ def _mini_stage(model: str, device, dtype, impl: str, backend: str, seed: int = 
     spec = spec.replace(vision=dataclasses.replace(spec.vision, num_layers=1),
                         language=dataclasses.replace(spec.language, num_layers=1))
     units = build_units(spec)
-    m = build_stage(StageBuild(spec, range(len(units)), dtype=dtype, transformer_impl=impl, attention_backend=backend,
+    m = build_stage(StageBuild(spec, range(len(units)), dtype=dtype, impl=LayerImpl.of(impl, backend),
                                seed=seed, img_context_id=5, on_cpu=device.type == "cpu"))
     return spec, m.to(device=device, dtype=dtype).train()
 

@@ -7,8 +7,12 @@
 IN.pt: transformers' own inputs for the model's family (``HFSide.logits_batch`` makes the micro-batch):
 InternVL ``{"input_ids": LongTensor [1, s], "pixel_values": FloatTensor [tiles, 3, H, W]}``, the input_ids already
 holding image_seq_length image-token ids per tile; Qwen2.5-VL ``{"input_ids" [1, s], "pixel_values" [patches,
-3*2*14*14], "image_grid_thw" [n, 3], "mm_token_type_ids" [1, s]}`` as its processor returns them (Qwen3-VL: the
-same, patches of 3*2*16*16; DeepStack features live at a stage boundary travel packed with the hidden states). OUT.pt: float32
+3*2*14*14], "image_grid_thw" [n, 3], "mm_token_type_ids" [1, s]}`` as its processor returns them, with videos
+``"pixel_values_videos" [patches, 3*2*14*14], "video_grid_thw" [v, 3], "second_per_grid_ts" [v]`` and
+mm_token_type_ids 2 on their ``<|video_pad|>`` tokens (Qwen3-VL: the same, patches of 3*2*16*16, no
+second_per_grid_ts: its timestamps are text; DeepStack features live at a stage boundary travel packed with the
+hidden states). An input the family does not implement (any other key, a padded attention_mask, Qwen3.5 or
+InternVL video keys) is refused, never ignored. OUT.pt: float32
 logits ``[s, real vocabulary]`` of our model (fp32 on CPU), written by the last stage's TP rank 0. Each rank reads
 only its own units and TP slices of the safetensors (an MoE layer: its EP rank's experts, their ETP slices). MoE
 layers under TP > 1 run sequence parallel (megatron-core's MoELayer needs it), so the input's tokens must then be a

@@ -33,8 +33,6 @@ def test_flags_make_the_spec_and_the_run():
     (MOE + ["--moe-router-enable-expert-bias"], 1, "--moe-router-enable-expert-bias"),  # needs sigmoid
     (MOE + ["--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax"], 1, "--moe-router-pre-softmax"),
     (MOE + ["--tensor-model-parallel-size", "2"], 2, "--sequence-parallel"),
-    (MOE + ["--context-parallel-size", "2"], 2, "--context-parallel-size"),
-    (MOE + ["--moe-token-dispatcher-type", "allgather"], 1, "--moe-token-dispatcher-type"),
     (MOE + ["--lora-rank", "4"], 1, "--lora-targets"),  # the default targets adapt the MLP: experts take none
     (MOE + ["--omnibal-partition", "auto"], 2, "--omnibal-partition"),
     (["--num-experts", "4", "--model", "qwen2.5-vl-tiny"], 1, "--num-experts"),  # a family without MoE layers
@@ -42,6 +40,15 @@ def test_flags_make_the_spec_and_the_run():
 def test_refused_naming_the_flag(argv, world, flag):
     with pytest.raises(ArgumentError, match=flag):
         parse_args(argv, world_size=world)
+
+
+@pytest.mark.parametrize("argv,world,ep", [
+    (MOE + ["--context-parallel-size", "2"], 2, 1),
+    (MOE + ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"], 2, 2),  # EP from DP x CP
+    (MOE + ["--context-parallel-size", "2", "--expert-model-parallel-size", "4"], 4, 4),
+])
+def test_context_parallel_accepted(argv, world, ep):
+    assert moe_run_of(parse_args(argv, world_size=world)).ep == ep
 
 
 @pytest.mark.parametrize("world,tp,pp,experts", [(2, 1, 1, 4), (4, 1, 2, 4), (4, 2, 1, 4), (8, 1, 1, 6), (4, 1, 1, 6)])

@@ -65,14 +65,22 @@ def test_split_reconstructs_the_unsplit_micro_batch(name, cp, sp_tp, packed):
     grids = [(1, r, c) for sample in images for r, c in sample]
     patches = [t * h * w for t, h, w in grids]
 
-    # images: whole, in contiguous runs, every rank's merged tokens known to all; the largest run as small as the
-    # best contiguous cut (brute force over the cut points)
+    # images: whole, in contiguous runs, every rank's merged tokens known to all; the largest run's predicted ViT
+    # time as small as the best contiguous cut's (brute force over the cut points)
+    from omnibal_ext.model.sample_time import grid_vit_time_units
+
     counts = parts[0]["vision_rank_tokens"]
     assert all(p["vision_rank_tokens"] == counts for p in parts)
     assert sum(counts) == sum(patches) // 4 == int((whole["tokens"] == IMG).sum())
-    best = min(max(sum(patches[a:e]) for a, e in zip((0,) + cut, cut + (len(patches),)))
-               for cut in itertools.combinations_with_replacement(range(len(patches) + 1), cp - 1))
-    assert max(counts) * 4 == best
+    times = grid_vit_time_units(spec, grids).tolist()
+    best = min(max(sum(times[a:e]) for a, e in zip((0,) + cut, cut + (len(times),)))
+               for cut in itertools.combinations_with_replacement(range(len(times) + 1), cp - 1))
+    owned_times, start = [], 0
+    for p, n in zip(parts, counts):
+        k = len(p["image_grid_thw"]) if n else 0
+        owned_times.append(sum(times[start:start + k]))
+        start += k
+    assert start == len(times) and max(owned_times) == best
     owned = [p for p, n in zip(parts, counts) if n]
     rebuilt = {k: torch.cat([p[k] for p in owned]) if owned else torch.zeros(0) for k in
                ("pixel_values", "image_grid_thw")}

@@ -325,7 +325,9 @@ def test_text_only_micro_batch_runs_the_dummy_image():
 
 @pytest.mark.parametrize("cp,sp_tp", [(2, 1), (2, 2), (3, 1)])
 def test_cp_split_keeps_token_types_with_their_tokens(cp, sp_tp):
-    batcher = Qwen3Batcher(spec(), IMG, PatchImages(EXACT))
+    from omnibal_ext.model.units import get_preset
+
+    batcher = Qwen3Batcher(get_preset("qwen3-vl-tiny"), IMG, PatchImages(EXACT))  # spec()'s sizes; CP's time model
     whole = batcher.make([sample(g, seed=k) for k, g in enumerate(MICRO_BATCH)], 0, True)
     parts = [batcher.split_cp(whole, cp, r, 0, IMG, sp_tp) for r in range(cp)]
     flat = whole["mm_token_type_ids"].reshape(-1)

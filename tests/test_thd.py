@@ -25,12 +25,13 @@ def samples(tmp_path_factory):
 
 
 def stage(attention_backend="auto", seed=3, unit_range=None):
+    from megatron.vlm.layer_impl import LayerImpl
     from megatron.vlm.stage import StageBuild, build_stage
 
     spec = get_preset("tiny")
     units = build_units(spec)
     return build_stage(StageBuild(spec, unit_range or range(len(units)), img_context_id=263, seed=seed,
-                                  attention_backend=attention_backend))
+                                  impl=LayerImpl.of("local", attention_backend)))
 
 
 def batches(samples):

@@ -52,6 +52,12 @@ def args_for(**kw):
                            tensor_model_parallel_size=1, min_pixels=None, max_pixels=None, **kw)
 
 
+
+def stand_in_plan(spec, isf_token_multiple):
+    """The RunPlan fields ISF reads (one CP rank)."""
+    return SimpleNamespace(model_spec=spec, data_parallel_size=DP, context_parallel_size=1,
+                           isf_token_multiple=isf_token_multiple)
+
 def qwen_data(tmp_path):
     """A tiny Hugging Face folder (config, tokenizer, image limits) and a messages JSONL of photos of several
     sizes, one or two per sample, and text-only samples."""
@@ -85,7 +91,7 @@ def test_qwen_isf_groups_in_time_as_omnibal_ext_does(tmp_path, world, capsys):
     args = args_for()
     dataset = RecordDataset(str(data), build_tokenizer(str(folder), image_tokens=IMAGE_TOKENS),
                             image_rule(args, spec, str(folder)))
-    plan = SimpleNamespace(model_spec=spec, data_parallel_size=DP, isf_token_multiple=1)
+    plan = stand_in_plan(spec, 1)
     groups, order, params, _ = isf_groups(args, plan, dataset)
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("> ISF:")][0]
 
@@ -100,7 +106,7 @@ def test_qwen_isf_groups_in_time_as_omnibal_ext_does(tmp_path, world, capsys):
     assert [g.tolist() for g in groups] == reference_isf(stats.patches, stats.tokens, params, SEED, times)
     assert sorted(order.tolist()) == list(range(len(groups)))
     # under CP ISF counts every sample padded to the multiple (2 x CP): its tokens and LLM times
-    cp_plan = SimpleNamespace(model_spec=spec, data_parallel_size=DP, isf_token_multiple=4)
+    cp_plan = stand_in_plan(spec, 4)
     groups_cp, _, params_cp, _ = isf_groups(args, cp_plan, dataset)
     padded = -(-stats.tokens // 4) * 4
     assert not np.array_equal(padded, stats.tokens)
@@ -175,8 +181,7 @@ def test_qwen_isf_applies_a_plans_time_thresholds_without_a_search(tmp_path, wor
     def no_search(*a, **k):
         raise AssertionError("the trainer searched thresholds although the plan gives them")
     monkeypatch.setattr(search_time, "search_params_time", no_search)
-    groups, order, got, _ = isf_groups(args, SimpleNamespace(model_spec=spec, data_parallel_size=DP,
-                                                             isf_token_multiple=1), dataset)
+    groups, order, got, _ = isf_groups(args, stand_in_plan(spec, 1), dataset)
     assert got == params.to_dict()
     assert [g.tolist() for g in groups] == want == [g.tolist() for g in planned]
     assert sorted(order.tolist()) == list(range(len(groups)))
@@ -184,7 +189,7 @@ def test_qwen_isf_applies_a_plans_time_thresholds_without_a_search(tmp_path, wor
     searched = build_parser().parse_args(trainer_argv({k: v for k, v in flags.items()
                                                        if "time" not in k and "iters" not in k}))
     with pytest.raises(AssertionError, match="searched thresholds"):
-        isf_groups(searched, SimpleNamespace(model_spec=spec, data_parallel_size=DP, isf_token_multiple=1), dataset)
+        isf_groups(searched, stand_in_plan(spec, 1), dataset)
 
 
 def test_internvl_isf_groups_stay_by_counts(tmp_path, world, capsys):
@@ -194,7 +199,7 @@ def test_internvl_isf_groups_stay_by_counts(tmp_path, world, capsys):
     dataset = RecordDataset(meta, build_tokenizer(None), TileImages(image_size=32, tokens_per_tile=4, max_num_tiles=6))
     spec = get_preset("tiny")
     args = args_for()
-    plan = SimpleNamespace(model_spec=spec, data_parallel_size=DP, isf_token_multiple=1)
+    plan = stand_in_plan(spec, 1)
     assert isf_times(args, dataset, spec, dataset.sample_lengths()[0]) is None
     groups, order, params, _ = isf_groups(args, plan, dataset)
     tokens, tiles = dataset.sample_lengths()
@@ -234,8 +239,7 @@ def test_qwen_dp2_isf_trains_the_time_plan_and_logs_its_balance(tmp_path, world,
     args = args_for()
     dataset = RecordDataset(str(data), build_tokenizer(str(folder), image_tokens=IMAGE_TOKENS),
                             image_rule(args, spec, str(folder)))
-    groups, order, _, _ = isf_groups(args, SimpleNamespace(model_spec=spec, data_parallel_size=DP,
-                                                           isf_token_multiple=1), dataset)
+    groups, order, _, _ = isf_groups(args, stand_in_plan(spec, 1), dataset)
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("> ISF:")][0]
     times = isf_times(args, dataset, spec, dataset.sample_lengths()[0])[1]
 

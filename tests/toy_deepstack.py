@@ -161,7 +161,7 @@ def _runtime(planning):
             sp = self.ctx.language_config.sequence_parallel
             context, sides = self.context(module, batch, cache), self.sides()
             for k, (block, last) in enumerate(block_ends(module, self.first)):
-                x = run_text_blocks(module[k:k + 1], x, context, self.ctx.thd)
+                x = run_text_blocks(module[k:k + 1], x, context, self.ctx.impl.thd)
                 if last in sides:
                     add = self.addition(take_side(cache, sides[last]), batch, x)
                     x = x + (sequence_parallel.enter(add) if sp else add)

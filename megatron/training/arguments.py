@@ -300,7 +300,9 @@ def add_moe_flags(p) -> None:
     g.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs",
                    help="with --moe-expert-capacity-factor: drop the lowest-probability or the latest tokens")
     g.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather"], default="alltoall",
-                   help="how tokens reach the experts of other expert-parallel ranks")
+                   help="how tokens reach the experts of other expert-parallel ranks: alltoall, or megatron-core's "
+                        "all-gather over the expert TP x EP group (each rank's tokens padded to the group's largest "
+                        "count, the pads routed to no expert)")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="expert-parallel ranks (EP): each holds num-experts / EP experts; the experts' grid is "
                         "ETP x EP x expert-DP x PP over the same world (expert DP = world / (ETP x EP x PP))")
@@ -389,12 +391,6 @@ def check_moe(args, spec: ModelSpec, tp: int, pp: int, cp: int, dp: int) -> None
         if on:
             raise ArgumentError(f"{flag} with --num-experts: the trainer's profiler does not run MoE layers yet "
                                 "(give --pipeline-layout / --recompute-plan)")
-    if args.moe_token_dispatcher_type == "allgather":
-        raise ArgumentError("--moe-token-dispatcher-type allgather: megatron-core 0.16 refuses it with variable "
-                            "sequence lengths, which the stages' changing shapes need; use alltoall")
-    if cp > 1:
-        raise ArgumentError("--num-experts with --context-parallel-size > 1 is not supported yet (the router's "
-                            "padding mask and aux losses are not split over CP ranks)")
     if tp > 1 and not args.sequence_parallel:
         raise ArgumentError(f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel "
                             "(megatron-core's MoELayer refuses to train under TP without it)")

@@ -19,9 +19,12 @@ import torch.distributed as dist
 from omnibal_ext.data.assign import assemble_steps
 from omnibal_ext.data.isf import ISFParams, check_partition, isf_group
 from omnibal_ext.data.search import DataPlan, SearchConfig, plan_isf
-from omnibal_ext.data.search_time import plan_isf_time
+from omnibal_ext.data.cli import bound_line
+from omnibal_ext.data.search_time import plan_isf_time, sample_bound
 from omnibal_ext.model.cost_model import get_device
+from omnibal_ext.model.cp_split import rank_vit_budget, video_fit
 from omnibal_ext.model.sample_time import isf_sample_times
+from omnibal_ext.model.units import family_of
 
 from .arguments import ArgumentError
 from .run_plan import RunPlan
@@ -58,7 +61,8 @@ def search_config(args, plan: RunPlan) -> SearchConfig:
 
 def check_samples_fit_caps(args, plan: RunPlan, dataset) -> None:
     """Refuse fixed ISF caps below a single sample, naming the sample's ``file:line``, its size and the flag
-    to raise (ISF itself would stop with sample indices only, on rank 0 alone).  Runs on every rank."""
+    to raise (ISF itself would stop with sample indices only, on rank 0 alone), and under CP a video over one
+    rank's share of --omnibal-isf-qv (``check_videos_fit_cp_ranks``).  Runs on every rank."""
     qv, qt = args.omnibal_isf_qv, args.omnibal_isf_qt
     if qv is None and qt is None:
         return  # searched caps hold the largest sample
@@ -75,6 +79,38 @@ def check_samples_fit_caps(args, plan: RunPlan, dataset) -> None:
                 f"{flag} {cap} is below a single sample: {dataset.where(i)} has {int(sizes[i])} {unit} "
                 f"({len(over)} sample(s) over the cap, largest {int(sizes[i])}); raise {flag} to at least "
                 f"{int(sizes[i])}")
+    if qv is not None:  # a cap memory was planned for (a searched one holds the largest sample)
+        check_videos_fit_cp_ranks(plan, dataset, qv)
+
+
+def check_videos_fit_cp_ranks(plan: RunPlan, dataset, vit_cap: int) -> None:
+    """Under context parallelism a family whose images and videos go whole to the CP ranks (``Family.segments_sq``:
+    native resolution) gives each rank its share of a micro-batch's ViT cap (``cp_split.rank_vit_budget``): a video
+    over it is refused, naming its ``file:line``, its size and the ``--video-max-frames``/``--video-max-pixels``
+    values that would fit it (``cp_split.video_fit``).  Runs on every rank (the same data, the same answer)."""
+    cp = plan.context_parallel_size
+    stats = dataset.sample_stats()
+    videos = stats.videos
+    if cp == 1 or videos is None or not len(videos.patches) or family_of(plan.model_spec).segments_sq is None:
+        return
+    budget = rank_vit_budget(vit_cap, cp)
+    over = np.flatnonzero(videos.patches > budget)
+    if not len(over):
+        return
+    k = int(over[np.argmax(videos.patches[over])])
+    sample = int(np.searchsorted(videos.offsets, k, side="right") - 1)
+    frames, temporal, patches = int(videos.frames[k]), int(videos.temporal[k]), int(videos.patches[k])
+    vs = dataset.config.videos.settings
+    max_frames, max_pixels = video_fit(frames, temporal, patches, budget, vs.temporal_patch_size, vs.min_pixels,
+                                       vs.patch_size, vs.merge_size)
+    fits = [f"--video-max-frames {max_frames}" if max_frames else None,
+            f"--video-max-pixels {max_pixels}" if max_pixels else None]
+    fits = " or ".join(f for f in fits if f) or "fewer frames and pixels"
+    raise ArgumentError(
+        f"{dataset.where(sample)}: a video of {frames} frames ({temporal} temporal patches, {patches} patches) is "
+        f"longer than one context-parallel rank's ViT budget ({budget} patches: the ViT cap {vit_cap} over "
+        f"--context-parallel-size {cp}; {len(over)} video(s) over it); videos go whole to one rank: pass {fits}, "
+        f"or raise --omnibal-isf-qv to at least {patches * cp}")
 
 
 def isf_times(args, dataset, spec, counted_tokens: np.ndarray) -> tuple[np.ndarray, tuple] | None:
@@ -145,15 +181,31 @@ def isf_groups(args, plan: RunPlan, dataset) -> tuple[list[np.ndarray], np.ndarr
         tokens = search_config(args, plan).counted_tokens(dataset.sample_lengths()[0])
         check_partition(data_plan.grouping, len(dataset))
         g = data_plan.grouping
+        times = run_sample_times(args, plan, dataset) if g.vit_time is not None else None
         box = [{"groups": g.groups(), "order": data_plan.assembly.order, "params": data_plan.params.to_dict(),
                 "mean_group": {"tiles": float(g.tiles.mean()), "tokens": float(g.tokens.mean()),
                                "attn_tokens_sq": float((tokens.astype(float) ** 2).sum() / len(g))},
-                "metrics": data_plan.metrics}]
+                "metrics": data_plan.metrics,
+                "bound": None if times is None else sample_bound(times, g, plan.data_parallel_size)}]
     dist.broadcast_object_list(box, src=0)
     result = box[0]
     if dist.get_rank() == 0:
         print(report_line(len(dataset), len(result["groups"]), result["params"], result["metrics"]), flush=True)
+        if result["bound"] is not None:
+            print(f"> ISF {bound_line(result['bound'], describe_sample(dataset, result['bound']['sample']))}",
+                  flush=True)
     return result["groups"], result["order"], result["params"], result["mean_group"]
+
+
+def describe_sample(dataset, index: int) -> str:
+    """``file:line`` of sample ``index``, with its videos (frames, patches) when it has any."""
+    videos = dataset.sample_stats().videos
+    where = dataset.where(index)
+    if videos is None or videos.offsets[index] == videos.offsets[index + 1]:
+        return where
+    k = range(int(videos.offsets[index]), int(videos.offsets[index + 1]))
+    return where + " (" + ", ".join(f"a video of {int(videos.frames[j])} frames, {int(videos.patches[j])} patches"
+                                    for j in k) + ")"
 
 
 def isf_subset_groups(tokens: np.ndarray, tiles: np.ndarray, sample_ids: np.ndarray, params: ISFParams,

@@ -55,11 +55,10 @@ as ``moe aux loss`` / ``moe z loss``); device: where the routers' losses are (th
         values = torch.stack([tracker[n]["values"].detach().to("cpu", torch.float64) for n in TRACKED])
         dist.all_reduce(values, group=group)  # each layer's values live on its stage; ranks hold parts of a loss
         dp = parallel_state.get_data_parallel_world_size()
-        tp = parallel_state.get_tensor_model_parallel_world_size()
         # megatron-core's reduction (reduce_aux_losses_tracker_across_ranks): the load-balancing losses' parts sum
-        # over TP (each TP rank's tokens under sequence parallelism) and average over DP; the global one's parts sum
-        # over DP too; the z-loss (a mean over each rank's tokens) averages over both
-        per_name = values.sum(dim=1) / torch.tensor([dp, dp, 1, dp * tp], dtype=torch.float64)
+        # over TP x CP (each rank's tokens under sequence or context parallelism) and average over DP; the global
+        # one's parts sum over DP too; the z-loss's too (MaskedTopKRouter.apply_z_loss: parts of the TP x CP mean)
+        per_name = values.sum(dim=1) / torch.tensor([dp, dp, 1, dp], dtype=torch.float64)
         per_name /= self.num_microbatches
         out = {}
         if self.aux_loss:

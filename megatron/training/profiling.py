@@ -30,6 +30,7 @@ from omnibal_ext.model.units import build_units, unit_components
 
 from megatron.vlm.data.collate import packing
 from megatron.vlm.families import runtime_family
+from megatron.vlm.layer_impl import resolve_layer_impl
 from megatron.vlm.micro_batch import MicroBatch
 from megatron.vlm.stage import StageBuild, VLMStage, build_stage
 from omnibal_ext.memory.recompute import StageRecompute
@@ -99,15 +100,11 @@ def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, devic
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     on_cpu = device.type == "cpu"
     mini_units = build_units(mini)
-    from .training import resolve_transformer_impl
-
     sp = args.sequence_parallel and tp > 1
-    impl = "local" if sp else resolve_transformer_impl(args.transformer_impl, device,
-                                                       args.attention_backend)
+    impl = resolve_layer_impl(args.transformer_impl, args.attention_backend, device, torch_layers_only=sp)
 
     def stage(recompute):
-        m = build_stage(StageBuild(mini, range(len(mini_units)), tp=tp, dtype=dtype, transformer_impl=impl,
-                                   attention_backend=args.attention_backend, seed=args.seed,
+        m = build_stage(StageBuild(mini, range(len(mini_units)), tp=tp, dtype=dtype, impl=impl, seed=args.seed,
                                    recompute=recompute, img_context_id=img_context_id, on_cpu=on_cpu,
                                    sequence_parallel=sp))
         return m.to(device=device, dtype=dtype).train()
@@ -169,7 +166,7 @@ def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, devic
             "shape": shape.to_dict(), "spec": spec.to_dict(), "tp": tp, "sequence_parallel": sp,
             "warmup": warmup, "repeats": repeats,
             # SegmentAttention keeps no scores, as FlashAttention; "unfused" keeps megatron-core's
-            "attention": "unfused" if args.attention_backend == "unfused" else "flash"}
+            "attention": "unfused" if impl.dense_mask else "flash"}
     from omnibal_ext.model.side_bytes import with_side_bytes
 
     # the side tensors' bytes at each boundary (DeepStack features: the few-layer model runs none) from the spec

@@ -18,12 +18,12 @@ from omnibal_ext.data.metrics import step_balance
 from omnibal_ext.model.units import build_units
 
 from megatron.vlm.head import HeadOutput
+from megatron.vlm.layer_impl import resolve_layer_impl
 from megatron.vlm.micro_batch import MicroBatch
 from megatron.vlm.stage import StageBuild, build_stage
 from omnibal_ext.model.spec import TEXT_EMBED
 
 from . import checkpointing
-from .arguments import ArgumentError
 from .initialize import distributed_timeout
 from .interleaved import chunk_data, interleaved_peak, schedule_groups, sum_tied_grads
 from .loss_reduction import prefetch, weight
@@ -46,13 +46,13 @@ def build_model(args, plan: RunPlan, img_context_id: int, device: torch.device):
     on_cpu = device.type == "cpu"
     dtype = dtype_of(args)
     rank = parallel_state.get_pipeline_model_parallel_rank()
+    impl = resolve_layer_impl(args.transformer_impl, args.attention_backend, device, plan.context_parallel_size,
+                              torch_layers_only=args.sequence_parallel or plan.lora.on)
     modules = []
     for stage in plan.rank_stages(rank, pp):
         module = build_stage(StageBuild(
             spec, layout.stage_range(stage), tp=tp, pp=pp, dtype=dtype,
-            transformer_impl="local" if args.sequence_parallel or plan.lora.on else
-            resolve_transformer_impl(args.transformer_impl, device, args.attention_backend, plan.context_parallel_size),
-            attention_backend=args.attention_backend, seed=args.seed, recompute=plan.recompute[stage],
+            impl=impl, seed=args.seed, recompute=plan.recompute[stage],
             img_context_id=img_context_id, on_cpu=on_cpu, sequence_parallel=args.sequence_parallel,
             cp=plan.context_parallel_size, trainable=None if plan.trainable is None else plan.trainable.trains,
             vision_drop_path_rate=args.vision_drop_path_rate, lora=plan.lora, moe_run=plan.moe_run))
@@ -85,30 +85,6 @@ def finalize_grads(model, num_tokens=None, **kwargs):
     stages that hold E and L (interleaved.sum_tied_grads, megatron/vlm/tied.py)."""
     sum_tied_grads([unwrap_model(chunk) for chunk in model])
     return finalize_model_grads(model, num_tokens, **kwargs)
-
-
-def resolve_transformer_impl(requested: str, device: torch.device, attention_backend: str = "auto",
-                             cp: int = 1) -> str:
-    """"auto": TransformerEngine on CUDA when it imports and the LLM runs packed sequences (THD), else
-    megatron-core's torch modules.  ``--attention-backend unfused`` is megatron-core's DotProductAttention
-    with a dense mask, a local-spec module (it refuses THD), so it always gets the torch modules; the TE
-    spec runs the THD path only (its fused attention with cu_seqlens, which needs TE >= 1.7 and a
-    flash/cuDNN fused-attention backend for THD on the GPU, and TE's fused THD RoPE)."""
-    if device.type == "cpu":
-        if requested == "transformer_engine":
-            raise ArgumentError("--transformer-impl transformer_engine needs a CUDA device")
-        return "local"
-    if attention_backend == "unfused":  # with --transformer-impl transformer_engine refused by validate_args
-        return "local"
-    if cp > 1:  # context parallelism is SegmentAttention's (TE's CP attention is not wired yet; validate_args)
-        return "local"
-    if requested != "auto":
-        return requested
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return "local"
-    return "transformer_engine"
 
 
 def lr_overrides(args, config: OptimizerConfig) -> dict:

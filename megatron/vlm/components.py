@@ -36,6 +36,7 @@ from megatron.vlm.context_parallel import context_parallel_group, gather_rows, t
 from megatron.vlm.data.side import TILED, DataSide
 from megatron.vlm.head import OutputHead
 from megatron.vlm.hf.config import HFSide
+from megatron.vlm.layer_impl import LayerImpl
 from megatron.vlm.micro_batch import MicroBatch
 from megatron.vlm.seeding import seeded
 from megatron.vlm.sharding import unit_sharded_state_dict
@@ -53,12 +54,12 @@ class StageContext:
     seed: int
     recompute: StageRecompute
     img_context_id: int
-    transformer_impl: str
-    attention_backend: str
+    impl: LayerImpl  # how the layers are built (TransformerEngine or torch modules, THD or a dense mask)
     output: str  # "loss" or "logits"
     vision_drop_path_rate: float = 0.0  # ViT stochastic depth at the last layer (megatron/vlm/drop_path.py)
     stage_start: int = 0  # index in ``units`` of the stage's first unit
     lora: Lora = Lora()  # LoRA adapters (megatron/vlm/lora.py); rank 0: none
+    moe_dispatcher: str = "alltoall"  # MoE layers' token dispatcher (--moe-token-dispatcher-type)
 
     def build_layers(self, units: list[Unit], config: TransformerConfig, spec_for, role: str,
                      lora_linears: tuple[str, ...] | None = None) -> torch.nn.ModuleList:
@@ -73,11 +74,6 @@ class StageContext:
         return layers.build_blocks(config, spec_for, units[0].index, len(units), full, selective,
                                    self.lora, linears,
                                    vision_process_groups() if role == VISION_LAYER else None)
-
-    @property
-    def thd(self) -> bool:
-        """The LLM layers take packed sequences (else: the dense mask of --attention-backend unfused)."""
-        return self.attention_backend != "unfused"
 
     def sequence_parallel_edges(self, units: list[Unit], config: TransformerConfig,
                                 split_after: tuple[str, ...] = ()) -> tuple[bool, bool]:
@@ -238,9 +234,8 @@ class TextLayer(RuntimeComponent):
 
     def layer_spec(self, first_unit_index: int):
         ctx = self.ctx
-        spec = layers.layer_spec(self.spec.language.normalization,
-                                 layers.llm_mask_type(ctx.transformer_impl, ctx.attention_backend), ctx.seed,
-                                 first_unit_index, ctx.transformer_impl, ctx.attention_backend)
+        spec = layers.layer_spec(self.spec.language.normalization, ctx.impl.llm_mask_type, ctx.seed,
+                                 first_unit_index, ctx.impl)
         return layers.with_qk_norm(spec) if self.spec.language.qk_norm else spec
 
     def build(self, units):
@@ -257,8 +252,8 @@ class TextLayer(RuntimeComponent):
     def context(self, module, batch: MicroBatch, cache: dict) -> dict:
         """The LLM blocks' inputs besides the hidden states, built once per micro-batch (``text_context``)."""
         if "text_context" not in cache:
-            device = next(module.parameters()).device if self.ctx.transformer_impl == "transformer_engine" else None
-            cache["text_context"] = text_context(batch, self.rotary, self.ctx.thd, device)
+            device = next(module.parameters()).device if self.ctx.impl.transformer_engine else None
+            cache["text_context"] = text_context(batch, self.rotary, self.ctx.impl.thd, device)
         return cache["text_context"]
 
     def prepare(self, module, batch, cache):
@@ -267,7 +262,7 @@ class TextLayer(RuntimeComponent):
     def forward(self, module, x, batch, cache):
         if self.sp_enters:  # the embedding's output (every token) -> this TP rank's tokens
             x = sequence_parallel.enter(x)
-        x = run_text_blocks(module, x, self.context(module, batch, cache), self.ctx.thd)
+        x = run_text_blocks(module, x, self.context(module, batch, cache), self.ctx.impl.thd)
         return sequence_parallel.leave(x) if self.sp_leaves else x
 
     @classmethod
@@ -296,17 +291,16 @@ class MoETextLayer(TextLayer):
         def number_layer(layer, config):  # megatron-core's API for the router's tracker index
             layer.mlp.set_layer_number(units[first_unit_index + layer.layer_number - 1].layer + 1)
 
-        spec = layers.layer_spec(lang.normalization, layers.llm_mask_type(ctx.transformer_impl, ctx.attention_backend),
-                                 ctx.seed, first_unit_index, ctx.transformer_impl, ctx.attention_backend,
+        spec = layers.layer_spec(lang.normalization, ctx.impl.llm_mask_type, ctx.seed, first_unit_index, ctx.impl,
                                  redraw=number_layer)
         if lang.qk_norm:
             layers.with_qk_norm(spec)
-        return moe.layer_spec(spec, lang.moe.num_experts, lang.normalization)
+        return moe.layer_spec(spec, lang.moe.num_experts, lang.normalization, ctx.moe_dispatcher)
 
     def context(self, module, batch, cache):
         if "moe_context" not in cache:
             ctx = dict(super().context(module, batch, cache))
-            ctx["padding_mask"] = moe_padding_mask(batch, self.ctx.thd, self.ctx.language_config.sequence_parallel)
+            ctx["padding_mask"] = moe_padding_mask(batch, self.ctx.impl.thd, self.ctx.language_config.sequence_parallel)
             cache["moe_context"] = ctx
         return cache["moe_context"]
 
@@ -322,10 +316,15 @@ def moe_padding_mask(batch: MicroBatch, thd: bool, sequence_parallel: bool) -> t
     """The router's token mask (``megatron.vlm.moe.token_mask``: padding and packed-sample membership, bool [rows,
     sequence, 1 + samples]; THD: the micro-batch's rows flattened, [1, rows x sequence, 1 + samples]) from the
     collate's segment ids (-1: padding); under sequence parallelism this TP rank's tokens (the MoE layer sees 1/TP of
-    them)."""
+    them). Under context parallelism the sample axis has one column per segment of the unsplit micro-batch
+    (``cu_seqlens``, the same on every CP rank; padding segments' columns stay empty), so that the CP ranks' per-sample
+    statistics line up when summed (a rank may hold none of a short sample's tokens)."""
+    from megatron.vlm.context_parallel import context_parallel_group
     from megatron.vlm.moe import token_mask
 
-    mask = token_mask(batch.packing.segment_ids)
+    packing = batch.packing
+    samples = len(packing.cu_seqlens) - 1 if context_parallel_group() is not None else None
+    mask = token_mask(packing.segment_ids, samples)
     if thd:
         mask = mask.reshape(1, -1, mask.shape[-1])
     if sequence_parallel:

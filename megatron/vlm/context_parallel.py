@@ -20,9 +20,11 @@ The CP ranks of a data-parallel rank read the same micro-batch; each keeps its p
   every rank's tiles x tokens per tile; backward: reduce-scatter) and picks, for each of its image-context tokens,
   the feature of that token in the unsplit micro-batch (``image_feature_index``, host-built).
 * Images of varying size (a family's own ``Batcher.split_cp``): window and full attention need a whole image, so
-  images go whole to the ranks, in contiguous runs of the micro-batch's order balanced by patch count (the least
-  possible largest run: ``cp_split.image_runs``; not by predicted time, whose full-attention part is quadratic per
-  image); a rank gets its images' pixel rows and their ViT fields, one all-zero 2 x 2-patch image whose output
+  images (and videos) go whole to the ranks, in contiguous runs of the micro-batch's order balanced by predicted ViT
+  time (the least possible largest run: ``cp_split.image_runs`` of ``sample_time.grid_vit_time_units``: patches
+  plus full attention quadratic per segment, a video's segments its temporal patches, windows per temporal slice);
+  a video over one rank's share of --omnibal-isf-qv is refused before training (``training/isf.py``); a rank
+  gets its images' pixel rows and their ViT fields, one all-zero 2 x 2-patch image whose output
   nobody reads when it has none.  ``vision_rank_tokens`` (every rank's merged tokens, host ints) sizes the LLM
   embedding's ``gather_rows``, then ``image_feature_index`` picks as above.  Multimodal RoPE: the
   ``mrope_position_ids`` stay in the padded, unsplit layout (each segment padded as above), one frequency row per

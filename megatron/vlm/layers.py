@@ -19,6 +19,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.vlm.attention import SegmentAttention
+from megatron.vlm.layer_impl import LOCAL, LayerImpl
 from megatron.vlm.norms import PerHeadRMSNorm, TorchNorm
 from megatron.vlm.seeding import SeededTransformerLayer
 from megatron.vlm.sequence_parallel import mark_sequence_parallel
@@ -37,12 +38,12 @@ def without_bias(linear_cls: type) -> type:
     return _NO_BIAS_CLASSES[linear_cls]
 
 
-def base_layer_spec(normalization: str, transformer_impl: str = "local") -> ModuleSpec:
-    """megatron-core's layer spec: torch modules ("local") or TransformerEngine's fused ones.
+def base_layer_spec(normalization: str, impl: LayerImpl = LOCAL) -> ModuleSpec:
+    """megatron-core's layer spec: torch modules or TransformerEngine's fused ones (``impl``).
 
     With TransformerEngine the normalisation comes from the config (fused into the linear layers).
     """
-    if transformer_impl == "transformer_engine":
+    if impl.transformer_engine:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec()
@@ -50,15 +51,15 @@ def base_layer_spec(normalization: str, transformer_impl: str = "local") -> Modu
 
 
 def layer_spec(normalization: str, mask_type: AttnMaskType, seed: int, first_unit_index: int,
-               transformer_impl: str = "local", attention_backend: str = "auto", redraw=None) -> ModuleSpec:
+               impl: LayerImpl = LOCAL, redraw=None) -> ModuleSpec:
     """The spec of seeded layers (``SeededTransformerLayer``) whose first is unit ``first_unit_index``; a
     family changes submodules of the returned copy for its layer features."""
-    spec = copy.deepcopy(base_layer_spec(normalization, transformer_impl))
+    spec = copy.deepcopy(base_layer_spec(normalization, impl))
     spec.module = SeededTransformerLayer
     spec.params = {**spec.params, "seed": seed, "first_unit_index": first_unit_index, "redraw": redraw}
     attn = spec.submodules.self_attention
     attn.params = {**attn.params, "attn_mask_type": mask_type}
-    if uses_segment_attention(transformer_impl, attention_backend):
+    if impl.segment_attention:
         attn.submodules.core_attention = SegmentAttention
     _allow_sequence_parallel_norms(spec)
     return spec
@@ -81,22 +82,6 @@ def _allow_sequence_parallel_norms(spec: ModuleSpec) -> None:
     for name in ("input_layernorm", "pre_mlp_layernorm"):
         if getattr(spec.submodules, name, None) is WrappedTorchNorm:
             setattr(spec.submodules, name, TorchNorm)
-
-
-def llm_mask_type(transformer_impl: str, attention_backend: str) -> AttnMaskType:
-    """The LLM layers' mask type: causal within each THD segment (TransformerEngine's THD kernels want
-    ``padding_causal``), or ``arbitrary`` for megatron-core's DotProductAttention and its dense mask."""
-    if transformer_impl == "transformer_engine":
-        return AttnMaskType.padding_causal
-    return AttnMaskType.causal if uses_segment_attention(transformer_impl, attention_backend) else AttnMaskType.arbitrary
-
-
-def uses_segment_attention(transformer_impl: str, attention_backend: str) -> bool:
-    """Local layers take SegmentAttention (segment ids, SDPA) unless --attention-backend unfused asks for
-    megatron-core's DotProductAttention (dense mask, attention scores kept: what selective recompute saves)."""
-    if attention_backend not in ("auto", "unfused"):
-        raise ValueError(f"attention backend must be 'auto' or 'unfused', got {attention_backend!r}")
-    return transformer_impl == "local" and attention_backend == "auto"
 
 
 def segment_configs(base: TransformerConfig, num_layers: int, full_layers: int, selective: bool):

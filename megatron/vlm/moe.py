@@ -20,6 +20,11 @@ Padding and packed samples: the router gets ``token_mask``'s mask (padding, and 
 belongs to) through megatron-core's ``padding_mask`` argument; megatron-core's losses and the expert-bias count see
 the padding part, and ``seq_aux_loss`` is computed per packed sample (``per_sample_aux_loss``), padding excluded.
 
+Token dispatchers: megatron-core 0.16's config refuses allgather with variable sequence lengths (its all-gather over
+the expert TP x EP group needs the same token count on every rank), which our stages need; the config always names
+alltoall and ``DispatchedMoELayer`` swaps in ``PaddedAllGatherTokenDispatcher`` for allgather (each rank's tokens
+padded to the group's largest count, the pads routed to no expert).
+
 Expert load: ``ExpertLoad`` records each router's routing map (a forward hook returning nothing: the router's
 output is read, never changed) as tokens per expert per layer, for the log and ``--log-expert-load``.
 """
@@ -31,7 +36,10 @@ from dataclasses import dataclass
 import torch
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
 from omnibal_ext.model.moe import MoESpec
 
@@ -74,7 +82,8 @@ def config_fields(moe: MoESpec | None, run: MoERun | None, tp: int) -> dict:
         moe_aux_loss_coeff=run.aux_loss_coeff if moe.load_balancing_type != "none" else 0.0,
         moe_z_loss_coeff=run.z_loss_coeff, moe_router_enable_expert_bias=run.expert_bias,
         moe_router_bias_update_rate=run.bias_update_rate, moe_expert_capacity_factor=moe.capacity_factor,
-        moe_token_drop_policy=run.drop_policy, moe_token_dispatcher_type=run.dispatcher,
+        moe_token_drop_policy=run.drop_policy,
+        moe_token_dispatcher_type="alltoall",  # allgather: DispatchedMoELayer swaps it in (its docstring)
         expert_model_parallel_size=run.ep, expert_tensor_parallel_size=run.etp,
         moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
         moe_router_dtype="fp32")
@@ -101,12 +110,19 @@ class SeededSequentialMLP(SequentialMLP):
                                               is_expert=True, tp_group=pg_collection.expt_tp))
 
 
-def token_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+def token_mask(segment_ids: torch.Tensor, samples: int | None = None) -> torch.Tensor:
     """The router's token mask from the collate's segment ids (int [rows, sequence], the packed sample's index within
     the micro-batch, -1 on padding): bool [rows, sequence, 1 + samples], ``[..., 0]`` True at padding (megatron-core's
     ``padding_mask``), ``[..., 1 + s]`` True on the tokens of packed sample ``s``. megatron-core's ``MoELayer`` only
-    transposes its first two axes and takes ``bool()`` of it on its way to the router (``MaskedTopKRouter``)."""
-    samples = int(segment_ids.max()) + 1 if segment_ids.numel() else 0
+    transposes its first two axes and takes ``bool()`` of it on its way to the router (``MaskedTopKRouter``).
+    samples: the width of the sample axis (at least the largest segment id + 1; default: exactly that); the ranks
+    whose per-sample statistics are summed (context parallelism: each holds a part of every sample, some none of a
+    short one) must give the same."""
+    largest = int(segment_ids.max()) + 1 if segment_ids.numel() else 0
+    if samples is None:
+        samples = largest
+    elif samples < largest:
+        raise ValueError(f"token_mask: {samples} samples, but the segment ids name {largest}")
     return torch.nn.functional.one_hot(segment_ids + 1, 1 + samples).bool()
 
 
@@ -167,6 +183,32 @@ class MaskedTopKRouter(TopKRouter):
                                                             self.tp_cp_group, valid_token_count=tokens)
         return probs, routing_map
 
+    def apply_z_loss(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The z-loss (ST-MoE: coefficient x the mean over the real tokens of logsumexp(logits)^2) as the mean over
+        every real token of the TP x CP group, whose ranks each hold a part of the micro-batch (sequence or context
+        parallelism): this rank's part is its tokens' sum / the group's token count (the parts sum to the mean),
+        and under per-token loss its gradient is the coefficient x its sum (the loss's token count divides it
+        later). megatron-core 0.16 takes each rank's own mean and divides the coefficient by the group size, which
+        under per-token loss scales the gradient by 1 / (TP x CP) and logs the mean of the ranks' means.
+        logits [tokens, E]; padding_mask [tokens], True at padding. Logged (tracker "z_loss") without the
+        coefficient, this rank's part of the group's mean."""
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, save_to_aux_losses_tracker
+
+        coeff = self.config.moe_z_loss_coeff
+        if coeff is None or not (self.training and torch.is_grad_enabled()):
+            return logits
+        squares = torch.logsumexp(logits, dim=-1).square()
+        real = torch.ones_like(squares) if padding_mask is None else (~padding_mask).to(squares.dtype)
+        local_sum = (squares * real).sum()
+        tokens = real.sum().detach()
+        if self.tp_cp_group.size() > 1:
+            torch.distributed.all_reduce(tokens, group=self.tp_cp_group)
+        mean_part = local_sum / tokens.clamp(min=1)
+        logits = MoEAuxLossAutoScaler.apply(logits, coeff * (local_sum if self.calculate_per_token_loss else mean_part))
+        save_to_aux_losses_tracker("z_loss", mean_part.detach(), self.layer_number, self.config.num_layers,
+                                   reduce_group=self.tp_cp_group)
+        return logits
+
     def _apply_seq_aux_loss(self, probs, *args, **kwargs):
         return probs  # per packed sample in ``routing`` instead
 
@@ -176,10 +218,58 @@ class MaskedTopKRouter(TopKRouter):
         return super()._apply_expert_bias(routing_map, padding_mask=padding_mask)
 
 
-def layer_spec(dense_spec, num_experts: int, normalization: str):
+class PaddedAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
+    """megatron-core's allgather token dispatcher for ranks holding different numbers of tokens (our stages'
+    variable sequence lengths: micro-batches and DP ranks differ): its all-gather over the expert TP x EP group
+    needs the same count on every rank, so each rank's tokens are padded at their end to the group's largest count
+    (one all-reduce of the count per forward), the pad rows routed to no expert (routing map False, probability 0:
+    the experts never see them, their outputs are zero and nothing flows back to them) and cut off again after the
+    reduce-scatter. The router ran before on the real tokens, so its aux losses and the expert load are those of
+    the real tokens."""
+
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        self.unpadded_shape = hidden_states.shape
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        tokens = flat.shape[0]
+        longest = torch.tensor([tokens], dtype=torch.int64, device=flat.device)
+        if self.tp_size > 1 or self.ep_size > 1:
+            torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX, group=self.tp_ep_group)
+        pad = int(longest) - tokens
+        if pad:
+            flat = torch.nn.functional.pad(flat, (0, 0, 0, pad))
+            routing_map = torch.nn.functional.pad(routing_map, (0, 0, 0, pad), value=False)
+            probs = torch.nn.functional.pad(probs, (0, 0, 0, pad))
+        return super().dispatch_preprocess(flat, routing_map, probs)
+
+    def combine_postprocess(self, hidden_states):
+        out = super().combine_postprocess(hidden_states)  # [largest count, H]
+        return out[:self.unpadded_shape[:-1].numel()].reshape(self.unpadded_shape)
+
+
+class DispatchedMoELayer(MoELayer):
+    """megatron-core's ``MoELayer`` with the token dispatcher of ``--moe-token-dispatcher-type`` (``dispatcher``,
+    a spec param): megatron-core 0.16's config refuses "allgather" with variable sequence lengths, so the config
+    names "alltoall" and an allgather layer replaces the dispatcher megatron-core built by
+    ``PaddedAllGatherTokenDispatcher`` (before the experts and shared expert are built: no draw from the
+    generator in between, the weights stay those of the alltoall layer)."""
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, dispatcher: str = "alltoall"):
+        if dispatcher not in DISPATCHERS:
+            raise ValueError(f"DispatchedMoELayer: dispatcher {dispatcher!r} is not one of {', '.join(DISPATCHERS)}")
+        if pg_collection is None:
+            pg_collection = get_default_pg_collection()
+        super().__init__(config, submodules, layer_number, pg_collection)
+        if dispatcher == "allgather":
+            if self.shared_expert_overlap:
+                raise ValueError("DispatchedMoELayer: the allgather dispatcher has no shared-expert overlap")
+            self.token_dispatcher = PaddedAllGatherTokenDispatcher(
+                self.num_local_experts, self.local_expert_indices, config=self.config, pg_collection=pg_collection)
+
+
+def layer_spec(dense_spec, num_experts: int, normalization: str, dispatcher: str = "alltoall"):
     """``dense_spec`` (a local-spec layer, already changed for the family: seeded layer, attention, norms) with
-    megatron-core's MoE module as its MLP (the local backend: ``SequentialMLP`` experts, seeded per expert); the
-    copy is changed, ``dense_spec`` is not."""
+    megatron-core's MoE module as its MLP (the local backend: ``SequentialMLP`` experts, seeded per expert, the
+    token dispatcher ``dispatcher``: ``DispatchedMoELayer``); the copy is changed, ``dense_spec`` is not."""
     import copy
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -189,6 +279,7 @@ def layer_spec(dense_spec, num_experts: int, normalization: str):
                                    normalization=normalization).submodules.mlp
     mlp.submodules.experts.module = SeededSequentialMLP
     mlp.submodules.router = MaskedTopKRouter
+    mlp.module, mlp.params = DispatchedMoELayer, {**mlp.params, "dispatcher": dispatcher}
     spec.submodules.mlp = mlp
     return spec
 
@@ -196,7 +287,7 @@ def layer_spec(dense_spec, num_experts: int, normalization: str):
 def moe_layers(module: torch.nn.Module):
     """(layer, MoELayer) of every MoE layer under ``module``, in module order (a MoE layer's ``layer_number`` is its
     decoder layer + 1: ``MoETextLayer`` sets it through megatron-core's ``set_layer_number``)."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.moe_layer import MoELayer, get_default_pg_collection
 
     for m in module.modules():
         if isinstance(m, MoELayer):

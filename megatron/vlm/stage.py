@@ -40,7 +40,7 @@ from omnibal_ext.model.units import build_units, family_of
 from megatron.vlm.components import RuntimeComponent, StageContext
 from megatron.vlm.config import language_config
 from megatron.vlm.head import OUTPUTS
-from megatron.vlm.layers import uses_segment_attention
+from megatron.vlm.layer_impl import LOCAL, LayerImpl
 from megatron.vlm.lora import is_adapter
 from megatron.vlm.micro_batch import MicroBatch
 from megatron.vlm.seeding import seeded
@@ -62,8 +62,7 @@ class StageBuild:
     tp: int = 1
     pp: int = 1
     dtype: torch.dtype = torch.float32
-    transformer_impl: str = "local"
-    attention_backend: str = "auto"
+    impl: LayerImpl = LOCAL  # the run's layers (``layer_impl.resolve_layer_impl``)
     seed: int = 0
     recompute: StageRecompute | None = None
     img_context_id: int = 0
@@ -117,15 +116,13 @@ class VLMStage(MegatronModule):
 
     def __init__(self, build: StageBuild, family, stage_config, vision_config, llm_config):
         super().__init__(config=stage_config)
-        impl, backend = build.transformer_impl, build.attention_backend
-        if impl == "transformer_engine" and backend == "unfused":
-            raise ValueError("--attention-backend unfused is megatron-core's DotProductAttention (local layers)")
+        impl = build.impl
         if build.output not in OUTPUTS:
             raise ValueError(f"stage output must be one of {OUTPUTS}, got {build.output!r}")
-        if uses_segment_attention(impl, backend) is False and build.sequence_parallel:
+        if not impl.segment_attention and build.sequence_parallel:
             raise ValueError("sequence parallelism runs megatron-core's torch layers with SegmentAttention "
                              "(--transformer-impl local, --attention-backend auto)")
-        if impl == "transformer_engine":  # TE's fused THD RoPE reads cu_seqlens on the device;
+        if impl.transformer_engine:  # TE's fused THD RoPE reads cu_seqlens on the device;
             llm_config = dataclasses.replace(llm_config, apply_rope_fusion=True)  # megatron's unfused one
             # would read them on the host (.tolist()) in every layer
         spec = build.spec
@@ -133,7 +130,6 @@ class VLMStage(MegatronModule):
         unit_range = build.unit_range
         self.build_args = build
         self.spec = spec
-        self.transformer_impl, self.attention_backend = impl, backend
         self.model_type = ModelType.encoder_or_decoder
         # Read by megatron's finalize_model_grads: its embedding group (first and last stage) cannot say
         # where E sits in our layouts, so tied embeddings are kept in sync by this module itself.
@@ -154,29 +150,30 @@ class VLMStage(MegatronModule):
         self.recompute = build.recompute or StageRecompute()
         self.ctx = StageContext(spec=spec, units=tuple(units), vision_config=vision_config, language_config=llm_config,
                                 seed=build.seed, recompute=self.recompute, img_context_id=build.img_context_id,
-                                transformer_impl=impl, attention_backend=backend, output=build.output,
+                                impl=impl, output=build.output,
                                 vision_drop_path_rate=build.vision_drop_path_rate, stage_start=unit_range.start,
-                                lora=build.lora)
+                                lora=build.lora,
+                                moe_dispatcher=build.moe_run.dispatcher if build.moe_run else "alltoall")
         self.parts: list[_Part] = []
-        for run in _runs(self.units):
-            component = family.component(run[0].kind)(self.ctx)
+        for run in _runs(self.units):  # each component's modules registered under its name (``attr``: the
+            component = family.component(run[0].kind)(self.ctx)  # checkpoint keys' first part)
             part = _Part(component, run)
+            held = self._modules.get(component.attr)
             if component.layers:
                 blocks = component.build(run)
-                held = getattr(self, component.attr, None)
                 if held is None:
-                    setattr(self, component.attr, blocks)
+                    self.add_module(component.attr, blocks)
                     part.blocks = range(len(blocks))
                 else:  # another run of layers in the same place (a family with several layer kinds)
                     part.blocks = range(len(held), len(held) + len(blocks))
                     held.extend(blocks)
             else:
-                if getattr(self, component.attr, None) is not None:
+                if held is not None:
                     raise ValueError(f"stage holds two {component.kind()} units")
                 with seeded(build.seed, run[0].index):
-                    setattr(self, component.attr, component.build(run))
+                    self.add_module(component.attr, component.build(run))
             for name, module in component.extra_modules().items():
-                setattr(self, name, module)
+                self.add_module(name, module)
             self.parts.append(part)
         self.tied_group = None  # set by megatron.training.training.build_model when E and L are apart
         self._tie_embeddings()
@@ -203,7 +200,7 @@ class VLMStage(MegatronModule):
             role_trains.setdefault(u.code, True if trains is None else trains[u.index])
         for part in self.parts:
             c = part.component
-            for unit, module, _ in c.unit_modules(getattr(self, c.attr), part.units, part.blocks):
+            for unit, module, _ in c.unit_modules(self.get_submodule(c.attr), part.units, part.blocks):
                 for name, p in module.named_parameters():
                     role = c.parameter_role(unit, name)
                     p.vlm_role = role
@@ -224,7 +221,7 @@ class VLMStage(MegatronModule):
     @property
     def thd(self) -> bool:
         """The LLM layers take packed sequences (THD); False: the dense mask of --attention-backend unfused."""
-        return self.ctx.thd
+        return self.ctx.impl.thd
 
     # parts by role ---------------------------------------------------------------------------------
     def part(self, role: str) -> _Part | None:
@@ -233,7 +230,7 @@ class VLMStage(MegatronModule):
 
     def module_of(self, part: _Part) -> torch.nn.Module:
         """The module holding ``part`` (for a layer kind: its blocks)."""
-        module = getattr(self, part.component.attr)
+        module = self.get_submodule(part.component.attr)
         if part.component.layers and len(part.blocks) != len(module):
             return module[part.blocks.start:part.blocks.stop]
         return module
@@ -263,7 +260,7 @@ class VLMStage(MegatronModule):
         """(unit, module, where the module sits in this stage's state dict) for each unit of the stage."""
         for part in self.parts:
             c = part.component
-            for unit, module, path in c.unit_modules(getattr(self, c.attr), part.units, part.blocks):
+            for unit, module, path in c.unit_modules(self.get_submodule(c.attr), part.units, part.blocks):
                 yield unit, module, f"{c.attr}{path}."
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:

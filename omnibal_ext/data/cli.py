@@ -14,7 +14,9 @@ samples_per_group}, report (ISF counts), search (candidates tried), config, file
 ISF in time (``--model NAME``, native resolution): the samples' ViT work is counted in the model family's unit
 (patches at native resolution: the stats must list each sample's images) and groups are balanced in the time the cost
 model predicts (``--device``), ``data/search_time.py``; the JSON's ``params`` then hold the time caps too, and
-``isf`` and ``random`` add the time metrics (dist_ratio_vit_time, dist_ratio_llm_time, dist_ratio_time).
+``isf`` and ``random`` add the time metrics (dist_ratio_vit_time, dist_ratio_llm_time, dist_ratio_time); ``bound``
+names the sample (a long video) whose own time exceeds a rank's mean step load and so bounds its step's balance
+(``search_time.sample_bound``; null when none does).
 
 Inputs: ``--stats FILE...``.  ``add_isf_parser(subparsers, stats_loader=...)`` lets the caller
 accept other inputs (e.g. a meta JSON): the loader gets the parsed args and returns SampleStats.
@@ -33,7 +35,7 @@ from .assign import make_pack, save_pack
 from .isf import ISFParams, OVERSIZE_POLICIES
 from .search import (DataPlan, SearchConfig, params_summary, plan_isf, plan_isf_multi, random_baseline,
                      random_group_totals, step_matrix_epoch0)
-from .search_time import plan_isf_time, random_baseline_time
+from .search_time import plan_isf_time, random_baseline_time, sample_bound
 from .stats import SampleStats, StatsError, load_stats, resample
 
 METRIC_KEYS = ("pad_ratio", "dist_ratio_llm", "dist_ratio_vit", "fill_llm", "fill_vit", "samples_per_group")
@@ -265,6 +267,9 @@ def cmd_search(args, loader: StatsLoader) -> int:
         doc["isf"].update({k: plan.metrics[k] for k in TIME_KEYS})
         doc["random"].update({k: random[k] for k in TIME_KEYS})
         print(format_table({"random": random, "isf": plan.metrics}, TIME_KEYS))
+        doc["bound"] = sample_bound(timed[1], plan.grouping, cfg.dp_size * cfg.sp)
+        if doc["bound"] is not None:
+            print(bound_line(doc["bound"], f"sample {doc['bound']['sample']}"))
     p = doc["params"]
     print(f"params: qt={p['qt']} qv={p['qv']} qt_min={p['qt_min']} qv_min={p['qv_min']} iters={p['iters']}; "
           f"{doc['groups']} groups of {doc['samples_in']} samples "
@@ -274,6 +279,16 @@ def cmd_search(args, loader: StatsLoader) -> int:
     if args.plot:
         plot_steps(args.plot, stats, plan, cfg, k)
     return 0
+
+
+def bound_line(bound: dict, where: str) -> str:
+    """The line that reports the sample setting the step bound (``search_time.sample_bound``); ``where`` names it."""
+    from ..model.sample_time import TIME_UNIT_S
+
+    ms = TIME_UNIT_S * 1e3
+    return (f"bound: {where} takes {bound['time'] * ms:.1f} ms predicted, {bound['ratio']:.2f} x a rank's "
+            f"mean step load ({bound['mean_rank_load'] * ms:.1f} ms): it sets the bound, its step's time "
+            f"dist ratio >= {bound['step_dist_ratio_bound']:.4f}")
 
 
 def g_left(plan: DataPlan) -> int:

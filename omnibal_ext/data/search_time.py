@@ -127,3 +127,26 @@ def tight_count_caps(params: ISFParams, g: Grouping) -> ISFParams:
     depend on the caps."""
     return dataclasses.replace(params, qv=max(params.qv_min, int(g.tiles.max())),
                                qt=max(params.qt_min, int(g.tokens.max())))
+
+
+def sample_bound(times, g: Grouping, dp_size: int) -> dict | None:
+    """The sample that sets the bound of the step balance, or None: the sample of the largest predicted time
+    (ViT + LLM, ``times`` = (ViT, LLM) per sample, indexed by sample id) when it exceeds a rank's mean step load
+    (the mean group time: each rank takes one group a step).  Its rank then carries at least its time in its
+    step, so that step's time DistRatio is ``(N - 1) / N * (1 - mean / time)`` with every other rank at the mean
+    (``step_dist_ratio_bound``; N = ``dp_size``): the assembly cannot balance that step unless the other ranks
+    carry more than the mean, so a video mix whose longest video exceeds the mean load is bound by that video,
+    not by the grouping.
+
+    Returns {"sample": id, "time": its time units, "mean_rank_load": mean group time units, "ratio": time / mean,
+    "step_dist_ratio_bound": the bound above}."""
+    total = np.asarray(times[0], dtype=np.int64) + np.asarray(times[1], dtype=np.int64)
+    if not len(g) or not len(total):
+        return None
+    mean = float((group_sums(times[0], g.members, g.offsets) + group_sums(times[1], g.members, g.offsets)).mean())
+    i = int(np.argmax(total))
+    if not total[i] > mean:
+        return None
+    t = float(total[i])
+    return {"sample": i, "time": int(total[i]), "mean_rank_load": mean, "ratio": t / mean,
+            "step_dist_ratio_bound": (dp_size - 1) / dp_size * (1.0 - mean / t)}

@@ -11,7 +11,18 @@ At native resolution a record may also list its images::
     {"vit_num": 2, "token_num": 900, "images": [{"width": 640, "height": 480, "patches": 1564}, ...]}
 
 ``width``/``height`` the image's size in px, ``patches`` the 14 x 14 px patches smart_resize gives it
-(``data/native.py``); when one record has ``images`` every record must (``[]`` for none).
+(``data/native.py``; ``tiles`` in its place for a tiled family's images, as ``omnibal isf stats --write`` writes
+them: the ViT items either way); when one record has ``images`` every record must (``[]`` for none).
+A record may also list its videos (``omnibal isf stats --write`` of video data)::
+
+    {"vit_num": 120, "token_num": 400, "images": [],
+     "videos": [{"frames": 16, "width": 320, "height": 240, "patches": 1920, "temporal": 8}]}
+
+``frames`` the frames sampled (before temporal padding), ``width``/``height`` the source frame size in px,
+``patches`` the ViT items of the whole video (patches at native resolution, tiles for frames as tiles) and
+``temporal`` its attention segments in time (temporal patches of the Qwen ViTs, each attended as one image of
+``patches / temporal`` patches; frames for frames as tiles).  A file without ``videos`` has none (old files load
+unchanged); a video's items are in ``vit_num`` and not among the ``images``.
 Other keys are ignored.  Several files concatenate in the order given; each sample keeps the index
 of its file (``source``) for the multi-group mode.  A gzip-compressed file (such as the published
 stats shipped in ``data/omnibal_stats/*.json.gz``) is read the same way, recognised by its content.
@@ -30,10 +41,21 @@ from ..errors import UserError
 
 REQUIRED_KEYS = ("vit_num", "token_num")
 IMAGE_KEYS = ("width", "height", "patches")
+VIDEO_KEYS = ("frames", "width", "height", "patches", "temporal")
 
 
 class StatsError(UserError):
     """A stats file or record that cannot be used; the message names the file and the record."""
+
+
+def per_sample_sums(offsets: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Sums of per-item ``values`` over each sample's items of CSR ``offsets``: (n,) (0 for a sample without)."""
+    out = np.zeros(len(offsets) - 1, dtype=np.asarray(values).dtype)
+    counts = np.diff(offsets)
+    has = counts > 0
+    if has.any():
+        out[has] = np.add.reduceat(np.asarray(values), offsets[:-1][has])
+    return out
 
 
 @dataclass
@@ -66,12 +88,7 @@ class ImageStats:
 
     def per_sample(self, values: np.ndarray) -> np.ndarray:
         """Sum of per-image ``values`` over each sample's images: (n,) (0 for a sample without images)."""
-        out = np.zeros(self.num_samples, dtype=np.asarray(values).dtype)
-        counts = np.diff(self.offsets)
-        has = counts > 0
-        if has.any():
-            out[has] = np.add.reduceat(np.asarray(values), self.offsets[:-1][has])
-        return out
+        return per_sample_sums(self.offsets, values)
 
     def subset(self, indices: np.ndarray) -> "ImageStats":
         indices = np.asarray(indices, dtype=np.int64)
@@ -93,6 +110,73 @@ class ImageStats:
 
 
 @dataclass
+class VideoStats:
+    """Per-video sizes of the samples, in CSR form: sample ``i`` has videos ``offsets[i]:offsets[i+1]``.
+
+    offsets: int64 (n+1,); frames: sampled frames of each video; width, height: its source frame size in px;
+    patches: its ViT items (all temporal patches); temporal: its attention segments in time (all int64 (k,)).
+    """
+
+    offsets: np.ndarray
+    frames: np.ndarray
+    width: np.ndarray
+    height: np.ndarray
+    patches: np.ndarray
+    temporal: np.ndarray
+
+    def __post_init__(self) -> None:
+        self.offsets = np.asarray(self.offsets, dtype=np.int64)
+        for name in VIDEO_KEYS:
+            setattr(self, name, np.asarray(getattr(self, name), dtype=np.int64))
+        k = len(self.patches)
+        if (self.offsets.ndim != 1 or len(self.offsets) < 1 or self.offsets[0] != 0 or self.offsets[-1] != k
+                or np.any(np.diff(self.offsets) < 0) or any(getattr(self, n).shape != (k,) for n in VIDEO_KEYS)):
+            raise StatsError("VideoStats: offsets must rise from 0 to the video count, one value each per video")
+        if k and min(getattr(self, n).min() for n in VIDEO_KEYS) <= 0:
+            raise StatsError("VideoStats: video frames, width, height, patches and temporal must be positive")
+        if k and np.any(self.patches % self.temporal):
+            bad = int(np.flatnonzero(self.patches % self.temporal)[0])
+            raise StatsError(f"VideoStats: video {bad}'s {self.patches[bad]} patches are not whole temporal patches "
+                             f"({self.temporal[bad]})")
+
+    @classmethod
+    def none(cls, num_samples: int) -> "VideoStats":
+        """No video in any of ``num_samples`` samples."""
+        z = np.zeros(0, dtype=np.int64)
+        return cls(np.zeros(num_samples + 1, dtype=np.int64), z, z, z, z, z)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def patches_per_segment(self) -> np.ndarray:
+        """ViT items of one temporal patch of each video (int64 (k,)): the size of each of its attention segments."""
+        return self.patches // self.temporal
+
+    def per_sample(self, values: np.ndarray) -> np.ndarray:
+        """Sum of per-video ``values`` over each sample's videos: (n,) (0 for a sample without videos)."""
+        return per_sample_sums(self.offsets, values)
+
+    def subset(self, indices: np.ndarray) -> "VideoStats":
+        indices = np.asarray(indices, dtype=np.int64)
+        counts = np.diff(self.offsets)[indices]
+        offsets = np.zeros(len(indices) + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        take = np.repeat(self.offsets[:-1][indices] - offsets[:-1], counts) + np.arange(offsets[-1])
+        return VideoStats(offsets, *(getattr(self, n)[take] for n in VIDEO_KEYS))
+
+    @staticmethod
+    def concat(parts: Sequence["VideoStats"]) -> "VideoStats":
+        offsets, base = [np.zeros(1, dtype=np.int64)], 0
+        for p in parts:
+            offsets.append(p.offsets[1:] + base)
+            base += int(p.offsets[-1])
+        return VideoStats(np.concatenate(offsets), *(np.concatenate([getattr(p, n) for p in parts] +
+                                                                    [np.zeros(0, np.int64)]) for n in VIDEO_KEYS))
+
+
+@dataclass
 class SampleStats:
     """Statistics of ``n`` samples.
 
@@ -101,6 +185,7 @@ class SampleStats:
     source: int32 (n,), index into ``files`` of the file each sample came from.
     files: the stats files (or dataset names), in load order.
     images: each sample's images (size and patches) when the stats hold them, else None.
+    videos: each sample's videos (frames, size, patches, temporal patches) when the stats hold any, else None.
     """
 
     vit: np.ndarray
@@ -108,6 +193,7 @@ class SampleStats:
     source: np.ndarray
     files: list[str] = field(default_factory=list)
     images: ImageStats | None = None
+    videos: VideoStats | None = None
 
     def __post_init__(self) -> None:
         self.vit = np.asarray(self.vit, dtype=np.int64)
@@ -126,6 +212,8 @@ class SampleStats:
             raise StatsError(f"SampleStats: source ids must index files (0..{len(self.files) - 1})")
         if self.images is not None and self.images.num_samples != n:
             raise StatsError(f"SampleStats: images describe {self.images.num_samples} samples, not {n}")
+        if self.videos is not None and self.videos.num_samples != n:
+            raise StatsError(f"SampleStats: videos describe {self.videos.num_samples} samples, not {n}")
 
     def __len__(self) -> int:
         return len(self.vit)
@@ -134,22 +222,28 @@ class SampleStats:
         """The samples at ``indices`` (in that order)."""
         indices = np.asarray(indices, dtype=np.int64)
         images = None if self.images is None else self.images.subset(indices)
-        return SampleStats(self.vit[indices], self.tokens[indices], self.source[indices], list(self.files), images)
+        videos = None if self.videos is None else self.videos.subset(indices)
+        return SampleStats(self.vit[indices], self.tokens[indices], self.source[indices], list(self.files), images,
+                           videos)
 
     @property
     def patches(self) -> np.ndarray:
-        """Patches per sample (sum over its images): int64 (n,); StatsError when the stats hold no images."""
-        if self.images is None:
+        """Patches per sample (sum over its images and videos): int64 (n,); StatsError when the stats hold no
+        images."""
+        if self.images is None and self.videos is None:
             raise StatsError(f"{', '.join(self.files) or 'these stats'}: no per-image sizes (\"images\"), so no patch "
                              "counts; write them with a pre-training scan or derive them (omnibal_ext.data.native)")
-        return self.images.per_sample(self.images.patches)
+        patches = (np.zeros(len(self), np.int64) if self.images is None
+                   else self.images.per_sample(self.images.patches))
+        return patches if self.videos is None else patches + self.videos.per_sample(self.videos.patches)
 
     def in_vision_items(self, item: str) -> "SampleStats":
         """These stats with ``vit`` holding the ViT's work in ``item`` (``vision_items``): what the planners
         count for a family (patches at native resolution)."""
         if item == "tile":
             return self
-        return SampleStats(self.vision_items(item), self.tokens, self.source, list(self.files), self.images)
+        return SampleStats(self.vision_items(item), self.tokens, self.source, list(self.files), self.images,
+                           self.videos)
 
     def vision_items(self, item: str) -> np.ndarray:
         """The ViT's work per sample in a family's unit (``Family.vision_item``): "tile" -> ``vit``, "patch" ->
@@ -165,6 +259,7 @@ class SampleStats:
         images and patches per sample)."""
         patches = self.patches if self.images is not None else None
         images = np.diff(self.images.offsets) if self.images is not None else None
+        videos = self.videos
 
         def describe(mask: np.ndarray) -> dict:
             v, t = self.vit[mask], self.tokens[mask]
@@ -180,6 +275,14 @@ class SampleStats:
             if patches is not None:
                 out.update({"images_mean": float(images[mask].mean()), "patches_mean": float(patches[mask].mean()),
                             "patches_max": int(patches[mask].max())})
+            if videos is not None:
+                count = np.diff(videos.offsets)[mask]
+                out.update({"videos_mean": float(count.mean()),
+                            "video_frames_mean": float(videos.per_sample(videos.frames)[mask].sum()
+                                                       / max(1, count.sum())),
+                            "video_patches_mean": float(videos.per_sample(videos.patches)[mask].sum()
+                                                        / max(1, count.sum())),
+                            "samples_with_video": int((count > 0).sum())})
             return out
 
         out = {"all": describe(np.ones(len(self), dtype=bool)), "files": {}}
@@ -229,15 +332,41 @@ def parse_images(records: list, path: str) -> ImageStats | None:
             raise StatsError(f"{path}: record {i} has no \"images\" list (record {first} has one; give every record "
                              "one, [] for no image)")
         for j, im in enumerate(images):
-            if not isinstance(im, dict) or not all(_is_count(im.get(k)) and im.get(k) > 0 for k in IMAGE_KEYS):
+            keys = IMAGE_KEYS if not isinstance(im, dict) or "tiles" not in im else ("width", "height", "tiles")
+            if not isinstance(im, dict) or not all(_is_count(im.get(k)) and im.get(k) > 0 for k in keys):
                 raise StatsError(f"{path}: record {i}, image {j}: expected positive integer "
-                                 f"{', '.join(IMAGE_KEYS)}, got {im!r}")
-            values.append((im["width"], im["height"], im["patches"]))
+                                 f"{', '.join(IMAGE_KEYS)} (or tiles), got {im!r}")
+            values.append(tuple(im[k] for k in keys))
         counts.append(len(images))
     offsets = np.zeros(len(records) + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
     table = np.asarray(values, dtype=np.int64).reshape(-1, 3)
     return ImageStats(offsets, table[:, 0], table[:, 1], table[:, 2])
+
+
+def parse_videos(records: list, path: str) -> VideoStats | None:
+    """The records' ``videos`` lists as VideoStats (a record without one has none), or None when no record has
+    one; StatsError names ``path`` and the record of a malformed list."""
+    if not any("videos" in r for r in records):
+        return None
+    counts, values = [], []
+    for i, rec in enumerate(records):
+        videos = rec.get("videos", [])
+        if not isinstance(videos, list):
+            raise StatsError(f"{path}: record {i}: \"videos\" must be a list, got {type(videos).__name__}")
+        for j, v in enumerate(videos):
+            if not isinstance(v, dict) or not all(_is_count(v.get(k)) and v.get(k) > 0 for k in VIDEO_KEYS):
+                raise StatsError(f"{path}: record {i}, video {j}: expected positive integer "
+                                 f"{', '.join(VIDEO_KEYS)}, got {v!r}")
+            if v["patches"] % v["temporal"]:
+                raise StatsError(f"{path}: record {i}, video {j}: {v['patches']} patches are not whole temporal "
+                                 f"patches ({v['temporal']})")
+            values.append(tuple(v[k] for k in VIDEO_KEYS))
+        counts.append(len(videos))
+    offsets = np.zeros(len(records) + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    table = np.asarray(values, dtype=np.int64).reshape(-1, len(VIDEO_KEYS))
+    return VideoStats(offsets, *(table[:, j] for j in range(len(VIDEO_KEYS))))
 
 
 def parse_records(records, path: str) -> tuple[np.ndarray, np.ndarray]:
@@ -272,6 +401,12 @@ def load_stats_file(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
 
 def load_stats_file_images(path: str | Path) -> tuple[np.ndarray, np.ndarray, ImageStats | None]:
     """(vit, tokens, images or None) of one stats file (JSON, or gzip-compressed JSON)."""
+    vit, tokens, images, _ = load_stats_file_media(path)
+    return vit, tokens, images
+
+
+def load_stats_file_media(path: str | Path) -> tuple[np.ndarray, np.ndarray, ImageStats | None, VideoStats | None]:
+    """(vit, tokens, images or None, videos or None) of one stats file (JSON, or gzip-compressed JSON)."""
     path = str(path)
     try:
         with open_text(path) as f:
@@ -283,7 +418,7 @@ def load_stats_file_images(path: str | Path) -> tuple[np.ndarray, np.ndarray, Im
     except UnicodeDecodeError as e:
         raise StatsError(f"{path}: not valid JSON (not UTF-8 text): {e}") from e
     vit, tokens = parse_records(records, path)
-    return vit, tokens, parse_images(records, path)
+    return vit, tokens, parse_images(records, path), parse_videos(records, path)
 
 
 def load_stats(paths: Sequence[str | Path]) -> SampleStats:
@@ -292,20 +427,25 @@ def load_stats(paths: Sequence[str | Path]) -> SampleStats:
         paths = [paths]
     if not paths:
         raise StatsError("no stats files given")
-    vits, toks, srcs, images = [], [], [], []
+    vits, toks, srcs, images, videos = [], [], [], [], []
     for i, p in enumerate(paths):
-        v, t, im = load_stats_file_images(p)
+        v, t, im, vid = load_stats_file_media(p)
         vits.append(v)
         toks.append(t)
         srcs.append(np.full(len(v), i, dtype=np.int32))
         images.append(im)
+        videos.append(vid)
     if any(im is not None for im in images) and not all(im is not None for im in images):
         some = paths[[im is None for im in images].index(False)]
         none = paths[[im is None for im in images].index(True)]
         raise StatsError(f"{none}: no per-image sizes (\"images\") but {some} has them; give them for every file")
     merged = ImageStats.concat(images) if images[0] is not None else None
+    merged_videos = None
+    if any(vid is not None for vid in videos):  # a file without videos has none
+        merged_videos = VideoStats.concat([vid if vid is not None else VideoStats.none(len(v))
+                                           for vid, v in zip(videos, vits)])
     return SampleStats(np.concatenate(vits), np.concatenate(toks), np.concatenate(srcs), [str(p) for p in paths],
-                       merged)
+                       merged, merged_videos)
 
 
 def resample_indices(num_samples: int, m: int, seed: int) -> np.ndarray:

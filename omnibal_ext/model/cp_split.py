@@ -5,7 +5,9 @@ The trainer (``megatron/vlm/context_parallel.py``, which imports these) pads eve
 ``sp_tp`` = TP, so that TP divides every CP rank's part) and cuts it into 2 x CP equal chunks;
 CP rank r keeps chunks r and 2 CP - 1 - r (balanced for causal attention: every rank attends 2 CP + 1 chunks of
 each segment).  The ViT's tiles are cut into CP contiguous runs, at most ceil(tiles / CP) each; images of varying
-size that cannot be cut (native-resolution ones) go whole, in contiguous runs balanced by patches (:func:`image_runs`).
+size that cannot be cut (native-resolution ones, and videos) go whole, in contiguous runs balanced by predicted ViT
+time (:func:`image_runs` of ``sample_time.grid_vit_time_units``); an image or video over one rank's share of the
+micro-batch's ViT cap is refused with the flags that would fit it (:func:`video_fit`).
 
 The planner counts a micro-batch's per-rank work from the padded lengths (:func:`padded_lengths`): its LLM tokens
 are ``sum(padded)`` (each rank runs 1 / CP of them) and its attention ``sum(padded^2)`` (each rank computes
@@ -57,7 +59,8 @@ def tile_ranges(n_tiles: int, cp: int) -> list[range]:
 
 
 def image_runs(sizes, cp: int) -> list[range]:
-    """Whole images of ``sizes`` (patches each, in micro-batch order) cut into ``cp`` contiguous runs whose largest
+    """Whole images of ``sizes`` (any non-negative integer cost each: patches, or predicted time units; in
+    micro-batch order) cut into ``cp`` contiguous runs whose largest
     total is the least possible (exact: a search over the cuts, O(cp x n^2) for n images); each run, from the first,
     takes as many images as fit in that total, so later runs may be empty (fewer images than ranks)."""
     sizes = [int(s) for s in sizes]
@@ -111,3 +114,27 @@ def rank_work(lengths, tiles: int, cp: int, real_only: bool = True, sp_tp: int =
                 if hi > lo:
                     pairs[r] += (hi * (hi + 1) - lo * (lo + 1)) // 2
     return pairs, [len(t) for t in tile_ranges(int(tiles), cp)]
+
+
+def rank_vit_budget(vit_cap: int, cp: int) -> int:
+    """ViT items one CP rank holds at most when a micro-batch of ``vit_cap`` items is shared by ``cp`` ranks: the
+    even share ``ceil(vit_cap / cp)`` (the memory plan's per-rank ViT activations); a whole image or video over it
+    cannot go to one rank within the plan."""
+    return -(-int(vit_cap) // cp)
+
+
+def video_fit(frames: int, temporal: int, patches: int, budget: int, temporal_patch: int, min_pixels: int = 0,
+              patch_px: int = 14, merge: int = 2) -> tuple[int | None, int | None]:
+    """(most frames, most pixels per frame) that bring a video of ``frames`` sampled frames, ``temporal`` temporal
+    patches and ``patches`` ViT items (``temporal`` segments of ``patches / temporal``) within ``budget`` items:
+    ``--video-max-frames``, the largest multiple of ``temporal_patch`` frames whose temporal patches at this frame
+    size fit (None: not even one fits), and ``--video-max-pixels``, the largest frame area whose patches (whole
+    merged tokens of ``merge x merge`` patches of ``patch_px`` px) times ``temporal`` fit (None: below the rule's
+    ``min_pixels`` px or one merged token per frame)."""
+    per_segment = patches // temporal
+    segments = budget // per_segment
+    max_frames = segments * temporal_patch if segments >= 1 else None
+    per_frame = budget // temporal // (merge * merge) * (merge * merge)
+    max_pixels = per_frame * patch_px * patch_px
+    max_pixels = max_pixels if per_frame >= merge * merge and max_pixels >= min_pixels else None
+    return (min(max_frames, frames) if max_frames is not None else None), max_pixels

@@ -7,17 +7,24 @@ micro-batch's predicted time is the sum of its samples' times: ``time_coefficien
 cost model (forward plus backward of every unit, TP all-reduces included), and ``sample_times`` gives every
 sample its ViT-side (embedding, ViT layers, projector) and LLM-side (embedding, layers, head) seconds.
 ``tests/test_isf_native.py`` checks the sum of a group's sample times against the cost model of the group.
+
+Videos (``SampleStats.videos``) count as the models attend them: the Qwen ViTs attend each temporal patch of a
+video as one image (its ``cu_seqlens`` repeat ``h x w`` patches ``t`` times: full attention quadratic per temporal
+patch, not per video; Qwen2.5-VL's windows tile each temporal slice), so a video of ``t`` temporal patches of
+``rows x cols`` patches adds ``t`` times an image's segment sums of that grid (``video_segments_sq``).  Frames as
+tiles (InternVL) are tiles: a family without ``segments_sq`` counts them as it counts image tiles.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..data.native import patch_grid
 from ..data.stats import SampleStats
-from .cost_model import DeviceSpec, analytic_costs
+from .cost_model import DeviceSpec, analytic_costs, get_device
 from .shape import MicroBatchShape
 from .spec import PROJECTOR, VISION_EMBED, VISION_LAYER, ModelSpec
 from .units import family_of
@@ -91,8 +98,21 @@ def sample_work(stats: SampleStats, spec: ModelSpec, grids=None) -> SampleWork:
         rows, cols = grids if grids is not None else patch_grid(im.height, im.width, im.patches)
         f, w = family.segments_sq(spec, rows, cols)
         full, window = im.per_sample(f), im.per_sample(w)
+    if family.segments_sq is not None and stats.videos is not None and len(stats.videos.patches):
+        f, w = video_segments_sq(stats, spec)
+        full, window = full + stats.videos.per_sample(f), window + stats.videos.per_sample(w)
     tokens = stats.tokens.astype(np.float64)
     return SampleWork(items, full, window, tokens, tokens**2)
+
+
+def video_segments_sq(stats: SampleStats, spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
+    """(full-attention, window) sums of squared segment lengths (patches^2) of each video of ``stats.videos``:
+    ``temporal`` segments of one temporal patch each (module docstring), each the family's ``segments_sq`` of the
+    ``rows x cols`` grid ``patch_grid`` recovers from the frame size and the patches per temporal patch."""
+    v = stats.videos
+    rows, cols = patch_grid(v.height, v.width, v.patches_per_segment)
+    f, w = family_of(spec).segments_sq(spec, rows, cols)
+    return v.temporal * f, v.temporal * w
 
 
 def sample_times(work: SampleWork, coeffs: TimeCoefficients) -> tuple[np.ndarray, np.ndarray]:
@@ -164,13 +184,42 @@ class VisionSegments:
 
 def vision_segments(stats: SampleStats, spec: ModelSpec) -> VisionSegments | None:
     """The data's ViT segments per item (``VisionSegments``), or None for a family with fixed-size items."""
-    if family_of(spec).segments_sq is None or stats.images is None or not len(stats.images.patches):
+    has_images = stats.images is not None and len(stats.images.patches)
+    has_videos = stats.videos is not None and len(stats.videos.patches)
+    if family_of(spec).segments_sq is None or not (has_images or has_videos):
         return None
     work = sample_work(stats, spec)
-    im = stats.images
-    rows, cols = patch_grid(im.height, im.width, im.patches)
-    full, window = family_of(spec).segments_sq(spec, rows, cols)
-    per_item = im.patches.astype(np.float64)
+    ratios_full, ratios_window = [np.zeros(0)], [np.zeros(0)]  # per image or video: squared sums per ViT item
+    if has_images:
+        im = stats.images
+        rows, cols = patch_grid(im.height, im.width, im.patches)
+        full, window = family_of(spec).segments_sq(spec, rows, cols)
+        ratios_full.append(full / im.patches)
+        ratios_window.append(window / im.patches)
+    if has_videos:
+        full, window = video_segments_sq(stats, spec)
+        ratios_full.append(full / stats.videos.patches)
+        ratios_window.append(window / stats.videos.patches)
     total = max(float(work.vit_items.sum()), 1.0)
     return VisionSegments(float(work.vit_full_sq.sum()) / total, float(work.vit_window_sq.sum()) / total,
-                          float((full / per_item).max()), float((window / per_item).max()))
+                          float(np.concatenate(ratios_full).max()), float(np.concatenate(ratios_window).max()))
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_coefficients(spec: ModelSpec, device: DeviceSpec, tp: int) -> TimeCoefficients:
+    return time_coefficients(spec, device, tp)
+
+
+def grid_vit_time_units(spec: ModelSpec, grids, device: DeviceSpec | None = None, tp: int = 1) -> np.ndarray:
+    """Predicted ViT-side time (``TIME_UNIT_S`` units, int64 (k,)) of each image or video of ``grids`` (``grid_thw``
+    rows ``(t, rows, cols)`` in patches) for a family with ``segments_sq``: ``t`` segments of ``rows x cols`` patches
+    (one per temporal patch, module docstring); what CP balances whole images and videos by.  device: the cost
+    model's (default ``ISF_TIME_DEVICE``)."""
+    g = np.asarray(grids, dtype=np.int64).reshape(-1, 3)
+    if not len(g):
+        return np.zeros(0, dtype=np.int64)
+    c = _cached_coefficients(spec, device or get_device(ISF_TIME_DEVICE), tp)
+    t, rows, cols = (g[:, j].astype(np.float64) for j in range(3))
+    full, window = family_of(spec).segments_sq(spec, rows, cols)
+    seconds = c.vit_item * t * rows * cols + c.vit_full_sq * t * full + c.vit_window_sq * t * window
+    return np.round(seconds / TIME_UNIT_S).astype(np.int64)

@@ -57,7 +57,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from omnibal_ext.data.stats import ImageStats, SampleStats
+from omnibal_ext.data.stats import ImageStats, SampleStats, VideoStats
 from omnibal_ext.errors import UserError
 
 from . import scan_cache
@@ -238,13 +238,15 @@ def expand_videos(turns: list[Turn], texts: list[str]) -> list[Turn]:
 
 @dataclass(frozen=True)
 class VideoPlan:
-    """What a record's videos become: per video its probe, frame indices and block items, and the turns with
-    the rule's text in place of each ``<video>``."""
+    """What a record's videos become: per video its probe, frame indices, block items and temporal patches (the
+    ViT's attention segments in time, ``VideoRule.temporal_patches``), and the turns with the rule's text in place
+    of each ``<video>``."""
 
     infos: tuple
     indices: tuple[tuple[int, ...], ...]
     blocks: tuple[tuple[int, ...], ...]
     turns: tuple[Turn, ...]
+    temporal: tuple[int, ...] = ()
 
 
 def plan_videos(turns: list[Turn], videos: list[RecordVideo], root: str, rule: VideoRule | None, seed: int,
@@ -262,27 +264,60 @@ def plan_videos(turns: list[Turn], videos: list[RecordVideo], root: str, rule: V
         indices.append(tuple(taken))
         blocks.append(tuple(rule.blocks(len(taken), info.width, info.height)))
         texts.append(rule.text(taken, info.fps))
-    return VideoPlan(tuple(infos), tuple(indices), tuple(blocks), tuple(expand_videos(turns, texts)))
+    return VideoPlan(tuple(infos), tuple(indices), tuple(blocks), tuple(expand_videos(turns, texts)),
+                     tuple(rule.temporal_patches(len(taken)) for taken in indices) if videos else ())
 
 
 def media_entries(turns: list[Turn], image_items: list[int], image_sizes: list[tuple[int, int]],
-                  videos: VideoPlan) -> tuple[list[int], list[tuple[int, int]], list[tuple[int, int]]]:
-    """(items, (width, height) px, video entry ranges): one entry per image and per video block in reading order
-    (a block has its video's frame size), and each video's ``[first, end)`` entries."""
-    items, sizes, ranges = [], [], []
+                  videos: VideoPlan) -> tuple[list[int], list[tuple[int, int]], list[tuple[int, int]], list[tuple]]:
+    """(items, (width, height) px, video entry ranges, video fields): one entry per image and per video block in
+    reading order (a block has its video's frame size), each video's ``[first, end)`` entries, and per entry
+    ``(video, frames, temporal)``: 0, 0, 0 for an image; for a video's block the video's 1-based ordinal in the
+    record, its sampled frames and its temporal patches."""
+    items, sizes, ranges, fields = [], [], [], []
     next_image = next_video = 0
     for kind in media_order(turns):
         if kind == "image":
             items.append(image_items[next_image])
             sizes.append(image_sizes[next_image])
+            fields.append((0, 0, 0))
             next_image += 1
         else:
             info, blocks = videos.infos[next_video], videos.blocks[next_video]
             ranges.append((len(items), len(items) + len(blocks)))
             items += blocks
             sizes += [(info.width, info.height)] * len(blocks)
+            fields += [(next_video + 1, len(videos.indices[next_video]), videos.temporal[next_video])] * len(blocks)
             next_video += 1
-    return items, sizes, ranges
+    return items, sizes, ranges, fields
+
+
+def video_fields(input_ids: np.ndarray, spans: list[tuple[int, int]], turns: list[Turn], videos: list[RecordVideo],
+                 plan: VideoPlan, rule: VideoRule, tokenizer) -> dict:
+    """A sample's video fields (``input_ids`` is changed in place): ``video_blocks`` (per kept entry, reading order:
+    None for an image, the rule's ``VideoRule.block`` for a video's block) and ``mm_token_type_ids`` int64 [n] (1 on
+    an image's context tokens, 2 on a video's, 0 elsewhere); the context tokens of a video's blocks become the rule's
+    ``context_token`` where the tokenizer has it as one token (Qwen: ``<|video_pad|>``)."""
+    video_id = None
+    if rule.context_token is not None:
+        ids = tokenizer.encode(rule.context_token)
+        video_id = ids[0] if len(ids) == 1 else None
+    types = np.zeros(len(input_ids), dtype=np.int64)
+    blocks: list = []
+    next_video = 0
+    for kind in media_order(turns):
+        if kind == "image":
+            blocks.append(None)
+        else:
+            k = next_video
+            next_video += 1
+            blocks += rule.block_info(plan.indices[k], plan.infos[k], videos[k].clip_s)
+    blocks = blocks[:len(spans)]
+    for (start, end), block in zip(spans, blocks):
+        types[start + 1:end - 1] = 1 if block is None else 2
+        if block is not None and video_id is not None:
+            input_ids[start + 1:end - 1] = video_id
+    return {"video_blocks": blocks, "mm_token_type_ids": torch.from_numpy(types)}
 
 
 @dataclass
@@ -297,6 +332,11 @@ class ScanResult:
     img_width: np.ndarray  # int64 [I] px
     img_height: np.ndarray  # int64 [I] px
     img_items: np.ndarray  # int64 [I] ViT items of each image (the rule's)
+    # per entry (an image, or a video's block; ``media_entries``): 0 for an image, else the video's 1-based ordinal
+    # in its record, its sampled frames and its temporal patches (the ViT's attention segments in time)
+    img_video: np.ndarray  # int64 [I]
+    img_frames: np.ndarray  # int64 [I]
+    img_temporal: np.ndarray  # int64 [I]
     rec_tokens: np.ndarray  # int64 [M] tokens after truncation
     rec_images_kept: np.ndarray  # int64 [M] images surviving truncation
     rec_real_items: np.ndarray  # int64 [M] ViT items of the kept images (= image_flags.sum())
@@ -308,6 +348,38 @@ class ScanResult:
 
     def where(self, record: int) -> str:
         return f"{self.sources[self.rec_source[record]].annotation}:{self.rec_line[record]}"
+
+
+def scan_media(scan: ScanResult) -> tuple[ImageStats, VideoStats | None]:
+    """The kept images and videos of every dataset sample of ``scan`` (dataset order): each image's width, height
+    (px) and ViT items; each video's sampled frames, frame width and height (px), ViT items (its blocks' sum) and
+    temporal patches (None when no sample keeps a video)."""
+    n = len(scan.order)
+    kept = scan.rec_images_kept[scan.order]
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(kept, out=offsets[1:])
+    take = np.repeat(scan.img_ptr[scan.order] - offsets[:-1], kept) + np.arange(offsets[-1])
+    sample = np.repeat(np.arange(n, dtype=np.int64), kept)  # the dataset sample of each kept entry
+    video = scan.img_video[take]
+    is_image = video == 0
+
+    def csr(mask_sample: np.ndarray) -> np.ndarray:
+        out = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(np.bincount(mask_sample, minlength=n), out=out[1:])
+        return out
+
+    im = take[is_image]
+    images = ImageStats(csr(sample[is_image]), scan.img_width[im], scan.img_height[im], scan.img_items[im])
+    if is_image.all():
+        return images, None
+    vid = np.flatnonzero(~is_image)
+    # a video's blocks are consecutive entries of one sample with one ordinal: a new video starts where either changes
+    first = vid[np.r_[True, (np.diff(vid) != 1) | (np.diff(video[vid]) != 0) | (np.diff(sample[vid]) != 0)]]
+    items = np.add.reduceat(scan.img_items[take[vid]], np.searchsorted(vid, first))
+    heads = take[first]
+    videos = VideoStats(csr(sample[first]), scan.img_frames[heads], scan.img_width[heads], scan.img_height[heads],
+                        items, scan.img_temporal[heads])
+    return images, videos
 
 
 def decoded_size(path: str) -> tuple[int, int]:
@@ -333,7 +405,8 @@ class ScanShare:
     annotation, from ``rank`` on) and the line counts every process sees alike."""
 
     records: np.ndarray  # int64 [m, 7]: source, byte offset, line, tokens, images kept, real items, items fed
-    images: np.ndarray  # int64 [i, 3]: width px, height px, ViT items; the records' images in record order
+    images: np.ndarray  # int64 [i, 6]: width px, height px, ViT items, video, frames, temporal (media_entries);
+    # the records' entries in record order
     images_per_record: np.ndarray  # int64 [m]
     errors: list  # (source index, line, k-th problem of the line, message)
     nonblank_lines: list  # [sources] non-blank lines of each annotation
@@ -409,23 +482,23 @@ def scan_share(sources: list[SourceSpec], tokenizer, config: ReaderConfig, rank:
                 if isinstance(found, list):
                     errors += [(s_idx, line_no, j, f"{src.annotation}:{line_no}: {msg}") for j, msg in enumerate(found)]
                     continue
-                sizes, items, tokens, kept, real, truncated, without_loss = found
+                sizes, items, fields, tokens, kept, real, truncated, without_loss = found
                 records.append((s_idx, line_offset, line_no, tokens, kept, real,
                                 real if real > 0 else config.images.dummy_items))
-                images += [(w, h, n) for (w, h), n in zip(sizes, items)]
+                images += [(w, h, n, *f) for (w, h), n, f in zip(sizes, items, fields)]
                 per_record.append(len(sizes))
                 num_truncated += truncated
                 num_without_loss += without_loss
             nonblank.append(k)
         bar.close()
-    return ScanShare(np.asarray(records, np.int64).reshape(-1, 7), np.asarray(images, np.int64).reshape(-1, 3),
+    return ScanShare(np.asarray(records, np.int64).reshape(-1, 7), np.asarray(images, np.int64).reshape(-1, 6),
                      np.asarray(per_record, np.int64), errors, nonblank, num_truncated, num_without_loss)
 
 
 def _scan_record(raw: bytes, src: SourceSpec, tokenizer, config: ReaderConfig, source: int = 0, line: int = 0):
-    """One annotation line: ``(entry sizes, ViT items per entry, tokens, entries kept, real items, truncated,
-    truncated without an answer token)`` (an entry: an image or a video's block), or its problems (a list of
-    messages)."""
+    """One annotation line: ``(entry sizes, ViT items per entry, video fields per entry (``media_entries``), tokens,
+    entries kept, real items, truncated, truncated without an answer token)`` (an entry: an image or a video's
+    block), or its problems (a list of messages)."""
     try:
         record = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -461,7 +534,7 @@ def _scan_record(raw: bytes, src: SourceSpec, tokenizer, config: ReaderConfig, s
             problems.append(f"image {os.path.join(src.root, rel)}: {e}")
     if problems:
         return problems
-    items, sizes, video_ranges = media_entries(turns, items, sizes, video_plan)
+    items, sizes, video_ranges, fields = media_entries(turns, items, sizes, video_plan)
     try:  # a chat template can refuse a conversation: a problem of this record, named like the others
         plan = plan_conversation(list(video_plan.turns), tokenizer, [rule.image_tokens(n) for n in items], 1,
                                  config.system, config.add_bos)
@@ -481,7 +554,7 @@ def _scan_record(raw: bytes, src: SourceSpec, tokenizer, config: ReaderConfig, s
         truncated = True
         _, labels = plan.materialize(cut)
         without_loss = not (labels != -100).any()
-    return sizes, items, cut, kept, sum(items[:kept]), truncated, without_loss
+    return sizes, items, fields, cut, kept, sum(items[:kept]), truncated, without_loss
 
 
 def merge_shares(meta_path: str, sources: list[SourceSpec], shares: list[ScanShare], config: ReaderConfig) -> ScanResult:
@@ -518,10 +591,10 @@ def merge_shares(meta_path: str, sources: list[SourceSpec], shares: list[ScanSha
     num_truncated = sum(share.num_truncated for share in shares)
     order = np.concatenate(order_parts) if order_parts else np.zeros(0, np.int64)
     rec = [np.ascontiguousarray(records[:, j]) for j in range(7)]
-    return ScanResult(sources, rec[0], rec[1], rec[2], img_ptr, np.ascontiguousarray(images[:, 0]),
-                      np.ascontiguousarray(images[:, 1]), np.ascontiguousarray(images[:, 2]), rec[3], rec[4], rec[5],
-                      rec[6], order.astype(np.int64), num_truncated, sum(share.num_without_loss for share in shares),
-                      skipped)
+    img = [np.ascontiguousarray(images[:, j]) for j in range(6)]
+    return ScanResult(sources, rec[0], rec[1], rec[2], img_ptr, img[0], img[1], img[2], img[3], img[4], img[5], rec[3],
+                      rec[4], rec[5], rec[6], order.astype(np.int64), num_truncated,
+                      sum(share.num_without_loss for share in shares), skipped)
 
 
 class RecordDataset(torch.utils.data.Dataset):
@@ -531,7 +604,7 @@ class RecordDataset(torch.utils.data.Dataset):
     None: video records refused); a video's blocks count as images below.
     ``__getitem__(i)`` -> ``{"input_ids": int64 [n],
     "labels": int64 [n], "pixel_values": float32 [k, ...], "image_flags": int64 [k], "image_sizes": int64
-    [images, 2]}`` with ``n == sample_lengths()[0][i]`` tokens, ``k == sample_lengths()[1][i]`` ViT items (the
+    [images, 2]}`` (a record with videos: also ``video_blocks`` and ``mm_token_type_ids``, ``video_fields``) with ``n == sample_lengths()[0][i]`` tokens, ``k == sample_lengths()[1][i]`` ViT items (the
     rule's ``pixels`` rows) and the (width, height) px of each kept image.  ``scan_group`` and ``cache_dir``: see
     ``scan_annotations``.
     """
@@ -556,16 +629,11 @@ class RecordDataset(torch.utils.data.Dataset):
         return s.rec_tokens[s.order].copy(), s.rec_items[s.order].copy()
 
     def sample_stats(self) -> SampleStats:
-        """Every sample's stats (as ``omnibal isf stats --write`` writes them): ViT items, tokens and each kept
-        image's width, height (px) and ViT items; no pixel decode."""
-        s = self.scan
-        kept = s.rec_images_kept[s.order]
-        offsets = np.zeros(len(self) + 1, dtype=np.int64)
-        np.cumsum(kept, out=offsets[1:])
-        take = np.repeat(s.img_ptr[s.order] - offsets[:-1], kept) + np.arange(offsets[-1])
-        images = ImageStats(offsets, s.img_width[take], s.img_height[take], s.img_items[take])
+        """Every sample's stats (as ``omnibal isf stats --write`` writes them): ViT items, tokens, each kept
+        image's width, height (px) and ViT items, and each kept video's (``scan_media``); no pixel decode."""
+        images, videos = scan_media(self.scan)
         tokens, items = self.sample_lengths()
-        return SampleStats(items, tokens, np.zeros(len(self), dtype=np.int32), [self.meta_path], images)
+        return SampleStats(items, tokens, np.zeros(len(self), dtype=np.int32), [self.meta_path], images, videos)
 
     def image_grids(self) -> tuple[np.ndarray, np.ndarray] | None:
         """(rows, cols) int64 patch grid of each image of ``sample_stats().images`` (the image rule's), or None
@@ -615,6 +683,9 @@ class RecordDataset(torch.utils.data.Dataset):
         input_ids, labels = plan.materialize(int(s.rec_tokens[r]))
         sizes = torch.from_numpy(np.stack([s.img_width[lo:lo + kept], s.img_height[lo:lo + kept]], axis=1))
         text = {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels), "image_sizes": sizes}
+        if videos:
+            text.update(video_fields(input_ids, plan.image_spans[:kept], turns, videos, video_plan, cfg.videos,
+                                     self.tokenizer))
         real = int(s.rec_real_items[r])
         if not decode_images:
             flags = torch.ones(real, dtype=torch.int64) if real else torch.zeros(rule.dummy_items, dtype=torch.int64)

@@ -16,8 +16,10 @@ import os
 
 import numpy as np
 
-FORMAT = 3  # 2: the reader configuration holds the image rule; items, not tiles. 3: the video rule, video blocks
-_ARRAYS = ("rec_source", "rec_offset", "rec_line", "img_ptr", "img_width", "img_height", "img_items", "rec_tokens",
+FORMAT = 4  # 2: the reader configuration holds the image rule; items, not tiles. 3: the video rule, video blocks.
+# 4: each entry's video, frames and temporal patches
+_ARRAYS = ("rec_source", "rec_offset", "rec_line", "img_ptr", "img_width", "img_height", "img_items", "img_video",
+           "img_frames", "img_temporal", "rec_tokens",
            "rec_images_kept", "rec_real_items", "rec_items", "order")
 
 

@@ -6,7 +6,9 @@ Output: a JSON list, one entry per dataset sample in dataset order (``repeat_tim
      "image_flags": ViT items of real images}
 
 ``image_stats_records`` adds each image (``omnibal isf stats --write``): ``"images": [{"width": px, "height": px,
-UNIT: ViT items}, ...]`` with UNIT the family's (``ImageRule.unit``: "tiles", "patches").
+UNIT: ViT items}, ...]`` with UNIT the family's (``ImageRule.unit``: "tiles", "patches"), and where the data has
+videos each video: ``"videos": [{"frames": sampled, "width": px, "height": px, "patches": ViT items, "temporal":
+attention segments in time}]`` (``omnibal_ext.data.stats``; a video's blocks are not among the images).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import json
 import os
 
 from .images import ImageRule
-from .records import ReaderConfig, scan_annotations
+from .records import ReaderConfig, scan_annotations, scan_media
 
 
 def stats_records(scan) -> list[dict]:
@@ -25,14 +27,23 @@ def stats_records(scan) -> list[dict]:
 
 
 def image_stats_records(scan, unit: str) -> list[dict]:
-    """``{"vit_num", "token_num", "images"}`` per sample of a ``ScanResult`` (dataset order): the ViT items fed, the
-    tokens, and each kept image's width and height (px) and its ViT items under the key ``unit``."""
+    """``{"vit_num", "token_num", "images"[, "videos"]}`` per sample of a ``ScanResult`` (dataset order): the ViT
+    items fed, the tokens, each kept image's width and height (px) and its ViT items under the key ``unit``, and
+    (when some sample keeps a video) each kept video's frames, size, ViT items and temporal patches
+    (``records.scan_media``)."""
+    images, videos = scan_media(scan)
     out = []
-    for r in scan.order:
-        lo = int(scan.img_ptr[r])
-        images = [{"width": int(scan.img_width[i]), "height": int(scan.img_height[i]), unit: int(scan.img_items[i])}
-                  for i in range(lo, lo + int(scan.rec_images_kept[r]))]
-        out.append({"vit_num": int(scan.rec_items[r]), "token_num": int(scan.rec_tokens[r]), "images": images})
+    for i, r in enumerate(scan.order):
+        lo, hi = images.offsets[i], images.offsets[i + 1]
+        rec = {"vit_num": int(scan.rec_items[r]), "token_num": int(scan.rec_tokens[r]),
+               "images": [{"width": int(images.width[k]), "height": int(images.height[k]), unit: int(images.patches[k])}
+                          for k in range(lo, hi)]}
+        if videos is not None:
+            rec["videos"] = [{"frames": int(videos.frames[k]), "width": int(videos.width[k]),
+                              "height": int(videos.height[k]), "patches": int(videos.patches[k]),
+                              "temporal": int(videos.temporal[k])}
+                             for k in range(videos.offsets[i], videos.offsets[i + 1])]
+        out.append(rec)
     return out
 
 

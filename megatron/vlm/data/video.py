@@ -34,11 +34,17 @@ class VideoRule:
     image block ``num_frames`` sampled frames of ``width x height`` px become (a ``VideoError`` for a video the
     family refuses); ``text(indices, src_fps)``: what replaces the ``<video>`` tag, one ``<image>`` per block;
     ``pixels(frames)``: the float32 ViT input of the sampled frames (uint8 ``[n, h, w, 3]``), ``sum(blocks)``
-    rows.  ``unit``: what an item is, for stats.
+    rows.  ``unit``: what an item is, for stats.  ``block_info(indices, info, clip_s)``: what a family's batcher
+    needs of each block beyond its size (None each by default: a block is an image); ``context_token``: the text
+    token a block's context tokens become (None: the image context token).
     """
 
     settings: VideoSettings
     unit: str = "items"
+    context_token: str | None = None
+
+    def block_info(self, indices: Sequence[int], info: VideoInfo, clip_s: tuple[float, float] | None) -> list:
+        return [None] * len(self.blocks(len(indices), info.width, info.height))
 
     def frame_indices(self, total: int, src_fps: float, seed: int, is_folder: bool) -> list[int]:
         raise NotImplementedError
@@ -51,6 +57,12 @@ class VideoRule:
 
     def pixels(self, frames: np.ndarray) -> torch.Tensor:
         raise NotImplementedError
+
+    def temporal_patches(self, num_frames: int) -> int:
+        """The ViT's attention segments in time of ``num_frames`` sampled frames (what stats and the time model
+        count): temporal patches of ``settings.temporal_patch_size`` frames, the last padded, each attended as one
+        image (the Qwen ViTs).  A rule whose frames are tiles overrides it (one segment per frame)."""
+        return -(-num_frames // self.settings.temporal_patch_size)
 
 
 @dataclass(frozen=True)

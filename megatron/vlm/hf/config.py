@@ -30,12 +30,17 @@ class HFInfo:
     vit_layers_in_checkpoint: int  # HF ViT layers (the spec may build fewer: a feature layer before the last)
     image_token_id: int | None  # None: not in the config (the tokenizer's image context token)
     image_seq_length: int | None = None
+    video_token_id: int | None = None  # None: not in the config (or a family without video tokens)
     # the stacked (3-D) tensors the files hold transposed, by name within a layer (fused experts as some
     # published files hold them): only the shapes say it (``HFSide.checkpoint_info``)
     transposed: tuple[str, ...] = ()
+    # the experts stored stacked (``mlp.experts.gate_up_proj`` / ``down_proj``) rather than one tensor per expert,
+    # for a family whose files hold either (``HFSide.checkpoint_info``: Qwen3.5-MoE)
+    fused_experts: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "transposed", tuple(self.transposed or ()))
+        object.__setattr__(self, "fused_experts", bool(self.fused_experts))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -56,6 +56,7 @@ class VisionSpec:
     norm_eps: float = 1e-6  # the layers' and the merger's RMSNorm (HF: fixed 1e-6)
     rotary_base: int = 10000  # the 2-D RoPE's theta (HF vision rope_parameters.rope_theta)
     normalization: str = "RMSNorm"
+    tokens_per_second: int = 2  # a video's temporal RoPE ids per second (HF vision_config.tokens_per_second)
 
     def __post_init__(self):
         object.__setattr__(self, "fullatt_block_indexes", tuple(int(i) for i in self.fullatt_block_indexes))
@@ -300,5 +301,5 @@ QWEN2_5_VL = register(Family(
     name="qwen2_5_vl", vision_spec=VisionSpec,
     components=(VisionEmbedCost, WindowLayerCost, FullLayerCost, MergerCost, TextEmbedCost, TextLayerCost, HeadCost),
     unit_list=unit_list, vision_item="patch", presets=PRESETS, segments_sq=image_segments_sq,
-    capabilities=Capabilities(drop_path=True, context_parallel=True, sequence_parallel=True,
+    capabilities=Capabilities(drop_path=True, context_parallel=True, sequence_parallel=True, video=True,
                               lora_targets=LORA_TARGETS, image_flags=("--min-pixels", "--max-pixels"))))

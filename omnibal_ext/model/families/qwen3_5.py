@@ -23,6 +23,8 @@ from ...errors import UserError
 from ..components import (FUSED_KERNELS, ActBytes, HeadCost, TextEmbedCost, TextLayerCost, llm_layer_flops,
                           norm_bytes_per_token, sp_tokens)
 from ..linear_attention import LinearAttentionShape, linear_attention_act_bytes, linear_attention_flops
+from ..moe import MoESpec
+from ..moe_cost import MoELayerCost
 from ..spec import LanguageSpec, ModelSpec
 from . import Capabilities, Family, register
 from .qwen3_vl import MergerCost, VisionEmbedCost, VisionLayerCost, VisionSpec, image_segments_sq
@@ -178,8 +180,7 @@ def unit_list(spec: ModelSpec):
     units = [("vit.embed", VisionEmbedCost, None)]
     units += [(f"vit.layer.{i}", VisionLayerCost, i) for i in range(spec.vision.num_layers)]
     units += [("projector", MergerCost, None), ("llm.embed", TextEmbedCost, None)]
-    units += [(f"llm.layer.{i}", LinearAttentionLayerCost if lm.is_linear(i) else GatedAttentionLayerCost, i)
-              for i in range(lm.num_layers)]
+    units += [(f"llm.layer.{i}", layer_cost(lm, i), i) for i in range(lm.num_layers)]
     return units + [("llm.head", HeadCost, None)]
 
 
@@ -241,12 +242,70 @@ PRESETS: dict[str, ModelSpec] = {
             linear_conv_kernel_dim=4, linear_chunk_size=8)),
 }
 
+
+# --------------------------------------------------------------------------------------------
+# Qwen3.5-MoE (transformers' qwen3_5_moe): the same hybrid decoder with every layer's MLP a mixture of experts
+# (megatron-core's MoELayer, ``moe_cost``): top-k softmax routing renormalised over the k, a shared expert behind a
+# sigmoid gate. Each layer kind has its MoE unit kind: its token mixer's cost and ``MoELayerCost``'s MLP part.
+# --------------------------------------------------------------------------------------------
+class LinearAttentionMoELayerCost(MoELayerCost, LinearAttentionLayerCost):
+    """A Gated DeltaNet layer whose MLP is a mixture of experts: ``LinearAttentionLayerCost`` with its SwiGLU MLP
+    replaced by ``MoELayerCost``'s router, experts and shared expert (and their EP all-to-alls)."""
+
+    kind = "qwen3_5_linear_moe_layer"
+
+    def with_experts(self, run):
+        return LinearAttentionMoELayerCost(self.spec, run)
+
+
+class GatedAttentionMoELayerCost(MoELayerCost, GatedAttentionLayerCost):
+    """A gated full-attention layer whose MLP is a mixture of experts (as ``LinearAttentionMoELayerCost``)."""
+
+    kind = "qwen3_5_attention_moe_layer"
+
+    def with_experts(self, run):
+        return GatedAttentionMoELayerCost(self.spec, run)
+
+
+def layer_cost(lm: "Qwen35LanguageSpec", layer: int) -> type:
+    """The cost component of LLM layer ``layer``: its kind (``layer_types``), with experts where ``lm.moe`` says."""
+    if lm.is_moe_layer(layer):
+        return LinearAttentionMoELayerCost if lm.is_linear(layer) else GatedAttentionMoELayerCost
+    return LinearAttentionLayerCost if lm.is_linear(layer) else GatedAttentionLayerCost
+
+
+def qwen3_5_moe_experts(num_layers: int, num_experts: int, topk: int, expert_ffn: int, shared_ffn: int) -> MoESpec:
+    """Qwen3.5-MoE's experts: every layer MoE, softmax scores renormalised over the top k (its router always
+    does), one shared expert of ``shared_ffn`` behind a sigmoid gate."""
+    return MoESpec(num_experts=num_experts, topk=topk, ffn_hidden_size=expert_ffn, layer_freq=(1,) * num_layers,
+                   shared_expert_ffn_hidden_size=shared_ffn, shared_expert_gate=True, norm_topk_prob=True)
+
+
+# Presets: the Qwen/Qwen3.5-*-A* sizes whose config.json facts were found (the facts and where each was read:
+# tests/test_qwen3_5_moe.py, PUBLISHED). Common with the dense sizes (_TEXT): vocab 248320, head_dim 256, rope 1e7,
+# partial rotary 0.25, mrope [11, 11, 10], linear key / value head dims 128, conv 4, every fourth layer full,
+# untied; the ViT is the large one (transformers' Qwen3_5MoeVisionConfig defaults: 27 layers, 1152 wide, 16 heads,
+# MLP 4304). The dense ``ffn_hidden_size`` (no layer has a dense MLP) is the shared expert's width.
+# Qwen3.5-122B-A10B is not here: its config.json facts were not found.
+def _moe_preset(name, layers, hidden, heads, groups, key_heads, value_heads, experts, topk, expert_ffn, shared_ffn):
+    return ModelSpec(name=name, vision=LARGE_VIT, family="qwen3_5", language=qwen3_5_language(
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
+        ffn_hidden_size=shared_ffn, linear_num_key_heads=key_heads, linear_num_value_heads=value_heads,
+        tie_word_embeddings=False, moe=qwen3_5_moe_experts(layers, experts, topk, expert_ffn, shared_ffn), **_TEXT))
+
+
+MOE_PRESETS: dict[str, ModelSpec] = {
+    "qwen3.5-35b-a3b": _moe_preset("qwen3.5-35b-a3b", 40, 2048, 16, 2, 16, 32, 256, 8, 512, 512),
+    "qwen3.5-397b-a17b": _moe_preset("qwen3.5-397b-a17b", 60, 4096, 32, 2, 16, 64, 512, 10, 1024, 1024),
+}
+PRESETS.update(MOE_PRESETS)
+
 QWEN3_5 = register(Family(
     name="qwen3_5", vision_spec=VisionSpec, language_spec=Qwen35LanguageSpec,
     components=(VisionEmbedCost, VisionLayerCost, MergerCost, TextEmbedCost, LinearAttentionLayerCost,
-                GatedAttentionLayerCost, HeadCost),
+                GatedAttentionLayerCost, LinearAttentionMoELayerCost, GatedAttentionMoELayerCost, HeadCost),
     unit_list=unit_list, vision_item="patch", presets=PRESETS, segments_sq=image_segments_sq,
     spec_problem=spec_problem,
     # sequence parallelism is declared: the Gated DeltaNet, the gated attention and the norms run under it (tested
     # at TP 2); context parallelism is refused (the linear layers' state would pass between CP ranks); no LoRA
-    capabilities=Capabilities(sequence_parallel=True, image_flags=("--min-pixels", "--max-pixels"))))
+    capabilities=Capabilities(sequence_parallel=True, image_flags=("--min-pixels", "--max-pixels"), moe=True)))

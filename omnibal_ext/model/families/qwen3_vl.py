@@ -364,5 +364,5 @@ QWEN3_VL = register(Family(
     unit_list=unit_list, vision_item="patch", presets=PRESETS, segments_sq=image_segments_sq,
     spec_problem=spec_problem, side_tensors=side_tensors, few_layers=few_layers,
     # drop path: tests/test_qwen3_vl_drop_path.py; SP and CP: tests/test_qwen3_vl_training.py
-    capabilities=Capabilities(drop_path=True, sequence_parallel=True, context_parallel=True,
+    capabilities=Capabilities(drop_path=True, sequence_parallel=True, context_parallel=True, video=True,
                               lora_targets=LORA_TARGETS, image_flags=("--min-pixels", "--max-pixels"), moe=True)))

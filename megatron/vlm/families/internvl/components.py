@@ -46,8 +46,8 @@ class VisionLayer(PaddedHeadLayers):
         if ctx.vision_drop_path_rate > 0:
             first = next(u.index for u in ctx.units if u.code == self.code())
             drop_path = (first, tuple(layer_rates(ctx.vision_drop_path_rate, v.num_layers)))
-        return layer_spec(v.normalization, AttnMaskType.no_mask, ctx.seed, first_unit_index, ctx.transformer_impl,
-                          ctx.attention_backend, real_heads=v.num_attention_heads, vision=v, drop_path=drop_path)
+        return layer_spec(v.normalization, AttnMaskType.no_mask, ctx.seed, first_unit_index, ctx.impl,
+                          real_heads=v.num_attention_heads, vision=v, drop_path=drop_path)
 
     def build(self, units):
         self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.vision_config)

@@ -279,8 +279,19 @@ def projector_recipes(unit, table) -> None:
 
 def logits_batch(inputs: dict, spec, info):
     """The micro-batch of one sample from transformers' inputs (``input_ids [1, s]`` already holding
-    ``image_seq_length`` image-token ids per tile, ``pixel_values [tiles, 3, H, W]``), as the collate makes it."""
+    ``image_seq_length`` image-token ids per tile, ``pixel_values [tiles, 3, H, W]``; ``attention_mask`` all ones),
+    as the collate makes it; any other input (video: frames are tiles here) is refused, never ignored."""
     import torch
+
+    from omnibal_ext.errors import UserError
+
+    unknown = sorted(set(inputs) - {"input_ids", "pixel_values", "attention_mask"})
+    if unknown:
+        raise UserError(f"inputs {unknown}: not implemented for InternVL (it takes input_ids, pixel_values; a "
+                        "video's frames are tiles in pixel_values)")
+    mask = inputs.get("attention_mask")
+    if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
+        raise UserError("attention_mask with zeros (padding) is not implemented: give one unpadded sample")
 
     from megatron.vlm.data.collate import collate_padded
     from megatron.vlm.micro_batch import MicroBatch

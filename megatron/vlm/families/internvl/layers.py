@@ -17,6 +17,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron.vlm import layers
+from megatron.vlm.layer_impl import LOCAL, LayerImpl
 from megatron.vlm.padded_heads import draw_padded_attention, tp_rank
 
 
@@ -103,8 +104,7 @@ class FullWidthQKNorm(MegatronModule):
 
 
 def layer_spec(normalization: str, mask_type: AttnMaskType, seed: int, first_unit_index: int,
-               transformer_impl: str = "local", attention_backend: str = "auto",
-               real_heads: int | None = None, vision=None, drop_path: tuple[int, tuple[float, ...]] | None = None
+               impl: LayerImpl = LOCAL, real_heads: int | None = None, vision=None, drop_path: tuple[int, tuple[float, ...]] | None = None
                ) -> ModuleSpec:
     """The shared seeded layer spec (``megatron.vlm.layers.layer_spec``) with InternViT's features.
 
@@ -115,8 +115,7 @@ def layer_spec(normalization: str, mask_type: AttnMaskType, seed: int, first_uni
     ``DropPathLayer`` and both bias-dropout-adds ``DropPathBDA`` (which carries the layer scale, if any).
     """
     redraw = None if real_heads is None else functools.partial(draw_padded_layer, real_heads=real_heads)
-    spec = layers.layer_spec(normalization, mask_type, seed, first_unit_index, transformer_impl,
-                             attention_backend, redraw=redraw)
+    spec = layers.layer_spec(normalization, mask_type, seed, first_unit_index, impl, redraw=redraw)
     attn = spec.submodules.self_attention
     if vision is not None:
         if not vision.qkv_bias:

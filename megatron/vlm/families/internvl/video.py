@@ -80,6 +80,9 @@ class FramesAsTiles(VideoRule):
     def blocks(self, num_frames, width, height, where=None):
         return [1] * num_frames
 
+    def temporal_patches(self, num_frames: int) -> int:
+        return num_frames  # every frame its own tile
+
     def text(self, indices: Sequence[int], src_fps: float) -> str:
         return frames_text(len(indices))
 

@@ -10,6 +10,8 @@ Micro-batch fields read (besides the shared ``tokens``, ``labels``, ``cu_seqlens
   (windows) and ``vision_cu_seqlens`` / ``vision_max_seqlen`` (images, one segment per frame): int32 host
   boundaries in patch tokens -- the ViT layers;
 * ``vision_merged_inverse [image tokens]`` (back to processor order) -- the merger;
+* ``mm_token_type_ids [b, s]`` (1 image, 2 video token: where the merged features go, in order) -- the LLM
+  embedding;
 * ``mrope_position_ids [3, b, s]`` (temporal, height, width) -- the LLM layers;
 * under context parallelism (``data.QwenBatcher.split_cp``): the ViT fields of this rank's whole images,
   ``mrope_position_ids [3, 1, t]`` of the padded unsplit micro-batch, and ``image_feature_index`` /
@@ -70,7 +72,7 @@ class _VisionLayers(PaddedHeadLayers):
 
     def layer_spec(self, first_unit_index: int):
         ctx = self.ctx
-        spec = vision_layer_spec(ctx.seed, first_unit_index, ctx.transformer_impl, ctx.attention_backend,
+        spec = vision_layer_spec(ctx.seed, first_unit_index, ctx.impl,
                                  self.spec.vision.num_attention_heads)
         if ctx.vision_drop_path_rate > 0:  # per image: every patch row of an image takes its image's key
             first = next(u.index for u in ctx.units if u.code == self.code())
@@ -91,7 +93,7 @@ class _VisionLayers(PaddedHeadLayers):
             padded = sequence_parallel.padded_tokens(patches, cfg.tensor_model_parallel_size)
         rope = vision_rotary(batch.vision.vision_rotary_ids.to(device), v.head_dim, v.rotary_base)
         rope = F.pad(rope, (0, 0, 0, 0, 0, 0, 0, padded - patches))
-        te = self.ctx.transformer_impl == "transformer_engine"
+        te = self.ctx.impl.transformer_engine
 
         def params(cu_seqlens, max_seqlen):
             return segment_params(*sequence_parallel.with_pad_segment(cu_seqlens, max_seqlen, padded),
@@ -177,7 +179,7 @@ class ImageTextEmbed(TextEmbed):
         if batch.cp is not None and batch.cp.image_feature_index is not None:
             x = gather_rows(x, batch.cp.vision_rank_tokens, context_parallel_group())
             x = x.index_select(0, batch.cp.image_feature_index.to(x.device))
-        return module(batch.text.tokens, x)
+        return module(batch.text.tokens, x, batch.vision.mm_token_type_ids)
 
 
 class MRopeTextLayer(TextLayer):
@@ -201,8 +203,8 @@ class MRopeTextLayer(TextLayer):
         if "text_context" not in cache:
             device = next(module.parameters()).device
             ids = batch.vision.mrope_position_ids.to(device)  # [3, b, s]
-            if self.ctx.thd:
-                te = self.ctx.transformer_impl == "transformer_engine"
+            if self.ctx.impl.thd:
+                te = self.ctx.impl.transformer_engine
                 params = segment_params(batch.packing.cu_seqlens, int(batch.packing.max_seqlen), device if te else None,
                                         context_parallel_group())
                 # [t, 1, 1, d]: every token's (CP: of the padded unsplit layout, not sliced here: megatron-core's THD

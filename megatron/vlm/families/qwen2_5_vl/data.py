@@ -6,7 +6,9 @@ Reading (``megatron/vlm/data/records.py`` with ``PatchImages`` as the image rule
 ``--hf-checkpoint``, else transformers' defaults; ``--min-pixels``/``--max-pixels`` override), becomes
 ``gh * gw`` patch rows (its ViT items, ``image_processing``) and ``<|vision_start|>`` + ``<|image_pad|>`` x
 ``gh * gw / 4`` + ``<|vision_end|>`` in the text; an aspect ratio over 200 is refused by the pre-training scan
-with ``file:line``.  A sample without images feeds the ViT nothing; a micro-batch without any image gets one
+with ``file:line``.  A video (``video.QwenFrames``) is one block of ``t*gh*gw`` patches, ``<|video_pad|>`` tokens
+(the reader's ``mm_token_type_ids`` 2, its ``video_blocks`` the grid and ``second_per_grid_ts``), one ViT item of
+the micro-batch in text order with the images.  A sample without images feeds the ViT nothing; a micro-batch without any image gets one
 2 x 2-patch all-zero image whose single merged token no text token takes (the stage chain still runs the ViT).
 
 Micro-batches (``QwenBatcher``): ``collate.py``'s fields (THD: one sample per row, or several packed in one row
@@ -30,12 +32,14 @@ from megatron.vlm.drop_path import image_patch_keys
 from megatron.vlm.micro_batch import MicroBatch
 from omnibal_ext.errors import UserError
 from omnibal_ext.model.cp_split import image_runs
+from omnibal_ext.model.sample_time import grid_vit_time_units
 
-from .batch import QwenVision, vision_fields
+from .batch import IMAGE, VIDEO, QwenVision, vision_fields
 from .image_processing import ImageProcessorConfig, preprocess_image, resized_grid
-from .positions import mrope_position_ids
+from .positions import mrope_position_ids, video_time_step
 
 IMAGE_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")  # start, end, context
+TOKEN_TYPES = "mm_token_type_ids"  # 0 text, 1 image, 2 video token (batch.IMAGE, batch.VIDEO)
 VISION_KEYS = ("image_grid_thw", "vision_patch_index", "vision_merged_inverse", "vision_rotary_ids",
                "vision_cu_window_seqlens", "vision_max_window_seqlen", "vision_cu_seqlens", "vision_max_seqlen")
 
@@ -102,32 +106,58 @@ class QwenBatcher(Batcher):
 
     def make(self, samples, pad_id, packed, pad_to_multiple=1):
         batch = super().make(samples, pad_id, packed, pad_to_multiple)
-        grids = [[self._grid(sample, k) for k in range(len(sample["image_sizes"]))] for sample in samples]
+        entries = [self._entries(sample) for sample in samples]  # per sample: (kind, grid, time step) per entry
+        grids = [[g for _, g, _ in sample_entries] for sample_entries in entries]
         tokens = batch["tokens"]
         lengths = [len(s["input_ids"]) for s in samples]
         positions = np.empty((3, *tokens.shape), dtype=np.int64)
-        members = list(zip(lengths, grids))  # (tokens, image grids) per sample
+        types = np.zeros(tokens.shape, dtype=np.int64)
+        members = list(zip(samples, lengths, entries))
         rows = [(0, members)] if packed else [(r, [m]) for r, m in enumerate(members)]
         for row, in_row in rows:
             start = 0
-            for n, sample_grids in in_row:
+            for sample, n, sample_entries in in_row:
+                given = sample.get("mm_token_type_ids")
+                types[row, start:start + n] = (np.asarray(given) if given is not None else
+                                               np.where(tokens[row, start:start + n].numpy() == self.image_token_id,
+                                                        IMAGE, 0))
                 positions[:, row, start:start + n], _ = mrope_position_ids(
-                    tokens[row, start:start + n].numpy(), sample_grids, self.image_token_id, self.merge)
+                    types[row, start:start + n], [g for _, g, _ in sample_entries], (IMAGE, VIDEO), self.merge,
+                    time_steps=[step for _, _, step in sample_entries])
                 start += n
             positions[:, row, start:] = np.arange(tokens.shape[1] - start)
         batch["mrope_position_ids"] = torch.from_numpy(positions)
+        batch["mm_token_type_ids"] = torch.from_numpy(types)
         every = [g for sample_grids in grids for g in sample_grids]
+        kinds = [kind for sample_entries in entries for kind, _, _ in sample_entries]
         # drop path per image: each patch row keyed by (sample id, image index in the sample)
+        # drop path per image and per video (a video's blocks share its key)
         batch["tile_keys"] = image_patch_keys(batch["sample_ids"].tolist(),
-                                              [[t * h * w for t, h, w in sample_grids] for sample_grids in grids])
+                                              [media_patches(sample) for sample in samples_entries(samples, entries)])
         if not every:  # the ViT still runs: one all-zero image of one merged token, taken by no text token
-            every = [(1, self.merge, self.merge)]
+            every, kinds = [(1, self.merge, self.merge)], [IMAGE]
             batch["tile_keys"] = torch.zeros(self.merge ** 2, dtype=torch.int64)
             if "pixel_values" in batch:
                 batch["pixel_values"] = torch.cat([batch["pixel_values"],
                                                    torch.zeros(self.merge ** 2, batch["pixel_values"].shape[1])])
         batch.update(self.vision_fields(every))
+        batch["vision_item_types"] = torch.tensor(kinds, dtype=torch.int64)
         return batch
+
+    def _entries(self, sample: dict) -> list[tuple[int, tuple[int, int, int], float | None]]:
+        """``(kind, grid_thw, temporal id step)`` of each kept entry of ``sample`` in text order: an image's grid
+        from its size; a video block's from the reader's ``video_blocks`` (``video.VideoBlock``), its step
+        ``tokens_per_second * second_per_grid_ts`` where it has one."""
+        blocks = sample.get("video_blocks") or [None] * len(sample["image_sizes"])
+        out = []
+        for k, block in enumerate(blocks):
+            if block is None:
+                out.append((IMAGE, self._grid(sample, k), None))
+            else:
+                step = None if block.second_per_grid_ts is None else video_time_step(
+                    self.spec.vision.tokens_per_second, block.second_per_grid_ts)
+                out.append((VIDEO, tuple(block.grid_thw), step))
+        return out
 
     def vision_fields(self, grids: list[tuple[int, int, int]]) -> dict:
         """The ViT's host-built fields of the images ``grids`` (``grid_thw`` in patches) of one micro-batch."""
@@ -143,18 +173,29 @@ class QwenBatcher(Batcher):
         splits them (``split_tokens``, ``image_feature_index`` over this family's image tokens) with
         ``mrope_position_ids [3, 1, t]`` in the padded, *unsplit* layout (megatron-core's THD RoPE takes this rank's
         chunks of per-token frequencies itself; pads: their position in the segment); the images go whole, in
-        contiguous runs balanced by patches (``image_runs``): this rank's pixel rows and ``vision_fields`` (an
+        contiguous runs balanced by predicted ViT time (``image_runs`` of ``grid_vit_time_units``: a video's
+        temporal patches each one attention segment): this rank's pixel rows and ``vision_fields`` (an
         all-zero 2 x 2-patch image whose output nobody reads when it has none), and ``vision_rank_tokens`` (every
         rank's merged image tokens, host ints: the LLM embedding's all-gather)."""
-        out = split_tokens(batch, cp, rank, pad_id, self.image_token_id, sp_tp)
+        out = split_tokens(batch, cp, rank, pad_id, None, sp_tp)
         if "mrope_position_ids" in batch and "cu_seqlens" in batch:
             src, pos = padded_layout(batch["cu_seqlens"].tolist(), cp, sp_tp)
             ids = batch["mrope_position_ids"].reshape(3, -1)[:, src.clamp(min=0)]
             out["mrope_position_ids"] = torch.where(src >= 0, ids, pos).reshape(3, 1, -1)
+        if TOKEN_TYPES in batch and "cu_seqlens" in batch:
+            # this rank's token types (pads: 0) and its vision tokens' ordinals among the micro-batch's (images'
+            # and videos' tokens: where the gathered merged features go)
+            src, _ = padded_layout(batch["cu_seqlens"].tolist(), cp, sp_tp, rank)
+            flat = batch[TOKEN_TYPES].reshape(-1)
+            real, take = src >= 0, src.clamp(min=0)
+            out[TOKEN_TYPES] = torch.where(real, flat[take], torch.zeros_like(src)).reshape(1, -1)
+            vision = flat > 0
+            ordinal = torch.cumsum(vision.to(torch.int64), 0) - 1
+            out["image_feature_index"] = ordinal[take][real & vision[take]]
         real = int(batch["sample_tiles"].sum()) > 0  # else the micro-batch's one image is make's dummy
         grids = [tuple(g) for g in batch["image_grid_thw"].tolist()] if real else []
         patches = [t * h * w for t, h, w in grids]
-        runs = image_runs(patches, cp)
+        runs = image_runs(grid_vit_time_units(self.spec, grids), cp)
         out["vision_rank_tokens"] = [sum(patches[i] for i in r) // self.merge ** 2 for r in runs]
         mine = runs[rank]
         first, last = sum(patches[:mine.start]), sum(patches[:mine.stop])
@@ -166,6 +207,27 @@ class QwenBatcher(Batcher):
             out["tile_keys"] = keys if len(mine) else torch.zeros(self.merge ** 2, dtype=torch.int64)
         out.update(self.vision_fields(grids[mine.start:mine.stop] or [(1, self.merge, self.merge)]))
         return out
+
+
+def samples_entries(samples, entries):
+    """Per sample: ``(patches, starts a media item)`` per entry (an image, or a video's first block)."""
+    out = []
+    for sample, sample_entries in zip(samples, entries):
+        blocks = sample.get("video_blocks") or [None] * len(sample_entries)
+        out.append([(g[0] * g[1] * g[2], block is None or block.first)
+                    for (_, g, _), block in zip(sample_entries, blocks)])
+    return out
+
+
+def media_patches(entries) -> list[int]:
+    """Patch rows per media item (image or whole video) of one sample's ``samples_entries``."""
+    out: list[int] = []
+    for patches, starts in entries:
+        if starts or not out:
+            out.append(patches)
+        else:
+            out[-1] += patches
+    return out
 
 
 def profile_images(spec, shape) -> list[tuple[int, int]]:
@@ -222,5 +284,12 @@ def profile_batch(spec, shape, image_token_id: int, device, pad_to_multiple: int
     return maker.micro_batch(maker.make(samples, 0, True, pad_to_multiple)).to(device)
 
 
-QWEN_DATA = DataSide(image_tokens=IMAGE_TOKENS, image_rule=image_rule, batcher=QwenBatcher,
+def video_rule(args, spec, hf_folder):
+    """``video.video_rule``: the reader's video rule."""
+    from .video import video_rule as rule
+
+    return rule(args, spec, hf_folder)
+
+
+QWEN_DATA = DataSide(image_tokens=IMAGE_TOKENS, image_rule=image_rule, batcher=QwenBatcher, video_rule=video_rule,
                      default_image_px=lambda spec: 56, profile_batch=profile_batch)

@@ -62,7 +62,8 @@ def _vision(v: dict, where: str, llm_hidden: int) -> VisionSpec:
             window_size=int(v.get("window_size", 112)), patch_size=square(v.get("patch_size", 14), "patch_size", where),
             temporal_patch_size=square(v.get("temporal_patch_size", 2), "temporal_patch_size", where),
             in_channels=int(channels), spatial_merge_size=int(v.get("spatial_merge_size", 2)),
-            rotary_base=int(float(vision_rope.get("rope_theta", 10000.0))))
+            rotary_base=int(float(vision_rope.get("rope_theta", 10000.0))),
+            tokens_per_second=int(v.get("tokens_per_second", 4)))  # transformers default
     except HFConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - the spec's own checks name the problem
@@ -86,7 +87,9 @@ def spec_from_config(cfg: dict, name: str = "hf", where: str = "config.json") ->
         raise HFConfigError(f"{where}: vision_config.fullatt_block_indexes {bad} are beyond depth {vision.num_layers}")
     spec = ModelSpec(name=name, vision=vision, language=lang, downsample_ratio=0.5, family="qwen2_5_vl")
     image_id = cfg.get("image_token_id", t.get("image_token_id"))
-    return spec, HFInfo("native", "qwen2", vision.num_layers, None if image_id is None else int(image_id))
+    video_id = cfg.get("video_token_id", t.get("video_token_id"))
+    return spec, HFInfo("native", "qwen2", vision.num_layers, None if image_id is None else int(image_id),
+                        video_token_id=None if video_id is None else int(video_id))
 
 
 def native_config(spec: ModelSpec, info: HFInfo, source: dict | None) -> dict:
@@ -103,10 +106,11 @@ def native_config(spec: ModelSpec, info: HFInfo, source: dict | None) -> dict:
               "out_hidden_size": lang.hidden_size, "window_size": v.window_size,
               "fullatt_block_indexes": list(v.fullatt_block_indexes), "patch_size": v.patch_size,
               "temporal_patch_size": v.temporal_patch_size, "in_channels": v.in_channels,
-              "spatial_merge_size": v.spatial_merge_size,
+              "spatial_merge_size": v.spatial_merge_size, "tokens_per_second": v.tokens_per_second,
               "rope_parameters": {"rope_type": "axial", "rope_theta": float(v.rotary_base)}}
     return {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
             "text_config": text, "vision_config": vision, "image_token_id": info.image_token_id,
+            **({} if info.video_token_id is None else {"video_token_id": info.video_token_id}),
             "tie_word_embeddings": lang.tie_word_embeddings}
 
 

@@ -9,7 +9,6 @@ import functools
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
-from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -17,6 +16,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from omnibal_ext.model.spec import ModelSpec
 
 from megatron.vlm import layers
+from megatron.vlm.layer_impl import LayerImpl
 from megatron.vlm.padded_heads import draw_padded_attention
 from megatron.vlm.config import _common
 from megatron.vlm.text import word_embedding
@@ -32,11 +32,9 @@ def vision_config(spec: ModelSpec, tp: int, on_cpu: bool, dtype: torch.dtype) ->
         **_common(tp=tp, pp=1, on_cpu=on_cpu, dtype=dtype, init_method_std=spec.init_method_std))
 
 
-def vision_layer_spec(seed: int, first_unit_index: int, transformer_impl: str, attention_backend: str,
-                      real_heads: int) -> ModuleSpec:
+def vision_layer_spec(seed: int, first_unit_index: int, impl: LayerImpl, real_heads: int) -> ModuleSpec:
     """Seeded ViT layers without a causal mask: each packed segment (image or window) attends to itself."""
-    mask = AttnMaskType.padding if transformer_impl == "transformer_engine" else AttnMaskType.no_mask
-    return layers.layer_spec("RMSNorm", mask, seed, first_unit_index, transformer_impl, attention_backend,
+    return layers.layer_spec("RMSNorm", impl.vision_mask_type, seed, first_unit_index, impl,
                              redraw=functools.partial(draw_padded_attention, real_heads=real_heads))
 
 
@@ -94,6 +92,14 @@ class PatchMerger(MegatronModule):
         return x.unsqueeze(1)
 
 
+def vision_slots(tokens: torch.Tensor, token_types: torch.Tensor | None, image_token_id: int) -> torch.Tensor:
+    """bool, ``tokens``' shape: the tokens that take merged ViT features (images' and videos', in text order):
+    ``token_types > 0`` (``mm_token_type_ids``), or the ``image_token_id`` tokens without them."""
+    if token_types is not None:
+        return token_types.to(tokens.device).reshape(tokens.shape) > 0
+    return tokens == image_token_id
+
+
 class ImageTokenEmbedding(MegatronModule):
     """Vocabulary-parallel token embedding with the image features written, in order, into the image-token
     slots: tokens [b, s], features [image tokens, 1, H] (or None: a batch without images) -> [b * s, 1, H]."""
@@ -103,9 +109,12 @@ class ImageTokenEmbedding(MegatronModule):
         self.word = word_embedding(spec, config)
         self.image_token_id = image_token_id
 
-    def forward(self, tokens: torch.Tensor, image_features: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, image_features: torch.Tensor | None,
+                token_types: torch.Tensor | None = None) -> torch.Tensor:
+        """``token_types [b, s]`` (``mm_token_type_ids``: > 0 on image and video tokens) says where the features go;
+        None: the ``image_token_id`` tokens."""
         emb = self.word(tokens.reshape(1, -1))  # [1, t, H]
         if image_features is not None:
-            slots = (tokens == self.image_token_id).reshape(1, -1, 1)
+            slots = vision_slots(tokens, token_types, self.image_token_id).reshape(1, -1, 1)
             emb = emb.masked_scatter(slots, image_features.squeeze(1).to(emb.dtype))
         return emb.transpose(0, 1).contiguous()  # [t, 1, H]

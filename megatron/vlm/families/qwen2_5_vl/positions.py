@@ -9,8 +9,12 @@ Every token gets three position ids (temporal, height, width).  Within one sampl
   size) are its merged grid in row-major order (frame, row, column); token ``(f, i, j)`` has ids
   ``(start + f, start + i, start + j)`` where ``start`` is the id the next text token would have had.
 
-This is what transformers' ``Qwen2_5_VLModel.get_rope_index`` computes for images (video timing is not
-implemented).  ``mrope_position_delta`` = largest id + 1 - sample length: the offset between a token's
+A video is such a block too (``grid_thw = (t, h, w)``, ``<|video_pad|>`` tokens) whose temporal ids are spaced in
+time: temporal patch ``f`` has ``start + int(f * tokens_per_second * second_per_grid_ts)`` (the product in
+float32 and truncated, as transformers computes it; ``time_steps``); the text after it still goes on from
+``start + max(h, w) // merge``.
+
+This is what transformers' ``Qwen2_5_VLModel.get_rope_index`` computes for images and videos.  ``mrope_position_delta`` = largest id + 1 - sample length: the offset between a token's
 1-D index and its id after the sample (the reference keeps it for generation).
 
 Packing: each sample of a packed row restarts at 0 (``packed_mrope_position_ids``), as the reference gives
@@ -36,17 +40,33 @@ def _image_tokens(grid: Sequence[int], merge: int) -> int:
     return t * (h // merge) * (w // merge)
 
 
-def mrope_position_ids(token_ids, image_grids: Sequence[Sequence[int]], image_token_id: int,
-                       spatial_merge_size: int = 2, where: str | None = None) -> tuple[np.ndarray, int]:
+def temporal_ids(t: int, step: float | None) -> np.ndarray:
+    """Temporal ids (from 0) of ``t`` temporal patches: ``0..t-1`` (an image, ``step`` None), else
+    ``int(f * step)`` with ``step = tokens_per_second * second_per_grid_ts`` (a video) in float32, truncated."""
+    if step is None:
+        return np.arange(t, dtype=np.int64)
+    return (np.arange(t, dtype=np.float32) * np.float32(step)).astype(np.int64)
+
+
+def video_time_step(tokens_per_second: int, second_per_grid_ts: float) -> float:
+    """``tokens_per_second * second_per_grid_ts`` in float32 (transformers multiplies the int by the float32
+    tensor the processor returns)."""
+    return float(np.float32(tokens_per_second) * np.float32(second_per_grid_ts))
+
+
+def mrope_position_ids(token_ids, image_grids: Sequence[Sequence[int]], image_token_id, spatial_merge_size: int = 2,
+                       where: str | None = None,
+                       time_steps: Sequence[float | None] | None = None) -> tuple[np.ndarray, int]:
     """Position ids ``int64 [3, seq]`` (rows: temporal, height, width) of one sample and its
     ``mrope_position_delta`` (an int).
 
     ``token_ids``: the sample's ``seq`` token ids (sequence, numpy or torch 1-D); its images' placeholder tokens
-    (``image_token_id``, ``<|image_pad|>``) come in runs, image ``k`` taking the next
+    (``image_token_id``, ``<|image_pad|>``; a tuple of ids: images' and videos' tokens) come in runs, image ``k`` taking the next
     ``t*h*w // spatial_merge_size**2`` of them for ``image_grids[k] = (t, h, w)`` (patches).  Two images may
     follow each other without a token between them.  Refuses (``ImageTokenError``, ``where`` such as
     ``file:line`` starting the message) a sample whose placeholder count differs from its grids' or
-    whose image would be cut by a text token.
+    whose image would be cut by a text token.  ``time_steps[k]``: the temporal id step of item ``k``
+    (``video_time_step`` for a video, None for an image; None: all images).
     """
     ids = np.asarray(token_ids).reshape(-1)
     seq = ids.shape[0]
@@ -54,7 +74,10 @@ def mrope_position_ids(token_ids, image_grids: Sequence[Sequence[int]], image_to
         raise ValueError("mrope_position_ids: empty sample")
     prefix = f"{where}: " if where else ""
     counts = [_image_tokens(g, spatial_merge_size) for g in image_grids]
-    is_image = ids == image_token_id
+    is_image = np.isin(ids, np.asarray(image_token_id).reshape(-1))
+    steps = list(time_steps) if time_steps is not None else [None] * len(counts)
+    if len(steps) != len(counts):
+        raise ValueError(f"mrope_position_ids: {len(steps)} time steps for {len(counts)} items")
     if int(is_image.sum()) != sum(counts):
         raise ImageTokenError(f"{prefix}{int(is_image.sum())} image placeholder tokens but the "
                               f"{len(counts)} image(s) need {sum(counts)}")
@@ -74,7 +97,7 @@ def mrope_position_ids(token_ids, image_grids: Sequence[Sequence[int]], image_to
         t, h, w = (int(v) for v in grid)
         gh, gw = h // spatial_merge_size, w // spatial_merge_size
         frame, row, col = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
-        out[0, start:start + n] = next_id + frame.reshape(-1)
+        out[0, start:start + n] = next_id + temporal_ids(t, steps[k])[frame.reshape(-1)]
         out[1, start:start + n] = next_id + row.reshape(-1)
         out[2, start:start + n] = next_id + col.reshape(-1)
         next_id += max(h, w) // spatial_merge_size

@@ -14,8 +14,10 @@
   patchified in time: ``grid_thw = (t, gh, gw)``, rows ordered by temporal patch, then as an image's.
 
 ``video_sample`` gives what the model side needs of one video (pixel rows, ``video_grid_thw``,
-``second_per_grid_ts``).  The family does not declare ``Capabilities.video`` yet (its model does not take video
-tokens): its reader refuses video records.
+``second_per_grid_ts``).  As the reader's rule (``QwenFrames``, ``video_rule``): a video is one block of
+``t*gh*gw`` patches in the text, ``<|vision_start|>`` + ``<|video_pad|>`` x ``t*gh*gw/4`` + ``<|vision_end|>``
+(the ``<video>`` tag becomes one ``<image>`` placeholder whose context tokens the reader makes ``<|video_pad|>``),
+with a ``VideoBlock`` (grid, ``second_per_grid_ts``) for the batcher's 3-D RoPE ids.
 """
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
+import torch
+
+from megatron.vlm.data.template import IMAGE_PLACEHOLDER
 from megatron.vlm.data.video import VideoRule, clip_frames, load_video
 from megatron.vlm.data.video_decode import VideoError
 from megatron.vlm.data.video_sampling import (DEFAULT_VIDEO_FPS, VideoOverrides, VideoSettings, check_frames,
@@ -143,13 +148,48 @@ class QwenVideo:
 
 
 @dataclass(frozen=True)
+class VideoBlock:
+    """What the batcher needs of one image block a video becomes (``VideoRule.block_info``): ``grid_thw`` (t, gh,
+    gw) patches, ``second_per_grid_ts`` s per temporal patch (None: a family without it, Qwen3-VL), ``first``
+    whether it is the video's first block."""
+
+    grid_thw: tuple[int, int, int]
+    second_per_grid_ts: float | None = None
+    first: bool = True  # the video's first block (its drop path key, shared by its other blocks)
+
+
+@dataclass(frozen=True)
 class QwenFrames(VideoRule):
     """Frame sampling and sizing by ``settings`` (a ``VideoSettings`` of this module's rule), pixel values by the
-    image processor's ``processor``; ``video_sample`` makes one ``QwenVideo``."""
+    image processor's ``processor``; ``video_sample`` makes one ``QwenVideo``; as the reader's rule, a video is one
+    block of ``t*gh*gw`` patches (module docstring)."""
 
     settings: VideoSettings
     processor: ImageProcessorConfig = ImageProcessorConfig()
     unit = "patches"
+    context_token = "<|video_pad|>"
+
+    def grid(self, num_frames: int, width: int, height: int, where: str | None = None) -> tuple[int, int, int]:
+        """``video_grid_thw`` (t, gh, gw) patches of ``num_frames`` sampled frames of ``width x height`` px."""
+        s = self.settings
+        h, w = self.resize(num_frames, height, width, where)
+        return -(-num_frames // s.temporal_patch_size), h // s.patch_size, w // s.patch_size
+
+    def blocks(self, num_frames, width, height, where=None):
+        t, gh, gw = self.grid(num_frames, width, height, where)
+        return [t * gh * gw]
+
+    def text(self, indices, src_fps):
+        return IMAGE_PLACEHOLDER
+
+    def pixels(self, frames):
+        n, height, width = frames.shape[:3]
+        return torch.from_numpy(frame_rows(frames, self.resize(n, height, width), self.processor))
+
+    def block_info(self, indices, info, clip_s):
+        _, total = clip_frames(info, clip_s)
+        seconds = second_per_grid_ts(len(indices), total, info.fps, self.settings.temporal_patch_size)
+        return [VideoBlock(self.grid(len(indices), info.width, info.height), seconds)]
 
     def frame_indices(self, total, src_fps, seed, is_folder):
         return frame_indices(total, src_fps, self.settings)
@@ -174,3 +214,28 @@ class QwenFrames(VideoRule):
         return QwenVideo(rows, grid, video.indices, video.info.fps, seconds,
                          tuple(self.timestamps(video.indices, video.info.fps)),
                          grid[0] * grid[1] * grid[2] // s.merge_size ** 2)
+
+
+def video_rule(args, spec, hf_folder) -> QwenFrames:
+    """The reader's video rule (``DataSide.video_rule``): the folder's video processor settings with the
+    ``--video-*`` flags, pixel values as its image processor (``preprocessor_config.json``) makes them."""
+    from megatron.vlm.data.video_sampling import VideoOverrides
+
+    from .data import processor_config
+
+    return QwenFrames(check_geometry(settings(hf_folder, VideoOverrides.from_args(args)), spec, hf_folder),
+                      processor_config(args, hf_folder))
+
+
+def check_geometry(s: VideoSettings, spec, hf_folder: str | None) -> VideoSettings:
+    """``s`` when its patch, temporal patch and merge sizes are the ViT's, else a ``UserError`` naming the folder's
+    video processor file (its rows would not be the ViT's patches)."""
+    from omnibal_ext.errors import UserError
+
+    v = spec.vision
+    have = (s.patch_size, s.temporal_patch_size, s.merge_size)
+    want = (v.patch_size, v.temporal_patch_size, v.spatial_merge_size)
+    if have != want:
+        raise UserError(f"{hf_folder or 'the video processor defaults'}: video processor patch_size / "
+                        f"temporal_patch_size / merge_size {have} differ from the model's vision_config {want}")
+    return s

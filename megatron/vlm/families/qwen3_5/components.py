@@ -9,6 +9,10 @@ share one sequence-parallel region (the stage's LLM layers, whatever their kinds
 (``cache["text_context"]``: the packed parameters and the rotary angles, which the Gated DeltaNet ignores but for
 its segments).
 
+Qwen3.5-MoE: each kind has its MoE kind (``LinearAttentionMoELayers``, ``GatedAttentionMoELayers``), the same layer
+with megatron-core's MoELayer as its MLP (router, seeded experts, the shared expert behind its sigmoid gate) and the
+router's token mask in the blocks' context.
+
 Refused when built: context parallelism (the linear layers' recurrent state would pass between CP ranks),
 TransformerEngine layers and the dense-mask backend (the norms and the Gated DeltaNet are local modules over THD
 rows).
@@ -16,15 +20,16 @@ rows).
 from __future__ import annotations
 
 from omnibal_ext.errors import UserError
-from omnibal_ext.model.families.qwen3_5 import GatedAttentionLayerCost, LinearAttentionLayerCost
+from omnibal_ext.model.families.qwen3_5 import (GatedAttentionLayerCost, GatedAttentionMoELayerCost,
+                                                LinearAttentionLayerCost, LinearAttentionMoELayerCost)
 
-from megatron.vlm.components import Head
+from megatron.vlm.components import Head, moe_padding_mask
 from megatron.vlm.families.qwen2_5_vl.components import ImageTextEmbed, MRopeTextLayer
 from megatron.vlm.families.qwen3_vl.components import Merger, VisionEmbed, VisionLayers
 from megatron.vlm.rope import MultimodalRope
 
 from . import hf
-from .modules import ZeroCentredRMSNorm, attention_layer_spec, language_layer_config, linear_layer_spec
+from .modules import ZeroCentredRMSNorm, attention_layer_spec, language_layer_config, linear_layer_spec, moe_layer_spec
 
 
 class _Qwen35TextLayers(MRopeTextLayer):
@@ -35,10 +40,10 @@ class _Qwen35TextLayers(MRopeTextLayer):
         if ctx.language_config.context_parallel_size > 1:
             raise UserError("Qwen3.5: context parallelism (--context-parallel-size > 1) is not implemented: the "
                             "Gated DeltaNet layers' recurrent state would have to pass between CP ranks")
-        if ctx.transformer_impl != "local":
+        if ctx.impl.transformer_engine:
             raise UserError("Qwen3.5: --transformer-impl transformer_engine is not implemented (its zero-centred "
                             "norms and Gated DeltaNet layers are local modules); use --transformer-impl local")
-        if not ctx.thd:
+        if not ctx.impl.thd:
             raise UserError("Qwen3.5: --attention-backend unfused is not implemented (the Gated DeltaNet runs on "
                             "packed THD rows); use --attention-backend auto")
 
@@ -61,7 +66,7 @@ class LinearAttentionLayers(_Qwen35TextLayers):
 
     def layer_spec(self, first_unit_index: int):
         ctx = self.ctx
-        return linear_layer_spec(ctx.seed, first_unit_index, ctx.transformer_impl, ctx.attention_backend,
+        return linear_layer_spec(ctx.seed, first_unit_index, ctx.impl,
                                  self.spec.language.linear_chunk_size)
 
     @classmethod
@@ -76,11 +81,54 @@ class GatedAttentionLayers(_Qwen35TextLayers):
 
     def layer_spec(self, first_unit_index: int):
         ctx = self.ctx
-        return attention_layer_spec(ctx.seed, first_unit_index, ctx.transformer_impl, ctx.attention_backend)
+        return attention_layer_spec(ctx.seed, first_unit_index, ctx.impl)
 
     @classmethod
     def hf_recipes(cls, unit, table):
         hf.attention_layer_recipes(unit, table)
+
+
+class _MoELayers:
+    """What both MoE layer kinds add to their dense kind: megatron-core's MoELayer as the MLP
+    (``modules.moe_layer_spec``), the router's layer number (the decoder layer + 1: megatron-core's aux-loss tracker
+    indexes the decoder's layers by it) and its token mask (padding and packed-sample membership,
+    ``components.moe_padding_mask``) in the blocks' context; the experts' HF tensors are ``hf.moe_recipes``'."""
+
+    def layer_spec(self, first_unit_index: int):
+        units = self.ctx.units
+
+        def number_layer(layer, config):  # megatron-core's API for the router's tracker index
+            layer.mlp.set_layer_number(units[first_unit_index + layer.layer_number - 1].layer + 1)
+
+        return moe_layer_spec(super().layer_spec(first_unit_index), self.spec.language.moe.num_experts,
+                              number_layer)
+
+    def context(self, module, batch, cache):
+        if "moe_context" not in cache:
+            ctx = dict(super().context(module, batch, cache))
+            ctx["padding_mask"] = moe_padding_mask(batch, self.ctx.impl.thd, self.ctx.language_config.sequence_parallel)
+            cache["moe_context"] = ctx
+        return cache["moe_context"]
+
+
+class LinearAttentionMoELayers(_MoELayers, LinearAttentionLayers):
+    """Gated DeltaNet layers with MoE MLPs (Qwen3.5-MoE's ``linear_attention`` layers)."""
+
+    cost = LinearAttentionMoELayerCost
+
+    @classmethod
+    def hf_recipes(cls, unit, table):
+        hf.linear_layer_recipes(unit, table, mlp=hf.moe_recipes)
+
+
+class GatedAttentionMoELayers(_MoELayers, GatedAttentionLayers):
+    """Gated full-attention layers with MoE MLPs (Qwen3.5-MoE's ``full_attention`` layers)."""
+
+    cost = GatedAttentionMoELayerCost
+
+    @classmethod
+    def hf_recipes(cls, unit, table):
+        hf.attention_layer_recipes(unit, table, mlp=hf.moe_recipes)
 
 
 class Qwen35Head(Head):
@@ -95,4 +143,4 @@ class Qwen35Head(Head):
 
 
 __all__ = ["VisionEmbed", "VisionLayers", "Merger", "ImageTextEmbed", "LinearAttentionLayers", "GatedAttentionLayers",
-           "Qwen35Head"]
+           "LinearAttentionMoELayers", "GatedAttentionMoELayers", "Qwen35Head"]

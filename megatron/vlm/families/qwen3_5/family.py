@@ -1,4 +1,4 @@
-"""Qwen3.5 (dense) at run time: the ``RuntimeFamily`` (registered when ``megatron.vlm.families`` discovers it).
+"""Qwen3.5 (dense and MoE) at run time: the ``RuntimeFamily`` (registered when ``megatron.vlm.families`` discovers it).
 
 Planning side: ``omnibal_ext.model.families.qwen3_5``. LLM modules: ``modules``; components: ``components``; HF
 config, names and tensor recipes: ``hf``. The ViT's config, the logits-check micro-batches and the training data
@@ -17,14 +17,15 @@ from megatron.vlm.families.qwen3_vl.modules import vision_config
 from megatron.vlm.hf.config import HFSide
 
 from . import hf
-from .components import (GatedAttentionLayers, ImageTextEmbed, LinearAttentionLayers, Merger, Qwen35Head, VisionEmbed,
-                         VisionLayers)
+from .components import (GatedAttentionLayers, GatedAttentionMoELayers, ImageTextEmbed, LinearAttentionLayers,
+                         LinearAttentionMoELayers, Merger, Qwen35Head, VisionEmbed, VisionLayers)
 
 QWEN3_5 = register(RuntimeFamily(
     planning=PLANNING,
     components=(VisionEmbed, VisionLayers, Merger, ImageTextEmbed, LinearAttentionLayers, GatedAttentionLayers,
-                Qwen35Head),
+                LinearAttentionMoELayers, GatedAttentionMoELayers, Qwen35Head),
     vision_config=vision_config,
-    hf=HFSide(hf.recognizes, hf.spec_from_config, hf.native_config, names=hf.Names, logits_batch=batch.logits_batch,
-              structure_twin=hf.structure_twin),
+    hf=HFSide(hf.recognizes, hf.spec_from_config, hf.native_config, names=hf.Names,
+              logits_batch=batch.image_logits_batch, structure_twin=hf.structure_twin,
+              checkpoint_info=hf.checkpoint_info),
     data=QWEN3_VL_DATA))

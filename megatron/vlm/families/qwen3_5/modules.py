@@ -14,6 +14,7 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.vlm import layers
+from megatron.vlm.layer_impl import LayerImpl
 from megatron.vlm.gated_delta_net import gated_delta_net_spec
 
 
@@ -66,22 +67,19 @@ def _with_norms(spec):
     return spec
 
 
-def attention_layer_spec(seed: int, first_unit_index: int, transformer_impl: str, attention_backend: str):
+def attention_layer_spec(seed: int, first_unit_index: int, impl: LayerImpl):
     """Seeded gated full-attention layers: causal within each packed sample, per-head zero-centred q/k norms (the
     config's ``attention_output_gate`` adds the gate rows)."""
-    spec = layers.layer_spec("RMSNorm", layers.llm_mask_type(transformer_impl, attention_backend), seed,
-                             first_unit_index, transformer_impl, attention_backend)
+    spec = layers.layer_spec("RMSNorm", impl.llm_mask_type, seed, first_unit_index, impl)
     attn = spec.submodules.self_attention.submodules
     attn.q_layernorm = attn.k_layernorm = PerHeadZeroCentredRMSNorm
     return _with_norms(spec)
 
 
-def linear_layer_spec(seed: int, first_unit_index: int, transformer_impl: str, attention_backend: str,
-                      chunk_size: int, backend: str = "auto"):
+def linear_layer_spec(seed: int, first_unit_index: int, impl: LayerImpl, chunk_size: int, backend: str = "auto"):
     """Seeded Gated DeltaNet layers (the token mixer in the attention's place; its input norm keyed
     ``input_layernorm.``, there being no fused QKV to hold it)."""
-    spec = layers.layer_spec("RMSNorm", layers.llm_mask_type(transformer_impl, attention_backend), seed,
-                             first_unit_index, transformer_impl, attention_backend)
+    spec = layers.layer_spec("RMSNorm", impl.llm_mask_type, seed, first_unit_index, impl)
     spec.submodules.self_attention = gated_delta_net_spec(chunk_size=chunk_size, backend=backend)
     spec.submodules.sharded_state_dict_keys_map = {
         k: v for k, v in spec.submodules.sharded_state_dict_keys_map.items() if k != "input_layernorm."}
@@ -95,3 +93,15 @@ def language_layer_config(base: TransformerConfig, lang) -> TransformerConfig:
         base, attention_output_gate=True, linear_num_key_heads=lang.linear_num_key_heads,
         linear_key_head_dim=lang.linear_key_head_dim, linear_num_value_heads=lang.linear_num_value_heads,
         linear_value_head_dim=lang.linear_value_head_dim, linear_conv_kernel_dim=lang.linear_conv_kernel_dim)
+
+
+def moe_layer_spec(dense_spec, num_experts: int, number_layer):
+    """A Qwen3.5-MoE layer: ``dense_spec`` (either kind's, from ``attention_layer_spec`` / ``linear_layer_spec``)
+    with megatron-core's MoELayer as its MLP (``megatron.vlm.moe.layer_spec``: the router, the seeded experts, the
+    shared expert and its sigmoid gate as the config's ``moe_shared_expert_*`` say); ``number_layer`` sets the
+    router's layer number (the seeded layer's ``redraw`` hook)."""
+    from megatron.vlm import moe
+
+    spec = moe.layer_spec(dense_spec, num_experts, "RMSNorm")
+    spec.params = {**spec.params, "redraw": number_layer}
+    return spec

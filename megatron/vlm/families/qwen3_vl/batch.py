@@ -13,6 +13,7 @@ import torch
 
 from megatron.vlm.families.qwen2_5_vl import batch as qwen2_5_vl_batch
 from megatron.vlm.families.qwen2_5_vl.vision_windows import frame_cu_seqlens, rotary_position_ids
+from megatron.vlm.families.qwen2_5_vl.positions import mrope_position_ids
 from megatron.vlm.micro_batch import VisionPart, reads
 
 
@@ -29,6 +30,7 @@ class Qwen3Vision(VisionPart):
     vision_pos_weight: torch.Tensor | None = reads("pixels")
     vision_cu_seqlens: torch.Tensor | None = reads("pixels")
     vision_max_seqlen: int | None = reads("pixels")
+    vision_item_types: torch.Tensor | None = reads("pixels")
     mrope_position_ids: torch.Tensor | None = reads("packing")
     mm_token_type_ids: torch.Tensor | None = reads("tokens", "packing")
 
@@ -72,4 +74,21 @@ def vision_fields(grid_thw, spec) -> dict:
             "vision_cu_seqlens": torch.from_numpy(cu), "vision_max_seqlen": int(np.diff(cu).max())}
 
 
-logits_batch = functools.partial(qwen2_5_vl_batch.logits_batch, fields=vision_fields, vision=Qwen3Vision)
+def qwen3_positions(types: np.ndarray, items: list, spec) -> np.ndarray:
+    """Qwen3-VL's ``get_rope_index`` ids [3, s] of one sample: an image as Qwen2.5-VL's, a video of ``t`` temporal
+    patches as ``t`` blocks of ``grid_thw (1, h, w)`` (each its own run of tokens between its timestamp text and
+    ``<|vision_start|>``/``<|vision_end|>``), no time scaling (``positions`` module docstring)."""
+    grids = [g for item in items for g in ([item.grid] if item.kind == qwen2_5_vl_batch.IMAGE
+                                           else [(1, item.grid[1], item.grid[2])] * item.grid[0])]
+    ids, _ = mrope_position_ids(types, grids, (qwen2_5_vl_batch.IMAGE, qwen2_5_vl_batch.VIDEO),
+                                spec.vision.spatial_merge_size)
+    return ids
+
+
+QWEN3_VL_INPUTS = qwen2_5_vl_batch.QWEN2_5_VL_INPUTS - {"second_per_grid_ts"}  # a Qwen2.5-VL input only
+IMAGE_INPUTS = QWEN3_VL_INPUTS - {"pixel_values_videos", "video_grid_thw"}
+
+logits_batch = functools.partial(qwen2_5_vl_batch.logits_batch, fields=vision_fields, vision=Qwen3Vision,
+                                 positions=qwen3_positions, accepted=QWEN3_VL_INPUTS, video_times=False)
+image_logits_batch = functools.partial(logits_batch, accepted=IMAGE_INPUTS)
+"""Qwen3-VL's ``logits_batch`` without videos (a family whose video layout is not implemented: Qwen3.5)."""

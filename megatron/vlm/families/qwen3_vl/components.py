@@ -33,7 +33,7 @@ from megatron.vlm.components import MoETextLayer, PaddedHeadLayers, RuntimeCompo
 from megatron.vlm.context_parallel import context_parallel_group, gather_rows
 from megatron.vlm.drop_path import iteration_keys, layer_rates, with_drop_path
 from megatron.vlm.families.qwen2_5_vl.components import ImageTextEmbed, MRopeTextLayer
-from megatron.vlm.families.qwen2_5_vl.modules import vision_rotary
+from megatron.vlm.families.qwen2_5_vl.modules import vision_rotary, vision_slots
 from megatron.vlm.micro_batch import MicroBatch
 from megatron.vlm.padded_heads import tp_rank
 from megatron.vlm.side import put_side, take_side
@@ -83,8 +83,7 @@ class VisionLayers(PaddedHeadLayers):
 
     def layer_spec(self, first_unit_index: int):
         ctx = self.ctx
-        return self.with_drop_path(vision_layer_spec(ctx.seed, first_unit_index, ctx.transformer_impl,
-                                                     ctx.attention_backend, self.spec.vision.num_attention_heads))
+        return self.with_drop_path(vision_layer_spec(ctx.seed, first_unit_index, ctx.impl, self.spec.vision.num_attention_heads))
 
     def with_drop_path(self, spec):
         """``spec`` with drop path per image where the rate is > 0 (a ``DeepStackLayer`` stays one)."""
@@ -112,7 +111,7 @@ class VisionLayers(PaddedHeadLayers):
             padded = sequence_parallel.padded_tokens(patches, cfg.tensor_model_parallel_size)
         rope = vision_rotary(batch.vision.vision_rotary_ids.to(device), v.head_dim, v.rotary_base)
         rope = F.pad(rope, (0, 0, 0, 0, 0, 0, 0, padded - patches))
-        te = self.ctx.transformer_impl == "transformer_engine"
+        te = self.ctx.impl.transformer_engine
         cu, longest = sequence_parallel.with_pad_segment(batch.vision.vision_cu_seqlens, batch.vision.vision_max_seqlen,
                                                          padded)
         return {"rope": rope, "patches": patches, "padded": padded, "keys": self.drop_path_keys(batch, padded, device),
@@ -169,7 +168,7 @@ class DeepStackLayers(VisionLayers):
         ctx, spec = self.ctx, self.spec
         merger_config = _merger_config(ctx)
         return self.with_drop_path(vision_layer_spec(
-            ctx.seed, first_unit_index, ctx.transformer_impl, ctx.attention_backend, spec.vision.num_attention_heads,
+            ctx.seed, first_unit_index, ctx.impl, spec.vision.num_attention_heads,
             merger=lambda: PatchMerger(spec, merger_config, after_shuffle=True)))
 
     def build(self, units):
@@ -227,7 +226,7 @@ class Merger(RuntimeComponent):
 class DeepStackTextLayer(MRopeTextLayer):
     """Qwen3 decoder layers with multimodal RoPE (Qwen2.5-VL's ``MRopeTextLayer``); layer ``j`` below the number of
     DeepStack features is a block of its own, and DeepStack feature ``j`` (side tensor ``deepstack.{j}``) is added
-    to its output at the image tokens (``tokens == img_context_id``), as transformers'
+    to its output at the image and video tokens (``mm_token_type_ids > 0``), as transformers'
     ``Qwen3VLTextModel._deepstack_process`` does (every micro-batch runs the ViT: one without images gets a stand-in
     image whose tokens no text token takes, so its features add nothing).
 
@@ -271,7 +270,8 @@ class DeepStackTextLayer(MRopeTextLayer):
         ``x`` is this TP rank's slice of the tokens: the feature, scattered over all the micro-batch's tokens, is
         split like them (``sequence_parallel.enter``: its backward all-gathers the slices' gradients, so every TP
         rank's merger gets the whole feature's gradient, as it got the whole input)."""
-        mask = (batch.text.tokens.reshape(-1) == self.ctx.img_context_id).to(x.device)
+        mask = vision_slots(batch.text.tokens, batch.vision.mm_token_type_ids, self.ctx.img_context_id)
+        mask = mask.reshape(-1).to(x.device)
         full = torch.zeros(mask.shape[0], 1, x.shape[-1], dtype=x.dtype, device=x.device)
         full = full.masked_scatter(mask.reshape(-1, 1, 1), feature.to(x.dtype))
         if self.ctx.language_config.sequence_parallel:
@@ -287,7 +287,7 @@ class DeepStackTextLayer(MRopeTextLayer):
             x = sequence_parallel.enter(x)
         context = self.context(module, batch, cache)
         for block, slot in zip(module, slots):
-            x = run_text_blocks([block], x, context, self.ctx.thd)
+            x = run_text_blocks([block], x, context, self.ctx.impl.thd)
             if slot is not None:
                 x = self._add_feature(x, feature_of(slot), batch)
         return sequence_parallel.leave(x) if self.sp_leaves else x
@@ -296,7 +296,7 @@ class DeepStackTextLayer(MRopeTextLayer):
         """The first layer, adding a zero DeepStack feature where it takes one (the profiler runs each unit alone:
         the ViT's features are not held)."""
         def zero_feature(slot):
-            tokens = int((batch.text.tokens == self.ctx.img_context_id).sum())
+            tokens = int(vision_slots(batch.text.tokens, batch.vision.mm_token_type_ids, self.ctx.img_context_id).sum())
             return x.new_zeros(tokens, 1, self.spec.language.hidden_size)
 
         return self._forward(module[:1], self.slots[:1], x, batch, cache, zero_feature)

@@ -31,7 +31,6 @@ import functools
 
 import torch
 
-from megatron.vlm.context_parallel import padded_layout
 from megatron.vlm.data.side import DataSide
 from megatron.vlm.micro_batch import MicroBatch
 from omnibal_ext.errors import UserError
@@ -41,7 +40,6 @@ from ..qwen2_5_vl.data import profile_batch as qwen_profile_batch
 from ..qwen2_5_vl.image_processing import ImageProcessorConfig
 from .batch import Qwen3Vision, vision_fields
 from .image_processing import PUBLISHED, folder_config
-from .positions import mm_token_type_ids
 
 VISION_KEYS = ("image_grid_thw", "vision_rotary_ids", "vision_pos_index", "vision_pos_weight", "vision_cu_seqlens",
                "vision_max_seqlen")
@@ -87,21 +85,6 @@ class Qwen3Batcher(QwenBatcher):
     def vision_fields(self, grids):
         return vision_fields(grids, self.spec)
 
-    def make(self, samples, pad_id, packed, pad_to_multiple=1):
-        batch = super().make(samples, pad_id, packed, pad_to_multiple)
-        types = torch.from_numpy(mm_token_type_ids(batch["tokens"].numpy(), self.image_token_id))
-        batch[TOKEN_TYPES] = torch.where(batch["segment_ids"] >= 0, types, torch.zeros_like(types))
-        return batch
-
-    def split_cp(self, batch, cp, rank, pad_id, img_context_id, sp_tp=1):
-        """Qwen2.5-VL's split (``QwenBatcher.split_cp``) with ``mm_token_type_ids`` [1, t / cp] as this rank's
-        tokens (pads: 0)."""
-        out = super().split_cp(batch, cp, rank, pad_id, img_context_id, sp_tp)
-        if TOKEN_TYPES in batch and "cu_seqlens" in batch:
-            src, _ = padded_layout(batch["cu_seqlens"].tolist(), cp, sp_tp, rank)
-            flat = batch[TOKEN_TYPES].reshape(-1)
-            out[TOKEN_TYPES] = torch.where(src >= 0, flat[src.clamp(min=0)], torch.zeros_like(src)).reshape(1, -1)
-        return out
 
 
 def side_rows(spec, batch: MicroBatch, cp: int, cp_rank: int) -> int:
@@ -124,7 +107,14 @@ def side_rows(spec, batch: MicroBatch, cp: int, cp_rank: int) -> int:
 profile_batch = functools.partial(qwen_profile_batch, batcher=Qwen3Batcher)
 """The trainer profiler's micro-batch (``qwen2_5_vl.data.profile_batch``) made by ``Qwen3Batcher``."""
 
-QWEN3_VL_DATA = DataSide(image_tokens=IMAGE_TOKENS, image_rule=image_rule, batcher=Qwen3Batcher,
+def video_rule(args, spec, hf_folder):
+    """``video.video_rule``: the reader's video rule."""
+    from .video import video_rule as rule
+
+    return rule(args, spec, hf_folder)
+
+
+QWEN3_VL_DATA = DataSide(image_tokens=IMAGE_TOKENS, image_rule=image_rule, batcher=Qwen3Batcher, video_rule=video_rule,
                          default_image_px=lambda spec: 4 * spec.vision.patch_size, profile_batch=profile_batch,
                          side_rows=side_rows)
 

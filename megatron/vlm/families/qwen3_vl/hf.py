@@ -118,8 +118,10 @@ def spec_from_config(cfg: dict, name: str = "hf", where: str = "config.json") ->
     if problem:
         raise HFConfigError(f"{where}: {problem}")
     image_id = cfg.get("image_token_id", t.get("image_token_id"))
+    video_id = cfg.get("video_token_id", t.get("video_token_id"))
     return spec, HFInfo("native", MOE_TEXT if moe else "qwen3", vision.num_layers,
-                        None if image_id is None else int(image_id))
+                        None if image_id is None else int(image_id),
+                        video_token_id=None if video_id is None else int(video_id))
 
 
 def checkpoint_info(info: HFInfo, spec: ModelSpec, reader) -> HFInfo:
@@ -177,6 +179,7 @@ def native_config(spec: ModelSpec, info: HFInfo, source: dict | None) -> dict:
     return {"architectures": ["Qwen3VLMoeForConditionalGeneration" if moe else "Qwen3VLForConditionalGeneration"],
             "model_type": "qwen3_vl_moe" if moe else "qwen3_vl",
             "text_config": text, "vision_config": vision, "image_token_id": info.image_token_id,
+            **({} if info.video_token_id is None else {"video_token_id": info.video_token_id}),
             "tie_word_embeddings": lang.tie_word_embeddings}
 
 

@@ -11,7 +11,6 @@ import functools
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
-from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -19,6 +18,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from omnibal_ext.model.spec import ModelSpec
 
 from megatron.vlm import layers
+from megatron.vlm.layer_impl import LayerImpl
 from megatron.vlm.config import _common
 from megatron.vlm.drop_path import DropPathLayer
 from megatron.vlm.families.qwen2_5_vl.modules import PatchEmbedding
@@ -42,12 +42,11 @@ def vision_config(spec: ModelSpec, tp: int, on_cpu: bool, dtype: torch.dtype) ->
         **_common(tp=tp, pp=1, on_cpu=on_cpu, dtype=dtype, init_method_std=spec.init_method_std))
 
 
-def vision_layer_spec(seed: int, first_unit_index: int, transformer_impl: str, attention_backend: str,
-                      real_heads: int, merger=None) -> ModuleSpec:
+def vision_layer_spec(seed: int, first_unit_index: int, impl: LayerImpl, real_heads: int,
+                      merger=None) -> ModuleSpec:
     """Seeded ViT layers without a causal mask (each packed image attends to itself); with ``merger`` (a
     builder of the DeepStack merger) ``DeepStackLayer``s that hold one each."""
-    mask = AttnMaskType.padding if transformer_impl == "transformer_engine" else AttnMaskType.no_mask
-    spec = layers.layer_spec("LayerNorm", mask, seed, first_unit_index, transformer_impl, attention_backend,
+    spec = layers.layer_spec("LayerNorm", impl.vision_mask_type, seed, first_unit_index, impl,
                              redraw=functools.partial(draw_padded_attention, real_heads=real_heads))
     if merger is not None:
         spec.module = DeepStackLayer

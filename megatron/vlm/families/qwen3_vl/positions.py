@@ -17,8 +17,9 @@ so the code is ``qwen2_5_vl.positions``' (``mrope_position_ids``), fed the token
 What differs from Qwen2.5-VL is elsewhere: how the ids turn into frequencies (Qwen3-VL interleaves the T/H/W
 sections, ``mrope_interleaved``: the model's side), and videos (Qwen3-VL writes a timestamp and its own
 ``<|vision_start|>`` .. ``<|vision_end|>`` per temporal patch, so ``get_rope_index`` splits a video's grid into
-frames of t = 1 with no time scaling; Qwen2.5-VL scales time by ``tokens_per_second``). Video is not implemented
-here: a token of type 2 is refused.
+frames of t = 1 with no time scaling; Qwen2.5-VL scales time by ``tokens_per_second``). ``position_ids`` here
+takes images only (a token of type 2 is refused); videos: ``batch.qwen3_positions`` (the hf_logits inputs) and
+the batcher (the reader's ``video_blocks``: one t = 1 block per temporal patch).
 
 ``get_rope_index`` finds an image as a run of type-1 tokens, so two images with no token between them would be
 one run to it; the processor always puts ``<|vision_end|><|vision_start|>`` between, and so does the reader

@@ -10,7 +10,10 @@ facts.
   patch).  ``second_per_grid_ts`` is no Qwen3-VL input.
 - Pixels as Qwen2.5-VL's (``qwen2_5_vl.video``: per frame as the image processor, padded and patchified in time).
 
-The family does not declare ``Capabilities.video`` yet: its reader refuses video records.
+As the reader's rule (``Qwen3Frames``, ``video_rule``): a video of ``t`` temporal patches is ``t`` blocks of
+``gh*gw`` patches, each after its timestamp text, ``<{t:.1f} seconds><|vision_start|><|video_pad|> x gh*gw/4
+<|vision_end|>``; the ViT runs each block as a frame of ``grid_thw (1, gh, gw)`` (the same as the video's ``(t,
+gh, gw)``: attention, positions and RoPE are per frame) and ``get_rope_index`` numbers each as an image.
 """
 from __future__ import annotations
 
@@ -25,7 +28,9 @@ from megatron.vlm.data.video_sampling import (DEFAULT_VIDEO_FPS, VideoOverrides,
                                               temporal_padded, video_settings)
 
 from ..qwen2_5_vl.image_processing import MAX_ASPECT_RATIO
-from ..qwen2_5_vl.video import QwenFrames
+from megatron.vlm.data.template import IMAGE_PLACEHOLDER
+
+from ..qwen2_5_vl.video import QwenFrames, VideoBlock, check_geometry
 
 PROCESSOR = "qwen3_vl"
 DEFAULTS = dict(sample_frames=True, fps=DEFAULT_VIDEO_FPS, min_frames=4, max_frames=768, min_pixels=128 * 32 * 32,
@@ -132,3 +137,25 @@ class Qwen3Frames(QwenFrames):
 
     def timestamps(self, indices, src_fps):
         return tuple(timestamps(indices, src_fps, self.settings.temporal_patch_size))
+
+    def blocks(self, num_frames, width, height, where=None):
+        t, gh, gw = self.grid(num_frames, width, height, where)
+        return [gh * gw] * t
+
+    def text(self, indices, src_fps):
+        return "".join(timestamp_text(t) + IMAGE_PLACEHOLDER for t in self.timestamps(indices, src_fps))
+
+    def block_info(self, indices, info, clip_s):
+        t, gh, gw = self.grid(len(indices), info.width, info.height)
+        return [VideoBlock((1, gh, gw), first=k == 0) for k in range(t)]
+
+
+def video_rule(args, spec, hf_folder) -> Qwen3Frames:
+    """The reader's video rule (``DataSide.video_rule``): the folder's video processor settings with the
+    ``--video-*`` flags, pixel values as its image processor makes them."""
+    from megatron.vlm.data.video_sampling import VideoOverrides
+
+    from .data import processor_config
+
+    return Qwen3Frames(check_geometry(settings(hf_folder, VideoOverrides.from_args(args)), spec, hf_folder),
+                       processor_config(args, spec, hf_folder))
