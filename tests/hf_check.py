@@ -4,8 +4,8 @@
   (folder, layout) cases in ONE launch (``tests/hf_logits_worker.py``; ``logits_by_layout``: one folder at named
   layouts, one launch per world size); the caller compares them with its own oracle (transformers' logits) at its
   own tolerance;
-* ``import_export`` / ``assert_same_tensors`` / ``assert_transformers_loads_the_same``: the import -> export round
-  trip bit-identical, and transformers loading the export to the source model's logits (in a fresh process: the
+* ``import_export`` / ``assert_same_tensors`` / ``assert_transformers_loads_the_same``: the import -> export
+  round trip bit-identical, and transformers loading the export to the source model's logits (in a fresh process: the
   CPU patches of ``megatron.training.cpu_compat`` spoil the rotary buffers transformers recomputes in
   ``from_pretrained``);
 * ``untied_and_tied``: a module fixture's two tiny checkpoints;
@@ -44,18 +44,22 @@ def untied_and_tied(tmp_path_factory, make_tiny) -> dict:
     return out
 
 
-def torchrun_logits(cases: Sequence[tuple[Path | str, Sequence[str]]], batch: dict, workdir: Path, nproc: int = 2,
-                    timeout: int = 600) -> list[torch.Tensor]:
-    """Our float32 logits ``[s, real vocabulary]`` on ``batch`` (transformers' inputs, see scripts/hf_logits.py) of
-    each case ``(HF folder, hf_logits.py flags)`` (``--tensor-model-parallel-size 2``, ``--pipeline-layout ...``),
-    in order: scripts/hf_logits.py's ``main`` for every case in one torchrun world of ``nproc`` ranks (asserting
-    the launch succeeds). ``workdir``: where the inputs, the case list and the outputs are written."""
+def torchrun_logits(cases: Sequence[tuple[Path | str, Sequence[str]]], batch: dict | Sequence[dict], workdir: Path,
+                    nproc: int = 2, timeout: int = 600) -> list[torch.Tensor]:
+    """Our float32 logits ``[s, real vocabulary]`` on ``batch`` (transformers' inputs, see scripts/hf_logits.py; or
+    one batch per case) of each case ``(HF folder, hf_logits.py flags)`` (``--tensor-model-parallel-size 2``,
+    ``--pipeline-layout ...``), in order: scripts/hf_logits.py's ``main`` for every case in one torchrun world of
+    ``nproc`` ranks (asserting the launch succeeds). ``workdir``: where the inputs, the case list and the outputs
+    are written."""
     benchlib = _benchlib()
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    torch.save(batch, workdir / "in.pt")
-    argvs = [["--hf-checkpoint", str(folder), "--inputs", str(workdir / "in.pt"), "--out", str(workdir / f"out{k}.pt"),
-              *flags] for k, (folder, flags) in enumerate(cases)]
+    batches = [batch] * len(cases) if isinstance(batch, dict) else list(batch)
+    assert len(batches) == len(cases), (len(batches), len(cases))
+    for k, one in enumerate(batches):
+        torch.save(one, workdir / f"in{k}.pt")
+    argvs = [["--hf-checkpoint", str(folder), "--inputs", str(workdir / f"in{k}.pt"), "--out",
+              str(workdir / f"out{k}.pt"), *flags] for k, (folder, flags) in enumerate(cases)]
     (workdir / "cases.json").write_text(json.dumps(argvs))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
            str(benchlib.free_port()), str(TESTS / "hf_logits_worker.py"), str(workdir / "cases.json")]
@@ -103,8 +107,8 @@ def config_of(folder: Path | str) -> dict:
     return json.loads((Path(folder) / "config.json").read_text())
 
 
-def assert_transformers_loads_the_same(model_class: str, pairs: Sequence[tuple[Path | str, Path | str]], batch: dict,
-                                       workdir: Path, timeout: int = 300) -> None:
+def assert_transformers_loads_the_same(model_class: str, pairs: Sequence[tuple[Path | str, Path | str]],
+                                       batch: dict, workdir: Path, timeout: int = 300) -> None:
     """transformers' ``model_class`` (a name in ``transformers``) loads both folders of each pair (eager attention)
     and gives bit-identical logits on ``batch``; in a fresh process (module docstring)."""
     torch.save(batch, Path(workdir) / "loads_in.pt")
