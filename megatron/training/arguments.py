@@ -375,6 +375,9 @@ def check_moe(args, spec: ModelSpec, tp: int, pp: int, cp: int, dp: int) -> None
     if args.moe_router_enable_expert_bias and args.moe_router_score_function != "sigmoid":
         raise ArgumentError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
                             "(megatron-core's aux-loss-free balancing)")
+    if args.moe_router_enable_expert_bias and args.freeze_llm:
+        raise ArgumentError("--moe-router-enable-expert-bias with --freeze-llm: the expert bias is the router's "
+                            "state, which a frozen LLM keeps, but megatron-core updates it every step; drop one")
     if args.moe_aux_loss_coeff < 0 or (args.moe_z_loss_coeff is not None and args.moe_z_loss_coeff < 0):
         raise ArgumentError("--moe-aux-loss-coeff and --moe-z-loss-coeff must be >= 0")
     from omnibal_ext.model.lora import Lora
