@@ -48,12 +48,20 @@ layers), each tile a 64 px image kept at 64 px (``--min-pixels``/``--max-pixels`
 merged LLM tokens, one full-attention segment per image; the DeepStack features travel with the activations
 wherever the searched layout cuts.
 
+``--model qwen2.5-vl --videos``: the same four rows on a mix of H.264 videos and images
+(``benchlib.write_video_mix``): the stats-matched samples, a seeded quarter of them holding one video instead of
+their images (a pool of 24 written with PyAV: 64 x 48 to 112 x 84 px, 1-8 s, 6-30 fps), read at 1 frame per second,
+2 to 6 frames (``benchlib.VIDEO_FLAGS``; the processor enlarges each frame to its 128 x 28 x 28 px minimum: 560
+patches per temporal patch, 35x a 56 px image).  The samples' tokens, ViT items and ISF groups are the trainer's own
+(``benchlib.trainer_isf_data``: its scan and ISF plan, in predicted time), and the predicted shapes count a video's
+ViT segments per temporal patch (``omnibal_ext.model.sample_time.sample_work``).
+
 On a 2-core machine keep PP=2 x DP=1 (one core per stage): more processes than cores time-share the
 cores and hide pipeline imbalance; --dp/--tp are for bigger machines.
 
 Outputs (``--out`` folder): e2e.json (also ``--json``), e2e.png (bar chart), the runs' logs.
 
-Usage: python scripts/bench_e2e.py [--model internvl|qwen2.5-vl|qwen3-vl] [--json OUT] [--out DIR] [--quick] [--repeats 2]
+Usage: python scripts/bench_e2e.py [--model internvl|qwen2.5-vl|qwen3-vl] [--videos] [--json OUT] [--out DIR] [--quick] [--repeats 2]
        [--samples N --micro-batches m]
 """
 from __future__ import annotations
@@ -345,11 +353,11 @@ def run(args) -> dict:
         r["predicted_speedup"] = r["predicted_samples_per_s"] / base["predicted_samples_per_s"]
     seen = {t for r in rows for t in r["tokens_seen_per_run"]}
     out = {
-        "model": dict(model.flags), "videos": args.videos, "family": spec.family, "pp": pp, "tp": tp, "dp": dp, "micro_batches": m, "micro_batch_size": k,
+        "model": dict(model.flags), "family": spec.family, "pp": pp, "tp": tp, "dp": dp, "micro_batches": m, "micro_batch_size": k,
         "samples": n, "isf_groups": groups, "iterations": iters, "warmup": args.warmup, "quick": args.quick,
         "data": {**data.info, "meta": data.meta, "tokens_total": int(data.tokens.sum())},
         "budget_bytes": budget, "budget_note": budget_note, "profile": profile, "rows": rows,
-        "same_tokens_seen": len(seen) == 1 and seen == {int(data.tokens.sum())},
+        "same_tokens_seen": len(seen) == 1 and seen == {int(data.tokens.sum())}, "videos": args.videos,
     }
     r_ref = results["reference"]
     s_ref = bl.summarize(r_ref.records, args.warmup)
