@@ -26,27 +26,60 @@ from omnibal_ext.errors import UserError
 PUBLISHED_TILES = dict(image_size=448, tokens_per_tile=256, max_num_tiles=6)  # the tiles of OmniBal's published stats
 
 
-def scan_metas(metas, spec=None) -> list:
-    """(tiles, tokens) per sample of each meta JSON, scanned once by the trainer's reader: dynamic tiles of the
-    model ``spec``'s image size and tokens per tile (without a model, as by ``omnibal isf``: ``PUBLISHED_TILES``,
-    448 px and 256 tokens per tile), 1 to 6 tiles, the byte-level tokenizer unless OMNIBAL_TOKENIZER names a
-    Hugging Face tokenizer folder.  For other settings, write the stats with
-    megatron.vlm.data.stats.write_stats first."""
+def scan_metas(metas, spec=None, hf_folder: str | None = None, args: argparse.Namespace | None = None):
+    """SampleStats of the meta JSONs ``metas`` (one source each), scanned once by the trainer's reader as
+    :func:`write_scanned_stats` scans (``omnibal plan --data``, ``omnibal isf --stats``): the family of ``spec``
+    (its tokenizer and processors from ``hf_folder`` where given) reads the images by its image rule and the
+    videos by its video rule with ``args``' scan flags (``omnibal_ext.cli.add_scan_flags``; None: their
+    defaults); without a model, 448 px tiles (``PUBLISHED_TILES``) and no videos."""
+    from omnibal_ext.data.stats import stats_of_records
+
+    args = planner_cli.scan_defaults() if args is None else args
+    return stats_of_records(list(zip(metas, scan_records(metas, spec, hf_folder, args))))
+
+
+def data_reader(spec, hf_folder: str | None, args: argparse.Namespace):
+    """(tokenizer, ReaderConfig, ViT item key of the stats: "tiles" or "patches") of the trainer's reader for the
+    model ``spec`` (None: the 448 px tiles of ``PUBLISHED_TILES``): its family's image rule, its video rule with
+    the ``--video-*`` flags of ``args`` as the trainer applies them (a family without one refuses video records,
+    and the flags, naming them), the tokenizer of ``hf_folder`` where it has one, else the byte-level tokenizer
+    or OMNIBAL_TOKENIZER."""
     import os
 
     from megatron.vlm.data.images import TileImages
-    from megatron.vlm.data.records import ReaderConfig, scan_annotations
+    from megatron.vlm.data.records import ReaderConfig
     from megatron.vlm.data.tokenizer import build_tokenizer
+    from megatron.vlm.data.video_sampling import VideoOverrides
+    from megatron.vlm.families import runtime_family
+    from megatron.vlm.hf.convert import has_tokenizer
+    from omnibal_ext.model.units import family_of
 
-    tokenizer = build_tokenizer(os.environ.get("OMNIBAL_TOKENIZER"))
-    tiles = PUBLISHED_TILES if spec is None else dict(PUBLISHED_TILES, image_size=spec.vision.image_size,
-                                                      tokens_per_tile=spec.tokens_per_tile)
-    config = ReaderConfig(images=TileImages(**tiles))
-    found = []
-    for meta in metas:
-        scan = scan_annotations(meta, tokenizer, config, progress=True)
-        found.append((scan.rec_items[scan.order], scan.rec_tokens[scan.order]))
-    return found
+    video_flags = VideoOverrides.from_args(args).given()
+    videos = None
+    if spec is None:
+        images, image_tokens = TileImages(**dict(PUBLISHED_TILES, max_num_tiles=args.max_num_tiles),
+                                          min_num_tiles=args.min_num_tiles), None
+    else:
+        data = runtime_family(spec).data
+        images, image_tokens = data.image_rule(args, spec, hf_folder), data.image_tokens
+        if family_of(spec).capabilities.video and data.video_rule is not None:
+            videos = data.video_rule(args, spec, hf_folder)
+    if videos is None and video_flags:
+        who = "no model (--model or --hf-checkpoint)" if spec is None else f"model family {spec.family}"
+        raise UserError(f"{', '.join(video_flags)}: {who} reads no videos; drop the flag")
+    folder = hf_folder if hf_folder and has_tokenizer(hf_folder) else os.environ.get("OMNIBAL_TOKENIZER")
+    tokenizer = build_tokenizer(folder, **({"image_tokens": image_tokens} if image_tokens else {}))
+    return tokenizer, ReaderConfig(images=images, videos=videos), images.unit
+
+
+def scan_records(paths, spec, hf_folder: str | None, args: argparse.Namespace) -> list[list[dict]]:
+    """The stats records (``megatron.vlm.data.stats.image_stats_records``) of each meta JSON or annotation JSONL
+    of ``paths``, scanned (validated) by :func:`data_reader`'s reader."""
+    from megatron.vlm.data.records import scan_annotations
+    from megatron.vlm.data.stats import image_stats_records
+
+    tokenizer, config, unit = data_reader(spec, hf_folder, args)
+    return [image_stats_records(scan_annotations(path, tokenizer, config, progress=True), unit) for path in paths]
 
 
 def write_scanned_stats(args) -> int:
@@ -58,48 +91,22 @@ def write_scanned_stats(args) -> int:
     the flags), written to OUT as ``[{"vit_num", "token_num", "images": [{"width", "height", "tiles" | "patches"}],
     "videos": [{"frames", "width", "height", "patches", "temporal"}]}]`` (``videos`` where the data has any);
     returns the samples."""
-    import os
-
-    from megatron.vlm.data.images import TileImages
-    from megatron.vlm.data.records import ReaderConfig, scan_annotations
-    from megatron.vlm.data.stats import image_stats_records, write_json
-    from megatron.vlm.data.tokenizer import build_tokenizer
-    from megatron.vlm.data.video_sampling import VideoOverrides
-    from megatron.vlm.families import runtime_family
-    from megatron.vlm.hf.convert import has_tokenizer
+    from megatron.vlm.data.stats import write_json
     from omnibal_ext.cli import data_files
-    from omnibal_ext.model.units import family_of, get_preset
+    from omnibal_ext.model.units import get_preset
 
     hf = args.hf_checkpoint
     spec = model_from_hf(hf) if hf else get_preset(args.model) if args.model else None
-    video_flags = VideoOverrides.from_args(args).given()
-    videos = None
-    if spec is None:
-        images, image_tokens = TileImages(**dict(PUBLISHED_TILES, max_num_tiles=args.max_num_tiles),
-                                          min_num_tiles=args.min_num_tiles), None
-    else:
-        data = runtime_family(spec).data
-        images, image_tokens = data.image_rule(args, spec, hf), data.image_tokens
-        if family_of(spec).capabilities.video and data.video_rule is not None:
-            videos = data.video_rule(args, spec, hf)
-    if videos is None and video_flags:
-        who = "no model (--model or --hf-checkpoint)" if spec is None else f"model family {spec.family}"
-        raise UserError(f"{', '.join(video_flags)}: {who} reads no videos; drop the flag")
-    folder = hf if hf and has_tokenizer(hf) else os.environ.get("OMNIBAL_TOKENIZER")
-    tokenizer = build_tokenizer(folder, **({"image_tokens": image_tokens} if image_tokens else {}))
-    config = ReaderConfig(images=images, videos=videos)
-    records = []
-    for path in data_files(args.stats, "--stats"):
-        scan = scan_annotations(path, tokenizer, config, progress=True)
-        records += image_stats_records(scan, images.unit)
+    records = [r for part in scan_records(data_files(args.stats, "--stats"), spec, hf, args) for r in part]
     write_json(records, args.write)
     print(f"wrote the stats of {len(records)} samples to {args.write}")
     return len(records)
 
 
-def load_stats_or_meta(paths, flag: str = "--stats", spec=None):
+def load_stats_or_meta(paths, flag: str = "--stats", spec=None, args: argparse.Namespace | None = None,
+                       hf_folder: str | None = None):
     """Stats files or meta JSONs (read by :func:`scan_metas`): ``omnibal_ext.cli.load_stats_or_meta``."""
-    return planner_cli.load_stats_or_meta(paths, flag, spec, scan_metas)
+    return planner_cli.load_stats_or_meta(paths, flag, spec, scan_metas, args, hf_folder)
 
 
 def model_from_hf(folder: str):
@@ -122,7 +129,10 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     """``omnibal profile --json OUT [trainer flags]``: measure every unit on this machine.
 
     Runs pretrain_vlm.py's profiler in this process (a world of one) for the model the trainer
-    flags describe, at the micro-batch shape training would use, and writes the profile JSON.
+    flags describe, at the micro-batch shape training would use, and writes the profile JSON. An MoE model's
+    profile also holds the expert load of the first training iteration's micro-batches and its expert-parallel
+    imbalance at every EP size (meta "expert_load"; not with an explicit shape, which reads no data), which
+    ``omnibal plan --moe-profile`` and the calibrated cost model read.
     """
     p = subparsers.add_parser("profile", help="measure per-unit forward/backward time and activation bytes",
                               description=add_profile_parser.__doc__)

@@ -54,7 +54,7 @@ def main(argv=None) -> dict:
     groups, plan = setup.build_groups(args, plan, datasets[0])  # ISF's caps and mean group size the profile below
     costs = None
     if args.omnibal_partition == "auto" or args.omnibal_recompute == "auto" or args.omnibal_profile:
-        costs = setup.unit_costs(args, plan, datasets[0], tokenizer.img_context_id, device)
+        costs = setup.unit_costs(args, plan, datasets[0], tokenizer, device, groups)
         if args.omnibal_partition == "none" and args.omnibal_recompute == "none":
             if dist.get_rank() == 0:
                 print(f"> profile of {len(costs.units)} units written to {args.omnibal_profile}", flush=True)

@@ -25,12 +25,15 @@ from typing import Callable, Sequence
 import numpy as np
 
 from omnibal_ext.data.cli import _json_default, add_isf_parser
+from omnibal_ext.data.stats import SampleStats
 from omnibal_ext.errors import UserError, report
 from omnibal_ext.model.trainable import add_freeze_flags
 
 
 # hooks the `omnibal` command gives (omnibal_cli.py): the trainer's readers
-MetaScanner = Callable[[Sequence[str], object], list]  # (meta JSON paths, ModelSpec or None) -> [(tiles, tokens)]
+# (meta JSON paths, ModelSpec or None, its Hugging Face folder or None, the command's args with the scan flags
+# of add_scan_flags) -> SampleStats of the samples (with each image and video), one source per meta JSON
+MetaScanner = Callable[[Sequence[str], object, "str | None", argparse.Namespace], SampleStats]
 HFModelReader = Callable[[str], object]  # Hugging Face folder -> ModelSpec of its config.json
 StatsWriter = Callable[[argparse.Namespace], int]  # `isf stats --write`: scan --stats' data, write stats; samples
 
@@ -53,7 +56,8 @@ def add_plan_parser(subparsers, scan_metas: MetaScanner | None = None,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", nargs="+", required=True, metavar="STATS_OR_META",
                    help="per-sample stats JSON files (OmniBal format: lists of {vit_num, token_num}), "
-                        "or meta JSONs (scanned as by `omnibal isf`), or folders of either; concatenated")
+                        "or meta JSONs (scanned by the trainer's reader with the model's family: its image and video "
+                        "rules, the flags below), or folders of either; concatenated")
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--model", help=f"model preset: {', '.join(PRESETS)}")
     if model_from_hf is not None:
@@ -101,10 +105,15 @@ def add_plan_parser(subparsers, scan_metas: MetaScanner | None = None,
     p.add_argument("--moe-imbalance", type=float, default=None, metavar="F",
                    help="MoE models: the busiest EP rank's routed tokens over the mean (>= 1), e.g. as the trainer's "
                         "'expert load imbalance' log measured it; multiplies the experts' time and sizes their "
-                        "activations (default: unknown: time at 1.0, activations at the no-drop worst case)")
+                        "activations (default: measured (--moe-profile), else unknown: time at 1.0, activations at "
+                        "the no-drop worst case)")
+    p.add_argument("--moe-profile", default=None, metavar="PROFILE",
+                   help="MoE models: a profile JSON of `omnibal profile` (or the trainer's --omnibal-profile) on the "
+                        "training data; its measured expert load gives the imbalance at each EP tried")
     p.add_argument("--sim-iterations", type=int, default=8, help="iterations simulated per setting (default 8)")
     p.add_argument("--seed", type=int, default=0)
     add_freeze_flags(p)
+    add_scan_flags(p, "meta JSONs in --data")
     p.add_argument("--json", required=True, metavar="OUT", help="where to write the plan JSON")
     p.add_argument("--plot", default=None, metavar="PREFIX",
                    help="write PREFIX_stages.png (stage times) and PREFIX_timeline.png (pipeline timeline)")
@@ -118,8 +127,9 @@ def run_plan(args, scan_metas: MetaScanner | None = None, model_from_hf: HFModel
 
     hf_checkpoint = getattr(args, "hf_checkpoint", None)
     spec = model_from_hf(hf_checkpoint) if hf_checkpoint else get_preset(args.model)
-    stats = load_stats_or_meta(args.data, "--data", spec, scan_metas)
-    plan = make_plan(stats, dataclasses.replace(plan_config(args), model=spec))
+    stats = load_stats_or_meta(args.data, "--data", spec, scan_metas, args, hf_checkpoint)
+    measured = measured_profile_imbalance(args.moe_profile, spec)
+    plan = make_plan(stats, dataclasses.replace(plan_config(args), model=spec, measured_imbalance=measured))
     if hf_checkpoint:  # the trainer takes the model from the folder, not from a preset name
         flags = {"--hf-checkpoint": hf_checkpoint}
         flags.update({k: v for k, v in plan.trainer_flags.items() if k != "--model"})
@@ -152,6 +162,30 @@ def plan_config(args):
                       vpp=getattr(args, "vpp", None), max_vpp=getattr(args, "max_vpp", 2))
 
 
+def measured_profile_imbalance(path: str | None, spec) -> tuple[tuple[int, float], ...]:
+    """(EP, imbalance) the profile at ``path`` measured (``--moe-profile``; None: none) for the model ``spec``;
+    UserError naming the flag when it holds no measured expert load, or one of another number of experts."""
+    if path is None:
+        return ()
+    from omnibal_ext.model.costs import CostTable
+    from omnibal_ext.model.expert_load import measured_by_ep
+
+    try:
+        meta = CostTable.load(path).meta
+    except UserError as e:
+        raise UserError(f"--moe-profile: {e}") from None
+    measured = measured_by_ep(meta)
+    if not measured:
+        raise UserError(f"--moe-profile {path}: the profile holds no measured expert load (an MoE model's profile "
+                        "on data: `omnibal profile` without --tiles/--llm-tokens, or the trainer's --omnibal-profile)")
+    moe = spec.language.moe
+    measured_experts = len(next(iter(meta["expert_load"]["tokens_per_expert"].values())))
+    if moe is None or moe.num_experts != measured_experts:
+        raise UserError(f"--moe-profile {path}: measured {measured_experts} experts, model {spec.name!r} has "
+                        f"{moe.num_experts if moe else 'none'}")
+    return measured
+
+
 def build_parser(scan_metas: MetaScanner | None = None, model_from_hf: HFModelReader | None = None,
                  more_commands: Sequence[Callable] = (),
                  write_stats: StatsWriter | None = None) -> argparse.ArgumentParser:
@@ -163,7 +197,9 @@ def build_parser(scan_metas: MetaScanner | None = None, model_from_hf: HFModelRe
 
     parser = argparse.ArgumentParser(prog="omnibal", description="OmniBal-Megatron balancing tools")
     sub = parser.add_subparsers(dest="command", required=True)
-    isf = add_isf_parser(sub, stats_loader=lambda args: load_stats_or_meta(args.stats, "--stats", None, scan_metas))
+    isf = add_isf_parser(sub, stats_loader=functools.partial(load_isf_stats, scan_metas=scan_metas,
+                                                                  model_from_hf=model_from_hf))
+    add_isf_scan_flags(isf)
     if write_stats is not None:
         add_stats_writing(isf, write_stats)
     add_partition_parser(sub)
@@ -174,43 +210,93 @@ def build_parser(scan_metas: MetaScanner | None = None, model_from_hf: HFModelRe
     return parser
 
 
+def isf_subcommands(isf: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The ``isf`` sub-command parsers by name (stats, search, pack)."""
+    return next(a for a in isf._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def add_isf_scan_flags(isf: argparse.ArgumentParser) -> None:
+    """The scan flags (:func:`add_scan_flags`) on ``isf stats|search|pack``: meta JSONs given to ``--stats`` (and
+    ``stats --write``'s data) are read by the family of ``--model`` (search and pack: also ISF in time's model),
+    ``stats`` also takes ``--hf-checkpoint``."""
+    subs = isf_subcommands(isf)
+    p = subs["stats"]
+    p.add_argument("--model", default=None,
+                   help="meta JSONs and --write: the model preset whose family reads the images and videos")
+    p.add_argument("--hf-checkpoint", default=None, metavar="DIR",
+                   help="meta JSONs and --write: the model (config.json), tokenizer, image and video processors of a "
+                        "Hugging Face folder")
+    for p in subs.values():
+        add_scan_flags(p, "meta JSONs in --stats and --write" if p is subs["stats"] else "meta JSONs in --stats")
+
+
+def load_isf_stats(args: argparse.Namespace, scan_metas: MetaScanner | None = None,
+                   model_from_hf: HFModelReader | None = None) -> SampleStats:
+    """The stats of ``omnibal isf``'s ``--stats`` (stats files or meta JSONs, read by ``--model``'s family or the
+    ``--hf-checkpoint`` folder's where given; without either by 448 px tiles)."""
+    from omnibal_ext.model.units import get_preset
+
+    hf = args.hf_checkpoint if args.isf_command == "stats" else None
+    if hf and model_from_hf is None:
+        raise UserError(f"--hf-checkpoint {hf}: the `omnibal` command reads Hugging Face folders")
+    spec = model_from_hf(hf) if hf else get_preset(args.model) if args.model else None
+    return load_stats_or_meta(args.stats, "--stats", spec, scan_metas, args, hf)
+
+
 def add_stats_writing(isf: argparse.ArgumentParser, write_stats: StatsWriter) -> None:
     """``isf stats --write OUT``: the data given to ``--stats`` (meta JSONs or annotation JSONLs) scanned by the
     trainer's reader for the model of ``--hf-checkpoint``/``--model`` (its family's image rule: tiles,
-    native-resolution patches) and written to OUT as stats with each image's width, height and ViT items; then
-    summarised as usual."""
-    sub = next(a for a in isf._actions if isinstance(a, argparse._SubParsersAction))
-    p = sub.choices["stats"]
+    native-resolution patches; its video rule with the ``--video-*`` flags) and written to OUT as stats with each
+    image's width, height and ViT items (and each video's); then summarised as usual."""
+    p = isf_subcommands(isf)["stats"]
     p.add_argument("--write", metavar="OUT", default=None,
                    help="scan the data given to --stats with the trainer's reader and write per-sample stats "
-                        "({vit_num, token_num, images: [{width, height, tiles|patches}]}) to OUT")
-    p.add_argument("--model", default=None, help="with --write: the model preset whose family reads the images")
-    p.add_argument("--hf-checkpoint", default=None, metavar="DIR",
-                   help="with --write: the model (config.json), tokenizer and image processor of a Hugging Face folder")
-    p.add_argument("--min-pixels", type=int, default=None, help="with --write, native-resolution images: --min-pixels")
-    p.add_argument("--max-pixels", type=int, default=None, help="with --write, native-resolution images: --max-pixels")
-    p.add_argument("--max-num-tiles", type=int, default=6, help="with --write, tiled images: --max-num-tiles")
-    p.add_argument("--min-num-tiles", type=int, default=1, help="with --write, tiled images: --min-num-tiles")
-    add_video_flags(p)
+                        "({vit_num, token_num, images: [{width, height, tiles|patches}], videos: [...]}) to OUT")
     summarise = p.get_default("func")
 
     def run(args):
-        if args.write is not None:
-            write_stats(args)
-            args.stats = [args.write]
-        return summarise(args)
+        if args.write is None:
+            return summarise(args)
+        write_stats(args)
+        # the written file is stats, read as such: the scan flags were the scan's
+        return summarise(argparse.Namespace(**{**vars(args), **vars(scan_defaults()), "stats": [args.write],
+                                               "model": None, "hf_checkpoint": None}))
     p.set_defaults(func=run)
 
 
-def add_video_flags(p: argparse.ArgumentParser) -> None:
+def add_scan_flags(p: argparse.ArgumentParser, applies: str) -> None:
+    """The trainer's image and video flags (same names and defaults: the family's rules read them as the
+    trainer's, over the --hf-checkpoint folder's processor files) for a command whose ``applies`` (e.g. "meta JSONs
+    in --data") are scanned by the trainer's reader; refused with stats files (``load_stats_or_meta``)."""
+    p.add_argument("--min-pixels", type=int, default=None, help=f"{applies}, native-resolution images: --min-pixels")
+    p.add_argument("--max-pixels", type=int, default=None, help=f"{applies}, native-resolution images: --max-pixels")
+    p.add_argument("--max-num-tiles", type=int, default=6, help=f"{applies}, tiled images: --max-num-tiles")
+    p.add_argument("--min-num-tiles", type=int, default=1, help=f"{applies}, tiled images: --min-num-tiles")
+    add_video_flags(p, applies)
+
+
+def scan_defaults() -> argparse.Namespace:
+    """The scan flags at their defaults (:func:`add_scan_flags`)."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_scan_flags(p, "")
+    return p.parse_args([])
+
+
+def add_video_flags(p: argparse.ArgumentParser, applies: str = "with --write") -> None:
     """The trainer's ``--video-*`` flags (same names and defaults: the family's video rule reads them as the
-    trainer's, over the --hf-checkpoint folder's video processor file), for ``isf stats --write``."""
-    p.add_argument("--video-fps", type=float, default=None, help="with --write, videos: the trainer's --video-fps")
-    p.add_argument("--video-min-frames", type=int, default=None, help="with --write, videos: --video-min-frames")
-    p.add_argument("--video-max-frames", type=int, default=None, help="with --write, videos: --video-max-frames")
-    p.add_argument("--video-max-pixels", type=int, default=None, help="with --write, videos: --video-max-pixels")
-    p.add_argument("--video-total-pixels", type=int, default=None, help="with --write, videos: --video-total-pixels")
-    p.add_argument("--video-folder-fps", type=float, default=24.0, help="with --write, videos: --video-folder-fps")
+    trainer's, over the --hf-checkpoint folder's video processor file)."""
+    p.add_argument("--video-fps", type=float, default=None, help=f"{applies}, videos: the trainer's --video-fps")
+    p.add_argument("--video-min-frames", type=int, default=None, help=f"{applies}, videos: --video-min-frames")
+    p.add_argument("--video-max-frames", type=int, default=None, help=f"{applies}, videos: --video-max-frames")
+    p.add_argument("--video-max-pixels", type=int, default=None, help=f"{applies}, videos: --video-max-pixels")
+    p.add_argument("--video-total-pixels", type=int, default=None, help=f"{applies}, videos: --video-total-pixels")
+    p.add_argument("--video-folder-fps", type=float, default=24.0, help=f"{applies}, videos: --video-folder-fps")
+
+
+def scan_flags_given(args: argparse.Namespace) -> list[str]:
+    """The scan flags of ``args`` not at their defaults, as flags (``--video-fps`` ...)."""
+    defaults = vars(scan_defaults())
+    return ["--" + k.replace("_", "-") for k, v in defaults.items() if getattr(args, k) != v]
 
 
 def data_files(paths, flag: str) -> list[str]:
@@ -229,32 +315,34 @@ def data_files(paths, flag: str) -> list[str]:
     return files
 
 
-def load_stats_or_meta(paths, flag: str = "--stats", spec=None, scan_metas: MetaScanner | None = None):
+def load_stats_or_meta(paths, flag: str = "--stats", spec=None, scan_metas: MetaScanner | None = None,
+                       args: argparse.Namespace | None = None, hf_folder: str | None = None) -> SampleStats:
     """Per-sample stats files in the OmniBal format, or meta JSONs (a JSON object, not a list).
 
-    Meta JSONs are read by ``scan_metas(metas, spec)`` (the ``omnibal`` command's: the trainer's reader,
-    see omnibal_cli.scan_metas), which returns (tiles, tokens) per sample of each; without it they are
-    refused.
+    Meta JSONs are read by ``scan_metas(metas, spec, hf_folder, args)`` (the ``omnibal`` command's: the trainer's
+    reader with the family's image and video rules and ``args``' scan flags, see omnibal_cli.scan_metas; ``args``
+    None: the flags' defaults); without it they are refused.  Stats files refuse scan flags given in ``args``
+    (they were the scan's that wrote them).
     """
-    from omnibal_ext.data.stats import from_arrays, load_stats
+    from omnibal_ext.data.stats import load_stats
 
+    args = scan_defaults() if args is None else args
     files = data_files(paths, flag)
     if not files:
         return load_stats(files)  # the loader's own "no stats files" error
     metas = [f for f in files if _is_meta(f)]
     if not metas:
+        given = scan_flags_given(args)
+        if given:
+            raise UserError(f"{', '.join(given)}: read by the scan of meta JSONs; {flag} {files[0]} is a stats file "
+                            "(write it with those flags: omnibal isf stats --write)")
         return load_stats(files)
     if len(metas) != len(files):
         raise UserError(f"{flag}: give stats files or meta JSONs, not both")
     if scan_metas is None:
         raise UserError(f"{flag} {metas[0]}: a meta JSON; the `omnibal` command reads those with the "
                         "trainer's reader")
-    tiles, tokens, source = [], [], []
-    for i, (meta_tiles, meta_tokens) in enumerate(scan_metas(metas, spec)):
-        tiles.append(meta_tiles)
-        tokens.append(meta_tokens)
-        source.append(np.full(len(meta_tiles), i))
-    return from_arrays(np.concatenate(tiles), np.concatenate(tokens), np.concatenate(source), metas)
+    return scan_metas(metas, spec, hf_folder, args)
 
 
 def _is_meta(path: str) -> bool:

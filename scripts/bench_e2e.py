@@ -48,6 +48,16 @@ layers), each tile a 64 px image kept at 64 px (``--min-pixels``/``--max-pixels`
 merged LLM tokens, one full-attention segment per image; the DeepStack features travel with the activations
 wherever the searched layout cuts.
 
+``--model qwen3.5``: the same images on the tiny Qwen3.5 (``qwen3.5-tiny``: Qwen3-VL's ViT without DeepStack, 2
+layers; a hybrid LLM of 6 layers, Gated DeltaNet (linear attention) at 0, 2, 3, 5 and gated full attention at 1, 4):
+the searched layout places three layer kinds.
+
+ISF groups: the bench counts them as the trainer's ISF does (``isf_group_count``): by counts for the tiled family,
+in predicted time for the native-resolution ones (Qwen), and checks each ISF run's own group count against it.
+Self-checks against noise: "each level adds speed" allows a row to be slower than the one before by the larger of
+``LEVEL_TOLERANCE`` and the two rows' run-to-run spread, and says NOISY (neither PASS nor FAIL) when a row's runs
+spread by more than ``NOISE_LIMIT``.
+
 ``--model qwen2.5-vl --videos``: the same four rows on a mix of H.264 videos and images
 (``benchlib.write_video_mix``): the stats-matched samples, a seeded quarter of them holding one video instead of
 their images (a pool of 24 written with PyAV: 64 x 48 to 112 x 84 px, 1-8 s, 6-30 fps), read at 1 frame per second,
@@ -61,7 +71,7 @@ cores and hide pipeline imbalance; --dp/--tp are for bigger machines.
 
 Outputs (``--out`` folder): e2e.json (also ``--json``), e2e.png (bar chart), the runs' logs.
 
-Usage: python scripts/bench_e2e.py [--model internvl|qwen2.5-vl|qwen3-vl] [--videos] [--json OUT] [--out DIR] [--quick] [--repeats 2]
+Usage: python scripts/bench_e2e.py [--model internvl|qwen2.5-vl|qwen3-vl|qwen3.5] [--videos] [--json OUT] [--out DIR] [--quick] [--repeats 2]
        [--samples N --micro-batches m]
 """
 from __future__ import annotations
@@ -79,6 +89,8 @@ import benchlib as bl  # noqa: E402
 GIB = 2**30
 ROWS = ("baseline", "+data", "+model", "+memory")
 BUDGET_FRACTION = 0.9  # of the baseline's measured peak without recompute
+LEVEL_TOLERANCE = 0.03  # a level "adds speed" when its row is at most this much slower (or the rows' run spread)
+NOISE_LIMIT = 0.15  # a row whose runs spread more than this (max - min over median samples/s) judges nothing
 
 
 @dataclass(frozen=True)
@@ -103,6 +115,9 @@ MODELS = {
     # 64 px images kept at 64 px (the published budget would enlarge them to 256 x 256): 4 x 4 patches of 16 px
     "qwen3-vl": BenchModel({"--model": "qwen3-vl-tiny", "--min-pixels": 4096, "--max-pixels": 4096}, "tiny Qwen3-VL",
                            image_px=64, tokens_per_image=4, items_per_image=16, segment_tokens=16),
+    # the same images on the hybrid LLM: 6 layers, linear (Gated DeltaNet) and full attention mixed
+    "qwen3.5": BenchModel({"--model": "qwen3.5-tiny", "--min-pixels": 4096, "--max-pixels": 4096}, "tiny Qwen3.5",
+                          image_px=64, tokens_per_image=4, items_per_image=16, segment_tokens=16),
 }
 
 
@@ -113,8 +128,40 @@ def spec_of(model: BenchModel):
     return model_spec_from_args(build_parser().parse_args(bl.trainer_argv(model.flags)))
 
 
-def choose_samples(args, model: BenchModel, dp: int, k: int, m: int) -> tuple[object, int, int]:
-    """(dataset, N, ISF groups): the smallest N >= --samples with N/K and G multiples of m*DP."""
+def isf_group_count(spec, model: BenchModel, tokens: np.ndarray, images: np.ndarray, dp: int, k: int, tp: int,
+                    seed: int) -> int:
+    """Groups the trainer's ISF makes of samples of ``tokens`` LLM tokens and ``images`` square images each
+    (megatron/training/isf.py ``plan_data`` with no caps given): by counts for a family whose ViT items cost alike,
+    else in predicted time (``isf_sample_times`` on the trainer's default --omnibal-isf-time-device at TP ``tp``;
+    each image ``items_per_image`` patches in a square grid, as the image rule keeps the bench's images)."""
+    import math
+
+    from omnibal_ext.data.search import SearchConfig, plan_isf
+    from omnibal_ext.data.search_time import plan_isf_time
+    from omnibal_ext.data.stats import ImageStats, SampleStats
+    from omnibal_ext.model.cost_model import get_device
+    from omnibal_ext.model.sample_time import ISF_TIME_DEVICE, isf_sample_times
+
+    images = np.asarray(images, dtype=np.int64)
+    tokens = np.asarray(tokens, dtype=np.int64)
+    cfg = SearchConfig(dp_size=dp, samples_per_group=k, seed=seed, time_budget_s=math.inf)
+    n_img = int(images.sum())
+    offsets = np.concatenate([[0], np.cumsum(images)]).astype(np.int64)
+    px = np.full(n_img, model.image_px, dtype=np.int64)
+    stats = SampleStats(images * model.items_per_image, tokens, np.zeros(len(tokens), dtype=np.int32), [],
+                        ImageStats(offsets, px, px, np.full(n_img, model.items_per_image, dtype=np.int64)))
+    side = math.isqrt(model.items_per_image)
+    grid = np.full(n_img, side, dtype=np.int64)
+    timed = isf_sample_times(stats, spec, get_device(ISF_TIME_DEVICE), tp=tp,
+                             grids=(grid, grid) if side * side == model.items_per_image else None)
+    if timed is None:
+        return len(plan_isf(stats.vit, tokens, cfg).grouping)
+    return len(plan_isf_time(timed[0], tokens, timed[1], cfg).grouping)
+
+
+def choose_samples(args, model: BenchModel, spec, dp: int, k: int, m: int) -> tuple[object, int, int]:
+    """(dataset, N, ISF groups): the smallest N >= --samples with N/K and G multiples of m*DP, G counted as the
+    trainer's ISF counts it (``isf_group_count``; the runs' ISF lines are checked against it)."""
     from megatron.vlm.data.synthetic import LengthRule, sample_plan
 
     rule = LengthRule(tokens_per_tile_model=model.tokens_per_image, max_tokens=bl.MAX_SAMPLE_TOKENS)
@@ -123,8 +170,7 @@ def choose_samples(args, model: BenchModel, dp: int, k: int, m: int) -> tuple[ob
     n = -(-args.samples // step) * step
     for _ in range(200):
         plan = sample_plan(files, n, rule, args.data_seed)
-        items = rule.tiles(plan["vit_num"]) * model.items_per_image
-        g = bl.isf_group_count(plan["tokens"], items, dp, k, args.seed)
+        g = isf_group_count(spec, model, plan["tokens"], rule.tiles(plan["vit_num"]), dp, k, args.tp, args.seed)
         if g % (m * dp) == 0:
             data = bl.build_data(os.path.join(args.out, "data"), n, model.image_px, model.tokens_per_image,
                                  args.stats_dir, args.data_seed)
@@ -247,6 +293,40 @@ def repeat_rows(first: dict, flags: dict, repeats: int, out: str, world: int,
     return runs
 
 
+def run_spread(per_run: list[float]) -> float | None:
+    """(max - min) / median of a row's samples/s over its runs: the machine's noise on it (None: one run)."""
+    if len(per_run) < 2:
+        return None
+    return float((max(per_run) - min(per_run)) / np.median(per_run))
+
+
+def level_check(before: dict, after: dict) -> str:
+    """The self-check that row ``after`` adds speed over row ``before``, judged against measurement noise.
+
+    Tolerance: the larger of ``LEVEL_TOLERANCE`` and either row's spread over its runs (``run_spread``).  PASS
+    when ``after`` is at most that much slower, FAIL when it is slower by more; NOISY (neither) when a row's runs
+    spread by more than ``NOISE_LIMIT`` (the machine's load changed too much to tell: rerun with more --repeats).
+    """
+    spreads = [r["run_spread"] for r in (before, after) if r["run_spread"] is not None]
+    tol = max([LEVEL_TOLERANCE, *spreads])
+    gain = after["samples_per_s"] / before["samples_per_s"]
+    noise = ", ".join(f"{r['name']} {r['run_spread']:.1%}" for r in (before, after) if r["run_spread"] is not None)
+    detail = (f"{after['name']} adds speed over {before['name']}: {gain:.3f}x (tolerance {tol:.1%}: the larger of "
+              f"{LEVEL_TOLERANCE:.0%} and the rows' run-to-run spread{' ' + noise if noise else ', one run each'})")
+    if tol > NOISE_LIMIT:
+        return f"NOISY {detail}; a spread over {NOISE_LIMIT:.0%} decides nothing, rerun with more --repeats"
+    verdict = "PASS" if gain >= 1.0 - tol else "FAIL"
+    return f"{verdict} {detail}" + ("; slower within the noise" if verdict == "PASS" and gain < 1.0 else "")
+
+
+def isf_groups_made(output: str) -> int | None:
+    """The groups a run's ISF made (its "> ISF: N samples -> G groups" line), None without one."""
+    import re
+
+    m = re.search(r"> ISF: \d+ samples -> (\d+) groups", output)
+    return int(m.group(1)) if m else None
+
+
 def run(args) -> dict:
     from omnibal_ext.memory.memory_model import MemoryModelError
     from omnibal_ext.memory.recompute import MemoryBudgetError, parse_recompute_plan, plan_recompute
@@ -267,7 +347,7 @@ def run(args) -> dict:
                                                "--micro-batch-size": k, "--global-batch-size": k * m * dp,
                                                "--seed": args.seed}, world, dp, k, m)
     else:
-        data, n, groups = choose_samples(args, model, dp, k, m)
+        data, n, groups = choose_samples(args, model, spec, dp, k, m)
     iters = {"random": n // (m * k * dp), "isf": groups // (m * dp)}
     print(f"> {n} samples ({data.info['tokens_mean']:.0f} tokens, {data.info['tiles_mean']:.2f} tiles mean): "
           f"baseline {iters['random']} iterations of {m * k * dp} samples, ISF {groups} groups -> "
@@ -369,12 +449,16 @@ def run(args) -> dict:
     peaks = {r["name"]: max(stage_totals(results[r["name"]].memory)) for r in rows}
     for r in rows:
         r["peak_total_bytes"] = peaks[r["name"]]
+    for r in rows:
+        r["samples_per_s_per_run"] = [bl.summarize(run.records, args.warmup)["samples_per_s"] for run in runs[r["name"]]]
+        r["run_spread"] = run_spread(r["samples_per_s_per_run"])
     total = rows[-1]["speedup"]
-    ordered = all(rows[i + 1]["speedup"] > rows[i]["speedup"] for i in range(3))
+    made = {name: isf_groups_made(results[name].output) for name in ROWS[1:]}
     out["targets"] = [
         f"{'PASS' if total >= 1.8 else 'FAIL'} measured speed-up of all three levels >= 1.8x: {total:.2f}x",
-        f"{'PASS' if ordered else 'FAIL'} each level adds speed: "
-        + " -> ".join(f"{r['speedup']:.2f}x" for r in rows),
+        *[level_check(a, b) for a, b in zip(rows, rows[1:])],
+        f"{'PASS' if set(made.values()) == {groups} else 'FAIL'} the ISF rows trained the {groups} groups the "
+        f"bench counted: " + ", ".join(f"{n} {g}" for n, g in made.items()),
         f"{'PASS' if out['same_tokens_seen'] else 'FAIL'} every row saw the same tokens: "
         f"{sorted(seen)} (dataset {int(data.tokens.sum())})",
         f"{'PASS' if max(peaks.values()) <= budget else 'FAIL'} every row's measured peak (static + activations) "
@@ -405,7 +489,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=sorted(MODELS), default="internvl",
                     help="internvl: the heterogeneous tiny InternVL-style VLM; qwen2.5-vl: qwen2.5-vl-tiny; "
-                         "qwen3-vl: qwen3-vl-tiny")
+                         "qwen3-vl: qwen3-vl-tiny; qwen3.5: qwen3.5-tiny")
     ap.add_argument("--videos", action="store_true",
                     help="qwen2.5-vl: train on a mix of H.264 videos (PyAV, 1-8 s, 6-30 fps) and images")
     ap.add_argument("--json", default=None, help="also write the results here")

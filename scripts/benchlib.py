@@ -343,15 +343,7 @@ def build_data(out_dir: str | os.PathLike, num_samples: int, tile_size: int, tok
                     "tiles_mean": float(plan["tiles"].mean())})
 
 
-def isf_group_count(tokens: np.ndarray, tiles: np.ndarray, dp: int, samples_per_group: int, seed: int) -> int:
-    """Groups the trainer's ISF planner (megatron/training/isf.py) makes of these samples."""
-    from omnibal_ext.data.search import SearchConfig, plan_isf
-
-    cfg = SearchConfig(dp_size=dp, samples_per_group=samples_per_group, seed=seed)
-    return len(plan_isf(np.asarray(tiles), np.asarray(tokens), cfg).grouping)
-
-
-# Videos of the video and image mix (``build_video_mix``): small H.264 files (width, height px), 1-8 s at 6-30 fps.
+# Videos of the video and image mix (``write_video_mix``): small H.264 files (width, height px), 1-8 s at 6-30 fps.
 # Without a Hugging Face folder the Qwen2-VL video processor's defaults hold: every frame is enlarged to at least
 # 128 x 28 x 28 px (about 560 patches, 140 LLM tokens per temporal patch), so the mix samples 1 frame per second,
 # 2 to 6 frames (1 to 3 temporal patches): VIDEO_FLAGS.

@@ -26,6 +26,10 @@ Checks:
                    against the world-of-one run, losses within 1e-4 relative: on CUDA (NCCL, TF32 off) with
                    2+ GPUs, else on the CPU (gloo); both run the local layers' SegmentAttention (K/V all-gather),
                    the layers the trainer picks under CP (TransformerEngine's CP attention is not wired)
+  fla_delta_rule   our Gated DeltaNet (Qwen3.5-9B's linear-attention widths: 16 key heads, 32 value heads of 128)
+                   on a packed row of six samples (2048 tokens) with backend ``auto``, which must call fla's varlen
+                   kernel (skipped when fla does not import), against the torch chunked rule run on each sample
+                   alone: outputs per sample, input gradients and weight gradients, fp32 (TF32 off) and bf16
   e2e_cut          InternVL-6B+20B cut to 1 ViT + 2 LLM layers (real widths), bf16, distributed optimizer,
                    ISF, --omnibal-recompute auto, 256 digits samples at 448 px: tokens/s, MFU, measured
                    torch.cuda.max_memory_allocated vs the memory model's static + activation prediction
@@ -46,11 +50,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-CHECKS = ("fp32_parity", "bf16_learns", "te_vs_local", "thd_vs_dense", "cp_attention", "layer_throughput", "e2e_cut")
-# seconds per check: the sum stays under 10 minutes with the start-up of each subprocess
-# (510 s in all: scripts/gpu_check.sh, wheel install included, stays inside 9 minutes)
+CHECKS = ("fp32_parity", "bf16_learns", "te_vs_local", "thd_vs_dense", "cp_attention", "layer_throughput", "e2e_cut",
+          "fla_delta_rule")
+# seconds per check, upper bounds (660 s in all; the checks before fla's measured 510 s with scripts/gpu_check.sh's
+# wheel install, inside 9 minutes; fla's has not run: --only selects a subset where device time is short)
 TIMEOUTS = {"fp32_parity": 100, "bf16_learns": 80, "te_vs_local": 40, "thd_vs_dense": 40, "cp_attention": 70,
-            "layer_throughput": 75, "e2e_cut": 105}
+            "layer_throughput": 75, "e2e_cut": 105, "fla_delta_rule": 150}  # fla: Triton compiles its kernels first
 TINY = ["--train-iters", "5", "--eval-interval", "0", "--log-interval", "1", "--lr-warmup-iters", "0",
         "--seed", "7", "--transformer-impl", "local"]
 
@@ -70,6 +75,16 @@ def te_import_error() -> str | None:
         import transformer_engine.pytorch  # noqa: F401
     except Exception as e:  # noqa: BLE001
         return f"transformer_engine does not import ({type(e).__name__}: {e})"
+    return None
+
+
+def fla_import_error() -> str | None:
+    """Why flash-linear-attention's gated delta rule (``fla.ops.gated_delta_rule``, package fla-core) does not
+    import, or None."""
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return f"flash-linear-attention (fla) does not import ({type(e).__name__}: {e})"
     return None
 
 
@@ -418,6 +433,103 @@ def check_e2e_cut(work: Path, cuda: bool, deadline: float) -> dict:
     return {"status": "pass" if rec and math.isfinite(rec[-1]["lm loss"]) else "fail", **r}
 
 
+FLA_LENGTHS = (1000, 37, 513, 1, 300, 197)  # a packed row of 2048 tokens: long, short and one-token samples
+FLA_TOLERANCE = {"float32": (2e-3, 0.9999), "bfloat16": (5e-2, 0.99)}  # (max rel error, gradient cosine)
+
+
+def _fla_layers(device):
+    """(auto, torch): two of our GatedDeltaNet layers with one set of weights at Qwen3.5-9B's linear-attention
+    widths, backend ``auto`` (fla's kernel on a GPU) and ``torch`` (the chunked rule)."""
+    import torch
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron.vlm.gated_delta_net import gated_delta_net_spec
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=4096, num_attention_heads=16, linear_num_key_heads=16,
+                            linear_key_head_dim=128, linear_num_value_heads=32, linear_value_head_dim=128,
+                            linear_conv_kernel_dim=4, layernorm_epsilon=1e-6, use_cpu_initialization=True,
+                            params_dtype=torch.float32, gradient_accumulation_fusion=False)
+    auto = build_module(gated_delta_net_spec(chunk_size=64, backend="auto"), config=cfg, layer_number=1)
+    ref = build_module(gated_delta_net_spec(chunk_size=64, backend="torch"), config=cfg, layer_number=1)
+    with torch.no_grad():
+        auto.in_proj.weight.mul_(2.0)  # larger keys and gates: the recurrent state matters
+    ref.load_state_dict(auto.state_dict())
+    return auto.to(device), ref.to(device)
+
+
+def _rel_max(got, want) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
+
+
+def check_fla_delta_rule(work: Path, cuda: bool, deadline: float) -> dict:
+    if not cuda:
+        return skipped("no CUDA device: fla's varlen kernels are Triton kernels, GPU only")
+    err = fla_import_error()
+    if err:
+        return skipped(err)
+    import torch
+
+    from megatron.vlm import delta_rule
+    from megatron.vlm.attention import segment_params
+
+    device = torch.device("cuda")
+    _init_world_of_one(device)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    if delta_rule.pick_backend("auto", True, delta_rule.fla_available()) != "fla":
+        return {"status": "fail", "reason": "backend 'auto' does not pick fla on CUDA with fla importing"}
+    kernel, calls = delta_rule._fla_chunk_gated_delta_rule, []
+
+    def counted(*a, **kw):  # the packed row's forward must reach fla's varlen kernel
+        calls.append(kw["cu_seqlens"].tolist())
+        return kernel(*a, **kw)
+
+    bounds = [0, *torch.tensor(FLA_LENGTHS).cumsum(0).tolist()]
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    results, ok = {}, True
+    delta_rule._fla_chunk_gated_delta_rule = counted
+    try:
+        for dtype_name, (tol, min_cos) in FLA_TOLERANCE.items():
+            dtype = getattr(torch, dtype_name)
+            auto, ref = (m.to(dtype) for m in _fla_layers(device))
+            gen = torch.Generator(device=device).manual_seed(3)
+            x = torch.randn(bounds[-1], 1, 4096, device=device, generator=gen).to(dtype)
+            w = torch.randn(bounds[-1], 1, 4096, device=device, generator=gen)
+            before = len(calls)
+            xa = x.clone().requires_grad_()
+            out = auto(xa, packed_seq_params=segment_params(cu, max(FLA_LENGTHS), device=device))[0]
+            (out.float() * w).sum().backward()
+            reached = len(calls) == before + 1 and calls[-1] == bounds
+            outs, dxs = [], []
+            for start, end in zip(bounds[:-1], bounds[1:]):  # the torch rule, each sample alone
+                xs = x[start:end].clone().requires_grad_()
+                one = torch.tensor([0, end - start], dtype=torch.int32)
+                o = ref(xs, packed_seq_params=segment_params(one, end - start, device=device))[0]
+                (o.float() * w[start:end]).sum().backward()
+                outs.append(o.detach())
+                dxs.append(xs.grad)
+            per_sample = [_rel_max(out[s:e].detach(), o) for (s, e), o in zip(zip(bounds[:-1], bounds[1:]), outs)]
+            ga = torch.cat([p.grad.float().flatten() for p in auto.parameters()])
+            gr = torch.cat([p.grad.float().flatten() for p in ref.parameters()])
+            r = {"fla_kernel_called": reached, "max_rel_err_per_sample": max(per_sample),
+                 "worst_sample": int(max(range(len(per_sample)), key=per_sample.__getitem__)),
+                 "dx_rel_err": _rel_max(xa.grad, torch.cat(dxs)),
+                 "weight_grad_cosine": float(torch.nn.functional.cosine_similarity(ga, gr, dim=0)),
+                 "weight_grad_rel_err": _rel_max(ga, gr)}
+            r["ok"] = reached and r["max_rel_err_per_sample"] <= tol and r["dx_rel_err"] <= tol \
+                and r["weight_grad_cosine"] >= min_cos
+            ok &= r["ok"]
+            results[dtype_name] = r
+            del auto, ref
+            torch.cuda.empty_cache()
+    finally:
+        delta_rule._fla_chunk_gated_delta_rule = kernel
+    return {"status": "pass" if ok else "fail", "lengths": list(FLA_LENGTHS),
+            "criterion": "fla's kernel called on the packed row; per-sample output and input-gradient max rel err "
+                         "<= 2e-3 fp32 / 5e-2 bf16 against the torch rule on each sample alone; weight-gradient "
+                         "cosine >= 0.9999 fp32 / 0.99 bf16", **results}
+
+
 # ------------------------------------------------------------------------------------------------
 # driver
 # ------------------------------------------------------------------------------------------------
@@ -488,7 +600,8 @@ def main(argv=None) -> int:
     import torch
 
     env = {"torch": torch.__version__, "cuda": cuda, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-           "transformer_engine": te_import_error() or "imports", "work": str(work)}
+           "transformer_engine": te_import_error() or "imports", "fla": fla_import_error() or "imports",
+           "work": str(work)}
     try:
         import megatron.core
 

@@ -4,7 +4,6 @@ character tokenizer for fine-tunes; our model's logits of an HF folder (in this 
 from __future__ import annotations
 
 import contextlib
-import json
 
 import torch
 
@@ -84,25 +83,17 @@ def hf_logits(model, batch):
 
 
 SPECIALS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>"]
-CHARS = ["\n"] + [chr(c) for c in range(32, 127)]
 VOCAB = 110  # 7 special + 96 characters = 103 ids; the model has a few rows more
 
 
 def write_tokenizer(folder):
-    """A character-level WordLevel tokenizer with InternVL's special tokens and a ChatML chat template."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    """A character-level WordLevel tokenizer with InternVL's special tokens and a ChatML chat template; returns the
+    id of its <IMG_CONTEXT>."""
+    from hf_check import write_char_tokenizer
 
-    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.add_special_tokens(SPECIALS)
-    tok.save(str(folder / "tokenizer.json"))
     template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>", "unk_token": "<unk>",
-        "eos_token": "<|im_end|>", "chat_template": template, "extra_special_tokens": {}}))
-    return vocab["<IMG_CONTEXT>"]
+    return write_char_tokenizer(folder, SPECIALS, template, pad_token="<pad>", eos_token="<|im_end|>")["<IMG_CONTEXT>"]
 
 
 def make_tiny_with_tokenizer(folder, seed=0, **kw):

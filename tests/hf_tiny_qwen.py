@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import torch
+from hf_check import eager, write_char_tokenizer
 from hf_tiny import perturb
 
 VOCAB, IMAGE_ID, VISION_START, VISION_END = 300, 290, 288, 289
@@ -40,13 +41,6 @@ def make_tiny(folder, seed=0, **kw):
         model.tie_weights()
     model.save_pretrained(str(folder))
     return eager(model)
-
-
-def eager(model):
-    """``model`` with transformers' eager attention in all its parts (the reference for 1e-5 comparisons)."""
-    for config in (model.config, model.model.visual.config, model.model.language_model.config):
-        config._attn_implementation = "eager"
-    return model
 
 
 def inputs(grids=GRIDS, seed=1):
@@ -94,20 +88,7 @@ QWEN_TEMPLATE = ("{% for m in messages %}{% if loop.first and m['role'] != 'syst
 def write_tokenizer(folder) -> dict:
     """A character-level WordLevel tokenizer with Qwen2.5-VL's special tokens and a Qwen2-style ChatML chat
     template (a default system message) in ``folder``; returns its special tokens' ids by name."""
-    import json
-
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-
-    chars = ["\n"] + [chr(c) for c in range(32, 127)]
-    vocab = {**SPECIAL_IDS, **{t: len(QWEN_SPECIALS) + i for i, t in enumerate(chars)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.add_special_tokens(QWEN_SPECIALS)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<|endoftext|>", "unk_token": "<unk>",
-        "eos_token": "<|im_end|>", "chat_template": QWEN_TEMPLATE, "extra_special_tokens": {}}))
-    return {t: vocab[t] for t in QWEN_SPECIALS}
+    return write_char_tokenizer(folder, QWEN_SPECIALS, QWEN_TEMPLATE, pad_token="<|endoftext|>", eos_token="<|im_end|>")
 
 
 def set_token_ids(model, ids: dict) -> None:

@@ -8,6 +8,7 @@ has 3 heads (TP 2 does not divide them) and a 3 x 3 learned position grid. Two i
 from __future__ import annotations
 
 import torch
+from hf_check import eager, write_qwen_preprocessor
 from hf_tiny import perturb
 from hf_tiny_qwen3_vl import GRIDS, IMAGE_ID, PATCH, VIDEO_ID, VISION_END, VISION_START, VOCAB, hf_logits, inputs
 
@@ -62,22 +63,10 @@ def make_tiny(folder, seed=0, **kw):
     return eager(model)
 
 
-def eager(model):
-    """``model`` with transformers' eager attention in all its parts (the reference for 1e-5 comparisons)."""
-    for config in (model.config, model.model.visual.config, model.model.language_model.config):
-        config._attn_implementation = "eager"
-    return model
-
-
 def write_preprocessor(folder, min_pixels=32 * 32, max_pixels=32 * 32 * 12) -> None:
-    """Qwen3-VL's ``preprocessor_config.json`` (patch 16, merge 2, temporal 2, mean/std 0.5) with a small pixel
-    budget (px): 1 .. 12 merged tokens (4 .. 48 patches) per image."""
-    import json
-
-    (folder / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "Qwen2VLImageProcessorFast", "patch_size": PATCH, "merge_size": 2,
-        "temporal_patch_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}}))
+    """Qwen3-VL's ``preprocessor_config.json`` (patch 16) with a small pixel budget (px): 1 .. 12 merged tokens
+    (4 .. 48 patches) per image."""
+    write_qwen_preprocessor(folder, PATCH, min_pixels, max_pixels)
 
 
 def make_tiny_with_tokenizer(folder, seed=0, **kw):

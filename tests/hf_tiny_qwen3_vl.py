@@ -7,6 +7,7 @@ heads = 8) and interleaved mrope_section [2, 3, 3] (not the published [24, 20, 2
 from __future__ import annotations
 
 import torch
+from hf_check import eager, write_qwen_preprocessor
 from hf_tiny import perturb
 
 VOCAB, IMAGE_ID, VIDEO_ID, VISION_START, VISION_END = 300, 290, 291, 288, 289
@@ -45,13 +46,6 @@ def make_tiny(folder, seed=0, **kw):
     return eager(model)
 
 
-def eager(model):
-    """``model`` with transformers' eager attention in all its parts (the reference for 1e-5 comparisons)."""
-    for config in (model.config, model.model.visual.config, model.model.language_model.config):
-        config._attn_implementation = "eager"
-    return model
-
-
 def inputs(grids=GRIDS, seed=1):
     """What the processor returns: input_ids [1, s] (text, then per image vision_start, its merged tokens,
     vision_end), pixel_values [patches, 3*2*16*16], image_grid_thw [n, 3], mm_token_type_ids [1, s] (1 on image
@@ -74,14 +68,9 @@ def hf_logits(model, batch):
 
 
 def write_preprocessor(folder, min_pixels=32 * 32, max_pixels=32 * 32 * 16) -> None:
-    """Qwen3-VL's ``preprocessor_config.json`` (patch 16, merge 2, mean/std 0.5) with a small pixel budget (px):
-    by default 1 .. 16 merged tokens (4 .. 64 patches) per image."""
-    import json
-
-    (folder / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "Qwen2VLImageProcessorFast", "patch_size": PATCH, "merge_size": 2,
-        "temporal_patch_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}}))
+    """Qwen3-VL's ``preprocessor_config.json`` (patch 16) with a small pixel budget (px): by default 1 .. 16 merged
+    tokens (4 .. 64 patches) per image."""
+    write_qwen_preprocessor(folder, PATCH, min_pixels, max_pixels)
 
 
 def make_tiny_with_tokenizer(folder, seed=0, **kw):

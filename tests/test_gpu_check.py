@@ -24,8 +24,8 @@ def test_gpu_check_cpu_path(tmp_path):
     report = json.loads(out.read_text())
     checks = report["checks"]
     assert list(checks) == ["fp32_parity", "bf16_learns", "te_vs_local", "thd_vs_dense", "cp_attention",
-                            "layer_throughput", "e2e_cut"]
-    for name in ("fp32_parity", "bf16_learns", "te_vs_local", "layer_throughput", "e2e_cut"):
+                            "layer_throughput", "e2e_cut", "fla_delta_rule"]
+    for name in ("fp32_parity", "bf16_learns", "te_vs_local", "layer_throughput", "e2e_cut", "fla_delta_rule"):
         assert checks[name]["status"] == "skipped" and checks[name]["reason"], (name, checks[name])
     assert "variants" not in checks["fp32_parity"]  # no trainer run without a CUDA half to compare with
     assert checks["thd_vs_dense"]["status"] == "pass" and checks["thd_vs_dense"]["max_rel_err"] < 1e-4

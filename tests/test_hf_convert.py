@@ -3,13 +3,12 @@
 models (fp32, max |diff| <= 1e-5) at TP1/PP1, at every pipeline cut in one process, and for the original
 OpenGVLab layout; TP2 and PP2 under torchrun (slow)."""
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
+import hf_check  # noqa: E402
 import hf_tiny  # noqa: E402
 
 from omnibal_ext.errors import UserError  # noqa: E402
@@ -236,24 +235,15 @@ def test_original_layout_gives_the_native_logits(megatron_world, tmp_path, vit, 
 # TP2 / PP2 under torchrun
 # --------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [["--tensor-model-parallel-size", "2"],
-                                   ["--pipeline-model-parallel-size", "2", "--pipeline-layout", "Iv*2P|Et*2L"]],
-                         ids=["tp2-padded-vit-heads", "pp2"])
-def test_hf_logits_script_under_torchrun(tiny, tmp_path, flags):
-    sys.path.insert(0, str(hf_tiny.__file__).rsplit("/tests/", 1)[0] + "/scripts")
-    import benchlib
-
-    for case in (("rms-qknorm", "llama"), ("ln-bias", "qwen2")):
-        folder, model = tiny[case]
-        batch = hf_tiny.inputs()
-        torch.save(batch, tmp_path / "in.pt")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(benchlib.free_port()), str(benchlib.ROOT / "scripts" / "hf_logits.py"), "--hf-checkpoint",
-               str(folder), "--inputs", str(tmp_path / "in.pt"), "--out", str(tmp_path / "out.pt"), *flags]
-        run = subprocess.run(cmd, env=benchlib.trainer_env(), capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        got = torch.load(tmp_path / "out.pt")
-        assert (got - hf_tiny.hf_logits(model, batch)).abs().max() <= TOL, case
+def test_hf_logits_script_under_torchrun(tiny, tmp_path):
+    """TP 2 (padded ViT heads) and PP 2, two variants each; one launch."""
+    batch = hf_tiny.inputs()
+    layouts = {"tp2-padded-vit-heads": ["--tensor-model-parallel-size", "2"],
+               "pp2": ["--pipeline-model-parallel-size", "2", "--pipeline-layout", "Iv*2P|Et*2L"]}
+    runs = [(case, what) for what in layouts for case in (("rms-qknorm", "llama"), ("ln-bias", "qwen2"))]
+    got = hf_check.torchrun_logits([(tiny[case][0], layouts[what]) for case, what in runs], batch, tmp_path)
+    for (case, what), logits in zip(runs, got):
+        assert (logits - hf_tiny.hf_logits(tiny[case][1], batch)).abs().max() <= TOL, (case, what)
 
 
 # --------------------------------------------------------------------------------------------------

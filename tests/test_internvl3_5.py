@@ -7,13 +7,12 @@ without the q/k norms off by more than 1000x that, import -> export bit-identica
 through ``scripts/hf_logits.py`` under torchrun (slow)."""
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
+import hf_check  # noqa: E402
 import hf_tiny  # noqa: E402
 from test_hf_convert import write_original  # noqa: E402
 
@@ -132,13 +131,10 @@ def test_logits_match_transformers_at_every_pipeline_cut(megatron_world, tiny, n
 
 
 def test_import_export_round_trip_and_transformers_loads_it(megatron_world, tiny, tmp_path):
-    from safetensors.torch import load_file
-
     from megatron.vlm.hf.convert import export_hf, import_hf
 
     pairs = []
     for name, (native, original, _) in tiny.items():
-        want = load_file(str(native / "model.safetensors"))
         with_tokenizer = tmp_path / f"original-{name}"
         shutil.copytree(original, with_tokenizer)
         write_context_tokenizer(with_tokenizer, 299)
@@ -146,31 +142,17 @@ def test_import_export_round_trip_and_transformers_loads_it(megatron_world, tiny
             out = tmp_path / f"out-{name}-{tag}"
             import_hf(str(folder), str(tmp_path / f"ckpt-{name}-{tag}"))
             export_hf(str(tmp_path / f"ckpt-{name}-{tag}"), str(out))
-            got = load_file(str(out / "model.safetensors"))
-            assert set(got) == set(want), (name, tag)  # the original layout comes back in the native one
-            for k in want:
-                assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), (name, tag, k)
+            hf_check.assert_same_tensors(native, out, (name, tag))  # the original layout comes back in the native one
             config = json.load(open(out / "config.json"))
             assert config["text_config"]["model_type"] == "qwen3" and config["text_config"]["head_dim"] == 12
             if tag == "native":
                 assert config == {**json.load(open(native / "config.json")), "dtype": "float32"}
             else:  # an original config names no image token: the folder's tokenizer's <IMG_CONTEXT> is it
                 assert config["image_token_id"] == 299
-            pairs += [str(native), str(out)]
+            pairs.append((native, out))
     # transformers loads the exports and gives the source models' logits, in a fresh process (the CPU patches of
     # megatron_world spoil the rotary buffers transformers recomputes in from_pretrained)
-    torch.save(hf_tiny.inputs(), tmp_path / "in.pt")
-    script = (
-        "import sys, torch\n"
-        "from transformers import InternVLForConditionalGeneration as M\n"
-        f"batch = torch.load({str(tmp_path / 'in.pt')!r})\n"
-        "for a, b in zip(sys.argv[1::2], sys.argv[2::2]):\n"
-        "    x, y = (M.from_pretrained(f, attn_implementation='eager').eval() for f in (a, b))\n"
-        "    with torch.no_grad():\n"
-        "        assert torch.equal(x(**batch).logits, y(**batch).logits), b\n"
-        "print('same')\n")
-    run = subprocess.run([sys.executable, "-c", script, *pairs], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and "same" in run.stdout, run.stderr[-3000:]
+    hf_check.assert_transformers_loads_the_same("InternVLForConditionalGeneration", pairs, hf_tiny.inputs(), tmp_path)
 
 
 def write_context_tokenizer(folder, context_id: int, token: str = "<IMG_CONTEXT>") -> None:
@@ -210,21 +192,12 @@ def test_export_of_an_original_import_needs_the_tokenizers_context_token(megatro
 # TP2 / PP2 under torchrun
 # --------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [["--tensor-model-parallel-size", "2"],
-                                   ["--pipeline-model-parallel-size", "2", "--pipeline-layout", "Iv*2PEt|tL"]],
-                         ids=["tp2-padded-vit-heads", "pp2-llm-split"])
-def test_hf_logits_script_under_torchrun(tiny, tmp_path, flags):
-    sys.path.insert(0, str(hf_tiny.__file__).rsplit("/tests/", 1)[0] + "/scripts")
-    import benchlib
-
-    for name in VARIANTS:
-        folder, _, model = tiny[name]
-        batch = hf_tiny.inputs()
-        torch.save(batch, tmp_path / "in.pt")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(benchlib.free_port()), str(benchlib.ROOT / "scripts" / "hf_logits.py"), "--hf-checkpoint",
-               str(folder), "--inputs", str(tmp_path / "in.pt"), "--out", str(tmp_path / "out.pt"), *flags]
-        run = subprocess.run(cmd, env=benchlib.trainer_env(), capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        got = torch.load(tmp_path / "out.pt")
-        assert (got - hf_tiny.hf_logits(model, batch)).abs().max() <= TOL, name
+def test_hf_logits_script_under_torchrun(tiny, tmp_path):
+    """TP 2 (3 ViT heads padded to 4) and PP 2 with the LLM split, both variants; one launch."""
+    batch = hf_tiny.inputs()
+    layouts = {"tp2-padded-vit-heads": ["--tensor-model-parallel-size", "2"],
+               "pp2-llm-split": ["--pipeline-model-parallel-size", "2", "--pipeline-layout", "Iv*2PEt|tL"]}
+    runs = [(name, what) for what in layouts for name in VARIANTS]
+    got = hf_check.torchrun_logits([(tiny[name][0], layouts[what]) for name, what in runs], batch, tmp_path)
+    for (name, what), logits in zip(runs, got):
+        assert (logits - hf_tiny.hf_logits(tiny[name][2], batch)).abs().max() <= TOL, (name, what)

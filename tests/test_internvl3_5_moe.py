@@ -7,13 +7,12 @@ to matter, import -> export bit-identical and loaded by transformers; EP2, TP2, 
 ``scripts/hf_logits.py`` under torchrun (slow)."""
 import json
 import shutil
-import subprocess
 import sys
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
+import hf_check  # noqa: E402
 import hf_tiny  # noqa: E402
 from test_hf_convert import write_original  # noqa: E402
 from test_internvl3_5 import write_context_tokenizer  # noqa: E402
@@ -159,13 +158,10 @@ def test_logits_match_transformers_at_every_pipeline_cut(megatron_world, tiny, n
 
 
 def test_import_export_round_trip_and_transformers_loads_it(megatron_world, tiny, tmp_path):
-    from safetensors.torch import load_file
-
     from megatron.vlm.hf.convert import export_hf, import_hf
 
     pairs = []
     for name, (native, original, _) in tiny.items():
-        want = load_file(str(native / "model.safetensors"))
         with_tokenizer = tmp_path / f"original-{name}"
         shutil.copytree(original, with_tokenizer)
         write_context_tokenizer(with_tokenizer, 299)  # the original config names no image token: the tokenizer's
@@ -173,10 +169,7 @@ def test_import_export_round_trip_and_transformers_loads_it(megatron_world, tiny
             out = tmp_path / f"out-{name}-{tag}"
             import_hf(str(folder), str(tmp_path / f"ckpt-{name}-{tag}"))
             export_hf(str(tmp_path / f"ckpt-{name}-{tag}"), str(out))
-            got = load_file(str(out / "model.safetensors"))
-            assert set(got) == set(want), (name, tag)  # the original layout comes back in the native one
-            for k in want:
-                assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), (name, tag, k)
+            hf_check.assert_same_tensors(native, out, (name, tag))  # the original layout comes back in the native one
             config = json.load(open(out / "config.json"))
             if tag == "native":
                 assert config == {**json.load(open(native / "config.json")), "dtype": "float32"}
@@ -184,20 +177,9 @@ def test_import_export_round_trip_and_transformers_loads_it(megatron_world, tiny
                 text = config["text_config"]
                 assert text["model_type"] == "qwen3_moe" and text["mlp_only_layers"] == [1]
                 assert text["norm_topk_prob"] == (name == "topk-normalised") and config["image_token_id"] == 299
-            pairs += [str(native), str(out)]
+            pairs.append((native, out))
     # transformers loads the exports and gives the source models' logits (a fresh process: see test_internvl3_5)
-    torch.save(hf_tiny.inputs(), tmp_path / "in.pt")
-    script = (
-        "import sys, torch\n"
-        "from transformers import InternVLForConditionalGeneration as M\n"
-        f"batch = torch.load({str(tmp_path / 'in.pt')!r})\n"
-        "for a, b in zip(sys.argv[1::2], sys.argv[2::2]):\n"
-        "    x, y = (M.from_pretrained(f, attn_implementation='eager').eval() for f in (a, b))\n"
-        "    with torch.no_grad():\n"
-        "        assert torch.equal(x(**batch).logits, y(**batch).logits), b\n"
-        "print('same')\n")
-    run = subprocess.run([sys.executable, "-c", script, *pairs], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and "same" in run.stdout, run.stderr[-3000:]
+    hf_check.assert_transformers_loads_the_same("InternVLForConditionalGeneration", pairs, hf_tiny.inputs(), tmp_path)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -209,28 +191,14 @@ PARALLEL = {"ep2": (2, ["--expert-model-parallel-size", "2"]),
             "ep2xtp2": (4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"])}
 
 
-def hf_logits_script(folder, batch, tmp_path, nproc, flags):
-    """``scripts/hf_logits.py`` under torchrun: the logits it writes (asserting it succeeds)."""
-    sys.path.insert(0, str(hf_tiny.__file__).rsplit("/tests/", 1)[0] + "/scripts")
-    import benchlib
-
-    torch.save(batch, tmp_path / "in.pt")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(benchlib.free_port()), str(benchlib.ROOT / "scripts" / "hf_logits.py"), "--hf-checkpoint",
-           str(folder), "--inputs", str(tmp_path / "in.pt"), "--out", str(tmp_path / "out.pt"), *flags]
-    run = subprocess.run(cmd, env=benchlib.trainer_env(), capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return torch.load(tmp_path / "out.pt")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", list(PARALLEL))
-def test_hf_logits_script_under_torchrun(tiny, tmp_path, parallel):
-    nproc, flags = PARALLEL[parallel]
+def test_hf_logits_script_under_torchrun(tiny, tmp_path):
+    """Every PARALLEL layout: one launch of 2 ranks, one of 4."""
     folder, _, model = tiny["topk-raw"]
     batch = hf_tiny.inputs()
-    got = hf_logits_script(folder, batch, tmp_path, nproc, flags)
-    assert (got - hf_tiny.hf_logits(model, batch)).abs().max() <= TOL
+    want = hf_tiny.hf_logits(model, batch)
+    for parallel, got in hf_check.logits_by_layout(folder, batch, tmp_path, PARALLEL).items():
+        assert (got - want).abs().max() <= TOL, parallel
 
 
 def test_hf_logits_refuses_an_expert_grid_naming_the_flag(tiny, tmp_path):

@@ -34,7 +34,6 @@ def test_flags_make_the_spec_and_the_run():
     (MOE + ["--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax"], 1, "--moe-router-pre-softmax"),
     (MOE + ["--tensor-model-parallel-size", "2"], 2, "--sequence-parallel"),
     (MOE + ["--lora-rank", "4"], 1, "--lora-targets"),  # the default targets adapt the MLP: experts take none
-    (MOE + ["--omnibal-partition", "auto"], 2, "--omnibal-partition"),
     (["--num-experts", "4", "--model", "qwen2.5-vl-tiny"], 1, "--num-experts"),  # a family without MoE layers
 ])
 def test_refused_naming_the_flag(argv, world, flag):

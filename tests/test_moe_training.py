@@ -2,10 +2,9 @@
 tensor, pipeline and data parallelism, against the single-process run (random and ISF batching): losses, gradient
 norms and the logged aux loss within 1e-4 / 1e-3 for 6 iterations; the expert load logged and written per layer."""
 import json
+from pathlib import Path
 
 import pytest
-
-from launch import run_training
 
 pytestmark = pytest.mark.slow
 
@@ -29,8 +28,14 @@ def column(records, key):
     return [r[key] for r in records]
 
 
+def ep2_logging_load(shared_runs) -> list[str]:
+    """EP2 with --log-expert-load into the shared runs' folder: the ep2 run of test_moe_parallel_equals_serial, whose
+    file test_expert_load_file_counts_every_routed_token reads (one launch for both)."""
+    return ["--expert-model-parallel-size", "2", "--log-expert-load", str(shared_runs.folder / "expert_load.jsonl")]
+
+
 @pytest.mark.parametrize("nproc,flags", [
-    (2, ["--expert-model-parallel-size", "2"]),
+    (2, None),  # ep2_logging_load
     (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),  # ETP = TP = 2
     (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
     (4, ["--expert-model-parallel-size", "2"]),  # EP2 x expert-DP2 (DP4 for the dense part)
@@ -38,7 +43,7 @@ def column(records, key):
 ], ids=["ep2", "tp2-sp", "ep2pp2", "ep2dp2", "ep2etp2"])
 def test_moe_parallel_equals_serial(data, serial_run, shared_runs, nproc, flags):
     serial = serial_run(BASE + data)
-    records, _, _ = shared_runs.run(nproc, BASE + data + flags)
+    records, _, _ = shared_runs.run(nproc, BASE + data + (ep2_logging_load(shared_runs) if flags is None else flags))
     assert_close(column(records, "lm loss"), column(serial, "lm loss"), 1e-4)
     assert_close(column(records, "grad norm"), column(serial, "grad norm"), 1e-3)
     assert_close(column(records, "moe aux loss"), column(serial, "moe aux loss"), 1e-4)
@@ -70,13 +75,13 @@ def test_seq_aux_loss_per_packed_sample_tp2_sp_equals_serial(data, serial_run, s
     assert all(2.5 < r["moe aux loss"] < 6.0 for r in serial)  # 3 MoE layers, each near its balanced value 1
 
 
-def test_expert_load_file_counts_every_routed_token(data, tmp_path):
+def test_expert_load_file_counts_every_routed_token(data, shared_runs):
     """--log-expert-load: per iteration, per MoE layer, tokens per expert summed over the ranks; each layer routes
     every real token of the iteration to top-k = 2 experts, so its counts sum to 2 x the same token count, the
     same in every layer; the logged imbalance is the largest max/mean over the layers."""
-    path = tmp_path / "expert_load.jsonl"  # not load.jsonl: the trainer's own JSON log of the run named "load"
-    records, _ = run_training(2, BASE + data + ["--expert-model-parallel-size", "2", "--log-expert-load", str(path)],
-                              tmp_path, "load")
+    flags = ep2_logging_load(shared_runs)
+    records, _, _ = shared_runs.run(2, BASE + data + flags)
+    path = Path(flags[-1])
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [x["iteration"] for x in lines] == [1, 2, 3, 4, 5, 6]
     for line, record in zip(lines, records):

@@ -9,15 +9,12 @@ import -> export bit-identical in the layout read and loaded by transformers; TP
 full-attention layer and EP2 through ``scripts/hf_logits.py`` under torchrun, and EP2 training as the serial run
 within 1e-4 (slow)."""
 import json
-import subprocess
-import sys
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
+import hf_check  # noqa: E402
 import hf_tiny_qwen3_5_moe as tiny_moe  # noqa: E402
-from test_internvl3_5_moe import hf_logits_script  # noqa: E402
 
 from omnibal_ext.errors import UserError  # noqa: E402
 from omnibal_ext.model.units import build_units, get_preset, unit_components  # noqa: E402
@@ -140,34 +137,18 @@ def test_stacked_experts_written_transposed_are_read_by_their_shapes(megatron_wo
 
 
 def test_import_export_round_trip_in_the_layout_read_and_transformers_loads_it(megatron_world, tiny, tmp_path):
-    from safetensors.torch import load_file
-
     from megatron.vlm.hf.convert import export_hf, import_hf
 
     pairs = []
     for name, (folder, _) in tiny.items():
-        want = load_file(str(folder / "model.safetensors"))
         import_hf(str(folder), str(tmp_path / f"ckpt-{name}"))
         out = tmp_path / f"out-{name}"
         export_hf(str(tmp_path / f"ckpt-{name}"), str(out))
-        got = load_file(str(out / "model.safetensors"))
-        assert set(got) == set(want), name
-        for k in want:
-            assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), (name, k)
+        hf_check.assert_same_tensors(folder, out, name)
         assert json.load(open(out / "config.json")) == {**json.load(open(folder / "config.json")), "dtype": "float32"}
-        pairs += [str(folder), str(out)]
-    torch.save(tiny_moe.inputs(), tmp_path / "in.pt")
-    script = (
-        "import sys, torch\n"
-        "from transformers import Qwen3_5MoeForConditionalGeneration as M\n"
-        f"batch = torch.load({str(tmp_path / 'in.pt')!r})\n"
-        "for a, b in zip(sys.argv[1::2], sys.argv[2::2]):\n"
-        "    x, y = (M.from_pretrained(f, attn_implementation='eager').eval() for f in (a, b))\n"
-        "    with torch.no_grad():\n"
-        "        assert torch.equal(x(**batch).logits, y(**batch).logits), b\n"
-        "print('same')\n")
-    run = subprocess.run([sys.executable, "-c", script, *pairs], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and "same" in run.stdout, run.stderr[-3000:]
+        pairs.append((folder, out))
+    hf_check.assert_transformers_loads_the_same("Qwen3_5MoeForConditionalGeneration", pairs, tiny_moe.inputs(),
+                                                tmp_path)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -181,13 +162,13 @@ PARALLEL = {"tp1": (1, []),
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", list(PARALLEL))
-def test_hf_logits_script_under_torchrun(tiny, tmp_path, parallel):
-    nproc, flags = PARALLEL[parallel]
+def test_hf_logits_script_under_torchrun(tiny, tmp_path):
+    """Every PARALLEL layout: one launch of 1 rank, one of 2."""
     folder, model = tiny["published"]
     batch = tiny_moe.inputs()
-    got = hf_logits_script(folder, batch, tmp_path, nproc, flags)
-    assert (got - tiny_moe.hf_logits(model, batch)).abs().max() <= TOL
+    want = tiny_moe.hf_logits(model, batch)
+    for parallel, got in hf_check.logits_by_layout(folder, batch, tmp_path, PARALLEL).items():
+        assert (got - want).abs().max() <= TOL, parallel
 
 
 # --------------------------------------------------------------------------------------------------

@@ -6,11 +6,11 @@ losses and gradient norms within 1e-5 at
 * TP2 + SP: linear key/value heads, attention heads and the Gated DeltaNet's conv channels split, the replicated
   gated-norm and per-head q/k-norm weights' gradients summed over TP, the pad segment of its own; its checkpoint
   saves (the gated norm weight a replica per TP rank);
-* PP2 with the boundary between a linear and a full-attention layer (``Iv*2PEt|t*4L``: after LLM layer 0) and
-  between a full and a linear one (``Iv*2PEt*3|t*2L``: after layer 2);
 * interleaved V = 2 (``Iv*2PEt|t|t|t*2L``: chunks end at a linear -> full, a full -> full and a full -> linear
   boundary);
-* ``--recompute-granularity full`` and ``selective`` on a stage holding both layer kinds;
+* PP2 with the boundary between a full and a linear layer (``Iv*2PEt*3|t*2L``: after layer 2) and
+  ``--recompute-granularity full`` (the second stage holds both layer kinds);
+* ``--recompute-granularity selective`` on a stage holding both layer kinds;
 
 and micro-batch size 4 (four samples packed in one THD row, each Gated DeltaNet sample from a zero state) gives
 micro-batch size 1's (one sample per row) within 1e-5.
@@ -63,10 +63,10 @@ def assert_equal_runs(got, want):
 PP2 = ["--pipeline-model-parallel-size", "2"]
 CASES = {
     "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-    "pp2_linear_to_full": (2, PP2 + ["--pipeline-layout", "Iv*2PEt|t*4L"]),
-    "pp2_full_to_linear": (2, PP2 + ["--pipeline-layout", "Iv*2PEt*3|t*2L"]),
+    # the interleaved layout cuts after a linear, a full and a full-attention layer (both kinds of boundary)
     "interleaved": (2, PP2 + ["--pipeline-layout", "Iv*2PEt|t|t|t*2L"]),
-    "recompute_full": (1, ["--recompute-granularity", "full"]),
+    "pp2_full_to_linear_recompute_full": (2, PP2 + ["--pipeline-layout", "Iv*2PEt*3|t*2L",
+                                                    "--recompute-granularity", "full"]),
     "recompute_selective": (1, ["--recompute-granularity", "selective"]),
 }
 

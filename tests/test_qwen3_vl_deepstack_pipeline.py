@@ -12,13 +12,12 @@ at the first and last ViT layer, so features cross every cut between ViT layer 0
 """
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
+import hf_check  # noqa: E402
 import hf_tiny_qwen3_vl as q  # noqa: E402
 
 from omnibal_ext.model.units import build_units, family_of, get_preset  # noqa: E402
@@ -29,12 +28,7 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """{"untied"|"tied": (folder, transformers model)}."""
-    out = {}
-    for i, tie in enumerate((False, True)):
-        name = "tied" if tie else "untied"
-        folder = tmp_path_factory.mktemp(name)
-        out[name] = (folder, q.make_tiny(folder, seed=i, tie=tie))
-    return out
+    return hf_check.untied_and_tied(tmp_path_factory, q.make_tiny)
 
 
 def _live(spec, cut):
@@ -64,26 +58,18 @@ def test_logits_with_features_crossing_every_cut(megatron_world, tiny):
 def test_hf_logits_script_pp2_with_deepstack_crossing(tiny, tmp_path):
     """PP 2: feature 0 from a ViT stage into ViT and LLM layers of the next; both features into LLM layers past the
     boundary; tied (embedding and head on different stages) and untied."""
-    sys.path.insert(0, str(q.__file__).rsplit("/tests/", 1)[0] + "/scripts")
-    import benchlib
-
-    batch = q.inputs()
-    torch.save(batch, tmp_path / "in.pt")
     from megatron.vlm.hf.configs import read_config, spec_from_config
 
+    batch = q.inputs()
     runs = [("Iv*2|v*2PEt*3L", 3, ["deepstack.0"], "untied"), ("Iv*2|v*2PEt*3L", 3, ["deepstack.0"], "tied"),
             ("Iv*4PEt|t*2L", 8, ["deepstack.1"], "untied"),  # read by the first layer past the cut
             ("Iv*4PE|t*3L", 7, ["deepstack.0", "deepstack.1"], "tied")]  # both, the second one layer further
     for layout, cut, live, name in runs:
-        folder, model = tiny[name]
-        assert _live(spec_from_config(read_config(str(folder)))[0], cut) == live
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(benchlib.free_port()), str(benchlib.ROOT / "scripts" / "hf_logits.py"), "--hf-checkpoint",
-               str(folder), "--inputs", str(tmp_path / "in.pt"), "--out", str(tmp_path / "out.pt"),
-               "--pipeline-model-parallel-size", "2", "--pipeline-layout", layout]
-        run = subprocess.run(cmd, env=benchlib.trainer_env(), capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        diff = (torch.load(tmp_path / "out.pt") - q.hf_logits(model, batch)).abs().max().item()
+        assert _live(spec_from_config(read_config(str(tiny[name][0])))[0], cut) == live
+    got = hf_check.torchrun_logits([(tiny[name][0], ["--pipeline-model-parallel-size", "2", "--pipeline-layout",
+                                                     layout]) for layout, _, _, name in runs], batch, tmp_path)
+    for (layout, _, _, name), logits in zip(runs, got):
+        diff = (logits - q.hf_logits(tiny[name][1], batch)).abs().max().item()
         print(f"{name} {layout}: max |diff| {diff:.3g}")
         assert diff <= TOL, (name, layout, diff)
 

@@ -8,8 +8,6 @@ loadable by transformers; the DeepStack mergers follow the projector's freezing;
 (slow)."""
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,6 +16,7 @@ from megatron.vlm.families.qwen3_vl.batch import Qwen3Vision
 from megatron.vlm.micro_batch import MicroBatch
 
 pytest.importorskip("transformers")
+import hf_check  # noqa: E402
 import hf_tiny_qwen3_vl as q  # noqa: E402
 
 from omnibal_ext.errors import UserError  # noqa: E402
@@ -52,12 +51,7 @@ PUBLISHED = {  # name: (ViT depth, hidden, heads, ffn, deepstack, LLM layers, hi
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """{"untied"|"tied": (folder, transformers model)}."""
-    out = {}
-    for i, tie in enumerate((False, True)):
-        name = "tied" if tie else "untied"
-        folder = tmp_path_factory.mktemp(name)
-        out[name] = (folder, q.make_tiny(folder, seed=i, tie=tie))
-    return out
+    return hf_check.untied_and_tied(tmp_path_factory, q.make_tiny)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -206,34 +200,14 @@ def test_dropping_deepstack_or_chunked_mrope_is_caught(megatron_world, tiny):
 
 
 def test_import_export_round_trip_and_transformers_loads_it(megatron_world, tiny, tmp_path):
-    from safetensors.torch import load_file
-
-    from megatron.vlm.hf.convert import export_hf, import_hf
-
-    batch = q.inputs()
+    pairs = []
     for name, (folder, _) in tiny.items():
-        import_hf(str(folder), str(tmp_path / name / "ckpt"))
-        export_hf(str(tmp_path / name / "ckpt"), str(tmp_path / name / "out"))
-        a, b = load_file(str(folder / "model.safetensors")), load_file(str(tmp_path / name / "out" / "model.safetensors"))
-        assert set(a) == set(b), name
-        for k in a:
-            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), (name, k)
-        assert json.load(open(tmp_path / name / "out" / "config.json")) == json.load(open(folder / "config.json"))
-    # transformers loads the exports and gives the source models' logits (a fresh process: megatron_world's CPU
-    # patches spoil the rotary buffers transformers recomputes in from_pretrained)
-    torch.save(batch, tmp_path / "in.pt")
-    script = (
-        "import sys, torch\n"
-        "from transformers import Qwen3VLForConditionalGeneration as M\n"
-        f"batch = torch.load({str(tmp_path / 'in.pt')!r})\n"
-        "for a, b in zip(sys.argv[1::2], sys.argv[2::2]):\n"
-        "    x, y = (M.from_pretrained(f, attn_implementation='eager').eval() for f in (a, b))\n"
-        "    with torch.no_grad():\n"
-        "        assert torch.equal(x(**batch).logits, y(**batch).logits), b\n"
-        "print('same')\n")
-    folders = [str(p) for name, (folder, _) in tiny.items() for p in (folder, tmp_path / name / "out")]
-    run = subprocess.run([sys.executable, "-c", script, *folders], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and "same" in run.stdout, run.stderr[-3000:]
+        out = hf_check.import_export(folder, tmp_path / name)
+        hf_check.assert_same_tensors(folder, out, name)
+        assert hf_check.config_of(out) == hf_check.config_of(folder)
+        pairs.append((folder, out))
+    # transformers loads the exports and gives the source models' logits (a fresh process: see hf_check)
+    hf_check.assert_transformers_loads_the_same("Qwen3VLForConditionalGeneration", pairs, q.inputs(), tmp_path)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -307,24 +281,15 @@ def test_frozen_vit_trains_the_deepstack_mergers(megatron_world):
 @pytest.mark.slow
 def test_hf_logits_script_tp2_and_pp2_under_torchrun(tiny, tmp_path):
     """TP 2 (3 ViT heads padded to 4), tied and untied; PP 2 with every DeepStack producer and consumer on one stage
-    (the ViT embedding apart; the last LLM layer and the head apart, with the tied embedding and head apart)."""
-    sys.path.insert(0, str(q.__file__).rsplit("/tests/", 1)[0] + "/scripts")
-    import benchlib
-
+    (the ViT embedding apart; the last LLM layer and the head apart, with the tied embedding and head apart); one
+    launch."""
     batch = q.inputs()
-    torch.save(batch, tmp_path / "in.pt")
     runs = [("untied", ["--tensor-model-parallel-size", "2"]),
             ("tied", ["--tensor-model-parallel-size", "2"]),
             ("untied", ["--pipeline-model-parallel-size", "2", "--pipeline-layout", "I|v*4PEt*3L"]),
             ("tied", ["--pipeline-model-parallel-size", "2", "--pipeline-layout", "Iv*4PEt*2|tL"])]
-    for name, flags in runs:
-        folder, model = tiny[name]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(benchlib.free_port()), str(benchlib.ROOT / "scripts" / "hf_logits.py"), "--hf-checkpoint",
-               str(folder), "--inputs", str(tmp_path / "in.pt"), "--out", str(tmp_path / "out.pt"), *flags]
-        run = subprocess.run(cmd, env=benchlib.trainer_env(), capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        got = torch.load(tmp_path / "out.pt")
-        diff = (got - q.hf_logits(model, batch)).abs().max().item()
+    got = hf_check.torchrun_logits([(tiny[name][0], flags) for name, flags in runs], batch, tmp_path)
+    for (name, flags), logits in zip(runs, got):
+        diff = (logits - q.hf_logits(tiny[name][1], batch)).abs().max().item()
         print(f"{name} {' '.join(flags)}: max |diff| {diff:.3g}")
         assert diff <= TOL, (name, flags)

@@ -3,14 +3,13 @@
 temporal ids are truncated products; Qwen3-VL's timestamp text before each temporal patch's own
 ``<|vision_start|>``..``<|vision_end|>``), the inputs built as the processors return them (their video processors
 need torchvision). Logits within 1e-5 at TP1 at every pipeline cut in one process, and under torchrun at TP2 x PP2
-with the ViT split over the stages (one launch per family, slow); inputs a family does not implement are refused."""
-import subprocess
-import sys
-
+with the ViT split over the stages (both families in one launch, slow); inputs a family does not implement are
+refused."""
 import pytest
 import torch
 
 pytest.importorskip("transformers")
+import hf_check  # noqa: E402
 import hf_tiny_qwen as q25  # noqa: E402
 import hf_tiny_qwen3_vl as q3  # noqa: E402
 
@@ -139,18 +138,14 @@ def test_inputs_not_implemented_are_refused(megatron_world, tiny):
 
 @pytest.mark.slow
 def test_video_hf_logits_script_tp2_pp2_under_torchrun(tiny, tmp_path):
-    """TP 2 (3 ViT heads padded to 4) x PP 2 with the ViT split over the stages, one launch per family."""
-    sys.path.insert(0, str(q25.__file__).rsplit("/tests/", 1)[0] + "/scripts")
-    import benchlib
-
-    for name, (folder, model, batch, layout) in tiny.items():
-        torch.save(batch, tmp_path / "in.pt")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
-               str(benchlib.free_port()), str(benchlib.ROOT / "scripts" / "hf_logits.py"), "--hf-checkpoint",
-               str(folder), "--inputs", str(tmp_path / "in.pt"), "--out", str(tmp_path / "out.pt"),
-               "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--pipeline-layout", layout]
-        run = subprocess.run(cmd, env=benchlib.trainer_env(), capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        diff = (torch.load(tmp_path / "out.pt") - hf_logits(model, batch)).abs().max().item()
+    """TP 2 (3 ViT heads padded to 4) x PP 2 with the ViT split over the stages, both families in one launch."""
+    names = list(tiny)
+    got = hf_check.torchrun_logits(
+        [(tiny[name][0], ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                          "--pipeline-layout", tiny[name][3]]) for name in names],
+        [tiny[name][2] for name in names], tmp_path, nproc=4)
+    for name, logits in zip(names, got):
+        _, model, batch, layout = tiny[name]
+        diff = (logits - hf_logits(model, batch)).abs().max().item()
         print(f"{name} TP2 x PP2 {layout}: max |diff| {diff:.3g}")
         assert diff <= TOL, name

@@ -375,6 +375,9 @@ def check_moe(args, spec: ModelSpec, tp: int, pp: int, cp: int, dp: int) -> None
     if args.moe_router_enable_expert_bias and args.moe_router_score_function != "sigmoid":
         raise ArgumentError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
                             "(megatron-core's aux-loss-free balancing)")
+    if args.moe_router_enable_expert_bias and args.freeze_llm:
+        raise ArgumentError("--moe-router-enable-expert-bias with --freeze-llm: the expert bias is the router's "
+                            "state, which a frozen LLM keeps, but megatron-core updates it every step; drop one")
     if args.moe_aux_loss_coeff < 0 or (args.moe_z_loss_coeff is not None and args.moe_z_loss_coeff < 0):
         raise ArgumentError("--moe-aux-loss-coeff and --moe-z-loss-coeff must be >= 0")
     from omnibal_ext.model.lora import Lora
@@ -385,12 +388,6 @@ def check_moe(args, spec: ModelSpec, tp: int, pp: int, cp: int, dp: int) -> None
         raise ArgumentError(f"--lora-targets {','.join(mlp)} (the default targets include them) with --num-experts: "
                             "adapters on experts (llm.experts) are not supported yet; give --lora-targets "
                             "llm.qkv,llm.proj (and ViT targets)")
-    for flag, on in (("--omnibal-partition auto", args.omnibal_partition == "auto"),
-                     ("--omnibal-recompute auto", args.omnibal_recompute == "auto"),
-                     ("--omnibal-profile", bool(args.omnibal_profile))):
-        if on:
-            raise ArgumentError(f"{flag} with --num-experts: the trainer's profiler does not run MoE layers yet "
-                                "(give --pipeline-layout / --recompute-plan)")
     if tp > 1 and not args.sequence_parallel:
         raise ArgumentError(f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel "
                             "(megatron-core's MoELayer refuses to train under TP without it)")

@@ -200,6 +200,26 @@ def _moe_patches() -> list[tuple[object, str, object]]:
     return patches
 
 
+def _eager_fused_functions() -> list[tuple[object, str, object]]:
+    """megatron-core's ``jit_fuser`` functions (``torch.compile`` in megatron/core/jit.py) that our CPU runs reach,
+    run eagerly: ``Attention._apply_output_gate`` (the gated attention of Qwen3.5).
+
+    A first ``torch.compile`` inside these patches (the factories and ``torch.cuda`` stand-ins above) leaves the
+    process's later eager code wrong: a transformers Qwen2.5-VL / InternVL model built afterwards, outside the
+    patches, gives other logits (rows past the first off by ~4; tests/test_lora.py's export test after the Qwen3.5
+    model tests). On the host the fusion gains nothing, and compiling costs seconds.
+    """
+    from megatron.core.transformer.attention import Attention
+
+    patches = []
+    for owner, name in ((Attention, "_apply_output_gate"),):
+        compiled = vars(owner)[name]
+        plain = getattr(compiled, "_torchdynamo_orig_callable", None)
+        if plain is not None:
+            patches.append((owner, name, plain))
+    return patches
+
+
 def _patches() -> list[tuple[object, str, object]]:
     """(owner, attribute, replacement) of every CPU patch."""
     from megatron.core.optimizer import clip_grads, optimizer
@@ -207,7 +227,7 @@ def _patches() -> list[tuple[object, str, object]]:
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
     from megatron.core.tensor_parallel import random as tp_random
 
-    return [*_moe_patches(),
+    return [*_moe_patches(), *_eager_fused_functions(),
         # device=torch.cuda.current_device() in tensor_parallel (gather buffers), DDP grad buffers
         # (distributed/param_and_grad_buffer.py), p2p receive buffers, RoPE.
         (torch.cuda, "current_device", lambda: "cpu"),

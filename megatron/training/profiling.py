@@ -1,10 +1,12 @@
 """Profile every unit of the model on this device: the costs the balancing planners read.
 
-Units of one kind (all ViT layers of a kind, all LLM layers) cost the same, so one of each is built: a
-stage module over the unit list of a copy of the model with one LLM layer and the fewest leading ViT layers
-that hold every ViT layer kind (one for a ViT of one layer kind).  The micro-batch is the family's (its data side's
-``profile_batch``; without one, fixed-size tiles: ``synthetic_batch``).  Each unit
-runs on the output of the one before it, at a given micro-batch shape, through
+Units of one kind (all ViT layers of a kind, all LLM layers of a kind) cost the same, so one of each is built: a
+stage module over the unit list of a copy of the model with the fewest leading ViT and LLM layers that hold every
+layer kind (one for a ViT or a decoder of one layer kind; dense and MoE decoder layers, ``llm_layer`` and
+``llm_moe_layer``: up to the first of the later kind; the MoE layers under the run's expert grid, recorded as the
+meta's "ep" / "etp").  An MoE model's routing is measured apart, on the training data (``routing_profile``).  The
+micro-batch is the family's (its data side's ``profile_batch``; without one, fixed-size tiles: ``synthetic_batch``).
+Each unit runs on the output of the one before it, at a given micro-batch shape, through
 omnibal_ext.model.profile.measure_unit (median forward/backward seconds, saved-tensor bytes).  The
 layers are measured three times — without recompute, with full and with selective recompute — for
 the activation bytes each keeps and the backward time selective recompute adds.
@@ -25,7 +27,7 @@ from omnibal_ext.model.cost_model import MicroBatchShape
 from omnibal_ext.model.costs import CostTable, UnitCost
 from omnibal_ext.model.families import family_of
 from omnibal_ext.model.profile import environment_meta, measure_unit, to_unit_cost
-from omnibal_ext.model.spec import LAYER_ROLES, VISION_LAYER
+from omnibal_ext.model.spec import LAYER_ROLES, TEXT_LAYER, VISION_LAYER
 from omnibal_ext.model.units import build_units, unit_components
 
 from megatron.vlm.data.collate import packing
@@ -35,15 +37,27 @@ from megatron.vlm.micro_batch import MicroBatch
 from megatron.vlm.stage import StageBuild, VLMStage, build_stage
 from omnibal_ext.memory.recompute import StageRecompute
 
+from .arguments import moe_run_of
+
+
+def _layers_of_every_kind(spec, code: str) -> int:
+    layers = [u for u in build_units(spec) if u.code == code]
+    firsts = {}
+    for k, u in enumerate(layers):
+        firsts.setdefault(u.kind, k)
+    return max(firsts.values(), default=0) + 1
+
 
 def vision_layers_of_every_kind(spec) -> int:
     """The fewest leading ViT layers that hold a layer of every ViT layer kind of ``spec`` (1 for a ViT of one
     layer kind; windowed and full-attention layers: up to the first full one), what the profiled copy keeps."""
-    vit = [u for u in build_units(spec) if u.code == VISION_LAYER]
-    firsts = {}
-    for k, u in enumerate(vit):
-        firsts.setdefault(u.kind, k)
-    return max(firsts.values(), default=0) + 1
+    return _layers_of_every_kind(spec, VISION_LAYER)
+
+
+def llm_layers_of_every_kind(spec) -> int:
+    """The fewest leading LLM layers that hold a layer of every LLM layer kind of ``spec`` (1 for a decoder of one
+    kind; MoE and dense layers: up to the first of the later kind), what the profiled copy keeps."""
+    return _layers_of_every_kind(spec, TEXT_LAYER)
 
 
 def synthetic_batch(spec, shape: MicroBatchShape, img_context_id: int, device,
@@ -96,7 +110,7 @@ def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, devic
                   warmup: int = 2, repeats: int = 5) -> CostTable:
     """Measured costs of every unit of the model ``spec`` at ``shape`` (one micro-batch, this TP)."""
     tp = args.tensor_model_parallel_size
-    mini = family_of(spec).few_layers(spec, vision_layers_of_every_kind(spec), 1)
+    mini = family_of(spec).few_layers(spec, vision_layers_of_every_kind(spec), llm_layers_of_every_kind(spec))
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     on_cpu = device.type == "cpu"
     mini_units = build_units(mini)
@@ -106,11 +120,11 @@ def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, devic
     def stage(recompute):
         m = build_stage(StageBuild(mini, range(len(mini_units)), tp=tp, dtype=dtype, impl=impl, seed=args.seed,
                                    recompute=recompute, img_context_id=img_context_id, on_cpu=on_cpu,
-                                   sequence_parallel=sp))
+                                   sequence_parallel=sp, moe_run=moe_run_of(args, mini)))
         return m.to(device=device, dtype=dtype).train()
 
     plain = stage(StageRecompute())
-    full = stage(StageRecompute(mini.vision.num_layers, False, 1, False))
+    full = stage(StageRecompute(mini.vision.num_layers, False, mini.language.num_layers, False))  # every layer
     selective = stage(StageRecompute(0, True, 0, True))
     family_batch = runtime_family(mini).data.profile_batch or synthetic_batch
     batch = family_batch(mini, shape, img_context_id, device, pad_to_multiple=tp if sp else 1)
@@ -134,6 +148,8 @@ def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, devic
         return component.profile_module(module)
 
     costs = unit_components(mini)
+    if mini.language.moe is not None:
+        _track_aux_losses(mini.language.num_layers, device)
     per_kind: dict[str, UnitCost] = {}
     x = None
     for unit in mini_units:
@@ -161,17 +177,45 @@ def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, devic
                                            **extra)
         with torch.no_grad():
             x = run(plain_parts, unit, inp)
+    if mini.language.moe is not None:
+        _forget_aux_losses()
     units = [dataclasses.replace(per_kind[u.kind], name=u.name) for u in build_units(spec)]
     meta = {**environment_meta(), "device": _device_name(device), "dtype": str(dtype).replace("torch.", ""),
             "shape": shape.to_dict(), "spec": spec.to_dict(), "tp": tp, "sequence_parallel": sp,
             "warmup": warmup, "repeats": repeats,
             # SegmentAttention keeps no scores, as FlashAttention; "unfused" keeps megatron-core's
             "attention": "unfused" if impl.dense_mask else "flash"}
+    if spec.language.moe is not None:  # the expert grid the MoE units ran under (cost_model.profile_expert_run)
+        meta.update(ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size or tp)
     from omnibal_ext.model.side_bytes import with_side_bytes
 
     # the side tensors' bytes at each boundary (DeepStack features: the few-layer model runs none) from the spec
     table = with_side_bytes(CostTable(tuple(units), source="profile", meta=meta), spec, shape)
     return broadcast_table(table)
+
+
+def _track_aux_losses(num_layers: int, device) -> None:
+    """megatron-core's aux-loss tracker made for the copy's ``num_layers`` decoder layers (it would size its
+    tensors by the first router's block, which may hold fewer layers than the router's layer number), as the
+    trainer's ``MoELog`` makes it."""
+    from megatron.core.transformer.moe import moe_utils
+
+    from .moe_log import TRACKED
+
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    for name in TRACKED:
+        tracker.setdefault(name, {"values": torch.zeros(num_layers, device=device), "reduce_group": None,
+                                  "avg_group": None, "reduce_group_has_dp": False})
+
+
+def _forget_aux_losses() -> None:
+    """megatron-core's process-wide aux-loss state left by the copy's routers: their logged losses (by the copy's
+    layers, none training's) and the aux-loss gradient scale (a scalar where training's schedule sets a [1] tensor),
+    so training starts from none."""
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()
+    moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
 
 def _core_attention_share(component, shape: MicroBatchShape, tp: int) -> float:

@@ -202,18 +202,23 @@ def precision_of(args):
     return MIXED_BF16_ADAM if args.bf16 else FP32_ADAM  # fp32: param, main_grad, Adam m/v
 
 
-def unit_costs(args, plan: RunPlan, dataset, img_context_id: int, device):
+def unit_costs(args, plan: RunPlan, dataset, tokenizer, device, groups=None):
     """Costs of every unit: read from --omnibal-profile if it exists, else measured now (and written there; the
-    profile times every unit training); returned with the run's frozen units applied (``plan.trainable``:
-    forward only for a frozen prefix, input-gradient backward below a trainable unit, weights-only memory)."""
-    costs = _measured_costs(args, plan, dataset, img_context_id, device)
+    profile times every unit training; an MoE model's also holds the expert load of iteration 1's micro-batches:
+    ``routing_profile``, ``groups`` being ``build_groups``'); returned with the run's frozen units applied
+    (``plan.trainable``: forward only for a frozen prefix, input-gradient backward below a trainable unit,
+    weights-only memory)."""
+    costs = _measured_costs(args, plan, dataset, tokenizer, device, groups)
     return costs if plan.trainable is None else plan.trainable.apply(costs)
 
 
-def _measured_costs(args, plan: RunPlan, dataset, img_context_id: int, device):
+def _measured_costs(args, plan: RunPlan, dataset, tokenizer, device, groups=None):
     from omnibal_ext.model.costs import CostTable
 
     from .profiling import profile_for_training
+    from .routing_profile import measure_expert_load
+
+    img_context_id = tokenizer.img_context_id
 
     path = args.omnibal_profile
     if path and os.path.exists(path):
@@ -224,6 +229,9 @@ def _measured_costs(args, plan: RunPlan, dataset, img_context_id: int, device):
                                 f"{len(names)} units (profiled another model?)")
         return costs
     costs = profile_for_training(args, plan, dataset, img_context_id, device)
+    if plan.model_spec.language.moe is not None:
+        load = measure_expert_load(args, plan, tokenizer, dataset, groups, device)
+        costs = dataclasses.replace(costs, meta={**costs.meta, "expert_load": load})
     if path and dist.get_rank() == 0:
         costs.save(path)
     return costs

@@ -25,7 +25,8 @@ Every segment is padded to a whole number of chunks (padding: g = beta = k = v =
 no chunk spans two segments. The intra-chunk terms are computed for all chunks at once; the scan over chunks then
 runs ``max(chunks per segment)`` steps, step ``j`` advancing the ``j``-th chunk of every segment that has one
 (segments sorted by chunk count, so the live states are a prefix). On a GPU with flash-linear-attention (``fla``)
-installed, ``delta_rule`` calls its variable-length kernel instead (``cu_seqlens``; untested here: no GPU, no fla).
+installed, ``delta_rule`` calls its variable-length kernel instead (``cu_seqlens``; ``pick_backend``; compared with the
+torch rule sample by sample in scripts/gpu_check.py's ``fla_delta_rule``).
 """
 from __future__ import annotations
 
@@ -46,6 +47,19 @@ BACKENDS = ("auto", "torch", "fla")
 def fla_available() -> bool:
     """Whether flash-linear-attention's gated delta rule imported."""
     return _fla_chunk_gated_delta_rule is not None
+
+
+def pick_backend(backend: str, on_cuda: bool, fla_imported: bool) -> str:
+    """The delta rule's implementation, ``"fla"`` or ``"torch"``: ``auto`` takes fla's varlen kernel for tensors on a
+    CUDA device when fla imported, else the torch rule; ``fla`` asks for the kernel (RuntimeError where it did not
+    import); ``torch`` the torch rule everywhere."""
+    if backend not in BACKENDS:
+        raise ValueError(f"delta_rule: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "fla" and not fla_imported:
+        raise RuntimeError("delta_rule: backend 'fla' asked for, but flash-linear-attention does not import")
+    if backend == "fla" or (backend == "auto" and on_cuda and fla_imported):
+        return "fla"
+    return "torch"
 
 
 def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
@@ -182,20 +196,16 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, segment
 
     q, k: [t, key heads, k_dim] (each key head serving value heads / key heads consecutive value heads); v: [t, h,
     v_dim]; g, beta: [t, h]; cu_seqlens: the segments' bounds (any device) or None. Returns [t, h, v_dim], fp32."""
-    if backend not in BACKENDS:
-        raise ValueError(f"delta_rule: backend must be one of {BACKENDS}, got {backend!r}")
     ratio = v.shape[1] // k.shape[1]
-    use_fla = backend == "fla" or (backend == "auto" and q.is_cuda and fla_available())
-    if not use_fla:
+    if pick_backend(backend, q.is_cuda, fla_available()) == "torch":
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta)):
             return _RecomputedDeltaRule.apply(q, k, v, g, beta, segments, chunk, ratio)
         return _repeated_rule(q, k, v, g, beta, segments, chunk, ratio)
-    if not fla_available():
-        raise RuntimeError("delta_rule: backend 'fla' asked for, but flash-linear-attention does not import")
     if cu_seqlens is None:
         bounds = [0] + [end for _, end in segments]
         cu_seqlens = torch.tensor(bounds, dtype=torch.long)
-    # fla's chunk size is its own (64); untested: this machine has neither a GPU nor fla
+    # fla's chunk size is its own (64); checked against the torch rule sample by sample on a GPU by
+    # scripts/gpu_check.py (fla_delta_rule), the glue on the CPU with a stand-in kernel (tests/test_fla_dispatch.py)
     if ratio > 1:
         q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
     dtype = v.dtype  # fla wants q, k, v, beta in one dtype (g in fp32)

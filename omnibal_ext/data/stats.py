@@ -407,16 +407,25 @@ def load_stats_file_images(path: str | Path) -> tuple[np.ndarray, np.ndarray, Im
 
 def load_stats_file_media(path: str | Path) -> tuple[np.ndarray, np.ndarray, ImageStats | None, VideoStats | None]:
     """(vit, tokens, images or None, videos or None) of one stats file (JSON, or gzip-compressed JSON)."""
+    return parse_media(read_records(path), str(path))
+
+
+def read_records(path: str | Path) -> list:
+    """The decoded JSON of one stats file (JSON, or gzip-compressed JSON); StatsError names ``path``."""
     path = str(path)
     try:
         with open_text(path) as f:
-            records = json.load(f)
+            return json.load(f)
     except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError; a cut-off gzip stream an EOFError
         raise StatsError(f"{path}: cannot read stats file: {getattr(e, 'strerror', None) or e}") from e
     except json.JSONDecodeError as e:
         raise StatsError(f"{path}: not valid JSON: {e}") from e
     except UnicodeDecodeError as e:
         raise StatsError(f"{path}: not valid JSON (not UTF-8 text): {e}") from e
+
+
+def parse_media(records, path: str) -> tuple[np.ndarray, np.ndarray, ImageStats | None, VideoStats | None]:
+    """(vit, tokens, images or None, videos or None) of a decoded stats list; StatsError names ``path``."""
     vit, tokens = parse_records(records, path)
     return vit, tokens, parse_images(records, path), parse_videos(records, path)
 
@@ -427,25 +436,32 @@ def load_stats(paths: Sequence[str | Path]) -> SampleStats:
         paths = [paths]
     if not paths:
         raise StatsError("no stats files given")
+    return stats_of_records([(str(p), read_records(p)) for p in paths])
+
+
+def stats_of_records(parts: Sequence[tuple[str, list]]) -> SampleStats:
+    """The SampleStats of stats records held in memory, ``(name, records)`` per source in order (what
+    :func:`load_stats` makes of files; ``omnibal plan --data META.json`` of the records a scan gives):
+    ``source[i]`` is the index of the part sample ``i`` came from."""
     vits, toks, srcs, images, videos = [], [], [], [], []
-    for i, p in enumerate(paths):
-        v, t, im, vid = load_stats_file_media(p)
+    for i, (name, records) in enumerate(parts):
+        v, t, im, vid = parse_media(records, name)
         vits.append(v)
         toks.append(t)
         srcs.append(np.full(len(v), i, dtype=np.int32))
         images.append(im)
         videos.append(vid)
+    names = [name for name, _ in parts]
     if any(im is not None for im in images) and not all(im is not None for im in images):
-        some = paths[[im is None for im in images].index(False)]
-        none = paths[[im is None for im in images].index(True)]
+        some = names[[im is None for im in images].index(False)]
+        none = names[[im is None for im in images].index(True)]
         raise StatsError(f"{none}: no per-image sizes (\"images\") but {some} has them; give them for every file")
     merged = ImageStats.concat(images) if images[0] is not None else None
     merged_videos = None
     if any(vid is not None for vid in videos):  # a file without videos has none
         merged_videos = VideoStats.concat([vid if vid is not None else VideoStats.none(len(v))
                                            for vid, v in zip(videos, vits)])
-    return SampleStats(np.concatenate(vits), np.concatenate(toks), np.concatenate(srcs), [str(p) for p in paths],
-                       merged, merged_videos)
+    return SampleStats(np.concatenate(vits), np.concatenate(toks), np.concatenate(srcs), names, merged, merged_videos)
 
 
 def resample_indices(num_samples: int, m: int, seed: int) -> np.ndarray:

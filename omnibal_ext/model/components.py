@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from ..errors import UserError
 from .shape import MicroBatchShape
-from .spec import HEAD, TEXT_EMBED, TEXT_LAYER, ModelSpec
+from .spec import HEAD, TEXT_EMBED, TEXT_LAYER, LanguageSpec, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -151,6 +151,7 @@ def layer_act_bytes_per_token(
     dtype_bytes: int, tp: int, dropout: bool, attention: str, *, norm: str, rotary: bool = False,
     per_sample: bool = False, built_heads: int | None = None, head_dim: int | None = None,
     sequence_parallel: bool = False, kernels: LayerKernels = FUSED_KERNELS, kv_gathered: bool = False,
+    qk_norm: bool = False, rotary_dim: int | None = None,
 ) -> tuple[float, float]:
     """(all, attention-core) activation bytes per token of one pre-norm layer (see cost_model's docstring).
 
@@ -161,7 +162,8 @@ def layer_act_bytes_per_token(
     the norm inputs, linear inputs, norm statistics and dropout masks (replicated without it) are split by TP;
     the rotary tables stay whole; kv_gathered: context parallelism, the attention gets keys and values
     all-gathered over the CP group (the caller counts them): the local fused QKV output and rotated keys are
-    not kept.
+    not kept; qk_norm: an RMSNorm over each head of the query and of the key (Qwen3); rotary_dim: the channels
+    of each head RoPE rotates (default ``head_dim``; fewer under partial rotary).
 
     Beyond the textbook count, what this trainer's megatron-core local layers keep (saved tensors counted
     tensor by tensor on a CPU, within 0.1% at TP 2 with and without sequence parallelism:
@@ -174,7 +176,11 @@ def layer_act_bytes_per_token(
       ``(h + 2*h)*D/t``;
     * a gated MLP through megatron-core's unfused GLU (no bias, so no bias-activation fusion) also
       keeps ``act(x_glu)`` and ``x_linear + offset``: ``5*f*D/t``, not ``3*f*D/t``;
-    * rotary embeddings keep cos and sin for q and for k: ``4*d*D``, replicated;
+    * rotary embeddings keep cos and sin for q and for k: ``4*r*D`` (``r`` the rotated channels), replicated;
+    * per-head q/k norms (``qk_norm``) keep the query copied out of the fused QKV output (its reshape of a
+      split), ``h*D/t``, while the key's input is a view of that output; and per head of each, what an RMSNorm
+      of ``d`` keeps (``norm_bytes_per_token``: fp32 ``1/rms`` and a composite norm's normalised tensor),
+      ``(heads + g) * norm(d) / t``;
     * attention run per packed sample keeps each sample's output beside the concatenated
       out-projection input: ``h*D/t`` more. Counted whenever attention runs per sample: a row of one segment
       (no padding, no CP) keeps its one output as the out-projection input, ``h*D/t`` less (measured), but a
@@ -190,7 +196,7 @@ def layer_act_bytes_per_token(
     replicated = 4 * hidden * d_bytes + 2 * hidden * p + 2 * norm_bytes_per_token(hidden, d_bytes, norm, kernels)
     if sequence_parallel:
         replicated /= tp
-    replicated += 4 * head_dim * d_bytes if rotary else 0
+    replicated += 4 * (rotary_dim or head_dim) * d_bytes if rotary else 0
     if attention == "unfused":
         qkv = 3 * width
     elif kv_gathered:
@@ -205,6 +211,8 @@ def layer_act_bytes_per_token(
         core = heads * 4.0  # fp32 log-sum-exp per head; the output is counted as the out-proj input
     else:
         raise UserError(f"attention must be 'unfused' or 'flash', got {attention!r}")
+    if qk_norm:
+        split += width * d_bytes + (heads + groups) * norm_bytes_per_token(head_dim, d_bytes, norm, kernels)
     if per_sample:
         core += width * d_bytes  # each sample's output, beside their concatenation
     return replicated + (split + core) / tp, core / tp
@@ -249,6 +257,19 @@ class TextEmbedCost(CostComponent):
         return out, out / 2 if sequence_parallel else 0.0  # the scatter's backward all-gathers
 
 
+def rotary_table_bytes(lm: LanguageSpec, shape, tokens: float) -> float:
+    """The fp32 rotary angles an LLM layer gets as an input (what full recompute keeps besides the hidden states),
+    ``rotary_dim`` wide: multimodal RoPE (``mrope_section``) one row per token (``tokens``: the rank's, padding
+    included; angles of each token's 3-D position); 1-D RoPE one row per position of the longest sample, for which
+    the token-weighted mean length ``sum(len^2) / T`` stands (the shape holds ``sum(len^2)`` only; exact for
+    samples of one length)."""
+    if lm.mrope_section is not None:
+        rows = tokens
+    else:
+        rows = min(tokens, shape.attn_tokens_sq / shape.llm_tokens if shape.llm_tokens else 0.0)
+    return rows * lm.rotary_dim * 4.0
+
+
 class TextLayerCost(CostComponent):
     """One GPT decoder layer over the packed micro-batch (causal attention within each sample)."""
 
@@ -278,14 +299,10 @@ class TextLayerCost(CostComponent):
             lm.hidden_size, lm.num_attention_heads, lm.kv_groups, lm.ffn_hidden_size, lm.swiglu,
             attended, D, tp, dropout, attention, norm=lm.normalization, rotary=True, per_sample=attention == "flash",
             head_dim=lm.kv_channels, sequence_parallel=sequence_parallel, kernels=kernels,
-            kv_gathered=shape.cp > 1 and attention == "flash")
+            kv_gathered=shape.cp > 1 and attention == "flash", qk_norm=lm.qk_norm, rotary_dim=lm.rotary_dim)
         gathered = self.cp_attention_bytes(shape, tp) if attention == "flash" else 0.0
         split = tp if sequence_parallel else 1
-        # full recompute: the input and megatron-core's fp32 rotary table, one row per position of the longest
-        # sample; the shape holds sum(len^2) only, so the token-weighted mean length sum(len^2) / T stands for it
-        # (exact for samples of one length)
-        table = min(T, shape.attn_tokens_sq / shape.llm_tokens if shape.llm_tokens else 0.0)
-        full = T * lm.hidden_size * D / split + table * lm.kv_channels * 4.0
+        full = T * lm.hidden_size * D / split + rotary_table_bytes(lm, shape, T)
         return ActBytes(T * per_tok + gathered, full, T * (per_tok - core) + gathered, T * lm.hidden_size * D / split)
 
     def cp_attention_bytes(self, shape, tp: int) -> float:

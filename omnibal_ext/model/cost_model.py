@@ -67,6 +67,7 @@ import numpy as np
 from ..errors import UserError
 from .components import FUSED_KERNELS, CostComponent, LayerKernels
 from .costs import CostTable, UnitCost
+from .expert_load import measured_imbalance
 from .moe import ExpertGrid
 from .moe_cost import MEAN_RUN, ExpertRun, alltoall_seconds
 from .shape import MicroBatchShape
@@ -299,11 +300,14 @@ def calibrate(profile: CostTable, spec: ModelSpec, shape: MicroBatchShape, tp: i
 
 def profile_expert_run(profile: CostTable) -> ExpertRun:
     """The expert run a profile was measured under: its meta's "ep", "etp" and "moe_imbalance" (the busiest EP
-    rank's routed tokens over the mean, as ``omnibal profile`` measures it; absent: unknown)."""
+    rank's routed tokens over the mean a cost table assumed), else the expert load ``omnibal profile`` measured at
+    that EP (``expert_load.measured_imbalance``); neither: unknown."""
     meta = profile.meta or {}
+    grid = ExpertGrid(int(meta.get("ep", 1)), int(meta.get("etp", 1)))
     imbalance = meta.get("moe_imbalance")
-    return ExpertRun(ExpertGrid(int(meta.get("ep", 1)), int(meta.get("etp", 1))),
-                     None if imbalance is None else float(imbalance))
+    if imbalance is None:
+        imbalance = measured_imbalance(meta, grid.ep)
+    return ExpertRun(grid, None if imbalance is None else float(imbalance))
 
 
 def calibrated_costs(
@@ -328,8 +332,8 @@ def calibrated_costs(
     the analytic rates of ``device`` (default: the profile's meta "device" if it names a preset,
     else a100-80g). Bytes are analytic. A profile taken at TP 1 holds no all-reduce, so ``device``'s
     TP all-reduce times are added; a profile at TP > 1 holds its own in the fitted rates.
-    experts: how MoE layers run; an unknown load (``imbalance`` None) takes the profile's measured one
-    (``profile_expert_run``), else stays unknown (time at the mean, memory at the worst case). The all-to-alls are
+    experts: how MoE layers run; an unknown load (``imbalance`` None) takes the one the profile measured on data at
+    ``experts``' EP (``expert_load.measured_imbalance``), else its run's (``profile_expert_run``), else stays unknown (time at the mean, memory at the worst case). The all-to-alls are
     added at ``device``'s rates.
     """
     meta = profile.meta or {}
@@ -346,7 +350,9 @@ def calibrated_costs(
         device = DEVICES.get(str(meta.get("device", "")), DEVICES["a100-80g"])
     rates = _seconds_per_work(device, unit_components(spec))
     fitted = calibrate(profile, profile_spec, profile_shape, profile_tp)
-    measured = profile_expert_run(profile).imbalance
+    measured = measured_imbalance(meta, experts.grid.ep)  # the load measured on data at this EP
+    if measured is None:
+        measured = profile_expert_run(profile).imbalance
     if experts.imbalance is None and measured is not None and spec.language.moe is not None:
         experts = ExpertRun(experts.grid, measured)
     rates.update(fitted)

@@ -97,6 +97,15 @@ class MoESpec:
         return tuple(i for i, x in enumerate(self.layer_freq) if x)
 
 
+def first_layers(moe: MoESpec | None, num_layers: int) -> MoESpec | None:
+    """``moe`` for the decoder's first ``num_layers`` layers (a model of fewer layers: the trainer's profiler), None
+    where they hold no MoE layer (a dense decoder) or ``moe`` is None."""
+    if moe is None or not any(moe.layer_freq[:num_layers]):
+        return None
+    freq = moe.layer_freq[:num_layers] + (moe.layer_freq[-1],) * (num_layers - len(moe.layer_freq))
+    return dataclasses.replace(moe, layer_freq=freq)
+
+
 def layer_freq_from_qwen(num_layers: int, decoder_sparse_step: int, mlp_only_layers=()) -> tuple[int, ...]:
     """megatron-core's list form of Qwen's rule: layer i is MoE when (i + 1) % decoder_sparse_step == 0 and i is
     not in ``mlp_only_layers`` (HF ``decoder_sparse_step`` / ``mlp_only_layers`` configs)."""

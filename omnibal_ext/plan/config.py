@@ -77,6 +77,15 @@ class PlanConfig:
     ep: int | None = None
     etp: int | None = None
     moe_imbalance: float | None = None
+    # (EP, the busiest EP rank's routed tokens over the mean) measured on the training data by ``omnibal profile``
+    # (``--moe-profile``: ``omnibal_ext.model.expert_load``), what an unset moe_imbalance takes at each EP tried
+    measured_imbalance: tuple[tuple[int, float], ...] = ()
+
+    def imbalance_at(self, ep: int) -> float | None:
+        """The expert load the plan prices at EP ``ep``: ``moe_imbalance``, else the measured one there, else None."""
+        if self.moe_imbalance is not None:
+            return self.moe_imbalance
+        return dict(self.measured_imbalance).get(ep)
 
     @property
     def trainable(self) -> Trainable | None:

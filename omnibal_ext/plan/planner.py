@@ -95,7 +95,7 @@ def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict, s
         grids, why = expert_grids(moe, c[0], cp, c[2], config.ep, config.etp)
         skipped += [{"tp": c[0], "pp": c[1], "dp": c[2], "reason": w} for w in why]
         tried += [screen(c, shapes_at(c[0])[0], config.require_baseline_fit, cache,
-                         run_for(moe, g, config.moe_imbalance)) for g in grids]
+                         run_for(moe, g, config.imbalance_at(g.ep))) for g in grids]
     if not tried:
         raise refusal(spec, gpus, gpu_memory, budget, [], skipped, config.require_baseline_fit)
     usable = [r for r in tried if r["fits"] and "estimated_seconds_per_sample" in r]
@@ -105,7 +105,8 @@ def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict, s
                  else "baseline_estimated_seconds_per_sample")
     chosen = min(usable, key=lambda r: (r[speed_key], r["tp"], r["pp"], r.get("ep", 1), r.get("etp", 1)))
     t, p, d = chosen["tp"], chosen["pp"], chosen["dp"]
-    run = run_for(moe, ExpertGrid(chosen.get("ep", 1), chosen.get("etp", 1)), config.moe_imbalance)
+    grid = ExpertGrid(chosen.get("ep", 1), chosen.get("etp", 1))
+    run = run_for(moe, grid, config.imbalance_at(grid.ep))
     _, random_shape, _, _, worst = shapes_at(t)
     data = isf_at(t, d)
     cap = cap_shape(data.params, stats, cp, sp_tp(t), segments)

@@ -21,6 +21,7 @@ from typing import Callable
 from ...errors import UserError
 from ..components import CostComponent
 from ..lora import TARGETS
+from ..moe import first_layers
 from ..spec import LanguageSpec, ModelSpec, SideTensor
 
 
@@ -53,7 +54,8 @@ class Capabilities:
 def fewer_layers(spec: ModelSpec, vision_layers: int, llm_layers: int) -> ModelSpec:
     """``spec`` with ``vision_layers`` ViT and ``llm_layers`` LLM layers (``Family.few_layers``' default)."""
     return spec.replace(vision=dataclasses.replace(spec.vision, num_layers=vision_layers),
-                        language=dataclasses.replace(spec.language, num_layers=llm_layers))
+                        language=dataclasses.replace(spec.language, num_layers=llm_layers,
+                                                     moe=first_layers(spec.language.moe, llm_layers)))
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,14 @@ exact for samples of one length) plus the MLP ``6 T h f``. Selective recompute h
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ...errors import UserError
 from ..components import (FUSED_KERNELS, ActBytes, HeadCost, TextEmbedCost, TextLayerCost, llm_layer_flops,
-                          norm_bytes_per_token, sp_tokens)
+                          norm_bytes_per_token, rotary_table_bytes, sp_tokens)
 from ..linear_attention import LinearAttentionShape, linear_attention_act_bytes, linear_attention_flops
-from ..moe import MoESpec
+from ..moe import MoESpec, first_layers
 from ..moe_cost import MoELayerCost
 from ..spec import LanguageSpec, ModelSpec
 from . import Capabilities, Family, register
@@ -141,7 +142,9 @@ class LinearAttentionLayerCost(TextLayerCost):
             lengths.append(T - shape.rank_llm_tokens)  # the sequence-parallel pad: a segment of its own
         mixer = linear_attention_act_bytes(lm.linear_shape, lengths, tp, sequence_parallel and tp > 1, D).total
         act = mixer + _mlp_norm_bytes(lm, T, D, tp, sequence_parallel and tp > 1, kernels)
-        return ActBytes(act, send, act, send)
+        act += 2 * zero_centred_bytes(lm, D)  # the two zero-centred layer norms' 1 + w
+        # full recompute keeps the input and the rotary angles every LLM layer is given (the linear layer ignores them)
+        return ActBytes(act, send + rotary_table_bytes(lm, shape, T), act, send)
 
 
 class GatedAttentionLayerCost(TextLayerCost):
@@ -167,12 +170,30 @@ class GatedAttentionLayerCost(TextLayerCost):
         return {}  # no LoRA on these layers (not declared)
 
     def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False, kernels=FUSED_KERNELS):
-        """The decoder layer's bytes plus, per token and TP rank, the gate's rows of the fused QKV output, its
-        contiguous copy, ``sigmoid(gate)`` in fp32 and the ungated attention output (``heads * head_dim`` each)."""
+        """The decoder layer's bytes (q/k norms, partial rotary) plus, per token and TP rank, the gate's rows of the
+        fused QKV output, its contiguous copy and the ungated attention output (``heads * head_dim`` each; the
+        gated product is the out-projection input the decoder layer counts), and the ``1 + w`` of its two layer
+        norms and of the q and k norms."""
+        lm, D = self.spec.language, shape.dtype_bytes
         base = super().act_bytes(shape, tp, dropout, attention, sequence_parallel, kernels)
         T = sp_tokens(shape.rank_llm_tokens, tp, sequence_parallel)
-        gate = T * self._width() * (3 * shape.dtype_bytes + 4.0) / tp
+        gate = T * self._width() * 3 * D / tp + 2 * zero_centred_bytes(lm, D) + 2 * lm.kv_channels * D
         return ActBytes(base.act + gate, base.full, base.selective + gate, base.send)
+
+
+def zero_centred_bytes(lm: LanguageSpec, dtype_bytes: int) -> float:
+    """What a zero-centred norm over the hidden states keeps beside a plain one: its ``1 + w`` (``hidden`` values,
+    per layer, not per token)."""
+    return lm.hidden_size * dtype_bytes
+
+
+class ZeroCentredHeadCost(HeadCost):
+    """The head, its final norm zero-centred (``zero_centred_bytes`` more)."""
+
+    def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False, kernels=FUSED_KERNELS):
+        b = super().act_bytes(shape, tp, dropout, attention, sequence_parallel, kernels)
+        extra = zero_centred_bytes(self.spec.language, shape.dtype_bytes)
+        return ActBytes(b.act + extra, b.full, b.selective + extra, b.send)
 
 
 def unit_list(spec: ModelSpec):
@@ -181,7 +202,17 @@ def unit_list(spec: ModelSpec):
     units += [(f"vit.layer.{i}", VisionLayerCost, i) for i in range(spec.vision.num_layers)]
     units += [("projector", MergerCost, None), ("llm.embed", TextEmbedCost, None)]
     units += [(f"llm.layer.{i}", layer_cost(lm, i), i) for i in range(lm.num_layers)]
-    return units + [("llm.head", HeadCost, None)]
+    return units + [("llm.head", ZeroCentredHeadCost, None)]
+
+
+def few_layers(spec: ModelSpec, vision_layers: int, llm_layers: int) -> ModelSpec:
+    """``spec`` with ``vision_layers`` ViT layers and its first LLM layers, at least ``llm_layers`` and as many as hold
+    a layer of each kind of ``layer_types`` (``Family.few_layers``: the trainer's profiler measures every kind)."""
+    types = spec.language.layer_types
+    keep = max(llm_layers, max(types.index(kind) for kind in set(types)) + 1)
+    return spec.replace(vision=dataclasses.replace(spec.vision, num_layers=vision_layers),
+                        language=dataclasses.replace(spec.language, num_layers=keep, layer_types=types[:keep],
+                                                     moe=first_layers(spec.language.moe, keep)))
 
 
 def spec_problem(spec: ModelSpec) -> str | None:
@@ -206,14 +237,14 @@ def vision(**kw) -> VisionSpec:
 # Presets: the dense Qwen/Qwen3.5-* sizes whose config.json facts were found (where each was read:
 # tests/test_qwen3_5_model.py, PUBLISHED). Common: vocab 248320, head_dim 256, rope_theta 1e7, partial rotary
 # 0.25, mrope_section [11, 11, 10] interleaved, rms_norm_eps 1e-6, linear conv kernel 4, key/value head dims 128,
-# every fourth layer full attention; the ViT: patch 16, temporal 2, merge 2, 2304 positions. 2B and 4B are not
-# here: 2B's sizes and 4B's ViT were not found (4B's LLM was: 32 layers, hidden 2560, 16 / 4 heads, FFN 9216,
-# linear 16 / 32 heads, tied).
+# every fourth layer full attention; the ViT: patch 16, temporal 2, merge 2, 2304 positions. 2B is not here: its
+# sizes were not found.
 # --------------------------------------------------------------------------------------------
 _TEXT = dict(rotary_base=10000000, norm_eps=1e-6, head_dim=256, vocab_size=248320, mrope_section=(11, 11, 10),
              partial_rotary_factor=0.25, linear_key_head_dim=128, linear_value_head_dim=128,
              linear_conv_kernel_dim=4)
 SMALL_VIT = vision(num_layers=12, hidden_size=768, num_attention_heads=12, ffn_hidden_size=3072)
+MID_VIT = vision(num_layers=24, hidden_size=1024, num_attention_heads=16, ffn_hidden_size=4096)
 LARGE_VIT = vision(num_layers=27, hidden_size=1152, num_attention_heads=16, ffn_hidden_size=4304)
 
 
@@ -226,6 +257,7 @@ def _preset(name, vit, layers, hidden, heads, groups, ffn, key_heads, value_head
 
 PRESETS: dict[str, ModelSpec] = {
     "qwen3.5-0.8b": _preset("qwen3.5-0.8b", SMALL_VIT, 24, 1024, 8, 2, 3584, 16, 16, True),
+    "qwen3.5-4b": _preset("qwen3.5-4b", MID_VIT, 32, 2560, 16, 4, 9216, 16, 32, True),
     "qwen3.5-9b": _preset("qwen3.5-9b", LARGE_VIT, 32, 4096, 16, 4, 12288, 16, 32, False),
     "qwen3.5-27b": _preset("qwen3.5-27b", LARGE_VIT, 64, 5120, 24, 4, 17408, 16, 48, False),
     # a CPU model: 2 ViT layers, 6 LLM layers in an order other than every fourth (linear, full, linear, linear,
@@ -303,9 +335,9 @@ PRESETS.update(MOE_PRESETS)
 QWEN3_5 = register(Family(
     name="qwen3_5", vision_spec=VisionSpec, language_spec=Qwen35LanguageSpec,
     components=(VisionEmbedCost, VisionLayerCost, MergerCost, TextEmbedCost, LinearAttentionLayerCost,
-                GatedAttentionLayerCost, LinearAttentionMoELayerCost, GatedAttentionMoELayerCost, HeadCost),
+                GatedAttentionLayerCost, LinearAttentionMoELayerCost, GatedAttentionMoELayerCost, ZeroCentredHeadCost),
     unit_list=unit_list, vision_item="patch", presets=PRESETS, segments_sq=image_segments_sq,
-    spec_problem=spec_problem,
+    spec_problem=spec_problem, few_layers=few_layers,
     # sequence parallelism is declared: the Gated DeltaNet, the gated attention and the norms run under it (tested
     # at TP 2); context parallelism is refused (the linear layers' state would pass between CP ranks); no LoRA
     capabilities=Capabilities(sequence_parallel=True, image_flags=("--min-pixels", "--max-pixels"), moe=True)))

@@ -33,7 +33,7 @@ from ..components import (FUSED_KERNELS, ActBytes, CostComponent, HeadCost, Text
                           layer_act_bytes_per_token, norm_bytes_per_token, sp_tokens)
 from ..spec import PROJECTOR, VISION_EMBED, VISION_LAYER, LanguageSpec, ModelSpec, SideTensor
 from ..lora import TARGETS as LORA_TARGETS
-from ..moe import MoESpec, layer_freq_from_qwen
+from ..moe import MoESpec, first_layers, layer_freq_from_qwen
 from ..moe_cost import MoELayerCost, llm_layer_units
 from . import Capabilities, Family, register
 
@@ -286,7 +286,9 @@ def few_layers(spec: ModelSpec, vision_layers: int, llm_layers: int) -> ModelSpe
     layers, more where the kept DeepStack features need them (``Family.few_layers``: the trainer's profiler)."""
     kept = tuple(i for i in spec.vision.deepstack_visual_indexes if i < vision_layers)
     vision = replace(spec.vision, num_layers=vision_layers, deepstack_visual_indexes=kept)
-    return spec.replace(vision=vision, language=replace(spec.language, num_layers=max(llm_layers, len(kept))))
+    n = max(llm_layers, len(kept))
+    return spec.replace(vision=vision, language=replace(spec.language, num_layers=n,
+                                                        moe=first_layers(spec.language.moe, n)))
 
 
 def spec_problem(spec: ModelSpec) -> str | None:

@@ -74,7 +74,7 @@ class VisionItem:
 def token_types(ids: np.ndarray, inputs: dict, info) -> np.ndarray:
     """``mm_token_type_ids`` of the sample (int64 [s]): the input's, checked against the config's image and video
     token ids where it names them; else made from those ids."""
-    video_id = getattr(info, "video_token_id", None)
+    video_id = info.video_token_id
     given = inputs.get("mm_token_type_ids")
     if given is not None:
         types = given.reshape(-1).numpy().astype(np.int64)

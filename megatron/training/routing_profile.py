@@ -1,0 +1,81 @@
+"""Expert load on real data, for the profile (``omnibal profile``, ``--omnibal-profile``): tokens per expert per
+MoE layer over the first training iteration's micro-batches, and from them the expert-parallel imbalance at every
+EP size (``omnibal_ext.model.expert_load``), which the cost model and ``omnibal plan`` read.
+
+The routing depends on every layer before a router, so the whole model runs: one stage of every unit on each rank,
+built as the trainer builds it (per-unit seeds, ``SeededSequentialMLP``'s per-expert seeds: the weights of training's
+first step whatever the layout, EP or TP) and loaded from ``--hf-checkpoint`` where one is given. It runs forward
+only, in evaluation mode (no aux-loss is recorded, no dropout), with gradients enabled (``ExpertLoad`` counts those
+forwards), on this data-parallel rank's micro-batches of iteration 1 (the trainer's loader, ``setup.build_data``).
+The counts are summed over the data-parallel ranks (with context parallelism: its ranks' token shares) and, under
+sequence parallelism, the tensor-parallel ranks (each routes 1/TP of the tokens): every rank gets the iteration's
+counts, those ``--log-expert-load`` writes for iteration 1. The copy is freed before training builds its model.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from omnibal_ext.model.expert_load import expert_load_meta
+from omnibal_ext.model.units import build_units
+
+from megatron.vlm.layer_impl import resolve_layer_impl
+from megatron.vlm.moe import ExpertLoad
+from megatron.vlm.stage import StageBuild, build_stage
+
+
+def whole_model(args, plan, img_context_id: int, device: torch.device):
+    """Every unit of ``plan.model_spec`` as one stage, with training's initial (or ``--hf-checkpoint``'s) weights."""
+    from .training import dtype_of
+
+    spec = plan.model_spec
+    impl = resolve_layer_impl(args.transformer_impl, args.attention_backend, device, plan.context_parallel_size,
+                              torch_layers_only=args.sequence_parallel)
+    stage = build_stage(StageBuild(
+        spec, range(len(build_units(spec))), tp=args.tensor_model_parallel_size, dtype=dtype_of(args),
+        impl=impl, seed=args.seed, img_context_id=img_context_id, on_cpu=device.type == "cpu", sequence_parallel=args.sequence_parallel,
+        cp=plan.context_parallel_size, initialize=not args.hf_checkpoint, moe_run=plan.moe_run))
+    stage.to(device=device, dtype=dtype_of(args))
+    if args.hf_checkpoint:
+        from megatron.vlm.hf.convert import HFSource
+        from megatron.vlm.hf.load import load_hf_into_stage
+
+        source = HFSource.open(args.hf_checkpoint)
+        source.spec = spec  # the vocabulary padded for the tokenizer and TP, as the trainer loads it
+        load_hf_into_stage(stage, source)
+    return stage.eval()
+
+
+def sum_over_token_shares(counts: torch.Tensor, args) -> torch.Tensor:
+    """``counts`` summed over the ranks that routed other tokens (module docstring), in place."""
+    dist.all_reduce(counts, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    if args.sequence_parallel and args.tensor_model_parallel_size > 1:
+        dist.all_reduce(counts, group=parallel_state.get_tensor_model_parallel_group())
+    return counts
+
+
+def measure_expert_load(args, plan, tokenizer, dataset, groups, device: torch.device) -> dict:
+    """The profile's ``expert_load`` (``omnibal_ext.model.expert_load``) of iteration 1's micro-batches."""
+    from megatron.vlm.batches import StageInputs
+
+    from .setup import build_data
+
+    moe = plan.model_spec.language.moe
+    stage = whole_model(args, plan, tokenizer.img_context_id, device)
+    load = ExpertLoad().attach([stage])
+    train, _ = build_data(args, plan, tokenizer, StageInputs.everything(), (dataset, None), device.type, groups)
+    try:
+        with torch.enable_grad():
+            for batch in itertools.islice(train, plan.num_microbatches):
+                stage.set_input_tensor(None)
+                stage(batch.to(device))
+    finally:
+        load.detach()
+    layers = list(moe.moe_layers)
+    counts = torch.stack([load.counts.get(k, torch.zeros(moe.num_experts, dtype=torch.float64)) for k in layers])
+    counts = sum_over_token_shares(counts, args)
+    del stage
+    return expert_load_meta(dict(zip(layers, counts.tolist())), plan.num_microbatches)

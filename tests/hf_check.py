@@ -1,0 +1,164 @@
+"""The checks every Hugging Face family's tests make against transformers, written once:
+
+* ``torchrun_logits``: our logits of tiny HF folders from ``scripts/hf_logits.py`` under torchrun, several
+  (folder, layout) cases in ONE launch (``tests/hf_logits_worker.py``; ``logits_by_layout``: one folder at named
+  layouts, one launch per world size); the caller compares them with its own oracle (transformers' logits) at its
+  own tolerance;
+* ``import_export`` / ``assert_same_tensors`` / ``assert_transformers_loads_the_same``: the import -> export
+  round trip bit-identical, and transformers loading the export to the source model's logits (in a fresh process: the
+  CPU patches of ``megatron.training.cpu_compat`` spoil the rotary buffers transformers recomputes in
+  ``from_pretrained``);
+* ``untied_and_tied``: a module fixture's two tiny checkpoints;
+* ``eager``: transformers' eager attention in a Qwen-style model (the reference for 1e-5 comparisons);
+* ``write_char_tokenizer`` / ``write_qwen_preprocessor``: a tiny folder's tokenizer and image processor files.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+
+def _benchlib():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import benchlib
+
+    return benchlib
+
+
+def untied_and_tied(tmp_path_factory, make_tiny) -> dict:
+    """{"untied"|"tied": (folder, transformers model)}: ``make_tiny(folder, seed=i, tie=...)`` (seeds 0 and 1) in
+    new temporary folders (a module fixture's pair of tiny checkpoints)."""
+    out = {}
+    for i, tie in enumerate((False, True)):
+        name = "tied" if tie else "untied"
+        folder = tmp_path_factory.mktemp(name)
+        out[name] = (folder, make_tiny(folder, seed=i, tie=tie))
+    return out
+
+
+def torchrun_logits(cases: Sequence[tuple[Path | str, Sequence[str]]], batch: dict | Sequence[dict], workdir: Path,
+                    nproc: int = 2, timeout: int = 600) -> list[torch.Tensor]:
+    """Our float32 logits ``[s, real vocabulary]`` on ``batch`` (transformers' inputs, see scripts/hf_logits.py; or
+    one batch per case) of each case ``(HF folder, hf_logits.py flags)`` (``--tensor-model-parallel-size 2``,
+    ``--pipeline-layout ...``), in order: scripts/hf_logits.py's ``main`` for every case in one torchrun world of
+    ``nproc`` ranks (asserting the launch succeeds). ``workdir``: where the inputs, the case list and the outputs
+    are written."""
+    benchlib = _benchlib()
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    batches = [batch] * len(cases) if isinstance(batch, dict) else list(batch)
+    assert len(batches) == len(cases), (len(batches), len(cases))
+    for k, one in enumerate(batches):
+        torch.save(one, workdir / f"in{k}.pt")
+    argvs = [["--hf-checkpoint", str(folder), "--inputs", str(workdir / f"in{k}.pt"), "--out",
+              str(workdir / f"out{k}.pt"), *flags] for k, (folder, flags) in enumerate(cases)]
+    (workdir / "cases.json").write_text(json.dumps(argvs))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+           str(benchlib.free_port()), str(TESTS / "hf_logits_worker.py"), str(workdir / "cases.json")]
+    run = subprocess.run(cmd, env=benchlib.trainer_env(), capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return [torch.load(workdir / f"out{k}.pt") for k in range(len(cases))]
+
+
+def logits_by_layout(folder: Path | str, batch: dict, workdir: Path,
+                     layouts: dict[str, tuple[int, Sequence[str]]]) -> dict[str, torch.Tensor]:
+    """``torchrun_logits`` of one HF ``folder`` at each of ``layouts`` (name: (world size, hf_logits.py flags)): one
+    launch per world size; returns the logits by layout name."""
+    out = {}
+    for nproc in sorted({n for n, _ in layouts.values()}):
+        names = [name for name, (n, _) in layouts.items() if n == nproc]
+        got = torchrun_logits([(folder, layouts[name][1]) for name in names], batch, Path(workdir) / f"world{nproc}",
+                              nproc)
+        out.update(zip(names, got))
+    return out
+
+
+def import_export(folder: Path | str, workdir: Path) -> Path:
+    """``import_hf`` of the HF ``folder`` into ``workdir/ckpt``, then ``export_hf`` of that into ``workdir/out``
+    (inside a world of one: the caller's ``megatron_world``); returns the export's folder."""
+    from megatron.vlm.hf.convert import export_hf, import_hf
+
+    workdir = Path(workdir)
+    import_hf(str(folder), str(workdir / "ckpt"))
+    export_hf(str(workdir / "ckpt"), str(workdir / "out"))
+    return workdir / "out"
+
+
+def assert_same_tensors(want: Path | str, got: Path | str, what="") -> None:
+    """The ``model.safetensors`` of folders ``want`` and ``got`` hold the same names, dtypes and bits."""
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(Path(want) / "model.safetensors")), load_file(str(Path(got) / "model.safetensors"))
+    assert set(a) == set(b), (what, sorted(set(a) ^ set(b))[:8])
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), (what, k)
+
+
+def config_of(folder: Path | str) -> dict:
+    """``folder``'s config.json."""
+    return json.loads((Path(folder) / "config.json").read_text())
+
+
+def assert_transformers_loads_the_same(model_class: str, pairs: Sequence[tuple[Path | str, Path | str]],
+                                       batch: dict, workdir: Path, timeout: int = 300) -> None:
+    """transformers' ``model_class`` (a name in ``transformers``) loads both folders of each pair (eager attention)
+    and gives bit-identical logits on ``batch``; in a fresh process (module docstring)."""
+    torch.save(batch, Path(workdir) / "loads_in.pt")
+    script = (
+        "import sys, torch, transformers\n"
+        f"M = getattr(transformers, {model_class!r})\n"
+        f"batch = torch.load({str(Path(workdir) / 'loads_in.pt')!r})\n"
+        "for a, b in zip(sys.argv[1::2], sys.argv[2::2]):\n"
+        "    x, y = (M.from_pretrained(f, attn_implementation='eager').eval() for f in (a, b))\n"
+        "    with torch.no_grad():\n"
+        "        assert torch.equal(x(**batch).logits, y(**batch).logits), b\n"
+        "print('same')\n")
+    folders = [str(f) for pair in pairs for f in pair]
+    run = subprocess.run([sys.executable, "-c", script, *folders], capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0 and "same" in run.stdout, run.stderr[-3000:]
+
+
+def eager(model):
+    """``model`` (a Qwen-style ``...ForConditionalGeneration``: ``model.model.visual``, ``.language_model``) with
+    transformers' eager attention in all its parts (the reference for 1e-5 comparisons)."""
+    for config in (model.config, model.model.visual.config, model.model.language_model.config):
+        config._attn_implementation = "eager"
+    return model
+
+
+CHARS = ["\n"] + [chr(c) for c in range(32, 127)]  # the character tokenizer's ordinary tokens
+
+
+def write_char_tokenizer(folder: Path, specials: Sequence[str], chat_template: str, pad_token: str,
+                         eos_token: str, unk_token: str = "<unk>") -> dict[str, int]:
+    """A character-level WordLevel tokenizer (``tokenizer.json``, ``tokenizer_config.json``) in ``folder``: ids 0..
+    for ``specials`` (special tokens), then one per printable ASCII character and newline; ``chat_template``
+    (Jinja) as its chat template. Returns the special tokens' ids by name."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate([*specials, *CHARS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=unk_token))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.add_special_tokens(list(specials))
+    tok.save(str(Path(folder) / "tokenizer.json"))
+    (Path(folder) / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "pad_token": pad_token, "unk_token": unk_token,
+        "eos_token": eos_token, "chat_template": chat_template, "extra_special_tokens": {}}))
+    return {t: vocab[t] for t in specials}
+
+
+def write_qwen_preprocessor(folder: Path, patch: int, min_pixels: int, max_pixels: int) -> None:
+    """A Qwen-VL ``preprocessor_config.json`` (Qwen2VLImageProcessorFast: merge 2, temporal patch 2, mean/std 0.5)
+    of ``patch`` px patches and a pixel budget of ``min_pixels`` .. ``max_pixels`` px per image."""
+    (Path(folder) / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessorFast", "patch_size": patch, "merge_size": 2,
+        "temporal_patch_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}}))

@@ -1,0 +1,167 @@
+"""`omnibal plan --data META.json` and `omnibal isf --stats META.json` on video data (issue 27, item 6): the meta is
+scanned by the family's video rule with the --video-* flags, as `omnibal isf stats --write` scans it; the plan's ViT
+segments equal those of the written stats file and brute force of the videos' and images' grids; a family without
+video, and stats files, refuse the flags by name."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+from PIL import Image
+
+av = pytest.importorskip("av")
+
+from megatron.vlm.data.video_synthetic import write_coded_video  # noqa: E402
+from omnibal_ext.model.units import get_preset  # noqa: E402
+
+MODEL = "qwen2.5-vl-7b"
+REPEAT = 12  # the meta's repeat_time: 36 samples of the 3 records
+
+
+@pytest.fixture(scope="module")
+def meta(tmp_path_factory):
+    """Two H.264 videos (v: 2 s at 25 fps, 96 x 64 px; w: 3 s at 10 fps, 64 x 48 px), a 60 x 40 px image, three
+    records (a video; an image and a video; an image) under a meta JSON that repeats them."""
+    d = tmp_path_factory.mktemp("scan_video_plan")
+    write_coded_video(str(d / "v.mp4"), 50, 25, 96, 64, gop=10)
+    write_coded_video(str(d / "w.mp4"), 30, 10, 64, 48, gop=10)
+    Image.fromarray(np.full((40, 60, 3), 200, np.uint8)).save(d / "a.png")
+    records = [{"messages": [{"role": "user", "content": "<video>what?"}, {"role": "assistant", "content": "a"}],
+                "videos": ["v.mp4"]},
+               {"messages": [{"role": "user", "content": "<image>and<video>?"}, {"role": "assistant", "content": "b"}],
+                "images": ["a.png"], "videos": ["w.mp4"]},
+               {"messages": [{"role": "user", "content": "<image>only"}, {"role": "assistant", "content": "c"}],
+                "images": ["a.png"]}]
+    (d / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    path = d / "meta.json"
+    path.write_text(json.dumps({"mix": {"root": str(d), "annotation": "d.jsonl", "repeat_time": REPEAT}}))
+    return path
+
+
+@pytest.fixture
+def qwen_video_rule(monkeypatch):
+    """Qwen2.5-VL's video rule where the family has one; until it does (the Qwen video part), a stand-in of the
+    same reading: Qwen2-VL's frame sampling and sizes, one block of t x gh x gw patches per video."""
+    from megatron.vlm.families import FAMILIES as RUNTIME
+    from omnibal_ext.model.families import FAMILIES
+
+    spec = get_preset(MODEL)
+    if RUNTIME[spec.family].data.video_rule is not None and FAMILIES[spec.family].capabilities.video:
+        return
+    from megatron.vlm.data.video_sampling import VideoOverrides
+    from megatron.vlm.families.qwen2_5_vl import video as qwen_video
+
+    @dataclasses.dataclass(frozen=True)
+    class OneBlock(qwen_video.QwenFrames):
+        def blocks(self, num_frames, width, height, where=None):
+            t, gh, gw = qwen_video.video_grid_thw(num_frames, height, width, self.settings, where)
+            return [t * gh * gw]
+
+        def text(self, indices, src_fps):
+            return "<image>"
+
+    def rule(args, spec, hf_folder):
+        return OneBlock(qwen_video.settings(hf_folder, VideoOverrides.from_args(args)))
+
+    runtime, family = RUNTIME[spec.family], FAMILIES[spec.family]
+    monkeypatch.setitem(RUNTIME, spec.family, dataclasses.replace(
+        runtime, data=dataclasses.replace(runtime.data, video_rule=rule)))
+    monkeypatch.setitem(FAMILIES, spec.family, dataclasses.replace(
+        family, capabilities=dataclasses.replace(family.capabilities, video=True)))
+
+
+def smart_resize_grid(height: int, width: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """(rows, cols) of 14 px patches of Qwen2-VL's smart_resize (28 px factor), written from its documented rule."""
+    h, w = round(height / 28) * 28, round(width / 28) * 28
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h, w = math.floor(height / beta / 28) * 28, math.floor(width / beta / 28) * 28
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h, w = math.ceil(height * beta / 28) * 28, math.ceil(width * beta / 28) * 28
+    return h // 14, w // 14
+
+
+def brute_force_segments(items, side: int) -> tuple[float, float, float, float]:
+    """(mean full, mean window, max full, max window) squared segment lengths per ViT item over ``items`` ((t,
+    rows, cols) per image or video of every sample): one full-attention segment of rows x cols per temporal patch,
+    windows of side x side patches per temporal slice from the top left."""
+    full_sum = window_sum = total = 0
+    full_max = window_max = 0.0
+    for t, rows, cols in items:
+        full = t * (rows * cols) ** 2
+        window = t * sum((min(side, rows - r) * min(side, cols - c)) ** 2
+                         for r in range(0, rows, side) for c in range(0, cols, side))
+        patches = t * rows * cols
+        full_sum, window_sum, total = full_sum + full, window_sum + window, total + patches
+        full_max, window_max = max(full_max, full / patches), max(window_max, window / patches)
+    return full_sum / total, window_sum / total, full_max, window_max
+
+
+def test_plan_on_a_video_meta_equals_the_written_stats_and_brute_force(meta, qwen_video_rule, tmp_path, capsys):
+    """`omnibal plan --data META.json --video-fps 2` on Qwen2.5-VL: v.mp4 gives 4 frames (2 temporal patches), w.mp4
+    6 (3), each frame smart_resized at the video processor's min_pixels (20 x 28 patches each), the image at
+    the image processor's (4 x 6).  Its ViT segments (`vision_segments` of the scanned stats) equal those of the
+    stats `omnibal isf stats --write` writes of the same data and brute force of the grids; its plan JSON equals the
+    plan of the written file; `omnibal isf stats --stats META.json --model` summarises as the written file.  A
+    family without video, and a stats file, refuse --video-fps by name."""
+    from omnibal_cli import build_parser, scan_metas
+    from omnibal_ext.cli import run, scan_defaults
+    from omnibal_ext.data.stats import load_stats
+    from omnibal_ext.model.sample_time import vision_segments
+
+    spec = get_preset(MODEL)
+    written = tmp_path / "stats.json"
+    assert run(build_parser(), ["isf", "stats", "--stats", str(meta), "--write", str(written), "--model", MODEL,
+                                "--video-fps", "2"]) == 0
+    args = scan_defaults()
+    args.video_fps = 2.0
+    scanned = scan_metas([str(meta)], spec, None, args)
+    v = scanned.videos
+    assert v.frames.tolist() == [4, 6] * REPEAT and v.temporal.tolist() == [2, 3] * REPEAT
+    video_grids = [(2, *smart_resize_grid(64, 96, 128 * 28 * 28, 768 * 28 * 28)),
+                   (3, *smart_resize_grid(48, 64, 128 * 28 * 28, 768 * 28 * 28))]
+    image_grid = (1, *smart_resize_grid(40, 60, 56 * 56, 28 * 28 * 1280))
+    assert video_grids == [(2, 20, 28), (3, 20, 28)] and image_grid == (1, 4, 6)
+    assert v.patches.tolist() == [t * r * c for t, r, c in video_grids] * REPEAT
+    assert scanned.images.patches.tolist() == [24, 24] * REPEAT
+    want = brute_force_segments([video_grids[0], video_grids[1], image_grid, image_grid] * REPEAT,
+                                spec.vision.window_patches_side)
+    from_file = vision_segments(load_stats([written]), spec)
+    got = vision_segments(scanned, spec)
+    assert dataclasses.astuple(got) == dataclasses.astuple(from_file)
+    assert dataclasses.astuple(got) == pytest.approx(want, rel=1e-12)
+
+    common = ["--model", MODEL, "--gpus", "2", "--gpu-memory", "141", "--device", "h200-141g", "--tp", "1", "--pp",
+              "1", "--samples-per-group", "2", "--global-batch-size", "8", "--sim-iterations", "2"]
+    docs = []
+    for data, extra in ((meta, ["--video-fps", "2"]), (written, [])):
+        out = tmp_path / f"plan_{len(docs)}.json"
+        assert run(build_parser(), ["plan", "--data", str(data), "--json", str(out)] + common + extra) == 0
+        doc = json.loads(out.read_text())
+        doc.pop("files")
+        doc["isf"].pop("search_seconds")  # the search's own CPU time
+        docs.append(doc)
+    assert docs[0] == docs[1]
+    caps = docs[0]["shapes"]["isf_caps"]  # the ISF cap's micro-batch: the data's largest segments per ViT item
+    assert (caps["vision_attn_tokens_sq"] / caps["vision_items"],
+            caps["vision_window_tokens_sq"] / caps["vision_items"]) == pytest.approx(want[2:], rel=1e-12)
+
+    summaries = []
+    for data, extra in ((meta, ["--model", MODEL, "--video-fps", "2"]), (written, [])):
+        out = tmp_path / f"summary_{len(summaries)}.json"
+        assert run(build_parser(), ["isf", "stats", "--stats", str(data), "--json", str(out)] + extra) == 0
+        summaries.append(json.loads(out.read_text())["all"])
+    assert summaries[0] == summaries[1] and summaries[0]["samples_with_video"] == 2 * REPEAT
+
+    capsys.readouterr()
+    assert run(build_parser(), ["plan", "--data", str(meta), "--json", str(tmp_path / "x.json"), "--video-fps", "2"]
+               + common[:1] + ["qwen3.5-0.8b"] + common[2:]) == 2
+    err = capsys.readouterr().err
+    assert "--video-fps" in err and "qwen3_5" in err
+    assert run(build_parser(), ["plan", "--data", str(written), "--json", str(tmp_path / "x.json"),
+                                "--video-max-frames", "4"] + common) == 2
+    assert "--video-max-frames" in capsys.readouterr().err
