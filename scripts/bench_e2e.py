@@ -58,12 +58,20 @@ Self-checks against noise: "each level adds speed" allows a row to be slower tha
 ``LEVEL_TOLERANCE`` and the two rows' run-to-run spread, and says NOISY (neither PASS nor FAIL) when a row's runs
 spread by more than ``NOISE_LIMIT``.
 
+``--model qwen2.5-vl --videos``: the same four rows on a mix of H.264 videos and images
+(``benchlib.write_video_mix``): the stats-matched samples, a seeded quarter of them holding one video instead of
+their images (a pool of 24 written with PyAV: 64 x 48 to 112 x 84 px, 1-8 s, 6-30 fps), read at 1 frame per second,
+2 to 6 frames (``benchlib.VIDEO_FLAGS``; the processor enlarges each frame to its 128 x 28 x 28 px minimum: 560
+patches per temporal patch, 35x a 56 px image).  The samples' tokens, ViT items and ISF groups are the trainer's own
+(``benchlib.trainer_isf_data``: its scan and ISF plan, in predicted time), and the predicted shapes count a video's
+ViT segments per temporal patch (``omnibal_ext.model.sample_time.sample_work``).
+
 On a 2-core machine keep PP=2 x DP=1 (one core per stage): more processes than cores time-share the
 cores and hide pipeline imbalance; --dp/--tp are for bigger machines.
 
 Outputs (``--out`` folder): e2e.json (also ``--json``), e2e.png (bar chart), the runs' logs.
 
-Usage: python scripts/bench_e2e.py [--model internvl|qwen2.5-vl|qwen3-vl|qwen3.5] [--json OUT] [--out DIR] [--quick] [--repeats 2]
+Usage: python scripts/bench_e2e.py [--model internvl|qwen2.5-vl|qwen3-vl|qwen3.5] [--videos] [--json OUT] [--out DIR] [--quick] [--repeats 2]
        [--samples N --micro-batches m]
 """
 from __future__ import annotations
@@ -171,12 +179,34 @@ def choose_samples(args, model: BenchModel, spec, dp: int, k: int, m: int) -> tu
     raise RuntimeError(f"no dataset size from {args.samples} on gives ISF groups divisible by {m * dp}")
 
 
+def choose_video_samples(args, model: BenchModel, trainer_flags: dict, world: int, dp: int, k: int,
+                         m: int) -> tuple[object, int, int]:
+    """``choose_samples`` for ``--videos``: the video and image mix (``benchlib.write_video_mix``), its tokens,
+    ViT items, ISF groups and ViT segment sums as the trainer's scan and ISF plan find them
+    (``benchlib.trainer_isf_data``; ``trainer_flags``: the run's flags but the data)."""
+    step = m * k * dp
+    n = -(-args.samples // step) * step
+    for _ in range(20):
+        path = bl.write_video_mix(os.path.join(args.out, "data"), n, model.image_px, args.stats_dir, args.data_seed)
+        flags = bl.trainer_argv({**trainer_flags, "--data-path": path, "--seq-length": bl.VIDEO_SEQ_LENGTH})
+        tokens, items, g, sums = bl.trainer_isf_data(flags + ["--omnibal-isf"], world)
+        if g % (m * dp) == 0:
+            seq = int(-(-int(tokens.max()) // 64) * 64)
+            info = {"kind": "video and image mix (H.264, PyAV)", "video_flags": bl.VIDEO_FLAGS, **sums,
+                    "tokens_mean": float(tokens.mean()), "tokens_max": int(tokens.max()),
+                    "tiles_mean": float(items.mean()), "vit_items_max": int(items.max())}
+            return bl.DataSet(path, n, tokens, items, seq, info), n, g
+        n += step
+    raise RuntimeError(f"no dataset size from {args.samples} on gives ISF groups divisible by {m * dp}")
+
+
 def mean_shape(summary: dict, m: int, dp: int, k: int, padded: bool, packed_sq: float,
-               segment_tokens: int | None = None):
+               segment_tokens: int | None = None, vit_sq: tuple[float, float] | None = None):
     """Mean micro-batch (ViT items, LLM tokens as computed, sum of squared lengths) of a run.
 
     packed_sq: mean sum of squared sample lengths of a packed micro-batch (tokens^2); segment_tokens: ViT
-    tokens per attention segment (image and window alike; None: the family's tiles)."""
+    tokens per attention segment (image and window alike; None: the family's tiles); vit_sq: the micro-batch's
+    mean (full-attention, window) sums of squared segment lengths (patches^2) instead (videos: per temporal patch)."""
     from omnibal_ext.model.cost_model import MicroBatchShape
 
     per_mb = m * dp
@@ -190,10 +220,13 @@ def mean_shape(summary: dict, m: int, dp: int, k: int, padded: bool, packed_sq: 
         tokens = real
         sq = packed_sq
     items = max(1, int(round(tiles)))
-    vit_sq = None if segment_tokens is None else float(items * segment_tokens)
+    if vit_sq is None:
+        full = window = None if segment_tokens is None else float(items * segment_tokens)
+    else:
+        full, window = vit_sq
     return MicroBatchShape(items, max(1, int(round(tokens))), dtype_bytes=4,
                            llm_attn_tokens_sq=float(min(sq, round(tokens) ** 2)),
-                           vision_attn_tokens_sq=vit_sq, vision_window_tokens_sq=vit_sq)
+                           vision_attn_tokens_sq=full, vision_window_tokens_sq=window)
 
 
 def predict(profile_path, spec_dict, layout, shape, pp, m, tp, modes_fn) -> float:
@@ -307,12 +340,19 @@ def run(args) -> dict:
     spec = spec_of(model)
     pp, tp, dp, k, m = 2, args.tp, args.dp, args.micro_batch_size, args.micro_batches
     world = tp * pp * dp
-    data, n, groups = choose_samples(args, model, spec, dp, k, m)
+    video_flags = {**bl.VIDEO_FLAGS, "--data-cache-dir": os.path.join(args.out, "cache")} if args.videos else {}
+    if args.videos:
+        data, n, groups = choose_video_samples(args, model, {**model.flags, **video_flags,
+                                               "--pipeline-model-parallel-size": pp, "--tensor-model-parallel-size": tp,
+                                               "--micro-batch-size": k, "--global-batch-size": k * m * dp,
+                                               "--seed": args.seed}, world, dp, k, m)
+    else:
+        data, n, groups = choose_samples(args, model, spec, dp, k, m)
     iters = {"random": n // (m * k * dp), "isf": groups // (m * dp)}
     print(f"> {n} samples ({data.info['tokens_mean']:.0f} tokens, {data.info['tiles_mean']:.2f} tiles mean): "
           f"baseline {iters['random']} iterations of {m * k * dp} samples, ISF {groups} groups -> "
           f"{iters['isf']} iterations", flush=True)
-    common = bl.trainer_argv({**model.flags, "--pipeline-model-parallel-size": pp,
+    common = bl.trainer_argv({**model.flags, **video_flags, "--pipeline-model-parallel-size": pp,
                            "--tensor-model-parallel-size": tp, "--data-path": data.meta,
                            "--seq-length": data.seq_length, "--micro-batch-size": k,
                            "--global-batch-size": k * m * dp, "--seed": args.seed, "--lr-warmup-iters": 1})
@@ -365,8 +405,11 @@ def run(args) -> dict:
             modes_fn = lambda c, layout=layout, stages=stages: stage_modes(c, layout, stages)  # noqa: E731
         else:
             modes_fn = full_modes
+        micro_batches = n // k if name == "baseline" else groups  # in the epoch
+        vit_sq = (data.info["vit_full_sq"] / micro_batches, data.info["vit_window_sq"] / micro_batches) \
+            if args.videos else None
         shape = mean_shape(s, m, dp, k, padded=name == "baseline", packed_sq=packed_sq,
-                           segment_tokens=model.segment_tokens)
+                           segment_tokens=model.segment_tokens, vit_sq=vit_sq)
         pred = predict(profile, costs.meta["spec"], layout, shape, pp, m, tp, modes_fn)
         mem = r.memory or {}
         rows.append({
@@ -394,7 +437,7 @@ def run(args) -> dict:
         "samples": n, "isf_groups": groups, "iterations": iters, "warmup": args.warmup, "quick": args.quick,
         "data": {**data.info, "meta": data.meta, "tokens_total": int(data.tokens.sum())},
         "budget_bytes": budget, "budget_note": budget_note, "profile": profile, "rows": rows,
-        "same_tokens_seen": len(seen) == 1 and seen == {int(data.tokens.sum())},
+        "same_tokens_seen": len(seen) == 1 and seen == {int(data.tokens.sum())}, "videos": args.videos,
     }
     r_ref = results["reference"]
     s_ref = bl.summarize(r_ref.records, args.warmup)
@@ -447,6 +490,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", choices=sorted(MODELS), default="internvl",
                     help="internvl: the heterogeneous tiny InternVL-style VLM; qwen2.5-vl: qwen2.5-vl-tiny; "
                          "qwen3-vl: qwen3-vl-tiny; qwen3.5: qwen3.5-tiny")
+    ap.add_argument("--videos", action="store_true",
+                    help="qwen2.5-vl: train on a mix of H.264 videos (PyAV, 1-8 s, 6-30 fps) and images")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--out", default="bench_out/e2e", help="folder for runs, JSON and the PNG chart")
     ap.add_argument("--quick", action="store_true", help="tiny epoch (16 samples, 2 micro-batches): a smoke test")
@@ -465,6 +510,8 @@ def main(argv=None) -> dict:
         args.samples, args.micro_batches, args.warmup = 16, 2, 1
         if "--repeats" not in (argv if argv is not None else sys.argv[1:]):
             args.repeats = 1
+    if args.videos and args.model != "qwen2.5-vl":
+        ap.error(f"--videos is implemented for --model qwen2.5-vl only, got {args.model}")
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
     res = run(args)

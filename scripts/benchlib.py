@@ -341,3 +341,91 @@ def build_data(out_dir: str | os.PathLike, num_samples: int, tile_size: int, tok
                    {"stats_files": [os.path.basename(f) for f in files], "text_scale": rule.text_scale, "max_tokens": max_tokens,
                     "tokens_mean": float(plan["tokens"].mean()), "tokens_max": int(plan["tokens"].max()),
                     "tiles_mean": float(plan["tiles"].mean())})
+
+
+# Videos of the video and image mix (``write_video_mix``): small H.264 files (width, height px), 1-8 s at 6-30 fps.
+# Without a Hugging Face folder the Qwen2-VL video processor's defaults hold: every frame is enlarged to at least
+# 128 x 28 x 28 px (about 560 patches, 140 LLM tokens per temporal patch), so the mix samples 1 frame per second,
+# 2 to 6 frames (1 to 3 temporal patches): VIDEO_FLAGS.
+VIDEO_SIZES = ((64, 48), (96, 64), (112, 84))
+VIDEO_SECONDS = (1, 2, 3, 4, 6, 8)
+VIDEO_FPS = (6, 12, 24, 30)
+VIDEO_FLAGS = {"--video-fps": 1, "--video-min-frames": 2, "--video-max-frames": 6}
+VIDEO_TEXT_BYTES = 160  # most text bytes of a video sample (its video is up to 420 LLM tokens)
+VIDEO_SEQ_LENGTH = 768  # --seq-length the mix's samples are written within (checked by the trainer's scan)
+
+
+def write_video_mix(folder: str | os.PathLike, num_samples: int, image_px: int, stats_dir=None, seed: int = 0,
+                    video_share: float = 0.25, num_videos: int = 24) -> str:
+    """Write (or reuse) a ``messages`` JSONL of ``num_samples`` samples mixing H.264 videos and images; returns its
+    path.  Samples follow the stats-matched plan (``synthetic.sample_plan``: ``vit_num`` square ``image_px`` px
+    images, the plan's text length in bytes), except a seeded ``video_share`` of them, which hold one video (of a
+    pool of ``num_videos`` written with PyAV: VIDEO_SIZES x VIDEO_SECONDS x VIDEO_FPS, seeded) and the same text.
+    The trainer's scan gives the samples' real tokens and ViT items (``trainer_isf_data``)."""
+    from PIL import Image
+
+    from megatron.vlm.data.synthetic import LengthRule, sample_plan
+    from megatron.vlm.data.video_synthetic import write_coded_video
+
+    folder = Path(folder) / f"video_mix_{num_samples}_{image_px}px_seed{seed}_share{video_share}"
+    path = folder / "train.jsonl"
+    if path.exists():
+        return str(path)
+    plan = sample_plan(stats_files(stats_dir), num_samples, LengthRule(max_tokens=MAX_SAMPLE_TOKENS), seed)
+    rng = np.random.default_rng([seed, 11])
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + "."))
+    (tmp / "images").mkdir()
+    (tmp / "videos").mkdir()
+    for p in range(16):
+        Image.fromarray(rng.integers(0, 256, (image_px, image_px, 3), dtype=np.uint8)).save(tmp / f"images/{p:02d}.png")
+    for v in range(num_videos):
+        width, height = VIDEO_SIZES[v % len(VIDEO_SIZES)]
+        seconds, fps = int(rng.choice(VIDEO_SECONDS)), int(rng.choice(VIDEO_FPS))
+        write_coded_video(str(tmp / f"videos/{v:02d}.mp4"), seconds * fps, fps, width, height)
+    is_video = rng.random(num_samples) < video_share
+    text_bytes = LengthRule(max_tokens=MAX_SAMPLE_TOKENS).text_tokens(plan["vit_num"], plan["token_num"]) - 22
+    lines = []
+    for i in range(num_samples):
+        free = max(1, int(min(text_bytes[i], VIDEO_TEXT_BYTES) if is_video[i] else text_bytes[i]))
+        answer = "".join(rng.choice(list("abcdefgh "), size=1 + free // 4))
+        question = "".join(rng.choice(list("abcdefgh "), size=max(1, free - len(answer))))
+        record = {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+        if is_video[i]:
+            record["messages"][0]["content"] = "<video>" + question
+            record["videos"] = [f"videos/{int(rng.integers(num_videos)):02d}.mp4"]
+        elif plan["vit_num"][i]:
+            k = int(plan["vit_num"][i])
+            record["messages"][0]["content"] = "<image>" * k + question
+            record["images"] = [f"images/{int(j):02d}.png" for j in rng.integers(0, 16, size=k)]
+        lines.append(json.dumps(record) + "\n")
+    (tmp / "train.jsonl").write_text("".join(lines))
+    tmp.rename(folder)
+    return str(path)
+
+
+def trainer_isf_data(flags: list[str], world: int) -> tuple[np.ndarray, np.ndarray, int, dict]:
+    """(tokens int64 [N], ViT items int64 [N], ISF groups, ViT segment sums) of the training set of the trainer
+    flags ``flags`` for ``world`` processes, as the trainer finds them: its argument checks, tokenizer, dataset
+    scan (the family's image and video rules) and ISF plan (``megatron/training/isf.py``: in predicted time for a
+    native-resolution family), run in this process without a process group.  The segment sums
+    {"vit_full_sq", "vit_window_sq", "videos"}: the whole set's squared full-attention and window segment lengths
+    (patches^2; a video one segment per temporal patch, ``sample_time.sample_work``) and its video count."""
+    import torch
+
+    from megatron.training import isf, setup
+    from megatron.training.arguments import parse_args
+    from megatron.training.run_plan import plan_run
+    from megatron.training.tokenizer_setup import setup_tokenizer
+    from omnibal_ext.model.sample_time import sample_work
+
+    args = parse_args(flags, world)
+    plan = plan_run(args, world, torch.device("cpu"))
+    tokenizer, plan = setup_tokenizer(args, plan)
+    dataset = setup.build_dataset(args, plan, tokenizer, args.data_path)
+    tokens, items = dataset.sample_lengths()
+    stats = dataset.sample_stats()
+    work = sample_work(stats, plan.model_spec, grids=dataset.image_grids())
+    sums = {"vit_full_sq": float(work.vit_full_sq.sum()), "vit_window_sq": float(work.vit_window_sq.sum()),
+            "videos": 0 if stats.videos is None else int(len(stats.videos.patches))}
+    return tokens, items, len(isf.plan_data(args, plan, dataset).grouping), sums
