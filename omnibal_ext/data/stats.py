@@ -33,7 +33,7 @@ import gzip
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import numpy as np
 
@@ -58,64 +58,75 @@ def per_sample_sums(offsets: np.ndarray, values: np.ndarray) -> np.ndarray:
     return out
 
 
-@dataclass
-class ImageStats:
-    """Per-image sizes of the samples, in CSR form: sample ``i`` has images ``offsets[i]:offsets[i+1]``.
+class _PerItem:
+    """Per-item sizes of the samples in CSR form: sample ``i`` has items ``offsets[i]:offsets[i+1]`` (int64 (n+1,)),
+    and each field of ``FIELDS`` holds one positive int64 per item.  ``ImageStats`` and ``VideoStats`` are its
+    two kinds."""
 
-    offsets: int64 (n+1,); width, height: int64 px of each image (before resizing); patches: int64 14 x 14 px
-    patches of each image after smart_resize.
-    """
-
-    offsets: np.ndarray
-    width: np.ndarray
-    height: np.ndarray
-    patches: np.ndarray
+    FIELDS: tuple[str, ...] = ()
+    WHAT = "item"
 
     def __post_init__(self) -> None:
         self.offsets = np.asarray(self.offsets, dtype=np.int64)
-        self.width, self.height, self.patches = (np.asarray(a, dtype=np.int64)
-                                                 for a in (self.width, self.height, self.patches))
+        for name in self.FIELDS:
+            setattr(self, name, np.asarray(getattr(self, name), dtype=np.int64))
         k = len(self.patches)
         if (self.offsets.ndim != 1 or len(self.offsets) < 1 or self.offsets[0] != 0 or self.offsets[-1] != k
-                or np.any(np.diff(self.offsets) < 0) or self.width.shape != (k,) or self.height.shape != (k,)):
-            raise StatsError("ImageStats: offsets must rise from 0 to the image count, width/height/patches one each")
-        if k and min(self.width.min(), self.height.min(), self.patches.min()) <= 0:
-            raise StatsError("ImageStats: image width, height and patches must be positive")
+                or np.any(np.diff(self.offsets) < 0) or any(getattr(self, n).shape != (k,) for n in self.FIELDS)):
+            raise StatsError(f"{type(self).__name__}: offsets must rise from 0 to the {self.WHAT} count, "
+                             f"{'/'.join(self.FIELDS)} one each")
+        if k and min(getattr(self, n).min() for n in self.FIELDS) <= 0:
+            raise StatsError(f"{type(self).__name__}: {self.WHAT} {', '.join(self.FIELDS)} must be positive")
 
     @property
     def num_samples(self) -> int:
         return len(self.offsets) - 1
 
     def per_sample(self, values: np.ndarray) -> np.ndarray:
-        """Sum of per-image ``values`` over each sample's images: (n,) (0 for a sample without images)."""
+        """Sum of per-item ``values`` over each sample's items: (n,) (0 for a sample without any)."""
         return per_sample_sums(self.offsets, values)
 
-    def subset(self, indices: np.ndarray) -> "ImageStats":
+    def subset(self, indices: np.ndarray):
+        """The samples ``indices``, in that order, with their items."""
         indices = np.asarray(indices, dtype=np.int64)
         counts = np.diff(self.offsets)[indices]
         offsets = np.zeros(len(indices) + 1, dtype=np.int64)
         np.cumsum(counts, out=offsets[1:])
         take = np.repeat(self.offsets[:-1][indices] - offsets[:-1], counts) + np.arange(offsets[-1])
-        return ImageStats(offsets, self.width[take], self.height[take], self.patches[take])
+        return type(self)(offsets, *(getattr(self, n)[take] for n in self.FIELDS))
 
-    @staticmethod
-    def concat(parts: Sequence["ImageStats"]) -> "ImageStats":
-        offsets = [np.zeros(1, dtype=np.int64)]
-        base = 0
+    @classmethod
+    def concat(cls, parts: Sequence):
+        """The samples of ``parts``, one after the other."""
+        offsets, base = [np.zeros(1, dtype=np.int64)], 0
         for p in parts:
             offsets.append(p.offsets[1:] + base)
             base += int(p.offsets[-1])
-        cat = (lambda name: np.concatenate([getattr(p, name) for p in parts]) if parts else np.zeros(0, np.int64))
-        return ImageStats(np.concatenate(offsets), cat("width"), cat("height"), cat("patches"))
+        return cls(np.concatenate(offsets), *(np.concatenate([getattr(p, n) for p in parts] + [np.zeros(0, np.int64)])
+                                              for n in cls.FIELDS))
 
 
 @dataclass
-class VideoStats:
-    """Per-video sizes of the samples, in CSR form: sample ``i`` has videos ``offsets[i]:offsets[i+1]``.
+class ImageStats(_PerItem):
+    """Per-image sizes of the samples (``_PerItem``): width, height: int64 px of each image (before resizing);
+    patches: its ViT items (14 x 14 px patches after smart_resize, or tiles)."""
 
-    offsets: int64 (n+1,); frames: sampled frames of each video; width, height: its source frame size in px;
-    patches: its ViT items (all temporal patches); temporal: its attention segments in time (all int64 (k,)).
-    """
+    FIELDS: ClassVar[tuple[str, ...]] = ("width", "height", "patches")
+    WHAT: ClassVar[str] = "image"
+
+    offsets: np.ndarray
+    width: np.ndarray
+    height: np.ndarray
+    patches: np.ndarray
+
+
+@dataclass
+class VideoStats(_PerItem):
+    """Per-video sizes of the samples (``_PerItem``): frames: sampled frames of each video; width, height: its source
+    frame size in px; patches: its ViT items (all temporal patches); temporal: its attention segments in time."""
+
+    FIELDS: ClassVar[tuple[str, ...]] = VIDEO_KEYS
+    WHAT: ClassVar[str] = "video"
 
     offsets: np.ndarray
     frames: np.ndarray
@@ -125,16 +136,8 @@ class VideoStats:
     temporal: np.ndarray
 
     def __post_init__(self) -> None:
-        self.offsets = np.asarray(self.offsets, dtype=np.int64)
-        for name in VIDEO_KEYS:
-            setattr(self, name, np.asarray(getattr(self, name), dtype=np.int64))
-        k = len(self.patches)
-        if (self.offsets.ndim != 1 or len(self.offsets) < 1 or self.offsets[0] != 0 or self.offsets[-1] != k
-                or np.any(np.diff(self.offsets) < 0) or any(getattr(self, n).shape != (k,) for n in VIDEO_KEYS)):
-            raise StatsError("VideoStats: offsets must rise from 0 to the video count, one value each per video")
-        if k and min(getattr(self, n).min() for n in VIDEO_KEYS) <= 0:
-            raise StatsError("VideoStats: video frames, width, height, patches and temporal must be positive")
-        if k and np.any(self.patches % self.temporal):
+        super().__post_init__()
+        if len(self.patches) and np.any(self.patches % self.temporal):
             bad = int(np.flatnonzero(self.patches % self.temporal)[0])
             raise StatsError(f"VideoStats: video {bad}'s {self.patches[bad]} patches are not whole temporal patches "
                              f"({self.temporal[bad]})")
@@ -146,34 +149,9 @@ class VideoStats:
         return cls(np.zeros(num_samples + 1, dtype=np.int64), z, z, z, z, z)
 
     @property
-    def num_samples(self) -> int:
-        return len(self.offsets) - 1
-
-    @property
     def patches_per_segment(self) -> np.ndarray:
         """ViT items of one temporal patch of each video (int64 (k,)): the size of each of its attention segments."""
         return self.patches // self.temporal
-
-    def per_sample(self, values: np.ndarray) -> np.ndarray:
-        """Sum of per-video ``values`` over each sample's videos: (n,) (0 for a sample without videos)."""
-        return per_sample_sums(self.offsets, values)
-
-    def subset(self, indices: np.ndarray) -> "VideoStats":
-        indices = np.asarray(indices, dtype=np.int64)
-        counts = np.diff(self.offsets)[indices]
-        offsets = np.zeros(len(indices) + 1, dtype=np.int64)
-        np.cumsum(counts, out=offsets[1:])
-        take = np.repeat(self.offsets[:-1][indices] - offsets[:-1], counts) + np.arange(offsets[-1])
-        return VideoStats(offsets, *(getattr(self, n)[take] for n in VIDEO_KEYS))
-
-    @staticmethod
-    def concat(parts: Sequence["VideoStats"]) -> "VideoStats":
-        offsets, base = [np.zeros(1, dtype=np.int64)], 0
-        for p in parts:
-            offsets.append(p.offsets[1:] + base)
-            base += int(p.offsets[-1])
-        return VideoStats(np.concatenate(offsets), *(np.concatenate([getattr(p, n) for p in parts] +
-                                                                    [np.zeros(0, np.int64)]) for n in VIDEO_KEYS))
 
 
 @dataclass
