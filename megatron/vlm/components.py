@@ -272,30 +272,28 @@ class TextLayer(RuntimeComponent):
         add_llm_layer(table.add, table.hf, table.names.llm_layer(unit.layer), unit.name + ".", table.spec, table.info)
 
 
-class MoETextLayer(TextLayer):
-    """GPT decoder layers whose MLP is megatron-core's ``MoELayer`` (``LanguageSpec.moe``; ``megatron/vlm/moe.py``):
-    top-k router, ``SequentialMLP`` experts drawn per global expert, the token dispatcher of ``MoERun``. The router
-    gets the padding mask (the collate's padding rows), so its aux losses and the expert load count real tokens only;
-    its ``layer_number`` is the decoder layer + 1 (megatron-core's aux-loss tracker indexes the decoder's layers by
-    it). LoRA adapts the attention only."""
+class MoEMLPs:
+    """A mixin for LLM layer components whose MLP is megatron-core's ``MoELayer`` (``LanguageSpec.moe``;
+    ``megatron/vlm/moe.py``): ``with_moe`` turns a dense layer spec into the MoE one (top-k router, ``SequentialMLP``
+    experts drawn per global expert, the run's token dispatcher; the router's ``layer_number`` the decoder layer + 1,
+    by which megatron-core's aux-loss tracker indexes the decoder's layers), and ``context`` adds the router's token
+    mask (padding and packed-sample membership, ``moe_padding_mask``), so its aux losses and the expert load count
+    real tokens only."""
 
-    cost = MoELayerCost
-    lora_linears = ("qkv", "proj")
-
-    def layer_spec(self, first_unit_index: int):
+    def with_moe(self, dense_spec, first_unit_index: int):
         from megatron.vlm import moe
 
-        ctx, lang = self.ctx, self.spec.language
-        units = ctx.units
+        units, lang = self.ctx.units, self.spec.language
+        previous = dense_spec.params.get("redraw")
 
-        def number_layer(layer, config):  # megatron-core's API for the router's tracker index
+        def redraw(layer, config):  # megatron-core's API for the router's tracker index
+            if previous is not None:
+                previous(layer, config)
             layer.mlp.set_layer_number(units[first_unit_index + layer.layer_number - 1].layer + 1)
 
-        spec = layers.layer_spec(lang.normalization, ctx.impl.llm_mask_type, ctx.seed, first_unit_index, ctx.impl,
-                                 redraw=number_layer)
-        if lang.qk_norm:
-            layers.with_qk_norm(spec)
-        return moe.layer_spec(spec, lang.moe.num_experts, lang.normalization, ctx.moe_dispatcher)
+        spec = moe.layer_spec(dense_spec, lang.moe.num_experts, lang.normalization, self.ctx.moe_dispatcher)
+        spec.params = {**spec.params, "redraw": redraw}
+        return spec
 
     def context(self, module, batch, cache):
         if "moe_context" not in cache:
@@ -303,6 +301,16 @@ class MoETextLayer(TextLayer):
             ctx["padding_mask"] = moe_padding_mask(batch, self.ctx.impl.thd, self.ctx.language_config.sequence_parallel)
             cache["moe_context"] = ctx
         return cache["moe_context"]
+
+
+class MoETextLayer(MoEMLPs, TextLayer):
+    """GPT decoder layers with MoE MLPs (``MoEMLPs``). LoRA adapts the attention only."""
+
+    cost = MoELayerCost
+    lora_linears = ("qkv", "proj")
+
+    def layer_spec(self, first_unit_index: int):
+        return self.with_moe(super().layer_spec(first_unit_index), first_unit_index)
 
     @classmethod
     def hf_recipes(cls, unit, table):

@@ -23,13 +23,13 @@ from omnibal_ext.errors import UserError
 from omnibal_ext.model.families.qwen3_5 import (GatedAttentionLayerCost, GatedAttentionMoELayerCost,
                                                 LinearAttentionLayerCost, LinearAttentionMoELayerCost)
 
-from megatron.vlm.components import Head, moe_padding_mask
+from megatron.vlm.components import Head, MoEMLPs
 from megatron.vlm.families.qwen2_5_vl.components import ImageTextEmbed, MRopeTextLayer
 from megatron.vlm.families.qwen3_vl.components import Merger, VisionEmbed, VisionLayers
 from megatron.vlm.rope import MultimodalRope
 
 from . import hf
-from .modules import ZeroCentredRMSNorm, attention_layer_spec, language_layer_config, linear_layer_spec, moe_layer_spec
+from .modules import ZeroCentredRMSNorm, attention_layer_spec, language_layer_config, linear_layer_spec
 
 
 class _Qwen35TextLayers(MRopeTextLayer):
@@ -88,27 +88,13 @@ class GatedAttentionLayers(_Qwen35TextLayers):
         hf.attention_layer_recipes(unit, table)
 
 
-class _MoELayers:
-    """What both MoE layer kinds add to their dense kind: megatron-core's MoELayer as the MLP
-    (``modules.moe_layer_spec``), the router's layer number (the decoder layer + 1: megatron-core's aux-loss tracker
-    indexes the decoder's layers by it) and its token mask (padding and packed-sample membership,
-    ``components.moe_padding_mask``) in the blocks' context; the experts' HF tensors are ``hf.moe_recipes``'."""
+class _MoELayers(MoEMLPs):
+    """What both MoE layer kinds add to their dense kind: megatron-core's MoELayer as the MLP, its router numbered and
+    masked (``MoEMLPs``; the shared expert and its sigmoid gate as the config's ``moe_shared_expert_*`` say); the
+    experts' HF tensors are ``hf.moe_recipes``'."""
 
     def layer_spec(self, first_unit_index: int):
-        units = self.ctx.units
-
-        def number_layer(layer, config):  # megatron-core's API for the router's tracker index
-            layer.mlp.set_layer_number(units[first_unit_index + layer.layer_number - 1].layer + 1)
-
-        return moe_layer_spec(super().layer_spec(first_unit_index), self.spec.language.moe.num_experts,
-                              number_layer)
-
-    def context(self, module, batch, cache):
-        if "moe_context" not in cache:
-            ctx = dict(super().context(module, batch, cache))
-            ctx["padding_mask"] = moe_padding_mask(batch, self.ctx.impl.thd, self.ctx.language_config.sequence_parallel)
-            cache["moe_context"] = ctx
-        return cache["moe_context"]
+        return self.with_moe(super().layer_spec(first_unit_index), first_unit_index)
 
 
 class LinearAttentionMoELayers(_MoELayers, LinearAttentionLayers):

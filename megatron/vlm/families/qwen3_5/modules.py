@@ -94,14 +94,3 @@ def language_layer_config(base: TransformerConfig, lang) -> TransformerConfig:
         linear_key_head_dim=lang.linear_key_head_dim, linear_num_value_heads=lang.linear_num_value_heads,
         linear_value_head_dim=lang.linear_value_head_dim, linear_conv_kernel_dim=lang.linear_conv_kernel_dim)
 
-
-def moe_layer_spec(dense_spec, num_experts: int, number_layer):
-    """A Qwen3.5-MoE layer: ``dense_spec`` (either kind's, from ``attention_layer_spec`` / ``linear_layer_spec``)
-    with megatron-core's MoELayer as its MLP (``megatron.vlm.moe.layer_spec``: the router, the seeded experts, the
-    shared expert and its sigmoid gate as the config's ``moe_shared_expert_*`` say); ``number_layer`` sets the
-    router's layer number (the seeded layer's ``redraw`` hook)."""
-    from megatron.vlm import moe
-
-    spec = moe.layer_spec(dense_spec, num_experts, "RMSNorm")
-    spec.params = {**spec.params, "redraw": number_layer}
-    return spec
