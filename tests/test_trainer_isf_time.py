@@ -259,3 +259,43 @@ def test_qwen_dp2_isf_trains_the_time_plan_and_logs_its_balance(tmp_path, world,
                 per_step.append((sums.max() - sums).sum() / (sums.max() * DP))
             assert rec[key] == pytest.approx(np.mean(per_step), abs=1e-12), (i, key)
     assert max(rec["dist ratio vit time"] for rec in records) > 0  # the ranks' images differ
+
+
+def test_qwen_isf_in_time_counts_videos(tmp_path, world, capsys):
+    """A video and image mix (H.264 files of 2-6 s): the trainer's ISF-in-time groups equal ISF in time run on the
+    times of the stats `omnibal isf stats --write` writes (each video's temporal patches its attention segments), and
+    those times differ from the same patches counted as one image (quadratic per temporal patch, not per video)."""
+    from omnibal_cli import main as omnibal
+    from omnibal_cli import model_from_hf
+
+    from megatron.vlm.data.video_synthetic import write_coded_video
+    from megatron.vlm.families.qwen2_5_vl.video import video_rule
+
+    folder, data = qwen_data(tmp_path)
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(
+        {"min_pixels": 3136, "max_pixels": MAX_PIXELS, "fps": 2.0, "do_sample_frames": True}))
+    rng = np.random.default_rng(1)
+    lines = data.read_text().splitlines()
+    for k in range(0, len(lines), 3):  # every third sample a video instead
+        seconds, fps = 2 + k % 5, (6, 12, 24)[k % 3]
+        write_coded_video(str(tmp_path / f"v{k}.mp4"), seconds * fps, fps, (64, 96, 128)[k % 3], 48 + 16 * (k % 2))
+        lines[k] = json.dumps({"messages": [{"role": "user", "content": "<video>Say?"},
+                                            {"role": "assistant", "content": "x" * int(rng.integers(1, 60))}],
+                               "videos": [f"v{k}.mp4"]})
+    data.write_text("\n".join(lines) + "\n")
+    spec = model_from_hf(str(folder))
+    args = args_for(video_fps=None, video_min_frames=None, video_max_frames=None, video_max_pixels=None,
+                    video_total_pixels=None, video_folder_fps=24.0)
+    dataset = RecordDataset(str(data), build_tokenizer(str(folder), image_tokens=IMAGE_TOKENS),
+                            image_rule(args, spec, str(folder)), videos=video_rule(args, spec, str(folder)))
+    groups, _, params, _ = isf_groups(args, stand_in_plan(spec, 1), dataset)
+    capsys.readouterr()
+
+    out = tmp_path / "stats.json"
+    assert omnibal(["isf", "stats", "--stats", str(data), "--hf-checkpoint", str(folder), "--write", str(out)]) == 0
+    stats = load_stats([str(out)])
+    assert stats.videos is not None and len(stats.videos.patches) == 16 and np.all(stats.videos.temporal > 1)
+    times = sample_time_units(stats, spec, get_device(ISF_TIME_DEVICE))
+    assert [g.tolist() for g in groups] == reference_isf(stats.patches, stats.tokens, params, SEED, times)
+    one_image = dataclasses.replace(stats, videos=dataclasses.replace(stats.videos, temporal=stats.videos.temporal * 0 + 1))
+    assert np.all(sample_time_units(one_image, spec, get_device(ISF_TIME_DEVICE))[0][::3] > times[0][::3])

@@ -103,7 +103,7 @@ def search_params_time(vit, tokens, times, cfg: SearchConfig) -> SearchResult:
 
 def plan_isf_time(vit, tokens, times, cfg: SearchConfig, params: ISFParams | None = None) -> DataPlan:
     """Search time thresholds (unless ``params`` is given), group all samples in time and assemble steps; searched
-    count caps are then lowered to the largest group's (``tight_count_caps``)."""
+    count caps are then lowered to the largest group's (``tight_count_caps``) where that keeps the groups."""
     vit = np.asarray(vit, dtype=np.int64)
     tokens = np.asarray(tokens, dtype=np.int64)
     search, t_search, keys = None, 0.0, DEFAULT_KEYS
@@ -114,7 +114,9 @@ def plan_isf_time(vit, tokens, times, cfg: SearchConfig, params: ISFParams | Non
     t0 = time.perf_counter()
     g = isf_group(vit, tokens, params, seed=cfg.seed, times=times)
     if search is not None and len(g):
-        params = tight_count_caps(params, g)
+        tight = tight_count_caps(params, g)
+        if same_groups(isf_group(vit, tokens, tight, seed=cfg.seed, times=times), g):
+            params = tight
     m, asm = evaluate_grouping_time(g, cfg.dp_size, cfg.sp, params, seed=cfg.seed, keys=keys)
     return DataPlan(params, g, asm, m, search, time.perf_counter() - t0, t_search)
 
@@ -122,11 +124,18 @@ def plan_isf_time(vit, tokens, times, cfg: SearchConfig, params: ISFParams | Non
 def tight_count_caps(params: ISFParams, g: Grouping) -> ISFParams:
     """``params`` with the count caps lowered to the largest group of ``g`` (what memory must be planned for).
 
-    The grouping stays the same: every partial sum of a group stays within its total, so the lower caps block
-    no sample a group took, and a group that closed at a cap would close at the lower one too; the walks do not
-    depend on the caps."""
+    Within one pass the grouping stays the same (every partial sum of a group stays within its total, and a group
+    that closed at a cap would close at the lower one too), but a group a filter pass dropped may be larger in counts
+    than every kept one (a video costs less time per patch than an image of its patches), and the lower caps would
+    change that pass: ``plan_isf_time`` keeps them only where regrouping under them gives the same groups."""
     return dataclasses.replace(params, qv=max(params.qv_min, int(g.tiles.max())),
                                qt=max(params.qt_min, int(g.tokens.max())))
+
+
+def same_groups(a: Grouping, b: Grouping) -> bool:
+    """The two groupings hold the same groups in the same order."""
+    ga, gb = a.groups(), b.groups()
+    return len(ga) == len(gb) and all(np.array_equal(x, y) for x, y in zip(ga, gb))
 
 
 def sample_bound(times, g: Grouping, dp_size: int) -> dict | None:
