@@ -132,7 +132,7 @@ def test_qwen2_5_vl_video_pixels_equal_the_pil_image_processor_per_frame(tmp_pat
 
 
 def test_a_video_processor_of_another_patch_size_is_refused(tmp_path):
-    from megatron.vlm.families.qwen2_5_vl.video import video_rule
+    from megatron.vlm.families.qwen2_5_vl.data import video_rule
     from megatron.vlm.hf.convert import HFSource
     from omnibal_ext.errors import UserError
 

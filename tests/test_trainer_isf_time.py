@@ -269,7 +269,7 @@ def test_qwen_isf_in_time_counts_videos(tmp_path, world, capsys):
     from omnibal_cli import model_from_hf
 
     from megatron.vlm.data.video_synthetic import write_coded_video
-    from megatron.vlm.families.qwen2_5_vl.video import video_rule
+    from megatron.vlm.families.qwen2_5_vl.data import video_rule
 
     folder, data = qwen_data(tmp_path)
     (folder / "video_preprocessor_config.json").write_text(json.dumps(

@@ -36,7 +36,8 @@ def whole_model(args, plan, img_context_id: int, device: torch.device):
                               torch_layers_only=args.sequence_parallel)
     stage = build_stage(StageBuild(
         spec, range(len(build_units(spec))), tp=args.tensor_model_parallel_size, dtype=dtype_of(args),
-        impl=impl, seed=args.seed, img_context_id=img_context_id, on_cpu=device.type == "cpu", sequence_parallel=args.sequence_parallel,
+        impl=impl, seed=args.seed, img_context_id=img_context_id, on_cpu=device.type == "cpu",
+        sequence_parallel=args.sequence_parallel,
         cp=plan.context_parallel_size, initialize=not args.hf_checkpoint, moe_run=plan.moe_run))
     stage.to(device=device, dtype=dtype_of(args))
     if args.hf_checkpoint:
@@ -57,19 +58,15 @@ def sum_over_token_shares(counts: torch.Tensor, args) -> torch.Tensor:
     return counts
 
 
-def measure_expert_load(args, plan, tokenizer, dataset, groups, device: torch.device) -> dict:
-    """The profile's ``expert_load`` (``omnibal_ext.model.expert_load``) of iteration 1's micro-batches."""
-    from megatron.vlm.batches import StageInputs
-
-    from .setup import build_data
-
+def measure_expert_load(args, plan, img_context_id: int, batches, device: torch.device) -> dict:
+    """The profile's ``expert_load`` (``omnibal_ext.model.expert_load``) of iteration 1's micro-batches, taken from
+    ``batches`` (the trainer's loader over every unit's inputs: ``setup.build_data``)."""
     moe = plan.model_spec.language.moe
-    stage = whole_model(args, plan, tokenizer.img_context_id, device)
+    stage = whole_model(args, plan, img_context_id, device)
     load = ExpertLoad().attach([stage])
-    train, _ = build_data(args, plan, tokenizer, StageInputs.everything(), (dataset, None), device.type, groups)
     try:
         with torch.enable_grad():
-            for batch in itertools.islice(train, plan.num_microbatches):
+            for batch in itertools.islice(batches, plan.num_microbatches):
                 stage.set_input_tensor(None)
                 stage(batch.to(device))
     finally:

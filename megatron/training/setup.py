@@ -230,7 +230,8 @@ def _measured_costs(args, plan: RunPlan, dataset, tokenizer, device, groups=None
         return costs
     costs = profile_for_training(args, plan, dataset, img_context_id, device)
     if plan.model_spec.language.moe is not None:
-        load = measure_expert_load(args, plan, tokenizer, dataset, groups, device)
+        train, _ = build_data(args, plan, tokenizer, StageInputs.everything(), (dataset, None), device.type, groups)
+        load = measure_expert_load(args, plan, img_context_id, train, device)
         costs = dataclasses.replace(costs, meta={**costs.meta, "expert_load": load})
     if path and dist.get_rank() == 0:
         costs.save(path)

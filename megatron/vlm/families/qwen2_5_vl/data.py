@@ -28,6 +28,7 @@ import torch
 from megatron.vlm.context_parallel import padded_layout, split_tokens
 from megatron.vlm.data.images import ImageRule
 from megatron.vlm.data.side import Batcher, DataSide
+from megatron.vlm.data.video_sampling import VideoOverrides
 from megatron.vlm.drop_path import image_patch_keys
 from megatron.vlm.micro_batch import MicroBatch
 from omnibal_ext.errors import UserError
@@ -37,6 +38,7 @@ from omnibal_ext.model.sample_time import grid_vit_time_units
 from .batch import IMAGE, VIDEO, QwenVision, vision_fields
 from .image_processing import ImageProcessorConfig, preprocess_image, resized_grid
 from .positions import mrope_position_ids, video_time_step
+from .video import QwenFrames, check_geometry as check_video_geometry, settings as video_settings
 
 IMAGE_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")  # start, end, context
 TOKEN_TYPES = "mm_token_type_ids"  # 0 text, 1 image, 2 video token (batch.IMAGE, batch.VIDEO)
@@ -284,11 +286,11 @@ def profile_batch(spec, shape, image_token_id: int, device, pad_to_multiple: int
     return maker.micro_batch(maker.make(samples, 0, True, pad_to_multiple)).to(device)
 
 
-def video_rule(args, spec, hf_folder):
-    """``video.video_rule``: the reader's video rule."""
-    from .video import video_rule as rule
-
-    return rule(args, spec, hf_folder)
+def video_rule(args, spec, hf_folder) -> QwenFrames:
+    """The reader's video rule (``DataSide.video_rule``): the folder's video processor settings with the
+    ``--video-*`` flags, pixel values as its image processor (``preprocessor_config.json``) makes them."""
+    return QwenFrames(check_video_geometry(video_settings(hf_folder, VideoOverrides.from_args(args)), spec, hf_folder),
+                      processor_config(args, hf_folder))
 
 
 QWEN_DATA = DataSide(image_tokens=IMAGE_TOKENS, image_rule=image_rule, batcher=QwenBatcher, video_rule=video_rule,

@@ -14,7 +14,7 @@
   patchified in time: ``grid_thw = (t, gh, gw)``, rows ordered by temporal patch, then as an image's.
 
 ``video_sample`` gives what the model side needs of one video (pixel rows, ``video_grid_thw``,
-``second_per_grid_ts``).  As the reader's rule (``QwenFrames``, ``video_rule``): a video is one block of
+``second_per_grid_ts``).  As the reader's rule (``QwenFrames``; ``data.video_rule`` builds it): a video is one block of
 ``t*gh*gw`` patches in the text, ``<|vision_start|>`` + ``<|video_pad|>`` x ``t*gh*gw/4`` + ``<|vision_end|>``
 (the ``<video>`` tag becomes one ``<image>`` placeholder whose context tokens the reader makes ``<|video_pad|>``),
 with a ``VideoBlock`` (grid, ``second_per_grid_ts``) for the batcher's 3-D RoPE ids.
@@ -214,17 +214,6 @@ class QwenFrames(VideoRule):
         return QwenVideo(rows, grid, video.indices, video.info.fps, seconds,
                          tuple(self.timestamps(video.indices, video.info.fps)),
                          grid[0] * grid[1] * grid[2] // s.merge_size ** 2)
-
-
-def video_rule(args, spec, hf_folder) -> QwenFrames:
-    """The reader's video rule (``DataSide.video_rule``): the folder's video processor settings with the
-    ``--video-*`` flags, pixel values as its image processor (``preprocessor_config.json``) makes them."""
-    from megatron.vlm.data.video_sampling import VideoOverrides
-
-    from .data import processor_config
-
-    return QwenFrames(check_geometry(settings(hf_folder, VideoOverrides.from_args(args)), spec, hf_folder),
-                      processor_config(args, hf_folder))
 
 
 def check_geometry(s: VideoSettings, spec, hf_folder: str | None) -> VideoSettings:

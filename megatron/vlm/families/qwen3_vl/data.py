@@ -32,14 +32,17 @@ import functools
 import torch
 
 from megatron.vlm.data.side import DataSide
+from megatron.vlm.data.video_sampling import VideoOverrides
 from megatron.vlm.micro_batch import MicroBatch
 from omnibal_ext.errors import UserError
 
 from ..qwen2_5_vl.data import IMAGE_TOKENS, PatchImages, QwenBatcher, with_pixel_flags
 from ..qwen2_5_vl.data import profile_batch as qwen_profile_batch
 from ..qwen2_5_vl.image_processing import ImageProcessorConfig
+from ..qwen2_5_vl.video import check_geometry as check_video_geometry
 from .batch import Qwen3Vision, vision_fields
 from .image_processing import PUBLISHED, folder_config
+from .video import Qwen3Frames, settings as video_settings
 
 VISION_KEYS = ("image_grid_thw", "vision_rotary_ids", "vision_pos_index", "vision_pos_weight", "vision_cu_seqlens",
                "vision_max_seqlen")
@@ -107,11 +110,11 @@ def side_rows(spec, batch: MicroBatch, cp: int, cp_rank: int) -> int:
 profile_batch = functools.partial(qwen_profile_batch, batcher=Qwen3Batcher)
 """The trainer profiler's micro-batch (``qwen2_5_vl.data.profile_batch``) made by ``Qwen3Batcher``."""
 
-def video_rule(args, spec, hf_folder):
-    """``video.video_rule``: the reader's video rule."""
-    from .video import video_rule as rule
-
-    return rule(args, spec, hf_folder)
+def video_rule(args, spec, hf_folder) -> Qwen3Frames:
+    """The reader's video rule (``DataSide.video_rule``): the folder's video processor settings with the
+    ``--video-*`` flags, pixel values as its image processor makes them."""
+    return Qwen3Frames(check_video_geometry(video_settings(hf_folder, VideoOverrides.from_args(args)), spec, hf_folder),
+                       processor_config(args, spec, hf_folder))
 
 
 QWEN3_VL_DATA = DataSide(image_tokens=IMAGE_TOKENS, image_rule=image_rule, batcher=Qwen3Batcher, video_rule=video_rule,

@@ -10,7 +10,7 @@ facts.
   patch).  ``second_per_grid_ts`` is no Qwen3-VL input.
 - Pixels as Qwen2.5-VL's (``qwen2_5_vl.video``: per frame as the image processor, padded and patchified in time).
 
-As the reader's rule (``Qwen3Frames``, ``video_rule``): a video of ``t`` temporal patches is ``t`` blocks of
+As the reader's rule (``Qwen3Frames``; ``data.video_rule`` builds it): a video of ``t`` temporal patches is ``t`` blocks of
 ``gh*gw`` patches, each after its timestamp text, ``<{t:.1f} seconds><|vision_start|><|video_pad|> x gh*gw/4
 <|vision_end|>``; the ViT runs each block as a frame of ``grid_thw (1, gh, gw)`` (the same as the video's ``(t,
 gh, gw)``: attention, positions and RoPE are per frame) and ``get_rope_index`` numbers each as an image.
@@ -150,12 +150,3 @@ class Qwen3Frames(QwenFrames):
         return [VideoBlock((1, gh, gw), first=k == 0) for k in range(t)]
 
 
-def video_rule(args, spec, hf_folder) -> Qwen3Frames:
-    """The reader's video rule (``DataSide.video_rule``): the folder's video processor settings with the
-    ``--video-*`` flags, pixel values as its image processor makes them."""
-    from megatron.vlm.data.video_sampling import VideoOverrides
-
-    from .data import processor_config
-
-    return Qwen3Frames(check_geometry(settings(hf_folder, VideoOverrides.from_args(args)), spec, hf_folder),
-                       processor_config(args, spec, hf_folder))
