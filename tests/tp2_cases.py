@@ -89,11 +89,13 @@ def qwen3_layer_and_input(tp: int):
 
     from megatron.vlm import layers
     from megatron.vlm.config import language_config
+    from megatron.vlm.layer_impl import LayerImpl
     from omnibal_ext.model.spec import LanguageSpec
 
     spec = get_preset("tiny").replace(language=LanguageSpec(**QWEN3))
     cfg = language_config(spec, tp, True, torch.float32)
-    layer_spec = layers.with_qk_norm(layers.layer_spec("RMSNorm", AttnMaskType.causal, 5, 1, "local", "unfused"))
+    dense = LayerImpl.of("local", "unfused")
+    layer_spec = layers.with_qk_norm(layers.layer_spec("RMSNorm", AttnMaskType.causal, 5, 1, dense))
     layer = build_module(layer_spec, config=cfg, layer_number=1)
     with torch.no_grad():
         for i, (name, p) in enumerate(layer.named_parameters()):

@@ -202,12 +202,12 @@ def _moe_patches() -> list[tuple[object, str, object]]:
 
 def _eager_fused_functions() -> list[tuple[object, str, object]]:
     """megatron-core's ``jit_fuser`` functions (``torch.compile`` in megatron/core/jit.py) that our CPU runs reach,
-    run eagerly: ``Attention._apply_output_gate`` (the gated attention of Qwen3.5).
+    run eagerly: ``Attention._apply_output_gate`` (gated attention: ``attention_output_gate``).
 
     A first ``torch.compile`` inside these patches (the factories and ``torch.cuda`` stand-ins above) leaves the
-    process's later eager code wrong: a transformers Qwen2.5-VL / InternVL model built afterwards, outside the
-    patches, gives other logits (rows past the first off by ~4; tests/test_lora.py's export test after the Qwen3.5
-    model tests). On the host the fusion gains nothing, and compiling costs seconds.
+    process's later eager code wrong: a transformers model built afterwards, outside the patches, gives other logits
+    (rows past the first off by ~4; tests/test_lora.py's export test after the gated-attention model tests). On the
+    host the fusion gains nothing, and compiling costs seconds.
     """
     from megatron.core.transformer.attention import Attention
 

@@ -8,11 +8,11 @@ cost model (forward plus backward of every unit, TP all-reduces included), and `
 sample its ViT-side (embedding, ViT layers, projector) and LLM-side (embedding, layers, head) seconds.
 ``tests/test_isf_native.py`` checks the sum of a group's sample times against the cost model of the group.
 
-Videos (``SampleStats.videos``) count as the models attend them: the Qwen ViTs attend each temporal patch of a
-video as one image (its ``cu_seqlens`` repeat ``h x w`` patches ``t`` times: full attention quadratic per temporal
-patch, not per video; Qwen2.5-VL's windows tile each temporal slice), so a video of ``t`` temporal patches of
+Videos (``SampleStats.videos``) count as the models attend them: a native-resolution ViT attends each temporal
+patch of a video as one image (its ``cu_seqlens`` repeat ``h x w`` patches ``t`` times: full attention quadratic per
+temporal patch, not per video; windowed layers tile each temporal slice), so a video of ``t`` temporal patches of
 ``rows x cols`` patches adds ``t`` times an image's segment sums of that grid (``video_segments_sq``).  Frames as
-tiles (InternVL) are tiles: a family without ``segments_sq`` counts them as it counts image tiles.
+tiles are tiles: a family without ``segments_sq`` counts them as it counts image tiles.
 """
 from __future__ import annotations
 

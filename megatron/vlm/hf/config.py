@@ -35,7 +35,7 @@ class HFInfo:
     # published files hold them): only the shapes say it (``HFSide.checkpoint_info``)
     transposed: tuple[str, ...] = ()
     # the experts stored stacked (``mlp.experts.gate_up_proj`` / ``down_proj``) rather than one tensor per expert,
-    # for a family whose files hold either (``HFSide.checkpoint_info``: Qwen3.5-MoE)
+    # for a family whose files hold either (its ``HFSide.checkpoint_info`` says which was read)
     fused_experts: bool = False
 
     def __post_init__(self):
