@@ -138,7 +138,8 @@ def test_inputs_not_implemented_are_refused(megatron_world, tiny):
 
 @pytest.mark.slow
 def test_video_hf_logits_script_tp2_pp2_under_torchrun(tiny, tmp_path):
-    """TP 2 (3 ViT heads padded to 4) x PP 2 with the ViT split over the stages, both families in one launch."""
+    """TP 2 (3 ViT heads padded to 4) x PP 2 with the ViT split over the stages, both families in one launch; then TP 2
+    and PP 2 alone."""
     names = list(tiny)
     got = hf_check.torchrun_logits(
         [(tiny[name][0], ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
@@ -149,3 +150,14 @@ def test_video_hf_logits_script_tp2_pp2_under_torchrun(tiny, tmp_path):
         diff = (logits - hf_logits(model, batch)).abs().max().item()
         print(f"{name} TP2 x PP2 {layout}: max |diff| {diff:.3g}")
         assert diff <= TOL, name
+    # TP 2 alone and PP 2 alone (the ViT split), all four cases in one 2-process launch
+    cases = [(name, flags) for name in names
+             for flags in (["--tensor-model-parallel-size", "2"],
+                           ["--pipeline-model-parallel-size", "2", "--pipeline-layout", tiny[name][3]])]
+    got = hf_check.torchrun_logits([(tiny[name][0], flags) for name, flags in cases],
+                                   [tiny[name][2] for name, _ in cases], tmp_path / "two", nproc=2)
+    for (name, flags), logits in zip(cases, got):
+        _, model, batch, _ = tiny[name]
+        diff = (logits - hf_logits(model, batch)).abs().max().item()
+        print(f"{name} {' '.join(flags)}: max |diff| {diff:.3g}")
+        assert diff <= TOL, (name, flags)
