@@ -92,6 +92,19 @@ def import_export(folder: Path | str, workdir: Path) -> Path:
     return workdir / "out"
 
 
+def assert_round_trips(folders: dict, workdir: Path) -> list[tuple[Path, Path]]:
+    """Each named HF folder of ``folders`` (name -> folder) through ``import_export``: the export holds the same
+    tensors bit for bit and the same config.json (its dtype float32); returns the (source, export) pairs for
+    ``assert_transformers_loads_the_same``."""
+    pairs = []
+    for name, folder in folders.items():
+        out = import_export(folder, Path(workdir) / name)
+        assert_same_tensors(folder, out, name)
+        assert config_of(out) == {**config_of(folder), "dtype": "float32"}, name
+        pairs.append((Path(folder), out))
+    return pairs
+
+
 def assert_same_tensors(want: Path | str, got: Path | str, what="") -> None:
     """The ``model.safetensors`` of folders ``want`` and ``got`` hold the same names, dtypes and bits."""
     from safetensors.torch import load_file

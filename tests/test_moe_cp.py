@@ -9,25 +9,11 @@ import torch
 from megatron.vlm.context_parallel import split_tokens
 from megatron.vlm.moe import token_mask
 
-# test_moe_training.py's flags: the serial reference of the random-batching runs is that file's, shared in a session
-BASE = ["--train-iters", "6", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr-warmup-iters", "0",
-        "--lr", "2e-3", "--log-interval", "1", "--seed", "7", "--eval-interval", "0",
-        "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "96", "--moe-layer-freq", "[1,0,1,1]",
-        "--moe-aux-loss-coeff", "0.01"]
+# test_moe_training.py's flags and helpers: the serial reference of the random-batching runs is that file's, shared
+# in a session
+from test_moe_training import BASE, assert_close, column, data  # noqa: E402,F401 (data: the fixture)
+
 CP2 = ["--context-parallel-size", "2"]
-
-
-@pytest.fixture(scope="module")
-def data(data_cache):
-    return ["--data-cache-dir", str(data_cache)]
-
-
-def assert_close(got, want, rel):
-    assert len(got) == len(want) and all(abs(g - w) <= rel * abs(w) for g, w in zip(got, want)), (got, want)
-
-
-def column(records, key):
-    return [r[key] for r in records]
 
 
 def assert_equals_serial(records, serial):
