@@ -78,6 +78,13 @@ class _PerItem:
         if k and min(getattr(self, n).min() for n in self.FIELDS) <= 0:
             raise StatsError(f"{type(self).__name__}: {self.WHAT} {', '.join(self.FIELDS)} must be positive")
 
+    @classmethod
+    def from_rows(cls, counts: Sequence[int], rows: Sequence[tuple[int, ...]]):
+        """From each sample's item count and one row of ``FIELDS`` values per item, the samples' items in order."""
+        offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        return cls(offsets, *np.asarray(rows, dtype=np.int64).reshape(-1, len(cls.FIELDS)).T)
+
     @property
     def num_samples(self) -> int:
         return len(self.offsets) - 1
@@ -316,10 +323,7 @@ def parse_images(records: list, path: str) -> ImageStats | None:
                                  f"{', '.join(IMAGE_KEYS)} (or tiles), got {im!r}")
             values.append(tuple(im[k] for k in keys))
         counts.append(len(images))
-    offsets = np.zeros(len(records) + 1, dtype=np.int64)
-    np.cumsum(counts, out=offsets[1:])
-    table = np.asarray(values, dtype=np.int64).reshape(-1, 3)
-    return ImageStats(offsets, table[:, 0], table[:, 1], table[:, 2])
+    return ImageStats.from_rows(counts, values)
 
 
 def parse_videos(records: list, path: str) -> VideoStats | None:
@@ -341,10 +345,7 @@ def parse_videos(records: list, path: str) -> VideoStats | None:
                                  f"patches ({v['temporal']})")
             values.append(tuple(v[k] for k in VIDEO_KEYS))
         counts.append(len(videos))
-    offsets = np.zeros(len(records) + 1, dtype=np.int64)
-    np.cumsum(counts, out=offsets[1:])
-    table = np.asarray(values, dtype=np.int64).reshape(-1, len(VIDEO_KEYS))
-    return VideoStats(offsets, *(table[:, j] for j in range(len(VIDEO_KEYS))))
+    return VideoStats.from_rows(counts, values)
 
 
 def parse_records(records, path: str) -> tuple[np.ndarray, np.ndarray]:
