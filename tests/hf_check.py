@@ -33,14 +33,14 @@ def _benchlib():
     return benchlib
 
 
-def untied_and_tied(tmp_path_factory, make_tiny) -> dict:
-    """{"untied"|"tied": (folder, transformers model)}: ``make_tiny(folder, seed=i, tie=...)`` (seeds 0 and 1) in
-    new temporary folders (a module fixture's pair of tiny checkpoints)."""
+def untied_and_tied(tmp_path_factory, make_tiny, seeds: tuple[int, int] = (0, 1)) -> dict:
+    """{"untied"|"tied": (folder, transformers model)}: ``make_tiny(folder, seed=..., tie=...)`` (``seeds``: the
+    untied one's, the tied one's) in new temporary folders (a module fixture's pair of tiny checkpoints)."""
     out = {}
-    for i, tie in enumerate((False, True)):
+    for seed, tie in zip(seeds, (False, True)):
         name = "tied" if tie else "untied"
         folder = tmp_path_factory.mktemp(name)
-        out[name] = (folder, make_tiny(folder, seed=i, tie=tie))
+        out[name] = (folder, make_tiny(folder, seed=seed, tie=tie))
     return out
 
 
