@@ -43,9 +43,14 @@ TOL = 1e-5
 #   1e7, vocab 248320, untied; vision depth 27, hidden 1152, 16 heads, intermediate 4304, out_hidden 5120, 2304
 #   positions; the same LLM in slime's scripts/models/qwen3.5-27B.sh and in other public copies (find_string
 #   '"linear_num_value_heads": 48').
-# * 2B and 4B have no preset: no public copy of 2B's config.json was found, nor 4B's ViT (its LLM: a Swift test's
-#   config.json and onnx_tool's Qwen3_5_4B: 32 layers, hidden 2560, 16 / 4 heads, FFN 9216, linear 16 / 32, tied).
+# * 2B: two model pages with the model card's facts (24 layers, hidden 2048, FFN 6144, layout 6 x (3 x Gated DeltaNet
+#   + 1 x gated attention), linear 16 value / 16 key heads of 128, attention 8 Q / 2 KV heads of 256 with 64 rotary
+#   dimensions, vocab 248320; rope theta 1e7 on one of them). Its ViT and tie were not found: the preset takes 4B's
+#   ViT and tied embeddings (as 0.8B and 4B have), marked unverified here;
+# * 4B: tests/test_qwen3_5_4b_preset.py (its LLM: a Swift test's config.json and onnx_tool's Qwen3_5_4B: 32 layers,
+#   hidden 2560, 16 / 4 heads, FFN 9216, linear 16 / 32, tied; its ViT from a fine-tune's config.json).
 PUBLISHED = {  # name: (ViT depth, hidden, heads, ffn, LLM layers, hidden, heads, kv, ffn, key heads, value heads, tied)
+    "qwen3.5-2b": (24, 1024, 16, 4096, 24, 2048, 8, 2, 6144, 16, 16, True),  # ViT, tie unverified (above)
     "qwen3.5-0.8b": (12, 768, 12, 3072, 24, 1024, 8, 2, 3584, 16, 16, True),
     "qwen3.5-9b": (27, 1152, 16, 4304, 32, 4096, 16, 4, 12288, 16, 32, False),
     "qwen3.5-27b": (27, 1152, 16, 4304, 64, 5120, 24, 4, 17408, 16, 48, False),

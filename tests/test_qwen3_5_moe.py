@@ -31,12 +31,19 @@ LAYOUTS = {"saved": False, "published": True}  # make_tiny_moe's ``published``
 # Qwen3_5MoeTextConfig defaults. Qwen/Qwen3.5-397B-A17B: NVIDIA Megatron-LM's MIMO example config for it ("all
 # values match the HuggingFace text_config": 60 layers, hidden 4096, 32 heads in 2 KV groups of 256, 512 experts
 # top 10 of width 1024, shared expert 1024 with its gate, linear 16 key / 64 value heads of 128, untied) and
-# slime's scripts/models/qwen3.5-397B-A17B.sh (the same). The ViT: transformers' Qwen3_5MoeVisionConfig defaults
-# (27 layers, 1152 wide, 16 heads, MLP 4304). Totals: the model names (35B, 397B).
+# slime's scripts/models/qwen3.5-397B-A17B.sh (the same). Qwen/Qwen3.5-122B-A10B: a model page's specification
+# (48 layers, hidden 3072, 32 heads in 2 KV groups of 256, rope 1e7, 256 experts of width 1024, 9 active, the dense
+# FFN width 1024, vocab 248320), quantized copies' cards (8 routed + 1 shared expert, 36 linear + 12 full layers
+# 3:1, a 27-block ViT 1152 wide) and a GGUF's parameter count, 122.11B (the LLM: embedding, layers, head): the
+# linear heads (16 key / 64 value) and the shared expert's width (1024) are the ones that count gives
+# (test_122b_a10b_llm_is_the_published_parameter_count; 16 / 32 heads would give 120.75B, a 512 shared expert
+# 121.89B). The ViT: transformers' Qwen3_5MoeVisionConfig defaults (27 layers, 1152 wide, 16 heads, MLP 4304).
+# Totals: the model names (35B, 397B); 122B-A10B's with its ViT is 122.56B (its LLM alone the published 122.11B).
 LARGE_VIT = (27, 1152, 16, 4304, ())
 PUBLISHED = {  # (layers, hidden, heads, kv, head_dim, vocab), (experts, topk, expert ffn, shared ffn),
     # (linear key heads, value heads), total (B)
     "qwen3.5-35b-a3b": ((40, 2048, 16, 2, 256, 248320), (256, 8, 512, 512), (16, 32), 35),
+    "qwen3.5-122b-a10b": ((48, 3072, 32, 2, 256, 248320), (256, 8, 1024, 1024), (16, 64), 123),
     "qwen3.5-397b-a17b": ((60, 4096, 32, 2, 256, 248320), (512, 10, 1024, 1024), (16, 64), 397),
 }
 
@@ -57,6 +64,14 @@ def test_presets_are_the_published_sizes(name):
         (10000000, (11, 11, 10), 0.25, False)
     assert lang.layer_types.count("full_attention") == lang.num_layers // 4
     assert round(sum(c.params(1) for c in unit_components(spec)) / 1e9) == total_b
+
+
+def test_122b_a10b_llm_is_the_published_parameter_count():
+    """The 122B-A10B LLM (embedding, 48 layers, head; no ViT, no MTP layer) holds 122.11B parameters, the count its
+    GGUF conversion publishes: the check that fixes the preset's linear heads and shared expert width."""
+    spec = get_preset("qwen3.5-122b-a10b")
+    llm = sum(c.params(1) for u, c in zip(build_units(spec), unit_components(spec)) if u.code in "EtL")
+    assert round(llm / 1e7) == 12211
 
 
 # --------------------------------------------------------------------------------------------------

@@ -237,8 +237,8 @@ def vision(**kw) -> VisionSpec:
 # Presets: the dense Qwen/Qwen3.5-* sizes whose config.json facts were found (where each was read:
 # tests/test_qwen3_5_model.py, PUBLISHED). Common: vocab 248320, head_dim 256, rope_theta 1e7, partial rotary
 # 0.25, mrope_section [11, 11, 10] interleaved, rms_norm_eps 1e-6, linear conv kernel 4, key/value head dims 128,
-# every fourth layer full attention; the ViT: patch 16, temporal 2, merge 2, 2304 positions. 2B is not here: its
-# sizes were not found.
+# every fourth layer full attention; the ViT: patch 16, temporal 2, merge 2, 2304 positions. 2B's ViT and tie are
+# not in the facts found (its LLM is): 4B's ViT and tied embeddings, as the other small sizes have.
 # --------------------------------------------------------------------------------------------
 _TEXT = dict(rotary_base=10000000, norm_eps=1e-6, head_dim=256, vocab_size=248320, mrope_section=(11, 11, 10),
              partial_rotary_factor=0.25, linear_key_head_dim=128, linear_value_head_dim=128,
@@ -257,6 +257,7 @@ def _preset(name, vit, layers, hidden, heads, groups, ffn, key_heads, value_head
 
 PRESETS: dict[str, ModelSpec] = {
     "qwen3.5-0.8b": _preset("qwen3.5-0.8b", SMALL_VIT, 24, 1024, 8, 2, 3584, 16, 16, True),
+    "qwen3.5-2b": _preset("qwen3.5-2b", MID_VIT, 24, 2048, 8, 2, 6144, 16, 16, True),
     "qwen3.5-4b": _preset("qwen3.5-4b", MID_VIT, 32, 2560, 16, 4, 9216, 16, 32, True),
     "qwen3.5-9b": _preset("qwen3.5-9b", LARGE_VIT, 32, 4096, 16, 4, 12288, 16, 32, False),
     "qwen3.5-27b": _preset("qwen3.5-27b", LARGE_VIT, 64, 5120, 24, 4, 17408, 16, 48, False),
@@ -318,7 +319,6 @@ def qwen3_5_moe_experts(num_layers: int, num_experts: int, topk: int, expert_ffn
 # partial rotary 0.25, mrope [11, 11, 10], linear key / value head dims 128, conv 4, every fourth layer full,
 # untied; the ViT is the large one (transformers' Qwen3_5MoeVisionConfig defaults: 27 layers, 1152 wide, 16 heads,
 # MLP 4304). The dense ``ffn_hidden_size`` (no layer has a dense MLP) is the shared expert's width.
-# Qwen3.5-122B-A10B is not here: its config.json facts were not found.
 def _moe_preset(name, layers, hidden, heads, groups, key_heads, value_heads, experts, topk, expert_ffn, shared_ffn):
     return ModelSpec(name=name, vision=LARGE_VIT, family="qwen3_5", language=qwen3_5_language(
         num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
@@ -328,6 +328,7 @@ def _moe_preset(name, layers, hidden, heads, groups, key_heads, value_heads, exp
 
 MOE_PRESETS: dict[str, ModelSpec] = {
     "qwen3.5-35b-a3b": _moe_preset("qwen3.5-35b-a3b", 40, 2048, 16, 2, 16, 32, 256, 8, 512, 512),
+    "qwen3.5-122b-a10b": _moe_preset("qwen3.5-122b-a10b", 48, 3072, 32, 2, 16, 64, 256, 8, 1024, 1024),
     "qwen3.5-397b-a17b": _moe_preset("qwen3.5-397b-a17b", 60, 4096, 32, 2, 16, 64, 512, 10, 1024, 1024),
 }
 PRESETS.update(MOE_PRESETS)
