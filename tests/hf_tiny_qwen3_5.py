@@ -58,17 +58,23 @@ def make_tiny(folder, seed=0, **kw):
 
     torch.manual_seed(seed)
     model = Qwen3_5ForConditionalGeneration(hf_config(**kw)).eval()
-    perturb(model, seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(ZERO_CENTRED):  # 1 + w near 1, as trained ones are
-                p.sub_(1.0)
-            if name.endswith(("embed_tokens.weight", "lm_head.weight")):  # logits of order 1, not 4
-                p.mul_(0.25)
+    perturb_zero_centred(model, seed)
     if kw.get("tie"):
         model.tie_weights()
     model.save_pretrained(str(folder))
     return eager(model)
+
+
+def perturb_zero_centred(model, seed) -> None:
+    """``hf_tiny.perturb`` for a Qwen3.5 model: its zero-centred norms' weights near 0 (1 + w near 1, as trained ones
+    are), the embedding and head / 4 (logits of order 1)."""
+    perturb(model, seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(ZERO_CENTRED):
+                p.sub_(1.0)
+            if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                p.mul_(0.25)
 
 
 def oracle_error(model, batch) -> float:
@@ -121,26 +127,27 @@ def write_preprocessor(folder, min_pixels=32 * 32, max_pixels=32 * 32 * 12) -> N
     write_qwen_preprocessor(folder, PATCH, min_pixels, max_pixels)
 
 
-def make_tiny_with_tokenizer(folder, seed=0, **kw):
+def make_tiny_with_tokenizer(folder, seed=0, make=make_tiny, **kw):
     """A new folder ``folder`` with ``hf_tiny_qwen``'s character tokenizer and ChatML template, ``write_preprocessor``'s
-    image settings and a tiny perturbed model (``make_tiny``) whose image/vision token ids are that tokenizer's;
-    returns (the model (eval, fp32, eager), the special tokens' ids by name)."""
+    image settings and a tiny perturbed model (``make``: ``make_tiny`` or the MoE one) whose image/vision token ids
+    are that tokenizer's; returns (the model (eval, fp32, eager), the special tokens' ids by name)."""
     import hf_tiny_qwen
 
     folder.mkdir()
     ids = hf_tiny_qwen.write_tokenizer(folder)
     write_preprocessor(folder)
-    model = make_tiny(folder, seed=seed, **kw)
+    model = make(folder, seed=seed, **kw)
     hf_tiny_qwen.set_token_ids(model, ids)
     model.save_pretrained(str(folder))
     return model, ids
 
 
-def training_flags(folder, data_cache, seed=3, **kw) -> list[str]:
-    """Trainer flags of a fine-tune of a tiny HF Qwen3.5 (``make_tiny_with_tokenizer`` in ``folder/hf``) on
-    ``hf_tiny_qwen.write_messages_data``'s photo questions (``folder``); sizes and parallelism are the caller's."""
+def training_flags(folder, data_cache, seed=3, make=make_tiny, **kw) -> list[str]:
+    """Trainer flags of a fine-tune of a tiny HF Qwen3.5 (``make_tiny_with_tokenizer`` with ``make`` in
+    ``folder/hf``) on ``hf_tiny_qwen.write_messages_data``'s photo questions (``folder``); sizes and parallelism are
+    the caller's."""
     import hf_tiny_qwen
 
-    make_tiny_with_tokenizer(folder / "hf", seed, **kw)
+    make_tiny_with_tokenizer(folder / "hf", seed, make, **kw)
     return ["--hf-checkpoint", str(folder / "hf"), "--data-path", hf_tiny_qwen.write_messages_data(folder),
             "--eval-interval", "0", "--seq-length", "256", "--data-cache-dir", str(data_cache)]

@@ -5,8 +5,8 @@ expert of width 12 behind its sigmoid gate; every parameter perturbed, the zero-
 from __future__ import annotations
 
 import torch
-from hf_tiny import perturb
-from hf_tiny_qwen3_5 import EPS, LAYER_TYPES, ZERO_CENTRED, eager, hf_logits, inputs, write_preprocessor
+import hf_tiny_qwen3_5 as dense
+from hf_tiny_qwen3_5 import EPS, LAYER_TYPES, eager, hf_logits, inputs
 
 EXPERTS, TOPK, EXPERT_FFN, SHARED_FFN = 6, 2, 20, 12
 
@@ -15,15 +15,14 @@ __all__ = ["hf_moe_config", "make_tiny_moe", "make_tiny_moe_with_tokenizer", "tr
 
 def hf_moe_config(tie=False, layer_types=LAYER_TYPES, eps=EPS):
     """``hf_tiny_qwen3_5.hf_config``'s sizes as a Qwen3_5MoeConfig."""
-    from hf_tiny_qwen3_5 import hf_config
     from transformers import Qwen3_5MoeConfig
 
-    dense = hf_config(tie=tie, layer_types=layer_types, eps=eps).to_dict()
-    text = {k: v for k, v in dense["text_config"].items() if k not in ("intermediate_size", "model_type")}
+    base = dense.hf_config(tie=tie, layer_types=layer_types, eps=eps).to_dict()
+    text = {k: v for k, v in base["text_config"].items() if k not in ("intermediate_size", "model_type")}
     text.update(num_experts=EXPERTS, num_experts_per_tok=TOPK, moe_intermediate_size=EXPERT_FFN,
                 shared_expert_intermediate_size=SHARED_FFN)
-    vision = {k: v for k, v in dense["vision_config"].items() if k != "model_type"}
-    top = {k: dense[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
+    vision = {k: v for k, v in base["vision_config"].items() if k != "model_type"}
+    top = {k: base[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
                                  "tie_word_embeddings")}
     return Qwen3_5MoeConfig(text_config=text, vision_config=vision, **top)
 
@@ -38,13 +37,7 @@ def make_tiny_moe(folder, seed=0, published=False, **kw):
 
     torch.manual_seed(seed)
     model = Qwen3_5MoeForConditionalGeneration(hf_moe_config(**kw)).eval()
-    perturb(model, seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(ZERO_CENTRED):
-                p.sub_(1.0)
-            if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-                p.mul_(0.25)
+    dense.perturb_zero_centred(model, seed)
     if kw.get("tie"):
         model.tie_weights()
     model.save_pretrained(str(folder))
@@ -62,21 +55,9 @@ def make_tiny_moe(folder, seed=0, published=False, **kw):
 
 def make_tiny_moe_with_tokenizer(folder, seed=0, **kw):
     """``hf_tiny_qwen3_5.make_tiny_with_tokenizer`` with the MoE model."""
-    import hf_tiny_qwen
-
-    folder.mkdir()
-    ids = hf_tiny_qwen.write_tokenizer(folder)
-    write_preprocessor(folder)
-    model = make_tiny_moe(folder, seed=seed, **kw)
-    hf_tiny_qwen.set_token_ids(model, ids)
-    model.save_pretrained(str(folder))
-    return model, ids
+    return dense.make_tiny_with_tokenizer(folder, seed, make_tiny_moe, **kw)
 
 
 def training_flags(folder, data_cache, seed=3, **kw) -> list[str]:
     """``hf_tiny_qwen3_5.training_flags`` with the MoE model."""
-    import hf_tiny_qwen
-
-    make_tiny_moe_with_tokenizer(folder / "hf", seed, **kw)
-    return ["--hf-checkpoint", str(folder / "hf"), "--data-path", hf_tiny_qwen.write_messages_data(folder),
-            "--eval-interval", "0", "--seq-length", "256", "--data-cache-dir", str(data_cache)]
+    return dense.training_flags(folder, data_cache, seed, make_tiny_moe, **kw)
