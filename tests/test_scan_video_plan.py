@@ -8,14 +8,12 @@ import dataclasses
 import json
 import math
 
-import numpy as np
 import pytest
-from PIL import Image
 
 av = pytest.importorskip("av")
 
-from megatron.vlm.data.video_synthetic import write_coded_video  # noqa: E402
 from omnibal_ext.model.units import get_preset  # noqa: E402
+from video_media import write_media  # noqa: E402
 
 MODEL = "qwen2.5-vl-7b"
 REPEAT = 12  # the meta's repeat_time: 36 samples of the 3 records
@@ -23,54 +21,11 @@ REPEAT = 12  # the meta's repeat_time: 36 samples of the 3 records
 
 @pytest.fixture(scope="module")
 def meta(tmp_path_factory):
-    """Two H.264 videos (v: 2 s at 25 fps, 96 x 64 px; w: 3 s at 10 fps, 64 x 48 px), a 60 x 40 px image, three
-    records (a video; an image and a video; an image) under a meta JSON that repeats them."""
-    d = tmp_path_factory.mktemp("scan_video_plan")
-    write_coded_video(str(d / "v.mp4"), 50, 25, 96, 64, gop=10)
-    write_coded_video(str(d / "w.mp4"), 30, 10, 64, 48, gop=10)
-    Image.fromarray(np.full((40, 60, 3), 200, np.uint8)).save(d / "a.png")
-    records = [{"messages": [{"role": "user", "content": "<video>what?"}, {"role": "assistant", "content": "a"}],
-                "videos": ["v.mp4"]},
-               {"messages": [{"role": "user", "content": "<image>and<video>?"}, {"role": "assistant", "content": "b"}],
-                "images": ["a.png"], "videos": ["w.mp4"]},
-               {"messages": [{"role": "user", "content": "<image>only"}, {"role": "assistant", "content": "c"}],
-                "images": ["a.png"]}]
-    (d / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    """``video_media.write_media``'s three records under a meta JSON that repeats them."""
+    d = write_media(tmp_path_factory.mktemp("scan_video_plan"))
     path = d / "meta.json"
     path.write_text(json.dumps({"mix": {"root": str(d), "annotation": "d.jsonl", "repeat_time": REPEAT}}))
     return path
-
-
-@pytest.fixture
-def qwen_video_rule(monkeypatch):
-    """Qwen2.5-VL's video rule where the family has one; until it does (the Qwen video part), a stand-in of the
-    same reading: Qwen2-VL's frame sampling and sizes, one block of t x gh x gw patches per video."""
-    from megatron.vlm.families import FAMILIES as RUNTIME
-    from omnibal_ext.model.families import FAMILIES
-
-    spec = get_preset(MODEL)
-    if RUNTIME[spec.family].data.video_rule is not None and FAMILIES[spec.family].capabilities.video:
-        return
-    from megatron.vlm.data.video_sampling import VideoOverrides
-    from megatron.vlm.families.qwen2_5_vl import video as qwen_video
-
-    @dataclasses.dataclass(frozen=True)
-    class OneBlock(qwen_video.QwenFrames):
-        def blocks(self, num_frames, width, height, where=None):
-            t, gh, gw = qwen_video.video_grid_thw(num_frames, height, width, self.settings, where)
-            return [t * gh * gw]
-
-        def text(self, indices, src_fps):
-            return "<image>"
-
-    def rule(args, spec, hf_folder):
-        return OneBlock(qwen_video.settings(hf_folder, VideoOverrides.from_args(args)))
-
-    runtime, family = RUNTIME[spec.family], FAMILIES[spec.family]
-    monkeypatch.setitem(RUNTIME, spec.family, dataclasses.replace(
-        runtime, data=dataclasses.replace(runtime.data, video_rule=rule)))
-    monkeypatch.setitem(FAMILIES, spec.family, dataclasses.replace(
-        family, capabilities=dataclasses.replace(family.capabilities, video=True)))
 
 
 def smart_resize_grid(height: int, width: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -101,7 +56,7 @@ def brute_force_segments(items, side: int) -> tuple[float, float, float, float]:
     return full_sum / total, window_sum / total, full_max, window_max
 
 
-def test_plan_on_a_video_meta_equals_the_written_stats_and_brute_force(meta, qwen_video_rule, tmp_path, capsys):
+def test_plan_on_a_video_meta_equals_the_written_stats_and_brute_force(meta, tmp_path, capsys):
     """`omnibal plan --data META.json --video-fps 2` on Qwen2.5-VL: v.mp4 gives 4 frames (2 temporal patches), w.mp4
     6 (3), each frame smart_resized at the video processor's min_pixels (20 x 28 patches each), the image at
     the image processor's (4 x 6).  Its ViT segments (`vision_segments` of the scanned stats) equal those of the

@@ -10,38 +10,27 @@ import json
 
 import numpy as np
 import pytest
-from PIL import Image
 
 av = pytest.importorskip("av")
 
 from megatron.vlm.data import RecordDataset, TileImages  # noqa: E402
 from megatron.vlm.data.tokenizer import build_tokenizer  # noqa: E402
 from megatron.vlm.data.video_sampling import VideoOverrides  # noqa: E402
-from megatron.vlm.data.video_synthetic import write_coded_video  # noqa: E402
 from megatron.vlm.families.qwen2_5_vl import video as qwen_video  # noqa: E402
 from omnibal_ext.data.stats import load_stats  # noqa: E402
 from omnibal_ext.model.cost_model import DEVICES, analytic_costs  # noqa: E402
 from omnibal_ext.model.sample_time import VISION_CODES, sample_times, sample_work, time_coefficients  # noqa: E402
 from omnibal_ext.model.shape import MicroBatchShape  # noqa: E402
 from omnibal_ext.model.units import get_preset  # noqa: E402
+from video_media import write_media  # noqa: E402
 
 TOK = build_tokenizer(None)
 
 
 @pytest.fixture(scope="module")
 def media(tmp_path_factory):
-    d = tmp_path_factory.mktemp("video_balance")
-    write_coded_video(str(d / "v.mp4"), 50, 25, 96, 64, gop=10)  # 2 s at 25 fps, 96 x 64 px
-    write_coded_video(str(d / "w.mp4"), 30, 10, 64, 48, gop=10)  # 3 s at 10 fps, 64 x 48 px
-    Image.fromarray(np.full((40, 60, 3), 200, np.uint8)).save(d / "a.png")
-    records = [{"messages": [{"role": "user", "content": "<video>what?"}, {"role": "assistant", "content": "a"}],
-                "videos": ["v.mp4"]},
-               {"messages": [{"role": "user", "content": "<image>and<video>?"}, {"role": "assistant", "content": "b"}],
-                "images": ["a.png"], "videos": ["w.mp4"]},
-               {"messages": [{"role": "user", "content": "<image>only"}, {"role": "assistant", "content": "c"}],
-                "images": ["a.png"]}]
-    (d / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    return d
+    """``video_media.write_media``'s folder."""
+    return write_media(tmp_path_factory.mktemp("video_balance"))
 
 
 def test_isf_stats_write_carries_videos_with_the_video_flags(media, tmp_path, capsys):
