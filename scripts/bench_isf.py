@@ -283,14 +283,25 @@ def main(argv=None) -> int:
                                              "height_median": float(np.median([s[1] for s in sizes]))}
         for key in ("qwen_published", "qwen_scanned"):
             if key in out:
-                m = out[key]["rows"]["isf-time"]
-                checks[f"{key}: isf-time dist_vit_time<=0.01"] = m["dist_ratio_vit_time"] <= 0.01
-                checks[f"{key}: isf-time dist_llm_time<=0.01"] = m["dist_ratio_llm_time"] <= 0.01
+                add_time_checks(checks, key, out[key])
     if args.video_mix:
         video_part(args, stats, cfg, out, checks)
     s = out["resampled"]["seconds"]
     checks["1.2M search+grouping <= 3 s (cpu)"] = s["total_cpu"] <= 3.0
     checks["1.2M search+grouping <= 3 s (wall)"] = s["total_wall"] <= 3.0
+    return finish(args, out, checks)
+
+
+def add_time_checks(checks: dict, key: str, result: dict) -> None:
+    """The targets of a native-resolution part ``result`` (``bench_native``'s) into ``checks``: ISF in time's
+    DistRatio of ViT and LLM time at most 0.01."""
+    m = result["rows"]["isf-time"]
+    checks[f"{key}: isf-time dist_vit_time<=0.01"] = m["dist_ratio_vit_time"] <= 0.01
+    checks[f"{key}: isf-time dist_llm_time<=0.01"] = m["dist_ratio_llm_time"] <= 0.01
+
+
+def finish(args, out: dict, checks: dict) -> int:
+    """``checks`` into ``out["targets"]``, printed PASS / FAIL; ``out`` written to ``--json``."""
     out["targets"] = checks
     print("\ntargets:")
     for k, ok in checks.items():
@@ -323,17 +334,8 @@ def video_part(args, stats: SampleStats, cfg: SearchConfig, out: dict, checks: d
                      "sizes_stated": {f"{w}x{h}": p for (w, h), p in VIDEO_SIZES.items()}}
     res["date"] = BENCH_DATE
     out["qwen_video_mix"] = res
-    m = res["rows"]["isf-time"]
-    checks["qwen_video_mix: isf-time dist_vit_time<=0.01"] = m["dist_ratio_vit_time"] <= 0.01
-    checks["qwen_video_mix: isf-time dist_llm_time<=0.01"] = m["dist_ratio_llm_time"] <= 0.01
-    if alone:
-        out["targets"] = checks
-        print("\ntargets:")
-        for k, ok in checks.items():
-            print(f"  {'PASS' if ok else 'FAIL'}  {k}")
-        if args.json:
-            bl.write_json(args.json, out)
-    return 0
+    add_time_checks(checks, "qwen_video_mix", res)
+    return finish(args, out, checks) if alone else 0
 
 
 if __name__ == "__main__":
