@@ -1,4 +1,4 @@
-"""Fine-tune tiny Hugging Face Qwen2.5-VL and Qwen3-VL folders (their tokenizer and chat template, a small video
+"""Fine-tune tiny Hugging Face Qwen2.5-VL, Qwen3-VL and Qwen3.5 folders (their tokenizer and chat template, a small video
 processor budget in ``video_preprocessor_config.json``) at PP2 with the ViT split and ``--omnibal-isf`` on H.264
 videos made with PyAV here (1-3 s, 6-30 fps, 64x48 to 224x160) mixed with images: the loss falls (slow); a
 truncated video in the same data is refused naming its file:line, and --skip-bad-samples trains on the rest."""
@@ -12,6 +12,7 @@ from launch import run_training
 pytest.importorskip("transformers")
 pytest.importorskip("av")
 import hf_tiny_qwen as q25  # noqa: E402
+import hf_tiny_qwen3_5 as q35  # noqa: E402
 import hf_tiny_qwen3_vl as q3  # noqa: E402
 
 from megatron.vlm.data.video_synthetic import write_coded_video  # noqa: E402
@@ -22,7 +23,9 @@ FAMILIES = {  # make the folder, its video budget, PP2 layout with the ViT split
     "qwen2_5_vl": (q25.make_tiny_with_tokenizer, {"size": {"shortest_edge": 28 * 28 * 2, "longest_edge": 28 * 28 * 8}},
                    "Iv*2|v*2PEt*2L"),
     "qwen3_vl": (q3.make_tiny_with_tokenizer, {"size": {"shortest_edge": 32 * 32 * 2, "longest_edge": 32 * 32 * 16},
-                                               "patch_size": 16}, "Iv*2|v*2PEt*3L")}
+                                               "patch_size": 16}, "Iv*2|v*2PEt*3L"),
+    "qwen3_5": (q35.make_tiny_with_tokenizer, {"size": {"shortest_edge": 32 * 32 * 2, "longest_edge": 32 * 32 * 16},
+                                               "patch_size": 16}, "Iv|vPEt*5L")}
 SHADES = ("red", "green", "blue")
 COLOURS = ((220, 30, 30), (30, 200, 30), (30, 30, 220))
 

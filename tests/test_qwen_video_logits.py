@@ -1,9 +1,9 @@
-"""Qwen2.5-VL and Qwen3-VL on video, against transformers on tiny random checkpoints: one image and two videos
-(temporal grids 3 and 2; Qwen2.5-VL's ``second_per_grid_ts`` 0.5 and 2/3 with ``tokens_per_second`` 3, so the
-temporal ids are truncated products; Qwen3-VL's timestamp text before each temporal patch's own
+"""Qwen2.5-VL, Qwen3-VL and Qwen3.5 on video, against transformers on tiny random checkpoints: one image and two
+videos (temporal grids 3 and 2; Qwen2.5-VL's ``second_per_grid_ts`` 0.5 and 2/3 with ``tokens_per_second`` 3, so the
+temporal ids are truncated products; Qwen3-VL's and Qwen3.5's timestamp text before each temporal patch's own
 ``<|vision_start|>``..``<|vision_end|>``), the inputs built as the processors return them (their video processors
 need torchvision). Logits within 1e-5 at TP1 at every pipeline cut in one process, and under torchrun at TP2 x PP2
-with the ViT split over the stages (both families in one launch, slow); inputs a family does not implement are
+with the ViT split over the stages (the families in one launch, slow); inputs a family does not implement are
 refused."""
 import pytest
 import torch
@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("transformers")
 import hf_check  # noqa: E402
 import hf_tiny_qwen as q25  # noqa: E402
+import hf_tiny_qwen3_5 as q35  # noqa: E402
 import hf_tiny_qwen3_vl as q3  # noqa: E402
 
 from omnibal_ext.errors import UserError  # noqa: E402
@@ -21,6 +22,7 @@ VIDEOS = ((3, 6, 6), (2, 4, 6))  # patches (t, h, w): merged 3 x 3 (ragged 2 x 2
 SECONDS = (0.5, 2 / 3)
 TOKENS_PER_SECOND = 3
 Q25_VIDEO_ID = q25.VOCAB - 1
+QWEN3_5_EPS = 0.1  # the tiny Qwen3.5's rms_norm_eps here (FAMILIES)
 
 
 def text(g, n):
@@ -77,7 +79,14 @@ def make_qwen2_5(folder):
 
 
 FAMILIES = {"qwen2_5_vl": (make_qwen2_5, qwen2_5_inputs, "Iv*2|v*2PEt*2L"),
-            "qwen3_vl": (lambda folder: q3.make_tiny(folder), qwen3_inputs, "Iv*2|v*2PEt*3L")}
+            "qwen3_vl": (lambda folder: q3.make_tiny(folder), qwen3_inputs, "Iv*2|v*2PEt*3L"),
+            # Qwen3.5: Qwen3-VL's ViT (no DeepStack), processor and token ids, its hybrid LLM (PP 2: the ViT split;
+            # the LLM's cuts are tests/test_qwen3_5_model.py's). rms_norm_eps 0.1: on these 150 tokens the gated norm turns
+            # transformers' own fp32 rounding into up to 4e-5 of the logits at eps 1e-5 (seeds 0 .. 6), 2e-6 .. 4e-6
+            # at 0.1 (test_the_qwen3_5_oracle_is_exact_to_the_tolerance); the image tests keep 1e-5
+            "qwen3_5": (lambda folder: q35.make_tiny(folder, seed=q35.SEEDS[0], eps=QWEN3_5_EPS), qwen3_inputs,
+                        "Iv|vPEt*5L")}
+
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +125,13 @@ def test_video_logits_match_transformers_at_every_pipeline_cut(megatron_world, t
             assert (chained_logits(src, other) - hf_logits(model, other)).abs().max() <= TOL
 
 
+def test_the_qwen3_5_oracle_is_exact_to_the_tolerance(tiny):
+    """transformers' fp32 logits of the tiny Qwen3.5 on the video input are within 1e-5 / 2 of the exact ones
+    (``hf_tiny_qwen3_5.oracle_error``: float64, the delta rule in float64): the 1e-5 comparisons judge our rounding."""
+    _, model, batch, _ = tiny["qwen3_5"]
+    assert q35.oracle_error(model, batch) <= TOL / 2
+
+
 def test_inputs_not_implemented_are_refused(megatron_world, tiny):
     from megatron.vlm.hf.convert import HFSource
     from megatron.vlm.hf.logits import make_batch
@@ -138,7 +154,7 @@ def test_inputs_not_implemented_are_refused(megatron_world, tiny):
 
 @pytest.mark.slow
 def test_video_hf_logits_script_tp2_pp2_under_torchrun(tiny, tmp_path):
-    """TP 2 (3 ViT heads padded to 4) x PP 2 with the ViT split over the stages, both families in one launch; then TP 2
+    """TP 2 (3 ViT heads padded to 4) x PP 2 with the ViT split over the stages, the families in one launch; then TP 2
     and PP 2 alone."""
     names = list(tiny)
     got = hf_check.torchrun_logits(

@@ -340,5 +340,7 @@ QWEN3_5 = register(Family(
     unit_list=unit_list, vision_item="patch", presets=PRESETS, segments_sq=image_segments_sq,
     spec_problem=spec_problem, few_layers=few_layers,
     # sequence parallelism is declared: the Gated DeltaNet, the gated attention and the norms run under it (tested
-    # at TP 2); context parallelism is refused (the linear layers' state would pass between CP ranks); no LoRA
-    capabilities=Capabilities(sequence_parallel=True, image_flags=("--min-pixels", "--max-pixels"), moe=True)))
+    # at TP 2); context parallelism is refused (the linear layers' state would pass between CP ranks); no LoRA;
+    # video as Qwen3-VL's (its ViT, processor and get_rope_index: tests/test_qwen_video_logits.py)
+    capabilities=Capabilities(sequence_parallel=True, video=True, image_flags=("--min-pixels", "--max-pixels"),
+                              moe=True)))

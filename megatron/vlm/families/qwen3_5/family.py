@@ -3,7 +3,7 @@
 Planning side: ``omnibal_ext.model.families.qwen3_5``. LLM modules: ``modules``; components: ``components``; HF
 config, names and tensor recipes: ``hf``. The ViT's config, the logits-check micro-batches and the training data
 are Qwen3-VL's (``qwen3_vl.modules.vision_config``, ``qwen3_vl.batch``, ``qwen3_vl.data.QWEN3_VL_DATA``): the same
-ViT, image processor and multimodal RoPE ids, with no DeepStack features to carry.
+ViT, image and video processors and multimodal RoPE ids (videos too), with no DeepStack features to carry.
 """
 from __future__ import annotations
 
@@ -26,6 +26,6 @@ QWEN3_5 = register(RuntimeFamily(
                 LinearAttentionMoELayers, GatedAttentionMoELayers, Qwen35Head),
     vision_config=vision_config,
     hf=HFSide(hf.recognizes, hf.spec_from_config, hf.native_config, names=hf.Names,
-              logits_batch=batch.image_logits_batch, structure_twin=hf.structure_twin,
+              logits_batch=batch.logits_batch, structure_twin=hf.structure_twin,
               checkpoint_info=hf.checkpoint_info),
     data=QWEN3_VL_DATA))

@@ -86,9 +86,6 @@ def qwen3_positions(types: np.ndarray, items: list, spec) -> np.ndarray:
 
 
 QWEN3_VL_INPUTS = qwen2_5_vl_batch.QWEN2_5_VL_INPUTS - {"second_per_grid_ts"}  # a Qwen2.5-VL input only
-IMAGE_INPUTS = QWEN3_VL_INPUTS - {"pixel_values_videos", "video_grid_thw"}
 
 logits_batch = functools.partial(qwen2_5_vl_batch.logits_batch, fields=vision_fields, vision=Qwen3Vision,
                                  positions=qwen3_positions, accepted=QWEN3_VL_INPUTS, video_times=False)
-image_logits_batch = functools.partial(logits_batch, accepted=IMAGE_INPUTS)
-"""Qwen3-VL's ``logits_batch`` without videos (a family whose video layout is not implemented: Qwen3.5)."""
