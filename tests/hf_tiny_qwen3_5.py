@@ -7,8 +7,6 @@ has 3 heads (TP 2 does not divide them) and a 3 x 3 learned position grid. Two i
 (Qwen3-VL's inputs)."""
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from hf_check import eager, write_qwen_preprocessor
 from hf_tiny import perturb
@@ -23,8 +21,8 @@ EPS = 1e-5  # rms_norm_eps (also the gated norm's): see make_tiny
 SEEDS = (26, 26)
 LAYER_TYPES = ("linear_attention", "full_attention", "full_attention", "linear_attention", "linear_attention")
 
-__all__ = ["GRIDS", "IMAGE_ID", "PATCH", "VOCAB", "SEEDS", "hf_config", "make_tiny", "eager", "inputs", "hf_logits",
-           "oracle_error"]
+__all__ = ["GRIDS", "IMAGE_ID", "PATCH", "VOCAB", "SEEDS", "hf_config", "make_tiny", "perturb_zero_centred", "eager",
+           "inputs", "hf_logits", "oracle_error", "delta_rule_fp64"]
 
 
 def hf_config(tie=False, layer_types=LAYER_TYPES, section=(1, 1, 0), factor=0.25, eps=EPS):
@@ -81,11 +79,12 @@ def oracle_error(model, batch) -> float:
     """max |``model``'s fp32 logits on ``batch`` - the exact ones|: the model in float64 with transformers' chunked
     delta rule (which computes in float32 whatever its inputs) replaced by ``delta_rule_fp64``."""
     import copy
+    from unittest import mock
 
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
     m64 = copy.deepcopy(model).double()
-    with torch.no_grad(), _patched(modeling_qwen3_5, "torch_chunk_gated_delta_rule", delta_rule_fp64):
+    with torch.no_grad(), mock.patch.object(modeling_qwen3_5, "torch_chunk_gated_delta_rule", delta_rule_fp64):
         exact = m64(**{k: (v.double() if v.is_floating_point() else v) for k, v in batch.items()}).logits[0]
     return (hf_logits(model, batch).double() - exact).abs().max().item()
 
@@ -109,16 +108,6 @@ def delta_rule_fp64(query, key, value, g, beta, initial_state=None, output_final
         state = state + k[:, t, :, :, None] * delta[:, :, None, :]
         out[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], state)
     return out.to(query.dtype), (state.to(query.dtype) if output_final_state else None)
-
-
-@contextlib.contextmanager
-def _patched(module, name, value):
-    old = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, old)
 
 
 def write_preprocessor(folder, min_pixels=32 * 32, max_pixels=32 * 32 * 12) -> None:
