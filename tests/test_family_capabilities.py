@@ -86,7 +86,7 @@ def test_vit_setting_the_family_lacks_is_refused():
         parse_args(["--model", "qwen2.5-vl-tiny", "--vision-qk-norm"])
 
 
-def test_video_flags_a_family_does_not_implement_are_refused_at_parse_time():
+def test_video_flags_a_family_does_not_implement_are_refused_at_parse_time(bare):
     """A family declaring video refuses the video flags its processor does not implement, naming the flag; a
     family not declaring video refuses every video flag."""
     with pytest.raises(ArgumentError, match="--video-fps is not implemented for internvl"):
@@ -96,9 +96,11 @@ def test_video_flags_a_family_does_not_implement_are_refused_at_parse_time():
     with pytest.raises(ArgumentError, match="min_frames 9 > max_frames 8"):
         parse_args(["--model", "tiny", "--video-min-frames", "9", "--video-max-frames", "8"])
     parse_args(["--model", "tiny", "--video-min-frames", "2", "--video-max-frames", "4", "--video-folder-fps", "10"])
-    with pytest.raises(ArgumentError, match="--video-folder-fps: model family qwen3_5 does not implement it"):
-        parse_args(["--model", "qwen3.5-0.8b", "--video-folder-fps", "10"])
+    with pytest.raises(ArgumentError, match=f"--video-folder-fps: model family {BARE} does not implement it"):
+        parse_args(["--model", bare, "--video-folder-fps", "10"])
     with pytest.raises(ArgumentError, match="--video-total-pixels is not implemented for qwen2_vl"):
         parse_args(["--model", "qwen2.5-vl-tiny", "--video-total-pixels", "100000"])
     with pytest.raises(ArgumentError, match="--video-max-pixels is not implemented for qwen3_vl"):
         parse_args(["--model", "qwen3-vl-tiny", "--video-max-pixels", "100000"])
+    with pytest.raises(ArgumentError, match="--video-max-pixels is not implemented for qwen3_vl"):  # its processor
+        parse_args(["--model", "qwen3.5-0.8b", "--video-max-pixels", "100000"])
