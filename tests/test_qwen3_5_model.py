@@ -50,8 +50,8 @@ TOL = 1e-5
 # * 4B: tests/test_qwen3_5_4b_preset.py (its LLM: a Swift test's config.json and onnx_tool's Qwen3_5_4B: 32 layers,
 #   hidden 2560, 16 / 4 heads, FFN 9216, linear 16 / 32, tied; its ViT from a fine-tune's config.json).
 PUBLISHED = {  # name: (ViT depth, hidden, heads, ffn, LLM layers, hidden, heads, kv, ffn, key heads, value heads, tied)
-    "qwen3.5-2b": (24, 1024, 16, 4096, 24, 2048, 8, 2, 6144, 16, 16, True),  # ViT, tie unverified (above)
     "qwen3.5-0.8b": (12, 768, 12, 3072, 24, 1024, 8, 2, 3584, 16, 16, True),
+    "qwen3.5-2b": (24, 1024, 16, 4096, 24, 2048, 8, 2, 6144, 16, 16, True),  # ViT, tie unverified (above)
     "qwen3.5-9b": (27, 1152, 16, 4304, 32, 4096, 16, 4, 12288, 16, 32, False),
     "qwen3.5-27b": (27, 1152, 16, 4304, 64, 5120, 24, 4, 17408, 16, 48, False),
 }

@@ -1,5 +1,5 @@
-"""Fine-tune tiny Hugging Face Qwen2.5-VL, Qwen3-VL and Qwen3.5 folders (their tokenizer and chat template, a small video
-processor budget in ``video_preprocessor_config.json``) at PP2 with the ViT split and ``--omnibal-isf`` on H.264
+"""Fine-tune tiny Hugging Face Qwen2.5-VL, Qwen3-VL and Qwen3.5 folders (their tokenizer and chat template, a small
+video processor budget in ``video_preprocessor_config.json``) at PP2 with the ViT split and ``--omnibal-isf`` on H.264
 videos made with PyAV here (1-3 s, 6-30 fps, 64x48 to 224x160) mixed with images: the loss falls (slow); a
 truncated video in the same data is refused naming its file:line, and --skip-bad-samples trains on the rest."""
 import json

@@ -81,12 +81,11 @@ def make_qwen2_5(folder):
 FAMILIES = {"qwen2_5_vl": (make_qwen2_5, qwen2_5_inputs, "Iv*2|v*2PEt*2L"),
             "qwen3_vl": (lambda folder: q3.make_tiny(folder), qwen3_inputs, "Iv*2|v*2PEt*3L"),
             # Qwen3.5: Qwen3-VL's ViT (no DeepStack), processor and token ids, its hybrid LLM (PP 2: the ViT split;
-            # the LLM's cuts are tests/test_qwen3_5_model.py's). rms_norm_eps 0.1: on these 150 tokens the gated norm turns
-            # transformers' own fp32 rounding into up to 4e-5 of the logits at eps 1e-5 (seeds 0 .. 6), 2e-6 .. 4e-6
-            # at 0.1 (test_the_qwen3_5_oracle_is_exact_to_the_tolerance); the image tests keep 1e-5
+            # the LLM's cuts are tests/test_qwen3_5_model.py's). rms_norm_eps 0.1: on these 150 tokens the gated
+            # norm turns transformers' own fp32 rounding into up to 4e-5 of the logits at eps 1e-5 (seeds 0 .. 6),
+            # 2e-6 .. 4e-6 at 0.1 (test_the_qwen3_5_oracle_is_exact_to_the_tolerance); the image tests keep 1e-5
             "qwen3_5": (lambda folder: q35.make_tiny(folder, seed=q35.SEEDS[0], eps=QWEN3_5_EPS), qwen3_inputs,
                         "Iv|vPEt*5L")}
-
 
 
 @pytest.fixture(scope="module")
