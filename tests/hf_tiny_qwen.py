@@ -102,12 +102,16 @@ def set_token_ids(model, ids: dict) -> None:
                 setattr(config, key, ids[token])
 
 
-def make_tiny_with_tokenizer(folder, seed=0, **kw):
-    """A new folder ``folder`` with ``write_tokenizer``'s tokenizer and a tiny perturbed model (``make_tiny``) whose
-    image/vision token ids are that tokenizer's; returns (the model (eval, fp32, eager), the special tokens' ids)."""
+def make_tiny_with_tokenizer(folder, seed=0, make=None, write_preprocessor=None, **kw):
+    """A new folder ``folder`` with ``write_tokenizer``'s tokenizer, ``write_preprocessor(folder)``'s image settings
+    (None: none written) and a tiny perturbed model (``make``, default ``make_tiny``; the Qwen3-VL and Qwen3.5 tiny
+    modules pass theirs) whose image/vision token ids are that tokenizer's; returns (the model (eval, fp32, eager),
+    the special tokens' ids)."""
     folder.mkdir()
     ids = write_tokenizer(folder)
-    model = make_tiny(folder, seed=seed, **kw)
+    if write_preprocessor is not None:
+        write_preprocessor(folder)
+    model = (make or make_tiny)(folder, seed=seed, **kw)
     set_token_ids(model, ids)
     model.save_pretrained(str(folder))
     return model, ids

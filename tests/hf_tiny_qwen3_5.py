@@ -117,18 +117,12 @@ def write_preprocessor(folder, min_pixels=32 * 32, max_pixels=32 * 32 * 12) -> N
 
 
 def make_tiny_with_tokenizer(folder, seed=0, make=make_tiny, **kw):
-    """A new folder ``folder`` with ``hf_tiny_qwen``'s character tokenizer and ChatML template, ``write_preprocessor``'s
-    image settings and a tiny perturbed model (``make``: ``make_tiny`` or the MoE one) whose image/vision token ids
-    are that tokenizer's; returns (the model (eval, fp32, eager), the special tokens' ids by name)."""
+    """``hf_tiny_qwen.make_tiny_with_tokenizer`` (its character tokenizer and ChatML template) with
+    ``write_preprocessor``'s image settings and the model of ``make`` (``make_tiny`` or the MoE one); returns (the
+    model (eval, fp32, eager), the special tokens' ids by name)."""
     import hf_tiny_qwen
 
-    folder.mkdir()
-    ids = hf_tiny_qwen.write_tokenizer(folder)
-    write_preprocessor(folder)
-    model = make(folder, seed=seed, **kw)
-    hf_tiny_qwen.set_token_ids(model, ids)
-    model.save_pretrained(str(folder))
-    return model, ids
+    return hf_tiny_qwen.make_tiny_with_tokenizer(folder, seed, make, write_preprocessor, **kw)
 
 
 def training_flags(folder, data_cache, seed=3, make=make_tiny, **kw) -> list[str]:

@@ -74,18 +74,11 @@ def write_preprocessor(folder, min_pixels=32 * 32, max_pixels=32 * 32 * 16) -> N
 
 
 def make_tiny_with_tokenizer(folder, seed=0, **kw):
-    """A new folder ``folder`` with ``hf_tiny_qwen``'s tokenizer and chat template, ``write_preprocessor``'s image
-    settings and a tiny perturbed model (``make_tiny``) whose image/vision token ids are that tokenizer's; returns
-    (the model (eval, fp32, eager), the special tokens' ids by name)."""
+    """``hf_tiny_qwen.make_tiny_with_tokenizer`` (its tokenizer and chat template) with ``write_preprocessor``'s image
+    settings and ``make_tiny``'s model; returns (the model (eval, fp32, eager), the special tokens' ids by name)."""
     import hf_tiny_qwen
 
-    folder.mkdir()
-    ids = hf_tiny_qwen.write_tokenizer(folder)
-    write_preprocessor(folder)
-    model = make_tiny(folder, seed=seed, **kw)
-    hf_tiny_qwen.set_token_ids(model, ids)
-    model.save_pretrained(str(folder))
-    return model, ids
+    return hf_tiny_qwen.make_tiny_with_tokenizer(folder, seed, make_tiny, write_preprocessor, **kw)
 
 
 def inputs_with_token_ids(ids: dict, grids=GRIDS, seed=1):
