@@ -22,6 +22,8 @@ import sys
 from omnibal_ext import cli as planner_cli
 from omnibal_ext.errors import UserError
 
+import megatron.vlm.families  # noqa: F401  (registers the built-in families: tensor-free, the planner path)
+
 
 PUBLISHED_TILES = dict(image_size=448, tokens_per_tile=256, max_num_tiles=6)  # the tiles of OmniBal's published stats
 

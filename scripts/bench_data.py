@@ -115,12 +115,12 @@ def loader_rate(ds, tok, workers: int, pixels: bool, batches: int, k: int) -> di
     from megatron.vlm.batches import MicroBatches, StageInputs
     from omnibal_ext.data.sampler import GroupBatchSampler, random_groups
 
-    from megatron.vlm.families import stage_inputs
+    from megatron.vlm.components import units_inputs
     from omnibal_ext.model.spec import HEAD, TEXT_LAYER
     from omnibal_ext.model.units import build_units
 
     sp = spec()  # without pixels: a stage of LLM layers and the head
-    inputs = StageInputs() if pixels else stage_inputs(sp, [u for u in build_units(sp) if u.code in (TEXT_LAYER, HEAD)])
+    inputs = StageInputs() if pixels else units_inputs(sp, [u for u in build_units(sp) if u.code in (TEXT_LAYER, HEAD)])
     sampler = GroupBatchSampler(random_groups(len(ds), k, seed=0), 1, 0, seed=0)
     mb = MicroBatches(ds, sampler, tok.pad_id, packed=False, inputs=inputs, num_workers=workers)
     next(mb)  # workers started, first batch in

@@ -397,7 +397,7 @@ def check_e2e_cut(work: Path, cuda: bool, deadline: float) -> dict:
         return skipped("no CUDA device")
     from omnibal_ext.model.components import llm_layer_flops
     from omnibal_ext.model.cost_model import MicroBatchShape, get_device
-    from omnibal_ext.model.families.internvl import vit_layer_flops
+    from megatron.vlm.families.internvl.costs import vit_layer_flops
     from omnibal_ext.model.units import get_preset
 
     from megatron.vlm.data.digits import build_digits_dataset, digits_meta_paths

@@ -69,11 +69,11 @@ def assert_same(a: list, b: list):
 
 def inputs_of_kinds(kinds) -> StageInputs:
     """What a stage holding InternVL units of these kinds reads (through the family's runtime components)."""
-    from megatron.vlm.families import stage_inputs
+    from megatron.vlm.components import units_inputs
     from omnibal_ext.model.units import build_units, get_preset
 
     spec = get_preset("tiny")
-    return stage_inputs(spec, [next(u for u in build_units(spec) if u.kind == k) for k in kinds])
+    return units_inputs(spec, [next(u for u in build_units(spec) if u.kind == k) for k in kinds])
 
 
 def test_stage_inputs_from_unit_kinds():

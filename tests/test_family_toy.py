@@ -23,22 +23,22 @@ def toy_spec():
 @pytest.fixture
 def toy_family():
     """The toy family (``toy_family.py``, a module outside the package) registered for the test through the
-    public ``register``, unregistered after it."""
+    public ``register`` (the first import registers it; again is a no-op), unregistered after it."""
     import importlib
 
-    from megatron.vlm import families as runtime
+    from omnibal_ext.model import families
 
-    runtime.register(importlib.import_module("toy_family").FAMILY)  # the first import registers it too
+    families.register(importlib.import_module("toy_family").FAMILY)
     try:
         yield
     finally:
-        runtime.unregister(TOY)
+        families.unregister(TOY)
 
 
 def test_toy_family_plans_and_builds(megatron_world, toy_family):
     from omnibal_ext.model.layout import parse_layout
 
-    from megatron.vlm.families import stage_inputs
+    from megatron.vlm.components import units_inputs
     from megatron.vlm.stage import StageBuild, build_stage
 
     spec = toy_spec()
@@ -59,8 +59,8 @@ def test_toy_family_plans_and_builds(megatron_world, toy_family):
     layout = parse_layout("I v*4 P | E t*4 L", spec, 2)
     first, second = range(0, 6), range(6, len(units))
     assert layout.stage_slices() == [first, second]
-    assert stage_inputs(spec, [units[i] for i in first]).pixels
-    assert not stage_inputs(spec, [units[i] for i in second]).pixels
+    assert units_inputs(spec, [units[i] for i in first]).pixels
+    assert not units_inputs(spec, [units[i] for i in second]).pixels
 
     # forward and backward, whole and split at the projector: the same loss and gradients
     batch = _batch(spec)

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 from megatron.vlm.data.tiling import count_tiles
-from megatron.vlm.families.qwen2_5_vl.image_processing import smart_resize as trainer_smart_resize
+from megatron.vlm.lineages.qwen.image_processing import smart_resize as trainer_smart_resize
 from omnibal_ext.data import native
 from omnibal_ext.data.isf import ISFParams, check_partition, isf_group
 from omnibal_ext.data.search import SearchConfig, step_matrix_epoch0
 from omnibal_ext.data.search_time import plan_isf_time, random_baseline_time
 from omnibal_ext.data.stats import StatsError, from_arrays, load_stats
 from omnibal_ext.model.cost_model import DEVICES, analytic_costs
-from omnibal_ext.model.families.qwen2_5_vl import image_segments_sq
+from megatron.vlm.families.qwen2_5_vl import image_segments_sq
 from omnibal_ext.model.sample_time import VISION_CODES, sample_times, sample_work, time_coefficients
 from omnibal_ext.model.shape import MicroBatchShape
 from omnibal_ext.model.units import get_preset

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from omnibal_ext.errors import UserError
-from omnibal_ext.model.families.internvl import vit_layers_for_feature_layer
+from megatron.vlm.families.internvl.hf import vit_layers_for_feature_layer
 from omnibal_ext.model.units import build_units, get_preset, spec_from_dict
 
 

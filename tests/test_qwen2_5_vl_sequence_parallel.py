@@ -34,8 +34,8 @@ def test_pad_segment_leaves_the_real_patches_alone(megatron_world):
     108 patches to 112. Those pads, one more segment of the window and image bounds with zero RoPE, leave the ViT
     layers' outputs on the real patches and their input gradients as the unpadded run's."""
     from megatron.vlm.attention import segment_params
-    from megatron.vlm.families.qwen2_5_vl.batch import vision_fields
-    from megatron.vlm.families.qwen2_5_vl.modules import vision_rotary
+    from megatron.vlm.lineages.qwen.batch import vision_fields
+    from megatron.vlm.lineages.qwen.modules import vision_rotary
     from megatron.vlm.sequence_parallel import padded_tokens, with_pad_segment
     from megatron.vlm.stage import StageBuild, build_stage
 

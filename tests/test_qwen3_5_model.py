@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from megatron.vlm.families.qwen3_vl.batch import Qwen3Vision
+from megatron.vlm.lineages.qwen.qwen3_vit.batch import Qwen3Vision
 from megatron.vlm.micro_batch import MicroBatch
 
 pytest.importorskip("transformers")

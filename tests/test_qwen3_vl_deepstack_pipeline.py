@@ -105,8 +105,8 @@ def _samples(grids):
 def _collate(inputs, cp=1, cp_rank=0):
     from megatron.vlm.batches import Collate
     from megatron.vlm.families import runtime_family
-    from megatron.vlm.families.qwen2_5_vl.data import PatchImages
-    from megatron.vlm.families.qwen2_5_vl.image_processing import ImageProcessorConfig
+    from megatron.vlm.lineages.qwen.data import PatchImages
+    from megatron.vlm.lineages.qwen.image_processing import ImageProcessorConfig
 
     v = SPEC.vision
     exact = ImageProcessorConfig(min_pixels=1, max_pixels=64 * 64 * v.patch_size ** 2, patch_size=v.patch_size,

@@ -36,9 +36,9 @@ def samples(ids=(0, 1), grids=GRIDS):
 
 
 def batch(sample_list, iteration=3):
-    from megatron.vlm.families.qwen2_5_vl.data import PatchImages
-    from megatron.vlm.families.qwen2_5_vl.image_processing import ImageProcessorConfig
-    from megatron.vlm.families.qwen3_vl.data import Qwen3Batcher
+    from megatron.vlm.lineages.qwen.data import PatchImages
+    from megatron.vlm.lineages.qwen.image_processing import ImageProcessorConfig
+    from megatron.vlm.lineages.qwen.qwen3_vit.data import Qwen3Batcher
 
     v = SPEC.vision
     rule = PatchImages(ImageProcessorConfig(min_pixels=1, max_pixels=64 * v.patch_size ** 2, patch_size=v.patch_size,
@@ -62,7 +62,7 @@ def loss(stage, b):
 
 def test_rate_zero_is_the_model_without_it_and_a_rate_drops(megatron_world):
     from megatron.vlm.drop_path import DropPathLayer
-    from megatron.vlm.families.qwen3_vl.modules import DeepStackLayer
+    from megatron.vlm.lineages.qwen.qwen3_vit.modules import DeepStackLayer
 
     both = batch(samples())
     plain, zero, some = model(0.0), model(0.0), model(0.6)

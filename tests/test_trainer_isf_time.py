@@ -24,7 +24,7 @@ from megatron.training.arguments import ArgumentError  # noqa: E402
 from megatron.training.isf import isf_groups, isf_subset_groups, isf_times  # noqa: E402
 from megatron.vlm.data import RecordDataset, TileImages  # noqa: E402
 from megatron.vlm.data.tokenizer import build_tokenizer  # noqa: E402
-from megatron.vlm.families.qwen2_5_vl.data import IMAGE_TOKENS, image_rule  # noqa: E402
+from megatron.vlm.lineages.qwen.data import IMAGE_TOKENS, image_rule  # noqa: E402
 from omnibal_ext.data.isf import ISFParams  # noqa: E402
 from omnibal_ext.data.metrics import step_balance_time  # noqa: E402
 from omnibal_ext.data.search import SearchConfig, plan_isf, step_matrix_epoch0  # noqa: E402
@@ -269,7 +269,7 @@ def test_qwen_isf_in_time_counts_videos(tmp_path, world, capsys):
     from omnibal_cli import model_from_hf
 
     from megatron.vlm.data.video_synthetic import write_coded_video
-    from megatron.vlm.families.qwen2_5_vl.data import video_rule
+    from megatron.vlm.lineages.qwen.data import video_rule
 
     folder, data = qwen_data(tmp_path)
     (folder / "video_preprocessor_config.json").write_text(json.dumps(

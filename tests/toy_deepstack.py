@@ -2,8 +2,8 @@
 whose ViT layers ``PRODUCERS`` each feed a small merger (pixel shuffle, one Linear into the LLM's width) whose output
 (side tensor ``deepstack.k``) is added to the output of LLM layer ``CONSUMERS[k]`` at the image-token positions.
 
-Importing it registers both sides (planning ``Family`` with its preset ``toy-deepstack`` and runtime ``RuntimeFamily``, through
-``megatron.vlm.families.register``), so the trainer takes it with
+Importing it registers its ``Family`` (preset ``toy-deepstack``; run-time side ``RUNTIME``, a ``FamilyRuntime``, named
+by ``Family.runtime``) through the public ``omnibal_ext.model.families.register``, so the trainer takes it with
 ``--family-module tests/toy_deepstack.py --model toy-deepstack``; ``unregister()`` takes it out again.
 
 The mergers sit in their ViT layer's module (attribute ``side_merger`` of the TransformerLayer: checkpoint keys
@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from omnibal_ext.model import families
 from omnibal_ext.model.families import Family
-from omnibal_ext.model.families.internvl import INTERNVL
+from megatron.vlm.families.internvl import INTERNVL
 from omnibal_ext.model.spec import PROJECTOR, SideTensor
 from omnibal_ext.model.units import build_units, get_preset
 
@@ -40,8 +41,7 @@ def toy_spec():
     return get_preset("tiny").replace(name=NAME, family=NAME)
 
 
-def _runtime(planning):
-    from megatron.vlm import families as runtime_families
+def _runtime():
     from megatron.vlm import sequence_parallel
     from megatron.vlm.components import GPT_DECODER, TextLayer
     from megatron.vlm.config import vision_config
@@ -50,7 +50,8 @@ def _runtime(planning):
     from megatron.vlm.seeding import seeded
     from megatron.vlm.side import put_side, take_side
     from megatron.vlm.text import run_text_blocks
-    from megatron.vlm.components import RuntimeFamily
+    from megatron.vlm.components import FamilyRuntime
+    from megatron.vlm.families import runtime_family
 
     def split_at(units, cuts):
         """``units`` (a run of layer units) cut after every unit whose index is in ``cuts``."""
@@ -168,26 +169,25 @@ def _runtime(planning):
             return sequence_parallel.leave(x) if self.sp_leaves else x
 
     text_embed, _, head = GPT_DECODER
-    internvl = runtime_families.FAMILIES[INTERNVL.name]
-    return RuntimeFamily(planning=planning, components=(VisionEmbed, DeepStackVisionLayer, ProjectorUnit, text_embed,
-                                                        DeepStackTextLayer, head),
+    internvl = runtime_family(get_preset("tiny"))
+    return FamilyRuntime(components=(VisionEmbed, DeepStackVisionLayer, ProjectorUnit, text_embed, DeepStackTextLayer,
+                                     head),
                          vision_config=vision_config, data=internvl.data)
 
 
-def register():
-    """Both sides, through the public ``megatron.vlm.families.register``."""
-    from megatron.vlm import families as runtime_families
+FAMILY = Family(name=NAME, vision_spec=INTERNVL.vision_spec, components=INTERNVL.components,
+                unit_list=INTERNVL.unit_list, vision_item="tile", presets={NAME: toy_spec()},
+                side_tensors=side_tensors, capabilities=INTERNVL.capabilities, runtime=f"{__name__}:RUNTIME")
 
-    planning = Family(name=NAME, vision_spec=INTERNVL.vision_spec, components=INTERNVL.components,
-                      unit_list=INTERNVL.unit_list, vision_item="tile", presets={NAME: toy_spec()},
-                      side_tensors=side_tensors, capabilities=INTERNVL.capabilities)
-    runtime_families.register(_runtime(planning))
+
+def register():
+    """The family, through the public ``register`` (again: a no-op)."""
+    families.register(FAMILY)
 
 
 def unregister():
-    from megatron.vlm import families as runtime_families
-
-    runtime_families.unregister(NAME)
+    families.unregister(NAME)
 
 
 register()
+RUNTIME = _runtime()

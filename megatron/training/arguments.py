@@ -18,6 +18,8 @@ from omnibal_ext.model.spec import vit_layers_for_feature_layer
 from omnibal_ext.model.units import PRESETS, ModelSpec, build_units, default_model, family_of, get_preset
 from omnibal_ext.plan import tp_problem, trainer_argv
 
+from megatron.vlm.families import import_family_modules as import_modules  # importing it registers the built-ins
+
 
 class ArgumentError(UserError):
     """A flag value that cannot work; the message names the flag."""
@@ -835,13 +837,11 @@ def plan_flags(path: str) -> list[str]:
 
 def import_family_modules(argv: list[str]) -> None:
     """Import the ``--family-module`` modules of ``argv`` (before the parser is built: their presets are
-    ``--model`` choices). Each registers its family (``megatron.vlm.families.register``)."""
+    ``--model`` choices). Each registers its family (``omnibal_ext.model.families.register``)."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--family-module", action="append", default=[])
     modules = pre.parse_known_args(argv)[0].family_module
     if modules:
-        from megatron.vlm.families import import_family_modules as import_modules
-
         import_modules(modules)
 
 

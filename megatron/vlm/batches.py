@@ -107,7 +107,7 @@ class MicroBatches:
     pin_memory, persistent_workers: the DataLoader's.  tp_group, tp_src: the TP group of the stage and
     the global rank of its TP rank 0 (which alone loads and broadcasts); None: every rank loads.  cp, cp_rank:
     context parallelism (each CP rank keeps its part of every micro-batch: ``Batcher.split_cp``).  batcher: the
-    family's micro-batch maker (``RuntimeFamily.data``; default: ``collate.py``'s fields).
+    family's micro-batch maker (``FamilyRuntime.data``; default: ``collate.py``'s fields).
     """
 
     def __init__(self, dataset, sampler: GroupBatchSampler, pad_id: int, packed: bool, seq_length: int | None = None,

@@ -26,7 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from omnibal_ext.memory.recompute import StageRecompute
 from omnibal_ext.model.components import CostComponent, HeadCost, TextEmbedCost, TextLayerCost
-from omnibal_ext.model.families import Capabilities, Family
+from omnibal_ext.model.families import Family
 from omnibal_ext.model.lora import Lora
 from omnibal_ext.model.moe_cost import MoELayerCost
 from omnibal_ext.model.spec import HEAD, TEXT_LAYER, VISION_LAYER, ModelSpec, Unit
@@ -34,10 +34,11 @@ from omnibal_ext.model.spec import HEAD, TEXT_LAYER, VISION_LAYER, ModelSpec, Un
 from megatron.vlm import layers, sequence_parallel
 from megatron.vlm.context_parallel import context_parallel_group, gather_rows, tile_ranges, vision_process_groups
 from megatron.vlm.data.side import TILED, DataSide
+from megatron.vlm.families import runtime_family
 from megatron.vlm.head import OutputHead
 from megatron.vlm.hf.config import HFSide
 from megatron.vlm.layer_impl import LayerImpl
-from megatron.vlm.micro_batch import MicroBatch
+from megatron.vlm.micro_batch import MicroBatch, StageInputs
 from megatron.vlm.seeding import seeded
 from megatron.vlm.sharding import unit_sharded_state_dict
 from megatron.vlm.text import TextEmbedding, run_text_blocks, text_context, word_embedding
@@ -429,41 +430,41 @@ class VisionConfig(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
-class RuntimeFamily:
-    """A model family: one object joining its planning side, its runtime side, its data side and its HF side.
+class FamilyRuntime:
+    """A model family's run-time side, which its ``Family.runtime`` names (``"module:attribute"``) and
+    ``megatron.vlm.families.runtime_family`` loads: one ``RuntimeComponent`` class per unit kind of the family's
+    cost side (``check`` says which are missing), the ViT's TransformerConfig, its Hugging Face side
+    (``megatron.vlm.hf.config.HFSide``: config reader, tensor names, logits-check micro-batches, structure twin; None
+    where it has none) and its data side (``megatron.vlm.data.side.DataSide``: image tokens, image rule,
+    micro-batches)."""
 
-    planning: the planning side (``omnibal_ext.model.families.Family``: name, unit list, costs, presets,
-    capabilities); components: one ``RuntimeComponent`` class per unit kind of the planning side (checked);
-    vision_config: the ViT's TransformerConfig; hf: its Hugging Face side (``megatron.vlm.hf.config.HFSide``:
-    config reader, tensor names, logits-check micro-batches, structure twin), None where it has none; data: its
-    data side (``megatron.vlm.data.side.DataSide``: image tokens, image rule, micro-batches).
-
-    ``megatron.vlm.families.register`` registers both sides (``name`` is the planning side's).
-    """
-
-    planning: Family
     components: tuple[type[RuntimeComponent], ...]
     vision_config: VisionConfig
     hf: HFSide | None = None
     data: DataSide = TILED
 
-    def __post_init__(self):
+    def check(self, family: Family) -> None:
+        """Refuse (TypeError: a bug of the family) a unit kind of ``family``'s cost side without a component here."""
         runtime = {c.kind() for c in self.components}
-        missing = [c.kind for c in self.planning.components if c.kind not in runtime]
+        missing = [c.kind for c in family.components if c.kind not in runtime]
         if missing:
-            raise TypeError(f"family {self.name!r}: no runtime component for unit kind(s) {', '.join(missing)}")
-
-    @property
-    def name(self) -> str:
-        """``ModelSpec.family``."""
-        return self.planning.name
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self.planning.capabilities
+            raise TypeError(f"family {family.name!r}: no runtime component for unit kind(s) {', '.join(missing)}")
 
     def component(self, kind: str) -> type[RuntimeComponent]:
         for c in self.components:
             if c.kind() == kind:
                 return c
-        raise KeyError(f"family {self.name!r} has no runtime component for unit kind {kind!r}")
+        raise KeyError(f"no runtime component for unit kind {kind!r}")
+
+
+def component_of(spec: ModelSpec, unit: Unit) -> type[RuntimeComponent]:
+    """The runtime component class of ``unit`` (a unit of ``build_units(spec)``)."""
+    return runtime_family(spec).component(unit.kind)
+
+
+def units_inputs(spec: ModelSpec, units) -> StageInputs:
+    """What a stage holding ``units`` reads of a micro-batch: the union of their runtime components' ``reads``."""
+    reads = set()
+    for unit in units:
+        reads |= component_of(spec, unit).reads
+    return StageInputs.reading(reads)

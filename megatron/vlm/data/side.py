@@ -1,4 +1,4 @@
-"""A model family's data side (``RuntimeFamily.data``): how its records become samples and micro-batches.
+"""A model family's data side (``FamilyRuntime.data``): how its records become samples and micro-batches.
 
 Every family reads the same formats (``records.py``: meta JSON or an annotation JSONL, ``conversations`` and
 ``messages`` records); what differs is
@@ -24,7 +24,7 @@ Every family reads the same formats (``records.py``: meta JSON or an annotation 
   (``omnibal_ext.model.spec.SideTensor``) on this rank for ``batch``, from host-held fields only (``megatron/vlm/
   side.py``): the merged tokens of the vision items this CP rank's ViT runs.
 
-``TILED`` (dynamic tiles, ``collate.py``'s fields) is ``RuntimeFamily``'s default.
+``TILED`` (dynamic tiles, ``collate.py``'s fields) is ``FamilyRuntime``'s default.
 """
 from __future__ import annotations
 

@@ -161,7 +161,7 @@ class HFTokenizer:
 def build_tokenizer(path: str | None = None, trust_remote_code: bool = False,
                     image_tokens: tuple[str, str, str] = (IMG_START, IMG_END, IMG_CONTEXT)):
     """The byte tokenizer when ``path`` is None or empty, else ``HFTokenizer(path)``.  image_tokens: the model
-    family's image start, end and context token strings (``RuntimeFamily.data``; the byte tokenizer has
+    family's image start, end and context token strings (``FamilyRuntime.data``; the byte tokenizer has
     the defaults', which serve any family trained from scratch)."""
     if not path:
         return ByteTokenizer()

@@ -22,7 +22,7 @@ import torch
 
 from omnibal_ext.model.units import ModelSpec, build_units
 
-from megatron.vlm.families import component_of
+from megatron.vlm.components import component_of
 
 from .config import HFInfo
 from .configs import hf_side

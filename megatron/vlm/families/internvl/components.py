@@ -6,7 +6,7 @@ import dataclasses
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 
-from omnibal_ext.model.families.internvl import ProjectorCost, VisionEmbedCost, VisionLayerCost
+from .costs import ProjectorCost, VisionEmbedCost, VisionLayerCost
 
 from megatron.vlm import sequence_parallel
 from megatron.vlm.components import PaddedHeadLayers, RuntimeComponent

@@ -21,12 +21,13 @@ from __future__ import annotations
 import json
 
 from omnibal_ext.errors import UserError
-from omnibal_ext.model.families.internvl import NAME, VisionSpec, vit_layers_for_feature_layer
-from omnibal_ext.model.spec import ModelSpec
+from omnibal_ext.model.spec import ModelSpec, vit_layers_for_feature_layer
 
 from megatron.vlm.hf.config import HFConfigError, HFInfo, refuse, require, square
 from megatron.vlm.hf.recipes import Part, Recipe, whole
 from megatron.vlm.hf.text_configs import READERS, embed_name, layer_names, text_config, text_family, with_tie
+
+from .costs import NAME, VisionSpec
 
 
 def recognizes(cfg: dict) -> bool:

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import json
 
-from omnibal_ext.model.families.qwen2_5_vl import VisionSpec
 from omnibal_ext.model.spec import LanguageSpec, ModelSpec
 
 from megatron.vlm.hf.config import HFConfigError, HFInfo, refuse, square
 from megatron.vlm.hf.recipes import Part, Recipe, whole
 from megatron.vlm.hf.text_configs import embed_name, layer_names, qwen2, rope, text_config, with_tie
+from megatron.vlm.lineages.qwen.hf import vit_attention_recipes
+
+from .costs import VisionSpec
 
 MODEL_TYPES = ("qwen2_5_vl",)
 DEFAULT_MROPE_SECTION = (16, 24, 24)  # transformers' default when the config names none
@@ -167,24 +169,6 @@ def vision_layer_recipes(unit, table) -> None:
     add(u + "mlp.linear_fc1.bias", Recipe((2 * Fv,), (Part(gb, 0, Fv), Part(ub, 0, Fv))))
     add(u + "mlp.linear_fc2.weight", whole(hf(m["down"] + "weight", (H, Fv)), (H, Fv)))
     add(u + "mlp.linear_fc2.bias", whole(hf(m["down"] + "bias", (H,)), (H,)))
-
-
-def vit_attention_recipes(table, u: str, m: dict, heads: int, d: int, H: int) -> None:
-    """A Qwen ViT layer's fused attention (``m["qkv"]``, ``m["proj"]``: HF prefixes of ``weight`` and ``bias``)
-    per real head (megatron/vlm/hf/keys.py's docstring): HF's fused qkv holds all q rows, then all k rows, then
-    all v rows; our head h is [its q rows | its k rows | its v rows]."""
-    hf, add, R = table.hf, table.add, heads
-    sa = u + "self_attention."
-    qkv, qkv_b = hf(m["qkv"] + "weight", (3 * H, H)), hf(m["qkv"] + "bias", (3 * H,))
-
-    def per_head(name):
-        return tuple(Part(name, j * H + h * d, j * H + (h + 1) * d) for h in range(R) for j in range(3))
-
-    add(sa + "linear_qkv.weight", Recipe((R, 3 * d, H), per_head(qkv), 3 * d))
-    add(sa + "linear_qkv.bias", Recipe((R, 3 * d), per_head(qkv_b), 3 * d))
-    proj = hf(m["proj"] + "weight", (H, H))
-    add(sa + "linear_proj.weight", Recipe((R, H, d), tuple(Part(proj, 0, H, (h * d, (h + 1) * d)) for h in range(R)), H))
-    add(sa + "linear_proj.bias", whole(hf(m["proj"] + "bias", (H,)), (H,)))
 
 
 def merger_recipes(unit, table) -> None:

@@ -20,12 +20,12 @@ rows).
 from __future__ import annotations
 
 from omnibal_ext.errors import UserError
-from omnibal_ext.model.families.qwen3_5 import (GatedAttentionLayerCost, GatedAttentionMoELayerCost,
+from .costs import (GatedAttentionLayerCost, GatedAttentionMoELayerCost,
                                                 LinearAttentionLayerCost, LinearAttentionMoELayerCost)
 
 from megatron.vlm.components import Head, MoEMLPs
-from megatron.vlm.families.qwen2_5_vl.components import ImageTextEmbed, MRopeTextLayer
-from megatron.vlm.families.qwen3_vl.components import Merger, VisionEmbed, VisionLayers
+from megatron.vlm.lineages.qwen.text import ImageTextEmbed, MRopeTextLayer
+from megatron.vlm.lineages.qwen.qwen3_vit.components import Merger, VisionEmbed, VisionLayers
 from megatron.vlm.rope import MultimodalRope
 
 from . import hf

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megatron.vlm.families.qwen2_5_vl import batch as qwen2_5_vl_batch
-from megatron.vlm.families.qwen2_5_vl.vision_windows import frame_cu_seqlens, rotary_position_ids
-from megatron.vlm.families.qwen2_5_vl.positions import mrope_position_ids
+from megatron.vlm.lineages.qwen import batch as qwen2_5_vl_batch
+from megatron.vlm.lineages.qwen.vision_windows import frame_cu_seqlens, rotary_position_ids
+from megatron.vlm.lineages.qwen.positions import mrope_position_ids
 from megatron.vlm.micro_batch import VisionPart, reads
 
 

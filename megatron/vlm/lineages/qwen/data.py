@@ -1,4 +1,4 @@
-"""Qwen2.5-VL's data side (``RuntimeFamily.data``): images at native resolution, micro-batches with the ViT's
+"""Qwen2.5-VL's data side (``FamilyRuntime.data``): images at native resolution, micro-batches with the ViT's
 window fields and the LLM's 3-D multimodal RoPE ids.
 
 Reading (``megatron/vlm/data/records.py`` with ``PatchImages`` as the image rule): an image of ``w x h`` px is

@@ -1,4 +1,4 @@
-"""Qwen3.5 (dense), planning side: Qwen3-VL's ViT without DeepStack (its embedding, layers and merger costs) and a
+"""Qwen3.5 (dense and MoE), its costs (tensor-free, no torch): Qwen3-VL's ViT without DeepStack (its embedding, layers and merger costs) and a
 hybrid LLM whose layers are of two kinds, in the order ``layer_types`` gives:
 
 * ``linear_attention``: a Gated DeltaNet layer (``omnibal_ext.model.linear_attention``: in_proj, causal conv,
@@ -20,15 +20,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ...errors import UserError
-from ..components import (FUSED_KERNELS, ActBytes, HeadCost, TextEmbedCost, TextLayerCost, llm_layer_flops,
+from omnibal_ext.errors import UserError
+from omnibal_ext.model.components import (FUSED_KERNELS, ActBytes, HeadCost, TextEmbedCost, TextLayerCost, llm_layer_flops,
                           norm_bytes_per_token, rotary_table_bytes, sp_tokens)
-from ..linear_attention import LinearAttentionShape, linear_attention_act_bytes, linear_attention_flops
-from ..moe import MoESpec, first_layers
-from ..moe_cost import MoELayerCost
-from ..spec import LanguageSpec, ModelSpec
-from . import Capabilities, Family, register
-from .qwen3_vl import MergerCost, VisionEmbedCost, VisionLayerCost, VisionSpec, image_segments_sq
+from omnibal_ext.model.linear_attention import LinearAttentionShape, linear_attention_act_bytes, linear_attention_flops
+from omnibal_ext.model.moe import MoESpec, first_layers
+from omnibal_ext.model.moe_cost import MoELayerCost
+from omnibal_ext.model.spec import LanguageSpec, ModelSpec
+from megatron.vlm.lineages.qwen.vision_costs import MergerCost, VisionEmbedCost, VisionLayerCost, VisionSpec
 
 LINEAR, FULL = "linear_attention", "full_attention"  # HF layer_types values
 
@@ -234,49 +233,6 @@ def vision(**kw) -> VisionSpec:
 
 
 # --------------------------------------------------------------------------------------------
-# Presets: the dense Qwen/Qwen3.5-* sizes whose config.json facts were found (where each was read:
-# tests/test_qwen3_5_model.py, PUBLISHED). Common: vocab 248320, head_dim 256, rope_theta 1e7, partial rotary
-# 0.25, mrope_section [11, 11, 10] interleaved, rms_norm_eps 1e-6, linear conv kernel 4, key/value head dims 128,
-# every fourth layer full attention; the ViT: patch 16, temporal 2, merge 2, 2304 positions. 2B's ViT and tie are
-# not in the facts found (its LLM is): 4B's ViT and tied embeddings, as the other small sizes have.
-# --------------------------------------------------------------------------------------------
-_TEXT = dict(rotary_base=10000000, norm_eps=1e-6, head_dim=256, vocab_size=248320, mrope_section=(11, 11, 10),
-             partial_rotary_factor=0.25, linear_key_head_dim=128, linear_value_head_dim=128,
-             linear_conv_kernel_dim=4)
-SMALL_VIT = vision(num_layers=12, hidden_size=768, num_attention_heads=12, ffn_hidden_size=3072)
-MID_VIT = vision(num_layers=24, hidden_size=1024, num_attention_heads=16, ffn_hidden_size=4096)
-LARGE_VIT = vision(num_layers=27, hidden_size=1152, num_attention_heads=16, ffn_hidden_size=4304)
-
-
-def _preset(name, vit, layers, hidden, heads, groups, ffn, key_heads, value_heads, tie):
-    return ModelSpec(name=name, vision=vit, family="qwen3_5", language=qwen3_5_language(
-        num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
-        ffn_hidden_size=ffn, linear_num_key_heads=key_heads, linear_num_value_heads=value_heads,
-        tie_word_embeddings=tie, **_TEXT))
-
-
-PRESETS: dict[str, ModelSpec] = {
-    "qwen3.5-0.8b": _preset("qwen3.5-0.8b", SMALL_VIT, 24, 1024, 8, 2, 3584, 16, 16, True),
-    "qwen3.5-2b": _preset("qwen3.5-2b", MID_VIT, 24, 2048, 8, 2, 6144, 16, 16, True),
-    "qwen3.5-4b": _preset("qwen3.5-4b", MID_VIT, 32, 2560, 16, 4, 9216, 16, 32, True),
-    "qwen3.5-9b": _preset("qwen3.5-9b", LARGE_VIT, 32, 4096, 16, 4, 12288, 16, 32, False),
-    "qwen3.5-27b": _preset("qwen3.5-27b", LARGE_VIT, 64, 5120, 24, 4, 17408, 16, 48, False),
-    # a CPU model: 2 ViT layers, 6 LLM layers in an order other than every fourth (linear, full, linear, linear,
-    # full, linear), linear heads unlike the attention heads, a quarter of head_dim rotated
-    "qwen3.5-tiny": ModelSpec(
-        name="qwen3.5-tiny", family="qwen3_5", init_method_std=0.06,
-        vision=vision(num_layers=2, hidden_size=48, num_attention_heads=4, ffn_hidden_size=96,
-                      num_position_embeddings=16),
-        language=qwen3_5_language(
-            num_layers=6, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
-            vocab_size=384, rotary_base=1000000, norm_eps=1e-6, head_dim=32, mrope_section=(1, 2, 1),
-            partial_rotary_factor=0.25, layer_types=(LINEAR, FULL, LINEAR, LINEAR, FULL, LINEAR),
-            linear_num_key_heads=2, linear_key_head_dim=16, linear_num_value_heads=4, linear_value_head_dim=8,
-            linear_conv_kernel_dim=4, linear_chunk_size=8)),
-}
-
-
-# --------------------------------------------------------------------------------------------
 # Qwen3.5-MoE (transformers' qwen3_5_moe): the same hybrid decoder with every layer's MLP a mixture of experts
 # (megatron-core's MoELayer, ``moe_cost``): top-k softmax routing renormalised over the k, a shared expert behind a
 # sigmoid gate. Each layer kind has its MoE unit kind: its token mixer's cost and ``MoELayerCost``'s MLP part.
@@ -312,35 +268,3 @@ def qwen3_5_moe_experts(num_layers: int, num_experts: int, topk: int, expert_ffn
     does), one shared expert of ``shared_ffn`` behind a sigmoid gate."""
     return MoESpec(num_experts=num_experts, topk=topk, ffn_hidden_size=expert_ffn, layer_freq=(1,) * num_layers,
                    shared_expert_ffn_hidden_size=shared_ffn, shared_expert_gate=True, norm_topk_prob=True)
-
-
-# Presets: the Qwen/Qwen3.5-*-A* sizes whose config.json facts were found (the facts and where each was read:
-# tests/test_qwen3_5_moe.py, PUBLISHED). Common with the dense sizes (_TEXT): vocab 248320, head_dim 256, rope 1e7,
-# partial rotary 0.25, mrope [11, 11, 10], linear key / value head dims 128, conv 4, every fourth layer full,
-# untied; the ViT is the large one (transformers' Qwen3_5MoeVisionConfig defaults: 27 layers, 1152 wide, 16 heads,
-# MLP 4304). The dense ``ffn_hidden_size`` (no layer has a dense MLP) is the shared expert's width.
-def _moe_preset(name, layers, hidden, heads, groups, key_heads, value_heads, experts, topk, expert_ffn, shared_ffn):
-    return ModelSpec(name=name, vision=LARGE_VIT, family="qwen3_5", language=qwen3_5_language(
-        num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
-        ffn_hidden_size=shared_ffn, linear_num_key_heads=key_heads, linear_num_value_heads=value_heads,
-        tie_word_embeddings=False, moe=qwen3_5_moe_experts(layers, experts, topk, expert_ffn, shared_ffn), **_TEXT))
-
-
-MOE_PRESETS: dict[str, ModelSpec] = {
-    "qwen3.5-35b-a3b": _moe_preset("qwen3.5-35b-a3b", 40, 2048, 16, 2, 16, 32, 256, 8, 512, 512),
-    "qwen3.5-122b-a10b": _moe_preset("qwen3.5-122b-a10b", 48, 3072, 32, 2, 16, 64, 256, 8, 1024, 1024),
-    "qwen3.5-397b-a17b": _moe_preset("qwen3.5-397b-a17b", 60, 4096, 32, 2, 16, 64, 512, 10, 1024, 1024),
-}
-PRESETS.update(MOE_PRESETS)
-
-QWEN3_5 = register(Family(
-    name="qwen3_5", vision_spec=VisionSpec, language_spec=Qwen35LanguageSpec,
-    components=(VisionEmbedCost, VisionLayerCost, MergerCost, TextEmbedCost, LinearAttentionLayerCost,
-                GatedAttentionLayerCost, LinearAttentionMoELayerCost, GatedAttentionMoELayerCost, ZeroCentredHeadCost),
-    unit_list=unit_list, vision_item="patch", presets=PRESETS, segments_sq=image_segments_sq,
-    spec_problem=spec_problem, few_layers=few_layers,
-    # sequence parallelism is declared: the Gated DeltaNet, the gated attention and the norms run under it (tested
-    # at TP 2); context parallelism is refused (the linear layers' state would pass between CP ranks); no LoRA;
-    # video as Qwen3-VL's (its ViT, processor and get_rope_index: tests/test_qwen_video_logits.py)
-    capabilities=Capabilities(sequence_parallel=True, video=True, image_flags=("--min-pixels", "--max-pixels"),
-                              moe=True)))

@@ -27,10 +27,10 @@ from megatron.vlm.data.video_decode import VideoError
 from megatron.vlm.data.video_sampling import (DEFAULT_VIDEO_FPS, VideoOverrides, VideoSettings, check_frames,
                                               temporal_padded, video_settings)
 
-from ..qwen2_5_vl.image_processing import MAX_ASPECT_RATIO
+from megatron.vlm.lineages.qwen.image_processing import MAX_ASPECT_RATIO
 from megatron.vlm.data.template import IMAGE_PLACEHOLDER
 
-from ..qwen2_5_vl.video import QwenFrames, VideoBlock, check_geometry
+from megatron.vlm.lineages.qwen.video import QwenFrames, VideoBlock
 
 PROCESSOR = "qwen3_vl"
 DEFAULTS = dict(sample_frames=True, fps=DEFAULT_VIDEO_FPS, min_frames=4, max_frames=768, min_pixels=128 * 32 * 32,

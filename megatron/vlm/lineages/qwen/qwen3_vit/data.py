@@ -1,4 +1,4 @@
-"""Qwen3-VL's data side (``RuntimeFamily.data``, ``QWEN3_VL_DATA``): Qwen2.5-VL's (``qwen2_5_vl.data``) with
+"""Qwen3-VL's data side (``FamilyRuntime.data``, ``QWEN3_VL_DATA``): Qwen2.5-VL's (``qwen2_5_vl.data``) with
 Qwen3-VL's image settings, no ViT windows, and the token types the model reads.
 
 Reading: an image of ``w x h`` px is ``smart_resize``d to multiples of 32 px within the folder's pixel budget
@@ -36,10 +36,10 @@ from megatron.vlm.data.video_sampling import VideoOverrides
 from megatron.vlm.micro_batch import MicroBatch
 from omnibal_ext.errors import UserError
 
-from ..qwen2_5_vl.data import IMAGE_TOKENS, PatchImages, QwenBatcher, with_pixel_flags
-from ..qwen2_5_vl.data import profile_batch as qwen_profile_batch
-from ..qwen2_5_vl.image_processing import ImageProcessorConfig
-from ..qwen2_5_vl.video import check_geometry as check_video_geometry
+from megatron.vlm.lineages.qwen.data import IMAGE_TOKENS, PatchImages, QwenBatcher, with_pixel_flags
+from megatron.vlm.lineages.qwen.data import profile_batch as qwen_profile_batch
+from megatron.vlm.lineages.qwen.image_processing import ImageProcessorConfig
+from megatron.vlm.lineages.qwen.video import check_geometry as check_video_geometry
 from .batch import Qwen3Vision, vision_fields
 from .image_processing import PUBLISHED, folder_config
 from .video import Qwen3Frames, settings as video_settings

@@ -21,7 +21,7 @@ from megatron.vlm import layers
 from megatron.vlm.layer_impl import LayerImpl
 from megatron.vlm.config import _common
 from megatron.vlm.drop_path import DropPathLayer
-from megatron.vlm.families.qwen2_5_vl.modules import PatchEmbedding
+from megatron.vlm.lineages.qwen.modules import PatchEmbedding
 from megatron.vlm.padded_heads import draw_padded_attention
 from megatron.vlm.seeding import SeededTransformerLayer
 

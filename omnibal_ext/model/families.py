@@ -1,28 +1,29 @@
-"""Model families, planning side: what a family declares so that every planner serves it, and the registry.
+"""Model families: the ``Family`` every planner reads (the protocol), and the one registry of families.
 
-A family is a ``Family``: its name, its ViT spec class, the cost component of each kind of unit it
-has, its ordered unit list and its presets. Its runtime side (modules, checkpoint and Hugging Face
-keys, data) lives in ``megatron/vlm/families/<name>/`` under the same name.
+A family is ONE registered ``Family``: its name, its ViT spec class, the cost component of each kind of unit it has,
+its ordered unit list, its presets and capabilities (all tensor-free: the planners read them without torch), and
+``runtime``, where its run-time side lives (``"module:attribute"``, imported only when the trainer, the profiler or
+the Hugging Face converter asks for it: ``Family.load_runtime``). Everything a built-in family is lives in one folder,
+``megatron/vlm/families/<name>/``, whose ``__init__`` registers it; this module names no family and imports no
+trainer code.
 
-``register(family)`` is the only way into the registry: every module of this package registers its family when
-imported, and the package imports them all (``pkgutil``), so that no shared module names a family; a family
-defined elsewhere (a plugin, a test) calls ``register`` itself (the runtime's ``megatron.vlm.families.register``
-does it for both sides).
+``register(family)`` is the only way into the registry. Registering a different object under a taken name (or a
+preset name another family has) is refused; registering the same object again does nothing (a plugin imported twice,
+a worker pool running the trainer's ``main`` with ``--family-module`` more than once).
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib
-import pkgutil
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
-from ...errors import UserError
-from ..components import CostComponent
-from ..lora import TARGETS
-from ..moe import first_layers
-from ..spec import LanguageSpec, ModelSpec, SideTensor
+from ..errors import UserError
+from .components import CostComponent
+from .lora import TARGETS
+from .moe import first_layers
+from .spec import LanguageSpec, ModelSpec, SideTensor
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class Family:
     work is counted in (``MicroBatchShape.vision_items``, ISF's Qv); presets: published sizes by name;
     segments_sq(spec, rows, cols): for ViTs whose items vary in size, the (full-attention, window) sums of squared
     attention-segment lengths of images of ``rows x cols`` patches (``MicroBatchShape.vision_attn_tokens_sq``,
-    ``vision_window_tokens_sq``), None where an item's attention is fixed (InternVL's tiles).
+    ``vision_window_tokens_sq``), None where an item's attention is fixed (fixed-size tiles).
     spec_problem(spec): what makes a ModelSpec of the family unbuildable (a message naming the flag), or None.
     side_tensors(spec): the tensors its units hand to later units beside the hidden states (``SideTensor``:
     DeepStack features), () for most families; only those whose producer and consumers ``spec`` has (the trainer's
@@ -76,8 +77,10 @@ class Family:
     (``default_model``); the registered families give one name between them. language_spec: the LanguageSpec
     (sub)class of its LLM (a hybrid decoder's extra fields: its layer kinds). few_layers(spec, vision_layers,
     llm_layers): the model of ``spec``'s first ``vision_layers`` ViT and (at least) ``llm_layers`` LLM layers, what
-    the trainer's profiler builds (default: ``spec`` at those depths; Qwen3-VL also keeps the DeepStack indexes
-    those layers hold)."""
+    the trainer's profiler builds (default: ``spec`` at those depths; a family with side tensors also keeps the indexes
+    those layers hold). runtime: where its run-time side lives, ``"module:attribute"`` of a
+    ``megatron.vlm.components.FamilyRuntime`` (modules, data side, Hugging Face side), imported by
+    ``load_runtime`` only (the planner path stays free of torch); "" for a family that only plans."""
 
     name: str
     vision_spec: type
@@ -92,15 +95,41 @@ class Family:
     default_preset: str | None = None
     language_spec: type = LanguageSpec  # the dataclass of ``ModelSpec.language`` (a LanguageSpec subclass)
     few_layers: Callable[[ModelSpec, int, int], ModelSpec] = fewer_layers
+    runtime: str = ""
+
+    def load_runtime(self) -> Any:
+        """The family's run-time side (the object ``runtime`` names, ``"module:attribute"``), imported on first use
+        (the planners never call this: the runtime imports torch)."""
+        if not self.runtime:
+            raise UserError(f"model family {self.name!r} has no run-time side (Family.runtime is empty)")
+        return _load(self.runtime)
+
+
+def _load(ref: str) -> Any:
+    """The attribute ``ref`` (``"module:attribute"``) names, its module imported by name."""
+    module, _, attribute = ref.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 FAMILIES: dict[str, Family] = {}  # name -> Family; filled by ``register`` only
 
 
 def register(family: Family) -> Family:
-    """Add (or replace) a family's planning side; its presets become known (``PRESETS``). Returns ``family``."""
+    """Add a family; its presets become known (``PRESETS``). The same object again is a no-op; a different object
+    under a taken name, or with a preset name another family has, is refused. Returns ``family``."""
     if not isinstance(family, Family):
         raise TypeError(f"register: {family!r} is no omnibal_ext.model.families.Family")
+    held = FAMILIES.get(family.name)
+    if held is family:
+        return family
+    if held is not None:
+        raise UserError(f"register: model family {family.name!r} is registered already (by another object); "
+                        "give the new family another name")
+    taken = {p: f.name for f in FAMILIES.values() for p in f.presets}
+    clash = sorted(p for p in family.presets if p in taken)
+    if clash:
+        raise UserError(f"register: family {family.name!r}: preset(s) {', '.join(clash)} belong to family "
+                        f"{taken[clash[0]]!r} already")
     FAMILIES[family.name] = family
     return family
 
@@ -146,10 +175,3 @@ class Presets(Mapping):
 PRESETS = Presets()
 
 
-def _discover() -> None:
-    """Import every module of this package: each registers its family."""
-    for module in pkgutil.iter_modules(__path__):
-        importlib.import_module(f"{__name__}.{module.name}")
-
-
-_discover()

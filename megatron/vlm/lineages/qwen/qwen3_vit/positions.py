@@ -33,7 +33,7 @@ import numpy as np
 
 from omnibal_ext.errors import UserError
 
-from ..qwen2_5_vl.positions import ImageTokenError, mrope_position_ids
+from megatron.vlm.lineages.qwen.positions import ImageTokenError, mrope_position_ids
 
 __all__ = ["TEXT", "IMAGE", "VIDEO", "ImageTokenError", "mm_token_type_ids", "position_ids"]
 
