@@ -13,7 +13,7 @@ import os
 import numpy as np
 
 from megatron.vlm.context_parallel import rank_work
-from omnibal_ext.data.search import SearchConfig, plan_isf
+from omnibal_ext.data.search import SearchConfig, run_isf
 from omnibal_ext.data.stats import load_stats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def main() -> None:
     stats = load_stats(sorted(glob.glob(os.path.join(ROOT, "data", "omnibal_stats", "*.json.gz"))))
-    plan = plan_isf(stats.vit, stats.tokens, SearchConfig(dp_size=8, samples_per_group=4, seed=0))
+    plan = run_isf(stats.vit, stats.tokens, SearchConfig(dp_size=8, samples_per_group=4, seed=0))
     groups = [(stats.tokens[g], int(stats.vit[g].sum())) for g in plan.grouping.groups()]
     print(f"{len(stats.vit)} samples, {len(groups)} ISF groups")
     print("| CP | busiest/mean attended pairs, mean over groups | worst group | busiest rank's tiles <= ceil(tiles/CP) | pad tokens |")

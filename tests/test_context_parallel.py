@@ -88,11 +88,11 @@ def test_tile_ranges_are_even():
 
 
 def isf_groups():
-    from omnibal_ext.data.search import SearchConfig, plan_isf
+    from omnibal_ext.data.search import SearchConfig, run_isf
     from omnibal_ext.data.stats import load_stats
 
     stats = load_stats(STATS_FILES)
-    plan = plan_isf(stats.vit, stats.tokens, SearchConfig(dp_size=8, samples_per_group=4, seed=0))
+    plan = run_isf(stats.vit, stats.tokens, SearchConfig(dp_size=8, samples_per_group=4, seed=0))
     return [(stats.tokens[g], int(stats.vit[g].sum())) for g in plan.grouping.groups()]
 
 

@@ -14,6 +14,8 @@ tokens (backward: all-gather), so every TP rank back-propagates the same full gr
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -48,7 +50,6 @@ def _runtime():
     from megatron.vlm.context_parallel import context_parallel_group, gather_rows, tile_ranges
     from megatron.vlm.families.internvl.components import ProjectorUnit, VisionEmbed, VisionLayer
     from megatron.vlm.seeding import seeded
-    from megatron.vlm.side import put_side, take_side
     from megatron.vlm.text import run_text_blocks
     from megatron.vlm.components import FamilyRuntime
     from megatron.vlm.families import runtime_family
@@ -98,9 +99,16 @@ def _runtime():
         def sides(self):
             return {s.producer: s.name for s in side_tensors(self.spec)}
 
-        def build(self, units):
-            self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.vision_config)
-            self.first = units[0].index
+        @functools.cached_property
+        def sp_edges(self):
+            return self.ctx.sequence_parallel_edges(self.units, self.ctx.vision_config)
+
+        @property
+        def first(self):
+            return self.units[0].index
+
+        def build(self):
+            units = self.units
             blocks = build_split(self, units, self.ctx.vision_config, set(self.sides()))
             layer_of = dict(zip([u.index for u in units], (layer for b in blocks for layer in b.layers)))
             for index in self.sides():
@@ -125,7 +133,7 @@ def _runtime():
                 x = block(hidden_states=x, attention_mask=mask)
                 if last in sides:
                     full = sequence_parallel.leave(x)[:tokens] if cfg.sequence_parallel else x
-                    put_side(cache, sides[last], block.layers[-1].side_merger(full))
+                    cache.put_side(sides[last], block.layers[-1].side_merger(full))
             if cfg.sequence_parallel and self.sp_leaves:
                 x = sequence_parallel.leave(x)[:tokens]
             return x
@@ -136,11 +144,16 @@ def _runtime():
         def sides(self):
             return {c: s.name for s in side_tensors(self.spec) for c in s.consumers}
 
-        def build(self, units):
-            self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.language_config,
-                                                                              ("L",))
-            self.first = units[0].index
-            return build_split(self, units, self.ctx.language_config, set(self.sides()))
+        @functools.cached_property
+        def sp_edges(self):
+            return self.ctx.sequence_parallel_edges(self.units, self.ctx.language_config, ("L",))
+
+        @property
+        def first(self):
+            return self.units[0].index
+
+        def build(self):
+            return build_split(self, self.units, self.ctx.language_config, set(self.sides()))
 
         def addition(self, feature, batch, like):
             """The side tensor's rows at this rank's image-token positions, zeros elsewhere: [t, 1, H]."""
@@ -164,7 +177,7 @@ def _runtime():
             for k, (block, last) in enumerate(block_ends(module, self.first)):
                 x = run_text_blocks(module[k:k + 1], x, context, self.ctx.impl.thd)
                 if last in sides:
-                    add = self.addition(take_side(cache, sides[last]), batch, x)
+                    add = self.addition(cache.take_side(sides[last]), batch, x)
                     x = x + (sequence_parallel.enter(add) if sp else add)
             return sequence_parallel.leave(x) if self.sp_leaves else x
 

@@ -78,7 +78,7 @@ class LinearProjector(MegatronModule):
 class LinearProjectorUnit(RuntimeComponent):
     cost, attr = LinearProjectorCost, "projector"
 
-    def build(self, units):
+    def build(self):
         return LinearProjector(self.spec, self.ctx.language_config)
 
     def forward(self, module, x, batch, cache):

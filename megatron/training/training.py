@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from functools import partial
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -201,12 +202,20 @@ def forward_step(data_iterator, model, meter: ActivationMeter | None = None, red
     return output, partial(loss_func, batch, None, reduction=reduction, scale=scale)
 
 
+class ForwardBackward(Protocol):
+    """megatron-core's pipeline schedule (``get_forward_backward_func()``; the interleaved one with our groups bound):
+    runs ``num_microbatches`` forward (and backward) steps over ``model``'s chunks, returns the loss reports."""
+
+    def __call__(self, *, forward_step_func: Callable, data_iterator, model: list, num_microbatches: int,
+                 seq_length: int, micro_batch_size: int, forward_only: bool) -> list[dict]: ...
+
+
 @dataclass(frozen=True)
 class StepSetup:
     """What every step of a run uses: megatron-core's schedule (``forward_backward``, with the interleaved one's
     groups), the activation meter (--log-activation-memory, else None), the metric groups and whether this rank
     holds the last pipeline stage."""
-    forward_backward: object
+    forward_backward: ForwardBackward
     meter: ActivationMeter | None
     groups: MetricGroups
     is_last: bool

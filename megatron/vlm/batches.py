@@ -18,7 +18,7 @@ The parts and fields a stage does not read are None in its ``MicroBatch``.
 A stage without the ViT embedding opens no image file.
 
 Tensor parallelism.  The TP ranks of a stage need the same batch: only TP rank 0 loads it, and
-broadcasts it over the TP group (``broadcast_batch``); the other TP ranks have no loader.
+broadcasts it over the TP group (``micro_batch.broadcast_micro_batch``); the other TP ranks have no loader.
 
 Resuming.  The loader runs ahead of training (prefetch), so the sampler's own position is not the
 training's.  ``MicroBatches`` counts the steps training consumed: ``state_dict()`` is the sampler's
@@ -95,11 +95,6 @@ class _Steps:
         return len(self.sampler)
 
 
-def broadcast_batch(batch: MicroBatch | None, src: int, group) -> MicroBatch:
-    """``batch`` of global rank ``src`` on every rank of ``group`` (``micro_batch.broadcast_micro_batch``)."""
-    return broadcast_micro_batch(batch, src, group)
-
-
 class MicroBatches:
     """Endless iterator of collated micro-batches; records the sample sizes it served.
 
@@ -110,7 +105,7 @@ class MicroBatches:
     family's micro-batch maker (``FamilyRuntime.data``; default: ``collate.py``'s fields).
     """
 
-    def __init__(self, dataset, sampler: GroupBatchSampler, pad_id: int, packed: bool, seq_length: int | None = None,
+    def __init__(self, dataset, sampler: GroupBatchSampler, pad_id: int, packed: bool,
                  image_tokens: tuple[int, int] | None = None, inputs: StageInputs | None = None,
                  num_workers: int = 0, prefetch_factor: int = 2, pin_memory: bool = False,
                  persistent_workers: bool = True, tp_group=None, tp_src: int = 0, pad_to_multiple: int = 1,
@@ -151,7 +146,7 @@ class MicroBatches:
             raise StopIteration
         batch = next(self._it) if self._loads else None
         if self.tp_group is not None:
-            batch = broadcast_batch(batch, self.tp_src, self.tp_group)
+            batch = broadcast_micro_batch(batch, self.tp_src, self.tp_group)
         self._consumed += 1
         batch = dataclasses.replace(batch, iteration=self.iteration)  # the drop path's key (megatron/vlm/drop_path.py)
         if self._records is not None:

@@ -17,7 +17,8 @@ letter) are its planning-side component's (``cost``), so the two sides cannot di
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Protocol
+import functools
+from typing import Callable, ClassVar, Protocol, Sequence
 
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -41,7 +42,8 @@ from megatron.vlm.layer_impl import LayerImpl
 from megatron.vlm.micro_batch import MicroBatch, StageInputs
 from megatron.vlm.seeding import seeded
 from megatron.vlm.sharding import unit_sharded_state_dict
-from megatron.vlm.text import TextEmbedding, run_text_blocks, text_context, word_embedding
+from megatron.vlm.side import StageCache
+from megatron.vlm.text import TextContext, TextEmbedding, run_text_blocks, text_context, word_embedding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +109,11 @@ class StageContext:
 
 
 class RuntimeComponent:
-    """One kind of unit at run time, bound to a stage's ``StageContext``.
+    """One kind of unit at run time, bound to a stage's ``StageContext`` and to the run of its units on the stage
+    (``units``: one unit; for a layer kind the consecutive units on this stage). Stateless: what it decides from
+    those (sequence-parallel edges, DeepStack slots, its rotary table) is derived from them (properties, computed
+    once), never set while it builds or runs; assigning an attribute raises. What its units share per micro-batch
+    lives in the forward's ``StageCache``.
 
     cost: the planning-side component of the kind (gives ``kind`` and ``code``); attr: the stage attribute
     holding its module (where the module sits in the stage's state dict); reads: the micro-batch parts it
@@ -115,14 +121,35 @@ class RuntimeComponent:
     TransformerBlock segments; ``attr`` then holds a ModuleList of blocks).
     """
 
-    cost: type[CostComponent] = CostComponent
-    attr: str = ""
-    reads: frozenset[str] = frozenset()
-    layers: bool = False
+    cost: ClassVar[type[CostComponent]] = CostComponent
+    attr: ClassVar[str] = ""
+    reads: ClassVar[frozenset[str]] = frozenset()
+    layers: ClassVar[bool] = False
 
-    def __init__(self, ctx: StageContext):
-        self.ctx = ctx
-        self.spec = ctx.spec
+    def __init__(self, ctx: StageContext, units: Sequence[Unit]):
+        object.__setattr__(self, "ctx", ctx)
+        object.__setattr__(self, "spec", ctx.spec)
+        object.__setattr__(self, "units", tuple(units))
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__}.{name}: runtime components hold no state (derive it from "
+                             "ctx and units)")
+
+    @functools.cached_property
+    def sp_edges(self) -> tuple[bool, bool]:
+        """(enters, leaves) the sequence-parallel region (``StageContext.sequence_parallel_edges``); the default:
+        neither (a kind outside the sequence-parallel layers)."""
+        return False, False
+
+    @property
+    def sp_enters(self) -> bool:
+        """The input comes whole and is split here (``sp_edges``)."""
+        return self.sp_edges[0]
+
+    @property
+    def sp_leaves(self) -> bool:
+        """The output is gathered whole here (``sp_edges``)."""
+        return self.sp_edges[1]
 
     @classmethod
     def kind(cls) -> str:
@@ -133,20 +160,20 @@ class RuntimeComponent:
         return cls.cost.code
 
     # building and running --------------------------------------------------------------------------
-    def build(self, units: list[Unit]) -> torch.nn.Module:
-        """The module of ``units`` (one unit; for a layer kind the consecutive units on this stage). The
-        stage draws a single unit's module under the unit's seed; layers seed themselves per unit."""
+    def build(self) -> torch.nn.Module:
+        """The module of ``units``. The stage draws a single unit's module under the unit's seed; layers seed
+        themselves per unit."""
         raise NotImplementedError
 
     def extra_modules(self) -> dict[str, torch.nn.Module]:
         """Parameter-free helpers the stage registers after the module (the LLM layers' rotary table)."""
         return {}
 
-    def forward(self, module: torch.nn.Module, x, batch: MicroBatch, cache: dict):
+    def forward(self, module: torch.nn.Module, x, batch: MicroBatch, cache: StageCache):
         """The unit(s) on the previous output ``x`` (None at the model's start); ``cache``: per micro-batch."""
         raise NotImplementedError
 
-    def prepare(self, module: torch.nn.Module, batch: MicroBatch, cache: dict) -> None:
+    def prepare(self, module: torch.nn.Module, batch: MicroBatch, cache: StageCache) -> None:
         """Build what ``forward`` keeps in ``cache`` for ``batch`` now (the profiler times units without it)."""
 
     def parameter_role(self, unit: Unit, name: str) -> str:
@@ -183,7 +210,7 @@ class RuntimeComponent:
         """The module of one unit (a layer kind: the first block, one layer on a profiling stage)."""
         return module[0] if self.layers else module
 
-    def profile_forward(self, module: torch.nn.Module, x, batch: MicroBatch, cache: dict):
+    def profile_forward(self, module: torch.nn.Module, x, batch: MicroBatch, cache: StageCache):
         """One unit's forward (a layer kind: the first block)."""
         return self.forward(module[:1] if self.layers else module, x, batch, cache)
 
@@ -200,7 +227,7 @@ class TextEmbed(RuntimeComponent):
 
     cost, attr, reads = TextEmbedCost, "text_embed", frozenset({"tokens"})
 
-    def build(self, units):
+    def build(self):
         return TextEmbedding(self.spec, self.ctx.language_config, self.ctx.img_context_id,
                              self.spec.tokens_per_tile)
 
@@ -230,7 +257,6 @@ class TextLayer(RuntimeComponent):
     q/k RMSNorm where the LanguageSpec has ``qk_norm`` (Qwen3)."""
 
     cost, attr, reads, layers = TextLayerCost, "llm_blocks", frozenset({"packing"}), True
-    sp_enters = sp_leaves = False  # sequence-parallel region edges (set by build)
     lora_linears: tuple[str, ...] | None = None  # the LoRA targets' linears its layers have (None: all)
 
     def layer_spec(self, first_unit_index: int):
@@ -239,23 +265,31 @@ class TextLayer(RuntimeComponent):
                                  first_unit_index, ctx.impl)
         return layers.with_qk_norm(spec) if self.spec.language.qk_norm else spec
 
-    def build(self, units):
-        self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.language_config, (HEAD,))
-        return self.ctx.build_layers(units, self.ctx.language_config, self.layer_spec, self.code(),
+    @functools.cached_property
+    def sp_edges(self):
+        return self.ctx.sequence_parallel_edges(self.units, self.ctx.language_config, (HEAD,))
+
+    def build(self):
+        return self.ctx.build_layers(self.units, self.ctx.language_config, self.layer_spec, self.code(),
                                      lora_linears=self.lora_linears)
 
-    def extra_modules(self):
+    @functools.cached_property
+    def rotary(self) -> torch.nn.Module:
+        """The rotary table (parameter-free; the stage registers it: ``extra_modules``)."""
         lang = self.spec.language
-        self.rotary = RotaryEmbedding(kv_channels=lang.kv_channels, rotary_percent=1.0,
-                                      rotary_base=lang.rotary_base, use_cpu_initialization=True)
+        return RotaryEmbedding(kv_channels=lang.kv_channels, rotary_percent=1.0, rotary_base=lang.rotary_base,
+                               use_cpu_initialization=True)
+
+    def extra_modules(self):
         return {"rotary": self.rotary}
 
-    def context(self, module, batch: MicroBatch, cache: dict) -> dict:
+    def context(self, module, batch: MicroBatch, cache: StageCache) -> TextContext:
         """The LLM blocks' inputs besides the hidden states, built once per micro-batch (``text_context``)."""
-        if "text_context" not in cache:
+        def make():
             device = next(module.parameters()).device if self.ctx.impl.transformer_engine else None
-            cache["text_context"] = text_context(batch, self.rotary, self.ctx.impl.thd, device)
-        return cache["text_context"]
+            return text_context(batch, self.rotary, self.ctx.impl.thd, device)
+
+        return cache.once(TextContext, make)
 
     def prepare(self, module, batch, cache):
         self.context(module, batch, cache)
@@ -297,11 +331,17 @@ class MoEMLPs:
         return spec
 
     def context(self, module, batch, cache):
-        if "moe_context" not in cache:
-            ctx = dict(super().context(module, batch, cache))
-            ctx["padding_mask"] = moe_padding_mask(batch, self.ctx.impl.thd, self.ctx.language_config.sequence_parallel)
-            cache["moe_context"] = ctx
-        return cache["moe_context"]
+        def make():
+            text = super(MoEMLPs, self).context(module, batch, cache)
+            mask = moe_padding_mask(batch, self.ctx.impl.thd, self.ctx.language_config.sequence_parallel)
+            return MoEContext(text.attention_mask, text.rotary_pos_emb, text.packed_seq_params, mask)
+
+        return cache.once(MoEContext, make)
+
+
+class MoEContext(TextContext):
+    """The MoE layers' ``TextContext``: with the router's token mask (``padding_mask``), held apart from the dense
+    layers' context in the ``StageCache``."""
 
 
 class MoETextLayer(MoEMLPs, TextLayer):
@@ -349,7 +389,6 @@ class Head(RuntimeComponent):
     """Final norm, vocabulary-parallel output layer and loss (or logits: ``StageBuild.output``)."""
 
     cost, attr, reads = HeadCost, "head", frozenset({"labels", "packing"})
-    sp_enters = False
 
     def norm_builder(self):
         """The final norm's builder (called as megatron-core's: ``config=, hidden_size=, eps=``)."""
@@ -359,12 +398,16 @@ class Head(RuntimeComponent):
             return TorchNorm
         return get_gpt_layer_local_spec(normalization=self.spec.language.normalization).submodules.input_layernorm
 
-    def build(self, units):
-        norm = self.norm_builder()
+    @functools.cached_property
+    def sp_edges(self):
+        """Sequence parallel: the LLM layers hand over this TP rank's tokens; the norm runs on them and the output
+        layer all-gathers them (its config's sequence_parallel); it enters the region when no LLM layer precedes."""
+        units = self.units
         before = self.ctx.units[units[0].index - 1] if units[0].index else None
-        # sequence parallel: the LLM layers hand over this TP rank's tokens; the norm runs on them and the
-        # output layer all-gathers them (its config's sequence_parallel)
-        self.sp_enters = self.ctx.language_config.sequence_parallel and (before is None or before.code != TEXT_LAYER)
+        return self.ctx.language_config.sequence_parallel and (before is None or before.code != TEXT_LAYER), False
+
+    def build(self):
+        norm = self.norm_builder()
         return OutputHead(self.spec, self.ctx.language_config, norm, output=self.ctx.output)
 
     def forward(self, module, x, batch, cache):

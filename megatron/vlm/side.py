@@ -1,7 +1,7 @@
 """Side tensors: features that one unit produces and later units read (DeepStack features: made by
 a ViT layer's merger, added to an LLM layer's output), held per micro-batch while a stage runs.
 
-Inside a stage they live in the forward's ``cache`` (``put_side`` / ``take_side``).  Across stages they travel
+Inside a stage they live in the forward's typed per-micro-batch cache (``StageCache.put_side`` / ``take_side``).  Across stages they travel
 with the hidden states through megatron-core's P2P (``megatron.vlm.stage``); which ones cross a boundary follows
 from the planning side's ``SideTensor`` list (``omnibal_ext.model.spec.SideTensor``,
 ``omnibal_ext.model.families.Family.side_tensors``) and the layout: a side tensor is *live* at the boundary
@@ -34,33 +34,53 @@ CP group and picks its tokens' rows, as the LLM embedding does with the projecto
 """
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
-_SIDE = "side_tensors"
+T = TypeVar("T")
 
 
-def put_side(cache: dict, name: str, tensor: torch.Tensor) -> None:
-    """Hold ``tensor`` as side tensor ``name`` for the rest of this micro-batch's forward (and later stages)."""
-    held = cache.setdefault(_SIDE, {})
-    if name in held:
-        raise ValueError(f"side tensor {name!r} produced twice in one micro-batch")
-    held[name] = tensor
+@dataclasses.dataclass
+class StageCache:
+    """What one stage's units share while it runs one micro-batch, typed (a new one per forward):
 
+    * contexts built once per micro-batch by the first unit that needs them and read by the next (the LLM blocks'
+      ``TextContext``, a ViT's rotary angles and packed parameters), each held under its own type (``once``), so a
+      unit gets back exactly the type it asked for and two kinds never collide on a key;
+    * the side tensors on hand (``put_side`` / ``take_side``), made on this stage or received with the input.
+    """
 
-def take_side(cache: dict, name: str) -> torch.Tensor:
-    """Side tensor ``name``, made earlier on this stage or received from the previous one."""
-    try:
-        return cache[_SIDE][name]
-    except KeyError:
-        raise ValueError(f"side tensor {name!r} is not held on this stage (held: "
-                         f"{sorted(cache.get(_SIDE, {}))})") from None
+    _contexts: dict[type, object] = dataclasses.field(default_factory=dict)
+    _sides: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
+    def once(self, kind: type[T], make: Callable[[], T]) -> T:
+        """The ``kind`` context of this micro-batch: made by ``make`` the first time (an instance of ``kind``)."""
+        held = self._contexts.get(kind)
+        if held is None:
+            held = make()
+            if not isinstance(held, kind):
+                raise TypeError(f"StageCache.once: made a {type(held).__name__}, not a {kind.__name__}")
+            self._contexts[kind] = held
+        return held
 
-def held_sides(cache: dict) -> dict[str, torch.Tensor]:
-    """The side tensors held now, by name."""
-    return dict(cache.get(_SIDE, {}))
+    def put_side(self, name: str, tensor: torch.Tensor) -> None:
+        """Hold ``tensor`` as side tensor ``name`` for the rest of this micro-batch's forward (and later stages)."""
+        if name in self._sides:
+            raise ValueError(f"side tensor {name!r} produced twice in one micro-batch")
+        self._sides[name] = tensor
+
+    def take_side(self, name: str) -> torch.Tensor:
+        """Side tensor ``name``, made earlier on this stage or received from the previous one."""
+        try:
+            return self._sides[name]
+        except KeyError:
+            raise ValueError(f"side tensor {name!r} is not held on this stage (held: {sorted(self._sides)})") from None
+
+    def held_sides(self) -> dict[str, torch.Tensor]:
+        """The side tensors held now, by name."""
+        return dict(self._sides)
 
 
 def live_at(sides: Sequence, boundary: int) -> tuple:

@@ -43,8 +43,9 @@ from megatron.vlm.head import OUTPUTS
 from megatron.vlm.layer_impl import LOCAL, LayerImpl
 from megatron.vlm.lora import is_adapter
 from megatron.vlm.micro_batch import MicroBatch
+from megatron.vlm.moe import MoERun
 from megatron.vlm.seeding import seeded
-from megatron.vlm.side import live_at, pack, put_side, take_side, unpack
+from megatron.vlm.side import StageCache, live_at, pack, unpack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +77,7 @@ class StageBuild:
     cp: int = 1  # context-parallel size of the LLM (megatron/vlm/context_parallel.py); the ViT has none
     vision_drop_path_rate: float = 0.0  # ViT stochastic depth, rising linearly to this at the last layer
     lora: Lora = Lora()  # LoRA adapters on the layers its targets name (megatron/vlm/lora.py); rank 0: none
-    moe_run: object = None  # how MoE layers train (megatron.vlm.moe.MoERun); None: its defaults
+    moe_run: MoERun | None = None  # how MoE layers train; None: its defaults
 
 
 @dataclasses.dataclass
@@ -156,11 +157,11 @@ class VLMStage(MegatronModule):
                                 moe_dispatcher=build.moe_run.dispatcher if build.moe_run else "alltoall")
         self.parts: list[_Part] = []
         for run in _runs(self.units):  # each component's modules registered under its name (``attr``: the
-            component = family.component(run[0].kind)(self.ctx)  # checkpoint keys' first part)
+            component = family.component(run[0].kind)(self.ctx, run)  # checkpoint keys' first part)
             part = _Part(component, run)
             held = self._modules.get(component.attr)
             if component.layers:
-                blocks = component.build(run)
+                blocks = component.build()
                 if held is None:
                     self.add_module(component.attr, blocks)
                     part.blocks = range(len(blocks))
@@ -171,7 +172,7 @@ class VLMStage(MegatronModule):
                 if held is not None:
                     raise ValueError(f"stage holds two {component.kind()} units")
                 with seeded(build.seed, run[0].index):
-                    self.add_module(component.attr, component.build(run))
+                    self.add_module(component.attr, component.build())
             for name, module in component.extra_modules().items():
                 self.add_module(name, module)
             self.parts.append(part)
@@ -284,13 +285,13 @@ class VLMStage(MegatronModule):
     def forward(self, batch: MicroBatch):
         """The stage's slice of the model: the next stage's input, or at the end ``HeadOutput`` (loss mode)
         or this TP rank's logits (logits mode)."""
-        x, cache = self.input_tensor, {}
+        x, cache = self.input_tensor, StageCache()
         if self.detach_input and x is not None:  # nothing upstream trains: no gradient of the input is needed
             x = x.detach()
         if self.sides_in and x is not None:
             x, received = unpack(x, [(self._rows(s, batch), s.width) for s in self.sides_in])
             for side, tensor in zip(self.sides_in, received):
-                put_side(cache, side.name, tensor)
+                cache.put_side(side.name, tensor)
         for k, part in enumerate(self.parts):
             if k < self.no_grad_parts:  # frozen, nothing trainable upstream: forward only, nothing kept
                 with torch.no_grad():
@@ -303,7 +304,7 @@ class VLMStage(MegatronModule):
                 x = _zero_input_grad(x, self.input_tensor)
         if self.post_process:
             return x
-        x = pack(x, [take_side(cache, s.name) for s in self.sides_out])
+        x = pack(x, [cache.take_side(s.name) for s in self.sides_out])
         # megatron-core frees a sent stage output's storage (deallocate_pipeline_outputs), which a view of
         # another tensor (the projector's unsqueeze, a reshape) cannot give up
         return make_viewless_tensor(x, requires_grad=x.requires_grad, keep_graph=True)

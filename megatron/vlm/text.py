@@ -13,10 +13,14 @@ carry one shape.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron.vlm.attention import segment_params
 from megatron.vlm.context_parallel import context_parallel_group
@@ -73,7 +77,24 @@ def packed_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     return (~allowed).unsqueeze(1)
 
 
-def text_context(batch: MicroBatch, rotary, thd: bool, device=None) -> dict:
+@dataclasses.dataclass(frozen=True)
+class TextContext:
+    """What the LLM blocks take besides the hidden states (their keyword arguments), built once per micro-batch:
+    the dense mask (None under THD), the rotary angles, the packed-sequence parameters (None: dense) and, for MoE
+    layers, the router's token mask (``padding_mask``; None for dense layers)."""
+
+    attention_mask: torch.Tensor | None
+    rotary_pos_emb: torch.Tensor
+    packed_seq_params: PackedSeqParams | None = None
+    padding_mask: torch.Tensor | None = None
+
+    def block_inputs(self) -> dict:
+        """The keyword arguments of a megatron-core ``TransformerBlock`` call."""
+        return {"attention_mask": self.attention_mask, "rotary_pos_emb": self.rotary_pos_emb,
+                "packed_seq_params": self.packed_seq_params, "padding_mask": self.padding_mask}
+
+
+def text_context(batch: MicroBatch, rotary, thd: bool, device=None) -> TextContext:
     """What the LLM blocks take besides the hidden states, built once per micro-batch.
 
     THD: ``packed_seq_params`` from the host-built ``cu_seqlens`` (kept on the host, ``device`` None, for the
@@ -90,19 +111,20 @@ def text_context(batch: MicroBatch, rotary, thd: bool, device=None) -> dict:
         # megatron-core maps frequencies by absolute offset when there are exactly t of them (and reads
         # each segment's start with .item()); one more keeps it on the restart-per-segment mapping
         rope = rotary(max_seqlen + 1 if max_seqlen == t else max_seqlen, packed_seq=True)  # whole: no CP slicing
-        return {"attention_mask": None, "rotary_pos_emb": rope, "packed_seq_params": params}
+        return TextContext(None, rope, params)
     rope = rotary(max_seqlen)[:, 0][batch.packing.position_ids.transpose(0, 1)]
-    return {"attention_mask": packed_causal_mask(batch.packing.segment_ids), "rotary_pos_emb": rope}
+    return TextContext(packed_causal_mask(batch.packing.segment_ids), rope)
 
 
-def run_text_blocks(blocks, x: torch.Tensor, context: dict, thd: bool) -> torch.Tensor:
+def run_text_blocks(blocks, x: torch.Tensor, context: TextContext, thd: bool) -> torch.Tensor:
     """LLM blocks on x [b * s, 1, H] -> [b * s, 1, H] (dense: through [s, b, H], DotProductAttention's layout)."""
+    inputs = context.block_inputs()
     if thd:
         for block in blocks:
-            x = block(hidden_states=x, **context)
+            x = block(hidden_states=x, **inputs)
         return x
-    b, s = context["attention_mask"].shape[0], context["attention_mask"].shape[-1]
+    b, s = context.attention_mask.shape[0], context.attention_mask.shape[-1]
     x = x.reshape(b, s, -1).transpose(0, 1)
     for block in blocks:
-        x = block(hidden_states=x, **context)
+        x = block(hidden_states=x, **inputs)
     return x.transpose(0, 1).reshape(b * s, 1, -1)

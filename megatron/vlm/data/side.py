@@ -28,15 +28,20 @@ Every family reads the same formats (``records.py``: meta JSON or an annotation 
 """
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
-from typing import Callable
+from typing import Protocol
+
+from omnibal_ext.model.shape import MicroBatchShape
+from omnibal_ext.model.spec import ModelSpec
 
 from megatron.vlm.context_parallel import split_batch, tile_ranges
 
 from megatron.vlm.micro_batch import MicroBatch, TileVision
 
 from .collate import collate_packed, collate_padded
-from .images import TileImages
+from .images import ImageRule, TileImages
+from .video import VideoRule
 from .tokenizer import IMG_CONTEXT, IMG_END, IMG_START
 
 
@@ -81,17 +86,58 @@ def tiled_side_rows(spec, batch: MicroBatch, cp: int, cp_rank: int) -> int:
     return tiles * spec.tokens_per_tile
 
 
+def plain_batcher(spec: ModelSpec, image_token_id: int, rule: ImageRule) -> Batcher:
+    """The tiled families' micro-batch maker: ``collate.py``'s fields."""
+    return Batcher()
+
+
+def vit_image_px(spec: ModelSpec) -> int:
+    """The built-in digits data's image side for a tiled ViT: its tile size."""
+    return spec.vision.image_size
+
+
+class ImageRuleOf(Protocol):
+    def __call__(self, args: argparse.Namespace, spec: ModelSpec, hf_folder: str | None) -> ImageRule:
+        """The reader's image rule for ``spec`` (the folder's processor settings under the run's flags)."""
+
+
+class VideoRuleOf(Protocol):
+    def __call__(self, args: argparse.Namespace, spec: ModelSpec, hf_folder: str | None) -> VideoRule:
+        """The reader's video rule for ``spec`` (the folder's video processor settings under the --video-* flags)."""
+
+
+class BatcherOf(Protocol):
+    def __call__(self, spec: ModelSpec, image_token_id: int, rule: ImageRule) -> Batcher:
+        """The picklable micro-batch maker of ``spec``'s family."""
+
+
+class ImagePx(Protocol):
+    def __call__(self, spec: ModelSpec) -> int:
+        """The built-in digits data's image side (px) for ``spec``."""
+
+
+class ProfileBatch(Protocol):
+    def __call__(self, spec: ModelSpec, shape: MicroBatchShape, image_token_id: int, device,
+                 pad_to_multiple: int = 1) -> MicroBatch:
+        """The micro-batch the trainer's profiler runs at ``shape``."""
+
+
+class SideRows(Protocol):
+    def __call__(self, spec: ModelSpec, batch: MicroBatch, cp: int, cp_rank: int) -> int:
+        """Rows of an ``"image_tokens"`` side tensor on this rank for ``batch`` (host-held fields only)."""
+
+
 @dataclass(frozen=True)
 class DataSide:
     """See the module docstring."""
 
     image_tokens: tuple[str, str, str] = (IMG_START, IMG_END, IMG_CONTEXT)
-    image_rule: Callable = tiled_images
-    video_rule: Callable | None = None
-    batcher: Callable = lambda spec, image_token_id, rule: Batcher()  # noqa: E731
-    default_image_px: Callable = lambda spec: spec.vision.image_size  # noqa: E731
-    profile_batch: Callable | None = None
-    side_rows: Callable = tiled_side_rows
+    image_rule: ImageRuleOf = tiled_images
+    video_rule: VideoRuleOf | None = None
+    batcher: BatcherOf = plain_batcher
+    default_image_px: ImagePx = vit_image_px
+    profile_batch: ProfileBatch | None = None
+    side_rows: SideRows = tiled_side_rows
 
 
 TILED = DataSide()

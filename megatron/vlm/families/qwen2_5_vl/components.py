@@ -21,8 +21,11 @@ Micro-batch fields read (besides the shared ``tokens``, ``labels``, ``cu_seqlens
 """
 from __future__ import annotations
 
+import functools
+
 import dataclasses
 
+import torch
 import torch.nn.functional as F
 
 from .costs import FullLayerCost, MergerCost, VisionEmbedCost, WindowLayerCost
@@ -40,12 +43,26 @@ from megatron.vlm.lineages.qwen.modules import PatchEmbedding, vision_rotary
 from .modules import PatchMerger, vision_layer_spec
 
 
+
+@dataclasses.dataclass(frozen=True)
+class WindowedVitContext:
+    """What the ViT layers of one micro-batch share (``_VisionLayers.context``): the 2-D rotary angles (padded rows
+    zero), the patch count, the count padded for sequence parallelism, the drop-path keys (None without drop path)
+    and the packed parameters of the window and the full-attention layers."""
+
+    rope: torch.Tensor
+    patches: int
+    padded: int
+    keys: torch.Tensor | None
+    window: object
+    full: object
+
 class VisionEmbed(RuntimeComponent):
     """Patch rows -> Conv3d patch embedding -> window order [patches, 1, H]."""
 
     cost, attr, reads = VisionEmbedCost, "vit_embed", frozenset({"pixels"})
 
-    def build(self, units):
+    def build(self):
         return PatchEmbedding(self.spec, self.ctx.vision_config)
 
     def forward(self, module, x, batch, cache):
@@ -67,7 +84,6 @@ class _VisionLayers(PaddedHeadLayers):
 
     attr, reads, layers = "vit_blocks", frozenset({"pixels"}), True
     window = False
-    sp_enters = sp_leaves = False  # sequence-parallel region edges (set by build)
 
     def layer_spec(self, first_unit_index: int):
         ctx = self.ctx
@@ -78,13 +94,17 @@ class _VisionLayers(PaddedHeadLayers):
             with_drop_path(spec, first, layer_rates(ctx.vision_drop_path_rate, self.spec.vision.num_layers), axis=0)
         return spec
 
-    def build(self, units):
-        self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.vision_config)
+    @functools.cached_property
+    def sp_edges(self):
+        return self.ctx.sequence_parallel_edges(self.units, self.ctx.vision_config)
+
+    def build(self):
+        units = self.units
         return self.ctx.build_layers(units, self.ctx.vision_config, self.layer_spec, self.code())
 
-    def context(self, batch: MicroBatch, device) -> dict:
-        """RoPE and the packed parameters of both kinds, built once per micro-batch (``cache["qwen_vit"]``); the
-        patch count and the count padded for sequence parallelism."""
+    def context(self, batch: MicroBatch, device) -> "WindowedVitContext":
+        """RoPE and the packed parameters of both kinds, built once per micro-batch (held in the ``StageCache``);
+        the patch count and the count padded for sequence parallelism."""
         v, cfg = self.spec.vision, self.ctx.vision_config
         patches = int(batch.vision.vision_cu_seqlens[-1])
         padded = patches
@@ -98,9 +118,9 @@ class _VisionLayers(PaddedHeadLayers):
             return segment_params(*sequence_parallel.with_pad_segment(cu_seqlens, max_seqlen, padded),
                                   device if te else None)
 
-        return {"rope": rope, "patches": patches, "padded": padded, "keys": self.drop_path_keys(batch, padded, device),
-                "window": params(batch.vision.vision_cu_window_seqlens, batch.vision.vision_max_window_seqlen),
-                "full": params(batch.vision.vision_cu_seqlens, batch.vision.vision_max_seqlen)}
+        return WindowedVitContext(rope, patches, padded, self.drop_path_keys(batch, padded, device),
+                                  params(batch.vision.vision_cu_window_seqlens, batch.vision.vision_max_window_seqlen),
+                                  params(batch.vision.vision_cu_seqlens, batch.vision.vision_max_seqlen))
 
     def drop_path_keys(self, batch: MicroBatch, padded: int, device):
         """Drop path (training only): this iteration's key of each of the rows the layers run, [rows] int64 on
@@ -117,18 +137,16 @@ class _VisionLayers(PaddedHeadLayers):
         return keys
 
     def forward(self, module, x, batch, cache):
-        if "qwen_vit" not in cache:
-            cache["qwen_vit"] = self.context(batch, x.device)
-        c = cache["qwen_vit"]
+        c = cache.once(WindowedVitContext, lambda: self.context(batch, x.device))
         if self.sp_enters:
-            x = sequence_parallel.enter(F.pad(x, (0, 0, 0, 0, 0, c["padded"] - c["patches"])))
-        params = c["window" if self.window else "full"]
-        keys = c["keys"] if module.training else None  # drop path: the blocks' context (saved for recompute)
+            x = sequence_parallel.enter(F.pad(x, (0, 0, 0, 0, 0, c.padded - c.patches)))
+        params = c.window if self.window else c.full
+        keys = c.keys if module.training else None  # drop path: the blocks' context (saved for recompute)
         for block in module:
-            x = block(hidden_states=x, attention_mask=None, rotary_pos_emb=c["rope"], packed_seq_params=params,
+            x = block(hidden_states=x, attention_mask=None, rotary_pos_emb=c.rope, packed_seq_params=params,
                       context=keys)
         if self.sp_leaves:
-            x = sequence_parallel.leave(x)[:c["patches"]]
+            x = sequence_parallel.leave(x)[:c.patches]
         return x
 
     @classmethod
@@ -153,7 +171,7 @@ class Merger(RuntimeComponent):
 
     cost, attr, reads = MergerCost, "projector", frozenset({"pixels"})
 
-    def build(self, units):
+    def build(self):
         # replicated over TP (full inputs, its RMSNorm whole on every rank) also under sequence parallelism
         return PatchMerger(self.spec, self.ctx.vision_config,
                            dataclasses.replace(self.ctx.language_config, sequence_parallel=False))

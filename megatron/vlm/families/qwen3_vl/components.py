@@ -18,6 +18,8 @@ so are every DeepStack feature's rows (side tensor ``deepstack.{j}``: ``[image t
 """
 from __future__ import annotations
 
+import functools
+
 
 import torch
 
@@ -29,7 +31,6 @@ from megatron.vlm.context_parallel import context_parallel_group, gather_rows
 from megatron.vlm.lineages.qwen.modules import vision_slots
 from megatron.vlm.lineages.qwen.vision_costs import deepstack_name
 from megatron.vlm.lineages.qwen.text import MRopeTextLayer
-from megatron.vlm.side import take_side
 from megatron.vlm.text import run_text_blocks
 
 from . import hf
@@ -48,22 +49,30 @@ class DeepStackTextLayer(MRopeTextLayer):
     rows of the images the rank ran (``deepstack.{j}``: the planning side's ``SideTensor`` list is unchanged)."""
 
     reads = frozenset({"packing", "tokens"})  # the tokens say where the image tokens are
-    slots: tuple[int | None, ...] = ()  # per block: the DeepStack feature added after it, or None (set by build)
 
-    def build(self, units):
-        self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.language_config, (HEAD,))
+    def block_slots(self, module) -> tuple[int | None, ...]:
+        """Per block of ``module`` (``build``: a block of its own per layer below the number of DeepStack features,
+        then the rest's blocks): the DeepStack feature added after it, or None."""
+        k = len(self.spec.vision.deepstack_visual_indexes)
+        first = tuple(u.layer for u in self.units if u.layer < k)
+        return first + (None,) * (len(module) - len(first))
+
+    @functools.cached_property
+    def sp_edges(self):
+        return self.ctx.sequence_parallel_edges(self.units, self.ctx.language_config, (HEAD,))
+
+    def build(self):
+        units = self.units
         k = len(self.spec.vision.deepstack_visual_indexes)
         first, rest = [u for u in units if u.layer < k], [u for u in units if u.layer >= k]
         blocks = torch.nn.ModuleList()
         for unit in first:
             blocks.extend(self.ctx.build_layers([unit], self.ctx.language_config, self.layer_spec, self.code(),
                                                 lora_linears=self.lora_linears))
-        self.slots = tuple(u.layer for u in first)
         if rest:
             more = self.ctx.build_layers(rest, self.ctx.language_config, self.layer_spec, self.code(),
                                          lora_linears=self.lora_linears)
             blocks.extend(more)
-            self.slots += (None,) * len(more)
         return blocks
 
     @staticmethod
@@ -91,8 +100,8 @@ class DeepStackTextLayer(MRopeTextLayer):
         return x + full
 
     def forward(self, module, x, batch, cache):
-        return self._forward(module, self.slots, x, batch, cache,
-                             lambda slot: self._tokens_features(take_side(cache, deepstack_name(slot)), batch))
+        return self._forward(module, self.block_slots(module), x, batch, cache,
+                             lambda slot: self._tokens_features(cache.take_side(deepstack_name(slot)), batch))
 
     def _forward(self, module, slots, x, batch, cache, feature_of):
         if self.sp_enters:
@@ -111,7 +120,7 @@ class DeepStackTextLayer(MRopeTextLayer):
             tokens = int(vision_slots(batch.text.tokens, batch.vision.mm_token_type_ids, self.ctx.img_context_id).sum())
             return x.new_zeros(tokens, 1, self.spec.language.hidden_size)
 
-        return self._forward(module[:1], self.slots[:1], x, batch, cache, zero_feature)
+        return self._forward(module[:1], self.block_slots(module)[:1], x, batch, cache, zero_feature)
 
     @classmethod
     def hf_recipes(cls, unit, table):

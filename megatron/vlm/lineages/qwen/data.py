@@ -293,5 +293,10 @@ def video_rule(args, spec, hf_folder) -> QwenFrames:
                       processor_config(args, hf_folder))
 
 
+def digits_image_px(spec) -> int:
+    """The built-in digits data's image side: 56 px (2 x 2 merged tokens of 14 px patches)."""
+    return 56
+
+
 QWEN_DATA = DataSide(image_tokens=IMAGE_TOKENS, image_rule=image_rule, batcher=QwenBatcher, video_rule=video_rule,
-                     default_image_px=lambda spec: 56, profile_batch=profile_batch)
+                     default_image_px=digits_image_px, profile_batch=profile_batch)

@@ -4,11 +4,15 @@ image-token slots, found from the token types) and the decoder layers with multi
 """
 from __future__ import annotations
 
+import functools
+
+import torch
+
 from megatron.vlm.attention import segment_params
 from megatron.vlm.components import TextEmbed, TextLayer
 from megatron.vlm.context_parallel import context_parallel_group, gather_rows
 from megatron.vlm.rope import MultimodalRope
-from megatron.vlm.text import packed_causal_mask
+from megatron.vlm.text import TextContext, packed_causal_mask
 
 from .modules import ImageTokenEmbedding
 
@@ -16,7 +20,7 @@ from .modules import ImageTokenEmbedding
 class ImageTextEmbed(TextEmbed):
     """Token embedding with the merged image features in the image-token slots (any number per image)."""
 
-    def build(self, units):
+    def build(self):
         return ImageTokenEmbedding(self.spec, self.ctx.language_config, self.ctx.img_context_id)
 
     def forward(self, module, x, batch, cache):
@@ -39,24 +43,27 @@ class MRopeTextLayer(TextLayer):
 
     reads = frozenset({"packing"})
 
-    def extra_modules(self):
+    @functools.cached_property
+    def rotary(self) -> torch.nn.Module:
+        """The multimodal rotary table (parameter-free; the stage registers it: ``extra_modules``)."""
         lang = self.spec.language
-        self.rotary = MultimodalRope(lang.kv_channels, lang.rotary_base, lang.mrope_section, lang.mrope_interleaved)
+        return MultimodalRope(lang.kv_channels, lang.rotary_base, lang.mrope_section, lang.mrope_interleaved)
+
+    def extra_modules(self):
         return {"mrope": self.rotary}
 
     def context(self, module, batch, cache):
-        if "text_context" not in cache:
-            device = next(module.parameters()).device
-            ids = batch.vision.mrope_position_ids.to(device)  # [3, b, s]
-            if self.ctx.impl.thd:
-                te = self.ctx.impl.transformer_engine
-                params = segment_params(batch.packing.cu_seqlens, int(batch.packing.max_seqlen), device if te else None,
-                                        context_parallel_group())
-                # [t, 1, 1, d]: every token's (CP: of the padded unsplit layout, not sliced here: megatron-core's THD
-                # RoPE takes this rank's chunks of every segment)
-                rope = self.rotary(ids.reshape(3, 1, -1))
-                cache["text_context"] = {"attention_mask": None, "rotary_pos_emb": rope, "packed_seq_params": params}
-            else:
-                cache["text_context"] = {"attention_mask": packed_causal_mask(batch.packing.segment_ids),
-                                         "rotary_pos_emb": self.rotary(ids)}  # [s, b, 1, d]
-        return cache["text_context"]
+        return cache.once(TextContext, lambda: self._context(module, batch))
+
+    def _context(self, module, batch) -> TextContext:
+        device = next(module.parameters()).device
+        ids = batch.vision.mrope_position_ids.to(device)  # [3, b, s]
+        if self.ctx.impl.thd:
+            te = self.ctx.impl.transformer_engine
+            params = segment_params(batch.packing.cu_seqlens, int(batch.packing.max_seqlen), device if te else None,
+                                    context_parallel_group())
+            # [t, 1, 1, d]: every token's (CP: of the padded unsplit layout, not sliced here: megatron-core's THD
+            # RoPE takes this rank's chunks of every segment)
+            rope = self.rotary(ids.reshape(3, 1, -1))
+            return TextContext(None, rope, params)
+        return TextContext(packed_causal_mask(batch.packing.segment_ids), self.rotary(ids))  # [s, b, 1, d]

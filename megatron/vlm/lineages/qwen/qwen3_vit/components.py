@@ -4,6 +4,8 @@ its DeepStack merger and hands the feature on as a side tensor) and the patch me
 """
 from __future__ import annotations
 
+import functools
+
 import dataclasses
 
 import torch
@@ -17,7 +19,7 @@ from megatron.vlm.components import PaddedHeadLayers, RuntimeComponent
 from megatron.vlm.drop_path import iteration_keys, layer_rates, with_drop_path
 from megatron.vlm.micro_batch import MicroBatch
 from megatron.vlm.padded_heads import tp_rank
-from megatron.vlm.side import put_side
+from megatron.vlm.side import StageCache
 from megatron.vlm.lineages.qwen.modules import vision_rotary
 from megatron.vlm.lineages.qwen.vision_costs import (DeepStackLayerCost, MergerCost, VisionEmbedCost, VisionLayerCost,
                                                       deepstack_name)
@@ -26,12 +28,25 @@ from . import hf
 from .modules import DeepStackDropPathLayer, DeepStackLayer, PatchMerger, VisionEmbedding, vision_layer_spec
 
 
+
+@dataclasses.dataclass(frozen=True)
+class VitContext:
+    """What the ViT layers of one micro-batch share (``VisionLayers.context``): the 2-D rotary angles (padded rows
+    zero), the patch count, the count padded for sequence parallelism, the drop-path keys (None without drop path)
+    and the packed parameters (one segment per frame of each image, the padding one more)."""
+
+    rope: torch.Tensor
+    patches: int
+    padded: int
+    keys: torch.Tensor | None
+    params: object
+
 class VisionEmbed(RuntimeComponent):
     """Patch rows -> Conv3d patch embedding + interpolated learned positions -> [patches, 1, H]."""
 
     cost, attr, reads = VisionEmbedCost, "vit_embed", frozenset({"pixels"})
 
-    def build(self, units):
+    def build(self):
         return VisionEmbedding(self.spec, self.ctx.vision_config)
 
     def forward(self, module, x, batch, cache):
@@ -62,7 +77,6 @@ class VisionLayers(PaddedHeadLayers):
     image's key (``tile_keys``, processor order: the rows' order), the blocks' ``context``."""
 
     cost, attr, reads, layers = VisionLayerCost, "vit_blocks", frozenset({"pixels"}), True
-    sp_enters = sp_leaves = False  # sequence-parallel region edges (set by build)
 
     def layer_spec(self, first_unit_index: int):
         ctx = self.ctx
@@ -80,13 +94,17 @@ class VisionLayers(PaddedHeadLayers):
             spec.module = DeepStackDropPathLayer
         return spec
 
-    def build(self, units):
-        self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.vision_config)
+    @functools.cached_property
+    def sp_edges(self):
+        return self.ctx.sequence_parallel_edges(self.units, self.ctx.vision_config)
+
+    def build(self):
+        units = self.units
         return self.ctx.build_layers(units, self.ctx.vision_config, self.layer_spec, self.code())
 
-    def context(self, batch: MicroBatch, device) -> dict:
-        """RoPE and the packed parameters, built once per micro-batch (``cache["qwen3_vit"]``); the patch count and
-        the count padded for sequence parallelism."""
+    def context(self, batch: MicroBatch, device) -> "VitContext":
+        """RoPE and the packed parameters, built once per micro-batch (held in the ``StageCache``); the patch count
+        and the count padded for sequence parallelism."""
         v, cfg = self.spec.vision, self.ctx.vision_config
         patches = int(batch.vision.vision_cu_seqlens[-1])
         padded = patches
@@ -97,8 +115,8 @@ class VisionLayers(PaddedHeadLayers):
         te = self.ctx.impl.transformer_engine
         cu, longest = sequence_parallel.with_pad_segment(batch.vision.vision_cu_seqlens, batch.vision.vision_max_seqlen,
                                                          padded)
-        return {"rope": rope, "patches": patches, "padded": padded, "keys": self.drop_path_keys(batch, padded, device),
-                "params": segment_params(cu, longest, device if te else None)}
+        return VitContext(rope, patches, padded, self.drop_path_keys(batch, padded, device),
+                          segment_params(cu, longest, device if te else None))
 
     def drop_path_keys(self, batch: MicroBatch, padded: int, device):
         """Drop path (training only): this iteration's key of each of the rows the layers run, [rows] int64 on
@@ -114,24 +132,22 @@ class VisionLayers(PaddedHeadLayers):
             keys = keys[tp_rank(cfg) * rows:(tp_rank(cfg) + 1) * rows]
         return keys
 
-    def _context(self, x, batch, cache) -> dict:
-        if "qwen3_vit" not in cache:
-            cache["qwen3_vit"] = self.context(batch, x.device)
-        return cache["qwen3_vit"]
+    def _context(self, x, batch, cache: StageCache) -> "VitContext":
+        return cache.once(VitContext, lambda: self.context(batch, x.device))
 
     def _run(self, block, x, c):
-        keys = c["keys"] if block.training else None  # drop path: the blocks' context (saved for recompute)
-        return block(hidden_states=x, attention_mask=None, rotary_pos_emb=c["rope"], packed_seq_params=c["params"],
+        keys = c.keys if block.training else None  # drop path: the blocks' context (saved for recompute)
+        return block(hidden_states=x, attention_mask=None, rotary_pos_emb=c.rope, packed_seq_params=c.params,
                      context=keys)
 
     def forward(self, module, x, batch, cache):
         c = self._context(x, batch, cache)
         if self.sp_enters:
-            x = sequence_parallel.enter(F.pad(x, (0, 0, 0, 0, 0, c["padded"] - c["patches"])))
+            x = sequence_parallel.enter(F.pad(x, (0, 0, 0, 0, 0, c.padded - c.patches)))
         for block in module:
             x = self._run(block, x, c)
         if self.sp_leaves:
-            x = sequence_parallel.leave(x)[:c["patches"]]
+            x = sequence_parallel.leave(x)[:c.patches]
         return x
 
     @classmethod
@@ -145,7 +161,6 @@ class DeepStackLayers(VisionLayers):
     side tensor ``deepstack.{j}`` for LLM layer ``j``."""
 
     cost = DeepStackLayerCost
-    slots: tuple[int, ...] = ()  # the DeepStack feature of each block (set by build)
 
     def layer_spec(self, first_unit_index: int):
         ctx, spec = self.ctx, self.spec
@@ -154,9 +169,17 @@ class DeepStackLayers(VisionLayers):
             ctx.seed, first_unit_index, ctx.impl, spec.vision.num_attention_heads,
             merger=lambda: PatchMerger(spec, merger_config, after_shuffle=True)))
 
-    def build(self, units):
-        self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.vision_config)
-        self.slots = tuple(self.spec.vision.deepstack_slot(u.layer) for u in units)
+    @functools.cached_property
+    def sp_edges(self):
+        return self.ctx.sequence_parallel_edges(self.units, self.ctx.vision_config)
+
+    @functools.cached_property
+    def slots(self) -> tuple[int, ...]:
+        """Per block (one per layer): the DeepStack feature its merger makes."""
+        return tuple(self.spec.vision.deepstack_slot(u.layer) for u in self.units)
+
+    def build(self):
+        units = self.units
         blocks = torch.nn.ModuleList()
         for unit in units:  # one block per layer: its output feeds the merger
             blocks.extend(self.ctx.build_layers([unit], self.ctx.vision_config, self.layer_spec, self.code()))
@@ -165,18 +188,20 @@ class DeepStackLayers(VisionLayers):
     def forward(self, module, x, batch, cache):
         c = self._context(x, batch, cache)
         if self.sp_enters:
-            x = sequence_parallel.enter(F.pad(x, (0, 0, 0, 0, 0, c["padded"] - c["patches"])))
+            x = sequence_parallel.enter(F.pad(x, (0, 0, 0, 0, 0, c.padded - c.patches)))
         for block, slot in zip(module, self.slots):
             x = self._run(block, x, c)
-            full = sequence_parallel.leave(x)[:c["patches"]] if self.ctx.vision_config.sequence_parallel else x
-            put_side(cache, deepstack_name(slot), block.layers[-1].deepstack_merger(full))
+            full = sequence_parallel.leave(x)[:c.patches] if self.ctx.vision_config.sequence_parallel else x
+            cache.put_side(deepstack_name(slot), block.layers[-1].deepstack_merger(full))
         if self.sp_leaves:
-            x = sequence_parallel.leave(x)[:c["patches"]]
+            x = sequence_parallel.leave(x)[:c.patches]
         return x
 
     def profile_forward(self, module, x, batch, cache):
         """The first layer and its merger (the profiler runs it many times: its feature goes to a scratch cache)."""
-        return self.forward(module[:1], x, batch, {"qwen3_vit": self._context(x, batch, cache)})
+        scratch, c = StageCache(), self._context(x, batch, cache)
+        scratch.once(VitContext, lambda: c)
+        return self.forward(module[:1], x, batch, scratch)
 
     def parameter_role(self, unit, name):
         """The DeepStack merger is the projector's (``--freeze-projector``, its learning rate), whatever stage runs
@@ -194,7 +219,7 @@ class Merger(RuntimeComponent):
 
     cost, attr, reads = MergerCost, "projector", frozenset({"pixels"})
 
-    def build(self, units):
+    def build(self):
         # replicated over TP (full inputs, its LayerNorm whole on every rank) also under sequence parallelism
         return PatchMerger(self.spec, _merger_config(self.ctx))
 

@@ -117,8 +117,13 @@ def video_rule(args, spec, hf_folder) -> Qwen3Frames:
                        processor_config(args, spec, hf_folder))
 
 
+def digits_image_px(spec) -> int:
+    """The built-in digits data's image side: 4 patches (2 x 2 merged tokens)."""
+    return 4 * spec.vision.patch_size
+
+
 QWEN3_VL_DATA = DataSide(image_tokens=IMAGE_TOKENS, image_rule=image_rule, batcher=Qwen3Batcher, video_rule=video_rule,
-                         default_image_px=lambda spec: 4 * spec.vision.patch_size, profile_batch=profile_batch,
+                         default_image_px=digits_image_px, profile_batch=profile_batch,
                          side_rows=side_rows)
 
 __all__ = ["QWEN3_VL_DATA", "Qwen3Batcher", "VISION_KEYS", "check_geometry", "image_rule", "processor_config",
