@@ -1,6 +1,6 @@
 """Context-parallel balance of the published OmniBal stats packed by ISF (DP 8, about 4 samples per group): per
 micro-batch, the busiest CP rank's attended pairs of real tokens over the mean, and its ViT tiles against
-ceil(tiles / CP), with the runtime's own split (megatron/vlm/context_parallel.py: rank_work).
+ceil(tiles / CP), with the runtime's own split (megatron/vlm/parallel/context_parallel.py: rank_work).
 
     python scripts/bench_cp.py
 """
@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from megatron.vlm.context_parallel import rank_work
+from megatron.vlm.parallel.context_parallel import rank_work
 from omnibal_ext.data.search import SearchConfig, run_isf
 from omnibal_ext.data.stats import load_stats
 

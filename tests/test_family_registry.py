@@ -66,8 +66,8 @@ def test_one_registry_for_planners_and_trainer():
 
 
 def test_the_runtime_is_reached_through_the_family(copy):
-    from megatron.vlm.components import FamilyRuntime
-    from megatron.vlm.families import runtime_family
+    from megatron.vlm.stage.components import FamilyRuntime
+    from megatron.vlm.stage.components import runtime_family
 
     families.register(copy)
     spec = families.PRESETS["registry-tiny"]
@@ -81,8 +81,8 @@ def test_the_runtime_is_reached_through_the_family(copy):
 
 
 def test_a_runtime_missing_a_unit_kind_is_a_bug(copy):
-    from megatron.vlm.components import FamilyRuntime
-    from megatron.vlm.families import runtime_family
+    from megatron.vlm.stage.components import FamilyRuntime
+    from megatron.vlm.stage.components import runtime_family
 
     internvl = runtime_family(get_preset("tiny"))
     short = FamilyRuntime(components=internvl.components[1:], vision_config=internvl.vision_config)

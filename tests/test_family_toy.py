@@ -38,8 +38,8 @@ def toy_family():
 def test_toy_family_plans_and_builds(megatron_world, toy_family):
     from omnibal_ext.model.layout import parse_layout
 
-    from megatron.vlm.components import units_inputs
-    from megatron.vlm.stage import StageBuild, build_stage
+    from megatron.vlm.stage.components import units_inputs
+    from megatron.vlm.stage.build import StageBuild, build_stage
 
     spec = toy_spec()
     units = build_units(spec)
@@ -92,7 +92,7 @@ def test_toy_family_plans_and_builds(megatron_world, toy_family):
 def test_unknown_family_is_refused(megatron_world):
     from omnibal_ext.errors import UserError
 
-    from megatron.vlm.stage import StageBuild, build_stage
+    from megatron.vlm.stage.build import StageBuild, build_stage
 
     with pytest.raises(UserError, match="family"):
         build_stage(StageBuild(toy_spec(), range(3)))
@@ -101,7 +101,7 @@ def test_unknown_family_is_refused(megatron_world):
 def _batch(spec):
     """Two tiles in one sample of 96 tokens: text, the image tokens, an answer."""
     from megatron.vlm.data.collate import collate_padded
-    from megatron.vlm.micro_batch import MicroBatch
+    from megatron.vlm.stage.micro_batch import MicroBatch
 
     n_img = 2 * spec.tokens_per_tile
     g = torch.Generator().manual_seed(0)
@@ -128,7 +128,7 @@ def test_toy_family_converts_to_hf_and_back(megatron_world, toy_family, tmp_path
     from megatron.vlm.hf.convert import HFSource
     from megatron.vlm.hf.keys import recipes, to_hf
     from megatron.vlm.hf.load import load_hf_into_stage
-    from megatron.vlm.stage import StageBuild, build_stage
+    from megatron.vlm.stage.build import StageBuild, build_stage
 
     spec = get_preset("toy-tiny")
     info = HFInfo(layout="native", text_family="llama", vit_layers_in_checkpoint=spec.vision.num_layers,

@@ -48,7 +48,7 @@ def batch(sample_list, iteration=3):
 
 def vit_stage(rate):
     """The units up to the merger (I v*4 P) as a pipeline stage: its output is the merged image features."""
-    from megatron.vlm.stage import StageBuild, build_stage
+    from megatron.vlm.stage.build import StageBuild, build_stage
 
     units = build_units(SPEC)
     last = next(u.index for u in units if u.code == PROJECTOR)

@@ -36,7 +36,7 @@ def _recomputed_layers(stage) -> list[bool]:
 
 @pytest.mark.parametrize("full_layers", [0, 1, 2, 3, 4])
 def test_mixed_vit_runs_recompute_the_stages_first_layers(megatron_world, full_layers):
-    from megatron.vlm.stage import StageBuild, build_stage
+    from megatron.vlm.stage.build import StageBuild, build_stage
 
     spec = get_preset("qwen2.5-vl-tiny")  # ViT runs: window 0, full 1, window 2, full 3
     units = build_units(spec)

@@ -24,8 +24,8 @@ from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLModel  
 from transformers import vision_utils as ref_vision  # noqa: E402
 from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as ref_image  # noqa: E402
 
-from megatron.vlm.batches import StageInputs  # noqa: E402
-from megatron.vlm.context_parallel import padded_layout  # noqa: E402
+from megatron.vlm.stage.batches import StageInputs  # noqa: E402
+from megatron.vlm.parallel.context_parallel import padded_layout  # noqa: E402
 from megatron.vlm.lineages.qwen.data import PatchImages  # noqa: E402
 from megatron.vlm.lineages.qwen.image_processing import ImageProcessorConfig  # noqa: E402
 from megatron.vlm.lineages.qwen.qwen3_vit.data import (QWEN3_VL_DATA, VISION_KEYS, Qwen3Batcher,  # noqa: E402

@@ -49,7 +49,7 @@ def batch(sample_list, iteration=3):
 
 def model(rate):
     """The whole model as one stage (loss mode)."""
-    from megatron.vlm.stage import StageBuild, build_stage
+    from megatron.vlm.stage.build import StageBuild, build_stage
 
     return build_stage(StageBuild(SPEC, range(len(build_units(SPEC))), img_context_id=IMAGE_ID, seed=3,
                                   vision_drop_path_rate=rate)).train()
@@ -61,7 +61,7 @@ def loss(stage, b):
 
 
 def test_rate_zero_is_the_model_without_it_and_a_rate_drops(megatron_world):
-    from megatron.vlm.drop_path import DropPathLayer
+    from megatron.vlm.layers.drop_path import DropPathLayer
     from megatron.vlm.lineages.qwen.qwen3_vit.modules import DeepStackLayer
 
     both = batch(samples())

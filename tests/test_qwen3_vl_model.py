@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron.vlm.lineages.qwen.qwen3_vit.batch import Qwen3Vision
-from megatron.vlm.micro_batch import MicroBatch
+from megatron.vlm.stage.micro_batch import MicroBatch
 
 pytest.importorskip("transformers")
 import hf_check  # noqa: E402
@@ -214,7 +214,7 @@ def test_import_export_round_trip_and_transformers_loads_it(megatron_world, tiny
 # freezing: the DeepStack mergers are the projector's
 # --------------------------------------------------------------------------------------------------
 def _stage(trains):
-    from megatron.vlm.stage import StageBuild, build_stage
+    from megatron.vlm.stage.build import StageBuild, build_stage
 
     spec = get_preset("qwen3-vl-tiny")
     return build_stage(StageBuild(spec, range(len(build_units(spec))), trainable=trains))

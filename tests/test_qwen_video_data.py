@@ -42,7 +42,7 @@ def record_data(folder):
 
 
 def read(family, hf, data):
-    from megatron.vlm.families import runtime_family
+    from megatron.vlm.stage.components import runtime_family
     from megatron.vlm.hf.convert import HFSource
 
     spec = HFSource.open(str(hf)).spec

@@ -44,15 +44,15 @@ def toy_spec():
 
 
 def _runtime():
-    from megatron.vlm import sequence_parallel
-    from megatron.vlm.components import GPT_DECODER, TextLayer
-    from megatron.vlm.config import vision_config
-    from megatron.vlm.context_parallel import context_parallel_group, gather_rows, tile_ranges
+    from megatron.vlm.parallel import sequence_parallel
+    from megatron.vlm.stage.components import GPT_DECODER, TextLayer
+    from megatron.vlm.layers.config import vision_config
+    from megatron.vlm.parallel.context_parallel import context_parallel_group, gather_rows, tile_ranges
     from megatron.vlm.families.internvl.components import ProjectorUnit, VisionEmbed, VisionLayer
-    from megatron.vlm.seeding import seeded
-    from megatron.vlm.text import run_text_blocks
-    from megatron.vlm.components import FamilyRuntime
-    from megatron.vlm.families import runtime_family
+    from megatron.vlm.layers.seeding import seeded
+    from megatron.vlm.stage.text import run_text_blocks
+    from megatron.vlm.stage.components import FamilyRuntime
+    from megatron.vlm.stage.components import runtime_family
 
     def split_at(units, cuts):
         """``units`` (a run of layer units) cut after every unit whose index is in ``cuts``."""

@@ -20,9 +20,9 @@ from megatron.core.transformer.module import MegatronModule
 from omnibal_ext.model.components import HeadCost, TextEmbedCost, TextLayerCost
 from omnibal_ext.model.families import Family, family_of, register
 
-from megatron.vlm.components import GPT_DECODER, FamilyRuntime, RuntimeComponent
-from megatron.vlm.config import vision_config
-from megatron.vlm.families import runtime_family
+from megatron.vlm.stage.components import GPT_DECODER, FamilyRuntime, RuntimeComponent
+from megatron.vlm.layers.config import vision_config
+from megatron.vlm.stage.components import runtime_family
 from megatron.vlm.families.internvl.components import VisionEmbed, VisionLayer
 from megatron.vlm.families.internvl.costs import ProjectorCost, VisionEmbedCost, VisionLayerCost, VisionSpec
 from megatron.vlm.families.internvl.presets import PRESETS as INTERNVL_PRESETS

@@ -23,7 +23,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from megatron.vlm.micro_batch import MicroBatch
+from megatron.vlm.stage.micro_batch import MicroBatch
 
 REDUCTIONS = ("token", "sample", "square")
 

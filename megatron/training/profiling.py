@@ -31,11 +31,11 @@ from omnibal_ext.model.spec import LAYER_ROLES, TEXT_LAYER, VISION_LAYER
 from omnibal_ext.model.units import build_units, unit_components
 
 from megatron.vlm.data.collate import packing
-from megatron.vlm.families import runtime_family
-from megatron.vlm.layer_impl import resolve_layer_impl
-from megatron.vlm.micro_batch import MicroBatch
-from megatron.vlm.side import StageCache
-from megatron.vlm.stage import StageBuild, VLMStage, build_stage
+from megatron.vlm.stage.components import runtime_family
+from megatron.vlm.layers.layer_impl import resolve_layer_impl
+from megatron.vlm.stage.micro_batch import MicroBatch
+from megatron.vlm.stage.side import StageCache
+from megatron.vlm.stage.build import StageBuild, VLMStage, build_stage
 from omnibal_ext.memory.recompute import StageRecompute
 
 from .arguments import moe_run_of

@@ -15,12 +15,12 @@ from omnibal_ext.model.layout import default_layout, parse_layout
 from omnibal_ext.model.spec import TEXT_LAYER, VISION_LAYER
 from omnibal_ext.model.units import build_units, family_of
 
-from megatron.vlm.batches import MicroBatches, StageInputs
-from megatron.vlm.components import units_inputs
+from megatron.vlm.stage.batches import MicroBatches, StageInputs
+from megatron.vlm.stage.components import units_inputs
 from megatron.vlm.data.digits import FORMAT_VERSION as DIGITS_FORMAT
 from megatron.vlm.data.digits import build_digits_dataset, digits_meta_paths
 from megatron.vlm.data.records import RecordDataset
-from megatron.vlm.families import runtime_family
+from megatron.vlm.stage.components import runtime_family
 
 from .arguments import ArgumentError
 from .run_plan import RunPlan

@@ -31,11 +31,14 @@ from typing import Callable
 import numpy as np
 
 from ..errors import UserError, report
+from ..model.cost_model import get_device
+from ..model.sample_time import TIME_UNIT_S, sample_time_units
+from ..model.units import family_of, get_preset
 from .assign import make_pack, save_pack
-from .isf import ISFParams, OVERSIZE_POLICIES
-from .search import (IsfResult, SearchConfig, params_summary, run_isf, run_isf_by_source, random_baseline,
-                     random_group_totals, step_matrix_epoch0)
-from .search_time import run_isf_in_time, random_baseline_time, sample_bound
+from .isf import OVERSIZE_POLICIES, ISFParams
+from .search import (IsfResult, SearchConfig, params_summary, random_baseline, random_group_totals, run_isf,
+                     run_isf_by_source, step_matrix_epoch0)
+from .search_time import random_baseline_time, run_isf_in_time, sample_bound
 from .stats import SampleStats, StatsError, load_stats, resample
 
 METRIC_KEYS = ("pad_ratio", "dist_ratio_llm", "dist_ratio_vit", "fill_llm", "fill_vit", "samples_per_group")
@@ -130,9 +133,6 @@ def _times(args, stats: SampleStats):
     """(ViT items per sample, (ViT, LLM) predicted time units per sample) of ``--model``, or None without it."""
     if args.model is None:
         return None
-    from ..model.cost_model import get_device
-    from ..model.sample_time import sample_time_units
-    from ..model.units import family_of, get_preset
 
     if args.per_source or _fixed_params(args) is not None:
         raise UserError("omnibal isf: --model (ISF in time) searches its thresholds over all files: no --per-source, "
@@ -206,7 +206,7 @@ def _json_default(o):
 def plot_steps(path: str, stats: SampleStats, plan: IsfResult, cfg: SearchConfig, k: float,
                num_steps: int = 64) -> None:
     """PNG of per-step totals per DP rank (LLM tokens, ViT tiles), random batching vs ISF."""
-    import matplotlib
+    import matplotlib  # a slow import: only for --plot
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -283,7 +283,6 @@ def cmd_search(args, loader: StatsLoader) -> int:
 
 def bound_line(bound: dict, where: str) -> str:
     """The line that reports the sample setting the step bound (``search_time.sample_bound``); ``where`` names it."""
-    from ..model.sample_time import TIME_UNIT_S
 
     ms = TIME_UNIT_S * 1e3
     return (f"bound: {where} takes {bound['time'] * ms:.1f} ms predicted, {bound['ratio']:.2f} x a rank's "

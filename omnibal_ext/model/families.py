@@ -79,7 +79,7 @@ class Family:
     llm_layers): the model of ``spec``'s first ``vision_layers`` ViT and (at least) ``llm_layers`` LLM layers, what
     the trainer's profiler builds (default: ``spec`` at those depths; a family with side tensors also keeps the indexes
     those layers hold). runtime: where its run-time side lives, ``"module:attribute"`` of a
-    ``megatron.vlm.components.FamilyRuntime`` (modules, data side, Hugging Face side), imported by
+    ``megatron.vlm.stage.components.FamilyRuntime`` (modules, data side, Hugging Face side), imported by
     ``load_runtime`` only (the planner path stays free of torch); "" for a family that only plans."""
 
     name: str

@@ -106,7 +106,7 @@ class HFTokenizer:
     def __init__(self, path: str, trust_remote_code: bool = False,
                  image_tokens: tuple[str, str, str] = (IMG_START, IMG_END, IMG_CONTEXT)) -> None:
         try:
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # optional: the hf extra
         except ImportError as e:
             raise ImportError(
                 f"--tokenizer {path!r} needs the Hugging Face `transformers` package, which is not installed; "

@@ -4,7 +4,8 @@ spec, presets, costs, capabilities, runtime, data and Hugging Face sides).
 Importing this package registers every built-in family in the one registry (``omnibal_ext.model.families``): the
 families are found, not listed; each subpackage's ``__init__`` registers its ``Family``. This package and those
 ``__init__``s are tensor-free (the planner path imports them without torch, megatron-core or transformers); a
-family's run-time side is imported only through ``Family.runtime`` (``runtime_family``). A family defined elsewhere
+family's run-time side is imported only through ``Family.runtime``
+(``megatron.vlm.stage.components.runtime_family``). A family defined elsewhere
 (a plugin module named by ``--family-module``, a test) calls ``register`` itself.
 
 Code a lineage of families shares (the Qwen ViTs, patch images, multimodal RoPE ids, video, the batcher) lives in
@@ -20,16 +21,6 @@ import sys
 
 from omnibal_ext.errors import UserError
 from omnibal_ext.model.families import FAMILIES, PRESETS, Family, family_of, register, unregister  # noqa: F401
-from omnibal_ext.model.spec import ModelSpec
-
-
-def runtime_family(spec: ModelSpec):
-    """The run-time side (``megatron.vlm.components.FamilyRuntime``) of ``spec``'s family, imported on first use;
-    checked to have a runtime component for every unit kind of the family's costs."""
-    family = family_of(spec)
-    runtime = family.load_runtime()
-    runtime.check(family)
-    return runtime
 
 
 def import_family_modules(modules) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from omnibal_ext.errors import UserError
 from omnibal_ext.model.spec import ModelSpec
 
-from megatron.vlm.families import FAMILIES, runtime_family
+from omnibal_ext.model.families import FAMILIES
+
+from megatron.vlm.stage.components import runtime_family
 from megatron.vlm.hf.config import HFSide
 
 from .config import HFConfigError, HFInfo, read_config  # noqa: F401  (read_config: callers take both from here)

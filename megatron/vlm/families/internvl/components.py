@@ -1,22 +1,19 @@
 """InternVL's runtime components: InternViT's patch embedding and layers, the pixel-shuffle projector."""
 from __future__ import annotations
 
-import functools
-
 import dataclasses
+import functools
 
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 
-from .costs import ProjectorCost, VisionEmbedCost, VisionLayerCost
-
-from megatron.vlm import sequence_parallel
-from megatron.vlm.components import PaddedHeadLayers, RuntimeComponent
-from megatron.vlm.drop_path import iteration_keys, layer_rates
-
 from . import hf
+from .costs import ProjectorCost, VisionEmbedCost, VisionLayerCost
 from .layers import layer_spec
 from .modules import Projector, VisionEmbedding
+from megatron.vlm.layers.drop_path import iteration_keys, layer_rates
+from megatron.vlm.parallel import sequence_parallel
+from megatron.vlm.stage.components import PaddedHeadLayers, RuntimeComponent
 
 
 class VisionEmbed(RuntimeComponent):

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from omnibal_ext.errors import UserError
-from omnibal_ext.model.components import (FUSED_KERNELS, ActBytes, CostComponent, HeadCost, TextEmbedCost, layer_act_bytes_per_token,
-                          norm_bytes_per_token, sp_tokens)
+from omnibal_ext.model.components import (FUSED_KERNELS, ActBytes, CostComponent, HeadCost, TextEmbedCost,
+                                          layer_act_bytes_per_token, norm_bytes_per_token, sp_tokens)
 from omnibal_ext.model.moe_cost import llm_layer_units
 from omnibal_ext.model.spec import PROJECTOR, VISION_EMBED, VISION_LAYER, ModelSpec
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron.vlm.components import GPT_DECODER, FamilyRuntime, MoETextLayer
-from megatron.vlm.config import vision_config
-from megatron.vlm.data.side import TILED
-from megatron.vlm.hf.config import HFSide
-
 from . import hf
 from .components import ProjectorUnit, VisionEmbed, VisionLayer
 from .video import video_rule
+from megatron.vlm.hf.config import HFSide
+from megatron.vlm.layers.config import vision_config
+from megatron.vlm.stage.components import GPT_DECODER, FamilyRuntime, MoETextLayer
+from megatron.vlm.stage.data_side import TILED
 
 RUNTIME = FamilyRuntime(
     components=(VisionEmbed, VisionLayer, ProjectorUnit, *GPT_DECODER, MoETextLayer),

@@ -21,27 +21,22 @@ Micro-batch fields read (besides the shared ``tokens``, ``labels``, ``cu_seqlens
 """
 from __future__ import annotations
 
-import functools
-
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
 
-from .costs import FullLayerCost, MergerCost, VisionEmbedCost, WindowLayerCost
-
-from megatron.vlm import sequence_parallel
-from megatron.vlm.attention import segment_params
-from megatron.vlm.components import PaddedHeadLayers, RuntimeComponent
-from megatron.vlm.drop_path import iteration_keys, layer_rates, with_drop_path
-from megatron.vlm.micro_batch import MicroBatch
-from megatron.vlm.padded_heads import tp_rank
-
 from . import hf
-from megatron.vlm.lineages.qwen.modules import PatchEmbedding, vision_rotary
-
+from .costs import FullLayerCost, MergerCost, VisionEmbedCost, WindowLayerCost
 from .modules import PatchMerger, vision_layer_spec
-
+from megatron.vlm.layers.attention import segment_params
+from megatron.vlm.layers.drop_path import iteration_keys, layer_rates, with_drop_path
+from megatron.vlm.lineages.qwen.modules import PatchEmbedding, vision_rotary
+from megatron.vlm.parallel import sequence_parallel
+from megatron.vlm.parallel.padded_heads import tp_rank
+from megatron.vlm.stage.components import PaddedHeadLayers, RuntimeComponent
+from megatron.vlm.stage.micro_batch import MicroBatch
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,16 +16,16 @@ Tensor names: "legacy" (what ``save_pretrained`` and the published checkpoints h
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from omnibal_ext.model.spec import LanguageSpec, ModelSpec
 
+from .costs import VisionSpec
 from megatron.vlm.hf.config import HFConfigError, HFInfo, refuse, square
 from megatron.vlm.hf.recipes import Part, Recipe, whole
 from megatron.vlm.hf.text_configs import embed_name, layer_names, qwen2, rope, text_config, with_tie
 from megatron.vlm.lineages.qwen.hf import vit_attention_recipes
-
-from .costs import VisionSpec
 
 MODEL_TYPES = ("qwen2_5_vl",)
 DEFAULT_MROPE_SECTION = (16, 24, 24)  # transformers' default when the config names none
@@ -184,7 +184,6 @@ def merger_recipes(unit, table) -> None:
 
 def structure_twin(spec: ModelSpec) -> ModelSpec:
     """A tiny model with ``spec``'s structure (unit list with the same window/full layer kinds, heads)."""
-    import dataclasses
 
     v, lang = spec.vision, spec.language
     vision = dataclasses.replace(v, hidden_size=4 * v.num_attention_heads, ffn_hidden_size=4)

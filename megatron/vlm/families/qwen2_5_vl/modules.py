@@ -15,10 +15,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from omnibal_ext.model.spec import ModelSpec
 
-from megatron.vlm import layers
-from megatron.vlm.layer_impl import LayerImpl
-from megatron.vlm.padded_heads import draw_padded_attention
-from megatron.vlm.config import _common
+from megatron.vlm.layers import blocks as layers
+from megatron.vlm.layers.layer_impl import LayerImpl
+from megatron.vlm.parallel.padded_heads import draw_padded_attention
+from megatron.vlm.layers.config import _common
 
 
 def vision_config(spec: ModelSpec, tp: int, on_cpu: bool, dtype: torch.dtype) -> TransformerConfig:

@@ -3,15 +3,14 @@
 side are the Qwen lineage's (``megatron.vlm.lineages.qwen``: ``batch``, ``data``)."""
 from __future__ import annotations
 
-from megatron.vlm.components import FamilyRuntime, Head
+from . import hf
+from .components import FullLayer, Merger, VisionEmbed, WindowLayer
+from .modules import vision_config
 from megatron.vlm.hf.config import HFSide
 from megatron.vlm.lineages.qwen import batch
 from megatron.vlm.lineages.qwen.data import QWEN_DATA
 from megatron.vlm.lineages.qwen.text import ImageTextEmbed, MRopeTextLayer
-
-from . import hf
-from .components import FullLayer, Merger, VisionEmbed, WindowLayer
-from .modules import vision_config
+from megatron.vlm.stage.components import FamilyRuntime, Head
 
 RUNTIME = FamilyRuntime(
     components=(VisionEmbed, WindowLayer, FullLayer, Merger, ImageTextEmbed, MRopeTextLayer, Head),

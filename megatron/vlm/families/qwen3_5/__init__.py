@@ -11,12 +11,12 @@ from __future__ import annotations
 from omnibal_ext.model.components import TextEmbedCost
 from omnibal_ext.model.families import Capabilities, Family, register
 
-from megatron.vlm.lineages.qwen.vision_costs import MergerCost, VisionEmbedCost, VisionLayerCost, VisionSpec, image_segments_sq
-
 from .costs import (GatedAttentionLayerCost, GatedAttentionMoELayerCost, LinearAttentionLayerCost,
                     LinearAttentionMoELayerCost, Qwen35LanguageSpec, ZeroCentredHeadCost, few_layers, spec_problem,
                     unit_list)
 from .presets import PRESETS
+from megatron.vlm.lineages.qwen.vision_costs import (MergerCost, VisionEmbedCost, VisionLayerCost, VisionSpec,
+                                                     image_segments_sq)
 
 QWEN3_5 = register(Family(
     name="qwen3_5", vision_spec=VisionSpec, language_spec=Qwen35LanguageSpec,

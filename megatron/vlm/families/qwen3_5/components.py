@@ -25,16 +25,15 @@ import torch
 
 from omnibal_ext.errors import UserError
 from omnibal_ext.model.spec import HEAD
-from .costs import (GatedAttentionLayerCost, GatedAttentionMoELayerCost,
-                                                LinearAttentionLayerCost, LinearAttentionMoELayerCost)
-
-from megatron.vlm.components import Head, MoEMLPs
-from megatron.vlm.lineages.qwen.text import ImageTextEmbed, MRopeTextLayer
-from megatron.vlm.lineages.qwen.qwen3_vit.components import Merger, VisionEmbed, VisionLayers
-from megatron.vlm.rope import MultimodalRope
 
 from . import hf
+from .costs import (GatedAttentionLayerCost, GatedAttentionMoELayerCost, LinearAttentionLayerCost,
+                    LinearAttentionMoELayerCost)
 from .modules import ZeroCentredRMSNorm, attention_layer_spec, language_layer_config, linear_layer_spec
+from megatron.vlm.layers.rope import MultimodalRope
+from megatron.vlm.lineages.qwen.qwen3_vit.components import Merger, VisionEmbed, VisionLayers
+from megatron.vlm.lineages.qwen.text import ImageTextEmbed, MRopeTextLayer
+from megatron.vlm.stage.components import Head, MoEMLPs
 
 
 class _Qwen35TextLayers(MRopeTextLayer):

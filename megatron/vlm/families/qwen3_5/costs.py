@@ -21,12 +21,13 @@ import dataclasses
 from dataclasses import dataclass
 
 from omnibal_ext.errors import UserError
-from omnibal_ext.model.components import (FUSED_KERNELS, ActBytes, HeadCost, TextEmbedCost, TextLayerCost, llm_layer_flops,
-                          norm_bytes_per_token, rotary_table_bytes, sp_tokens)
+from omnibal_ext.model.components import (FUSED_KERNELS, ActBytes, HeadCost, TextEmbedCost, TextLayerCost,
+                                          llm_layer_flops, norm_bytes_per_token, rotary_table_bytes, sp_tokens)
 from omnibal_ext.model.linear_attention import LinearAttentionShape, linear_attention_act_bytes, linear_attention_flops
 from omnibal_ext.model.moe import MoESpec, first_layers
 from omnibal_ext.model.moe_cost import MoELayerCost
 from omnibal_ext.model.spec import LanguageSpec, ModelSpec
+
 from megatron.vlm.lineages.qwen.vision_costs import MergerCost, VisionEmbedCost, VisionLayerCost, VisionSpec
 
 LINEAR, FULL = "linear_attention", "full_attention"  # HF layer_types values

@@ -32,16 +32,16 @@ key-value group ``[q of its heads | gate of its heads | k | v]`` (megatron-core'
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from omnibal_ext.model.spec import ModelSpec
 
-from megatron.vlm.lineages.qwen.qwen3_vit import hf as qwen3_vit_hf
-from megatron.vlm.hf.config import HFConfigError, HFInfo, padded_vocab, refuse, require
-from megatron.vlm.hf.text_configs import rope
-from megatron.vlm.hf.recipes import Part, Recipe, whole
-
 from .costs import FULL, LINEAR, qwen3_5_language, qwen3_5_moe_experts, spec_problem
+from megatron.vlm.hf.config import HFConfigError, HFInfo, padded_vocab, refuse, require
+from megatron.vlm.hf.recipes import Part, Recipe, whole
+from megatron.vlm.hf.text_configs import rope
+from megatron.vlm.lineages.qwen.qwen3_vit import hf as qwen3_vit_hf
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 MOE_ARCHITECTURE = "Qwen3_5MoeForConditionalGeneration"
@@ -179,7 +179,6 @@ def checkpoint_info(info: HFInfo, spec: ModelSpec, reader) -> HFInfo:
     ``down_proj``, as the published Qwen3.5-MoE files hold them; transposed where their shapes say so, as
     Qwen3-VL-MoE's: ``qwen3_vl.hf.checkpoint_info``) or one tensor per expert (what transformers 5.23's
     ``save_pretrained`` writes: its qwen3_5_moe_text conversion splits them)."""
-    import dataclasses
 
     if spec.language.moe is None:
         return info
@@ -298,7 +297,6 @@ def linear_layer_recipes(unit, table, mlp=_mlp) -> None:
 
 def structure_twin(spec: ModelSpec) -> ModelSpec:
     """A tiny model with ``spec``'s structure (unit list with the same layer kinds, heads)."""
-    import dataclasses
 
     v, lang = spec.vision, spec.language
     vision = dataclasses.replace(v, hidden_size=4 * v.num_attention_heads, ffn_hidden_size=4, num_position_embeddings=4)

@@ -5,15 +5,14 @@ the same ViT, image and video processors and multimodal RoPE ids (videos too), w
 """
 from __future__ import annotations
 
-from megatron.vlm.components import FamilyRuntime
+from . import hf
+from .components import (GatedAttentionLayers, GatedAttentionMoELayers, ImageTextEmbed, LinearAttentionLayers,
+                         LinearAttentionMoELayers, Merger, Qwen35Head, VisionEmbed, VisionLayers)
 from megatron.vlm.hf.config import HFSide
 from megatron.vlm.lineages.qwen.qwen3_vit import batch
 from megatron.vlm.lineages.qwen.qwen3_vit.data import QWEN3_VL_DATA
 from megatron.vlm.lineages.qwen.qwen3_vit.modules import vision_config
-
-from . import hf
-from .components import (GatedAttentionLayers, GatedAttentionMoELayers, ImageTextEmbed, LinearAttentionLayers,
-                         LinearAttentionMoELayers, Merger, Qwen35Head, VisionEmbed, VisionLayers)
+from megatron.vlm.stage.components import FamilyRuntime
 
 RUNTIME = FamilyRuntime(
     components=(VisionEmbed, VisionLayers, Merger, ImageTextEmbed, LinearAttentionLayers, GatedAttentionLayers,

@@ -13,11 +13,10 @@ from omnibal_ext.model.families import Capabilities, Family, register
 from omnibal_ext.model.lora import TARGETS as LORA_TARGETS
 from omnibal_ext.model.moe_cost import MoELayerCost
 
-from megatron.vlm.lineages.qwen.vision_costs import (DeepStackLayerCost, MergerCost, VisionEmbedCost, VisionLayerCost,
-                                                      VisionSpec, image_segments_sq)
-
 from .costs import few_layers, side_tensors, spec_problem, unit_list
 from .presets import PRESETS
+from megatron.vlm.lineages.qwen.vision_costs import (DeepStackLayerCost, MergerCost, VisionEmbedCost, VisionLayerCost,
+                                                     VisionSpec, image_segments_sq)
 
 QWEN3_VL = register(Family(
     name="qwen3_vl", vision_spec=VisionSpec,

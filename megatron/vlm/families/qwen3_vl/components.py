@@ -20,20 +20,18 @@ from __future__ import annotations
 
 import functools
 
-
 import torch
 
 from omnibal_ext.model.spec import HEAD
 
-from megatron.vlm import sequence_parallel
-from megatron.vlm.components import MoETextLayer
-from megatron.vlm.context_parallel import context_parallel_group, gather_rows
-from megatron.vlm.lineages.qwen.modules import vision_slots
-from megatron.vlm.lineages.qwen.vision_costs import deepstack_name
-from megatron.vlm.lineages.qwen.text import MRopeTextLayer
-from megatron.vlm.text import run_text_blocks
-
 from . import hf
+from megatron.vlm.lineages.qwen.modules import vision_slots
+from megatron.vlm.lineages.qwen.text import MRopeTextLayer
+from megatron.vlm.lineages.qwen.vision_costs import deepstack_name
+from megatron.vlm.parallel import sequence_parallel
+from megatron.vlm.parallel.context_parallel import context_parallel_group, gather_rows
+from megatron.vlm.stage.components import MoETextLayer
+from megatron.vlm.stage.text import run_text_blocks
 
 
 class DeepStackTextLayer(MRopeTextLayer):
@@ -131,8 +129,6 @@ class DeepStackMoETextLayer(MoETextLayer, DeepStackTextLayer):
     """Qwen3-VL-MoE's MoE decoder layers: the shared MoE layer (megatron-core's MoELayer, the router's padding mask)
     run as ``DeepStackTextLayer`` runs its layers (multimodal RoPE, DeepStack feature ``j`` added after layer
     ``j``); the experts' HF tensors are the fused ones (``hf.moe_layer_recipes``)."""
-
-    build = DeepStackTextLayer.build  # one block per DeepStack layer (MoETextLayer's is TextLayer's)
 
     @classmethod
     def hf_recipes(cls, unit, table):

@@ -18,7 +18,7 @@ from omnibal_ext.model.moe_cost import llm_layer_units
 from omnibal_ext.model.spec import LanguageSpec, ModelSpec, SideTensor
 
 from megatron.vlm.lineages.qwen.vision_costs import (DeepStackLayerCost, MergerCost, VisionEmbedCost, VisionLayerCost,
-                                                      deepstack_name)
+                                                     deepstack_name)
 
 
 def unit_list(spec: ModelSpec):

@@ -27,16 +27,17 @@ and export writes the layout that was read.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from omnibal_ext.model.spec import LanguageSpec, ModelSpec
 
-from megatron.vlm.hf.config import HFConfigError, HFInfo, require
-from megatron.vlm.hf.text_configs import moe_config, qwen3, qwen_experts, rope, with_tie
-from megatron.vlm.hf.recipes import Part, add_llm_layer, add_moe_llm_layer
-from megatron.vlm.lineages.qwen.qwen3_vit.hf import FUSED_EXPERTS, Names, checkpoint_info, fused_shapes, vision_spec  # noqa: F401
-
 from .costs import spec_problem
+from megatron.vlm.hf.config import HFConfigError, HFInfo, require
+from megatron.vlm.hf.recipes import Part, add_llm_layer, add_moe_llm_layer
+from megatron.vlm.hf.text_configs import moe_config, qwen3, qwen_experts, rope, with_tie
+from megatron.vlm.lineages.qwen.qwen3_vit.hf import (FUSED_EXPERTS, Names, checkpoint_info, fused_shapes,  # noqa: F401
+                                                     vision_spec)
 
 MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 MOE_TEXT = "qwen3_vl_moe"  # HFInfo.text_family of an MoE decoder
@@ -157,7 +158,6 @@ def moe_layer_recipes(unit, table) -> None:
 
 def structure_twin(spec: ModelSpec) -> ModelSpec:
     """A tiny model with ``spec``'s structure (unit list with the same layer kinds, heads, DeepStack indexes)."""
-    import dataclasses
 
     v, lang = spec.vision, spec.language
     vision = dataclasses.replace(v, hidden_size=4 * v.num_attention_heads, ffn_hidden_size=4, num_position_embeddings=4)

@@ -6,9 +6,8 @@ from dataclasses import replace
 from omnibal_ext.model.moe import MoESpec, layer_freq_from_qwen
 from omnibal_ext.model.spec import ModelSpec
 
-from megatron.vlm.lineages.qwen.vision_costs import VisionSpec
-
 from .costs import qwen3_language
+from megatron.vlm.lineages.qwen.vision_costs import VisionSpec
 
 # --------------------------------------------------------------------------------------------
 # Presets: the published config.json of Qwen/Qwen3-VL-{2B,4B,8B,32B}-Instruct (nested form written by

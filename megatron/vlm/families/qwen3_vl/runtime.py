@@ -3,16 +3,15 @@ micro-batches and data side are the Qwen lineage's Qwen3-VL ViT (``megatron.vlm.
 LLM layers that add the DeepStack features (``components``) and the config reader (``hf``) are this family's."""
 from __future__ import annotations
 
-from megatron.vlm.components import FamilyRuntime, Head
+from . import hf
+from .components import DeepStackMoETextLayer, DeepStackTextLayer
 from megatron.vlm.hf.config import HFSide
 from megatron.vlm.lineages.qwen.qwen3_vit import batch
 from megatron.vlm.lineages.qwen.qwen3_vit.components import DeepStackLayers, Merger, VisionEmbed, VisionLayers
 from megatron.vlm.lineages.qwen.qwen3_vit.data import QWEN3_VL_DATA
 from megatron.vlm.lineages.qwen.qwen3_vit.modules import vision_config
 from megatron.vlm.lineages.qwen.text import ImageTextEmbed
-
-from . import hf
-from .components import DeepStackMoETextLayer, DeepStackTextLayer
+from megatron.vlm.stage.components import FamilyRuntime, Head
 
 RUNTIME = FamilyRuntime(
     components=(VisionEmbed, VisionLayers, DeepStackLayers, Merger, ImageTextEmbed, DeepStackTextLayer,

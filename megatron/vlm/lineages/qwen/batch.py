@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megatron.vlm.micro_batch import MicroBatch, VisionPart, reads
 from omnibal_ext.errors import UserError
 
 from .positions import mrope_position_ids, video_time_step
 from .vision_windows import rotary_position_ids, vision_windows
+from megatron.vlm.stage.micro_batch import MicroBatch, VisionPart, reads
 
 
 @dataclass(frozen=True)

@@ -20,17 +20,12 @@ they read packing metadata.  Context parallelism: ``QwenBatcher.split_cp`` (whol
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from megatron.vlm.context_parallel import padded_layout, split_tokens
-from megatron.vlm.data.images import ImageRule
-from megatron.vlm.data.side import Batcher, DataSide
-from megatron.vlm.data.video_sampling import VideoOverrides
-from megatron.vlm.drop_path import image_patch_keys
-from megatron.vlm.micro_batch import MicroBatch
 from omnibal_ext.errors import UserError
 from omnibal_ext.model.cp_split import image_runs
 from omnibal_ext.model.sample_time import grid_vit_time_units
@@ -39,6 +34,12 @@ from .batch import IMAGE, VIDEO, QwenVision, vision_fields
 from .image_processing import ImageProcessorConfig, preprocess_image, resized_grid
 from .positions import mrope_position_ids, video_time_step
 from .video import QwenFrames, check_geometry as check_video_geometry, settings as video_settings
+from megatron.vlm.data.images import ImageRule
+from megatron.vlm.data.video_sampling import VideoOverrides
+from megatron.vlm.layers.drop_path import image_patch_keys
+from megatron.vlm.parallel.context_parallel import padded_layout, split_tokens
+from megatron.vlm.stage.data_side import Batcher, DataSide
+from megatron.vlm.stage.micro_batch import MicroBatch
 
 IMAGE_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")  # start, end, context
 TOKEN_TYPES = "mm_token_type_ids"  # 0 text, 1 image, 2 video token (batch.IMAGE, batch.VIDEO)
@@ -79,7 +80,6 @@ def processor_config(args, hf_folder: str | None) -> ImageProcessorConfig:
 
 def with_pixel_flags(args, config: ImageProcessorConfig) -> ImageProcessorConfig:
     """``config`` with the pixel budget of --min-pixels/--max-pixels where given (px)."""
-    import dataclasses
 
     given = {k: v for k, v in (("min_pixels", getattr(args, "min_pixels", None)),
                                ("max_pixels", getattr(args, "max_pixels", None))) if v is not None}
@@ -98,7 +98,7 @@ class QwenBatcher(Batcher):
     """``collate.py``'s micro-batch plus the ViT's window fields and the 3-D RoPE ids (module docstring).
 
     A family of the same data layout with other ViT fields (Qwen3-VL: no windows) overrides ``vision_fields`` and
-    ``vision_part`` (``megatron.vlm.micro_batch.VisionPart``: the fields it types, and which stages read them)."""
+    ``vision_part`` (``megatron.vlm.stage.micro_batch.VisionPart``: the fields it types, and which stages read them)."""
 
     vision_part = QwenVision
 
@@ -171,7 +171,7 @@ class QwenBatcher(Batcher):
         return self.rule.grid(width, height)
 
     def split_cp(self, batch, cp, rank, pad_id, img_context_id, sp_tp=1):
-        """Context-parallel rank ``rank``'s part (``megatron/vlm/context_parallel.py``): the LLM tokens as every family
+        """Context-parallel rank ``rank``'s part (``megatron/vlm/parallel/context_parallel.py``): the LLM tokens as every family
         splits them (``split_tokens``, ``image_feature_index`` over this family's image tokens) with
         ``mrope_position_ids [3, 1, t]`` in the padded, *unsplit* layout (megatron-core's THD RoPE takes this rank's
         chunks of per-token frequencies itself; pads: their position in the segment); the images go whole, in

@@ -6,8 +6,10 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
 from omnibal_ext.model.spec import ModelSpec
-from megatron.vlm.text import word_embedding
+
+from megatron.vlm.stage.text import word_embedding
 
 
 class PatchEmbedding(MegatronModule):

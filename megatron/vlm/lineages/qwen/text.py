@@ -8,13 +8,12 @@ import functools
 
 import torch
 
-from megatron.vlm.attention import segment_params
-from megatron.vlm.components import TextEmbed, TextLayer
-from megatron.vlm.context_parallel import context_parallel_group, gather_rows
-from megatron.vlm.rope import MultimodalRope
-from megatron.vlm.text import TextContext, packed_causal_mask
-
 from .modules import ImageTokenEmbedding
+from megatron.vlm.layers.attention import segment_params
+from megatron.vlm.layers.rope import MultimodalRope
+from megatron.vlm.parallel.context_parallel import context_parallel_group, gather_rows
+from megatron.vlm.stage.components import TextEmbed, TextLayer
+from megatron.vlm.stage.text import TextContext, packed_causal_mask
 
 
 class ImageTextEmbed(TextEmbed):
@@ -33,7 +32,7 @@ class ImageTextEmbed(TextEmbed):
 
 class MRopeTextLayer(TextLayer):
     """Decoder layers with multimodal RoPE: per-token frequencies from ``mrope_position_ids``
-    (``megatron.vlm.rope``: the LanguageSpec's ``mrope_section``, chunked as Qwen2.5-VL's or interleaved as
+    (``megatron.vlm.layers.rope``: the LanguageSpec's ``mrope_section``, chunked as Qwen2.5-VL's or interleaved as
     Qwen3-VL's ``mrope_interleaved``); the layers are the shared TextLayer's (Qwen2.5 or Qwen3: per-head q/k norm
     where the spec says). THD: one frequency row per token of the flattened micro-batch, which megatron-core's
     ``apply_rotary_pos_emb`` maps by absolute offset, so the ids, not the segment, say the position (text after an

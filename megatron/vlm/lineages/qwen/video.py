@@ -25,17 +25,17 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from PIL import Image
 
-import torch
+from omnibal_ext.errors import UserError
 
+from .image_processing import ImageProcessorConfig, ImageSizeError, smart_resize
 from megatron.vlm.data.template import IMAGE_PLACEHOLDER
 from megatron.vlm.data.video import VideoRule, clip_frames, load_video
 from megatron.vlm.data.video_decode import VideoError
 from megatron.vlm.data.video_sampling import (DEFAULT_VIDEO_FPS, VideoOverrides, VideoSettings, check_frames,
                                               temporal_padded, video_settings)
-
-from .image_processing import ImageProcessorConfig, ImageSizeError, smart_resize
 
 PROCESSOR = "qwen2_vl"
 DEFAULTS = dict(sample_frames=False, fps=DEFAULT_VIDEO_FPS, min_frames=4, max_frames=768, min_pixels=128 * 28 * 28,
@@ -219,7 +219,6 @@ class QwenFrames(VideoRule):
 def check_geometry(s: VideoSettings, spec, hf_folder: str | None) -> VideoSettings:
     """``s`` when its patch, temporal patch and merge sizes are the ViT's, else a ``UserError`` naming the folder's
     video processor file (its rows would not be the ViT's patches)."""
-    from omnibal_ext.errors import UserError
 
     v = spec.vision
     have = (s.patch_size, s.temporal_patch_size, s.merge_size)

@@ -247,5 +247,5 @@ class DeepStackLayerCost(VisionLayerCost):
 
 
 def deepstack_name(slot: int) -> str:
-    """The side tensor name of DeepStack feature ``slot`` (``megatron.vlm.side``)."""
+    """The side tensor name of DeepStack feature ``slot`` (``megatron.vlm.stage.side``)."""
     return f"deepstack.{slot}"

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from megatron.vlm.lineages.qwen import batch as qwen2_5_vl_batch
-from megatron.vlm.lineages.qwen.vision_windows import frame_cu_seqlens, rotary_position_ids
 from megatron.vlm.lineages.qwen.positions import mrope_position_ids
-from megatron.vlm.micro_batch import VisionPart, reads
+from megatron.vlm.lineages.qwen.vision_windows import frame_cu_seqlens, rotary_position_ids
+from megatron.vlm.stage.micro_batch import VisionPart, reads
 
 
 @dataclass(frozen=True)

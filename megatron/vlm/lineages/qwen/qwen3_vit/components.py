@@ -4,29 +4,26 @@ its DeepStack merger and hands the feature on as a side tensor) and the patch me
 """
 from __future__ import annotations
 
-import functools
-
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
 
 from omnibal_ext.model.spec import PROJECTOR
 
-from megatron.vlm import sequence_parallel
-from megatron.vlm.attention import segment_params
-from megatron.vlm.components import PaddedHeadLayers, RuntimeComponent
-from megatron.vlm.drop_path import iteration_keys, layer_rates, with_drop_path
-from megatron.vlm.micro_batch import MicroBatch
-from megatron.vlm.padded_heads import tp_rank
-from megatron.vlm.side import StageCache
-from megatron.vlm.lineages.qwen.modules import vision_rotary
-from megatron.vlm.lineages.qwen.vision_costs import (DeepStackLayerCost, MergerCost, VisionEmbedCost, VisionLayerCost,
-                                                      deepstack_name)
-
 from . import hf
 from .modules import DeepStackDropPathLayer, DeepStackLayer, PatchMerger, VisionEmbedding, vision_layer_spec
-
+from megatron.vlm.layers.attention import segment_params
+from megatron.vlm.layers.drop_path import iteration_keys, layer_rates, with_drop_path
+from megatron.vlm.lineages.qwen.modules import vision_rotary
+from megatron.vlm.lineages.qwen.vision_costs import (DeepStackLayerCost, MergerCost, VisionEmbedCost, VisionLayerCost,
+                                                     deepstack_name)
+from megatron.vlm.parallel import sequence_parallel
+from megatron.vlm.parallel.padded_heads import tp_rank
+from megatron.vlm.stage.components import PaddedHeadLayers, RuntimeComponent
+from megatron.vlm.stage.micro_batch import MicroBatch
+from megatron.vlm.stage.side import StageCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +70,7 @@ class VisionLayers(PaddedHeadLayers):
     and split where the ViT's layers start; plain and DeepStack layers share the region (left where the ViT's
     layers end, the pads cut off).
 
-    Drop path (``--vision-drop-path-rate``, ``megatron/vlm/drop_path.py``): per image, each patch row taking its
+    Drop path (``--vision-drop-path-rate``, ``megatron/vlm/layers/drop_path.py``): per image, each patch row taking its
     image's key (``tile_keys``, processor order: the rows' order), the blocks' ``context``."""
 
     cost, attr, reads, layers = VisionLayerCost, "vit_blocks", frozenset({"pixels"}), True

@@ -31,18 +31,18 @@ import functools
 
 import torch
 
-from megatron.vlm.data.side import DataSide
-from megatron.vlm.data.video_sampling import VideoOverrides
-from megatron.vlm.micro_batch import MicroBatch
 from omnibal_ext.errors import UserError
 
-from megatron.vlm.lineages.qwen.data import IMAGE_TOKENS, PatchImages, QwenBatcher, with_pixel_flags
-from megatron.vlm.lineages.qwen.data import profile_batch as qwen_profile_batch
-from megatron.vlm.lineages.qwen.image_processing import ImageProcessorConfig
-from megatron.vlm.lineages.qwen.video import check_geometry as check_video_geometry
 from .batch import Qwen3Vision, vision_fields
 from .image_processing import PUBLISHED, folder_config
 from .video import Qwen3Frames, settings as video_settings
+from megatron.vlm.data.video_sampling import VideoOverrides
+from megatron.vlm.lineages.qwen.data import (IMAGE_TOKENS, PatchImages, QwenBatcher,
+                                             profile_batch as qwen_profile_batch, with_pixel_flags)
+from megatron.vlm.lineages.qwen.image_processing import ImageProcessorConfig
+from megatron.vlm.lineages.qwen.video import check_geometry as check_video_geometry
+from megatron.vlm.stage.data_side import DataSide
+from megatron.vlm.stage.micro_batch import MicroBatch
 
 VISION_KEYS = ("image_grid_thw", "vision_rotary_ids", "vision_pos_index", "vision_pos_weight", "vision_cu_seqlens",
                "vision_max_seqlen")
@@ -91,7 +91,7 @@ class Qwen3Batcher(QwenBatcher):
 
 
 def side_rows(spec, batch: MicroBatch, cp: int, cp_rank: int) -> int:
-    """Rows of a DeepStack feature (``DataSide.side_rows``, ``megatron/vlm/side.py``) on this rank, from host-held
+    """Rows of a DeepStack feature (``DataSide.side_rows``, ``megatron/vlm/stage/side.py``) on this rank, from host-held
     fields: the merged tokens of the images this (CP) rank's ViT runs -- of ``vision_cu_seqlens`` (the patches,
     the dummy image's included) on a stage that runs ViT layers; else ``vision_rank_tokens`` under context
     parallelism (one token for a rank without images: its dummy image's); else the micro-batch's patches

@@ -4,13 +4,14 @@ mergers, and the fused-expert layout of the Qwen3 MoE decoders' files (``checkpo
 """
 from __future__ import annotations
 
+import dataclasses
+
 from omnibal_ext.model.spec import ModelSpec
 
 from megatron.vlm.hf.config import HFConfigError, HFInfo, refuse, square
 from megatron.vlm.hf.recipes import whole
 from megatron.vlm.lineages.qwen.hf import vit_attention_recipes
 from megatron.vlm.lineages.qwen.vision_costs import VisionSpec
-
 
 FUSED_EXPERTS = ("gate_up_proj", "down_proj")  # an MoE layer's stacked expert tensors (mlp.experts.<name>)
 
@@ -45,7 +46,6 @@ def vision_spec(v: dict, where: str, llm_hidden: int) -> VisionSpec:
 def checkpoint_info(info: HFInfo, spec: ModelSpec, reader) -> HFInfo:
     """``info`` with the fused expert tensors the files hold transposed (``HFInfo.transposed``): each kind as its
     first MoE layer's shape says (the in-memory shape: not transposed, as transformers decides)."""
-    import dataclasses
 
     lang = spec.language
     if lang.moe is None:

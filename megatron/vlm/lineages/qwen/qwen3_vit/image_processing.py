@@ -23,7 +23,7 @@ import os
 from omnibal_ext.errors import UserError
 
 from megatron.vlm.lineages.qwen.image_processing import (PREPROCESSOR_FILE, ImageProcessorConfig, folder_processor_dict,
-                                           preprocess_image, resized_grid)
+                                                         preprocess_image, resized_grid)
 
 __all__ = ["PUBLISHED", "REQUIRED_KEYS", "folder_config", "preprocess_image", "resized_grid"]
 

@@ -17,13 +17,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from omnibal_ext.model.spec import ModelSpec
 
-from megatron.vlm import layers
-from megatron.vlm.layer_impl import LayerImpl
-from megatron.vlm.config import _common
-from megatron.vlm.drop_path import DropPathLayer
+from megatron.vlm.layers import blocks as layers
+from megatron.vlm.layers.config import _common
+from megatron.vlm.layers.drop_path import DropPathLayer
+from megatron.vlm.layers.layer_impl import LayerImpl
+from megatron.vlm.layers.seeding import SeededTransformerLayer
 from megatron.vlm.lineages.qwen.modules import PatchEmbedding
-from megatron.vlm.padded_heads import draw_padded_attention
-from megatron.vlm.seeding import SeededTransformerLayer
+from megatron.vlm.parallel.padded_heads import draw_padded_attention
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -23,13 +23,11 @@ from typing import Sequence
 
 import numpy as np
 
+from megatron.vlm.data.template import IMAGE_PLACEHOLDER
 from megatron.vlm.data.video_decode import VideoError
 from megatron.vlm.data.video_sampling import (DEFAULT_VIDEO_FPS, VideoOverrides, VideoSettings, check_frames,
                                               temporal_padded, video_settings)
-
 from megatron.vlm.lineages.qwen.image_processing import MAX_ASPECT_RATIO
-from megatron.vlm.data.template import IMAGE_PLACEHOLDER
-
 from megatron.vlm.lineages.qwen.video import QwenFrames, VideoBlock
 
 PROCESSOR = "qwen3_vl"

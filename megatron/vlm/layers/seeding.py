@@ -27,8 +27,8 @@ class SeededTransformerLayer(TransformerLayer):
     """A TransformerLayer whose weights are drawn from a generator seeded by its unit index.
 
     redraw: called as ``redraw(layer, config)`` after megatron's initialisation, again from the unit's seed,
-    when a family draws some weights its own way (padded ViT heads: ``megatron/vlm/padded_heads.py``).
-    LoRA linears (``megatron/vlm/lora.py``) then draw their adapters for the unit (``draw_adapter``).
+    when a family draws some weights its own way (padded ViT heads: ``megatron/vlm/parallel/padded_heads.py``).
+    LoRA linears (``megatron/vlm/layers/lora.py``) then draw their adapters for the unit (``draw_adapter``).
     """
 
     def __init__(self, config, submodules, layer_number=1, seed=0, first_unit_index=0, redraw=None, **kwargs):

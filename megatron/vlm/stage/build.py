@@ -3,7 +3,7 @@
 A stage holds a contiguous slice of the unit list (omnibal_ext.model.units): any run of the family's units
 (e.g. ViT patch embedding, ViT layers, projector, LLM embedding, LLM layers, output head).  Layers are
 placed like any other unit, so a stage may end the ViT and start the LLM.  The stage builds each run of
-consecutive units of one kind through its runtime component (``megatron.vlm.components``) and runs them in
+consecutive units of one kind through its runtime component (``megatron.vlm.stage.components``) and runs them in
 order; it never names a kind.
 
 Stage I/O.  Every stage reads the micro-batch (tokens, tiles, ...) it needs; between stages one tensor
@@ -14,12 +14,12 @@ travels, in megatron's [sequence, batch, hidden] order (a tiled family):
   out of the last stage    loss mode: ``HeadOutput(loss [rows, sequence] fp32, correct [rows, sequence])``;
                            logits mode: this TP rank's logits [rows x sequence, 1, vocabulary / TP]
 The shapes change along the pipeline, so the config sets ``variable_seq_lengths``.  Side tensors (DeepStack
-features: ``megatron.vlm.side``) live at a boundary travel packed with the hidden states in that one tensor.
+features: ``megatron.vlm.stage.side``) live at a boundary travel packed with the hidden states in that one tensor.
 
 No host sync.  Nothing in a micro-batch's forward or backward reads a device tensor on the host: the
 segment boundaries, ``max_seqlen`` and the real tiles' indices come from the collate (the host).
 
-Initialisation is seeded per unit (seed, unit index: ``megatron.vlm.seeding``), so a unit has the same
+Initialisation is seeded per unit (seed, unit index: ``megatron.vlm.layers.seeding``), so a unit has the same
 weights whichever stage builds it and whatever the tensor-parallel size.
 """
 from __future__ import annotations
@@ -28,6 +28,7 @@ import dataclasses
 import itertools
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import make_viewless_tensor
@@ -37,15 +38,15 @@ from omnibal_ext.model.lora import Lora
 from omnibal_ext.model.spec import HEAD, PROJECTOR, TEXT_EMBED, ModelSpec, Unit
 from omnibal_ext.model.units import build_units, family_of
 
-from megatron.vlm.components import RuntimeComponent, StageContext
-from megatron.vlm.config import language_config
-from megatron.vlm.head import OUTPUTS
-from megatron.vlm.layer_impl import LOCAL, LayerImpl
-from megatron.vlm.lora import is_adapter
-from megatron.vlm.micro_batch import MicroBatch
-from megatron.vlm.moe import MoERun
-from megatron.vlm.seeding import seeded
-from megatron.vlm.side import StageCache, live_at, pack, unpack
+from megatron.vlm.layers.config import language_config
+from megatron.vlm.layers.head import OUTPUTS
+from megatron.vlm.layers.layer_impl import LOCAL, LayerImpl
+from megatron.vlm.layers.lora import is_adapter
+from megatron.vlm.layers.moe import MoERun
+from megatron.vlm.layers.seeding import seeded
+from megatron.vlm.stage.components import RuntimeComponent, StageContext, runtime_family
+from megatron.vlm.stage.micro_batch import MicroBatch
+from megatron.vlm.stage.side import StageCache, live_at, pack, unpack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +74,10 @@ class StageBuild:
     # per unit of the WHOLE unit list: trains (True) or frozen (omnibal_ext.model.trainable.Trainable.trains);
     # None: every unit trains
     trainable: tuple[bool, ...] | None = None
-    sequence_parallel: bool = False  # --sequence-parallel: the ViT and LLM layers' (megatron/vlm/sequence_parallel.py)
-    cp: int = 1  # context-parallel size of the LLM (megatron/vlm/context_parallel.py); the ViT has none
+    sequence_parallel: bool = False  # --sequence-parallel: the ViT and LLM layers' (megatron/vlm/parallel/sequence_parallel.py)
+    cp: int = 1  # context-parallel size of the LLM (megatron/vlm/parallel/context_parallel.py); the ViT has none
     vision_drop_path_rate: float = 0.0  # ViT stochastic depth, rising linearly to this at the last layer
-    lora: Lora = Lora()  # LoRA adapters on the layers its targets name (megatron/vlm/lora.py); rank 0: none
+    lora: Lora = Lora()  # LoRA adapters on the layers its targets name (megatron/vlm/layers/lora.py); rank 0: none
     moe_run: MoERun | None = None  # how MoE layers train; None: its defaults
 
 
@@ -90,9 +91,7 @@ class _Part:
 
 
 def build_stage(build: StageBuild) -> "VLMStage":
-    """The stage ``build`` describes (its three TransformerConfigs made here: megatron/vlm/config.py)."""
-    from megatron.vlm.families import runtime_family
-
+    """The stage ``build`` describes (its three TransformerConfigs made here: megatron/vlm/layers/config.py)."""
     spec, tp = build.spec, build.tp
     family = runtime_family(spec)
 
@@ -138,7 +137,7 @@ class VLMStage(MegatronModule):
         self.post_process = unit_range.stop == len(units)
         self.share_embeddings_and_output_weights = False
         self.units = [units[i] for i in unit_range]
-        # side tensors received with the input and sent with the output (megatron/vlm/side.py)
+        # side tensors received with the input and sent with the output (megatron/vlm/stage/side.py)
         sides = family_of(spec).side_tensors(spec)
         for side in sides:
             if not 0 <= side.producer < min(side.consumers) or side.last_consumer >= len(units):
@@ -236,7 +235,7 @@ class VLMStage(MegatronModule):
             return module[part.blocks.start:part.blocks.stop]
         return module
 
-    # tied embeddings (megatron/vlm/tied.py) --------------------------------------------------------
+    # tied embeddings (megatron/vlm/parallel/tied.py) --------------------------------------------------------
     def _tie_embeddings(self) -> None:
         head = self.part(HEAD)
         if not self.spec.language.tie_word_embeddings or head is None:
@@ -266,7 +265,7 @@ class VLMStage(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """megatron-core sharded state dict whose checkpoint keys are the global unit names (see
-        megatron/vlm/sharding.py): independent of stage, recompute segmentation, layout and TP size."""
+        megatron/vlm/parallel/sharding.py): independent of stage, recompute segmentation, layout and TP size."""
         if sharded_offsets:
             raise ValueError("VLMStage.sharded_state_dict: units carry global names; no offsets apply")
         components = {id(p.component): p.component for p in self.parts}
@@ -315,7 +314,6 @@ class VLMStage(MegatronModule):
             raise ValueError(f"side tensor {side.name!r}: rows {side.rows!r} unknown (\"image_tokens\")")
         cp = self.build_args.cp
         if cp > 1:
-            from megatron.core import parallel_state
 
             return self.side_rows(self.spec, batch, cp, parallel_state.get_context_parallel_rank())
         return self.side_rows(self.spec, batch, 1, 0)

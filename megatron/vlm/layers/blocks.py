@@ -12,17 +12,20 @@ import copy
 import dataclasses
 
 import torch
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                      get_gpt_layer_with_transformer_engine_spec)
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.vlm.attention import SegmentAttention
-from megatron.vlm.layer_impl import LOCAL, LayerImpl
-from megatron.vlm.norms import PerHeadRMSNorm, TorchNorm
-from megatron.vlm.seeding import SeededTransformerLayer
-from megatron.vlm.sequence_parallel import mark_sequence_parallel
+from megatron.vlm.layers.attention import SegmentAttention
+from megatron.vlm.layers.layer_impl import LOCAL, LayerImpl
+from megatron.vlm.layers.lora import with_lora
+from megatron.vlm.layers.norms import PerHeadRMSNorm, TorchNorm
+from megatron.vlm.layers.seeding import SeededTransformerLayer
+from megatron.vlm.parallel.sequence_parallel import mark_sequence_parallel
 
 _NO_BIAS_CLASSES: dict = {}
 
@@ -44,7 +47,6 @@ def base_layer_spec(normalization: str, impl: LayerImpl = LOCAL) -> ModuleSpec:
     With TransformerEngine the normalisation comes from the config (fused into the linear layers).
     """
     if impl.transformer_engine:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec()
     return get_gpt_layer_local_spec(normalization=normalization)
@@ -77,7 +79,6 @@ def with_qk_norm(spec: ModuleSpec) -> ModuleSpec:
 def _allow_sequence_parallel_norms(spec: ModuleSpec) -> None:
     """The local spec's torch norms (megatron-core's WrappedTorchNorm refuses sequence parallelism) become
     ``TorchNorm``: the same modules, marked ``sequence_parallel`` under it."""
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     for name in ("input_layernorm", "pre_mlp_layernorm"):
         if getattr(spec.submodules, name, None) is WrappedTorchNorm:
@@ -107,8 +108,7 @@ def build_blocks(config: TransformerConfig, spec_for, first_index: int, n_layers
     """TransformerBlock segments of ``n_layers`` consecutive layer units from unit ``first_index``;
     ``spec_for(first_unit_index)`` is the layer spec of a segment starting at that unit. lora: the LoRA flags
     (``omnibal_ext.model.lora.Lora``) and lora_linears the linears of these layers that carry adapters
-    (``megatron/vlm/lora.py``). pg_collection: megatron-core's process groups of the blocks (None: its default)."""
-    from megatron.vlm.lora import with_lora
+    (``megatron/vlm/layers/lora.py``). pg_collection: megatron-core's process groups of the blocks (None: its default)."""
 
     blocks = torch.nn.ModuleList()
     offset = 0

@@ -2,7 +2,7 @@
 
 megatron-core 0.16's ``megatron.core.ssm.gated_delta_net.GatedDeltaNet`` needs flash-linear-attention, refuses
 packed sequences and ignores context parallelism; this module is ours, with the same parameter names and TP
-layout (its checkpoints' names), running each packed sample from a zero state (``megatron/vlm/delta_rule.py``).
+layout (its checkpoints' names), running each packed sample from a zero state (``megatron/vlm/layers/delta_rule.py``).
 
 Forward, per token (as transformers' hybrid decoders compute it)::
 
@@ -30,61 +30,28 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
-
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, get_cuda_rng_tracker
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, sharded_state_dict_default
+from torch import Tensor
 
-from megatron.vlm.delta_rule import BACKENDS, Segments, causal_conv1d, delta_rule, l2_normalize
 from omnibal_ext.errors import UserError
+from omnibal_ext.model.linear_attention import LinearAttentionShape
+
+from megatron.vlm.layers.delta_rule import BACKENDS, Segments, causal_conv1d, delta_rule, l2_normalize
 
 
-@dataclass(frozen=True)
-class LinearAttentionDims:
-    """The layer's sizes (whole model): hidden, heads and head dims, conv kernel."""
-
-    hidden: int
-    key_heads: int
-    key_head_dim: int
-    value_heads: int
-    value_head_dim: int
-    conv_kernel: int
-
-    @classmethod
-    def of(cls, config: TransformerConfig) -> "LinearAttentionDims":
-        return cls(config.hidden_size, config.linear_num_key_heads, config.linear_key_head_dim,
-                   config.linear_num_value_heads, config.linear_value_head_dim, config.linear_conv_kernel_dim)
-
-    @property
-    def key_dim(self) -> int:  # query or key width
-        return self.key_heads * self.key_head_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.value_heads * self.value_head_dim
-
-    @property
-    def conv_dim(self) -> int:  # q, k, v channels
-        return 2 * self.key_dim + self.value_dim
-
-    def check(self, tp: int) -> None:
-        """UserError unless the value heads are a multiple of the key heads and TP divides the key heads."""
-        if self.value_heads % self.key_heads:
-            raise UserError(f"linear_num_value_heads ({self.value_heads}) must be a multiple of "
-                            f"linear_num_key_heads ({self.key_heads})")
-        if self.key_heads % tp:
-            raise UserError(f"tensor parallelism ({tp}) must divide linear_num_key_heads ({self.key_heads}): "
-                            f"each TP rank holds whole linear-attention heads")
-
-    def in_proj_sections(self, tp: int) -> list[int]:
-        """Widths of one TP rank's [q | k | v | z | b | a] in in_proj's output."""
-        return [self.key_dim // tp, self.key_dim // tp, self.value_dim // tp, self.value_dim // tp,
-                self.value_heads // tp, self.value_heads // tp]
+def linear_attention_shape(config: TransformerConfig) -> LinearAttentionShape:
+    """The layer's sizes (whole model) from megatron-core's config: hidden, heads and head dims, conv kernel."""
+    return LinearAttentionShape(config.hidden_size, config.linear_num_key_heads, config.linear_key_head_dim,
+                                config.linear_num_value_heads, config.linear_value_head_dim,
+                                config.linear_conv_kernel_dim)
 
 
 class GatedRMSNorm(torch.nn.Module):
@@ -147,8 +114,8 @@ class GatedDeltaNet(MegatronModule):
         tp_group = pg_collection.tp if pg_collection is not None else \
             parallel_state.get_tensor_model_parallel_group()
         tp = tp_group.size()
-        self.dims = dims = LinearAttentionDims.of(config)
-        dims.check(tp)
+        self.dims = dims = linear_attention_shape(config)
+        dims.check_tp(tp)
         if config.context_parallel_size > 1:
             raise UserError(f"GatedDeltaNet (linear attention) does not implement context parallelism "
                             f"(context_parallel_size {config.context_parallel_size}): its recurrent state would pass "
@@ -212,7 +179,6 @@ class GatedDeltaNet(MegatronModule):
         """Checkpoint tensors whose global shapes do not depend on TP: ``in_proj.weight`` stored as its parts
         ``.q .k .v .z .b .a``, ``conv1d.weight`` as ``.q .k .v``, each split over TP along its rows; ``A_log``,
         ``dt_bias`` split, the norm weight replicated, ``out_proj.weight`` split along its columns."""
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, sharded_state_dict_default
 
         own = {"A_log": self.A_log, "dt_bias": self.dt_bias, "conv1d.weight": self.conv1d.weight}
         sd = make_sharded_tensors_for_checkpoint(own, prefix, {name: 0 for name in own}, sharded_offsets)
@@ -227,7 +193,6 @@ class GatedDeltaNet(MegatronModule):
 def _split_rows(sh, sections: list[int], names: str):
     """A factory storing a TP-split tensor (rows: this rank's ``sections``, one per name) as one tensor per name,
     ``key.<name>``, each split over TP (megatron-core's ShardedTensor.narrow on every rank alike)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
     base = sh.without_data()
 

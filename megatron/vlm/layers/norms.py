@@ -9,6 +9,7 @@ gradients over TP).
 from __future__ import annotations
 
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -30,7 +31,7 @@ class TorchNorm:
 
 class PerHeadRMSNorm(torch.nn.Module):
     """RMSNorm of each attention head over its ``head_dim`` values (Qwen3's q_norm / k_norm), built as
-    SelfAttention's ``q_layernorm`` / ``k_layernorm`` submodule (``megatron.vlm.layers.with_qk_norm``).
+    SelfAttention's ``q_layernorm`` / ``k_layernorm`` submodule (``megatron.vlm.layers.blocks.with_qk_norm``).
 
     It gets this TP rank's heads ``[s, b, heads, head_dim]`` and normalises in fp32, then scales by the weight
     in the input's dtype (transformers' Qwen3RMSNorm order). The weight ``[head_dim]`` is the same on every TP
@@ -51,7 +52,6 @@ class PerHeadRMSNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if self.tp > 1:
-            from megatron.core import tensor_parallel
 
             weight = tensor_parallel.copy_to_tensor_model_parallel_region(weight)
         flat = x.float()

@@ -34,9 +34,9 @@ import torch.distributed as dist
 from omnibal_ext.data.sampler import GroupBatchSampler
 
 from megatron.vlm.data.collate import check_image_tokens
-from megatron.vlm.data.side import Batcher
-from megatron.vlm.micro_batch import StageInputs  # noqa: F401  (callers take it from here)
-from megatron.vlm.micro_batch import MicroBatch, broadcast_micro_batch
+from megatron.vlm.stage.data_side import Batcher
+from megatron.vlm.stage.micro_batch import StageInputs  # noqa: F401  (callers take it from here)
+from megatron.vlm.stage.micro_batch import MicroBatch, broadcast_micro_batch
 
 
 class StageDataset(torch.utils.data.Dataset):
@@ -54,7 +54,7 @@ class StageDataset(torch.utils.data.Dataset):
         else:
             sample = self.dataset[index]
             sample = sample if self.images else {k: v for k, v in sample.items() if k != "pixel_values"}
-        return {**sample, "sample_id": index}  # the drop path's key (megatron/vlm/drop_path.py)
+        return {**sample, "sample_id": index}  # the drop path's key (megatron/vlm/layers/drop_path.py)
 
 
 class Collate:
@@ -64,10 +64,10 @@ class Collate:
                  pad_to_multiple: int = 1, cp: int = 1, cp_rank: int = 0, batcher: Batcher | None = None):
         """pad_to_multiple: --sequence-parallel's TP: without CP the row length is rounded up to a multiple of it,
         with CP every segment to a multiple of 2 x CP x it (``Batcher.split_cp``).  batcher: the family's micro-batch
-        maker (``megatron.vlm.data.side``; default: ``collate.py``'s fields)."""
+        maker (``megatron.vlm.stage.data_side``; default: ``collate.py``'s fields)."""
         self.pad_id, self.packed, self.inputs, self.image_tokens = pad_id, packed, inputs, image_tokens
         self.pad_to_multiple = pad_to_multiple
-        self.cp, self.cp_rank = cp, cp_rank  # context parallelism: this rank's part (megatron/vlm/context_parallel.py)
+        self.cp, self.cp_rank = cp, cp_rank  # context parallelism: this rank's part (megatron/vlm/parallel/context_parallel.py)
         self.batcher = batcher or Batcher()
 
     def __call__(self, samples: list[dict]) -> MicroBatch:
@@ -148,7 +148,7 @@ class MicroBatches:
         if self.tp_group is not None:
             batch = broadcast_micro_batch(batch, self.tp_src, self.tp_group)
         self._consumed += 1
-        batch = dataclasses.replace(batch, iteration=self.iteration)  # the drop path's key (megatron/vlm/drop_path.py)
+        batch = dataclasses.replace(batch, iteration=self.iteration)  # the drop path's key (megatron/vlm/layers/drop_path.py)
         if self._records is not None:
             info = batch.samples
             self._records.append({"tokens": info.sample_tokens.tolist(), "tiles": info.sample_tiles.tolist(),

@@ -15,7 +15,7 @@ Every family reads the same formats (``records.py``: meta JSON or an annotation 
 * ``batcher(spec, image_token_id, rule)``: the picklable maker of micro-batches, a ``Batcher`` (its ``make``
   collates the samples into fields with the family's extra ones, ``rule`` being the reader's ``ImageRule``; its
   ``split_cp`` keeps a context-parallel rank's part of those fields; its ``vision_part``, the family's
-  ``megatron.vlm.micro_batch.VisionPart``, types them, and ``micro_batch`` makes a stage's ``MicroBatch`` of them);
+  ``megatron.vlm.stage.micro_batch.VisionPart``, types them, and ``micro_batch`` makes a stage's ``MicroBatch`` of them);
 * ``default_image_px(spec)``: the image side of the built-in digits data for this model;
 * ``profile_batch(spec, shape, image_token_id, device, pad_to_multiple)``: the micro-batch the trainer's profiler
   (``megatron/training/profiling.py``) runs at a ``MicroBatchShape``, a ``MicroBatch`` made by its ``Batcher``
@@ -35,14 +35,14 @@ from typing import Protocol
 from omnibal_ext.model.shape import MicroBatchShape
 from omnibal_ext.model.spec import ModelSpec
 
-from megatron.vlm.context_parallel import split_batch, tile_ranges
+from megatron.vlm.parallel.context_parallel import split_batch, tile_ranges
 
-from megatron.vlm.micro_batch import MicroBatch, TileVision
+from megatron.vlm.stage.micro_batch import MicroBatch, TileVision
 
-from .collate import collate_packed, collate_padded
-from .images import ImageRule, TileImages
-from .video import VideoRule
-from .tokenizer import IMG_CONTEXT, IMG_END, IMG_START
+from megatron.vlm.data.collate import collate_packed, collate_padded
+from megatron.vlm.data.images import ImageRule, TileImages
+from megatron.vlm.data.video import VideoRule
+from megatron.vlm.data.tokenizer import IMG_CONTEXT, IMG_END, IMG_START
 
 
 class Batcher:
@@ -59,7 +59,7 @@ class Batcher:
         return collate_padded(samples, pad_id, seq_length=None, pad_to_multiple=pad_to_multiple)
 
     def micro_batch(self, fields: dict, inputs=None) -> MicroBatch:
-        """The ``MicroBatch`` a stage reading ``inputs`` (``megatron.vlm.batches.StageInputs``; None: everything)
+        """The ``MicroBatch`` a stage reading ``inputs`` (``megatron.vlm.stage.batches.StageInputs``; None: everything)
         gets of the collated (and split) ``fields``."""
         return MicroBatch.of(fields, self.vision_part, inputs)
 

@@ -1,6 +1,6 @@
 """The gated delta rule and the causal depthwise convolution over packed samples (THD), each sample on its own.
 
-The gated DeltaNet linear-attention layers (``megatron/vlm/gated_delta_net.py``) run both over a packed row of ``t`` tokens
+The gated DeltaNet linear-attention layers (``megatron/vlm/layers/gated_delta_net.py``) run both over a packed row of ``t`` tokens
 cut into segments (``cu_seqlens``): the recurrent state and the convolution's window start at zero in every
 segment, so a row packing four samples computes what four rows of one would.
 

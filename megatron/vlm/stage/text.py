@@ -22,9 +22,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron.vlm.attention import segment_params
-from megatron.vlm.context_parallel import context_parallel_group
-from megatron.vlm.micro_batch import MicroBatch
+from megatron.vlm.layers.attention import segment_params
+from megatron.vlm.parallel.context_parallel import context_parallel_group
+from megatron.vlm.stage.micro_batch import MicroBatch
 
 from omnibal_ext.model.spec import ModelSpec
 
@@ -53,7 +53,7 @@ class TextEmbedding(MegatronModule):
         """image_tile_index: the real tiles' indices (host-built by the collate, which also checks that the
         image-context tokens number real tiles x tokens per tile: no count is read back here).
         feature_index: under context parallelism, which image feature (of all the real tiles') each of this
-        rank's image-context tokens takes (megatron/vlm/context_parallel.py); None: all, in order."""
+        rank's image-context tokens takes (megatron/vlm/parallel/context_parallel.py); None: all, in order."""
         emb = self.word(tokens.reshape(1, -1))  # [1, t, H], t = b * s
         feats = image_features.squeeze(1).reshape(-1, self.tokens_per_tile, emb.shape[-1])
         feats = feats.index_select(0, image_tile_index).reshape(-1, emb.shape[-1])

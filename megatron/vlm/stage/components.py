@@ -5,7 +5,7 @@ A family (``megatron/vlm/families/<name>/``) gives each kind of unit of its plan
 
 * how its module is built from megatron-core parts (``build``; the units of a layer kind that sit together
   on a stage become TransformerBlock segments carrying their recompute settings) and run (``forward``);
-* which parts of a micro-batch it reads (``reads``: the fields of ``megatron.vlm.batches.StageInputs``);
+* which parts of a micro-batch it reads (``reads``: the fields of ``megatron.vlm.stage.batches.StageInputs``);
 * its checkpoint keys (``sharded_state_dict``: keyed by the unit's global name) and its Hugging Face tensor
   mapping (``hf_recipes``);
 * how the profiler runs one unit of it (``profile_module``, ``profile_forward``).
@@ -21,34 +21,40 @@ import functools
 from typing import Callable, ClassVar, Protocol, Sequence
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from omnibal_ext.memory.recompute import StageRecompute
 from omnibal_ext.model.components import CostComponent, HeadCost, TextEmbedCost, TextLayerCost
-from omnibal_ext.model.families import Family
+from omnibal_ext.model.families import Family, family_of
 from omnibal_ext.model.lora import Lora
 from omnibal_ext.model.moe_cost import MoELayerCost
 from omnibal_ext.model.spec import HEAD, TEXT_LAYER, VISION_LAYER, ModelSpec, Unit
 
-from megatron.vlm import layers, sequence_parallel
-from megatron.vlm.context_parallel import context_parallel_group, gather_rows, tile_ranges, vision_process_groups
-from megatron.vlm.data.side import TILED, DataSide
-from megatron.vlm.families import runtime_family
-from megatron.vlm.head import OutputHead
 from megatron.vlm.hf.config import HFSide
-from megatron.vlm.layer_impl import LayerImpl
-from megatron.vlm.micro_batch import MicroBatch, StageInputs
-from megatron.vlm.seeding import seeded
-from megatron.vlm.sharding import unit_sharded_state_dict
-from megatron.vlm.side import StageCache
-from megatron.vlm.text import TextContext, TextEmbedding, run_text_blocks, text_context, word_embedding
+from megatron.vlm.hf.recipes import add_llm_layer, add_moe_llm_layer, vocab_recipe, whole
+from megatron.vlm.layers import blocks as layers, moe
+from megatron.vlm.layers.head import OutputHead
+from megatron.vlm.layers.layer_impl import LayerImpl
+from megatron.vlm.layers.moe import token_mask
+from megatron.vlm.layers.norms import TorchNorm
+from megatron.vlm.layers.seeding import seeded
+from megatron.vlm.parallel import sequence_parallel
+from megatron.vlm.parallel.context_parallel import (context_parallel_group, gather_rows, tile_ranges,
+                                                    vision_process_groups)
+from megatron.vlm.parallel.padded_heads import tp_rank
+from megatron.vlm.parallel.sharding import drop_padded_heads, unit_sharded_state_dict
+from megatron.vlm.stage.data_side import TILED, DataSide
+from megatron.vlm.stage.micro_batch import MicroBatch, StageInputs
+from megatron.vlm.stage.side import StageCache
+from megatron.vlm.stage.text import TextContext, TextEmbedding, run_text_blocks, text_context, word_embedding
 
 
 @dataclasses.dataclass(frozen=True)
 class StageContext:
-    """What a stage's components are built with (``megatron.vlm.stage.build_stage`` makes it)."""
+    """What a stage's components are built with (``megatron.vlm.stage.build.build_stage`` makes it)."""
 
     spec: ModelSpec
     units: tuple[Unit, ...]  # the whole model's unit list (a tied head finds the text embedding in it)
@@ -59,9 +65,9 @@ class StageContext:
     img_context_id: int
     impl: LayerImpl  # how the layers are built (TransformerEngine or torch modules, THD or a dense mask)
     output: str  # "loss" or "logits"
-    vision_drop_path_rate: float = 0.0  # ViT stochastic depth at the last layer (megatron/vlm/drop_path.py)
+    vision_drop_path_rate: float = 0.0  # ViT stochastic depth at the last layer (megatron/vlm/layers/drop_path.py)
     stage_start: int = 0  # index in ``units`` of the stage's first unit
-    lora: Lora = Lora()  # LoRA adapters (megatron/vlm/lora.py); rank 0: none
+    lora: Lora = Lora()  # LoRA adapters (megatron/vlm/layers/lora.py); rank 0: none
     moe_dispatcher: str = "alltoall"  # MoE layers' token dispatcher (--moe-token-dispatcher-type)
 
     def build_layers(self, units: list[Unit], config: TransformerConfig, spec_for, role: str,
@@ -196,7 +202,7 @@ class RuntimeComponent:
                 yield next(layer_units), layer, f".{b}.layers.{j}"
 
     def sharded_state_dict(self, unit: Unit, module: torch.nn.Module, module_prefix: str, metadata) -> dict:
-        """The unit's tensors keyed by its global name (megatron/vlm/sharding.py)."""
+        """The unit's tensors keyed by its global name (megatron/vlm/parallel/sharding.py)."""
         return unit_sharded_state_dict(module, module_prefix, f"{unit.name}.", metadata)
 
     # Hugging Face ----------------------------------------------------------------------------------
@@ -245,8 +251,6 @@ class TextEmbed(RuntimeComponent):
 
     @classmethod
     def hf_recipes(cls, unit, table):
-        from megatron.vlm.hf.recipes import vocab_recipe
-
         lang = table.spec.language
         table.add(unit.name + ".word.weight",
                   vocab_recipe(table.hf(table.names.embed(), (lang.vocab_real, lang.hidden_size)), table.spec))
@@ -302,22 +306,18 @@ class TextLayer(RuntimeComponent):
 
     @classmethod
     def hf_recipes(cls, unit, table):
-        from megatron.vlm.hf.recipes import add_llm_layer
-
         add_llm_layer(table.add, table.hf, table.names.llm_layer(unit.layer), unit.name + ".", table.spec, table.info)
 
 
 class MoEMLPs:
     """A mixin for LLM layer components whose MLP is megatron-core's ``MoELayer`` (``LanguageSpec.moe``;
-    ``megatron/vlm/moe.py``): ``with_moe`` turns a dense layer spec into the MoE one (top-k router, ``SequentialMLP``
+    ``megatron/vlm/layers/moe.py``): ``with_moe`` turns a dense layer spec into the MoE one (top-k router, ``SequentialMLP``
     experts drawn per global expert, the run's token dispatcher; the router's ``layer_number`` the decoder layer + 1,
     by which megatron-core's aux-loss tracker indexes the decoder's layers), and ``context`` adds the router's token
     mask (padding and packed-sample membership, ``moe_padding_mask``), so its aux losses and the expert load count
     real tokens only."""
 
     def with_moe(self, dense_spec, first_unit_index: int):
-        from megatron.vlm import moe
-
         units, lang = self.ctx.units, self.spec.language
         previous = dense_spec.params.get("redraw")
 
@@ -355,21 +355,17 @@ class MoETextLayer(MoEMLPs, TextLayer):
 
     @classmethod
     def hf_recipes(cls, unit, table):
-        from megatron.vlm.hf.recipes import add_moe_llm_layer
-
         add_moe_llm_layer(table.add, table.hf, table.names.llm_layer(unit.layer), unit.name + ".", table.spec,
                           table.info)
 
 
 def moe_padding_mask(batch: MicroBatch, thd: bool, sequence_parallel: bool) -> torch.Tensor:
-    """The router's token mask (``megatron.vlm.moe.token_mask``: padding and packed-sample membership, bool [rows,
+    """The router's token mask (``megatron.vlm.layers.moe.token_mask``: padding and packed-sample membership, bool [rows,
     sequence, 1 + samples]; THD: the micro-batch's rows flattened, [1, rows x sequence, 1 + samples]) from the
     collate's segment ids (-1: padding); under sequence parallelism this TP rank's tokens (the MoE layer sees 1/TP of
     them). Under context parallelism the sample axis has one column per segment of the unsplit micro-batch
     (``cu_seqlens``, the same on every CP rank; padding segments' columns stay empty), so that the CP ranks' per-sample
     statistics line up when summed (a rank may hold none of a short sample's tokens)."""
-    from megatron.vlm.context_parallel import context_parallel_group
-    from megatron.vlm.moe import token_mask
 
     packing = batch.packing
     samples = len(packing.cu_seqlens) - 1 if context_parallel_group() is not None else None
@@ -377,7 +373,6 @@ def moe_padding_mask(batch: MicroBatch, thd: bool, sequence_parallel: bool) -> t
     if thd:
         mask = mask.reshape(1, -1, mask.shape[-1])
     if sequence_parallel:
-        from megatron.core import parallel_state
 
         tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
         n = mask.shape[1] // tp
@@ -392,7 +387,6 @@ class Head(RuntimeComponent):
 
     def norm_builder(self):
         """The final norm's builder (called as megatron-core's: ``config=, hidden_size=, eps=``)."""
-        from megatron.vlm.norms import TorchNorm
 
         if self.ctx.language_config.sequence_parallel:  # megatron-core's torch norm refuses it
             return TorchNorm
@@ -425,7 +419,7 @@ class Head(RuntimeComponent):
     def tie(self, module: OutputHead, embed_weight: torch.Tensor | None, embed_unit: Unit,
             draw_embedding: Callable[[], torch.nn.Module]) -> None:
         """Tied embeddings: use the stage's embedding Parameter, or (E on another stage) hold a copy drawn
-        as E draws it, marked ``shared`` (megatron/vlm/tied.py)."""
+        as E draws it, marked ``shared`` (megatron/vlm/parallel/tied.py)."""
         if embed_weight is not None:
             module.output.weight = embed_weight
             return
@@ -440,8 +434,6 @@ class Head(RuntimeComponent):
 
     @classmethod
     def hf_recipes(cls, unit, table):
-        from megatron.vlm.hf.recipes import vocab_recipe, whole
-
         lang, names = table.spec.language, table.names
         H = lang.hidden_size
         table.add(unit.name + ".norm.weight", whole(table.hf(names.final_norm(), (H,)), (H,)))
@@ -453,13 +445,10 @@ GPT_DECODER = (TextEmbed, TextLayer, Head)
 
 
 class PaddedHeadLayers(RuntimeComponent):
-    """ViT layers built with heads padded to a multiple of TP (``megatron/vlm/padded_heads.py``): their checkpoint
+    """ViT layers built with heads padded to a multiple of TP (``megatron/vlm/parallel/padded_heads.py``): their checkpoint
     holds the real heads only (``sharding.drop_padded_heads``), so it loads at any TP size."""
 
     def sharded_state_dict(self, unit, module, module_prefix, metadata):
-        from megatron.vlm.padded_heads import tp_rank
-        from megatron.vlm.sharding import drop_padded_heads
-
         sd = super().sharded_state_dict(unit, module, module_prefix, metadata)
         cfg = self.ctx.vision_config
         drop_padded_heads(sd, module_prefix, self.spec.vision.num_attention_heads,
@@ -475,10 +464,10 @@ class VisionConfig(Protocol):
 @dataclasses.dataclass(frozen=True)
 class FamilyRuntime:
     """A model family's run-time side, which its ``Family.runtime`` names (``"module:attribute"``) and
-    ``megatron.vlm.families.runtime_family`` loads: one ``RuntimeComponent`` class per unit kind of the family's
+    ``megatron.vlm.stage.components.runtime_family`` loads: one ``RuntimeComponent`` class per unit kind of the family's
     cost side (``check`` says which are missing), the ViT's TransformerConfig, its Hugging Face side
     (``megatron.vlm.hf.config.HFSide``: config reader, tensor names, logits-check micro-batches, structure twin; None
-    where it has none) and its data side (``megatron.vlm.data.side.DataSide``: image tokens, image rule,
+    where it has none) and its data side (``megatron.vlm.stage.data_side.DataSide``: image tokens, image rule,
     micro-batches)."""
 
     components: tuple[type[RuntimeComponent], ...]
@@ -498,6 +487,15 @@ class FamilyRuntime:
             if c.kind() == kind:
                 return c
         raise KeyError(f"no runtime component for unit kind {kind!r}")
+
+
+def runtime_family(spec: ModelSpec) -> FamilyRuntime:
+    """The run-time side of ``spec``'s family (``Family.runtime``), imported on first use; checked to have a runtime
+    component for every unit kind of the family's costs."""
+    family = family_of(spec)
+    runtime = family.load_runtime()
+    runtime.check(family)
+    return runtime
 
 
 def component_of(spec: ModelSpec, unit: Unit) -> type[RuntimeComponent]:

@@ -41,7 +41,7 @@ _PER_HEAD = {
     # qk-norm weights (FullWidthQKNorm): head_dim entries per head, stored as [heads, head_dim]
     "self_attention.q_layernorm.weight": (0, 1),
     "self_attention.k_layernorm.weight": (0, 1),
-    # LoRA adapters split with the heads (megatron/vlm/lora.py): QKV's B rows, the out-projection's A columns
+    # LoRA adapters split with the heads (megatron/vlm/layers/lora.py): QKV's B rows, the out-projection's A columns
     "self_attention.linear_qkv.lora_b": (0, 3),
     "self_attention.linear_proj.lora_a": (1, 1),
 }

@@ -13,7 +13,7 @@ split over tensor parallelism like its base:
   sums of ``h``, all-reduced over TP (with sequence parallelism reduce-scattered to the rank's tokens) before
   B, as the base reduces its own partial outputs.
 
-B starts at zero; A is drawn from a generator seeded by (seed, unit, linear) (``megatron.vlm.seeding``) over its
+B starts at zero; A is drawn from a generator seeded by (seed, unit, linear) (``megatron.vlm.layers.seeding``) over its
 full width, and a TP rank keeps its slice, so every TP size starts from the same adapters.  Adapter parameters
 split over TP carry megatron-core's tensor-parallel attributes; the replicated ones see only the rank's tokens
 under sequence parallelism and are marked ``sequence_parallel`` with the other replicated parameters
@@ -38,13 +38,15 @@ import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from omnibal_ext.model.lora import LINEARS, Lora
 
-from megatron.vlm.drop_path import hash_key
-from megatron.vlm.padded_heads import tp_rank
-from megatron.vlm.seeding import unit_seed
+from megatron.vlm.layers.drop_path import hash_key
+from megatron.vlm.layers.seeding import unit_seed
+from megatron.vlm.parallel.padded_heads import tp_rank
 
 # short name -> where the linear sits in a TransformerLayer spec
 _PLACES = {"qkv": ("self_attention", "linear_qkv"), "proj": ("self_attention", "linear_proj"),
@@ -170,14 +172,11 @@ class LoraMixin:
         return u
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
         sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         axis = {"lora_b": 0} if self.parallel == "column" else {"lora_a": 1}
         adapters = {"lora_a": self.lora_a, "lora_b": self.lora_b}
         sd.update(make_sharded_tensors_for_checkpoint(adapters, prefix, axis, sharded_offsets))
         if self.lora_gated:  # per rank [gate | up] rows, as the base weight (megatron-core's MLP does that for it)
-            from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
             sd[prefix + "lora_b"] = apply_swiglu_sharded_factory(sd[prefix + "lora_b"], sharded_offsets)
         return sd

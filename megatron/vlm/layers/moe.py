@@ -30,14 +30,18 @@ output is read, never changed) as tokens per expert per layer, for the log and `
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 
 import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, compute_routing_scores_for_aux_loss,
+                                                     get_default_pg_collection, save_to_aux_losses_tracker)
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
@@ -144,7 +148,6 @@ def per_sample_aux_loss(scores: torch.Tensor, routed: torch.Tensor, members: tor
     of the loss then sum to the whole). scores / routed: [tokens, E] (zero on padding), members: bool [tokens, S].
     Returns (loss, the real tokens of ``reduce_group``'s ranks: what megatron-core's aux_loss scales its part by under
     per-token loss with a padding mask, its token count all-reduced in place)."""
-    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
     num_experts = scores.shape[-1]
     membership = members.to(scores.dtype)
@@ -166,14 +169,12 @@ class MaskedTopKRouter(TopKRouter):
     mask as a column (0.16.1 ands the routing map [tokens, experts] with the flat mask [tokens], which fails)."""
 
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
-        from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
-
         padding, members = split_token_mask(padding_mask)
         probs, routing_map = super().routing(logits, padding_mask=padding)
         coeff = self.get_aux_loss_coeff("seq_aux_loss")
         if coeff > 0 and self.training and torch.is_grad_enabled():
             if members is None:
-                raise ValueError("seq_aux_loss: the router needs megatron.vlm.moe.token_mask's mask (which token "
+                raise ValueError("seq_aux_loss: the router needs megatron.vlm.layers.moe.token_mask's mask (which token "
                                  "belongs to which packed sample)")
             flat = logits.reshape(-1, self.config.num_moe_experts)
             routed, scores = compute_routing_scores_for_aux_loss(
@@ -192,7 +193,6 @@ class MaskedTopKRouter(TopKRouter):
         under per-token loss scales the gradient by 1 / (TP x CP) and logs the mean of the ranks' means.
         logits [tokens, E]; padding_mask [tokens], True at padding. Logged (tracker "z_loss") without the
         coefficient, this rank's part of the group's mean."""
-        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, save_to_aux_losses_tracker
 
         coeff = self.config.moe_z_loss_coeff
         if coeff is None or not (self.training and torch.is_grad_enabled()):
@@ -270,9 +270,7 @@ def layer_spec(dense_spec, num_experts: int, normalization: str, dispatcher: str
     """``dense_spec`` (a local-spec layer, already changed for the family: seeded layer, attention, norms) with
     megatron-core's MoE module as its MLP (the local backend: ``SequentialMLP`` experts, seeded per expert, the
     token dispatcher ``dispatcher``: ``DispatchedMoELayer``); the copy is changed, ``dense_spec`` is not."""
-    import copy
 
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = copy.deepcopy(dense_spec)
     mlp = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
@@ -287,7 +285,6 @@ def layer_spec(dense_spec, num_experts: int, normalization: str, dispatcher: str
 def moe_layers(module: torch.nn.Module):
     """(layer, MoELayer) of every MoE layer under ``module``, in module order (a MoE layer's ``layer_number`` is its
     decoder layer + 1: ``MoETextLayer`` sets it through megatron-core's ``set_layer_number``)."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer, get_default_pg_collection
 
     for m in module.modules():
         if isinstance(m, MoELayer):

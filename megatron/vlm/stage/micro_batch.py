@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from megatron.vlm.data.collate import on_host
 
@@ -80,7 +81,7 @@ class PackingPart(Part):
 @dataclass(frozen=True)
 class VisionPart(Part):
     """A family's image fields (subclass it with the family). tile_keys int64 [ViT items]: the drop path's key of
-    each ViT item (tile or patch row; ``megatron/vlm/drop_path.py``), host-built, given to every stage."""
+    each ViT item (tile or patch row; ``megatron/vlm/layers/drop_path.py``), host-built, given to every stage."""
 
     tile_keys: torch.Tensor | None = None
 
@@ -97,7 +98,7 @@ class TileVision(VisionPart):
 
 @dataclass(frozen=True)
 class CPPart(Part):
-    """This context-parallel rank's fields (``megatron/vlm/context_parallel.py``): num_tiles (int: the micro-batch's
+    """This context-parallel rank's fields (``megatron/vlm/parallel/context_parallel.py``): num_tiles (int: the micro-batch's
     tiles, tiled split); image_feature_index int64 [local image-context tokens] (each one's ordinal in the unsplit
     micro-batch) and vision_rank_tokens (list[int]: every rank's merged image tokens, per-image split) where the
     LLM embedding is."""
@@ -188,7 +189,6 @@ def broadcast_micro_batch(batch: MicroBatch | None, src: int, group) -> MicroBat
     shapes, dtypes and its Python values), then one broadcast per tensor in field order. Tensors travel on the host
     with a gloo group; with NCCL they travel on the current CUDA device (and arrive there), except the host-held
     fields (``collate.on_host``: small, sent by value)."""
-    import torch.distributed as dist
 
     cuda = dist.get_backend(group) == "nccl"
     me = dist.get_rank()
@@ -220,7 +220,7 @@ def broadcast_micro_batch(batch: MicroBatch | None, src: int, group) -> MicroBat
 
 @dataclasses.dataclass(frozen=True)
 class StageInputs:
-    """Which parts of a micro-batch a pipeline stage reads (see module docstring; ``megatron.vlm.micro_batch``:
+    """Which parts of a micro-batch a pipeline stage reads (see module docstring; ``megatron.vlm.stage.micro_batch``:
     the ``MicroBatch`` parts, and the vision and CP fields, each reading declares)."""
 
     pixels: bool = True  # the ViT embedding: pixels and the ViT's fields
@@ -235,7 +235,7 @@ class StageInputs:
     @classmethod
     def reading(cls, parts) -> "StageInputs":
         """Only the parts named in ``parts`` (field names: "pixels", "tokens", "labels", "packing"); a stage's
-        are the union of its units' runtime components' ``reads`` (``megatron.vlm.components.units_inputs``)."""
+        are the union of its units' runtime components' ``reads`` (``megatron.vlm.stage.components.units_inputs``)."""
         parts = set(parts)
         unknown = parts - {f.name for f in dataclasses.fields(cls)}
         if unknown:

@@ -2,7 +2,7 @@
 a ViT layer's merger, added to an LLM layer's output), held per micro-batch while a stage runs.
 
 Inside a stage they live in the forward's typed per-micro-batch cache (``StageCache.put_side`` / ``take_side``).  Across stages they travel
-with the hidden states through megatron-core's P2P (``megatron.vlm.stage``); which ones cross a boundary follows
+with the hidden states through megatron-core's P2P (``megatron.vlm.stage.build``); which ones cross a boundary follows
 from the planning side's ``SideTensor`` list (``omnibal_ext.model.spec.SideTensor``,
 ``omnibal_ext.model.families.Family.side_tensors``) and the layout: a side tensor is *live* at the boundary
 before unit ``b`` when it is produced before ``b`` and read at or after ``b`` (``live_at``).

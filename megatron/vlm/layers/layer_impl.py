@@ -89,7 +89,7 @@ def resolve_layer_impl(requested: str, attention_backend: str, device: torch.dev
     if requested != "auto":
         return LayerImpl.of(requested, attention_backend)
     try:
-        import transformer_engine  # noqa: F401
+        import transformer_engine  # noqa: F401  (optional: TransformerEngine, on CUDA)
     except ImportError:
         return LayerImpl.of("local", attention_backend)
     return LayerImpl.of("transformer_engine", attention_backend)

@@ -7,6 +7,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from omnibal_ext.model.units import ModelSpec
 
+from megatron.vlm.layers.moe import config_fields
+
 
 def _common(*, tp: int, pp: int, on_cpu: bool, dtype: torch.dtype, init_method_std: float) -> dict:
     fused = not on_cpu  # kernels that need CUDA (../shared/notes/megatron_core_cpu.md)
@@ -54,8 +56,7 @@ def vision_config(spec: ModelSpec, tp: int, on_cpu: bool, dtype: torch.dtype) ->
 def language_config(spec: ModelSpec, tp: int, on_cpu: bool, dtype: torch.dtype, pp: int = 1,
                     moe_run=None) -> TransformerConfig:
     """The LLM's TransformerConfig; with ``spec.language.moe`` its MoE fields, trained as ``moe_run``
-    (``megatron.vlm.moe.MoERun``; None: its defaults)."""
-    from megatron.vlm.moe import config_fields
+    (``megatron.vlm.layers.moe.MoERun``; None: its defaults)."""
 
     lang = spec.language
     common = _common(tp=tp, pp=pp, on_cpu=on_cpu, dtype=dtype, init_method_std=spec.init_method_std)

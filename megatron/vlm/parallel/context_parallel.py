@@ -33,7 +33,7 @@ The CP ranks of a data-parallel rank read the same micro-batch; each keeps its p
 * ViT layers are built with a CP group of their rank alone (``vision_process_groups``): their tokens are not CP
   chunks, and megatron-core's RoPE would slice them as such.
 
-The core attention (``megatron.vlm.attention.SegmentAttention``) all-gathers keys and values over the CP group
+The core attention (``megatron.vlm.layers.attention.SegmentAttention``) all-gathers keys and values over the CP group
 (differentiable: the backward reduce-scatters, so each rank gets the gradients every rank's queries put on its
 keys and values), puts each segment's back in order (``CPSegments.kv_index``) and attends each local query chunk
 to the keys up to it (bottom-right causal).  Gradients are reduced over DP x CP by megatron-core's DDP
@@ -46,9 +46,14 @@ import dataclasses
 import functools
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 # the split arithmetic, shared with the planner (tensor-free); chunk_pairs and rank_work are re-exported
-from omnibal_ext.model.cp_split import chunk_pairs, padded_chunk, rank_chunks, rank_work, tile_ranges  # noqa: F401
+from omnibal_ext.model.cp_split import chunk_pairs  # noqa: F401
+from omnibal_ext.model.cp_split import padded_chunk, rank_chunks, rank_work, tile_ranges
 
 IGNORE_INDEX = -100
 
@@ -165,7 +170,6 @@ def cp_segments(global_bounds: list[int], group) -> CPSegments:
 
 def all_gather_cp(x: torch.Tensor, group) -> torch.Tensor:
     """[n, ...] on every rank of ``group`` -> [size x n, ...] in rank order; backward: reduce-scatter (sum)."""
-    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
     return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=group)
 
@@ -188,7 +192,6 @@ def gather_rows(x: torch.Tensor, counts: list[int], group) -> torch.Tensor:
 
 def context_parallel_group():
     """megatron-core's context-parallel group when it has more than one rank, else None."""
-    from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized() or parallel_state.get_context_parallel_world_size() == 1:
         return None
@@ -202,7 +205,6 @@ def vision_process_groups():
     own = own_rank_group()
     if own is None:
         return None
-    from megatron.core.process_groups_config import ProcessGroupCollection
 
     groups = ProcessGroupCollection.use_mpu_process_groups()
     groups.cp = own
@@ -218,6 +220,4 @@ def own_rank_group():
 
 @functools.cache
 def _own_group(cp_group):
-    import torch.distributed as dist
-
     return dist.new_group([dist.get_rank()], use_local_synchronization=True)

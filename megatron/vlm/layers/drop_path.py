@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron.vlm.seeding import SeededTransformerLayer
+from megatron.vlm.layers.seeding import SeededTransformerLayer
 
 _M32 = 0xFFFFFFFF
 _MUL = 0x045D9F3B  # < 2**27: a product with a 32-bit value stays below 2**63
@@ -144,7 +145,6 @@ def with_drop_path(spec, vit_first_unit: int, rates, scale_init: float | None = 
     whose two bias-dropout-adds are ``DropPathBDA`` (carrying the layer scale ``scale_init`` when not None, over
     ``hidden_size``); vit_first_unit: unit index of ViT layer 0; rates: drop probability per ViT layer; axis: see
     ``DropPathBDA``. The spec is changed in place and returned."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
 
     spec.module = DropPathLayer
     spec.params = {**spec.params, "vit_first_unit": vit_first_unit, "rates": tuple(rates)}

@@ -10,6 +10,7 @@ embedding group assumes E on the first stage, which our layouts do not promise.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 
 
@@ -18,7 +19,6 @@ def build_tied_embedding_group(embed_stage: int, head_stage: int, timeout=None):
     output layer (``head_stage``) in this rank's pipeline; None if this rank holds neither. Every rank
     must call it (it creates one group per pipeline group, in the same order everywhere).  ``timeout``: the
     group's (a ``datetime.timedelta``; None: torch.distributed's default)."""
-    import torch.distributed as dist
 
     pp_ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
     gathered = [None] * dist.get_world_size()

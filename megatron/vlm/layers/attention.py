@@ -30,7 +30,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron.vlm.context_parallel import CPSegments, all_gather_cp, cp_segments
+from megatron.vlm.parallel.context_parallel import CPSegments, all_gather_cp, cp_segments
 
 
 @dataclasses.dataclass
@@ -48,7 +48,7 @@ def segment_params(cu_seqlens: Tensor, max_seqlen: int, device: torch.device | N
     device: where ``cu_seqlens_q/kv`` go (TransformerEngine's kernels read them on the GPU); None keeps
     them on the host, which is where megatron-core's unfused THD RoPE reads them (``.tolist()``).
     cp_group: the context-parallel group when it has more than one rank: ``cu_seqlens`` then describe the padded,
-    unsplit micro-batch (megatron/vlm/context_parallel.py) and ``segments`` this rank's part of each segment.
+    unsplit micro-batch (megatron/vlm/parallel/context_parallel.py) and ``segments`` this rank's part of each segment.
     """
     if cu_seqlens.device.type != "cpu":
         raise ValueError("segment_params: cu_seqlens must be built on the host")
