@@ -36,7 +36,7 @@ def test_the_same_object_twice_is_a_no_op(copy):
 
 def test_a_different_object_under_a_taken_name_is_refused(copy):
     families.register(copy)
-    other = dataclasses.replace(copy, vision_item="patch")  # equal name, another object
+    other = dataclasses.replace(copy, capabilities=families.Capabilities())  # equal name, another object
     with pytest.raises(UserError, match=f"model family {NAME!r} is registered already"):
         families.register(other)
     assert families.FAMILIES[NAME] is copy
@@ -88,3 +88,19 @@ def test_a_runtime_missing_a_unit_kind_is_a_bug(copy):
     short = FamilyRuntime(components=internvl.components[1:], vision_config=internvl.vision_config)
     with pytest.raises(TypeError, match=f"family {NAME!r}: no runtime component for unit kind"):
         short.check(copy)
+
+
+def test_a_family_says_what_its_vit_counts(copy):
+    """``vision_item`` is "tile" or "patch"; a family counting patches needs its ViT spec's ``segments_sq``
+    (``PatchVision``): InternViT's counts tiles and has none."""
+    with pytest.raises(TypeError, match="vision_item must be one of \\('tile', 'patch'\\), got 'frame'"):
+        dataclasses.replace(copy, vision_item="frame")
+    with pytest.raises(TypeError, match="its vision spec VisionSpec must give segments_sq"):
+        dataclasses.replace(copy, vision_item="patch")
+    assert not copy.native_resolution and families.family_of(get_preset("qwen2.5-vl-tiny")).native_resolution
+
+
+def test_a_family_gives_its_unit_list():
+    """The hooks are methods: ``unit_list`` has no default (the base class is abstract), the others have."""
+    with pytest.raises(TypeError, match="abstract method.* unit_list"):
+        families.Family(name="no-units", vision_spec=object, components=(), vision_item="tile")

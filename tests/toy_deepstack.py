@@ -20,8 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from omnibal_ext.model import families
-from omnibal_ext.model.families import Family
-from megatron.vlm.families.internvl import INTERNVL
+from megatron.vlm.families.internvl import INTERNVL, InternVL
 from omnibal_ext.model.spec import PROJECTOR, SideTensor
 from omnibal_ext.model.units import build_units, get_preset
 
@@ -29,14 +28,6 @@ NAME = "toy-deepstack"
 PRODUCERS = (1, 2)  # ViT layers whose outputs feed a merger
 CONSUMERS = (0, 2)  # LLM layers whose outputs get the merger's feature
 MERGER_SEED = 7919  # the mergers' init stream: seeded(seed, MERGER_SEED + unit index)
-
-
-def side_tensors(spec):
-    units = build_units(spec)
-    vit = [u.index for u in units if u.code == "v"]
-    llm = [u.index for u in units if u.code == "t"]
-    return tuple(SideTensor(f"deepstack.{k}", vit[p], (llm[c],), spec.language.hidden_size)
-                 for k, (p, c) in enumerate(zip(PRODUCERS, CONSUMERS)) if p < len(vit) and c < len(llm))
 
 
 def toy_spec():
@@ -97,7 +88,7 @@ def _runtime():
 
     class DeepStackVisionLayer(VisionLayer):
         def sides(self):
-            return {s.producer: s.name for s in side_tensors(self.spec)}
+            return {s.producer: s.name for s in FAMILY.side_tensors(self.spec)}
 
         @functools.cached_property
         def sp_edges(self):
@@ -142,7 +133,7 @@ def _runtime():
         reads = frozenset({"packing", "tokens"})
 
         def sides(self):
-            return {c: s.name for s in side_tensors(self.spec) for c in s.consumers}
+            return {c: s.name for s in FAMILY.side_tensors(self.spec) for c in s.consumers}
 
         @functools.cached_property
         def sp_edges(self):
@@ -188,9 +179,19 @@ def _runtime():
                          vision_config=vision_config, data=internvl.data)
 
 
-FAMILY = Family(name=NAME, vision_spec=INTERNVL.vision_spec, components=INTERNVL.components,
-                unit_list=INTERNVL.unit_list, vision_item="tile", presets={NAME: toy_spec()},
-                side_tensors=side_tensors, capabilities=INTERNVL.capabilities, runtime=f"{__name__}:RUNTIME")
+class ToyDeepStack(InternVL):
+    """InternVL's unit list, with side tensors from the ViT layers ``PRODUCERS`` to the LLM layers ``CONSUMERS``."""
+
+    def side_tensors(self, spec):
+        units = build_units(spec)
+        vit = [u.index for u in units if u.code == "v"]
+        llm = [u.index for u in units if u.code == "t"]
+        return tuple(SideTensor(f"deepstack.{k}", vit[p], (llm[c],), spec.language.hidden_size)
+                     for k, (p, c) in enumerate(zip(PRODUCERS, CONSUMERS)) if p < len(vit) and c < len(llm))
+
+
+FAMILY = ToyDeepStack(name=NAME, vision_spec=INTERNVL.vision_spec, components=INTERNVL.components, vision_item="tile",
+                      presets={NAME: toy_spec()}, capabilities=INTERNVL.capabilities, runtime=f"{__name__}:RUNTIME")
 
 
 def register():

@@ -18,11 +18,12 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 
 from omnibal_ext.model.components import HeadCost, TextEmbedCost, TextLayerCost
-from omnibal_ext.model.families import Family, family_of, register
+from omnibal_ext.model.families import register
 
 from megatron.vlm.stage.components import GPT_DECODER, FamilyRuntime, RuntimeComponent
 from megatron.vlm.layers.config import vision_config
 from megatron.vlm.stage.components import runtime_family
+from megatron.vlm.families.internvl import INTERNVL, InternVL
 from megatron.vlm.families.internvl.components import VisionEmbed, VisionLayer
 from megatron.vlm.families.internvl.costs import ProjectorCost, VisionEmbedCost, VisionLayerCost, VisionSpec
 from megatron.vlm.families.internvl.presets import PRESETS as INTERNVL_PRESETS
@@ -44,14 +45,6 @@ class LinearProjectorCost(ProjectorCost):
 
     def params(self, tp):
         return self.spec.projector_in_size * self.spec.language.hidden_size + self.spec.language.hidden_size
-
-
-def unit_list(spec):
-    units = [("vit.embed", VisionEmbedCost, None)]
-    units += [(f"vit.layer.{i}", VisionLayerCost, i) for i in range(spec.vision.num_layers)]
-    units += [("projector", LinearProjectorCost, None), ("llm.embed", TextEmbedCost, None)]
-    units += [(f"llm.layer.{i}", TextLayerCost, i) for i in range(spec.language.num_layers)]
-    return units + [("llm.head", HeadCost, None)]
 
 
 # Step 2: the run-time side: the module, its component (build, forward, HF mapping), the FamilyRuntime ----------
@@ -117,12 +110,20 @@ RUNTIME = FamilyRuntime(components=(VisionEmbed, VisionLayer, LinearProjectorUni
                         vision_config=vision_config, hf=HF, data=_internvl.data)
 
 
-# Step 3: the Family, registered ---------------------------------------------------------------------------------
-_internvl_family = family_of(_INTERNVL_TINY)
-FAMILY = register(Family(
+# Step 3: the Family (its unit list), registered ----------------------------------------------------------------
+class Toy(InternVL):
+    """InternVL's family (its spec check) with the linear projector in its unit list."""
+
+    def unit_list(self, spec):
+        units = [("vit.embed", VisionEmbedCost, None)]
+        units += [(f"vit.layer.{i}", VisionLayerCost, i) for i in range(spec.vision.num_layers)]
+        units += [("projector", LinearProjectorCost, None), ("llm.embed", TextEmbedCost, None)]
+        units += [(f"llm.layer.{i}", TextLayerCost, i) for i in range(spec.language.num_layers)]
+        return units + [("llm.head", HeadCost, None)]
+
+
+FAMILY = register(Toy(
     name=NAME, vision_spec=VisionSpec,
     components=(VisionEmbedCost, VisionLayerCost, LinearProjectorCost, TextEmbedCost, TextLayerCost, HeadCost),
-    unit_list=unit_list, vision_item="tile",
-    presets={"toy-tiny": _INTERNVL_TINY.replace(name="toy-tiny", family=NAME)},
-    spec_problem=_internvl_family.spec_problem, capabilities=_internvl_family.capabilities,
-    runtime=f"{__name__}:RUNTIME"))
+    vision_item="tile", presets={"toy-tiny": _INTERNVL_TINY.replace(name="toy-tiny", family=NAME)},
+    capabilities=INTERNVL.capabilities, runtime=f"{__name__}:RUNTIME"))

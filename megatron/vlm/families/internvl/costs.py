@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from omnibal_ext.errors import UserError
 from omnibal_ext.model.components import (FUSED_KERNELS, ActBytes, CostComponent, HeadCost, TextEmbedCost,
                                           layer_act_bytes_per_token, norm_bytes_per_token, sp_tokens)
-from omnibal_ext.model.moe_cost import llm_layer_units
 from omnibal_ext.model.spec import PROJECTOR, VISION_EMBED, VISION_LAYER, ModelSpec
 
 
@@ -166,23 +165,4 @@ class ProjectorCost(CostComponent):
         return img, img
 
 
-def unit_list(spec: ModelSpec):
-    units = [("vit.embed", VisionEmbedCost, None)]
-    units += [(f"vit.layer.{i}", VisionLayerCost, i) for i in range(spec.vision.num_layers)]
-    units += [("projector", ProjectorCost, None), ("llm.embed", TextEmbedCost, None)]
-    units += llm_layer_units(spec)  # MoE layers (LanguageSpec.moe) at their own kind
-    return units + [("llm.head", HeadCost, None)]
-
-
 NAME = "internvl"
-
-
-def spec_problem(spec: ModelSpec) -> str | None:
-    """The image size must be whole patches, and the patch grid pixel-shuffled by the downsample ratio."""
-    v = spec.vision
-    if v.image_size % v.patch_size:
-        return f"--patch-size {v.patch_size} does not divide --image-size {v.image_size}"
-    grid = v.image_size // v.patch_size
-    if grid % int(round(1 / spec.downsample_ratio)):
-        return f"the ViT patch grid {grid}x{grid} cannot be pixel-shuffled by {spec.downsample_ratio}"
-    return None

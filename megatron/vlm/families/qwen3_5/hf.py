@@ -37,7 +37,8 @@ import json
 
 from omnibal_ext.model.spec import ModelSpec
 
-from .costs import FULL, LINEAR, qwen3_5_language, qwen3_5_moe_experts, spec_problem
+from . import QWEN3_5
+from .costs import FULL, LINEAR, qwen3_5_language, qwen3_5_moe_experts
 from megatron.vlm.hf.config import HFConfigError, HFInfo, padded_vocab, refuse, require
 from megatron.vlm.hf.recipes import Part, Recipe, whole
 from megatron.vlm.hf.text_configs import rope
@@ -129,7 +130,7 @@ def spec_from_config(cfg: dict, name: str = "hf", where: str = "config.json") ->
     if vision.spatial_merge_size != 2 or vision.in_channels != 3:
         raise HFConfigError(f"{where}: vision_config: only a 2x2 merge of RGB patches is implemented")
     spec = ModelSpec(name=name, vision=vision, language=lang, downsample_ratio=0.5, family="qwen3_5")
-    problem = spec_problem(spec)
+    problem = QWEN3_5.spec_problem(spec)
     if problem:
         raise HFConfigError(f"{where}: {problem}")
     image_id = cfg.get("image_token_id", t.get("image_token_id"))

@@ -32,7 +32,7 @@ import json
 
 from omnibal_ext.model.spec import LanguageSpec, ModelSpec
 
-from .costs import spec_problem
+from . import QWEN3_VL
 from megatron.vlm.hf.config import HFConfigError, HFInfo, require
 from megatron.vlm.hf.recipes import Part, add_llm_layer, add_moe_llm_layer
 from megatron.vlm.hf.text_configs import moe_config, qwen3, qwen_experts, rope, with_tie
@@ -90,7 +90,7 @@ def spec_from_config(cfg: dict, name: str = "hf", where: str = "config.json") ->
     if vision.spatial_merge_size != 2 or vision.in_channels != 3:
         raise HFConfigError(f"{where}: vision_config: only a 2x2 merge of RGB patches is implemented")
     spec = ModelSpec(name=name, vision=vision, language=lang, downsample_ratio=0.5, family="qwen3_vl")
-    problem = spec_problem(spec)
+    problem = QWEN3_VL.spec_problem(spec)
     if problem:
         raise HFConfigError(f"{where}: {problem}")
     image_id = cfg.get("image_token_id", t.get("image_token_id"))

@@ -86,6 +86,13 @@ class VisionSpec:
     def merge_unit(self) -> int:
         return self.spatial_merge_size**2
 
+    def segments_sq(self, rows, cols) -> tuple[np.ndarray, np.ndarray]:
+        """(full-attention, window) sums of squared segment lengths of images of ``rows x cols`` patches
+        (``PatchVision``): every layer attends over the whole image, ``(rows*cols)^2``; there are no windows (the
+        second is the same, unused)."""
+        sq = (np.asarray(rows, dtype=np.float64) * np.asarray(cols, dtype=np.float64)) ** 2
+        return sq, sq
+
     def deepstack_slot(self, layer: int) -> int | None:
         """Which DeepStack feature ViT layer ``layer`` makes (its place in ``deepstack_visual_indexes``), or None."""
         ds = self.deepstack_visual_indexes
@@ -97,13 +104,6 @@ def attention_sq(shape) -> float:
     n = float(shape.vision_items)
     given = shape.vision_attn_tokens_sq
     return shape.rank_vision_sq(given if given is not None else n * n)
-
-
-def image_segments_sq(spec: ModelSpec, rows, cols) -> tuple[np.ndarray, np.ndarray]:
-    """(full-attention, window) sums of squared segment lengths of images of ``rows x cols`` patches: every layer
-    attends over the whole image, ``(rows*cols)^2``; there are no windows (the second is the same, unused)."""
-    sq = (np.asarray(rows, dtype=np.float64) * np.asarray(cols, dtype=np.float64)) ** 2
-    return sq, sq
 
 
 class VisionEmbedCost(CostComponent):
