@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from omnibal_ext.errors import UserError
-from omnibal_ext.model.components import (FUSED_KERNELS, ActBytes, CostComponent, HeadCost, TextEmbedCost,
-                                          layer_act_bytes_per_token, norm_bytes_per_token, sp_tokens)
-from omnibal_ext.model.spec import PROJECTOR, VISION_EMBED, VISION_LAYER, ModelSpec
+from omnibal_ext.model.components import (FUSED_KERNELS, ActBytes, CostComponent, layer_act_bytes_per_token,
+                                          norm_bytes_per_token, sp_tokens)
+from omnibal_ext.model.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class VisionEmbedCost(CostComponent):
     """Patch embedding of the tiles (a strided conv, 588-wide reduction: low efficiency), class token,
     learned positions."""
 
-    kind, code, efficiency = "vit_embed", VISION_EMBED, 0.3
+    efficiency = 0.3
 
     def flops(self, shape, tp):
         v = self.spec.vision
@@ -99,8 +99,6 @@ class VisionEmbedCost(CostComponent):
 
 class VisionLayerCost(CostComponent):
     """One InternViT layer: full attention within each tile, GELU MLP, optional qk-norm and layer scale."""
-
-    kind, code = "vit_layer", VISION_LAYER
 
     def flops(self, shape, tp):
         return vit_layer_flops(self.spec, shape.rank_vision_items, tp)
@@ -140,7 +138,7 @@ class VisionLayerCost(CostComponent):
 class ProjectorCost(CostComponent):
     """Pixel shuffle, LayerNorm and a 2-layer GELU MLP into the LLM's width (few tokens: lower efficiency)."""
 
-    kind, code, efficiency = "projector", PROJECTOR, 0.4
+    efficiency = 0.4
 
     def _image_tokens(self, shape) -> int:
         return shape.rank_vision_items * self.spec.tokens_per_tile

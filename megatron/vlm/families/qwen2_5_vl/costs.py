@@ -32,7 +32,7 @@ import numpy as np
 from omnibal_ext.errors import UserError
 from omnibal_ext.model.components import (FUSED_KERNELS, ActBytes, CostComponent, layer_act_bytes_per_token,
                                           norm_bytes_per_token, sp_tokens)
-from omnibal_ext.model.spec import PROJECTOR, VISION_EMBED, VISION_LAYER, ModelSpec
+from omnibal_ext.model.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ def _several_segments(shape, window: bool, padded: int) -> bool:
 class VisionEmbedCost(CostComponent):
     """Conv3d patch embedding without bias (a 1176-wide reduction per patch: low efficiency)."""
 
-    kind, code, efficiency = "qwen_vit_embed", VISION_EMBED, 0.3
+    efficiency = 0.3
 
     def flops(self, shape, tp):
         v = self.spec.vision
@@ -197,19 +197,19 @@ class _VisionLayerCost(CostComponent):
 class WindowLayerCost(_VisionLayerCost):
     """A ViT layer attending within each window (quadratic per window)."""
 
-    kind, code, window = "qwen_vit_window_layer", VISION_LAYER, True
+    window = True
 
 
 class FullLayerCost(_VisionLayerCost):
     """A ViT layer attending over each whole image (quadratic per image)."""
 
-    kind, code, window = "qwen_vit_full_layer", VISION_LAYER, False
+    window = False
 
 
 class MergerCost(CostComponent):
     """RMSNorm per patch, 2x2 patches concatenated, Linear-GELU-Linear into the LLM's width."""
 
-    kind, code, efficiency = "qwen_merger", PROJECTOR, 0.4
+    efficiency = 0.4
 
     def _sizes(self):
         v = self.spec.vision

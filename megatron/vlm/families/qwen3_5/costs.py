@@ -25,7 +25,7 @@ from omnibal_ext.model.components import (FUSED_KERNELS, ActBytes, HeadCost, Tex
 from omnibal_ext.model.linear_attention import LinearAttentionShape, linear_attention_act_bytes, linear_attention_flops
 from omnibal_ext.model.moe import MoESpec
 from omnibal_ext.model.moe_cost import MoELayerCost
-from omnibal_ext.model.spec import LanguageSpec, ModelSpec
+from omnibal_ext.model.spec import LanguageSpec
 
 from megatron.vlm.lineages.qwen.vision_costs import VisionSpec
 
@@ -106,7 +106,6 @@ def _mlp_norm_bytes(lm: LanguageSpec, T: int, D: int, tp: int, sequence_parallel
 class LinearAttentionLayerCost(TextLayerCost):
     """A Gated DeltaNet layer with its SwiGLU MLP (module docstring); TP all-reduces as any decoder layer's."""
 
-    kind = "qwen3_5_linear_layer"
     efficiency = 0.4
 
     def _lengths(self, shape, tokens: int) -> list[int]:
@@ -150,8 +149,6 @@ class GatedAttentionLayerCost(TextLayerCost):
     """A gated full-attention layer: the decoder layer's cost with ``q_proj``'s gate rows (``heads * head_dim``
     more outputs of the fused QKV), the sigmoid gate on the attention output and partial rotary (its tables
     ``rotary_dim`` wide)."""
-
-    kind = "qwen3_5_attention_layer"
 
     def _width(self) -> int:
         lm = self.spec.language
@@ -214,26 +211,9 @@ class LinearAttentionMoELayerCost(MoELayerCost, LinearAttentionLayerCost):
     """A Gated DeltaNet layer whose MLP is a mixture of experts: ``LinearAttentionLayerCost`` with its SwiGLU MLP
     replaced by ``MoELayerCost``'s router, experts and shared expert (and their EP all-to-alls)."""
 
-    kind = "qwen3_5_linear_moe_layer"
-
-    def with_experts(self, run):
-        return LinearAttentionMoELayerCost(self.spec, run)
-
 
 class GatedAttentionMoELayerCost(MoELayerCost, GatedAttentionLayerCost):
     """A gated full-attention layer whose MLP is a mixture of experts (as ``LinearAttentionMoELayerCost``)."""
-
-    kind = "qwen3_5_attention_moe_layer"
-
-    def with_experts(self, run):
-        return GatedAttentionMoELayerCost(self.spec, run)
-
-
-def layer_cost(lm: "Qwen35LanguageSpec", layer: int) -> type:
-    """The cost component of LLM layer ``layer``: its kind (``layer_types``), with experts where ``lm.moe`` says."""
-    if lm.is_moe_layer(layer):
-        return LinearAttentionMoELayerCost if lm.is_linear(layer) else GatedAttentionMoELayerCost
-    return LinearAttentionLayerCost if lm.is_linear(layer) else GatedAttentionLayerCost
 
 
 def qwen3_5_moe_experts(num_layers: int, num_experts: int, topk: int, expert_ffn: int, shared_ffn: int) -> MoESpec:

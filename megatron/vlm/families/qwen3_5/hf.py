@@ -296,6 +296,16 @@ def linear_layer_recipes(unit, table, mlp=_mlp) -> None:
     mlp(table, u, m)
 
 
+def linear_moe_layer_recipes(unit, table) -> None:
+    """A Gated DeltaNet layer with MoE MLPs (``moe_recipes``)."""
+    linear_layer_recipes(unit, table, mlp=moe_recipes)
+
+
+def attention_moe_layer_recipes(unit, table) -> None:
+    """A gated full-attention layer with MoE MLPs (``moe_recipes``)."""
+    attention_layer_recipes(unit, table, mlp=moe_recipes)
+
+
 def structure_twin(spec: ModelSpec) -> ModelSpec:
     """A tiny model with ``spec``'s structure (unit list with the same layer kinds, heads)."""
 
@@ -309,4 +319,5 @@ def structure_twin(spec: ModelSpec) -> ModelSpec:
 
 
 __all__ = ["FULL", "LINEAR", "recognizes", "is_moe", "spec_from_config", "native_config", "checkpoint_info", "Names",
-           "attention_layer_recipes", "linear_layer_recipes", "moe_recipes", "structure_twin"]
+           "attention_layer_recipes", "linear_layer_recipes", "attention_moe_layer_recipes", "linear_moe_layer_recipes",
+           "moe_recipes", "structure_twin"]

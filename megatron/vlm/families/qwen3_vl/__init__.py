@@ -2,24 +2,28 @@
 merger and a Qwen3 decoder with interleaved multimodal RoPE; the whole family in this folder, on the Qwen lineage
 library (``megatron.vlm.lineages.qwen``: the ViT, patch images, multimodal RoPE ids, video, the batcher).
 
-Tensor-free (imported by the planners without torch): ``costs`` (the Qwen3 language spec), ``presets`` and this
-module: the ``Family`` (its unit list, DeepStack side tensors, profiled copy and spec check), registered. Run time
-(imported through ``Family.runtime`` only): ``runtime`` (the ``FamilyRuntime``), ``components`` and ``hf``.
+Tensor-free (imported by the planners without torch): ``kinds`` (its own unit kinds, the DeepStack LLM layers: each
+one's cost, run-time component, micro-batch parts and HF mapping), ``costs`` (the Qwen3 language spec), ``presets``
+and this module: the ``Family`` (its unit list, DeepStack side tensors, profiled copy and spec check), registered.
+Run time (named by the kinds and ``Family.runtime``, imported on first use): ``components`` (the DeepStack LLM
+layers), ``hf`` (config reader, names, the fused experts' HF mapping) and ``runtime`` (the ``FamilyRuntime``).
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
-from omnibal_ext.model.components import HeadCost, TextEmbedCost, TextLayerCost
 from omnibal_ext.model.families import Capabilities, Family, register
 from omnibal_ext.model.lora import TARGETS as LORA_TARGETS
 from omnibal_ext.model.moe import first_layers
-from omnibal_ext.model.moe_cost import MoELayerCost, llm_layer_units
+from omnibal_ext.model.moe_cost import llm_layer_units
 from omnibal_ext.model.spec import ModelSpec, SideTensor
 
+from .kinds import DEEPSTACK_MOE_TEXT_LAYER, DEEPSTACK_TEXT_LAYER
 from .presets import PRESETS
-from megatron.vlm.lineages.qwen.vision_costs import (DeepStackLayerCost, MergerCost, VisionEmbedCost, VisionLayerCost,
-                                                     VisionSpec, deepstack_name)
+from megatron.vlm.lineages.qwen.kinds import (IMAGE_TEXT_EMBED, QWEN3_DEEPSTACK_LAYER, QWEN3_MERGER, QWEN3_VIT_EMBED,
+                                              QWEN3_VIT_LAYER)
+from megatron.vlm.lineages.qwen.vision_costs import VisionSpec, deepstack_name
+from megatron.vlm.stage.kinds import LLM_HEAD
 
 
 class Qwen3VL(Family):
@@ -28,12 +32,12 @@ class Qwen3VL(Family):
 
     def unit_list(self, spec: ModelSpec):
         v = spec.vision
-        units = [("vit.embed", VisionEmbedCost, None)]
-        units += [(f"vit.layer.{i}", VisionLayerCost if v.deepstack_slot(i) is None else DeepStackLayerCost, i)
+        units = [("vit.embed", QWEN3_VIT_EMBED, None)]
+        units += [(f"vit.layer.{i}", QWEN3_VIT_LAYER if v.deepstack_slot(i) is None else QWEN3_DEEPSTACK_LAYER, i)
                   for i in range(v.num_layers)]
-        units += [("projector", MergerCost, None), ("llm.embed", TextEmbedCost, None)]
-        units += llm_layer_units(spec)  # MoE layers (LanguageSpec.moe) at their own kind
-        return units + [("llm.head", HeadCost, None)]
+        units += [("projector", QWEN3_MERGER, None), ("llm.embed", IMAGE_TEXT_EMBED, None)]
+        units += llm_layer_units(spec, DEEPSTACK_TEXT_LAYER, DEEPSTACK_MOE_TEXT_LAYER)  # MoE layers: their own kind
+        return units + [("llm.head", LLM_HEAD, None)]
 
     def side_tensors(self, spec: ModelSpec) -> tuple[SideTensor, ...]:
         """DeepStack feature ``j``: made by the unit of ViT layer ``deepstack_visual_indexes[j]``, read by LLM layer
@@ -62,8 +66,8 @@ class Qwen3VL(Family):
 
 QWEN3_VL = register(Qwen3VL(
     name="qwen3_vl", vision_spec=VisionSpec,
-    components=(VisionEmbedCost, VisionLayerCost, DeepStackLayerCost, MergerCost, TextEmbedCost, TextLayerCost,
-                MoELayerCost, HeadCost),
+    kinds=(QWEN3_VIT_EMBED, QWEN3_VIT_LAYER, QWEN3_DEEPSTACK_LAYER, QWEN3_MERGER, IMAGE_TEXT_EMBED,
+           DEEPSTACK_TEXT_LAYER, DEEPSTACK_MOE_TEXT_LAYER, LLM_HEAD),
     vision_item="patch", presets=PRESETS, runtime=f"{__name__}.runtime:RUNTIME",
     # drop path: tests/test_qwen3_vl_drop_path.py; SP and CP: tests/test_qwen3_vl_training.py
     capabilities=Capabilities(drop_path=True, sequence_parallel=True, context_parallel=True, video=True,

@@ -34,7 +34,7 @@ from omnibal_ext.model.spec import LanguageSpec, ModelSpec
 
 from . import QWEN3_VL
 from megatron.vlm.hf.config import HFConfigError, HFInfo, require
-from megatron.vlm.hf.recipes import Part, add_llm_layer, add_moe_llm_layer
+from megatron.vlm.hf.recipes import Part, add_moe_llm_layer
 from megatron.vlm.hf.text_configs import moe_config, qwen3, qwen_experts, rope, with_tie
 from megatron.vlm.lineages.qwen.qwen3_vit.hf import (FUSED_EXPERTS, Names, checkpoint_info, fused_shapes,  # noqa: F401
                                                      vision_spec)
@@ -132,10 +132,6 @@ def native_config(spec: ModelSpec, info: HFInfo, source: dict | None) -> dict:
             "text_config": text, "vision_config": vision, "image_token_id": info.image_token_id,
             **({} if info.video_token_id is None else {"video_token_id": info.video_token_id}),
             "tie_word_embeddings": lang.tie_word_embeddings}
-
-
-def llm_layer_recipes(unit, table) -> None:
-    add_llm_layer(table.add, table.hf, table.names.llm_layer(unit.layer), unit.name + ".", table.spec, table.info)
 
 
 def moe_layer_recipes(unit, table) -> None:
