@@ -83,6 +83,12 @@ def text_context(batch: MicroBatch, rotary, thd: bool, device=None) -> dict:
     [b, 1, s, s] and per-token frequencies [s, b, 1, d] gathered at ``position_ids``.
     """
     max_seqlen = int(batch.packing.max_seqlen)
+    if thd and batch.packing.decode is not None:  # generation: positions continue past each sequence's cache
+        params = segment_params(batch.packing.cu_seqlens, max_seqlen, device, decode=batch.packing.decode)
+        positions = batch.packing.position_ids.reshape(-1)
+        # one frequency row per token: megatron-core's THD RoPE then maps them by absolute offset
+        rope = rotary(int(positions.max()) + 1, packed_seq=True)[positions.to(torch.long)]
+        return {"attention_mask": None, "rotary_pos_emb": rope, "packed_seq_params": params}
     if thd:
         params = segment_params(batch.packing.cu_seqlens, max_seqlen, device, context_parallel_group())
         # tokens of the (unsplit) micro-batch (tokens are only where the embedding is)

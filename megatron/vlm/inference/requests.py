@@ -78,8 +78,8 @@ class GenerationRequest:
     videos: tuple[str, ...] = ()
 
     def record(self) -> dict:
-        """The ``messages`` record the trainer's reader takes (with an empty assistant turn where the answer goes)."""
-        record: dict = {"messages": [*self.messages, {"role": "assistant", "content": ""}]}
+        """The request as a ``messages`` record (without its answer: ``omnibal generate``'s input line)."""
+        record: dict = {"messages": list(self.messages)}
         if self.images:
             record["images"] = list(self.images)
         if self.videos:
