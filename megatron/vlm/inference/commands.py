@@ -8,6 +8,83 @@ import os
 import tempfile
 
 
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """``omnibal serve``: an OpenAI-compatible server of a model on the training layout."""
+    p = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions)",
+        description="Serve a model over an OpenAI-compatible HTTP API: POST /v1/chat/completions (text, image_url "
+                    "and video_url parts; data URLs and local paths; stream: true for server-sent events), GET "
+                    "/v1/models, GET /health. The model comes from the trainer's flags (--hf-checkpoint DIR, or "
+                    "--load CKPT with --model NAME), on the layout of its parallel flags under torchrun: rank 0 "
+                    "serves, the other ranks follow it. Concurrent requests are generated in batches. Listens on "
+                    "loopback unless --host says otherwise.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: any free one; default: %(default)s)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the name requests give as 'model' (default: the --hf-checkpoint folder's name, else --model)")
+    p.add_argument("--max-batch-size", type=int, default=8, help="requests generated together (default: %(default)s)")
+    p.add_argument("--max-waiting", type=int, default=64,
+                   help="requests waiting for a batch beyond it; more are answered 429 (default: %(default)s)")
+    p.add_argument("--default-max-new-tokens", type=int, default=256,
+                   help="answer length when a request gives no max_tokens (default: %(default)s; at most what "
+                        "--seq-length leaves after the prompt)")
+    p.add_argument("--media-dir", default=None, metavar="DIR",
+                   help="where data-URL media are written while their request runs (default: the system's "
+                        "temporary folder)")
+    p.set_defaults(func=run_serve, accepts_trainer_flags=True)
+    return p
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    # the server stack and the trainer load here, not when `omnibal` starts (its planner commands need neither)
+    from megatron.training import cpu_compat
+    from megatron.training.arguments import parse_args, requested_device
+    from megatron.training.initialize import choose_device, destroy, world_size_from_env
+    from megatron.vlm.inference.build import generator_from_args
+    from megatron.vlm.inference.server import ServerConfig, serve_layout
+    from omnibal_ext.errors import UserError
+
+    for flag, value in (("--max-batch-size", args.max_batch_size), ("--max-waiting", args.max_waiting),
+                        ("--default-max-new-tokens", args.default_max_new_tokens)):
+        if value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in [0, 65535], got {args.port}")
+    flags = list(args.trainer_flags)
+    trainer = parse_args(flags, world_size_from_env())  # the trainer's checks, before any model work
+    name = args.served_model_name or (os.path.basename(os.path.normpath(trainer.hf_checkpoint))
+                                      if trainer.hf_checkpoint else trainer.model)
+    config = ServerConfig(args.host, args.port, args.max_batch_size, args.max_waiting, args.media_dir)
+    with cpu_compat.patched_for(choose_device(requested_device(flags))):
+        try:
+            engine = generator_from_args(flags)
+            model = served_engine(engine, name, trainer.seq_length, args.default_max_new_tokens)
+            serve_layout(engine, model, config, on_listening=lambda url: print(
+                f"omnibal serve: {name} at {url}/v1 (Ctrl-C stops)", flush=True))
+        finally:
+            destroy()
+    return 0
+
+
+def served_engine(engine, name: str, max_sequence_length: int, default_max_new_tokens: int):
+    """The ``ServedModel`` of a generation engine: a request's prompt length is what the engine's reader makes of
+    it (the trainer's reader: chat template, image and video tokens), read with a copy of its tokenizer (the HTTP
+    threads count while the engine decodes)."""
+    import copy
+    import json
+
+    from megatron.vlm.inference.prompts import read_prompts
+    from megatron.vlm.inference.server import ServedModel
+
+    tokenizer = copy.deepcopy(engine.tokenizer)
+
+    def count_prompt_tokens(request) -> int:
+        return read_prompts([json.dumps(request.record())], "/", tokenizer, engine.reader_config,
+                            ["the request"])[0].length
+
+    return ServedModel(name, max_sequence_length, count_prompt_tokens, default_max_new_tokens)
+
+
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     """``omnibal eval``: a local task answered by a running ``omnibal serve``, scored by exact match."""
     p = subparsers.add_parser(

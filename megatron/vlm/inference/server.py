@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import socket
 import threading
 import time
@@ -32,7 +33,8 @@ from megatron.vlm.inference.batching import BatchQueue, GenerateFn, QueueFull, T
 from megatron.vlm.inference.chat_api import (ApiError, ChatCall, StreamText, chunk_body, completion_body,
                                              context_error, new_id, parse_chat_request, usage_chunk_body)
 from megatron.vlm.inference.media import RequestMedia
-from megatron.vlm.inference.requests import GenerationRequest, GenerationResult
+from megatron.vlm.inference.ranks import BatchChannel, LeaderGenerator, follow
+from megatron.vlm.inference.requests import GenerationRequest, GenerationResult, Generator
 from omnibal_ext.errors import UserError, one_line
 
 
@@ -256,3 +258,26 @@ def serving_in_background(model: ServedModel, generate: GenerateFn, config: Serv
     finally:
         stop.set()
         thread.join(timeout=30)
+
+
+def serve_layout(generator: Generator, model: ServedModel, config: ServerConfig,
+                 on_listening: Callable[[str], None] = lambda url: None) -> None:
+    """Collective (every rank of the layout): rank 0 serves (``serve``), sending each batch to the other ranks,
+    which follow it (``ranks.follow``).  SIGINT or SIGTERM ends it after the batch in progress: rank 0 stops
+    serving and releases the others (which ignore those signals meanwhile, so none leaves a collective early)."""
+    channel = BatchChannel()
+    stop = threading.Event()
+    handler = (lambda signum, frame: stop.set()) if channel.is_leader else (lambda signum, frame: None)
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        if not channel.is_leader:
+            follow(generator, channel)
+            return
+        leader = LeaderGenerator(generator, channel)
+        try:
+            serve(model, leader.generate, config, stop, on_listening)
+        finally:
+            leader.release()
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
