@@ -1,0 +1,141 @@
+"""`omnibal serve` end to end: a tiny random Qwen2.5-VL served at PP 2 (two ranks, rank 0 serving, rank 1 following),
+asked through the `openai` client, against the generation engine called directly in a world of one
+(tests/engine_answers.py) on the same requests: an image chat and a video chat, whole and streamed, eight
+concurrent requests, a refused request; then SIGTERM stops both ranks cleanly.  One launch of each."""
+from __future__ import annotations
+
+import base64
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+from PIL import Image
+
+import hf_tiny_qwen
+from launch import ROOT, benchlib
+from megatron.vlm.data.video_synthetic import write_coded_video
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 12
+QUESTIONS = [f"q{k}: what is shown{'?' * k}" for k in range(8)]
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    """The model folder, its media, the trainer flags, and the requests in the trainer's form with the engine's
+    answers to them."""
+    folder = tmp_path_factory.mktemp("serve_engine")
+    hf_tiny_qwen.make_tiny_with_tokenizer(folder / "tiny", seed=0)
+    image, video = folder / "photo.png", folder / "clip.mp4"
+    Image.new("RGB", (84, 56), (30, 160, 220)).save(image)
+    write_coded_video(str(video), 4, 2, 64, 48)
+    flags = ["--hf-checkpoint", str(folder / "tiny"), "--seq-length", "2048"]
+
+    def asked(parts: list[dict]) -> dict:
+        return {"messages": [{"role": "user", "content": parts}], "max_new_tokens": MAX_TOKENS}
+
+    requests = [asked([{"type": "image", "image": str(image)}, {"type": "text", "text": "Describe it."}]),
+                asked([{"type": "video", "video": str(video)}, {"type": "text", "text": "What happens?"}]),
+                *[asked(([{"type": "image", "image": str(image)}] if k % 2 else []) +
+                        [{"type": "text", "text": q}]) for k, q in enumerate(QUESTIONS)]]
+    (folder / "requests.json").write_text(json.dumps(requests))
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "engine_answers.py"), str(folder / "requests.json"),
+                           str(folder / "answers.json"), *flags], cwd=folder, env=benchlib.trainer_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return {"image": image, "video": video, "flags": flags,
+            "answers": json.loads((folder / "answers.json").read_text())}
+
+
+@pytest.fixture(scope="module")
+def server(case):
+    """`omnibal serve --port 0` at PP 2, its two ranks started as torchrun starts them; yields (URL, processes)."""
+    env = benchlib.trainer_env()
+    port = str(benchlib.free_port())
+    logs = [tempfile.NamedTemporaryFile("w+", suffix=f".rank{r}.log", delete=False) for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-u", str(ROOT / "omnibal_cli.py"), "serve", "--port", "0",
+                               "--served-model-name", "tiny", "--max-batch-size", "8", *case["flags"],
+                               "--pipeline-model-parallel-size", "2"],
+                              cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for r, log in enumerate(logs)]
+    url = None
+    deadline = time.monotonic() + 600
+    try:
+        while url is None:
+            text = Path(logs[0].name).read_text()
+            url = next((line.split(" at ")[1].split("/v1")[0] for line in text.splitlines()
+                        if line.startswith("omnibal serve: tiny at ")), None)
+            assert all(p.poll() is None for p in procs), "\n".join(Path(f.name).read_text()[-3000:] for f in logs)
+            assert time.monotonic() < deadline, text[-3000:]
+            time.sleep(0.2)
+        yield url, procs, logs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+            Path(f.name).unlink()
+
+
+def data_url(path: Path, mime: str) -> str:
+    return f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode()}"
+
+
+def test_served_answers_equal_the_engine(case, server):
+    url, procs, logs = server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    answers = case["answers"]
+
+    def ask(content, stream=False):
+        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}],
+                                               max_tokens=MAX_TOKENS, stream=stream)
+        if not stream:
+            return reply.choices[0].model_extra["token_ids"], reply.choices[0].message.content
+        chunks = [c.choices[0] for c in reply if c.choices]
+        return [t for c in chunks for t in c.model_extra["token_ids"]], "".join(c.delta.content or "" for c in chunks)
+
+    image = {"type": "image_url", "image_url": {"url": data_url(case["image"], "image/png")}}
+    video = {"type": "video_url", "video_url": {"url": str(case["video"])}}
+    expected = [(a["token_ids"], a["text"]) for a in answers]
+    assert len({tuple(t) for t, _ in expected}) > 3, expected  # the answers differ: a real comparison
+    for stream in (False, True):
+        assert ask([image, {"type": "text", "text": "Describe it."}], stream) == expected[0]
+        assert ask([video, {"type": "text", "text": "What happens?"}], stream) == expected[1]
+
+    got: dict[int, tuple] = {}
+    start = threading.Barrier(len(QUESTIONS))
+
+    def one(k: int) -> None:
+        start.wait()
+        got[k] = ask(([image] if k % 2 else []) + [{"type": "text", "text": QUESTIONS[k]}])
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(len(QUESTIONS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert got == {k: expected[2 + k] for k in range(len(QUESTIONS))}
+    with urllib.request.urlopen(url + "/health", timeout=30) as response:
+        assert json.loads(response.read())["largest_batch"] > 1
+
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 2048 tokens"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5000)
+    assert ask([image, {"type": "text", "text": "Describe it."}]) == expected[0]
+
+    for p in procs:  # as torchrun forwards a Ctrl-C: both ranks leave cleanly
+        p.send_signal(signal.SIGTERM)
+    codes = [p.wait(timeout=120) for p in procs]
+    assert codes == [0, 0], "\n".join(Path(f.name).read_text()[-3000:] for f in logs)
