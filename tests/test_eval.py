@@ -44,7 +44,7 @@ def test_eval_scores_each_sample(tmp_path, task, server, capsys):
     report = run_eval(tmp_path, task_path, server)
     assert [p["correct"] for p in report["predictions"]] == right
     assert (report["samples"], report["correct"], report["accuracy"]) == (24, 12, 0.5)
-    assert "omnibal: 12/24 right, exact-match accuracy 0.5000" in capsys.readouterr().out
+    assert "omnibal: 12/24 answers right (exact-match accuracy 0.5000), 12/24 records" in capsys.readouterr().out
     by_path = run_eval(tmp_path, task_path, server, "--media", "path", "--limit", "6")
     assert by_path["predictions"] == report["predictions"][:6]
 
@@ -86,3 +86,23 @@ def test_eval_refusals(tmp_path, task, server, capsys):
     with pytest.raises(ValueError, match="video.jsonl:2: text before an image"):
         lmms_row(second)
     assert lmms_row(read_task(str(task_path), limit=1)[0])["images"] == [str(task_path.parent / "images/c0.png")]
+
+
+def test_several_answers_per_record(tmp_path, task, server):
+    """An InternVL `conversations` record with two answers is two questions, the second asked after the first
+    turn pair as written; a record counts right only when both answers are."""
+    image = task[0].parent / "images" / "c0.png"
+    said = "image 16x16 rgb(0,255,0) ba"
+    records = [{"image": str(image), "conversations": [
+                    {"from": "human", "value": "<image>\nab"}, {"from": "gpt", "value": said},
+                    {"from": "human", "value": "cd"}, {"from": "gpt", "value": ans}]}
+               for ans in ("dc", "wrong")]
+    path = tmp_path / "two.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    first, second = read_task(str(path))[:2]
+    assert (first.record, second.record, second.where) == (0, 0, f"{path}:1 (answer 2)")
+    assert [role for role, _ in second.turns] == ["user", "assistant", "user"]
+    assert second.turns[0][1][0].path == str(image) and second.turns[1][1] == (said,)
+    report = run_eval(tmp_path, path, server)
+    assert [p["correct"] for p in report["predictions"]] == [True, True, True, False]
+    assert (report["correct"], report["records"], report["records_correct"]) == (3, 2, 1)

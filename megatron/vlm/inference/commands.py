@@ -89,11 +89,12 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     """``omnibal eval``: a local task answered by a running ``omnibal serve``, scored by exact match."""
     p = subparsers.add_parser(
         "eval", help="evaluate a running `omnibal serve` on a local task (exact match)",
-        description="Evaluate a running `omnibal serve` on a local task: a `messages` JSONL whose records end with "
-                    "the reference answer (media paths relative to the file). The answers are asked greedily over "
-                    "the server's OpenAI-compatible API, by this process (--backend omnibal) or by lmms-eval run "
-                    "from its own Python environment (--backend lmms-eval), and scored by exact match (case, "
-                    "punctuation and outer whitespace ignored).")
+        description="Evaluate a running `omnibal serve` on a local task: a JSONL of the trainer's records (`messages` "
+                    "or `conversations`; media paths relative to the file), each assistant turn an answer asked "
+                    "with the turns before it. The answers are asked greedily over the server's OpenAI-compatible "
+                    "API, by this process (--backend omnibal) or by lmms-eval run from its own Python environment "
+                    "(--backend lmms-eval), and scored by exact match (case, punctuation and outer whitespace "
+                    "ignored); a record is right when all its answers are.")
     p.add_argument("--task", required=True, metavar="TASK.jsonl", help="the local task")
     p.add_argument("--server", default="http://127.0.0.1:8000", metavar="URL",
                    help="the server's base URL (default: %(default)s)")
@@ -106,7 +107,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--media", choices=("data-url", "path"), default="data-url",
                    help="--backend omnibal: send media as data URLs, or as paths for a server on this machine "
                         "(default: %(default)s)")
-    p.add_argument("--limit", type=int, default=None, help="the first N samples only")
+    p.add_argument("--limit", type=int, default=None, help="the first N records only")
     p.add_argument("--output", default=None, metavar="REPORT.json", help="write the report (and predictions) here")
     p.add_argument("--lmms-eval-python", default=None, metavar="PYTHON",
                    help="--backend lmms-eval: the interpreter of lmms-eval's own environment (VENV/bin/python)")
@@ -141,8 +142,7 @@ def run_eval(args: argparse.Namespace) -> int:
     else:
         report = evaluate_with_client(samples, args.server, args.task, args.served_model, args.max_new_tokens,
                                       args.concurrency, args.media)
-    print(f"{report.backend}: {report.correct}/{report.samples} right, exact-match accuracy {report.accuracy:.4f} "
-          f"on {args.task}")
+    print(report.summary())
     if args.output:
         write_report(report, args.output)
         print(f"report written to {args.output}")

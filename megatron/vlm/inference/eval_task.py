@@ -1,9 +1,10 @@
-"""A local evaluation task for ``omnibal eval``: the trainer's ``messages`` JSONL, each record ending with its
-reference answer, and the exact-match score both evaluation back ends report.
+"""A local evaluation task for ``omnibal eval``: a JSONL of the trainer's records (``messages``, or InternVL's
+``conversations``), and the exact-match score both evaluation back ends report.
 
-A record is read by the trainer's ``messages`` reader (``megatron/vlm/data/messages.py``: string content with
-``<image>``/``<video>`` tags and ``images``/``videos`` lists, or structured parts); its last turn must be the
-assistant's: that text is the reference, the turns before it are the question.  Media paths are taken relative to
+A record is read by the trainer's own record reader (``megatron.vlm.data.records.record_turns``: either format,
+``<image>``/``<video>`` tags or structured parts).  Each assistant turn is an answer to ask: its question is every
+turn before it, earlier answers as the record writes them (teacher-forced history, as the trainer's validation has
+it), and its text is the reference.  A record is right when all its answers are.  Media paths are taken relative to
 the task file's folder.
 
 An answer is right when it equals the reference after both are normalised: whitespace at either end removed, lower
@@ -18,9 +19,11 @@ import re
 import string
 from dataclasses import dataclass
 
-from megatron.vlm.data.messages import ImageRef, VideoRef, parse_messages_record
+from megatron.vlm.data.messages import IMAGE_TAG, VIDEO_TAG, ImageRef, VideoRef
+from megatron.vlm.data.records import record_turns
 from omnibal_ext.errors import UserError
 
+_TAGS = re.compile(f"({re.escape(IMAGE_TAG)}|{re.escape(VIDEO_TAG)})")
 _OUTER_SPACE = re.compile(r"^\s+|\s+$")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
 
@@ -31,46 +34,64 @@ class EvalTaskError(UserError):
 
 @dataclass(frozen=True)
 class EvalSample:
-    """One question: ``where`` (``file:line``), its turns before the answer as ``(role, segments)`` with text
-    strings and media refs (absolute paths), and the reference ``answer``."""
+    """One answer to ask: ``where`` (``file:line``, and which answer of a record with several), ``record`` (its
+    record's number in the task), the turns before it as ``(role, segments)`` (text strings and media refs with
+    absolute paths) and the reference ``answer``."""
 
     where: str
+    record: int
     turns: tuple[tuple[str, tuple[str | ImageRef | VideoRef, ...]], ...]
     answer: str
 
 
 def read_task(path: str, limit: int | None = None) -> list[EvalSample]:
-    """The samples of the JSONL task ``path`` (the first ``limit`` where given)."""
+    """The answers of the JSONL task ``path`` (those of its first ``limit`` records where given)."""
     root = os.path.dirname(os.path.abspath(path))
-    samples = []
     try:
         with open(path, encoding="utf-8") as f:
             lines = list(f)
     except OSError as e:
         raise EvalTaskError(f"--task {path}: cannot read it ({e.strerror or e})") from None
+    samples, records = [], 0
     for number, line in enumerate(lines, 1):
-        if limit is not None and len(samples) >= limit:
+        if limit is not None and records >= limit:
             break
         if not line.strip():
             continue
         where = f"{path}:{number}"
         try:
-            record = json.loads(line)
+            turns, images, videos = record_turns(json.loads(line))
         except json.JSONDecodeError as e:
             raise EvalTaskError(f"{where}: not JSON ({e.msg})") from None
-        conversation = parse_messages_record(record, where)
-        *question, answer = conversation.turns
-        turns = tuple((turn.role, tuple(_absolute(s, root) for s in turn.segments)) for turn in question)
-        samples.append(EvalSample(where, turns, answer.text))
+        except UserError as e:
+            raise EvalTaskError(f"{where}: {e}") from None
+        media = {ImageRef: [os.path.join(root, p) for p in images],
+                 VideoRef: [os.path.join(root, v.path) for v in videos]}
+        if any(v.clip_s is not None for v in videos):
+            raise EvalTaskError(f"{where}: a video 'clip'; the chat API sends whole videos")
+        history: list[tuple[str, tuple]] = []
+        answers = sum(t.role == "assistant" for t in turns)
+        for turn in turns:
+            if turn.role == "assistant":
+                name = where if answers == 1 else f"{where} (answer {sum(r == 'assistant' for r, _ in history) + 1})"
+                samples.append(EvalSample(name, records, tuple(history), turn.text))
+            history.append((turn.role, _segments(turn.text, media)))
+        records += 1
     if not samples:
         raise EvalTaskError(f"--task {path}: no records")
     return samples
 
 
-def _absolute(segment, root: str):
-    if isinstance(segment, (ImageRef, VideoRef)):
-        return type(segment)(segment.index, os.path.normpath(os.path.join(root, segment.path)))
-    return segment
+def _segments(text: str, media: dict) -> tuple:
+    """``text`` split at its tags, each tag the next path of its kind (``media``: consumed in reading order)."""
+    out = []
+    for piece in _TAGS.split(text):
+        if piece in (IMAGE_TAG, VIDEO_TAG):
+            kind = ImageRef if piece == IMAGE_TAG else VideoRef
+            out.append(kind(-1, os.path.normpath(media[kind].pop(0))))
+        elif piece:
+            out.append(piece)
+    return tuple(out)
 
 
 def normalize_answer(text: str) -> str:

@@ -28,7 +28,10 @@ MEDIA_MODES = ("data-url", "path")
 
 @dataclass(frozen=True)
 class Prediction:
+    """One answer: where it is asked, its record's number, the reference, what came back, whether it is right."""
+
     where: str
+    record: int
     answer: str
     prediction: str
     correct: bool
@@ -36,21 +39,41 @@ class Prediction:
 
 @dataclass(frozen=True)
 class EvalReport:
-    """``backend`` that asked, the ``task`` file, ``accuracy`` (right / samples) and each sample's
-    ``predictions`` (empty where the back end does not give them back)."""
+    """``backend`` that asked, the ``task`` file, its ``samples`` (answers asked) of which ``correct`` were right,
+    its ``records`` of which ``records_correct`` had every answer right, and each answer's ``predictions``."""
 
     backend: str
     task: str
     samples: int
     correct: int
-    predictions: tuple[Prediction, ...] = ()
+    records: int
+    records_correct: int
+    predictions: tuple[Prediction, ...]
+
+    @classmethod
+    def of(cls, backend: str, task: str, predictions: tuple[Prediction, ...]) -> EvalReport:
+        wrong = {p.record for p in predictions if not p.correct}
+        records = {p.record for p in predictions}
+        return cls(backend, task, len(predictions), sum(p.correct for p in predictions), len(records),
+                   len(records - wrong), predictions)
 
     @property
     def accuracy(self) -> float:
+        """Right answers / answers."""
         return self.correct / self.samples
 
+    @property
+    def record_accuracy(self) -> float:
+        """Records with every answer right / records (the trainer's teacher-forced "answer acc" counts so)."""
+        return self.records_correct / self.records
+
+    def summary(self) -> str:
+        return (f"{self.backend}: {self.correct}/{self.samples} answers right (exact-match accuracy "
+                f"{self.accuracy:.4f}), {self.records_correct}/{self.records} records (record accuracy "
+                f"{self.record_accuracy:.4f}) on {self.task}")
+
     def to_json(self) -> dict:
-        return {**asdict(self), "accuracy": self.accuracy}
+        return {**asdict(self), "accuracy": self.accuracy, "record_accuracy": self.record_accuracy}
 
 
 def openai_messages(sample: EvalSample, media: str) -> list[dict]:
@@ -114,11 +137,10 @@ def evaluate_with_client(samples: list[EvalSample], server: str, task: str, mode
             raise UserError(f"{sample.where}: the server refused it ({e.status_code}: "
                             f"{(e.body or {}).get('message', e)})") from None
         text = answer.choices[0].message.content or ""
-        return Prediction(sample.where, sample.answer, text, is_correct(text, sample.answer))
+        return Prediction(sample.where, sample.record, sample.answer, text, is_correct(text, sample.answer))
 
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
-        predictions = tuple(pool.map(ask, samples))
-    return EvalReport("omnibal", task, len(samples), sum(p.correct for p in predictions), predictions)
+        return EvalReport.of("omnibal", task, tuple(pool.map(ask, samples)))
 
 
 def write_report(report: EvalReport, path: str) -> None:

@@ -85,7 +85,7 @@ class LmmsEvalRun:
 
 def lmms_row(sample: EvalSample) -> dict:
     """The sample as an lmms-eval row, or ``UserError`` where lmms-eval would ask something else."""
-    if len(sample.turns) != 1 or sample.turns[0][0] != "user":
+    if len(sample.turns) != 1 or sample.turns[0][0] != "user":  # a system turn, or an answer after the first
         raise UserError(f"{sample.where}: lmms-eval asks one user message; this record has "
                         f"{[role for role, _ in sample.turns]} before its answer (use --backend omnibal)")
     segments = sample.turns[0][1]
@@ -142,8 +142,7 @@ def run_lmms_eval(samples: list[EvalSample], task: str, server: str, model: str,
     if done.returncode != 0:
         raise UserError(f"lmms-eval exited with status {done.returncode}; its output is in "
                         f"{os.path.join(run.work_dir, 'lmms_eval.log')}")
-    predictions = read_lmms_predictions(run.work_dir, samples)
-    return EvalReport("lmms-eval", task, len(samples), sum(p.correct for p in predictions), predictions)
+    return EvalReport.of("lmms-eval", task, read_lmms_predictions(run.work_dir, samples))
 
 
 def read_lmms_predictions(work_dir: str, samples: list[EvalSample]) -> tuple[Prediction, ...]:
@@ -163,7 +162,7 @@ def read_lmms_predictions(work_dir: str, samples: list[EvalSample]) -> tuple[Pre
         raise UserError(f"lmms-eval answered {len(rows)} of the {len(samples)} samples; its output is in {log}")
     answers = [row["filtered_resps"] for row in rows]  # a string, or a list of one (filters kept apart)
     answers = [a[0] if isinstance(a, list) else a for a in answers]
-    predictions = tuple(Prediction(s.where, s.answer, answer, row[METRIC] == 1.0)
+    predictions = tuple(Prediction(s.where, s.record, s.answer, answer, row[METRIC] == 1.0)
                         for s, answer, row in zip(samples, answers, rows))
     if abs(sum(p.correct for p in predictions) / len(samples) - score) > 1e-9:
         raise RuntimeError(f"lmms-eval's score {score} is not the mean of its samples' {METRIC} ({run})")
