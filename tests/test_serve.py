@@ -9,7 +9,6 @@ import threading
 import urllib.error
 import urllib.request
 
-import numpy as np
 import openai
 import pytest
 from PIL import Image

@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import base64
 import json
-import signal
 import subprocess
 import sys
-import tempfile
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
@@ -57,37 +54,11 @@ def case(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(case):
-    """`omnibal serve --port 0` at PP 2, its two ranks started as torchrun starts them; yields (URL, processes)."""
-    env = benchlib.trainer_env()
-    port = str(benchlib.free_port())
-    logs = [tempfile.NamedTemporaryFile("w+", suffix=f".rank{r}.log", delete=False) for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-u", str(ROOT / "omnibal_cli.py"), "serve", "--port", "0",
-                               "--served-model-name", "tiny", "--max-batch-size", "8", *case["flags"],
-                               "--pipeline-model-parallel-size", "2"],
-                              cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
-                                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
-             for r, log in enumerate(logs)]
-    url = None
-    deadline = time.monotonic() + 600
-    try:
-        while url is None:
-            text = Path(logs[0].name).read_text()
-            url = next((line.split(" at ")[1].split("/v1")[0] for line in text.splitlines()
-                        if line.startswith("omnibal serve: tiny at ")), None)
-            assert all(p.poll() is None for p in procs), "\n".join(Path(f.name).read_text()[-3000:] for f in logs)
-            assert time.monotonic() < deadline, text[-3000:]
-            time.sleep(0.2)
-        yield url, procs, logs
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
-            Path(f.name).unlink()
+def server(case, tmp_path_factory):
+    """`omnibal serve` at PP 2, its two ranks started as torchrun starts them."""
+    with benchlib.serving(["--served-model-name", "tiny", "--max-batch-size", "8", *case["flags"],
+                           "--pipeline-model-parallel-size", "2"], tmp_path_factory.mktemp("serve_logs")) as served:
+        yield served
 
 
 def data_url(path: Path, mime: str) -> str:
@@ -95,7 +66,8 @@ def data_url(path: Path, mime: str) -> str:
 
 
 def test_served_answers_equal_the_engine(case, server):
-    url, procs, logs = server
+    url = server.url
+    assert server.name == "tiny"
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
     answers = case["answers"]
 
@@ -135,7 +107,4 @@ def test_served_answers_equal_the_engine(case, server):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5000)
     assert ask([image, {"type": "text", "text": "Describe it."}]) == expected[0]
 
-    for p in procs:  # as torchrun forwards a Ctrl-C: both ranks leave cleanly
-        p.send_signal(signal.SIGTERM)
-    codes = [p.wait(timeout=120) for p in procs]
-    assert codes == [0, 0], "\n".join(Path(f.name).read_text()[-3000:] for f in logs)
+    assert server.stop() == [0, 0], server.output()  # as torchrun forwards a Ctrl-C: both ranks leave cleanly

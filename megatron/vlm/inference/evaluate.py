@@ -19,7 +19,7 @@ import mimetypes
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
-from megatron.vlm.data.messages import ImageRef, VideoRef
+from megatron.vlm.data.messages import ImageRef
 from megatron.vlm.inference.eval_task import EvalSample, is_correct
 from omnibal_ext.errors import UserError
 
