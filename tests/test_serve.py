@@ -226,3 +226,26 @@ def test_queue_bound_and_stream_hold_back():
     stream.push("abc")
     with pytest.raises(RuntimeError):
         stream.finish("xyz")  # what was sent is not the answer's beginning: a generator's bug, not hidden
+
+
+def test_serve_command_refusals(capsys):
+    """`omnibal serve`'s own flags, a port it cannot take and a model without weights are refused in one line each,
+    before any model loads."""
+    import socket
+
+    from omnibal_cli import main as omnibal
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        assert omnibal(["serve", "--max-batch-size", "0"]) == 2
+        assert omnibal(["serve", "--port", str(port)]) == 2
+        assert omnibal(["serve", "--port", "0"]) == 2
+    finally:
+        taken.close()
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "omnibal serve: error: --max-batch-size must be >= 1, got 0"
+    assert err[1].startswith(f"omnibal serve: error: --host 127.0.0.1 --port {port}: cannot listen there")
+    assert "generation needs weights: give --hf-checkpoint DIR or --load CKPT" in err[2]

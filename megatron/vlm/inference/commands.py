@@ -41,7 +41,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from megatron.training.arguments import parse_args, requested_device
     from megatron.training.initialize import choose_device, destroy, world_size_from_env
     from megatron.vlm.inference.build import generator_from_args
-    from megatron.vlm.inference.server import ServerConfig, serve_layout
+    from megatron.vlm.inference.server import ServerConfig, bind_listener, serve_layout
     from omnibal_ext.errors import UserError
 
     for flag, value in (("--max-batch-size", args.max_batch_size), ("--max-waiting", args.max_waiting),
@@ -55,14 +55,20 @@ def run_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or (os.path.basename(os.path.normpath(trainer.hf_checkpoint))
                                       if trainer.hf_checkpoint else trainer.model)
     config = ServerConfig(args.host, args.port, args.max_batch_size, args.max_waiting, args.media_dir)
-    with cpu_compat.patched_for(choose_device(requested_device(flags))):
-        try:
-            engine = generator_from_args(flags)
-            model = served_engine(engine, name, trainer.seq_length, args.default_max_new_tokens)
-            serve_layout(engine, model, config, on_listening=lambda url: print(
-                f"omnibal serve: {name} at {url}/v1 (Ctrl-C stops)", flush=True))
-        finally:
-            destroy()
+    # rank 0 takes its port before the model loads: a port in use is refused before minutes of loading
+    listener = bind_listener(args.host, args.port) if int(os.environ.get("RANK", "0")) == 0 else None
+    try:
+        with cpu_compat.patched_for(choose_device(requested_device(flags))):
+            try:
+                engine = generator_from_args(flags)
+                model = served_engine(engine, name, trainer.seq_length, args.default_max_new_tokens)
+                serve_layout(engine, model, config, listener=listener, on_listening=lambda url: print(
+                    f"omnibal serve: {name} at {url}/v1 (Ctrl-C stops)", flush=True))
+            finally:
+                destroy()
+    finally:
+        if listener is not None:
+            listener.close()
     return 0
 
 

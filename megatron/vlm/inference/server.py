@@ -188,19 +188,26 @@ async def _events(answer: _Answer, completion_id: str, model: str, call: ChatCal
     yield "data: [DONE]\n\n"
 
 
-class HttpThread:
-    """uvicorn serving ``app`` on its own thread, on a socket bound at construction (port 0: any free one)."""
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host``:``port`` (0: any free port), refused (``UserError``) where it cannot listen."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except (OSError, OverflowError) as e:
+        listener.close()
+        raise UserError(f"--host {host} --port {port}: cannot listen there ({getattr(e, 'strerror', None) or e})") \
+            from None
+    return listener
 
-    def __init__(self, app: FastAPI, host: str, port: int):
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._socket = socket.socket(family, socket.SOCK_STREAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._socket.bind((host, port))
-        except OSError as e:
-            self._socket.close()
-            raise UserError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
-        self.host, self.port = host, self._socket.getsockname()[1]
+
+class HttpThread:
+    """uvicorn serving ``app`` on its own thread, on ``listener`` (``bind_listener``)."""
+
+    def __init__(self, app: FastAPI, listener: socket.socket):
+        self._socket = listener
+        self.host, self.port = listener.getsockname()[:2]
         self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
                                         name="omnibal-serve-http", daemon=True)
@@ -225,10 +232,12 @@ class HttpThread:
 
 
 def serve(model: ServedModel, generate: GenerateFn, config: ServerConfig, stop: threading.Event,
-          on_listening: Callable[[str], None] = lambda url: None) -> None:
-    """Serve until ``stop`` is set: HTTP on its thread, batches generated on this one."""
+          on_listening: Callable[[str], None] = lambda url: None, listener: socket.socket | None = None) -> None:
+    """Serve until ``stop`` is set: HTTP on its thread (on ``listener``, else a socket bound to the config's host
+    and port), batches generated on this one."""
     batches = BatchQueue(config.max_batch_size, config.max_waiting)
-    http = HttpThread(build_app(model, batches, config.media_dir), config.host, config.port)
+    listener = listener or bind_listener(config.host, config.port)
+    http = HttpThread(build_app(model, batches, config.media_dir), listener)
     http.start()
     try:
         on_listening(http.url)
@@ -261,9 +270,10 @@ def serving_in_background(model: ServedModel, generate: GenerateFn, config: Serv
 
 
 def serve_layout(generator: Generator, model: ServedModel, config: ServerConfig,
-                 on_listening: Callable[[str], None] = lambda url: None) -> None:
+                 on_listening: Callable[[str], None] = lambda url: None,
+                 listener: socket.socket | None = None) -> None:
     """Collective (every rank of the layout): rank 0 serves (``serve``), sending each batch to the other ranks,
-    which follow it (``ranks.follow``).  SIGINT or SIGTERM ends it after the batch in progress: rank 0 stops
+    which follow it (``ranks.follow``); ``listener``: rank 0's socket, bound before the model loaded.  SIGINT or SIGTERM ends it after the batch in progress: rank 0 stops
     serving and releases the others (which ignore those signals meanwhile, so none leaves a collective early)."""
     channel = BatchChannel()
     stop = threading.Event()
@@ -275,7 +285,7 @@ def serve_layout(generator: Generator, model: ServedModel, config: ServerConfig,
             return
         leader = LeaderGenerator(generator, channel)
         try:
-            serve(model, leader.generate, config, stop, on_listening)
+            serve(model, leader.generate, config, stop, on_listening, listener)
         finally:
             leader.release()
     finally:
