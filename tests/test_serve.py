@@ -4,10 +4,12 @@ so a right answer proves the request reached the generator intact)."""
 from __future__ import annotations
 
 import base64
+import os
 import json
 import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -249,3 +251,30 @@ def test_serve_command_refusals(capsys):
     assert err[0] == "omnibal serve: error: --max-batch-size must be >= 1, got 0"
     assert err[1].startswith(f"omnibal serve: error: --host 127.0.0.1 --port {port}: cannot listen there")
     assert "generation needs weights: give --hf-checkpoint DIR or --load CKPT" in err[2]
+
+
+def test_batch_parcel_carries_media_across_hosts(tmp_path, media):
+    """Across hosts a batch carries its media's bytes (a frame folder's frames too); a follower writes them to its
+    own folder and reads the same requests from there."""
+    from megatron.vlm.data.video_synthetic import write_coded_folder
+    from megatron.vlm.inference.ranks import pack, unpack
+    from megatron.vlm.inference.requests import GenerationRequest
+
+    frames = write_coded_folder(str(tmp_path / "frames"), 3, 64, 48)
+    asked = [GenerationRequest(({"role": "user", "content": [{"type": "image", "image": str(media["image"])},
+                                                             {"type": "video", "path": frames},
+                                                             {"type": "text", "text": "and?"}]},)),
+             GenerationRequest(({"role": "user", "content": "<image><video>so?"},), images=(str(media["image"]),),
+                               videos=(str(media["video"]),))]
+    assert unpack(pack(asked, with_media=False), str(tmp_path / "unused")) == asked  # one host: paths as they are
+    parcel = pack(asked, with_media=True)
+    assert len(parcel.media) == 3  # the image once, the frame folder, the clip
+    here = tmp_path / "follower"
+    here.mkdir()
+    got = unpack(parcel, str(here))
+    first, second = got[0].messages[0]["content"], got[1]
+    assert Path(first[0]["image"]).read_bytes() == media["image"].read_bytes()
+    assert sorted(p.name for p in Path(first[1]["path"]).iterdir()) == sorted(os.listdir(frames))
+    assert second.images == (first[0]["image"],) and Path(second.videos[0]).read_bytes() == media["video"].read_bytes()
+    assert all(str(here) in p for p in (first[0]["image"], first[1]["path"], second.videos[0]))
+    assert first[2] == asked[0].messages[0]["content"][2] and second.messages == asked[1].messages
