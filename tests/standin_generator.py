@@ -5,7 +5,8 @@ an image ``image WxH rgb(R,G,B)`` (size and mean colour, read from the file it w
 ``video N frames WxH`` (from the file's header).  Each character is a token (its id: the code point); the
 answer stops at ``max_new_tokens`` ("length") or before the first stop string ("stop", the tokens up to and
 including the one that completed it kept).  Tokens come one decode step at a time, ``step_s`` apart, for the
-whole batch, as a real engine's do; ``batch_sizes`` records each call's batch.
+whole batch, as a real engine's do; ``batch_sizes`` records each call's batch.  A batch holding the text
+``FAIL_TEXT`` raises (a bug in the middle of a batch); counting the prompt of ``COUNT_FAIL_TEXT`` raises too.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from megatron.vlm.inference.server import ServedModel
 
 SEQUENCE_LENGTH = 512
 TOKENS_PER_IMAGE, TOKENS_PER_VIDEO = 16, 32
+FAIL_TEXT, COUNT_FAIL_TEXT = "fail in the batch", "fail in the count"
 
 
 def describe_image(path: str) -> str:
@@ -49,6 +51,8 @@ def full_answer(messages: Sequence[dict]) -> str:
 
 def prompt_tokens(request: GenerationRequest) -> int:
     """Characters of text, plus a fixed count per image and video."""
+    if any(p.get("text") == COUNT_FAIL_TEXT for m in request.messages for p in m["content"]):
+        raise RuntimeError("a bug while counting")
     count = 0
     for message in request.messages:
         for part in message["content"]:
@@ -70,6 +74,8 @@ class StandInGenerator:
         with self._lock:
             self.batch_sizes.append(len(requests))
         answers = [full_answer(r.messages) for r in requests]
+        if any(a == FAIL_TEXT[::-1] for a in answers):
+            raise RuntimeError("a bug in the middle of a batch")
         texts = [""] * len(requests)
         finish: list[str | None] = [None] * len(requests)
         step = 0

@@ -278,3 +278,15 @@ def test_batch_parcel_carries_media_across_hosts(tmp_path, media):
     assert second.images == (first[0]["image"],) and Path(second.videos[0]).read_bytes() == media["video"].read_bytes()
     assert all(str(here) in p for p in (first[0]["image"], first[1]["path"], second.videos[0]))
     assert first[2] == asked[0].messages[0]["content"][2] and second.messages == asked[1].messages
+
+
+def test_failures_are_500_and_the_server_goes_on(client):
+    """A bug while counting a prompt, or in the middle of a batch (whole and streamed), is a 500 with OpenAI's error
+    body; the next request is answered."""
+    for text in (standin.COUNT_FAIL_TEXT, standin.FAIL_TEXT):
+        with pytest.raises(openai.InternalServerError) as failed:
+            ask(client, text)
+        assert failed.value.body["type"] == "server_error" and "a bug" in failed.value.body["message"]
+    with pytest.raises(openai.APIError, match="a bug in the middle of a batch"):
+        list(ask(client, standin.FAIL_TEXT, stream=True))
+    assert ask(client, "fine").choices[0].message.content == "enif"

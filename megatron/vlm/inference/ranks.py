@@ -17,6 +17,7 @@ import datetime
 import os
 import shutil
 import socket
+import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -152,12 +153,17 @@ class LeaderGenerator:
 
 
 def follow(generator: Generator, channel: BatchChannel) -> int:
-    """A rank other than 0: generate each batch rank 0 sends, until it says stop; returns the batches served."""
+    """A rank other than 0: generate each batch rank 0 sends, until it says stop; returns the batches served.  A
+    batch that raises is reported and passed over, as rank 0 passes over its failed batches (the same requests
+    fail the same way on every rank)."""
     served = 0
     while (parcel := channel.receive()) is not None:
         folder = tempfile.mkdtemp(prefix="omnibal-serve-rank-") if parcel.media else None
         try:
             generator.generate(unpack(parcel, folder) if folder else list(parcel.requests))
+        except Exception as e:  # noqa: BLE001 - rank 0 answers the clients; this rank goes on following
+            print(f"rank {dist.get_rank()}: a batch failed ({type(e).__name__}: {e}); following on", file=sys.stderr,
+                  flush=True)
         finally:
             if folder:
                 shutil.rmtree(folder, ignore_errors=True)

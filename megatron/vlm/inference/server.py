@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import signal
 import socket
 import threading
@@ -115,7 +116,15 @@ def build_app(model: ServedModel, batches: BatchQueue, media_dir: str | None = N
         media = RequestMedia(media_dir)
         try:
             call, generation = await run_in_threadpool(checked_request, body, model, media)
-        except BaseException:
+        except ApiError:
+            media.close()
+            raise
+        except Exception as e:  # a bug: a 500 for this request, its traceback in the log
+            media.close()
+            logging.getLogger(__name__).error("checking a request failed", exc_info=e)
+            raise ApiError(f"internal error: {type(e).__name__}: {one_line(e)}", status=500,
+                           kind="server_error") from None
+        except BaseException:  # cancelled (the client left)
             media.close()
             raise
         answer = _Answer(asyncio.get_running_loop(), media, streamed=call.stream)
