@@ -8,12 +8,14 @@ is answered at once rather than piling up without bound.
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from megatron.vlm.inference.requests import GenerationRequest, GenerationResult
+from omnibal_ext.errors import UserError
 
 GenerateFn = Callable[[Sequence[GenerationRequest], Callable[[int, int, str], None] | None], list[GenerationResult]]
 
@@ -104,6 +106,8 @@ def run_batches(batches: BatchQueue, generate: GenerateFn, stop: threading.Event
             if len(results) != len(batch):
                 raise RuntimeError(f"the generator answered {len(results)} of {len(batch)} requests")
         except Exception as e:  # noqa: BLE001 - each request of the batch gets it (a 400 or a 500)
+            if not isinstance(e, UserError):  # a bug: its traceback goes to the log
+                logging.getLogger(__name__).error("a batch of %d requests failed", len(batch), exc_info=e)
             for ticket in batch:
                 ticket.on_done(e)
             continue
