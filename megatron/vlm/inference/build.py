@@ -65,7 +65,7 @@ def engine_for_stage(stage, tokenizer, config: ReaderConfig, pad_to_multiple: in
     engine_config = EngineConfig(pad_to_multiple=pad_to_multiple, pad_id=tokenizer.pad_id,
                                  real_vocab=spec.language.vocab_real, end_ids=ends, groups=groups)
     check_stage(stage)
-    return GenerationEngine(stage.eval(), tokenizer, config, batcher, engine_config)
+    return GenerationEngine(stage, tokenizer, config, batcher, engine_config)
 
 
 def check_stage(stage) -> None:
