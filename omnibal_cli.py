@@ -11,6 +11,7 @@ It sits above both the planners (``omnibal_ext``, which imports nothing of the t
 * ``omnibal profile``                measure the units on this machine (runs the trainer's profiler);
 * ``omnibal hf import|export``       Hugging Face folders to and from trainer checkpoints
                                      (``megatron.vlm.hf``);
+* ``omnibal generate``               answers to conversations on the training layout (``megatron.vlm.inference``);
 * ``omnibal serve``                  an OpenAI-compatible server of a model on the training layout, and
   ``omnibal eval``                   a local task asked of it (``megatron.vlm.inference.commands``).
 
@@ -124,9 +125,17 @@ def model_from_hf(folder: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return planner_cli.build_parser(scan_metas, model_from_hf, more_commands=(add_profile_parser, add_hf_parser,
-                                                                                 add_serve_parser, add_eval_parser),
+    return planner_cli.build_parser(scan_metas, model_from_hf,
+                                    more_commands=(add_profile_parser, add_hf_parser, add_generate_parser,
+                                                   add_serve_parser, add_eval_parser),
                                     write_stats=write_scanned_stats)
+
+
+def add_generate_parser(subparsers) -> argparse.ArgumentParser:
+    """``omnibal generate``: ``megatron.vlm.inference.cli`` (its parser is torch-free; the model is built when it runs)."""
+    from megatron.vlm.inference.cli import add_generate_parser as add
+
+    return add(subparsers)
 
 
 def add_profile_parser(subparsers) -> argparse.ArgumentParser:

@@ -65,7 +65,7 @@ def engine_for_stage(stage, tokenizer, config: ReaderConfig, pad_to_multiple: in
     engine_config = EngineConfig(pad_to_multiple=pad_to_multiple, pad_id=tokenizer.pad_id,
                                  real_vocab=spec.language.vocab_real, end_ids=ends, groups=groups)
     check_stage(stage)
-    return GenerationEngine(stage.eval(), tokenizer, config, batcher, engine_config)
+    return GenerationEngine(stage, tokenizer, config, batcher, engine_config)
 
 
 def check_stage(stage) -> None:
@@ -106,19 +106,30 @@ def check_flags(args) -> None:
         raise ArgumentError("generation needs weights: give --hf-checkpoint DIR or --load CKPT")
 
 
-def generator_from_args(argv: list[str], world_size: int | None = None) -> GenerationEngine:
-    """This rank's ``Generator`` of the trainer flags ``argv`` (module docstring); inside ``cpu_compat.patched`` on
-    CPU, the process groups started here (torchrun's world)."""
-    import torch.distributed as dist
+@dataclasses.dataclass(frozen=True)
+class GenerationSetup:
+    """What the flags give before the model is built: the checked ``args``, the run plan (model with its padded
+    vocabulary, layout, MoE settings), the tokenizer and the reader's settings (requests can be read and checked
+    now, before any weight is loaded), the device, the checkpoint to load (None: ``--hf-checkpoint``'s weights)."""
 
+    args: object
+    plan: object
+    tokenizer: object
+    reader: ReaderConfig
+    device: torch.device
+    resume: object = None
+
+
+def prepare(argv: list[str], world_size: int | None = None) -> GenerationSetup:
+    """Parse and check the trainer flags ``argv`` (module docstring), start the process groups (torchrun's world;
+    inside ``cpu_compat.patched`` on CPU), make the plan, the tokenizer and the reader's settings."""
     from megatron.training import checkpointing, setup
     from megatron.training.arguments import parse_args
     from megatron.training.initialize import (choose_device, distributed_timeout, initialize_distributed, set_seeds,
                                               world_size_from_env)
     from megatron.training.run_plan import plan_run
     from megatron.training.tokenizer_setup import setup_tokenizer
-    from megatron.vlm.layer_impl import resolve_layer_impl
-    from megatron.vlm.stage import StageBuild, build_stage
+    from omnibal_ext.errors import UserError
 
     world_size = world_size or world_size_from_env()
     args = parse_args(argv, world_size)
@@ -128,43 +139,54 @@ def generator_from_args(argv: list[str], world_size: int | None = None) -> Gener
                            ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
                            timeout=distributed_timeout(args))
     set_seeds(args.seed)
-    from megatron.core import parallel_state
-
     plan = plan_run(args, world_size, device)
     resume = checkpointing.find_checkpoint(args.load, args.ckpt_step) if args.load else None
     if args.load and resume is None:
-        from omnibal_ext.errors import UserError
-
         raise UserError(f"--load {args.load}: no checkpoint there")
-    hf_source = None
-    if args.hf_checkpoint:
-        from megatron.vlm.hf.convert import HFSource
-
-        hf_source = HFSource.open(args.hf_checkpoint)
     tokenizer, plan = setup_tokenizer(args, plan)
     plan = dataclasses.replace(plan, layout=setup.choose_layout(args, plan))
-    spec, tp = plan.model_spec, args.tensor_model_parallel_size
-    moe_sp = spec.language.moe is not None and tp > 1
-    sequence_parallel = args.sequence_parallel or moe_sp
+    return GenerationSetup(args, plan, tokenizer, reader_config(args, plan.model_spec, args.hf_checkpoint), device,
+                           resume)
+
+
+def build_engine(setup: GenerationSetup) -> GenerationEngine:
+    """This rank's stage of the setup's layout, its weights loaded, and its engine (module docstring)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron.training import checkpointing
+    from megatron.vlm.layer_impl import resolve_layer_impl
+    from megatron.vlm.stage import StageBuild, build_stage
+
+    args, plan, device = setup.args, setup.plan, setup.device
+    spec, tp, pp = plan.model_spec, args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    sequence_parallel = args.sequence_parallel or (spec.language.moe is not None and tp > 1)
     impl = resolve_layer_impl("local", "auto", device, 1, torch_layers_only=True)
-    rank = parallel_state.get_pipeline_model_parallel_rank()
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    stage = build_stage(StageBuild(spec, plan.layout.stage_range(rank), tp=tp, pp=args.pipeline_model_parallel_size,
-                                   dtype=dtype, impl=impl, seed=args.seed, img_context_id=tokenizer.img_context_id,
-                                   on_cpu=device.type == "cpu", output="logits", initialize=False,
-                                   sequence_parallel=sequence_parallel, lora=plan.lora, moe_run=plan.moe_run))
+    stage = build_stage(StageBuild(spec, plan.layout.stage_range(parallel_state.get_pipeline_model_parallel_rank()),
+                                   tp=tp, pp=pp, dtype=dtype, impl=impl, seed=args.seed,
+                                   img_context_id=setup.tokenizer.img_context_id, on_cpu=device.type == "cpu",
+                                   output="logits", initialize=False, sequence_parallel=sequence_parallel,
+                                   lora=plan.lora, moe_run=plan.moe_run))
     stage.to(device=device, dtype=dtype)
-    if resume is not None:
-        checkpointing.load_weights(resume, plan, [stage])
+    if setup.resume is not None:
+        checkpointing.load_weights(setup.resume, plan, [stage])
+        source = f"--load {args.load}"
     else:
+        from megatron.vlm.hf.convert import HFSource
         from megatron.vlm.hf.load import load_hf_into_stage
 
+        hf_source = HFSource.open(args.hf_checkpoint)
         hf_source.spec = spec  # the vocabulary may be padded further for TP
         load_hf_into_stage(stage, hf_source)
+        source = f"--hf-checkpoint {args.hf_checkpoint}"
     if dist.get_rank() == 0:
-        source = f"--load {args.load}" if resume is not None else f"--hf-checkpoint {args.hf_checkpoint}"
-        print(f"> generation: model {spec.name} from {source}, TP={tp} PP={args.pipeline_model_parallel_size}"
-              f" EP={args.expert_model_parallel_size}, layout {plan.layout_flag}", flush=True)
-    folder = args.hf_checkpoint or plan.tokenizer_model
-    return engine_for_stage(stage, tokenizer, reader_config(args, spec, args.hf_checkpoint),
-                            tp if sequence_parallel else 1, folder)
+        print(f"> generation: model {spec.name} from {source}, TP={tp} PP={pp} EP={args.expert_model_parallel_size}, "
+              f"layout {plan.layout_flag}", flush=True)
+    return engine_for_stage(stage, setup.tokenizer, setup.reader, tp if sequence_parallel else 1,
+                            args.hf_checkpoint or plan.tokenizer_model)
+
+
+def generator_from_args(argv: list[str], world_size: int | None = None) -> GenerationEngine:
+    """This rank's ``Generator`` of the trainer flags ``argv`` (module docstring): ``build_engine(prepare(argv))``."""
+    return build_engine(prepare(argv, world_size))

@@ -7,6 +7,8 @@ import argparse
 import os
 import tempfile
 
+from omnibal_ext.errors import UserError
+
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """``omnibal serve``: an OpenAI-compatible server of a model on the training layout."""
@@ -38,11 +40,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 def run_serve(args: argparse.Namespace) -> int:
     # the server stack and the trainer load here, not when `omnibal` starts (its planner commands need neither)
     from megatron.training import cpu_compat
-    from megatron.training.arguments import parse_args, requested_device
-    from megatron.training.initialize import choose_device, destroy, world_size_from_env
-    from megatron.vlm.inference.build import generator_from_args
-    from megatron.vlm.inference.server import ServerConfig, bind_listener, serve_layout
-    from omnibal_ext.errors import UserError
+    from megatron.training.arguments import requested_device
+    from megatron.training.initialize import choose_device, destroy
+    from megatron.vlm.inference.server import ServerConfig, bind_listener
 
     for flag, value in (("--max-batch-size", args.max_batch_size), ("--max-waiting", args.max_waiting),
                         ("--default-max-new-tokens", args.default_max_new_tokens)):
@@ -50,20 +50,14 @@ def run_serve(args: argparse.Namespace) -> int:
             raise UserError(f"{flag} must be >= 1, got {value}")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
-    flags = list(args.trainer_flags)
-    trainer = parse_args(flags, world_size_from_env())  # the trainer's checks, before any model work
-    name = args.served_model_name or (os.path.basename(os.path.normpath(trainer.hf_checkpoint))
-                                      if trainer.hf_checkpoint else trainer.model)
     config = ServerConfig(args.host, args.port, args.max_batch_size, args.max_waiting, args.media_dir)
+    flags = list(args.trainer_flags)
     # rank 0 takes its port before the model loads: a port in use is refused before minutes of loading
     listener = bind_listener(args.host, args.port) if int(os.environ.get("RANK", "0")) == 0 else None
     try:
-        with cpu_compat.patched_for(choose_device(requested_device(flags))):
+        with cpu_compat.patched_for(choose_device(requested_device(flags))):  # a CPU run: teardown included
             try:
-                engine = generator_from_args(flags)
-                model = served_engine(engine, name, trainer.seq_length, args.default_max_new_tokens)
-                serve_layout(engine, model, config, listener=listener, on_listening=lambda url: print(
-                    f"omnibal serve: {name} at {url}/v1 (Ctrl-C stops)", flush=True))
+                _serve(flags, config, listener, args.served_model_name, args.default_max_new_tokens)
             finally:
                 destroy()
     finally:
@@ -72,23 +66,35 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def served_engine(engine, name: str, max_sequence_length: int, default_max_new_tokens: int):
-    """The ``ServedModel`` of a generation engine: a request's prompt length is what the engine's reader makes of
-    it (the trainer's reader: chat template, image and video tokens), read with a copy of its tokenizer (the HTTP
-    threads count while the engine decodes)."""
+def _serve(flags: list[str], config, listener, name: str | None, default_max_new_tokens: int) -> None:
+    from megatron.vlm.inference.build import build_engine, prepare
+    from megatron.vlm.inference.server import serve_layout
+
+    setup = prepare(flags)  # the trainer's checks and generation's refusals, before the model is built
+    hf = setup.args.hf_checkpoint
+    name = name or (os.path.basename(os.path.normpath(hf)) if hf else setup.args.model)
+    model = served_model(setup, name, default_max_new_tokens)
+    engine = build_engine(setup)
+    serve_layout(engine, model, config, listener=listener, on_listening=lambda url: print(
+        f"omnibal serve: {name} at {url}/v1 (Ctrl-C stops)", flush=True))
+
+
+def served_model(setup, name: str, default_max_new_tokens: int):
+    """The ``ServedModel`` of a generation setup (``build.prepare``): ``--seq-length`` tokens per sequence, and a
+    request's prompt length as the engine's reader makes it (the trainer's reader: chat template, image and video
+    tokens), read with a copy of the setup's tokenizer (the HTTP threads count while the engine decodes)."""
     import copy
     import json
 
     from megatron.vlm.inference.prompts import read_prompts
     from megatron.vlm.inference.server import ServedModel
 
-    tokenizer = copy.deepcopy(engine.tokenizer)
+    tokenizer = copy.deepcopy(setup.tokenizer)
 
     def count_prompt_tokens(request) -> int:
-        return read_prompts([json.dumps(request.record())], "/", tokenizer, engine.reader_config,
-                            ["the request"])[0].length
+        return read_prompts([json.dumps(request.record())], "/", tokenizer, setup.reader, ["the request"])[0].length
 
-    return ServedModel(name, max_sequence_length, count_prompt_tokens, default_max_new_tokens)
+    return ServedModel(name, setup.args.seq_length, count_prompt_tokens, default_max_new_tokens)
 
 
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:
@@ -127,7 +133,6 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
 def run_eval(args: argparse.Namespace) -> int:
     from megatron.vlm.inference.eval_task import read_task
     from megatron.vlm.inference.evaluate import evaluate_with_client, served_model_of, write_report
-    from omnibal_ext.errors import UserError
 
     if args.max_new_tokens < 1 or args.concurrency < 1 or (args.limit is not None and args.limit < 1):
         raise UserError("--max-new-tokens, --concurrency and --limit must be >= 1")

@@ -71,14 +71,16 @@ class SequenceState:
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs: ``pad_to_multiple`` the tokens of every step (TP under sequence parallelism: MoE layers at
-    TP > 1), ``groups`` of sequences in flight (None: the stages a decode step runs through), the tokenizer's
-    ``pad_id``, the real vocabulary, the end tokens (``stopping.default_stop_ids``)."""
+    TP > 1), the tokenizer's ``pad_id``, the real vocabulary, the end tokens (``stopping.default_stop_ids``), the
+    groups of sequences in flight (None: the stages a decode step runs through) and the most sequences a group
+    holds (``max_batch``: more requests make more groups)."""
 
     pad_to_multiple: int
     pad_id: int
     real_vocab: int
     end_ids: frozenset[int]
     groups: int | None = None
+    max_batch: int = 64
 
 
 class GenerationEngine:
@@ -129,6 +131,14 @@ class GenerationEngine:
                 p = dataclasses.replace(p, max_new_tokens=len(force), ignore_eos=True, stop=(), stop_token_ids=())
             stream = TextStream(p, self.tokenizer.decode, self.config.end_ids, prompt.length)
             states.append(SequenceState(k, prompt, p, stream, request_generator(p, k), force))
+        was_training = self.stage.training
+        self.stage.eval()
+        try:
+            return self._loop(states, on_token, diagnostics)
+        finally:
+            self.stage.train(was_training)
+
+    def _loop(self, states: list[SequenceState], on_token, diagnostics: bool) -> list[SequenceState]:
         cache = DecodeCache(len(states), max(s.prompt.length + s.params.max_new_tokens for s in states))
         groups = self._groups(len(states))
         messages = Messages(self.link, self.device)
@@ -159,9 +169,53 @@ class GenerationEngine:
         messages.wait()
         return states
 
+    def teacher_forced(self, prompts: Sequence[Prompt]) -> list[tuple[list[int], list[float]]] | None:
+        """Each prompt followed by its ``answer`` in one packed forward without caches (as training computes it): on
+        the last stage, per prompt the argmax and the top-1/top-2 gap at each answer token's position (the logits
+        that predict it); None on the other ranks."""
+        was_training = self.stage.training
+        self.stage.eval()
+        messages = Messages(self.link, self.device)
+        out: list = []
+        try:
+            with torch.no_grad():
+                for group in self._groups(len(prompts)):
+                    samples, rows, at = [], [], 0
+                    for i in group:
+                        p = prompts[i]
+                        n = p.length + len(p.answer)
+                        sample = dict(p.sample)
+                        sample["input_ids"] = torch.cat([torch.as_tensor(p.sample["input_ids"]),
+                                                         torch.tensor(p.answer, dtype=torch.int64)])
+                        sample["labels"] = torch.full((n,), IGNORE_INDEX, dtype=torch.int64)
+                        if sample.get("mm_token_type_ids") is not None:
+                            sample["mm_token_type_ids"] = torch.cat([torch.as_tensor(sample["mm_token_type_ids"]),
+                                                                     torch.zeros(len(p.answer), dtype=torch.int64)])
+                        samples.append(sample)
+                        rows.append(list(range(at + p.length - 1, at + n - 1)))
+                        at += n
+                    fields = self.batcher.make(samples, self.config.pad_id, packed=True,
+                                               pad_to_multiple=self.config.pad_to_multiple)
+                    batch = self.batcher.micro_batch(fields).to(self.device)
+                    logits = self._forward(batch, True, [r for rs in rows for r in rs], messages)
+                    if logits is None:
+                        continue
+                    at = 0
+                    for rs in rows:
+                        part = logits[at:at + len(rs)]
+                        at += len(rs)
+                        top = torch.topk(part, 2, dim=-1).values
+                        out.append((part.argmax(-1).tolist(), (top[:, 0] - top[:, 1]).tolist()))
+        finally:
+            messages.wait()
+            self.stage.train(was_training)
+        return out if self.link.is_last else None
+
     def _groups(self, n: int) -> list[list[int]]:
+        """The requests split into groups: as many as the stages a decode step runs through (or ``groups``), more
+        when a group would hold over ``max_batch`` sequences."""
         stages = self.link.pp - self.link.decode_first
-        count = max(1, min(n, self.config.groups or stages))
+        count = max(1, min(n, self.config.groups or stages), -(-n // self.config.max_batch))
         return [list(part) for part in np.array_split(np.arange(n), count) if len(part)]
 
     def _forward(self, batch: MicroBatch, prefill: bool, rows: list[int], messages: Messages):
