@@ -1,7 +1,7 @@
 """`omnibal serve` end to end: a tiny random Qwen2.5-VL served at PP 2 (two ranks, rank 0 serving, rank 1 following),
-asked through the `openai` client, against the generation engine called directly in a world of one
-(tests/engine_answers.py) on the same requests: an image chat and a video chat, whole and streamed, eight
-concurrent requests, a refused request; then SIGTERM stops both ranks cleanly.  One launch of each."""
+asked through the `openai` client, against `omnibal generate` (one process) on the same requests: an image chat and
+a video chat, whole and streamed, eight concurrent requests, a refused request; then SIGTERM stops both ranks
+cleanly.  One launch of each."""
 from __future__ import annotations
 
 import base64
@@ -28,8 +28,8 @@ QUESTIONS = [f"q{k}: what is shown{'?' * k}" for k in range(8)]
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
-    """The model folder, its media, the trainer flags, and the requests in the trainer's form with the engine's
-    answers to them."""
+    """The model folder, its media, the trainer flags, and `omnibal generate`'s answers to the requests (messages
+    records as the server makes them: structured parts, absolute paths)."""
     folder = tmp_path_factory.mktemp("serve_engine")
     hf_tiny_qwen.make_tiny_with_tokenizer(folder / "tiny", seed=0)
     image, video = folder / "photo.png", folder / "clip.mp4"
@@ -38,19 +38,20 @@ def case(tmp_path_factory):
     flags = ["--hf-checkpoint", str(folder / "tiny"), "--seq-length", "2048"]
 
     def asked(parts: list[dict]) -> dict:
-        return {"messages": [{"role": "user", "content": parts}], "max_new_tokens": MAX_TOKENS}
+        return {"messages": [{"role": "user", "content": parts}]}
 
     requests = [asked([{"type": "image", "image": str(image)}, {"type": "text", "text": "Describe it."}]),
                 asked([{"type": "video", "video": str(video)}, {"type": "text", "text": "What happens?"}]),
                 *[asked(([{"type": "image", "image": str(image)}] if k % 2 else []) +
                         [{"type": "text", "text": q}]) for k, q in enumerate(QUESTIONS)]]
-    (folder / "requests.json").write_text(json.dumps(requests))
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "engine_answers.py"), str(folder / "requests.json"),
-                           str(folder / "answers.json"), *flags], cwd=folder, env=benchlib.trainer_env(),
+    (folder / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
+    done = subprocess.run([sys.executable, str(ROOT / "omnibal_cli.py"), "generate", "--input",
+                           str(folder / "requests.jsonl"), "--output", str(folder / "answers.jsonl"),
+                           "--max-new-tokens", str(MAX_TOKENS), *flags], cwd=folder, env=benchlib.trainer_env(),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return {"image": image, "video": video, "flags": flags,
-            "answers": json.loads((folder / "answers.json").read_text())}
+    answers = [json.loads(line) for line in (folder / "answers.jsonl").read_text().splitlines()]
+    return {"image": image, "video": video, "flags": flags, "answers": answers}
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,7 @@ def data_url(path: Path, mime: str) -> str:
     return f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode()}"
 
 
-def test_served_answers_equal_the_engine(case, server):
+def test_served_answers_equal_omnibal_generate(case, server):
     url = server.url
     assert server.name == "tiny"
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
