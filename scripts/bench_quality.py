@@ -26,9 +26,10 @@ the argmax after the reference tokens); beside it, the generation accuracy: each
 (``omnibal serve --load``, PP 2) and asked every answer of the validation set greedily through its OpenAI-compatible
 API (``omnibal eval``'s client), each after the record's turns before it; a record is right when every generated
 answer equals its reference (exact match) -- what greedy decoding reproduces, so the two agree but for near-ties
-and answers that do not stop where the reference does (``--gen-records 0``: no generation).  Verdict per reduction and metric: OmniBal differs from the baseline beyond seed
-noise when |mean difference| > 2 standard errors of that difference, the standard error from the pooled seed
-standard deviation, s_p sqrt(1/n_a + 1/n_b) (undetermined with fewer than 2 seeds).
+and answers that do not stop where the reference does (``--gen-records 0``: no generation).  Verdict per
+reduction and metric: OmniBal differs from the baseline beyond seed noise when |mean difference| > 2 standard
+errors of that difference, the standard error from the pooled seed standard deviation, s_p sqrt(1/n_a + 1/n_b)
+(undetermined with fewer than 2 seeds).
 
 Resumable: each run writes ``runs/NAME.jsonl`` (the trainer's log), ``NAME.out`` and, once done,
 ``NAME.result.json``; a rerun skips every run whose result file exists (a killed benchmark loses at most the run

@@ -282,8 +282,9 @@ def serve_layout(generator: Generator, model: ServedModel, config: ServerConfig,
                  on_listening: Callable[[str], None] = lambda url: None,
                  listener: socket.socket | None = None) -> None:
     """Collective (every rank of the layout): rank 0 serves (``serve``), sending each batch to the other ranks,
-    which follow it (``ranks.follow``); ``listener``: rank 0's socket, bound before the model loaded.  SIGINT or SIGTERM ends it after the batch in progress: rank 0 stops
-    serving and releases the others (which ignore those signals meanwhile, so none leaves a collective early)."""
+    which follow it (``ranks.follow``); ``listener``: rank 0's socket, bound before the model loaded.  SIGINT or
+    SIGTERM ends it after the batch in progress: rank 0 stops serving and releases the others (which ignore those
+    signals meanwhile, so none leaves a collective early)."""
     channel = BatchChannel()
     stop = threading.Event()
     handler = (lambda signum, frame: stop.set()) if channel.is_leader else (lambda signum, frame: None)
