@@ -90,15 +90,16 @@ class Messages:
         shape = torch.tensor(y.shape, dtype=torch.int64)
         y = y.detach().contiguous().cpu() if y.device.type != "cpu" and dist.get_backend() == "gloo" else \
             y.detach().contiguous()
+        # the sends finished are let go; none is waited for here: the next stage may be waiting for this one to join
+        # a broadcast before it receives them
+        self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
         self.pending += [(dist.isend(shape, dst=self.link.next), shape), (dist.isend(y, dst=self.link.next), y)]
-        if len(self.pending) > 64:
-            self.wait(keep=16)
 
-    def wait(self, keep: int = 0) -> None:
-        """Wait for the sends but the last ``keep``."""
-        done, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
-        for work, _ in done:
+    def wait(self) -> None:
+        """Wait for every send (the end of a generation)."""
+        for work, _ in self.pending:
             work.wait()
+        self.pending = []
 
 
 def run_stage(stage, x: torch.Tensor | None, batch: MicroBatch, prefill: bool) -> torch.Tensor:
