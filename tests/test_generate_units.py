@@ -271,6 +271,25 @@ def test_generate_command_refuses_bad_input_in_one_line(tmp_path, capsys):
     assert len(err_line) == 1 and err_line[0].startswith("omnibal generate: error:")
 
 
+def test_generate_command_names_a_bad_line_before_building_the_model(tmp_path, capsys):
+    """A tiny InternVL folder, an input whose second line is not JSON and third misses its image: one line naming
+    both ``file:line``, exit 2 (the world of one the command started torn down)."""
+    import hf_tiny
+    import omnibal_cli
+
+    hf_tiny.make_tiny_with_tokenizer(tmp_path / "hf")
+    capsys.readouterr()  # transformers' progress bars
+    bad = tmp_path / "in.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{oops\n'
+                   '{"messages": [{"role": "user", "content": "<image>x"}], "images": ["gone.png"]}\n')
+    assert omnibal_cli.main(["generate", "--hf-checkpoint", str(tmp_path / "hf"), "--input", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{bad}:2: not valid JSON" in err[0]
+    bad.write_text('{"messages": [{"role": "user", "content": "<image>x"}], "images": ["gone.png"]}\n')
+    assert omnibal_cli.main(["generate", "--hf-checkpoint", str(tmp_path / "hf"), "--input", str(bad)]) == 2
+    assert f"{bad}:1: image file not found" in capsys.readouterr().err
+
+
 def test_difference_causes():
     from megatron.training.eval_generate import difference_cause
 
