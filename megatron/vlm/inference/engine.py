@@ -39,7 +39,7 @@ from megatron.vlm.data.template import IGNORE_INDEX
 from megatron.vlm.sequence_parallel import padded_tokens
 
 from .cache import DecodeCache, DecodeStep
-from .pipeline import Messages, PipelineLink, gather_logits, run_stage
+from .pipeline import Messages, PipelineLink, comm_device, gather_logits, run_stage
 from .prompts import Prompt, read_prompts
 from .requests import GenerationRequest, GenerationResult, SamplingParams, TokenCallback
 from .sampling import choose_token, request_generator, top_gap
@@ -247,7 +247,8 @@ class GenerationEngine:
 
     def _broadcast(self, tokens: torch.Tensor | None, n: int) -> list[int]:
         """A step's tokens from the last stage to every rank of the model-parallel group."""
-        buffer = tokens if tokens is not None else torch.empty(n, dtype=torch.int64)
+        device = comm_device(self.device)
+        buffer = tokens.to(device) if tokens is not None else torch.empty(n, dtype=torch.int64, device=device)
         if dist.get_world_size(self.link.mp_group) > 1:
             dist.broadcast(buffer, src=self.link.source, group=self.link.mp_group)
         return buffer.tolist()
