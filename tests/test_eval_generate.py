@@ -23,7 +23,8 @@ def test_generation_accuracy_equals_teacher_forced_on_the_default_run(tmp_path, 
     assert val["answer acc"] > 0.05
     causes = {c: val[f"generation differs {c}"] for c in ("near-tie", "stop token", "other")}
     assert causes["other"] == 0
-    assert abs(val["generation acc"] - val["answer acc"]) * val["answers"] <= sum(causes.values()) + 1e-6
+    # samples differing (the logged accuracies are fp32 sums: the counts to a hundredth)
+    assert abs(val["generation acc"] - val["answer acc"]) * val["answers"] <= sum(causes.values()) + 0.01
     assert val["generation tf acc"] == pytest.approx(val["answer acc"], abs=1.5 / val["answers"])
 
 
