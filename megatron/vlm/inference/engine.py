@@ -42,7 +42,7 @@ from .cache import DecodeCache, DecodeStep
 from .pipeline import Messages, PipelineLink, comm_device, gather_logits, run_stage
 from .prompts import Prompt, read_prompts
 from .requests import GenerationRequest, GenerationResult, SamplingParams, TokenCallback
-from .sampling import choose_token, request_generator, top_gap
+from .sampling import choose_token, request_generator
 from .stopping import TextStream
 
 
@@ -232,11 +232,13 @@ class GenerationEngine:
 
     def _choose(self, states, live: list[int], logits: torch.Tensor, diagnostics: bool) -> torch.Tensor:
         tokens = []
+        top = torch.topk(logits, 2, dim=-1).values
+        argmaxes, gaps = logits.argmax(-1).tolist(), (top[:, 0] - top[:, 1]).tolist()
         for row, i in enumerate(live):
             s = states[i]
-            argmax = int(torch.argmax(logits[row]))
+            argmax = argmaxes[row]
             s.argmax.append(argmax)
-            s.gaps.append(top_gap(logits[row]))
+            s.gaps.append(gaps[row])
             if diagnostics:
                 s.logits.append(logits[row].cpu())
             if s.forced is not None:
