@@ -7,8 +7,8 @@ Equality as the acceptance states it (``generate_cases.compare``): greedy 32 new
 its first near-tie (top-1 / top-2 gap below tau = max(1e-4, 4 x the max |delta logit| measured at that layout)), and
 teacher-forced with its tokens our argmax equal to its token wherever the gap is at least tau; each case's first
 near-tie is printed, and most reach 32 tokens without one. At TP1 (run as DP 2), TP2, PP2 with the ViT split over the
-stages and EP2 for the MoE models, all in one 2-process launch; sampling with a fixed seed gives the same tokens at
-TP1 and TP2. The prompts are our reader's (``omnibal generate``'s path); the image prompts equal what transformers'
+stages and EP2 for the MoE models, and from ``--load`` (the Qwen3.5 folder imported as a checkpoint, resharded to TP2),
+all in one 2-process launch; sampling with a fixed seed gives the same tokens at TP1 and TP2. The prompts are our reader's (``omnibal generate``'s path); the image prompts equal what transformers'
 processor makes of the same request (the tokenizer's chat template and ``Qwen2VLImageProcessorPil``), and its inputs
 are transformers' own for those; the videos' inputs are the reader's rows and grids (transformers' video processors
 need torchvision; the reader's video rows are compared with the per-frame image processor in
@@ -25,6 +25,9 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("av")
 import generate_cases as gc  # noqa: E402
+from hf_tiny import world_of_one  # noqa: E402
+
+from megatron.vlm.hf.convert import import_hf  # noqa: E402
 
 SAMPLING = {"max_new_tokens": gc.NEW_TOKENS, "temperature": 0.9, "top_p": 0.95, "top_k": 40, "seed": 7,
             "ignore_eos": True}
@@ -115,6 +118,13 @@ def test_generation_equals_transformers_at_every_layout(families, tmp_path):
         for layout, flags in layouts(name).items():
             cases.append(gc.Case(f"{name} {layout}", (*base, *flags), families.requests, GREEDY,
                                  [h.tokens for h in tiny.oracle]))
+    # --load: the Qwen3.5 folder imported as a checkpoint of ours (TP1), generated from at TP2 (resharded at load)
+    ckpt = tmp_path / "imported"
+    with world_of_one():
+        import_hf(str(families.get("qwen3_5").folder), str(ckpt))
+    cases.append(gc.Case("qwen3_5 load-TP2", ("--hf-checkpoint", str(families.get("qwen3_5").folder), "--load",
+                                              str(ckpt), *layouts("qwen3_5")["TP2"]), families.requests, GREEDY,
+                         [h.tokens for h in families.get("qwen3_5").oracle]))
     sampled = ("qwen3_5", "internvl3_5_moe")
     for name in sampled:
         base = ["--hf-checkpoint", str(families.get(name).folder), *gc.trainer_flags(name)]

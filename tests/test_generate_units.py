@@ -36,8 +36,9 @@ class Layer(SimpleNamespace):
 
 
 def test_cached_attention_equals_whole_sequence_attention():
-    """Two sequences (5 and 3 prompt tokens) prefilled packed, then 4 decode steps (with a padding segment, as under
-    sequence parallelism): every output equals causal attention over the sequence so far."""
+    """Two sequences (5 and 3 prompt tokens) prefilled packed, then 4 decode steps (their two tokens in one segment,
+    then a padding segment, as under sequence parallelism): every output equals causal attention over the sequence so
+    far."""
     g = torch.Generator().manual_seed(0)
     heads, groups, d = 4, 2, 8
     layer = Layer(hidden_size_per_partition=heads * d, softmax_scale=d ** -0.5, gqa=True)
@@ -46,15 +47,15 @@ def test_cached_attention_equals_whole_sequence_attention():
              torch.randn(n + steps, groups, d, generator=g)) for n in lengths]
     cache = DecodeCache(2, 16)
     q, k, v = (torch.cat([s[j][:n] for s, n in zip(seqs, lengths)]) for j in range(3))
-    out = DecodeStep(cache, (0, 1), (0, 0)).attend(layer, q, k, v, ((0, 5), (5, 8)), True)
+    out = DecodeStep(cache, (0, 1), (0, 0), prefill=True).attend(layer, q, k, v, ((0, 5), (5, 8)), True)
     for s, (a, e), n in zip(seqs, ((0, 5), (5, 8)), lengths):
         torch.testing.assert_close(out[a:e].double(), reference_attention(s[0][:n], s[1][:n], s[2][:n], d ** -0.5))
     for step in range(steps):
         rows = [n + step for n in lengths]
         q, k, v = (torch.cat([torch.stack([s[j][r] for s, r in zip(seqs, rows)]), torch.zeros(2, *s[j].shape[1:])])
                    for j in range(3))  # two tokens, then a padding segment of two
-        out = DecodeStep(cache, (0, 1, None), (rows[0], rows[1], 0)).attend(layer, q, k, v, ((0, 1), (1, 2), (2, 4)),
-                                                                            True)
+        out = DecodeStep(cache, (0, 1), (rows[0], rows[1]), prefill=False).attend(layer, q, k, v, ((0, 2), (2, 4)),
+                                                                                 True)
         for i, (s, r) in enumerate(zip(seqs, rows)):
             want = reference_attention(s[0][:r + 1], s[1][:r + 1], s[2][:r + 1], d ** -0.5)[-1]
             torch.testing.assert_close(out[i].double(), want)
@@ -103,7 +104,7 @@ def test_delta_rule_and_conv_continue_their_states():
     seqs = [draw(n + steps) for n in lengths]
     weight = torch.randn(channels, width, generator=gen)
     segments = ((0, 7), (7, 9))
-    step = DecodeStep(cache, (0, 1), (0, 0))
+    step = DecodeStep(cache, (0, 1), (0, 0), prefill=True)
     cat = [torch.cat([s[j][:n] for s, n in zip(seqs, lengths)]) for j in range(6)]
     o = step.delta_rule(layer, *cat[:5], segments, None, 4, "torch")
     c = step.conv(layer, cat[5], weight, segments)
@@ -114,9 +115,9 @@ def test_delta_rule_and_conv_continue_their_states():
     for t in range(steps):
         rows = [n + t for n in lengths]
         one = [torch.stack([s[j][r] for s, r in zip(seqs, rows)]) for j in range(6)]
-        step = DecodeStep(cache, (0, 1), tuple(rows))
-        o = step.delta_rule(layer, *one[:5], ((0, 1), (1, 2)), None, 4, "torch")
-        c = step.conv(layer, one[5], weight, ((0, 1), (1, 2)))
+        step = DecodeStep(cache, (1, 0), (rows[1], rows[0]), prefill=False)  # slots in another order than the cache's
+        o = step.delta_rule(layer, *(x.flip(0) for x in one[:5]), ((0, 2),), None, 4, "torch").flip(0)
+        c = step.conv(layer, one[5].flip(0), weight, ((0, 2),)).flip(0)
         for i, (s, r) in enumerate(zip(seqs, rows)):
             full = [x.repeat_interleave(heads // key_heads, 1) for x in s[:2]]
             want = recurrent_rule(full[0][:r + 1], full[1][:r + 1], *(x[:r + 1] for x in s[2:5]))[-1]
@@ -126,7 +127,9 @@ def test_delta_rule_and_conv_continue_their_states():
 
 def test_a_step_mixing_prefill_and_decode_is_refused():
     with pytest.raises(ValueError, match="prefill"):
-        DecodeStep(DecodeCache(2, 8), (0, 1), (0, 3))
+        DecodeStep(DecodeCache(2, 8), (0, 1), (0, 3), prefill=False)
+    with pytest.raises(ValueError, match="cache"):
+        DecodeStep(DecodeCache(2, 8), (0, 2), (3, 3), prefill=False)
 
 
 def nucleus_brute_force(logits: torch.Tensor, top_k: int, top_p: float) -> set[int]:
@@ -266,6 +269,25 @@ def test_generate_command_refuses_bad_input_in_one_line(tmp_path, capsys):
                              str(tmp_path / "nohf")]) == 2
     err_line = capsys.readouterr().err.strip().splitlines()
     assert len(err_line) == 1 and err_line[0].startswith("omnibal generate: error:")
+
+
+def test_generate_command_names_a_bad_line_before_building_the_model(tmp_path, capsys):
+    """A tiny InternVL folder, an input whose second line is not JSON and third misses its image: one line naming
+    both ``file:line``, exit 2 (the world of one the command started torn down)."""
+    import hf_tiny
+    import omnibal_cli
+
+    hf_tiny.make_tiny_with_tokenizer(tmp_path / "hf")
+    capsys.readouterr()  # transformers' progress bars
+    bad = tmp_path / "in.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{oops\n'
+                   '{"messages": [{"role": "user", "content": "<image>x"}], "images": ["gone.png"]}\n')
+    assert omnibal_cli.main(["generate", "--hf-checkpoint", str(tmp_path / "hf"), "--input", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{bad}:2: not valid JSON" in err[0]
+    bad.write_text('{"messages": [{"role": "user", "content": "<image>x"}], "images": ["gone.png"]}\n')
+    assert omnibal_cli.main(["generate", "--hf-checkpoint", str(tmp_path / "hf"), "--input", str(bad)]) == 2
+    assert f"{bad}:1: image file not found" in capsys.readouterr().err
 
 
 def test_difference_causes():

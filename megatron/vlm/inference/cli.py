@@ -57,7 +57,8 @@ def sampling_of(args) -> SamplingParams:
         params.check()
     except ValueError as e:
         field = str(e).split(" ", 1)[0]
-        raise UserError(f"--{field.replace('_', '-')}: {str(e).split(': ', 1)[1]}") from None
+        flag = {"stop_token_ids": "--stop-token-id"}.get(field, "--" + field.replace("_", "-"))
+        raise UserError(f"{flag}: {str(e).split(': ', 1)[1]}") from None
     return params
 
 

@@ -39,10 +39,10 @@ from megatron.vlm.data.template import IGNORE_INDEX
 from megatron.vlm.sequence_parallel import padded_tokens
 
 from .cache import DecodeCache, DecodeStep
-from .pipeline import Messages, PipelineLink, gather_logits, run_stage
+from .pipeline import Messages, PipelineLink, comm_device, gather_logits, run_stage
 from .prompts import Prompt, read_prompts
 from .requests import GenerationRequest, GenerationResult, SamplingParams, TokenCallback
-from .sampling import choose_token, request_generator, top_gap
+from .sampling import choose_token, request_generator
 from .stopping import TextStream
 
 
@@ -232,11 +232,13 @@ class GenerationEngine:
 
     def _choose(self, states, live: list[int], logits: torch.Tensor, diagnostics: bool) -> torch.Tensor:
         tokens = []
+        top = torch.topk(logits, 2, dim=-1).values
+        argmaxes, gaps = logits.argmax(-1).tolist(), (top[:, 0] - top[:, 1]).tolist()
         for row, i in enumerate(live):
             s = states[i]
-            argmax = int(torch.argmax(logits[row]))
+            argmax = argmaxes[row]
             s.argmax.append(argmax)
-            s.gaps.append(top_gap(logits[row]))
+            s.gaps.append(gaps[row])
             if diagnostics:
                 s.logits.append(logits[row].cpu())
             if s.forced is not None:
@@ -247,7 +249,8 @@ class GenerationEngine:
 
     def _broadcast(self, tokens: torch.Tensor | None, n: int) -> list[int]:
         """A step's tokens from the last stage to every rank of the model-parallel group."""
-        buffer = tokens if tokens is not None else torch.empty(n, dtype=torch.int64)
+        device = comm_device(self.device)
+        buffer = tokens.to(device) if tokens is not None else torch.empty(n, dtype=torch.int64, device=device)
         if dist.get_world_size(self.link.mp_group) > 1:
             dist.broadcast(buffer, src=self.link.source, group=self.link.mp_group)
         return buffer.tolist()
@@ -267,8 +270,6 @@ class GenerationEngine:
                                    pad_to_multiple=self.config.pad_to_multiple)
         batch = self.batcher.micro_batch(fields)
         bounds = batch.packing.cu_seqlens.tolist()
-        segments = len(bounds) - 1
-        slots = tuple(live) + (None,) * (segments - len(live))
         ends = [bounds[k + 1] - 1 for k in range(len(live))]
         if self.mrope:
             ids = batch.vision.mrope_position_ids.reshape(3, -1)
@@ -277,13 +278,13 @@ class GenerationEngine:
                 states[i].delta = int(ids[:, lo:hi].max()) + 1 - (hi - lo)
         for i in live:
             states[i].past = states[i].prompt.length
-        step = DecodeStep(cache, slots, (0,) * segments)
+        step = DecodeStep(cache, tuple(live), (0,) * len(live), prefill=True)
         batch = dataclasses.replace(batch, packing=dataclasses.replace(batch.packing, decode=step))
         return batch.to(self.device), ends
 
     def _decode_batch(self, states, live: list[int], cache: DecodeCache) -> tuple[MicroBatch, list[int]]:
-        """One token per live sequence (its last), each its own segment at its next position; under sequence
-        parallelism one padding segment up to a multiple of TP."""
+        """One token per live sequence (its last) at its next position, all in one segment (``DecodeStep``); under
+        sequence parallelism a padding segment up to a multiple of TP."""
         n = len(live)
         t = padded_tokens(n, self.config.pad_to_multiple)
         tokens = torch.full((1, t), self.config.pad_id, dtype=torch.int64)
@@ -297,10 +298,10 @@ class GenerationEngine:
             segment_ids[0, k] = k
             past.append(s.past)
             s.past += 1
-        bounds = list(range(n + 1)) + ([t] if t > n else [])
+        bounds = [0, n] + ([t] if t > n else [])
         fields = {"tokens": tokens, "labels": torch.full((1, t), IGNORE_INDEX, dtype=torch.int64),
                   "position_ids": positions, "segment_ids": segment_ids,
-                  "cu_seqlens": torch.tensor(bounds, dtype=torch.int32), "max_seqlen": max(1, t - n),
+                  "cu_seqlens": torch.tensor(bounds, dtype=torch.int32), "max_seqlen": max(n, t - n),
                   "sample_tokens": torch.ones(n, dtype=torch.int64), "sample_tiles": torch.zeros(n, dtype=torch.int64),
                   "sample_answers": [0] * n, "sample_ids": torch.full((n,), -1, dtype=torch.int64),
                   # a text-only step's vision fields, by the names the families' vision parts give them
@@ -308,6 +309,6 @@ class GenerationEngine:
                   "mm_token_type_ids": torch.zeros(1, t, dtype=torch.int64),
                   "mrope_position_ids": positions.reshape(1, 1, t).expand(3, 1, t).contiguous()}
         batch = MicroBatch.of(fields, self.batcher.vision_part)
-        step = DecodeStep(cache, tuple(live) + (None,) * (len(bounds) - 1 - n), tuple(past) + (0,) * (len(bounds) - 1 - n))
+        step = DecodeStep(cache, tuple(live), tuple(past), prefill=False)
         batch = dataclasses.replace(batch, packing=dataclasses.replace(batch.packing, decode=step))
         return batch.to(self.device), list(range(n))

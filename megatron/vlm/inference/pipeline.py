@@ -76,29 +76,34 @@ class Messages:
     ``wait``)."""
 
     def __init__(self, link: PipelineLink, device):
-        self.link, self.device = link, device
+        self.link, self.device = link, comm_device(device)
         self.pending: list = []
 
     def receive(self, dtype) -> torch.Tensor:
-        shape = torch.empty(3, dtype=torch.int64)
+        shape = torch.empty(3, dtype=torch.int64, device=self.device)
         dist.recv(shape, src=self.link.prev)
-        x = torch.empty(tuple(shape.tolist()), dtype=dtype)
+        x = torch.empty(tuple(shape.tolist()), dtype=dtype, device=self.device)
         dist.recv(x, src=self.link.prev)
-        return x.to(self.device)
+        return x
 
     def send(self, y: torch.Tensor) -> None:
-        shape = torch.tensor(y.shape, dtype=torch.int64)
-        y = y.detach().contiguous().cpu() if y.device.type != "cpu" and dist.get_backend() == "gloo" else \
-            y.detach().contiguous()
+        shape = torch.tensor(y.shape, dtype=torch.int64, device=self.device)
+        y = y.detach().contiguous().to(self.device)
+        # the sends finished are let go; none is waited for here: the next stage may be waiting for this one to join
+        # a broadcast before it receives them
+        self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
         self.pending += [(dist.isend(shape, dst=self.link.next), shape), (dist.isend(y, dst=self.link.next), y)]
-        if len(self.pending) > 64:
-            self.wait(keep=16)
 
-    def wait(self, keep: int = 0) -> None:
-        """Wait for the sends but the last ``keep``."""
-        done, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
-        for work, _ in done:
+    def wait(self) -> None:
+        """Wait for every send (the end of a generation)."""
+        for work, _ in self.pending:
             work.wait()
+        self.pending = []
+
+
+def comm_device(device) -> torch.device:
+    """Where messages travel: the model's device under NCCL, the host under gloo."""
+    return torch.device(device) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def run_stage(stage, x: torch.Tensor | None, batch: MicroBatch, prefill: bool) -> torch.Tensor:

@@ -132,8 +132,17 @@ def read_prompts(lines: Sequence[str], root: str, tokenizer, config: ReaderConfi
             json.dump({"requests": {"root": os.path.abspath(root), "annotation": annotation}}, f)
         config = ReaderConfig(images=config.images, videos=config.videos, system=config.system,
                               add_bos=config.add_bos, skip_bad=True)
-        dataset = RecordDataset(meta, tokenizer, config.images, system=config.system, add_bos=config.add_bos,
-                                skip_bad=True, videos=config.videos, progress=False)
+        try:
+            dataset = RecordDataset(meta, tokenizer, config.images, system=config.system, add_bos=config.add_bos,
+                                    skip_bad=True, videos=config.videos, progress=False)
+        except UserError:  # every request has a problem: the scan without skipping lists them all
+            try:
+                RecordDataset(meta, tokenizer, config.images, system=config.system, add_bos=config.add_bos,
+                              videos=config.videos, progress=False)
+            except UserError as e:
+                listed = [line.strip() for line in str(e).splitlines()[1:] if line.strip()] or [str(e)]
+                raise PromptError(_listed([_renamed(p, annotation, names) for p in listed])) from None
+            raise
         if dataset.scan.skipped:
             raise PromptError(_listed([_renamed(p, annotation, names) for p in dataset.scan.skipped]))
         prompts = []

@@ -42,9 +42,3 @@ def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
         return int(torch.argmax(logits))
     probs = filtered_logits(logits, params).softmax(-1)
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
-
-
-def top_gap(logits: torch.Tensor) -> float:
-    """The top-1 minus top-2 logit (how near a tie the argmax is)."""
-    top = torch.topk(logits.float(), 2).values
-    return float(top[0] - top[1])
