@@ -132,7 +132,7 @@ def family_reader_args(name: str) -> SimpleNamespace:
 def read_prompts(name: str, folder: Path, requests: Path):
     """(our reader's prompts of ``requests`` for the HF ``folder``, the tokenizer, the image rule)."""
     from megatron.vlm.data.tokenizer import build_tokenizer
-    from megatron.vlm.families import runtime_family
+    from megatron.vlm.stage.components import runtime_family
     from megatron.vlm.hf.convert import HFSource
     from megatron.vlm.inference.build import reader_config
     from megatron.vlm.inference.prompts import read_prompts as read

@@ -27,7 +27,7 @@ pytest.importorskip("av")
 import generate_cases as gc  # noqa: E402
 from hf_tiny import world_of_one  # noqa: E402
 
-from megatron.vlm.hf.convert import import_hf  # noqa: E402
+from megatron.training.hf_checkpoints import import_hf  # noqa: E402
 
 SAMPLING = {"max_new_tokens": gc.NEW_TOKENS, "temperature": 0.9, "top_p": 0.95, "top_k": 40, "seed": 7,
             "ignore_eos": True}

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from megatron.core.utils import unwrap_model
 
+from megatron.vlm.inference.build import engine_for_stage
 from megatron.vlm.inference.prompts import Prompt, answer_prompts
 from megatron.vlm.inference.requests import SamplingParams
 
@@ -53,8 +54,6 @@ class GenerationEval:
 
     @classmethod
     def build(cls, args, plan, model, valid_data, dp_group) -> "GenerationEval":
-        from megatron.vlm.inference.build import engine_for_stage
-
         if len(model) > 1:
             raise ValueError("--eval-generate: one stage per pipeline rank (checked with the flags)")
         stage = unwrap_model(model[0])

@@ -20,10 +20,25 @@ import json
 import os
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
 
+from omnibal_ext.errors import UserError
 from omnibal_ext.model.units import family_of
 
+from megatron.training import checkpointing, setup
+from megatron.training.arguments import ArgumentError, parse_args, virtual_pipeline_size
+from megatron.training.initialize import (choose_device, distributed_timeout, initialize_distributed, set_seeds,
+                                          world_size_from_env)
+from megatron.training.run_plan import plan_run
+from megatron.training.tokenizer_setup import setup_tokenizer
 from megatron.vlm.data.records import ReaderConfig
+from megatron.vlm.hf.convert import HFSource
+from megatron.vlm.hf.load import load_hf_into_stage
+from megatron.vlm.layers.attention import SegmentAttention
+from megatron.vlm.layers.layer_impl import resolve_layer_impl
+from megatron.vlm.stage.build import StageBuild, build_stage
+from megatron.vlm.stage.components import runtime_family
 
 from .engine import EngineConfig, GenerationEngine
 from .stopping import default_stop_ids
@@ -46,8 +61,6 @@ def generation_config_eos(folder: str | None) -> tuple[int, ...]:
 def reader_config(args, spec, hf_folder: str | None) -> ReaderConfig:
     """The trainer's reader settings for the model (its family's image rule, its video rule where it declares video,
     with the image and ``--video-*`` flags of ``args``)."""
-    from megatron.vlm.families import runtime_family
-
     data = runtime_family(spec).data
     videos = data.video_rule(args, spec, hf_folder) if family_of(spec).capabilities.video and data.video_rule else None
     return ReaderConfig(images=data.image_rule(args, spec, hf_folder), videos=videos)
@@ -57,8 +70,6 @@ def engine_for_stage(stage, tokenizer, config: ReaderConfig, pad_to_multiple: in
                      groups: int | None = None) -> GenerationEngine:
     """The engine of ``stage`` (this rank's ``VLMStage``, weights loaded; put in eval mode here) reading requests with
     ``tokenizer`` and ``config``; ``pad_to_multiple``: TP under sequence parallelism, else 1."""
-    from megatron.vlm.families import runtime_family
-
     spec = stage.spec
     batcher = runtime_family(spec).data.batcher(spec, tokenizer.img_context_id, config.images)
     ends = default_stop_ids(tokenizer, generation_config_eos(hf_folder))
@@ -70,10 +81,6 @@ def engine_for_stage(stage, tokenizer, config: ReaderConfig, pad_to_multiple: in
 
 def check_stage(stage) -> None:
     """The stage's LLM attention must be ``SegmentAttention`` (the one with the decode cache)."""
-    from omnibal_ext.errors import UserError
-
-    from megatron.vlm.attention import SegmentAttention
-
     blocks = getattr(stage, "llm_blocks", None)
     if blocks is None:
         return
@@ -86,8 +93,6 @@ def check_stage(stage) -> None:
 
 def check_flags(args) -> None:
     """The trainer's flags generation refuses (module docstring), naming them."""
-    from megatron.training.arguments import ArgumentError, virtual_pipeline_size
-
     if args.context_parallel_size > 1:
         raise ArgumentError(f"--context-parallel-size {args.context_parallel_size}: generation runs without context "
                             "parallelism (a decode step is one token per sequence)")
@@ -123,14 +128,6 @@ class GenerationSetup:
 def prepare(argv: list[str], world_size: int | None = None) -> GenerationSetup:
     """Parse and check the trainer flags ``argv`` (module docstring), start the process groups (torchrun's world;
     inside ``cpu_compat.patched`` on CPU), make the plan, the tokenizer and the reader's settings."""
-    from megatron.training import checkpointing, setup
-    from megatron.training.arguments import parse_args
-    from megatron.training.initialize import (choose_device, distributed_timeout, initialize_distributed, set_seeds,
-                                              world_size_from_env)
-    from megatron.training.run_plan import plan_run
-    from megatron.training.tokenizer_setup import setup_tokenizer
-    from omnibal_ext.errors import UserError
-
     world_size = world_size or world_size_from_env()
     args = parse_args(argv, world_size)
     check_flags(args)
@@ -151,13 +148,6 @@ def prepare(argv: list[str], world_size: int | None = None) -> GenerationSetup:
 
 def build_engine(setup: GenerationSetup) -> GenerationEngine:
     """This rank's stage of the setup's layout, its weights loaded, and its engine (module docstring)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from megatron.training import checkpointing
-    from megatron.vlm.layer_impl import resolve_layer_impl
-    from megatron.vlm.stage import StageBuild, build_stage
-
     args, plan, device = setup.args, setup.plan, setup.device
     spec, tp, pp = plan.model_spec, args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     sequence_parallel = args.sequence_parallel or (spec.language.moe is not None and tp > 1)
@@ -173,9 +163,6 @@ def build_engine(setup: GenerationSetup) -> GenerationEngine:
         checkpointing.load_weights(setup.resume, plan, [stage])
         source = f"--load {args.load}"
     else:
-        from megatron.vlm.hf.convert import HFSource
-        from megatron.vlm.hf.load import load_hf_into_stage
-
         hf_source = HFSource.open(args.hf_checkpoint)
         hf_source.spec = spec  # the vocabulary may be padded further for TP
         load_hf_into_stage(stage, hf_source)

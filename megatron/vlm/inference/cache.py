@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megatron.vlm.delta_rule import Segments, causal_conv1d
-from megatron.vlm.delta_rule import delta_rule as packed_delta_rule
+from megatron.vlm.layers.delta_rule import Segments, causal_conv1d
+from megatron.vlm.layers.delta_rule import delta_rule as packed_delta_rule
 
 
 class DecodeCache:
@@ -184,7 +184,7 @@ class DecodeStep:
 
     def delta_rule(self, layer, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, segments: Segments,
                    cu_seqlens, chunk: int, backend: str) -> Tensor:
-        """``megatron.vlm.delta_rule.delta_rule`` continuing each sequence's state: q, k [t, key heads, k_dim]
+        """``megatron.vlm.layers.delta_rule.delta_rule`` continuing each sequence's state: q, k [t, key heads, k_dim]
         (l2-normalised), v [t, heads, v_dim], g, beta [t, heads] -> o [t, heads, v_dim] fp32."""
         self._check(segments, v.shape[0])
         heads, k_dim, v_dim = v.shape[1], k.shape[-1], v.shape[-1]

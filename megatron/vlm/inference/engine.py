@@ -11,7 +11,7 @@ Every rank of a data-parallel replica's model-parallel group (TP x PP) runs the 
    the next tokens (``sampling``) and broadcasts them in the model-parallel group; every rank then takes them into
    each request's ``stopping.TextStream`` (stop tokens and strings, max new tokens: decided alike everywhere), and
    the next step of the group is built from them: each sequence's last token at its next position (1-D positions
-   continue from the prompt's length; the 3-D RoPE ids of the Qwen families from the prompt's largest id + 1, the
+   continue from the prompt's length; multimodal 3-D RoPE ids from the prompt's largest id + 1, the
    ``mrope_position_ids`` delta transformers' ``get_rope_index`` gives).
 
 Groups take turns: while the last stage works on one group's step, the first works on the next group's, so the
@@ -34,9 +34,9 @@ import torch.distributed as dist
 
 from omnibal_ext.errors import UserError
 
-from megatron.vlm.micro_batch import MicroBatch
+from megatron.vlm.stage.micro_batch import MicroBatch
 from megatron.vlm.data.template import IGNORE_INDEX
-from megatron.vlm.sequence_parallel import padded_tokens
+from megatron.vlm.parallel.sequence_parallel import padded_tokens
 
 from .cache import DecodeCache, DecodeStep
 from .pipeline import Messages, PipelineLink, comm_device, gather_logits, run_stage

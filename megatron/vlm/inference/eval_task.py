@@ -1,5 +1,5 @@
-"""A local evaluation task for ``omnibal eval``: a JSONL of the trainer's records (``messages``, or InternVL's
-``conversations``), and the exact-match score both evaluation back ends report.
+"""A local evaluation task for ``omnibal eval``: a JSONL of the trainer's records (``messages``, or the
+``conversations`` format), and the exact-match score both evaluation back ends report.
 
 A record is read by the trainer's own record reader (``megatron.vlm.data.records.record_turns``: either format,
 ``<image>``/``<video>`` tags or structured parts).  Each assistant turn is an answer to ask: its question is every

@@ -1,7 +1,7 @@
 """One generation step through this rank's pipeline stage, and the stages' messages.
 
 A prefill runs the whole unit list: the ViT wherever the layout puts it, the side tensors (DeepStack features)
-travelling packed with the hidden states as in training (``megatron.vlm.side``). A decode step runs the LLM's units
+travelling packed with the hidden states as in training (``megatron.vlm.stage.side``). A decode step runs the LLM's units
 only: from the stage holding the text embedding (its input the step's tokens, no image features: every side tensor
 is empty) to the last stage; stages of ViT units only sit it out. The last stage returns logits (the head's
 ``logits``, whatever the stage's output mode: training's stages generate too).
@@ -21,8 +21,8 @@ from megatron.core import parallel_state as ps
 from omnibal_ext.model.spec import HEAD, PROJECTOR, TEXT_EMBED, VISION_EMBED, VISION_LAYER
 from omnibal_ext.model.units import family_of
 
-from megatron.vlm.micro_batch import MicroBatch
-from megatron.vlm.side import pack, put_side, held_sides, take_side, unpack
+from megatron.vlm.stage.micro_batch import MicroBatch
+from megatron.vlm.stage.side import StageCache, pack, unpack
 
 VISION_ROLES = (VISION_EMBED, VISION_LAYER, PROJECTOR)  # the units a decode step skips
 
@@ -109,20 +109,20 @@ def comm_device(device) -> torch.device:
 def run_stage(stage, x: torch.Tensor | None, batch: MicroBatch, prefill: bool) -> torch.Tensor:
     """This rank's stage (a ``VLMStage``) on one step (module docstring): its output to send, or on the last stage this
     TP rank's logits [t, 1, V/tp]."""
-    cache: dict = {}
+    cache = StageCache()
     spec = stage.spec
     if stage.sides_in and x is not None:
         rows = [(stage.side_rows(spec, batch, 1, 0) if prefill else 0, s.width) for s in stage.sides_in]
         x, received = unpack(x, rows)
         for side, tensor in zip(stage.sides_in, received):
-            put_side(cache, side.name, tensor)
+            cache.put_side(side.name, tensor)
     dtype = next(stage.parameters()).dtype
     device = next(stage.parameters()).device
     if not prefill:  # no image features: every side tensor empty
-        held = held_sides(cache)
+        held = cache.held_sides()
         for side in family_of(spec).side_tensors(spec):
             if side.name not in held:
-                put_side(cache, side.name, torch.zeros(0, side.width, dtype=dtype, device=device))
+                cache.put_side(side.name, torch.zeros(0, side.width, dtype=dtype, device=device))
     for part in stage.parts:
         role = part.component.code()
         if not prefill and role in VISION_ROLES:
@@ -136,7 +136,7 @@ def run_stage(stage, x: torch.Tensor | None, batch: MicroBatch, prefill: bool) -
             x = part.component.forward(module, x, batch, cache)
     if stage.post_process:
         return x
-    return pack(x, [take_side(cache, s.name) for s in stage.sides_out])
+    return pack(x, [cache.take_side(s.name) for s in stage.sides_out])
 
 
 def gather_logits(logits: torch.Tensor, rows: list[int], real_vocab: int, link: PipelineLink) -> torch.Tensor:
