@@ -8,7 +8,8 @@ import numpy as np
 from ..data.stats import SampleStats
 from ..memory.memory_model import GIB, MIXED_BF16_ADAM
 from ..model.cp_split import cp_multiple
-from ..model.layout import default_layout
+from ..model.decode_cost import DecodeLoad, decode_estimate
+from ..model.layout import default_layout, parse_layout
 from ..model.moe import ExpertGrid, expert_grids
 from ..model.moe_cost import ExpertRun, run_for
 from ..model.sample_time import vision_segments
@@ -237,9 +238,6 @@ def serving_rows(config: PlanConfig, stats: SampleStats, tp: int, ep: int, rows:
     """What each setting's layout (each layout once, by its first setting) serves at (``decode_cost.decode_estimate``)
     at ``config.serve_batches``, with the data's mean sample as the prompt and its tokens as the cached context (or
     ``config.serve_context``); an interleaved layout (generation runs one stage per rank) is left out."""
-    from omnibal_ext.model.decode_cost import DecodeLoad, decode_estimate
-    from omnibal_ext.model.layout import parse_layout
-
     spec = config.spec
     tokens = float(np.mean(stats.tokens)) if len(stats) else 0.0
     prompt = MicroBatchShape(int(round(float(np.mean(stats.vit)))) if len(stats) else 0, max(1, int(round(tokens))))

@@ -88,6 +88,7 @@ def request_lines(args) -> tuple[list[str], str, list[str]]:
 
 
 def run_generate(args) -> int:
+    # the trainer loads here, not when `omnibal` starts (its planner commands are torch-free)
     from megatron.training import cpu_compat
     from megatron.training.arguments import requested_device
     from megatron.training.initialize import choose_device, destroy
@@ -103,6 +104,7 @@ def run_generate(args) -> int:
 
 
 def _generate(flags, lines, root, names, params, output) -> int:
+    # (torch and the model load only when a command runs: see run_generate)
     import torch.distributed as dist
 
     from .build import build_engine, prepare

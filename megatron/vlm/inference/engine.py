@@ -33,10 +33,11 @@ import torch
 import torch.distributed as dist
 
 from omnibal_ext.errors import UserError
+from omnibal_ext.model.spec import TEXT_EMBED
 
-from megatron.vlm.stage.micro_batch import MicroBatch
 from megatron.vlm.data.template import IGNORE_INDEX
 from megatron.vlm.parallel.sequence_parallel import padded_tokens
+from megatron.vlm.stage.micro_batch import MicroBatch
 
 from .cache import DecodeCache, DecodeStep
 from .pipeline import Messages, PipelineLink, comm_device, gather_logits, run_stage
@@ -89,8 +90,6 @@ class GenerationEngine:
     docstring); ``run`` takes prompts (tests, ``--eval-generate``)."""
 
     def __init__(self, stage, tokenizer, reader_config, batcher, config: EngineConfig):
-        from omnibal_ext.model.spec import TEXT_EMBED
-
         self.stage, self.tokenizer, self.reader_config, self.batcher, self.config = (stage, tokenizer, reader_config,
                                                                                   batcher, config)
         self.device = next(stage.parameters()).device
