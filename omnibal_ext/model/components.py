@@ -129,6 +129,11 @@ class CostComponent:
         (with sequence parallelism: all-reduce-equivalent bytes, an all-gather or reduce-scatter counting half)."""
         return 0.0, 0.0
 
+    def decode_cache(self, batch: int, context: float, tp: int, dtype_bytes: int) -> tuple[float, float]:
+        """(FLOPs over all TP ranks, bytes per TP rank) one generation decode step of ``batch`` sequences spends on the
+        unit's cache of ``context`` tokens per sequence (``omnibal_ext.model.decode_cost``); 0 for units without one."""
+        return 0.0, 0.0
+
     # Expert parallelism (``omnibal_ext.model.moe_cost``): only MoE layers override these.
     def with_experts(self, run) -> "CostComponent":
         """This component under the expert run ``run`` (``moe_cost.ExpertRun``: EP / ETP sizes and the expert
@@ -332,6 +337,14 @@ class TextLayerCost(CostComponent):
     def tp_allreduce_bytes(self, shape, sequence_parallel=False, tp=1):
         llm = shape.rank_llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes
         return 2 * llm, 2 * llm  # with sequence parallelism 2 all-gathers + 2 reduce-scatters: the same bytes
+
+    def decode_cache(self, batch, context, tp, dtype_bytes):
+        """Each new token's query attends to ``context`` cached keys and values (``4 * width * context`` FLOPs),
+        which are read: ``2 * groups * head dim * context`` elements per sequence, split over TP."""
+        lm = self.spec.language
+        width = lm.num_attention_heads * lm.kv_channels
+        return (4.0 * width * context * batch,
+                batch * context * 2.0 * lm.kv_groups * lm.kv_channels * dtype_bytes / tp)
 
 
 class HeadCost(CostComponent):

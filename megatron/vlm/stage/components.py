@@ -382,6 +382,13 @@ class Head(RuntimeComponent):
             x = sequence_parallel.enter(x)
         return module(x, batch.text.labels if self.ctx.output == "loss" else None)
 
+    def logits(self, module, x):
+        """This TP rank's logits [t, 1, V/tp] of the hidden states ``x``, whatever the stage's output mode
+        (generation: ``megatron.vlm.inference``)."""
+        if self.sp_enters:
+            x = sequence_parallel.enter(x)
+        return module.logits(x)
+
     def profile_forward(self, module, x, batch, cache):
         out = self.forward(module, x, batch, cache)
         return out.loss if self.ctx.output == "loss" else out

@@ -128,6 +128,13 @@ class LinearAttentionLayerCost(TextLayerCost):
     def linears(self, tp):
         return {}  # no LoRA on these layers (not declared)
 
+    def decode_cache(self, batch, context, tp, dtype_bytes):
+        """A decode step reads, updates and writes each sequence's recurrent state (fp32, ``value heads * k_dim *
+        v_dim``: about 6 FLOPs per element) and its convolution window (``kernel - 1`` inputs); no context."""
+        s = self.spec.language.linear_shape
+        state = s.value_heads * s.key_head_dim * s.value_head_dim
+        return 6.0 * state * batch, batch * (2 * 4.0 * state + (s.conv_kernel - 1) * s.conv_dim * dtype_bytes) / tp
+
     def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False, kernels=FUSED_KERNELS):
         lm, D = self.spec.language, shape.dtype_bytes
         T = sp_tokens(shape.rank_llm_tokens, tp, sequence_parallel)
