@@ -111,12 +111,18 @@ def extra_state_objects(spec: ModelSpec) -> list:
 def import_hf(folder: str, save: str) -> dict:
     """``omnibal hf import``: in a world of one (process group and megatron's groups already started)."""
     from megatron.training.checkpointing import describe_run, save_global_tensors
+    from megatron.training.checkpointing.lineage import set_aside
+    from megatron.training.checkpointing.lock import held
 
     src = HFSource.open(folder)
     tensors = src.global_tensors()
     tokenizer = os.path.abspath(folder) if has_tokenizer(folder) else None
     common = {"run": describe_run(src.spec, tokenizer=tokenizer, hf=src.meta()), "iteration": 0}
-    save_global_tensors(save, tensors, extra_state_objects(src.spec), common, 0)
+    with held(save):  # a writer of the folder, like a training run; its checkpoint starts a new lineage
+        moved = set_aside(save, None)
+        if moved:
+            print(moved, flush=True)
+        save_global_tensors(save, tensors, extra_state_objects(src.spec), common, 0)
     return {"spec": src.spec, "tensors": len(tensors), "layout": src.info.layout}
 
 
@@ -131,6 +137,7 @@ def export_hf(load: str, out: str, step: int | None = None, dtype: str | None = 
 
     from megatron.training.checkpointing import TRACKER, CheckpointError, iteration_dir, read_global_tensors
 
+    _check_out_folder(out)
     if step is None:
         tracker = os.path.join(load, TRACKER)
         if not os.path.isfile(tracker):
@@ -169,6 +176,16 @@ def export_hf(load: str, out: str, step: int | None = None, dtype: str | None = 
     files = write_safetensors(hf, out, max_shard_bytes)
     copied = copy_tokenizer(out, run.get("tokenizer"), meta.get("source"))
     return {"iteration": step, "tensors": len(hf), "files": files, "tokenizer": copied}
+
+
+def _check_out_folder(out: str) -> None:
+    """``--out`` must be (or be creatable as) a folder: a file on the path is refused before any reading."""
+    path = os.path.abspath(out)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        raise UserError(f"--out {out}: {path} is a file, not a folder: give a folder to write the Hugging Face "
+                        "model into")
 
 
 def tokenizer_image_token_id(spec: ModelSpec, load: str, *folders) -> int:

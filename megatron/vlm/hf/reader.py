@@ -18,17 +18,17 @@ class HFCheckpoint:
         self.folder = folder
         index = os.path.join(folder, "model.safetensors.index.json")
         if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise HFConfigError(f"--hf-checkpoint {folder}: {index} is not a safetensors index ({e!r})") from None
             self.files = {k: os.path.join(folder, v) for k, v in weight_map.items()}
         else:
             self.files = {}
             for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
-                from safetensors import safe_open
-
-                with safe_open(path, "pt") as f:
-                    for k in f.keys():
-                        self.files[k] = path
+                for k in self._open_file(path).keys():
+                    self.files[k] = path
         if not self.files:
             raise HFConfigError(f"--hf-checkpoint {folder}: no *.safetensors weights there (PyTorch .bin "
                                 "checkpoints are not read: convert them with save_pretrained(safe_serialization=True))")
@@ -37,12 +37,20 @@ class HFCheckpoint:
     def names(self) -> set[str]:
         return set(self.files)
 
-    def _handle(self, name: str):
-        from safetensors import safe_open
+    def _open_file(self, path: str):
+        """``safe_open`` of one shard; a missing, truncated or damaged file is refused, naming it."""
+        from safetensors import SafetensorError, safe_open
 
+        try:
+            return safe_open(path, "pt")
+        except (SafetensorError, OSError) as e:
+            raise HFConfigError(f"--hf-checkpoint {self.folder}: {path} is not a readable safetensors file ({e}): "
+                                "truncated or damaged? fetch it again") from None
+
+    def _handle(self, name: str):
         path = self.files[name]
         if path not in self._open:
-            self._open[path] = safe_open(path, "pt")
+            self._open[path] = self._open_file(path)
         return self._open[path]
 
     def release(self) -> None:
