@@ -96,11 +96,13 @@ def group_lrs(optimizer) -> list[tuple[float, float]]:
 
 
 def group_differences(run: list[tuple[float, float]], optimizer) -> list[str]:
-    """The groups whose peak or minimum LR the optimizer holds now (after loading a checkpoint's state) differ from
-    ``run`` (this run's, :func:`group_lrs` before the load)."""
-    return [f"parameter group {i}'s peak/minimum LR {loaded[0]!r}/{loaded[1]!r} saved, {mine[0]!r}/{mine[1]!r} now "
-            "(--lr, --vision-lr, --projector-lr, --min-lr)"
-            for i, (mine, loaded) in enumerate(zip(run, group_lrs(optimizer))) if mine != loaded]
+    """The groups of their own LR (--vision-lr, --projector-lr: not megatron-core's ``default_config`` groups,
+    which follow --lr and --min-lr like the scheduler) whose peak or minimum LR the optimizer holds now (after
+    loading a checkpoint's state) differs from ``run`` (this run's, :func:`group_lrs` before the load)."""
+    return [f"peak/minimum LR of a parameter group of its own {loaded[0]!r}/{loaded[1]!r} saved, {mine[0]!r}/"
+            f"{mine[1]!r} now (--vision-lr, --projector-lr)"
+            for mine, loaded, group in zip(run, group_lrs(optimizer), optimizer.param_groups)
+            if mine != loaded and not group.get("default_config", False)]
 
 
 def refusal(where: str, differences: list[str]) -> str:

@@ -13,13 +13,14 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from torch.distributed.checkpoint.api import CheckpointException
 
 from omnibal_ext.errors import RunStopped
 
 from .files import fsync_dir, hash_files, write_json, write_text
 from .layout import MANIFEST, TRACKER, complete_iterations, iteration_dir
 from .lineage import set_aside, to_prune
-from .space import free_bytes, gib, space_warning, write_failure
+from . import space
 from .param_steps import one_step_for_save
 from .state import rng_object, rng_state, run_description, sharded_state_dict, to_tensors
 
@@ -53,24 +54,31 @@ def _write(sd: dict, root: str, tmp: str, iteration: int) -> None:
     error = None
     try:
         dist_checkpointing.save(sd, tmp, sharded_strategy=strategy, validate_access_integrity=True)
-    except Exception as e:  # noqa: BLE001 - every rank must learn of it (_agree)
-        error = e
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must learn of it (_agree); PyTorch
+        error = e  # DCP's CheckpointException (a failed write on any rank, raised on all) is a BaseException
         strategy.meet_after_failure(e)
     _agree(error, root, iteration, cleanup=tmp)
 
 
 def _agree(error: BaseException | None, root: str, iteration: int, cleanup: str | None = None) -> None:
     """Every rank tells the others whether its part of the save of ``iteration`` failed; on any failure rank 0
-    removes ``cleanup`` and every rank raises: ``SaveError`` naming the folder for a failed write (a bug keeps its
-    traceback on its rank; the others name that rank)."""
-    kind = None if error is None else "peer" if isinstance(error, _PeerFailed) else write_failure(error, root) or "bug"
+    removes ``cleanup`` (rank 0's: the partial folder, None once it is complete) and every rank raises: ``SaveError``
+    naming the folder for a failed write (a bug keeps its traceback on its rank; the others name that rank)."""
+    kind = None if error is None else "peer" if isinstance(error, _PeerFailed) else space.write_failure(error, root) or "bug"
+    # the rank it struck: PyTorch DCP raises a write's failure on every rank, naming the ranks it struck
+    origin = min(error.failures) if isinstance(error, CheckpointException) else dist.get_rank()
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, None if kind is None else (kind, dist.get_rank()))
+    dist.all_gather_object(everyone, None if kind is None else (kind, origin))
     failures = [f for f in everyone if f is not None]
     if not failures:
         return
-    if dist.get_rank() == 0 and cleanup:
-        shutil.rmtree(cleanup, ignore_errors=True)
+    shared = [None]  # rank 0's view, the same in every rank's line: (free bytes or None, the folder removed)
+    if dist.get_rank() == 0:
+        if cleanup:
+            shutil.rmtree(cleanup, ignore_errors=True)
+        shared[0] = (space.free_bytes(root) if os.path.isdir(root) else None, cleanup)
+    dist.broadcast_object_list(shared, src=0)
+    free, cleanup = shared[0]
     written = [f for f in failures if f[0] not in ("peer", "bug")]
     if kind == "bug" and not written:  # not a failed write: a bug, with its traceback
         raise error
@@ -78,9 +86,8 @@ def _agree(error: BaseException | None, root: str, iteration: int, cleanup: str 
     tracker = os.path.join(root, TRACKER)
     previous = open(tracker).read().strip() if os.path.exists(tracker) else None
     what, rank = failures[0] if written else ("an error (its traceback is on that rank)", failures[0][1])
-    free = f"; {gib(free_bytes(root))} free there now" if os.path.isdir(root) else ""
     raise SaveError(f"{what}: the checkpoint of iteration {iteration} could not be written to --save {root} (rank "
-                    f"{rank}{free})"
+                    f"{rank}" + ("" if free is None else f"; {space.gib(free)} free there now") + ")"
                     + (f"; its partial folder {cleanup} was removed" if cleanup else "")
                     + (f"; the checkpoint of iteration {previous} (the tracker's) is intact: make room, or give "
                        f"another --save, and resume with --load {root}" if previous else
@@ -133,7 +140,7 @@ def prepare_save_folder(root: str, continues_from: int | None, need_bytes: int) 
     """At the start of a run (rank 0, the folder locked): other lineages' checkpoints moved aside
     (``lineage.set_aside``; ``continues_from``: the iteration of the checkpoint of ``root`` the run resumes from,
     None if none), and a warning when fewer than two checkpoints of ``need_bytes`` fit."""
-    for line in (set_aside(root, continues_from), space_warning(root, need_bytes, free_bytes(root))):
+    for line in (set_aside(root, continues_from), space.space_warning(root, need_bytes, space.free_bytes(root))):
         if line:
             print(line, flush=True)
 
