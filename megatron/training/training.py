@@ -89,11 +89,19 @@ def finalize_grads(model, num_tokens=None, **kwargs):
     return finalize_model_grads(model, num_tokens, **kwargs)
 
 
+GROUP_TAGS = {"vision_lr": 2.0, "projector_lr": 3.0}  # the lr_mult of the groups of their own LR (lr_overrides)
+
+
 def lr_overrides(args, config: OptimizerConfig) -> dict:
     """megatron-core's param-group overrides: its standard ones (no weight decay on biases and norms) plus the
     peak (``max_lr``) and minimum (``min_lr``, scaled by the same ratio to --lr) of the ViT's (--vision-lr)
     and the projector's (--projector-lr) parameters, matched by the role the stage tags them with
-    (``vlm_role``). The scheduler applies its warm-up and decay to each group between its own min and max."""
+    (``vlm_role``). The scheduler applies its warm-up and decay to each group between its own min and max.
+
+    Such a group's ``lr_mult`` is its tag (``GROUP_TAGS``), not a multiplier: megatron-core 0.16 reads ``lr_mult``
+    only to match a checkpoint's parameter groups to this run's (with ``wd_mult``, ``is_expert_parallel`` and
+    ``is_decoupled_lr``); with megatron-core's default 1.0 the ViT's groups and the --lr groups matched each other
+    and a resume failed."""
     from megatron.core.optimizer import ParamKey, ParamPredicate, get_standard_config_overrides
 
     from omnibal_ext.model.spec import PROJECTOR, VISION_EMBED, VISION_LAYER
@@ -105,7 +113,7 @@ def lr_overrides(args, config: OptimizerConfig) -> dict:
             continue
         min_lr = args.min_lr * lr / args.lr if args.lr else args.min_lr
         key = ParamKey(predicate=ParamPredicate(name=name, fn=lambda p, roles=roles: getattr(p, "vlm_role", None) in roles))
-        overrides[key] = {"max_lr": lr, "min_lr": min_lr}
+        overrides[key] = {"max_lr": lr, "min_lr": min_lr, "lr_mult": GROUP_TAGS[name]}
     return overrides
 
 

@@ -94,12 +94,22 @@ def load_checkpoint(ckpt: Checkpoint, args, plan, model, optimizer, scheduler) -
     keys = {path: sh.key for path, sh in request["model"].items()}
     fresh_adapters = {path: request["model"].pop(path).data for path in list(request["model"])
                       if is_adapter(keys[path]) and keys[path] not in saved_keys}
-    loaded = dist_checkpointing.load(request, ckpt.path)
+    try:
+        loaded = dist_checkpointing.load(request, ckpt.path)
+    except ValueError as e:  # megatron-core's merge of the saved parameter groups with this run's
+        if "param_groups" not in str(e):
+            raise
+        raise CheckpointError(_other_groups(where, e)) from None
     loaded["model"].update(fresh_adapters)  # LoRA adapters the checkpoint lacks keep their fresh values
     load_model_state(model, loaded["model"])
     if with_optimizer:
         weights = {keys[path]: tensor for path, tensor in loaded["model"].items()}
-        load_optimizer(optimizer, loaded["optimizer"], template, weights, saved_run, args, rebuild=bool(fresh))
+        try:
+            load_optimizer(optimizer, loaded["optimizer"], template, weights, saved_run, args, rebuild=bool(fresh))
+        except ValueError as e:  # megatron-core's and torch's refusals of other parameter groups
+            if "parameter group" not in str(e):
+                raise
+            raise CheckpointError(_other_groups(where, e)) from None
         # megatron-core loaded one step for all: each parameter's own (param_steps.py), 0 for the fresh ones
         set_steps(model, optimizer, {**common.get("param_steps", {}), **{key: 0 for key in fresh_params}})
         _resume_schedule(where, rule, schedule_changes, run_groups, optimizer, scheduler, common["scheduler"])
@@ -127,6 +137,11 @@ def load_checkpoint(ckpt: Checkpoint, args, plan, model, optimizer, scheduler) -
               f"(frozen when it was saved): they start with fresh optimizer state ({fresh_state}): {shown}",
               flush=True)
     return common
+
+
+def _other_groups(where: str, error: ValueError) -> str:
+    return (f"{where}: the checkpoint's optimizer holds other parameter groups than this run's ({str(error).splitlines()[0]}): "
+            "--vision-lr and --projector-lr make groups of their own; give them (or not) as the run that saved it did")
 
 
 def _resume_schedule(where: str, rule, schedule_changes: list[str], run_groups: list, optimizer, scheduler,
