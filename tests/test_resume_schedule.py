@@ -4,6 +4,7 @@ scheduler's and each parameter group's peak, which the optimizer's state carries
 keeps the checkpoint's; --lr-decay-iters keeps a schedule over a longer run. The LR is checked against the closed form
 of the schedule at the checkpoint's step. And the NaN check's flags, on real tensors."""
 import math
+import re
 
 import pytest
 import torch
@@ -69,20 +70,27 @@ def test_a_new_lr_is_refused_before_any_tensor_is_read(saved, monkeypatch):
     with pytest.raises(CheckpointError) as e:
         resume(saved, ["--lr", "1e-3", "--vision-lr", "4e-3", "--train-iters", "10"])
     assert str(e.value) == (
-        f"--load {saved} (iteration 3): the checkpoint's LR schedule differs from this run's flags: learning rate "
-        "0.002 saved, 0.001 now (--lr). Give --override-opt_param-scheduler to follow this run's flags, or "
+        f"--load {saved} (iteration 3): the checkpoint's LR schedule or Adam settings differ from this run's flags: "
+        "learning rate 0.002 saved, 0.001 now (--lr). Give --override-opt_param-scheduler to follow this run's flags, or "
         "--use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule (either continues from the "
         "checkpoint's step)")
     with pytest.raises(CheckpointError, match="decay samples 160 saved, 320 now"):  # a longer run
         resume(saved, ["--lr", "2e-3", "--vision-lr", "4e-3", "--train-iters", "20"])
 
 
-def test_a_new_vision_lr_is_refused_too(saved):
+def test_a_new_vision_lr_or_adam_beta_is_refused_too(saved):
+    """What the optimizer's parameter groups carry of the flags (the checkpoint's would win unnoticed)."""
     from megatron.training.checkpointing import CheckpointError
 
     with pytest.raises(CheckpointError, match="peak/minimum LR of a parameter group of its own 0.004/0.0002 saved, "
                                               "0.001/5e-05 now"):
         resume(saved, ["--lr", "2e-3", "--vision-lr", "1e-3", "--train-iters", "10"])
+    with pytest.raises(CheckpointError, match=re.escape("Adam betas (0.9, 0.95) saved, (0.9, 0.99) now "
+                                                        "(--adam-beta1, --adam-beta2)")):
+        resume(saved, ["--lr", "2e-3", "--vision-lr", "4e-3", "--train-iters", "10", "--adam-beta2", "0.99"])
+    optimizer, _ = resume(saved, ["--lr", "2e-3", "--vision-lr", "4e-3", "--train-iters", "10", "--adam-beta2", "0.99",
+                                  "--override-opt_param-scheduler"])
+    assert {tuple(g["betas"]) for g in optimizer.param_groups} == {(0.9, 0.99)}
 
 
 def test_override_follows_the_flags_from_the_checkpoints_step(saved, capsys):
@@ -92,8 +100,8 @@ def test_override_follows_the_flags_from_the_checkpoints_step(saved, capsys):
     assert lrs(optimizer) == pytest.approx({1e-3: cosine_lr(3, 1e-3, 1e-4, 2, 20),
                                             3e-3: cosine_lr(3, 3e-3, 3e-4, 2, 20)}, rel=1e-12)
     out = capsys.readouterr().out
-    assert "> --override-opt_param-scheduler: the LR schedule follows this run's flags: learning rate 0.002 saved, " \
-           "0.001 now (--lr)" in out
+    assert "> --override-opt_param-scheduler: the LR schedule and Adam settings follow this run's flags: learning " \
+           "rate 0.002 saved, 0.001 now (--lr)" in out
 
 
 def test_use_checkpoint_keeps_the_checkpoints_schedule(saved, capsys):
@@ -101,7 +109,7 @@ def test_use_checkpoint_keeps_the_checkpoints_schedule(saved, capsys):
                                           "--use-checkpoint-opt_param-scheduler"])
     assert lrs(optimizer) == pytest.approx({2e-3: cosine_lr(3, 2e-3, 1e-4, 2, 10),
                                             4e-3: cosine_lr(3, 4e-3, 2e-4, 2, 10)}, rel=1e-12)
-    assert "the checkpoint's LR schedule is kept over the flags" in capsys.readouterr().out
+    assert "the checkpoint's LR schedule and Adam settings are kept over the flags" in capsys.readouterr().out
 
 
 def test_lr_decay_iters_keeps_the_schedule_of_a_longer_run(saved):

@@ -9,8 +9,8 @@ A resumed run follows one of three rules (``ResumeRule``), as in Megatron-LM:
 * ``CHECKPOINT`` (``--use-checkpoint-opt_param-scheduler``): the checkpoint's values are kept, whatever the flags say.
 
 In every rule the schedule continues from the checkpoint's step. The schedule is the scheduler's state (peak and
-minimum LR, warm-up and decay steps, decay style, weight decay) and each parameter group's own peak and minimum
-(``--vision-lr``, ``--projector-lr``), which the optimizer's state carries.
+minimum LR, warm-up and decay steps, decay style, weight decay) and what the optimizer's parameter groups carry of the
+flags: each group's own peak and minimum (``--vision-lr``, ``--projector-lr``) and Adam's betas.
 """
 from __future__ import annotations
 
@@ -90,23 +90,34 @@ def schedule_differences(saved: dict, scheduler: OptimizerParamScheduler) -> lis
             if key in saved and saved[key] != now[key]]
 
 
-def group_lrs(optimizer) -> list[tuple[float, float]]:
-    """(peak, minimum) LR of each of the optimizer's parameter groups, in its order."""
-    return [(g["max_lr"], g["min_lr"]) for g in optimizer.param_groups]
+GROUP_FIELDS = ("max_lr", "min_lr", "betas")  # what a parameter group carries of the flags, in a checkpoint too
 
 
-def group_differences(run: list[tuple[float, float]], optimizer) -> list[str]:
-    """The groups of their own LR (--vision-lr, --projector-lr: not megatron-core's ``default_config`` groups,
-    which follow --lr and --min-lr like the scheduler) whose peak or minimum LR the optimizer holds now (after
-    loading a checkpoint's state) differs from ``run`` (this run's, :func:`group_lrs` before the load)."""
-    return [f"peak/minimum LR of a parameter group of its own {loaded[0]!r}/{loaded[1]!r} saved, {mine[0]!r}/"
-            f"{mine[1]!r} now (--vision-lr, --projector-lr)"
-            for mine, loaded, group in zip(run, group_lrs(optimizer), optimizer.param_groups)
-            if mine != loaded and not group.get("default_config", False)]
+def group_settings(optimizer) -> list[dict]:
+    """Each of the optimizer's parameter groups' peak and minimum LR and Adam betas, in its order."""
+    return [{key: group[key] for key in GROUP_FIELDS if key in group} for group in optimizer.param_groups]
+
+
+def group_differences(run: list[dict], optimizer) -> list[str]:
+    """Where the groups the optimizer holds now (after loading a checkpoint's state) differ from ``run`` (this run's,
+    :func:`group_settings` before the load): Adam's betas, and the peak and minimum LR of the groups of their own
+    (--vision-lr, --projector-lr; megatron-core's ``default_config`` groups follow --lr and --min-lr, which the
+    scheduler's entries cover)."""
+    out = set()
+    for mine, group in zip(run, optimizer.param_groups):
+        if "betas" in mine and tuple(group["betas"]) != tuple(mine["betas"]):
+            out.add(f"Adam betas {tuple(group['betas'])!r} saved, {tuple(mine['betas'])!r} now (--adam-beta1, "
+                    "--adam-beta2)")
+        lrs = (group["max_lr"], group["min_lr"]), (mine["max_lr"], mine["min_lr"])
+        if lrs[0] != lrs[1] and not group.get("default_config", False):
+            out.add(f"peak/minimum LR of a parameter group of its own {lrs[0][0]!r}/{lrs[0][1]!r} saved, "
+                    f"{lrs[1][0]!r}/{lrs[1][1]!r} now (--vision-lr, --projector-lr)")
+    return sorted(out)
 
 
 def refusal(where: str, differences: list[str]) -> str:
-    return (f"{where}: the checkpoint's LR schedule differs from this run's flags: {'; '.join(differences)}. Give "
+    return (f"{where}: the checkpoint's LR schedule or Adam settings differ from this run's flags: "
+            f"{'; '.join(differences)}. Give "
             f"{OVERRIDE_FLAG} to follow this run's flags, or {CHECKPOINT_FLAG} to keep the checkpoint's schedule "
             "(either continues from the checkpoint's step)")
 
@@ -116,12 +127,13 @@ def note(rule: ResumeRule, differences: list[str]) -> str | None:
     if not differences:
         return None
     if rule is ResumeRule.OVERRIDE:
-        return f"> {OVERRIDE_FLAG}: the LR schedule follows this run's flags: {'; '.join(differences)}"
-    return f"> {CHECKPOINT_FLAG}: the checkpoint's LR schedule is kept over the flags: {'; '.join(differences)}"
+        return f"> {OVERRIDE_FLAG}: the LR schedule and Adam settings follow this run's flags: {'; '.join(differences)}"
+    return (f"> {CHECKPOINT_FLAG}: the checkpoint's LR schedule and Adam settings are kept over the flags: "
+            f"{'; '.join(differences)}")
 
 
-def restore_group_lrs(optimizer, run: list[tuple[float, float]]) -> None:
-    """Put this run's per-group peak and minimum LR back after loading a checkpoint's optimizer state (which
-    carries the saved ones)."""
-    for group, (max_lr, min_lr) in zip(optimizer.param_groups, run):
-        group["max_lr"], group["min_lr"] = max_lr, min_lr
+def restore_group_settings(optimizer, run: list[dict]) -> None:
+    """Put this run's per-group settings (:func:`group_settings`) back after loading a checkpoint's optimizer state
+    (which carries the saved ones)."""
+    for group, mine in zip(optimizer.param_groups, run):
+        group.update(mine)

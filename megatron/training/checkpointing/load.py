@@ -73,7 +73,7 @@ def load_checkpoint(ckpt: Checkpoint, args, plan, model, optimizer, scheduler) -
         schedule_changes = lr_schedule.schedule_differences(common["scheduler"], scheduler)
         if schedule_changes and rule is lr_schedule.ResumeRule.CHECK:  # before any tensor is read
             raise CheckpointError(lr_schedule.refusal(where, schedule_changes))
-        run_groups = lr_schedule.group_lrs(optimizer)
+        run_groups = lr_schedule.group_settings(optimizer)
         init_optimizer_state(optimizer)
     request = sharded_state_dict(model, optimizer, with_optimizer, is_loading=True)
     same_world = saved_run and world_of(saved_run) == (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
@@ -147,8 +147,8 @@ def _other_groups(where: str, error: ValueError) -> str:
 def _resume_schedule(where: str, rule, schedule_changes: list[str], run_groups: list, optimizer, scheduler,
                      saved: dict) -> None:
     """The scheduler's state loaded under ``rule`` (megatron/training/lr_schedule.py) after the optimizer's, whose
-    parameter groups came back with the checkpoint's peak and minimum LR: those differing from this run's
-    ``run_groups`` on any rank are refused under CHECK, replaced by this run's under OVERRIDE, kept under
+    parameter groups came back with the checkpoint's peak and minimum LR and Adam betas: those differing from this
+    run's ``run_groups`` on any rank are refused under CHECK, replaced by this run's under OVERRIDE, kept under
     CHECKPOINT."""
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, lr_schedule.group_differences(run_groups, optimizer))
@@ -156,7 +156,7 @@ def _resume_schedule(where: str, rule, schedule_changes: list[str], run_groups: 
     if group_changes and rule is lr_schedule.ResumeRule.CHECK:
         raise CheckpointError(lr_schedule.refusal(where, group_changes))
     if rule is not lr_schedule.ResumeRule.CHECKPOINT:
-        lr_schedule.restore_group_lrs(optimizer, run_groups)
+        lr_schedule.restore_group_settings(optimizer, run_groups)
     scheduler.load_state_dict(saved)
     line = lr_schedule.note(rule, schedule_changes + group_changes)
     if line and dist.get_rank() == 0:
