@@ -658,11 +658,11 @@ def check_schedule_flags(args) -> None:
             raise ArgumentError(f"{flag} needs --load (it says which LR schedule a resumed run follows)")
 
 
-def check_run_safety_flags(args) -> None:
+def check_run_safety_flags(args, parser: argparse.ArgumentParser) -> None:
     """Flags that only act with another (refused alone rather than ignored), and --tensorboard-dir's package."""
     if args.force_save_lock and not args.save:
         raise ArgumentError("--force-save-lock needs --save (it takes over the --save folder's lock)")
-    if args.max_skipped_fraction != build_parser().get_default("max_skipped_fraction") and not args.skip_bad_samples:
+    if args.max_skipped_fraction != parser.get_default("max_skipped_fraction") and not args.skip_bad_samples:
         raise ArgumentError("--max-skipped-fraction needs --skip-bad-samples (without it any bad record stops the run)")
     if args.tensorboard_dir:
         import importlib.util
@@ -674,11 +674,12 @@ def check_run_safety_flags(args) -> None:
 
 def validate_args(args, world_size: int) -> None:
     """Check flags against each other and the world size; raise ArgumentError naming the flag."""
-    check_finite(args, build_parser())
+    parser = build_parser()
+    check_finite(args, parser)
     check_lower_bounds(args)
     check_isf_flags(args)
     check_schedule_flags(args)
-    check_run_safety_flags(args)
+    check_run_safety_flags(args, parser)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         raise ArgumentError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")

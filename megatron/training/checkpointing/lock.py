@@ -106,10 +106,14 @@ def _create(path: str, me: Holder) -> bool:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return False
-    with os.fdopen(fd, "w") as f:
-        f.write(me.to_text())
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(me.to_text())
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:  # a full disk, say: leave no empty lock behind
+        os.remove(path)
+        raise
     return True
 
 
