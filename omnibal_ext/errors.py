@@ -8,6 +8,8 @@ derive from ``ValueError`` too, so callers that caught ``ValueError`` before kee
 """
 from __future__ import annotations
 
+import sys
+
 
 class UserError(ValueError):
     """A user's mistake, described in one paragraph that names the flag, file, record or tensor."""
@@ -35,7 +37,6 @@ def one_line(error: BaseException) -> str:
 def report(error: UserError, prefix: str = "") -> int:
     """Print ``{prefix}error: message`` as one line on stderr; returns the error's exit status (2, or 1 for a
     :class:`RunStopped`)."""
-    import sys
 
     message = one_line(error)
     if prefix and message.startswith(prefix):

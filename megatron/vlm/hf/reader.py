@@ -27,8 +27,9 @@ class HFCheckpoint:
         else:
             self.files = {}
             for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
-                for k in self._open_file(path).keys():
-                    self.files[k] = path
+                with self._open_file(path) as f:
+                    for k in f.keys():
+                        self.files[k] = path
         if not self.files:
             raise HFConfigError(f"--hf-checkpoint {folder}: no *.safetensors weights there (PyTorch .bin "
                                 "checkpoints are not read: convert them with save_pretrained(safe_serialization=True))")
@@ -39,7 +40,7 @@ class HFCheckpoint:
 
     def _open_file(self, path: str):
         """``safe_open`` of one shard; a missing, truncated or damaged file is refused, naming it."""
-        from safetensors import SafetensorError, safe_open
+        from safetensors import SafetensorError, safe_open  # optional (the hf extra): only HF folders need it
 
         try:
             return safe_open(path, "pt")
