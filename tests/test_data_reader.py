@@ -306,7 +306,7 @@ def test_an_image_damaged_after_the_scan_is_named_when_loaded(tmp_path):
 def test_a_worker_error_keeps_its_one_line():
     """torch's DataLoader re-raises a worker's exception with the worker's traceback in its text; the loader
     (MicroBatches) gives it back its own message."""
-    from megatron.vlm.batches import worker_message
+    from megatron.vlm.stage.batches import worker_message
 
     class Bad(torch.utils.data.Dataset):
         def __len__(self):
