@@ -164,7 +164,7 @@ def test_space_warning_and_write_failures(tmp_path, monkeypatch):
 @pytest.mark.usefixtures("megatron_world")
 def test_the_estimate_is_a_saved_checkpoints_size(tmp_path):
     """checkpoint_bytes (from the model's parameter counts) against the bytes a save of the same model writes, with
-    all units trained and with the ViT frozen (no optimizer state for it)."""
+    all units trained and with the ViT frozen (no optimizer state for it): at least those, at most 10% more."""
     from megatron.training.checkpointing import checkpoint_bytes, save_checkpoint
 
     for flags in ([], ["--freeze-vit"]):
@@ -178,7 +178,7 @@ def test_the_estimate_is_a_saved_checkpoints_size(tmp_path):
         written = sum(f.stat().st_size for f in (folder / "iter_0000001").iterdir())
         trains = None if plan.trainable is None else plan.trainable.trains
         estimate = checkpoint_bytes(plan.model_spec, trains, bf16=False)
-        assert 0.8 < estimate / written < 1.05, (flags, estimate, written)
+        assert 1.0 <= estimate / written < 1.1, (flags, estimate, written)  # never below: the warning comes early
 
 
 FAULTS = {  # where a full disk strikes in a world of one: (the function replaced, what it raises)
