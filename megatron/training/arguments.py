@@ -686,6 +686,7 @@ def validate_args(args, world_size: int) -> None:
     if tp < 1 or pp < 1:
         raise ArgumentError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
     spec = model_spec_of(args)
+    check_capabilities(args, spec)  # first: a family's unit list refuses what it lacks (experts) less clearly
     n_units = len(build_units(spec))
     if pp > n_units:
         raise ArgumentError(
@@ -732,7 +733,6 @@ def validate_args(args, world_size: int) -> None:
     problem = family_of(spec).spec_problem(spec)
     if problem:
         raise ArgumentError(problem)
-    check_capabilities(args, spec)
     check_moe(args, spec, tp, pp, cp, dp)
     _, microbatches = batch_sizes(args, dp)
     if vpp > 1:

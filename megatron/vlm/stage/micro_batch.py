@@ -235,7 +235,7 @@ class StageInputs:
     @classmethod
     def reading(cls, parts) -> "StageInputs":
         """Only the parts named in ``parts`` (field names: "pixels", "tokens", "labels", "packing"); a stage's
-        are the union of its units' runtime components' ``reads`` (``megatron.vlm.stage.components.units_inputs``)."""
+        are the union of its units' kinds' ``reads`` (``megatron.vlm.stage.components.units_inputs``)."""
         parts = set(parts)
         unknown = parts - {f.name for f in dataclasses.fields(cls)}
         if unknown:

@@ -40,8 +40,6 @@ class MRopeTextLayer(TextLayer):
     (``QwenBatcher.split_cp``), one row per token of ``cu_seqlens``, so megatron-core takes this rank's chunks of
     the frequencies itself (its CP group passed in the packed parameters too)."""
 
-    reads = frozenset({"packing"})
-
     @functools.cached_property
     def rotary(self) -> torch.nn.Module:
         """The multimodal rotary table (parameter-free; the stage registers it: ``extra_modules``)."""
