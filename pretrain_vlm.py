@@ -44,7 +44,7 @@ def run(args, world_size: int, device) -> dict:
 
     import torch.distributed as dist
 
-    from megatron.training import checkpointing, isf, setup, training
+    from megatron.training import checkpointing, isf, level_summary, setup, training
     from megatron.training.run_plan import plan_run
     from megatron.training.tokenizer_setup import setup_tokenizer
 
@@ -122,6 +122,17 @@ def run(args, world_size: int, device) -> dict:
     summary = training.train(args, plan, model, optimizer, scheduler, train_data, valid_data, start, consumed,
                              sample_times=sample_times)
     summary["layout"] = list(layout.stage_units)
+    if dist.get_rank() == 0:  # what each level did, against Megatron's default (megatron/training/level_summary.py)
+        levels = level_summary.summary_lines(
+            level_summary.DataLevel(args.omnibal_isf, summary.get("balance"), summary.get("balance_random")),
+            level_summary.model_level(plan.model_spec, plan.layout, args.pipeline_model_parallel_size,
+                                      plan.virtual_pipeline_size, costs, args.omnibal_partition == "auto"),
+            level_summary.memory_level(plan.layout, plan.recompute_plan, args.recompute_plan or
+                                       args.recompute_granularity or "none", costs, args.pipeline_model_parallel_size,
+                                       args.tensor_model_parallel_size, plan.data_parallel_size,
+                                       plan.num_microbatches, args.use_distributed_optimizer,
+                                       setup.precision_of(args)))
+        print("\n".join("> " + line for line in levels), flush=True)
     return summary
 
 
