@@ -22,6 +22,7 @@ from megatron.vlm.data.records import RecordDataset
 from megatron.vlm.families import runtime_family
 
 from .arguments import ArgumentError
+from .energon_data import EnergonSource, build_energon_data, energon_sources, is_energon
 from .run_plan import RunPlan
 
 DEFAULT_DATASET_SAMPLES = 6000
@@ -81,6 +82,8 @@ def build_groups(args, plan: RunPlan, dataset) -> tuple[tuple[list[np.ndarray], 
     step order (None in random mode) and the ``regroup(sample_ids) -> (groups, order)`` the sampler uses to
     continue a checkpoint's epoch saved under another configuration (same method, on a subset); with
     --omnibal-isf the plan gets the ISF caps and mean group."""
+    if isinstance(dataset, EnergonSource):  # grouped online, per step (energon_data.py)
+        return None, plan
     if args.omnibal_isf:
         from .isf import isf_groups, isf_regroup
 
@@ -93,7 +96,14 @@ def build_groups(args, plan: RunPlan, dataset) -> tuple[tuple[list[np.ndarray], 
 
 
 def build_datasets(args, plan: RunPlan, tokenizer) -> tuple[RecordDataset, RecordDataset | None]:
-    """(train, valid or None) datasets; validates every record first (the scan, split over all ranks)."""
+    """(train, valid or None) datasets; validates every record first (the scan, split over all ranks); an Energon
+    --data-path: its ``EnergonSource``s, checked, nothing scanned (energon_data.py)."""
+    if is_energon(args.data_path):
+        data_paths(args, plan)  # the paths exist
+        return energon_sources(args, plan)
+    if args.omnibal_isf_buffer is not None:
+        raise ArgumentError("--omnibal-isf-buffer is online ISF's, with an Energon --data-path; ISF over a meta "
+                            "JSON/JSONL groups the whole dataset offline: drop it")
     train_meta, valid_meta = data_paths(args, plan)
     train_set = build_dataset(args, plan, tokenizer, train_meta)
     valid_set = build_dataset(args, plan, tokenizer, valid_meta) if valid_meta and args.eval_interval else None
@@ -129,6 +139,8 @@ def build_data(args, plan: RunPlan, tokenizer, inputs: StageInputs | None = None
     dp = parallel_state.get_data_parallel_world_size()
     train_set, valid_set = datasets if datasets is not None else build_datasets(args, plan, tokenizer)
     inputs = inputs or StageInputs.everything()
+    if isinstance(train_set, EnergonSource):
+        return build_energon_data(args, plan, tokenizer, (train_set, valid_set), inputs, device_type)
     data_side = runtime_family(plan.model_spec).data
     per_item = train_set.config.images.tokens_per_item  # the loader's image-token check (None: the batcher's own)
     image_tokens = None if per_item is None else (tokenizer.img_context_id, per_item)
@@ -221,6 +233,8 @@ def _measured_costs(args, plan: RunPlan, dataset, tokenizer, device, groups=None
     img_context_id = tokenizer.img_context_id
 
     path = args.omnibal_profile
+    if isinstance(dataset, EnergonSource) and not (path and os.path.exists(path)):
+        dataset.sample_lengths()  # refused by name: no scan to profile from
     if path and os.path.exists(path):
         costs = CostTable.load(path)
         names = [u.name for u in build_units(plan.model_spec)]

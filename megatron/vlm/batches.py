@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from omnibal_ext.data.sampler import GroupBatchSampler
+from omnibal_ext.errors import UserError
 
 from megatron.vlm.data.collate import check_image_tokens
 from megatron.vlm.data.side import Batcher
@@ -182,5 +183,17 @@ class MicroBatches:
             self.sampler.step = ahead
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("kind") == "energon":
+            raise UserError("the checkpoint's data position is an Energon stream's (per data-parallel rank), this run "
+                            "reads a meta JSON/JSONL dataset: resume with the same --data-path, or start from scratch")
         self.sampler.load_state_dict(state)
         self._restart()
+
+    @property
+    def resumed(self) -> str | None:
+        """How ``load_state_dict`` continued (the sampler's ``resumed``)."""
+        return self.sampler.resumed
+
+    def iterations_per_pass(self) -> int:
+        """Iterations of one pass over the groups (evaluation's default), at least 1."""
+        return max(1, self.sampler.num_groups // self.sampler.block)
