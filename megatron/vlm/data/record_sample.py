@@ -372,7 +372,11 @@ def sample_pixels(layout: RecordLayout, turns: list[Turn], images: list[str], vi
             with media.open_image(images[k]) as im:
                 if im.size != layout.sizes[entry - 1]:
                     raise UserError(f"{where}: image {media.image_name(images[k])} changed size since validation")
-                pixels.append(rule.pixels(im, len(images)))
+                try:
+                    pixels.append(rule.pixels(im, len(images)))
+                except OSError as e:  # truncated or corrupt image data behind a readable header
+                    raise UserError(f"{where}: cannot decode image {media.image_name(images[k])} "
+                                    f"({' '.join(str(e).split())})") from None
         else:
             k = next_video
             next_video += 1

@@ -74,8 +74,10 @@ class MemberMedia(MediaSource):
         data = self._bytes(ref, "the image")
         try:
             return Image.open(io.BytesIO(data))
-        except (UnidentifiedImageError, OSError) as e:
-            raise SampleError(f"{self.image_name(ref)}: cannot decode image ({' '.join(str(e).split())})") from None
+        except UnidentifiedImageError:
+            raise SampleError(f"{self.name}: cannot decode image member {ref} (not an image PIL identifies)") from None
+        except OSError as e:
+            raise SampleError(f"{self.name}: cannot decode image member {ref} ({' '.join(str(e).split())})") from None
 
     def video(self, ref: str) -> VideoBytes:
         return VideoBytes(self.image_name(ref), self._bytes(ref, "the video"))

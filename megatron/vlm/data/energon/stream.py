@@ -123,7 +123,7 @@ class SampleStream:
     """This rank's samples in order (see the module docstring); ``buffer``: pulled, not yet served."""
 
     def __init__(self, settings: LoaderSettings, encoder: ChatTaskEncoder, policy: SkipPolicy):
-        self.settings, self.policy = settings, policy
+        self.settings, self.policy, self._encoder = settings, policy, encoder
         self.loader, self.epochs = build_loader(settings, encoder, policy)
         self.buffer: list[EncodedChat] = []
         self.exhausted = False  # the loader's current epoch has ended (epoch by epoch only)
@@ -143,6 +143,7 @@ class SampleStream:
                 self._it = None
                 if not self.epochs:
                     raise EnergonDataError(f"{self.settings.path}: the weighted blend's stream ended") from None
+                self._renew_loader()
                 return None
             except UserError as e:  # raised in a worker: torch puts the worker's traceback in its text
                 raise type(e)(worker_error_line(e)) from None
@@ -152,6 +153,14 @@ class SampleStream:
                 raise EnergonSampleError(sample.problem)
             self.skipped += 1
             self.policy.skipped(sample.problem)
+
+    def _renew_loader(self) -> None:
+        """A fresh loader at the end of an epoch, restored from the old one's state: the next epoch's workers start
+        as a resumed run's do (Energon keeps a restored loader's worker rotation into its later epochs, so a run and
+        its resumed copy would otherwise interleave the workers of the next epoch differently)."""
+        state = self.loader.save_state_rank()
+        self.loader = build_loader(self.settings, self._encoder, self.policy)[0]
+        self.loader.restore_state_rank(state)
 
     def fill(self, size: int) -> None:
         """Pull until ``size`` samples are buffered or the current epoch ends (``exhausted``)."""
