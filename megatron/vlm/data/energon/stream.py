@@ -29,6 +29,9 @@ from .encoder import ChatTaskEncoder, EncodedChat
 from .layout import EnergonDataError
 
 
+_LISTED: set[str] = set()  # the left-out samples this process has listed
+
+
 class EnergonSampleError(UserError):
     """A sample Energon could not load (its shard, key and reason)."""
 
@@ -70,6 +73,10 @@ class SkipPolicy:
         self.skipped(message)
 
     def skipped(self, message: str) -> None:
+        """Print and list a left-out sample (once per process: a later epoch meets it again)."""
+        if message in _LISTED:
+            return
+        _LISTED.add(message)
         if self.announce:
             print(f"> data: skipped {message}", flush=True)
         if self.report:
