@@ -253,6 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--omnibal-isf-buffer", type=int, default=None, metavar="N",
                    help="online ISF (an Energon --data-path): look-ahead samples per data-parallel rank the groups "
                         f"are chosen from (default {DEFAULT_ISF_BUFFER})")
+    g.add_argument("--omnibal-isf-stats", default=None, metavar="FILE",
+                   help="online ISF (an Energon --data-path): per-sample stats of the data (`omnibal isf stats --write` "
+                        "with this model) whose offline ISF search gives the caps and time targets (instead of "
+                        "--omnibal-isf-qv/-qt/-vit-time/-llm-time or what the ranks have seen)")
     g.add_argument("--omnibal-isf-time-device", choices=sorted(DEVICES), default=ISF_TIME_DEVICE,
                    help="cost-model device of the samples' predicted times (ISF in time, the logged Dist ratios in "
                         f"time; default {ISF_TIME_DEVICE}; `omnibal plan` writes its --device)")
@@ -565,7 +569,8 @@ _LOWER_BOUNDS = (
 )
 _ISF_VALUES = ("--omnibal-isf-qv", "--omnibal-isf-qt", "--omnibal-isf-qv-min", "--omnibal-isf-qt-min",
                "--omnibal-isf-token-multiple", "--omnibal-isf-iters", "--omnibal-isf-vit-time", "--omnibal-isf-llm-time",
-               "--omnibal-isf-vit-time-min", "--omnibal-isf-llm-time-min", "--omnibal-isf-buffer")
+               "--omnibal-isf-vit-time-min", "--omnibal-isf-llm-time-min", "--omnibal-isf-buffer",
+               "--omnibal-isf-stats")
 
 
 def _flag_value(args, flag: str):

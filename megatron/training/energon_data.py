@@ -12,15 +12,20 @@ data-parallel ranks, packed.  The training set is the ``train`` split, the valid
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from omnibal_ext.data.isf import ISFParams
+from omnibal_ext.data.search import plan_isf
+from omnibal_ext.data.search_time import plan_isf_time
+from omnibal_ext.data.stats import load_stats
 from omnibal_ext.errors import UserError
 from omnibal_ext.model.cost_model import get_device
-from omnibal_ext.model.sample_time import time_coefficients
+from omnibal_ext.model.sample_time import TIME_UNIT_S, isf_sample_times, time_coefficients
 from omnibal_ext.model.units import family_of
 
 from megatron.vlm.batches import Collate, StageInputs
@@ -129,24 +134,55 @@ def cost_model(args, plan: RunPlan) -> CostModel:
     return CostModel(plan.model_spec, coefficients, plan.isf_token_multiple)
 
 
-def online_grouping(args, plan: RunPlan) -> OnlineGroups:
-    """Online ISF over this rank's buffer, exchanging over the data-parallel group (gloo): ``--omnibal-isf-qv/-qt``
-    are the hard count caps (else set from what the ranks have seen), ``--omnibal-isf-vit-time/-llm-time`` (ns) the
-    nominal group time (else ``--micro-batch-size`` mean samples)."""
-    from omnibal_ext.data.online_isf import OnlineISF, OnlineISFConfig, SampleCost
+def stats_params(args, plan: RunPlan) -> ISFParams:
+    """The caps (and, grouped in time, the time thresholds) offline ISF finds on ``--omnibal-isf-stats`` for this run
+    (its search, as over a scanned JSONL: ``isf.plan_data``'s); rank 0 searches and broadcasts."""
+    from .isf import search_config  # isf.py imports this module (EnergonSource)
 
+    box = [None]
+    if dist.get_rank() == 0:
+        stats = load_stats([args.omnibal_isf_stats])
+        cfg = search_config(args, plan)
+        tokens = cfg.counted_tokens(stats.tokens)
+        timed = isf_sample_times(dataclasses.replace(stats, tokens=tokens), plan.model_spec,
+                                 get_device(args.omnibal_isf_time_device), tp=args.tensor_model_parallel_size)
+        found = plan_isf(stats.vit, tokens, cfg) if timed is None else plan_isf_time(timed[0], tokens, timed[1], cfg)
+        box = [found.params.to_dict()]
+    dist.broadcast_object_list(box, src=0)
+    return ISFParams(**box[0])
+
+
+def online_config(args, plan: RunPlan):
+    """The online ISF's settings: the hard count caps ``--omnibal-isf-qv/-qt`` (else set from what the ranks have
+    seen), the nominal group time ``--omnibal-isf-vit-time/-llm-time`` (ns; else ``--micro-batch-size`` mean
+    samples), or both from ``--omnibal-isf-stats``."""
+    from omnibal_ext.data.online_isf import OnlineISFConfig
+
+    common = dict(ranks=plan.data_parallel_size, groups_per_step=plan.num_microbatches,
+                  buffer_size=args.omnibal_isf_buffer or DEFAULT_ISF_BUFFER,
+                  samples_per_group=float(args.micro_batch_size), cp=plan.context_parallel_size)
+    if args.omnibal_isf_stats:
+        if args.omnibal_isf_qv is not None or args.omnibal_isf_vit_time is not None:
+            raise ArgumentError("--omnibal-isf-stats gives the caps and time targets: drop --omnibal-isf-qv/-qt and "
+                                "--omnibal-isf-vit-time/-llm-time, or the stats file")
+        return OnlineISFConfig.from_isf_params(stats_params(args, plan), TIME_UNIT_S, **common)
     ns = 1e-9
-    buffer = args.omnibal_isf_buffer or DEFAULT_ISF_BUFFER
-    config = OnlineISFConfig(
-        ranks=plan.data_parallel_size, groups_per_step=plan.num_microbatches, buffer_size=buffer,
+    return OnlineISFConfig(
         max_vit_items=args.omnibal_isf_qv, max_tokens=args.omnibal_isf_qt,
         vit_time_s=None if args.omnibal_isf_vit_time is None else args.omnibal_isf_vit_time * ns,
-        llm_time_s=None if args.omnibal_isf_llm_time is None else args.omnibal_isf_llm_time * ns,
-        samples_per_group=float(args.micro_batch_size), cp=plan.context_parallel_size)
+        llm_time_s=None if args.omnibal_isf_llm_time is None else args.omnibal_isf_llm_time * ns, **common)
+
+
+def online_grouping(args, plan: RunPlan) -> OnlineGroups:
+    """Online ISF over this rank's buffer (``online_config``), exchanging over the data-parallel group (gloo)."""
+    from omnibal_ext.data.online_isf import OnlineISF, SampleCost
+
+    config = online_config(args, plan)
+    buffer = config.buffer_size
 
     def name_error(error, sample) -> UserError:
-        return UserError(f"{sample.name}: {error} (with --omnibal-isf-qv {args.omnibal_isf_qv} / --omnibal-isf-qt "
-                         f"{args.omnibal_isf_qt}; raise them, or leave the sample out)")
+        return UserError(f"{sample.name}: {error} (the caps: ViT items {config.max_vit_items}, tokens "
+                         f"{config.max_tokens}; raise --omnibal-isf-qv/-qt, or leave the sample out)")
 
     return OnlineGroups(OnlineISF(config), exchange_over(parallel_state.get_data_parallel_group_gloo()),
                         buffer, plan.num_microbatches, SampleCost,

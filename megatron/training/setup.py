@@ -101,9 +101,11 @@ def build_datasets(args, plan: RunPlan, tokenizer) -> tuple[RecordDataset, Recor
     if is_energon(args.data_path):
         data_paths(args, plan)  # the paths exist
         return energon_sources(args, plan)
-    if args.omnibal_isf_buffer is not None:
-        raise ArgumentError("--omnibal-isf-buffer is online ISF's, with an Energon --data-path; ISF over a meta "
-                            "JSON/JSONL groups the whole dataset offline: drop it")
+    for flag, value in (("--omnibal-isf-buffer", args.omnibal_isf_buffer), ("--omnibal-isf-stats",
+                                                                           args.omnibal_isf_stats)):
+        if value is not None:
+            raise ArgumentError(f"{flag} is online ISF's, with an Energon --data-path; ISF over a meta JSON/JSONL "
+                                "groups the whole dataset offline from its own scan: drop it")
     train_meta, valid_meta = data_paths(args, plan)
     train_set = build_dataset(args, plan, tokenizer, train_meta)
     valid_set = build_dataset(args, plan, tokenizer, valid_meta) if valid_meta and args.eval_interval else None
