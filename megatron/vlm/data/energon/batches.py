@@ -179,16 +179,19 @@ class EnergonBatches:
                               "so that such a sample is left out)") from None
         else:
             batch = None
+        times = None if group is None else {"vit_s": [s.cost.vit_s for s in group],
+                                            "llm_s": [s.cost.llm_s for s in group]}
         if self.tp_group is not None:
             batch = broadcast_batch(batch, self.tp_src, self.tp_group)
+            if self._records is not None:  # the samples' predicted times, for the log's DistRatio in time
+                box = [times]
+                dist.broadcast_object_list(box, src=self.tp_src, group=self.tp_group)
+                times = box[0]
         batch = dataclasses.replace(batch, iteration=self.iteration)  # the drop path's key
         if self._records is not None:
             info = batch.samples
-            record = {"tokens": info.sample_tokens.tolist(), "tiles": info.sample_tiles.tolist(),
-                      "ids": info.sample_ids.tolist(), "packed": self.packed}
-            if group is not None:
-                record.update(vit_s=[s.cost.vit_s for s in group], llm_s=[s.cost.llm_s for s in group])
-            self._records.append(record)
+            self._records.append({"tokens": info.sample_tokens.tolist(), "tiles": info.sample_tiles.tolist(),
+                                  "ids": info.sample_ids.tolist(), "packed": self.packed, **(times or {})})
         return batch
 
     def start_recording(self) -> None:
