@@ -101,7 +101,31 @@ def broadcast_batch(batch: MicroBatch | None, src: int, group) -> MicroBatch:
     return broadcast_micro_batch(batch, src, group)
 
 
-class MicroBatches:
+class BatchRecords:
+    """What the step metrics read of the micro-batches served between ``start_recording`` and ``stop_recording``:
+    per micro-batch its samples' tokens, ViT items and ids, whether it is packed, and the caller's extra fields."""
+
+    _records: list | None = None
+
+    def start_recording(self) -> None:
+        self._records = []
+
+    def stop_recording(self) -> list[dict]:
+        records, self._records = self._records or [], None
+        return records
+
+    @property
+    def recording(self) -> bool:
+        return self._records is not None
+
+    def record(self, batch: MicroBatch, packed: bool, **extra) -> None:
+        if self._records is not None:
+            info = batch.samples
+            self._records.append({"tokens": info.sample_tokens.tolist(), "tiles": info.sample_tiles.tolist(),
+                                  "ids": info.sample_ids.tolist(), "packed": packed, **extra})
+
+
+class MicroBatches(BatchRecords):
     """Endless iterator of collated micro-batches; records the sample sizes it served.
 
     inputs: what this stage reads (default: everything).  num_workers, prefetch_factor,
@@ -128,7 +152,6 @@ class MicroBatches:
         self.num_workers = num_workers
         self.tp_group, self.tp_src = tp_group, tp_src
         self.collate = Collate(pad_id, packed, self.inputs, image_tokens, pad_to_multiple, cp, cp_rank, batcher)
-        self._records = None
         self.iteration = 0  # the training iteration the served micro-batches belong to (set by the trainer)
         self._loads = tp_group is None or dist.get_rank() == tp_src
         self.loader = None
@@ -155,18 +178,8 @@ class MicroBatches:
             batch = broadcast_batch(batch, self.tp_src, self.tp_group)
         self._consumed += 1
         batch = dataclasses.replace(batch, iteration=self.iteration)  # the drop path's key (megatron/vlm/drop_path.py)
-        if self._records is not None:
-            info = batch.samples
-            self._records.append({"tokens": info.sample_tokens.tolist(), "tiles": info.sample_tiles.tolist(),
-                                  "ids": info.sample_ids.tolist(), "packed": self.packed})
+        self.record(batch, self.packed)
         return batch
-
-    def start_recording(self) -> None:
-        self._records = []
-
-    def stop_recording(self) -> list[dict]:
-        records, self._records = self._records or [], None
-        return records
 
     def reset(self) -> None:
         """Back to the first step (evaluation sees the same batches each time)."""

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from omnibal_ext.errors import UserError
 
-from megatron.vlm.batches import Collate, StageInputs, broadcast_batch
+from megatron.vlm.batches import BatchRecords, Collate, StageInputs, broadcast_batch
 from megatron.vlm.micro_batch import MicroBatch
 
 from ..record_sample import ReaderConfig
@@ -125,7 +125,7 @@ class OnlineGroups:
         self.isf.load_state_dict(state)
 
 
-class EnergonBatches:
+class EnergonBatches(BatchRecords):
     """Endless iterator of this stage's micro-batches from an Energon stream (see the module docstring).
 
     stream: this data-parallel rank's ``SampleStream`` (None on a TP rank that does not load: it receives the
@@ -152,7 +152,6 @@ class EnergonBatches:
         self.resumed: str | None = None
         self._pool = ThreadPoolExecutor(max(1, decode_threads)) if stream is not None else None
         self._step: list[tuple[Future, list[EncodedChat]]] = []
-        self._records = None
 
     # ------------------------------------------------------------------ serving
     def __iter__(self):
@@ -183,23 +182,13 @@ class EnergonBatches:
                                             "llm_s": [s.cost.llm_s for s in group]}
         if self.tp_group is not None:
             batch = broadcast_batch(batch, self.tp_src, self.tp_group)
-            if self._records is not None:  # the samples' predicted times, for the log's DistRatio in time
+            if self.recording:  # the samples' predicted times, for the log's DistRatio in time
                 box = [times]
                 dist.broadcast_object_list(box, src=self.tp_src, group=self.tp_group)
                 times = box[0]
         batch = dataclasses.replace(batch, iteration=self.iteration)  # the drop path's key
-        if self._records is not None:
-            info = batch.samples
-            self._records.append({"tokens": info.sample_tokens.tolist(), "tiles": info.sample_tiles.tolist(),
-                                  "ids": info.sample_ids.tolist(), "packed": self.packed, **(times or {})})
+        self.record(batch, self.packed, **(times or {}))
         return batch
-
-    def start_recording(self) -> None:
-        self._records = []
-
-    def stop_recording(self) -> list[dict]:
-        records, self._records = self._records or [], None
-        return records
 
     def reset(self) -> None:
         """Back to the start of a pass (evaluation sees the same batches each time): a fresh stream."""
