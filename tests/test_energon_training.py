@@ -25,13 +25,16 @@ from megatron.vlm.data.energon.convert import to_energon  # noqa: E402
 pytestmark = pytest.mark.slow
 
 QWEN_VIDEO = {"size": {"shortest_edge": 32 * 32 * 2, "longest_edge": 32 * 32 * 16}, "patch_size": 16}
-FAMILIES = {  # the folder maker, its video budget (None: the family's own), the layout converted to, PP2 layout
+FAMILIES = {  # the folder maker, its video budget (None: the family's own), the layout converted to, its flags
     "internvl": (lambda folder: hf_tiny.make_tiny_with_tokenizer(folder, seed=3, vit="rms-qknorm", text="qwen2"),
-                 None, "omnibal", None),
+                 None, "omnibal", ["--max-num-tiles", "2"]),
     "qwen2_5_vl": (lambda folder: q25.make_tiny_with_tokenizer(folder, seed=3),
-                   {"size": {"shortest_edge": 28 * 28 * 2, "longest_edge": 28 * 28 * 8}}, "bridge", "Iv*2|v*2PEt*2L"),
-    "qwen3_vl": (lambda folder: q3.make_tiny_with_tokenizer(folder, seed=3), QWEN_VIDEO, "omnibal", "Iv*2|v*2PEt*3L"),
-    "qwen3_5": (lambda folder: q35.make_tiny_with_tokenizer(folder, seed=3), QWEN_VIDEO, "bridge", "Iv|vPEt*5L")}
+                   {"size": {"shortest_edge": 28 * 28 * 2, "longest_edge": 28 * 28 * 8}}, "bridge",
+                   ["--max-pixels", str(28 * 28 * 8), "--pipeline-layout", "Iv*2|v*2PEt*2L"]),
+    "qwen3_vl": (lambda folder: q3.make_tiny_with_tokenizer(folder, seed=3), QWEN_VIDEO, "omnibal",
+                 ["--max-pixels", str(32 * 32 * 8), "--pipeline-layout", "Iv*2|v*2PEt*3L"]),
+    "qwen3_5": (lambda folder: q35.make_tiny_with_tokenizer(folder, seed=3), QWEN_VIDEO, "bridge",
+                ["--max-pixels", str(32 * 32 * 8), "--pipeline-layout", "Iv|vPEt*5L"])}
 
 
 def served(records: list[dict]) -> list[list[int]]:
@@ -60,19 +63,19 @@ def each_once_per_epoch(records: list[dict], num_samples: int) -> None:
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_trains_from_energon_at_pp2_with_online_isf(family, tmp_path):
-    make, budget, layout, pp_layout = FAMILIES[family]
+    make, budget, layout, family_flags = FAMILIES[family]
     make(tmp_path / "hf")
     if budget is not None:
         (tmp_path / "hf" / "video_preprocessor_config.json").write_text(json.dumps(budget))
     data = energon_media.write_data(tmp_path / "media")
     done = to_energon(data, str(tmp_path / "energon"), layout=layout, samples_per_shard=3)
     n = sum(done.samples.values())
-    flags = ["--hf-checkpoint", str(tmp_path / "hf"), "--data-path", done.path, "--max-pixels", str(28 * 28 * 8),
-             "--max-num-tiles", "2", "--video-max-frames", "4", "--pipeline-model-parallel-size", "2",
+    flags = ["--hf-checkpoint", str(tmp_path / "hf"), "--data-path", done.path, "--video-max-frames", "4",
+             "--pipeline-model-parallel-size", "2",
              "--omnibal-isf", "--omnibal-isf-buffer", "8", "--train-iters", "12", "--micro-batch-size", "2",
              "--global-batch-size", "4", "--lr", "3e-3", "--lr-warmup-iters", "1", "--eval-interval", "0",
              "--seq-length", "512", "--num-workers", "1", "--data-cache-dir", str(tmp_path / "cache"), "--seed", "5",
-             "--log-sample-ids"] + (["--pipeline-layout", pp_layout] if pp_layout else [])
+             "--log-sample-ids", *family_flags]
     records, out = run_training(2, flags, tmp_path, family)
     assert "online ISF (buffer 8 samples per rank)" in out
     each_once_per_epoch(records, n)
@@ -84,7 +87,8 @@ def test_online_isf_balances_dp_ranks_and_a_killed_run_resumes_exactly(tmp_path)
     """Qwen2.5-VL at PP2 x DP2 (4 processes) on the same photos and clips: offline ISF over the JSONL, online ISF over
     its Energon conversion (loader workers); the online DistRatio in predicted time within max(2 x offline's,
     0.02); each sample once per epoch; SIGKILL at iteration 7 under torchrun --max-restarts: the resumed run (from
-    iteration 6's checkpoint, with samples in the ISF buffer) trains the same samples with the same losses."""
+    iteration 6's checkpoint, with samples in the ISF buffer) trains the same samples with the same losses; the
+    checkpoint at data-parallel size 1 is refused by name."""
     q25.make_tiny_with_tokenizer(tmp_path / "hf", seed=3)
     data = energon_media.write_data(tmp_path / "media", shapes=((0, 0, 640, 427), (100, 50, 420, 410),
                                                                 (0, 200, 640, 300), (300, 0, 380, 427)))
@@ -114,6 +118,9 @@ def test_online_isf_balances_dp_ranks_and_a_killed_run_resumes_exactly(tmp_path)
     for r in online:
         assert resumed[r["iteration"]]["sample ids"] == r["sample ids"]
         assert resumed[r["iteration"]]["lm loss"] == r["lm loss"], r["iteration"]
+    _, out = run_training(2, online_flags + ["--load", str(tmp_path / "again"), "--train-iters", "12"], tmp_path,
+                          "dp1", expect_ok=False)
+    assert "Energon restores a loader only with the same data-parallel size" in out and "Traceback" not in out
 
 
 def test_a_bad_sample_stops_the_run_naming_it_and_skip_bad_samples_trains_on_the_rest(tmp_path):
