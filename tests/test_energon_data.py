@@ -233,8 +233,9 @@ def small_data(folder, n: int = 5) -> str:
 
 def test_bad_input_is_named_by_shard_and_key(tmp_path):
     """A corrupt tar member (an image's bytes overwritten), a member the record names but the sample lacks, pixels
-    broken behind a readable header, a Bridge sample whose placeholders and media disagree, an unreadable .nv-meta:
-    each named by shard and sample key (or file) as it is met; --skip-bad-samples leaves them out, each listed."""
+    broken behind a readable header, a Bridge sample whose placeholders and media disagree, a truncated shard, an
+    unreadable .nv-meta: each named by shard and sample key (or file), before training or as it is met;
+    --skip-bad-samples leaves the samples out, each listed."""
     from megatron.training.energon_data import check_source
 
     folder = tmp_path / "en"
@@ -281,6 +282,12 @@ def test_bad_input_is_named_by_shard_and_key(tmp_path):
     with pytest.raises(EnergonSampleError, match=r"train-shard-000000\.tar/k0: its conversation has 2 image"):
         epoch(stream(tmp_path / "tags"))
 
+    shard = folder / "train-shard-000001.tar"
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[:len(whole) // 2])  # a truncated copy: named before training, by its first lost sample
+    with pytest.raises(EnergonDataError, match=r"^train-shard-000001\.tar/s000-00000000[5-8]: the shard ends at byte"):
+        check_source(str(folder), "train")
+    shard.write_bytes(whole)
     (folder / ".nv-meta" / "dataset.yaml").write_text("__module__: [unclosed\n")
     with pytest.raises(EnergonDataError, match=r"\.nv-meta/dataset\.yaml: unreadable"):
         check_source(str(folder), "train")

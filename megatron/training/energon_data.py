@@ -52,10 +52,13 @@ class EnergonSource:
     split: str
     config: ReaderConfig
 
-    def sample_lengths(self):
-        raise ArgumentError(f"--data-path {self.path}: an Energon dataset is not scanned before training, so a "
-                            "profile from its samples cannot be made here: pass --omnibal-profile FILE (e.g. "
-                            "`omnibal profile` on a JSONL sample of the data) with --omnibal-partition/-recompute auto")
+
+def profiling_refused(source: EnergonSource) -> ArgumentError:
+    """Why the units cannot be profiled on ``source``'s samples here (no scan gives the micro-batch shapes)."""
+    return ArgumentError(f"--data-path {source.path}: an Energon dataset is not scanned before training, so the "
+                         "units cannot be profiled at its micro-batch shapes here: pass an existing --omnibal-profile "
+                         "FILE with --omnibal-partition/--omnibal-recompute auto (`omnibal profile` on a JSONL sample "
+                         "of the data, or with --tiles/--llm-tokens)")
 
 
 def is_energon(path: str | None) -> bool:

@@ -22,7 +22,7 @@ from megatron.vlm.data.records import RecordDataset
 from megatron.vlm.families import runtime_family
 
 from .arguments import ArgumentError
-from .energon_data import EnergonSource, build_energon_data, energon_sources, is_energon
+from .energon_data import EnergonSource, build_energon_data, energon_sources, is_energon, profiling_refused
 from .run_plan import RunPlan
 
 DEFAULT_DATASET_SAMPLES = 6000
@@ -236,7 +236,7 @@ def _measured_costs(args, plan: RunPlan, dataset, tokenizer, device, groups=None
 
     path = args.omnibal_profile
     if isinstance(dataset, EnergonSource) and not (path and os.path.exists(path)):
-        dataset.sample_lengths()  # refused by name: no scan to profile from
+        raise profiling_refused(dataset)
     if path and os.path.exists(path):
         costs = CostTable.load(path)
         names = [u.name for u in build_units(plan.model_spec)]

@@ -133,3 +133,41 @@ def check_prepared(folder: str, split: str) -> None:
                                f"{' '.join(str(e).split())[:300]})") from None
     if not found.shards or not sum(s.count for s in found.shards):
         raise EnergonDataError(f"{meta}: split {split!r} holds no sample (its split.yaml names no shard of it)")
+    check_shards_whole(folder)
+
+
+def check_shards_whole(folder: str) -> None:
+    """Refuse a shard that is missing or shorter than its index says (a truncated copy), naming the shard and the
+    first sample whose bytes lie past its end (``.nv-meta/index.sqlite``: each sample's byte range; ``.info.json``:
+    the shards in index order)."""
+    import json
+    import sqlite3
+
+    meta = os.path.join(folder, META)
+    info = os.path.join(meta, ".info.json")
+    if not os.path.isfile(info):
+        return  # a legacy .info.yaml: Energon's own checks only
+    problem = None
+    try:
+        with open(info) as f:
+            shards = list(json.load(f)["shard_counts"])
+        with sqlite3.connect(f"file:{os.path.join(meta, 'index.sqlite')}?mode=ro", uri=True) as db:
+            ends = dict(db.execute("SELECT tar_file_id, MAX(byte_offset + byte_size) FROM samples "
+                                   "GROUP BY tar_file_id").fetchall())
+            for k, shard in enumerate(shards):
+                path = os.path.join(folder, shard)
+                if not os.path.isfile(path):
+                    problem = f"{path}: not found (.nv-meta/.info.json lists it)"
+                    break
+                size = os.path.getsize(path)
+                if ends.get(k, 0) > size:
+                    (key,) = db.execute("SELECT sample_key FROM samples WHERE tar_file_id = ? AND "
+                                        "byte_offset + byte_size > ? ORDER BY sample_index LIMIT 1", (k, size)).fetchone()
+                    problem = (f"{shard}/{key}: the shard ends at byte {size}, before this sample's data (indexed up "
+                               f"to byte {ends[k]}): a truncated shard; copy it again or re-index the folder with "
+                               "`energon prepare`")
+                    break
+    except (OSError, KeyError, ValueError, sqlite3.Error) as e:
+        problem = f"{meta}: unreadable index ({type(e).__name__}: {' '.join(str(e).split())})"
+    if problem:
+        raise EnergonDataError(problem)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import tarfile
 from dataclasses import dataclass
 
 from omnibal_ext.errors import UserError
@@ -30,6 +31,7 @@ from .layout import EnergonDataError
 
 
 _LISTED: set[str] = set()  # the left-out samples this process has listed
+DATA_ERRORS = (UserError, OSError, EOFError, tarfile.TarError, UnicodeDecodeError)  # a sample's data, not a bug
 
 
 class EnergonSampleError(UserError):
@@ -62,8 +64,9 @@ class SkipPolicy:
     announce: bool = True
 
     def __call__(self, exc: Exception, sample, sources=None) -> None:
-        """Energon's error handler (in its workers): a failure reading a sample names its shard and key."""
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        """Energon's error handler (in its workers): a failure reading a sample's data names its shard and key; any
+        other exception is a bug and keeps its traceback."""
+        if not isinstance(exc, DATA_ERRORS):
             raise exc
         where = _sources_name(sources) or getattr(sample, "__key__", "?")
         reason = " ".join(str(exc).split()) or type(exc).__name__
@@ -153,7 +156,11 @@ class SampleStream:
                 self._renew_loader()
                 return None
             except UserError as e:  # raised in a worker: torch puts the worker's traceback in its text
-                raise type(e)(worker_error_line(e)) from None
+                raise EnergonSampleError(worker_error_line(e)) from None
+            except (tarfile.TarError, EOFError) as e:  # a shard broken where its index did not see it
+                raise EnergonSampleError(f"{self.settings.path}: a shard of split {self.settings.split!r} is "
+                                         f"unreadable ({type(e).__name__}: {worker_error_line(e)}); re-index it "
+                                         "with `energon prepare`") from None
             if sample.problem is None:
                 return sample
             if not self.policy.skip:
