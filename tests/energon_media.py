@@ -42,14 +42,16 @@ def records(pics: list[tuple[str, str]]) -> list[dict]:
     return out
 
 
-def write_data(folder: Path, shapes=((0, 0, 640, 427), (100, 50, 420, 410), (300, 0, 380, 427))) -> str:
-    """The media and ``train.jsonl`` (``records``) in ``folder``; returns the JSONL's path."""
+def write_data(folder: Path, shapes=((0, 0, 640, 427), (100, 50, 420, 410), (300, 0, 380, 427)),
+               copies: int = 1) -> str:
+    """The media and ``train.jsonl`` (``records``, ``copies`` times over: the same media, each copy's records a
+    line of their own) in ``folder``; returns the JSONL's path."""
     folder.mkdir(parents=True, exist_ok=True)
     pics = hf_tiny_qwen.photos(folder, shapes)
     for name, frames, fps, width, height in CLIPS:
         write_coded_video(str(folder / name), frames, fps, width, height, gop=4)
     path = folder / "train.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records(pics)))
+    path.write_text("".join(json.dumps(r) + "\n" for _ in range(copies) for r in records(pics)))
     return str(path)
 
 

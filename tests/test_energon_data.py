@@ -300,8 +300,9 @@ def test_bad_input_is_named_by_shard_and_key(tmp_path):
         check_source(str(folder), "train")
 
 
-def test_converter_refusals(tmp_path):
-    """What a layout cannot hold is refused naming annotation:line (or listed with skip_bad)."""
+def test_converter_refusals(tmp_path, capsys):
+    """What a layout cannot hold is refused naming annotation:line (or listed with skip_bad); the command line
+    writes a split and refuses in one line."""
     (tmp_path / "frames").mkdir()
     Image.new("RGB", (8, 8)).save(tmp_path / "frames" / "0.png")
     energon_media.write_coded_video(str(tmp_path / "v.mp4"), 4, 4, 32, 32)
@@ -320,6 +321,15 @@ def test_converter_refusals(tmp_path):
         to_energon(str(clip), str(tmp_path / "b"), layout="bridge")
     done = to_energon(str(path), str(tmp_path / "c"), skip_bad=True)
     assert done.samples == {"d": 1} and [s.split(": ")[0].rsplit(":", 1)[1] for s in done.skipped] == ["1", "3"]
+    from omnibal_cli import main as omnibal
+
+    assert omnibal(["data", "to-energon", "--data", str(path), "--out", str(tmp_path / "cli"), "--split", "val",
+                    "--skip-bad-samples"]) == 0
+    out = capsys.readouterr()
+    assert f"wrote 1 samples (d: 1) in 1 shard(s), omnibal layout, split 'val' -> {tmp_path / 'cli'}" in out.out
+    assert (tmp_path / "cli" / "val-shard-000000.tar").exists()
+    assert omnibal(["data", "to-energon", "--data", str(path), "--out", str(tmp_path / "x")]) == 2
+    assert "omnibal data: error: " in capsys.readouterr().err
 
 
 def test_video_bytes_and_a_header_without_a_frame_count(tmp_path):

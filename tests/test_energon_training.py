@@ -6,6 +6,7 @@ run's losses; a bad sample stops the run naming its shard and key, and --skip-ba
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -70,17 +71,23 @@ def test_family_trains_from_energon_at_pp2_with_online_isf(family, tmp_path):
     data = energon_media.write_data(tmp_path / "media")
     done = to_energon(data, str(tmp_path / "energon"), layout=layout, samples_per_shard=3)
     n = sum(done.samples.values())
+    evaluate = []
+    if family == "internvl":  # validation: the 'val' split converted into the same folder
+        to_energon(data, str(tmp_path / "energon"), layout=layout, split="val", samples_per_shard=4)
+        evaluate = ["--valid-data-path", done.path, "--eval-interval", "6", "--eval-iters", "1"]
     flags = ["--hf-checkpoint", str(tmp_path / "hf"), "--data-path", done.path, "--video-max-frames", "4",
              "--pipeline-model-parallel-size", "2",
              "--omnibal-isf", "--omnibal-isf-buffer", "8", "--train-iters", "12", "--micro-batch-size", "2",
-             "--global-batch-size", "4", "--lr", "3e-3", "--lr-warmup-iters", "1", "--eval-interval", "0",
-             "--seq-length", "512", "--num-workers", "1", "--data-cache-dir", str(tmp_path / "cache"), "--seed", "5",
-             "--log-sample-ids", *family_flags]
+             "--global-batch-size", "4", "--lr", "3e-3", "--lr-warmup-iters", "1", "--seq-length", "512",
+             "--num-workers", "1", "--data-cache-dir", str(tmp_path / "cache"), "--seed", "5", "--log-sample-ids",
+             *family_flags, *(evaluate or ["--eval-interval", "0"])]
     records, out = run_training(2, flags, tmp_path, family)
     assert "online ISF (buffer 8 samples per rank)" in out
     each_once_per_epoch(records, n)
     losses = [r["lm loss"] for r in records]
     assert len(losses) == 12 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
+    if evaluate:
+        assert len(re.findall(r"validation iteration +(?:6|12)/ +12 \| lm loss: \d", out)) == 2, out[-3000:]
 
 
 def test_online_isf_balances_dp_ranks_and_a_killed_run_resumes_exactly(tmp_path):

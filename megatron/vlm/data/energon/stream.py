@@ -118,7 +118,7 @@ def build_loader(settings: LoaderSettings, encoder: ChatTaskEncoder, policy: Ski
                                  num_workers=settings.num_workers, seed_offset=settings.seed,
                                  global_error_handler=policy)
     loaded = load_datasets(settings.path, settings.split, worker_config, settings.training)
-    epochs = loaded.blend_mode != DatasetBlendMode.DATASET_WEIGHT
+    epochs = not settings.training or loaded.blend_mode != DatasetBlendMode.DATASET_WEIGHT  # validation: passes
     if settings.training:
         dataset = encoder.build_train_datasets(datasets=loaded.datasets, worker_config=worker_config,
                                                batch_size=None, shuffle_buffer_size=None,
