@@ -478,9 +478,13 @@ def _complete(frame: Frame, table: CostTable, cand: np.ndarray, rp: float, rq: f
 
 def is_skewed(total: Frame) -> bool:
     """Whether a buffer's mean mix (x - y, in the total frame) is off the target's by more than ``MIX_SKEW`` of its
-    mean total: a skewed shard, where a lattice of tile times or chance leaves it near 0 (a buffer of fewer than
-    ``SKEW_MIN_SAMPLES`` samples is too few to tell)."""
-    return len(total.p) >= SKEW_MIN_SAMPLES and abs(total.mean_q) > MIX_SKEW * total.mean_p
+    mean total, and by more than three standard errors of that mean: a skewed shard, where a lattice of tile times
+    or chance leaves it near 0 (a buffer of fewer than ``SKEW_MIN_SAMPLES`` samples is too few to tell)."""
+    n = len(total.p)
+    if n < SKEW_MIN_SAMPLES:
+        return False
+    off = abs(total.mean_q)
+    return off > MIX_SKEW * total.mean_p and off > 3.0 * float(total.q.std()) / math.sqrt(n)
 
 
 def repair(table: CostTable, frame: Frame, free: np.ndarray, members: list[int], caps: Caps, tol: float
