@@ -125,8 +125,10 @@ def run_epoch(balancer: OnlineISFLoader, model, optimizer, save_at: int | None =
     return records, state
 
 
-def make_demo_dataset(folder: str, samples: int = 96, shards: int = 4, seed: int = 0) -> None:
-    """Image-caption samples of varied sizes in WebDataset tars, prepared with Energon's preparation API."""
+def make_demo_dataset(folder: str, samples: int = 96, shards: int = 4, seed: int = 0, min_px: int = 48,
+                      max_px: int = 400) -> None:
+    """Image-caption samples in WebDataset tars (JPEGs of ``min_px`` to ``max_px`` a side), prepared with
+    Energon's preparation API."""
     import webdataset as wds
     from PIL import Image
 
@@ -141,7 +143,7 @@ def make_demo_dataset(folder: str, samples: int = 96, shards: int = 4, seed: int
         names.append(f"train-{shard:03d}.tar")
         with wds.TarWriter(str(root / names[-1])) as tar:
             for k in keys:
-                w, h = (int(x) for x in rng.integers(48, 400, 2))
+                w, h = (int(x) for x in rng.integers(min_px, max_px, 2))
                 low = rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)
                 image = io.BytesIO()
                 Image.fromarray(low).resize((w, h), Image.Resampling.BILINEAR).save(image, format="JPEG", quality=85)

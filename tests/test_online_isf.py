@@ -12,7 +12,7 @@ import pytest
 from omnibal_ext.data.isf import ISFParams
 from omnibal_ext.data.metrics import dist_ratio_matrix, dist_ratio_one
 from omnibal_ext.data.online_isf import (Caps, CostTable, Frame, Level, OnlineISF, OnlineISFConfig,
-                                         OnlineOversizeError, SampleCost, common_level, complete_pair, cp_order,
+                                         OnlineOversizeError, SampleCost, common_level, complete_pair,
                                          exact_completion, fill_best)
 from omnibal_ext.data.online_sim import simulate
 from omnibal_ext.errors import UserError
@@ -111,13 +111,30 @@ def test_common_level_closed_form():
     assert common_level([1.0, 1.0, 1.0, 0.4], 1.0, [False, False, False, True], 0.005) == pytest.approx(0.9)
 
 
-def test_cp_order_runs_are_even():
-    vit = np.array([5.0, 1, 1, 4, 2, 3])
-    order = cp_order(list(range(6)), vit, 2)
-    assert sorted(order) == list(range(6))
-    # the best contiguous 2-way cut of the order is as even as the best partition (8 / 8)
-    best = min(max(vit[order[:k]].sum(), vit[order[k:]].sum()) for k in range(7))
-    assert best == 8.0
+def test_cp_groups_split_evenly_over_the_cp_ranks():
+    """Under CP 2 every group is two even parts: the trainer's contiguous split of its samples' ViT time over the
+    two CP ranks (cp_split.image_runs, the exact best cut) leaves the slower rank little above half, far less than
+    random groups of the same sizes, and the DP ranks match in the slower CP rank's time."""
+    from omnibal_ext.model.cp_split import image_runs
+
+    table = random_table(np.random.default_rng(6), 4000, text_only=0.0)
+    streams = streams_of(table, 2)
+    run = simulate(streams, OnlineISFConfig(ranks=2, buffer_size=256, cp=2), max_steps=60)
+
+    def slowest(stream, g):
+        runs = image_runs(np.round(stream.vit_s[g] * 1e9).astype(np.int64), 2)
+        return max(float(stream.vit_s[g[list(r)]].sum()) for r in runs)
+
+    excess, per_rank = [], []
+    for step in run.groups:
+        per_rank.append([slowest(streams[r], step[r][0]) for r in range(2)])
+        excess += [slowest(streams[r], step[r][0]) / (streams[r].vit_s[step[r][0]].sum() / 2) - 1 for r in range(2)]
+    rng = np.random.default_rng(0)
+    sizes = [len(g) for step in run.groups for gs in step for g in gs]
+    draws = [rng.choice(len(table), n, replace=False) for n in sizes]
+    random_excess = [slowest(table, g) / (table.vit_s[g].sum() / 2) - 1 for g in draws]
+    assert np.mean(excess) <= 0.02 and np.mean(random_excess) > 5 * np.mean(excess)
+    assert dist_ratio_matrix(np.array(per_rank)) <= 0.02
 
 
 # ------------------------------------------------------------------------------------------ the ranks

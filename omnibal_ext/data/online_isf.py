@@ -44,9 +44,11 @@ its buffer position (the caller names its key), or, with ``oversize="solo"``, is
 Context parallelism (``cp``): the CP ranks of one DP rank share its groups.  The LLM tokens are split evenly by the
 trainer (each segment padded to a multiple of 2 x CP: the caller counts the padded tokens and their time in
 ``SampleCost``, ``cp_split.cp_multiple``); the ViT work goes in whole images, in contiguous runs balanced by
-predicted time (``cp_split.image_runs``).  Under CP the packer orders each group's samples so that its ``cp``
-contiguous runs are as even as a greedy partition makes them (``cp_order``): the group's CP split then waits for its
-largest run, which the benchmark reports (``scripts/bench_online_isf.py``).
+predicted time (``cp_split.image_runs``).  Under CP a group is packed as ``cp`` consecutive parts, each toward a
+``cp``-th of the target in both times and within a ``cp``-th of the ViT items cap (``_compose``), so that the
+trainer's contiguous split finds runs as even as the parts: the group waits for its slowest CP rank, and that is
+what the ranks match (the benchmark's CP row, ``scripts/bench_online_isf.py``).  The nominal target and the
+derived caps are then of ``samples_per_group`` samples per CP rank.
 
 Nothing is dropped or duplicated: every returned position is a sample of the buffer, each at most once in a step;
 what is not returned stays for later steps; ``final=True`` (the stream ended) keeps serving until the buffer is
@@ -113,10 +115,10 @@ class OnlineISFConfig:
     max_vit_items / max_tokens: hard count caps of a group (None: set at the first step from what was seen);
     vit_time_s / llm_time_s: nominal target of a group's predicted ViT / LLM seconds (None: ``samples_per_group``
     times the mean sample seen);
-    samples_per_group: K, the mean samples per group the derived targets and caps aim at;
+    samples_per_group: K, the mean samples per group (per CP rank under CP) the derived targets and caps aim at;
     tolerance: relative distance of a group's times from the target that counts as reached (the step's spread is
     at most twice it);
-    cp: context-parallel ranks sharing each group (orders the group's samples for an even ViT split);
+    cp: context-parallel ranks sharing each group (packed in ``cp`` even parts, module docstring);
     oversize: a sample over a count cap raises (``"error"``) or forms a group of its own (``"solo"``);
     max_wait_steps: steps the oldest sample may be passed over (its group missing the target) before a group must
     start from it (None: ``buffer_size // groups_per_step``).
@@ -576,20 +578,6 @@ def common_level(lows: Sequence[float], aim: float, skewed: Sequence[bool], slac
     return float(cand[work >= work.max() - slack].max())
 
 
-def cp_order(members: list[int], vit_s: np.ndarray, cp: int) -> list[int]:
-    """``members`` reordered so that ``cp`` contiguous runs are even in ViT time: a greedy partition (largest
-    first, each into the lightest run), the runs concatenated; unchanged at cp 1."""
-    if cp <= 1 or len(members) <= 1:
-        return list(members)
-    runs: list[list[int]] = [[] for _ in range(cp)]
-    load = [0.0] * cp
-    for q in sorted(members, key=lambda q: (-float(vit_s[q]), q)):
-        r = min(range(cp), key=lambda k: (load[k], k))
-        runs[r].append(q)
-        load[r] += float(vit_s[q])
-    return [q for run in runs for q in run]
-
-
 # ----------------------------------------------------------------------------------------------- the rank
 @dataclass(frozen=True)
 class _Proposal:
@@ -706,7 +694,7 @@ class OnlineISF:
         self._ages = p.ages[kept] + 1
         self._missed = p.missed[kept]
         self._step += 1
-        return [cp_order(g, table.vit_s, self.config.cp) for g in groups]
+        return groups
 
     def state_dict(self) -> dict:
         """JSON-able state; with the same buffer (same samples, same order) ``load_state_dict`` resumes exactly."""
@@ -734,11 +722,10 @@ class OnlineISF:
     # -- steps --------------------------------------------------------------------------------------------
     def _pack(self, table: CostTable, free: np.ndarray, target: Level, caps: Caps, ages: np.ndarray,
               missed: np.ndarray) -> list[list[int]]:
-        """Up to ``groups_per_step`` groups of ``free`` positions (updated) toward ``target`` (``_group``);
+        """Up to ``groups_per_step`` groups of ``free`` positions (updated) toward ``target`` (``_compose``);
         oversize samples (``solo``) form their own groups."""
         groups = []
         over = self._over(table, caps)
-        frames = (Frame.of(table, target, False), Frame.of(table, target, True))
         for _ in range(self.config.groups_per_step):
             left = np.flatnonzero(free)
             if not len(left):
@@ -747,8 +734,32 @@ class OnlineISF:
                 free[left[0]] = False
                 groups.append([int(left[0])])
                 continue
-            groups.append(self._group(table, free, over, frames, caps, ages, missed))
+            groups.append(self._compose(table, free, over, target, caps, ages, missed))
         return groups
+
+    def _compose(self, table: CostTable, free: np.ndarray, over: np.ndarray, target: Level, caps: Caps,
+                 ages: np.ndarray, missed: np.ndarray, first: int | None = None) -> list[int]:
+        """One group toward ``target`` (``_group``).  Under CP, ``cp`` parts toward ``target / cp`` each, within
+        ``ceil(ViT items cap / cp)`` items each, one after the other: the trainer's contiguous split of the group's
+        images over its CP ranks then finds parts as even as the parts are (module docstring)."""
+        cp = self.config.cp
+        if cp == 1:
+            frames = (Frame.of(table, target, False), Frame.of(table, target, True))
+            return self._group(table, free, over, frames, caps, ages, missed, first)
+        part = Level(target.vit_s / cp, target.llm_s / cp)
+        frames = (Frame.of(table, part, False), Frame.of(table, part, True))
+        group: list[int] = []
+        for _ in range(cp):
+            if not (free & ~over).any():
+                break
+            room = Caps(-(-caps.vit_items // cp), caps.tokens - int(table.tokens[group].sum()))
+            fits = (table.vit_items <= room.vit_items) & (table.tokens <= room.tokens)
+            if first is None and not (free & ~over & fits).any():
+                break
+            group += self._group(table, free, over | ~fits if first is None else over, frames, room, ages, missed,
+                                 first)
+            first = None
+        return group
 
     def _group(self, table: CostTable, free: np.ndarray, over: np.ndarray, frames: tuple[Frame, Frame], caps: Caps,
                ages: np.ndarray, missed: np.ndarray, first: int | None = None) -> list[int]:
@@ -811,7 +822,7 @@ class OnlineISF:
         out = list(groups)
         for k in high:
             free[groups[k]] = True
-            new = self._group(table, free, over, frames, caps, ages, missed, first=groups[k][0])
+            new = self._compose(table, free, over, goal, caps, ages, missed, first=groups[k][0])
             if miss(frames, new) >= miss(frames, groups[k]):  # the repack comes no closer: keep the group
                 free[new] = True
                 free[groups[k]] = False
@@ -845,7 +856,7 @@ class OnlineISF:
         not pile up there), else at the nominal's own mix."""
         cfg = self.config
         count = max(seen[0], 1.0)
-        k = cfg.samples_per_group
+        k = cfg.samples_per_group * cfg.cp
         vit = cfg.vit_time_s if cfg.vit_time_s is not None else k * seen[1] / count
         llm = cfg.llm_time_s if cfg.llm_time_s is not None else k * seen[2] / count
         if llm <= 0:
@@ -857,7 +868,7 @@ class OnlineISF:
 
     def _derived_caps(self, seen: np.ndarray, seen_max: np.ndarray) -> Caps:
         cfg = self.config
-        return count_caps_from_stats(seen, seen_max, cfg.samples_per_group, cfg.max_vit_items, cfg.max_tokens)
+        return count_caps_from_stats(seen, seen_max, cfg.samples_per_group * cfg.cp, cfg.max_vit_items, cfg.max_tokens)
 
     @staticmethod
     def _global_seen(rows: Summaries) -> tuple[np.ndarray, np.ndarray]:
