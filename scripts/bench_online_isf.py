@@ -76,7 +76,7 @@ from omnibal_ext.model.cost_model import get_device  # noqa: E402
 from omnibal_ext.model.cp_split import cp_multiple, image_runs, padded_lengths  # noqa: E402
 from omnibal_ext.model.sample_time import (TIME_UNIT_S, TimeCoefficients, sample_work, time_coefficients,  # noqa: E402
                                            time_units, with_tokens)
-from omnibal_ext.model.units import family_of, get_preset  # noqa: E402
+from omnibal_ext.model.units import get_preset  # noqa: E402
 
 BENCH_DATE = "2026-12-03"
 METHODS = ("random", "energon-ffd", "knapsack-vt", "offline-isf")
@@ -105,8 +105,8 @@ def costed(name: str, stats: SampleStats, model: str, device: str, tokens: np.nd
         work = with_tokens(work, tokens)
     coeffs = time_coefficients(spec, dev)
     vit, llm = time_units(work, coeffs)
-    items = stats.vision_items(family_of(spec).vision_item).astype(np.int64)
-    table = CostTable(items, np.asarray(counted, dtype=np.int64), vit * TIME_UNIT_S, llm * TIME_UNIT_S)
+    table = CostTable(stats.vit.astype(np.int64), np.asarray(counted, dtype=np.int64), vit * TIME_UNIT_S,
+                      llm * TIME_UNIT_S)  # ViT items: tiles of the InternVL stats, patches of the video mix
     return Costed(name, table, coeffs, model)
 
 
@@ -390,8 +390,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny sizes: checks the pipeline and the JSON only")
     args = ap.parse_args(argv)
     if args.quick:
-        args.resample, args.video_mix, args.dp, args.buffers = 6000, 3000, [2, 4], [16, 32]
-        args.steps, args.ffd_buffer, args.loader_samples, args.loader_buffer = 40, 64, 24, 8
+        args.resample, args.video_mix, args.dp, args.buffers = 3000, 2000, [2], [16]
+        args.steps, args.ffd_buffer, args.loader_samples, args.loader_buffer = 20, 64, 16, 8
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         loader = loader_rate(args, os.path.join(tmp, "photos"))

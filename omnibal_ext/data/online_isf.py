@@ -78,6 +78,7 @@ MIX_SKEW = 0.1  # a buffer whose mean mix (x - y) is off by this share of its me
 ANCHOR_COOLDOWN = 8  # a sample that missed as a group's start is not tried as one again for so many steps
 NEVER = -(1 << 40)  # the step of a miss that never happened
 ANCHOR_TRIES = 4  # a group whose oldest sample misses the target tries this many oldest samples in all
+GOOD_ENOUGH = 2.0  # a group within this many tolerances of its target takes no repair and no further tries
 RETRIES = 1  # more tries of a group that missed its target, each with another first pick
 OVERSIZE_POLICIES = ("error", "solo")
 
@@ -353,14 +354,17 @@ def complete_pair(p: np.ndarray, q: np.ndarray, cand: np.ndarray, rp: float, rq:
     w = window / 2
     q0 = float(qc.min())
     span = float(qc.max()) - q0 + 1.0
-    kp = np.floor(pc / w).astype(np.int64)
-    order = np.lexsort((qc, kp))
-    keys = kp[order] * span + (qc[order] - q0)
+    kp = np.floor(pc / w)
+    keys = kp * span + (qc - q0)  # bucket, then q: one float key (exact: |keys| stay far below 2^53 ulps)
+    order = np.argsort(keys, kind="stable")
+    keys = keys[order]
+    kp = kp.astype(np.int64)
     kc = np.floor((rp - pc) / w).astype(np.int64)
     at = np.minimum(np.maximum(rq - qc - q0, 0.0), span - 1.0)
-    kb = np.concatenate([kc, kc - 1, kc + 1])  # the three buckets of every i, at once
-    i = np.tile(np.arange(n), 3)
-    pos = np.searchsorted(keys, kb * span + np.tile(at, 3))
+    kb = np.concatenate((kc, kc - 1, kc + 1))  # the three buckets of every i, at once
+    idx = np.arange(n)
+    i = np.concatenate((idx, idx, idx))
+    pos = np.searchsorted(keys, kb * span + np.concatenate((at, at, at)))
     below, above = order[np.maximum(pos - 1, 0)], order[np.minimum(pos, n - 1)]
     # the nearest partner on each side; where that is i itself, the next one out
     below = np.where(below == i, order[np.maximum(pos - 2, 0)], below)
@@ -492,15 +496,16 @@ def is_skewed(total: Frame) -> bool:
 def repair(table: CostTable, frame: Frame, free: np.ndarray, members: list[int], caps: Caps, tol: float
            ) -> list[int]:
     """A group that misses its target, improved by exchanging one of its samples (not the anchor, ``members[0]``)
-    for one or two samples of ``free``: the exchange that brings it closest (``Frame.score``), if it comes closer;
-    ``free`` is not changed."""
+    for one sample of ``free`` (every member tried), else for two (``complete_pair``): the exchange that brings it
+    closest (``Frame.score``), if it comes closer; ``free`` is not changed."""
     gp, gq = frame.goal()
     p, q, items, tokens = frame.p, frame.q, table.vit_items, table.tokens
     sp, sq = float(p[members].sum()), float(q[members].sum())
     si, st = int(items[members].sum()), int(tokens[members].sum())
     best, best_score = list(members), float(frame.score(abs(gp - sp), abs(gq - sq), tol))
+    needs = []  # per member: (member, what must replace it, the room it leaves, its candidates)
     for m in members[1:]:
-        rp, rq = gp - sp + float(p[m]), gq - sq + float(q[m])  # what must replace m
+        rp, rq = gp - sp + float(p[m]), gq - sq + float(q[m])
         left_items, left_tokens = caps.vit_items - si + int(items[m]), caps.tokens - st + int(tokens[m])
         fit = free & (p <= rp + tol) & (items <= left_items) & (tokens <= left_tokens)
         if not frame.total:
@@ -508,17 +513,21 @@ def repair(table: CostTable, frame: Frame, free: np.ndarray, members: list[int],
         cand = np.flatnonzero(fit)
         if not len(cand):
             continue
+        needs.append((m, rp, rq, left_items, left_tokens, cand))
         scores = frame.score(np.abs(rp - p[cand]), np.abs(rq - q[cand]), tol)
         k = int(np.argmin(scores))
-        trials = [([int(cand[k])], float(scores[k]))]
-        if len(cand) >= 2 and _top_two(p[cand]) >= rp - 4 * tol:
-            ep, eq, i, j = complete_pair(p, q, cand, rp, rq, 4 * tol, (items, tokens, left_items, left_tokens),
-                                         chebyshev=not frame.total)
-            if i >= 0:
-                trials.append(([i, j], float(frame.score(ep, eq, tol))))
-        for new, sc in trials:
-            if sc < best_score:
-                best, best_score = [x for x in members if x != m] + new, sc
+        if scores[k] < best_score:
+            best, best_score = [x for x in members if x != m] + [int(cand[k])], float(scores[k])
+    if frame.reached(*frame.errors(best), tol):
+        return best
+    for m, rp, rq, left_items, left_tokens, cand in needs:
+        if len(cand) < 2 or _top_two(p[cand]) < rp - 4 * tol:
+            continue
+        ep, eq, i, j = complete_pair(p, q, cand, rp, rq, 4 * tol, (items, tokens, left_items, left_tokens),
+                                     chebyshev=not frame.total)
+        sc = float(frame.score(ep, eq, tol)) if i >= 0 else math.inf
+        if sc < best_score:
+            best, best_score = [x for x in members if x != m] + [i, j], sc
         if frame.reached(*frame.errors(best), tol):
             break
     return best
@@ -537,12 +546,12 @@ def fill_best(table: CostTable, target: Level, free: np.ndarray, anchor: int, ca
     for detour in range(1 if skewed else RETRIES + 1):
         trial = free.copy()
         members = fill_group(table, dims, trial, anchor, caps, tol, detour)
-        if max(dims.errors(members)) > tol:
+        if max(dims.errors(members)) > GOOD_ENOUGH * tol:
             members = repair(table, dims, trial, members, caps, tol)
         err = max(dims.errors(members))
         if err < best_score:
             best, best_score = members, err
-        if best_score <= tol:
+        if best_score <= GOOD_ENOUGH * tol:
             break
     if best_score > 4 * tol and skewed:
         trial = free.copy()
@@ -783,7 +792,7 @@ class OnlineISF:
             err = miss(frames, members)
             if err < best_err:
                 best, best_err = members, err
-            if err <= tol:
+            if err <= GOOD_ENOUGH * tol:
                 break
             missed[anchor] = self._step
         free[best] = False
