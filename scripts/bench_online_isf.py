@@ -23,7 +23,7 @@ knapsack-vt         NeMo Automodel's idea, our own code: the whole dataset packe
                     into the least-filled pack it fits, a min-heap), the packs sorted by ViT items and dealt in
                     runs of DP to the ranks of a step
 offline-isf         this fork's ISF in time over the whole dataset (threshold search, grouping, balanced
-                    assembly: ``search_time.plan_isf_time``)
+                    assembly: ``search_time.run_isf_in_time``)
 online-isf-B        ISF online at a look-ahead buffer of B samples per rank (``--buffers``), all ranks simulated in
                     one process (``online_sim.simulate``) for ``--steps`` steps of one micro-batch per rank
 ==================  ==========================================================================================
@@ -70,7 +70,7 @@ from omnibal_ext.data.native import derive_native_stats  # noqa: E402
 from omnibal_ext.data.online_isf import CostTable, OnlineISFConfig  # noqa: E402
 from omnibal_ext.data.online_sim import simulate  # noqa: E402
 from omnibal_ext.data.search import SearchConfig  # noqa: E402
-from omnibal_ext.data.search_time import plan_isf_time  # noqa: E402
+from omnibal_ext.data.search_time import run_isf_in_time  # noqa: E402
 from omnibal_ext.data.stats import SampleStats, load_stats, resample  # noqa: E402
 from omnibal_ext.model.cost_model import get_device  # noqa: E402
 from omnibal_ext.model.cp_split import cp_multiple, image_runs, padded_lengths  # noqa: E402
@@ -224,12 +224,12 @@ def offline_isf(data: Costed, dp: int, k: float, seed: int, token_multiple: int 
     times = (np.round(t.vit_s / TIME_UNIT_S).astype(np.int64), np.round(t.llm_s / TIME_UNIT_S).astype(np.int64))
     cfg = SearchConfig(dp_size=dp, samples_per_group=k, seed=seed, token_multiple=token_multiple)
     t0 = time.process_time()
-    plan = plan_isf_time(t.vit_items, t.tokens, times, cfg)
-    m = plan.metrics
+    found = run_isf_in_time(t.vit_items, t.tokens, times, cfg)
+    m = found.metrics
     return {"dist_ratio_vit_time": m["dist_ratio_vit_time"], "dist_ratio_llm_time": m["dist_ratio_llm_time"],
             "dist_ratio_time": m["dist_ratio_time"], "pad_ratio_time": 0.0, "fill_vit_time": m["fill_vit_time"],
             "fill_llm_time": m["fill_llm_time"], "samples_per_group": m["samples_per_group"],
-            "plan_cpu_s": time.process_time() - t0, "groups": len(plan.grouping)}
+            "plan_cpu_s": time.process_time() - t0, "groups": len(found.grouping)}
 
 
 def online_isf(data: Costed, streams: list[np.ndarray], dp: int, buffer: int, k: float, steps: int, target,

@@ -72,7 +72,7 @@ def test_import_export_round_trip_is_bit_identical(megatron_world, tiny, tmp_pat
     from safetensors.torch import load_file
 
     from megatron.training.checkpointing import find_checkpoint
-    from megatron.vlm.hf.convert import export_hf, import_hf
+    from megatron.training.hf_checkpoints import export_hf, import_hf
 
     folder, _ = tiny[case]
     import_hf(str(folder), str(tmp_path / "ckpt"))

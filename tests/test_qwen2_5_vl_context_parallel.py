@@ -13,8 +13,8 @@ IMG, PAD = 290, 0  # hf_tiny_qwen's image token id, the pad id
 
 
 def _qwen_batcher():
-    from megatron.vlm.families.qwen2_5_vl.data import PatchImages, QwenBatcher
-    from megatron.vlm.families.qwen2_5_vl.image_processing import ImageProcessorConfig
+    from megatron.vlm.lineages.qwen.data import PatchImages, QwenBatcher
+    from megatron.vlm.lineages.qwen.image_processing import ImageProcessorConfig
 
     spec = get_preset("qwen2.5-vl-tiny")
     exact = ImageProcessorConfig(min_pixels=1, max_pixels=64 * 28 * 28)  # sizes in multiples of 28 px kept as they are
@@ -56,7 +56,7 @@ MICRO_BATCHES = {
 @pytest.mark.parametrize("cp,sp_tp", [(2, 1), (3, 1), (2, 2)])
 @pytest.mark.parametrize("name", list(MICRO_BATCHES))
 def test_split_reconstructs_the_unsplit_micro_batch(name, cp, sp_tp, packed):
-    from megatron.vlm.families.qwen2_5_vl.batch import vision_fields
+    from megatron.vlm.lineages.qwen.batch import vision_fields
 
     spec, batcher = _qwen_batcher()
     images = MICRO_BATCHES[name]

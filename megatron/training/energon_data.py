@@ -20,23 +20,23 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from omnibal_ext.data.isf import ISFParams
-from omnibal_ext.data.search import plan_isf
-from omnibal_ext.data.search_time import plan_isf_time
+from omnibal_ext.data.search import run_isf
+from omnibal_ext.data.search_time import run_isf_in_time
 from omnibal_ext.data.stats import load_stats
 from omnibal_ext.errors import UserError
 from omnibal_ext.model.cost_model import get_device
 from omnibal_ext.model.sample_time import TIME_UNIT_S, isf_sample_times, time_coefficients
 from omnibal_ext.model.units import family_of
 
-from megatron.vlm.batches import Collate, StageInputs
-from megatron.vlm.data.energon.batches import EnergonBatches, FixedGroups, OnlineGroups, exchange_over
+from megatron.vlm.stage.batches import Collate, StageInputs
+from megatron.vlm.stage.energon_batches import EnergonBatches, FixedGroups, OnlineGroups, exchange_over
 from megatron.vlm.data.energon.costs import CostModel
 from megatron.vlm.data.energon.dataset import dataset_loader
 from megatron.vlm.data.energon.encoder import ChatTaskEncoder, EncoderSettings
 from megatron.vlm.data.energon.layout import EnergonDataError, check_prepared, folder_layout, is_energon_path
 from megatron.vlm.data.energon.stream import LoaderSettings, SampleStream, SkipPolicy
 from megatron.vlm.data.record_sample import ReaderConfig
-from megatron.vlm.families import runtime_family
+from megatron.vlm.stage.components import runtime_family
 
 from .arguments import DEFAULT_ISF_BUFFER, ArgumentError
 from .run_plan import RunPlan
@@ -149,7 +149,7 @@ def stats_params(args, plan: RunPlan) -> ISFParams:
         tokens = cfg.counted_tokens(stats.tokens)
         timed = isf_sample_times(dataclasses.replace(stats, tokens=tokens), plan.model_spec,
                                  get_device(args.omnibal_isf_time_device), tp=args.tensor_model_parallel_size)
-        found = plan_isf(stats.vit, tokens, cfg) if timed is None else plan_isf_time(timed[0], tokens, timed[1], cfg)
+        found = run_isf(stats.vit, tokens, cfg) if timed is None else run_isf_in_time(timed[0], tokens, timed[1], cfg)
         box = [found.params.to_dict()]
     dist.broadcast_object_list(box, src=0)
     return ISFParams(**box[0])

@@ -55,7 +55,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from PIL import Image
+from tqdm import tqdm
 
 from omnibal_ext.data.stats import ImageStats, SampleStats, VideoStats
 from omnibal_ext.errors import UserError
@@ -235,8 +237,6 @@ def scan_annotations(meta_path: str, tokenizer, config: ReaderConfig, progress: 
     cache_dir: where finished scans are kept (megatron/vlm/data/scan_cache.py): a scan of the same
     annotations, configuration and tokenizer is read back instead of decoding every image again.
     """
-    import torch.distributed as dist
-
     sources = read_meta(meta_path)
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
     path = cache = None
@@ -272,8 +272,6 @@ def scan_share(sources: list[SourceSpec], tokenizer, config: ReaderConfig, rank:
     """Process ``rank``'s share of the scan: every line is read (for offsets and line numbers, cheap), the
     records ``k % world == rank`` (k counting non-blank lines per annotation) are parsed, their images
     decoded and their tokens counted."""
-    from tqdm import tqdm
-
     records, images, per_record, errors, nonblank = [], [], [], [], []
     num_truncated = num_without_loss = 0
     for s_idx, src in enumerate(sources):
