@@ -1,6 +1,6 @@
 """Training from Energon datasets (slow): photos (JPEG/PNG crops of real photographs) and H.264 clips converted by
-``omnibal data to-energon`` train every family at PP2 with online ISF, every sample once per epoch (sample ids
-counted in the JSON log); at PP2 x DP2 online ISF's per-step DistRatio in predicted time is within
+``omnibal data to-energon`` train every family at PP2 with online ISF, and from the JSONL at PP2 with offline ISF,
+every sample once per epoch in each form (sample ids counted in the JSON log); at PP2 x DP2 online ISF's per-step DistRatio in predicted time is within
 max(2 x offline ISF's, 0.02) on the same data as JSONL, and a run killed with SIGKILL resumes with the uninterrupted
 run's losses; a bad sample stops the run naming its shard and key, and --skip-bad-samples trains on the rest."""
 from __future__ import annotations
@@ -63,7 +63,7 @@ def each_once_per_epoch(records: list[dict], num_samples: int) -> None:
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_family_trains_from_energon_at_pp2_with_online_isf(family, tmp_path):
+def test_family_trains_from_jsonl_and_energon_at_pp2_with_isf(family, tmp_path):
     make, budget, layout, family_flags = FAMILIES[family]
     make(tmp_path / "hf")
     if budget is not None:
@@ -75,12 +75,12 @@ def test_family_trains_from_energon_at_pp2_with_online_isf(family, tmp_path):
     if family == "internvl":  # validation: the 'val' split converted into the same folder
         to_energon(data, str(tmp_path / "energon"), layout=layout, split="val", samples_per_shard=4)
         evaluate = ["--valid-data-path", done.path, "--eval-interval", "6", "--eval-iters", "1"]
-    flags = ["--hf-checkpoint", str(tmp_path / "hf"), "--data-path", done.path, "--video-max-frames", "4",
-             "--pipeline-model-parallel-size", "2",
-             "--omnibal-isf", "--omnibal-isf-buffer", "8", "--train-iters", "12", "--micro-batch-size", "2",
-             "--global-batch-size", "4", "--lr", "3e-3", "--lr-warmup-iters", "1", "--seq-length", "512",
-             "--num-workers", "1", "--data-cache-dir", str(tmp_path / "cache"), "--seed", "5", "--log-sample-ids",
-             *family_flags, *(evaluate or ["--eval-interval", "0"])]
+    common = ["--hf-checkpoint", str(tmp_path / "hf"), "--video-max-frames", "4", "--pipeline-model-parallel-size", "2",
+              "--omnibal-isf", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "3e-3",
+              "--lr-warmup-iters", "1", "--seq-length", "512", "--num-workers", "1",
+              "--data-cache-dir", str(tmp_path / "cache"), "--seed", "5", "--log-sample-ids", *family_flags]
+    flags = [*common, "--data-path", done.path, "--omnibal-isf-buffer", "8", "--train-iters", "12",
+             *(evaluate or ["--eval-interval", "0"])]
     records, out = run_training(2, flags, tmp_path, family)
     assert "online ISF (buffer 8 samples per rank)" in out
     each_once_per_epoch(records, n)
@@ -88,6 +88,10 @@ def test_family_trains_from_energon_at_pp2_with_online_isf(family, tmp_path):
     assert len(losses) == 12 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
     if evaluate:
         assert len(re.findall(r"validation iteration +(?:6|12)/ +12 \| lm loss: \d", out)) == 2, out[-3000:]
+    # the same records as JSONL (offline ISF over the scanned records): every sample once per epoch there too
+    jsonl = [*common, "--data-path", data, "--train-iters", "6", "--eval-interval", "0"]
+    records, _ = run_training(2, jsonl, tmp_path, family + "_jsonl")
+    each_once_per_epoch(records, n)
 
 
 def test_online_isf_balances_dp_ranks_and_a_killed_run_resumes_exactly(tmp_path):

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
 
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.energon import traverse_metadataset
+from megatron.energon.epathlib import EPath
+from megatron.energon.flavors.webdataset.metadata import WebdatasetMeta
 
 from omnibal_ext.data.isf import ISFParams
+from omnibal_ext.data.online_isf import OnlineISF, OnlineISFConfig, SampleCost
 from omnibal_ext.data.search import run_isf
 from omnibal_ext.data.search_time import run_isf_in_time
 from omnibal_ext.data.stats import load_stats
@@ -28,29 +31,22 @@ from omnibal_ext.model.cost_model import get_device
 from omnibal_ext.model.sample_time import TIME_UNIT_S, isf_sample_times, time_coefficients
 from omnibal_ext.model.units import family_of
 
-from megatron.vlm.stage.batches import Collate, StageInputs
-from megatron.vlm.stage.energon_batches import EnergonBatches, FixedGroups, OnlineGroups, exchange_over
+from megatron.vlm.data.energon.balancing import all_gather_exchange
 from megatron.vlm.data.energon.costs import CostModel
-from megatron.vlm.data.energon.dataset import dataset_loader
+from megatron.vlm.data.energon.dataset import EnergonSource, dataset_loader
 from megatron.vlm.data.energon.encoder import ChatTaskEncoder, EncoderSettings
 from megatron.vlm.data.energon.layout import EnergonDataError, check_prepared, folder_layout, is_energon_path
 from megatron.vlm.data.energon.stream import LoaderSettings, SampleStream, SkipPolicy
 from megatron.vlm.data.record_sample import ReaderConfig
+from megatron.vlm.stage.batches import Collate, StageInputs
 from megatron.vlm.stage.components import runtime_family
+from megatron.vlm.stage.energon_batches import EnergonBatches, FixedGroups, OnlineGroups
 
 from .arguments import DEFAULT_ISF_BUFFER, ArgumentError
+from .isf import search_config
 from .run_plan import RunPlan
 
 TRAIN_SPLIT, VALID_SPLIT = "train", "val"
-
-
-@dataclass(frozen=True)
-class EnergonSource:
-    """An Energon dataset of the run: ``path``, its ``split`` and the reader's ``config`` (the family's rules)."""
-
-    path: str
-    split: str
-    config: ReaderConfig
 
 
 def profiling_refused(source: EnergonSource) -> ArgumentError:
@@ -69,8 +65,6 @@ def leaf_folders(path: str, split: str) -> list[str]:
     """The dataset folders ``path`` reads for ``split`` (itself, or a metadataset's leaves)."""
     if not path.endswith((".yaml", ".yml")):
         return [path]
-    from megatron.energon import traverse_metadataset
-
     try:
         return [str(ref.path) for ref in traverse_metadataset(path, split_part=split)]
     except KeyError:
@@ -140,8 +134,6 @@ def cost_model(args, plan: RunPlan) -> CostModel:
 def stats_params(args, plan: RunPlan) -> ISFParams:
     """The caps (and, grouped in time, the time thresholds) offline ISF finds on ``--omnibal-isf-stats`` for this run
     (its search, as over a scanned JSONL: ``isf.plan_data``'s); rank 0 searches and broadcasts."""
-    from .isf import search_config  # isf.py imports this module (EnergonSource)
-
     box = [None]
     if dist.get_rank() == 0:
         stats = load_stats([args.omnibal_isf_stats])
@@ -159,8 +151,6 @@ def online_config(args, plan: RunPlan):
     """The online ISF's settings: the hard count caps ``--omnibal-isf-qv/-qt`` (else set from what the ranks have
     seen), the nominal group time ``--omnibal-isf-vit-time/-llm-time`` (ns; else ``--micro-batch-size`` mean
     samples), or both from ``--omnibal-isf-stats``."""
-    from omnibal_ext.data.online_isf import OnlineISFConfig
-
     common = dict(ranks=plan.data_parallel_size, groups_per_step=plan.num_microbatches,
                   buffer_size=args.omnibal_isf_buffer or DEFAULT_ISF_BUFFER,
                   samples_per_group=float(args.micro_batch_size), cp=plan.context_parallel_size)
@@ -178,8 +168,6 @@ def online_config(args, plan: RunPlan):
 
 def online_grouping(args, plan: RunPlan) -> OnlineGroups:
     """Online ISF over this rank's buffer (``online_config``), exchanging over the data-parallel group (gloo)."""
-    from omnibal_ext.data.online_isf import OnlineISF, SampleCost
-
     config = online_config(args, plan)
     buffer = config.buffer_size
 
@@ -187,7 +175,7 @@ def online_grouping(args, plan: RunPlan) -> OnlineGroups:
         return UserError(f"{sample.name}: {error} (the caps: ViT items {config.max_vit_items}, tokens "
                          f"{config.max_tokens}; raise --omnibal-isf-qv/-qt, or leave the sample out)")
 
-    return OnlineGroups(OnlineISF(config), exchange_over(parallel_state.get_data_parallel_group_gloo()),
+    return OnlineGroups(OnlineISF(config), all_gather_exchange(parallel_state.get_data_parallel_group_gloo()),
                         buffer, plan.num_microbatches, SampleCost,
                         samples_per_group=args.micro_batch_size, name_error=name_error)
 
@@ -251,9 +239,6 @@ def build_energon_data(args, plan: RunPlan, tokenizer, sources, inputs: StageInp
 
 def _samples_per_rank(source: EnergonSource, dp: int) -> int:
     """Samples of ``source`` one data-parallel rank reads in a pass (the shards' counts over the ranks)."""
-    from megatron.energon.epathlib import EPath
-    from megatron.energon.flavors.webdataset.metadata import WebdatasetMeta
-
     total = sum(s.count for folder in leaf_folders(source.path, source.split)
                 for s in WebdatasetMeta.from_config(EPath(folder), split_part=source.split).shards)
     return total // dp

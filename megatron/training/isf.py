@@ -26,8 +26,9 @@ from omnibal_ext.model.cp_split import rank_vit_budget, video_fit
 from omnibal_ext.model.sample_time import isf_sample_times
 from omnibal_ext.model.units import family_of
 
+from megatron.vlm.data.energon.dataset import EnergonSource
+
 from .arguments import ArgumentError
-from .energon_data import EnergonSource
 from .run_plan import RunPlan
 
 

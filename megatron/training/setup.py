@@ -15,15 +15,15 @@ from omnibal_ext.model.layout import default_layout, parse_layout
 from omnibal_ext.model.spec import TEXT_LAYER, VISION_LAYER
 from omnibal_ext.model.units import build_units, family_of
 
-from megatron.vlm.stage.batches import MicroBatches, StageInputs
-from megatron.vlm.stage.components import units_inputs
 from megatron.vlm.data.digits import FORMAT_VERSION as DIGITS_FORMAT
 from megatron.vlm.data.digits import build_digits_dataset, digits_meta_paths
+from megatron.vlm.data.energon.dataset import EnergonSource
 from megatron.vlm.data.records import RecordDataset
-from megatron.vlm.stage.components import runtime_family
+from megatron.vlm.stage.batches import MicroBatches, StageInputs
+from megatron.vlm.stage.components import runtime_family, units_inputs
 
 from .arguments import ArgumentError
-from .energon_data import EnergonSource, build_energon_data, energon_sources, is_energon, profiling_refused
+from .energon_data import build_energon_data, energon_sources, is_energon, profiling_refused
 from .run_plan import RunPlan
 
 DEFAULT_DATASET_SAMPLES = 6000

@@ -21,10 +21,11 @@ import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Protocol, Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from omnibal_ext.data.online_isf import Exchange
 from omnibal_ext.errors import UserError
 
 from megatron.vlm.data.energon.encoder import EncodedChat
@@ -68,7 +69,6 @@ class FixedGroups:
         pass
 
 
-Exchange = Callable  # this rank's float64 vector -> [ranks, n] (an all-gather over the data-parallel group)
 
 
 @dataclasses.dataclass
@@ -220,8 +220,6 @@ class EnergonBatches(BatchRecords):
     def sharded_state(self, for_loading: bool = False) -> dict:
         """``{STATE_KEY: ShardedObject}``: this data-parallel rank's position (one object per data-parallel rank,
         saved by ``main_copy``); {} on a rank that does not load."""
-        from megatron.core.dist_checkpointing.mapping import ShardedObject
-
         if self.stream is None:
             return {}
         data = None
@@ -245,15 +243,4 @@ class EnergonBatches(BatchRecords):
         self.resumed = "continued"
 
 
-def exchange_over(group) -> Exchange:
-    """An ``Exchange`` over the process group ``group`` (gloo): this rank's float64 vector -> [ranks, n]."""
-    def exchange(vector) -> np.ndarray:
-        mine = torch.as_tensor(np.asarray(vector, dtype=np.float64))
-        out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(out, mine, group=group)
-        return torch.stack(out).numpy()
-
-    return exchange
-
-
-__all__: Sequence[str] = ("EnergonBatches", "FixedGroups", "Grouping", "OnlineGroups", "STATE_KEY", "exchange_over")
+__all__: Sequence[str] = ("EnergonBatches", "FixedGroups", "Grouping", "OnlineGroups", "STATE_KEY")

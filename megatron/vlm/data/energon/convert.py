@@ -35,6 +35,7 @@ import tarfile
 from dataclasses import dataclass, field
 
 import yaml
+from megatron.energon.flavors.webdataset.base_webdataset import BaseWebdatasetFactory
 
 from omnibal_ext.errors import UserError
 
@@ -205,8 +206,6 @@ class ShardWriter:
 
 def prepare(folder: str, layout: str, workers: int = 1) -> None:
     """Index every ``<split>-shard-*.tar`` of ``folder`` with Energon's preparation API and write ``dataset.yaml``."""
-    from megatron.energon.flavors.webdataset.base_webdataset import BaseWebdatasetFactory
-
     shards = sorted(n for n in os.listdir(folder) if _SHARD.match(n))
     if not shards:
         raise ConvertError(f"{folder}: no <split>-shard-NNNNNN.tar shard to index")

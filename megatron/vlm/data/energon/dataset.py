@@ -16,13 +16,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from megatron.energon import DefaultGenericWebdatasetFactory, Sample, edataclass
+from megatron.energon import DefaultGenericWebdatasetFactory, Sample, edataclass, load_dataset
 from megatron.energon.epathlib import EPath
 from megatron.energon.metadataset.dataset_loader import DatasetLoader
 from megatron.energon.metadataset.loader_interface import (DatasetBlendMode, DatasetLoaderInterface, LoadedDataset,
                                                            LoadedDatasetList)
+from megatron.energon.metadataset.metadataset_v2 import (DatasetReference, MetadatasetBlend, MetadatasetBlendEpochized,
+                                                         MetadatasetJoin, MetadatasetV2)
 
+from ..record_sample import ReaderConfig
 from .layout import BRIDGE, OMNIBAL, EnergonDataError, FolderLayout, check_prepared, folder_layout
+
+
+@dataclass(frozen=True)
+class EnergonSource:
+    """An Energon dataset of a run: ``path`` (a folder or a metadataset YAML), its ``split`` and the reader's
+    ``config`` (the family's rules)."""
+
+    path: str
+    split: str
+    config: ReaderConfig
 
 
 @edataclass
@@ -98,9 +111,6 @@ class ChatFolderLoader(DatasetLoaderInterface):
 
 def _with_chat_leaves(node, where: str):
     """``node`` of a loaded metadataset with every leaf folder's loader replaced by a ``ChatFolderLoader``."""
-    from megatron.energon.metadataset.metadataset_v2 import (DatasetReference, MetadatasetBlend,
-                                                             MetadatasetBlendEpochized, MetadatasetJoin, MetadatasetV2)
-
     if isinstance(node, DatasetLoader):
         return ChatFolderLoader(path=node.path, split_part=node.split_part, subflavors=node.subflavors,
                                 split_config=node.split_config)
@@ -129,9 +139,6 @@ def _with_chat_leaves(node, where: str):
 def dataset_loader(path: str) -> DatasetLoaderInterface:
     """Energon's loader of ``path``: a dataset folder, or a ``MetadatasetV2`` YAML whose leaves are read as chat
     folders; refuses what Energon cannot load, naming ``path``."""
-    from megatron.energon import load_dataset
-    from megatron.energon.metadataset.metadataset_v2 import MetadatasetV2
-
     if not path.endswith((".yaml", ".yml")):
         return ChatFolderLoader(path=EPath(path))
     try:
@@ -155,5 +162,5 @@ def load_datasets(path: str, split: str, worker_config, training: bool) -> Loade
     return loader.get_datasets(training=training, split_part=split, worker_config=worker_config)
 
 
-__all__ = ["BRIDGE", "OMNIBAL", "ChatFolderLoader", "ChatSample", "ChatWebdataset", "dataset_loader",
-           "load_datasets"]
+__all__ = ["BRIDGE", "OMNIBAL", "ChatFolderLoader", "ChatSample", "ChatWebdataset", "EnergonSource",
+           "dataset_loader", "load_datasets"]

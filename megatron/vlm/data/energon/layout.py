@@ -21,10 +21,14 @@ folders (``dataset.py`` loads it).
 """
 from __future__ import annotations
 
+import json
 import os
+import sqlite3
 from dataclasses import dataclass, field
 
 import yaml
+from megatron.energon.epathlib import EPath
+from megatron.energon.flavors.webdataset.metadata import WebdatasetMeta
 
 from omnibal_ext.errors import UserError
 
@@ -118,9 +122,6 @@ def folder_layout(folder: str) -> FolderLayout:
 def check_prepared(folder: str, split: str) -> None:
     """Refuse a folder whose ``.nv-meta`` is not what ``energon prepare`` writes, or whose ``split`` is empty, naming
     the file: ``.info.json`` (or ``.info.yaml``), ``split.yaml`` (or ``split.json``) and ``index.sqlite`` readable."""
-    from megatron.energon.epathlib import EPath
-    from megatron.energon.flavors.webdataset.metadata import WebdatasetMeta
-
     meta = os.path.join(folder, META)
     for names in ((".info.json", ".info.yaml"), ("split.yaml", "split.json"), ("index.sqlite",)):
         if not any(os.path.isfile(os.path.join(meta, n)) for n in names):
@@ -140,9 +141,6 @@ def check_shards_whole(folder: str) -> None:
     """Refuse a shard that is missing or shorter than its index says (a truncated copy), naming the shard and the
     first sample whose bytes lie past its end (``.nv-meta/index.sqlite``: each sample's byte range; ``.info.json``:
     the shards in index order)."""
-    import json
-    import sqlite3
-
     meta = os.path.join(folder, META)
     info = os.path.join(meta, ".info.json")
     if not os.path.isfile(info):

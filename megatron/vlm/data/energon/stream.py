@@ -24,8 +24,12 @@ import pickle
 import tarfile
 from dataclasses import dataclass
 
+from megatron.energon import WorkerConfig, get_savable_loader
+from megatron.energon.metadataset.loader_interface import DatasetBlendMode
+
 from omnibal_ext.errors import UserError
 
+from .dataset import load_datasets
 from .encoder import ChatTaskEncoder, EncodedChat
 from .layout import EnergonDataError
 
@@ -109,11 +113,6 @@ def worker_error_line(exc: BaseException) -> str:
 def build_loader(settings: LoaderSettings, encoder: ChatTaskEncoder, policy: SkipPolicy):
     """(Energon's ``SavableDataLoader`` of ``settings``, whether it reads epoch by epoch, samples per epoch of this
     rank's share or None for a weighted blend)."""
-    from megatron.energon import WorkerConfig, get_savable_loader
-    from megatron.energon.metadataset.loader_interface import DatasetBlendMode
-
-    from .dataset import load_datasets
-
     worker_config = WorkerConfig(rank=settings.dp_rank, world_size=settings.dp_size,
                                  num_workers=settings.num_workers, seed_offset=settings.seed,
                                  global_error_handler=policy)

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 from megatron.energon import Sample, stateless
 from megatron.energon.edataclass import edataclass
+from PIL import Image, UnidentifiedImageError
 
 from omnibal_ext.data.online_isf import SampleCost
 from omnibal_ext.errors import UserError
@@ -83,8 +84,6 @@ class TimeRates:
 
 def image_size(data: bytes) -> tuple[int, int]:
     """(width, height) in px of an encoded image, from its header (no pixel is decoded)."""
-    from PIL import Image, UnidentifiedImageError
-
     try:
         with Image.open(io.BytesIO(data)) as im:
             return int(im.width), int(im.height)
@@ -106,7 +105,7 @@ class VideoHeader:
 def video_header(data: bytes) -> VideoHeader:
     """The first video stream's header of an encoded video (PyAV; no frame is decoded).  A header without a frame
     count has its packets counted (demuxing only); a file without a video stream is refused."""
-    import av
+    import av  # PyAV: a slow import, only when a video is read
 
     try:
         with av.open(io.BytesIO(data)) as container:
