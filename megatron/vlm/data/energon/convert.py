@@ -1,8 +1,9 @@
 """``omnibal data to-energon``: a meta JSON or annotation JSONL (images, videos, both record formats) -> Energon
 WebDataset shards, indexed with Energon's own preparation API, in this trainer's layout or Megatron-Bridge's.
 
-Each record becomes one sample, keyed ``s<source>-<line>`` (its annotation and 1-based line), in shards
-``<split>-shard-000000.tar`` of ``samples_per_shard`` samples, records in file order.  Its media files become members:
+Each record becomes one sample, keyed ``s<source>-<line>`` (its annotation and 1-based line; ``<split>-s...``
+outside the train split), in shards ``<split>-shard-000000.tar`` of ``samples_per_shard`` samples, records in file
+order.  Its media files become members:
 
 * ``omnibal`` layout: ``<key>.record.json`` is the record as written, its image paths replaced by member names
   (``img0.jpg``, ``img1.png``: the file's extension kept) and its video paths by ``vid0.mp4``, plus
@@ -67,9 +68,12 @@ class Converted:
     skipped: list = field(default_factory=list)
 
 
-def sample_key(source: int, line: int) -> str:
-    """The key of the record at ``line`` (1-based) of source ``source``."""
-    return f"s{source:03d}-{line:09d}"
+def sample_key(split: str, source: int, line: int) -> str:
+    """The key of the record at ``line`` (1-based) of source ``source`` in ``split``: ``s<source>-<line>``, prefixed
+    with ``<split>-`` outside the train split (Energon refuses a key twice in one folder, and a validation split is
+    often converted from the same records into the same folder)."""
+    key = f"s{source:03d}-{line:09d}"
+    return key if split == "train" else f"{split}-{key}"
 
 
 def _read(path: str) -> bytes:
@@ -245,7 +249,7 @@ def convert_source(src: SourceSpec, s_idx: int, folder: str, layout: str, split:
                         raise ConvertError(f"{where}: {e}") from None
                     skipped.append(f"{where}: {e}")
                     continue
-                writer.write(sample_key(s_idx, line), members)
+                writer.write(sample_key(split, s_idx, line), members)
                 count += 1
     finally:
         writer.close()
