@@ -11,7 +11,7 @@ step) and the seconds per record of the cold scan.
 The records reuse a pool of ``--pool`` image files (``--image-px`` a side, JPEG quality 90), so that a million
 records hold little disk: each record names one of them (the scan still decodes one image per record).
 
-    python scripts/bench_jsonl_startup.py --sizes 1000 10000 --json docs/bench_jsonl_startup.json
+    python scripts/bench_jsonl_startup.py --sizes 1000 10000 --json results/bench_jsonl_startup.json
     python scripts/bench_jsonl_startup.py --sizes 1000000 --image-px 320 1920     # the issue's size, hours cold
 """
 from __future__ import annotations

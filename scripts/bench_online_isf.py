@@ -47,7 +47,7 @@ dataset: the loader is hidden when its rate is higher.
 Targets: online ISF at a buffer of at most 1024 samples per rank reaches a time DistRatio <= 0.01 at DP 8 and DP 64
 (offline ISF's beside it), PadRatio <= 0.01, planning time < 5 ms per step.
 
-    python scripts/bench_online_isf.py --json docs/bench_online_isf.json
+    python scripts/bench_online_isf.py --json results/bench_online_isf.json
     python scripts/bench_online_isf.py --quick        # tiny sizes: checks the pipeline and the JSON, not the figures
 """
 from __future__ import annotations
