@@ -49,6 +49,7 @@ Targets: online ISF at a buffer of at most 1024 samples per rank reaches a time 
 
     python scripts/bench_online_isf.py --json results/bench_online_isf.json
     python scripts/bench_online_isf.py --quick        # tiny sizes: checks the pipeline and the JSON, not the figures
+    python scripts/bench_online_isf.py --datasets video_mix   # one of the two datasets
 """
 from __future__ import annotations
 
@@ -373,6 +374,7 @@ def main(argv=None) -> int:
     ap.add_argument("--stats-dir", type=Path, default=bl.STATS_DIR)
     ap.add_argument("--resample", type=int, default=1_200_000)
     ap.add_argument("--video-mix", type=int, default=300_000)
+    ap.add_argument("--datasets", nargs="+", choices=["internvl", "video_mix"], default=["internvl", "video_mix"])
     ap.add_argument("--dp", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--buffers", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--steps", type=int, default=400, help="steps simulated (micro-batch slots per rank)")
@@ -400,6 +402,8 @@ def main(argv=None) -> int:
     out = {"date": BENCH_DATE, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
            "load_average_1min": load, "cpus": os.cpu_count(), "loader": loader, "datasets": {}}
     for name, build in (("internvl", internvl_data), ("video_mix", video_mix_data)):
+        if name not in args.datasets:
+            continue
         data, stats = build(args)
         group_s = args.samples_per_group * float(data.table.vit_s.mean() + data.table.llm_s.mean())
         result = {"samples": len(data.table), "model": data.model, "device": args.device,
