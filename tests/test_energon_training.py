@@ -103,6 +103,10 @@ def test_online_isf_balances_dp_ranks_and_a_killed_run_resumes_exactly(tmp_path)
     q25.make_tiny_with_tokenizer(tmp_path / "hf", seed=3)
     data = energon_media.write_data(tmp_path / "media", shapes=((0, 0, 640, 427), (100, 50, 420, 410),
                                                                 (0, 200, 640, 300), (300, 0, 380, 427)))
+    lines = open(data).read().splitlines()  # photos first, then the clips: interleaved from both ends, so that each
+    half = len(lines) // 2                  # rank's shards (Energon gives a rank a contiguous part) mix both kinds
+    mixed = [x for k in range(half) for x in (lines[k], lines[-1 - k])] + lines[half:len(lines) - half]
+    open(data, "w").write("".join(x + "\n" for x in mixed))
     done = to_energon(data, str(tmp_path / "energon"), samples_per_shard=2)
     n = sum(done.samples.values())
     common = ["--hf-checkpoint", str(tmp_path / "hf"), "--max-pixels", str(28 * 28 * 12), "--video-max-frames", "4",
