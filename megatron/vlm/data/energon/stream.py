@@ -22,6 +22,8 @@ from __future__ import annotations
 import os
 import pickle
 import tarfile
+import threading
+import time
 from dataclasses import dataclass
 
 from megatron.energon import WorkerConfig, get_savable_loader
@@ -110,9 +112,29 @@ def worker_error_line(exc: BaseException) -> str:
     return last[len(name) + 2:] if last.startswith(name + ": ") else " ".join(text.split())
 
 
+def _exit_with_parent() -> None:
+    """In a forked loader worker: exit as soon as the training process is gone.  torch's worker notices a dead parent
+    only between samples, and a worker whose result pipe is full (prefetched samples nobody reads after a SIGKILL)
+    never gets there: it would live on, holding the launcher's output pipes open."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+_WATCHING: list[bool] = []  # whether this process's forks run ``_exit_with_parent``
+
+
 def build_loader(settings: LoaderSettings, encoder: ChatTaskEncoder, policy: SkipPolicy):
     """(Energon's ``SavableDataLoader`` of ``settings``, whether it reads epoch by epoch, samples per epoch of this
     rank's share or None for a weighted blend)."""
+    if not _WATCHING:
+        os.register_at_fork(after_in_child=_exit_with_parent)
+        _WATCHING.append(True)
     worker_config = WorkerConfig(rank=settings.dp_rank, world_size=settings.dp_size,
                                  num_workers=settings.num_workers, seed_offset=settings.seed,
                                  global_error_handler=policy)
