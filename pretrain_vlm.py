@@ -12,6 +12,7 @@ import warnings
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
 warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")  # megatron-core's own default
+warnings.filterwarnings("ignore", message=".*'pin_memory' argument is set as true but no accelerator.*")  # Energon's
 
 
 def main(argv=None) -> dict:
@@ -97,10 +98,10 @@ def run(args, world_size: int, device) -> dict:
     optimizer, scheduler = training.build_optimizer(args, plan, model)
     start, consumed = 0, 0
     if resume is not None:
-        state = checkpointing.load_checkpoint(resume, args, plan, model, optimizer, scheduler)
+        state = checkpointing.load_checkpoint(resume, args, plan, model, optimizer, scheduler, train_data)
         if "data" in state:
             train_data.load_state_dict(checkpointing.to_arrays(state["data"]))
-            how = train_data.sampler.resumed
+            how = train_data.resumed
             if how != "continued" and dist.get_rank() == 0:
                 print("> the checkpoint's data order differs from this run's (other batching, seed or batch "
                       "sizes, or written by an earlier release): the data order restarts: "

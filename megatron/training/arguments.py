@@ -176,10 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", default=None,
-                   help="meta JSON, or one annotation JSONL (conversations or messages records); default: "
-                        "the built-in digits dataset, made on first run")
+                   help="meta JSON, or one annotation JSONL (conversations or messages records), or an Energon dataset "
+                        "(a folder with .nv-meta/ in Megatron-Bridge's layout or `omnibal data to-energon`'s, or a "
+                        "MetadatasetV2 YAML; its 'train' split, read with Energon's savable loader per data-parallel "
+                        "rank, nothing scanned); default: the built-in digits dataset, made on first run")
     g.add_argument("--valid-data-path", default=None,
-                   help="meta JSON or annotation JSONL for evaluation (default: the built-in dataset's held-out split)")
+                   help="meta JSON or annotation JSONL for evaluation, or an Energon dataset (its 'val' split) with an "
+                        "Energon --data-path (default: the built-in dataset's held-out split)")
     g.add_argument("--data-cache-dir", default="data_cache",
                    help="where the built-in dataset is written and the validation scans of datasets are kept "
                         "(scans/: a restart of the same data reads its scan instead of decoding every image again)")
@@ -252,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int, default=None, help="save every N iterations (and at the end of training; 0: only at the end)")
     g.add_argument("--exit-interval", type=int, default=None, help="stop (after saving) at this iteration (0: run all --train-iters)")
     g.add_argument("--json-log", default=None, help="write per-iteration metrics as JSON lines here")
+    g.add_argument("--log-sample-ids", action="store_true",
+                   help="with --json-log: each iteration's sample ids, per data-parallel rank and micro-batch, in the "
+                        "JSON lines (dataset indices; an Energon sample's id is a hash of its shard and key)")
     g.add_argument("--log-activation-memory", action="store_true",
                    help="measure saved-activation bytes per stage (on with --omnibal-recompute auto)")
 
@@ -277,6 +283,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="in time: lower bound of a kept group's ViT time, ns (default 90%% of the cap)")
     g.add_argument("--omnibal-isf-llm-time-min", type=int, default=None, metavar="NS",
                    help="in time: lower bound of a kept group's LLM time, ns (default 90%% of the cap)")
+    g.add_argument("--omnibal-isf-buffer", type=int, default=None, metavar="N",
+                   help="online ISF (an Energon --data-path): look-ahead samples per data-parallel rank the groups "
+                        f"are chosen from (default {DEFAULT_ISF_BUFFER})")
+    g.add_argument("--omnibal-isf-stats", default=None, metavar="FILE",
+                   help="online ISF (an Energon --data-path): per-sample stats of the data (`omnibal isf stats --write` "
+                        "with this model) whose offline ISF search gives the caps and time targets (instead of "
+                        "--omnibal-isf-qv/-qt/-vit-time/-llm-time or what the ranks have seen)")
     g.add_argument("--omnibal-isf-time-device", choices=sorted(DEVICES), default=ISF_TIME_DEVICE,
                    help="cost-model device of the samples' predicted times (ISF in time, the logged Dist ratios in "
                         f"time; default {ISF_TIME_DEVICE}; `omnibal plan` writes its --device)")
@@ -574,6 +587,8 @@ def model_spec_from_args(args, base: ModelSpec | None = None) -> ModelSpec:
 
 # (flag, least value that can work; 0 turns an interval off): checked first, so that no division or loop
 # of the run (all after the process groups start) meets them
+DEFAULT_ISF_BUFFER = 256  # online ISF: look-ahead samples per data-parallel rank
+
 _LOWER_BOUNDS = (
     ("--micro-batch-size", 1), ("--global-batch-size", 1), ("--train-iters", 0), ("--log-interval", 1),
     ("--eval-interval", 0), ("--eval-iters", 1), ("--save-interval", 0), ("--exit-interval", 0),
@@ -584,11 +599,12 @@ _LOWER_BOUNDS = (
     ("--omnibal-isf-token-multiple", 1), ("--omnibal-isf-iters", 1), ("--omnibal-isf-vit-time", 0),
     ("--omnibal-isf-llm-time", 1), ("--omnibal-isf-vit-time-min", 0), ("--omnibal-isf-llm-time-min", 0),
     ("--ckpt-step", 0), ("--keep-checkpoints", 1), ("--min-pixels", 1),
-    ("--max-pixels", 1),
+    ("--max-pixels", 1), ("--omnibal-isf-buffer", 1),
 )
 _ISF_VALUES = ("--omnibal-isf-qv", "--omnibal-isf-qt", "--omnibal-isf-qv-min", "--omnibal-isf-qt-min",
                "--omnibal-isf-token-multiple", "--omnibal-isf-iters", "--omnibal-isf-vit-time", "--omnibal-isf-llm-time",
-               "--omnibal-isf-vit-time-min", "--omnibal-isf-llm-time-min")
+               "--omnibal-isf-vit-time-min", "--omnibal-isf-llm-time-min", "--omnibal-isf-buffer",
+               "--omnibal-isf-stats")
 
 
 def _flag_value(args, flag: str):
@@ -688,6 +704,8 @@ def validate_args(args, world_size: int) -> None:
     check_isf_flags(args)
     check_schedule_flags(args)
     check_run_safety_flags(args, parser)
+    if args.log_sample_ids and not args.json_log:
+        raise ArgumentError("--log-sample-ids writes into the JSON lines of --json-log: give --json-log FILE")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         raise ArgumentError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")

@@ -26,6 +26,8 @@ from omnibal_ext.model.cp_split import rank_vit_budget, video_fit
 from omnibal_ext.model.sample_time import isf_sample_times
 from omnibal_ext.model.units import family_of
 
+from megatron.vlm.data.energon.dataset import EnergonSource
+
 from .arguments import ArgumentError
 from .run_plan import RunPlan
 
@@ -127,6 +129,8 @@ def isf_times(args, dataset, spec, counted_tokens: np.ndarray) -> tuple[np.ndarr
 def run_sample_times(args, plan: RunPlan, dataset) -> tuple[np.ndarray, np.ndarray] | None:
     """(ViT, LLM) predicted time of every training sample (``isf_times``, tokens as ISF counts them) for the
     per-iteration Dist ratios in time, with or without --omnibal-isf; None for a family grouped by counts."""
+    if isinstance(dataset, EnergonSource):  # no scan: each micro-batch carries its samples' times
+        return None
     timed = isf_times(args, dataset, plan.model_spec,
                       search_config(args, plan).counted_tokens(dataset.sample_lengths()[0]))
     return None if timed is None else timed[1]

@@ -16,14 +16,15 @@ from omnibal_ext.model.layout import default_layout, parse_layout
 from omnibal_ext.model.spec import TEXT_LAYER, VISION_LAYER
 from omnibal_ext.model.units import build_units, family_of
 
-from megatron.vlm.stage.batches import MicroBatches, StageInputs
-from megatron.vlm.stage.components import units_inputs
 from megatron.vlm.data.digits import FORMAT_VERSION as DIGITS_FORMAT
 from megatron.vlm.data.digits import build_digits_dataset, digits_meta_paths
+from megatron.vlm.data.energon.dataset import EnergonSource
 from megatron.vlm.data.records import DataValidationError, RecordDataset
-from megatron.vlm.stage.components import runtime_family
+from megatron.vlm.stage.batches import MicroBatches, StageInputs
+from megatron.vlm.stage.components import runtime_family, units_inputs
 
 from .arguments import ArgumentError
+from .energon_data import build_energon_data, energon_sources, is_energon, profiling_refused
 from .run_plan import RunPlan
 
 DEFAULT_DATASET_SAMPLES = 6000
@@ -95,6 +96,8 @@ def build_groups(args, plan: RunPlan, dataset) -> tuple[tuple[list[np.ndarray], 
     step order (None in random mode) and the ``regroup(sample_ids) -> (groups, order)`` the sampler uses to
     continue a checkpoint's epoch saved under another configuration (same method, on a subset); with
     --omnibal-isf the plan gets the ISF caps and mean group."""
+    if isinstance(dataset, EnergonSource):  # grouped online, per step (energon_data.py)
+        return None, plan
     if args.omnibal_isf:
         from .isf import isf_groups, isf_regroup
 
@@ -107,7 +110,16 @@ def build_groups(args, plan: RunPlan, dataset) -> tuple[tuple[list[np.ndarray], 
 
 
 def build_datasets(args, plan: RunPlan, tokenizer) -> tuple[RecordDataset, RecordDataset | None]:
-    """(train, valid or None) datasets; validates every record first (the scan, split over all ranks)."""
+    """(train, valid or None) datasets; validates every record first (the scan, split over all ranks); an Energon
+    --data-path: its ``EnergonSource``s, checked, nothing scanned (energon_data.py)."""
+    if is_energon(args.data_path):
+        data_paths(args, plan)  # the paths exist
+        return energon_sources(args, plan)
+    for flag, value in (("--omnibal-isf-buffer", args.omnibal_isf_buffer), ("--omnibal-isf-stats",
+                                                                           args.omnibal_isf_stats)):
+        if value is not None:
+            raise ArgumentError(f"{flag} is online ISF's, with an Energon --data-path; ISF over a meta JSON/JSONL "
+                                "groups the whole dataset offline from its own scan: drop it")
     train_meta, valid_meta = data_paths(args, plan)
     train_set = build_dataset(args, plan, tokenizer, train_meta)
     valid_set = build_dataset(args, plan, tokenizer, valid_meta) if valid_meta and args.eval_interval else None
@@ -144,6 +156,8 @@ def build_data(args, plan: RunPlan, tokenizer, inputs: StageInputs | None = None
     dp = parallel_state.get_data_parallel_world_size()
     train_set, valid_set = datasets if datasets is not None else build_datasets(args, plan, tokenizer)
     inputs = inputs or StageInputs.everything()
+    if isinstance(train_set, EnergonSource):
+        return build_energon_data(args, plan, tokenizer, (train_set, valid_set), inputs, device_type)
     data_side = runtime_family(plan.model_spec).data
     per_item = train_set.config.images.tokens_per_item  # the loader's image-token check (None: the batcher's own)
     image_tokens = None if per_item is None else (tokenizer.img_context_id, per_item)
@@ -236,6 +250,8 @@ def _measured_costs(args, plan: RunPlan, dataset, tokenizer, device, groups=None
     img_context_id = tokenizer.img_context_id
 
     path = args.omnibal_profile
+    if isinstance(dataset, EnergonSource) and not (path and os.path.exists(path)):
+        raise profiling_refused(dataset)
     if path and os.path.exists(path):
         costs = CostTable.load(path)
         names = [u.name for u in build_units(plan.model_spec)]
