@@ -1,9 +1,8 @@
 """The checks every Hugging Face family's tests make against transformers, written once:
 
-* ``torchrun_logits``: our logits of tiny HF folders from ``scripts/hf_logits.py`` under torchrun, several
-  (folder, layout) cases in ONE launch (``tests/hf_logits_worker.py``; ``logits_by_layout``: one folder at named
-  layouts, one launch per world size); the caller compares them with its own oracle (transformers' logits) at its
-  own tolerance;
+* ``torchrun_logits``: our logits of tiny HF folders from ``scripts/hf_logits.py``'s ``main``, each (folder, layout)
+  case in the worker pool of its world size (``tests/pool.py``; ``logits_by_layout``: one folder at named layouts);
+  the caller compares them with its own oracle (transformers' logits) at its own tolerance;
 * ``import_export`` / ``assert_same_tensors`` / ``assert_transformers_loads_the_same``: the import -> export
   round trip bit-identical, and transformers loading the export to the source model's logits (in a fresh process: the
   CPU patches of ``megatron.training.cpu_compat`` spoil the rotary buffers transformers recomputes in
@@ -26,13 +25,6 @@ TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 
 
-def _benchlib():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import benchlib
-
-    return benchlib
-
-
 def untied_and_tied(tmp_path_factory, make_tiny, seeds: tuple[int, int] = (0, 1)) -> dict:
     """{"untied"|"tied": (folder, transformers model)}: ``make_tiny(folder, seed=..., tie=...)`` (``seeds``: the
     untied one's, the tied one's) in new temporary folders (a module fixture's pair of tiny checkpoints)."""
@@ -48,37 +40,31 @@ def torchrun_logits(cases: Sequence[tuple[Path | str, Sequence[str]]], batch: di
                     nproc: int = 2, timeout: int = 600) -> list[torch.Tensor]:
     """Our float32 logits ``[s, real vocabulary]`` on ``batch`` (transformers' inputs, see scripts/hf_logits.py; or
     one batch per case) of each case ``(HF folder, hf_logits.py flags)`` (``--tensor-model-parallel-size 2``,
-    ``--pipeline-layout ...``), in order: scripts/hf_logits.py's ``main`` for every case in one torchrun world of
-    ``nproc`` ranks (asserting the launch succeeds). ``workdir``: where the inputs, the case list and the outputs
-    are written."""
-    benchlib = _benchlib()
+    ``--pipeline-layout ...``), in order: scripts/hf_logits.py's ``main`` for every case in the worker pool of
+    ``nproc`` ranks (asserting each succeeds). ``workdir``: where the inputs and the outputs are written."""
+    import pool
+
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     batches = [batch] * len(cases) if isinstance(batch, dict) else list(batch)
     assert len(batches) == len(cases), (len(batches), len(cases))
-    for k, one in enumerate(batches):
+    out = []
+    for k, ((folder, flags), one) in enumerate(zip(cases, batches)):
         torch.save(one, workdir / f"in{k}.pt")
-    argvs = [["--hf-checkpoint", str(folder), "--inputs", str(workdir / f"in{k}.pt"), "--out",
-              str(workdir / f"out{k}.pt"), *flags] for k, (folder, flags) in enumerate(cases)]
-    (workdir / "cases.json").write_text(json.dumps(argvs))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(benchlib.free_port()), str(TESTS / "hf_logits_worker.py"), str(workdir / "cases.json")]
-    run = subprocess.run(cmd, env=benchlib.trainer_env(), capture_output=True, text=True, timeout=timeout)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return [torch.load(workdir / f"out{k}.pt") for k in range(len(cases))]
+        argv = ["--hf-checkpoint", str(folder), "--inputs", str(workdir / f"in{k}.pt"), "--out",
+                str(workdir / f"out{k}.pt"), *flags]
+        run = pool.run_case("hf_logits:main", argv, nproc, workdir, timeout=timeout)
+        assert run.returncode == 0, f"hf_logits {' '.join(argv)}:\n{run.output[-6000:]}"
+        out.append(torch.load(workdir / f"out{k}.pt"))
+    return out
 
 
 def logits_by_layout(folder: Path | str, batch: dict, workdir: Path,
                      layouts: dict[str, tuple[int, Sequence[str]]]) -> dict[str, torch.Tensor]:
-    """``torchrun_logits`` of one HF ``folder`` at each of ``layouts`` (name: (world size, hf_logits.py flags)): one
-    launch per world size; returns the logits by layout name."""
-    out = {}
-    for nproc in sorted({n for n, _ in layouts.values()}):
-        names = [name for name, (n, _) in layouts.items() if n == nproc]
-        got = torchrun_logits([(folder, layouts[name][1]) for name in names], batch, Path(workdir) / f"world{nproc}",
-                              nproc)
-        out.update(zip(names, got))
-    return out
+    """``torchrun_logits`` of one HF ``folder`` at each of ``layouts`` (name: (world size, hf_logits.py flags)), each in
+    the pool of its world size; returns the logits by layout name."""
+    return {name: torchrun_logits([(folder, flags)], batch, Path(workdir) / name, nproc)[0]
+            for name, (nproc, flags) in layouts.items()}
 
 
 def import_export(folder: Path | str, workdir: Path) -> Path:
