@@ -46,6 +46,17 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             f"{n}: {starts}, {cases}" for n, (starts, cases) in stats.items()))
 
 
+@pytest.fixture
+def pooled_benchlib(monkeypatch):
+    """benchlib (scripts/benchlib.py) with its trainer runs in the worker pools (``launch.run_trainer``): a benchmark's
+    ``main`` called in this process trains in the pools instead of fresh processes. Returns the module."""
+    import benchlib
+    import launch
+
+    monkeypatch.setattr(benchlib, "run_trainer", launch.run_trainer)
+    return benchlib
+
+
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory):
     """One folder for the built-in digits dataset, shared by every training run of the session."""

@@ -2,7 +2,7 @@
 (torchrun's restarts, ``OMNIBAL_FAULT``, a command's own exit path); read back its JSON-lines log."""
 from __future__ import annotations
 
-import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,27 +23,33 @@ def needs_fresh(torchrun_flags=(), env: dict | None = None) -> bool:
     return bool(torchrun_flags) or any(k.startswith("OMNIBAL_FAULT") for k in (env or {}))
 
 
-def run_training(nproc: int, flags: list[str], workdir: Path, name: str, timeout: int = 600,
-                 expect_ok: bool = True, **launch) -> tuple[list[dict], str]:
-    """``pretrain_vlm.py --json-log workdir/name.jsonl *flags`` on ``nproc`` ranks in ``workdir``; returns (JSON log
-    records of training iterations, output; the output also in ``workdir/name.out``). ``launch``:
-    benchlib.run_trainer's ``torchrun_flags`` and ``env`` (extra environment variables). In the pool of ``nproc``
-    ranks unless ``needs_fresh``."""
-    if needs_fresh(**launch):
-        run = benchlib.run_trainer(flags, workdir, name, nproc=nproc, timeout=timeout, check=False, **launch)
-        if expect_ok and not run.ok:
-            raise AssertionError(f"{name} failed ({run.returncode}):\n{run.error_tail(6000)}")
-        return run.records, run.output
+def run_trainer(flags: list[str], workdir: str | os.PathLike, name: str, nproc: int = 2, timeout: int = 3600,
+                check: bool = True, threads: int = 1, torchrun_flags: tuple[str, ...] = (),
+                env: dict | None = None) -> benchlib.RunResult:
+    """``benchlib.run_trainer``'s contract (``pretrain_vlm.py --json-log workdir/name.jsonl *flags`` on ``nproc``
+    ranks in ``workdir``), in the worker pool of ``nproc`` ranks unless the launch needs fresh processes
+    (``needs_fresh``, or more than one thread per rank). The benchmarks' tests put it in benchlib's place."""
+    if needs_fresh(torchrun_flags, env) or threads != 1:
+        return benchlib.run_trainer(flags, workdir, name, nproc, timeout, check, threads, torchrun_flags, env)
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / f"{name}.jsonl"
     log.unlink(missing_ok=True)
-    run = pool.run_case(TRAINER, ["--json-log", str(log), *flags], nproc, workdir, launch.get("env"), timeout)
-    (workdir / f"{name}.out").write_text(run.output)
-    if expect_ok and run.returncode:
-        raise AssertionError(f"{name} failed ({run.returncode}):\n{run.output[-6000:]}")
-    lines = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
-    return [r for r in lines if not r.get("prefix")], run.output
+    run = pool.run_case(TRAINER, ["--json-log", str(log), *flags], nproc, workdir, env, timeout)
+    result = benchlib.read_run(name, flags, workdir, run.returncode, run.output, run.wall_s)
+    if check and not result.ok:
+        raise RuntimeError(f"trainer run {name} failed ({result.returncode}):\n{result.error_tail()}")
+    return result
+
+
+def run_training(nproc: int, flags: list[str], workdir: Path, name: str, timeout: int = 600,
+                 expect_ok: bool = True, **launch) -> tuple[list[dict], str]:
+    """``run_trainer`` of ``flags`` on ``nproc`` ranks; returns (JSON log records of training iterations, output).
+    ``launch``: ``torchrun_flags`` and ``env`` (extra environment variables)."""
+    run = run_trainer(flags, workdir, name, nproc, timeout, check=False, **launch)
+    if expect_ok and not run.ok:
+        raise AssertionError(f"{name} failed ({run.returncode}):\n{run.error_tail(6000)}")
+    return run.records, run.output
 
 
 def run_single(flags: list[str], workdir: Path, timeout: int = 300, fresh: bool = False

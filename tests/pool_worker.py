@@ -127,17 +127,17 @@ def output_to(out: Path, err: Path):
 
 
 def call(target: str, argv: list[str]) -> int:
-    """``module:function`` called on ``argv``: its exit status (None: 0; SystemExit: its code; an exception: its
-    traceback printed, 1)."""
+    """``module:function`` called on ``argv``: its exit status (an int it returns; anything else: 0; SystemExit: its
+    code; an exception: its traceback printed, 1)."""
     module, function = target.split(":")
     try:
-        code = getattr(importlib.import_module(module), function)(list(argv))
+        result = getattr(importlib.import_module(module), function)(list(argv))
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:  # the case's failure is reported to its test, the rank serves the next case
         traceback.print_exc()
-        code = 1
-    return int(code or 0)
+        return 1
+    return result if isinstance(result, int) else 0  # a main that returns its results (a dict) succeeded
 
 
 def run(case: dict, pool_dir: Path, rank: int) -> int:
