@@ -33,7 +33,10 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(2)
         torch.set_grad_enabled(False)
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
-        model_parallel_cuda_manual_seed(11)
+        from megatron.training import cpu_compat
+
+        with cpu_compat.patched():  # megatron-core's seeding asks for CUDA's generator
+            model_parallel_cuda_manual_seed(11)
         dist.new_group(list(range(dist.get_world_size())), backend="gloo")
         return 0
     if command == "inspect":

@@ -59,19 +59,25 @@ def test_canonical_prefix_and_neutral_flags_give_the_same_numbers(canonical_runs
 # ------------------------------------------------------------------------------------------------ the pool (runs)
 @pytest.mark.slow
 def test_pool_after_a_dirty_case_trains_as_fresh_torchrun(data_cache, tmp_path):
-    """The MoE model at EP2 with ISF, PP... in the pool right after a case that left every kind of state behind, and
-    the same flags under a fresh torchrun: identical losses, gradient norms and MoE auxiliary losses."""
-    flags = TINY_MOE + ["--train-iters", "4", "--expert-model-parallel-size", "2", "--omnibal-isf",
-                        "--data-cache-dir", str(data_cache)]
+    """The MoE model at EP2 with ISF: in the pool right after a case that left every kind of state behind, again after
+    another run (PP2, MoE layers on one stage each), and under a fresh torchrun: identical losses, gradient norms and
+    MoE auxiliary losses."""
+    flags = TINY_MOE + ["--train-iters", "4", "--omnibal-isf", "--data-cache-dir", str(data_cache)]
+    ep2 = ["--expert-model-parallel-size", "2"]
     dirty = pool.run_case("pool_probe:main", ["dirty"], 2, tmp_path)
     assert dirty.returncode == 0, dirty.output
-    pooled = run_trainer(flags, tmp_path, "pooled", nproc=2)
-    again = run_trainer(flags + ["--pipeline-model-parallel-size", "2"], tmp_path, "pp2", nproc=2)  # another world
-    fresh = run_trainer(flags, tmp_path, "fresh", nproc=2, torchrun_flags=("--max-restarts", "0"))
+    pooled = run_trainer(flags + ep2, tmp_path, "pooled", nproc=2)
+    between = run_trainer(flags + ["--pipeline-model-parallel-size", "2"], tmp_path, "pp2", nproc=2)
+    again = run_trainer(flags + ep2, tmp_path, "again", nproc=2)
+    fresh = run_trainer(flags + ep2, tmp_path, "fresh", nproc=2, torchrun_flags=("--max-restarts", "0"))
     numbers = ("lm loss", "grad norm", "moe aux loss", "learning rate")
-    assert [[r.get(k) for k in numbers] for r in pooled.records] == [[r.get(k) for k in numbers] for r in fresh.records]
+
+    def table(run):
+        return [[r.get(k) for k in numbers] for r in run.records]
+
+    assert table(pooled) == table(again) == table(fresh)
     assert len(pooled.records) == 4 and pooled.records[0]["moe aux loss"] is not None
-    assert len(again.records) == 4
+    assert len(between.records) == 4 and table(between) != table(pooled)
 
 
 @pytest.mark.slow
