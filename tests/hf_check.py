@@ -4,9 +4,9 @@
   case in the worker pool of its world size (``tests/pool.py``; ``logits_by_layout``: one folder at named layouts);
   the caller compares them with its own oracle (transformers' logits) at its own tolerance;
 * ``import_export`` / ``assert_same_tensors`` / ``assert_transformers_loads_the_same``: the import -> export
-  round trip bit-identical, and transformers loading the export to the source model's logits (in a fresh process: the
-  CPU patches of ``megatron.training.cpu_compat`` spoil the rotary buffers transformers recomputes in
-  ``from_pretrained``);
+  round trip bit-identical, and transformers loading the export to the source model's logits (in a worker-pool case,
+  outside this process: the CPU patches of ``megatron.training.cpu_compat`` spoil the rotary buffers transformers
+  recomputes in ``from_pretrained``, and a pool's case runs without them);
 * ``untied_and_tied``: a module fixture's two tiny checkpoints;
 * ``eager``: transformers' eager attention in a Qwen-style model (the reference for 1e-5 comparisons);
 * ``write_char_tokenizer`` / ``write_qwen_preprocessor``: a tiny folder's tokenizer and image processor files.
@@ -14,8 +14,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -109,20 +107,29 @@ def config_of(folder: Path | str) -> dict:
 def assert_transformers_loads_the_same(model_class: str, pairs: Sequence[tuple[Path | str, Path | str]],
                                        batch: dict, workdir: Path, timeout: int = 300) -> None:
     """transformers' ``model_class`` (a name in ``transformers``) loads both folders of each pair (eager attention)
-    and gives bit-identical logits on ``batch``; in a fresh process (module docstring)."""
+    and gives bit-identical logits on ``batch``; a case of the worker pool of one rank (``loads_the_same``: outside
+    the CPU patches, see the module docstring)."""
+    import pool
+
     torch.save(batch, Path(workdir) / "loads_in.pt")
-    script = (
-        "import sys, torch, transformers\n"
-        f"M = getattr(transformers, {model_class!r})\n"
-        f"batch = torch.load({str(Path(workdir) / 'loads_in.pt')!r})\n"
-        "for a, b in zip(sys.argv[1::2], sys.argv[2::2]):\n"
-        "    x, y = (M.from_pretrained(f, attn_implementation='eager').eval() for f in (a, b))\n"
-        "    with torch.no_grad():\n"
-        "        assert torch.equal(x(**batch).logits, y(**batch).logits), b\n"
-        "print('same')\n")
     folders = [str(f) for pair in pairs for f in pair]
-    run = subprocess.run([sys.executable, "-c", script, *folders], capture_output=True, text=True, timeout=timeout)
-    assert run.returncode == 0 and "same" in run.stdout, run.stderr[-3000:]
+    run = pool.run_case("hf_check:loads_the_same", [model_class, str(Path(workdir) / "loads_in.pt"), *folders], 1,
+                        workdir, timeout=timeout)
+    assert run.returncode == 0 and "same" in run.output, run.output[-3000:]
+
+
+def loads_the_same(argv: list[str]) -> int:
+    """``MODEL_CLASS BATCH.pt SOURCE EXPORT [SOURCE EXPORT ...]``: transformers' logits of each pair's folders on the
+    batch are bit-identical (an AssertionError naming the export otherwise); prints "same"."""
+    import transformers
+
+    model_class, batch = getattr(transformers, argv[0]), torch.load(argv[1])
+    for a, b in zip(argv[2::2], argv[3::2]):
+        x, y = (model_class.from_pretrained(f, attn_implementation="eager").eval() for f in (a, b))
+        with torch.no_grad():
+            assert torch.equal(x(**batch).logits, y(**batch).logits), b
+    print("same", flush=True)
+    return 0
 
 
 def eager(model):
