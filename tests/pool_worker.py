@@ -160,7 +160,23 @@ def run(case: dict, pool_dir: Path, rank: int) -> int:
     return code
 
 
+def die_with_parent() -> None:
+    """On Linux, have the kernel kill this rank when the process that started the pool dies (a test session killed
+    mid-case leaves no ranks behind); elsewhere the closed standard input ends the rank after its case."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the call
+        os._exit(1)
+
+
 def serve(pool_dir: str) -> int:
+    die_with_parent()
     import torch
     import torch.distributed as dist
 
