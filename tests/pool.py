@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import benchlib  # noqa: E402
 
 SIZES = (1, 2, 4)  # the pools' world sizes
-START_TIMEOUT_S = 300  # a rank's imports and rendezvous
+START_TIMEOUT_S = 600  # a rank's imports and rendezvous (minutes on a loaded machine)
 GRACE_S = 10  # how long the other ranks of a failed case may take to finish before the pool is taken down
 POLL_S = 0.02
 
