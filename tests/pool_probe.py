@@ -3,7 +3,8 @@
 * ``dirty``: leaves behind what a careless case could: an environment variable, another working directory, float64
   as the default dtype, two threads, grad mode off, a plugin family registered, megatron's model-parallel groups
   (TP2) and its RNG tracker seeded, a process group of its own;
-* ``inspect OUT``: writes what the process holds of those (JSON, rank 0);
+* ``inspect OUT``: writes what the process holds of those (JSON, rank 0), and its thread count (a process group
+  that outlives its run keeps its gloo threads);
 * ``fail RANK``: raises on that rank only, the others wait in a barrier (a bug on one rank);
 * ``user-error``: a ``UserError`` on every rank;
 * ``die RANK``: that rank exits at once (os._exit), the others wait in a barrier.
@@ -50,7 +51,8 @@ def main(argv: list[str]) -> int:
                  "toy_imported": "toy_family" in sys.modules,
                  "model_parallel": parallel_state.model_parallel_is_initialized(),
                  "rng_states": sorted(get_cuda_rng_tracker().get_states()),
-                 "groups": len(dist.distributed_c10d._world.pg_map)}
+                 "groups": len(dist.distributed_c10d._world.pg_map),
+                 "os_threads": len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None}
         if rank == 0:
             with open(argv[1], "w") as f:
                 json.dump(state, f)

@@ -17,6 +17,7 @@ lives as long as the rank (``initialize.hold_world``: the entry points' teardown
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import json
 import os
@@ -76,6 +77,7 @@ class CaseState:
         from megatron.training import cpu_compat, initialize
 
         initialize.reset_global_state()
+        gc.collect()  # the case's model, optimizer and groups (reference cycles): their gloo threads end with them
         if cpu_compat.active():  # a case that left its patches on (an exception between enter and exit)
             raise RuntimeError("a case left megatron.training.cpu_compat's patches in place")
         family_registry.restore(self.families)
