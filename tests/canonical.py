@@ -12,8 +12,9 @@ the iteration records of any run from the session's cache (``tests/conftest.py``
   1)`` iterations and ``--lr-decay-style constant`` keeps the rate flat after it, so two runs with the same warm-up
   and a constant rate take the same steps (the weight decay's schedule is always constant; nothing else reads
   ``--train-iters``, see ``megatron/training/training.py``). ``--exit-interval`` stops a run early without changing
-  its steps. A run asked for with fewer than ``CANONICAL_ITERS`` iterations is launched at that length where the
-  schedule allows it, so that every shorter run of its key is its prefix.
+  its steps. A run of the shared lists (``TINY`` and what extends it) asked for with fewer than ``CANONICAL_ITERS``
+  iterations is launched at that length where the schedule allows it, so that every shorter run of its key is its
+  prefix (their files ask for 3 to 8 iterations); any other run is launched at its own length.
 
 ``tests/test_pool.py`` checks both rules against fresh runs.
 """
@@ -138,7 +139,8 @@ class CanonicalRuns:
         for have, records in self._runs:
             if have.same_steps(key) and (have.iters == key.iters or (every and have.iters > key.iters)):
                 return [dict(r) for r in records if r["iteration"] <= key.iters]
-        longer = every and key.iters < CANONICAL_ITERS and Schedule.of(pairs, CANONICAL_ITERS) == key.schedule
+        longer = (every and key.iters < CANONICAL_ITERS and Schedule.of(pairs, CANONICAL_ITERS) == key.schedule
+                  and set(parse_flags(TINY)) <= set(pairs))  # one of the shared lists: their requests vary in length
         iters = CANONICAL_ITERS if longer else key.iters
         records = self.shared.run(nproc, with_length(flags, iters))[0]
         self._runs.append((RunKey.of(nproc, with_length(flags, iters)), records))
