@@ -22,6 +22,8 @@ import sys
 from omnibal_ext import cli as planner_cli
 from omnibal_ext.errors import UserError
 
+import megatron.vlm.families  # noqa: F401  (registers the built-in families: tensor-free, the planner path)
+
 
 PUBLISHED_TILES = dict(image_size=448, tokens_per_tile=256, max_num_tiles=6)  # the tiles of OmniBal's published stats
 
@@ -50,7 +52,7 @@ def data_reader(spec, hf_folder: str | None, args: argparse.Namespace):
     from megatron.vlm.data.records import ReaderConfig
     from megatron.vlm.data.tokenizer import build_tokenizer
     from megatron.vlm.data.video_sampling import VideoOverrides
-    from megatron.vlm.families import runtime_family
+    from megatron.vlm.stage.components import runtime_family
     from megatron.vlm.hf.convert import has_tokenizer
     from omnibal_ext.model.units import family_of
 
@@ -235,7 +237,7 @@ def _run_hf_import(args) -> int:
 
     from megatron.training import cpu_compat
     from megatron.training.initialize import destroy, initialize_distributed
-    from megatron.vlm.hf.convert import import_hf
+    from megatron.training.hf_checkpoints import import_hf
 
     with cpu_compat.patched():
         try:
@@ -251,7 +253,7 @@ def _run_hf_import(args) -> int:
 
 
 def _run_hf_export(args) -> int:
-    from megatron.vlm.hf.convert import export_hf
+    from megatron.training.hf_checkpoints import export_hf
 
     done = export_hf(args.load, args.out, args.ckpt_step, args.dtype)
     print(f"exported iteration {done['iteration']}: {done['tensors']} tensors in {', '.join(done['files'])}"

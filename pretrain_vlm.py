@@ -69,7 +69,7 @@ def main(argv=None) -> dict:
         plan = dataclasses.replace(plan, recompute=adaptive.stages, recompute_plan=adaptive)
     else:
         plan = dataclasses.replace(plan, recompute=setup.recompute_settings(args, plan))
-    train_data, valid_data = setup.build_data(args, plan, tokenizer, setup.stage_inputs(plan), datasets,
+    train_data, valid_data = setup.build_data(args, plan, tokenizer, setup.rank_stage_inputs(plan), datasets,
                                               device.type, groups)  # this stage's inputs only
     model = training.build_model(args, plan, tokenizer.img_context_id, device)
     if hf_source is not None and resume is None:  # this rank's units and TP slices, before the optimizer

@@ -25,10 +25,17 @@ from typing import Callable, Sequence
 import numpy as np
 
 from omnibal_ext.data.cli import _json_default, add_isf_parser
-from omnibal_ext.data.stats import SampleStats
+from omnibal_ext.data.stats import SampleStats, StatsError, load_stats
 from omnibal_ext.errors import UserError, report
-from omnibal_ext.model.trainable import add_freeze_flags
-
+from omnibal_ext.memory.cli import add_memory_parser
+from omnibal_ext.memory.memory_model import GIB
+from omnibal_ext.model.cli import add_partition_parser
+from omnibal_ext.model.cost_model import DEVICES
+from omnibal_ext.model.costs import CostTable
+from omnibal_ext.model.expert_load import measured_by_ep
+from omnibal_ext.model.trainable import Freeze, add_freeze_flags
+from omnibal_ext.model.units import PRESETS, get_preset
+from omnibal_ext.plan import DEFAULT_GLOBAL_BATCH, PlanConfig, __doc__ as plan_doc, format_plan, make_plan, plot_plan
 
 # hooks the `omnibal` command gives (omnibal_cli.py): the trainer's readers
 # (meta JSON paths, ModelSpec or None, its Hugging Face folder or None, the command's args with the scan flags
@@ -43,10 +50,6 @@ def add_plan_parser(subparsers, scan_metas: MetaScanner | None = None,
     """Register ``plan`` on an ``argparse`` subparsers object; sets ``func``.  ``scan_metas``: reads
     meta JSONs given to ``--data``; ``model_from_hf``: the model of ``--hf-checkpoint DIR`` (without it the flag
     is not offered)."""
-    from omnibal_ext.model.cost_model import DEVICES
-    from omnibal_ext.model.units import PRESETS
-    from omnibal_ext.plan import DEFAULT_GLOBAL_BATCH
-    from omnibal_ext.plan import __doc__ as plan_doc
 
     p = subparsers.add_parser(
         "plan", help="data + model + memory balance in one plan, with predictions vs Megatron's default",
@@ -122,9 +125,6 @@ def add_plan_parser(subparsers, scan_metas: MetaScanner | None = None,
 
 
 def run_plan(args, scan_metas: MetaScanner | None = None, model_from_hf: HFModelReader | None = None) -> int:
-    from omnibal_ext.model.units import get_preset
-    from omnibal_ext.plan import format_plan, make_plan, plot_plan
-
     hf_checkpoint = getattr(args, "hf_checkpoint", None)
     spec = model_from_hf(hf_checkpoint) if hf_checkpoint else get_preset(args.model)
     stats = load_stats_or_meta(args.data, "--data", spec, scan_metas, args, hf_checkpoint)
@@ -148,9 +148,6 @@ def run_plan(args, scan_metas: MetaScanner | None = None, model_from_hf: HFModel
 
 def plan_config(args):
     """The PlanConfig of ``omnibal plan``'s flags (``--gpu-memory`` is in GiB)."""
-    from omnibal_ext.memory.memory_model import GIB
-    from omnibal_ext.model.trainable import Freeze
-    from omnibal_ext.plan import PlanConfig
 
     return PlanConfig(model=args.model, gpus=args.gpus, gpu_memory_bytes=args.gpu_memory * GIB, tp=args.tp,
                       pp=args.pp, dp=args.dp, cp=args.cp, device=args.device, samples=args.samples,
@@ -167,8 +164,6 @@ def measured_profile_imbalance(path: str | None, spec) -> tuple[tuple[int, float
     UserError naming the flag when it holds no measured expert load, or one of another number of experts."""
     if path is None:
         return ()
-    from omnibal_ext.model.costs import CostTable
-    from omnibal_ext.model.expert_load import measured_by_ep
 
     try:
         meta = CostTable.load(path).meta
@@ -192,8 +187,6 @@ def build_parser(scan_metas: MetaScanner | None = None, model_from_hf: HFModelRe
     """The ``omnibal`` parser with the planner commands (the hooks: see :func:`add_plan_parser`; ``write_stats``:
     ``isf stats --write``, see :func:`add_stats_writing`), then ``more_commands`` (functions registering a command
     on the subparsers, e.g. omnibal_cli's ``profile``)."""
-    from omnibal_ext.memory.cli import add_memory_parser
-    from omnibal_ext.model.cli import add_partition_parser
 
     parser = argparse.ArgumentParser(prog="omnibal", description="OmniBal-Megatron balancing tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -234,7 +227,6 @@ def load_isf_stats(args: argparse.Namespace, scan_metas: MetaScanner | None = No
                    model_from_hf: HFModelReader | None = None) -> SampleStats:
     """The stats of ``omnibal isf``'s ``--stats`` (stats files or meta JSONs, read by ``--model``'s family or the
     ``--hf-checkpoint`` folder's where given; without either by 448 px tiles)."""
-    from omnibal_ext.model.units import get_preset
 
     hf = args.hf_checkpoint if args.isf_command == "stats" else None
     if hf and model_from_hf is None:
@@ -301,7 +293,6 @@ def scan_flags_given(args: argparse.Namespace) -> list[str]:
 
 def data_files(paths, flag: str) -> list[str]:
     """The files named, a folder standing for its ``*.json`` and ``*.json.gz`` files (sorted)."""
-    from omnibal_ext.data.stats import StatsError
 
     files = []
     for path in map(Path, paths):
@@ -324,7 +315,6 @@ def load_stats_or_meta(paths, flag: str = "--stats", spec=None, scan_metas: Meta
     None: the flags' defaults); without it they are refused.  Stats files refuse scan flags given in ``args``
     (they were the scan's that wrote them).
     """
-    from omnibal_ext.data.stats import load_stats
 
     args = scan_defaults() if args is None else args
     files = data_files(paths, flag)

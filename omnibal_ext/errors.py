@@ -6,6 +6,8 @@ from ``ValueError`` too, so callers that caught ``ValueError`` before keep worki
 """
 from __future__ import annotations
 
+import sys
+
 
 class UserError(ValueError):
     """A user's mistake, described in one paragraph that names the flag, file, record or tensor."""
@@ -23,7 +25,6 @@ def one_line(error: BaseException) -> str:
 
 def report(error: UserError, prefix: str = "") -> int:
     """Print ``{prefix}error: message`` as one line on stderr; returns exit status 2."""
-    import sys
 
     message = one_line(error)
     if prefix and message.startswith(prefix):

@@ -1,6 +1,6 @@
 """Context-parallel balance of the published OmniBal stats packed by ISF (DP 8, about 4 samples per group): per
 micro-batch, the busiest CP rank's attended pairs of real tokens over the mean, and its ViT tiles against
-ceil(tiles / CP), with the runtime's own split (megatron/vlm/context_parallel.py: rank_work).
+ceil(tiles / CP), with the runtime's own split (megatron/vlm/parallel/context_parallel.py: rank_work).
 
     python scripts/bench_cp.py
 """
@@ -12,8 +12,8 @@ import os
 
 import numpy as np
 
-from megatron.vlm.context_parallel import rank_work
-from omnibal_ext.data.search import SearchConfig, plan_isf
+from megatron.vlm.parallel.context_parallel import rank_work
+from omnibal_ext.data.search import SearchConfig, run_isf
 from omnibal_ext.data.stats import load_stats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def main() -> None:
     stats = load_stats(sorted(glob.glob(os.path.join(ROOT, "data", "omnibal_stats", "*.json.gz"))))
-    plan = plan_isf(stats.vit, stats.tokens, SearchConfig(dp_size=8, samples_per_group=4, seed=0))
+    plan = run_isf(stats.vit, stats.tokens, SearchConfig(dp_size=8, samples_per_group=4, seed=0))
     groups = [(stats.tokens[g], int(stats.vit[g].sum())) for g in plan.grouping.groups()]
     print(f"{len(stats.vit)} samples, {len(groups)} ISF groups")
     print("| CP | busiest/mean attended pairs, mean over groups | worst group | busiest rank's tiles <= ceil(tiles/CP) | pad tokens |")

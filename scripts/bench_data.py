@@ -112,15 +112,15 @@ def open_dataset(meta: str):
 
 # ------------------------------------------------------------------------------------------------ loader
 def loader_rate(ds, tok, workers: int, pixels: bool, batches: int, k: int) -> dict:
-    from megatron.vlm.batches import MicroBatches, StageInputs
+    from megatron.vlm.stage.batches import MicroBatches, StageInputs
     from omnibal_ext.data.sampler import GroupBatchSampler, random_groups
 
-    from megatron.vlm.families import stage_inputs
+    from megatron.vlm.stage.components import units_inputs
     from omnibal_ext.model.spec import HEAD, TEXT_LAYER
     from omnibal_ext.model.units import build_units
 
     sp = spec()  # without pixels: a stage of LLM layers and the head
-    inputs = StageInputs() if pixels else stage_inputs(sp, [u for u in build_units(sp) if u.code in (TEXT_LAYER, HEAD)])
+    inputs = StageInputs() if pixels else units_inputs(sp, [u for u in build_units(sp) if u.code in (TEXT_LAYER, HEAD)])
     sampler = GroupBatchSampler(random_groups(len(ds), k, seed=0), 1, 0, seed=0)
     mb = MicroBatches(ds, sampler, tok.pad_id, packed=False, inputs=inputs, num_workers=workers)
     next(mb)  # workers started, first batch in
@@ -144,9 +144,9 @@ def _tp_worker(rank: int, port: int, batches: int, k: int, result_path: str):
     import torch
     import torch.distributed as dist
 
-    from megatron.vlm.batches import broadcast_batch
+    from megatron.vlm.stage.batches import broadcast_batch
     from megatron.vlm.data.collate import collate_padded
-    from megatron.vlm.micro_batch import MicroBatch
+    from megatron.vlm.stage.micro_batch import MicroBatch
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -136,8 +136,8 @@ def isf_group_count(spec, model: BenchModel, tokens: np.ndarray, images: np.ndar
     each image ``items_per_image`` patches in a square grid, as the image rule keeps the bench's images)."""
     import math
 
-    from omnibal_ext.data.search import SearchConfig, plan_isf
-    from omnibal_ext.data.search_time import plan_isf_time
+    from omnibal_ext.data.search import SearchConfig, run_isf
+    from omnibal_ext.data.search_time import run_isf_in_time
     from omnibal_ext.data.stats import ImageStats, SampleStats
     from omnibal_ext.model.cost_model import get_device
     from omnibal_ext.model.sample_time import ISF_TIME_DEVICE, isf_sample_times
@@ -155,8 +155,8 @@ def isf_group_count(spec, model: BenchModel, tokens: np.ndarray, images: np.ndar
     timed = isf_sample_times(stats, spec, get_device(ISF_TIME_DEVICE), tp=tp,
                              grids=(grid, grid) if side * side == model.items_per_image else None)
     if timed is None:
-        return len(plan_isf(stats.vit, tokens, cfg).grouping)
-    return len(plan_isf_time(timed[0], tokens, timed[1], cfg).grouping)
+        return len(run_isf(stats.vit, tokens, cfg).grouping)
+    return len(run_isf_in_time(timed[0], tokens, timed[1], cfg).grouping)
 
 
 def choose_samples(args, model: BenchModel, spec, dp: int, k: int, m: int) -> tuple[object, int, int]:

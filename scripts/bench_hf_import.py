@@ -82,7 +82,7 @@ def worker(which: str, folder: str, out: str) -> None:
     from megatron.vlm.hf.convert import HFSource
     from megatron.vlm.hf.load import load_hf_into_stage
     from megatron.vlm.hf.reader import HFCheckpoint
-    from megatron.vlm.stage import StageBuild, build_stage
+    from megatron.vlm.stage.build import StageBuild, build_stage
     from omnibal_ext.model.units import build_units
 
     tp = int(os.environ["WORLD_SIZE"])

@@ -52,7 +52,7 @@ from omnibal_ext.data.search import SearchConfig, random_baseline, search_params
 from omnibal_ext.data.isf import isf_group  # noqa: E402
 from omnibal_ext.data.search import evaluate_grouping, step_matrix_epoch0  # noqa: E402
 from omnibal_ext.data.native import derive_native_stats, native_patches  # noqa: E402
-from omnibal_ext.data.search_time import (plan_isf_time, random_baseline_time,  # noqa: E402
+from omnibal_ext.data.search_time import (run_isf_in_time, random_baseline_time,  # noqa: E402
                                           steps_time_metrics)
 from omnibal_ext.data.stats import ImageStats, SampleStats, load_stats, resample  # noqa: E402
 from omnibal_ext.model.cost_model import get_device  # noqa: E402
@@ -153,7 +153,7 @@ def bench_native(name: str, stats: SampleStats, spec, device, cfg: SearchConfig)
     steps = step_matrix_epoch0(len(g), asm.width, asm.order, cfg.seed)
     m_counts.update(steps_time_metrics(steps, g, times))
     m_counts["fill_llm_time"] = float("nan")  # no time cap
-    plan, wt, ct = timed(lambda: plan_isf_time(patches, tokens, times, cfg))
+    plan, wt, ct = timed(lambda: run_isf_in_time(patches, tokens, times, cfg))
     rows = {"random": rnd, "isf-counts": m_counts, "isf-time": plan.metrics}
     print(f"\n== {name}: {len(stats)} samples, {spec.name} on {device.name}, DP {cfg.dp_size}, "
           f"K {cfg.samples_per_group}; patches/sample mean {patches.mean():.0f}, tokens mean {tokens.mean():.0f}")

@@ -10,7 +10,7 @@ samples per micro-batch, FlashAttention, the published ai2d/chartqa/docvqa stats
 * Qwen3-VL (native resolution): the published stats with one image per sample whose size is drawn to give its
   InternVL tile count (``omnibal_ext.data.native.derive_native_stats``), resized as Qwen3-VL's processor resizes it
   (16 px patches, 2 x 2 merged, the published folders' pixel budget:
-  ``megatron.vlm.families.qwen3_vl.image_processing.PUBLISHED``); the planner groups in predicted time;
+  ``megatron.vlm.lineages.qwen.qwen3_vit.image_processing.PUBLISHED``); the planner groups in predicted time;
 * InternVL3.5 (448 px tiles, 256 tokens each, as the stats count them): the published stats as they are.
 
 Columns: the +memory plan's layout (``pp * V`` stages), its predicted iteration and the Megatron default's
@@ -52,7 +52,7 @@ def native_stats(published, model: str, seed: int):
     spec = get_preset(model)
     if family_of(spec).vision_item != "patch":
         return published
-    from megatron.vlm.families.qwen3_vl.image_processing import PUBLISHED
+    from megatron.vlm.lineages.qwen.qwen3_vit.image_processing import PUBLISHED
 
     v = spec.vision
     return derive_native_stats(published, seed=seed, patch=v.patch_size, merge=v.spatial_merge_size,

@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 
 from megatron.vlm.data.video_decode import decode_frames, probe_video  # noqa: E402
 from megatron.vlm.data.video_sampling import VideoOverrides  # noqa: E402
-from megatron.vlm.families.qwen3_vl.video import frame_indices, settings  # noqa: E402
+from megatron.vlm.lineages.qwen.qwen3_vit.video import frame_indices, settings  # noqa: E402
 from megatron.vlm.data.video_synthetic import frame_code, write_coded_video  # noqa: E402
 
 

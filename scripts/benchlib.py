@@ -30,6 +30,8 @@ STATS_DIR = ROOT / "data" / "omnibal_stats"
 
 from omnibal_ext.plan import trainer_argv  # noqa: E402  (after ROOT is on the path)
 
+import megatron.vlm.families  # noqa: E402,F401  (registers the built-in families)
+
 # The fixed heterogeneous tiny VLM of the measured benchmarks: a ViT layer costs more than an LLM layer
 # (as InternViT-6B's 3200-wide layers over 1025 tokens per tile against InternLM2-20B's per-token cost),
 # so Megatron's default layout (whole ViT on stage 0) is unbalanced.  32 px tiles, 8 px patches:

@@ -30,9 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.training.initialize import destroy, initialize_distributed, set_seeds
     from megatron.training.memory import ActivationMeter
     from megatron.training.profiling import synthetic_batch
-    from megatron.vlm.context_parallel import split_batch
-    from megatron.vlm.micro_batch import MicroBatch
-    from megatron.vlm.stage import StageBuild, build_stage
+    from megatron.vlm.parallel.context_parallel import split_batch
+    from megatron.vlm.stage.micro_batch import MicroBatch
+    from megatron.vlm.stage.build import StageBuild, build_stage
     from omnibal_ext.model.cost_model import DEVICES, analytic_costs
     from omnibal_ext.model.shape import MicroBatchShape
     from omnibal_ext.model.units import build_units, get_preset

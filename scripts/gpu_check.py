@@ -190,8 +190,8 @@ def _mini_stage(model: str, device, dtype, impl: str, backend: str, seed: int = 
     """One ViT + one LLM layer of ``model`` with the whole unit list (embeddings, projector, head)."""
     import dataclasses
 
-    from megatron.vlm.layer_impl import LayerImpl
-    from megatron.vlm.stage import StageBuild, build_stage
+    from megatron.vlm.layers.layer_impl import LayerImpl
+    from megatron.vlm.stage.build import StageBuild, build_stage
     from omnibal_ext.model.units import build_units, get_preset
 
     spec = get_preset(model)
@@ -397,7 +397,7 @@ def check_e2e_cut(work: Path, cuda: bool, deadline: float) -> dict:
         return skipped("no CUDA device")
     from omnibal_ext.model.components import llm_layer_flops
     from omnibal_ext.model.cost_model import MicroBatchShape, get_device
-    from omnibal_ext.model.families.internvl import vit_layer_flops
+    from megatron.vlm.families.internvl.costs import vit_layer_flops
     from omnibal_ext.model.units import get_preset
 
     from megatron.vlm.data.digits import build_digits_dataset, digits_meta_paths
@@ -444,7 +444,7 @@ def _fla_layers(device):
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron.vlm.gated_delta_net import gated_delta_net_spec
+    from megatron.vlm.layers.gated_delta_net import gated_delta_net_spec
 
     cfg = TransformerConfig(num_layers=1, hidden_size=4096, num_attention_heads=16, linear_num_key_heads=16,
                             linear_key_head_dim=128, linear_num_value_heads=32, linear_value_head_dim=128,
@@ -470,8 +470,8 @@ def check_fla_delta_rule(work: Path, cuda: bool, deadline: float) -> dict:
         return skipped(err)
     import torch
 
-    from megatron.vlm import delta_rule
-    from megatron.vlm.attention import segment_params
+    from megatron.vlm.layers import delta_rule
+    from megatron.vlm.layers.attention import segment_params
 
     device = torch.device("cuda")
     _init_world_of_one(device)

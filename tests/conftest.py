@@ -8,6 +8,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import megatron.vlm.families  # noqa: E402,F401  (registers the built-in families in omnibal_ext's registry)
+
 # the published OmniBal stats (ai2d, chartqa, docvqa) shipped with the repository, gzip-compressed
 STATS_DIR = ROOT / "data" / "omnibal_stats"
 STATS_FILES = sorted(STATS_DIR.glob("*.json.gz"))

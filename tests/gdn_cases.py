@@ -54,12 +54,12 @@ def our_layer(hf: dict, tp: int = 1, rank: int = 0, chunk_size: int = 4, sequenc
     """Ours at TP ``tp`` (this process's rank ``rank``) holding the HF layer's weights ``hf`` (hf_tensors)."""
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron.vlm.gated_delta_net import LinearAttentionDims, gated_delta_net_spec
+    from megatron.vlm.layers.gated_delta_net import gated_delta_net_spec, linear_attention_shape
     from megatron.vlm.families.qwen3_5.gated_delta_net_hf import hf_to_ours
 
     cfg = our_config(tp, sequence_parallel)
     layer = build_module(gated_delta_net_spec(chunk_size=chunk_size, backend="torch"), config=cfg, layer_number=1)
-    layer.load_state_dict(hf_to_ours(hf, LinearAttentionDims.of(cfg), rank, tp))
+    layer.load_state_dict(hf_to_ours(hf, linear_attention_shape(cfg), rank, tp))
     return layer
 
 
@@ -74,7 +74,7 @@ def packed_input(lengths=LENGTHS, seed: int = 1):
 
 
 def thd_params(cu):
-    from megatron.vlm.attention import segment_params
+    from megatron.vlm.layers.attention import segment_params
 
     return segment_params(cu, int((cu[1:] - cu[:-1]).max()))
 

@@ -68,7 +68,7 @@ def logits_by_layout(folder: Path | str, batch: dict, workdir: Path,
 def import_export(folder: Path | str, workdir: Path) -> Path:
     """``import_hf`` of the HF ``folder`` into ``workdir/ckpt``, then ``export_hf`` of that into ``workdir/out``
     (inside a world of one: the caller's ``megatron_world``); returns the export's folder."""
-    from megatron.vlm.hf.convert import export_hf, import_hf
+    from megatron.training.hf_checkpoints import export_hf, import_hf
 
     workdir = Path(workdir)
     import_hf(str(folder), str(workdir / "ckpt"))

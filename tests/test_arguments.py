@@ -119,7 +119,7 @@ def test_values_that_work_are_accepted():
 
 def test_isf_token_multiple_is_what_context_parallelism_pads_to():
     """ISF counts each sample's tokens to the multiple CP pads it to: 2 x CP, x TP with --sequence-parallel (the
-    trainer's split pads the same, megatron/vlm/context_parallel.py), 1 without CP; the flag overrides it."""
+    trainer's split pads the same, megatron/vlm/parallel/context_parallel.py), 1 without CP; the flag overrides it."""
     cpu = torch.device("cpu")
     for argv, world, want in ([[], 1, 1], [["--context-parallel-size", "2"], 2, 4],
                               [["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",

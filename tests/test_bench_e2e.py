@@ -53,7 +53,7 @@ def test_qwen_bench_model_counts_what_the_reader_makes():
     sys.path.insert(0, str(ROOT / "scripts"))
     import bench_e2e
 
-    from megatron.vlm.families.qwen2_5_vl.data import PatchImages
+    from megatron.vlm.lineages.qwen.data import PatchImages
 
     model = bench_e2e.MODELS["qwen2.5-vl"]
     spec = bench_e2e.spec_of(model)
@@ -78,7 +78,7 @@ def test_qwen3_bench_model_counts_what_the_reader_makes():
     sys.path.insert(0, str(ROOT / "scripts"))
     import bench_e2e
 
-    from megatron.vlm.families.qwen3_vl.data import image_rule
+    from megatron.vlm.lineages.qwen.qwen3_vit.data import image_rule
 
     model = bench_e2e.MODELS["qwen3-vl"]
     spec = bench_e2e.spec_of(model)

@@ -1,4 +1,4 @@
-"""Context parallelism's split (megatron/vlm/context_parallel.py), on the host: chunks, positions, image
+"""Context parallelism's split (megatron/vlm/parallel/context_parallel.py), on the host: chunks, positions, image
 features, the attention's key order, and the balance of the published OmniBal stats packed by ISF."""
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import STATS_FILES
-from megatron.vlm.context_parallel import cp_segments, rank_work, split_batch, tile_ranges
+from megatron.vlm.parallel.context_parallel import cp_segments, rank_work, split_batch, tile_ranges
 from megatron.vlm.data.collate import collate_packed, collate_padded
 
 IMG, PAD = 9, 0
@@ -88,11 +88,11 @@ def test_tile_ranges_are_even():
 
 
 def isf_groups():
-    from omnibal_ext.data.search import SearchConfig, plan_isf
+    from omnibal_ext.data.search import SearchConfig, run_isf
     from omnibal_ext.data.stats import load_stats
 
     stats = load_stats(STATS_FILES)
-    plan = plan_isf(stats.vit, stats.tokens, SearchConfig(dp_size=8, samples_per_group=4, seed=0))
+    plan = run_isf(stats.vit, stats.tokens, SearchConfig(dp_size=8, samples_per_group=4, seed=0))
     return [(stats.tokens[g], int(stats.vit[g].sum())) for g in plan.grouping.groups()]
 
 
@@ -119,7 +119,7 @@ def test_cp_balance_on_the_published_stats(groups, cp):
 def test_collate_pads_segments_not_the_row_under_cp_and_sp():
     """--sequence-parallel with CP: the collate adds no row padding segment (each segment is padded to 2 x CP x TP
     by the split instead)."""
-    from megatron.vlm.batches import Collate, StageInputs
+    from megatron.vlm.stage.batches import Collate, StageInputs
 
     got = Collate(PAD, True, StageInputs.everything(), None, pad_to_multiple=2, cp=2, cp_rank=1)(samples())
     assert got.packing.cu_seqlens.tolist() == [0, 8, 16, 24]  # 7, 3 and 5 tokens each padded to 2 x CP x TP = 8

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from megatron.vlm.batches import MicroBatches, StageInputs
+from megatron.vlm.stage.batches import MicroBatches, StageInputs
 from megatron.vlm.data import ByteTokenizer, RecordDataset, TileImages
 from omnibal_ext.data.sampler import GroupBatchSampler, random_groups
 
@@ -69,11 +69,11 @@ def assert_same(a: list, b: list):
 
 def inputs_of_kinds(kinds) -> StageInputs:
     """What a stage holding InternVL units of these kinds reads (through the family's runtime components)."""
-    from megatron.vlm.families import stage_inputs
+    from megatron.vlm.stage.components import units_inputs
     from omnibal_ext.model.units import build_units, get_preset
 
     spec = get_preset("tiny")
-    return stage_inputs(spec, [next(u for u in build_units(spec) if u.kind == k) for k in kinds])
+    return units_inputs(spec, [next(u for u in build_units(spec) if u.kind == k) for k in kinds])
 
 
 def test_stage_inputs_from_unit_kinds():
@@ -94,7 +94,7 @@ def test_stage_inputs_from_unit_kinds():
 def stage_fields(inputs) -> set[str]:
     """The fields of a micro-batch of one text-only sample that a stage reading ``inputs`` gets."""
     from megatron.vlm.data.collate import collate_packed
-    from megatron.vlm.micro_batch import MicroBatch
+    from megatron.vlm.stage.micro_batch import MicroBatch
 
     sample = {"input_ids": torch.tensor([1, 2]), "labels": torch.tensor([2, 3]),
               "pixel_values": torch.zeros(1, 3, 2, 2), "image_flags": torch.tensor([0])}

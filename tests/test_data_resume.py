@@ -27,7 +27,7 @@ TILES = RNG.integers(0, 9, N)
 PARAMS = ISFParams(qv=24, qt=1400, qv_min=21, qt_min=1260)
 
 
-def isf_plan(dp: int):
+def isf_for_ranks(dp: int):
     """(groups, order, regroup) as the trainer builds them under ISF for ``dp`` ranks."""
     groups, order = isf_subset_groups(TOKENS, TILES, np.arange(N), PARAMS, dp, SEED)
     return groups, order, lambda ids: isf_subset_groups(TOKENS, TILES, ids, PARAMS, dp, SEED)
@@ -91,7 +91,7 @@ def test_random_iterations_do_not_depend_on_dp(G):
         assert sorted(flat[e * G:(e + 1) * G].tolist()) == list(range(G))
 
 
-@pytest.mark.parametrize("plan", [random_plan, isf_plan], ids=["random", "isf"])
+@pytest.mark.parametrize("plan", [random_plan, isf_for_ranks], ids=["random", "isf"])
 def test_same_config_resume_is_exact(plan):
     dp, mb = 2, 3
     full = serve(samplers(plan, dp, mb), 40, mb)
@@ -121,8 +121,8 @@ def epoch_exactly_once(before: list[np.ndarray], after: list[np.ndarray], state:
 
 
 @pytest.mark.parametrize("plan,a,b", [
-    (isf_plan, (2, 4), (4, 2)),  # ISF, DP 2 -> 4, same global batch
-    (isf_plan, (4, 1), (1, 3)),  # ISF, DP 4 -> 1, other global batch
+    (isf_for_ranks, (2, 4), (4, 2)),  # ISF, DP 2 -> 4, same global batch
+    (isf_for_ranks, (4, 1), (1, 3)),  # ISF, DP 4 -> 1, other global batch
     (random_plan, (2, 2), (2, 3)),  # random, other global batch: regrouped too
 ], ids=["isf-dp2-dp4", "isf-dp4-dp1", "random-gbs"])
 def test_other_config_serves_the_rest_of_the_epoch_once(plan, a, b):
@@ -138,7 +138,7 @@ def test_other_config_serves_the_rest_of_the_epoch_once(plan, a, b):
     after = serve(second, (len(second[0].prefix_groups) + G_b) // block_b + 2, mb_b)
     following = epoch_exactly_once(before, after, state)
     assert np.all(counts(following[:G_b]) == 1)  # then a whole epoch of this run's plan
-    if plan is isf_plan:  # the regrouped rest is balanced across the ranks of each step, as the plan is
+    if plan is isf_for_ranks:  # the regrouped rest is balanced across the ranks of each step, as the plan is
         steps = len(second[0].prefix_groups) // dp_b
         tokens = np.array([TOKENS[g].sum() for g in after[:steps * dp_b]]).reshape(steps, dp_b)
         regular = np.array([TOKENS[g].sum() for g in following[:(G_b // dp_b) * dp_b]]).reshape(-1, dp_b)
@@ -147,32 +147,32 @@ def test_other_config_serves_the_rest_of_the_epoch_once(plan, a, b):
 
 def test_resume_twice_inside_the_rest_of_the_epoch():
     """DP 2 -> 4 (regrouped prefix), saved inside the prefix, then resumed under DP 4 (exact) and DP 1."""
-    first = samplers(isf_plan, 2, 4)
+    first = samplers(isf_for_ranks, 2, 4)
     before = serve(first, 6, 4)
     s1 = state_of(first)
-    second = samplers(isf_plan, 4, 2, s1)
+    second = samplers(isf_for_ranks, 4, 2, s1)
     middle = serve(second, 5, 2)
     s2 = state_of(second)
     assert s2["epoch"] == 0 and s2["epoch_started"] and len(s2["prefix_sizes"]) > 5 * 8
     # same configuration: bit-exact continuation of the prefix and what follows
     uninterrupted = serve(second, 60, 2)
-    again = serve(samplers(isf_plan, 4, 2, s2), 60, 2)
+    again = serve(samplers(isf_for_ranks, 4, 2, s2), 60, 2)
     assert all(np.array_equal(x, y) for x, y in zip(again, uninterrupted, strict=True))
     # another DP: the rest of the prefix is regrouped again, the epoch still served once
-    third = samplers(isf_plan, 1, 3, s2)
+    third = samplers(isf_for_ranks, 1, 3, s2)
     after = serve(third, len(third[0].prefix_groups) // 3 + 2, 3)
     epoch_exactly_once(before + middle, after, s2)
 
 
 def test_nothing_served_of_the_epoch_starts_it_afresh():
-    first = samplers(isf_plan, 2, 1)
+    first = samplers(isf_for_ranks, 2, 1)
     G = len(first[0].groups)
     if G % 2:
         pytest.skip("needs an epoch that ends on a step")
     serve(first, G // 2, 1)
     state = state_of(first)
     assert not state["epoch_started"] and state["epoch"] == 1
-    second = samplers(isf_plan, 4, 1, state)
+    second = samplers(isf_for_ranks, 4, 1, state)
     assert second[0].prefix_groups == [] and second[0].first_epoch == 1
 
 
@@ -189,12 +189,12 @@ def test_dp_change_off_an_iteration_boundary_is_refused():
 
 
 def test_state_is_compact_and_checked():
-    first = samplers(isf_plan, 2, 2)
+    first = samplers(isf_for_ranks, 2, 2)
     serve(first, 3, 2)
     state = state_of(first)
     assert state["unserved"].dtype == np.int32 and state["position"] == 12
     with pytest.raises(UserError, match="version"):
-        samplers(isf_plan, 2, 2, {"step": 3})
+        samplers(isf_for_ranks, 2, 2, {"step": 3})
     lone = GroupBatchSampler(random_groups(N, K, SEED), 2, 0, seed=SEED)  # no regroup function
     with pytest.raises(UserError, match="no regroup function"):
         lone.load_state_dict(state)

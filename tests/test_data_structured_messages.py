@@ -20,7 +20,7 @@ import hf_tiny_qwen  # noqa: E402
 
 from megatron.vlm.data import RecordDataset, TileImages  # noqa: E402
 from megatron.vlm.data.tokenizer import build_tokenizer  # noqa: E402
-from megatron.vlm.families.qwen2_5_vl.data import IMAGE_TOKENS, image_rule  # noqa: E402
+from megatron.vlm.lineages.qwen.data import IMAGE_TOKENS, image_rule  # noqa: E402
 from omnibal_ext.model.units import get_preset  # noqa: E402
 
 MAX_PIXELS = 28 * 28 * 24

@@ -23,23 +23,23 @@ def toy_spec():
 @pytest.fixture
 def toy_family():
     """The toy family (``toy_family.py``, a module outside the package) registered for the test through the
-    public ``register``, unregistered after it."""
+    public ``register`` (the first import registers it; again is a no-op), unregistered after it."""
     import importlib
 
-    from megatron.vlm import families as runtime
+    from omnibal_ext.model import families
 
-    runtime.register(importlib.import_module("toy_family").FAMILY)  # the first import registers it too
+    families.register(importlib.import_module("toy_family").FAMILY)
     try:
         yield
     finally:
-        runtime.unregister(TOY)
+        families.unregister(TOY)
 
 
 def test_toy_family_plans_and_builds(megatron_world, toy_family):
     from omnibal_ext.model.layout import parse_layout
 
-    from megatron.vlm.families import stage_inputs
-    from megatron.vlm.stage import StageBuild, build_stage
+    from megatron.vlm.stage.components import units_inputs
+    from megatron.vlm.stage.build import StageBuild, build_stage
 
     spec = toy_spec()
     units = build_units(spec)
@@ -59,8 +59,8 @@ def test_toy_family_plans_and_builds(megatron_world, toy_family):
     layout = parse_layout("I v*4 P | E t*4 L", spec, 2)
     first, second = range(0, 6), range(6, len(units))
     assert layout.stage_slices() == [first, second]
-    assert stage_inputs(spec, [units[i] for i in first]).pixels
-    assert not stage_inputs(spec, [units[i] for i in second]).pixels
+    assert units_inputs(spec, [units[i] for i in first]).pixels
+    assert not units_inputs(spec, [units[i] for i in second]).pixels
 
     # forward and backward, whole and split at the projector: the same loss and gradients
     batch = _batch(spec)
@@ -92,7 +92,7 @@ def test_toy_family_plans_and_builds(megatron_world, toy_family):
 def test_unknown_family_is_refused(megatron_world):
     from omnibal_ext.errors import UserError
 
-    from megatron.vlm.stage import StageBuild, build_stage
+    from megatron.vlm.stage.build import StageBuild, build_stage
 
     with pytest.raises(UserError, match="family"):
         build_stage(StageBuild(toy_spec(), range(3)))
@@ -101,7 +101,7 @@ def test_unknown_family_is_refused(megatron_world):
 def _batch(spec):
     """Two tiles in one sample of 96 tokens: text, the image tokens, an answer."""
     from megatron.vlm.data.collate import collate_padded
-    from megatron.vlm.micro_batch import MicroBatch
+    from megatron.vlm.stage.micro_batch import MicroBatch
 
     n_img = 2 * spec.tokens_per_tile
     g = torch.Generator().manual_seed(0)
@@ -128,7 +128,7 @@ def test_toy_family_converts_to_hf_and_back(megatron_world, toy_family, tmp_path
     from megatron.vlm.hf.convert import HFSource
     from megatron.vlm.hf.keys import recipes, to_hf
     from megatron.vlm.hf.load import load_hf_into_stage
-    from megatron.vlm.stage import StageBuild, build_stage
+    from megatron.vlm.stage.build import StageBuild, build_stage
 
     spec = get_preset("toy-tiny")
     info = HFInfo(layout="native", text_family="llama", vit_layers_in_checkpoint=spec.vision.num_layers,

@@ -13,7 +13,7 @@ from launch import ROOT
 
 
 def test_pick_backend():
-    from megatron.vlm.delta_rule import pick_backend
+    from megatron.vlm.layers.delta_rule import pick_backend
 
     assert pick_backend("auto", True, True) == "fla"  # the trainer's default on a GPU with fla installed
     assert pick_backend("auto", False, True) == "torch"  # CPU tensors
@@ -50,8 +50,8 @@ def _recurrent_rule(q, k, v, g, beta, scale, initial_state, output_final_state, 
 def test_fla_backend_glue_equals_the_torch_rule(megatron_world, monkeypatch):
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron.vlm import delta_rule
-    from megatron.vlm.gated_delta_net import gated_delta_net_spec
+    from megatron.vlm.layers import delta_rule
+    from megatron.vlm.layers.gated_delta_net import gated_delta_net_spec
 
     calls = []
 

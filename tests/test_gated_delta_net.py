@@ -1,4 +1,4 @@
-"""Our Gated DeltaNet (megatron/vlm/gated_delta_net.py, delta_rule.py) against transformers' Qwen3_5GatedDeltaNet
+"""Our Gated DeltaNet (megatron/vlm/layers/gated_delta_net.py, delta_rule.py) against transformers' Qwen3_5GatedDeltaNet
 (fp32, its torch delta rule), sample by sample: transformers' torch path ignores cu_seqlens."""
 import pytest
 import torch
@@ -98,10 +98,10 @@ def test_unpacked_batch_runs_each_sequence_alone(megatron_world):
 
 
 def test_hf_mapping_round_trip_is_bit_exact():
-    from megatron.vlm.gated_delta_net import LinearAttentionDims
+    from omnibal_ext.model.linear_attention import LinearAttentionShape
     from megatron.vlm.families.qwen3_5.gated_delta_net_hf import hf_to_ours, ours_to_hf
 
-    dims = LinearAttentionDims(gdn_cases.HIDDEN, 2, 8, 4, 6, 4)
+    dims = LinearAttentionShape(gdn_cases.HIDDEN, 2, 8, 4, 6, 4)
     hf = gdn_cases.hf_tensors(gdn_cases.hf_layer())
     for tp in (1, 2):
         back = ours_to_hf([hf_to_ours(hf, dims, r, tp) for r in range(tp)], dims)
@@ -114,19 +114,19 @@ def test_hf_mapping_round_trip_is_bit_exact():
 
 
 def test_tp_must_divide_key_heads(megatron_world):
-    from megatron.vlm.gated_delta_net import LinearAttentionDims
+    from omnibal_ext.model.linear_attention import LinearAttentionShape
     from omnibal_ext.errors import UserError
 
     with pytest.raises(UserError, match=r"\(4\) must divide linear_num_key_heads \(2\)"):
-        LinearAttentionDims(24, 2, 8, 4, 6, 4).check(4)
+        LinearAttentionShape(24, 2, 8, 4, 6, 4).check_tp(4)
     with pytest.raises(UserError, match="multiple of linear_num_key_heads"):
-        LinearAttentionDims(24, 2, 8, 3, 6, 4).check(1)
+        LinearAttentionShape(24, 2, 8, 3, 6, 4).check_tp(1)
 
 
 def test_context_parallel_is_refused(megatron_world):
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron.vlm.gated_delta_net import gated_delta_net_spec
+    from megatron.vlm.layers.gated_delta_net import gated_delta_net_spec
     from omnibal_ext.errors import UserError
 
     cfg = gdn_cases.our_config(context_parallel_size=2)

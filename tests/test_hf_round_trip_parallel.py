@@ -54,7 +54,7 @@ CASES = {
 def test_export_of_a_tp2_or_pp2_checkpoint_is_the_source(tmp_path, case):
     from safetensors.torch import load_file
 
-    from megatron.vlm.hf.convert import export_hf
+    from megatron.training.hf_checkpoints import export_hf
 
     make, tie, flags = CASES[case]
     hf = tmp_path / "hf"

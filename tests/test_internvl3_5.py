@@ -131,7 +131,7 @@ def test_logits_match_transformers_at_every_pipeline_cut(megatron_world, tiny, n
 
 
 def test_import_export_round_trip_and_transformers_loads_it(megatron_world, tiny, tmp_path):
-    from megatron.vlm.hf.convert import export_hf, import_hf
+    from megatron.training.hf_checkpoints import export_hf, import_hf
 
     pairs = []
     for name, (native, original, _) in tiny.items():
@@ -175,7 +175,7 @@ def test_export_of_an_original_import_needs_the_tokenizers_context_token(megatro
                                                                            message):
     """An original-layout config names no image_token_id (transformers refuses a native config without it): without
     a tokenizer whose <IMG_CONTEXT> fits the vocabulary the export is refused, naming what is missing."""
-    from megatron.vlm.hf.convert import export_hf, import_hf
+    from megatron.training.hf_checkpoints import export_hf, import_hf
 
     folder = tmp_path / "original"
     shutil.copytree(tiny["untied"][1], folder)

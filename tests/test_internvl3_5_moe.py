@@ -158,7 +158,7 @@ def test_logits_match_transformers_at_every_pipeline_cut(megatron_world, tiny, n
 
 
 def test_import_export_round_trip_and_transformers_loads_it(megatron_world, tiny, tmp_path):
-    from megatron.vlm.hf.convert import export_hf, import_hf
+    from megatron.training.hf_checkpoints import export_hf, import_hf
 
     pairs = []
     for name, (native, original, _) in tiny.items():

@@ -11,7 +11,7 @@ from omnibal_cli import main
 from omnibal_ext.data.assign import load_pack
 from omnibal_ext.data.isf import check_partition
 from omnibal_ext.data.sampler import GroupBatchSampler
-from omnibal_ext.data.search import SearchConfig, plan_isf, random_baseline
+from omnibal_ext.data.search import SearchConfig, run_isf, random_baseline
 from omnibal_ext.data.stats import load_stats
 
 from conftest import STATS_FILES
@@ -101,7 +101,7 @@ def test_stats_command(tmp_path, capsys):
 def test_isf_beats_random_on_shipped_stats():
     assert len(STATS_FILES) == 3, STATS_FILES
     stats = load_stats(STATS_FILES)
-    plan = plan_isf(stats.vit, stats.tokens, SearchConfig(dp_size=8, samples_per_group=4))
+    plan = run_isf(stats.vit, stats.tokens, SearchConfig(dp_size=8, samples_per_group=4))
     check_partition(plan.grouping, len(stats))
     rnd = random_baseline(stats.vit, stats.tokens, 8, 4)
     m = plan.metrics

@@ -12,7 +12,7 @@ from omnibal_ext.data.assign import assemble_steps, sort_order, sp_runs
 from omnibal_ext.data.isf import (KIND_KEPT, KIND_LEFTOVER, KIND_SOLO, ISFParams, OversizeError, check_partition,
                                   greedy_starts, isf_group, isf_multi)
 from omnibal_ext.data.metrics import dist_ratio_matrix, evaluate_steps, pad_ratio, step_balance
-from omnibal_ext.data.search import SearchConfig, plan_isf, random_baseline, search_params
+from omnibal_ext.data.search import SearchConfig, run_isf, random_baseline, search_params
 from omnibal_ext.data.stats import StatsError, load_stats, resample, resample_indices
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -253,7 +253,7 @@ def test_search_on_wide_mix_reports_candidates_and_beats_random():
     rng = np.random.default_rng(11)
     vit, tok = wide_mix(rng, 30_000)
     cfg = SearchConfig(dp_size=8, samples_per_group=4, vit_cap=48, oversize="solo", max_candidates=8)
-    plan = plan_isf(vit, tok, cfg)
+    plan = run_isf(vit, tok, cfg)
     check_partition(plan.grouping, len(vit))
     assert 1 <= len(plan.search.candidates) <= 8
     assert plan.params.qv <= 48

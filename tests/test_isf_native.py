@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 from megatron.vlm.data.tiling import count_tiles
-from megatron.vlm.families.qwen2_5_vl.image_processing import smart_resize as trainer_smart_resize
+from megatron.vlm.lineages.qwen.image_processing import smart_resize as trainer_smart_resize
 from omnibal_ext.data import native
 from omnibal_ext.data.isf import ISFParams, check_partition, isf_group
 from omnibal_ext.data.search import SearchConfig, step_matrix_epoch0
-from omnibal_ext.data.search_time import plan_isf_time, random_baseline_time
+from omnibal_ext.data.search_time import run_isf_in_time, random_baseline_time
 from omnibal_ext.data.stats import StatsError, from_arrays, load_stats
 from omnibal_ext.model.cost_model import DEVICES, analytic_costs
-from omnibal_ext.model.families.qwen2_5_vl import image_segments_sq
+from megatron.vlm.families.qwen2_5_vl import image_segments_sq
 from omnibal_ext.model.sample_time import VISION_CODES, sample_times, sample_work, time_coefficients
 from omnibal_ext.model.shape import MicroBatchShape
 from omnibal_ext.model.units import get_preset
@@ -145,7 +145,7 @@ def test_isf_in_time_respects_every_cap_and_the_time_filter():
 def test_isf_in_time_balances_time_better_than_random():
     vit, tok, times = _timed_data(6000, 1)
     cfg = SearchConfig(dp_size=8, samples_per_group=4.0, time_budget_s=float("inf"))
-    plan = plan_isf_time(vit, tok, times, cfg)
+    plan = run_isf_in_time(vit, tok, times, cfg)
     check_partition(plan.grouping, len(vit))
     rnd = random_baseline_time(vit, tok, times, 8, 4)
     assert plan.metrics["dist_ratio_vit_time"] < 0.02 and plan.metrics["dist_ratio_llm_time"] < 0.02

@@ -101,7 +101,7 @@ def test_memory_model_lora_bytes_closed_form(tp):
 
 def _built_adapter_params(lora) -> int:
     """Adapter parameters of a whole tiny model built with ``lora`` (megatron-core's layers, TP1)."""
-    from megatron.vlm.stage import StageBuild, build_stage
+    from megatron.vlm.stage.build import StageBuild, build_stage
 
     with world_of_one():
         units = build_units(TINY)
@@ -308,7 +308,8 @@ def test_export_merges_adapters_of_every_linear(tmp_path, family):
 
     from megatron.training.checkpointing import TRACKER, describe_run, iteration_dir
     from megatron.training.checkpointing.save import InProcessTorchDistSave
-    from megatron.vlm.hf.convert import HFSource, export_hf
+    from megatron.vlm.hf.convert import HFSource
+    from megatron.training.hf_checkpoints import export_hf
     from megatron.vlm.hf.load import load_hf_into_stage
     from megatron.vlm.hf.logits import gather_vocab, image_token_id, logits_stage, make_batch
 

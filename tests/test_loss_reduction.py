@@ -32,7 +32,7 @@ def samples(tmp_path_factory):
 
 
 def stage(drop_path=0.0, recompute=None, seed=3):
-    from megatron.vlm.stage import StageBuild, build_stage
+    from megatron.vlm.stage.build import StageBuild, build_stage
 
     spec = get_preset("tiny")
     return build_stage(StageBuild(spec, range(len(build_units(spec))), img_context_id=263, seed=seed,
@@ -41,7 +41,7 @@ def stage(drop_path=0.0, recompute=None, seed=3):
 
 def collate(samples, packed, iteration=0):
     from megatron.vlm.data.collate import collate_packed, collate_padded
-    from megatron.vlm.micro_batch import MicroBatch
+    from megatron.vlm.stage.micro_batch import MicroBatch
 
     fields = collate_packed(samples, PAD, pad_to_multiple=16) if packed else collate_padded(samples, PAD)
     return dataclasses.replace(MicroBatch.of(fields), iteration=iteration)
@@ -180,7 +180,7 @@ def test_drop_path_mask_replays_under_recompute(megatron_world, samples):
 
 
 def test_drop_path_mask_per_tile_and_layer():
-    from megatron.vlm.drop_path import iteration_keys, keep_mask, layer_rates, tile_keys
+    from megatron.vlm.layers.drop_path import iteration_keys, keep_mask, layer_rates, tile_keys
 
     assert layer_rates(0.4, 5) == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4])
     keys = iteration_keys(tile_keys(list(range(4000)), [3] * 4000), seed=1, iteration=7)

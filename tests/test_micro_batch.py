@@ -1,4 +1,4 @@
-"""The typed micro-batch (megatron/vlm/micro_batch.py): a stage's parts from the collated fields, ``to``, pickling
+"""The typed micro-batch (megatron/vlm/stage/micro_batch.py): a stage's parts from the collated fields, ``to``, pickling
 (loader workers) and the TP broadcast (two gloo ranks), against the collated fields themselves."""
 import dataclasses
 import pickle
@@ -6,9 +6,9 @@ import pickle
 import pytest
 import torch
 
-from megatron.vlm.batches import Collate, StageInputs
+from megatron.vlm.stage.batches import Collate, StageInputs
 from megatron.vlm.data.collate import collate_packed
-from megatron.vlm.micro_batch import CPPart, MicroBatch, TileVision, broadcast_micro_batch
+from megatron.vlm.stage.micro_batch import CPPart, MicroBatch, TileVision, broadcast_micro_batch
 
 PAD, IMG = 0, 99
 

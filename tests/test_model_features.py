@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from omnibal_ext.errors import UserError
-from omnibal_ext.model.families.internvl import vit_layers_for_feature_layer
+from megatron.vlm.families.internvl.hf import vit_layers_for_feature_layer
 from omnibal_ext.model.units import build_units, get_preset, spec_from_dict
 
 
@@ -46,7 +46,7 @@ def test_vit_layer_matches_transformers_internvl(megatron_world, norm, qkv_bias,
     from transformers.models.internvl.configuration_internvl import InternVLVisionConfig
     from transformers.models.internvl.modeling_internvl import InternVLVisionLayer
 
-    from megatron.vlm.config import vision_config
+    from megatron.vlm.layers.config import vision_config
 
     H, heads, F_, eps, ls = 64, 4, 128, 1e-6, 0.1
     hf_cfg = InternVLVisionConfig(hidden_size=H, num_attention_heads=heads, intermediate_size=F_,
@@ -109,7 +109,7 @@ def test_llm_layer_matches_transformers(megatron_world, family):
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron.vlm.config import language_config
+    from megatron.vlm.layers.config import language_config
 
     H, heads, groups, F_, eps, theta = 64, 4, 2, 96, 1e-6, 50000.0
     d = 24 if family == "llama" else H // heads
@@ -181,7 +181,7 @@ def test_llm_layer_matches_transformers(megatron_world, family):
 # Vocabulary padding, tied embeddings, sharded state dicts
 # --------------------------------------------------------------------------------------------------
 def whole_model(spec, seed=3, unit_range=None):
-    from megatron.vlm.stage import StageBuild, build_stage
+    from megatron.vlm.stage.build import StageBuild, build_stage
 
     units = build_units(spec)
     return build_stage(StageBuild(spec, unit_range or range(len(units)), img_context_id=263, seed=seed))
@@ -196,7 +196,7 @@ def digits_batch(tmp_path, spec, n=4):
     from megatron.vlm.data.digits import build_digits_dataset
     from megatron.vlm.data import RecordDataset, TileImages
     from megatron.vlm.data.tokenizer import ByteTokenizer
-    from megatron.vlm.micro_batch import MicroBatch
+    from megatron.vlm.stage.micro_batch import MicroBatch
 
     tok = ByteTokenizer()
     meta = build_digits_dataset(str(tmp_path / "digits"), num_samples=20, tile_size=spec.vision.image_size)

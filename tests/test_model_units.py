@@ -10,7 +10,7 @@ from omnibal_ext.model.units import build_units, get_preset
 
 
 def whole_model(spec, seed=3):
-    from megatron.vlm.stage import StageBuild, build_stage
+    from megatron.vlm.stage.build import StageBuild, build_stage
 
     units = build_units(spec)
     return build_stage(StageBuild(spec, range(len(units)), img_context_id=263, seed=seed))
@@ -23,10 +23,10 @@ def test_segment_attention_equals_dense_masked_attention(megatron_world, heads, 
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron.vlm.attention import SegmentAttention, segment_params
-    from megatron.vlm.config import language_config
+    from megatron.vlm.layers.attention import SegmentAttention, segment_params
+    from megatron.vlm.layers.config import language_config
     from megatron.vlm.data.collate import packing
-    from megatron.vlm.text import packed_causal_mask
+    from megatron.vlm.stage.text import packed_causal_mask
 
     spec = get_preset("tiny")
     spec = spec.replace(language=dataclasses.replace(spec.language, num_attention_heads=heads, num_query_groups=groups))
@@ -64,7 +64,7 @@ def test_packed_samples_give_the_same_per_sample_loss_as_alone(megatron_world, t
     from megatron.vlm.data.digits import build_digits_dataset
     from megatron.vlm.data import RecordDataset, TileImages
     from megatron.vlm.data.tokenizer import ByteTokenizer
-    from megatron.vlm.micro_batch import MicroBatch
+    from megatron.vlm.stage.micro_batch import MicroBatch
 
     spec = get_preset("tiny")
     tok = ByteTokenizer()

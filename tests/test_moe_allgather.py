@@ -1,4 +1,4 @@
-"""The allgather token dispatcher (--moe-token-dispatcher-type allgather: megatron/vlm/moe.py's
+"""The allgather token dispatcher (--moe-token-dispatcher-type allgather: megatron/vlm/layers/moe.py's
 PaddedAllGatherTokenDispatcher, each rank's tokens padded to the expert TP x EP group's largest count and the pads
 routed nowhere) against the single-process run: EP2 (the two data-parallel ranks' micro-batches differ in length)
 and TP2 + SP. Losses, gradient norms, the logged aux loss and expert load within 1e-4 / 1e-3 for 6 iterations."""
@@ -20,7 +20,7 @@ def build_moe_mlp(dispatcher: str):
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron.vlm.moe import MoERun, config_fields, layer_spec
+    from megatron.vlm.layers.moe import MoERun, config_fields, layer_spec
     from omnibal_ext.model.moe import MoESpec
 
     moe = MoESpec(num_experts=4, topk=2, ffn_hidden_size=24, layer_freq=(1,))
@@ -38,7 +38,7 @@ def test_allgather_layer_routes_as_alltoall(megatron_world):
     layer's output and gradients."""
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    from megatron.vlm.moe import PaddedAllGatherTokenDispatcher
+    from megatron.vlm.layers.moe import PaddedAllGatherTokenDispatcher
 
     layers = {d: build_moe_mlp(d) for d in ("alltoall", "allgather")}
     assert type(layers["allgather"].token_dispatcher) is PaddedAllGatherTokenDispatcher

@@ -74,7 +74,7 @@ def test_router_options_route_as_written_out(norm_topk_prob):
     the top k, renormalised over them exactly when norm_topk_prob (transformers' Qwen3-MoE router, written out)."""
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 
-    from megatron.vlm.moe import MoERun, config_fields
+    from megatron.vlm.layers.moe import MoERun, config_fields
     from omnibal_ext.model.moe import MoESpec
 
     moe = MoESpec(num_experts=6, topk=2, ffn_hidden_size=8, layer_freq=(1,), norm_topk_prob=norm_topk_prob)

@@ -1,13 +1,13 @@
 """MoE layers under context parallelism against the single-process run: each sample's tokens are split over the CP
-ranks (megatron/vlm/context_parallel.py), so megatron-core's aux loss sums its token counts over TP x CP and our
-per-sample seq_aux_loss sums each sample's routed tokens over TP x CP (megatron/vlm/moe.py), padding excluded;
+ranks (megatron/vlm/parallel/context_parallel.py), so megatron-core's aux loss sums its token counts over TP x CP and our
+per-sample seq_aux_loss sums each sample's routed tokens over TP x CP (megatron/vlm/layers/moe.py), padding excluded;
 EP comes from DP x CP in megatron-core's grid. Losses, gradient norms and the logged aux loss within 1e-4 / 1e-3
 for 6 iterations, the logged expert load the serial run's."""
 import pytest
 import torch
 
-from megatron.vlm.context_parallel import split_tokens
-from megatron.vlm.moe import token_mask
+from megatron.vlm.parallel.context_parallel import split_tokens
+from megatron.vlm.layers.moe import token_mask
 
 # test_moe_training.py's flags and helpers: the serial reference of the random-batching runs is that file's, shared
 # in a session
@@ -107,7 +107,7 @@ def test_moe_interleaved_equals_serial(data, serial_run, shared_runs, nproc, fla
 @pytest.mark.slow
 def test_global_aux_loss_cp2_equals_serial(data, serial_run, shared_runs):
     """global_aux_loss (megatron-core's token counts over TP x DP x CP, accumulated over the micro-batches) with the
-    z-loss (megatron/vlm/moe.py MaskedTopKRouter.apply_z_loss: the mean over the TP x CP group's real tokens; at
+    z-loss (megatron/vlm/layers/moe.py MaskedTopKRouter.apply_z_loss: the mean over the TP x CP group's real tokens; at
     CP2 megatron-core 0.16's own would give half the gradient)."""
     flags = BASE + data + ["--moe-router-load-balancing-type", "global_aux_loss", "--moe-z-loss-coeff", "0.1"]
     records, serial = shared_runs.run(2, flags + CP2)[0], serial_run(flags)

@@ -1,4 +1,4 @@
-"""seq_aux_loss per packed sample, padding excluded (megatron/vlm/moe.py MaskedTopKRouter): the logged loss and its
+"""seq_aux_loss per packed sample, padding excluded (megatron/vlm/layers/moe.py MaskedTopKRouter): the logged loss and its
 gradient against the formula written out here per sample (DeepSeek-V2's sequence-wise balance loss, megatron-core's
 per-sequence seq_aux_loss) from the routing probabilities, for a THD row of several samples and padding and for
 padded rows; padding tokens change nothing."""
@@ -13,7 +13,7 @@ def make_router(score_function="softmax"):
 
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from megatron.vlm.moe import MaskedTopKRouter
+    from megatron.vlm.layers.moe import MaskedTopKRouter
 
     config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=2, num_moe_experts=E,
                                moe_router_topk=K, moe_ffn_hidden_size=16, use_cpu_initialization=True,
@@ -47,7 +47,7 @@ def run(router, hidden: torch.Tensor, segment_ids: torch.Tensor):
     MoELayer hands it over: first two axes transposed): (logged seq aux loss, router weight gradient)."""
     from megatron.core.transformer.moe import moe_utils
 
-    from megatron.vlm.moe import token_mask
+    from megatron.vlm.layers.moe import token_mask
 
     moe_utils.clear_aux_losses_tracker()
     router.zero_grad()

@@ -63,7 +63,7 @@ def test_moe_isf_ep2_equals_ep1(data, shared_runs):
 
 
 def test_seq_aux_loss_per_packed_sample_tp2_sp_equals_serial(data, serial_run, shared_runs):
-    """seq_aux_loss (megatron/vlm/moe.py: per packed sample, padding excluded) with ISF packing several samples into
+    """seq_aux_loss (megatron/vlm/layers/moe.py: per packed sample, padding excluded) with ISF packing several samples into
     a row and sequence parallelism cutting them over the two TP ranks (each sample's routed tokens summed over
     TP): the losses, gradient norms and logged aux loss of the serial run."""
     flags = BASE + data + ISF + ["--moe-router-load-balancing-type", "seq_aux_loss"]

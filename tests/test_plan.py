@@ -412,7 +412,7 @@ def test_context_parallel_costs_count_sequence_parallelism():
 def test_cp_data_level_pads_as_the_trainer():
     """Under CP the ISF plan groups, and the shapes count, every sample padded to 2 x CP (x TP with sequence
     parallelism), computed here by brute force: Qt caps the padded tokens of every group."""
-    from omnibal_ext.plan.data_level import cap_shape, isf_plan, mean_isf_group
+    from omnibal_ext.plan.data_level import cap_shape, isf_for_ranks, mean_isf_group
 
     def pad(n, multiple):
         while n % multiple:
@@ -422,7 +422,7 @@ def test_cp_data_level_pads_as_the_trainer():
     stats = synthetic_stats(2000, 3)
     config = PlanConfig("tiny", 4, GIB, cp=4, isf_max_candidates=4, isf_search_samples=2000)
     for sp_tp in (1, 2):
-        data = isf_plan(stats, 1, config, sp_tp)
+        data = isf_for_ranks(stats, 1, config, sp_tp)
         g = data.grouping
         tok = [np.array([pad(int(n), 8 * sp_tp) for n in stats.tokens[m]]) for m in g.groups()]
         assert g.tokens.tolist() == [int(t.sum()) for t in tok]

@@ -13,8 +13,8 @@ IMG, PAD = 290, 0  # hf_tiny_qwen's image token id, the pad id
 
 
 def _qwen_batcher():
-    from megatron.vlm.families.qwen2_5_vl.data import PatchImages, QwenBatcher
-    from megatron.vlm.families.qwen2_5_vl.image_processing import ImageProcessorConfig
+    from megatron.vlm.lineages.qwen.data import PatchImages, QwenBatcher
+    from megatron.vlm.lineages.qwen.image_processing import ImageProcessorConfig
 
     spec = get_preset("qwen2.5-vl-tiny")
     exact = ImageProcessorConfig(min_pixels=1, max_pixels=64 * 28 * 28)  # sizes in multiples of 28 px kept as they are

@@ -22,11 +22,11 @@ from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as ref_im
 
 from megatron.vlm.data.messages import (ImageRef, MessagesRecordError,  # noqa: E402
                                         parse_messages_line, parse_messages_record, read_messages_jsonl)
-from megatron.vlm.families.qwen2_5_vl.image_processing import (ImageProcessorConfig, ImageSizeError,  # noqa: E402
+from megatron.vlm.lineages.qwen.image_processing import (ImageProcessorConfig, ImageSizeError,  # noqa: E402
                                                                preprocess_image, resized_grid, smart_resize)
-from megatron.vlm.families.qwen2_5_vl.positions import (ImageTokenError, mrope_position_ids,  # noqa: E402
+from megatron.vlm.lineages.qwen.positions import (ImageTokenError, mrope_position_ids,  # noqa: E402
                                                         packed_mrope_position_ids)
-from megatron.vlm.families.qwen2_5_vl.vision_windows import rotary_position_ids, vision_windows  # noqa: E402
+from megatron.vlm.lineages.qwen.vision_windows import rotary_position_ids, vision_windows  # noqa: E402
 from omnibal_ext.errors import UserError  # noqa: E402
 
 IMAGE, VIDEO, VSTART, VEND = 60, 61, 62, 63

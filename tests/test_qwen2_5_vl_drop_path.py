@@ -36,8 +36,8 @@ def samples(ids=(0, 1), grids=GRIDS):
 
 
 def batch(sample_list, iteration=3):
-    from megatron.vlm.families.qwen2_5_vl.data import PatchImages, QwenBatcher
-    from megatron.vlm.families.qwen2_5_vl.image_processing import ImageProcessorConfig
+    from megatron.vlm.lineages.qwen.data import PatchImages, QwenBatcher
+    from megatron.vlm.lineages.qwen.image_processing import ImageProcessorConfig
 
     v = SPEC.vision
     rule = PatchImages(ImageProcessorConfig(min_pixels=1, max_pixels=64 * v.patch_size ** 2, patch_size=v.patch_size,
@@ -48,7 +48,7 @@ def batch(sample_list, iteration=3):
 
 def vit_stage(rate):
     """The units up to the merger (I v*4 P) as a pipeline stage: its output is the merged image features."""
-    from megatron.vlm.stage import StageBuild, build_stage
+    from megatron.vlm.stage.build import StageBuild, build_stage
 
     units = build_units(SPEC)
     last = next(u.index for u in units if u.code == PROJECTOR)

@@ -19,10 +19,10 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("sklearn")
 import hf_tiny_qwen  # noqa: E402
 
-from megatron.vlm.batches import StageInputs  # noqa: E402
+from megatron.vlm.stage.batches import StageInputs  # noqa: E402
 from megatron.vlm.data.records import DataValidationError, RecordDataset  # noqa: E402
 from megatron.vlm.data.tokenizer import build_tokenizer  # noqa: E402
-from megatron.vlm.families.qwen2_5_vl.data import IMAGE_TOKENS, QWEN_DATA, QwenBatcher, image_rule  # noqa: E402
+from megatron.vlm.lineages.qwen.data import IMAGE_TOKENS, QWEN_DATA, QwenBatcher, image_rule  # noqa: E402
 from omnibal_ext.model.units import get_preset as model_preset  # noqa: E402
 
 MAX_PIXELS = 28 * 28 * 24

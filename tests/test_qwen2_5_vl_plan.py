@@ -23,7 +23,7 @@ from omnibal_ext.model.shape import MicroBatchShape
 from omnibal_ext.model.spec import VISION_LAYER
 from omnibal_ext.model.units import build_units, get_preset, unit_components
 from omnibal_ext.plan import PlanConfig, format_plan, make_plan
-from omnibal_ext.plan.data_level import cap_shape, isf_plan, shape_of
+from omnibal_ext.plan.data_level import cap_shape, isf_for_ranks, shape_of
 
 
 def _recomputed_layers(stage) -> list[bool]:
@@ -36,7 +36,7 @@ def _recomputed_layers(stage) -> list[bool]:
 
 @pytest.mark.parametrize("full_layers", [0, 1, 2, 3, 4])
 def test_mixed_vit_runs_recompute_the_stages_first_layers(megatron_world, full_layers):
-    from megatron.vlm.stage import StageBuild, build_stage
+    from megatron.vlm.stage.build import StageBuild, build_stage
 
     spec = get_preset("qwen2.5-vl-tiny")  # ViT runs: window 0, full 1, window 2, full 3
     units = build_units(spec)
@@ -121,7 +121,7 @@ def test_plan_groups_native_data_in_predicted_time():
 
     # the plan's groups (its data level at the chosen sizes) are ISF's, run one sample at a time with the plan's
     # thresholds on each sample's time from the cost model of the plan's model and device at its TP
-    data = isf_plan(stats.in_vision_items("patch"), plan.dp, config, 1, plan.tp)
+    data = isf_for_ranks(stats.in_vision_items("patch"), plan.dp, config, 1, plan.tp)
     assert data.params.to_dict() == p
     vt, lt = sample_time_units(stats, spec, get_device("h100-80g"), tp=plan.tp)
     groups = data.grouping.groups()

@@ -23,7 +23,7 @@ def _profile(shape):
 
 def test_profile_batch_has_the_shape():
     """QwenBatcher's micro-batch at a shape: its patches, merged image tokens and LLM tokens are the shape's."""
-    from megatron.vlm.families.qwen2_5_vl.data import profile_batch
+    from megatron.vlm.lineages.qwen.data import profile_batch
 
     shape = MicroBatchShape(vision_items=96, llm_tokens=120, dtype_bytes=4)
     batch = profile_batch(SPEC, shape, 250, torch.device("cpu"), pad_to_multiple=7).fields()
@@ -36,8 +36,8 @@ def test_profile_batch_has_the_shape():
 def _images_shape(patches: int, images: int) -> MicroBatchShape:
     """A micro-batch of ``images`` equal images of ``patches`` patches in all, with the sums of squared image and
     window lengths of the grids the profiler's micro-batch gives them (``profile_images``)."""
-    from megatron.vlm.families.qwen2_5_vl.data import profile_images
-    from omnibal_ext.model.families.qwen2_5_vl import image_segments_sq
+    from megatron.vlm.lineages.qwen.data import profile_images
+    from megatron.vlm.families.qwen2_5_vl import image_segments_sq
 
     grids = profile_images(SPEC, MicroBatchShape(patches, 120, vision_attn_tokens_sq=patches**2 / images))
     full, window = image_segments_sq(SPEC, [r for r, _ in grids], [c for _, c in grids])

@@ -33,11 +33,11 @@ def test_pad_segment_leaves_the_real_patches_alone(megatron_world):
     """The packed patches of an image always come in whole merged tokens (4 patches), so TP 2 never pads; TP 8 pads
     108 patches to 112. Those pads, one more segment of the window and image bounds with zero RoPE, leave the ViT
     layers' outputs on the real patches and their input gradients as the unpadded run's."""
-    from megatron.vlm.attention import segment_params
-    from megatron.vlm.families.qwen2_5_vl.batch import vision_fields
-    from megatron.vlm.families.qwen2_5_vl.modules import vision_rotary
-    from megatron.vlm.sequence_parallel import padded_tokens, with_pad_segment
-    from megatron.vlm.stage import StageBuild, build_stage
+    from megatron.vlm.layers.attention import segment_params
+    from megatron.vlm.lineages.qwen.batch import vision_fields
+    from megatron.vlm.lineages.qwen.modules import vision_rotary
+    from megatron.vlm.parallel.sequence_parallel import padded_tokens, with_pad_segment
+    from megatron.vlm.stage.build import StageBuild, build_stage
 
     spec = get_preset("qwen2.5-vl-tiny")
     v = spec.vision

@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from megatron.vlm.families.qwen3_vl.batch import Qwen3Vision
-from megatron.vlm.micro_batch import MicroBatch
+from megatron.vlm.lineages.qwen.qwen3_vit.batch import Qwen3Vision
+from megatron.vlm.stage.micro_batch import MicroBatch
 
 pytest.importorskip("transformers")
 import hf_check  # noqa: E402
@@ -135,7 +135,7 @@ def test_logits_match_transformers_at_every_cut(megatron_world, tiny):
 # packed rows: four samples in one micro-batch give the losses and gradients of four micro-batches of one
 # --------------------------------------------------------------------------------------------------
 def _llm_stage(spec):
-    from megatron.vlm.stage import StageBuild, build_stage
+    from megatron.vlm.stage.build import StageBuild, build_stage
 
     units = build_units(spec)
     first = next(u.index for u in units if u.code == "t")
@@ -201,7 +201,7 @@ def test_four_packed_samples_equal_four_micro_batches_of_one(megatron_world):
 
 
 def test_context_parallel_is_refused(megatron_world):
-    from megatron.vlm.stage import StageBuild, build_stage
+    from megatron.vlm.stage.build import StageBuild, build_stage
 
     spec = get_preset("qwen3.5-tiny")
     units = build_units(spec)

@@ -207,7 +207,7 @@ def test_moe_units_cost_their_mixer_and_the_routed_tokens_in_closed_form():
     and its gate ``2 T H``; parameters likewise; every layer's unit is its kind's MoE one."""
     import dataclasses
 
-    from omnibal_ext.model.families.qwen3_5 import (GatedAttentionLayerCost, GatedAttentionMoELayerCost,
+    from megatron.vlm.families.qwen3_5 import (GatedAttentionLayerCost, GatedAttentionMoELayerCost,
                                                     LinearAttentionLayerCost, LinearAttentionMoELayerCost)
     from omnibal_ext.model.moe import ExpertGrid
     from omnibal_ext.model.moe_cost import ExpertRun

@@ -1,4 +1,4 @@
-"""The Qwen3 decoder shared by every family's LLM: interleaved multimodal RoPE (``megatron/vlm/rope.py``) against
+"""The Qwen3 decoder shared by every family's LLM: interleaved multimodal RoPE (``megatron/vlm/layers/rope.py``) against
 transformers' ``Qwen3VLTextRotaryEmbedding`` and the chunked form against megatron-core's
 ``MultimodalRotaryEmbedding`` (exact, on random 3-D position ids), and one Qwen3 layer as the shared TextLayer builds
 it (per-head q/k RMSNorm, head_dim 12 with hidden 32 / 4 heads, no qkv bias) against transformers'
@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("transformers")
 import tp2_cases  # noqa: E402
 
-from megatron.vlm.rope import MultimodalRope, mrope_axes  # noqa: E402
+from megatron.vlm.layers.rope import MultimodalRope, mrope_axes  # noqa: E402
 
 TOL = 1e-5
 # (head_dim, mrope_section): the published Qwen3-VL one, one whose H and W sections differ, one with H > W

@@ -24,15 +24,15 @@ from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLModel  
 from transformers import vision_utils as ref_vision  # noqa: E402
 from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as ref_image  # noqa: E402
 
-from megatron.vlm.batches import StageInputs  # noqa: E402
-from megatron.vlm.context_parallel import padded_layout  # noqa: E402
-from megatron.vlm.families.qwen2_5_vl.data import PatchImages  # noqa: E402
-from megatron.vlm.families.qwen2_5_vl.image_processing import ImageProcessorConfig  # noqa: E402
-from megatron.vlm.families.qwen3_vl.data import (QWEN3_VL_DATA, VISION_KEYS, Qwen3Batcher,  # noqa: E402
+from megatron.vlm.stage.batches import StageInputs  # noqa: E402
+from megatron.vlm.parallel.context_parallel import padded_layout  # noqa: E402
+from megatron.vlm.lineages.qwen.data import PatchImages  # noqa: E402
+from megatron.vlm.lineages.qwen.image_processing import ImageProcessorConfig  # noqa: E402
+from megatron.vlm.lineages.qwen.qwen3_vit.data import (QWEN3_VL_DATA, VISION_KEYS, Qwen3Batcher,  # noqa: E402
                                                  processor_config, vision_fields)
-from megatron.vlm.families.qwen3_vl.image_processing import (PUBLISHED, folder_config,  # noqa: E402
+from megatron.vlm.lineages.qwen.qwen3_vit.image_processing import (PUBLISHED, folder_config,  # noqa: E402
                                                              preprocess_image, resized_grid)
-from megatron.vlm.families.qwen3_vl.positions import (IMAGE, ImageTokenError, mm_token_type_ids,  # noqa: E402
+from megatron.vlm.lineages.qwen.qwen3_vit.positions import (IMAGE, ImageTokenError, mm_token_type_ids,  # noqa: E402
                                                       position_ids)
 from omnibal_ext.data.native import native_patches  # noqa: E402
 from omnibal_ext.errors import UserError  # noqa: E402

@@ -2,7 +2,7 @@
 at the first and last ViT layer, so features cross every cut between ViT layer 0 and LLM layer 1).
 
 * logits of the model cut at every unit boundary (and at two at once) in one process, stages chained as the pipeline
-  chains them (each stage's output, with the live features packed in by ``megatron.vlm.side.pack``, is the next
+  chains them (each stage's output, with the live features packed in by ``megatron.vlm.stage.side.pack``, is the next
   stage's input), within 1e-5 of transformers (fp32, eager), tied and untied;
 * ``scripts/hf_logits.py`` at PP2 under torchrun with features crossing from a ViT stage into the next stage's ViT
   and LLM layers (``Iv*2|v*2PEt*3L``) and into LLM layers past the boundary (``Iv*4PEt|t*3L``) (slow);
@@ -32,7 +32,7 @@ def tiny(tmp_path_factory):
 
 
 def _live(spec, cut):
-    from megatron.vlm.side import live_at
+    from megatron.vlm.stage.side import live_at
 
     return [s.name for s in live_at(family_of(spec).side_tensors(spec), cut)]
 
@@ -103,10 +103,10 @@ def _samples(grids):
 
 
 def _collate(inputs, cp=1, cp_rank=0):
-    from megatron.vlm.batches import Collate
-    from megatron.vlm.families import runtime_family
-    from megatron.vlm.families.qwen2_5_vl.data import PatchImages
-    from megatron.vlm.families.qwen2_5_vl.image_processing import ImageProcessorConfig
+    from megatron.vlm.stage.batches import Collate
+    from megatron.vlm.stage.components import runtime_family
+    from megatron.vlm.lineages.qwen.data import PatchImages
+    from megatron.vlm.lineages.qwen.image_processing import ImageProcessorConfig
 
     v = SPEC.vision
     exact = ImageProcessorConfig(min_pixels=1, max_pixels=64 * 64 * v.patch_size ** 2, patch_size=v.patch_size,
@@ -120,8 +120,8 @@ def test_side_rows_of_training_micro_batches(grids):
     """A stage reading neither pixels nor tokens (the narrowest there is) sizes the features as the images' merged
     tokens, which the pixel and token stages see: image-token ids in the tokens, patch rows / 4; one row for the
     dummy image of a text-only micro-batch."""
-    from megatron.vlm.batches import StageInputs
-    from megatron.vlm.families import runtime_family
+    from megatron.vlm.stage.batches import StageInputs
+    from megatron.vlm.stage.components import runtime_family
 
     side_rows = runtime_family(SPEC).data.side_rows
     samples = _samples(grids)
@@ -143,8 +143,8 @@ def test_side_rows_of_training_micro_batches(grids):
 def test_side_rows_under_context_parallelism(grids, want):
     """CP 2: every rank's rows on a stage of LLM layers (no pixels) and on one of ViT layers are the merged tokens of
     the pixel rows that rank's ViT runs (its dummy 2 x 2-patch image when it has none: one)."""
-    from megatron.vlm.batches import StageInputs
-    from megatron.vlm.families import runtime_family
+    from megatron.vlm.stage.batches import StageInputs
+    from megatron.vlm.stage.components import runtime_family
 
     side_rows = runtime_family(SPEC).data.side_rows
     samples = _samples(grids)

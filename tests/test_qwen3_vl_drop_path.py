@@ -36,9 +36,9 @@ def samples(ids=(0, 1), grids=GRIDS):
 
 
 def batch(sample_list, iteration=3):
-    from megatron.vlm.families.qwen2_5_vl.data import PatchImages
-    from megatron.vlm.families.qwen2_5_vl.image_processing import ImageProcessorConfig
-    from megatron.vlm.families.qwen3_vl.data import Qwen3Batcher
+    from megatron.vlm.lineages.qwen.data import PatchImages
+    from megatron.vlm.lineages.qwen.image_processing import ImageProcessorConfig
+    from megatron.vlm.lineages.qwen.qwen3_vit.data import Qwen3Batcher
 
     v = SPEC.vision
     rule = PatchImages(ImageProcessorConfig(min_pixels=1, max_pixels=64 * v.patch_size ** 2, patch_size=v.patch_size,
@@ -49,7 +49,7 @@ def batch(sample_list, iteration=3):
 
 def model(rate):
     """The whole model as one stage (loss mode)."""
-    from megatron.vlm.stage import StageBuild, build_stage
+    from megatron.vlm.stage.build import StageBuild, build_stage
 
     return build_stage(StageBuild(SPEC, range(len(build_units(SPEC))), img_context_id=IMAGE_ID, seed=3,
                                   vision_drop_path_rate=rate)).train()
@@ -61,8 +61,8 @@ def loss(stage, b):
 
 
 def test_rate_zero_is_the_model_without_it_and_a_rate_drops(megatron_world):
-    from megatron.vlm.drop_path import DropPathLayer
-    from megatron.vlm.families.qwen3_vl.modules import DeepStackLayer
+    from megatron.vlm.layers.drop_path import DropPathLayer
+    from megatron.vlm.lineages.qwen.qwen3_vit.modules import DeepStackLayer
 
     both = batch(samples())
     plain, zero, some = model(0.0), model(0.0), model(0.6)

@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
-from megatron.vlm.families.qwen3_vl.batch import Qwen3Vision
-from megatron.vlm.micro_batch import MicroBatch
+from megatron.vlm.lineages.qwen.qwen3_vit.batch import Qwen3Vision
+from megatron.vlm.stage.micro_batch import MicroBatch
 
 pytest.importorskip("transformers")
 import hf_check  # noqa: E402
@@ -202,7 +202,7 @@ def test_dropping_deepstack_or_chunked_mrope_is_caught(megatron_world, tiny):
 # freezing: the DeepStack mergers are the projector's
 # --------------------------------------------------------------------------------------------------
 def _stage(trains):
-    from megatron.vlm.stage import StageBuild, build_stage
+    from megatron.vlm.stage.build import StageBuild, build_stage
 
     spec = get_preset("qwen3-vl-tiny")
     return build_stage(StageBuild(spec, range(len(build_units(spec))), trainable=trains))
@@ -240,8 +240,8 @@ def test_deepstack_mergers_follow_the_projector(megatron_world, flags):
 def test_frozen_vit_trains_the_deepstack_mergers(megatron_world):
     """One backward on a tiny micro-batch with --freeze-vit: the mergers (and the projector) get gradients, the ViT
     layers none."""
-    from megatron.vlm.families.qwen3_vl.batch import vision_fields
-    from megatron.vlm.families.qwen2_5_vl.positions import mrope_position_ids
+    from megatron.vlm.lineages.qwen.qwen3_vit.batch import vision_fields
+    from megatron.vlm.lineages.qwen.positions import mrope_position_ids
     from omnibal_ext.model.trainable import Freeze
     import numpy as np
 

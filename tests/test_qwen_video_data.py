@@ -42,7 +42,7 @@ def record_data(folder):
 
 
 def read(family, hf, data):
-    from megatron.vlm.families import runtime_family
+    from megatron.vlm.stage.components import runtime_family
     from megatron.vlm.hf.convert import HFSource
 
     spec = HFSource.open(str(hf)).spec
@@ -109,7 +109,7 @@ def test_qwen2_5_vl_video_pixels_equal_the_pil_image_processor_per_frame(tmp_pat
     from transformers import Qwen2VLImageProcessorPil
 
     from megatron.vlm.data.video import load_video
-    from megatron.vlm.families.qwen2_5_vl import video as qwen2
+    from megatron.vlm.lineages.qwen import video as qwen2
 
     write_coded_video(str(tmp_path / "v.mp4"), 5, 6, 96, 64)
     (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(
@@ -132,7 +132,7 @@ def test_qwen2_5_vl_video_pixels_equal_the_pil_image_processor_per_frame(tmp_pat
 
 
 def test_a_video_processor_of_another_patch_size_is_refused(tmp_path):
-    from megatron.vlm.families.qwen2_5_vl.data import video_rule
+    from megatron.vlm.lineages.qwen.data import video_rule
     from megatron.vlm.hf.convert import HFSource
     from omnibal_ext.errors import UserError
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.vlm.side import live_at, pack, unpack
+from megatron.vlm.stage.side import live_at, pack, unpack
 from omnibal_ext.model.spec import SideTensor
 
 
@@ -52,7 +52,7 @@ def toy(megatron_world):
 def _batch(spec, img_context_id):
     """Two samples: 3 tiles then a text-only one (a dummy tile), 48 tokens each."""
     from megatron.vlm.data.collate import collate_padded
-    from megatron.vlm.micro_batch import MicroBatch
+    from megatron.vlm.stage.micro_batch import MicroBatch
 
     T, v = spec.tokens_per_tile, spec.vision
     g = torch.Generator().manual_seed(1)
@@ -72,7 +72,7 @@ def _batch(spec, img_context_id):
 def _run_split(spec, cuts, batch, trainable=None):
     """The model cut before every unit of ``cuts``: (loss, {unit name.param: grad}), stages chained by hand as
     megatron-core's schedule chains them (each stage's input a leaf that requires grad)."""
-    from megatron.vlm.stage import StageBuild, build_stage
+    from megatron.vlm.stage.build import StageBuild, build_stage
     from omnibal_ext.model.units import build_units
 
     units = build_units(spec)
@@ -122,7 +122,7 @@ def test_side_changes_the_loss(toy):
     """The feature is really added: zeroing a merger changes the loss (the test above could not fail otherwise)."""
     spec = toy.toy_spec()
     batch = _batch(spec, 263)
-    from megatron.vlm.stage import StageBuild, build_stage
+    from megatron.vlm.stage.build import StageBuild, build_stage
     from omnibal_ext.model.units import build_units
 
     stage = build_stage(StageBuild(spec, range(len(build_units(spec))), img_context_id=263, seed=3))

@@ -25,8 +25,8 @@ def samples(tmp_path_factory):
 
 
 def stage(attention_backend="auto", seed=3, unit_range=None):
-    from megatron.vlm.layer_impl import LayerImpl
-    from megatron.vlm.stage import StageBuild, build_stage
+    from megatron.vlm.layers.layer_impl import LayerImpl
+    from megatron.vlm.stage.build import StageBuild, build_stage
 
     spec = get_preset("tiny")
     units = build_units(spec)
@@ -36,7 +36,7 @@ def stage(attention_backend="auto", seed=3, unit_range=None):
 
 def batches(samples):
     from megatron.vlm.data.collate import collate_packed, collate_padded
-    from megatron.vlm.micro_batch import MicroBatch
+    from megatron.vlm.stage.micro_batch import MicroBatch
     from megatron.vlm.data.tokenizer import ByteTokenizer
 
     pad = ByteTokenizer().pad_id
@@ -85,7 +85,7 @@ def test_stages_carry_thd_hidden_states(megatron_world, samples):
 def test_rope_restarts_in_every_packed_sample(megatron_world, samples):
     """A sample's per-token losses are the same alone and packed after others (positions restart)."""
     from megatron.vlm.data.collate import collate_packed
-    from megatron.vlm.micro_batch import MicroBatch
+    from megatron.vlm.stage.micro_batch import MicroBatch
 
     m = stage("auto").eval()
     with torch.no_grad():
@@ -161,7 +161,7 @@ def test_the_counter_sees_host_reads():
 @pytest.mark.parametrize("recompute", [(2, False, 2, False), (0, True, 0, True)], ids=["full", "selective"])
 def test_recompute_on_the_thd_path_changes_nothing(megatron_world, samples, recompute):
     """megatron-core's full (block) and selective (core attention) recompute carry packed_seq_params."""
-    from megatron.vlm.stage import StageBuild, build_stage
+    from megatron.vlm.stage.build import StageBuild, build_stage
     from omnibal_ext.memory.recompute import StageRecompute
 
     spec = get_preset("tiny")

@@ -24,10 +24,10 @@ from megatron.training.arguments import ArgumentError  # noqa: E402
 from megatron.training.isf import isf_groups, isf_subset_groups, isf_times  # noqa: E402
 from megatron.vlm.data import RecordDataset, TileImages  # noqa: E402
 from megatron.vlm.data.tokenizer import build_tokenizer  # noqa: E402
-from megatron.vlm.families.qwen2_5_vl.data import IMAGE_TOKENS, image_rule  # noqa: E402
+from megatron.vlm.lineages.qwen.data import IMAGE_TOKENS, image_rule  # noqa: E402
 from omnibal_ext.data.isf import ISFParams  # noqa: E402
 from omnibal_ext.data.metrics import step_balance_time  # noqa: E402
-from omnibal_ext.data.search import SearchConfig, plan_isf, step_matrix_epoch0  # noqa: E402
+from omnibal_ext.data.search import SearchConfig, run_isf, step_matrix_epoch0  # noqa: E402
 from omnibal_ext.data.stats import load_stats  # noqa: E402
 from omnibal_ext.model.cost_model import get_device  # noqa: E402
 from omnibal_ext.model.sample_time import ISF_TIME_DEVICE, sample_time_units  # noqa: E402
@@ -116,7 +116,7 @@ def test_qwen_isf_groups_in_time_as_omnibal_ext_does(tmp_path, world, capsys):
     capsys.readouterr()
 
     # by counts the same data groups otherwise (what the time plan changes)
-    counts = plan_isf(stats.patches, stats.tokens, cfg)
+    counts = run_isf(stats.patches, stats.tokens, cfg)
     assert [g.tolist() for g in counts.grouping.groups()] != [g.tolist() for g in groups]
 
     # the time DistRatio printed: the definition's, of the groups' summed sample times over the steps served
@@ -154,7 +154,7 @@ def test_qwen_isf_applies_a_plans_time_thresholds_without_a_search(tmp_path, wor
     from omnibal_cli import main as omnibal
     from omnibal_cli import model_from_hf
     from omnibal_ext.plan import PlanConfig, make_plan
-    from omnibal_ext.plan.data_level import isf_plan
+    from omnibal_ext.plan.data_level import isf_for_ranks
     from omnibal_ext.plan.trainer_flags import trainer_argv
 
     folder, data = qwen_data(tmp_path)
@@ -176,7 +176,7 @@ def test_qwen_isf_applies_a_plans_time_thresholds_without_a_search(tmp_path, wor
     # independently: ISF in time with the plan's params on the samples' times on the plan's device, no search
     times = sample_time_units(stats, spec, get_device("h100-80g"))
     want = reference_isf(stats.patches, stats.tokens, params.to_dict(), SEED, times)
-    planned = isf_plan(stats.in_vision_items("patch"), DP, config, 1, 1).grouping.groups()
+    planned = isf_for_ranks(stats.in_vision_items("patch"), DP, config, 1, 1).grouping.groups()
 
     def no_search(*a, **k):
         raise AssertionError("the trainer searched thresholds although the plan gives them")
@@ -269,7 +269,7 @@ def test_qwen_isf_in_time_counts_videos(tmp_path, world, capsys):
     from omnibal_cli import model_from_hf
 
     from megatron.vlm.data.video_synthetic import write_coded_video
-    from megatron.vlm.families.qwen2_5_vl.data import video_rule
+    from megatron.vlm.lineages.qwen.data import video_rule
 
     folder, data = qwen_data(tmp_path)
     (folder / "video_preprocessor_config.json").write_text(json.dumps(

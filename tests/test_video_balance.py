@@ -16,7 +16,7 @@ av = pytest.importorskip("av")
 from megatron.vlm.data import RecordDataset, TileImages  # noqa: E402
 from megatron.vlm.data.tokenizer import build_tokenizer  # noqa: E402
 from megatron.vlm.data.video_sampling import VideoOverrides  # noqa: E402
-from megatron.vlm.families.qwen2_5_vl import video as qwen_video  # noqa: E402
+from megatron.vlm.lineages.qwen import video as qwen_video  # noqa: E402
 from omnibal_ext.data.stats import load_stats  # noqa: E402
 from omnibal_ext.model.cost_model import DEVICES, analytic_costs  # noqa: E402
 from omnibal_ext.model.sample_time import VISION_CODES, sample_times, sample_work, time_coefficients  # noqa: E402
@@ -74,7 +74,7 @@ class QwenOneBlock(qwen_video.QwenFrames):
 
 
 def qwen_dataset(media, **flags):
-    from megatron.vlm.families.qwen2_5_vl.data import PatchImages
+    from megatron.vlm.lineages.qwen.data import PatchImages
 
     rule = QwenOneBlock(qwen_video.settings(None, VideoOverrides(**flags)))
     return RecordDataset(str(media / "d.jsonl"), TOK, PatchImages(), 4096, videos=rule)

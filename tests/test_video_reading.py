@@ -195,10 +195,10 @@ def test_qwen_video_samples(media, tmp_path):
     """What the Qwen families' samples hold for a video: a still video of two identical frames gives the image
     path's pixel rows exactly and grid (1, gh, gw); a coded file gives its frames' grid, Qwen2.5-VL's
     second_per_grid_ts and Qwen3-VL's timestamps by their closed forms."""
-    from megatron.vlm.families.qwen2_5_vl import video as qwen2
-    from megatron.vlm.families.qwen2_5_vl.image_processing import ImageProcessorConfig, preprocess_image
-    from megatron.vlm.families.qwen3_vl import video as qwen3
-    from megatron.vlm.families.qwen3_vl.image_processing import PUBLISHED
+    from megatron.vlm.lineages.qwen import video as qwen2
+    from megatron.vlm.lineages.qwen.image_processing import ImageProcessorConfig, preprocess_image
+    from megatron.vlm.lineages.qwen.qwen3_vit import video as qwen3
+    from megatron.vlm.lineages.qwen.qwen3_vit.image_processing import PUBLISHED
 
     still = tmp_path / "still"
     still.mkdir()

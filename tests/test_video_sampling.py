@@ -21,8 +21,8 @@ from megatron.vlm.data import video_sampling as vs
 from megatron.vlm.data.video_decode import VideoError
 from megatron.vlm.data.video_sampling import VideoOverrides, VideoSettings
 from megatron.vlm.families.internvl import video as internvl
-from megatron.vlm.families.qwen2_5_vl import video as qwen2
-from megatron.vlm.families.qwen3_vl import video as qwen3
+from megatron.vlm.lineages.qwen import video as qwen2
+from megatron.vlm.lineages.qwen.qwen3_vit import video as qwen3
 from omnibal_ext.errors import UserError
 
 q3 = pytest.importorskip("transformers.models.qwen3_vl.video_processing_qwen3_vl")

@@ -2,8 +2,8 @@
 whose ViT layers ``PRODUCERS`` each feed a small merger (pixel shuffle, one Linear into the LLM's width) whose output
 (side tensor ``deepstack.k``) is added to the output of LLM layer ``CONSUMERS[k]`` at the image-token positions.
 
-Importing it registers both sides (planning ``Family`` with its preset ``toy-deepstack`` and runtime ``RuntimeFamily``, through
-``megatron.vlm.families.register``), so the trainer takes it with
+Importing it registers its ``Family`` (preset ``toy-deepstack``; run-time side ``RUNTIME``, a ``FamilyRuntime``, named
+by ``Family.runtime``) through the public ``omnibal_ext.model.families.register``, so the trainer takes it with
 ``--family-module tests/toy_deepstack.py --model toy-deepstack``; ``unregister()`` takes it out again.
 
 The mergers sit in their ViT layer's module (attribute ``side_merger`` of the TransformerLayer: checkpoint keys
@@ -14,11 +14,14 @@ tokens (backward: all-gather), so every TP rank back-propagates the same full gr
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
+from omnibal_ext.model import families
 from omnibal_ext.model.families import Family
-from omnibal_ext.model.families.internvl import INTERNVL
+from megatron.vlm.families.internvl import INTERNVL
 from omnibal_ext.model.spec import PROJECTOR, SideTensor
 from omnibal_ext.model.units import build_units, get_preset
 
@@ -40,17 +43,16 @@ def toy_spec():
     return get_preset("tiny").replace(name=NAME, family=NAME)
 
 
-def _runtime(planning):
-    from megatron.vlm import families as runtime_families
-    from megatron.vlm import sequence_parallel
-    from megatron.vlm.components import GPT_DECODER, TextLayer
-    from megatron.vlm.config import vision_config
-    from megatron.vlm.context_parallel import context_parallel_group, gather_rows, tile_ranges
+def _runtime():
+    from megatron.vlm.parallel import sequence_parallel
+    from megatron.vlm.stage.components import GPT_DECODER, TextLayer
+    from megatron.vlm.layers.config import vision_config
+    from megatron.vlm.parallel.context_parallel import context_parallel_group, gather_rows, tile_ranges
     from megatron.vlm.families.internvl.components import ProjectorUnit, VisionEmbed, VisionLayer
-    from megatron.vlm.seeding import seeded
-    from megatron.vlm.side import put_side, take_side
-    from megatron.vlm.text import run_text_blocks
-    from megatron.vlm.components import RuntimeFamily
+    from megatron.vlm.layers.seeding import seeded
+    from megatron.vlm.stage.text import run_text_blocks
+    from megatron.vlm.stage.components import FamilyRuntime
+    from megatron.vlm.stage.components import runtime_family
 
     def split_at(units, cuts):
         """``units`` (a run of layer units) cut after every unit whose index is in ``cuts``."""
@@ -97,9 +99,16 @@ def _runtime(planning):
         def sides(self):
             return {s.producer: s.name for s in side_tensors(self.spec)}
 
-        def build(self, units):
-            self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.vision_config)
-            self.first = units[0].index
+        @functools.cached_property
+        def sp_edges(self):
+            return self.ctx.sequence_parallel_edges(self.units, self.ctx.vision_config)
+
+        @property
+        def first(self):
+            return self.units[0].index
+
+        def build(self):
+            units = self.units
             blocks = build_split(self, units, self.ctx.vision_config, set(self.sides()))
             layer_of = dict(zip([u.index for u in units], (layer for b in blocks for layer in b.layers)))
             for index in self.sides():
@@ -124,7 +133,7 @@ def _runtime(planning):
                 x = block(hidden_states=x, attention_mask=mask)
                 if last in sides:
                     full = sequence_parallel.leave(x)[:tokens] if cfg.sequence_parallel else x
-                    put_side(cache, sides[last], block.layers[-1].side_merger(full))
+                    cache.put_side(sides[last], block.layers[-1].side_merger(full))
             if cfg.sequence_parallel and self.sp_leaves:
                 x = sequence_parallel.leave(x)[:tokens]
             return x
@@ -135,11 +144,16 @@ def _runtime(planning):
         def sides(self):
             return {c: s.name for s in side_tensors(self.spec) for c in s.consumers}
 
-        def build(self, units):
-            self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.language_config,
-                                                                              ("L",))
-            self.first = units[0].index
-            return build_split(self, units, self.ctx.language_config, set(self.sides()))
+        @functools.cached_property
+        def sp_edges(self):
+            return self.ctx.sequence_parallel_edges(self.units, self.ctx.language_config, ("L",))
+
+        @property
+        def first(self):
+            return self.units[0].index
+
+        def build(self):
+            return build_split(self, self.units, self.ctx.language_config, set(self.sides()))
 
         def addition(self, feature, batch, like):
             """The side tensor's rows at this rank's image-token positions, zeros elsewhere: [t, 1, H]."""
@@ -163,31 +177,30 @@ def _runtime(planning):
             for k, (block, last) in enumerate(block_ends(module, self.first)):
                 x = run_text_blocks(module[k:k + 1], x, context, self.ctx.impl.thd)
                 if last in sides:
-                    add = self.addition(take_side(cache, sides[last]), batch, x)
+                    add = self.addition(cache.take_side(sides[last]), batch, x)
                     x = x + (sequence_parallel.enter(add) if sp else add)
             return sequence_parallel.leave(x) if self.sp_leaves else x
 
     text_embed, _, head = GPT_DECODER
-    internvl = runtime_families.FAMILIES[INTERNVL.name]
-    return RuntimeFamily(planning=planning, components=(VisionEmbed, DeepStackVisionLayer, ProjectorUnit, text_embed,
-                                                        DeepStackTextLayer, head),
+    internvl = runtime_family(get_preset("tiny"))
+    return FamilyRuntime(components=(VisionEmbed, DeepStackVisionLayer, ProjectorUnit, text_embed, DeepStackTextLayer,
+                                     head),
                          vision_config=vision_config, data=internvl.data)
 
 
-def register():
-    """Both sides, through the public ``megatron.vlm.families.register``."""
-    from megatron.vlm import families as runtime_families
+FAMILY = Family(name=NAME, vision_spec=INTERNVL.vision_spec, components=INTERNVL.components,
+                unit_list=INTERNVL.unit_list, vision_item="tile", presets={NAME: toy_spec()},
+                side_tensors=side_tensors, capabilities=INTERNVL.capabilities, runtime=f"{__name__}:RUNTIME")
 
-    planning = Family(name=NAME, vision_spec=INTERNVL.vision_spec, components=INTERNVL.components,
-                      unit_list=INTERNVL.unit_list, vision_item="tile", presets={NAME: toy_spec()},
-                      side_tensors=side_tensors, capabilities=INTERNVL.capabilities)
-    runtime_families.register(_runtime(planning))
+
+def register():
+    """The family, through the public ``register`` (again: a no-op)."""
+    families.register(FAMILY)
 
 
 def unregister():
-    from megatron.vlm import families as runtime_families
-
-    runtime_families.unregister(NAME)
+    families.unregister(NAME)
 
 
 register()
+RUNTIME = _runtime()

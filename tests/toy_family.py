@@ -1,11 +1,14 @@
-"""A model family defined outside the package, as a user's plugin: importing this module registers it through the
-public ``megatron.vlm.families.register`` (the trainer imports it with ``--family-module toy_family``).
+"""A model family defined outside the package, as a user's plugin, written step by step from docs/extending.md
+("Adding a family"): importing this module registers it (the trainer imports it with ``--family-module
+toy_family``).
 
 The toy is InternVL with another projector: one linear layer (pixel shuffle, then a single Linear into the LLM's
-width) instead of LayerNorm and a 2-layer MLP. Its planning side is a ``Family`` with its own ``ProjectorCost``
-subclass and its own preset (``toy-tiny``); its runtime side a ``RuntimeFamily`` with its own projector component;
-everything else (ViT, data side: tiles, HF side: InternVL's names with the projector's own tensors) is InternVL's
-and the shared GPT decoder's, reached through the public modules only.
+width) instead of LayerNorm and a 2-layer MLP. Everything else (the ViT, the data side: tiles, the HF side: InternVL's
+names plus the projector's own tensors) is InternVL's and the shared GPT decoder's, reached through public modules.
+
+Step 1 (costs, tensor-free) and step 3 (the ``Family``) import no torch; step 2 (the run-time side) does. A plugin
+that must plan without torch puts step 2 in a module of its own and names it in ``Family.runtime``; this one keeps the
+three steps in one file.
 """
 from __future__ import annotations
 
@@ -15,18 +18,21 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 
 from omnibal_ext.model.components import HeadCost, TextEmbedCost, TextLayerCost
-from omnibal_ext.model.families import Family
-from omnibal_ext.model.families.internvl import INTERNVL as INTERNVL_PLANNING
-from omnibal_ext.model.families.internvl import ProjectorCost, VisionEmbedCost, VisionLayerCost, VisionSpec
+from omnibal_ext.model.families import Family, family_of, register
 
-from megatron.vlm.components import GPT_DECODER, RuntimeComponent, RuntimeFamily
-from megatron.vlm.config import vision_config
-from megatron.vlm.families import FAMILIES, register
+from megatron.vlm.stage.components import GPT_DECODER, FamilyRuntime, RuntimeComponent
+from megatron.vlm.layers.config import vision_config
+from megatron.vlm.stage.components import runtime_family
 from megatron.vlm.families.internvl.components import VisionEmbed, VisionLayer
+from megatron.vlm.families.internvl.costs import ProjectorCost, VisionEmbedCost, VisionLayerCost, VisionSpec
+from megatron.vlm.families.internvl.presets import PRESETS as INTERNVL_PRESETS
+from megatron.vlm.hf.config import HFSide
+from megatron.vlm.hf.recipes import whole
 
 NAME = "toy-linear-projector"
 
 
+# Step 1: the costs of the new unit kind and the unit list (tensor-free) ----------------------------------------
 class LinearProjectorCost(ProjectorCost):
     """Pixel shuffle and one Linear (with bias) into the LLM's width."""
 
@@ -48,6 +54,7 @@ def unit_list(spec):
     return units + [("llm.head", HeadCost, None)]
 
 
+# Step 2: the run-time side: the module, its component (build, forward, HF mapping), the FamilyRuntime ----------
 class LinearProjector(MegatronModule):
     """[1 + P, n, Hv] -> drop the class token -> pixel shuffle -> Linear -> [n * tokens per tile, 1, Hl]."""
 
@@ -71,7 +78,7 @@ class LinearProjector(MegatronModule):
 class LinearProjectorUnit(RuntimeComponent):
     cost, attr = LinearProjectorCost, "projector"
 
-    def build(self, units):  # its input is the ViT's whole output: never sequence parallel (as InternVL's projector)
+    def build(self):  # its input is the ViT's whole output: never sequence parallel (as InternVL's projector)
         return LinearProjector(self.spec, dataclasses.replace(self.ctx.language_config, sequence_parallel=False))
 
     def forward(self, module, x, batch, cache):
@@ -79,26 +86,14 @@ class LinearProjectorUnit(RuntimeComponent):
 
     @classmethod
     def hf_recipes(cls, unit, table):
-        from megatron.vlm.hf.recipes import whole
-
         spec = table.spec
         hi, ho = spec.projector_in_size, spec.language.hidden_size
         table.add(unit.name + ".fc.weight", whole(table.hf("toy_projector.weight", (ho, hi)), (ho, hi)))
         table.add(unit.name + ".fc.bias", whole(table.hf("toy_projector.bias", (ho,)), (ho,)))
 
 
-def _tiny():
-    base = INTERNVL_PLANNING.presets["tiny"]
-    return base.replace(name="toy-tiny", family=NAME)
-
-
-PLANNING = Family(
-    name=NAME, vision_spec=VisionSpec,
-    components=(VisionEmbedCost, VisionLayerCost, LinearProjectorCost, TextEmbedCost, TextLayerCost, HeadCost),
-    unit_list=unit_list, vision_item="tile", presets={"toy-tiny": _tiny()},
-    spec_problem=INTERNVL_PLANNING.spec_problem, capabilities=INTERNVL_PLANNING.capabilities)
-
-_internvl = FAMILIES[INTERNVL_PLANNING.name]
+_INTERNVL_TINY = INTERNVL_PRESETS["tiny"]
+_internvl = runtime_family(_INTERNVL_TINY)  # InternVL's run-time side: its data and HF sides are reused
 
 
 def recognizes(cfg: dict) -> bool:
@@ -107,7 +102,7 @@ def recognizes(cfg: dict) -> bool:
 
 def spec_from_config(cfg: dict, name: str = "hf", where: str = "config.json"):
     """InternVL's native reader on the same keys, the model of this family."""
-    spec, info = _internvl.hf.spec_from_config({**cfg, "model_type": "internvl"}, name, where)
+    spec, info = _internvl.hf.spec_from_config({**cfg, "model_type": _INTERNVL_TINY.family}, name, where)
     return spec.replace(family=NAME), info
 
 
@@ -116,9 +111,18 @@ def native_config(spec, info, source):
             "architectures": ["ToyLinearProjectorForConditionalGeneration"]}
 
 
-HF = dataclasses.replace(_internvl.hf, recognizes=recognizes, spec_from_config=spec_from_config,
-                         native_config=native_config)
-FAMILY = RuntimeFamily(planning=PLANNING, components=(VisionEmbed, VisionLayer, LinearProjectorUnit, *GPT_DECODER),
-                       vision_config=vision_config, hf=HF, data=_internvl.data)
+HF: HFSide = dataclasses.replace(_internvl.hf, recognizes=recognizes, spec_from_config=spec_from_config,
+                                 native_config=native_config)
+RUNTIME = FamilyRuntime(components=(VisionEmbed, VisionLayer, LinearProjectorUnit, *GPT_DECODER),
+                        vision_config=vision_config, hf=HF, data=_internvl.data)
 
-register(FAMILY)
+
+# Step 3: the Family, registered ---------------------------------------------------------------------------------
+_internvl_family = family_of(_INTERNVL_TINY)
+FAMILY = register(Family(
+    name=NAME, vision_spec=VisionSpec,
+    components=(VisionEmbedCost, VisionLayerCost, LinearProjectorCost, TextEmbedCost, TextLayerCost, HeadCost),
+    unit_list=unit_list, vision_item="tile",
+    presets={"toy-tiny": _INTERNVL_TINY.replace(name="toy-tiny", family=NAME)},
+    spec_problem=_internvl_family.spec_problem, capabilities=_internvl_family.capabilities,
+    runtime=f"{__name__}:RUNTIME"))

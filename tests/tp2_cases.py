@@ -23,7 +23,7 @@ def vit_layer_and_input(tp: int):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron.vlm.config import vision_config
+    from megatron.vlm.layers.config import vision_config
     from megatron.vlm.families.internvl.layers import layer_spec as _layer_spec
 
     spec = vit_spec()
@@ -60,7 +60,7 @@ def run_vit(layer, x, grad_seed):
 
 
 def tiny_model(tp: int, real_vocab: bool, vocab_size: int | None = None):
-    from megatron.vlm.stage import StageBuild, build_stage
+    from megatron.vlm.stage.build import StageBuild, build_stage
 
     spec = get_preset("tiny")
     lang = spec.language
@@ -87,9 +87,9 @@ def qwen3_layer_and_input(tp: int):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron.vlm import layers
-    from megatron.vlm.config import language_config
-    from megatron.vlm.layer_impl import LayerImpl
+    from megatron.vlm.layers import blocks as layers
+    from megatron.vlm.layers.config import language_config
+    from megatron.vlm.layers.layer_impl import LayerImpl
     from omnibal_ext.model.spec import LanguageSpec
 
     spec = get_preset("tiny").replace(language=LanguageSpec(**QWEN3))

@@ -18,6 +18,8 @@ from omnibal_ext.model.spec import vit_layers_for_feature_layer
 from omnibal_ext.model.units import PRESETS, ModelSpec, build_units, default_model, family_of, get_preset
 from omnibal_ext.plan import tp_problem, trainer_argv
 
+from megatron.vlm.families import import_family_modules as import_modules  # importing it registers the built-ins
+
 
 class ArgumentError(UserError):
     """A flag value that cannot work; the message names the flag."""
@@ -84,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="split each packed sample of the LLM over this many ranks (2 x CP chunks per sample, "
                         "balanced for causal attention; keys/values all-gathered per layer); the ViT's tiles are "
-                        "divided over the same ranks (megatron/vlm/context_parallel.py)")
+                        "divided over the same ranks (megatron/vlm/parallel/context_parallel.py)")
     g.add_argument("--pipeline-layout", default=None,
                    help="units per stage, e.g. 'Iv*3|vPEt*4L' (I vit embed, v ViT layer, P projector, "
                         "E LLM embed, t LLM layer, L head) or counts '4,8'; default: Megatron's "
@@ -406,12 +408,12 @@ def check_moe(args, spec: ModelSpec, tp: int, pp: int, cp: int, dp: int) -> None
 
 
 def moe_run_of(args, spec: ModelSpec | None = None):
-    """How the MoE layers train (``megatron.vlm.moe.MoERun``) from checked flags; None for a dense model (``spec``,
+    """How the MoE layers train (``megatron.vlm.layers.moe.MoERun``) from checked flags; None for a dense model (``spec``,
     the model the flags describe: default ``model_spec_of(args)``)."""
     spec = model_spec_of(args) if spec is None else spec
     if spec.language.moe is None:
         return None
-    from megatron.vlm.moe import MoERun
+    from megatron.vlm.layers.moe import MoERun
 
     return MoERun(aux_loss_coeff=args.moe_aux_loss_coeff, z_loss_coeff=args.moe_z_loss_coeff,
                   expert_bias=args.moe_router_enable_expert_bias, bias_update_rate=args.moe_router_bias_update_rate,
@@ -705,7 +707,7 @@ def video_flags_given(args) -> tuple[str, ...]:
 def check_video_flags(args, spec: ModelSpec) -> None:
     """The family's video rule built from the flags (``DataSide.video_rule``): a flag its processor does not
     implement, or settings that do not fit together, are refused now, naming the flag."""
-    from megatron.vlm.families import runtime_family
+    from megatron.vlm.stage.components import runtime_family
 
     rule = runtime_family(spec).data.video_rule
     if rule is None:
@@ -835,13 +837,11 @@ def plan_flags(path: str) -> list[str]:
 
 def import_family_modules(argv: list[str]) -> None:
     """Import the ``--family-module`` modules of ``argv`` (before the parser is built: their presets are
-    ``--model`` choices). Each registers its family (``megatron.vlm.families.register``)."""
+    ``--model`` choices). Each registers its family (``omnibal_ext.model.families.register``)."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--family-module", action="append", default=[])
     modules = pre.parse_known_args(argv)[0].family_module
     if modules:
-        from megatron.vlm.families import import_family_modules as import_modules
-
         import_modules(modules)
 
 

@@ -13,7 +13,7 @@ import torch
 
 from omnibal_ext.model.simulate import schedule_order
 
-from megatron.vlm.tied import allreduce_tied_grad
+from megatron.vlm.parallel.tied import allreduce_tied_grad
 
 
 class ChunkData:

@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from omnibal_ext.data.assign import assemble_steps
 from omnibal_ext.data.isf import ISFParams, check_partition, isf_group
-from omnibal_ext.data.search import DataPlan, SearchConfig, plan_isf
+from omnibal_ext.data.search import IsfResult, SearchConfig, run_isf
 from omnibal_ext.data.cli import bound_line
-from omnibal_ext.data.search_time import plan_isf_time, sample_bound
+from omnibal_ext.data.search_time import run_isf_in_time, sample_bound
 from omnibal_ext.model.cost_model import get_device
 from omnibal_ext.model.cp_split import rank_vit_budget, video_fit
 from omnibal_ext.model.sample_time import isf_sample_times
@@ -131,7 +131,7 @@ def run_sample_times(args, plan: RunPlan, dataset) -> tuple[np.ndarray, np.ndarr
     return None if timed is None else timed[1]
 
 
-def plan_data(args, plan: RunPlan, dataset) -> DataPlan:
+def plan_data(args, plan: RunPlan, dataset) -> IsfResult:
     """The run's ISF data plan (thresholds searched unless fixed, groups, balanced step order, metrics): in predicted
     time for a family with ``isf_times``, with --omnibal-isf-qv/-qt as the hard count caps and the time thresholds
     as given when the flags give them (a plan's: nothing searched); else by counts."""
@@ -144,12 +144,12 @@ def plan_data(args, plan: RunPlan, dataset) -> DataPlan:
         if fixed is not None and fixed.timed:
             raise ArgumentError(f"--omnibal-isf-vit-time/--omnibal-isf-llm-time: {plan.model_spec.name}'s ViT items "
                                 "cost alike, so ISF groups by counts; drop the time thresholds")
-        return plan_isf(tiles, tokens, cfg, fixed)
+        return run_isf(tiles, tokens, cfg, fixed)
     if fixed is not None and fixed.timed:
-        return plan_isf_time(timed[0], tokens, timed[1], cfg, fixed)
+        return run_isf_in_time(timed[0], tokens, timed[1], cfg, fixed)
     if args.omnibal_isf_qv is not None:
         cfg = dataclasses.replace(cfg, vit_cap=args.omnibal_isf_qv, max_seq_len=args.omnibal_isf_qt)
-    return plan_isf_time(timed[0], tokens, timed[1], cfg)
+    return run_isf_in_time(timed[0], tokens, timed[1], cfg)
 
 
 def report_line(num_samples: int, num_groups: int, params: dict, m: dict) -> str:

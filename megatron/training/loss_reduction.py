@@ -23,6 +23,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from megatron.vlm.stage.micro_batch import MicroBatch
+
 REDUCTIONS = ("token", "sample", "square")
 
 
@@ -50,7 +52,7 @@ def reduce_loss(per_sample_sums, answer_counts, reduction: str):
     return num / max(normaliser(answer_counts, reduction), 1e-30)
 
 
-def prefetch(data_iterator, num_microbatches: int, reduction: str, group) -> tuple[list[dict], float]:
+def prefetch(data_iterator, num_microbatches: int, reduction: str, group) -> tuple[list[MicroBatch], float]:
     """(the iteration's micro-batches, D over the whole global batch): pulls ``num_microbatches`` micro-batches
     from ``data_iterator`` and sums their normalisers over ``group`` (the data-parallel gloo group)."""
     batches = [next(data_iterator) for _ in range(num_microbatches)]

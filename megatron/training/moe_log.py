@@ -1,6 +1,6 @@
 """What the trainer logs of its MoE layers each iteration: ``moe aux loss`` from megatron-core's aux-loss tracker
 (``moe_utils``: each router records its load-balancing and z losses, without their coefficients, per decoder layer)
-and the expert load from the routers' routing maps (``megatron.vlm.moe.ExpertLoad``), both over every rank; and
+and the expert load from the routers' routing maps (``megatron.vlm.layers.moe.ExpertLoad``), both over every rank; and
 ``--log-expert-load`` FILE, the per-layer, per-expert token counts as JSON lines.
 
 ``moe aux loss``: the routers' losses summed over the MoE layers and the loss kinds, per micro-batch (megatron-core's
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe import moe_utils
 
-from megatron.vlm.moe import ExpertLoad, load_metrics
+from megatron.vlm.layers.moe import ExpertLoad, load_metrics
 
 # megatron-core's tracker names (router.py): the load-balancing losses and the z-loss
 TRACKED = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss", "z_loss")

@@ -31,10 +31,11 @@ from omnibal_ext.model.spec import LAYER_ROLES, TEXT_LAYER, VISION_LAYER
 from omnibal_ext.model.units import build_units, unit_components
 
 from megatron.vlm.data.collate import packing
-from megatron.vlm.families import runtime_family
-from megatron.vlm.layer_impl import resolve_layer_impl
-from megatron.vlm.micro_batch import MicroBatch
-from megatron.vlm.stage import StageBuild, VLMStage, build_stage
+from megatron.vlm.stage.components import runtime_family
+from megatron.vlm.layers.layer_impl import resolve_layer_impl
+from megatron.vlm.stage.micro_batch import MicroBatch
+from megatron.vlm.stage.side import StageCache
+from megatron.vlm.stage.build import StageBuild, VLMStage, build_stage
 from omnibal_ext.memory.recompute import StageRecompute
 
 from .arguments import moe_run_of
@@ -129,7 +130,7 @@ def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, devic
     family_batch = runtime_family(mini).data.profile_batch or synthetic_batch
     batch = family_batch(mini, shape, img_context_id, device, pad_to_multiple=tp if sp else 1)
     batch = batch.with_vision(pixel_values=batch.vision.pixel_values.to(dtype))
-    cache: dict = {}  # per micro-batch inputs (the LLM layers' context), built once, outside the timings
+    cache = StageCache()  # per micro-batch inputs (the LLM layers' context), built once, outside the timings
     for part in plain.parts:
         part.component.prepare(plain.module_of(part), batch, cache)
 

@@ -22,9 +22,9 @@ from megatron.core import parallel_state
 from omnibal_ext.model.expert_load import expert_load_meta
 from omnibal_ext.model.units import build_units
 
-from megatron.vlm.layer_impl import resolve_layer_impl
-from megatron.vlm.moe import ExpertLoad
-from megatron.vlm.stage import StageBuild, build_stage
+from megatron.vlm.layers.layer_impl import resolve_layer_impl
+from megatron.vlm.layers.moe import ExpertLoad
+from megatron.vlm.stage.build import StageBuild, build_stage
 
 
 def whole_model(args, plan, img_context_id: int, device: torch.device):

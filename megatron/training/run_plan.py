@@ -77,7 +77,7 @@ class RunPlan:
     """LoRA adapters (--lora-*; omnibal_ext.model.lora): rank 0 = none; with them the layers run megatron-core's
     torch linears (--transformer-impl local)."""
     moe_run: object = None
-    """With --num-experts: how the MoE layers train (``megatron.vlm.moe.MoERun``: loss coefficients, expert bias,
+    """With --num-experts: how the MoE layers train (``megatron.vlm.layers.moe.MoERun``: loss coefficients, expert bias,
     dispatcher, EP / ETP); else None."""
     recompute_plan: RecomputePlan | None = None
     """With --omnibal-recompute auto: the planner's answer, with its predicted peak and static bytes and the

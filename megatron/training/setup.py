@@ -15,11 +15,12 @@ from omnibal_ext.model.layout import default_layout, parse_layout
 from omnibal_ext.model.spec import TEXT_LAYER, VISION_LAYER
 from omnibal_ext.model.units import build_units, family_of
 
-from megatron.vlm.batches import MicroBatches, StageInputs
+from megatron.vlm.stage.batches import MicroBatches, StageInputs
+from megatron.vlm.stage.components import units_inputs
 from megatron.vlm.data.digits import FORMAT_VERSION as DIGITS_FORMAT
 from megatron.vlm.data.digits import build_digits_dataset, digits_meta_paths
 from megatron.vlm.data.records import RecordDataset
-from megatron.vlm.families import runtime_family
+from megatron.vlm.stage.components import runtime_family
 
 from .arguments import ArgumentError
 from .run_plan import RunPlan
@@ -45,7 +46,7 @@ def data_paths(args, plan: RunPlan) -> tuple[str, str | None]:
 
 
 def build_dataset(args, plan: RunPlan, tokenizer, meta_path: str) -> RecordDataset:
-    """The dataset of ``meta_path`` read with the model family's data side (``RuntimeFamily.data``)."""
+    """The dataset of ``meta_path`` read with the model family's data side (``FamilyRuntime.data``)."""
     spec = plan.model_spec
     data = runtime_family(spec).data
     images = data.image_rule(args, spec, args.hf_checkpoint)
@@ -100,22 +101,20 @@ def build_datasets(args, plan: RunPlan, tokenizer) -> tuple[RecordDataset, Recor
     return train_set, valid_set
 
 
-def stage_inputs(plan: RunPlan) -> StageInputs:
+def rank_stage_inputs(plan: RunPlan) -> StageInputs:
     """What this rank's pipeline stage (of ``plan.layout``) reads of a micro-batch, from its units' runtime
     components; interleaved: what its model chunks' units read together (one loader serves every chunk)."""
-    from megatron.vlm.families import stage_inputs as inputs_of
-
     units = build_units(plan.model_spec)
     stages = plan.rank_stages(parallel_state.get_pipeline_model_parallel_rank(),
                               parallel_state.get_pipeline_model_parallel_world_size())
-    return inputs_of(plan.model_spec, [units[i] for s in stages for i in plan.layout.stage_range(s)])
+    return units_inputs(plan.model_spec, [units[i] for s in stages for i in plan.layout.stage_range(s)])
 
 
 def build_data(args, plan: RunPlan, tokenizer, inputs: StageInputs | None = None, datasets=None,
                device_type: str = "cpu", groups=None):
     """(train, valid or None) MicroBatches for this rank's stage and data-parallel rank.
 
-    inputs: what the stage reads (``stage_inputs``; None: everything).  datasets: ``build_datasets``'s
+    inputs: what the stage reads (``rank_stage_inputs``; None: everything).  datasets: ``build_datasets``'s
     pair (default: built here).  groups: ``build_groups``'s (groups, order, regroup) for the training set (default: made
     here; the trainer makes it before profiling, whose shapes come from it).  The TP rank 0 of a stage
     that reads pixels loads (with --num-workers workers, --prefetch-factor ahead) and broadcasts over the

@@ -22,7 +22,7 @@ def setup_tokenizer(args, plan: RunPlan):
         if has_tokenizer(hf):
             tokenizer_model = hf  # the model's own tokenizer (and its special tokens)
     plan = dataclasses.replace(plan, tokenizer_model=tokenizer_model)
-    from megatron.vlm.families import runtime_family
+    from megatron.vlm.stage.components import runtime_family
 
     tokenizer = build_tokenizer(tokenizer_model, image_tokens=runtime_family(plan.model_spec).data.image_tokens)
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -55,7 +55,7 @@ def _check_hf_tokenizer(args, plan: RunPlan, tokenizer) -> RunPlan:
         raise ArgumentError(f"--tokenizer-model {plan.tokenizer_model or '(byte-level)'}: {tokenizer.vocab_size} ids, "
                             f"more than the {real} rows of --hf-checkpoint {args.hf_checkpoint} (text vocab_size)")
     if info.image_token_id is not None and tokenizer.img_context_id != info.image_token_id:
-        from megatron.vlm.families import runtime_family
+        from megatron.vlm.stage.components import runtime_family
 
         context = runtime_family(spec).data.image_tokens[2]
         raise ArgumentError(f"--tokenizer-model {plan.tokenizer_model or '(byte-level)'}: {context} is id "

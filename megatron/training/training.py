@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from functools import partial
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -17,10 +18,10 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from omnibal_ext.data.metrics import step_balance
 from omnibal_ext.model.units import build_units
 
-from megatron.vlm.head import HeadOutput
-from megatron.vlm.layer_impl import resolve_layer_impl
-from megatron.vlm.micro_batch import MicroBatch
-from megatron.vlm.stage import StageBuild, build_stage
+from megatron.vlm.layers.head import HeadOutput
+from megatron.vlm.layers.layer_impl import resolve_layer_impl
+from megatron.vlm.stage.micro_batch import MicroBatch
+from megatron.vlm.stage.build import StageBuild, build_stage
 from omnibal_ext.model.spec import TEXT_EMBED
 
 from . import checkpointing
@@ -65,7 +66,7 @@ def build_model(args, plan: RunPlan, img_context_id: int, device: torch.device):
         embed_index = next(u.index for u in units if u.code == TEXT_EMBED)
         embed_rank = next(s for s in range(layout.num_stages) if embed_index in layout.stage_range(s)) % pp
         if embed_rank != pp - 1:  # every rank takes part in making the groups
-            from megatron.vlm.tied import build_tied_embedding_group
+            from megatron.vlm.parallel.tied import build_tied_embedding_group
 
             group = build_tied_embedding_group(embed_rank, pp - 1, timeout=distributed_timeout(args))
             for module in modules:
@@ -82,7 +83,7 @@ def build_model(args, plan: RunPlan, img_context_id: int, device: torch.device):
 
 def finalize_grads(model, num_tokens=None, **kwargs):
     """megatron-core's finalize_model_grads, after summing the tied embedding's gradients across the
-    stages that hold E and L (interleaved.sum_tied_grads, megatron/vlm/tied.py)."""
+    stages that hold E and L (interleaved.sum_tied_grads, megatron/vlm/parallel/tied.py)."""
     sum_tied_grads([unwrap_model(chunk) for chunk in model])
     return finalize_model_grads(model, num_tokens, **kwargs)
 
@@ -201,12 +202,20 @@ def forward_step(data_iterator, model, meter: ActivationMeter | None = None, red
     return output, partial(loss_func, batch, None, reduction=reduction, scale=scale)
 
 
+class ForwardBackward(Protocol):
+    """megatron-core's pipeline schedule (``get_forward_backward_func()``; the interleaved one with our groups bound):
+    runs ``num_microbatches`` forward (and backward) steps over ``model``'s chunks, returns the loss reports."""
+
+    def __call__(self, *, forward_step_func: Callable, data_iterator, model: list, num_microbatches: int,
+                 seq_length: int, micro_batch_size: int, forward_only: bool) -> list[dict]: ...
+
+
 @dataclass(frozen=True)
 class StepSetup:
     """What every step of a run uses: megatron-core's schedule (``forward_backward``, with the interleaved one's
     groups), the activation meter (--log-activation-memory, else None), the metric groups and whether this rank
     holds the last pipeline stage."""
-    forward_backward: object
+    forward_backward: ForwardBackward
     meter: ActivationMeter | None
     groups: MetricGroups
     is_last: bool

@@ -15,7 +15,7 @@ from .assign import PackPlan, StepAssembly, assemble_steps, load_pack, save_pack
 from .isf import Grouping, ISFParams, OversizeError, check_partition, isf_group, isf_multi
 from .metrics import dist_ratio_matrix, dist_ratio_one, fill, pad_ratio, step_balance
 from .sampler import GroupBatchSampler, random_groups
-from .search import DataPlan, SearchConfig, SearchResult, plan_isf, plan_isf_multi, random_baseline, search_params
+from .search import IsfResult, SearchConfig, SearchResult, run_isf, run_isf_by_source, random_baseline, search_params
 from .stats import SampleStats, StatsError, from_arrays, load_stats, resample
 
 __all__ = [
@@ -23,6 +23,6 @@ __all__ = [
     "Grouping", "ISFParams", "OversizeError", "check_partition", "isf_group", "isf_multi",
     "dist_ratio_matrix", "dist_ratio_one", "fill", "pad_ratio", "step_balance",
     "GroupBatchSampler", "random_groups",
-    "DataPlan", "SearchConfig", "SearchResult", "plan_isf", "plan_isf_multi", "random_baseline", "search_params",
+    "IsfResult", "SearchConfig", "SearchResult", "run_isf", "run_isf_by_source", "random_baseline", "search_params",
     "SampleStats", "StatsError", "from_arrays", "load_stats", "resample",
 ]

@@ -31,11 +31,14 @@ from typing import Callable
 import numpy as np
 
 from ..errors import UserError, report
+from ..model.cost_model import get_device
+from ..model.sample_time import TIME_UNIT_S, sample_time_units
+from ..model.units import family_of, get_preset
 from .assign import make_pack, save_pack
-from .isf import ISFParams, OVERSIZE_POLICIES
-from .search import (DataPlan, SearchConfig, params_summary, plan_isf, plan_isf_multi, random_baseline,
-                     random_group_totals, step_matrix_epoch0)
-from .search_time import plan_isf_time, random_baseline_time, sample_bound
+from .isf import OVERSIZE_POLICIES, ISFParams
+from .search import (IsfResult, SearchConfig, params_summary, random_baseline, random_group_totals, run_isf,
+                     run_isf_by_source, step_matrix_epoch0)
+from .search_time import random_baseline_time, run_isf_in_time, sample_bound
 from .stats import SampleStats, StatsError, load_stats, resample
 
 METRIC_KEYS = ("pad_ratio", "dist_ratio_llm", "dist_ratio_vit", "fill_llm", "fill_vit", "samples_per_group")
@@ -130,9 +133,6 @@ def _times(args, stats: SampleStats):
     """(ViT items per sample, (ViT, LLM) predicted time units per sample) of ``--model``, or None without it."""
     if args.model is None:
         return None
-    from ..model.cost_model import get_device
-    from ..model.sample_time import sample_time_units
-    from ..model.units import family_of, get_preset
 
     if args.per_source or _fixed_params(args) is not None:
         raise UserError("omnibal isf: --model (ISF in time) searches its thresholds over all files: no --per-source, "
@@ -142,21 +142,21 @@ def _times(args, stats: SampleStats):
     return items, sample_time_units(stats, spec, get_device(args.device))
 
 
-def _plan(args, stats: SampleStats, timed=None) -> tuple[DataPlan, SearchConfig]:
+def _plan(args, stats: SampleStats, timed=None) -> tuple[IsfResult, SearchConfig]:
     """The data plan of ``args``; ``timed``: ``_times``'s result (ISF in time)."""
     cfg = _config(args)
     if timed is not None:
         if cfg.samples_per_group is None:
             raise UserError("omnibal isf: --model (ISF in time) needs --samples-per-group K")
-        return plan_isf_time(timed[0], stats.tokens, timed[1], cfg), cfg
+        return run_isf_in_time(timed[0], stats.tokens, timed[1], cfg), cfg
     fixed = _fixed_params(args)
     if args.per_source:
         per = None if fixed is None else {i: fixed for i in range(len(stats.files))}
-        return plan_isf_multi(stats.vit, stats.tokens, stats.source, cfg, per), cfg
-    return plan_isf(stats.vit, stats.tokens, cfg, fixed), cfg
+        return run_isf_by_source(stats.vit, stats.tokens, stats.source, cfg, per), cfg
+    return run_isf(stats.vit, stats.tokens, cfg, fixed), cfg
 
 
-def _result_json(plan: DataPlan, cfg: SearchConfig, stats: SampleStats, random: dict) -> dict:
+def _result_json(plan: IsfResult, cfg: SearchConfig, stats: SampleStats, random: dict) -> dict:
     g = plan.grouping
     search = plan.search.to_dict() if hasattr(plan.search, "to_dict") else plan.search
     return {
@@ -203,10 +203,10 @@ def _json_default(o):
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
-def plot_steps(path: str, stats: SampleStats, plan: DataPlan, cfg: SearchConfig, k: float,
+def plot_steps(path: str, stats: SampleStats, plan: IsfResult, cfg: SearchConfig, k: float,
                num_steps: int = 64) -> None:
     """PNG of per-step totals per DP rank (LLM tokens, ViT tiles), random batching vs ISF."""
-    import matplotlib
+    import matplotlib  # a slow import: only for --plot
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -283,7 +283,6 @@ def cmd_search(args, loader: StatsLoader) -> int:
 
 def bound_line(bound: dict, where: str) -> str:
     """The line that reports the sample setting the step bound (``search_time.sample_bound``); ``where`` names it."""
-    from ..model.sample_time import TIME_UNIT_S
 
     ms = TIME_UNIT_S * 1e3
     return (f"bound: {where} takes {bound['time'] * ms:.1f} ms predicted, {bound['ratio']:.2f} x a rank's "
@@ -291,7 +290,7 @@ def bound_line(bound: dict, where: str) -> str:
             f"dist ratio >= {bound['step_dist_ratio_bound']:.4f}")
 
 
-def g_left(plan: DataPlan) -> int:
+def g_left(plan: IsfResult) -> int:
     return int(plan.grouping.report.get("leftover_groups", 0))
 
 

@@ -276,7 +276,7 @@ def search_params(vit, tokens, cfg: SearchConfig) -> SearchResult:
 
 
 @dataclass
-class DataPlan:
+class IsfResult:
     """Result of the whole data level: thresholds, groups, balanced order, metrics."""
 
     params: ISFParams | dict  # ISFParams, or {source id: ISFParams} in multi-group mode
@@ -288,7 +288,7 @@ class DataPlan:
     seconds_search: float  # threshold search, seconds
 
 
-def plan_isf(vit, tokens, cfg: SearchConfig, params: ISFParams | None = None) -> DataPlan:
+def run_isf(vit, tokens, cfg: SearchConfig, params: ISFParams | None = None) -> IsfResult:
     """Search thresholds (unless ``params`` is given), group all samples and assemble steps (on
     ``cfg.counted_tokens``: with a ``token_multiple`` the grouping's tokens are padded totals)."""
     vit = np.asarray(vit, dtype=np.int64)
@@ -303,11 +303,11 @@ def plan_isf(vit, tokens, cfg: SearchConfig, params: ISFParams | None = None) ->
     t0 = time.perf_counter()
     g = isf_group(vit, tokens, params, seed=cfg.seed)
     m, asm = evaluate_grouping(g, cfg.dp_size, cfg.sp, params.qt, params.qv, seed=cfg.seed, keys=keys)
-    return DataPlan(params, g, asm, m, search, time.perf_counter() - t0, t_search)
+    return IsfResult(params, g, asm, m, search, time.perf_counter() - t0, t_search)
 
 
-def plan_isf_multi(vit, tokens, source, cfg: SearchConfig,
-                   params_by_source: dict[int, ISFParams] | None = None) -> DataPlan:
+def run_isf_by_source(vit, tokens, source, cfg: SearchConfig,
+                   params_by_source: dict[int, ISFParams] | None = None) -> IsfResult:
     """Multi-group mode: thresholds per dataset group (searched per group unless given), ISF per
     group, one merged group list assembled into balanced steps across groups (on ``cfg.counted_tokens``)."""
     vit = np.asarray(vit, dtype=np.int64)
@@ -333,7 +333,7 @@ def plan_isf_multi(vit, tokens, source, cfg: SearchConfig,
     if len(g):
         m["fill_llm"] = float((g.tokens / caps_t[pos]).mean())
         m["fill_vit"] = float(np.where(caps_v[pos] > 0, g.tiles / np.maximum(caps_v[pos], 1), 0).mean())
-    return DataPlan(params_by_source, g, asm, m, searches, time.perf_counter() - t0, t_search)
+    return IsfResult(params_by_source, g, asm, m, searches, time.perf_counter() - t0, t_search)
 
 
 def params_summary(params: ISFParams | dict) -> dict:

@@ -25,7 +25,7 @@ import numpy as np
 from .assign import DEFAULT_KEYS, StepAssembly, assemble_steps
 from .isf import Grouping, ISFParams, group_sums, isf_group
 from .metrics import evaluate_steps, time_metrics
-from .search import (DataPlan, SearchConfig, SearchResult, SearchSpace, llm_cap_grid, random_group_totals, run_search,
+from .search import (IsfResult, SearchConfig, SearchResult, SearchSpace, llm_cap_grid, random_group_totals, run_search,
                      search_subset, step_matrix_epoch0, vit_cap_grid)
 
 
@@ -101,7 +101,7 @@ def search_params_time(vit, tokens, times, cfg: SearchConfig) -> SearchResult:
     return run_search(space, cfg, len(sv))
 
 
-def plan_isf_time(vit, tokens, times, cfg: SearchConfig, params: ISFParams | None = None) -> DataPlan:
+def run_isf_in_time(vit, tokens, times, cfg: SearchConfig, params: ISFParams | None = None) -> IsfResult:
     """Search time thresholds (unless ``params`` is given), group all samples in time and assemble steps; searched
     count caps are then lowered to the largest group's (``tight_count_caps``) where that keeps the groups."""
     vit = np.asarray(vit, dtype=np.int64)
@@ -118,7 +118,7 @@ def plan_isf_time(vit, tokens, times, cfg: SearchConfig, params: ISFParams | Non
         if same_groups(isf_group(vit, tokens, tight, seed=cfg.seed, times=times), g):
             params = tight
     m, asm = evaluate_grouping_time(g, cfg.dp_size, cfg.sp, params, seed=cfg.seed, keys=keys)
-    return DataPlan(params, g, asm, m, search, time.perf_counter() - t0, t_search)
+    return IsfResult(params, g, asm, m, search, time.perf_counter() - t0, t_search)
 
 
 def tight_count_caps(params: ISFParams, g: Grouping) -> ISFParams:
@@ -127,7 +127,7 @@ def tight_count_caps(params: ISFParams, g: Grouping) -> ISFParams:
     Within one pass the grouping stays the same (every partial sum of a group stays within its total, and a group
     that closed at a cap would close at the lower one too), but a group a filter pass dropped may be larger in counts
     than every kept one (a video costs less time per patch than an image of its patches), and the lower caps would
-    change that pass: ``plan_isf_time`` keeps them only where regrouping under them gives the same groups."""
+    change that pass: ``run_isf_in_time`` keeps them only where regrouping under them gives the same groups."""
     return dataclasses.replace(params, qv=max(params.qv_min, int(g.tiles.max())),
                                qt=max(params.qt_min, int(g.tokens.max())))
 

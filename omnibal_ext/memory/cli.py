@@ -26,20 +26,15 @@ import json
 import sys
 
 from ..errors import UserError, report
+from ..model.cli import build_costs  # lazy: the analytic cost model
+from ..model.cli import with_freezing
 from ..model.costs import CostTable
 from ..model.layout import default_layout, parse_layout
+from ..model.trainable import add_freeze_flags
 from ..model.units import PRESETS, build_units, get_preset
 from .memory_model import GIB, stage_memory
-from .recompute import (
-    MemoryBudgetError,
-    evaluate_plan,
-    full_recompute_plan,
-    no_recompute_plan,
-    parse_recompute_plan,
-    plan_layout_and_recompute,
-    plan_recompute,
-    validate_recompute_plan,
-)
+from .recompute import (MemoryBudgetError, evaluate_plan, full_recompute_plan, no_recompute_plan, parse_recompute_plan,
+                        plan_layout_and_recompute, plan_recompute, validate_recompute_plan)
 
 
 def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -65,7 +60,6 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="optimizer state not sharded over DP (18 bytes/parameter instead of 6 + 12/dp)")
     p.add_argument("--no-selective", action="store_true", help="plan with full recompute only")
     p.add_argument("--json", required=True, help="where to write the result JSON")
-    from ..model.trainable import add_freeze_flags
 
     add_freeze_flags(p)
     return p
@@ -81,8 +75,6 @@ def add_memory_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _costs(args) -> CostTable:
-    from ..model.cli import build_costs, with_freezing  # lazy: the analytic cost model
-
     if args.costs:
         try:
             return with_freezing(args, CostTable.load(args.costs))

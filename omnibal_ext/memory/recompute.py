@@ -34,28 +34,15 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..model.spec import LAYER_ROLES, TEXT_LAYER, VISION_LAYER
-from ..model.costs import CostTable
 from ..errors import UserError
+from ..model import partition  # lazy: the model level is not needed for the memory model itself
+from ..model.costs import CostTable
 from ..model.layout import PipelineLayout
+from ..model.spec import LAYER_ROLES, TEXT_LAYER, VISION_LAYER
 from ..model.units import Unit
-from .memory_model import (
-    GIB,
-    MODE_FULL,
-    MODE_NONE,
-    MODE_SELECTIVE,
-    MIXED_BF16_ADAM,
-    MemoryModelError,
-    Precision,
-    _check_layout,
-    _check_parallel,
-    _unit_arrays,
-    in_flight_1f1b,
-    stage_memory,
-    stage_time_s,
-    unit_static_bytes,
-    unit_modes,
-)
+from .memory_model import (GIB, MIXED_BF16_ADAM, MODE_FULL, MODE_NONE, MODE_SELECTIVE, MemoryModelError, Precision,
+                           _check_layout, _check_parallel, _unit_arrays, in_flight_1f1b, stage_memory, stage_time_s,
+                           unit_modes, unit_static_bytes)
 from .stage_recompute import RecomputeFlagError, StageRecompute
 
 
@@ -397,7 +384,6 @@ def plan_layout_and_recompute(costs: CostTable, pp: int, budget_bytes: float | S
     ``method="joint"``: the rounds above plus :func:`joint_optimal_layout` (the exact optimum of
     layout and recompute together; slower: one per-stage search per (stage, range)).
     """
-    from ..model import partition  # lazy: the model level is not needed for the memory model itself
 
     if method not in ("searched", "optimal", "joint"):
         raise ValueError(

@@ -19,6 +19,7 @@ import json
 import sys
 
 from ..errors import UserError, report
+from ..plots import plot_stage_times, plot_timeline
 from .cost_model import DEVICES, MicroBatchShape, analytic_costs, calibrated_costs, get_device
 from .costs import CostTable
 from .partition import plan_partitions
@@ -115,7 +116,6 @@ def run_partition(args) -> dict:
         json.dump(out, f, indent=1)
     print(format_table(out))
     if args.plot:
-        from ..plots import plot_stage_times, plot_timeline
 
         plot_stage_times({n: reports[n].stage_times_s for n in LAYOUT_NAMES}, f"{args.plot}_stage_times.png",
                          title=f"{spec.name} PP={args.pp} VPP={args.vpp}")

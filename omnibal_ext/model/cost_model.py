@@ -71,6 +71,7 @@ from .expert_load import measured_imbalance
 from .moe import ExpertGrid
 from .moe_cost import MEAN_RUN, ExpertRun, alltoall_seconds
 from .shape import MicroBatchShape
+from .side_bytes import with_side_bytes
 from .spec import ModelSpec
 from .units import build_units, spec_from_dict, unit_components
 
@@ -227,7 +228,6 @@ def _costs_from_rates(spec, shape, tp, rates, dropout, attention, source, meta, 
                  "dropout": dropout, "attention": attention, "sequence_parallel": sp})
     if spec.language.moe is not None:
         meta.update({"ep": experts.grid.ep, "etp": experts.grid.etp, "moe_imbalance": experts.imbalance})
-    from .side_bytes import with_side_bytes
 
     return with_side_bytes(CostTable(tuple(rows), source, meta), spec, shape)
 

@@ -1,6 +1,6 @@
 """Context parallelism's split arithmetic, tensor-free: what each CP rank of a micro-batch holds.
 
-The trainer (``megatron/vlm/context_parallel.py``, which imports these) pads every segment of a packed micro-batch
+The trainer (``megatron/vlm/parallel/context_parallel.py``, which imports these) pads every segment of a packed micro-batch
 (each sample, each run of padding) at its end to a multiple of 2 x CP tokens (2 x CP x TP with sequence parallelism,
 ``sp_tp`` = TP, so that TP divides every CP rank's part) and cuts it into 2 x CP equal chunks;
 CP rank r keeps chunks r and 2 CP - 1 - r (balanced for causal attention: every rank attends 2 CP + 1 chunks of

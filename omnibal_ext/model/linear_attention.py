@@ -1,5 +1,5 @@
 """Closed-form cost of one Gated DeltaNet (linear-attention) layer over a packed micro-batch: FLOPs by term and the
-bytes autograd keeps for its backward, as ``megatron/vlm/gated_delta_net.py`` runs it (torch delta rule).
+bytes autograd keeps for its backward, as ``megatron/vlm/layers/gated_delta_net.py`` runs it (torch delta rule).
 
 Sizes: ``t`` tokens in ``n`` segments (samples) of lengths ``L_s``; ``h`` hidden; ``nk``/``nv`` key/value heads of
 ``dk``/``dv``; conv channels ``cd = 2*nk*dk + nv*dv``; conv kernel ``w``; in_proj width ``p = cd + nv*dv + 2*nv``;
@@ -54,17 +54,36 @@ class LinearAttentionShape:
     conv_kernel: int
 
     @property
+    def key_dim(self) -> int:
+        """Query or key width."""
+        return self.key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.value_heads * self.value_head_dim
+
+    @property
     def conv_dim(self) -> int:
-        return 2 * self.key_heads * self.key_head_dim + self.value_heads * self.value_head_dim
+        """The causal conv's channels: q, k and v."""
+        return 2 * self.key_dim + self.value_dim
 
     @property
     def in_proj_dim(self) -> int:
-        return self.conv_dim + self.value_heads * self.value_head_dim + 2 * self.value_heads
+        return self.conv_dim + self.value_dim + 2 * self.value_heads
+
+    def in_proj_sections(self, tp: int) -> list[int]:
+        """Widths of one TP rank's [q | k | v | z | b | a] in in_proj's output."""
+        return [self.key_dim // tp, self.key_dim // tp, self.value_dim // tp, self.value_dim // tp,
+                self.value_heads // tp, self.value_heads // tp]
 
     def check_tp(self, tp: int) -> None:
-        if self.key_heads % tp or self.value_heads % self.key_heads:
-            raise UserError(f"linear attention: TP ({tp}) must divide linear_num_key_heads ({self.key_heads}), "
-                            f"and linear_num_value_heads ({self.value_heads}) must be a multiple of it")
+        """UserError unless the value heads are a multiple of the key heads and TP divides the key heads."""
+        if self.value_heads % self.key_heads:
+            raise UserError(f"linear_num_value_heads ({self.value_heads}) must be a multiple of "
+                            f"linear_num_key_heads ({self.key_heads})")
+        if self.key_heads % tp:
+            raise UserError(f"tensor parallelism ({tp}) must divide linear_num_key_heads ({self.key_heads}): "
+                            f"each TP rank holds whole linear-attention heads")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The side tensors' (DeepStack features') bytes at every stage boundary, for the planners (tensor-free).
 
 A side tensor (``spec.SideTensor``) travels packed with the hidden states across every boundary between its producer
-and its last consumer (``megatron.vlm.side``).  Per micro-batch and TP rank, at the boundary after unit ``u``:
+and its last consumer (``megatron.vlm.stage.side``).  Per micro-batch and TP rank, at the boundary after unit ``u``:
 
     side_send_bytes[u] = sum over the side tensors live there of rows x width x dtype bytes
 
@@ -18,11 +18,11 @@ import dataclasses
 
 from .shape import MicroBatchShape
 from .spec import PROJECTOR, ModelSpec, SideTensor
+from .units import build_units, family_of, unit_components
 
 
 def image_tokens(spec: ModelSpec, shape: MicroBatchShape) -> int:
     """LLM image tokens of one micro-batch on the busiest CP rank: the projector's output rows."""
-    from .units import build_units, unit_components
 
     units, components = build_units(spec), unit_components(spec)
     projector = next(c for u, c in zip(units, components) if u.code == PROJECTOR)
@@ -38,7 +38,6 @@ def side_rows(side: SideTensor, spec: ModelSpec, shape: MicroBatchShape) -> int:
 
 def boundary_side_bytes(spec: ModelSpec, shape: MicroBatchShape) -> list[float]:
     """Per unit ``u`` of the unit list: bytes of the side tensors live at the boundary after it (module docstring)."""
-    from .units import build_units, family_of
 
     n = len(build_units(spec))
     out = [0.0] * n

@@ -31,6 +31,7 @@ import numpy as np
 
 from .costs import CostTable
 from .layout import PipelineLayout
+from .partition import recompute_modes
 
 
 @dataclass(frozen=True)
@@ -214,7 +215,6 @@ def layout_stage_costs(costs: CostTable, layout: PipelineLayout, pp: int, p2p_by
 
     Recompute extra time is added to the backward (that is when it runs).
     """
-    from .partition import recompute_modes
 
     modes = recompute_modes(costs, recompute)
     n_chunks = layout.num_stages

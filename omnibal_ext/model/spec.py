@@ -43,12 +43,12 @@ class SideTensor:
     """A tensor that one unit produces and later units read, carried beside the hidden states: within a stage in
     the forward's cache, across stage boundaries with the activations (DeepStack features).
 
-    name: its name on both sides (``megatron.vlm.side``); producer: the unit index that makes it; consumers: the
+    name: its name on both sides (``megatron.vlm.stage.side``); producer: the unit index that makes it; consumers: the
     unit indices that read it (it is live on every boundary between the producer and its last consumer); width:
     values per row (every TP rank holds whole rows: side tensors are replicated over TP, also under sequence
     parallelism); rows: what its rows count per micro-batch ("image_tokens": the LLM image tokens of the vision
     items this CP rank's ViT runs, ``DataSide.side_rows`` at run time, ``omnibal_ext.model.side_bytes`` when
-    planning).  Across stages it travels packed with the hidden states (``megatron.vlm.side``)."""
+    planning).  Across stages it travels packed with the hidden states (``megatron.vlm.stage.side``)."""
 
     name: str
     producer: int
@@ -90,7 +90,7 @@ class LanguageSpec:
     mrope_section: tuple[int, ...] | None = None
     # the sections interleaved (HF: mrope_interleaved): frequency j rotates by the height id when
     # j % 3 == 1 and j < 3 * section[1], by the width id when j % 3 == 2 and j < 3 * section[2], else by the
-    # temporal id (megatron/vlm/rope.py); False: consecutive chunks of section[0], section[1], section[2]
+    # temporal id (megatron/vlm/layers/rope.py); False: consecutive chunks of section[0], section[1], section[2]
     mrope_interleaved: bool = False
     # RMSNorm of every query and key head over its head_dim values, before RoPE (Qwen3; HF: q_norm / k_norm)
     qk_norm: bool = False

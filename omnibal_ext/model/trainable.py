@@ -39,6 +39,7 @@ from typing import Sequence
 from ..errors import UserError
 from .lora import Lora, add_lora_flags
 from .spec import HEAD, PROJECTOR, TEXT_EMBED, TEXT_LAYER, VISION_EMBED, VISION_LAYER, Unit
+from .units import build_units, unit_components
 
 # Share of a unit's backward that remains when only the input gradient is computed (its weights are
 # frozen): a matmul's backward is two matmuls of the forward's size, input and weight gradient.
@@ -125,7 +126,6 @@ class Freeze:
         if self.lora.on:
             if spec is None:
                 raise ValueError("Freeze.trainable with LoRA needs the model spec (adapter sizes)")
-            from .units import unit_components
 
             adapters = tuple(self.lora.unit_adapter_params(c) for c in unit_components(spec))
         if spec is not None:
@@ -147,7 +147,6 @@ def _trained_parts(units, trains: list[bool], adapters: tuple, spec) -> tuple:
     another role that train in frozen units (``CostComponent.params_of_role``: DeepStack mergers follow
     the projector inside frozen ViT layer units). A trained unit's frozen parts (the mergers under
     --freeze-projector with the ViT training) are counted as trained: a small overcount."""
-    from .units import unit_components
 
     role_trains = {u.code: trains[u.index] for u in reversed(units)}
     comps = unit_components(spec)
@@ -266,6 +265,5 @@ def add_freeze_flags(p) -> None:
 
 def trainable_of(args, spec) -> Trainable:
     """The Trainable of parsed freeze flags for the model ``spec`` (a ModelSpec)."""
-    from .units import build_units
 
     return Freeze.from_args(args).trainable(build_units(spec), spec.language.tie_word_embeddings, spec)

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..data.search import SearchConfig, plan_isf, random_baseline, random_group_totals, step_matrix_epoch0
-from ..data.search_time import plan_isf_time, random_baseline_time
+from ..data.search import SearchConfig, run_isf, random_baseline, random_group_totals, step_matrix_epoch0
+from ..data.search_time import run_isf_in_time, random_baseline_time
 from ..data.stats import SampleStats
 from ..model.cost_model import MicroBatchShape
 from ..model.cp_split import cp_multiple, padded_lengths
@@ -64,7 +64,7 @@ def _search_config(dp: int, config: PlanConfig, sp_tp: int) -> SearchConfig:
                         token_multiple=cp_multiple(int(config.cp), sp_tp))
 
 
-def plan_work(stats: SampleStats, config: PlanConfig) -> SampleWork | None:
+def sample_work_of(stats: SampleStats, config: PlanConfig) -> SampleWork | None:
     """The samples' work (``sample_time.sample_work``: ViT items, segments, tokens) where the plan groups in time,
     computed once for every TP tried; None where it groups by counts."""
     return sample_work(stats, config.spec) if grouped_in_time(config) else None
@@ -72,23 +72,23 @@ def plan_work(stats: SampleStats, config: PlanConfig) -> SampleWork | None:
 
 def isf_times_at(stats: SampleStats, config: PlanConfig, tp: int, sp_tp: int = 1, work: SampleWork | None = None):
     """(ViT items, (ViT, LLM) predicted time units) of every sample at TP ``tp`` on the plan's device, tokens as ISF
-    counts them (``isf_plan``), or None where ISF groups by counts; ``work``: ``plan_work``'s (else computed)."""
+    counts them (``isf_for_ranks``), or None where ISF groups by counts; ``work``: ``sample_work_of``'s (else computed)."""
     tokens = _search_config(1, config, sp_tp).counted_tokens(stats.tokens)
     return isf_sample_times(dataclasses.replace(stats, tokens=tokens), config.spec, config.device_spec, tp,
                             work=None if work is None else with_tokens(work, tokens))
 
 
-def isf_plan(stats: SampleStats, dp: int, config: PlanConfig, sp_tp: int = 1, tp: int = 1,
+def isf_for_ranks(stats: SampleStats, dp: int, config: PlanConfig, sp_tp: int = 1, tp: int = 1,
              work: SampleWork | None = None):
-    """ISF thresholds and groups for ``dp`` data-parallel ranks (``data.search.plan_isf``); under CP on the padded
+    """ISF thresholds and groups for ``dp`` data-parallel ranks (``data.search.run_isf``); under CP on the padded
     token counts (each sample to a multiple of 2 x CP x ``sp_tp``): Qt caps and the assembly balances the per-rank
-    tokens x CP.  Native resolution: in predicted time at TP ``tp`` (``data.search_time.plan_isf_time``; module
-    docstring; ``work``: ``plan_work``'s)."""
+    tokens x CP.  Native resolution: in predicted time at TP ``tp`` (``data.search_time.run_isf_in_time``; module
+    docstring; ``work``: ``sample_work_of``'s)."""
     search = _search_config(dp, config, sp_tp)
     timed = isf_times_at(stats, config, tp, sp_tp, work)
     if timed is None:
-        return plan_isf(stats.vit, stats.tokens, search)
-    return plan_isf_time(timed[0], search.counted_tokens(stats.tokens), timed[1], search)
+        return run_isf(stats.vit, stats.tokens, search)
+    return run_isf_in_time(timed[0], search.counted_tokens(stats.tokens), timed[1], search)
 
 
 def random_metrics(stats: SampleStats, config: PlanConfig, dp: int, tp: int, sp_tp: int = 1,
@@ -132,7 +132,7 @@ def cap_shape(params, stats: SampleStats, cp: int = 1, sp_tp: int = 1, segments=
     """The largest micro-batch the ISF caps allow: Qv tiles, Qt tokens, attention ``min(Qt, longest) * Qt``.
 
     Under CP (``cp`` > 1) the ISF plan counted each sample's tokens padded to a multiple of 2 CP (x TP with sequence
-    parallelism, ``sp_tp``; ``isf_plan``), so Qt caps the padded tokens; the longest sample is padded, and the shape
+    parallelism, ``sp_tp``; ``isf_for_ranks``), so Qt caps the padded tokens; the longest sample is padded, and the shape
     is split over ``cp`` ranks (``MicroBatchShape.cp``). segments: the data's ViT segments per item
     (``model.sample_time.VisionSegments``), at their largest (None: the family's default)."""
     longest = int(stats.tokens.max()) if len(stats) else 0

@@ -17,7 +17,7 @@ from .config import PlanConfig, check_request
 from .configs import candidate_configs, num_microbatches, refusal, screen_config
 from .context import PlanContext, best_candidate, build_context, nothing_fits, simulate_candidate
 from .interleaved import RECOMPUTE_NOTE, check_fixed_vpp, interleaved_candidates, vpp_problem, vpp_values
-from .data_level import (cap_shape, isf_loads, isf_plan, mean_isf_group, plan_work, random_loads, random_metrics,
+from .data_level import (cap_shape, isf_loads, isf_for_ranks, mean_isf_group, sample_work_of, random_loads, random_metrics,
                          shape_dict, shape_of)
 from .memory_level import memory_candidates
 from .memory_need import memory_need
@@ -44,7 +44,7 @@ class _Chosen:
 
 def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict, segments=None, work=None) -> _Chosen:
     """Screen every candidate (tp, pp, dp) and keep the fastest that fits; PlanError when none does (``work``:
-    ``data_level.plan_work``'s, where ISF groups in time)."""
+    ``data_level.sample_work_of``'s, where ISF groups in time)."""
     spec, dev, budget, k = config.spec, config.device_spec, config.budget_bytes, int(config.samples_per_group)
     gpus, gpu_memory = config.gpus, config.gpu_memory_bytes
     cp = int(config.cp)
@@ -67,7 +67,7 @@ def _choose_configuration(stats: SampleStats, config: PlanConfig, cache: dict, s
         """The ISF plan for ``dp`` ranks at ``tp``."""
         key = data_key(tp)
         if (key, dp) not in data_at:
-            data_at[key, dp] = isf_plan(stats, dp, config, key[1], key[0], work)
+            data_at[key, dp] = isf_for_ranks(stats, dp, config, key[1], key[0], work)
         return data_at[key, dp]
 
     def shapes_at(tp: int) -> tuple:
@@ -161,7 +161,7 @@ def make_plan(stats: SampleStats, config: PlanConfig) -> Plan:
     check_request(config, stats)
     k, samples, gpus, seed = int(config.samples_per_group), config.epoch_samples(stats), config.gpus, config.seed
     cache: dict = {}
-    work = plan_work(stats, config)
+    work = sample_work_of(stats, config)
     chosen = _choose_configuration(stats, config, cache, segments, work)
     ctx, data = chosen.ctx, chosen.data
     t, p, d, m = ctx.tp, ctx.pp, ctx.dp, ctx.m

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..memory.memory_model import GIB
+from ..plots import plot_stage_times, plot_timeline
 from .results import Plan
 
 
@@ -68,7 +69,6 @@ def time_line(plan: Plan) -> str:
 
 def plot_plan(plan: Plan, prefix: str) -> list[str]:
     """PREFIX_stages.png (stage times, default vs balanced) and PREFIX_timeline.png (+memory pipeline)."""
-    from ..plots import plot_stage_times, plot_timeline
 
     bars = {"+data (default layout)": plan.stage_time_bars["+data"], "+model": plan.stage_time_bars["+model"],
             "+memory": plan.stage_time_bars["+memory"]}

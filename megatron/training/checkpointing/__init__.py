@@ -10,7 +10,7 @@ Layout (Megatron's)::
 
 What is in it:
 - the model under the global unit names (``vit.layer.7.…``, ``llm.layer.31.…``; see
-  megatron/vlm/sharding.py), each tensor with its tensor-parallel split declared, ViT heads unpadded;
+  megatron/vlm/parallel/sharding.py), each tensor with its tensor-parallel split declared, ViT heads unpadded;
 - the optimizer state in model space: Adam's moments per parameter, keyed like the parameter (for the
   distributed optimizer megatron-core's ``fully_reshardable`` form, which also holds the fp32 main
   parameters); so it loads under any TP/PP/DP, layout, recompute plan and optimizer kind;

@@ -11,7 +11,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
-from megatron.vlm.lora import is_adapter
+from megatron.vlm.layers.lora import is_adapter
 
 from .files import check_files, sizes_problems
 from .layout import TRACKER, Checkpoint, CheckpointError, complete_iterations, iteration_dir

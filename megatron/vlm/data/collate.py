@@ -15,7 +15,7 @@ Batch schema (B samples; n_tiles = sum of their tiles)::
                                  on the host (megatron/training/loss_reduction.py)
     sample_ids    int64 [B]      dataset index of each sample (``sample_id`` of the sample dict; -1 when absent)
     tile_keys     int64 [n_tiles]  32-bit hash of (sample id, tile within its sample): the ViT drop path's
-                                 per-tile key (megatron/vlm/drop_path.py), host-built
+                                 per-tile key (megatron/vlm/layers/drop_path.py), host-built
     image_tile_index int64 [real tiles]  indices of the real tiles in pixel_values (host-built, so the
                                  model selects their features without a data-dependent shape)
     cu_seqlens    int32 [segments + 1]   cumulative segment lengths over the flattened micro-batch
@@ -38,11 +38,12 @@ from __future__ import annotations
 import torch
 
 from .template import IGNORE_INDEX
+from megatron.vlm.layers.drop_path import tile_keys
 
 BATCH_KEYS = ("tokens", "labels", "position_ids", "segment_ids", "pixel_values", "image_flags",
               "sample_tokens", "sample_tiles", "sample_answers", "sample_ids", "tile_keys", "image_tile_index",
               "cu_seqlens", "max_seqlen")
-# stay on the host: read by Python, never waited for (``sample_tiles`` sizes the side tensors: megatron/vlm/side.py)
+# stay on the host: read by Python, never waited for (``sample_tiles`` sizes the side tensors: megatron/vlm/stage/side.py)
 HOST_KEYS = ("cu_seqlens", "max_seqlen", "sample_tiles")
 
 
@@ -83,7 +84,6 @@ def _images(samples: list[dict]) -> dict:
 
 def sample_keys(samples: list[dict]) -> dict:
     """Host-side per-sample metadata: answer-token counts, dataset ids and the per-tile drop-path keys."""
-    from megatron.vlm.drop_path import tile_keys
 
     ids = [int(s.get("sample_id", -1)) for s in samples]
     return {

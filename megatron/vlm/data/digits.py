@@ -125,7 +125,7 @@ def build_once(out_dir: str, params: dict, write) -> None:
 
 
 def _write_build(folder: str, params: dict) -> None:
-    from sklearn.datasets import load_digits
+    from sklearn.datasets import load_digits  # a slow import: only when the digits dataset is built
 
     digits = load_digits()
     images, labels = digits.images, digits.target.astype(int)  # [1797, 8, 8] in 0..16, [1797]

@@ -50,12 +50,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from PIL import Image
+from tqdm import tqdm
 
 from omnibal_ext.data.stats import ImageStats, SampleStats, VideoStats
 from omnibal_ext.errors import UserError
@@ -63,7 +66,7 @@ from omnibal_ext.errors import UserError
 from . import scan_cache
 from .images import ImageRule
 from .messages import VIDEO_TAG, VideoRef, parse_messages_record
-from .template import (ConversationError, IMAGE_PLACEHOLDER, Turn, add_missing_placeholder, count_placeholders,
+from .template import (IMAGE_PLACEHOLDER, ConversationError, Turn, add_missing_placeholder, count_placeholders,
                        parse_conversations, plan_conversation)
 from .video import VideoRule, sampled_frames, video_seed
 from .video_decode import decode_frames
@@ -213,7 +216,6 @@ def record_turns(record) -> tuple[list[Turn], list[str], list[RecordVideo]]:
 
 def media_order(turns: list[Turn]) -> list[str]:
     """``"image"``/``"video"`` for each tag of the user turns, in reading order."""
-    import re
 
     pattern = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_TAG)})")
     return ["image" if tag == IMAGE_PLACEHOLDER else "video"
@@ -424,7 +426,6 @@ def scan_annotations(meta_path: str, tokenizer, config: ReaderConfig, progress: 
     cache_dir: where finished scans are kept (megatron/vlm/data/scan_cache.py): a scan of the same
     annotations, configuration and tokenizer is read back instead of decoding every image again.
     """
-    import torch.distributed as dist
 
     sources = read_meta(meta_path)
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
@@ -461,7 +462,6 @@ def scan_share(sources: list[SourceSpec], tokenizer, config: ReaderConfig, rank:
     """Process ``rank``'s share of the scan: every line is read (for offsets and line numbers, cheap), the
     records ``k % world == rank`` (k counting non-blank lines per annotation) are parsed, their images
     decoded and their tokens counted."""
-    from tqdm import tqdm
 
     records, images, per_record, errors, nonblank = [], [], [], [], []
     num_truncated = num_without_loss = 0

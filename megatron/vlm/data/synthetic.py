@@ -50,6 +50,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from omnibal_ext.data.stats import load_stats
+
 from .digits import MARKER, _save, build_once
 from .tiling import count_tiles
 
@@ -113,7 +115,6 @@ def draw_records(num_records: int, num_samples: int, seed: int) -> np.ndarray:
 
 def load_stats_records(stats_files) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
     """(vit_num, token_num, file index, files) of every record of ``stats_files``, in order."""
-    from omnibal_ext.data.stats import load_stats
 
     files = [str(f) for f in stats_files]
     if not files:

@@ -106,7 +106,7 @@ class HFTokenizer:
     def __init__(self, path: str, trust_remote_code: bool = False,
                  image_tokens: tuple[str, str, str] = (IMG_START, IMG_END, IMG_CONTEXT)) -> None:
         try:
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # optional: the hf extra
         except ImportError as e:
             raise ImportError(
                 f"--tokenizer {path!r} needs the Hugging Face `transformers` package, which is not installed; "
@@ -161,7 +161,7 @@ class HFTokenizer:
 def build_tokenizer(path: str | None = None, trust_remote_code: bool = False,
                     image_tokens: tuple[str, str, str] = (IMG_START, IMG_END, IMG_CONTEXT)):
     """The byte tokenizer when ``path`` is None or empty, else ``HFTokenizer(path)``.  image_tokens: the model
-    family's image start, end and context token strings (``RuntimeFamily.data``; the byte tokenizer has
+    family's image start, end and context token strings (``FamilyRuntime.data``; the byte tokenizer has
     the defaults', which serve any family trained from scratch)."""
     if not path:
         return ByteTokenizer()

@@ -95,7 +95,7 @@ def probe_video(path: str, folder_fps: float = DEFAULT_FOLDER_FPS, where: str | 
         return _probe_folder(path, folder_fps, where)
     if not os.path.isfile(path):
         raise VideoError(f"{_name(path, where)}: no such file or directory")
-    import av
+    import av  # PyAV: a slow import, only when a video is read
 
     try:
         with av.open(path) as container:
@@ -213,7 +213,7 @@ def _decode_folder(path: str, wanted: list[int], where: str | None) -> tuple[dic
 
 def _decode_file(path: str, info: VideoInfo, wanted: list[int], where: str | None, seek: bool,
                  reseek_gap_s: float, threads: int) -> tuple[dict[int, np.ndarray], int]:
-    import av
+    import av  # PyAV: a slow import, only when a video is read
 
     got: dict[int, np.ndarray] = {}
     decoded = 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+from PIL import Image
 
 GRID = 4  # blocks per side: 16 bits, frame indices below 65536
 BLACK, WHITE = 16, 235  # video-range levels: no clipping in YUV
@@ -43,7 +44,7 @@ def write_coded_video(path: str, num_frames: int, fps: int, width: int, height: 
     """Write an H.264 (libx264, yuv420p) file of ``num_frames`` coded frames at ``fps`` (an integer rate);
     ``gop``: frames between keyframes (x264's default 250 when None); ``faststart``: the index (mp4 ``moov``)
     before the data, so that a truncated copy still opens; ``audio``: add a silent AAC track.  Returns ``path``."""
-    import av
+    import av  # PyAV: a slow import, only when a video is written
 
     with av.open(path, "w", options={"movflags": "faststart"} if faststart else None) as container:
         stream = container.add_stream("libx264", rate=fps)
@@ -81,7 +82,6 @@ def write_coded_video(path: str, num_frames: int, fps: int, width: int, height: 
 def write_coded_folder(folder: str, num_frames: int, width: int, height: int, name: str = "frame_{}.png") -> str:
     """A frame folder of ``num_frames`` coded PNGs named ``name.format(i)`` (unpadded numbers by default, so that
     name order must compare digits as numbers).  Returns ``folder``."""
-    from PIL import Image
 
     os.makedirs(folder, exist_ok=True)
     for i in range(num_frames):

@@ -1,50 +1,31 @@
-"""Model families, runtime side: family name -> ``RuntimeFamily`` (``megatron.vlm.components``).
+"""The built-in model families, one folder each: ``megatron/vlm/families/<name>/`` holds everything a family is (its
+spec, presets, costs, capabilities, runtime, data and Hugging Face sides).
 
-Each family lives in ``megatron/vlm/families/<name>/`` and gives every unit kind of its planning side
-(``omnibal_ext.model.families``) a runtime component. Shared code reaches a unit's module, inputs, checkpoint keys
-and HF mapping only through them.
+Importing this package registers every built-in family in the one registry (``omnibal_ext.model.families``): the
+families are found, not listed; each subpackage's ``__init__`` registers its ``Family``. This package and those
+``__init__``s are tensor-free (the planner path imports them without torch, megatron-core or transformers); a
+family's run-time side is imported only through ``Family.runtime``
+(``megatron.vlm.stage.components.runtime_family``). A family defined elsewhere
+(a plugin module named by ``--family-module``, a test) calls ``register`` itself.
 
-``register(family)`` is the only way in. The built-in families are found, not listed: every subpackage here with a
-``family`` module is imported, and that module registers its family. A family defined elsewhere (a plugin module
-named by ``--family-module``, a test) calls ``register`` itself.
+Code a lineage of families shares (the Qwen ViTs, patch images, multimodal RoPE ids, video, the batcher) lives in
+``megatron/vlm/lineages/``; no family folder imports another.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import pkgutil
+import sys
 
 from omnibal_ext.errors import UserError
-from omnibal_ext.model import families as planning
-from omnibal_ext.model.spec import ModelSpec, Unit
-
-from megatron.vlm.components import RuntimeComponent, RuntimeFamily
-
-FAMILIES: dict[str, RuntimeFamily] = {}  # name -> RuntimeFamily; filled by ``register`` only
-
-
-def register(family: RuntimeFamily) -> RuntimeFamily:
-    """Add (or replace) a family: its runtime side here and its planning side (``family.planning``) in
-    ``omnibal_ext.model.families``. Returns ``family``."""
-    if not isinstance(family, RuntimeFamily):
-        raise TypeError(f"register: {family!r} is no megatron.vlm.components.RuntimeFamily")
-    planning.register(family.planning)
-    FAMILIES[family.name] = family
-    return family
-
-
-def unregister(name: str) -> None:
-    """Remove a family registered by ``register``, both sides (tests)."""
-    FAMILIES.pop(name, None)
-    planning.unregister(name)
+from omnibal_ext.model.families import FAMILIES, PRESETS, Family, family_of, register, unregister  # noqa: F401
 
 
 def import_family_modules(modules) -> None:
     """Import each named module (``--family-module``: a module name, or a path to a .py file imported under its file
-    name): a plugin that registers its family when imported."""
-    import os
-    import sys
-
+    name): a plugin that registers its family when imported. A module imported already is not run again."""
     for module in modules:
         if not module.endswith(".py"):
             try:
@@ -63,34 +44,11 @@ def import_family_modules(modules) -> None:
         spec.loader.exec_module(loaded)
 
 
-def runtime_family(spec: ModelSpec) -> RuntimeFamily:
-    try:
-        return FAMILIES[spec.family]
-    except KeyError:
-        raise UserError(f"model {spec.name!r}: no runtime for family {spec.family!r}; "
-                        f"known: {', '.join(FAMILIES)}") from None
-
-
-def component_of(spec: ModelSpec, unit: Unit) -> type[RuntimeComponent]:
-    """The runtime component class of ``unit`` (a unit of ``build_units(spec)``)."""
-    return runtime_family(spec).component(unit.kind)
-
-
-def stage_inputs(spec: ModelSpec, units):
-    """What a stage holding ``units`` reads of a micro-batch (``StageInputs``): the union of their components'."""
-    from megatron.vlm.batches import StageInputs
-
-    reads = set()
-    for unit in units:
-        reads |= component_of(spec, unit).reads
-    return StageInputs.reading(reads)
-
-
 def _discover() -> None:
-    """Import the ``family`` module of every subpackage: each registers its family."""
+    """Import every subpackage: each registers its family."""
     for sub in pkgutil.iter_modules(__path__):
-        if sub.ispkg and importlib.util.find_spec(f"{__name__}.{sub.name}.family") is not None:
-            importlib.import_module(f"{__name__}.{sub.name}.family")
+        if sub.ispkg:
+            importlib.import_module(f"{__name__}.{sub.name}")
 
 
 _discover()

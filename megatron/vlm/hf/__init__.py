@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out, for every family with an HF side (``RuntimeFamily.hf``).
+"""Hugging Face checkpoints in and out, for every family with an HF side (``FamilyRuntime.hf``).
 
 * ``configs``: an HF ``config.json`` -> :class:`omnibal_ext.model.units.ModelSpec` plus an
   :class:`~megatron.vlm.hf.config.HFInfo` of what the spec does not hold (layout, LLM family, ids), by the family

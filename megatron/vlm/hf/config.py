@@ -99,7 +99,7 @@ def _info_as_config_says(info: "HFInfo", spec: ModelSpec, reader) -> "HFInfo":
 
 @dataclasses.dataclass(frozen=True)
 class HFSide:
-    """A family's Hugging Face side (``RuntimeFamily.hf``).
+    """A family's Hugging Face side (``FamilyRuntime.hf``).
 
     recognizes(cfg): whether a config.json is the family's; spec_from_config(cfg, name, where) -> (ModelSpec,
     HFInfo); native_config(spec, info, source) -> the config.json an export writes; names(info, style): its HF

@@ -2,7 +2,7 @@
 
 Each unit's runtime component adds its tensors (``hf_recipes``; a family's own units:
 its folder's hf.py, with the family's HF names; the GPT decoder's: ``add_llm_layer``,
-``vocab_recipe`` in recipes.py).  Our global tensors are what ``VLMStage.sharded_state_dict()`` declares at any TP size (megatron/vlm/sharding.py):
+``vocab_recipe`` in recipes.py).  Our global tensors are what ``VLMStage.sharded_state_dict()`` declares at any TP size (megatron/vlm/parallel/sharding.py):
 
 * ViT attention per real head: ``linear_qkv.weight [R, 3d, H]`` (head h: its q rows, k rows, v rows),
   ``linear_qkv.bias [R, 3d]``, ``linear_proj.weight [R, H, d]`` (head h's input columns of the output
@@ -22,7 +22,7 @@ import torch
 
 from omnibal_ext.model.units import ModelSpec, build_units
 
-from megatron.vlm.families import component_of
+from megatron.vlm.stage.components import component_of
 
 from .config import HFInfo
 from .configs import hf_side

@@ -13,9 +13,12 @@ counting in the resident memory.
 from __future__ import annotations
 
 import torch
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
 from .keys import recipes
 from .recipes import NotRowsView
+from megatron.vlm.layers.lora import is_adapter
 
 
 def _box(sh):
@@ -66,10 +69,7 @@ def load_hf_into_stage(stage, src) -> int:
     one tensor piece at a time, written straight into the parameters (besides them, at most a chunk of one
     piece is held, plus the safetensors pages read; LoRA adapters keep their fresh values); returns the number
     of pieces read."""
-    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
-    from megatron.vlm.lora import is_adapter
 
     table, _ = recipes(src.spec, src.info, src.style, [u.name for u in stage.units])
     params = {id(p) for p in stage.parameters()}

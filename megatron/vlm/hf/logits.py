@@ -9,13 +9,20 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state, parallel_state as ps
 
+from omnibal_ext.errors import UserError
+from omnibal_ext.model.lora import Lora
 from omnibal_ext.model.units import build_units
+
+from .load import load_hf_into_stage
+from megatron.vlm.hf.configs import hf_side
+from megatron.vlm.layers.moe import MoERun
+from megatron.vlm.stage.build import StageBuild, build_stage
 
 
 def make_batch(src, inputs: dict) -> dict:
     """A micro-batch of one sample from transformers' inputs (the family's ``logits_batch``)."""
-    from megatron.vlm.hf.configs import hf_side
 
     return hf_side(src.spec).logits_batch(inputs, src.spec, src.info)
 
@@ -26,10 +33,7 @@ def logits_stage(spec, unit_range, img_context_id: int, tp: int = 1, pp: int = 1
     LoRA adapters (``omnibal_ext.model.lora.Lora``; None: none); ``ep`` / ``etp``: the experts' EP / ETP sizes (ETP
     None: TP). MoE layers under TP > 1 run with sequence parallelism, as megatron-core's MoELayer needs (the
     trainer's --sequence-parallel)."""
-    from omnibal_ext.model.lora import Lora
 
-    from megatron.vlm.moe import MoERun
-    from megatron.vlm.stage import StageBuild, build_stage
 
     moe = spec.language.moe is not None
     run = MoERun(ep=ep, etp=etp or tp) if moe else None
@@ -39,8 +43,6 @@ def logits_stage(spec, unit_range, img_context_id: int, tp: int = 1, pp: int = 1
 
 
 def image_token_id(src, given: int | None = None) -> int:
-    from omnibal_ext.errors import UserError
-
     tid = given if given is not None else src.info.image_token_id
     if tid is None:
         raise UserError(f"--hf-checkpoint {src.folder}: config.json has no image_token_id; give --image-token-id")
@@ -49,7 +51,6 @@ def image_token_id(src, given: int | None = None) -> int:
 
 def gather_vocab(logits: torch.Tensor, real_vocab: int) -> torch.Tensor:
     """This TP rank's [t, 1, V/tp] logits -> all of them [t, real vocab] (fp32)."""
-    from megatron.core import parallel_state
 
     logits = logits.float().squeeze(1)
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
@@ -62,9 +63,8 @@ def gather_vocab(logits: torch.Tensor, real_vocab: int) -> torch.Tensor:
 def chained_logits(src, inputs: dict, cuts: list[int] = (), img_context_id: int | None = None) -> torch.Tensor:
     """In one process (TP1): the model split into stages at unit indices ``cuts``, each stage built and loaded
     on its own, each stage's output handed to the next as the pipeline's P2P hands it (the hidden states with the
-    side tensors live at that cut packed in by the stage: ``megatron.vlm.side.pack``, unpacked by the next stage
+    side tensors live at that cut packed in by the stage: ``megatron.vlm.stage.side.pack``, unpacked by the next stage
     with the rows of its ``DataSide.side_rows``); [s, real vocab]."""
-    from .load import load_hf_into_stage
 
     spec = src.spec
     n = len(build_units(spec))
@@ -83,10 +83,7 @@ def chained_logits(src, inputs: dict, cuts: list[int] = (), img_context_id: int 
 def pipeline_logits(src, inputs: dict, layout, img_context_id: int | None = None) -> torch.Tensor | None:
     """Under torchrun (megatron's groups started at TP/PP and EP/ETP): this rank's stage of ``layout``, forward
     only, hidden states passed point to point along the pipeline. Returns the logits on the last stage, else None."""
-    from megatron.core import parallel_state as ps
-    from omnibal_ext.errors import UserError
 
-    from .load import load_hf_into_stage
 
     spec = src.spec
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()

@@ -24,7 +24,7 @@ class HFCheckpoint:
         else:
             self.files = {}
             for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
-                from safetensors import safe_open
+                from safetensors import safe_open  # optional (the hf extra): only HF folders need it
 
                 with safe_open(path, "pt") as f:
                     for k in f.keys():
@@ -38,7 +38,7 @@ class HFCheckpoint:
         return set(self.files)
 
     def _handle(self, name: str):
-        from safetensors import safe_open
+        from safetensors import safe_open  # optional (the hf extra): only HF folders need it
 
         path = self.files[name]
         if path not in self._open:

@@ -133,7 +133,7 @@ def detect_style(names: set[str]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The table: each unit's runtime component adds its tensors (megatron.vlm.components.RuntimeComponent.hf_recipes)
+# The table: each unit's runtime component adds its tensors (megatron.vlm.stage.components.RuntimeComponent.hf_recipes)
 # ---------------------------------------------------------------------------------------------------
 def whole(name: str, shape: tuple[int, ...]) -> Recipe:
     return Recipe(tuple(shape), (Part(name, 0, shape[0]),))

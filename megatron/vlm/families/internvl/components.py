@@ -2,19 +2,18 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 
-from omnibal_ext.model.families.internvl import ProjectorCost, VisionEmbedCost, VisionLayerCost
-
-from megatron.vlm import sequence_parallel
-from megatron.vlm.components import PaddedHeadLayers, RuntimeComponent
-from megatron.vlm.drop_path import iteration_keys, layer_rates
-
 from . import hf
+from .costs import ProjectorCost, VisionEmbedCost, VisionLayerCost
 from .layers import layer_spec
 from .modules import Projector, VisionEmbedding
+from megatron.vlm.layers.drop_path import iteration_keys, layer_rates
+from megatron.vlm.parallel import sequence_parallel
+from megatron.vlm.stage.components import PaddedHeadLayers, RuntimeComponent
 
 
 class VisionEmbed(RuntimeComponent):
@@ -22,7 +21,7 @@ class VisionEmbed(RuntimeComponent):
 
     cost, attr, reads = VisionEmbedCost, "vit_embed", frozenset({"pixels"})
 
-    def build(self, units):
+    def build(self):
         return VisionEmbedding(self.spec, self.ctx.vision_config)
 
     def forward(self, module, x, batch, cache):
@@ -38,7 +37,6 @@ class VisionLayer(PaddedHeadLayers):
     the layer features of the VisionSpec (qkv bias, qk-norm, layer scale)."""
 
     cost, attr, layers = VisionLayerCost, "vit_blocks", True
-    sp_enters = sp_leaves = False  # sequence-parallel region edges (set by build)
 
     def layer_spec(self, first_unit_index: int):
         v, ctx = self.spec.vision, self.ctx
@@ -49,8 +47,12 @@ class VisionLayer(PaddedHeadLayers):
         return layer_spec(v.normalization, AttnMaskType.no_mask, ctx.seed, first_unit_index, ctx.impl,
                           real_heads=v.num_attention_heads, vision=v, drop_path=drop_path)
 
-    def build(self, units):
-        self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.vision_config)
+    @functools.cached_property
+    def sp_edges(self):
+        return self.ctx.sequence_parallel_edges(self.units, self.ctx.vision_config)
+
+    def build(self):
+        units = self.units
         return self.ctx.build_layers(units, self.ctx.vision_config, self.layer_spec, self.code())
 
     def forward(self, module, x, batch, cache):
@@ -80,7 +82,7 @@ class ProjectorUnit(RuntimeComponent):
 
     cost, attr = ProjectorCost, "projector"
 
-    def build(self, units):
+    def build(self):
         # replicated over TP (full inputs, its LayerNorm whole on every rank) also under sequence parallelism
         return Projector(self.spec, dataclasses.replace(self.ctx.language_config, sequence_parallel=False))
 

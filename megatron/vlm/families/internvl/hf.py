@@ -18,15 +18,20 @@ Everything the model here does not implement is refused with a UserError naming 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
-from omnibal_ext.errors import UserError
-from omnibal_ext.model.families.internvl import NAME, VisionSpec, vit_layers_for_feature_layer
-from omnibal_ext.model.spec import ModelSpec
+import torch
 
+from omnibal_ext.errors import UserError
+from omnibal_ext.model.spec import ModelSpec, vit_layers_for_feature_layer
+
+from .costs import NAME, VisionSpec
+from megatron.vlm.data.collate import collate_padded
 from megatron.vlm.hf.config import HFConfigError, HFInfo, refuse, require, square
 from megatron.vlm.hf.recipes import Part, Recipe, whole
 from megatron.vlm.hf.text_configs import READERS, embed_name, layer_names, text_config, text_family, with_tie
+from megatron.vlm.stage.micro_batch import MicroBatch
 
 
 def recognizes(cfg: dict) -> bool:
@@ -281,9 +286,7 @@ def logits_batch(inputs: dict, spec, info):
     """The micro-batch of one sample from transformers' inputs (``input_ids [1, s]`` already holding
     ``image_seq_length`` image-token ids per tile, ``pixel_values [tiles, 3, H, W]``; ``attention_mask`` all ones),
     as the collate makes it; any other input (video: frames are tiles here) is refused, never ignored."""
-    import torch
 
-    from omnibal_ext.errors import UserError
 
     unknown = sorted(set(inputs) - {"input_ids", "pixel_values", "attention_mask"})
     if unknown:
@@ -293,8 +296,6 @@ def logits_batch(inputs: dict, spec, info):
     if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
         raise UserError("attention_mask with zeros (padding) is not implemented: give one unpadded sample")
 
-    from megatron.vlm.data.collate import collate_padded
-    from megatron.vlm.micro_batch import MicroBatch
 
     ids = inputs["input_ids"].reshape(-1).to(torch.int64)
     pixels = inputs["pixel_values"].to(torch.float32)
@@ -305,7 +306,6 @@ def logits_batch(inputs: dict, spec, info):
 
 def structure_twin(spec):
     """A tiny model with ``spec``'s structure (unit list, per-layer features, heads)."""
-    import dataclasses
 
     v, lang = spec.vision, spec.language
     f = int(round(1 / spec.downsample_ratio))

@@ -10,15 +10,18 @@ import functools
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-from megatron.vlm import layers
-from megatron.vlm.layer_impl import LOCAL, LayerImpl
-from megatron.vlm.padded_heads import draw_padded_attention, tp_rank
+from megatron.vlm.layers import blocks as layers
+from megatron.vlm.layers.drop_path import with_drop_path
+from megatron.vlm.layers.layer_impl import LOCAL, LayerImpl
+from megatron.vlm.parallel.padded_heads import draw_padded_attention, tp_rank
 
 
 def draw_padded_layer(layer: TransformerLayer, config: TransformerConfig, real_heads: int) -> None:
@@ -77,7 +80,6 @@ class FullWidthQKNorm(MegatronModule):
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, real_heads: int | None = None):
         super().__init__(config=config)
-        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         self.tp = config.tensor_model_parallel_size
         local_heads = config.num_attention_heads // self.tp
@@ -97,8 +99,6 @@ class FullWidthQKNorm(MegatronModule):
         return (self.weight * y).reshape(shape)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
         state = self.state_dict(prefix="", keep_vars=True)
         return make_sharded_tensors_for_checkpoint(state, prefix, {"weight": 0}, sharded_offsets)
 
@@ -106,12 +106,12 @@ class FullWidthQKNorm(MegatronModule):
 def layer_spec(normalization: str, mask_type: AttnMaskType, seed: int, first_unit_index: int,
                impl: LayerImpl = LOCAL, real_heads: int | None = None, vision=None, drop_path: tuple[int, tuple[float, ...]] | None = None
                ) -> ModuleSpec:
-    """The shared seeded layer spec (``megatron.vlm.layers.layer_spec``) with InternViT's features.
+    """The shared seeded layer spec (``megatron.vlm.layers.blocks.layer_spec``) with InternViT's features.
 
     real_heads: the model's attention heads when the config may hold padded ones: the layer's matrices are
     then drawn by ``draw_padded_layer``. vision: the VisionSpec whose per-layer features (qkv bias off,
     qk-norm, layer scale) the layer gets (None: a plain layer). drop_path: (unit index of ViT layer 0, drop
-    probability per ViT layer) for stochastic depth (megatron/vlm/drop_path.py; None: none): the layer is a
+    probability per ViT layer) for stochastic depth (megatron/vlm/layers/drop_path.py; None: none): the layer is a
     ``DropPathLayer`` and both bias-dropout-adds ``DropPathBDA`` (which carries the layer scale, if any).
     """
     redraw = None if real_heads is None else functools.partial(draw_padded_layer, real_heads=real_heads)
@@ -130,7 +130,6 @@ def layer_spec(normalization: str, mask_type: AttnMaskType, seed: int, first_uni
             spec.submodules.self_attn_bda = scale
             spec.submodules.mlp_bda = copy.deepcopy(scale)
     if drop_path is not None:
-        from megatron.vlm.drop_path import with_drop_path
 
         first, rates = drop_path
         with_drop_path(spec, first, rates, vision.layer_scale_init if vision is not None else None,

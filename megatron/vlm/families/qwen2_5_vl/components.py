@@ -22,31 +22,42 @@ Micro-batch fields read (besides the shared ``tokens``, ``labels``, ``cu_seqlens
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import torch
 import torch.nn.functional as F
 
-from omnibal_ext.model.families.qwen2_5_vl import FullLayerCost, MergerCost, VisionEmbedCost, WindowLayerCost
-
-from megatron.vlm import sequence_parallel
-from megatron.vlm.attention import segment_params
-from megatron.vlm.components import PaddedHeadLayers, RuntimeComponent, TextEmbed, TextLayer
-from megatron.vlm.context_parallel import context_parallel_group, gather_rows, own_rank_group
-from megatron.vlm.drop_path import iteration_keys, layer_rates, with_drop_path
-from megatron.vlm.micro_batch import MicroBatch
-from megatron.vlm.padded_heads import tp_rank
-from megatron.vlm.rope import MultimodalRope
-from megatron.vlm.text import packed_causal_mask
-
 from . import hf
-from .modules import ImageTokenEmbedding, PatchEmbedding, PatchMerger, vision_layer_spec, vision_rotary
+from .costs import FullLayerCost, MergerCost, VisionEmbedCost, WindowLayerCost
+from .modules import PatchMerger, vision_layer_spec
+from megatron.vlm.layers.attention import segment_params
+from megatron.vlm.layers.drop_path import iteration_keys, layer_rates, with_drop_path
+from megatron.vlm.lineages.qwen.modules import PatchEmbedding, vision_rotary
+from megatron.vlm.parallel import sequence_parallel
+from megatron.vlm.parallel.padded_heads import tp_rank
+from megatron.vlm.stage.components import PaddedHeadLayers, RuntimeComponent
+from megatron.vlm.stage.micro_batch import MicroBatch
 
+
+@dataclasses.dataclass(frozen=True)
+class WindowedVitContext:
+    """What the ViT layers of one micro-batch share (``_VisionLayers.context``): the 2-D rotary angles (padded rows
+    zero), the patch count, the count padded for sequence parallelism, the drop-path keys (None without drop path)
+    and the packed parameters of the window and the full-attention layers."""
+
+    rope: torch.Tensor
+    patches: int
+    padded: int
+    keys: torch.Tensor | None
+    window: object
+    full: object
 
 class VisionEmbed(RuntimeComponent):
     """Patch rows -> Conv3d patch embedding -> window order [patches, 1, H]."""
 
     cost, attr, reads = VisionEmbedCost, "vit_embed", frozenset({"pixels"})
 
-    def build(self, units):
+    def build(self):
         return PatchEmbedding(self.spec, self.ctx.vision_config)
 
     def forward(self, module, x, batch, cache):
@@ -68,7 +79,6 @@ class _VisionLayers(PaddedHeadLayers):
 
     attr, reads, layers = "vit_blocks", frozenset({"pixels"}), True
     window = False
-    sp_enters = sp_leaves = False  # sequence-parallel region edges (set by build)
 
     def layer_spec(self, first_unit_index: int):
         ctx = self.ctx
@@ -79,13 +89,17 @@ class _VisionLayers(PaddedHeadLayers):
             with_drop_path(spec, first, layer_rates(ctx.vision_drop_path_rate, self.spec.vision.num_layers), axis=0)
         return spec
 
-    def build(self, units):
-        self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.vision_config)
+    @functools.cached_property
+    def sp_edges(self):
+        return self.ctx.sequence_parallel_edges(self.units, self.ctx.vision_config)
+
+    def build(self):
+        units = self.units
         return self.ctx.build_layers(units, self.ctx.vision_config, self.layer_spec, self.code())
 
-    def context(self, batch: MicroBatch, device) -> dict:
-        """RoPE and the packed parameters of both kinds, built once per micro-batch (``cache["qwen_vit"]``); the
-        patch count and the count padded for sequence parallelism."""
+    def context(self, batch: MicroBatch, device) -> "WindowedVitContext":
+        """RoPE and the packed parameters of both kinds, built once per micro-batch (held in the ``StageCache``);
+        the patch count and the count padded for sequence parallelism."""
         v, cfg = self.spec.vision, self.ctx.vision_config
         patches = int(batch.vision.vision_cu_seqlens[-1])
         padded = patches
@@ -99,9 +113,9 @@ class _VisionLayers(PaddedHeadLayers):
             return segment_params(*sequence_parallel.with_pad_segment(cu_seqlens, max_seqlen, padded),
                                   device if te else None)
 
-        return {"rope": rope, "patches": patches, "padded": padded, "keys": self.drop_path_keys(batch, padded, device),
-                "window": params(batch.vision.vision_cu_window_seqlens, batch.vision.vision_max_window_seqlen),
-                "full": params(batch.vision.vision_cu_seqlens, batch.vision.vision_max_seqlen)}
+        return WindowedVitContext(rope, patches, padded, self.drop_path_keys(batch, padded, device),
+                                  params(batch.vision.vision_cu_window_seqlens, batch.vision.vision_max_window_seqlen),
+                                  params(batch.vision.vision_cu_seqlens, batch.vision.vision_max_seqlen))
 
     def drop_path_keys(self, batch: MicroBatch, padded: int, device):
         """Drop path (training only): this iteration's key of each of the rows the layers run, [rows] int64 on
@@ -118,18 +132,16 @@ class _VisionLayers(PaddedHeadLayers):
         return keys
 
     def forward(self, module, x, batch, cache):
-        if "qwen_vit" not in cache:
-            cache["qwen_vit"] = self.context(batch, x.device)
-        c = cache["qwen_vit"]
+        c = cache.once(WindowedVitContext, lambda: self.context(batch, x.device))
         if self.sp_enters:
-            x = sequence_parallel.enter(F.pad(x, (0, 0, 0, 0, 0, c["padded"] - c["patches"])))
-        params = c["window" if self.window else "full"]
-        keys = c["keys"] if module.training else None  # drop path: the blocks' context (saved for recompute)
+            x = sequence_parallel.enter(F.pad(x, (0, 0, 0, 0, 0, c.padded - c.patches)))
+        params = c.window if self.window else c.full
+        keys = c.keys if module.training else None  # drop path: the blocks' context (saved for recompute)
         for block in module:
-            x = block(hidden_states=x, attention_mask=None, rotary_pos_emb=c["rope"], packed_seq_params=params,
+            x = block(hidden_states=x, attention_mask=None, rotary_pos_emb=c.rope, packed_seq_params=params,
                       context=keys)
         if self.sp_leaves:
-            x = sequence_parallel.leave(x)[:c["patches"]]
+            x = sequence_parallel.leave(x)[:c.patches]
         return x
 
     @classmethod
@@ -154,7 +166,7 @@ class Merger(RuntimeComponent):
 
     cost, attr, reads = MergerCost, "projector", frozenset({"pixels"})
 
-    def build(self, units):
+    def build(self):
         # replicated over TP (full inputs, its RMSNorm whole on every rank) also under sequence parallelism
         return PatchMerger(self.spec, self.ctx.vision_config,
                            dataclasses.replace(self.ctx.language_config, sequence_parallel=False))
@@ -168,50 +180,3 @@ class Merger(RuntimeComponent):
         hf.merger_recipes(unit, table)
 
 
-class ImageTextEmbed(TextEmbed):
-    """Token embedding with the merged image features in the image-token slots (any number per image)."""
-
-    def build(self, units):
-        return ImageTokenEmbedding(self.spec, self.ctx.language_config, self.ctx.img_context_id)
-
-    def forward(self, module, x, batch, cache):
-        # context parallelism: every rank's images, then this rank's tokens'
-        if batch.cp is not None and batch.cp.image_feature_index is not None:
-            x = gather_rows(x, batch.cp.vision_rank_tokens, context_parallel_group())
-            x = x.index_select(0, batch.cp.image_feature_index.to(x.device))
-        return module(batch.text.tokens, x, batch.vision.mm_token_type_ids)
-
-
-class MRopeTextLayer(TextLayer):
-    """Decoder layers with multimodal RoPE: per-token frequencies from ``mrope_position_ids``
-    (``megatron.vlm.rope``: the LanguageSpec's ``mrope_section``, chunked as Qwen2.5-VL's or interleaved as
-    Qwen3-VL's ``mrope_interleaved``); the layers are the shared TextLayer's (Qwen2.5 or Qwen3: per-head q/k norm
-    where the spec says). THD: one frequency row per token of the flattened micro-batch, which megatron-core's
-    ``apply_rotary_pos_emb`` maps by absolute offset, so the ids, not the segment, say the position (text after an
-    image continues from the image's largest id).  Context parallelism: the ids come in the padded, unsplit layout
-    (``QwenBatcher.split_cp``), one row per token of ``cu_seqlens``, so megatron-core takes this rank's chunks of
-    the frequencies itself (its CP group passed in the packed parameters too)."""
-
-    reads = frozenset({"packing"})
-
-    def extra_modules(self):
-        lang = self.spec.language
-        self.rotary = MultimodalRope(lang.kv_channels, lang.rotary_base, lang.mrope_section, lang.mrope_interleaved)
-        return {"mrope": self.rotary}
-
-    def context(self, module, batch, cache):
-        if "text_context" not in cache:
-            device = next(module.parameters()).device
-            ids = batch.vision.mrope_position_ids.to(device)  # [3, b, s]
-            if self.ctx.impl.thd:
-                te = self.ctx.impl.transformer_engine
-                params = segment_params(batch.packing.cu_seqlens, int(batch.packing.max_seqlen), device if te else None,
-                                        context_parallel_group())
-                # [t, 1, 1, d]: every token's (CP: of the padded unsplit layout, not sliced here: megatron-core's THD
-                # RoPE takes this rank's chunks of every segment)
-                rope = self.rotary(ids.reshape(3, 1, -1))
-                cache["text_context"] = {"attention_mask": None, "rotary_pos_emb": rope, "packed_seq_params": params}
-            else:
-                cache["text_context"] = {"attention_mask": packed_causal_mask(batch.packing.segment_ids),
-                                         "rotary_pos_emb": self.rotary(ids)}  # [s, b, 1, d]
-        return cache["text_context"]

@@ -16,14 +16,16 @@ Tensor names: "legacy" (what ``save_pretrained`` and the published checkpoints h
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
-from omnibal_ext.model.families.qwen2_5_vl import VisionSpec
 from omnibal_ext.model.spec import LanguageSpec, ModelSpec
 
+from .costs import VisionSpec
 from megatron.vlm.hf.config import HFConfigError, HFInfo, refuse, square
 from megatron.vlm.hf.recipes import Part, Recipe, whole
 from megatron.vlm.hf.text_configs import embed_name, layer_names, qwen2, rope, text_config, with_tie
+from megatron.vlm.lineages.qwen.hf import vit_attention_recipes
 
 MODEL_TYPES = ("qwen2_5_vl",)
 DEFAULT_MROPE_SECTION = (16, 24, 24)  # transformers' default when the config names none
@@ -169,24 +171,6 @@ def vision_layer_recipes(unit, table) -> None:
     add(u + "mlp.linear_fc2.bias", whole(hf(m["down"] + "bias", (H,)), (H,)))
 
 
-def vit_attention_recipes(table, u: str, m: dict, heads: int, d: int, H: int) -> None:
-    """A Qwen ViT layer's fused attention (``m["qkv"]``, ``m["proj"]``: HF prefixes of ``weight`` and ``bias``)
-    per real head (megatron/vlm/hf/keys.py's docstring): HF's fused qkv holds all q rows, then all k rows, then
-    all v rows; our head h is [its q rows | its k rows | its v rows]."""
-    hf, add, R = table.hf, table.add, heads
-    sa = u + "self_attention."
-    qkv, qkv_b = hf(m["qkv"] + "weight", (3 * H, H)), hf(m["qkv"] + "bias", (3 * H,))
-
-    def per_head(name):
-        return tuple(Part(name, j * H + h * d, j * H + (h + 1) * d) for h in range(R) for j in range(3))
-
-    add(sa + "linear_qkv.weight", Recipe((R, 3 * d, H), per_head(qkv), 3 * d))
-    add(sa + "linear_qkv.bias", Recipe((R, 3 * d), per_head(qkv_b), 3 * d))
-    proj = hf(m["proj"] + "weight", (H, H))
-    add(sa + "linear_proj.weight", Recipe((R, H, d), tuple(Part(proj, 0, H, (h * d, (h + 1) * d)) for h in range(R)), H))
-    add(sa + "linear_proj.bias", whole(hf(m["proj"] + "bias", (H,)), (H,)))
-
-
 def merger_recipes(unit, table) -> None:
     v, hf, add, u = table.spec.vision, table.hf, table.add, unit.name + "."
     m = table.names.merger()
@@ -200,7 +184,6 @@ def merger_recipes(unit, table) -> None:
 
 def structure_twin(spec: ModelSpec) -> ModelSpec:
     """A tiny model with ``spec``'s structure (unit list with the same window/full layer kinds, heads)."""
-    import dataclasses
 
     v, lang = spec.vision, spec.language
     vision = dataclasses.replace(v, hidden_size=4 * v.num_attention_heads, ffn_hidden_size=4)

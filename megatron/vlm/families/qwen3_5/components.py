@@ -6,7 +6,7 @@ norm.
 Both LLM layer kinds are role ``t``: consecutive units of one kind on a stage form TransformerBlock segments, and
 all of them sit in the stage's ``llm_blocks`` in unit order (the stage runs a run of one kind, then the next). They
 share one sequence-parallel region (the stage's LLM layers, whatever their kinds) and one micro-batch context
-(``cache["text_context"]``: the packed parameters and the rotary angles, which the Gated DeltaNet ignores but for
+(the ``StageCache``'s ``TextContext``: the packed parameters and the rotary angles, which the Gated DeltaNet ignores but for
 its segments).
 
 Qwen3.5-MoE: each kind has its MoE kind (``LinearAttentionMoELayers``, ``GatedAttentionMoELayers``), the same layer
@@ -19,17 +19,21 @@ rows).
 """
 from __future__ import annotations
 
-from omnibal_ext.errors import UserError
-from omnibal_ext.model.families.qwen3_5 import (GatedAttentionLayerCost, GatedAttentionMoELayerCost,
-                                                LinearAttentionLayerCost, LinearAttentionMoELayerCost)
+import functools
 
-from megatron.vlm.components import Head, MoEMLPs
-from megatron.vlm.families.qwen2_5_vl.components import ImageTextEmbed, MRopeTextLayer
-from megatron.vlm.families.qwen3_vl.components import Merger, VisionEmbed, VisionLayers
-from megatron.vlm.rope import MultimodalRope
+import torch
+
+from omnibal_ext.errors import UserError
+from omnibal_ext.model.spec import HEAD
 
 from . import hf
+from .costs import (GatedAttentionLayerCost, GatedAttentionMoELayerCost, LinearAttentionLayerCost,
+                    LinearAttentionMoELayerCost)
 from .modules import ZeroCentredRMSNorm, attention_layer_spec, language_layer_config, linear_layer_spec
+from megatron.vlm.layers.rope import MultimodalRope
+from megatron.vlm.lineages.qwen.qwen3_vit.components import Merger, VisionEmbed, VisionLayers
+from megatron.vlm.lineages.qwen.text import ImageTextEmbed, MRopeTextLayer
+from megatron.vlm.stage.components import Head, MoEMLPs
 
 
 class _Qwen35TextLayers(MRopeTextLayer):
@@ -47,16 +51,19 @@ class _Qwen35TextLayers(MRopeTextLayer):
             raise UserError("Qwen3.5: --attention-backend unfused is not implemented (the Gated DeltaNet runs on "
                             "packed THD rows); use --attention-backend auto")
 
-    def build(self, units):
-        self._check()
-        self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.language_config, ("L",))
-        config = language_layer_config(self.ctx.language_config, self.spec.language)
-        return self.ctx.build_layers(units, config, self.layer_spec, self.code())
+    @functools.cached_property
+    def sp_edges(self):
+        return self.ctx.sequence_parallel_edges(self.units, self.ctx.language_config, (HEAD,))
 
-    def extra_modules(self):
+    def build(self):
+        self._check()
+        config = language_layer_config(self.ctx.language_config, self.spec.language)
+        return self.ctx.build_layers(self.units, config, self.layer_spec, self.code())
+
+    @functools.cached_property
+    def rotary(self) -> torch.nn.Module:
         lang = self.spec.language
-        self.rotary = MultimodalRope(lang.rotary_dim, lang.rotary_base, lang.mrope_section, lang.mrope_interleaved)
-        return {"mrope": self.rotary}
+        return MultimodalRope(lang.rotary_dim, lang.rotary_base, lang.mrope_section, lang.mrope_interleaved)
 
 
 class LinearAttentionLayers(_Qwen35TextLayers):

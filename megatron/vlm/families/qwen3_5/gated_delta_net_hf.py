@@ -1,4 +1,4 @@
-"""transformers' ``Qwen3_5GatedDeltaNet`` tensors <-> ours (``megatron/vlm/gated_delta_net.py``), per TP rank.
+"""transformers' ``Qwen3_5GatedDeltaNet`` tensors <-> ours (``megatron/vlm/layers/gated_delta_net.py``), per TP rank.
 
 Names relative to the layer (HF: ``model.language_model.layers.<i>.linear_attn.``; ours: the layer's
 ``self_attention.``), HF -> ours on TP rank ``r`` of ``tp`` (``kd = key_dim / tp``, ``vd = value_dim / tp``,
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megatron.vlm.gated_delta_net import LinearAttentionDims
+from omnibal_ext.model.linear_attention import LinearAttentionShape
 
 HF_NAMES = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "conv1d.weight",
             "A_log", "dt_bias", "norm.weight", "out_proj.weight")
@@ -34,13 +34,13 @@ def _rows(t: Tensor, width: int, rank: int, tp: int) -> Tensor:
     return t[rank * n:(rank + 1) * n]
 
 
-def _qkv_blocks(t: Tensor, dims: LinearAttentionDims) -> tuple[Tensor, Tensor, Tensor]:
+def _qkv_blocks(t: Tensor, dims: LinearAttentionShape) -> tuple[Tensor, Tensor, Tensor]:
     return torch.split(t, [dims.key_dim, dims.key_dim, dims.value_dim], dim=0)
 
 
-def hf_to_ours(hf: dict[str, Tensor], dims: LinearAttentionDims, rank: int = 0, tp: int = 1) -> dict[str, Tensor]:
+def hf_to_ours(hf: dict[str, Tensor], dims: LinearAttentionShape, rank: int = 0, tp: int = 1) -> dict[str, Tensor]:
     """TP rank ``rank``'s tensors of our layer from the HF layer's (names relative to the layer, module docstring)."""
-    dims.check(tp)
+    dims.check_tp(tp)
     missing = [n for n in HF_NAMES if n not in hf]
     if missing:
         raise KeyError(f"hf_to_ours: the HF Gated DeltaNet layer lacks {missing}")
@@ -61,10 +61,10 @@ def hf_to_ours(hf: dict[str, Tensor], dims: LinearAttentionDims, rank: int = 0, 
             "out_norm.weight": hf["norm.weight"].clone(), "out_proj.weight": out_proj.contiguous()}
 
 
-def ours_to_hf(ranks: list[dict[str, Tensor]], dims: LinearAttentionDims) -> dict[str, Tensor]:
+def ours_to_hf(ranks: list[dict[str, Tensor]], dims: LinearAttentionShape) -> dict[str, Tensor]:
     """The HF layer's tensors from every TP rank's tensors of ours (``ranks[r]``: rank r's, names as OUR_NAMES)."""
     tp = len(ranks)
-    dims.check(tp)
+    dims.check_tp(tp)
     sections = dims.in_proj_sections(tp)
     parts = [torch.split(r["in_proj.weight"], sections, dim=0) for r in ranks]  # per rank: q k v z b a
     conv = [torch.split(r["conv1d.weight"], sections[:3], dim=0) for r in ranks]

@@ -32,19 +32,20 @@ key-value group ``[q of its heads | gate of its heads | k | v]`` (megatron-core'
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
-from omnibal_ext.model.families.qwen3_5 import FULL, LINEAR, qwen3_5_language, spec_problem
 from omnibal_ext.model.spec import ModelSpec
 
-from megatron.vlm.families.qwen3_vl import hf as qwen3_vl_hf
+from .costs import FULL, LINEAR, qwen3_5_language, qwen3_5_moe_experts, spec_problem
 from megatron.vlm.hf.config import HFConfigError, HFInfo, padded_vocab, refuse, require
-from megatron.vlm.hf.text_configs import rope
 from megatron.vlm.hf.recipes import Part, Recipe, whole
+from megatron.vlm.hf.text_configs import rope
+from megatron.vlm.lineages.qwen.qwen3_vit import hf as qwen3_vit_hf
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 MOE_ARCHITECTURE = "Qwen3_5MoeForConditionalGeneration"
-FUSED_EXPERTS = qwen3_vl_hf.FUSED_EXPERTS  # mlp.experts.gate_up_proj [E, 2I, H], down_proj [E, H, I]
+FUSED_EXPERTS = qwen3_vit_hf.FUSED_EXPERTS  # mlp.experts.gate_up_proj [E, 2I, H], down_proj [E, H, I]
 DEFAULT_MROPE_SECTION = (11, 11, 10)  # transformers' Qwen3_5TextRotaryEmbedding default
 
 
@@ -63,7 +64,6 @@ def _experts(t: dict, where: str):
     """Qwen3.5-MoE's experts (``Qwen3_5MoeTextConfig``): every layer MoE (it has no ``mlp_only_layers`` /
     ``decoder_sparse_step``: refused when given otherwise), the top k of ``num_experts`` renormalised (its router
     always does), a shared expert of ``shared_expert_intermediate_size`` behind a sigmoid gate."""
-    from omnibal_ext.model.families.qwen3_5 import qwen3_5_moe_experts
 
     refuse(t, "mlp_only_layers", where, lambda x: not x, "every layer MoE (Qwen3.5-MoE has no dense layers)")
     refuse(t, "decoder_sparse_step", where, lambda x: int(x) == 1, "every layer MoE (decoder_sparse_step 1)")
@@ -125,7 +125,7 @@ def spec_from_config(cfg: dict, name: str = "hf", where: str = "config.json") ->
         raise HFConfigError(f"{where}: vision_config.deepstack_visual_indexes: Qwen3.5's ViT has no DeepStack")
     tie = bool(cfg.get("tie_word_embeddings", False)) or bool(t.get("tie_word_embeddings", False))
     lang = _language(t, f"{where}: text_config", tie, is_moe(cfg))
-    vision = qwen3_vl_hf._vision({**v, "deepstack_visual_indexes": []}, f"{where}: vision_config", lang.hidden_size)
+    vision = qwen3_vit_hf.vision_spec({**v, "deepstack_visual_indexes": []}, f"{where}: vision_config", lang.hidden_size)
     if vision.spatial_merge_size != 2 or vision.in_channels != 3:
         raise HFConfigError(f"{where}: vision_config: only a 2x2 merge of RGB patches is implemented")
     spec = ModelSpec(name=name, vision=vision, language=lang, downsample_ratio=0.5, family="qwen3_5")
@@ -179,17 +179,16 @@ def checkpoint_info(info: HFInfo, spec: ModelSpec, reader) -> HFInfo:
     ``down_proj``, as the published Qwen3.5-MoE files hold them; transposed where their shapes say so, as
     Qwen3-VL-MoE's: ``qwen3_vl.hf.checkpoint_info``) or one tensor per expert (what transformers 5.23's
     ``save_pretrained`` writes: its qwen3_5_moe_text conversion splits them)."""
-    import dataclasses
 
     if spec.language.moe is None:
         return info
     layer = spec.language.moe.moe_layers[0]
     if Names(info).llm_layer(layer)["experts"] + FUSED_EXPERTS[0] not in reader.names():
         return dataclasses.replace(info, fused_experts=False, transposed=())
-    return qwen3_vl_hf.checkpoint_info(dataclasses.replace(info, fused_experts=True), spec, reader)
+    return qwen3_vit_hf.checkpoint_info(dataclasses.replace(info, fused_experts=True), spec, reader)
 
 
-class Names(qwen3_vl_hf.Names):
+class Names(qwen3_vit_hf.Names):
     """Qwen3-VL's names (ViT, merger, embedding, final norm, head); an LLM layer's by its kind."""
 
     def llm_layer(self, i: int) -> dict[str, str]:
@@ -298,7 +297,6 @@ def linear_layer_recipes(unit, table, mlp=_mlp) -> None:
 
 def structure_twin(spec: ModelSpec) -> ModelSpec:
     """A tiny model with ``spec``'s structure (unit list with the same layer kinds, heads)."""
-    import dataclasses
 
     v, lang = spec.vision, spec.language
     vision = dataclasses.replace(v, hidden_size=4 * v.num_attention_heads, ffn_hidden_size=4, num_position_embeddings=4)

@@ -1,5 +1,5 @@
 """Qwen3.5's LLM layers on megatron-core parts: zero-centred RMSNorms (``1 + w``) and the layer specs of its two
-kinds, a Gated DeltaNet layer (``megatron.vlm.gated_delta_net``) and a gated full-attention layer (megatron-core's
+kinds, a Gated DeltaNet layer (``megatron.vlm.layers.gated_delta_net``) and a gated full-attention layer (megatron-core's
 SelfAttention with ``attention_output_gate``: its fused QKV holds ``[q | gate | k | v]`` per key-value group, the
 attention output times ``sigmoid(gate)``), each with the SwiGLU MLP.
 
@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.vlm import layers
-from megatron.vlm.layer_impl import LayerImpl
-from megatron.vlm.gated_delta_net import gated_delta_net_spec
+from megatron.vlm.layers import blocks as layers
+from megatron.vlm.layers.gated_delta_net import gated_delta_net_spec
+from megatron.vlm.layers.layer_impl import LayerImpl
 
 
 def zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -55,7 +56,6 @@ class PerHeadZeroCentredRMSNorm(ZeroCentredRMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if self.tp > 1:
-            from megatron.core import tensor_parallel
 
             weight = tensor_parallel.copy_to_tensor_model_parallel_region(weight)
         return zero_centred_rms_norm(x, weight, self.eps)

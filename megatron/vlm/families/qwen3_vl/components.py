@@ -18,209 +18,20 @@ so are every DeepStack feature's rows (side tensor ``deepstack.{j}``: ``[image t
 """
 from __future__ import annotations
 
-import dataclasses
+import functools
 
 import torch
-import torch.nn.functional as F
 
-from omnibal_ext.model.spec import HEAD, PROJECTOR
-from omnibal_ext.model.families.qwen3_vl import (DeepStackLayerCost, MergerCost, VisionEmbedCost, VisionLayerCost,
-                                                 deepstack_name)
-
-from megatron.vlm import sequence_parallel
-from megatron.vlm.attention import segment_params
-from megatron.vlm.components import MoETextLayer, PaddedHeadLayers, RuntimeComponent
-from megatron.vlm.context_parallel import context_parallel_group, gather_rows
-from megatron.vlm.drop_path import iteration_keys, layer_rates, with_drop_path
-from megatron.vlm.families.qwen2_5_vl.components import ImageTextEmbed, MRopeTextLayer
-from megatron.vlm.families.qwen2_5_vl.modules import vision_rotary, vision_slots
-from megatron.vlm.micro_batch import MicroBatch
-from megatron.vlm.padded_heads import tp_rank
-from megatron.vlm.side import put_side, take_side
-from megatron.vlm.text import run_text_blocks
+from omnibal_ext.model.spec import HEAD
 
 from . import hf
-from .modules import DeepStackDropPathLayer, DeepStackLayer, PatchMerger, VisionEmbedding, vision_layer_spec
-
-
-class VisionEmbed(RuntimeComponent):
-    """Patch rows -> Conv3d patch embedding + interpolated learned positions -> [patches, 1, H]."""
-
-    cost, attr, reads = VisionEmbedCost, "vit_embed", frozenset({"pixels"})
-
-    def build(self, units):
-        return VisionEmbedding(self.spec, self.ctx.vision_config)
-
-    def forward(self, module, x, batch, cache):
-        device = module.proj.weight.device
-        v = batch.vision
-        x = module(v.pixel_values, v.vision_pos_index.to(device), v.vision_pos_weight.to(device))
-        return x.unsqueeze(1)
-
-    @classmethod
-    def hf_recipes(cls, unit, table):
-        hf.vision_embed_recipes(unit, table)
-
-
-def _merger_config(ctx):
-    """The mergers' config: the LLM's, replicated inputs (never sequence parallel)."""
-    return dataclasses.replace(ctx.language_config, sequence_parallel=False)
-
-
-class VisionLayers(PaddedHeadLayers):
-    """ViT layers over the packed patch tokens [patches, 1, H] (THD, one segment per image frame, no mask), 2-D
-    RoPE; heads padded to a multiple of TP. Both layer kinds live in the stage's ``vit_blocks``.
-
-    Sequence parallelism: the patches are padded once to a multiple of TP (the pads one more segment, zero RoPE)
-    and split where the ViT's layers start; plain and DeepStack layers share the region (left where the ViT's
-    layers end, the pads cut off).
-
-    Drop path (``--vision-drop-path-rate``, ``megatron/vlm/drop_path.py``): per image, each patch row taking its
-    image's key (``tile_keys``, processor order: the rows' order), the blocks' ``context``."""
-
-    cost, attr, reads, layers = VisionLayerCost, "vit_blocks", frozenset({"pixels"}), True
-    sp_enters = sp_leaves = False  # sequence-parallel region edges (set by build)
-
-    def layer_spec(self, first_unit_index: int):
-        ctx = self.ctx
-        return self.with_drop_path(vision_layer_spec(ctx.seed, first_unit_index, ctx.impl, self.spec.vision.num_attention_heads))
-
-    def with_drop_path(self, spec):
-        """``spec`` with drop path per image where the rate is > 0 (a ``DeepStackLayer`` stays one)."""
-        ctx = self.ctx
-        if ctx.vision_drop_path_rate <= 0:
-            return spec
-        deepstack = spec.module is DeepStackLayer
-        first = next(u.index for u in ctx.units if u.code == self.code())
-        with_drop_path(spec, first, layer_rates(ctx.vision_drop_path_rate, self.spec.vision.num_layers), axis=0)
-        if deepstack:
-            spec.module = DeepStackDropPathLayer
-        return spec
-
-    def build(self, units):
-        self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.vision_config)
-        return self.ctx.build_layers(units, self.ctx.vision_config, self.layer_spec, self.code())
-
-    def context(self, batch: MicroBatch, device) -> dict:
-        """RoPE and the packed parameters, built once per micro-batch (``cache["qwen3_vit"]``); the patch count and
-        the count padded for sequence parallelism."""
-        v, cfg = self.spec.vision, self.ctx.vision_config
-        patches = int(batch.vision.vision_cu_seqlens[-1])
-        padded = patches
-        if cfg.sequence_parallel:
-            padded = sequence_parallel.padded_tokens(patches, cfg.tensor_model_parallel_size)
-        rope = vision_rotary(batch.vision.vision_rotary_ids.to(device), v.head_dim, v.rotary_base)
-        rope = F.pad(rope, (0, 0, 0, 0, 0, 0, 0, padded - patches))
-        te = self.ctx.impl.transformer_engine
-        cu, longest = sequence_parallel.with_pad_segment(batch.vision.vision_cu_seqlens, batch.vision.vision_max_seqlen,
-                                                         padded)
-        return {"rope": rope, "patches": patches, "padded": padded, "keys": self.drop_path_keys(batch, padded, device),
-                "params": segment_params(cu, longest, device if te else None)}
-
-    def drop_path_keys(self, batch: MicroBatch, padded: int, device):
-        """Drop path (training only): this iteration's key of each of the rows the layers run, [rows] int64 on
-        ``device`` -- the patches' image keys (``tile_keys``, processor order) padded to ``padded`` rows and, under
-        sequence parallelism, this TP rank's rows; None without drop path."""
-        if not (self.ctx.vision_drop_path_rate > 0 and batch.vision.tile_keys is not None):
-            return None
-        keys = iteration_keys(batch.vision.tile_keys.to(device), self.ctx.seed, batch.iteration)
-        keys = F.pad(keys, (0, padded - len(keys)))
-        cfg = self.ctx.vision_config
-        if cfg.sequence_parallel:
-            rows = padded // cfg.tensor_model_parallel_size
-            keys = keys[tp_rank(cfg) * rows:(tp_rank(cfg) + 1) * rows]
-        return keys
-
-    def _context(self, x, batch, cache) -> dict:
-        if "qwen3_vit" not in cache:
-            cache["qwen3_vit"] = self.context(batch, x.device)
-        return cache["qwen3_vit"]
-
-    def _run(self, block, x, c):
-        keys = c["keys"] if block.training else None  # drop path: the blocks' context (saved for recompute)
-        return block(hidden_states=x, attention_mask=None, rotary_pos_emb=c["rope"], packed_seq_params=c["params"],
-                     context=keys)
-
-    def forward(self, module, x, batch, cache):
-        c = self._context(x, batch, cache)
-        if self.sp_enters:
-            x = sequence_parallel.enter(F.pad(x, (0, 0, 0, 0, 0, c["padded"] - c["patches"])))
-        for block in module:
-            x = self._run(block, x, c)
-        if self.sp_leaves:
-            x = sequence_parallel.leave(x)[:c["patches"]]
-        return x
-
-    @classmethod
-    def hf_recipes(cls, unit, table):
-        hf.vision_layer_recipes(unit, table)
-
-
-class DeepStackLayers(VisionLayers):
-    """ViT layers at DeepStack indexes: one block per layer; after each, its DeepStack merger (a submodule of the
-    layer) runs on the layer's output (all patches: gathered under sequence parallelism) and the feature is held as
-    side tensor ``deepstack.{j}`` for LLM layer ``j``."""
-
-    cost = DeepStackLayerCost
-    slots: tuple[int, ...] = ()  # the DeepStack feature of each block (set by build)
-
-    def layer_spec(self, first_unit_index: int):
-        ctx, spec = self.ctx, self.spec
-        merger_config = _merger_config(ctx)
-        return self.with_drop_path(vision_layer_spec(
-            ctx.seed, first_unit_index, ctx.impl, spec.vision.num_attention_heads,
-            merger=lambda: PatchMerger(spec, merger_config, after_shuffle=True)))
-
-    def build(self, units):
-        self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.vision_config)
-        self.slots = tuple(self.spec.vision.deepstack_slot(u.layer) for u in units)
-        blocks = torch.nn.ModuleList()
-        for unit in units:  # one block per layer: its output feeds the merger
-            blocks.extend(self.ctx.build_layers([unit], self.ctx.vision_config, self.layer_spec, self.code()))
-        return blocks
-
-    def forward(self, module, x, batch, cache):
-        c = self._context(x, batch, cache)
-        if self.sp_enters:
-            x = sequence_parallel.enter(F.pad(x, (0, 0, 0, 0, 0, c["padded"] - c["patches"])))
-        for block, slot in zip(module, self.slots):
-            x = self._run(block, x, c)
-            full = sequence_parallel.leave(x)[:c["patches"]] if self.ctx.vision_config.sequence_parallel else x
-            put_side(cache, deepstack_name(slot), block.layers[-1].deepstack_merger(full))
-        if self.sp_leaves:
-            x = sequence_parallel.leave(x)[:c["patches"]]
-        return x
-
-    def profile_forward(self, module, x, batch, cache):
-        """The first layer and its merger (the profiler runs it many times: its feature goes to a scratch cache)."""
-        return self.forward(module[:1], x, batch, {"qwen3_vit": self._context(x, batch, cache)})
-
-    def parameter_role(self, unit, name):
-        """The DeepStack merger is the projector's (``--freeze-projector``, its learning rate), whatever stage runs
-        it; the layer is the ViT's."""
-        return PROJECTOR if name.startswith("deepstack_merger.") else unit.code
-
-    @classmethod
-    def hf_recipes(cls, unit, table):
-        hf.vision_layer_recipes(unit, table)
-        hf.deepstack_merger_recipes(unit, table)
-
-
-class Merger(RuntimeComponent):
-    """The 2x2 patch merger (projector): [patches, 1, Hv] -> [image tokens, 1, Hl] (processor order: text order)."""
-
-    cost, attr, reads = MergerCost, "projector", frozenset({"pixels"})
-
-    def build(self, units):
-        # replicated over TP (full inputs, its LayerNorm whole on every rank) also under sequence parallelism
-        return PatchMerger(self.spec, _merger_config(self.ctx))
-
-    def forward(self, module, x, batch, cache):
-        return module(x)
-
-    @classmethod
-    def hf_recipes(cls, unit, table):
-        hf.merger_recipes(unit, table)
+from megatron.vlm.lineages.qwen.modules import vision_slots
+from megatron.vlm.lineages.qwen.text import MRopeTextLayer
+from megatron.vlm.lineages.qwen.vision_costs import deepstack_name
+from megatron.vlm.parallel import sequence_parallel
+from megatron.vlm.parallel.context_parallel import context_parallel_group, gather_rows
+from megatron.vlm.stage.components import MoETextLayer
+from megatron.vlm.stage.text import run_text_blocks
 
 
 class DeepStackTextLayer(MRopeTextLayer):
@@ -236,22 +47,30 @@ class DeepStackTextLayer(MRopeTextLayer):
     rows of the images the rank ran (``deepstack.{j}``: the planning side's ``SideTensor`` list is unchanged)."""
 
     reads = frozenset({"packing", "tokens"})  # the tokens say where the image tokens are
-    slots: tuple[int | None, ...] = ()  # per block: the DeepStack feature added after it, or None (set by build)
 
-    def build(self, units):
-        self.sp_enters, self.sp_leaves = self.ctx.sequence_parallel_edges(units, self.ctx.language_config, (HEAD,))
+    def block_slots(self, module) -> tuple[int | None, ...]:
+        """Per block of ``module`` (``build``: a block of its own per layer below the number of DeepStack features,
+        then the rest's blocks): the DeepStack feature added after it, or None."""
+        k = len(self.spec.vision.deepstack_visual_indexes)
+        first = tuple(u.layer for u in self.units if u.layer < k)
+        return first + (None,) * (len(module) - len(first))
+
+    @functools.cached_property
+    def sp_edges(self):
+        return self.ctx.sequence_parallel_edges(self.units, self.ctx.language_config, (HEAD,))
+
+    def build(self):
+        units = self.units
         k = len(self.spec.vision.deepstack_visual_indexes)
         first, rest = [u for u in units if u.layer < k], [u for u in units if u.layer >= k]
         blocks = torch.nn.ModuleList()
         for unit in first:
             blocks.extend(self.ctx.build_layers([unit], self.ctx.language_config, self.layer_spec, self.code(),
                                                 lora_linears=self.lora_linears))
-        self.slots = tuple(u.layer for u in first)
         if rest:
             more = self.ctx.build_layers(rest, self.ctx.language_config, self.layer_spec, self.code(),
                                          lora_linears=self.lora_linears)
             blocks.extend(more)
-            self.slots += (None,) * len(more)
         return blocks
 
     @staticmethod
@@ -279,8 +98,8 @@ class DeepStackTextLayer(MRopeTextLayer):
         return x + full
 
     def forward(self, module, x, batch, cache):
-        return self._forward(module, self.slots, x, batch, cache,
-                             lambda slot: self._tokens_features(take_side(cache, deepstack_name(slot)), batch))
+        return self._forward(module, self.block_slots(module), x, batch, cache,
+                             lambda slot: self._tokens_features(cache.take_side(deepstack_name(slot)), batch))
 
     def _forward(self, module, slots, x, batch, cache, feature_of):
         if self.sp_enters:
@@ -299,7 +118,7 @@ class DeepStackTextLayer(MRopeTextLayer):
             tokens = int(vision_slots(batch.text.tokens, batch.vision.mm_token_type_ids, self.ctx.img_context_id).sum())
             return x.new_zeros(tokens, 1, self.spec.language.hidden_size)
 
-        return self._forward(module[:1], self.slots[:1], x, batch, cache, zero_feature)
+        return self._forward(module[:1], self.block_slots(module)[:1], x, batch, cache, zero_feature)
 
     @classmethod
     def hf_recipes(cls, unit, table):
@@ -311,12 +130,8 @@ class DeepStackMoETextLayer(MoETextLayer, DeepStackTextLayer):
     run as ``DeepStackTextLayer`` runs its layers (multimodal RoPE, DeepStack feature ``j`` added after layer
     ``j``); the experts' HF tensors are the fused ones (``hf.moe_layer_recipes``)."""
 
-    build = DeepStackTextLayer.build  # one block per DeepStack layer (MoETextLayer's is TextLayer's)
-
     @classmethod
     def hf_recipes(cls, unit, table):
         hf.moe_layer_recipes(unit, table)
 
 
-__all__ = ["VisionEmbed", "VisionLayers", "DeepStackLayers", "Merger", "ImageTextEmbed", "DeepStackTextLayer",
-           "DeepStackMoETextLayer"]
