@@ -1,7 +1,7 @@
-"""The tests' one view of the family registry (``megatron.vlm.families`` and its planning side
-``omnibal_ext.model.families``): which families are registered (and the tests' plugin families), what each declares
-(its ``Capabilities``: the conformance suite's skips), and a snapshot of the registry that a worker pool puts back
-after every case. Re-point this module, and only it, when the registry moves.
+"""The tests' one view of the family registry (``omnibal_ext.model.families``, which ``megatron.vlm.families``
+fills with the built-in families when imported): which families are registered (and the tests' plugin families), what
+each declares (its ``Capabilities``: the conformance suite's skips), and a snapshot of the registry that a worker pool
+puts back after every case. Re-point this module, and only it, when the registry moves.
 """
 from __future__ import annotations
 
@@ -12,28 +12,23 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The registered families of both sides, by name."""
+    """The registered families, (name, Family) in registration order."""
 
-    runtime: tuple
-    planning: tuple
+    families: tuple
 
 
 def snapshot() -> Snapshot:
-    from megatron.vlm import families as runtime
-    from omnibal_ext.model import families as planning
+    from megatron.vlm import families
 
-    return Snapshot(tuple(runtime.FAMILIES.items()), tuple(planning.FAMILIES.items()))
+    return Snapshot(tuple(families.FAMILIES.items()))
 
 
 def restore(saved: Snapshot) -> None:
     """Exactly the families of ``saved`` registered again (those registered since are gone)."""
-    from megatron.vlm import families as runtime
-    from omnibal_ext.model import families as planning
+    from megatron.vlm import families
 
-    runtime.FAMILIES.clear()
-    runtime.FAMILIES.update(saved.runtime)
-    planning.FAMILIES.clear()
-    planning.FAMILIES.update(saved.planning)
+    families.FAMILIES.clear()
+    families.FAMILIES.update(saved.families)
 
 
 # families defined by the tests' own modules, as a user's plugin would be (name -> the module that registers it)
@@ -68,7 +63,7 @@ def capabilities(name: str):
     from megatron.vlm import families as runtime
 
     with registered(name):
-        return runtime.FAMILIES[name].planning.capabilities
+        return runtime.FAMILIES[name].capabilities
 
 
 # the checks a family may not implement: check -> (the Capabilities field that declares it, what it means)

@@ -37,8 +37,8 @@ for path in (str(TESTS), str(ROOT / "scripts"), str(ROOT)):
 # what the entry points import lazily, imported once here (the 6-7 s every fresh trainer process pays)
 WARM = ("pretrain_vlm", "megatron.training.arguments", "megatron.training.training", "megatron.training.setup",
         "megatron.training.checkpointing", "megatron.training.profiling", "megatron.training.isf",
-        "megatron.training.tokenizer_setup", "megatron.vlm.families", "megatron.vlm.hf.convert",
-        "megatron.vlm.hf.load", "megatron.vlm.hf.logits", "hf_logits", "omnibal_cli")
+        "megatron.training.tokenizer_setup", "megatron.training.hf_checkpoints", "megatron.vlm.families",
+        "megatron.vlm.hf.convert", "megatron.vlm.hf.load", "megatron.vlm.hf.logits", "hf_logits", "omnibal_cli")
 # modules a case may import and that stay: the installed packages, the standard library and the project's own
 KEPT_ROOTS = tuple(str(Path(p).resolve()) for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
                                                      sysconfig.get_paths()["stdlib"]})

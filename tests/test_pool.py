@@ -83,11 +83,15 @@ def test_pool_after_a_dirty_case_trains_as_fresh_torchrun(data_cache, tmp_path):
 @pytest.mark.slow
 def test_pool_puts_every_rank_back_reports_failures_and_restarts(tmp_path):
     p = pool.pool(2)
+    # the threads the pool holds before the dirty case (earlier cases' leftovers included: a MoE run of megatron-core
+    # 0.16.1 leaves its router's autograd graph, and with it the run's groups, behind; see docs/testing.md)
+    assert p.run("pool_probe:main", ["inspect", str(tmp_path / "before.json")], tmp_path).returncode == 0
+    os_threads = json.loads((tmp_path / "before.json").read_text())["os_threads"]
     assert p.run("pool_probe:main", ["dirty"], tmp_path).returncode == 0
     clean = p.run("pool_probe:main", ["inspect", str(tmp_path / "state.json")], tmp_path)
     assert clean.returncode == 0, clean.output
     state = json.loads((tmp_path / "state.json").read_text())
-    os_threads = state.pop("os_threads")  # compared below with a fresh pool's
+    assert state.pop("os_threads") == os_threads  # the dirty case's groups and their gloo threads are gone
     assert state == {"env": None, "cwd": str(tmp_path), "dtype": "torch.float32", "threads": 1, "grad": True,
                      "families": ["internvl", "qwen2_5_vl", "qwen3_5", "qwen3_vl"], "toy_imported": False,
                      "model_parallel": False, "rng_states": [], "groups": 1}, state
@@ -106,5 +110,5 @@ def test_pool_puts_every_rank_back_reports_failures_and_restarts(tmp_path):
     after = p.run("pool_probe:main", ["inspect", str(tmp_path / "after.json")], tmp_path)  # and again
     assert after.returncode == 0 and p.starts == starts + 2
     fresh = json.loads((tmp_path / "after.json").read_text())
-    assert fresh.pop("os_threads") == os_threads  # the dirty case's groups and threads are gone
+    assert fresh.pop("os_threads") <= os_threads  # a restarted pool holds no more than the old one did
     assert fresh == state

@@ -117,7 +117,7 @@ def reset_global_state() -> None:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
     from megatron.core.transformer.moe import moe_utils
-    from megatron.vlm.context_parallel import forget_own_groups
+    from megatron.vlm.parallel.context_parallel import forget_own_groups
 
     parallel_state.destroy_model_parallel()
     parallel_state.destroy_global_memory_buffer()
