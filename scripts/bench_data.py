@@ -11,7 +11,7 @@ Four measurements, every number from this machine:
 loader         in-process MicroBatches of a ViT stage (decodes) and of an LLM-only stage (no decode), K
                samples per micro-batch, --num-workers 0 vs 2: samples/s per loading rank
 tp_decode      two gloo processes (a stage's two TP ranks) each needing the same micro-batch: ``broadcast``
-               (TP rank 0 decodes, broadcast_batch to the other) vs ``split`` (each decodes half of the
+               (TP rank 0 decodes, broadcast_micro_batch to the other) vs ``split`` (each decodes half of the
                samples, all_gather_object, both collate) vs ``duplicate`` (each decodes all, the old
                behaviour): ms per micro-batch, the slower rank's
 scan           the validation scan that decodes every image before training: in one process, split over
@@ -144,9 +144,8 @@ def _tp_worker(rank: int, port: int, batches: int, k: int, result_path: str):
     import torch
     import torch.distributed as dist
 
-    from megatron.vlm.stage.batches import broadcast_batch
     from megatron.vlm.data.collate import collate_padded
-    from megatron.vlm.stage.micro_batch import MicroBatch
+    from megatron.vlm.stage.micro_batch import MicroBatch, broadcast_micro_batch
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -161,7 +160,7 @@ def _tp_worker(rank: int, port: int, batches: int, k: int, result_path: str):
             t0 = time.perf_counter()
             if mode == "broadcast":
                 batch = MicroBatch.of(collate_padded([ds[i] for i in g], tok.pad_id)) if rank == 0 else None
-                batch = broadcast_batch(batch, 0, None)
+                batch = broadcast_micro_batch(batch, 0, None)
             elif mode == "split":
                 mine = [ds[i] for i in g[rank::2]]
                 parts = [None, None]

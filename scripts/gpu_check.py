@@ -276,6 +276,7 @@ def check_thd_vs_dense(work: Path, cuda: bool, deadline: float) -> dict:
         from megatron.training import cpu_compat
 
         ctx = cpu_compat.patched()
+    from megatron.vlm.stage.side import StageCache
     from omnibal_ext.model.spec import TEXT_LAYER
 
     with ctx:
@@ -291,7 +292,7 @@ def check_thd_vs_dense(work: Path, cuda: bool, deadline: float) -> dict:
         out, numbers = {}, {}
         for name, m in (("thd", thd), ("dense", dense)):
             part = m.part(TEXT_LAYER)  # the LLM layers' runtime component, its first block
-            text, layer, cache = part.component, m.module_of(part)[:1], {}
+            text, layer, cache = part.component, m.module_of(part)[:1], StageCache()
             text.prepare(layer, batch, cache)
 
             def step():

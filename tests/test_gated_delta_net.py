@@ -9,6 +9,11 @@ from gdn_cases import LENGTHS
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
+def _assert_grad_close(got, want, name):
+    """fp32 weight gradients summed over tokens in another order: atol relative to the gradient's largest entry."""
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * max(1.0, float(want.abs().max())), msg=name)
+
+
 def _hf_grads(hf, lengths, x, seed_w):
     """transformers' outputs and input/weight gradients, running each sample of the packed row on its own."""
     outs, grads = [], {n: torch.zeros_like(p) for n, p in hf.named_parameters()}
@@ -52,7 +57,7 @@ def test_one_sample_equals_transformers(megatron_world):
     torch.testing.assert_close(got, want, **TOL)
     torch.testing.assert_close(got_dx, want_dx, **TOL)
     for name, g in _our_grads_as_hf(layer).items():
-        torch.testing.assert_close(g, want_grads[name], **TOL, msg=name)
+        _assert_grad_close(g, want_grads[name], name)
 
 
 @pytest.mark.parametrize("chunk", [3, 5, 64])  # chunks that divide no sample length (3: 12 and 6 are multiples)
@@ -66,7 +71,7 @@ def test_packed_row_equals_samples_one_by_one(megatron_world, chunk):
     torch.testing.assert_close(got_dx, want_dx, **TOL)
     for name, g in _our_grads_as_hf(layer).items():
         assert g.abs().max() > 0, name
-        torch.testing.assert_close(g, want_grads[name], **TOL, msg=name)
+        _assert_grad_close(g, want_grads[name], name)
 
 
 def test_state_and_conv_reset_at_boundaries(megatron_world):
