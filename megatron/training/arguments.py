@@ -212,6 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-interval", type=int, default=200, help="evaluate every N iterations (and at the end); 0: never")
     g.add_argument("--eval-iters", type=int, default=None,
                    help="iterations (global batches) per evaluation (default: one pass over the validation set)")
+    g.add_argument("--eval-generate", action="store_true",
+                   help="at each evaluation also generate every answer of the evaluated validation samples (greedy, on "
+                        "the training layout) and log the accuracy by generation beside the teacher-forced one, with "
+                        "the samples where they differ counted by cause (docs/generation.md)")
+    g.add_argument("--eval-generate-samples", type=int, default=None, metavar="N",
+                   help="with --eval-generate: the first N evaluated samples only (default: all)")
     g.add_argument("--save", default=None, help="checkpoint folder (saved at --save-interval and at the end)")
     g.add_argument("--load", default=None,
                    help="resume from the newest complete checkpoint here, at any TP/PP/DP and layout (none there: "
@@ -611,6 +617,7 @@ def validate_args(args, world_size: int) -> None:
     if tp < 1 or pp < 1:
         raise ArgumentError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
     spec = model_spec_of(args)
+    check_capabilities(args, spec)  # first: a family's unit list refuses what it lacks (experts) less clearly
     n_units = len(build_units(spec))
     if pp > n_units:
         raise ArgumentError(
@@ -654,7 +661,6 @@ def validate_args(args, world_size: int) -> None:
     problem = family_of(spec).spec_problem(spec)
     if problem:
         raise ArgumentError(problem)
-    check_capabilities(args, spec)
     check_moe(args, spec, tp, pp, cp, dp)
     _, microbatches = batch_sizes(args, dp)
     if vpp > 1:
@@ -670,6 +676,7 @@ def validate_args(args, world_size: int) -> None:
         raise ArgumentError("--omnibal-partition auto chooses the layout itself: drop --pipeline-layout")
     if args.save_interval and not args.save:
         raise ArgumentError("--save-interval needs --save")
+    check_eval_generate(args, vpp)
     if not 0.0 <= args.vision_drop_path_rate < 1.0:
         raise ArgumentError(f"--vision-drop-path-rate {args.vision_drop_path_rate}: must be in [0, 1)")
     if args.load and os.path.isfile(args.load):
@@ -682,6 +689,25 @@ def validate_args(args, world_size: int) -> None:
     for flag, value in (("--vision-lr", args.vision_lr), ("--projector-lr", args.projector_lr)):
         if value is not None and value < 0:
             raise ArgumentError(f"{flag} {value}: must be >= 0")
+
+
+def check_eval_generate(args, vpp: int) -> None:
+    """--eval-generate runs generation on the training stages: one per rank, whose attention keeps a KV cache."""
+    if args.eval_generate_samples is not None and (args.eval_generate_samples < 1 or not args.eval_generate):
+        raise ArgumentError(f"--eval-generate-samples {args.eval_generate_samples}: must be >= 1, with --eval-generate")
+    if not args.eval_generate:
+        return
+    if not args.eval_interval:
+        raise ArgumentError("--eval-generate runs at each evaluation: give --eval-interval > 0")
+    refused = [(args.context_parallel_size > 1, f"--context-parallel-size {args.context_parallel_size}"),
+               (vpp > 1, "an interleaved pipeline (several model chunks per rank)"),
+               (args.transformer_impl == "transformer_engine", "--transformer-impl transformer_engine"),
+               (args.attention_backend == "unfused", "--attention-backend unfused")]
+    for bad, what in refused:
+        if bad:
+            raise ArgumentError(f"--eval-generate with {what}: generation runs one stage per pipeline rank, its "
+                                "attention megatron-core's torch layers with the packed-sequence attention (the one "
+                                "that keeps a KV cache)")
 
 
 # ``Capabilities`` field -> (flag, whether the flags ask for it): a family that does not declare the field refuses

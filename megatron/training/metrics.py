@@ -174,7 +174,8 @@ class MetricsLog:
                "answer acc": "{:.4f}", "grad norm": "{:.4f}", "tokens/s": "{:.1f}", "images/s": "{:.1f}",
                "pad ratio": "{:.4f}", "data wait ms": "{:.1f}", "dist ratio llm": "{:.4f}", "dist ratio vit": "{:.4f}",
                "dist ratio llm time": "{:.4f}", "dist ratio vit time": "{:.4f}", "moe aux loss": "{:.6E}",
-               "moe z loss": "{:.6E}", "expert load imbalance": "{:.4f}", "ep load imbalance": "{:.4f}"}
+               "moe z loss": "{:.6E}", "expert load imbalance": "{:.4f}", "ep load imbalance": "{:.4f}",
+               "generation acc": "{:.4f}", "generation tf acc": "{:.4f}"}
         for key, value in metrics.items():
             if value is None:
                 continue

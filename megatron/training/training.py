@@ -296,6 +296,11 @@ def train(args, plan: RunPlan, model, optimizer, scheduler, train_data, valid_da
     logged Dist ratios in time too."""
     setup = StepSetup.build(args, plan, model)
     log = MetricsLog(args)
+    generation = None  # --eval-generate (megatron/training/eval_generate.py)
+    if args.eval_generate and valid_data is not None:
+        from .eval_generate import GenerationEval
+
+        generation = GenerationEval.build(args, plan, model, valid_data, setup.groups.dp_gloo)
     moe_log = moe_log_of(args, plan, [unwrap_model(m) for m in model], next(model[0].parameters()).device)
     history, balance_means, peak_act = [], BalanceMeans(), 0
     iteration, saved = start_iteration, None
@@ -318,7 +323,11 @@ def train(args, plan: RunPlan, model, optimizer, scheduler, train_data, valid_da
             log.log(iteration, args.train_iters, metrics)
         if valid_data is not None and due(args.eval_interval, iteration, args.train_iters):
             sync_params(model)
+            if generation is not None:
+                valid_data.start_recording()
             ev = evaluate(args, plan, model, valid_data, setup.forward_backward)
+            if generation is not None:
+                ev.update(generation.evaluate(valid_data.stop_recording()))
             if ev:
                 log.log(iteration, args.train_iters, ev, prefix="validation ")
                 metrics.update({f"validation {k}": v for k, v in ev.items()})

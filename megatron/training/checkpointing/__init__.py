@@ -29,10 +29,10 @@ the model description and every tensor's global shape. A problem stops the run w
 names the file or tensor and the iteration, and the newest older complete checkpoint (``--ckpt-step``).
 """
 from .layout import FORMAT, MANIFEST, TRACKER, Checkpoint, CheckpointError, iteration_dir
-from .load import find_checkpoint, load_checkpoint, read_global_tensors
+from .load import find_checkpoint, load_checkpoint, load_weights, read_global_tensors
 from .save import fault_point, save_checkpoint, save_global_tensors
 from .state import describe_run, rng_state, run_description, set_rng_state, to_arrays, to_tensors
 
 __all__ = ["FORMAT", "MANIFEST", "TRACKER", "Checkpoint", "CheckpointError", "describe_run", "fault_point",
-           "find_checkpoint", "iteration_dir", "load_checkpoint", "read_global_tensors", "rng_state",
+           "find_checkpoint", "iteration_dir", "load_checkpoint", "load_weights", "read_global_tensors", "rng_state",
            "run_description", "save_checkpoint", "save_global_tensors", "set_rng_state", "to_arrays", "to_tensors"]

@@ -122,6 +122,21 @@ def load_checkpoint(ckpt: Checkpoint, args, plan, model, optimizer, scheduler) -
     return common
 
 
+def load_weights(ckpt: Checkpoint, plan, model) -> dict:
+    """Load only the model weights of ``ckpt`` into this run's model chunks (generation: no optimizer, no data),
+    whatever TP/PP/DP and layout it was saved with, after the same checks as ``load_checkpoint``; returns its common
+    state."""
+    common = dist_checkpointing.load_common_state_dict(ckpt.path)
+    _check_model(ckpt, common.get("run") or {}, plan.model_spec)
+    _check_tensors(ckpt, model)
+    request = model_sharded_state_dict(model)
+    loaded = dist_checkpointing.load({"model": request}, ckpt.path)
+    load_model_state(model, loaded["model"])
+    if dist.get_rank() == 0:
+        print(f"> loaded the weights of iteration {ckpt.iteration} from {ckpt.path}", flush=True)
+    return common
+
+
 def _param_of(optimizer_key: str) -> str:
     """The model tensor an optimizer state key belongs to (``optimizer.state.exp_avg.llm.layer.0.x`` ->
     ``llm.layer.0.x``)."""
