@@ -31,7 +31,16 @@ def main(argv=None) -> dict:
                            timeout=distributed_timeout(args))
     set_seeds(args.seed)
 
+    from megatron.training.checkpointing import lock
+
+    with lock.held(args.save, args.force_save_lock):  # one run per --save folder, released however main() ends
+        return run(args, world_size, device)
+
+
+def run(args, world_size: int, device) -> dict:
+    """The run, once the process groups are up and the --save folder is this run's."""
     import dataclasses
+    import os
 
     import torch.distributed as dist
 
@@ -41,6 +50,10 @@ def main(argv=None) -> dict:
 
     plan = plan_run(args, world_size, device)  # sizes, model, overlap; completed below as each part is known
     resume = checkpointing.find_checkpoint(args.load, args.ckpt_step) if args.load else None  # checked first
+    if args.save and dist.get_rank() == 0:  # before the first save: this run's lineage alone, and room for it
+        same = resume is not None and os.path.realpath(args.load) == os.path.realpath(args.save)
+        checkpointing.prepare_save_folder(args.save, resume.iteration if same else None, checkpointing.checkpoint_bytes(
+            plan.model_spec, None if plan.trainable is None else plan.trainable.trains, args.bf16))
     hf_source = None
     if args.hf_checkpoint:
         from megatron.vlm.hf.convert import HFSource
@@ -114,7 +127,8 @@ def main(argv=None) -> dict:
 
 def cli(argv=None) -> int:
     """Run :func:`main` on ``argv`` (default: the command line); a user's mistake (``UserError``) becomes one line
-    ``error: ...`` on stderr and exit status 2, every other exception keeps its traceback."""
+    ``error: ...`` on stderr and exit status 2, a run that stopped itself (``RunStopped``: NaN/Inf, a --save folder
+    held by another run, a full disk) one line and exit status 1; every other exception keeps its traceback."""
     from megatron.training import cpu_compat
     from megatron.training.arguments import requested_device
     from megatron.training.initialize import choose_device, destroy
@@ -126,7 +140,7 @@ def cli(argv=None) -> int:
                 main(argv)
             finally:
                 destroy()
-    except UserError as e:  # bad flags or data: one clear line per rank, no traceback
+    except UserError as e:  # bad flags or data, or a run that stopped itself: one clear line per rank, no traceback
         return report(e)
     return 0
 

@@ -3,10 +3,11 @@ updates are bias-corrected as a fresh Adam's), and keeps its own step through th
 
 Against an independent computation: one fresh ``torch.optim.AdamW`` per trained parameter, fed the same gradients
 from the parameter's first trained iteration on (created at the resume for the newly unfrozen ones)."""
-import dataclasses
-
 import pytest
 import torch
+
+import trainer_parts
+from trainer_parts import NoData
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 
@@ -14,23 +15,8 @@ BASE = ["--lr-warmup-iters", "0", "--clip-grad", "0", "--lr", "1e-2", "--micro-b
         "--global-batch-size", "16", "--train-iters", "10"]
 
 
-class _NoData:
-    def state_dict(self):
-        return {}
-
-
 def _build(argv):
-    from megatron.training import setup, training
-    from megatron.training.arguments import parse_args
-    from megatron.training.run_plan import plan_run
-
-    args = parse_args(BASE + argv)
-    plan = plan_run(args, 1, torch.device("cpu"))
-    plan = dataclasses.replace(plan, layout=setup.choose_layout(args, plan))
-    plan = dataclasses.replace(plan, recompute=setup.recompute_settings(args, plan))
-    model = training.build_model(args, plan, 5, torch.device("cpu"))
-    optimizer, scheduler = training.build_optimizer(args, plan, model)
-    return args, plan, model, optimizer, scheduler
+    return trainer_parts.build(BASE + argv)
 
 
 def _named(model):
@@ -93,7 +79,7 @@ def test_unfrozen_on_resume_steps_like_a_fresh_adamw(tmp_path, extra, capsys):
     _check(model, refs, "before the resume")
     vit = {n for n, p in _named(model).items() if p.vlm_role in "Iv"}  # the ViT's (I: its patch embedding)
     assert vit and not vit & set(refs)
-    save_checkpoint(args, plan, 3, 48, model, optimizer, scheduler, _NoData())
+    save_checkpoint(args, plan, 3, 48, model, optimizer, scheduler, NoData())
 
     # resumed with the ViT trained: its parameters' AdamW starts fresh here, the others' continue at step 4
     args, plan, model, optimizer, scheduler = _build(extra + ["--load", str(tmp_path / "a"),
@@ -103,7 +89,7 @@ def test_unfrozen_on_resume_steps_like_a_fresh_adamw(tmp_path, extra, capsys):
     assert vit <= set(refs)
     _check(model, refs, "first step after the resume")
     assert "fresh optimizer state (Adam moments 0, step 0)" in capsys.readouterr().out
-    save_checkpoint(args, plan, 4, 64, model, optimizer, scheduler, _NoData())  # steps differ per parameter now
+    save_checkpoint(args, plan, 4, 64, model, optimizer, scheduler, NoData())  # steps differ per parameter now
 
     # resumed again under the same flags: every parameter keeps its own step (ViT 1, the others 4)
     args, plan, model, optimizer, scheduler = _build(extra + ["--load", str(tmp_path / "b")])
@@ -153,7 +139,7 @@ def test_bf16_optimizers_keep_per_parameter_steps(tmp_path, extra):
     steps(model, optimizer, scheduler, 2)
     trained_roles = {p.vlm_role for p in _named(model).values() if p.requires_grad}
     assert _steps_by_role(model, optimizer) == {r: {2.0} for r in trained_roles}
-    save_checkpoint(args, plan, 2, 32, model, optimizer, scheduler, _NoData())
+    save_checkpoint(args, plan, 2, 32, model, optimizer, scheduler, NoData())
     mains = _main_params(model, optimizer)
     args, plan, model, optimizer, scheduler = _build(extra + ["--load", str(tmp_path / "a"), "--save", str(tmp_path / "b")])
     load_checkpoint(find_checkpoint(str(tmp_path / "a")), args, plan, model, optimizer, scheduler)
@@ -166,7 +152,7 @@ def test_bf16_optimizers_keep_per_parameter_steps(tmp_path, extra):
     steps(model, optimizer, scheduler, 1)
     want = {r: {3.0} for r in trained_roles} | {"I": {1.0}, "v": {1.0}}
     assert _steps_by_role(model, optimizer) == want
-    save_checkpoint(args, plan, 3, 48, model, optimizer, scheduler, _NoData())
+    save_checkpoint(args, plan, 3, 48, model, optimizer, scheduler, NoData())
     assert _steps_by_role(model, optimizer) == want  # put back after the save
     args, plan, model, optimizer, scheduler = _build(extra + ["--load", str(tmp_path / "b")])
     load_checkpoint(find_checkpoint(str(tmp_path / "b")), args, plan, model, optimizer, scheduler)

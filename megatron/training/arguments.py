@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 
 from omnibal_ext.errors import UserError
@@ -134,7 +135,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--projector-lr", type=float, default=None,
                    help="peak learning rate of the projector (default --lr); follows the LR schedule like --vision-lr")
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="constant")
+    g.add_argument("--lr-decay-iters", type=int, default=None,
+                   help="iterations the LR decays over, from --lr to --min-lr (default: --train-iters); give it to "
+                        "keep a run's schedule when a resume trains longer")
     g.add_argument("--lr-warmup-iters", type=int, default=10)
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
+                   dest="override_opt_param_scheduler",
+                   help="on resume: this run's LR schedule flags (--lr, --min-lr, --lr-warmup-iters, "
+                        "--lr-decay-iters, --lr-decay-style, --weight-decay) replace the checkpoint's; the schedule "
+                        "continues from the checkpoint's step")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   action="store_true", dest="use_checkpoint_opt_param_scheduler",
+                   help="on resume: keep the checkpoint's LR schedule, whatever these flags say (without either "
+                        "flag a resume whose schedule flags differ from the checkpoint's is refused, as in "
+                        "Megatron-LM)")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false", dest="check_for_nan_in_loss_and_grad",
+                   help="do not stop the run when the loss or a gradient is NaN or Inf (checked on every rank "
+                        "before each optimizer step by default, as in Megatron-LM)")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -195,7 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--skip-bad-samples", action="store_true",
                    help="leave out records that fail the pre-training scan (missing or undecodable image, bad "
                         "JSON or conversation, too long) instead of stopping: each is listed with file:line and "
-                        "its reason in DATA_CACHE_DIR/skipped/<meta name>.txt and counted in the log")
+                        "its reason in DATA_CACHE_DIR/skipped/<meta name>-<path hash>.txt and counted in the log")
+    g.add_argument("--max-skipped-fraction", type=float, default=0.1,
+                   help="with --skip-bad-samples: stop before training when more than this fraction of a data "
+                        "file's records fail the scan (a wrong image root, say)")
     g.add_argument("--truncate-long-samples", action="store_true",
                    help="cut a sample longer than --seq-length at that length (an image block is never split: "
                         "images that do not fit are dropped with their tokens) instead of stopping")
@@ -223,7 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resume from the newest complete checkpoint here, at any TP/PP/DP and layout (none there: "
                         "start from scratch; `--save X --load X` under torchrun --max-restarts resumes a killed job)")
     g.add_argument("--ckpt-step", type=int, default=None, help="with --load: that iteration's checkpoint")
-    g.add_argument("--keep-checkpoints", type=int, default=None, help="keep the newest N checkpoints (default: all)")
+    g.add_argument("--keep-checkpoints", type=int, default=None,
+                   help="keep the newest N checkpoints of this run's lineage, and always the one the tracker names "
+                        "(default: all)")
+    g.add_argument("--force-save-lock", action="store_true",
+                   help="take over the --save folder's lock even when another host holds it (its run cannot be "
+                        "judged dead from here: make sure it is); a dead process of this host is taken over without it")
     g.add_argument("--save-interval", type=int, default=None, help="save every N iterations (and at the end of training; 0: only at the end)")
     g.add_argument("--exit-interval", type=int, default=None, help="stop (after saving) at this iteration (0: run all --train-iters)")
     g.add_argument("--json-log", default=None, help="write per-iteration metrics as JSON lines here")
@@ -553,7 +578,8 @@ _LOWER_BOUNDS = (
     ("--micro-batch-size", 1), ("--global-batch-size", 1), ("--train-iters", 0), ("--log-interval", 1),
     ("--eval-interval", 0), ("--eval-iters", 1), ("--save-interval", 0), ("--exit-interval", 0),
     ("--seq-length", 1), ("--max-num-tiles", 1), ("--min-num-tiles", 1), ("--num-workers", 0), ("--prefetch-factor", 1),
-    ("--lr", 0), ("--min-lr", 0), ("--lr-warmup-iters", 0),
+    ("--lr", 0), ("--min-lr", 0), ("--lr-warmup-iters", 0), ("--lr-decay-iters", 1), ("--weight-decay", 0),
+    ("--clip-grad", 0), ("--adam-beta1", 0), ("--adam-beta2", 0), ("--max-skipped-fraction", 0),
     ("--omnibal-isf-qv", 1), ("--omnibal-isf-qt", 1), ("--omnibal-isf-qv-min", 0), ("--omnibal-isf-qt-min", 0),
     ("--omnibal-isf-token-multiple", 1), ("--omnibal-isf-iters", 1), ("--omnibal-isf-vit-time", 0),
     ("--omnibal-isf-llm-time", 1), ("--omnibal-isf-vit-time-min", 0), ("--omnibal-isf-llm-time-min", 0),
@@ -569,8 +595,24 @@ def _flag_value(args, flag: str):
     return getattr(args, flag[2:].replace("-", "_"))
 
 
+# (flag, bound it must stay below, or at most when the third entry is True)
+_UPPER_BOUNDS = (("--adam-beta1", 1, False), ("--adam-beta2", 1, False), ("--max-skipped-fraction", 1, True))
+
+
+def check_finite(args, parser: argparse.ArgumentParser) -> None:
+    """Every float flag given is a finite number (argparse's ``float`` takes "nan" and "inf")."""
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if action.type is float and value is not None and not math.isfinite(value):
+            raise ArgumentError(f"{action.option_strings[0]} {value}: must be a finite number")
+
+
 def check_lower_bounds(args) -> None:
-    """Every flag of ``_LOWER_BOUNDS`` that is given is at least its bound."""
+    """Every flag of ``_LOWER_BOUNDS`` that is given is at least its bound, and below its ``_UPPER_BOUNDS``."""
+    for flag, most, inclusive in _UPPER_BOUNDS:
+        value = _flag_value(args, flag)
+        if value is not None and (value > most if inclusive else value >= most):
+            raise ArgumentError(f"{flag} {value}: must be {'<=' if inclusive else '<'} {most}")
     for flag, least in _LOWER_BOUNDS:
         value = _flag_value(args, flag)
         if value is not None and value < least:
@@ -609,10 +651,43 @@ def check_isf_flags(args) -> None:
             raise ArgumentError(f"{low_flag} {low} is above {cap_flag} {cap}: a lower bound must not exceed its cap")
 
 
+def check_schedule_flags(args) -> None:
+    """The LR schedule's flags against each other (megatron-core's scheduler asserts them only after the data scan
+    and the model build) and the two resume flags, which contradict each other."""
+    if args.lr < args.min_lr:
+        raise ArgumentError(f"--lr {args.lr} is below --min-lr {args.min_lr}: the schedule decays from --lr to "
+                            f"--min-lr (give --min-lr {args.lr} or less)")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each "
+                            "other: give one (this run's schedule flags, or the checkpoint's schedule)")
+    for flag, given in (("--override-opt_param-scheduler", args.override_opt_param_scheduler),
+                        ("--use-checkpoint-opt_param-scheduler", args.use_checkpoint_opt_param_scheduler)):
+        if given and not args.load:
+            raise ArgumentError(f"{flag} needs --load (it says which LR schedule a resumed run follows)")
+
+
+def check_run_safety_flags(args, parser: argparse.ArgumentParser) -> None:
+    """Flags that only act with another (refused alone rather than ignored), and --tensorboard-dir's package."""
+    if args.force_save_lock and not args.save:
+        raise ArgumentError("--force-save-lock needs --save (it takes over the --save folder's lock)")
+    if args.max_skipped_fraction != parser.get_default("max_skipped_fraction") and not args.skip_bad_samples:
+        raise ArgumentError("--max-skipped-fraction needs --skip-bad-samples (without it any bad record stops the run)")
+    if args.tensorboard_dir:
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:  # torch.utils.tensorboard imports it
+            raise ArgumentError(f"--tensorboard-dir {args.tensorboard_dir}: the tensorboard package is not installed "
+                                "(pip install -e '.[tensorboard]', or drop the flag)")
+
+
 def validate_args(args, world_size: int) -> None:
     """Check flags against each other and the world size; raise ArgumentError naming the flag."""
+    parser = build_parser()
+    check_finite(args, parser)
     check_lower_bounds(args)
     check_isf_flags(args)
+    check_schedule_flags(args)
+    check_run_safety_flags(args, parser)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         raise ArgumentError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
@@ -656,8 +731,11 @@ def validate_args(args, world_size: int) -> None:
         if hidden % heads and not (name == "--num-attention-heads" and lang.head_dim):
             raise ArgumentError(f"{name} {heads} does not divide the hidden size {hidden}")
     if tp_problem(spec, tp):  # the planner's rule: the LLM's heads and groups divide, the ViT's are padded
-        raise ArgumentError(f"--num-attention-heads {lang.num_attention_heads} (key/value groups {lang.kv_groups}) "
-                            f"is not divisible by --tensor-model-parallel-size {tp}")
+        flag, value, what = (("--num-attention-heads", lang.num_attention_heads, "LLM attention heads")
+                             if lang.num_attention_heads % tp else
+                             ("--num-query-groups", lang.kv_groups, "LLM key/value groups"))
+        raise ArgumentError(f"{flag} {value} ({what}) is not divisible by --tensor-model-parallel-size {tp}: "
+                            f"each TP rank needs a whole share of them")
     problem = family_of(spec).spec_problem(spec)
     if problem:
         raise ArgumentError(problem)

@@ -3,6 +3,7 @@ tokenizer_setup.py)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 
 import numpy as np
@@ -19,7 +20,7 @@ from megatron.vlm.stage.batches import MicroBatches, StageInputs
 from megatron.vlm.stage.components import units_inputs
 from megatron.vlm.data.digits import FORMAT_VERSION as DIGITS_FORMAT
 from megatron.vlm.data.digits import build_digits_dataset, digits_meta_paths
-from megatron.vlm.data.records import RecordDataset
+from megatron.vlm.data.records import DataValidationError, RecordDataset
 from megatron.vlm.stage.components import runtime_family
 
 from .arguments import ArgumentError
@@ -34,6 +35,8 @@ def data_paths(args, plan: RunPlan) -> tuple[str, str | None]:
     for flag, path in (("--data-path", args.data_path), ("--valid-data-path", args.valid_data_path)):
         if path and not os.path.exists(path):
             raise ArgumentError(f"{flag} {path}: no such file")
+        if path and os.path.isdir(path):
+            raise ArgumentError(f"{flag} {path} is a folder: give a meta JSON or an annotation JSONL file")
     if args.data_path:
         return args.data_path, args.valid_data_path
     px = runtime_family(plan.model_spec).data.default_image_px(plan.model_spec)
@@ -60,21 +63,31 @@ def build_dataset(args, plan: RunPlan, tokenizer, meta_path: str) -> RecordDatas
                             truncate=args.truncate_long_samples,
                             skip_bad=args.skip_bad_samples, videos=videos)
     skipped = dataset.scan.skipped
-    if skipped and (not dist.is_initialized() or dist.get_rank() == 0):
-        report = skipped_report_path(args, meta_path)
+    if not skipped:
+        return dataset
+    report = skipped_report_path(args, meta_path)
+    bad = len({line.split(": ", 1)[0] for line in skipped})  # records ("file:line")
+    total = bad + len(dataset.scan.rec_line)
+    if not dist.is_initialized() or dist.get_rank() == 0:
         os.makedirs(os.path.dirname(report), exist_ok=True)
         with open(report, "w") as f:
             f.write("".join(f"{line}\n" for line in skipped))
-        records = len({line.split(": ", 1)[0] for line in skipped})
-        print(f"> data: {records} bad record(s) of {meta_path} skipped ({len(skipped)} problem(s)), "
+        print(f"> data: {bad} bad record(s) of {meta_path} skipped ({len(skipped)} problem(s)), "
               f"listed in {report}; training on the other {len(dataset)} sample(s)", flush=True)
+    if bad > args.max_skipped_fraction * total:  # every rank: the scan is the same on all
+        raise DataValidationError(
+            f"--skip-bad-samples: {bad} of the {total} records of {meta_path} fail the scan ({bad / total:.0%}), "
+            f"more than --max-skipped-fraction {args.max_skipped_fraction}: the data is more likely wrong (an image "
+            f"root?) than a few records bad; the first: {skipped[0]} (all in {report})")
     return dataset
 
 
 def skipped_report_path(args, meta_path: str) -> str:
-    """Where --skip-bad-samples lists the records it left out of ``meta_path`` (``file:line: reason``)."""
+    """Where --skip-bad-samples lists the records it left out of ``meta_path`` (``file:line: reason``): named after
+    the file and a hash of its absolute path, so that two data files of one name keep their own lists."""
     name = os.path.splitext(os.path.basename(meta_path))[0]
-    return os.path.join(args.data_cache_dir, "skipped", f"{name}.txt")
+    key = hashlib.sha1(os.path.realpath(meta_path).encode()).hexdigest()[:8]
+    return os.path.join(args.data_cache_dir, "skipped", f"{name}-{key}.txt")
 
 
 def build_groups(args, plan: RunPlan, dataset) -> tuple[tuple[list[np.ndarray], np.ndarray | None, object], RunPlan]:
@@ -98,6 +111,9 @@ def build_datasets(args, plan: RunPlan, tokenizer) -> tuple[RecordDataset, Recor
     train_meta, valid_meta = data_paths(args, plan)
     train_set = build_dataset(args, plan, tokenizer, train_meta)
     valid_set = build_dataset(args, plan, tokenizer, valid_meta) if valid_meta and args.eval_interval else None
+    if args.eval_interval and valid_meta is None and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"> no evaluation: --eval-interval {args.eval_interval} needs --valid-data-path (--data-path "
+              f"{args.data_path} has no held-out split)", flush=True)
     return train_set, valid_set
 
 

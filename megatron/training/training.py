@@ -12,7 +12,7 @@ from megatron.core import parallel_state
 from megatron.core.utils import unwrap_model
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from omnibal_ext.data.metrics import step_balance
@@ -27,7 +27,9 @@ from omnibal_ext.model.spec import TEXT_EMBED
 from . import checkpointing
 from .initialize import distributed_timeout
 from .interleaved import chunk_data, interleaved_peak, schedule_groups, sum_tied_grads
+from .finite_check import grad_buffers, local_flags, stop_if_nonfinite
 from .loss_reduction import prefetch, weight
+from .lr_schedule import ResumeRule, Schedule
 from .memory import ActivationMeter, one_f_one_b_peak, static_bytes
 from .moe_log import moe_log_of
 from .metrics import (BalanceMeans, DataWait, MetricGroups, MetricsLog, StepResult, batch_balance, reduce_reports,
@@ -88,11 +90,19 @@ def finalize_grads(model, num_tokens=None, **kwargs):
     return finalize_model_grads(model, num_tokens, **kwargs)
 
 
+GROUP_TAGS = {"vision_lr": 2.0, "projector_lr": 3.0}  # the lr_mult of the groups of their own LR (lr_overrides)
+
+
 def lr_overrides(args, config: OptimizerConfig) -> dict:
     """megatron-core's param-group overrides: its standard ones (no weight decay on biases and norms) plus the
     peak (``max_lr``) and minimum (``min_lr``, scaled by the same ratio to --lr) of the ViT's (--vision-lr)
     and the projector's (--projector-lr) parameters, matched by the role the stage tags them with
-    (``vlm_role``). The scheduler applies its warm-up and decay to each group between its own min and max."""
+    (``vlm_role``). The scheduler applies its warm-up and decay to each group between its own min and max.
+
+    Such a group's ``lr_mult`` is its tag (``GROUP_TAGS``), not a multiplier: megatron-core 0.16 reads ``lr_mult``
+    only to match a checkpoint's parameter groups to this run's (with ``wd_mult``, ``is_expert_parallel`` and
+    ``is_decoupled_lr``); with megatron-core's default 1.0 the ViT's groups and the --lr groups matched each other
+    and a resume failed."""
     from megatron.core.optimizer import ParamKey, ParamPredicate, get_standard_config_overrides
 
     from omnibal_ext.model.spec import PROJECTOR, VISION_EMBED, VISION_LAYER
@@ -104,7 +114,7 @@ def lr_overrides(args, config: OptimizerConfig) -> dict:
             continue
         min_lr = args.min_lr * lr / args.lr if args.lr else args.min_lr
         key = ParamKey(predicate=ParamPredicate(name=name, fn=lambda p, roles=roles: getattr(p, "vlm_role", None) in roles))
-        overrides[key] = {"max_lr": lr, "min_lr": min_lr}
+        overrides[key] = {"max_lr": lr, "min_lr": min_lr, "lr_mult": GROUP_TAGS[name]}
     return overrides
 
 
@@ -115,13 +125,10 @@ def build_optimizer(args, plan: RunPlan, model):
         bf16=args.bf16, params_dtype=dtype_of(args), use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_param_gather=plan.overlap_param_gather)
     optimizer = get_megatron_optimizer(config, model, config_overrides=lr_overrides(args, config))
-    gbs = plan.global_batch_size
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=min(args.lr_warmup_iters, max(args.train_iters - 1, 0)) * gbs, lr_decay_steps=max(args.train_iters, 1) * gbs,
-        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_steps=max(args.train_iters, 1) * gbs, wd_incr_style="constant")
-    return optimizer, scheduler
+    schedule = Schedule.from_flags(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters or args.train_iters,
+                                   args.lr_decay_style, args.weight_decay, plan.global_batch_size)
+    rule = ResumeRule.of(args.override_opt_param_scheduler, args.use_checkpoint_opt_param_scheduler)
+    return optimizer, schedule.scheduler(optimizer, rule)
 
 
 def sync_params(model) -> None:
@@ -213,12 +220,14 @@ class ForwardBackward(Protocol):
 @dataclass(frozen=True)
 class StepSetup:
     """What every step of a run uses: megatron-core's schedule (``forward_backward``, with the interleaved one's
-    groups), the activation meter (--log-activation-memory, else None), the metric groups and whether this rank
-    holds the last pipeline stage."""
+    groups), the activation meter (--log-activation-memory, else None), the metric groups, whether this rank
+    holds the last pipeline stage and whether each step checks its loss and gradients for NaN/Inf
+    (finite_check.py; --no-check-for-nan-in-loss-and-grad turns it off)."""
     forward_backward: ForwardBackward
     meter: ActivationMeter | None
     groups: MetricGroups
     is_last: bool
+    check_finite: bool
 
     @classmethod
     def build(cls, args, plan: RunPlan, model) -> "StepSetup":
@@ -232,7 +241,7 @@ class StepSetup:
         meter = ActivationMeter(torch.nn.ModuleList([unwrap_model(m) for m in model])) \
             if plan.log_activation_memory else None
         return cls(forward_backward, meter, MetricGroups.build(distributed_timeout(args)),
-                   parallel_state.is_pipeline_last_stage())
+                   parallel_state.is_pipeline_last_stage(), args.check_for_nan_in_loss_and_grad)
 
 
 def activation_peak(meter: ActivationMeter, chunks: int, pp: int) -> int:
@@ -269,12 +278,24 @@ def train_step(args, plan: RunPlan, setup: StepSetup, model, optimizer, schedule
         data_iterator=chunk_data(data_iterator, len(model)), model=model,
         num_microbatches=plan.num_microbatches, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, forward_only=False)
+    if setup.check_finite:  # before the step: megatron-core's grad norm is computed inside it (finite_check.py)
+        stop_if_nonfinite(iteration, *local_flags(reports, grad_buffers(model)), setup.groups.world_gloo)
+    learning_rate = applied_lr(optimizer)
     _, grad_norm, _ = optimizer.step()
     records = train_data.stop_recording()
     peak = activation_peak(setup.meter, len(model), args.pipeline_model_parallel_size) if setup.meter else 0
-    scheduler.step(increment=plan.global_batch_size)
-    return StepResult(reports=reports, grad_norm=None if grad_norm is None else float(grad_norm), records=records,
-                      data_wait_s=wait.seconds, elapsed_s=time.perf_counter() - start, act_peak_bytes=peak)
+    scheduler.step(increment=plan.global_batch_size)  # the next iteration's LR
+    return StepResult(reports=reports, grad_norm=None if grad_norm is None else float(grad_norm),
+                      learning_rate=learning_rate, records=records, data_wait_s=wait.seconds,
+                      elapsed_s=time.perf_counter() - start, act_peak_bytes=peak)
+
+
+def applied_lr(optimizer) -> float:
+    """The LR the next optimizer step applies to the --lr parameter groups (megatron-core's ``default_config``
+    groups; the first group when a rank holds none)."""
+    groups = optimizer.param_groups
+    lr = get_canonical_lr_for_logging(groups)
+    return float(groups[0]["lr"] if lr is None else lr)
 
 
 def due(interval: int | None, iteration: int, last: int) -> bool:
@@ -304,6 +325,10 @@ def train(args, plan: RunPlan, model, optimizer, scheduler, train_data, valid_da
     moe_log = moe_log_of(args, plan, [unwrap_model(m) for m in model], next(model[0].parameters()).device)
     history, balance_means, peak_act = [], BalanceMeans(), 0
     iteration, saved = start_iteration, None
+    if start_iteration >= args.train_iters and dist.get_rank() == 0:
+        print(f"> nothing to train: the run starts at iteration {start_iteration} and --train-iters is "
+              f"{args.train_iters}" + (f" (the checkpoint is saved to --save {args.save} as it is)" if args.save else ""),
+              flush=True)
     while iteration < args.train_iters:
         checkpointing.fault_point("train", iteration + 1)
         if moe_log:
@@ -311,8 +336,7 @@ def train(args, plan: RunPlan, model, optimizer, scheduler, train_data, valid_da
         step = train_step(args, plan, setup, model, optimizer, scheduler, train_data, iteration + 1)
         iteration += 1
         peak_act = max(peak_act, step.act_peak_bytes)
-        metrics = step_metrics(step, setup.groups, consumed_samples, scheduler.get_lr(optimizer.param_groups[0]),
-                               setup.is_last)
+        metrics = step_metrics(step, setup.groups, consumed_samples, setup.is_last)
         consumed_samples = metrics["consumed samples"]
         balance = batch_balance(step.records, balance_fn, setup.groups.dp_gloo, sample_times) if balance_fn else {}
         balance_means.add(balance)
