@@ -137,19 +137,19 @@ def run(args, world_size: int, device) -> dict:
     return summary
 
 
-def cli() -> int:
-    """Run :func:`main`; a user's mistake (``UserError``) becomes one line ``error: ...`` on stderr and exit
-    status 2, a run that stopped itself (``RunStopped``: NaN/Inf, a --save folder held by another run, a full
-    disk) one line and exit status 1; every other exception keeps its traceback."""
+def cli(argv=None) -> int:
+    """Run :func:`main` on ``argv`` (default: the command line); a user's mistake (``UserError``) becomes one line
+    ``error: ...`` on stderr and exit status 2, a run that stopped itself (``RunStopped``: NaN/Inf, a --save folder
+    held by another run, a full disk) one line and exit status 1; every other exception keeps its traceback."""
     from megatron.training import cpu_compat
     from megatron.training.arguments import requested_device
     from megatron.training.initialize import choose_device, destroy
     from omnibal_ext.errors import UserError, report
 
     try:
-        with cpu_compat.patched_for(choose_device(requested_device())):  # a CPU run, teardown included
+        with cpu_compat.patched_for(choose_device(requested_device(argv))):  # a CPU run, teardown included
             try:
-                main()
+                main(argv)
             finally:
                 destroy()
     except UserError as e:  # bad flags or data, or a run that stopped itself: one clear line per rank, no traceback
