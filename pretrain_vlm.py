@@ -139,8 +139,8 @@ def run(args, world_size: int, device) -> dict:
 
 def cli(argv=None) -> int:
     """Run :func:`main` on ``argv`` (default: the command line); a user's mistake (``UserError``) becomes one line
-    ``error: ...`` on stderr and exit status 2, a run that stopped itself (``RunStopped``: NaN/Inf, a --save folder
-    held by another run, a full disk) one line and exit status 1; every other exception keeps its traceback."""
+    ``error: ...`` on stderr and exit status 1, as does a run that stopped itself (``RunStopped``: NaN/Inf, a
+    --save folder held by another run, a full disk); every other exception keeps its traceback."""
     from megatron.training import cpu_compat
     from megatron.training.arguments import requested_device
     from megatron.training.initialize import choose_device, destroy
