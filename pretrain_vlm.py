@@ -13,78 +13,69 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not
 warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
 warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")  # megatron-core's own default
 
+# the filters first: these imports load megatron-core, which warns as it loads
+import torch.distributed as dist  # noqa: E402
+from megatron.core.utils import unwrap_model  # noqa: E402
+
+from megatron.training import checkpointing, cpu_compat, isf, setup, training  # noqa: E402
+from megatron.training.arguments import parse_config, requested_device  # noqa: E402
+from megatron.training.flags import ArgumentError  # noqa: E402
+from megatron.training.initialize import (choose_device, destroy, initialize_distributed, set_seeds,  # noqa: E402
+                                          world_size_from_env)
+from megatron.training.tokenizer_setup import setup_tokenizer, tokenizer_folder  # noqa: E402
+from megatron.vlm.hf.convert import HFSource  # noqa: E402
+from megatron.vlm.hf.load import load_hf_into_stage  # noqa: E402
+from omnibal_ext.errors import UserError, report  # noqa: E402
+from omnibal_ext.model.units import build_units  # noqa: E402
+
 
 def main(argv=None) -> dict:
-    from megatron.training.arguments import ArgumentError, parse_args, virtual_pipeline_size
-    from megatron.training.initialize import (choose_device, distributed_timeout, initialize_distributed, set_seeds,
-                                              world_size_from_env)
-
     world_size = world_size_from_env()
-    args = parse_args(argv, world_size)  # checked, never written to: what follows from it is the run plan
-    device = choose_device(args.device)
-    if args.bf16 and device.type != "cuda":
+    config = parse_config(argv, world_size)  # every flag checked and typed: nothing below reads the flags
+    parallel = config.parallel
+    device = choose_device(parallel.device)
+    if config.optim.bf16 and device.type != "cuda":
         raise ArgumentError("--bf16 needs a CUDA device: megatron-core's mixed-precision optimizer takes CUDA "
                             "tensors only (train in fp32 on CPU)")
-    initialize_distributed(device, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                           args.context_parallel_size, virtual_pipeline_size(args),
-                           args.expert_model_parallel_size, args.expert_tensor_parallel_size,
-                           timeout=distributed_timeout(args))
-    set_seeds(args.seed)
+    initialize_distributed(device, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                           parallel.context_parallel_size, parallel.virtual_pipeline_size,
+                           parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size,
+                           timeout=parallel.timeout)
+    set_seeds(config.optim.seed)
 
-    import dataclasses
-
-    import torch.distributed as dist
-
-    from megatron.training import checkpointing, isf, setup, training
-    from megatron.training.run_plan import plan_run
-    from megatron.training.tokenizer_setup import setup_tokenizer
-
-    plan = plan_run(args, world_size, device)  # sizes, model, overlap; completed below as each part is known
-    resume = checkpointing.find_checkpoint(args.load, args.ckpt_step) if args.load else None  # checked first
-    hf_source = None
-    if args.hf_checkpoint:
-        from megatron.vlm.hf.convert import HFSource
-
-        hf_source = HFSource.open(args.hf_checkpoint)  # every tensor name and shape checked (headers only)
-        plan = dataclasses.replace(plan, hf_meta=hf_source.meta())
-    if args.load and resume is None and dist.get_rank() == 0:
-        print(f"> no checkpoint in --load {args.load}: starting from scratch", flush=True)
-    tokenizer, plan = setup_tokenizer(args, plan)  # the vocabulary padded for the tokenizer
-    datasets = setup.build_datasets(args, plan, tokenizer)  # validates every record first
-    groups, plan = setup.build_groups(args, plan, datasets[0])  # ISF's caps and mean group size the profile below
+    load = config.checkpoint.load
+    resume = checkpointing.find_checkpoint(load, config.checkpoint.ckpt_step) if load else None  # checked first
+    hf_checkpoint = config.model.hf_checkpoint
+    # every tensor name and shape checked (headers only)
+    hf_source = HFSource.open(hf_checkpoint) if hf_checkpoint else None
+    if load and resume is None and dist.get_rank() == 0:
+        print(f"> no checkpoint in --load {load}: starting from scratch", flush=True)
+    tokenizer, spec = setup_tokenizer(config)  # the model's vocabulary padded for the tokenizer
+    datasets = setup.build_datasets(config, spec, tokenizer)  # validates every record first
+    groups = setup.build_groups(config, spec, datasets[0])  # ISF's caps and mean group size the profile below
     costs = None
-    if args.omnibal_partition == "auto" or args.omnibal_recompute == "auto" or args.omnibal_profile:
-        costs = setup.unit_costs(args, plan, datasets[0], tokenizer, device, groups)
-        if args.omnibal_partition == "none" and args.omnibal_recompute == "none":
+    if config.balance.profiles:
+        costs = setup.unit_costs(config, spec, groups, datasets[0], tokenizer, device)
+        if config.balance.profile_only:
             if dist.get_rank() == 0:
-                print(f"> profile of {len(costs.units)} units written to {args.omnibal_profile}", flush=True)
-            return {"profile": args.omnibal_profile}
-    if args.omnibal_partition == "auto":
-        layout = setup.balanced_layout(args, plan, costs)
-    else:
-        layout = setup.choose_layout(args, plan)
-    plan = dataclasses.replace(plan, layout=layout)
-    if args.omnibal_recompute == "auto":
-        adaptive = setup.adaptive_recompute(args, plan, costs, device)
-        plan = dataclasses.replace(plan, recompute=adaptive.stages, recompute_plan=adaptive)
-    else:
-        plan = dataclasses.replace(plan, recompute=setup.recompute_settings(args, plan))
-    train_data, valid_data = setup.build_data(args, plan, tokenizer, setup.rank_stage_inputs(plan), datasets,
+                print(f"> profile of {len(costs.units)} units written to {config.balance.profile}", flush=True)
+            return {"profile": config.balance.profile}
+    # the layout and the recompute chosen (searched and planned from the costs with --omnibal-*): the whole plan
+    plan = setup.build_run_plan(config, spec, device, costs, tokenizer_folder(config),
+                                None if hf_source is None else hf_source.meta())
+    train_data, valid_data = setup.build_data(config, spec, tokenizer, setup.rank_stage_inputs(plan), datasets,
                                               device.type, groups)  # this stage's inputs only
-    model = training.build_model(args, plan, tokenizer.img_context_id, device)
+    model = training.build_model(plan, tokenizer.img_context_id, device)
     if hf_source is not None and resume is None:  # this rank's units and TP slices, before the optimizer
-        from megatron.core.utils import unwrap_model
-        from megatron.vlm.hf.load import load_hf_into_stage
-
         hf_source.spec = plan.model_spec  # the vocabulary may be padded further for TP
         for chunk in model:  # one stage per model chunk (interleaved pipeline)
             load_hf_into_stage(unwrap_model(chunk), hf_source)
         if dist.get_rank() == 0:
-            print(f"> loaded weights from --hf-checkpoint {args.hf_checkpoint}", flush=True)
-    optimizer, scheduler = training.build_optimizer(args, plan, model)
+            print(f"> loaded weights from --hf-checkpoint {hf_checkpoint}", flush=True)
+    optimizer, scheduler = training.build_optimizer(plan, model)
     start, consumed = 0, 0
     if resume is not None:
-        state = checkpointing.load_checkpoint(resume, args, plan, model, optimizer, scheduler)
+        state = checkpointing.load_checkpoint(resume, plan, model, optimizer, scheduler)
         if "data" in state:
             train_data.load_state_dict(checkpointing.to_arrays(state["data"]))
             how = train_data.sampler.resumed
@@ -95,31 +86,26 @@ def main(argv=None) -> dict:
                          "run's epochs" if how == "regrouped" else "from its next epoch, in this run's order"),
                       flush=True)
         start, consumed = state.get("iteration", 0), state.get("consumed_samples", 0)
-    if dist.get_rank() == 0 and plan.trainable is not None and not plan.trainable.all_train:
-        from omnibal_ext.model.units import build_units
-
-        print(f"> freezing: {plan.trainable.describe(build_units(plan.model_spec))}", flush=True)
+    trainable = config.model.trainable
+    if dist.get_rank() == 0 and not trainable.all_train:
+        print(f"> freezing: {trainable.describe(build_units(plan.model_spec))}", flush=True)
     if dist.get_rank() == 0:
-        print(f"> model {plan.model_spec.name}: TP={args.tensor_model_parallel_size} "
-              f"PP={args.pipeline_model_parallel_size} DP={plan.data_parallel_size}, "
+        print(f"> model {plan.model_spec.name}: TP={parallel.tensor_model_parallel_size} "
+              f"PP={parallel.pipeline_model_parallel_size} DP={parallel.data_parallel_size}, "
               f"layout {plan.layout_flag}, "
-              + (f"interleaved: {plan.virtual_pipeline_size} model chunks per rank, " if plan.virtual_pipeline_size > 1 else "")
-              + f"{plan.num_microbatches} micro-batches per iteration", flush=True)
-    sample_times = isf.run_sample_times(args, plan, datasets[0])  # the Dist ratios in time (None: counts only)
-    summary = training.train(args, plan, model, optimizer, scheduler, train_data, valid_data, start, consumed,
+              + (f"interleaved: {parallel.virtual_pipeline_size} model chunks per rank, "
+                 if parallel.virtual_pipeline_size > 1 else "")
+              + f"{config.optim.num_microbatches} micro-batches per iteration", flush=True)
+    sample_times = isf.run_sample_times(config, spec, datasets[0])  # the Dist ratios in time (None: counts only)
+    summary = training.train(plan, model, optimizer, scheduler, train_data, valid_data, start, consumed,
                              sample_times=sample_times)
-    summary["layout"] = list(layout.stage_units)
+    summary["layout"] = list(plan.layout.stage_units)
     return summary
 
 
 def cli() -> int:
     """Run :func:`main`; a user's mistake (``UserError``) becomes one line ``error: ...`` on stderr and
     exit status 2, every other exception keeps its traceback."""
-    from megatron.training import cpu_compat
-    from megatron.training.arguments import requested_device
-    from megatron.training.initialize import choose_device, destroy
-    from omnibal_ext.errors import UserError, report
-
     try:
         with cpu_compat.patched_for(choose_device(requested_device())):  # a CPU run, teardown included
             try:

@@ -9,7 +9,8 @@ import sys
 import torch
 
 from megatron.training import cpu_compat
-from megatron.training.arguments import build_parser
+from megatron.training.flags import build_parser
+from megatron.training.specs import run_config
 from megatron.training.initialize import initialize_distributed, set_seeds
 from megatron.training.profiling import profile_units
 from omnibal_ext.model.cost_model import MicroBatchShape
@@ -27,7 +28,7 @@ def main(path: str, preset: str = "tiny", shape: MicroBatchShape = SHAPE) -> Non
         for sp in (False, True):
             args = build_parser().parse_args(["--tensor-model-parallel-size", "2", "--seed", "1", "--transformer-impl",
                                               "local"] + (["--sequence-parallel"] if sp else []))
-            table = profile_units(args, spec, shape, 263, torch.device("cpu"), warmup=0, repeats=1)
+            table = profile_units(run_config(args, 1), spec, shape, 263, torch.device("cpu"), warmup=0, repeats=1)
             out["sp" if sp else "tp"] = {u.kind: {"act_bytes": u.act_bytes, "act_bytes_full": u.act_bytes_full,
                                                    "act_bytes_selective": u.act_bytes_selective}
                                          for u in table.units}

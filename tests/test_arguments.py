@@ -6,8 +6,9 @@ import pytest
 
 import torch
 
-from megatron.training.arguments import ArgumentError, parse_args
-from megatron.training.run_plan import plan_run
+from megatron.training.arguments import parse_flags
+from megatron.training.flags import ArgumentError
+from megatron.training.specs import run_config
 
 
 def test_plan_flags_are_applied_and_command_line_overrides(tmp_path):
@@ -17,14 +18,14 @@ def test_plan_flags_are_applied_and_command_line_overrides(tmp_path):
         "--pipeline-layout": "Iv*3|vPEt*4L", "--recompute-plan": "v1|t2s", "--omnibal-isf": True,
         "--omnibal-isf-qv": 12, "--omnibal-isf-qt": 400, "--omnibal-isf-qv-min": 10, "--omnibal-isf-qt-min": 380,
         "--micro-batch-size": 4, "--global-batch-size": 16}}))
-    args = parse_args(["--omnibal-plan", str(plan), "--micro-batch-size", "2"], world_size=4)
-    run = plan_run(args, 4, torch.device("cpu"))
-    assert args.pipeline_model_parallel_size == 2 and run.data_parallel_size == 2
+    args = parse_flags(["--omnibal-plan", str(plan), "--micro-batch-size", "2"], world_size=4)
+    run = run_config(args, 4)
+    assert args.pipeline_model_parallel_size == 2 and run.parallel.data_parallel_size == 2
     assert args.pipeline_layout == "Iv*3|vPEt*4L" and args.recompute_plan == "v1|t2s"
     assert args.omnibal_isf and (args.omnibal_isf_qv, args.omnibal_isf_qt) == (12, 400)
     assert (args.omnibal_isf_qv_min, args.omnibal_isf_qt_min) == (10, 380)
     assert args.micro_batch_size == 2  # the command line wins
-    assert run.num_microbatches == 16 // (2 * 2)
+    assert run.optim.num_microbatches == 16 // (2 * 2)
 
 
 def test_printed_plan_command_parses_back_when_a_value_starts_with_a_dash():
@@ -36,18 +37,18 @@ def test_printed_plan_command_parses_back_when_a_value_starts_with_a_dash():
 
     flags = {"--model": "tiny", "--pipeline-model-parallel-size": 2, "--pipeline-layout": "Iv*3|vPEt*4L",
              "--recompute-plan": "-|t2s", "--omnibal-isf": True, "--use-distributed-optimizer": False}
-    args = parse_args(shlex.split(trainer_command(flags)), world_size=2)
+    args = parse_flags(shlex.split(trainer_command(flags)), world_size=2)
     assert args.recompute_plan == "-|t2s" and args.pipeline_layout == "Iv*3|vPEt*4L"
     assert args.omnibal_isf and not args.use_distributed_optimizer
 
 
 def test_plan_file_errors_name_the_flag(tmp_path):
     with pytest.raises(ArgumentError, match="--omnibal-plan .*no such file"):
-        parse_args(["--omnibal-plan", str(tmp_path / "missing.json")])
+        parse_flags(["--omnibal-plan", str(tmp_path / "missing.json")])
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     with pytest.raises(ArgumentError, match="--omnibal-plan .*not a plan"):
-        parse_args(["--omnibal-plan", str(bad)])
+        parse_flags(["--omnibal-plan", str(bad)])
 
 
 @pytest.mark.parametrize("argv,world,match", [
@@ -60,13 +61,13 @@ def test_plan_file_errors_name_the_flag(tmp_path):
 ])
 def test_inconsistent_flags_are_refused(argv, world, match):
     with pytest.raises(ArgumentError, match=match):
-        parse_args(argv, world_size=world)
+        parse_flags(argv, world_size=world)
 
 
 def test_global_batch_default_is_four_micro_batches_per_rank():
-    args = parse_args(["--micro-batch-size", "3"], world_size=2)
-    run = plan_run(args, 2, torch.device("cpu"))
-    assert run.global_batch_size == 24 and run.num_microbatches == 4
+    args = parse_flags(["--micro-batch-size", "3"], world_size=2)
+    run = run_config(args, 2)
+    assert run.optim.global_batch_size == 24 and run.optim.num_microbatches == 4
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -105,13 +106,13 @@ def test_global_batch_default_is_four_micro_batches_per_rank():
      "--omnibal-isf-iters 0: must be >= 1"),
 ])
 def test_bad_values_are_refused_before_any_process_group(argv, match):
-    """validate_args (run before initialize_distributed) names the flag and its value."""
+    """validate_flags (run before initialize_distributed) names the flag and its value."""
     with pytest.raises(ArgumentError, match=re.escape(match)):
-        parse_args(argv)
+        parse_flags(argv)
 
 
 def test_values_that_work_are_accepted():
-    args = parse_args(["--num-workers", "2", "--train-iters", "0", "--eval-interval", "0", "--lr", "0",
+    args = parse_flags(["--num-workers", "2", "--train-iters", "0", "--eval-interval", "0", "--lr", "0",
                        "--omnibal-isf", "--omnibal-isf-qv", "8", "--omnibal-isf-qt", "300",
                        "--omnibal-isf-qv-min", "8", "--omnibal-isf-qt-min", "0"])
     assert args.omnibal_isf_qv_min == 8 and args.train_iters == 0
@@ -126,6 +127,6 @@ def test_isf_token_multiple_is_what_context_parallelism_pads_to():
                                 "--sequence-parallel"], 4, 8],
                               [["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2, 1],
                               [["--omnibal-isf", "--omnibal-isf-token-multiple", "4"], 1, 4]):
-        assert plan_run(parse_args(argv, world), world, cpu).isf_token_multiple == want, argv
+        assert run_config(parse_flags(argv, world), world).balance.isf_token_multiple == want, argv
     with pytest.raises(ArgumentError, match="--omnibal-isf-token-multiple given without --omnibal-isf"):
-        parse_args(["--omnibal-isf-token-multiple", "4"], 1)
+        parse_flags(["--omnibal-isf-token-multiple", "4"], 1)

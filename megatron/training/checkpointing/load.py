@@ -13,6 +13,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factor
 
 from megatron.vlm.layers.lora import is_adapter
 
+from ..initialize import set_seeds
 from .files import check_files, sizes_problems
 from .layout import TRACKER, Checkpoint, CheckpointError, complete_iterations, iteration_dir
 from .optimizer import (adapt_optimizer_request, fresh_optimizer_entries, init_optimizer_state, keep_list_positions,
@@ -58,9 +59,11 @@ def _older_hint(root: str, iteration: int | None) -> str:
     return ". No older complete checkpoint is there"
 
 
-def load_checkpoint(ckpt: Checkpoint, args, plan, model, optimizer, scheduler) -> dict:
-    """Load ``ckpt`` into this run's model, optimizer and scheduler, whatever TP/PP/DP, layout, recompute plan
-    and optimizer kind it was saved with; returns its common state (iteration, consumed samples, data)."""
+def load_checkpoint(ckpt: Checkpoint, plan, model, optimizer, scheduler) -> dict:
+    """Load ``ckpt`` into the model, optimizer and scheduler of the run ``plan`` (a RunPlan), whatever TP/PP/DP,
+    layout, recompute and optimizer kind it was saved with; returns its common state (iteration, consumed samples,
+    data)."""
+    parallel = plan.config.parallel
     common = dist_checkpointing.load_common_state_dict(ckpt.path)
     saved_run = common.get("run") or {}
     _check_model(ckpt, saved_run, plan.model_spec)
@@ -69,11 +72,12 @@ def load_checkpoint(ckpt: Checkpoint, args, plan, model, optimizer, scheduler) -
     if with_optimizer:
         init_optimizer_state(optimizer)
     request = sharded_state_dict(model, optimizer, with_optimizer, is_loading=True)
-    same_world = saved_run and world_of(saved_run) == (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                                     plan.data_parallel_size, plan.context_parallel_size)
+    same_world = saved_run and world_of(saved_run) == (parallel.tensor_model_parallel_size,
+                                                     parallel.pipeline_model_parallel_size,
+                                                     parallel.data_parallel_size, parallel.context_parallel_size)
     fresh = []
     if with_optimizer:
-        adapt_optimizer_request(request["optimizer"], saved_run, args)
+        adapt_optimizer_request(request["optimizer"], saved_run, plan)
         # parameters that train now but were frozen when saved: fresh state (other freeze flags on resume)
         fresh = fresh_optimizer_entries(request["optimizer"], saved_keys)
     everyone = [None] * dist.get_world_size()
@@ -92,7 +96,7 @@ def load_checkpoint(ckpt: Checkpoint, args, plan, model, optimizer, scheduler) -
     load_model_state(model, loaded["model"])
     if with_optimizer:
         weights = {keys[path]: tensor for path, tensor in loaded["model"].items()}
-        load_optimizer(optimizer, loaded["optimizer"], template, weights, saved_run, args, rebuild=bool(fresh))
+        load_optimizer(optimizer, loaded["optimizer"], template, weights, saved_run, plan, rebuild=bool(fresh))
         # megatron-core loaded one step for all: each parameter's own (param_steps.py), 0 for the fresh ones
         set_steps(model, optimizer, {**common.get("param_steps", {}), **{key: 0 for key in fresh_params}})
         scheduler.load_state_dict(common["scheduler"])
@@ -101,9 +105,7 @@ def load_checkpoint(ckpt: Checkpoint, args, plan, model, optimizer, scheduler) -
     if same_world:
         set_rng_state(loaded["rng"])
     else:
-        from ..initialize import set_seeds
-
-        set_seeds(args.seed + int(common.get("iteration", 0)))
+        set_seeds(plan.config.optim.seed + int(common.get("iteration", 0)))
     if dist.get_rank() == 0:
         print(f"> loaded checkpoint of iteration {ckpt.iteration} from {ckpt.path}"
               + ("" if same_world or not saved_run else

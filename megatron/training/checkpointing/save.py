@@ -17,18 +17,20 @@ from .param_steps import one_step_for_save
 from .state import rng_object, rng_state, run_description, sharded_state_dict, to_tensors
 
 
-def save_checkpoint(args, plan, iteration: int, consumed_samples: int, model, optimizer, scheduler, train_data) -> None:
-    """Save iteration ``iteration`` under ``args.save`` atomically (see the module docstring); every rank calls it."""
-    root = args.save
+def save_checkpoint(plan, iteration: int, consumed_samples: int, model, optimizer, scheduler, train_data) -> None:
+    """Save iteration ``iteration`` of the run ``plan`` (a RunPlan) under its --save folder atomically (see the
+    module docstring); every rank calls it."""
+    ckpt = plan.config.checkpoint
+    root = ckpt.save
     tmp = _fresh_folder(root, iteration)
     with one_step_for_save(model, optimizer) as param_steps:  # megatron-core saves one Adam step for all
         sd = sharded_state_dict(model, optimizer, with_optimizer=True, is_loading=False)
         sd.update({"rng": rng_object(rng_state()), "iteration": iteration, "consumed_samples": consumed_samples,
                    "scheduler": scheduler.state_dict(), "data": to_tensors(train_data.state_dict()),
-                   "run": run_description(args, plan), "param_steps": param_steps})
+                   "run": run_description(plan), "param_steps": param_steps})
         dist_checkpointing.save(sd, tmp, sharded_strategy=_save_strategy(), validate_access_integrity=True)
     fault_point("save", iteration)
-    _publish(root, iteration, args.keep_checkpoints)
+    _publish(root, iteration, ckpt.keep_checkpoints)
 
 
 def _fresh_folder(root: str, iteration: int) -> str:
