@@ -7,9 +7,13 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import load as dcp_load
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+from omnibal_ext.model.units import spec_from_dict
 
 from megatron.vlm.layers.lora import is_adapter
 
@@ -133,8 +137,6 @@ def _param_of(optimizer_key: str) -> str:
 
 def _check_model(ckpt: Checkpoint, saved_run: dict, spec) -> None:
     """The checkpoint's model sizes must be this run's (a clear message rather than a tensor shape)."""
-    from omnibal_ext.model.units import spec_from_dict
-
     if saved_run.get("model") is None:
         return
     saved = spec_from_dict(saved_run["model"]).to_dict()  # fields added since: their defaults
@@ -182,9 +184,6 @@ def _check_tensors(ckpt: Checkpoint, model) -> set:
 def read_global_tensors(path: str, keys) -> dict:
     """The global tensors ``keys`` of the checkpoint folder ``path`` (an ``iter_N``), however it was sharded
     (any TP/PP/DP, layout): read in this process with PyTorch DCP, only those tensors."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint import load as dcp_load
-
     reader = FileSystemReader(path)
     meta = reader.read_metadata().state_dict_metadata
     missing = sorted(k for k in keys if k not in meta)

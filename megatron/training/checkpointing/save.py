@@ -9,7 +9,10 @@ import time
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
-from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from megatron.core.dist_checkpointing.strategies.torch import (MCoreSavePlanner, TorchDistSaveShardedStrategy,
+                                                               _replace_state_dict_keys_with_sharded_keys,
+                                                               mcore_to_pyt_state_dict)
+from torch.distributed import checkpoint as dcp
 
 from .files import fsync_dir, hash_files, write_json, write_text
 from .layout import MANIFEST, TRACKER, complete_iterations, iteration_dir
@@ -93,10 +96,6 @@ class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
     """
 
     def save(self, sharded_state_dict, checkpoint_dir) -> None:
-        from megatron.core.dist_checkpointing.strategies.torch import (
-            MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
-        from torch.distributed import checkpoint as dcp
-
         by_key, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
         dcp.save(mcore_to_pyt_state_dict(by_key, False),
                  storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, sync_files=True),
