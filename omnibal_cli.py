@@ -10,7 +10,10 @@ It sits above both the planners (``omnibal_ext``, which imports nothing of the t
                                      (:func:`model_from_hf`);
 * ``omnibal profile``                measure the units on this machine (runs the trainer's profiler);
 * ``omnibal hf import|export``       Hugging Face folders to and from trainer checkpoints
-                                     (``megatron.vlm.hf``).
+                                     (``megatron.vlm.hf``);
+* ``omnibal generate``               answers to conversations on the training layout (``megatron.vlm.inference``);
+* ``omnibal serve``                  an OpenAI-compatible server of a model on the training layout, and
+  ``omnibal eval``                   a local task asked of it (``megatron.vlm.inference.commands``).
 
 Bad input prints one line ``omnibal <command>: error: ...`` on stderr and exits with status 2.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron.vlm.inference.commands import add_eval_parser, add_serve_parser
 from omnibal_ext import cli as planner_cli
 from omnibal_ext.errors import UserError
 
@@ -125,8 +129,17 @@ def model_from_hf(folder: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return planner_cli.build_parser(scan_metas, model_from_hf, more_commands=(add_profile_parser, add_hf_parser),
+    return planner_cli.build_parser(scan_metas, model_from_hf,
+                                    more_commands=(add_profile_parser, add_hf_parser, add_generate_parser,
+                                                   add_serve_parser, add_eval_parser),
                                     write_stats=write_scanned_stats)
+
+
+def add_generate_parser(subparsers) -> argparse.ArgumentParser:
+    """``omnibal generate``: ``megatron.vlm.inference.cli`` (its parser is torch-free; the model is built when it runs)."""
+    from megatron.vlm.inference.cli import add_generate_parser as add
+
+    return add(subparsers)
 
 
 def add_profile_parser(subparsers) -> argparse.ArgumentParser:

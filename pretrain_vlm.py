@@ -6,6 +6,7 @@ Runs on CPU with gloo (automatically when no GPU is visible) and on NVIDIA GPUs 
 """
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 
@@ -19,6 +20,8 @@ from megatron.core.utils import unwrap_model  # noqa: E402
 
 from megatron.training import checkpointing, cpu_compat, isf, setup, training  # noqa: E402
 from megatron.training.arguments import parse_config, requested_device  # noqa: E402
+from megatron.training.checkpointing import lock  # noqa: E402
+from megatron.training.config import RunConfig  # noqa: E402
 from megatron.training.flags import ArgumentError  # noqa: E402
 from megatron.training.initialize import (choose_device, destroy, initialize_distributed, set_seeds,  # noqa: E402
                                           world_size_from_env)
@@ -42,9 +45,20 @@ def main(argv=None) -> dict:
                            parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size,
                            timeout=parallel.timeout)
     set_seeds(config.optim.seed)
+    # one run per --save folder, released however main() ends
+    with lock.held(config.checkpoint.save, config.checkpoint.force_save_lock):
+        return run(config, device)
 
-    load = config.checkpoint.load
-    resume = checkpointing.find_checkpoint(load, config.checkpoint.ckpt_step) if load else None  # checked first
+
+def run(config: RunConfig, device) -> dict:
+    """The run, once the process groups are up and the --save folder is this run's."""
+    parallel, ckpt = config.parallel, config.checkpoint
+    load, save = ckpt.load, ckpt.save
+    resume = checkpointing.find_checkpoint(load, ckpt.ckpt_step) if load else None  # checked first
+    if save and dist.get_rank() == 0:  # before the first save: this run's lineage alone, and room for it
+        same = resume is not None and os.path.realpath(load) == os.path.realpath(save)
+        checkpointing.prepare_save_folder(save, resume.iteration if same else None, checkpointing.checkpoint_bytes(
+            config.model.spec, config.model.trainable.trains, config.optim.bf16))
     hf_checkpoint = config.model.hf_checkpoint
     # every tensor name and shape checked (headers only)
     hf_source = HFSource.open(hf_checkpoint) if hf_checkpoint else None
@@ -104,15 +118,16 @@ def main(argv=None) -> dict:
 
 
 def cli() -> int:
-    """Run :func:`main`; a user's mistake (``UserError``) becomes one line ``error: ...`` on stderr and
-    exit status 2, every other exception keeps its traceback."""
+    """Run :func:`main`; a user's mistake (``UserError``) becomes one line ``error: ...`` on stderr and exit
+    status 2, a run that stopped itself (``RunStopped``: NaN/Inf, a --save folder held by another run, a full
+    disk) one line and exit status 1; every other exception keeps its traceback."""
     try:
         with cpu_compat.patched_for(choose_device(requested_device())):  # a CPU run, teardown included
             try:
                 main()
             finally:
                 destroy()
-    except UserError as e:  # bad flags or data: one clear line per rank, no traceback
+    except UserError as e:  # bad flags or data, or a run that stopped itself: one clear line per rank, no traceback
         return report(e)
     return 0
 

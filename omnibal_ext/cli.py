@@ -113,6 +113,11 @@ def add_plan_parser(subparsers, scan_metas: MetaScanner | None = None,
     p.add_argument("--moe-profile", default=None, metavar="PROFILE",
                    help="MoE models: a profile JSON of `omnibal profile` (or the trainer's --omnibal-profile) on the "
                         "training data; its measured expert load gives the imbalance at each EP tried")
+    p.add_argument("--serve-batch", type=int, nargs="+", default=[1, 32], metavar="B",
+                   help="serving lines of the report: decode batches (sequences in flight) the layouts' generation "
+                        "tokens/s are predicted at (default 1 32)")
+    p.add_argument("--serve-context", type=int, default=None, metavar="TOKENS",
+                   help="serving lines: cached tokens per sequence (default: the data's mean sample tokens)")
     p.add_argument("--sim-iterations", type=int, default=8, help="iterations simulated per setting (default 8)")
     p.add_argument("--seed", type=int, default=0)
     add_freeze_flags(p)
@@ -156,7 +161,9 @@ def plan_config(args):
                       attention=args.attention, sim_iterations=args.sim_iterations, choose_for=args.choose_for,
                       min_pp=args.min_pp, seed=args.seed, freeze=Freeze.from_args(args),
                       ep=args.ep, etp=args.etp, moe_imbalance=args.moe_imbalance,
-                      vpp=getattr(args, "vpp", None), max_vpp=getattr(args, "max_vpp", 2))
+                      vpp=getattr(args, "vpp", None), max_vpp=getattr(args, "max_vpp", 2),
+                      serve_batches=tuple(getattr(args, "serve_batch", (1, 32))),
+                      serve_context=getattr(args, "serve_context", None))
 
 
 def measured_profile_imbalance(path: str | None, spec) -> tuple[tuple[int, float], ...]:

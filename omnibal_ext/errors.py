@@ -1,8 +1,10 @@
 """The project's own error classes: mistakes in a user's flags, files or data.
 
-``pretrain_vlm.py`` and ``omnibal`` turn exactly these into one line on stderr and exit status 2;
-every other exception is a bug (ours or a library's) and keeps its traceback. Subclasses derive
-from ``ValueError`` too, so callers that caught ``ValueError`` before keep working.
+``pretrain_vlm.py`` and ``omnibal`` turn exactly these into one line on stderr and an exit status: 2 for a
+mistake in the flags or inputs (argparse's own status for a bad command line), 1 for a :class:`RunStopped`
+(the run stopped itself to protect its work: a NaN, a checkpoint folder held by another run, a full disk);
+every other exception is a bug (ours or a library's) and keeps its traceback (Python's status 1). Subclasses
+derive from ``ValueError`` too, so callers that caught ``ValueError`` before keep working.
 """
 from __future__ import annotations
 
@@ -11,6 +13,15 @@ import sys
 
 class UserError(ValueError):
     """A user's mistake, described in one paragraph that names the flag, file, record or tensor."""
+
+    exit_status = 2  # fix the command line or the inputs and run again
+
+
+class RunStopped(UserError):
+    """A run that stopped itself before it lost work (non-finite loss or gradients, a ``--save`` folder that
+    another run holds, no space left for a checkpoint); the message names the iteration, folder or flag."""
+
+    exit_status = 1
 
 
 def one_line(error: BaseException) -> str:
@@ -24,10 +35,11 @@ def one_line(error: BaseException) -> str:
 
 
 def report(error: UserError, prefix: str = "") -> int:
-    """Print ``{prefix}error: message`` as one line on stderr; returns exit status 2."""
+    """Print ``{prefix}error: message`` as one line on stderr; returns the error's exit status (2, or 1 for a
+    :class:`RunStopped`)."""
 
     message = one_line(error)
     if prefix and message.startswith(prefix):
         message = message[len(prefix):]
     print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
-    return 2
+    return error.exit_status

@@ -21,9 +21,15 @@ exits).  The samples each run actually saw are reported (``samples_seen``).
 
 Quality is the validation set's answer accuracy and token-mean loss (the trainer logs both whatever the
 reduction) after the last iteration: per configuration the mean, the sample standard deviation over the
-seeds (ddof 1) and min..max.  Verdict per reduction and metric: OmniBal differs from the baseline beyond seed
-noise when |mean difference| > 2 standard errors of that difference, the standard error from the pooled seed
-standard deviation, s_p sqrt(1/n_a + 1/n_b) (undetermined with fewer than 2 seeds).
+seeds (ddof 1) and min..max.  The answer accuracy is teacher-forced (a record is right when every answer token is
+the argmax after the reference tokens); beside it, the generation accuracy: each run's final checkpoint is served
+(``omnibal serve --load``, PP 2) and asked every answer of the validation set greedily through its OpenAI-compatible
+API (``omnibal eval``'s client), each after the record's turns before it; a record is right when every generated
+answer equals its reference (exact match) -- what greedy decoding reproduces, so the two agree but for near-ties
+and answers that do not stop where the reference does (``--gen-records 0``: no generation).  Verdict per
+reduction and metric: OmniBal differs from the baseline beyond seed noise when |mean difference| > 2 standard
+errors of that difference, the standard error from the pooled seed standard deviation, s_p sqrt(1/n_a + 1/n_b)
+(undetermined with fewer than 2 seeds).
 
 Resumable: each run writes ``runs/NAME.jsonl`` (the trainer's log), ``NAME.out`` and, once done,
 ``NAME.result.json``; a rerun skips every run whose result file exists (a killed benchmark loses at most the run
@@ -32,6 +38,7 @@ in progress).  Outputs in ``--out``: quality.json, quality.md (the table printed
 script says so and writes the rest).
 
 Usage: python scripts/bench_quality.py [--out DIR] [--seeds 1 2 3] [--samples 24000] [--reductions token square]
+                                       [--gen-records N]
 About an hour on 2 CPU cores with the defaults (12 runs); a smoke run: --samples 64 --seeds 1.
 """
 from __future__ import annotations
@@ -55,6 +62,8 @@ MICRO_BATCHES = 4  # per iteration (PP=2, DP=1): 16 samples per baseline iterati
 MEMORY_BUDGET_GIB = 2.0  # the README's example budget for --omnibal-recompute auto
 TIME_KEY = bl.ITER_KEY
 ISF_LINE = re.compile(r"> ISF: (\d+) samples -> (\d+) groups")
+GEN_MAX_NEW_TOKENS = 16  # the digits answers are at most 3 characters and the end of turn
+GEN_BATCH = 32  # requests the server batches, and in flight from the client
 
 
 def common_flags(seed: int, reduction: str, out: Path, eval_interval: int) -> list[str]:
@@ -114,21 +123,58 @@ def run_record(name: str, config: str, seed: int, reduction: str, result: bl.Run
             "final_loss": curve[-1]["loss"], "final_acc": curve[-1]["acc"], "curve": curve}
 
 
-def train_one(config: str, seed: int, reduction: str, samples: int, out: Path, eval_interval: int) -> dict:
-    """Run (or, when its result file exists, reuse) one configuration x seed x reduction."""
+def train_one(config: str, seed: int, reduction: str, samples: int, out: Path, eval_interval: int,
+              gen_records: int | None = None) -> dict:
+    """Run (or, when its result file exists, reuse) one configuration x seed x reduction; then its generation
+    accuracy on ``gen_records`` validation records (None: all; 0: none)."""
     name = f"{config}_{reduction}_seed{seed}_n{samples}"
     done = out / "runs" / f"{name}.result.json"
     if done.exists():
         print(f"  {name}: done before, reused", flush=True)
         return json.loads(done.read_text())
+    checkpoint = out / "runs" / f"{name}.ckpt"
     flags = run_flags(config, seed, reduction, samples, out, eval_interval)
+    if gen_records != 0:
+        flags += ["--save", str(checkpoint), "--save-interval", "0"]
     result = bl.run_trainer(flags, out / "runs", name)
     log = [json.loads(x) for x in (out / "runs" / f"{name}.jsonl").read_text().splitlines()]
     rec = run_record(name, config, seed, reduction, result, log)
+    if gen_records != 0:
+        rec.update(generation_accuracy(checkpoint, out, name, gen_records))
     bl.write_json(done, rec)
-    print(f"  {name}: {rec['samples_seen']} samples, val acc {rec['final_acc']:.4f}, val token loss "
+    gen = f", generation acc {rec['final_gen_acc']:.4f}" if "final_gen_acc" in rec else ""
+    print(f"  {name}: {rec['samples_seen']} samples, val acc {rec['final_acc']:.4f}{gen}, val token loss "
           f"{rec['final_loss']:.4f}, {rec['train_s']:.0f} s training", flush=True)
     return rec
+
+
+def validation_task(out: Path) -> Path:
+    """The digits validation annotations the runs validate on (``conversations`` records; ``omnibal eval`` reads
+    them as they are)."""
+    found = sorted((out / "data_cache").glob("*/val.jsonl"))
+    if len(found) != 1:
+        raise RuntimeError(f"expected one digits build under {out / 'data_cache'}, found {found}")
+    return found[0]
+
+
+def generation_accuracy(checkpoint: Path, out: Path, name: str, records: int | None) -> dict:
+    """Serve ``checkpoint`` (PP 2, the default layout) and ask it the first ``records`` validation records (None:
+    all) greedily: {"final_gen_acc": records with every answer right / records, "final_gen_answer_acc": right
+    answers / answers, "gen_records", "gen_answers"}; each answer's prediction goes to runs/NAME.gen.json."""
+    from megatron.vlm.inference.eval_task import read_task
+    from megatron.vlm.inference.evaluate import evaluate_with_client, write_report
+
+    task = validation_task(out)
+    samples = read_task(str(task), records)
+    flags = ["--load", str(checkpoint), "--pipeline-model-parallel-size", "2", "--served-model-name", name,
+             "--max-batch-size", str(GEN_BATCH)]
+    with bl.serving(flags, out / "runs" / f"{name}.serve") as served:
+        report = evaluate_with_client(samples, served.url, str(task), name, GEN_MAX_NEW_TOKENS, GEN_BATCH, "path")
+        if served.stop() != [0, 0]:
+            raise RuntimeError(f"omnibal serve of {name} did not stop cleanly:\n{served.output()}")
+    write_report(report, str(out / "runs" / f"{name}.gen.json"))
+    return {"final_gen_acc": report.record_accuracy, "final_gen_answer_acc": report.accuracy,
+            "gen_records": report.records, "gen_answers": report.samples}
 
 
 def spread(values: list[float]) -> dict:
@@ -148,6 +194,8 @@ def aggregate(records: list[dict]) -> list[dict]:
         rows.append({"reduction": reduction, "config": config, "seeds": [r["seed"] for r in runs],
                      "samples_seen": [r["samples_seen"] for r in runs],
                      "acc": spread([r["final_acc"] for r in runs]), "loss": spread([r["final_loss"] for r in runs]),
+                     "gen_acc": (spread([r["final_gen_acc"] for r in runs])
+                                 if all("final_gen_acc" in r for r in runs) else None),
                      "train_s": spread([r["train_s"] for r in runs])})
     return rows
 
@@ -192,12 +240,14 @@ def _cell(s: dict) -> str:
 
 
 def markdown(rows: list[dict], lines: list[str]) -> str:
-    out = ["| reduction | config | seeds | samples seen | val answer accuracy, mean ± std (min..max) | "
-           "val token-mean loss, mean ± std (min..max) | training s, mean |", "|---|---|---|---|---|---|---|"]
+    out = ["| reduction | config | seeds | samples seen | val answer accuracy (teacher-forced), mean ± std (min..max) "
+           "| val generation accuracy, mean ± std (min..max) | val token-mean loss, mean ± std (min..max) | "
+           "training s, mean |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         seen = sorted(set(r["samples_seen"]))
+        gen = "-" if r.get("gen_acc") is None else _cell(r["gen_acc"])
         out.append(f"| {r['reduction']} | {r['config']} | {len(r['seeds'])} | {', '.join(map(str, seen))} | "
-                   f"{_cell(r['acc'])} | {_cell(r['loss'])} | {r['train_s']['mean']:.0f} |")
+                   f"{_cell(r['acc'])} | {gen} | {_cell(r['loss'])} | {r['train_s']['mean']:.0f} |")
     return "\n".join(out + [""] + lines)
 
 
@@ -245,11 +295,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--samples", type=int, default=24000, help="training samples per run (the default run's 24,000)")
     ap.add_argument("--reductions", nargs="+", choices=["token", "sample", "square"], default=["token", "square"])
     ap.add_argument("--eval-interval", type=int, default=200, help="iterations between validations (and at the end)")
+    ap.add_argument("--gen-records", type=int, default=None,
+                    help="validation records asked by generation after each run (default: all; 0: no generation)")
     args = ap.parse_args(argv)
-    if args.samples < 1 or args.eval_interval < 1:
-        ap.error("--samples and --eval-interval must be >= 1")
+    if args.samples < 1 or args.eval_interval < 1 or (args.gen_records is not None and args.gen_records < 0):
+        ap.error("--samples and --eval-interval must be >= 1, --gen-records >= 0")
     out = Path(args.out).resolve()
-    records = [train_one(config, seed, reduction, args.samples, out, args.eval_interval)
+    records = [train_one(config, seed, reduction, args.samples, out, args.eval_interval, args.gen_records)
                for reduction in args.reductions for seed in args.seeds for config in CONFIGS]
     rows = aggregate(records)
     vs = verdicts(rows)

@@ -8,10 +8,12 @@ load on the machine adds noise: the benchmarks alternate their runs and take med
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -158,6 +160,61 @@ def launch_ranks(cmd: list[str], nproc: int, workdir: Path, env: dict, timeout: 
         out.append(f.read())
         f.close()
     return failed, "".join(out)
+
+
+SERVING_LINE = re.compile(r"^omnibal serve: (\S+) at (http://\S+)/v1 ", re.M)
+
+
+@dataclass
+class Served:
+    """A running ``omnibal serve``: its base ``url``, the model ``name`` it serves, its ranks' processes and logs."""
+
+    url: str
+    name: str
+    procs: list[subprocess.Popen]
+    logs: list[Path]
+
+    def output(self, chars: int = 3000) -> str:
+        return "\n".join(log.read_text()[-chars:] for log in self.logs)
+
+    def stop(self, timeout: float = 120) -> list[int]:
+        """SIGTERM every rank (as torchrun forwards a Ctrl-C); their exit codes."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        return [p.wait(timeout=timeout) for p in self.procs]
+
+
+@contextlib.contextmanager
+def serving(flags: list[str], workdir: str | os.PathLike, nproc: int = 2, timeout: float = 900, threads: int = 1):
+    """``omnibal serve --port 0 *flags`` as ``nproc`` ranks of one world on this host (started as torchrun starts
+    them, its logs in ``workdir``); yields a ``Served`` once rank 0 listens, and kills what is left on exit."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    env, port = trainer_env(threads), str(free_port())
+    logs = [workdir / f"serve.rank{r}.log" for r in range(nproc)]
+    files = [open(log, "w") for log in logs]
+    procs = [subprocess.Popen([sys.executable, "-u", str(ROOT / "omnibal_cli.py"), "serve", "--port", "0", *flags],
+                              cwd=workdir, stdout=f, stderr=subprocess.STDOUT,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
+                                   "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for r, f in enumerate(files)]
+    served = Served("", "", procs, logs)
+    deadline = time.monotonic() + timeout
+    try:
+        while not (found := SERVING_LINE.search(logs[0].read_text())):
+            if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+                raise RuntimeError(f"omnibal serve did not start:\n{served.output()}")
+            time.sleep(0.2)
+        served.name, served.url = found.group(1), found.group(2)
+        yield served
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in files:
+            f.close()
 
 
 def run_trainer(flags: list[str], workdir: str | os.PathLike, name: str, nproc: int = 2, timeout: int = 3600,

@@ -15,8 +15,11 @@ hidden states). An input the family does not implement (any other key, a padded 
 InternVL video keys) is refused, never ignored. OUT.pt: float32
 logits ``[s, real vocabulary]`` of our model (fp32 on CPU), written by the last stage's TP rank 0. Each rank reads
 only its own units and TP slices of the safetensors (an MoE layer: its EP rank's experts, their ETP slices). MoE
-layers under TP > 1 run sequence parallel (megatron-core's MoELayer needs it), so the input's tokens must then be a
-multiple of TP. Compare with
+layers under TP > 1 run sequence parallel (megatron-core's MoELayer needs it): the input is then padded at its end to
+a multiple of TP with text tokens, and their logits dropped (causal attention: no real token sees them). The flags go
+through the trainer's own parse-time checks first (``megatron.training.arguments.parse_flags``: TP against the heads
+and key/value groups, the expert grid, the layout), so a size the trainer refuses is refused here before any weight
+is read, naming the flag. Compare with
 ``<Model>ForConditionalGeneration.from_pretrained(DIR)(**inputs).logits[0]`` (Qwen2.5-VL: pass mm_token_type_ids,
 or transformers uses 1-D positions).
 """
@@ -49,6 +52,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from megatron.training import cpu_compat
+    from megatron.training.arguments import parse_flags
     from megatron.training.initialize import destroy, initialize_distributed, set_seeds
     from megatron.vlm.hf.convert import HFSource
     from megatron.vlm.hf.logits import pipeline_logits
@@ -61,9 +65,10 @@ def main(argv=None) -> int:
         with cpu_compat.patched():
             try:
                 src = HFSource.open(args.hf_checkpoint)
+                parse_flags(trainer_argv(args, sequence_parallel=src.spec.language.moe is not None and tp > 1),
+                           world_size=int(os.environ.get("WORLD_SIZE", "1")))
                 layout = parse_layout(args.pipeline_layout, src.spec, pp) if args.pipeline_layout else \
                     default_layout(src.spec, pp)
-                check_experts(src.spec, tp, pp, ep, etp)
                 initialize_distributed(torch.device("cpu"), tp, pp, ep=ep, etp=etp)
                 set_seeds(0)  # megatron-core's model-parallel RNG (its blocks fork it under sequence parallelism)
                 inputs = torch.load(args.inputs, weights_only=True)
@@ -81,20 +86,19 @@ def main(argv=None) -> int:
     return 0
 
 
-def check_experts(spec, tp: int, pp: int, ep: int, etp: int) -> None:
-    """EP / ETP against the model's experts and megatron-core's expert grid (a UserError naming the flag)."""
-    from omnibal_ext.errors import UserError
-    from omnibal_ext.model.moe import ExpertGrid, expert_grid_problem
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world % (tp * pp):
-        raise UserError(f"world size {world} is not divisible by TP {tp} x PP {pp}")
-    if spec.language.moe is None and ep == 1 and etp is None:
-        return  # a dense model: no expert grid
-    etp = tp if etp is None else etp
-    problem = expert_grid_problem(spec.language.moe, ExpertGrid(ep, etp), tp, 1, world // (tp * pp))
-    if problem:
-        raise UserError(f"--expert-model-parallel-size {ep} / --expert-tensor-parallel-size {etp}: {problem}")
+def trainer_argv(args, sequence_parallel: bool) -> list[str]:
+    """The trainer's flags for this model and layout (what ``parse_flags`` checks), from this script's ``args``."""
+    argv = ["--hf-checkpoint", args.hf_checkpoint,
+            "--tensor-model-parallel-size", str(args.tensor_model_parallel_size),
+            "--pipeline-model-parallel-size", str(args.pipeline_model_parallel_size),
+            "--expert-model-parallel-size", str(args.expert_model_parallel_size)]
+    if args.pipeline_layout:
+        argv += ["--pipeline-layout", args.pipeline_layout]
+    if args.expert_tensor_parallel_size is not None:
+        argv += ["--expert-tensor-parallel-size", str(args.expert_tensor_parallel_size)]
+    if sequence_parallel:  # MoE layers at TP > 1 run sequence parallel, as the trainer's --sequence-parallel
+        argv += ["--sequence-parallel"]
+    return argv
 
 
 if __name__ == "__main__":

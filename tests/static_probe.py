@@ -60,7 +60,7 @@ def main(out_dir: Path, argv: list[str]) -> None:
         stage = parallel_state.get_pipeline_model_parallel_rank()
         counts = unit_param_counts(plan.model_spec, parallel.tensor_model_parallel_size)
         params = sum(counts[i] for i in plan.layout.stage_range(stage))
-        # the memory model's static bytes of this stage, frozen units (plan.trainable) holding weights only
+        # the memory model's static bytes of this stage, frozen units (config.model.trainable) holding weights only
         costs = analytic_costs(plan.model_spec, MicroBatchShape(1, 64), tp=parallel.tensor_model_parallel_size)
         costs = config.model.trainable.apply(costs)
         predicted = memory_model.stage_memory(

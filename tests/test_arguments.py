@@ -111,8 +111,46 @@ def test_bad_values_are_refused_before_any_process_group(argv, match):
         parse_flags(argv)
 
 
+@pytest.mark.parametrize("argv,world,message", [
+    (["--lr", "0"], 1, "--lr 0.0 is below --min-lr 1e-05: the schedule decays from --lr to --min-lr"),
+    (["--lr", "1e-6"], 1, "--lr 1e-06 is below --min-lr 1e-05"),
+    (["--lr", "nan"], 1, "--lr nan: must be a finite number"),
+    (["--clip-grad", "inf"], 1, "--clip-grad inf: must be a finite number"),
+    (["--weight-decay", "-5"], 1, "--weight-decay -5.0: must be >= 0"),
+    (["--adam-beta2", "1.5"], 1, "--adam-beta2 1.5: must be < 1"),
+    (["--adam-beta1", "-0.1"], 1, "--adam-beta1 -0.1: must be >= 0"),
+    (["--lr-decay-iters", "0"], 1, "--lr-decay-iters 0: must be >= 1"),
+    (["--tensor-model-parallel-size", "2", "--num-query-groups", "1"], 2,
+     "--num-query-groups 1 (LLM key/value groups) is not divisible by --tensor-model-parallel-size 2"),
+    (["--load", "x", "--override-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"], 1,
+     "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each other"),
+    (["--override-opt-param-scheduler"], 1, "--override-opt_param-scheduler needs --load"),
+    (["--use-checkpoint-opt_param-scheduler"], 1, "--use-checkpoint-opt_param-scheduler needs --load"),
+    (["--force-save-lock"], 1, "--force-save-lock needs --save"),
+    (["--max-skipped-fraction", "0.5"], 1, "--max-skipped-fraction needs --skip-bad-samples"),
+    (["--skip-bad-samples", "--max-skipped-fraction", "1.5"], 1, "--max-skipped-fraction 1.5: must be <= 1"),
+], ids=["lr-0", "lr-below-min", "lr-nan", "clip-inf", "wd", "beta2", "beta1", "decay-iters", "query-groups",
+        "both-scheduler-flags", "override-alone", "checkpoint-alone", "force-lock-alone", "fraction-alone",
+        "fraction-above-1"])
+def test_optimizer_and_run_safety_values_are_refused_naming_the_flag(argv, world, message):
+    """What megatron-core's scheduler, torch's Adam or a later stage of the run would reject with a traceback
+    (after the data scan and the model build) is refused by the flag checks, naming the flag."""
+    with pytest.raises(ArgumentError) as e:
+        parse_flags(argv, world)
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_tensorboard_dir_needs_the_package(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(ArgumentError, match="--tensorboard-dir tb: the tensorboard package is not installed"):
+        parse_flags(["--tensorboard-dir", "tb"])
+
+
 def test_values_that_work_are_accepted():
-    args = parse_flags(["--num-workers", "2", "--train-iters", "0", "--eval-interval", "0", "--lr", "0",
+    args = parse_flags(["--num-workers", "2", "--train-iters", "0", "--eval-interval", "0", "--lr", "0", "--min-lr", "0",
                        "--omnibal-isf", "--omnibal-isf-qv", "8", "--omnibal-isf-qt", "300",
                        "--omnibal-isf-qv-min", "8", "--omnibal-isf-qt-min", "0"])
     assert args.omnibal_isf_qv_min == 8 and args.train_iters == 0

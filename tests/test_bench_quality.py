@@ -97,3 +97,18 @@ def test_plot_without_matplotlib(tmp_path, monkeypatch, capsys):
     assert bq.plot(_records(), tmp_path / "q.png") is None
     assert "matplotlib is not installed" in capsys.readouterr().err
     assert not (tmp_path / "q.png").exists()
+
+
+def test_generation_accuracy_beside_teacher_forced():
+    """Runs that were asked by generation get a generation-accuracy spread beside the teacher-forced one; runs
+    that were not (--gen-records 0, older results) show a dash."""
+    records = [{**r, "final_gen_acc": r["final_acc"] - 0.01 * (k % 2)} for k, r in enumerate(_records())]
+    rows = bq.aggregate(records)
+    # baseline seeds 3, 1, 2 (records 0-2): gen acc 0.54, 0.50 - 0.01, 0.52 -> mean 0.51667, min 0.49, max 0.54
+    assert rows[0]["gen_acc"] == pytest.approx({"mean": 1.55 / 3, "std": rows[0]["gen_acc"]["std"], "min": 0.49,
+                                                "max": 0.54})
+    table = bq.markdown(rows, [])
+    assert "val generation accuracy" in table.splitlines()[0]
+    assert f"| {bq._cell(rows[0]['acc'])} | {bq._cell(rows[0]['gen_acc'])} |" in table
+    assert bq.aggregate(_records())[0]["gen_acc"] is None
+    assert "| - |" in bq.markdown(bq.aggregate(_records()), [])

@@ -5,9 +5,11 @@ The kills are SIGKILLs the trainer sends itself at a chosen point of the first a
 (``OMNIBAL_FAULT=train:N`` before iteration N, ``save:N`` inside the save of iteration N after the shards are
 written), so the test does not depend on timing.
 """
+import re
 import shutil
 
 import pytest
+import torch
 
 from launch import run_single, run_training
 
@@ -106,3 +108,71 @@ def test_checkpoint_of_another_model_and_an_empty_load_folder(single_ckpt, tmp_p
     proc = run_single(flags + ["--train-iters", "1", "--load", str(tmp_path / "empty")], d)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"no checkpoint in --load {tmp_path / 'empty'}: starting from scratch" in proc.stdout
+
+
+def log_lines(out: str) -> dict:
+    """{iteration: {field: value}} of a run's iteration log lines on stdout."""
+    lines = {}
+    for line in out.splitlines():
+        head, *fields = line.split(" | ")
+        match = re.match(r"^ \[[^]]+\] iteration +(\d+)/", head)
+        if match:
+            lines[int(match.group(1))] = dict(f.split(": ", 1) for f in fields)
+    return lines
+
+
+def test_a_rollback_keeps_its_own_checkpoints_and_the_next_run_continues_them(single_ckpt):
+    """The issue's rollback at small scale: the saved run (2, 4) is rolled back to 2 with another LR (the override
+    flag) into the same folder with --keep-checkpoints 2 and saves 3 and 4: the first run's 4 is moved aside (not
+    deleted, not mixed with the new one), the folder keeps the new 3 and 4, and a resume continues from the new 4
+    (a longer run keeping its schedule with --lr-decay-iters). The LR logged is the one each iteration applied."""
+    from launch import checkpoint_tensors
+
+    d, flags = single_ckpt
+    folder = d / "rolled"
+    shutil.copytree(d / "good", folder)
+    proc = run_single(flags + ["--load", str(folder), "--ckpt-step", "2", "--save", str(folder), "--save-interval", "1",
+                               "--keep-checkpoints", "2", "--lr", "1e-3", "--override-opt_param-scheduler"], d)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    aside = next((folder / "superseded").iterdir())
+    assert (f"> --save {folder}: this run continues from its iteration 2, so its checkpoints of iterations 4 are "
+            f"another lineage: moved with the tracker to {aside}") in proc.stdout
+    assert "saved checkpoint of iteration 3" in proc.stdout and "saved checkpoint of iteration 4" in proc.stdout
+    assert "learning rate 0.002 saved, 0.001 now (--lr)" in proc.stdout
+    assert [float(f["learning rate"]) for f in log_lines(proc.stdout).values()] == [1e-3, 1e-3]
+    assert sorted(p.name for p in folder.iterdir()) == ["iter_0000003", "iter_0000004",
+                                                        "latest_checkpointed_iteration.txt", "superseded"]
+    assert (folder / "latest_checkpointed_iteration.txt").read_text() == "4"
+    assert sorted(p.name for p in aside.iterdir()) == ["iter_0000004", "latest_checkpointed_iteration.txt"]
+    first, moved, new = (checkpoint_tensors(f / "iter_0000004") for f in (d / "good", aside, folder))
+    assert all(torch.equal(first[k], moved[k]) for k in first)
+    assert any(not torch.equal(first[k], new[k]) for k in first)  # the rolled-back lineage's own
+
+    proc = run_single(flags + ["--load", str(folder), "--train-iters", "5", "--lr-decay-iters", "4", "--lr", "1e-3"], d)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"loaded checkpoint of iteration 4 from {folder / 'iter_0000004'}" in proc.stdout
+    assert list(log_lines(proc.stdout)) == [5]
+
+
+def test_a_nan_stops_every_rank_before_the_step_and_keeps_finite_checkpoints(single_ckpt):
+    """--lr 1e6: the run stops at the first iteration whose loss or gradients are not finite, with one line naming
+    it and exit status 1; every checkpoint it saved (one per iteration before) holds finite tensors. The LR logged
+    is the one each iteration applied: 0 at iteration 1 (warm-up from 0), then half the peak."""
+    from launch import checkpoint_tensors
+
+    d, flags = single_ckpt
+    folder = d / "nan"
+    proc = run_single(flags + ["--train-iters", "6", "--lr", "1e6", "--lr-warmup-iters", "2", "--save", str(folder),
+                               "--save-interval", "1"], d)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    error = proc.stderr.strip().splitlines()[-1]
+    logged = log_lines(proc.stdout)
+    stopped = max(logged) + 1
+    assert error.startswith(f"error: iteration {stopped}: NaN or Inf in ") and "--no-check-for-nan-in-loss-and-grad" in \
+        error
+    assert [float(logged[i]["learning rate"]) for i in (1, 2)] == [0.0, 5e5]
+    saved = sorted(p.name for p in folder.iterdir())
+    assert saved == [f"iter_{i:07d}" for i in range(1, stopped)] + ["latest_checkpointed_iteration.txt"]
+    for name in saved[:-1]:
+        assert all(torch.isfinite(t).all() for t in checkpoint_tensors(folder / name).values()), name

@@ -40,7 +40,7 @@ def test_skip_bad_samples_leaves_them_out_and_reports_them(tmp_path, capsys):
     from megatron.training.setup import build_dataset, skipped_report_path
 
     meta, ann = bad_data(tmp_path)
-    config = config_for(tmp_path, **{"skip-bad-samples": True})
+    config = config_for(tmp_path, **{"skip-bad-samples": True, "max-skipped-fraction": 0.5})
     ds = build_dataset(config, config.model.spec, TOK, meta)
     assert len(ds) == 3
     assert [int(line) for line in ds.scan.rec_line] == [1, 2, 6]  # the good records, in file order
@@ -62,6 +62,59 @@ def test_skip_bad_samples_leaves_them_out_and_reports_them(tmp_path, capsys):
         build_dataset(config_for(tmp_path), config.model.spec, TOK, meta)
 
 
+def test_skipping_more_than_the_threshold_stops_before_training(tmp_path):
+    """A wrong image root: 5 of the 6 records name missing images; --skip-bad-samples alone (threshold 0.1)
+    refuses to train on what is left, naming the count, the flag and the first problem."""
+    from megatron.training.setup import build_dataset, skipped_report_path
+
+    meta, ann = make_data(tmp_path, [qa(image="elsewhere/a.png")] * 5 + [qa(image=None, q="Hi?")])
+    config = config_for(tmp_path, **{"skip-bad-samples": True})
+    with pytest.raises(DataValidationError) as e:
+        build_dataset(config, config.model.spec, TOK, meta)
+    assert str(e.value) == (
+        f"--skip-bad-samples: 5 of the 6 records of {meta} fail the scan (83%), more than --max-skipped-fraction 0.1: "
+        f"the data is more likely wrong (an image root?) than a few records bad; the first: {ann}:1: image file not "
+        f"found: {tmp_path / 'elsewhere' / 'a.png'} (all in {skipped_report_path(config.data, meta)})")
+    lenient = config_for(tmp_path, **{"skip-bad-samples": True, "max-skipped-fraction": 0.9})
+    kept = build_dataset(lenient, lenient.model.spec, TOK, meta)
+    assert len(kept) == 1
+
+
+def test_skip_lists_of_two_files_of_one_name_are_kept_apart(tmp_path):
+    from megatron.training.setup import build_dataset, skipped_report_path
+
+    config = config_for(tmp_path, **{"skip-bad-samples": True, "max-skipped-fraction": 0.5})
+    metas = [make_data(tmp_path / part, [qa(), "not json", qa(a=part)])[0] for part in ("train", "valid")]
+    assert os.path.basename(metas[0]) == os.path.basename(metas[1])
+    reports = [skipped_report_path(config.data, meta) for meta in metas]
+    assert reports[0] != reports[1]
+    for meta in metas:
+        build_dataset(config, config.model.spec, TOK, meta)
+    for meta, report in zip(metas, reports):
+        assert open(report).read().startswith(f"{os.path.dirname(meta)}/ann.jsonl:2: not valid JSON")
+
+
+def test_data_path_without_a_validation_set_says_there_is_no_evaluation(tmp_path, capsys):
+    from megatron.training.setup import build_datasets
+
+    meta, _ = make_data(tmp_path, [qa()])
+    config = config_for(tmp_path, **{"data-path": meta})
+    train, valid = build_datasets(config, config.model.spec, TOK)
+    assert valid is None and len(train) == 1
+    assert (f"> no evaluation: --eval-interval 200 needs --valid-data-path (--data-path {meta} has no held-out "
+            "split)") in capsys.readouterr().out
+
+
+def test_a_data_path_that_is_a_folder_is_named(tmp_path):
+    from megatron.training.flags import ArgumentError
+    from megatron.training.setup import data_paths
+
+    with pytest.raises(ArgumentError, match=f"--data-path {tmp_path} is a folder: give a meta JSON or an annotation "
+                                            "JSONL file"):
+        config = config_for(tmp_path, **{"data-path": str(tmp_path)})
+        data_paths(config.data, config.model.spec)
+
+
 def test_skip_bad_samples_with_nothing_left_is_an_error(tmp_path):
     meta, ann = make_data(tmp_path, ["not json", qa(image="missing.png")])
     with pytest.raises(DataValidationError, match="every record has a problem"):
@@ -73,7 +126,7 @@ def test_truncate_long_samples_flag(tmp_path):
     from megatron.training.setup import build_dataset
 
     meta, ann = bad_data(tmp_path)
-    config = config_for(tmp_path, **{"truncate-long-samples": True, "skip-bad-samples": True})
+    config = config_for(tmp_path, **{"truncate-long-samples": True, "skip-bad-samples": True, "max-skipped-fraction": 0.5})
     ds = build_dataset(config, config.model.spec, TOK, meta)
     assert len(ds) == 4  # the long record is cut, not left out
     tokens, _ = ds.sample_lengths()

@@ -268,3 +268,55 @@ def test_scan_cache_is_read_back_and_follows_its_inputs(tmp_path, monkeypatch, c
     ann.write_text(ann.read_text() + json.dumps(qa(a="one more")) + "\n")
     grown = scan_annotations(meta, TOK, config, progress=False, cache_dir=cache)
     assert decoded and len(grown.rec_line) == len(first.rec_line) + 1
+
+
+def test_an_image_path_that_is_a_folder_or_a_url_is_named(tmp_path):
+    (tmp_path / "pics").mkdir(parents=True)
+    structured = {"messages": [{"role": "user", "content": [{"type": "image", "url": "https://example.com/cat.jpg"},
+                                                            {"type": "text", "text": "What?"}]},
+                               {"role": "assistant", "content": "A cat."}]}
+    video = {"messages": [{"role": "user", "content": "<video>What?"}, {"role": "assistant", "content": "x"}],
+             "videos": ["s3://bucket/v.mp4"]}
+    meta, ann = make_data(tmp_path, [qa(), qa(image="pics"), structured, video])
+    with pytest.raises(DataValidationError) as e:
+        dataset(meta)
+    lines = [line.strip() for line in str(e.value).splitlines()[1:]]
+    assert lines[:3] == [
+        f"{ann}:2: image {os.path.join(tmp_path, 'pics')} is a folder, not an image file",
+        f"{ann}:3: image https://example.com/cat.jpg: a URL, and URLs are not fetched: download the file and give its "
+        "path (relative to the data folder)",
+        f"{ann}:4: video s3://bucket/v.mp4: a URL, and URLs are not fetched: download the file and give its path "
+        "(relative to the data folder)"]
+
+
+def test_an_image_damaged_after_the_scan_is_named_when_loaded(tmp_path):
+    """The scan (perhaps read back from its cache) saw a good image; the file was cut afterwards: loading the sample
+    names the record and the file instead of PIL's bare "image file is truncated"."""
+    meta, ann = make_data(tmp_path, [qa(), qa(image="noise.png")])
+    noise = np.random.default_rng(0).integers(0, 256, size=(64, 64, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(tmp_path / "noise.png")
+    ds = dataset(meta)
+    data = (tmp_path / "noise.png").read_bytes()
+    (tmp_path / "noise.png").write_bytes(data[: len(data) // 2])
+    with pytest.raises(DataValidationError, match=rf"{ann}:2: image {tmp_path / 'noise.png'} does not decode any "
+                                                  r"more \(image file is truncated"):
+        ds[1]
+
+
+def test_a_worker_error_keeps_its_one_line():
+    """torch's DataLoader re-raises a worker's exception with the worker's traceback in its text; the loader
+    (MicroBatches) gives it back its own message."""
+    from megatron.vlm.stage.batches import worker_message
+
+    class Bad(torch.utils.data.Dataset):
+        def __len__(self):
+            return 1
+
+        def __getitem__(self, i):
+            raise DataValidationError("ann.jsonl:2: image a.png does not decode any more")
+
+    with pytest.raises(DataValidationError) as e:
+        next(iter(torch.utils.data.DataLoader(Bad(), num_workers=1)))
+    assert "Traceback" in str(e.value)
+    assert worker_message(e.value) == "ann.jsonl:2: image a.png does not decode any more"
+    assert worker_message(DataValidationError("plain: one line")) == "plain: one line"

@@ -130,3 +130,46 @@ def test_tile_counts_match_transformers(hf_processor):
         proc = hf_processor(448, max_num)
         for w, h in itertools.product(sides, sides):
             assert count_tiles(w, h, 448, 1, max_num) == proc.get_number_of_image_patches(h, w), (w, h, max_num)
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "PA", "P-transparency"])
+def test_transparency_is_composited_on_white_as_transformers_does(hf_processor, mode):
+    """An image with alpha (a half-transparent gradient over random colours) or a palette's transparent entry: the
+    tiles equal transformers' processor on the same image (which composites it onto white)."""
+    rng = np.random.default_rng(3)
+    rgb = rng.integers(0, 256, size=(50, 130, 3), dtype=np.uint8)
+    alpha = np.tile(np.linspace(0, 255, 130).astype(np.uint8), (50, 1))
+    if mode == "P-transparency":
+        img = Image.fromarray(rgb).convert("P")
+        img.info["transparency"] = int(np.asarray(img)[0, 0])
+    else:
+        img = Image.fromarray(np.dstack([rgb, alpha])).convert(mode)
+    ref = hf_processor(32, 6)(images=[img], return_tensors="pt")["pixel_values"]
+    ours = tiles_to_tensor(dynamic_tiles(img, 32, 1, 6))
+    assert torch.equal(ours, ref)
+    hidden = Image.fromarray(np.asarray(img.convert("RGB")))  # the colours under the transparency, alone
+    assert not torch.equal(tiles_to_tensor(dynamic_tiles(hidden, 32, 1, 6)), ref)
+
+
+def test_a_16_bit_image_keeps_its_high_byte(hf_processor, tmp_path):
+    """A 16-bit grayscale PNG trains as its 8-bit image of the high bytes (v >> 8, computed here in numpy), run
+    through transformers' processor; PIL's own conversion, which the processor uses, clips it to white."""
+    rng = np.random.default_rng(5)
+    levels = rng.integers(0, 65536, size=(40, 90), dtype=np.uint16)
+    Image.fromarray(levels).save(tmp_path / "deep.png")
+    with Image.open(tmp_path / "deep.png") as img:
+        assert img.mode == "I;16"
+        ours = tiles_to_tensor(dynamic_tiles(img, 32, 1, 6))
+        clipped = hf_processor(32, 6)(images=[img], return_tensors="pt")["pixel_values"]
+    high = Image.fromarray((levels >> 8).astype(np.uint8))
+    assert torch.equal(ours, hf_processor(32, 6)(images=[high], return_tensors="pt")["pixel_values"])
+    white = tiles_to_tensor([Image.new("RGB", (32, 32), (255, 255, 255))])[0]
+    assert (clipped == white).float().mean() > 0.95 and (ours == white).float().mean() < 0.05
+
+
+def test_32_bit_images_are_refused_by_the_scan(tmp_path):
+    from megatron.vlm.data.records import decoded_size
+
+    Image.fromarray(np.ones((8, 8), dtype=np.float32)).save(tmp_path / "float.tiff")
+    with pytest.raises(ValueError, match=r"32-bit float pixels \(PIL mode F\) have no range to bring to 8 bits"):
+        decoded_size(str(tmp_path / "float.tiff"))

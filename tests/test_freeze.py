@@ -195,8 +195,8 @@ def test_pp2_frozen_vit_and_llm_checkpoints_and_resume(tmp_path, data_cache):
     meta = FileSystemReader(str(ckpt / "iter_0000006")).read_metadata().state_dict_metadata
     opt_params = {".".join(k.split(".")[3:]) for k in meta if k.startswith("optimizer.state.exp_avg")}
     assert opt_params == {k for k in first if k.startswith("projector.")}
-    resumed, out = run_training(2, base + ["--train-iters", "8", "--freeze-vit", "--load", str(ckpt),
-                                           "--save", str(tmp_path / "resumed")], tmp_path, "resumed")
+    resumed, out = run_training(2, base + ["--train-iters", "8", "--lr-decay-iters", "6", "--freeze-vit", "--load",
+                                           str(ckpt), "--save", str(tmp_path / "resumed")], tmp_path, "resumed")
     assert "fresh optimizer state" in out and "llm.layer.0." in out
     assert [r["iteration"] for r in resumed] == [7, 8]
     after = checkpoint_tensors(tmp_path / "resumed" / "iter_0000008")

@@ -106,6 +106,36 @@ def test_unknown_and_missing_tensors_are_listed(tiny, tmp_path):
     assert "layers.1.mlp.up_proj.weight" in str(e.value)
 
 
+@pytest.mark.parametrize("cut", [0.5, 0.001], ids=["data-cut", "header-cut"])
+def test_a_truncated_safetensors_file_is_named(tiny, tmp_path, cut):
+    import shutil
+
+    from megatron.vlm.hf.config import HFConfigError
+    from megatron.vlm.hf.convert import HFSource
+
+    folder, _ = tiny[("ln-bias", "qwen2")]
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: int(len(data) * cut)])
+    with pytest.raises(HFConfigError, match=f"--hf-checkpoint {bad}: {bad / 'model.safetensors'} is not a readable "
+                                            "safetensors file .*truncated or damaged"):
+        HFSource.open(str(bad))
+
+
+def test_export_to_a_file_is_refused_before_reading(tmp_path, capsys):
+    """`omnibal hf export --out FILE`: one line, exit 2, before the checkpoint is read (there is none here)."""
+    from omnibal_cli import main as omnibal
+
+    out = tmp_path / "exported"
+    out.write_text("x")
+    assert omnibal(["hf", "export", "--load", str(tmp_path / "none"), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (f"omnibal hf export: error: --out {out}: {out} is a file, not a folder: give a "
+                                       "folder to write the Hugging Face model into\n")
+    assert omnibal(["hf", "export", "--load", str(tmp_path / "none"), "--out", str(out / "sub")]) == 2
+    assert f"--out {out / 'sub'}: {out} is a file" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------------------------------
 # logits against transformers
 # --------------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 imports only modules on its own floor or below, so nothing runs back up:
 
     parallel  <  layers  <  data (and the low Hugging Face modules)  <  stage  <  hf  <  lineages  <  families  <  training
+    (and inference, generation, beside it)
 
 (``omnibal_ext`` sits under all of them and imports none.) Every ``megatron.vlm`` / ``megatron.training`` module an
 import names exists in this checkout (the installed editable copy of the main checkout shares the ``megatron``
@@ -28,6 +29,7 @@ FLOORS = [
     ("megatron.vlm.lineages", 5),
     ("megatron.vlm.families", 6),
     ("megatron.training", 7),
+    ("megatron.vlm.inference", 7),  # generation builds its model as the trainer does; --eval-generate runs it
 ]
 NAMES = dict(FLOORS)
 

@@ -17,7 +17,6 @@ from omnibal_ext.data.search import SearchConfig, step_matrix_epoch0
 from omnibal_ext.data.search_time import run_isf_in_time, random_baseline_time
 from omnibal_ext.data.stats import StatsError, from_arrays, load_stats
 from omnibal_ext.model.cost_model import DEVICES, analytic_costs
-from megatron.vlm.families.qwen2_5_vl import image_segments_sq
 from omnibal_ext.model.sample_time import VISION_CODES, sample_times, sample_work, time_coefficients
 from omnibal_ext.model.shape import MicroBatchShape
 from omnibal_ext.model.units import get_preset
@@ -89,7 +88,7 @@ def test_window_segments_brute_force():
     side = spec.vision.window_patches_side
     for rows, cols in ((2, 2), (4, 6), (10, 6), (18, 34)):
         sizes = [min(side, rows - r) * min(side, cols - c) for r in range(0, rows, side) for c in range(0, cols, side)]
-        full, window = image_segments_sq(spec, np.array([rows]), np.array([cols]))
+        full, window = spec.vision.segments_sq(np.array([rows]), np.array([cols]))
         assert window[0] == sum(s * s for s in sizes) and full[0] == (rows * cols) ** 2
 
 

@@ -1,7 +1,8 @@
 """The planner path's boundary: in a subprocess where ``torch``, ``megatron.core`` and ``transformers`` cannot be
 imported (a meta path finder raising ImportError for them), every module of ``omnibal_ext`` but the profiler, the
-families' registry package, every family package's tensor-free modules (``__init__``, ``costs``, ``presets``) and
-the lineage library's cost modules import, and ``omnibal plan`` runs on EVERY registered preset (exit 0, a plan JSON
+families' registry package, every family package's tensor-free modules (``__init__``, ``kinds``, ``costs``,
+``presets``), the lineage library's kinds and cost modules and the GPT decoder's kinds import (each kind names its
+run-time parts without importing them), and ``omnibal plan`` runs on EVERY registered preset (exit 0, a plan JSON
 naming the preset). The same check fails when a planner module imports torch: shown with a module that does, put on
 the path of a second subprocess. And ``omnibal_ext`` imports nothing of ``megatron`` (read from its imports)."""
 from __future__ import annotations
@@ -43,9 +44,11 @@ TORCH_FREE = textwrap.dedent("""
     import megatron.vlm.families as families
     for name in families.FAMILIES:
         folder = name.replace("-", "_")
-        for module in ("costs", "presets"):
+        for module in ("kinds", "costs", "presets"):
             importlib.import_module(f"megatron.vlm.families.{folder}.{module}")
-    importlib.import_module("megatron.vlm.lineages.qwen.vision_costs")
+    for module in ("megatron.vlm.lineages.qwen.kinds", "megatron.vlm.lineages.qwen.vision_costs",
+                   "megatron.vlm.stage.kinds"):
+        importlib.import_module(module)
     outside = sorted(n for n, mod in sys.modules.items()
                      if n.startswith(("megatron.", "omnibal_ext")) and getattr(mod, "__file__", None)
                      and not mod.__file__.startswith(ROOT))

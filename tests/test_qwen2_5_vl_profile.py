@@ -38,10 +38,9 @@ def _images_shape(patches: int, images: int) -> MicroBatchShape:
     """A micro-batch of ``images`` equal images of ``patches`` patches in all, with the sums of squared image and
     window lengths of the grids the profiler's micro-batch gives them (``profile_images``)."""
     from megatron.vlm.lineages.qwen.data import profile_images
-    from megatron.vlm.families.qwen2_5_vl import image_segments_sq
 
     grids = profile_images(SPEC, MicroBatchShape(patches, 120, vision_attn_tokens_sq=patches**2 / images))
-    full, window = image_segments_sq(SPEC, [r for r, _ in grids], [c for _, c in grids])
+    full, window = SPEC.vision.segments_sq([r for r, _ in grids], [c for _, c in grids])
     return MicroBatchShape(vision_items=patches, llm_tokens=120, dtype_bytes=4,
                            vision_attn_tokens_sq=float(full.sum()), vision_window_tokens_sq=float(window.sum()))
 

@@ -207,8 +207,8 @@ def test_moe_units_cost_their_mixer_and_the_routed_tokens_in_closed_form():
     and its gate ``2 T H``; parameters likewise; every layer's unit is its kind's MoE one."""
     import dataclasses
 
-    from megatron.vlm.families.qwen3_5 import (GatedAttentionLayerCost, GatedAttentionMoELayerCost,
-                                                    LinearAttentionLayerCost, LinearAttentionMoELayerCost)
+    from megatron.vlm.families.qwen3_5.kinds import (ATTENTION_LAYER, ATTENTION_MOE_LAYER, LINEAR_LAYER,
+                                                     LINEAR_MOE_LAYER)
     from omnibal_ext.model.moe import ExpertGrid
     from omnibal_ext.model.moe_cost import ExpertRun
     from omnibal_ext.model.shape import MicroBatchShape
@@ -221,13 +221,14 @@ def test_moe_units_cost_their_mixer_and_the_routed_tokens_in_closed_form():
     shape = MicroBatchShape(vision_items=64, llm_tokens=T, llm_attn_tokens_sq=4 * 1024.0 ** 2)
     mlp_flops = 2 * T * H * E + 6 * T * k * H * F + 6 * T * H * Fs + 2 * T * H
     mlp_params = E * H + 3 * E * H * F + 3 * H * Fs + H
-    for moe_cost, dense_cost in ((LinearAttentionMoELayerCost, LinearAttentionLayerCost),
-                                 (GatedAttentionMoELayerCost, GatedAttentionLayerCost)):
-        mixer = dense_cost(dense).flops(shape, 1)[0] - 6 * T * H * Fs
-        assert moe_cost(spec).flops(shape, 1)[0] == pytest.approx(mixer + mlp_flops, rel=1e-12)
-        assert moe_cost(spec).params(1) == dense_cost(dense).params(1) - 3 * H * Fs + mlp_params
-        assert moe_cost(spec).expert_params() == 3 * E * H * F
+    for moe_kind, dense_kind in ((LINEAR_MOE_LAYER, LINEAR_LAYER), (ATTENTION_MOE_LAYER, ATTENTION_LAYER)):
+        moe_cost, dense_cost = moe_kind.cost_of(spec), dense_kind.cost_of(dense)
+        mixer = dense_cost.flops(shape, 1)[0] - 6 * T * H * Fs
+        assert moe_cost.flops(shape, 1)[0] == pytest.approx(mixer + mlp_flops, rel=1e-12)
+        assert moe_cost.params(1) == dense_cost.params(1) - 3 * H * Fs + mlp_params
+        assert moe_cost.expert_params() == 3 * E * H * F
         run = ExpertRun(ExpertGrid(ep=8), imbalance=1.5)  # the planner's EP search keeps the kind
-        assert type(moe_cost(spec).with_experts(run)) is moe_cost and moe_cost(spec).with_experts(run).run == run
+        priced = moe_cost.with_experts(run)
+        assert type(priced) is moe_kind.cost and priced.run == run and priced.kind == moe_kind.name
     kinds = {u.kind for u in build_units(spec) if u.code == "t"}
     assert kinds == {"qwen3_5_linear_moe_layer", "qwen3_5_attention_moe_layer"}

@@ -3,10 +3,11 @@ updates are bias-corrected as a fresh Adam's), and keeps its own step through th
 
 Against an independent computation: one fresh ``torch.optim.AdamW`` per trained parameter, fed the same gradients
 from the parameter's first trained iteration on (created at the resume for the newly unfrozen ones)."""
-import dataclasses
-
 import pytest
 import torch
+
+import trainer_parts
+from trainer_parts import NoData
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 
@@ -14,20 +15,8 @@ BASE = ["--lr-warmup-iters", "0", "--clip-grad", "0", "--lr", "1e-2", "--micro-b
         "--global-batch-size", "16", "--train-iters", "10"]
 
 
-class _NoData:
-    def state_dict(self):
-        return {}
-
-
 def _build(argv):
-    from megatron.training import setup, training
-    from megatron.training.arguments import parse_config
-
-    config = parse_config(BASE + argv)
-    plan = setup.build_run_plan(config, config.model.spec, torch.device("cpu"))
-    model = training.build_model(plan, 5, torch.device("cpu"))
-    optimizer, scheduler = training.build_optimizer(plan, model)
-    return plan, model, optimizer, scheduler
+    return trainer_parts.build(BASE + argv)
 
 
 def _named(model):
@@ -90,7 +79,7 @@ def test_unfrozen_on_resume_steps_like_a_fresh_adamw(tmp_path, extra, capsys):
     _check(model, refs, "before the resume")
     vit = {n for n, p in _named(model).items() if p.vlm_role in "Iv"}  # the ViT's (I: its patch embedding)
     assert vit and not vit & set(refs)
-    save_checkpoint(plan, 3, 48, model, optimizer, scheduler, _NoData())
+    save_checkpoint(plan, 3, 48, model, optimizer, scheduler, NoData())
 
     # resumed with the ViT trained: its parameters' AdamW starts fresh here, the others' continue at step 4
     plan, model, optimizer, scheduler = _build(extra + ["--load", str(tmp_path / "a"),
@@ -100,7 +89,7 @@ def test_unfrozen_on_resume_steps_like_a_fresh_adamw(tmp_path, extra, capsys):
     assert vit <= set(refs)
     _check(model, refs, "first step after the resume")
     assert "fresh optimizer state (Adam moments 0, step 0)" in capsys.readouterr().out
-    save_checkpoint(plan, 4, 64, model, optimizer, scheduler, _NoData())  # steps differ per parameter now
+    save_checkpoint(plan, 4, 64, model, optimizer, scheduler, NoData())  # steps differ per parameter now
 
     # resumed again under the same flags: every parameter keeps its own step (ViT 1, the others 4)
     plan, model, optimizer, scheduler = _build(extra + ["--load", str(tmp_path / "b")])
@@ -150,7 +139,7 @@ def test_bf16_optimizers_keep_per_parameter_steps(tmp_path, extra):
     steps(model, optimizer, scheduler, 2)
     trained_roles = {p.vlm_role for p in _named(model).values() if p.requires_grad}
     assert _steps_by_role(model, optimizer) == {r: {2.0} for r in trained_roles}
-    save_checkpoint(plan, 2, 32, model, optimizer, scheduler, _NoData())
+    save_checkpoint(plan, 2, 32, model, optimizer, scheduler, NoData())
     mains = _main_params(model, optimizer)
     plan, model, optimizer, scheduler = _build(extra + ["--load", str(tmp_path / "a"), "--save", str(tmp_path / "b")])
     load_checkpoint(find_checkpoint(str(tmp_path / "a")), plan, model, optimizer, scheduler)
@@ -163,7 +152,7 @@ def test_bf16_optimizers_keep_per_parameter_steps(tmp_path, extra):
     steps(model, optimizer, scheduler, 1)
     want = {r: {3.0} for r in trained_roles} | {"I": {1.0}, "v": {1.0}}
     assert _steps_by_role(model, optimizer) == want
-    save_checkpoint(plan, 3, 48, model, optimizer, scheduler, _NoData())
+    save_checkpoint(plan, 3, 48, model, optimizer, scheduler, NoData())
     assert _steps_by_role(model, optimizer) == want  # put back after the save
     plan, model, optimizer, scheduler = _build(extra + ["--load", str(tmp_path / "b")])
     load_checkpoint(find_checkpoint(str(tmp_path / "b")), plan, model, optimizer, scheduler)

@@ -60,8 +60,8 @@ def test_bad_flag_exits_2_with_one_line_and_no_traceback(tmp_path):
 
 
 def test_only_user_errors_lose_their_traceback(monkeypatch, capsys):
-    """cli() prints a UserError as one line (exit 2); any other exception (here a library's ValueError)
-    propagates with its traceback."""
+    """cli() prints a UserError as one line (exit 2; a RunStopped exit 1); any other exception (here a library's
+    ValueError) propagates with its traceback."""
     import pretrain_vlm
     from omnibal_ext.errors import UserError
 
@@ -71,6 +71,15 @@ def test_only_user_errors_lose_their_traceback(monkeypatch, capsys):
     monkeypatch.setattr(pretrain_vlm, "main", user_mistake)
     assert pretrain_vlm.cli() == 2
     assert capsys.readouterr().err == "error: --data-path x.json: no such file; (second line)\n"
+
+    def run_stopped(argv=None):  # a run that stopped itself to protect its work: exit status 1
+        from megatron.training.checkpointing.lock import SaveLockError
+
+        raise SaveLockError("--save ckpt is in use by another run")
+
+    monkeypatch.setattr(pretrain_vlm, "main", run_stopped)
+    assert pretrain_vlm.cli() == 1
+    assert capsys.readouterr().err == "error: --save ckpt is in use by another run\n"
 
     def library_bug(argv=None):
         raise ValueError("operands could not be broadcast together")

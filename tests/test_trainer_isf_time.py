@@ -19,7 +19,7 @@ pytest.importorskip("sklearn")
 import hf_tiny_qwen  # noqa: E402
 from isf_reference import dist_ratio, reference_isf  # noqa: E402
 
-from megatron.training.flags import ArgumentError, build_parser
+from megatron.training.flags import ArgumentError, build_parser  # noqa: E402
 from megatron.training.isf import isf_groups, isf_subset_groups, isf_times  # noqa: E402
 from megatron.training.specs import run_config  # noqa: E402
 from megatron.vlm.data import RecordDataset, TileImages  # noqa: E402

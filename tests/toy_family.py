@@ -3,12 +3,13 @@
 toy_family``).
 
 The toy is InternVL with another projector: one linear layer (pixel shuffle, then a single Linear into the LLM's
-width) instead of LayerNorm and a 2-layer MLP. Everything else (the ViT, the data side: tiles, the HF side: InternVL's
-names plus the projector's own tensors) is InternVL's and the shared GPT decoder's, reached through public modules.
+width) instead of LayerNorm and a 2-layer MLP, a unit kind of its own. Everything else (the ViT's kinds, the data
+side: tiles, the HF side: InternVL's names plus the projector's own tensors) is InternVL's and the shared GPT
+decoder's, reached through public modules.
 
-Step 1 (costs, tensor-free) and step 3 (the ``Family``) import no torch; step 2 (the run-time side) does. A plugin
-that must plan without torch puts step 2 in a module of its own and names it in ``Family.runtime``; this one keeps the
-three steps in one file.
+Step 1 (the cost) and steps 3-4's declarations import no torch; step 2 (the run-time component and the HF mapping)
+and the run-time side of step 4 do. A plugin that must plan without torch puts those in a module of its own and names
+it in ``UnitKind.runtime``, ``UnitKind.hf`` and ``Family.runtime``; this one keeps every step in one file.
 """
 from __future__ import annotations
 
@@ -17,26 +18,25 @@ import dataclasses
 from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 
-from omnibal_ext.model.components import HeadCost, TextEmbedCost, TextLayerCost
-from omnibal_ext.model.families import Family, family_of, register
+from omnibal_ext.model.families import register
+from omnibal_ext.model.spec import PROJECTOR
+from omnibal_ext.model.unit_kind import UnitKind
 
-from megatron.vlm.stage.components import GPT_DECODER, FamilyRuntime, RuntimeComponent
-from megatron.vlm.layers.config import vision_config
-from megatron.vlm.stage.components import runtime_family
-from megatron.vlm.families.internvl.components import VisionEmbed, VisionLayer
-from megatron.vlm.families.internvl.costs import ProjectorCost, VisionEmbedCost, VisionLayerCost, VisionSpec
+from megatron.vlm.families.internvl import INTERNVL, InternVL
+from megatron.vlm.families.internvl.costs import ProjectorCost, VisionSpec
+from megatron.vlm.families.internvl.kinds import VIT_EMBED, VIT_LAYER
 from megatron.vlm.families.internvl.presets import PRESETS as INTERNVL_PRESETS
-from megatron.vlm.hf.config import HFSide
 from megatron.vlm.hf.recipes import whole
+from megatron.vlm.layers.config import vision_config
+from megatron.vlm.stage.components import FamilyRuntime, RuntimeComponent
+from megatron.vlm.stage.kinds import LLM_EMBED, LLM_HEAD, LLM_LAYER
 
 NAME = "toy-linear-projector"
 
 
-# Step 1: the costs of the new unit kind and the unit list (tensor-free) ----------------------------------------
+# Step 1: the cost of the new unit kind (tensor-free) -----------------------------------------------------------
 class LinearProjectorCost(ProjectorCost):
     """Pixel shuffle and one Linear (with bias) into the LLM's width."""
-
-    kind = "linear_projector"
 
     def flops(self, shape, tp):
         hi, ho = self.spec.projector_in_size, self.spec.language.hidden_size
@@ -46,15 +46,7 @@ class LinearProjectorCost(ProjectorCost):
         return self.spec.projector_in_size * self.spec.language.hidden_size + self.spec.language.hidden_size
 
 
-def unit_list(spec):
-    units = [("vit.embed", VisionEmbedCost, None)]
-    units += [(f"vit.layer.{i}", VisionLayerCost, i) for i in range(spec.vision.num_layers)]
-    units += [("projector", LinearProjectorCost, None), ("llm.embed", TextEmbedCost, None)]
-    units += [(f"llm.layer.{i}", TextLayerCost, i) for i in range(spec.language.num_layers)]
-    return units + [("llm.head", HeadCost, None)]
-
-
-# Step 2: the run-time side: the module, its component (build, forward, HF mapping), the FamilyRuntime ----------
+# Step 2: its run-time component (module, build, forward) and its Hugging Face mapping --------------------------
 class LinearProjector(MegatronModule):
     """[1 + P, n, Hv] -> drop the class token -> pixel shuffle -> Linear -> [n * tokens per tile, 1, Hl]."""
 
@@ -76,7 +68,7 @@ class LinearProjector(MegatronModule):
 
 
 class LinearProjectorUnit(RuntimeComponent):
-    cost, attr = LinearProjectorCost, "projector"
+    attr = "projector"
 
     def build(self):
         return LinearProjector(self.spec, self.ctx.language_config)
@@ -84,16 +76,33 @@ class LinearProjectorUnit(RuntimeComponent):
     def forward(self, module, x, batch, cache):
         return module(x)
 
-    @classmethod
-    def hf_recipes(cls, unit, table):
-        spec = table.spec
-        hi, ho = spec.projector_in_size, spec.language.hidden_size
-        table.add(unit.name + ".fc.weight", whole(table.hf("toy_projector.weight", (ho, hi)), (ho, hi)))
-        table.add(unit.name + ".fc.bias", whole(table.hf("toy_projector.bias", (ho,)), (ho,)))
+
+def linear_projector_recipes(unit, table):
+    """Our ``projector.fc.*`` from the HF tensors ``toy_projector.weight`` / ``.bias``."""
+    hi, ho = table.spec.projector_in_size, table.spec.language.hidden_size
+    table.add(unit.name + ".fc.weight", whole(table.hf("toy_projector.weight", (ho, hi)), (ho, hi)))
+    table.add(unit.name + ".fc.bias", whole(table.hf("toy_projector.bias", (ho,)), (ho,)))
+
+
+# Step 3: the unit kind, in one declaration ----------------------------------------------------------------------
+LINEAR_PROJECTOR = UnitKind("linear_projector", PROJECTOR, LinearProjectorCost,
+                            runtime=f"{__name__}:LinearProjectorUnit", hf=f"{__name__}:linear_projector_recipes")
+
+
+# Step 4: the family: its unit list, its run-time side, registered ----------------------------------------------
+class Toy(InternVL):
+    """InternVL's family (its spec check) with the linear projector in its unit list."""
+
+    def unit_list(self, spec):
+        units = [("vit.embed", VIT_EMBED, None)]
+        units += [(f"vit.layer.{i}", VIT_LAYER, i) for i in range(spec.vision.num_layers)]
+        units += [("projector", LINEAR_PROJECTOR, None), ("llm.embed", LLM_EMBED, None)]
+        units += [(f"llm.layer.{i}", LLM_LAYER, i) for i in range(spec.language.num_layers)]
+        return units + [("llm.head", LLM_HEAD, None)]
 
 
 _INTERNVL_TINY = INTERNVL_PRESETS["tiny"]
-_internvl = runtime_family(_INTERNVL_TINY)  # InternVL's run-time side: its data and HF sides are reused
+_internvl = INTERNVL.load_runtime()  # InternVL's run-time side: its data and HF sides are reused
 
 
 def recognizes(cfg: dict) -> bool:
@@ -111,18 +120,12 @@ def native_config(spec, info, source):
             "architectures": ["ToyLinearProjectorForConditionalGeneration"]}
 
 
-HF: HFSide = dataclasses.replace(_internvl.hf, recognizes=recognizes, spec_from_config=spec_from_config,
-                                 native_config=native_config)
-RUNTIME = FamilyRuntime(components=(VisionEmbed, VisionLayer, LinearProjectorUnit, *GPT_DECODER),
-                        vision_config=vision_config, hf=HF, data=_internvl.data)
-
-
-# Step 3: the Family, registered ---------------------------------------------------------------------------------
-_internvl_family = family_of(_INTERNVL_TINY)
-FAMILY = register(Family(
-    name=NAME, vision_spec=VisionSpec,
-    components=(VisionEmbedCost, VisionLayerCost, LinearProjectorCost, TextEmbedCost, TextLayerCost, HeadCost),
-    unit_list=unit_list, vision_item="tile",
+RUNTIME = FamilyRuntime(vision_config=vision_config, data=_internvl.data,
+                        hf=dataclasses.replace(_internvl.hf, recognizes=recognizes, spec_from_config=spec_from_config,
+                                               native_config=native_config))
+FAMILY = register(Toy(
+    name=NAME, kinds=(VIT_EMBED, VIT_LAYER, LINEAR_PROJECTOR, LLM_EMBED, LLM_LAYER, LLM_HEAD),
+    vision_spec=VisionSpec, vision_item="tile",
     presets={"toy-tiny": _INTERNVL_TINY.replace(name="toy-tiny", family=NAME)},
-    spec_problem=_internvl_family.spec_problem, capabilities=_internvl_family.capabilities,
+    capabilities=dataclasses.replace(INTERNVL.capabilities, moe=False),  # no MoE kind in its unit list
     runtime=f"{__name__}:RUNTIME"))

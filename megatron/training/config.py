@@ -25,6 +25,8 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass
 
+import torch
+
 from omnibal_ext.data.isf import ISFParams
 from omnibal_ext.model.lora import Lora
 from omnibal_ext.model.trainable import Trainable
@@ -123,6 +125,9 @@ class DataConfig:
     """Longest sample, tokens."""
     skip_bad_samples: bool
     """Leave out records that fail the scan (listed in DATA_CACHE_DIR/skipped/) instead of stopping."""
+    max_skipped_fraction: float
+    """With ``skip_bad_samples``: stop before training when more than this fraction (0..1) of a data file's records
+    fail the scan."""
     truncate_long_samples: bool
     """Cut a sample longer than ``seq_length`` instead of stopping."""
     num_workers: int
@@ -198,8 +203,17 @@ class OptimConfig:
     """Peak learning rate of the projector (None: ``lr``)."""
     lr_decay_style: str
     """"constant", "linear" or "cosine"."""
+    lr_decay_iters: int | None
+    """Iterations the LR decays over, from ``lr`` to ``min_lr``; None: ``train_iters``."""
     lr_warmup_iters: int
     """Iterations of linear warm-up from 0."""
+    override_opt_param_scheduler: bool
+    """On resume: this run's schedule flags replace the checkpoint's (--override-opt_param-scheduler)."""
+    use_checkpoint_opt_param_scheduler: bool
+    """On resume: keep the checkpoint's schedule whatever the flags say (--use-checkpoint-opt_param-scheduler);
+    with neither, a resume whose schedule flags differ from the checkpoint's is refused."""
+    check_for_nan_in_loss_and_grad: bool
+    """Stop the run when the loss or a gradient is NaN or Inf (checked on every rank before each optimizer step)."""
     weight_decay: float
     """AdamW's decoupled weight decay (not on biases and norms)."""
     clip_grad: float
@@ -210,6 +224,11 @@ class OptimConfig:
     """bf16 parameters and activations with fp32 main weights (CUDA only); else fp32."""
     loss_reduction: str
     """Weight of a sample's answer tokens in a global batch's loss: "token", "sample" or "square"."""
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        """The parameters' and activations' dtype: bf16 with --bf16, else fp32."""
+        return torch.bfloat16 if self.bf16 else torch.float32
 
 
 @dataclass(frozen=True)
@@ -230,6 +249,10 @@ class LogConfig:
     """Measure saved-activation bytes per stage (resolved: --log-activation-memory, or --omnibal-recompute auto)."""
     log_expert_load: str | None
     """Each iteration's tokens per expert per MoE layer as JSON lines here; None: none."""
+    eval_generate: bool
+    """At each evaluation also generate the evaluated samples' answers (greedy) and log the accuracy by generation."""
+    eval_generate_samples: int | None
+    """With ``eval_generate``: the first N evaluated samples only; None: all."""
 
 
 @dataclass(frozen=True)
@@ -246,6 +269,8 @@ class CheckpointConfig:
     """Resume from the newest complete checkpoint in this folder (none there: start from scratch)."""
     ckpt_step: int | None
     """With ``load``: that iteration's checkpoint; None: the newest."""
+    force_save_lock: bool
+    """Take over the ``save`` folder's lock even when another host holds it."""
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--projector-lr", type=float, default=None,
                    help="peak learning rate of the projector (default --lr); follows the LR schedule like --vision-lr")
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="constant")
+    g.add_argument("--lr-decay-iters", type=int, default=None,
+                   help="iterations the LR decays over, from --lr to --min-lr (default: --train-iters); give it to "
+                        "keep a run's schedule when a resume trains longer")
     g.add_argument("--lr-warmup-iters", type=int, default=10)
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
+                   dest="override_opt_param_scheduler",
+                   help="on resume: this run's LR schedule flags (--lr, --min-lr, --lr-warmup-iters, "
+                        "--lr-decay-iters, --lr-decay-style, --weight-decay) replace the checkpoint's; the schedule "
+                        "continues from the checkpoint's step")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   action="store_true", dest="use_checkpoint_opt_param_scheduler",
+                   help="on resume: keep the checkpoint's LR schedule, whatever these flags say (without either "
+                        "flag a resume whose schedule flags differ from the checkpoint's is refused, as in "
+                        "Megatron-LM)")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false", dest="check_for_nan_in_loss_and_grad",
+                   help="do not stop the run when the loss or a gradient is NaN or Inf (checked on every rank "
+                        "before each optimizer step by default, as in Megatron-LM)")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -190,7 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--skip-bad-samples", action="store_true",
                    help="leave out records that fail the pre-training scan (missing or undecodable image, bad "
                         "JSON or conversation, too long) instead of stopping: each is listed with file:line and "
-                        "its reason in DATA_CACHE_DIR/skipped/<meta name>.txt and counted in the log")
+                        "its reason in DATA_CACHE_DIR/skipped/<meta name>-<path hash>.txt and counted in the log")
+    g.add_argument("--max-skipped-fraction", type=float, default=0.1,
+                   help="with --skip-bad-samples: stop before training when more than this fraction of a data "
+                        "file's records fail the scan (a wrong image root, say)")
     g.add_argument("--truncate-long-samples", action="store_true",
                    help="cut a sample longer than --seq-length at that length (an image block is never split: "
                         "images that do not fit are dropped with their tokens) instead of stopping")
@@ -207,12 +226,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-interval", type=int, default=200, help="evaluate every N iterations (and at the end); 0: never")
     g.add_argument("--eval-iters", type=int, default=None,
                    help="iterations (global batches) per evaluation (default: one pass over the validation set)")
+    g.add_argument("--eval-generate", action="store_true",
+                   help="at each evaluation also generate every answer of the evaluated validation samples (greedy, on "
+                        "the training layout) and log the accuracy by generation beside the teacher-forced one, with "
+                        "the samples where they differ counted by cause (docs/generation.md)")
+    g.add_argument("--eval-generate-samples", type=int, default=None, metavar="N",
+                   help="with --eval-generate: the first N evaluated samples only (default: all)")
     g.add_argument("--save", default=None, help="checkpoint folder (saved at --save-interval and at the end)")
     g.add_argument("--load", default=None,
                    help="resume from the newest complete checkpoint here, at any TP/PP/DP and layout (none there: "
                         "start from scratch; `--save X --load X` under torchrun --max-restarts resumes a killed job)")
     g.add_argument("--ckpt-step", type=int, default=None, help="with --load: that iteration's checkpoint")
-    g.add_argument("--keep-checkpoints", type=int, default=None, help="keep the newest N checkpoints (default: all)")
+    g.add_argument("--keep-checkpoints", type=int, default=None,
+                   help="keep the newest N checkpoints of this run's lineage, and always the one the tracker names "
+                        "(default: all)")
+    g.add_argument("--force-save-lock", action="store_true",
+                   help="take over the --save folder's lock even when another host holds it (its run cannot be "
+                        "judged dead from here: make sure it is); a dead process of this host is taken over without it")
     g.add_argument("--save-interval", type=int, default=None, help="save every N iterations (and at the end of training; 0: only at the end)")
     g.add_argument("--exit-interval", type=int, default=None, help="stop (after saving) at this iteration (0: run all --train-iters)")
     g.add_argument("--json-log", default=None, help="write per-iteration metrics as JSON lines here")

@@ -20,6 +20,8 @@ from omnibal_ext.model.units import spec_from_dict
 
 from megatron.training.checkpointing import (TRACKER, CheckpointError, describe_run, iteration_dir,
                                              read_global_tensors, save_global_tensors)
+from megatron.training.checkpointing.lineage import set_aside
+from megatron.training.checkpointing.lock import held
 from megatron.vlm.hf.config import HFInfo
 from megatron.vlm.hf.configs import native_config
 from megatron.vlm.hf.convert import DTYPES, HFSource, extra_state_objects, has_tokenizer
@@ -39,13 +41,18 @@ def import_hf(folder: str, save: str) -> dict:
     tensors = src.global_tensors()
     tokenizer = os.path.abspath(folder) if has_tokenizer(folder) else None
     common = {"run": describe_run(src.spec, tokenizer=tokenizer, hf=src.meta()), "iteration": 0}
-    save_global_tensors(save, tensors, extra_state_objects(src.spec), common, 0)
+    with held(save):  # a writer of the folder, like a training run; its checkpoint starts a new lineage
+        moved = set_aside(save, None)
+        if moved:
+            print(moved, flush=True)
+        save_global_tensors(save, tensors, extra_state_objects(src.spec), common, 0)
     return {"spec": src.spec, "tensors": len(tensors), "layout": src.info.layout}
 
 
 def export_hf(load: str, out: str, step: int | None = None, dtype: str | None = None,
               max_shard_bytes: int = 4 << 30) -> dict:
     """``omnibal hf export``: any checkpoint of ours -> a native HF folder. Needs no process group."""
+    _check_out_folder(out)
     if step is None:
         tracker = os.path.join(load, TRACKER)
         if not os.path.isfile(tracker):
@@ -84,6 +91,16 @@ def export_hf(load: str, out: str, step: int | None = None, dtype: str | None = 
     files = write_safetensors(hf, out, max_shard_bytes)
     copied = copy_tokenizer(out, run.get("tokenizer"), meta.get("source"))
     return {"iteration": step, "tensors": len(hf), "files": files, "tokenizer": copied}
+
+
+def _check_out_folder(out: str) -> None:
+    """``--out`` must be (or be creatable as) a folder: a file on the path is refused before any reading."""
+    path = os.path.abspath(out)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        raise UserError(f"--out {out}: {path} is a file, not a folder: give a folder to write the Hugging Face "
+                        "model into")
 
 
 def tokenizer_image_token_id(spec: ModelSpec, load: str, *folders) -> int:

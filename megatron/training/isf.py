@@ -1,6 +1,6 @@
 """ISF in the trainer: group the training set so that each micro-batch is one balanced pack.
 
-A family whose ViT items vary in cost (``Family.segments_sq``: native resolution) is grouped in predicted time
+A family whose ViT items vary in cost (``Family.native_resolution``) is grouped in predicted time
 (``omnibal_ext/data/search_time.py``): each sample's ViT-side and LLM-side time from the cost model of the run's
 model at its TP on --omnibal-isf-time-device (``sample_time.isf_sample_times``, the time model of `omnibal plan`),
 each image's patch grid from the pre-training scan; the count caps stay hard caps (--omnibal-isf-qv/-qt when given,
@@ -89,13 +89,14 @@ def check_samples_fit_caps(config: RunConfig, spec: ModelSpec, dataset) -> None:
 
 
 def check_videos_fit_cp_ranks(cp: int, spec: ModelSpec, dataset, vit_cap: int) -> None:
-    """Under context parallelism a family whose images and videos go whole to the CP ranks (``Family.segments_sq``:
-    native resolution) gives each rank its share of a micro-batch's ViT cap (``cp_split.rank_vit_budget``): a video
-    over it is refused, naming its ``file:line``, its size and the ``--video-max-frames``/``--video-max-pixels``
-    values that would fit it (``cp_split.video_fit``).  Runs on every rank (the same data, the same answer)."""
+    """Under context parallelism (``cp`` ranks) a family whose images and videos go whole to the CP ranks
+    (``Family.native_resolution``) gives each rank its share of a micro-batch's ViT cap (``cp_split.rank_vit_budget``):
+    a video over it is refused, naming its ``file:line``, its size and the ``--video-max-frames`` /
+    ``--video-max-pixels`` values that would fit it (``cp_split.video_fit``).  Runs on every rank (the same data, the
+    same answer)."""
     stats = dataset.sample_stats()
     videos = stats.videos
-    if cp == 1 or videos is None or not len(videos.patches) or family_of(spec).segments_sq is None:
+    if cp == 1 or videos is None or not len(videos.patches) or not family_of(spec).native_resolution:
         return
     budget = rank_vit_budget(vit_cap, cp)
     over = np.flatnonzero(videos.patches > budget)

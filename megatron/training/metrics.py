@@ -54,11 +54,13 @@ class StepResult:
     """What one training step produced on this rank.
 
     reports: the loss function's report of each micro-batch (last pipeline stage; else empty);
-    grad_norm: the optimizer's gradient norm (None when it has none); records: the data loader's record of each
+    grad_norm: the optimizer's gradient norm (None when it has none); learning_rate: the LR its optimizer step
+    applied (the --lr parameter groups'); records: the data loader's record of each
     micro-batch (``tokens``, ``tiles``, ``ids``, ``packed``); data_wait_s: seconds spent waiting for data;
     elapsed_s: the step's wall time (s); act_peak_bytes: its activation peak (0 unless measured)."""
     reports: list
     grad_norm: float | None
+    learning_rate: float
     records: list
     data_wait_s: float
     elapsed_s: float
@@ -91,11 +93,10 @@ def reduce_reports(reports: list[dict], dp_cp) -> dict:
     return totals
 
 
-def step_metrics(step: StepResult, groups: MetricGroups, consumed_before: int, learning_rate: float,
-                 is_last: bool) -> dict:
+def step_metrics(step: StepResult, groups: MetricGroups, consumed_before: int, is_last: bool) -> dict:
     """The log line of a step (every rank takes part): samples consumed (all data-parallel ranks) up to and
-    including it, its time, the learning rate, the slowest rank's data wait, loss and answer accuracy (last
-    stage), gradient norm, tokens and images per second."""
+    including it, its time, the learning rate it applied, the slowest rank's data wait, loss and answer accuracy
+    (last stage), gradient norm, tokens and images per second."""
     wait = torch.tensor([step.data_wait_s], dtype=torch.float64)  # a stage that waits stalls the pipeline
     dist.all_reduce(wait, op=dist.ReduceOp.MAX, group=groups.world_gloo)
     totals = reduce_reports(step.reports, groups.dp_cp) if is_last else {}
@@ -107,7 +108,7 @@ def step_metrics(step: StepResult, groups: MetricGroups, consumed_before: int, l
     metrics = {
         "consumed samples": consumed_before + samples,
         "elapsed time per iteration (ms)": step.elapsed_s * 1000,
-        "learning rate": learning_rate,
+        "learning rate": step.learning_rate,
         "global batch size": samples,
         "data wait ms": float(wait[0]) * 1000,
     }
@@ -176,7 +177,8 @@ class MetricsLog:
                "answer acc": "{:.4f}", "grad norm": "{:.4f}", "tokens/s": "{:.1f}", "images/s": "{:.1f}",
                "pad ratio": "{:.4f}", "data wait ms": "{:.1f}", "dist ratio llm": "{:.4f}", "dist ratio vit": "{:.4f}",
                "dist ratio llm time": "{:.4f}", "dist ratio vit time": "{:.4f}", "moe aux loss": "{:.6E}",
-               "moe z loss": "{:.6E}", "expert load imbalance": "{:.4f}", "ep load imbalance": "{:.4f}"}
+               "moe z loss": "{:.6E}", "expert load imbalance": "{:.4f}", "ep load imbalance": "{:.4f}",
+               "generation acc": "{:.4f}", "generation tf acc": "{:.4f}"}
         for key, value in metrics.items():
             if value is None:
                 continue

@@ -229,7 +229,7 @@ def _forget_aux_losses() -> None:
 
 def _core_attention_share(component, shape: MicroBatchShape, tp: int) -> float:
     """Fraction of a layer's forward FLOPs spent in core attention (scores and context), as the cost
-    model counts them (the unit's planning-side component at ``shape``)."""
+    model counts them (the unit's cost component at ``shape``)."""
     total, core = component.flops(shape, tp)
     return core / total if total else 0.0
 

@@ -29,14 +29,13 @@ from megatron.vlm.hf.load import load_hf_into_stage
 from megatron.vlm.stage.build import StageBuild, build_stage
 
 from .config import ParallelConfig, RunConfig
-from .training import dtype_of
 
 
 def whole_model(config: RunConfig, spec: ModelSpec, img_context_id: int, device: torch.device):
     """Every unit of ``spec`` (the run's model) as one stage, with training's initial (or ``--hf-checkpoint``'s)
     weights."""
     model, parallel = config.model, config.parallel
-    dtype = dtype_of(config.optim)
+    dtype = config.optim.params_dtype
     impl = resolve_layer_impl(model.transformer_impl, model.attention_backend, device, parallel.context_parallel_size,
                               torch_layers_only=parallel.sequence_parallel)
     stage = build_stage(StageBuild(

@@ -4,6 +4,7 @@ and the recompute, made whole in the :class:`RunPlan` (``build_run_plan``); then
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -28,7 +29,7 @@ from megatron.vlm.stage.batches import MicroBatches, StageInputs
 from megatron.vlm.stage.components import runtime_family, units_inputs
 from megatron.vlm.data.digits import FORMAT_VERSION as DIGITS_FORMAT
 from megatron.vlm.data.digits import build_digits_dataset, digits_meta_paths
-from megatron.vlm.data.records import RecordDataset
+from megatron.vlm.data.records import DataValidationError, RecordDataset
 
 from .config import BalanceConfig, DataConfig, OptimConfig, RunConfig
 from .flags import ArgumentError
@@ -46,6 +47,8 @@ def data_paths(data: DataConfig, spec: ModelSpec) -> tuple[str, str | None]:
     for flag, path in (("--data-path", data.data_path), ("--valid-data-path", data.valid_data_path)):
         if path and not os.path.exists(path):
             raise ArgumentError(f"{flag} {path}: no such file")
+        if path and os.path.isdir(path):
+            raise ArgumentError(f"{flag} {path} is a folder: give a meta JSON or an annotation JSONL file")
     if data.data_path:
         return data.data_path, data.valid_data_path
     px = runtime_family(spec).data.default_image_px(spec)
@@ -72,21 +75,31 @@ def build_dataset(config: RunConfig, spec: ModelSpec, tokenizer, meta_path: str)
                             truncate=data.truncate_long_samples,
                             skip_bad=data.skip_bad_samples, videos=videos)
     skipped = dataset.scan.skipped
-    if skipped and (not dist.is_initialized() or dist.get_rank() == 0):
-        report = skipped_report_path(data, meta_path)
+    if not skipped:
+        return dataset
+    report = skipped_report_path(data, meta_path)
+    bad = len({line.split(": ", 1)[0] for line in skipped})  # records ("file:line")
+    total = bad + len(dataset.scan.rec_line)
+    if not dist.is_initialized() or dist.get_rank() == 0:
         os.makedirs(os.path.dirname(report), exist_ok=True)
         with open(report, "w") as f:
             f.write("".join(f"{line}\n" for line in skipped))
-        records = len({line.split(": ", 1)[0] for line in skipped})
-        print(f"> data: {records} bad record(s) of {meta_path} skipped ({len(skipped)} problem(s)), "
+        print(f"> data: {bad} bad record(s) of {meta_path} skipped ({len(skipped)} problem(s)), "
               f"listed in {report}; training on the other {len(dataset)} sample(s)", flush=True)
+    if bad > data.max_skipped_fraction * total:  # every rank: the scan is the same on all
+        raise DataValidationError(
+            f"--skip-bad-samples: {bad} of the {total} records of {meta_path} fail the scan ({bad / total:.0%}), "
+            f"more than --max-skipped-fraction {data.max_skipped_fraction}: the data is more likely wrong (an image "
+            f"root?) than a few records bad; the first: {skipped[0]} (all in {report})")
     return dataset
 
 
 def skipped_report_path(data: DataConfig, meta_path: str) -> str:
-    """Where --skip-bad-samples lists the records it left out of ``meta_path`` (``file:line: reason``)."""
+    """Where --skip-bad-samples lists the records it left out of ``meta_path`` (``file:line: reason``): named after
+    the file and a hash of its absolute path, so that two data files of one name keep their own lists."""
     name = os.path.splitext(os.path.basename(meta_path))[0]
-    return os.path.join(data.data_cache_dir, "skipped", f"{name}.txt")
+    key = hashlib.sha1(os.path.realpath(meta_path).encode()).hexdigest()[:8]
+    return os.path.join(data.data_cache_dir, "skipped", f"{name}-{key}.txt")
 
 
 @dataclass(frozen=True)
@@ -122,7 +135,11 @@ def build_datasets(config: RunConfig, spec: ModelSpec, tokenizer) -> tuple[Recor
     """(train, valid or None) datasets; validates every record first (the scan, split over all ranks)."""
     train_meta, valid_meta = data_paths(config.data, spec)
     train_set = build_dataset(config, spec, tokenizer, train_meta)
-    valid_set = build_dataset(config, spec, tokenizer, valid_meta) if valid_meta and config.log.eval_interval else None
+    eval_interval = config.log.eval_interval
+    valid_set = build_dataset(config, spec, tokenizer, valid_meta) if valid_meta and eval_interval else None
+    if eval_interval and valid_meta is None and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"> no evaluation: --eval-interval {eval_interval} needs --valid-data-path (--data-path "
+              f"{config.data.data_path} has no held-out split)", flush=True)
     return train_set, valid_set
 
 

@@ -297,7 +297,8 @@ def run_config(flags: argparse.Namespace, world_size: int) -> RunConfig:
     data = DataConfig(data_path=flags.data_path, valid_data_path=flags.valid_data_path,
                       data_cache_dir=flags.data_cache_dir, tokenizer_model=flags.tokenizer_model,
                       media=media_overrides(flags), seq_length=flags.seq_length,
-                      skip_bad_samples=flags.skip_bad_samples, truncate_long_samples=flags.truncate_long_samples,
+                      skip_bad_samples=flags.skip_bad_samples, max_skipped_fraction=flags.max_skipped_fraction,
+                      truncate_long_samples=flags.truncate_long_samples,
                       num_workers=flags.num_workers, prefetch_factor=flags.prefetch_factor)
     balance = BalanceConfig(isf=flags.omnibal_isf, isf_params=isf_params_from_flags(flags),
                             isf_time_device=flags.omnibal_isf_time_device, isf_token_multiple=isf_token_multiple(flags),
@@ -309,14 +310,20 @@ def run_config(flags: argparse.Namespace, world_size: int) -> RunConfig:
                         num_microbatches=microbatches, train_iters=flags.train_iters,
                         exit_interval=flags.exit_interval, seed=flags.seed, lr=flags.lr, min_lr=flags.min_lr,
                         vision_lr=flags.vision_lr, projector_lr=flags.projector_lr,
-                        lr_decay_style=flags.lr_decay_style, lr_warmup_iters=flags.lr_warmup_iters,
+                        lr_decay_style=flags.lr_decay_style, lr_decay_iters=flags.lr_decay_iters,
+                        lr_warmup_iters=flags.lr_warmup_iters,
+                        override_opt_param_scheduler=flags.override_opt_param_scheduler,
+                        use_checkpoint_opt_param_scheduler=flags.use_checkpoint_opt_param_scheduler,
+                        check_for_nan_in_loss_and_grad=flags.check_for_nan_in_loss_and_grad,
                         weight_decay=flags.weight_decay, clip_grad=flags.clip_grad, adam_beta1=flags.adam_beta1,
                         adam_beta2=flags.adam_beta2, bf16=flags.bf16, loss_reduction=flags.loss_reduction)
     log = LogConfig(log_interval=flags.log_interval, tensorboard_dir=flags.tensorboard_dir, json_log=flags.json_log,
                     eval_interval=flags.eval_interval, eval_iters=flags.eval_iters,
                     log_activation_memory=flags.log_activation_memory or flags.omnibal_recompute == "auto",
-                    log_expert_load=flags.log_expert_load)
+                    log_expert_load=flags.log_expert_load, eval_generate=flags.eval_generate,
+                    eval_generate_samples=flags.eval_generate_samples)
     checkpoint = CheckpointConfig(save=flags.save, save_interval=flags.save_interval,
-                                  keep_checkpoints=flags.keep_checkpoints, load=flags.load, ckpt_step=flags.ckpt_step)
+                                  keep_checkpoints=flags.keep_checkpoints, load=flags.load, ckpt_step=flags.ckpt_step,
+                                  force_save_lock=flags.force_save_lock)
     return RunConfig(model=model, parallel=parallel, data=data, balance=balance, optim=optim, log=log,
                      checkpoint=checkpoint)

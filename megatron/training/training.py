@@ -13,7 +13,7 @@ from megatron.core.utils import unwrap_model
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import (OptimizerConfig, ParamKey, ParamPredicate, get_megatron_optimizer,
                                      get_standard_config_overrides)
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from omnibal_ext.data.metrics import step_balance
@@ -28,18 +28,16 @@ from omnibal_ext.model.spec import PROJECTOR, TEXT_EMBED, VISION_EMBED, VISION_L
 
 from . import checkpointing
 from .interleaved import chunk_data, interleaved_peak, schedule_groups, sum_tied_grads
+from .eval_generate import GenerationEval
+from .finite_check import grad_buffers, local_flags, stop_if_nonfinite
 from .loss_reduction import prefetch, weight
+from .lr_schedule import ResumeRule, Schedule
 from .memory import ActivationMeter, one_f_one_b_peak, static_bytes
 from .moe_log import moe_log_of
 from .metrics import (BalanceMeans, DataWait, MetricGroups, MetricsLog, StepResult, batch_balance, reduce_reports,
                       step_metrics)
 from .config import OptimConfig
 from .run_plan import RunPlan
-
-
-def dtype_of(optim: OptimConfig) -> torch.dtype:
-    """The parameters' and activations' dtype: bf16 with --bf16, else fp32."""
-    return torch.bfloat16 if optim.bf16 else torch.float32
 
 
 def build_model(plan: RunPlan, img_context_id: int, device: torch.device):
@@ -49,7 +47,7 @@ def build_model(plan: RunPlan, img_context_id: int, device: torch.device):
     spec, tp, pp = plan.model_spec, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     layout, vpp, cp = plan.layout, parallel.virtual_pipeline_size, parallel.context_parallel_size
     on_cpu = device.type == "cpu"
-    dtype = dtype_of(plan.config.optim)
+    dtype = plan.config.optim.params_dtype
     rank = parallel_state.get_pipeline_model_parallel_rank()
     impl = resolve_layer_impl(model.transformer_impl, model.attention_backend, device, cp,
                               torch_layers_only=parallel.sequence_parallel or model.lora.on)
@@ -90,11 +88,19 @@ def finalize_grads(model, num_tokens=None, **kwargs):
     return finalize_model_grads(model, num_tokens, **kwargs)
 
 
+GROUP_TAGS = {"vision_lr": 2.0, "projector_lr": 3.0}  # the lr_mult of the groups of their own LR (lr_overrides)
+
+
 def lr_overrides(optim: OptimConfig, config: OptimizerConfig) -> dict:
     """megatron-core's param-group overrides: its standard ones (no weight decay on biases and norms) plus the
     peak (``max_lr``) and minimum (``min_lr``, scaled by the same ratio to --lr) of the ViT's (--vision-lr)
     and the projector's (--projector-lr) parameters, matched by the role the stage tags them with
-    (``vlm_role``). The scheduler applies its warm-up and decay to each group between its own min and max."""
+    (``vlm_role``). The scheduler applies its warm-up and decay to each group between its own min and max.
+
+    Such a group's ``lr_mult`` is its tag (``GROUP_TAGS``), not a multiplier: megatron-core 0.16 reads ``lr_mult``
+    only to match a checkpoint's parameter groups to this run's (with ``wd_mult``, ``is_expert_parallel`` and
+    ``is_decoupled_lr``); with megatron-core's default 1.0 the ViT's groups and the --lr groups matched each other
+    and a resume failed."""
     overrides = get_standard_config_overrides(config)
     for name, lr, roles in (("vision_lr", optim.vision_lr, (VISION_EMBED, VISION_LAYER)),
                             ("projector_lr", optim.projector_lr, (PROJECTOR,))):
@@ -102,7 +108,7 @@ def lr_overrides(optim: OptimConfig, config: OptimizerConfig) -> dict:
             continue
         min_lr = optim.min_lr * lr / optim.lr if optim.lr else optim.min_lr
         key = ParamKey(predicate=ParamPredicate(name=name, fn=lambda p, roles=roles: getattr(p, "vlm_role", None) in roles))
-        overrides[key] = {"max_lr": lr, "min_lr": min_lr}
+        overrides[key] = {"max_lr": lr, "min_lr": min_lr, "lr_mult": GROUP_TAGS[name]}
     return overrides
 
 
@@ -113,18 +119,15 @@ def build_optimizer(plan: RunPlan, model):
     config = OptimizerConfig(
         optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
         adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, clip_grad=optim.clip_grad,
-        bf16=optim.bf16, params_dtype=dtype_of(optim),
+        bf16=optim.bf16, params_dtype=optim.params_dtype,
         use_distributed_optimizer=plan.config.parallel.use_distributed_optimizer,
         overlap_param_gather=plan.overlap_param_gather)
     optimizer = get_megatron_optimizer(config, model, config_overrides=lr_overrides(optim, config))
-    gbs = optim.global_batch_size
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=optim.lr, min_lr=optim.min_lr,
-        lr_warmup_steps=min(optim.lr_warmup_iters, max(optim.train_iters - 1, 0)) * gbs,
-        lr_decay_steps=max(optim.train_iters, 1) * gbs,
-        lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
-        wd_incr_steps=max(optim.train_iters, 1) * gbs, wd_incr_style="constant")
-    return optimizer, scheduler
+    schedule = Schedule.from_flags(optim.lr, optim.min_lr, optim.lr_warmup_iters,
+                                   optim.lr_decay_iters or optim.train_iters, optim.lr_decay_style,
+                                   optim.weight_decay, optim.global_batch_size)
+    rule = ResumeRule.of(optim.override_opt_param_scheduler, optim.use_checkpoint_opt_param_scheduler)
+    return optimizer, schedule.scheduler(optimizer, rule)
 
 
 def sync_params(model) -> None:
@@ -216,12 +219,14 @@ class ForwardBackward(Protocol):
 @dataclass(frozen=True)
 class StepSetup:
     """What every step of a run uses: megatron-core's schedule (``forward_backward``, with the interleaved one's
-    groups), the activation meter (--log-activation-memory, else None), the metric groups and whether this rank
-    holds the last pipeline stage."""
+    groups), the activation meter (--log-activation-memory, else None), the metric groups, whether this rank
+    holds the last pipeline stage and whether each step checks its loss and gradients for NaN/Inf
+    (finite_check.py; --no-check-for-nan-in-loss-and-grad turns it off)."""
     forward_backward: ForwardBackward
     meter: ActivationMeter | None
     groups: MetricGroups
     is_last: bool
+    check_finite: bool
 
     @classmethod
     def build(cls, plan: RunPlan, model) -> "StepSetup":
@@ -235,7 +240,7 @@ class StepSetup:
         meter = ActivationMeter(torch.nn.ModuleList([unwrap_model(m) for m in model])) \
             if plan.config.log.log_activation_memory else None
         return cls(forward_backward, meter, MetricGroups.build(plan.config.parallel.timeout),
-                   parallel_state.is_pipeline_last_stage())
+                   parallel_state.is_pipeline_last_stage(), plan.config.optim.check_for_nan_in_loss_and_grad)
 
 
 def activation_peak(meter: ActivationMeter, chunks: int, pp: int) -> int:
@@ -273,13 +278,25 @@ def train_step(plan: RunPlan, setup: StepSetup, model, optimizer, scheduler, tra
         data_iterator=chunk_data(data_iterator, len(model)), model=model,
         num_microbatches=optim.num_microbatches, seq_length=plan.config.data.seq_length,
         micro_batch_size=optim.micro_batch_size, forward_only=False)
+    if setup.check_finite:  # before the step: megatron-core's grad norm is computed inside it (finite_check.py)
+        stop_if_nonfinite(iteration, *local_flags(reports, grad_buffers(model)), setup.groups.world_gloo)
+    learning_rate = applied_lr(optimizer)
     _, grad_norm, _ = optimizer.step()
     records = train_data.stop_recording()
     pp = plan.config.parallel.pipeline_model_parallel_size
     peak = activation_peak(setup.meter, len(model), pp) if setup.meter else 0
-    scheduler.step(increment=optim.global_batch_size)
-    return StepResult(reports=reports, grad_norm=None if grad_norm is None else float(grad_norm), records=records,
-                      data_wait_s=wait.seconds, elapsed_s=time.perf_counter() - start, act_peak_bytes=peak)
+    scheduler.step(increment=optim.global_batch_size)  # the next iteration's LR
+    return StepResult(reports=reports, grad_norm=None if grad_norm is None else float(grad_norm),
+                      learning_rate=learning_rate, records=records, data_wait_s=wait.seconds,
+                      elapsed_s=time.perf_counter() - start, act_peak_bytes=peak)
+
+
+def applied_lr(optimizer) -> float:
+    """The LR the next optimizer step applies to the --lr parameter groups (megatron-core's ``default_config``
+    groups; the first group when a rank holds none)."""
+    groups = optimizer.param_groups
+    lr = get_canonical_lr_for_logging(groups)
+    return float(groups[0]["lr"] if lr is None else lr)
 
 
 def due(interval: int | None, iteration: int, last: int) -> bool:
@@ -302,9 +319,16 @@ def train(plan: RunPlan, model, optimizer, scheduler, train_data, valid_data=Non
     optim, log_config, ckpt = plan.config.optim, plan.config.log, plan.config.checkpoint
     setup = StepSetup.build(plan, model)
     log = MetricsLog(log_config)
+    generation = None  # --eval-generate (megatron/training/eval_generate.py)
+    if log_config.eval_generate and valid_data is not None:
+        generation = GenerationEval.build(plan, model, valid_data, setup.groups.dp_gloo)
     moe_log = moe_log_of(plan, [unwrap_model(m) for m in model], next(model[0].parameters()).device)
     history, balance_means, peak_act = [], BalanceMeans(), 0
     iteration, saved = start_iteration, None
+    if start_iteration >= optim.train_iters and dist.get_rank() == 0:
+        print(f"> nothing to train: the run starts at iteration {start_iteration} and --train-iters is "
+              f"{optim.train_iters}" + (f" (the checkpoint is saved to --save {ckpt.save} as it is)" if ckpt.save
+                                        else ""), flush=True)
     while iteration < optim.train_iters:
         checkpointing.fault_point("train", iteration + 1)
         if moe_log:
@@ -312,8 +336,7 @@ def train(plan: RunPlan, model, optimizer, scheduler, train_data, valid_data=Non
         step = train_step(plan, setup, model, optimizer, scheduler, train_data, iteration + 1)
         iteration += 1
         peak_act = max(peak_act, step.act_peak_bytes)
-        metrics = step_metrics(step, setup.groups, consumed_samples, scheduler.get_lr(optimizer.param_groups[0]),
-                               setup.is_last)
+        metrics = step_metrics(step, setup.groups, consumed_samples, setup.is_last)
         consumed_samples = metrics["consumed samples"]
         balance = batch_balance(step.records, balance_fn, setup.groups.dp_gloo, sample_times) if balance_fn else {}
         balance_means.add(balance)
@@ -324,7 +347,11 @@ def train(plan: RunPlan, model, optimizer, scheduler, train_data, valid_data=Non
             log.log(iteration, optim.train_iters, metrics)
         if valid_data is not None and due(log_config.eval_interval, iteration, optim.train_iters):
             sync_params(model)
+            if generation is not None:
+                valid_data.start_recording()
             ev = evaluate(plan, model, valid_data, setup.forward_backward)
+            if generation is not None:
+                ev.update(generation.evaluate(valid_data.stop_recording()))
             if ev:
                 log.log(iteration, optim.train_iters, ev, prefix="validation ")
                 metrics.update({f"validation {k}": v for k, v in ev.items()})

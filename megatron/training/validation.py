@@ -2,6 +2,9 @@
 :func:`validate_flags` raises an ``ArgumentError`` naming the flag."""
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import math
 import os
 
 from omnibal_ext.errors import UserError
@@ -13,7 +16,7 @@ from omnibal_ext.plan import tp_problem
 
 from megatron.vlm.stage.components import runtime_family
 
-from .flags import MOE_FLAGS, ArgumentError, dest_of, given_flags
+from .flags import MOE_FLAGS, ArgumentError, build_parser, dest_of, given_flags
 from .specs import batch_sizes, data_parallel_size, media_overrides, model_spec_of, virtual_pipeline_size
 
 
@@ -68,7 +71,8 @@ _LOWER_BOUNDS = (
     ("--micro-batch-size", 1), ("--global-batch-size", 1), ("--train-iters", 0), ("--log-interval", 1),
     ("--eval-interval", 0), ("--eval-iters", 1), ("--save-interval", 0), ("--exit-interval", 0),
     ("--seq-length", 1), ("--max-num-tiles", 1), ("--min-num-tiles", 1), ("--num-workers", 0), ("--prefetch-factor", 1),
-    ("--lr", 0), ("--min-lr", 0), ("--lr-warmup-iters", 0),
+    ("--lr", 0), ("--min-lr", 0), ("--lr-warmup-iters", 0), ("--lr-decay-iters", 1), ("--weight-decay", 0),
+    ("--clip-grad", 0), ("--adam-beta1", 0), ("--adam-beta2", 0), ("--max-skipped-fraction", 0),
     ("--omnibal-isf-qv", 1), ("--omnibal-isf-qt", 1), ("--omnibal-isf-qv-min", 0), ("--omnibal-isf-qt-min", 0),
     ("--omnibal-isf-token-multiple", 1), ("--omnibal-isf-iters", 1), ("--omnibal-isf-vit-time", 0),
     ("--omnibal-isf-llm-time", 1), ("--omnibal-isf-vit-time-min", 0), ("--omnibal-isf-llm-time-min", 0),
@@ -84,8 +88,24 @@ def _flag_value(flags, flag: str):
     return getattr(flags, dest_of(flag))
 
 
+# (flag, bound it must stay below, or at most when the third entry is True)
+_UPPER_BOUNDS = (("--adam-beta1", 1, False), ("--adam-beta2", 1, False), ("--max-skipped-fraction", 1, True))
+
+
+def check_finite(flags, parser: argparse.ArgumentParser) -> None:
+    """Every float flag given is a finite number (argparse's ``float`` takes "nan" and "inf")."""
+    for action in parser._actions:
+        value = getattr(flags, action.dest, None)
+        if action.type is float and value is not None and not math.isfinite(value):
+            raise ArgumentError(f"{action.option_strings[0]} {value}: must be a finite number")
+
+
 def check_lower_bounds(flags) -> None:
-    """Every flag of ``_LOWER_BOUNDS`` that is given is at least its bound."""
+    """Every flag of ``_LOWER_BOUNDS`` that is given is at least its bound, and below its ``_UPPER_BOUNDS``."""
+    for flag, most, inclusive in _UPPER_BOUNDS:
+        value = _flag_value(flags, flag)
+        if value is not None and (value > most if inclusive else value >= most):
+            raise ArgumentError(f"{flag} {value}: must be {'<=' if inclusive else '<'} {most}")
     for flag, least in _LOWER_BOUNDS:
         value = _flag_value(flags, flag)
         if value is not None and value < least:
@@ -124,14 +144,45 @@ def check_isf_flags(flags) -> None:
             raise ArgumentError(f"{low_flag} {low} is above {cap_flag} {cap}: a lower bound must not exceed its cap")
 
 
+def check_schedule_flags(flags) -> None:
+    """The LR schedule's flags against each other (megatron-core's scheduler asserts them only after the data scan
+    and the model build) and the two resume flags, which contradict each other."""
+    if flags.lr < flags.min_lr:
+        raise ArgumentError(f"--lr {flags.lr} is below --min-lr {flags.min_lr}: the schedule decays from --lr to "
+                            f"--min-lr (give --min-lr {flags.lr} or less)")
+    if flags.override_opt_param_scheduler and flags.use_checkpoint_opt_param_scheduler:
+        raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each "
+                            "other: give one (this run's schedule flags, or the checkpoint's schedule)")
+    for flag, given in (("--override-opt_param-scheduler", flags.override_opt_param_scheduler),
+                        ("--use-checkpoint-opt_param-scheduler", flags.use_checkpoint_opt_param_scheduler)):
+        if given and not flags.load:
+            raise ArgumentError(f"{flag} needs --load (it says which LR schedule a resumed run follows)")
+
+
+def check_run_safety_flags(flags, parser: argparse.ArgumentParser) -> None:
+    """Flags that only act with another (refused alone rather than ignored), and --tensorboard-dir's package."""
+    if flags.force_save_lock and not flags.save:
+        raise ArgumentError("--force-save-lock needs --save (it takes over the --save folder's lock)")
+    if flags.max_skipped_fraction != parser.get_default("max_skipped_fraction") and not flags.skip_bad_samples:
+        raise ArgumentError("--max-skipped-fraction needs --skip-bad-samples (without it any bad record stops the run)")
+    if flags.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:  # torch.utils.tensorboard's
+        raise ArgumentError(f"--tensorboard-dir {flags.tensorboard_dir}: the tensorboard package is not installed "
+                            "(pip install -e '.[tensorboard]', or drop the flag)")
+
+
 def validate_flags(flags, world_size: int) -> None:
     """Check flags against each other and the world size; raise ArgumentError naming the flag."""
+    parser = build_parser()
+    check_finite(flags, parser)
     check_lower_bounds(flags)
     check_isf_flags(flags)
+    check_schedule_flags(flags)
+    check_run_safety_flags(flags, parser)
     tp, pp = flags.tensor_model_parallel_size, flags.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         raise ArgumentError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
     spec = model_spec_of(flags)
+    check_capabilities(flags, spec)  # first: a family's unit list refuses what it lacks (experts) less clearly
     n_units = len(build_units(spec))
     if pp > n_units:
         raise ArgumentError(
@@ -170,12 +221,14 @@ def validate_flags(flags, world_size: int) -> None:
         if hidden % heads and not (name == "--num-attention-heads" and lang.head_dim):
             raise ArgumentError(f"{name} {heads} does not divide the hidden size {hidden}")
     if tp_problem(spec, tp):  # the planner's rule: the LLM's heads and groups divide, the ViT's are padded
-        raise ArgumentError(f"--num-attention-heads {lang.num_attention_heads} (key/value groups {lang.kv_groups}) "
-                            f"is not divisible by --tensor-model-parallel-size {tp}")
+        flag, value, what = (("--num-attention-heads", lang.num_attention_heads, "LLM attention heads")
+                             if lang.num_attention_heads % tp else
+                             ("--num-query-groups", lang.kv_groups, "LLM key/value groups"))
+        raise ArgumentError(f"{flag} {value} ({what}) is not divisible by --tensor-model-parallel-size {tp}: "
+                            f"each TP rank needs a whole share of them")
     problem = family_of(spec).spec_problem(spec)
     if problem:
         raise ArgumentError(problem)
-    check_capabilities(flags, spec)
     check_moe(flags, spec, tp, pp, cp, dp)
     _, microbatches = batch_sizes(flags, dp)
     if vpp > 1:
@@ -191,6 +244,7 @@ def validate_flags(flags, world_size: int) -> None:
         raise ArgumentError("--omnibal-partition auto chooses the layout itself: drop --pipeline-layout")
     if flags.save_interval and not flags.save:
         raise ArgumentError("--save-interval needs --save")
+    check_eval_generate(flags, vpp)
     if not 0.0 <= flags.vision_drop_path_rate < 1.0:
         raise ArgumentError(f"--vision-drop-path-rate {flags.vision_drop_path_rate}: must be in [0, 1)")
     if flags.load and os.path.isfile(flags.load):
@@ -203,6 +257,25 @@ def validate_flags(flags, world_size: int) -> None:
     for flag, value in (("--vision-lr", flags.vision_lr), ("--projector-lr", flags.projector_lr)):
         if value is not None and value < 0:
             raise ArgumentError(f"{flag} {value}: must be >= 0")
+
+
+def check_eval_generate(flags, vpp: int) -> None:
+    """--eval-generate runs generation on the training stages: one per rank, whose attention keeps a KV cache."""
+    if flags.eval_generate_samples is not None and (flags.eval_generate_samples < 1 or not flags.eval_generate):
+        raise ArgumentError(f"--eval-generate-samples {flags.eval_generate_samples}: must be >= 1, with --eval-generate")
+    if not flags.eval_generate:
+        return
+    if not flags.eval_interval:
+        raise ArgumentError("--eval-generate runs at each evaluation: give --eval-interval > 0")
+    refused = [(flags.context_parallel_size > 1, f"--context-parallel-size {flags.context_parallel_size}"),
+               (vpp > 1, "an interleaved pipeline (several model chunks per rank)"),
+               (flags.transformer_impl == "transformer_engine", "--transformer-impl transformer_engine"),
+               (flags.attention_backend == "unfused", "--attention-backend unfused")]
+    for bad, what in refused:
+        if bad:
+            raise ArgumentError(f"--eval-generate with {what}: generation runs one stage per pipeline rank, its "
+                                "attention megatron-core's torch layers with the packed-sequence attention (the one "
+                                "that keeps a KV cache)")
 
 
 # ``Capabilities`` field -> (flag, whether the flags ask for it): a family that does not declare the field refuses

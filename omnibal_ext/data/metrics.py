@@ -168,3 +168,31 @@ def time_metrics(steps: np.ndarray, group_vit_time: np.ndarray, group_llm_time: 
         "fill_vit_time": fill(vt, vit_cap if vit_cap is not None else (vt.max() if vt.size else 0)),
         "fill_llm_time": fill(lt, llm_cap if llm_cap is not None else (lt.max() if lt.size else 0)),
     }
+
+
+def random_rebatch_balance(
+    tokens: Sequence[Sequence[Sequence[int]]],
+    tiles: Sequence[Sequence[Sequence[int]]],
+    rng: np.random.Generator,
+) -> dict:
+    """What Megatron's default batching would have given on the samples of ONE training step.
+
+    ``tokens[r][j]`` lists the LLM tokens of the samples that data-parallel rank r trained in its micro-batch j,
+    ``tiles[r][j]`` their ViT tiles.  All the step's samples are shuffled (``rng``) and dealt into the same number of
+    micro-batches per rank (round-robin: sizes differ by one at most), each padded to its longest sample; returns
+    ``step_balance``'s keys (padded), averaged over the micro-batch index as the trainer's log averages them."""
+    ranks = len(tokens)
+    micro = len(tokens[0]) if ranks else 0
+    pool_t = np.array([t for rank in tokens for mb in rank for t in mb], dtype=np.int64)
+    pool_v = np.array([v for rank in tiles for mb in rank for v in mb], dtype=np.int64)
+    if ranks == 0 or micro == 0 or pool_t.size == 0:
+        return {}
+    if pool_t.size != pool_v.size:
+        raise ValueError(f"random_rebatch_balance: {pool_t.size} samples of tokens but {pool_v.size} of tiles")
+    order = rng.permutation(pool_t.size)
+    slots = ranks * micro  # slot s = micro-batch s // ranks of rank s % ranks
+    per_step = []
+    for j in range(micro):
+        picks = [order[(j * ranks + r)::slots] for r in range(ranks)]
+        per_step.append(step_balance([pool_t[p].tolist() for p in picks], [pool_v[p].tolist() for p in picks]))
+    return {k: sum(s[k] for s in per_step) / micro for k in per_step[0]}

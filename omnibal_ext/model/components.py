@@ -1,6 +1,6 @@
 """The planning side of a unit kind: what one unit costs for one micro-batch, on one TP rank.
 
-A family (``omnibal_ext.model.families``) gives each kind of unit it has one ``CostComponent``; the cost
+Each kind of unit (``omnibal_ext.model.unit_kind.UnitKind``) names one ``CostComponent`` class; the cost
 model, memory model, partition search and simulator read units only through them. The GPT decoder's
 components (LLM embedding, layer, head) are shared here, since every family's LLM is one; the ViT's and
 the projector's belong to their family.
@@ -19,10 +19,14 @@ scattered (its backward all-gathers).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import UserError
 from .shape import MicroBatchShape
-from .spec import HEAD, TEXT_EMBED, TEXT_LAYER, LanguageSpec, ModelSpec
+from .spec import LanguageSpec, ModelSpec
+
+if TYPE_CHECKING:  # a kind declares its cost class (unit_kind imports this module)
+    from .unit_kind import UnitKind
 
 
 @dataclass(frozen=True)
@@ -67,20 +71,29 @@ def norm_bytes_per_token(hidden: int, dtype_bytes: int, norm: str, kernels: Laye
 
 
 class CostComponent:
-    """One kind of unit of a model, bound to its ``ModelSpec``.
+    """What one unit of a kind costs, bound to its ``ModelSpec`` and to its ``UnitKind`` (``UnitKind.cost_of``).
 
-    kind: the family's name for it (a profile's and a report's ``kind``); code: its role, the layout
-    letter (``spec.ROLES``); efficiency: the fraction of the device's peak matmul rate it reaches in the
-    analytic model; memory_bound: timed by ``mem_bytes`` over the memory bandwidth (it has no FLOPs).
+    efficiency: the fraction of the device's peak matmul rate it reaches in the analytic model; memory_bound: timed by
+    ``mem_bytes`` over the memory bandwidth (it has no FLOPs). Its ``kind`` (name) and ``code`` (role, the layout
+    letter) are its ``UnitKind``'s.
     """
 
-    kind: str = ""
-    code: str = ""
     efficiency: float = 0.5
     memory_bound: bool = False
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, unit_kind: UnitKind):
         self.spec = spec
+        self.unit_kind = unit_kind
+
+    @property
+    def kind(self) -> str:
+        """The kind's name (a profile's and a report's ``kind``)."""
+        return self.unit_kind.name
+
+    @property
+    def code(self) -> str:
+        """The kind's role (the layout letter)."""
+        return self.unit_kind.role
 
     def flops(self, shape: MicroBatchShape, tp: int) -> tuple[float, float]:
         """(total, attention-core) forward FLOPs over the micro-batch, all TP ranks."""
@@ -114,6 +127,11 @@ class CostComponent:
                            tp: int = 1) -> tuple[float, float]:
         """(forward, backward) bytes the unit all-reduces over its TP group (of ``tp`` ranks) per micro-batch
         (with sequence parallelism: all-reduce-equivalent bytes, an all-gather or reduce-scatter counting half)."""
+        return 0.0, 0.0
+
+    def decode_cache(self, batch: int, context: float, tp: int, dtype_bytes: int) -> tuple[float, float]:
+        """(FLOPs over all TP ranks, bytes per TP rank) one generation decode step of ``batch`` sequences spends on the
+        unit's cache of ``context`` tokens per sequence (``omnibal_ext.model.decode_cost``); 0 for units without one."""
         return 0.0, 0.0
 
     # Expert parallelism (``omnibal_ext.model.moe_cost``): only MoE layers override these.
@@ -234,7 +252,7 @@ def llm_layer_flops(spec: ModelSpec, shape: MicroBatchShape) -> tuple[float, flo
 class TextEmbedCost(CostComponent):
     """Vocabulary-parallel token embedding: a gather, timed as ``2*T*h*D`` bytes of memory traffic."""
 
-    kind, code, memory_bound = "llm_embed", TEXT_EMBED, True
+    memory_bound = True
 
     def flops(self, shape, tp):
         return 0.0, 0.0
@@ -272,8 +290,6 @@ def rotary_table_bytes(lm: LanguageSpec, shape, tokens: float) -> float:
 
 class TextLayerCost(CostComponent):
     """One GPT decoder layer over the packed micro-batch (causal attention within each sample)."""
-
-    kind, code = "llm_layer", TEXT_LAYER
 
     def flops(self, shape, tp):
         return llm_layer_flops(self.spec, shape)
@@ -322,11 +338,17 @@ class TextLayerCost(CostComponent):
         llm = shape.rank_llm_tokens * self.spec.language.hidden_size * shape.dtype_bytes
         return 2 * llm, 2 * llm  # with sequence parallelism 2 all-gathers + 2 reduce-scatters: the same bytes
 
+    def decode_cache(self, batch, context, tp, dtype_bytes):
+        """Each new token's query attends to ``context`` cached keys and values (``4 * width * context`` FLOPs),
+        which are read: ``2 * groups * head dim * context`` elements per sequence, split over TP."""
+        lm = self.spec.language
+        width = lm.num_attention_heads * lm.kv_channels
+        return (4.0 * width * context * batch,
+                batch * context * 2.0 * lm.kv_groups * lm.kv_channels * dtype_bytes / tp)
+
 
 class HeadCost(CostComponent):
     """Final norm, vocabulary-parallel output layer and cross entropy."""
-
-    kind, code = "llm_head", HEAD
 
     def flops(self, shape, tp):
         lm = self.spec.language

@@ -1,9 +1,11 @@
 """Model families: the ``Family`` every planner reads (the protocol), and the one registry of families.
 
-A family is ONE registered ``Family``: its name, its ViT spec class, the cost component of each kind of unit it has,
-its ordered unit list, its presets and capabilities (all tensor-free: the planners read them without torch), and
-``runtime``, where its run-time side lives (``"module:attribute"``, imported only when the trainer, the profiler or
-the Hugging Face converter asks for it: ``Family.load_runtime``). Everything a built-in family is lives in one folder,
+A family is ONE registered ``Family``: its name, its ViT spec class, its kinds of unit (``UnitKind``: each kind's
+cost, run-time component, micro-batch parts and Hugging Face mapping in one declaration), its ordered unit list, its
+presets and capabilities (all tensor-free: the planners read them without torch), and ``runtime``, where the rest of
+its run-time side lives (``"module:attribute"``: the ViT's config, its data and Hugging Face sides), imported only
+when the trainer, the profiler or the Hugging Face converter asks for it (``Family.load_runtime``). Its hooks are
+methods of its own ``Family`` subclass. Everything a built-in family is lives in one folder,
 ``megatron/vlm/families/<name>/``, whose ``__init__`` registers it; this module names no family and imports no
 trainer code.
 
@@ -13,17 +15,19 @@ a worker pool running the trainer's ``main`` with ``--family-module`` more than 
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
-import importlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Protocol
+
+import numpy as np
 
 from ..errors import UserError
-from .components import CostComponent
 from .lora import TARGETS
 from .moe import first_layers
 from .spec import LanguageSpec, ModelSpec, SideTensor
+from .unit_kind import UnitEntry, UnitKind, resolve
 
 
 @dataclass(frozen=True)
@@ -59,56 +63,103 @@ def fewer_layers(spec: ModelSpec, vision_layers: int, llm_layers: int) -> ModelS
                                                      moe=first_layers(spec.language.moe, llm_layers)))
 
 
+class PatchVision(Protocol):
+    """The ViT spec (``ModelSpec.vision``) of a family whose ViT's work is counted in patches (``Family.vision_item``
+    "patch": images at native resolution, so an item's attention cost varies with its image)."""
+
+    def segments_sq(self, rows, cols) -> tuple[np.ndarray, np.ndarray]:
+        """(full-attention, window) sums of squared attention-segment lengths (patches^2) of images of ``rows x
+        cols`` patches (arrays, one entry per image): what ``MicroBatchShape.vision_attn_tokens_sq`` and
+        ``vision_window_tokens_sq`` add per image."""
+
+
+VISION_ITEMS = ("tile", "patch")  # what a ViT's work is counted in: fixed-size tiles, or patches (PatchVision)
+
+
 @dataclass(frozen=True)
-class Family:
-    """name: ``ModelSpec.family``; vision_spec: the dataclass of ``ModelSpec.vision``; components: one
-    ``CostComponent`` class per kind of unit; unit_list(spec): (global name, component class, layer
-    number or None) in pipeline order, roles in the order I v* P E t* L; vision_item: what the ViT's
-    work is counted in (``MicroBatchShape.vision_items``, ISF's Qv); presets: published sizes by name;
-    segments_sq(spec, rows, cols): for ViTs whose items vary in size, the (full-attention, window) sums of squared
-    attention-segment lengths of images of ``rows x cols`` patches (``MicroBatchShape.vision_attn_tokens_sq``,
-    ``vision_window_tokens_sq``), None where an item's attention is fixed (fixed-size tiles).
-    spec_problem(spec): what makes a ModelSpec of the family unbuildable (a message naming the flag), or None.
-    side_tensors(spec): the tensors its units hand to later units beside the hidden states (``SideTensor``:
-    DeepStack features), () for most families; only those whose producer and consumers ``spec`` has (the trainer's
-    profiler runs a model of few layers: ``megatron.training.profiling.profile_units``). capabilities: what it
-    implements beyond the plain model (``Capabilities``: drop path, CP, SP, LoRA targets, image flags, video, MoE),
-    checked when flags are parsed. default_preset: the name of the preset a run without ``--model`` trains
-    (``default_model``); the registered families give one name between them. language_spec: the LanguageSpec
-    (sub)class of its LLM (a hybrid decoder's extra fields: its layer kinds). few_layers(spec, vision_layers,
-    llm_layers): the model of ``spec``'s first ``vision_layers`` ViT and (at least) ``llm_layers`` LLM layers, what
-    the trainer's profiler builds (default: ``spec`` at those depths; a family with side tensors also keeps the indexes
-    those layers hold). runtime: where its run-time side lives, ``"module:attribute"`` of a
-    ``megatron.vlm.stage.components.FamilyRuntime`` (modules, data side, Hugging Face side), imported by
-    ``load_runtime`` only (the planner path stays free of torch); "" for a family that only plans."""
+class Family(abc.ABC):
+    """One model family: the object every planner reads and the one the registry holds. Its data are fields; its
+    hooks are methods, which a family overrides in a subclass of its own (``unit_list`` it must give; the others
+    have defaults), so that each says its signature, its units and its default in one place.
+
+    name: ``ModelSpec.family``; kinds: every kind of unit its models have (``UnitKind``: each kind's cost, run-time
+    component, micro-batch parts and Hugging Face mapping; names distinct), which ``unit_list`` places; vision_spec: the
+    dataclass of ``ModelSpec.vision`` (a ``PatchVision`` where ``vision_item`` is "patch"); vision_item: what the
+    ViT's work is counted in (``MicroBatchShape.vision_items``, ISF's Qv): "tile" (fixed-size tiles: every item costs
+    alike) or "patch" (native resolution: ``native_resolution``); presets: published sizes by name; capabilities:
+    what it implements beyond the plain model (``Capabilities``: drop path, CP, SP, LoRA targets, image flags, video,
+    MoE), checked when flags are parsed; default_preset: the name of the preset a run without ``--model`` trains
+    (``default_model``; the registered families give one name between them); language_spec: the ``LanguageSpec``
+    (sub)class of ``ModelSpec.language`` (a hybrid decoder's extra fields: its layer kinds); runtime: where the rest
+    of its run-time side lives, ``"module:attribute"`` of a ``megatron.vlm.stage.components.FamilyRuntime`` (the
+    ViT's config, the data side, the Hugging Face side), imported by ``load_runtime`` only (the planner path stays
+    free of torch); "" for a family that only plans."""
 
     name: str
     vision_spec: type
-    components: tuple[type[CostComponent], ...]
-    unit_list: Callable[[ModelSpec], list[tuple[str, type[CostComponent], int | None]]]
+    kinds: tuple[UnitKind, ...]
     vision_item: str
     presets: dict[str, ModelSpec] = field(default_factory=dict)
-    segments_sq: Callable | None = None
-    spec_problem: Callable[[ModelSpec], str | None] = lambda spec: None  # noqa: E731
-    side_tensors: Callable[[ModelSpec], tuple[SideTensor, ...]] = lambda spec: ()  # noqa: E731
     capabilities: Capabilities = Capabilities()
     default_preset: str | None = None
-    language_spec: type = LanguageSpec  # the dataclass of ``ModelSpec.language`` (a LanguageSpec subclass)
-    few_layers: Callable[[ModelSpec, int, int], ModelSpec] = fewer_layers
+    language_spec: type = LanguageSpec
     runtime: str = ""
+
+    def __post_init__(self):
+        names = [getattr(k, "name", k) for k in self.kinds]
+        if not all(isinstance(k, UnitKind) for k in self.kinds) or len(set(names)) != len(names):
+            raise TypeError(f"family {self.name!r}: kinds must be UnitKinds of distinct names, got {names}")
+        if self.vision_item not in VISION_ITEMS:
+            raise TypeError(f"family {self.name!r}: vision_item must be one of {VISION_ITEMS}, got "
+                            f"{self.vision_item!r}")
+        if self.native_resolution and not callable(getattr(self.vision_spec, "segments_sq", None)):
+            raise TypeError(f"family {self.name!r}: its ViT counts patches, so its vision spec "
+                            f"{self.vision_spec.__name__} must give segments_sq(rows, cols) (PatchVision)")
+
+    # hooks ---------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def unit_list(self, spec: ModelSpec) -> list[UnitEntry]:
+        """(global name, kind, layer number or None) of each unit of ``spec`` in pipeline order, roles in the order
+        I v* P E t* L, each kind one of ``kinds``; the global names are the checkpoint keys' and the profiles'
+        (``vit.embed``, ``vit.layer.<i>``, ``projector``, ``llm.embed``, ``llm.layer.<i>``, ``llm.head``)."""
+
+    def spec_problem(self, spec: ModelSpec) -> str | None:
+        """What makes a ModelSpec of the family unbuildable (a message naming the flag or config key), or None."""
+        return None
+
+    def side_tensors(self, spec: ModelSpec) -> tuple[SideTensor, ...]:
+        """The tensors ``spec``'s units hand to later units beside the hidden states (``SideTensor``: DeepStack
+        features); only those whose producer and consumers ``spec`` has (the trainer's profiler runs a model of few
+        layers: ``megatron.training.profiling.profile_units``). Default: none."""
+        return ()
+
+    def few_layers(self, spec: ModelSpec, vision_layers: int, llm_layers: int) -> ModelSpec:
+        """The model of ``spec``'s first ``vision_layers`` ViT and (at least) ``llm_layers`` LLM layers: what the
+        trainer's profiler builds. Default: ``spec`` at those depths (``fewer_layers``); a family with side tensors
+        also keeps the indexes those layers hold, a hybrid decoder a layer of each kind."""
+        return fewer_layers(spec, vision_layers, llm_layers)
+
+    # derived -------------------------------------------------------------------------------------
+    def kind(self, name: str) -> UnitKind:
+        """Its kind of unit called ``name`` (``Unit.kind``)."""
+        for kind in self.kinds:
+            if kind.name == name:
+                return kind
+        raise KeyError(f"family {self.name!r} has no unit kind {name!r} (its kinds: "
+                       f"{', '.join(k.name for k in self.kinds)})")
+
+    @property
+    def native_resolution(self) -> bool:
+        """Its ViT's items are patches whose cost varies with their image (``vision_item`` "patch"): an image's
+        attention segments come from its patch grid (``spec.vision.segments_sq``, ``PatchVision``)."""
+        return self.vision_item == "patch"
 
     def load_runtime(self) -> Any:
         """The family's run-time side (the object ``runtime`` names, ``"module:attribute"``), imported on first use
         (the planners never call this: the runtime imports torch)."""
         if not self.runtime:
             raise UserError(f"model family {self.name!r} has no run-time side (Family.runtime is empty)")
-        return _load(self.runtime)
-
-
-def _load(ref: str) -> Any:
-    """The attribute ``ref`` (``"module:attribute"``) names, its module imported by name."""
-    module, _, attribute = ref.partition(":")
-    return getattr(importlib.import_module(module), attribute)
+        return resolve(self.runtime)
 
 
 FAMILIES: dict[str, Family] = {}  # name -> Family; filled by ``register`` only

@@ -49,6 +49,7 @@ from .components import ActBytes, FUSED_KERNELS, TextLayerCost, sp_tokens
 from .moe import DENSE_GRID, ExpertGrid, MoESpec
 from .shape import MicroBatchShape
 from .spec import ModelSpec
+from .unit_kind import UnitEntry, UnitKind
 
 GPUS_PER_NODE = 8  # GPUs per node of the device presets (DGX / HGX A100, H100, H200)
 
@@ -153,16 +154,14 @@ def alltoall_seconds(nbytes: float, grid: ExpertGrid, device) -> float:
 class MoELayerCost(TextLayerCost):
     """One GPT decoder layer whose MLP is a mixture of experts (``spec.language.moe``), under ``run``."""
 
-    kind = "llm_moe_layer"
-
-    def __init__(self, spec: ModelSpec, run: ExpertRun = MEAN_RUN):
+    def __init__(self, spec: ModelSpec, unit_kind: UnitKind, run: ExpertRun = MEAN_RUN):
         if spec.language.moe is None:
             raise UserError(f"model {spec.name!r}: an MoE layer needs LanguageSpec.moe")
-        super().__init__(spec)
+        super().__init__(spec, unit_kind)
         self.run = run
 
     def with_experts(self, run):
-        return MoELayerCost(self.spec, run)
+        return type(self)(self.spec, self.unit_kind, run)
 
     def _dense_mlp_flops(self, tokens: float) -> float:
         lm = self.spec.language
@@ -219,10 +218,15 @@ class MoELayerCost(TextLayerCost):
         return sent, sent
 
 
-def llm_layer_units(spec: ModelSpec, dense=TextLayerCost) -> list[tuple[str, type, int]]:
-    """The decoder's layer units (name, component, layer): MoE layers as ``MoELayerCost``, the others ``dense``."""
+def llm_layer_units(spec: ModelSpec, dense: UnitKind, moe: UnitKind | None = None) -> list[UnitEntry]:
+    """The decoder's layer units (name, kind, layer): the layers ``LanguageSpec.moe`` makes MoE of kind ``moe`` (its
+    cost a ``MoELayerCost``), the others ``dense``. ``moe`` None: the family has no MoE layers, and a model with
+    experts is refused."""
     lm = spec.language
-    return [(f"llm.layer.{i}", MoELayerCost if lm.is_moe_layer(i) else dense, i) for i in range(lm.num_layers)]
+    if lm.moe is not None and moe is None:
+        raise UserError(f"model {spec.name!r}: model family {spec.family} has no mixture-of-experts layers "
+                        "(--num-experts)")
+    return [(f"llm.layer.{i}", moe if lm.is_moe_layer(i) else dense, i) for i in range(lm.num_layers)]
 
 
 def run_for(moe: MoESpec | None, grid: ExpertGrid, imbalance: float | None) -> ExpertRun:

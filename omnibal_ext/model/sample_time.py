@@ -12,7 +12,8 @@ Videos (``SampleStats.videos``) count as the models attend them: a native-resolu
 patch of a video as one image (its ``cu_seqlens`` repeat ``h x w`` patches ``t`` times: full attention quadratic per
 temporal patch, not per video; windowed layers tile each temporal slice), so a video of ``t`` temporal patches of
 ``rows x cols`` patches adds ``t`` times an image's segment sums of that grid (``video_segments_sq``).  Frames as
-tiles are tiles: a family without ``segments_sq`` counts them as it counts image tiles.
+tiles are tiles: a family of fixed-size items (``Family.native_resolution`` False) counts them as it counts image
+tiles.
 """
 from __future__ import annotations
 
@@ -87,18 +88,18 @@ class SampleWork:
 
 def sample_work(stats: SampleStats, spec: ModelSpec, grids=None) -> SampleWork:
     """Each sample's work for ``spec``'s family: ViT items in its unit (``Family.vision_item``), the squared
-    segment sums of its images (``Family.segments_sq``, from each image's patch grid; zero for families whose
-    items are fixed-size) and its tokens.  grids: (rows, cols) int arrays, the patch grid of each image of
-    ``stats.images`` when the data side knows it (the trainer's scan), else recovered by ``patch_grid``."""
+    segment sums of its images (``spec.vision.segments_sq`` of each image's patch grid, ``PatchVision``; zero for
+    families whose items are fixed-size) and its tokens.  grids: (rows, cols) int arrays, the patch grid of each
+    image of ``stats.images`` when the data side knows it (the trainer's scan), else recovered by ``patch_grid``."""
     family = family_of(spec)
     items = stats.vision_items(family.vision_item).astype(np.float64)
     full = window = np.zeros(len(stats))
-    if family.segments_sq is not None and stats.images is not None and len(stats.images.patches):
+    if family.native_resolution and stats.images is not None and len(stats.images.patches):
         im = stats.images
         rows, cols = grids if grids is not None else patch_grid(im.height, im.width, im.patches)
-        f, w = family.segments_sq(spec, rows, cols)
+        f, w = spec.vision.segments_sq(rows, cols)
         full, window = im.per_sample(f), im.per_sample(w)
-    if family.segments_sq is not None and stats.videos is not None and len(stats.videos.patches):
+    if family.native_resolution and stats.videos is not None and len(stats.videos.patches):
         f, w = video_segments_sq(stats, spec)
         full, window = full + stats.videos.per_sample(f), window + stats.videos.per_sample(w)
     tokens = stats.tokens.astype(np.float64)
@@ -107,11 +108,11 @@ def sample_work(stats: SampleStats, spec: ModelSpec, grids=None) -> SampleWork:
 
 def video_segments_sq(stats: SampleStats, spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
     """(full-attention, window) sums of squared segment lengths (patches^2) of each video of ``stats.videos``:
-    ``temporal`` segments of one temporal patch each (module docstring), each the family's ``segments_sq`` of the
+    ``temporal`` segments of one temporal patch each (module docstring), each the ViT's ``segments_sq`` of the
     ``rows x cols`` grid ``patch_grid`` recovers from the frame size and the patches per temporal patch."""
     v = stats.videos
     rows, cols = patch_grid(v.height, v.width, v.patches_per_segment)
-    f, w = family_of(spec).segments_sq(spec, rows, cols)
+    f, w = spec.vision.segments_sq(rows, cols)
     return v.temporal * f, v.temporal * w
 
 
@@ -152,12 +153,12 @@ def isf_sample_times(stats: SampleStats, spec: ModelSpec, device: DeviceSpec, tp
                      work: SampleWork | None = None) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]] | None:
     """What ISF in time groups ``stats`` by: (ViT items int64 (n,) in the family's unit, (ViT, LLM) predicted time
     int64 (n,) each in ``TIME_UNIT_S``, ``sample_time_units`` of ``spec`` on ``device`` at TP ``tp``), or None for a
-    family whose ViT items cost alike (``Family.segments_sq`` None: grouped by counts).  The stats' tokens are what
-    ISF counts (padded under CP).  The one per-sample time model of the trainer and of ``omnibal plan``.
+    family whose ViT items cost alike (``Family.native_resolution`` False: grouped by counts).  The stats' tokens are
+    what ISF counts (padded under CP).  The one per-sample time model of the trainer and of ``omnibal plan``.
     work: the stats' ``sample_work`` when the caller holds it (it does not depend on TP; a planner trying several TPs
     computes it once), else computed from the stats and ``grids``."""
     family = family_of(spec)
-    if family.segments_sq is None:
+    if not family.native_resolution:
         return None
     if work is None:
         work = sample_work(stats, spec, grids)
@@ -186,14 +187,14 @@ def vision_segments(stats: SampleStats, spec: ModelSpec) -> VisionSegments | Non
     """The data's ViT segments per item (``VisionSegments``), or None for a family with fixed-size items."""
     has_images = stats.images is not None and len(stats.images.patches)
     has_videos = stats.videos is not None and len(stats.videos.patches)
-    if family_of(spec).segments_sq is None or not (has_images or has_videos):
+    if not family_of(spec).native_resolution or not (has_images or has_videos):
         return None
     work = sample_work(stats, spec)
     ratios_full, ratios_window = [np.zeros(0)], [np.zeros(0)]  # per image or video: squared sums per ViT item
     if has_images:
         im = stats.images
         rows, cols = patch_grid(im.height, im.width, im.patches)
-        full, window = family_of(spec).segments_sq(spec, rows, cols)
+        full, window = spec.vision.segments_sq(rows, cols)
         ratios_full.append(full / im.patches)
         ratios_window.append(window / im.patches)
     if has_videos:
@@ -212,14 +213,14 @@ def _cached_coefficients(spec: ModelSpec, device: DeviceSpec, tp: int) -> TimeCo
 
 def grid_vit_time_units(spec: ModelSpec, grids, device: DeviceSpec | None = None, tp: int = 1) -> np.ndarray:
     """Predicted ViT-side time (``TIME_UNIT_S`` units, int64 (k,)) of each image or video of ``grids`` (``grid_thw``
-    rows ``(t, rows, cols)`` in patches) for a family with ``segments_sq``: ``t`` segments of ``rows x cols`` patches
-    (one per temporal patch, module docstring); what CP balances whole images and videos by.  device: the cost
-    model's (default ``ISF_TIME_DEVICE``)."""
+    rows ``(t, rows, cols)`` in patches) for a family of native resolution (``spec.vision.segments_sq``): ``t``
+    segments of ``rows x cols`` patches (one per temporal patch, module docstring); what CP balances whole images and
+    videos by.  device: the cost model's (default ``ISF_TIME_DEVICE``)."""
     g = np.asarray(grids, dtype=np.int64).reshape(-1, 3)
     if not len(g):
         return np.zeros(0, dtype=np.int64)
     c = _cached_coefficients(spec, device or get_device(ISF_TIME_DEVICE), tp)
     t, rows, cols = (g[:, j].astype(np.float64) for j in range(3))
-    full, window = family_of(spec).segments_sq(spec, rows, cols)
+    full, window = spec.vision.segments_sq(rows, cols)
     seconds = c.vit_item * t * rows * cols + c.vit_full_sq * t * full + c.vit_window_sq * t * window
     return np.round(seconds / TIME_UNIT_S).astype(np.int64)

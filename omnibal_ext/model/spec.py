@@ -3,7 +3,7 @@ list, the language-model (GPT decoder) spec and the whole model's spec.
 
 A family (``omnibal_ext.model.families``) says which units its model has, in pipeline order, and what
 each costs; shared code speaks of units only through their role (the layout letter) and their
-family's components, never through a family's kind names.
+kinds' costs (``unit_kind.UnitKind``), never through a family's kind names.
 """
 from __future__ import annotations
 

@@ -21,27 +21,40 @@ from ..errors import UserError
 from .components import CostComponent
 from .families import FAMILIES, PRESETS, Family, default_model, family_of  # noqa: F401  (the registry; callers take it from here)
 from .spec import ROLES, LanguageSpec, ModelSpec, Unit
+from .unit_kind import UnitEntry
 
 
 def build_units(spec: ModelSpec) -> list[Unit]:
     """The ordered unit list of ``spec``."""
-    return [Unit(name, component.kind, i, component.code, layer)
-            for i, (name, component, layer) in enumerate(family_of(spec).unit_list(spec))]
+    return [Unit(name, kind.name, i, kind.role, layer) for i, (name, kind, layer) in enumerate(_unit_list(spec))]
 
 
 def unit_components(spec: ModelSpec) -> list[CostComponent]:
     """The cost component of every unit of ``build_units(spec)``, bound to ``spec`` (one per kind)."""
-    bound: dict[type, CostComponent] = {}
-    return [bound.setdefault(component, component(spec)) for _, component, _ in family_of(spec).unit_list(spec)]
+    kinds = [kind for _, kind, _ in _unit_list(spec)]
+    bound = {kind: kind.cost_of(spec) for kind in dict.fromkeys(kinds)}
+    return [bound[kind] for kind in kinds]
+
+
+def _unit_list(spec: ModelSpec) -> list[UnitEntry]:
+    """``spec``'s family's unit list, each kind checked to be one of the family's (a TypeError: a bug of the family)."""
+    family = family_of(spec)
+    entries = family.unit_list(spec)
+    declared = {kind.name: kind for kind in family.kinds}
+    for name, kind, _ in entries:
+        if declared.get(getattr(kind, "name", None)) != kind:
+            raise TypeError(f"family {family.name!r}: unit {name!r} is of kind {getattr(kind, 'name', kind)!r}, "
+                            "which is not one of the family's kinds (Family.kinds)")
+    return entries
 
 
 def role_of_kind(kind: str) -> str:
-    """The role (layout letter) of a component kind of any registered family (profiles and cost tables
-    written before units carried their role name only the kind)."""
+    """The role (layout letter) of a unit kind of any registered family (profiles and cost tables written before
+    units carried their role name only the kind)."""
     for family in FAMILIES.values():
-        for component in family.components:
-            if component.kind == kind:
-                return component.code
+        for declared in family.kinds:
+            if declared.name == kind:
+                return declared.role
     raise UserError(f"unit kind {kind!r} belongs to no known family ({', '.join(FAMILIES)})")
 
 

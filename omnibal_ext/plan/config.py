@@ -80,6 +80,10 @@ class PlanConfig:
     # (EP, the busiest EP rank's routed tokens over the mean) measured on the training data by ``omnibal profile``
     # (``--moe-profile``: ``omnibal_ext.model.expert_load``), what an unset moe_imbalance takes at each EP tried
     measured_imbalance: tuple[tuple[int, float], ...] = ()
+    # serving (``omnibal_ext.model.decode_cost``): the decode batches (sequences in flight) and cached tokens per
+    # sequence (None: the data's mean sample tokens) the report's tokens/s are predicted at, per layout
+    serve_batches: tuple[int, ...] = (1, 32)
+    serve_context: int | None = None
 
     def imbalance_at(self, ep: int) -> float | None:
         """The expert load the plan prices at EP ``ep``: ``moe_imbalance``, else the measured one there, else None."""
@@ -123,6 +127,10 @@ def check_request(config: PlanConfig, stats: SampleStats) -> None:
         raise PlanError(f"--gpu-memory must be > 0, got {config.gpu_memory_bytes / GIB:g} GiB")
     if not 0 <= config.memory_reserve < 1:
         raise PlanError(f"memory_reserve must be in [0, 1), got {config.memory_reserve}")
+    if not config.serve_batches or any(b < 1 for b in config.serve_batches):
+        raise PlanError(f"--serve-batch must be batches >= 1, got {list(config.serve_batches)}")
+    if config.serve_context is not None and config.serve_context < 0:
+        raise PlanError(f"--serve-context must be >= 0 tokens, got {config.serve_context}")
     k = config.samples_per_group
     if k < 1 or int(k) != k:
         raise PlanError(f"--samples-per-group must be a positive integer (the trainer's --micro-batch-size), "

@@ -12,7 +12,7 @@ Context parallelism (``cp`` > 1): the trainer pads every sample of a micro-batch
 search and grouping count the padded tokens too (``SearchConfig.token_multiple``): Qt caps CP x a rank's tokens,
 Qv the tiles of the micro-batch.
 
-Native resolution (a family whose ViT items vary in cost, ``Family.segments_sq``; stats listing each sample's
+Native resolution (a family whose ViT items vary in cost, ``Family.native_resolution``; stats listing each sample's
 images): ISF groups in predicted time as the trainer does (``data/search_time.py``), each sample's ViT and LLM time
 from ``model.sample_time.isf_sample_times`` of the plan's model on its device at the configuration's TP (the
 trainer's time model; ``--omnibal-isf-time-device`` carries the device), the count caps hard caps; the data plan's
@@ -54,7 +54,7 @@ class Loads:
 def grouped_in_time(config: PlanConfig) -> bool:
     """Whether the plan's ISF groups in predicted time (a family whose ViT items vary in cost, as the trainer
     decides: ``sample_time.isf_sample_times``); its data level then depends on the TP."""
-    return family_of(config.spec).segments_sq is not None
+    return family_of(config.spec).native_resolution
 
 
 def _search_config(dp: int, config: PlanConfig, sp_tp: int) -> SearchConfig:

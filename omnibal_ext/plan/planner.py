@@ -8,10 +8,12 @@ import numpy as np
 from ..data.stats import SampleStats
 from ..memory.memory_model import GIB, MIXED_BF16_ADAM
 from ..model.cp_split import cp_multiple
-from ..model.layout import default_layout
+from ..model.decode_cost import DecodeLoad, decode_estimate
+from ..model.layout import default_layout, parse_layout
 from ..model.moe import ExpertGrid, expert_grids
 from ..model.moe_cost import ExpertRun, run_for
 from ..model.sample_time import vision_segments
+from ..model.shape import MicroBatchShape
 from ..model.units import family_of
 from .config import PlanConfig, check_request
 from .configs import candidate_configs, num_microbatches, refusal, screen_config
@@ -218,6 +220,7 @@ def make_plan(stats: SampleStats, config: PlanConfig) -> Plan:
     isf = {"params": data.params.to_dict(), "metrics": dict(data.metrics), "groups": int(len(data.grouping)),
            "search_seconds": float(data.seconds_search), "samples_per_group": float(data.grouping.sizes.mean())}
     return Plan(
+        serving=serving_rows(config, stats, t, ctx.experts.grid.ep, {r.setting: r for r in rows}),
         model=spec.name, device=dev.name, gpus=gpus, tp=t, pp=p, dp=d, cp=ctx.cp,
         ep=ctx.experts.grid.ep, etp=ctx.experts.grid.etp, moe=spec.language.moe is not None,
         gpu_memory_bytes=float(config.gpu_memory_bytes), budget_bytes=config.budget_bytes, samples=samples,
@@ -229,3 +232,23 @@ def make_plan(stats: SampleStats, config: PlanConfig) -> Plan:
         timelines={r.setting: c.sim.timeline for r, c in zip(rows, (base, plus_data, plus_model, plus_memory))},
         stage_time_bars={r.setting: list(r.stage_time_s) for r in rows},
     )
+
+
+def serving_rows(config: PlanConfig, stats: SampleStats, tp: int, ep: int, rows: dict) -> tuple[dict, ...]:
+    """What each setting's layout (each layout once, by its first setting) serves at (``decode_cost.decode_estimate``)
+    at ``config.serve_batches``, with the data's mean sample as the prompt and its tokens as the cached context (or
+    ``config.serve_context``); an interleaved layout (generation runs one stage per rank) is left out."""
+    spec = config.spec
+    tokens = float(np.mean(stats.tokens)) if len(stats) else 0.0
+    prompt = MicroBatchShape(int(round(float(np.mean(stats.vit)))) if len(stats) else 0, max(1, int(round(tokens))))
+    context = float(config.serve_context) if config.serve_context is not None else tokens
+    out, seen = [], set()
+    for setting, row in rows.items():
+        if row.vpp > 1 or row.layout_flag in seen:
+            continue
+        seen.add(row.layout_flag)
+        layout = parse_layout(row.layout_flag, spec, len(row.stage_units))
+        for batch in config.serve_batches:
+            est = decode_estimate(spec, config.device_spec, tp, layout, DecodeLoad(batch, context), ep, prompt)
+            out.append({"setting": setting, "layout": row.layout_flag, **est.to_dict()})
+    return tuple(out)

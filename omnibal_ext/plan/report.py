@@ -51,10 +51,26 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"(stage seconds per mean ISF micro-batch; baseline mean padded micro-batch: slowest stage "
                  f"{max(base.stage_time_s):.3f} s)")
     lines.append("")
+    lines += serving_lines(plan)
     lines.append("trainer: pretrain_vlm.py " + plan.trainer_args)
     for n in plan.notes:
         lines.append(f"note: {n}")
     return "\n".join(lines)
+
+
+def serving_lines(plan: Plan) -> list[str]:
+    """What each layout serves at (generation's decode, analytic: ``omnibal_ext.model.decode_cost``)."""
+    if not plan.serving:
+        return []
+    first = plan.serving[0]
+    lines = [f"serving (generation on the layout, TP={plan.tp}; decode {first['context']:.0f} cached tokens per "
+             f"sequence, prompt = the mean sample):"]
+    for r in plan.serving:
+        lines.append(f"  {r['setting']:<9} {r['layout']:<24} batch {r['batch']:>4}: {r['tokens_per_s']:10.1f} tokens/s, "
+                     f"{r['ms_per_token']:7.2f} ms/token, first token {r.get('ttft_ms', float('nan')):7.1f} ms "
+                     f"({r['groups']} group(s) in flight)")
+    lines.append("")
+    return lines
 
 
 def time_line(plan: Plan) -> str:

@@ -92,6 +92,9 @@ class Plan:
     ep: int = 1  # expert-parallel size (MoE models)
     etp: int = 1  # expert tensor-parallel size (MoE models)
     moe: bool = False  # the model has MoE layers (the report and the JSON say EP and ETP)
+    # what the baseline's and the plan's layouts serve at (generation's decode, ``omnibal_ext.model.decode_cost``):
+    # {"setting", "layout", "batch", "context", "tokens_per_s", "ms_per_token", "ttft_ms", ...} per layout and batch
+    serving: tuple[dict, ...] = ()
 
     def row(self, setting: str) -> SettingPrediction:
         for r in self.rows:
@@ -129,5 +132,6 @@ class Plan:
             "rows": [r.to_dict() for r in self.rows],
             "trainer_flags": dict(self.trainer_flags), "trainer_args": self.trainer_args,
             "configs_tried": list(self.configs_tried), "notes": list(self.notes),
+            "serving": [dict(r) for r in self.serving],
         }
 

@@ -17,6 +17,7 @@ from omnibal_ext.model.units import spec_from_dict
 
 from megatron.vlm.layers.lora import is_adapter
 
+from .. import lr_schedule
 from ..initialize import set_seeds
 from .files import check_files, sizes_problems
 from .layout import TRACKER, Checkpoint, CheckpointError, complete_iterations, iteration_dir
@@ -73,7 +74,13 @@ def load_checkpoint(ckpt: Checkpoint, plan, model, optimizer, scheduler) -> dict
     _check_model(ckpt, saved_run, plan.model_spec)
     saved_keys = _check_tensors(ckpt, model)
     with_optimizer = "scheduler" in common  # an imported model (iteration 0) holds weights only
+    where = f"--load {ckpt.root} (iteration {ckpt.iteration})"
     if with_optimizer:
+        rule = lr_schedule.rule_of(scheduler)
+        schedule_changes = lr_schedule.schedule_differences(common["scheduler"], scheduler)
+        if schedule_changes and rule is lr_schedule.ResumeRule.CHECK:  # before any tensor is read
+            raise CheckpointError(lr_schedule.refusal(where, schedule_changes))
+        run_groups = lr_schedule.group_settings(optimizer)
         init_optimizer_state(optimizer)
     request = sharded_state_dict(model, optimizer, with_optimizer, is_loading=True)
     same_world = saved_run and world_of(saved_run) == (parallel.tensor_model_parallel_size,
@@ -95,15 +102,25 @@ def load_checkpoint(ckpt: Checkpoint, plan, model, optimizer, scheduler) -> dict
     keys = {path: sh.key for path, sh in request["model"].items()}
     fresh_adapters = {path: request["model"].pop(path).data for path in list(request["model"])
                       if is_adapter(keys[path]) and keys[path] not in saved_keys}
-    loaded = dist_checkpointing.load(request, ckpt.path)
+    try:
+        loaded = dist_checkpointing.load(request, ckpt.path)
+    except ValueError as e:  # megatron-core's merge of the saved parameter groups with this run's
+        if "param_groups" not in str(e):
+            raise
+        raise CheckpointError(_other_groups(where, e)) from None
     loaded["model"].update(fresh_adapters)  # LoRA adapters the checkpoint lacks keep their fresh values
     load_model_state(model, loaded["model"])
     if with_optimizer:
         weights = {keys[path]: tensor for path, tensor in loaded["model"].items()}
-        load_optimizer(optimizer, loaded["optimizer"], template, weights, saved_run, plan, rebuild=bool(fresh))
+        try:
+            load_optimizer(optimizer, loaded["optimizer"], template, weights, saved_run, plan, rebuild=bool(fresh))
+        except ValueError as e:  # megatron-core's and torch's refusals of other parameter groups
+            if "parameter group" not in str(e):
+                raise
+            raise CheckpointError(_other_groups(where, e)) from None
         # megatron-core loaded one step for all: each parameter's own (param_steps.py), 0 for the fresh ones
         set_steps(model, optimizer, {**common.get("param_steps", {}), **{key: 0 for key in fresh_params}})
-        scheduler.load_state_dict(common["scheduler"])
+        _resume_schedule(where, rule, schedule_changes, run_groups, optimizer, scheduler, common["scheduler"])
     else:
         optimizer.reload_model_params()
     if same_world:
@@ -126,6 +143,45 @@ def load_checkpoint(ckpt: Checkpoint, plan, model, optimizer, scheduler) -> dict
               f"(frozen when it was saved): they start with fresh optimizer state ({fresh_state}): {shown}",
               flush=True)
     return common
+
+
+def load_weights(ckpt: Checkpoint, plan, model) -> dict:
+    """Load only the model weights of ``ckpt`` into this run's model chunks (generation: no optimizer, no data),
+    whatever TP/PP/DP and layout it was saved with, after the same checks as ``load_checkpoint``; returns its common
+    state."""
+    common = dist_checkpointing.load_common_state_dict(ckpt.path)
+    _check_model(ckpt, common.get("run") or {}, plan.model_spec)
+    _check_tensors(ckpt, model)
+    request = model_sharded_state_dict(model)
+    loaded = dist_checkpointing.load({"model": request}, ckpt.path)
+    load_model_state(model, loaded["model"])
+    if dist.get_rank() == 0:
+        print(f"> loaded the weights of iteration {ckpt.iteration} from {ckpt.path}", flush=True)
+    return common
+
+
+def _other_groups(where: str, error: ValueError) -> str:
+    return (f"{where}: the checkpoint's optimizer holds other parameter groups than this run's ({str(error).splitlines()[0]}): "
+            "--vision-lr and --projector-lr make groups of their own; give them (or not) as the run that saved it did")
+
+
+def _resume_schedule(where: str, rule, schedule_changes: list[str], run_groups: list, optimizer, scheduler,
+                     saved: dict) -> None:
+    """The scheduler's state loaded under ``rule`` (megatron/training/lr_schedule.py) after the optimizer's, whose
+    parameter groups came back with the checkpoint's peak and minimum LR and Adam betas: those differing from this
+    run's ``run_groups`` on any rank are refused under CHECK, replaced by this run's under OVERRIDE, kept under
+    CHECKPOINT."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, lr_schedule.group_differences(run_groups, optimizer))
+    group_changes = sorted({d for part in everyone for d in part})
+    if group_changes and rule is lr_schedule.ResumeRule.CHECK:
+        raise CheckpointError(lr_schedule.refusal(where, group_changes))
+    if rule is not lr_schedule.ResumeRule.CHECKPOINT:
+        lr_schedule.restore_group_settings(optimizer, run_groups)
+    scheduler.load_state_dict(saved)
+    line = lr_schedule.note(rule, schedule_changes + group_changes)
+    if line and dist.get_rank() == 0:
+        print(line, flush=True)
 
 
 def _param_of(optimizer_key: str) -> str:

@@ -66,6 +66,7 @@ from omnibal_ext.errors import UserError
 from . import scan_cache
 from .images import ImageRule
 from .messages import VIDEO_TAG, VideoRef, parse_messages_record
+from .rgb import mode_problem
 from .template import (IMAGE_PLACEHOLDER, ConversationError, Turn, add_missing_placeholder, count_placeholders,
                        parse_conversations, plan_conversation)
 from .video import VideoRule, sampled_frames, video_seed
@@ -386,10 +387,24 @@ def scan_media(scan: ScanResult) -> tuple[ImageStats, VideoStats | None]:
 
 def decoded_size(path: str) -> tuple[int, int]:
     """(width, height) of the image at ``path`` after decoding all of its pixels (raises on a truncated
-    or corrupt file; the header alone can read fine)."""
+    or corrupt file, the header alone can read fine, and on pixels ``rgb.to_rgb`` does not read)."""
     with Image.open(path) as im:
         im.load()
+        problem = mode_problem(im.mode)
+        if problem:
+            raise ValueError(problem)
         return im.size
+
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://|^data:")
+
+
+def url_problem(kind: str, path: str) -> str | None:
+    """Why a record's ``kind`` ("image", "video") path is refused when it is a URL (none is fetched), else None."""
+    if _URL.match(path):
+        return (f"{kind} {path[:80]}: a URL, and URLs are not fetched: download the file and give its path (relative "
+                "to the data folder)")
+    return None
 
 
 def _repeat_indices(n: int, repeat: float, rng: np.random.Generator) -> np.ndarray:
@@ -507,9 +522,17 @@ def _scan_record(raw: bytes, src: SourceSpec, tokenizer, config: ReaderConfig, s
         turns, images, videos = record_turns(record)
     except UserError as e:
         return [str(e)]
-    sizes, problems = [], []
+    sizes = []
+    video_urls = [p for p in (url_problem("video", v.path) for v in videos) if p]
+    problems = list(video_urls)
     for rel in images:
         path = os.path.join(src.root, rel)
+        if url_problem("image", rel):
+            problems.append(url_problem("image", rel))
+            continue
+        if os.path.isdir(path):
+            problems.append(f"image {path} is a folder, not an image file")
+            continue
         if not os.path.isfile(path):
             problems.append(f"image file not found: {path}")
             continue
@@ -517,6 +540,8 @@ def _scan_record(raw: bytes, src: SourceSpec, tokenizer, config: ReaderConfig, s
             sizes.append(decoded_size(path))
         except Exception as e:  # noqa: BLE001 - any decoder failure is a data error
             problems.append(f"cannot decode image {path}: {e}")
+    if video_urls:
+        return problems
     try:
         video_plan = plan_videos(turns, videos, src.root, config.videos, config.seed, source, line)
         for video, info, taken in zip(videos, video_plan.infos, video_plan.indices):  # decoded once, here
@@ -700,10 +725,15 @@ class RecordDataset(torch.utils.data.Dataset):
                 if entry > kept:
                     break
                 path = os.path.join(src.root, images[k])
-                with Image.open(path) as im:
-                    if im.size != (int(s.img_width[lo + entry - 1]), int(s.img_height[lo + entry - 1])):
-                        raise DataValidationError(f"{s.where(r)}: image {path} changed size since validation")
-                    pixels.append(rule.pixels(im, len(images)))
+                try:
+                    with Image.open(path) as im:
+                        if im.size != (int(s.img_width[lo + entry - 1]), int(s.img_height[lo + entry - 1])):
+                            raise DataValidationError(f"{s.where(r)}: image {path} changed size since validation")
+                        pixels.append(rule.pixels(im, len(images)))
+                except (OSError, SyntaxError) as e:  # PIL's errors for a truncated or corrupt file
+                    raise DataValidationError(f"{s.where(r)}: image {path} does not decode any more ({e}): it changed "
+                                              "after the pre-training scan (a scan kept in --data-cache-dir/scans is "
+                                              "not redone for changed images: delete it)") from None
             else:
                 k = next_video
                 next_video += 1

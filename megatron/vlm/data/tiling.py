@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from .rgb import to_rgb
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -55,8 +57,9 @@ def count_tiles(width: int, height: int, size: int, min_num: int = 1, max_num: i
 
 def dynamic_tiles(image: Image.Image, size: int, min_num: int = 1, max_num: int = 6,
                   use_thumbnail: bool = True) -> list[Image.Image]:
-    """The tiles (RGB PIL images of ``size x size``) of ``image``, row-major, thumbnail last."""
-    image = image.convert("RGB")
+    """The tiles (RGB PIL images of ``size x size``) of ``image`` (made RGB by ``rgb.to_rgb``), row-major,
+    thumbnail last."""
+    image = to_rgb(image)
     width, height = image.size
     cols, rows = choose_grid(width, height, size, min_num, max_num)
     resized = image.resize((cols * size, rows * size), Image.Resampling.BICUBIC)

@@ -33,6 +33,8 @@ from PIL import Image, UnidentifiedImageError
 
 from omnibal_ext.errors import UserError
 
+from .rgb import to_rgb
+
 DEFAULT_FOLDER_FPS = 24.0  # transformers' assumption for frames without a rate (its video processors' default)
 DEFAULT_RESEEK_GAP_S = 5.0  # seek again when the next wanted frame is further ahead than this
 END_SLACK_FRAMES = 2  # a header may count a frame or two past the last time stamp; more is truncation
@@ -198,7 +200,7 @@ def _decode_folder(path: str, wanted: list[int], where: str | None) -> tuple[dic
     for i in wanted:
         try:
             with _open_image(files[i], path, where) as image:
-                rgb = np.asarray(image.convert("RGB"))
+                rgb = np.asarray(to_rgb(image))
         except OSError as e:  # truncated image data surfaces on load
             raise VideoError(f"{_name(path, where)}: frame {os.path.basename(files[i])} is unreadable "
                              f"({_reason(e)})") from None

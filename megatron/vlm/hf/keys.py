@@ -1,8 +1,8 @@
 """The tensor mapping between an HF checkpoint and our unit-keyed GLOBAL tensors.
 
-Each unit's runtime component adds its tensors (``hf_recipes``; a family's own units:
-its folder's hf.py, with the family's HF names; the GPT decoder's: ``add_llm_layer``,
-``vocab_recipe`` in recipes.py).  Our global tensors are what ``VLMStage.sharded_state_dict()`` declares at any TP size (megatron/vlm/parallel/sharding.py):
+Each unit's kind adds its tensors (its ``HFMapping``, which ``UnitKind.hf`` names: a family's own kinds' in its
+folder's hf.py, with the family's HF names; the GPT decoder's in recipes.py).  Our global tensors are what
+``VLMStage.sharded_state_dict()`` declares at any TP size (megatron/vlm/parallel/sharding.py):
 
 * ViT attention per real head: ``linear_qkv.weight [R, 3d, H]`` (head h: its q rows, k rows, v rows),
   ``linear_qkv.bias [R, 3d]``, ``linear_proj.weight [R, H, d]`` (head h's input columns of the output
@@ -17,16 +17,16 @@ family for them and reads, checks and writes whole tensors with them (:func:`to_
 """
 from __future__ import annotations
 
+import functools
 
 import torch
 
-from omnibal_ext.model.units import ModelSpec, build_units
-
-from megatron.vlm.stage.components import component_of
+from omnibal_ext.model.unit_kind import UnitKind
+from omnibal_ext.model.units import ModelSpec, build_units, family_of
 
 from .config import HFInfo
 from .configs import hf_side
-from .recipes import HFKeysError, Recipe, Table
+from .recipes import HFKeysError, HFMapping, Recipe, Table
 
 
 def hf_names(spec: ModelSpec, info: HFInfo, style: str = "legacy"):
@@ -38,10 +38,24 @@ def recipes(spec: ModelSpec, info: HFInfo, style: str = "legacy", units=None) ->
     """({our key: Recipe}, {HF name: HF shape}) of the units ``units`` (names; default: all)."""
     table = Table(spec, info, hf_names(spec, info, style))
     wanted = None if units is None else set(units)
+    family = family_of(spec)
     for unit in build_units(spec):
         if wanted is None or unit.name in wanted:
-            component_of(spec, unit).hf_recipes(unit, table)
+            hf_mapping_of(family.kind(unit.kind))(unit, table)
     return table.out, table.shapes
+
+
+@functools.cache
+def hf_mapping_of(kind: UnitKind) -> HFMapping:
+    """The Hugging Face mapping ``kind.hf`` names, imported on first use and checked to be callable (a TypeError
+    naming the kind otherwise: a bug of its family; a kind without one: a UserError)."""
+    try:
+        mapping = kind.load_hf()
+    except (ImportError, AttributeError) as e:
+        raise TypeError(f"unit kind {kind.name!r}: its Hugging Face mapping {kind.hf!r} does not import: {e}") from e
+    if not callable(mapping):
+        raise TypeError(f"unit kind {kind.name!r}: its Hugging Face mapping {kind.hf!r} is not callable")
+    return mapping
 
 
 # ---------------------------------------------------------------------------------------------------

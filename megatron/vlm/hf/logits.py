@@ -80,20 +80,40 @@ def chained_logits(src, inputs: dict, cuts: list[int] = (), img_context_id: int 
     return gather_vocab(x, spec.language.vocab_real)
 
 
+def pad_token_id(src, img_context_id: int | None = None) -> int:
+    """A text token to pad an input with: the smallest id that is neither the image nor the video token."""
+    special = {image_token_id(src, img_context_id), src.info.video_token_id}
+    return next(t for t in range(len(special) + 1) if t not in special)
+
+
+def padded_inputs(inputs: dict, tokens: int, pad_id: int) -> dict:
+    """transformers' one-sample ``inputs`` with ``pad_id`` text tokens appended up to ``tokens`` (``input_ids``, and
+    ``mm_token_type_ids`` / ``attention_mask`` where given: 0 / 1). Attention is causal, so the logits of the real
+    tokens do not change: the caller drops the padding's rows."""
+    ids = inputs["input_ids"]
+    extra = tokens - ids.shape[-1]
+    if extra <= 0:
+        return inputs
+    fill = {"input_ids": pad_id, "mm_token_type_ids": 0, "attention_mask": 1}
+    return {k: torch.cat([v, torch.full((*v.shape[:-1], extra), fill[k], dtype=v.dtype)], dim=-1) if k in fill else v
+            for k, v in inputs.items()}
+
+
 def pipeline_logits(src, inputs: dict, layout, img_context_id: int | None = None) -> torch.Tensor | None:
     """Under torchrun (megatron's groups started at TP/PP and EP/ETP): this rank's stage of ``layout``, forward
-    only, hidden states passed point to point along the pipeline. Returns the logits on the last stage, else None."""
+    only, hidden states passed point to point along the pipeline. Returns the logits on the last stage, else None.
+    MoE layers at TP > 1 run sequence parallel: the input is padded to a multiple of TP (``padded_inputs``) and the
+    padding's logits dropped."""
 
 
     spec = src.spec
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
     rank = ps.get_pipeline_model_parallel_rank()
+    real = int(inputs["input_ids"].shape[-1])
+    if spec.language.moe is not None and tp > 1:  # the MoE layers run sequence parallel: tokens a multiple of TP
+        inputs = padded_inputs(inputs, -(-real // tp) * tp, pad_token_id(src, img_context_id))
     batch = make_batch(src, inputs)
-    tokens = batch.packing.segment_ids.numel()
-    if spec.language.moe is not None and tp > 1 and tokens % tp:
-        raise UserError(f"--tensor-model-parallel-size {tp}: the MoE layers run sequence parallel, so the input's "
-                        f"{tokens} tokens must be a multiple of TP")
     stage = logits_stage(spec, layout.stage_range(rank), image_token_id(src, img_context_id), tp, pp, ep=ep, etp=etp)
     load_hf_into_stage(stage, src)
     with torch.no_grad():
@@ -109,4 +129,4 @@ def pipeline_logits(src, inputs: dict, layout, img_context_id: int | None = None
             dist.send(torch.tensor(y.shape, dtype=torch.int64), dst=ps.get_pipeline_model_parallel_next_rank())
             dist.send(y.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
             return None
-    return gather_vocab(y, spec.language.vocab_real)
+    return gather_vocab(y, spec.language.vocab_real)[:real]

@@ -18,15 +18,16 @@ class HFCheckpoint:
         self.folder = folder
         index = os.path.join(folder, "model.safetensors.index.json")
         if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise HFConfigError(f"--hf-checkpoint {folder}: {index} is not a safetensors index ({e!r})") from None
             self.files = {k: os.path.join(folder, v) for k, v in weight_map.items()}
         else:
             self.files = {}
             for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
-                from safetensors import safe_open  # optional (the hf extra): only HF folders need it
-
-                with safe_open(path, "pt") as f:
+                with self._open_file(path) as f:
                     for k in f.keys():
                         self.files[k] = path
         if not self.files:
@@ -37,12 +38,20 @@ class HFCheckpoint:
     def names(self) -> set[str]:
         return set(self.files)
 
-    def _handle(self, name: str):
-        from safetensors import safe_open  # optional (the hf extra): only HF folders need it
+    def _open_file(self, path: str):
+        """``safe_open`` of one shard; a missing, truncated or damaged file is refused, naming it."""
+        from safetensors import SafetensorError, safe_open  # optional (the hf extra): only HF folders need it
 
+        try:
+            return safe_open(path, "pt")
+        except (SafetensorError, OSError) as e:
+            raise HFConfigError(f"--hf-checkpoint {self.folder}: {path} is not a readable safetensors file ({e}): "
+                                "truncated or damaged? fetch it again") from None
+
+    def _handle(self, name: str):
         path = self.files[name]
         if path not in self._open:
-            self._open[path] = safe_open(path, "pt")
+            self._open[path] = self._open_file(path)
         return self._open[path]
 
     def release(self) -> None:

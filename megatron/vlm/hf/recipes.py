@@ -4,19 +4,21 @@ Every global tensor is a :class:`Recipe`: its rows (axis 0, of the tensor seen a
 ``[shape[0] * rows_per_index, ...]``) are the concatenation of :class:`Part` s, each a block of rows
 (and optionally columns) of one HF tensor, or zeros. One table serves both directions: import reads the
 parts (lazily, only the rows a TP rank needs: :meth:`Recipe.read`), export scatters our tensors back
-into the HF tensors the parts name (``keys.to_hf``), so a round trip is bit-identical. A unit's runtime
-component fills a :class:`Table` with its recipes; the GPT decoder's (``add_llm_layer``, ``vocab_recipe``)
-are here, a family's own units' in its ``hf`` module.
+into the HF tensors the parts name (``keys.to_hf``), so a round trip is bit-identical. Each unit's kind names
+its Hugging Face mapping (``UnitKind.hf``, an ``HFMapping``), which fills a :class:`Table` with the unit's recipes;
+the GPT decoder's kinds' (``text_embed_recipes``, ``text_layer_recipes``, ``moe_text_layer_recipes``,
+``head_recipes``, on ``add_llm_layer`` and ``vocab_recipe``) are here, a family's own kinds' in its ``hf`` module.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Protocol
 
 import torch
 
 from omnibal_ext.errors import UserError
-from omnibal_ext.model.spec import ModelSpec
+from omnibal_ext.model.spec import ModelSpec, Unit
 
 from .config import HFInfo
 
@@ -133,7 +135,7 @@ def detect_style(names: set[str]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The table: each unit's runtime component adds its tensors (megatron.vlm.stage.components.RuntimeComponent.hf_recipes)
+# The table: each unit's kind adds its tensors (its HFMapping, which UnitKind.hf names)
 # ---------------------------------------------------------------------------------------------------
 def whole(name: str, shape: tuple[int, ...]) -> Recipe:
     return Recipe(tuple(shape), (Part(name, 0, shape[0]),))
@@ -141,8 +143,8 @@ def whole(name: str, shape: tuple[int, ...]) -> Recipe:
 
 @dataclasses.dataclass
 class Table:
-    """What a component's ``hf_recipes`` fills: ``add(our key, Recipe)``; ``hf(HF name, HF shape)`` records an
-    HF tensor and returns its name; ``names``: the family's HF names of this checkpoint (``hf_names``)."""
+    """What a kind's ``HFMapping`` fills: ``add(our key, Recipe)``; ``hf(HF name, HF shape)`` records an HF tensor
+    and returns its name; ``names``: the family's HF names of this checkpoint (``hf_names``)."""
 
     spec: ModelSpec
     info: HFInfo
@@ -156,6 +158,15 @@ class Table:
     def hf(self, name: str, shape) -> str:
         self.shapes[name] = tuple(shape)
         return name
+
+
+class HFMapping(Protocol):
+    """A unit kind's Hugging Face mapping (``omnibal_ext.model.unit_kind.UnitKind.hf`` names one, ``"module:function"``;
+    ``megatron.vlm.hf.keys.hf_mapping_of`` imports it)."""
+
+    def __call__(self, unit: Unit, table: Table) -> None:
+        """Add ``unit``'s tensors to ``table``: its keys (``unit.name`` + ``.`` + the module's parameter path) and
+        the recipe of HF tensors each is made of."""
 
 
 def vocab_recipe(name: str, spec: ModelSpec) -> Recipe:
@@ -225,3 +236,34 @@ def _grouped(q: str, k: str, v: str, groups: int, per: int, d: int) -> tuple[Par
     for i in range(groups):
         parts += [Part(q, i * per * d, (i + 1) * per * d), Part(k, i * d, (i + 1) * d), Part(v, i * d, (i + 1) * d)]
     return tuple(parts)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The GPT decoder's kinds (megatron.vlm.stage.kinds): their HFMappings
+# ---------------------------------------------------------------------------------------------------
+def text_embed_recipes(unit: Unit, table: Table) -> None:
+    """The word embedding, its vocabulary padded (``vocab_recipe``)."""
+    lang = table.spec.language
+    table.add(unit.name + ".word.weight",
+              vocab_recipe(table.hf(table.names.embed(), (lang.vocab_real, lang.hidden_size)), table.spec))
+
+
+def text_layer_recipes(unit: Unit, table: Table) -> None:
+    """A dense decoder layer (``add_llm_layer``)."""
+    add_llm_layer(table.add, table.hf, table.names.llm_layer(unit.layer), unit.name + ".", table.spec, table.info)
+
+
+def moe_text_layer_recipes(unit: Unit, table: Table) -> None:
+    """An MoE decoder layer, one HF tensor per expert and matrix (``add_moe_llm_layer``)."""
+    add_moe_llm_layer(table.add, table.hf, table.names.llm_layer(unit.layer), unit.name + ".", table.spec,
+                      table.info)
+
+
+def head_recipes(unit: Unit, table: Table) -> None:
+    """The final norm and the output layer (the word embedding's HF tensor where the embeddings are tied), its
+    vocabulary padded."""
+    lang, names = table.spec.language, table.names
+    H = lang.hidden_size
+    table.add(unit.name + ".norm.weight", whole(table.hf(names.final_norm(), (H,)), (H,)))
+    head = names.embed() if lang.tie_word_embeddings else names.head
+    table.add(unit.name + ".output.weight", vocab_recipe(table.hf(head, (lang.vocab_real, H)), table.spec))

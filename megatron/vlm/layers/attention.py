@@ -39,16 +39,20 @@ class SegmentParams(PackedSeqParams):
 
     segments: tuple[tuple[int, int], ...] = ()
     cp: CPSegments | None = None  # context parallelism: this rank's view of the segments (else None)
+    # generation: the decode step whose caches the layers read and extend (megatron.vlm.inference.cache.DecodeStep:
+    # SegmentAttention's keys and values, the Gated DeltaNet's states); None: a training or logits forward
+    decode: object | None = None
 
 
 def segment_params(cu_seqlens: Tensor, max_seqlen: int, device: torch.device | None = None,
-                   cp_group=None) -> SegmentParams:
+                   cp_group=None, decode=None) -> SegmentParams:
     """THD parameters of a micro-batch from its host-built ``cu_seqlens`` (int32, on the host).
 
     device: where ``cu_seqlens_q/kv`` go (TransformerEngine's kernels read them on the GPU); None keeps
     them on the host, which is where megatron-core's unfused THD RoPE reads them (``.tolist()``).
     cp_group: the context-parallel group when it has more than one rank: ``cu_seqlens`` then describe the padded,
     unsplit micro-batch (megatron/vlm/parallel/context_parallel.py) and ``segments`` this rank's part of each segment.
+    decode: generation's decode step (``SegmentParams.decode``; the micro-batch's ``PackingPart.decode``), or None.
     """
     if cu_seqlens.device.type != "cpu":
         raise ValueError("segment_params: cu_seqlens must be built on the host")
@@ -59,7 +63,8 @@ def segment_params(cu_seqlens: Tensor, max_seqlen: int, device: torch.device | N
         cp = cp_segments(bounds, cp_group)
         bounds = [b // cp.size for b in bounds]
     return SegmentParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=int(max_seqlen),
-                         max_seqlen_kv=int(max_seqlen), segments=tuple(zip(bounds[:-1], bounds[1:])), cp=cp)
+                         max_seqlen_kv=int(max_seqlen), segments=tuple(zip(bounds[:-1], bounds[1:])), cp=cp,
+                         decode=decode)
 
 
 class SegmentAttention(DotProductAttention):
@@ -118,6 +123,8 @@ class SegmentAttention(DotProductAttention):
             bounds = params.cu_seqlens_q.tolist()
             segments = tuple(zip(bounds[:-1], bounds[1:]))
         t = query.shape[0]
+        if getattr(params, "decode", None) is not None:  # generation: each segment's cached keys and values too
+            return params.decode.attend(self, query, key, value, segments, causal)
         if getattr(params, "cp", None) is not None:
             return self._thd_cp(query, key, value, params.cp, t)
         if segments[-1][1] != t:

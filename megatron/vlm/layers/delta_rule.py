@@ -109,11 +109,13 @@ def _chunk_layout(segments: Segments, chunk: int, t: int) -> tuple[Tensor, Tenso
 
 
 def chunked_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, segments: Segments,
-                       chunk: int = 64, scale: float | None = None) -> Tensor:
+                       chunk: int = 64, scale: float | None = None, final_state: bool = False):
     """The gated delta rule over packed segments, in torch, fp32 (module docstring).
 
     q, k: [t, h, k_dim]; v: [t, h, v_dim]; g (log decay, <= 0), beta: [t, h] (the same h: key heads repeated to
-    the value heads beforehand); segments: (start, end) covering [0, t) in order. Returns o [t, h, v_dim], fp32.
+    the value heads beforehand); segments: (start, end) covering [0, t) in order. Returns o [t, h, v_dim], fp32;
+    with ``final_state`` (generation) also each segment's state after its last token, [segments, h, k_dim, v_dim]
+    fp32 (a chunk's padding decays nothing and writes nothing, so the state after the last chunk is it).
     """
     if chunk < 1:
         raise ValueError(f"chunked_delta_rule: chunk must be >= 1, got {chunk}")
@@ -146,6 +148,7 @@ def chunked_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
 
     order = sorted(range(len(segments)), key=lambda s: -count[s])  # longest first: live states form a prefix
     state = q.new_zeros(len(order), h, dk, dv)
+    finals = q.new_zeros(len(segments), h, dk, dv) if final_state else None
     outs, out_chunks = [], []
     for step in range(count[order[0]] if order else 0):
         live = sum(1 for s in order if count[s] > step)
@@ -155,10 +158,15 @@ def chunked_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         outs.append(q_decayed[ids] @ state + attn[ids] @ d)
         out_chunks.append(ids)
         state = state * chunk_decay[ids] + k_decayed[ids].transpose(-1, -2) @ d
+        if finals is not None:  # the segments whose last chunk this was
+            for i, s in enumerate(order[:live]):
+                if count[s] == step + 1:
+                    finals[s] = state[i]
     out = torch.cat(outs)  # [n, h, c, dv] in scan order
     out = out[torch.argsort(torch.cat(out_chunks))]  # chunk order
     out = out.transpose(1, 2).reshape(-1, h, dv)  # [n * c, h, dv]
-    return out.index_select(0, keep)
+    out = out.index_select(0, keep)
+    return (out, finals) if final_state else out
 
 
 class _RecomputedDeltaRule(torch.autograd.Function):
@@ -183,21 +191,25 @@ class _RecomputedDeltaRule(torch.autograd.Function):
         return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None)
 
 
-def _repeated_rule(q, k, v, g, beta, segments, chunk, ratio):
+def _repeated_rule(q, k, v, g, beta, segments, chunk, ratio, final_state=False):
     if ratio > 1:
         q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
-    return chunked_delta_rule(q, k, v, g, beta, segments, chunk)
+    return chunked_delta_rule(q, k, v, g, beta, segments, chunk, final_state=final_state)
 
 
 def delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, segments: Segments,
-               cu_seqlens: Tensor | None, chunk: int = 64, backend: str = "auto") -> Tensor:
+               cu_seqlens: Tensor | None, chunk: int = 64, backend: str = "auto", final_state: bool = False):
     """The gated delta rule over packed segments: fla's varlen kernel on a GPU where it imports (``auto``, ``fla``),
     else ``chunked_delta_rule`` (its internals recomputed in the backward: ``_RecomputedDeltaRule``).
 
     q, k: [t, key heads, k_dim] (each key head serving value heads / key heads consecutive value heads); v: [t, h,
-    v_dim]; g, beta: [t, h]; cu_seqlens: the segments' bounds (any device) or None. Returns [t, h, v_dim], fp32."""
+    v_dim]; g, beta: [t, h]; cu_seqlens: the segments' bounds (any device) or None. Returns [t, h, v_dim], fp32;
+    with ``final_state`` (generation's prefill, no gradient) also each segment's final state [segments, h, k_dim,
+    v_dim] fp32."""
     ratio = v.shape[1] // k.shape[1]
     if pick_backend(backend, q.is_cuda, fla_available()) == "torch":
+        if final_state:
+            return _repeated_rule(q, k, v, g, beta, segments, chunk, ratio, final_state=True)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta)):
             return _RecomputedDeltaRule.apply(q, k, v, g, beta, segments, chunk, ratio)
         return _repeated_rule(q, k, v, g, beta, segments, chunk, ratio)
@@ -209,9 +221,9 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, segment
     if ratio > 1:
         q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
     dtype = v.dtype  # fla wants q, k, v, beta in one dtype (g in fp32)
-    o, _ = _fla_chunk_gated_delta_rule(
+    o, state = _fla_chunk_gated_delta_rule(
         q=q.to(dtype).unsqueeze(0), k=k.to(dtype).unsqueeze(0), v=v.unsqueeze(0), g=g.float().unsqueeze(0),
         beta=beta.to(dtype).unsqueeze(0),
-        scale=q.shape[-1] ** -0.5, initial_state=None, output_final_state=False,
+        scale=q.shape[-1] ** -0.5, initial_state=None, output_final_state=final_state,
         cu_seqlens=cu_seqlens.to(q.device, torch.long), use_qk_l2norm_in_kernel=False)
-    return o[0]
+    return (o[0], state.float()) if final_state else o[0]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -153,14 +154,18 @@ class GatedDeltaNet(MegatronModule):
                 packed_seq_params: PackedSeqParams | None = None, inference_context=None, **_unused):
         """_unused: the attention arguments megatron-core's TransformerLayer passes (rotary embeddings, ...)."""
         if inference_context is not None:
-            raise UserError("GatedDeltaNet: inference (a KV/recurrent cache) is not implemented")
+            raise UserError("GatedDeltaNet: megatron-core's inference_context is not implemented; generation passes "
+                            "its decode step in the packed parameters (megatron/vlm/inference)")
+        # generation: each segment continues its sequence's convolution and recurrent states (SegmentParams.decode)
+        decode = getattr(packed_seq_params, "decode", None)
         dims, tp = self.dims, self.tp
         projected, _ = self.in_proj(hidden_states)  # [s, b, in_proj / tp] (sequence parallel: gathered)
         s, b = projected.shape[:2]
         segments = packed_segments(packed_seq_params, s, b)
         projected = projected.transpose(0, 1).reshape(b * s, -1)  # segments are consecutive tokens
         qkv, z, beta, a = torch.split(projected, [sum(self.sections[:3]), *self.sections[3:]], dim=-1)
-        qkv = F.silu(causal_conv1d(qkv, self.conv1d.weight[:, 0], segments))
+        conv = causal_conv1d if decode is None else partial(decode.conv, self)
+        qkv = F.silu(conv(qkv, self.conv1d.weight[:, 0], segments))
         q, k, v = torch.split(qkv, self.sections[:3], dim=-1)
         heads = dims.value_heads // tp
         q = l2_normalize(q.reshape(b * s, -1, dims.key_head_dim))
@@ -169,7 +174,8 @@ class GatedDeltaNet(MegatronModule):
         beta = beta.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         cu_seqlens = packed_seq_params.cu_seqlens_q if packed_seq_params is not None else None
-        o = delta_rule(q, k, v, g, beta, segments, cu_seqlens, self.chunk_size, self.backend).to(hidden_states.dtype)
+        rule = delta_rule if decode is None else partial(decode.delta_rule, self)
+        o = rule(q, k, v, g, beta, segments, cu_seqlens, self.chunk_size, self.backend).to(hidden_states.dtype)
         o = self.out_norm(o, z.reshape(b * s, heads, dims.value_head_dim).contiguous())  # not in_proj's output
         o = o.reshape(b, s, -1).transpose(0, 1)  # [s, b, value_dim / tp]
         return self.out_proj(o)

@@ -45,8 +45,13 @@ class OutputHead(MegatronModule):
         self.vocab_size, self.real_vocab = spec.language.vocab_size, spec.language.vocab_real
         self.output_kind = output
 
+    def logits(self, hidden):
+        """This TP rank's logits [t, 1, V/tp] of ``hidden`` [t, 1, H], whatever the output mode (generation)."""
+        logits, _ = self.output(self.norm(hidden))
+        return logits
+
     def forward(self, hidden, labels=None):
-        logits, _ = self.output(self.norm(hidden))  # [t, 1, V/tp]
+        logits = self.logits(hidden)  # [t, 1, V/tp]
         if self.output_kind == "logits":
             return logits
         targets = labels.clamp(min=0).reshape(-1, 1)

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from omnibal_ext.data.sampler import GroupBatchSampler
+from omnibal_ext.errors import UserError
 
 from megatron.vlm.data.collate import check_image_tokens
 from megatron.vlm.stage.data_side import Batcher
@@ -95,6 +96,16 @@ class _Steps:
         return len(self.sampler)
 
 
+def worker_message(error: BaseException) -> str:
+    """The message of ``error`` as raised: torch's DataLoader re-raises a worker's exception with "Caught ... in
+    DataLoader worker process N" and the worker's traceback before it."""
+    text = str(error)
+    marker = f"{type(error).__name__}: "
+    if not text.startswith("Caught ") or marker not in text:
+        return text
+    return text[text.rfind(marker) + len(marker):].strip()
+
+
 class MicroBatches:
     """Endless iterator of collated micro-batches; records the sample sizes it served.
 
@@ -144,7 +155,7 @@ class MicroBatches:
     def __next__(self) -> MicroBatch:
         if self.sampler.num_steps is not None and self._consumed >= self.sampler.num_steps:
             raise StopIteration
-        batch = next(self._it) if self._loads else None
+        batch = self._next_loaded() if self._loads else None
         if self.tp_group is not None:
             batch = broadcast_micro_batch(batch, self.tp_src, self.tp_group)
         self._consumed += 1
@@ -154,6 +165,12 @@ class MicroBatches:
             self._records.append({"tokens": info.sample_tokens.tolist(), "tiles": info.sample_tiles.tolist(),
                                   "ids": info.sample_ids.tolist(), "packed": self.packed})
         return batch
+
+    def _next_loaded(self) -> MicroBatch:
+        try:
+            return next(self._it)
+        except UserError as e:  # from a worker, the DataLoader re-raises it with the worker's traceback in its text
+            raise type(e)(worker_message(e)) from None
 
     def start_recording(self) -> None:
         self._records = []

@@ -44,7 +44,7 @@ from megatron.vlm.layers.layer_impl import LOCAL, LayerImpl
 from megatron.vlm.layers.lora import is_adapter
 from megatron.vlm.layers.moe import MoERun
 from megatron.vlm.layers.seeding import seeded
-from megatron.vlm.stage.components import RuntimeComponent, StageContext, runtime_family
+from megatron.vlm.stage.components import RuntimeComponent, StageContext, component_of, runtime_family
 from megatron.vlm.stage.micro_batch import MicroBatch
 from megatron.vlm.stage.side import StageCache, live_at, pack, unpack
 
@@ -156,7 +156,7 @@ class VLMStage(MegatronModule):
                                 moe_dispatcher=build.moe_run.dispatcher if build.moe_run else "alltoall")
         self.parts: list[_Part] = []
         for run in _runs(self.units):  # each component's modules registered under its name (``attr``: the
-            component = family.component(run[0].kind)(self.ctx, run)  # checkpoint keys' first part)
+            component = component_of(spec, run[0])(self.ctx, run)  # checkpoint keys' first part)
             part = _Part(component, run)
             held = self._modules.get(component.attr)
             if component.layers:

@@ -1,18 +1,17 @@
-"""The runtime side of a unit kind, and of a model family.
+"""The run-time side of a unit kind, and of a model family.
 
-A family (``megatron/vlm/families/<name>/``) gives each kind of unit of its planning side
-(``omnibal_ext.model.families``: one ``CostComponent`` per kind) a ``RuntimeComponent`` that knows
+Each kind of unit (``omnibal_ext.model.unit_kind.UnitKind``: its name, role, cost, micro-batch parts and Hugging Face
+mapping, in one torch-free declaration) names a ``RuntimeComponent`` class (``UnitKind.runtime``) that knows
 
 * how its module is built from megatron-core parts (``build``; the units of a layer kind that sit together
   on a stage become TransformerBlock segments carrying their recompute settings) and run (``forward``);
-* which parts of a micro-batch it reads (``reads``: the fields of ``megatron.vlm.stage.batches.StageInputs``);
-* its checkpoint keys (``sharded_state_dict``: keyed by the unit's global name) and its Hugging Face tensor
-  mapping (``hf_recipes``);
+* its checkpoint keys (``sharded_state_dict``: keyed by the unit's global name);
 * how the profiler runs one unit of it (``profile_module``, ``profile_forward``).
 
-The GPT decoder's components (text embedding, text layer, head) are shared here, since every family's LLM
-is one; a family registers them beside its own.  A component's ``kind`` and role (``code``, the layout
-letter) are its planning-side component's (``cost``), so the two sides cannot disagree.
+``runtime_of`` imports it on first use and checks it. The GPT decoder's components (text embedding, text layer, MoE
+layer, head) are here, since every family's LLM is one (their kinds: ``megatron.vlm.stage.kinds``). A family's
+other run-time parts (the ViT's config, its data and Hugging Face sides) are its ``FamilyRuntime``
+(``Family.runtime``, ``runtime_family``).
 """
 from __future__ import annotations
 
@@ -27,14 +26,12 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from omnibal_ext.memory.recompute import StageRecompute
-from omnibal_ext.model.components import CostComponent, HeadCost, TextEmbedCost, TextLayerCost
-from omnibal_ext.model.families import Family, family_of
+from omnibal_ext.model.families import family_of
 from omnibal_ext.model.lora import Lora
-from omnibal_ext.model.moe_cost import MoELayerCost
 from omnibal_ext.model.spec import HEAD, TEXT_LAYER, VISION_LAYER, ModelSpec, Unit
+from omnibal_ext.model.unit_kind import UnitKind
 
 from megatron.vlm.hf.config import HFSide
-from megatron.vlm.hf.recipes import add_llm_layer, add_moe_llm_layer, vocab_recipe, whole
 from megatron.vlm.layers import blocks as layers, moe
 from megatron.vlm.layers.head import OutputHead
 from megatron.vlm.layers.layer_impl import LayerImpl
@@ -115,21 +112,19 @@ class StageContext:
 
 
 class RuntimeComponent:
-    """One kind of unit at run time, bound to a stage's ``StageContext`` and to the run of its units on the stage
-    (``units``: one unit; for a layer kind the consecutive units on this stage). Stateless: what it decides from
-    those (sequence-parallel edges, DeepStack slots, its rotary table) is derived from them (properties, computed
-    once), never set while it builds or runs; assigning an attribute raises. What its units share per micro-batch
-    lives in the forward's ``StageCache``.
+    """One kind of unit at run time (the class its ``UnitKind.runtime`` names), bound to a stage's ``StageContext``
+    and to the run of its units on the stage (``units``: one unit; for a layer kind the consecutive units on this
+    stage). Stateless: what it decides from those (sequence-parallel edges, DeepStack slots, its rotary table) is
+    derived from them (properties, computed once), never set while it builds or runs; assigning an attribute raises.
+    What its units share per micro-batch lives in the forward's ``StageCache``.
 
-    cost: the planning-side component of the kind (gives ``kind`` and ``code``); attr: the stage attribute
-    holding its module (where the module sits in the stage's state dict); reads: the micro-batch parts it
-    needs (``StageInputs`` fields); layers: a transformer-layer kind (units that sit together form
-    TransformerBlock segments; ``attr`` then holds a ModuleList of blocks).
+    attr: the stage attribute holding its module (where the module sits in the stage's state dict); layers: a
+    transformer-layer kind (units that sit together form TransformerBlock segments; ``attr`` then holds a ModuleList
+    of blocks). Its kind's name, role and micro-batch parts are the ``UnitKind``'s (``kind()``, ``code()``: its
+    units').
     """
 
-    cost: ClassVar[type[CostComponent]] = CostComponent
     attr: ClassVar[str] = ""
-    reads: ClassVar[frozenset[str]] = frozenset()
     layers: ClassVar[bool] = False
 
     def __init__(self, ctx: StageContext, units: Sequence[Unit]):
@@ -157,13 +152,13 @@ class RuntimeComponent:
         """The output is gathered whole here (``sp_edges``)."""
         return self.sp_edges[1]
 
-    @classmethod
-    def kind(cls) -> str:
-        return cls.cost.kind
+    def kind(self) -> str:
+        """Its units' kind (``UnitKind.name``)."""
+        return self.units[0].kind
 
-    @classmethod
-    def code(cls) -> str:
-        return cls.cost.code
+    def code(self) -> str:
+        """Its units' role (``UnitKind.role``, the layout letter)."""
+        return self.units[0].code
 
     # building and running --------------------------------------------------------------------------
     def build(self) -> torch.nn.Module:
@@ -205,12 +200,6 @@ class RuntimeComponent:
         """The unit's tensors keyed by its global name (megatron/vlm/parallel/sharding.py)."""
         return unit_sharded_state_dict(module, module_prefix, f"{unit.name}.", metadata)
 
-    # Hugging Face ----------------------------------------------------------------------------------
-    @classmethod
-    def hf_recipes(cls, unit: Unit, table) -> None:
-        """Add the unit's tensors to ``table`` (``megatron.vlm.hf.recipes.Table``): our key -> Recipe of HF parts."""
-        raise NotImplementedError(f"{cls.__name__}: no Hugging Face mapping")
-
     # profiling -------------------------------------------------------------------------------------
     def profile_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """The module of one unit (a layer kind: the first block, one layer on a profiling stage)."""
@@ -231,7 +220,7 @@ class RuntimeComponent:
 class TextEmbed(RuntimeComponent):
     """Vocabulary-parallel token embedding; the vision features go into the image-context slots."""
 
-    cost, attr, reads = TextEmbedCost, "text_embed", frozenset({"tokens"})
+    attr = "text_embed"
 
     def build(self):
         return TextEmbedding(self.spec, self.ctx.language_config, self.ctx.img_context_id,
@@ -249,18 +238,12 @@ class TextEmbed(RuntimeComponent):
     def tied_weight(self, module):
         return module.word.weight
 
-    @classmethod
-    def hf_recipes(cls, unit, table):
-        lang = table.spec.language
-        table.add(unit.name + ".word.weight",
-                  vocab_recipe(table.hf(table.names.embed(), (lang.vocab_real, lang.hidden_size)), table.spec))
-
 
 class TextLayer(RuntimeComponent):
     """GPT decoder layers (megatron-core's layer spec): causal attention within each packed sample, RoPE; per-head
     q/k RMSNorm where the LanguageSpec has ``qk_norm`` (Qwen3)."""
 
-    cost, attr, reads, layers = TextLayerCost, "llm_blocks", frozenset({"packing"}), True
+    attr, layers = "llm_blocks", True
     lora_linears: tuple[str, ...] | None = None  # the LoRA targets' linears its layers have (None: all)
 
     def layer_spec(self, first_unit_index: int):
@@ -304,10 +287,6 @@ class TextLayer(RuntimeComponent):
         x = run_text_blocks(module, x, self.context(module, batch, cache), self.ctx.impl.thd)
         return sequence_parallel.leave(x) if self.sp_leaves else x
 
-    @classmethod
-    def hf_recipes(cls, unit, table):
-        add_llm_layer(table.add, table.hf, table.names.llm_layer(unit.layer), unit.name + ".", table.spec, table.info)
-
 
 class MoEMLPs:
     """A mixin for LLM layer components whose MLP is megatron-core's ``MoELayer`` (``LanguageSpec.moe``;
@@ -347,16 +326,10 @@ class MoEContext(TextContext):
 class MoETextLayer(MoEMLPs, TextLayer):
     """GPT decoder layers with MoE MLPs (``MoEMLPs``). LoRA adapts the attention only."""
 
-    cost = MoELayerCost
     lora_linears = ("qkv", "proj")
 
     def layer_spec(self, first_unit_index: int):
         return self.with_moe(super().layer_spec(first_unit_index), first_unit_index)
-
-    @classmethod
-    def hf_recipes(cls, unit, table):
-        add_moe_llm_layer(table.add, table.hf, table.names.llm_layer(unit.layer), unit.name + ".", table.spec,
-                          table.info)
 
 
 def moe_padding_mask(batch: MicroBatch, thd: bool, sequence_parallel: bool) -> torch.Tensor:
@@ -383,7 +356,7 @@ def moe_padding_mask(batch: MicroBatch, thd: bool, sequence_parallel: bool) -> t
 class Head(RuntimeComponent):
     """Final norm, vocabulary-parallel output layer and loss (or logits: ``StageBuild.output``)."""
 
-    cost, attr, reads = HeadCost, "head", frozenset({"labels", "packing"})
+    attr = "head"
 
     def norm_builder(self):
         """The final norm's builder (called as megatron-core's: ``config=, hidden_size=, eps=``)."""
@@ -409,6 +382,13 @@ class Head(RuntimeComponent):
             x = sequence_parallel.enter(x)
         return module(x, batch.text.labels if self.ctx.output == "loss" else None)
 
+    def logits(self, module, x):
+        """This TP rank's logits [t, 1, V/tp] of the hidden states ``x``, whatever the stage's output mode
+        (generation: ``megatron.vlm.inference``)."""
+        if self.sp_enters:
+            x = sequence_parallel.enter(x)
+        return module.logits(x)
+
     def profile_forward(self, module, x, batch, cache):
         out = self.forward(module, x, batch, cache)
         return out.loss if self.ctx.output == "loss" else out
@@ -432,17 +412,6 @@ class Head(RuntimeComponent):
     def draw_embedding(self):
         return word_embedding(self.spec, self.ctx.language_config)
 
-    @classmethod
-    def hf_recipes(cls, unit, table):
-        lang, names = table.spec.language, table.names
-        H = lang.hidden_size
-        table.add(unit.name + ".norm.weight", whole(table.hf(names.final_norm(), (H,)), (H,)))
-        head = names.embed() if lang.tie_word_embeddings else names.head
-        table.add(unit.name + ".output.weight", vocab_recipe(table.hf(head, (lang.vocab_real, H)), table.spec))
-
-
-GPT_DECODER = (TextEmbed, TextLayer, Head)
-
 
 class PaddedHeadLayers(RuntimeComponent):
     """ViT layers built with heads padded to a multiple of TP (``megatron/vlm/parallel/padded_heads.py``): their checkpoint
@@ -463,49 +432,53 @@ class VisionConfig(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class FamilyRuntime:
-    """A model family's run-time side, which its ``Family.runtime`` names (``"module:attribute"``) and
-    ``megatron.vlm.stage.components.runtime_family`` loads: one ``RuntimeComponent`` class per unit kind of the family's
-    cost side (``check`` says which are missing), the ViT's TransformerConfig, its Hugging Face side
+    """A model family's run-time parts besides its unit kinds' components, which its ``Family.runtime`` names
+    (``"module:attribute"``) and ``runtime_family`` loads: the ViT's TransformerConfig, its Hugging Face side
     (``megatron.vlm.hf.config.HFSide``: config reader, tensor names, logits-check micro-batches, structure twin; None
     where it has none) and its data side (``megatron.vlm.stage.data_side.DataSide``: image tokens, image rule,
     micro-batches)."""
 
-    components: tuple[type[RuntimeComponent], ...]
     vision_config: VisionConfig
     hf: HFSide | None = None
     data: DataSide = TILED
 
-    def check(self, family: Family) -> None:
-        """Refuse (TypeError: a bug of the family) a unit kind of ``family``'s cost side without a component here."""
-        runtime = {c.kind() for c in self.components}
-        missing = [c.kind for c in family.components if c.kind not in runtime]
-        if missing:
-            raise TypeError(f"family {family.name!r}: no runtime component for unit kind(s) {', '.join(missing)}")
 
-    def component(self, kind: str) -> type[RuntimeComponent]:
-        for c in self.components:
-            if c.kind() == kind:
-                return c
-        raise KeyError(f"no runtime component for unit kind {kind!r}")
+@functools.cache
+def runtime_of(kind: UnitKind) -> type[RuntimeComponent]:
+    """The run-time component class ``kind.runtime`` names, imported on first use and checked: a
+    ``RuntimeComponent`` subclass, and ``kind.reads`` parts of a micro-batch (``StageInputs`` fields). Anything else
+    is a TypeError naming the kind (a bug of its family)."""
+    try:
+        component = kind.load_runtime()
+    except (ImportError, AttributeError) as e:
+        raise TypeError(f"unit kind {kind.name!r}: its runtime {kind.runtime!r} does not import: {e}") from e
+    if not (isinstance(component, type) and issubclass(component, RuntimeComponent)):
+        raise TypeError(f"unit kind {kind.name!r}: its runtime {kind.runtime!r} is no RuntimeComponent class")
+    try:
+        StageInputs.reading(kind.reads)
+    except ValueError as e:
+        raise TypeError(f"unit kind {kind.name!r}: reads {sorted(kind.reads)}: {e}") from None
+    return component
 
 
 def runtime_family(spec: ModelSpec) -> FamilyRuntime:
-    """The run-time side of ``spec``'s family (``Family.runtime``), imported on first use; checked to have a runtime
-    component for every unit kind of the family's costs."""
+    """The run-time side of ``spec``'s family (``Family.runtime``), imported on first use, its unit kinds' components
+    with it (``runtime_of``: checked, so that a family's mistake shows before any work)."""
     family = family_of(spec)
     runtime = family.load_runtime()
-    runtime.check(family)
+    if not isinstance(runtime, FamilyRuntime):
+        raise TypeError(f"family {family.name!r}: its runtime {family.runtime!r} is no FamilyRuntime")
+    for kind in family.kinds:
+        runtime_of(kind)
     return runtime
 
 
 def component_of(spec: ModelSpec, unit: Unit) -> type[RuntimeComponent]:
-    """The runtime component class of ``unit`` (a unit of ``build_units(spec)``)."""
-    return runtime_family(spec).component(unit.kind)
+    """The runtime component class of ``unit`` (a unit of ``build_units(spec)``): its kind's."""
+    return runtime_of(family_of(spec).kind(unit.kind))
 
 
 def units_inputs(spec: ModelSpec, units) -> StageInputs:
-    """What a stage holding ``units`` reads of a micro-batch: the union of their runtime components' ``reads``."""
-    reads = set()
-    for unit in units:
-        reads |= component_of(spec, unit).reads
-    return StageInputs.reading(reads)
+    """What a stage holding ``units`` reads of a micro-batch: the union of their kinds' ``reads``."""
+    family = family_of(spec)
+    return StageInputs.reading(set().union(*(family.kind(unit.kind).reads for unit in units)))

@@ -70,12 +70,16 @@ class TextPart(Part):
 @dataclass(frozen=True)
 class PackingPart(Part):
     """THD description of the micro-batch (``collate.packing``): cu_seqlens int32 [segments + 1] and max_seqlen
-    (int), on the host; segment_ids int64 [b, s] (sample in the micro-batch, -1 padding); position_ids int64 [b, s]."""
+    (int), on the host; segment_ids int64 [b, s] (sample in the micro-batch, -1 padding); position_ids int64 [b, s].
+    decode: generation only (``megatron.vlm.inference``), the decode step whose KV and recurrent caches the LLM layers
+    read and extend (each segment one sequence's new tokens; the RoPE positions are then ``position_ids``); None in
+    training and logits checks."""
 
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int | None = None
     segment_ids: torch.Tensor | None = None
     position_ids: torch.Tensor | None = None
+    decode: object | None = None
 
 
 @dataclass(frozen=True)
@@ -235,7 +239,7 @@ class StageInputs:
     @classmethod
     def reading(cls, parts) -> "StageInputs":
         """Only the parts named in ``parts`` (field names: "pixels", "tokens", "labels", "packing"); a stage's
-        are the union of its units' runtime components' ``reads`` (``megatron.vlm.stage.components.units_inputs``)."""
+        are the union of its units' kinds' ``reads`` (``megatron.vlm.stage.components.units_inputs``)."""
         parts = set(parts)
         unknown = parts - {f.name for f in dataclasses.fields(cls)}
         if unknown:

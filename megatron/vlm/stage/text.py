@@ -59,6 +59,8 @@ class TextEmbedding(MegatronModule):
         feats = feats.index_select(0, image_tile_index).reshape(-1, emb.shape[-1])
         if feature_index is not None:
             feats = feats.index_select(0, feature_index)
+        if feats.shape[0] == 0:  # no image: every token is text (a generation's decode step may emit the context id)
+            return emb.transpose(0, 1).contiguous()
         slots = (tokens == self.img_context_id).reshape(1, -1, 1)
         emb = emb.masked_scatter(slots, feats.to(emb.dtype))
         return emb.transpose(0, 1).contiguous()  # [t, 1, H]
@@ -104,6 +106,12 @@ def text_context(batch: MicroBatch, rotary, thd: bool, device=None) -> TextConte
     [b, 1, s, s] and per-token frequencies [s, b, 1, d] gathered at ``position_ids``.
     """
     max_seqlen = int(batch.packing.max_seqlen)
+    if thd and batch.packing.decode is not None:  # generation: positions continue past each sequence's cache
+        params = segment_params(batch.packing.cu_seqlens, max_seqlen, device, decode=batch.packing.decode)
+        positions = batch.packing.position_ids.reshape(-1)
+        # one frequency row per token: megatron-core's THD RoPE then maps them by absolute offset
+        rope = rotary(int(positions.max()) + 1, packed_seq=True)[positions.to(torch.long)]
+        return TextContext(None, rope, params)
     if thd:
         params = segment_params(batch.packing.cu_seqlens, max_seqlen, device, context_parallel_group())
         # tokens of the (unsplit) micro-batch (tokens are only where the embedding is)

@@ -1,4 +1,5 @@
-"""InternVL's runtime components: InternViT's patch embedding and layers, the pixel-shuffle projector."""
+"""InternVL's run-time components (its unit kinds, ``kinds``, name them): InternViT's patch embedding and layers,
+the pixel-shuffle projector."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,8 +8,6 @@ import functools
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 
-from . import hf
-from .costs import ProjectorCost, VisionEmbedCost, VisionLayerCost
 from .layers import layer_spec
 from .modules import Projector, VisionEmbedding
 from megatron.vlm.layers.drop_path import iteration_keys, layer_rates
@@ -19,7 +18,7 @@ from megatron.vlm.stage.components import PaddedHeadLayers, RuntimeComponent
 class VisionEmbed(RuntimeComponent):
     """Tiles [n, C, S, S] -> patch tokens plus a class token, with learned positions."""
 
-    cost, attr, reads = VisionEmbedCost, "vit_embed", frozenset({"pixels"})
+    attr = "vit_embed"
 
     def build(self):
         return VisionEmbedding(self.spec, self.ctx.vision_config)
@@ -27,16 +26,12 @@ class VisionEmbed(RuntimeComponent):
     def forward(self, module, x, batch, cache):
         return module(batch.vision.pixel_values)
 
-    @classmethod
-    def hf_recipes(cls, unit, table):
-        hf.vision_embed_recipes(unit, table)
-
 
 class VisionLayer(PaddedHeadLayers):
     """InternViT layers: full attention within each tile (no mask), heads padded to a multiple of TP, and
     the layer features of the VisionSpec (qkv bias, qk-norm, layer scale)."""
 
-    cost, attr, layers = VisionLayerCost, "vit_blocks", True
+    attr, layers = "vit_blocks", True
 
     def layer_spec(self, first_unit_index: int):
         v, ctx = self.spec.vision, self.ctx
@@ -72,15 +67,11 @@ class VisionLayer(PaddedHeadLayers):
             x = sequence_parallel.leave(x)[:self.spec.vision.seq_per_tile]
         return x
 
-    @classmethod
-    def hf_recipes(cls, unit, table):
-        hf.vision_layer_recipes(unit, table)
-
 
 class ProjectorUnit(RuntimeComponent):
     """ViT output -> drop class token -> pixel shuffle -> LayerNorm -> 2-layer MLP into the LLM's width."""
 
-    cost, attr = ProjectorCost, "projector"
+    attr = "projector"
 
     def build(self):
         # replicated over TP (full inputs, its LayerNorm whole on every rank) also under sequence parallelism
@@ -88,7 +79,3 @@ class ProjectorUnit(RuntimeComponent):
 
     def forward(self, module, x, batch, cache):
         return module(x)
-
-    @classmethod
-    def hf_recipes(cls, unit, table):
-        hf.projector_recipes(unit, table)

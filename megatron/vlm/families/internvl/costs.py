@@ -16,10 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from omnibal_ext.errors import UserError
-from omnibal_ext.model.components import (FUSED_KERNELS, ActBytes, CostComponent, HeadCost, TextEmbedCost,
-                                          layer_act_bytes_per_token, norm_bytes_per_token, sp_tokens)
-from omnibal_ext.model.moe_cost import llm_layer_units
-from omnibal_ext.model.spec import PROJECTOR, VISION_EMBED, VISION_LAYER, ModelSpec
+from omnibal_ext.model.components import (FUSED_KERNELS, ActBytes, CostComponent, layer_act_bytes_per_token,
+                                          norm_bytes_per_token, sp_tokens)
+from omnibal_ext.model.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -79,7 +78,7 @@ class VisionEmbedCost(CostComponent):
     """Patch embedding of the tiles (a strided conv, 588-wide reduction: low efficiency), class token,
     learned positions."""
 
-    kind, code, efficiency = "vit_embed", VISION_EMBED, 0.3
+    efficiency = 0.3
 
     def flops(self, shape, tp):
         v = self.spec.vision
@@ -100,8 +99,6 @@ class VisionEmbedCost(CostComponent):
 
 class VisionLayerCost(CostComponent):
     """One InternViT layer: full attention within each tile, GELU MLP, optional qk-norm and layer scale."""
-
-    kind, code = "vit_layer", VISION_LAYER
 
     def flops(self, shape, tp):
         return vit_layer_flops(self.spec, shape.rank_vision_items, tp)
@@ -141,7 +138,7 @@ class VisionLayerCost(CostComponent):
 class ProjectorCost(CostComponent):
     """Pixel shuffle, LayerNorm and a 2-layer GELU MLP into the LLM's width (few tokens: lower efficiency)."""
 
-    kind, code, efficiency = "projector", PROJECTOR, 0.4
+    efficiency = 0.4
 
     def _image_tokens(self, shape) -> int:
         return shape.rank_vision_items * self.spec.tokens_per_tile
@@ -166,23 +163,4 @@ class ProjectorCost(CostComponent):
         return img, img
 
 
-def unit_list(spec: ModelSpec):
-    units = [("vit.embed", VisionEmbedCost, None)]
-    units += [(f"vit.layer.{i}", VisionLayerCost, i) for i in range(spec.vision.num_layers)]
-    units += [("projector", ProjectorCost, None), ("llm.embed", TextEmbedCost, None)]
-    units += llm_layer_units(spec)  # MoE layers (LanguageSpec.moe) at their own kind
-    return units + [("llm.head", HeadCost, None)]
-
-
 NAME = "internvl"
-
-
-def spec_problem(spec: ModelSpec) -> str | None:
-    """The image size must be whole patches, and the patch grid pixel-shuffled by the downsample ratio."""
-    v = spec.vision
-    if v.image_size % v.patch_size:
-        return f"--patch-size {v.patch_size} does not divide --image-size {v.image_size}"
-    grid = v.image_size // v.patch_size
-    if grid % int(round(1 / spec.downsample_ratio)):
-        return f"the ViT patch grid {grid}x{grid} cannot be pixel-shuffled by {spec.downsample_ratio}"
-    return None

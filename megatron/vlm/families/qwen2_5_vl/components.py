@@ -1,6 +1,7 @@
-"""Qwen2.5-VL's runtime components: the patch embedding, the window- and full-attention ViT layers (two kinds,
-one place in the stage), the patch merger, the LLM embedding with image features and the LLM layers with
-multimodal RoPE; the head is the shared GPT decoder's.
+"""Qwen2.5-VL's run-time components (its unit kinds, ``kinds``, name them): the patch embedding, the window- and
+full-attention ViT layers (two kinds, one place in the stage) and the patch merger; the LLM embedding with image
+features and the LLM layers with multimodal RoPE are the Qwen lineage's (``megatron.vlm.lineages.qwen.text``), the
+head the shared GPT decoder's.
 
 Micro-batch fields read (besides the shared ``tokens``, ``labels``, ``cu_seqlens``, ``max_seqlen``, ...):
 
@@ -27,8 +28,6 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import hf
-from .costs import FullLayerCost, MergerCost, VisionEmbedCost, WindowLayerCost
 from .modules import PatchMerger, vision_layer_spec
 from megatron.vlm.layers.attention import segment_params
 from megatron.vlm.layers.drop_path import iteration_keys, layer_rates, with_drop_path
@@ -55,7 +54,7 @@ class WindowedVitContext:
 class VisionEmbed(RuntimeComponent):
     """Patch rows -> Conv3d patch embedding -> window order [patches, 1, H]."""
 
-    cost, attr, reads = VisionEmbedCost, "vit_embed", frozenset({"pixels"})
+    attr = "vit_embed"
 
     def build(self):
         return PatchEmbedding(self.spec, self.ctx.vision_config)
@@ -63,10 +62,6 @@ class VisionEmbed(RuntimeComponent):
     def forward(self, module, x, batch, cache):
         x = module(batch.vision.pixel_values)
         return x.index_select(0, batch.vision.vision_patch_index.to(x.device)).unsqueeze(1)
-
-    @classmethod
-    def hf_recipes(cls, unit, table):
-        hf.vision_embed_recipes(unit, table)
 
 
 class _VisionLayers(PaddedHeadLayers):
@@ -77,7 +72,7 @@ class _VisionLayers(PaddedHeadLayers):
     kinds' bounds, zero RoPE) and split where the ViT's layers start; window and full-attention runs share the
     region (it is left where the ViT's layers end, and the pads cut off)."""
 
-    attr, reads, layers = "vit_blocks", frozenset({"pixels"}), True
+    attr, layers = "vit_blocks", True
     window = False
 
     def layer_spec(self, first_unit_index: int):
@@ -144,27 +139,23 @@ class _VisionLayers(PaddedHeadLayers):
             x = sequence_parallel.leave(x)[:c.patches]
         return x
 
-    @classmethod
-    def hf_recipes(cls, unit, table):
-        hf.vision_layer_recipes(unit, table)
-
 
 class WindowLayer(_VisionLayers):
     """ViT layers attending within each window (``vision_cu_window_seqlens``)."""
 
-    cost, window = WindowLayerCost, True
+    window = True
 
 
 class FullLayer(_VisionLayers):
     """ViT layers attending over each whole image (``vision_cu_seqlens``): ``fullatt_block_indexes``."""
 
-    cost, window = FullLayerCost, False
+    window = False
 
 
 class Merger(RuntimeComponent):
     """The 2x2 patch merger (projector); its output put back in processor order [image tokens, 1, Hl]."""
 
-    cost, attr, reads = MergerCost, "projector", frozenset({"pixels"})
+    attr = "projector"
 
     def build(self):
         # replicated over TP (full inputs, its RMSNorm whole on every rank) also under sequence parallelism
@@ -174,9 +165,3 @@ class Merger(RuntimeComponent):
     def forward(self, module, x, batch, cache):
         y = module(x)
         return y.index_select(0, batch.vision.vision_merged_inverse.to(y.device))
-
-    @classmethod
-    def hf_recipes(cls, unit, table):
-        hf.merger_recipes(unit, table)
-
-

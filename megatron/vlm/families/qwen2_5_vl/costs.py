@@ -30,10 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from omnibal_ext.errors import UserError
-from omnibal_ext.model.components import (FUSED_KERNELS, ActBytes, CostComponent, HeadCost, TextEmbedCost,
-                                          layer_act_bytes_per_token, norm_bytes_per_token, sp_tokens)
-from omnibal_ext.model.moe_cost import llm_layer_units
-from omnibal_ext.model.spec import PROJECTOR, VISION_EMBED, VISION_LAYER, ModelSpec
+from omnibal_ext.model.components import (FUSED_KERNELS, ActBytes, CostComponent, layer_act_bytes_per_token,
+                                          norm_bytes_per_token, sp_tokens)
+from omnibal_ext.model.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -86,6 +85,20 @@ class VisionSpec:
         """Patches per side of a full window (8 at 112 px: 4 x 4 merged tokens)."""
         return self.window_size // (self.spatial_merge_size * self.patch_size) * self.spatial_merge_size
 
+    def segments_sq(self, rows, cols) -> tuple[np.ndarray, np.ndarray]:
+        """(full-attention, window) sums of squared segment lengths (patches^2) of images of ``rows x cols`` patches
+        (arrays, one per image; ``PatchVision``): the whole image is one segment, ``(rows*cols)^2``; windows of
+        ``w x w`` patches (``window_patches_side``) tile it from the top left, ragged at the bottom and right edges,
+        so their squares sum to ``S(rows) * S(cols)`` with ``S(n) = (n // w) * w^2 + (n % w)^2``."""
+        w = self.window_patches_side
+        rows = np.asarray(rows, dtype=np.float64)
+        cols = np.asarray(cols, dtype=np.float64)
+
+        def side(n):
+            return np.floor(n / w) * w * w + np.mod(n, w) ** 2
+
+        return (rows * cols) ** 2, side(rows) * side(cols)
+
     @property
     def patch_dim(self) -> int:
         """Values of one patch row (3 x 2 x 14 x 14 = 1176)."""
@@ -118,25 +131,10 @@ def _several_segments(shape, window: bool, padded: int) -> bool:
     return given is None or given < float(n) * n or padded > shape.rank_vision_items
 
 
-def image_segments_sq(spec: ModelSpec, rows, cols) -> tuple[np.ndarray, np.ndarray]:
-    """(full-attention, window) sums of squared segment lengths (patches^2) of images of ``rows x cols`` patches
-    (arrays, one per image): the whole image is one segment, ``(rows*cols)^2``; windows of ``w x w`` patches
-    (``window_patches_side``) tile it from the top left, ragged at the bottom and right edges, so their squares
-    sum to ``S(rows) * S(cols)`` with ``S(n) = (n // w) * w^2 + (n % w)^2``."""
-    w = spec.vision.window_patches_side
-    rows = np.asarray(rows, dtype=np.float64)
-    cols = np.asarray(cols, dtype=np.float64)
-
-    def side(n):
-        return np.floor(n / w) * w * w + np.mod(n, w) ** 2
-
-    return (rows * cols) ** 2, side(rows) * side(cols)
-
-
 class VisionEmbedCost(CostComponent):
     """Conv3d patch embedding without bias (a 1176-wide reduction per patch: low efficiency)."""
 
-    kind, code, efficiency = "qwen_vit_embed", VISION_EMBED, 0.3
+    efficiency = 0.3
 
     def flops(self, shape, tp):
         v = self.spec.vision
@@ -199,19 +197,19 @@ class _VisionLayerCost(CostComponent):
 class WindowLayerCost(_VisionLayerCost):
     """A ViT layer attending within each window (quadratic per window)."""
 
-    kind, code, window = "qwen_vit_window_layer", VISION_LAYER, True
+    window = True
 
 
 class FullLayerCost(_VisionLayerCost):
     """A ViT layer attending over each whole image (quadratic per image)."""
 
-    kind, code, window = "qwen_vit_full_layer", VISION_LAYER, False
+    window = False
 
 
 class MergerCost(CostComponent):
     """RMSNorm per patch, 2x2 patches concatenated, Linear-GELU-Linear into the LLM's width."""
 
-    kind, code, efficiency = "qwen_merger", PROJECTOR, 0.4
+    efficiency = 0.4
 
     def _sizes(self):
         v = self.spec.vision
@@ -239,13 +237,3 @@ class MergerCost(CostComponent):
     def tp_allreduce_bytes(self, shape, sequence_parallel=False, tp=1):
         out = shape.rank_vision_items / self.spec.vision.merge_unit * self.spec.language.hidden_size * shape.dtype_bytes
         return out, out
-
-
-def unit_list(spec: ModelSpec):
-    v = spec.vision
-    units = [("vit.embed", VisionEmbedCost, None)]
-    units += [(f"vit.layer.{i}", FullLayerCost if v.full_attention(i) else WindowLayerCost, i)
-              for i in range(v.num_layers)]
-    units += [("projector", MergerCost, None), ("llm.embed", TextEmbedCost, None)]
-    units += llm_layer_units(spec)  # MoE layers (LanguageSpec.moe) at their own kind
-    return units + [("llm.head", HeadCost, None)]

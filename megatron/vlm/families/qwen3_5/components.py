@@ -1,7 +1,6 @@
-"""Qwen3.5's runtime components: Qwen3-VL's ViT embedding, ViT layers and merger (no DeepStack), Qwen2.5-VL's
-image-token embedding, the two LLM layer kinds (Gated DeltaNet and gated full attention, with interleaved
-multimodal RoPE over the rotated ``partial_rotary_factor`` of each head) and the head with a zero-centred final
-norm.
+"""Qwen3.5's run-time components (its unit kinds, ``kinds``, name them): the two LLM layer kinds (Gated DeltaNet and
+gated full attention, with interleaved multimodal RoPE over the rotated ``partial_rotary_factor`` of each head) and
+the head with a zero-centred final norm; its ViT's and LLM embedding's are the Qwen lineage's.
 
 Both LLM layer kinds are role ``t``: consecutive units of one kind on a stage form TransformerBlock segments, and
 all of them sit in the stage's ``llm_blocks`` in unit order (the stage runs a run of one kind, then the next). They
@@ -26,13 +25,9 @@ import torch
 from omnibal_ext.errors import UserError
 from omnibal_ext.model.spec import HEAD
 
-from . import hf
-from .costs import (GatedAttentionLayerCost, GatedAttentionMoELayerCost, LinearAttentionLayerCost,
-                    LinearAttentionMoELayerCost)
 from .modules import ZeroCentredRMSNorm, attention_layer_spec, language_layer_config, linear_layer_spec
 from megatron.vlm.layers.rope import MultimodalRope
-from megatron.vlm.lineages.qwen.qwen3_vit.components import Merger, VisionEmbed, VisionLayers
-from megatron.vlm.lineages.qwen.text import ImageTextEmbed, MRopeTextLayer
+from megatron.vlm.lineages.qwen.text import MRopeTextLayer
 from megatron.vlm.stage.components import Head, MoEMLPs
 
 
@@ -69,36 +64,23 @@ class _Qwen35TextLayers(MRopeTextLayer):
 class LinearAttentionLayers(_Qwen35TextLayers):
     """Gated DeltaNet layers (``linear_attention``): each packed sample from a zero state."""
 
-    cost = LinearAttentionLayerCost
-
     def layer_spec(self, first_unit_index: int):
         ctx = self.ctx
         return linear_layer_spec(ctx.seed, first_unit_index, ctx.impl,
                                  self.spec.language.linear_chunk_size)
 
-    @classmethod
-    def hf_recipes(cls, unit, table):
-        hf.linear_layer_recipes(unit, table)
-
 
 class GatedAttentionLayers(_Qwen35TextLayers):
     """Gated full-attention layers (``full_attention``)."""
-
-    cost = GatedAttentionLayerCost
 
     def layer_spec(self, first_unit_index: int):
         ctx = self.ctx
         return attention_layer_spec(ctx.seed, first_unit_index, ctx.impl)
 
-    @classmethod
-    def hf_recipes(cls, unit, table):
-        hf.attention_layer_recipes(unit, table)
-
 
 class _MoELayers(MoEMLPs):
     """What both MoE layer kinds add to their dense kind: megatron-core's MoELayer as the MLP, its router numbered and
-    masked (``MoEMLPs``; the shared expert and its sigmoid gate as the config's ``moe_shared_expert_*`` say); the
-    experts' HF tensors are ``hf.moe_recipes``'."""
+    masked (``MoEMLPs``; the shared expert and its sigmoid gate as the config's ``moe_shared_expert_*`` say)."""
 
     def layer_spec(self, first_unit_index: int):
         return self.with_moe(super().layer_spec(first_unit_index), first_unit_index)
@@ -107,21 +89,9 @@ class _MoELayers(MoEMLPs):
 class LinearAttentionMoELayers(_MoELayers, LinearAttentionLayers):
     """Gated DeltaNet layers with MoE MLPs (Qwen3.5-MoE's ``linear_attention`` layers)."""
 
-    cost = LinearAttentionMoELayerCost
-
-    @classmethod
-    def hf_recipes(cls, unit, table):
-        hf.linear_layer_recipes(unit, table, mlp=hf.moe_recipes)
-
 
 class GatedAttentionMoELayers(_MoELayers, GatedAttentionLayers):
     """Gated full-attention layers with MoE MLPs (Qwen3.5-MoE's ``full_attention`` layers)."""
-
-    cost = GatedAttentionMoELayerCost
-
-    @classmethod
-    def hf_recipes(cls, unit, table):
-        hf.attention_layer_recipes(unit, table, mlp=hf.moe_recipes)
 
 
 class Qwen35Head(Head):
@@ -129,11 +99,3 @@ class Qwen35Head(Head):
 
     def norm_builder(self):
         return ZeroCentredRMSNorm
-
-    @classmethod
-    def hf_recipes(cls, unit, table):
-        Head.hf_recipes(unit, table)
-
-
-__all__ = ["VisionEmbed", "VisionLayers", "Merger", "ImageTextEmbed", "LinearAttentionLayers", "GatedAttentionLayers",
-           "LinearAttentionMoELayers", "GatedAttentionMoELayers", "Qwen35Head"]

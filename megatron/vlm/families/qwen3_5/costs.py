@@ -1,5 +1,5 @@
-"""Qwen3.5 (dense and MoE), its costs (tensor-free, no torch): Qwen3-VL's ViT without DeepStack (its embedding, layers and merger costs) and a
-hybrid LLM whose layers are of two kinds, in the order ``layer_types`` gives:
+"""Qwen3.5 (dense and MoE), its costs (tensor-free, no torch): Qwen3-VL's ViT without DeepStack (its embedding,
+layers and merger costs) and a hybrid LLM whose layers are of two kinds, in the order ``layer_types`` gives:
 
 * ``linear_attention``: a Gated DeltaNet layer (``omnibal_ext.model.linear_attention``: in_proj, causal conv,
   chunked gated delta rule, gated RMSNorm, out_proj) and the SwiGLU MLP -- its time is linear in tokens;
@@ -17,18 +17,17 @@ exact for samples of one length) plus the MLP ``6 T h f``. Selective recompute h
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from omnibal_ext.errors import UserError
-from omnibal_ext.model.components import (FUSED_KERNELS, ActBytes, HeadCost, TextEmbedCost, TextLayerCost,
+from omnibal_ext.model.components import (FUSED_KERNELS, ActBytes, HeadCost, TextLayerCost,
                                           llm_layer_flops, norm_bytes_per_token, rotary_table_bytes, sp_tokens)
 from omnibal_ext.model.linear_attention import LinearAttentionShape, linear_attention_act_bytes, linear_attention_flops
-from omnibal_ext.model.moe import MoESpec, first_layers
+from omnibal_ext.model.moe import MoESpec
 from omnibal_ext.model.moe_cost import MoELayerCost
-from omnibal_ext.model.spec import LanguageSpec, ModelSpec
+from omnibal_ext.model.spec import LanguageSpec
 
-from megatron.vlm.lineages.qwen.vision_costs import MergerCost, VisionEmbedCost, VisionLayerCost, VisionSpec
+from megatron.vlm.lineages.qwen.vision_costs import VisionSpec
 
 LINEAR, FULL = "linear_attention", "full_attention"  # HF layer_types values
 
@@ -107,7 +106,6 @@ def _mlp_norm_bytes(lm: LanguageSpec, T: int, D: int, tp: int, sequence_parallel
 class LinearAttentionLayerCost(TextLayerCost):
     """A Gated DeltaNet layer with its SwiGLU MLP (module docstring); TP all-reduces as any decoder layer's."""
 
-    kind = "qwen3_5_linear_layer"
     efficiency = 0.4
 
     def _lengths(self, shape, tokens: int) -> list[int]:
@@ -130,6 +128,13 @@ class LinearAttentionLayerCost(TextLayerCost):
     def linears(self, tp):
         return {}  # no LoRA on these layers (not declared)
 
+    def decode_cache(self, batch, context, tp, dtype_bytes):
+        """A decode step reads, updates and writes each sequence's recurrent state (fp32, ``value heads * k_dim *
+        v_dim``: about 6 FLOPs per element) and its convolution window (``kernel - 1`` inputs); no context."""
+        s = self.spec.language.linear_shape
+        state = s.value_heads * s.key_head_dim * s.value_head_dim
+        return 6.0 * state * batch, batch * (2 * 4.0 * state + (s.conv_kernel - 1) * s.conv_dim * dtype_bytes) / tp
+
     def act_bytes(self, shape, tp, dropout, attention, sequence_parallel=False, kernels=FUSED_KERNELS):
         lm, D = self.spec.language, shape.dtype_bytes
         T = sp_tokens(shape.rank_llm_tokens, tp, sequence_parallel)
@@ -151,8 +156,6 @@ class GatedAttentionLayerCost(TextLayerCost):
     """A gated full-attention layer: the decoder layer's cost with ``q_proj``'s gate rows (``heads * head_dim``
     more outputs of the fused QKV), the sigmoid gate on the attention output and partial rotary (its tables
     ``rotary_dim`` wide)."""
-
-    kind = "qwen3_5_attention_layer"
 
     def _width(self) -> int:
         lm = self.spec.language
@@ -196,33 +199,6 @@ class ZeroCentredHeadCost(HeadCost):
         return ActBytes(b.act + extra, b.full, b.selective + extra, b.send)
 
 
-def unit_list(spec: ModelSpec):
-    lm = spec.language
-    units = [("vit.embed", VisionEmbedCost, None)]
-    units += [(f"vit.layer.{i}", VisionLayerCost, i) for i in range(spec.vision.num_layers)]
-    units += [("projector", MergerCost, None), ("llm.embed", TextEmbedCost, None)]
-    units += [(f"llm.layer.{i}", layer_cost(lm, i), i) for i in range(lm.num_layers)]
-    return units + [("llm.head", ZeroCentredHeadCost, None)]
-
-
-def few_layers(spec: ModelSpec, vision_layers: int, llm_layers: int) -> ModelSpec:
-    """``spec`` with ``vision_layers`` ViT layers and its first LLM layers, at least ``llm_layers`` and as many as hold
-    a layer of each kind of ``layer_types`` (``Family.few_layers``: the trainer's profiler measures every kind)."""
-    types = spec.language.layer_types
-    keep = max(llm_layers, max(types.index(kind) for kind in set(types)) + 1)
-    return spec.replace(vision=dataclasses.replace(spec.vision, num_layers=vision_layers),
-                        language=dataclasses.replace(spec.language, num_layers=keep, layer_types=types[:keep],
-                                                     moe=first_layers(spec.language.moe, keep)))
-
-
-def spec_problem(spec: ModelSpec) -> str | None:
-    if spec.vision.deepstack_visual_indexes:
-        return "Qwen3.5's ViT has no DeepStack (deepstack_visual_indexes must be empty)"
-    if not isinstance(spec.language, Qwen35LanguageSpec):
-        return "a Qwen3.5 model's language spec is a Qwen35LanguageSpec"
-    return None
-
-
 def qwen3_5_language(**kw) -> Qwen35LanguageSpec:
     """A Qwen3.5 decoder: Qwen3's q/k norms, interleaved mrope, no qkv bias, plus the given layer kinds."""
     return Qwen35LanguageSpec(qk_norm=True, mrope_interleaved=True, qkv_bias=False, **kw)
@@ -242,26 +218,9 @@ class LinearAttentionMoELayerCost(MoELayerCost, LinearAttentionLayerCost):
     """A Gated DeltaNet layer whose MLP is a mixture of experts: ``LinearAttentionLayerCost`` with its SwiGLU MLP
     replaced by ``MoELayerCost``'s router, experts and shared expert (and their EP all-to-alls)."""
 
-    kind = "qwen3_5_linear_moe_layer"
-
-    def with_experts(self, run):
-        return LinearAttentionMoELayerCost(self.spec, run)
-
 
 class GatedAttentionMoELayerCost(MoELayerCost, GatedAttentionLayerCost):
     """A gated full-attention layer whose MLP is a mixture of experts (as ``LinearAttentionMoELayerCost``)."""
-
-    kind = "qwen3_5_attention_moe_layer"
-
-    def with_experts(self, run):
-        return GatedAttentionMoELayerCost(self.spec, run)
-
-
-def layer_cost(lm: "Qwen35LanguageSpec", layer: int) -> type:
-    """The cost component of LLM layer ``layer``: its kind (``layer_types``), with experts where ``lm.moe`` says."""
-    if lm.is_moe_layer(layer):
-        return LinearAttentionMoELayerCost if lm.is_linear(layer) else GatedAttentionMoELayerCost
-    return LinearAttentionLayerCost if lm.is_linear(layer) else GatedAttentionLayerCost
 
 
 def qwen3_5_moe_experts(num_layers: int, num_experts: int, topk: int, expert_ffn: int, shared_ffn: int) -> MoESpec:

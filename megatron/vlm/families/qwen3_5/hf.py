@@ -37,7 +37,8 @@ import json
 
 from omnibal_ext.model.spec import ModelSpec
 
-from .costs import FULL, LINEAR, qwen3_5_language, qwen3_5_moe_experts, spec_problem
+from . import QWEN3_5
+from .costs import FULL, LINEAR, qwen3_5_language, qwen3_5_moe_experts
 from megatron.vlm.hf.config import HFConfigError, HFInfo, padded_vocab, refuse, require
 from megatron.vlm.hf.recipes import Part, Recipe, whole
 from megatron.vlm.hf.text_configs import rope
@@ -129,7 +130,7 @@ def spec_from_config(cfg: dict, name: str = "hf", where: str = "config.json") ->
     if vision.spatial_merge_size != 2 or vision.in_channels != 3:
         raise HFConfigError(f"{where}: vision_config: only a 2x2 merge of RGB patches is implemented")
     spec = ModelSpec(name=name, vision=vision, language=lang, downsample_ratio=0.5, family="qwen3_5")
-    problem = spec_problem(spec)
+    problem = QWEN3_5.spec_problem(spec)
     if problem:
         raise HFConfigError(f"{where}: {problem}")
     image_id = cfg.get("image_token_id", t.get("image_token_id"))
@@ -295,6 +296,16 @@ def linear_layer_recipes(unit, table, mlp=_mlp) -> None:
     mlp(table, u, m)
 
 
+def linear_moe_layer_recipes(unit, table) -> None:
+    """A Gated DeltaNet layer with MoE MLPs (``moe_recipes``)."""
+    linear_layer_recipes(unit, table, mlp=moe_recipes)
+
+
+def attention_moe_layer_recipes(unit, table) -> None:
+    """A gated full-attention layer with MoE MLPs (``moe_recipes``)."""
+    attention_layer_recipes(unit, table, mlp=moe_recipes)
+
+
 def structure_twin(spec: ModelSpec) -> ModelSpec:
     """A tiny model with ``spec``'s structure (unit list with the same layer kinds, heads)."""
 
@@ -308,4 +319,5 @@ def structure_twin(spec: ModelSpec) -> ModelSpec:
 
 
 __all__ = ["FULL", "LINEAR", "recognizes", "is_moe", "spec_from_config", "native_config", "checkpoint_info", "Names",
-           "attention_layer_recipes", "linear_layer_recipes", "moe_recipes", "structure_twin"]
+           "attention_layer_recipes", "linear_layer_recipes", "attention_moe_layer_recipes", "linear_moe_layer_recipes",
+           "moe_recipes", "structure_twin"]

@@ -1,13 +1,12 @@
-"""Qwen3.5 (dense and MoE) at run time: its ``FamilyRuntime`` (``Family.runtime`` names it). LLM modules: ``modules``;
-components: ``components``; HF config, names and tensor recipes: ``hf``. The ViT's config, the logits-check
-micro-batches and the training data are the Qwen lineage's Qwen3-VL ViT (``megatron.vlm.lineages.qwen.qwen3_vit``):
-the same ViT, image and video processors and multimodal RoPE ids (videos too), with no DeepStack features to carry.
+"""Qwen3.5 (dense and MoE) at run time: its ``FamilyRuntime`` (``Family.runtime`` names it): the HF side (config
+reader and names: ``hf``); the ViT's config, the logits-check micro-batches and the training data are the Qwen
+lineage's Qwen3-VL ViT (``megatron.vlm.lineages.qwen.qwen3_vit``): the same ViT, image and video processors and
+multimodal RoPE ids (videos too), with no DeepStack features to carry. Its unit kinds name their components
+themselves (``kinds``).
 """
 from __future__ import annotations
 
 from . import hf
-from .components import (GatedAttentionLayers, GatedAttentionMoELayers, ImageTextEmbed, LinearAttentionLayers,
-                         LinearAttentionMoELayers, Merger, Qwen35Head, VisionEmbed, VisionLayers)
 from megatron.vlm.hf.config import HFSide
 from megatron.vlm.lineages.qwen.qwen3_vit import batch
 from megatron.vlm.lineages.qwen.qwen3_vit.data import QWEN3_VL_DATA
@@ -15,8 +14,6 @@ from megatron.vlm.lineages.qwen.qwen3_vit.modules import vision_config
 from megatron.vlm.stage.components import FamilyRuntime
 
 RUNTIME = FamilyRuntime(
-    components=(VisionEmbed, VisionLayers, Merger, ImageTextEmbed, LinearAttentionLayers, GatedAttentionLayers,
-                LinearAttentionMoELayers, GatedAttentionMoELayers, Qwen35Head),
     vision_config=vision_config,
     hf=HFSide(hf.recognizes, hf.spec_from_config, hf.native_config, names=hf.Names,
               logits_batch=batch.logits_batch, structure_twin=hf.structure_twin,

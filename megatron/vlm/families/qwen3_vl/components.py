@@ -1,8 +1,8 @@
-"""Qwen3-VL's runtime components: the patch embedding with interpolated learned positions, the ViT layers (full
-attention per image), the ViT layers at DeepStack indexes (each also runs its DeepStack merger and hands the
-feature on as a side tensor), the patch merger, and the LLM layers with multimodal RoPE that add DeepStack feature
-``j`` to layer ``j``'s output at the image tokens; the LLM embedding is Qwen2.5-VL's, the head the shared GPT
-decoder's.
+"""Qwen3-VL's run-time components (its unit kinds, ``kinds``, name them): the LLM layers with multimodal RoPE that
+add DeepStack feature ``j`` to layer ``j``'s output at the image tokens, dense and MoE. The ViT (the patch embedding
+with interpolated learned positions, the layers, the layers at DeepStack indexes that run the DeepStack mergers and
+hand the features on as side tensors, the patch merger) and the LLM embedding are the Qwen lineage's, the head the
+shared GPT decoder's.
 
 Micro-batch fields read (besides the shared ``tokens``, ``labels``, ``cu_seqlens``, ``max_seqlen``, ...; all
 host-built by ``batch.vision_fields``):
@@ -24,7 +24,6 @@ import torch
 
 from omnibal_ext.model.spec import HEAD
 
-from . import hf
 from megatron.vlm.lineages.qwen.modules import vision_slots
 from megatron.vlm.lineages.qwen.text import MRopeTextLayer
 from megatron.vlm.lineages.qwen.vision_costs import deepstack_name
@@ -120,18 +119,8 @@ class DeepStackTextLayer(MRopeTextLayer):
 
         return self._forward(module[:1], self.block_slots(module)[:1], x, batch, cache, zero_feature)
 
-    @classmethod
-    def hf_recipes(cls, unit, table):
-        hf.llm_layer_recipes(unit, table)
-
 
 class DeepStackMoETextLayer(MoETextLayer, DeepStackTextLayer):
     """Qwen3-VL-MoE's MoE decoder layers: the shared MoE layer (megatron-core's MoELayer, the router's padding mask)
     run as ``DeepStackTextLayer`` runs its layers (multimodal RoPE, DeepStack feature ``j`` added after layer
-    ``j``); the experts' HF tensors are the fused ones (``hf.moe_layer_recipes``)."""
-
-    @classmethod
-    def hf_recipes(cls, unit, table):
-        hf.moe_layer_recipes(unit, table)
-
-
+    ``j``)."""

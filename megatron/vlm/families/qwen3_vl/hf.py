@@ -32,9 +32,9 @@ import json
 
 from omnibal_ext.model.spec import LanguageSpec, ModelSpec
 
-from .costs import spec_problem
+from . import QWEN3_VL
 from megatron.vlm.hf.config import HFConfigError, HFInfo, require
-from megatron.vlm.hf.recipes import Part, add_llm_layer, add_moe_llm_layer
+from megatron.vlm.hf.recipes import Part, add_moe_llm_layer
 from megatron.vlm.hf.text_configs import moe_config, qwen3, qwen_experts, rope, with_tie
 from megatron.vlm.lineages.qwen.qwen3_vit.hf import (FUSED_EXPERTS, Names, checkpoint_info, fused_shapes,  # noqa: F401
                                                      vision_spec)
@@ -90,7 +90,7 @@ def spec_from_config(cfg: dict, name: str = "hf", where: str = "config.json") ->
     if vision.spatial_merge_size != 2 or vision.in_channels != 3:
         raise HFConfigError(f"{where}: vision_config: only a 2x2 merge of RGB patches is implemented")
     spec = ModelSpec(name=name, vision=vision, language=lang, downsample_ratio=0.5, family="qwen3_vl")
-    problem = spec_problem(spec)
+    problem = QWEN3_VL.spec_problem(spec)
     if problem:
         raise HFConfigError(f"{where}: {problem}")
     image_id = cfg.get("image_token_id", t.get("image_token_id"))
@@ -132,10 +132,6 @@ def native_config(spec: ModelSpec, info: HFInfo, source: dict | None) -> dict:
             "text_config": text, "vision_config": vision, "image_token_id": info.image_token_id,
             **({} if info.video_token_id is None else {"video_token_id": info.video_token_id}),
             "tie_word_embeddings": lang.tie_word_embeddings}
-
-
-def llm_layer_recipes(unit, table) -> None:
-    add_llm_layer(table.add, table.hf, table.names.llm_layer(unit.layer), unit.name + ".", table.spec, table.info)
 
 
 def moe_layer_recipes(unit, table) -> None:

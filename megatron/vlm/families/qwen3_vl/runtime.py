@@ -1,21 +1,16 @@
-"""Qwen3-VL (dense and MoE) at run time: its ``FamilyRuntime`` (``Family.runtime`` names it). The ViT, its
-micro-batches and data side are the Qwen lineage's Qwen3-VL ViT (``megatron.vlm.lineages.qwen.qwen3_vit``); the
-LLM layers that add the DeepStack features (``components``) and the config reader (``hf``) are this family's."""
+"""Qwen3-VL (dense and MoE) at run time: its ``FamilyRuntime`` (``Family.runtime`` names it): the config reader and
+names (``hf``); the ViT's config, its micro-batches and data side are the Qwen lineage's Qwen3-VL ViT
+(``megatron.vlm.lineages.qwen.qwen3_vit``). Its unit kinds name their components themselves (``kinds``)."""
 from __future__ import annotations
 
 from . import hf
-from .components import DeepStackMoETextLayer, DeepStackTextLayer
 from megatron.vlm.hf.config import HFSide
 from megatron.vlm.lineages.qwen.qwen3_vit import batch
-from megatron.vlm.lineages.qwen.qwen3_vit.components import DeepStackLayers, Merger, VisionEmbed, VisionLayers
 from megatron.vlm.lineages.qwen.qwen3_vit.data import QWEN3_VL_DATA
 from megatron.vlm.lineages.qwen.qwen3_vit.modules import vision_config
-from megatron.vlm.lineages.qwen.text import ImageTextEmbed
-from megatron.vlm.stage.components import FamilyRuntime, Head
+from megatron.vlm.stage.components import FamilyRuntime
 
 RUNTIME = FamilyRuntime(
-    components=(VisionEmbed, VisionLayers, DeepStackLayers, Merger, ImageTextEmbed, DeepStackTextLayer,
-                DeepStackMoETextLayer, Head),
     vision_config=vision_config,
     hf=HFSide(hf.recognizes, hf.spec_from_config, hf.native_config, names=hf.Names, logits_batch=batch.logits_batch,
               structure_twin=hf.structure_twin, checkpoint_info=hf.checkpoint_info),

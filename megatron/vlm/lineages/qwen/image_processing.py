@@ -3,8 +3,10 @@
 The result is bit-identical to the Hugging Face PIL image processor of Qwen2-VL / Qwen2.5-VL
 (``Qwen2VLImageProcessorPil``), step by step:
 
-1. RGB: an image with an alpha band (or a palette/"transparency" entry) is composited onto opaque white,
-   every other mode is converted with ``Image.convert("RGB")``.  No EXIF rotation (the reference applies none).
+1. RGB (``megatron/vlm/data/rgb.py``): an image with an alpha band (or a palette/"transparency" entry) is
+   composited onto opaque white, every other mode is converted with ``Image.convert("RGB")``, except 16-bit
+   grayscale, which keeps its high byte (the reference clips it at 255).  No EXIF rotation (the reference applies
+   none).
 2. Resize to ``smart_resize(height, width)`` (both sides multiples of ``patch_size * merge_size`` px, the
    area kept within ``[min_pixels, max_pixels]``) with PIL's resampling filter ``resample`` (bicubic).
    The image is resized even when the size does not change (PIL then returns a copy).
@@ -30,6 +32,8 @@ import numpy as np
 from PIL import Image
 
 from omnibal_ext.errors import UserError
+
+from megatron.vlm.data.rgb import to_rgb
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -194,15 +198,6 @@ def _read_json(path: str):
             return json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{path}: not valid JSON ({getattr(e, 'msg', e)})") from None
-
-
-def to_rgb(image: Image.Image) -> Image.Image:
-    """``image`` in mode RGB; transparency (an alpha band or a palette's transparent entry) is composited
-    onto opaque white."""
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
-        white = Image.new("RGBA", image.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, image.convert("RGBA")).convert("RGB")
-    return image.convert("RGB")
 
 
 def resized_grid(height: int, width: int, config: ImageProcessorConfig = ImageProcessorConfig(),

@@ -40,8 +40,6 @@ class MRopeTextLayer(TextLayer):
     (``QwenBatcher.split_cp``), one row per token of ``cu_seqlens``, so megatron-core takes this rank's chunks of
     the frequencies itself (its CP group passed in the packed parameters too)."""
 
-    reads = frozenset({"packing"})
-
     @functools.cached_property
     def rotary(self) -> torch.nn.Module:
         """The multimodal rotary table (parameter-free; the stage registers it: ``extra_modules``)."""
@@ -60,7 +58,7 @@ class MRopeTextLayer(TextLayer):
         if self.ctx.impl.thd:
             te = self.ctx.impl.transformer_engine
             params = segment_params(batch.packing.cu_seqlens, int(batch.packing.max_seqlen), device if te else None,
-                                    context_parallel_group())
+                                    context_parallel_group(), decode=batch.packing.decode)
             # [t, 1, 1, d]: every token's (CP: of the padded unsplit layout, not sliced here: megatron-core's THD
             # RoPE takes this rank's chunks of every segment)
             rope = self.rotary(ids.reshape(3, 1, -1))

@@ -24,7 +24,7 @@ import numpy as np
 from omnibal_ext.errors import UserError
 from omnibal_ext.model.components import (FUSED_KERNELS, ActBytes, CostComponent, layer_act_bytes_per_token,
                                           norm_bytes_per_token, sp_tokens)
-from omnibal_ext.model.spec import PROJECTOR, VISION_EMBED, VISION_LAYER, ModelSpec
+from omnibal_ext.model.spec import PROJECTOR, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,13 @@ class VisionSpec:
     def merge_unit(self) -> int:
         return self.spatial_merge_size**2
 
+    def segments_sq(self, rows, cols) -> tuple[np.ndarray, np.ndarray]:
+        """(full-attention, window) sums of squared segment lengths of images of ``rows x cols`` patches
+        (``PatchVision``): every layer attends over the whole image, ``(rows*cols)^2``; there are no windows (the
+        second is the same, unused)."""
+        sq = (np.asarray(rows, dtype=np.float64) * np.asarray(cols, dtype=np.float64)) ** 2
+        return sq, sq
+
     def deepstack_slot(self, layer: int) -> int | None:
         """Which DeepStack feature ViT layer ``layer`` makes (its place in ``deepstack_visual_indexes``), or None."""
         ds = self.deepstack_visual_indexes
@@ -99,17 +106,10 @@ def attention_sq(shape) -> float:
     return shape.rank_vision_sq(given if given is not None else n * n)
 
 
-def image_segments_sq(spec: ModelSpec, rows, cols) -> tuple[np.ndarray, np.ndarray]:
-    """(full-attention, window) sums of squared segment lengths of images of ``rows x cols`` patches: every layer
-    attends over the whole image, ``(rows*cols)^2``; there are no windows (the second is the same, unused)."""
-    sq = (np.asarray(rows, dtype=np.float64) * np.asarray(cols, dtype=np.float64)) ** 2
-    return sq, sq
-
-
 class VisionEmbedCost(CostComponent):
     """Conv3d patch embedding with bias plus the interpolated learned positions (4 table rows per patch)."""
 
-    kind, code, efficiency = "qwen3_vit_embed", VISION_EMBED, 0.3
+    efficiency = 0.3
 
     def flops(self, shape, tp):
         v = self.spec.vision
@@ -154,8 +154,6 @@ def merger_act(spec: ModelSpec, shape, tp: int, norm_width: int, kernels) -> flo
 class VisionLayerCost(CostComponent):
     """A ViT layer attending over each whole image (quadratic per image)."""
 
-    kind, code = "qwen3_vit_layer", VISION_LAYER
-
     def flops(self, shape, tp):
         v = self.spec.vision
         n, h, f, width = shape.rank_vision_items, v.hidden_size, v.ffn_hidden_size, v.padded_heads(tp) * v.head_dim
@@ -195,7 +193,7 @@ class VisionLayerCost(CostComponent):
 class MergerCost(CostComponent):
     """LayerNorm per patch, 2x2 patches concatenated, Linear-GELU-Linear into the LLM's width."""
 
-    kind, code, efficiency = "qwen3_merger", PROJECTOR, 0.4
+    efficiency = 0.4
 
     def flops(self, shape, tp):
         return merger_flops(self.spec, shape), 0.0
@@ -216,8 +214,6 @@ class MergerCost(CostComponent):
 
 class DeepStackLayerCost(VisionLayerCost):
     """A ViT layer at a DeepStack index: the layer plus its DeepStack merger (LayerNorm after the 2x2 shuffle)."""
-
-    kind = "qwen3_vit_deepstack_layer"
 
     def flops(self, shape, tp):
         total, core = super().flops(shape, tp)

@@ -12,13 +12,11 @@ import torch.nn.functional as F
 
 from omnibal_ext.model.spec import PROJECTOR
 
-from . import hf
 from .modules import DeepStackDropPathLayer, DeepStackLayer, PatchMerger, VisionEmbedding, vision_layer_spec
 from megatron.vlm.layers.attention import segment_params
 from megatron.vlm.layers.drop_path import iteration_keys, layer_rates, with_drop_path
 from megatron.vlm.lineages.qwen.modules import vision_rotary
-from megatron.vlm.lineages.qwen.vision_costs import (DeepStackLayerCost, MergerCost, VisionEmbedCost, VisionLayerCost,
-                                                     deepstack_name)
+from megatron.vlm.lineages.qwen.vision_costs import deepstack_name
 from megatron.vlm.parallel import sequence_parallel
 from megatron.vlm.parallel.padded_heads import tp_rank
 from megatron.vlm.stage.components import PaddedHeadLayers, RuntimeComponent
@@ -41,7 +39,7 @@ class VitContext:
 class VisionEmbed(RuntimeComponent):
     """Patch rows -> Conv3d patch embedding + interpolated learned positions -> [patches, 1, H]."""
 
-    cost, attr, reads = VisionEmbedCost, "vit_embed", frozenset({"pixels"})
+    attr = "vit_embed"
 
     def build(self):
         return VisionEmbedding(self.spec, self.ctx.vision_config)
@@ -51,10 +49,6 @@ class VisionEmbed(RuntimeComponent):
         v = batch.vision
         x = module(v.pixel_values, v.vision_pos_index.to(device), v.vision_pos_weight.to(device))
         return x.unsqueeze(1)
-
-    @classmethod
-    def hf_recipes(cls, unit, table):
-        hf.vision_embed_recipes(unit, table)
 
 
 def _merger_config(ctx):
@@ -73,7 +67,7 @@ class VisionLayers(PaddedHeadLayers):
     Drop path (``--vision-drop-path-rate``, ``megatron/vlm/layers/drop_path.py``): per image, each patch row taking its
     image's key (``tile_keys``, processor order: the rows' order), the blocks' ``context``."""
 
-    cost, attr, reads, layers = VisionLayerCost, "vit_blocks", frozenset({"pixels"}), True
+    attr, layers = "vit_blocks", True
 
     def layer_spec(self, first_unit_index: int):
         ctx = self.ctx
@@ -147,17 +141,11 @@ class VisionLayers(PaddedHeadLayers):
             x = sequence_parallel.leave(x)[:c.patches]
         return x
 
-    @classmethod
-    def hf_recipes(cls, unit, table):
-        hf.vision_layer_recipes(unit, table)
-
 
 class DeepStackLayers(VisionLayers):
     """ViT layers at DeepStack indexes: one block per layer; after each, its DeepStack merger (a submodule of the
     layer) runs on the layer's output (all patches: gathered under sequence parallelism) and the feature is held as
     side tensor ``deepstack.{j}`` for LLM layer ``j``."""
-
-    cost = DeepStackLayerCost
 
     def layer_spec(self, first_unit_index: int):
         ctx, spec = self.ctx, self.spec
@@ -205,16 +193,11 @@ class DeepStackLayers(VisionLayers):
         it; the layer is the ViT's."""
         return PROJECTOR if name.startswith("deepstack_merger.") else unit.code
 
-    @classmethod
-    def hf_recipes(cls, unit, table):
-        hf.vision_layer_recipes(unit, table)
-        hf.deepstack_merger_recipes(unit, table)
-
 
 class Merger(RuntimeComponent):
     """The 2x2 patch merger (projector): [patches, 1, Hv] -> [image tokens, 1, Hl] (processor order: text order)."""
 
-    cost, attr, reads = MergerCost, "projector", frozenset({"pixels"})
+    attr = "projector"
 
     def build(self):
         # replicated over TP (full inputs, its LayerNorm whole on every rank) also under sequence parallelism
@@ -222,7 +205,3 @@ class Merger(RuntimeComponent):
 
     def forward(self, module, x, batch, cache):
         return module(x)
-
-    @classmethod
-    def hf_recipes(cls, unit, table):
-        hf.merger_recipes(unit, table)

@@ -156,3 +156,9 @@ def deepstack_merger_recipes(unit, table) -> None:
     v = table.spec.vision
     _merger(table, unit.name + ".deepstack_merger.", table.names.deepstack_merger(v.deepstack_slot(unit.layer)),
             v.hidden_size * v.merge_unit)
+
+
+def deepstack_layer_recipes(unit, table) -> None:
+    """A ViT layer at a DeepStack index: the layer's tensors and its DeepStack merger's."""
+    vision_layer_recipes(unit, table)
+    deepstack_merger_recipes(unit, table)
