@@ -18,7 +18,7 @@ warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")  # meg
 import torch.distributed as dist  # noqa: E402
 from megatron.core.utils import unwrap_model  # noqa: E402
 
-from megatron.training import checkpointing, cpu_compat, isf, setup, training  # noqa: E402
+from megatron.training import checkpointing, cpu_compat, isf, level_summary, setup, training  # noqa: E402
 from megatron.training.arguments import parse_config, requested_device  # noqa: E402
 from megatron.training.checkpointing import lock  # noqa: E402
 from megatron.training.config import RunConfig  # noqa: E402
@@ -114,6 +114,18 @@ def run(config: RunConfig, device) -> dict:
     summary = training.train(plan, model, optimizer, scheduler, train_data, valid_data, start, consumed,
                              sample_times=sample_times)
     summary["layout"] = list(plan.layout.stage_units)
+    if dist.get_rank() == 0:  # what each level did, against Megatron's default (megatron/training/level_summary.py)
+        balance = config.balance
+        levels = level_summary.summary_lines(
+            level_summary.DataLevel(balance.isf, summary.get("balance"), summary.get("balance_random")),
+            level_summary.model_level(plan.model_spec, plan.layout, parallel.pipeline_model_parallel_size,
+                                      parallel.virtual_pipeline_size, costs, balance.partition == "auto"),
+            level_summary.memory_level(plan.layout, plan.adaptive_recompute, balance.recompute_plan or
+                                       balance.recompute_granularity or "none", costs,
+                                       parallel.pipeline_model_parallel_size, parallel.tensor_model_parallel_size,
+                                       parallel.data_parallel_size, config.optim.num_microbatches,
+                                       parallel.use_distributed_optimizer, setup.precision_of(config.optim)))
+        print("\n".join("> " + line for line in levels), flush=True)
     return summary
 
 

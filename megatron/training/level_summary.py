@@ -17,8 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from omnibal_ext.memory.recompute import RecomputePlan
-from omnibal_ext.model.partition import PartitionReport
+from omnibal_ext.memory.recompute import RecomputePlan, evaluate_plan, full_recompute_plan
+from omnibal_ext.model.costs import CostTable
+from omnibal_ext.model.layout import PipelineLayout, default_layout
+from omnibal_ext.model.partition import PartitionReport, evaluate_layout
+from omnibal_ext.model.units import build_units
+
 
 RATIOS = ("pad_ratio", "dist_ratio_llm", "dist_ratio_vit")
 
@@ -35,11 +39,12 @@ class DataLevel:
 
 @dataclass(frozen=True)
 class ModelLevel:
-    """searched: --omnibal-partition auto; layout_flag: the layout trained; chosen / default: the predicted stage
-    times of that layout and of Megatron's default (None without unit costs)."""
+    """searched: --omnibal-partition auto; layout_flag / default_flag: the layout trained and Megatron's default;
+    chosen / default: their predicted stage times (None without unit costs)."""
 
     searched: bool
     layout_flag: str
+    default_flag: str
     chosen: PartitionReport | None
     default: PartitionReport | None
 
@@ -75,7 +80,7 @@ def model_line(level: ModelLevel) -> str:
         return f"model:  {how} {level.layout_flag}; no unit costs to predict its stage times"
     c, d = level.chosen, level.default
     return (f"model:  {how} {level.layout_flag}: predicted bottleneck {_ms(max(c.stage_times_s))} per micro-batch, "
-            f"bottleneck/mean {c.bottleneck_over_mean:.3f}; Megatron's default layout {d.flag}: "
+            f"bottleneck/mean {c.bottleneck_over_mean:.3f}; Megatron's default layout {level.default_flag}: "
             f"{_ms(max(d.stage_times_s))}, {d.bottleneck_over_mean:.3f}")
 
 
@@ -94,3 +99,27 @@ def summary_lines(data: DataLevel, model: ModelLevel, memory: MemoryLevel) -> li
     """The log's closing block, one line per level."""
     return ["OmniBal, what each level did (against Megatron's default):", data_line(data), model_line(model),
             memory_line(memory)]
+
+
+def model_level(spec, layout: PipelineLayout, pp: int, vpp: int, costs: CostTable | None,
+                searched: bool) -> ModelLevel:
+    """The model level of a run of ``spec`` at ``pp`` pipeline ranks (``vpp`` chunks each) trained on ``layout``;
+    ``costs``: its unit costs (None: none measured)."""
+    units = build_units(spec)
+    default = default_layout(spec, pp * vpp)
+    flags = (layout.to_flag(units), default.to_flag(units))
+    if costs is None:
+        return ModelLevel(searched, *flags, None, None)
+    return ModelLevel(searched, *flags, evaluate_layout(costs, layout, pp), evaluate_layout(costs, default, pp))
+
+
+def memory_level(layout: PipelineLayout, chosen: RecomputePlan | None, given: str, costs: CostTable | None, pp: int,
+                 tp: int, dp: int, microbatches: int, distributed_optimizer: bool, precision) -> MemoryLevel:
+    """The memory level of a run on ``layout``: ``chosen``, the adaptive recompute (None: off, ``given`` says what
+    the flags asked for), against full recompute of every layer on the same layout."""
+    if chosen is None or costs is None:
+        return MemoryLevel(chosen is not None, chosen.to_flag() if chosen else given, None, None)
+    full = evaluate_plan(costs, layout, full_recompute_plan(layout, costs.units), pp, tp, dp, microbatches,
+                         chosen.budget_bytes or float("inf"), distributed_optimizer=distributed_optimizer,
+                         precision=precision)
+    return MemoryLevel(True, chosen.to_flag(), chosen, full)

@@ -12,7 +12,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from omnibal_ext.data.metrics import step_balance_time
+import numpy as np
+
+from omnibal_ext.data.metrics import random_rebatch_balance, step_balance_time
 
 from .config import LogConfig
 
@@ -135,6 +137,19 @@ def batch_balance(records: list[dict], balance_fn, dp_gloo, sample_times=None) -
             per_step[-1].update(step_balance_time([rank_records[j]["ids"] for rank_records in gathered], sample_times))
     keys = per_step[0].keys() if per_step else []
     return {k: sum(s[k] for s in per_step) / len(per_step) for k in keys}
+
+
+def random_batch_balance(records: list[dict], dp_gloo, rng: np.random.Generator) -> dict:
+    """Pad/Dist ratios that Megatron's default batching would have given on the samples this iteration trained: all
+    data-parallel ranks' samples shuffled (``rng``, the same on every rank) and dealt into as many padded micro-batches
+    per rank (``random_rebatch_balance``); {} when the iteration recorded none."""
+    gathered = [None] * parallel_state.get_data_parallel_world_size()
+    dist.all_gather_object(gathered, [(r["tokens"], r["tiles"]) for r in records], group=dp_gloo)
+    if not records:
+        return {}
+    tokens = [[mb[0] for mb in rank] for rank in gathered]
+    tiles = [[mb[1] for mb in rank] for rank in gathered]
+    return random_rebatch_balance(tokens, tiles, rng)
 
 
 class BalanceMeans:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -34,8 +35,8 @@ from .loss_reduction import prefetch, weight
 from .lr_schedule import ResumeRule, Schedule
 from .memory import ActivationMeter, one_f_one_b_peak, static_bytes
 from .moe_log import moe_log_of
-from .metrics import (BalanceMeans, DataWait, MetricGroups, MetricsLog, StepResult, batch_balance, reduce_reports,
-                      step_metrics)
+from .metrics import (BalanceMeans, DataWait, MetricGroups, MetricsLog, StepResult, batch_balance,
+                      random_batch_balance, reduce_reports, step_metrics)
 from .config import OptimConfig
 from .run_plan import RunPlan
 
@@ -324,6 +325,7 @@ def train(plan: RunPlan, model, optimizer, scheduler, train_data, valid_data=Non
         generation = GenerationEval.build(plan, model, valid_data, setup.groups.dp_gloo)
     moe_log = moe_log_of(plan, [unwrap_model(m) for m in model], next(model[0].parameters()).device)
     history, balance_means, peak_act = [], BalanceMeans(), 0
+    random_means, random_rng = BalanceMeans(), np.random.default_rng(optim.seed)  # Megatron's batching, same samples
     iteration, saved = start_iteration, None
     if start_iteration >= optim.train_iters and dist.get_rank() == 0:
         print(f"> nothing to train: the run starts at iteration {start_iteration} and --train-iters is "
@@ -340,6 +342,8 @@ def train(plan: RunPlan, model, optimizer, scheduler, train_data, valid_data=Non
         consumed_samples = metrics["consumed samples"]
         balance = batch_balance(step.records, balance_fn, setup.groups.dp_gloo, sample_times) if balance_fn else {}
         balance_means.add(balance)
+        if balance_fn:
+            random_means.add(random_batch_balance(step.records, setup.groups.dp_gloo, random_rng))
         metrics.update({k.replace("_", " "): v for k, v in balance.items()})
         if moe_log:  # moe aux loss, expert load imbalance (megatron/training/moe_log.py)
             metrics.update(moe_log.metrics(iteration, setup.groups.world_gloo))
@@ -371,6 +375,7 @@ def train(plan: RunPlan, model, optimizer, scheduler, train_data, valid_data=Non
     balance = balance_means.means()
     if balance:
         summary["balance"] = balance
+        summary["balance_random"] = random_means.means()
         log.log(iteration, optim.train_iters, {k.replace("_", " "): v for k, v in balance.items()},
                 prefix="balance over the run, ")
     log.close()
