@@ -14,6 +14,8 @@ It sits above both the planners (``omnibal_ext``, which imports nothing of the t
 * ``omnibal generate``               answers to conversations on the training layout (``megatron.vlm.inference``);
 * ``omnibal serve``                  an OpenAI-compatible server of a model on the training layout, and
   ``omnibal eval``                   a local task asked of it (``megatron.vlm.inference.commands``).
+* ``omnibal data to-energon``        a meta JSON or annotation JSONL into Energon shards
+                                     (``megatron.vlm.data.energon.convert``).
 
 Bad input prints one line ``omnibal <command>: error: ...`` on stderr and exits with status 2.
 """
@@ -131,7 +133,7 @@ def model_from_hf(folder: str):
 def build_parser() -> argparse.ArgumentParser:
     return planner_cli.build_parser(scan_metas, model_from_hf,
                                     more_commands=(add_profile_parser, add_hf_parser, add_generate_parser,
-                                                   add_serve_parser, add_eval_parser),
+                                                   add_serve_parser, add_eval_parser, add_data_parser),
                                     write_stats=write_scanned_stats)
 
 
@@ -273,6 +275,48 @@ def _run_hf_export(args) -> int:
     done = export_hf(args.load, args.out, args.ckpt_step, args.dtype)
     print(f"exported iteration {done['iteration']}: {done['tensors']} tensors in {', '.join(done['files'])}"
           + (f", tokenizer from {done['tokenizer']}" if done["tokenizer"] else ", no tokenizer found") + f" -> {args.out}")
+    return 0
+
+
+def add_data_parser(subparsers) -> argparse.ArgumentParser:
+    """``omnibal data to-energon``: datasets between the trainer's formats (torch is not imported)."""
+    p = subparsers.add_parser("data", help="convert training data between the trainer's formats",
+                              description="Data conversion for the trainer (see docs/data.md).")
+    sub = p.add_subparsers(dest="data_command", required=True)
+    conv = sub.add_parser(
+        "to-energon", help="meta JSON / annotation JSONL -> Energon WebDataset shards (indexed, with dataset.yaml)",
+        description="Write every record of a meta JSON or annotation JSONL (images, videos, conversations and "
+                    "messages records) as one Energon sample, in shards indexed with Energon's preparation API, so "
+                    "that pretrain_vlm.py --data-path OUT reads it (Energon's savable loader; the same samples as "
+                    "the JSONL). A meta JSON of several sources gives one folder per source and OUT/metadataset.yaml "
+                    "(blend_epochized, repetitions = repeat_time).")
+    conv.add_argument("--data", required=True, metavar="META", help="meta JSON or annotation JSONL")
+    conv.add_argument("--out", required=True, metavar="DIR", help="the Energon dataset folder to write")
+    conv.add_argument("--layout", choices=["omnibal", "bridge"], default="omnibal",
+                      help="omnibal: <key>.record.json (the record, media as members img0.jpg, vid0.mp4); bridge: "
+                           "Megatron-Bridge's ChatMLWebdataset (<key>.conversation.json, <key>.jpgs, "
+                           "<key>.video.mp4; one video per record, no clips)")
+    conv.add_argument("--split", default="train",
+                      help="the split the shards belong to (<split>-shard-NNNNNN.tar; convert a validation set with "
+                           "--split val into the same folder)")
+    conv.add_argument("--samples-per-shard", type=int, default=1000, help="samples per tar shard")
+    conv.add_argument("--workers", type=int, default=1, help="Energon's indexing worker processes")
+    conv.add_argument("--skip-bad-samples", action="store_true",
+                      help="leave out records that cannot be converted (listed) instead of stopping")
+    conv.set_defaults(func=_run_to_energon)
+    return p
+
+
+def _run_to_energon(args) -> int:
+    from megatron.vlm.data.energon.convert import to_energon
+
+    done = to_energon(args.data, args.out, layout=args.layout, split=args.split,
+                      samples_per_shard=args.samples_per_shard, skip_bad=args.skip_bad_samples, workers=args.workers)
+    for line in done.skipped:
+        print(f"skipped {line}")
+    counts = ", ".join(f"{name}: {n}" for name, n in done.samples.items())
+    print(f"wrote {sum(done.samples.values())} samples ({counts}) in {done.shards} shard(s), {args.layout} layout, "
+          f"split {args.split!r} -> {done.path}" + (f"; {len(done.skipped)} record(s) skipped" if done.skipped else ""))
     return 0
 
 

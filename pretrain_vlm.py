@@ -13,6 +13,7 @@ import warnings
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
 warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")  # megatron-core's own default
+warnings.filterwarnings("ignore", message=".*'pin_memory' argument is set as true but no accelerator.*")  # Energon's
 
 # the filters first: these imports load megatron-core, which warns as it loads
 import torch.distributed as dist  # noqa: E402
@@ -89,10 +90,10 @@ def run(config: RunConfig, device) -> dict:
     optimizer, scheduler = training.build_optimizer(plan, model)
     start, consumed = 0, 0
     if resume is not None:
-        state = checkpointing.load_checkpoint(resume, plan, model, optimizer, scheduler)
+        state = checkpointing.load_checkpoint(resume, plan, model, optimizer, scheduler, train_data)
         if "data" in state:
             train_data.load_state_dict(checkpointing.to_arrays(state["data"]))
-            how = train_data.sampler.resumed
+            how = train_data.resumed
             if how != "continued" and dist.get_rank() == 0:
                 print("> the checkpoint's data order differs from this run's (other batching, seed or batch "
                       "sizes, or written by an earlier release): the data order restarts: "
@@ -129,14 +130,14 @@ def run(config: RunConfig, device) -> dict:
     return summary
 
 
-def cli() -> int:
-    """Run :func:`main`; a user's mistake (``UserError``) becomes one line ``error: ...`` on stderr and exit
-    status 2, a run that stopped itself (``RunStopped``: NaN/Inf, a --save folder held by another run, a full
-    disk) one line and exit status 1; every other exception keeps its traceback."""
+def cli(argv=None) -> int:
+    """Run :func:`main` on ``argv`` (default: the command line); a user's mistake (``UserError``) becomes one line
+    ``error: ...`` on stderr and exit status 2, a run that stopped itself (``RunStopped``: NaN/Inf, a --save folder
+    held by another run, a full disk) one line and exit status 1; every other exception keeps its traceback."""
     try:
-        with cpu_compat.patched_for(choose_device(requested_device())):  # a CPU run, teardown included
+        with cpu_compat.patched_for(choose_device(requested_device(argv))):  # a CPU run, teardown included
             try:
-                main()
+                main(argv)
             finally:
                 destroy()
     except UserError as e:  # bad flags or data, or a run that stopped itself: one clear line per rank, no traceback

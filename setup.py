@@ -19,6 +19,9 @@ setup(
         "tqdm==4.70.1",
         "xxhash==4.1.0",  # checkpoint file checksums
         "av==18.1.0",  # PyAV: video decoding in the data loader (the newest the registry serves)
+        # Energon datasets (--data-path a WebDataset folder or metadataset); its base install pulls no torchvision
+        "megatron-energon==7.4.1",
+        "pyyaml==6.0.3",  # reading .nv-meta/dataset.yaml and writing metadatasets (also Energon's)
     ],
     extras_require={
         "tensorboard": ["tensorboard==2.21.0"],

@@ -238,18 +238,26 @@ def run_trainer(flags: list[str], workdir: str | os.PathLike, name: str, nproc: 
         returncode, out = proc.returncode, proc.stdout + proc.stderr
     else:
         returncode, out = launch_ranks(cmd, nproc, workdir, env, timeout)
-    wall = time.perf_counter() - t0
-    (workdir / f"{name}.out").write_text(out)
-    lines = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
-    records = [r for r in lines if not r.get("prefix")]
-    memory = next((r for r in lines if r.get("prefix") == "memory "), None)
-    m = re.search(r"> model .*?layout (\S+),", out)
-    rc = re.search(r"> omnibal recompute: plan (\S+) for a budget", out)
-    result = RunResult(name, list(flags), records, memory, out, wall, returncode,
-                       m.group(1) if m else None, rc.group(1) if rc else None)
+    result = read_run(name, flags, workdir, returncode, out, time.perf_counter() - t0)
     if check and returncode != 0:
         raise RuntimeError(f"trainer run {name} failed ({returncode}):\n{result.error_tail()}")
     return result
+
+
+def read_run(name: str, flags: list[str], workdir: str | os.PathLike, returncode: int, output: str,
+             wall_s: float) -> RunResult:
+    """The RunResult of the finished run ``name`` (its log ``workdir/name.jsonl``, its output, which is also written
+    to ``workdir/name.out``)."""
+    workdir = Path(workdir)
+    (workdir / f"{name}.out").write_text(output)
+    log = workdir / f"{name}.jsonl"
+    lines = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+    records = [r for r in lines if not r.get("prefix")]
+    memory = next((r for r in lines if r.get("prefix") == "memory "), None)
+    m = re.search(r"> model .*?layout (\S+),", output)
+    rc = re.search(r"> omnibal recompute: plan (\S+) for a budget", output)
+    return RunResult(name, list(flags), records, memory, output, wall_s, returncode,
+                     m.group(1) if m else None, rc.group(1) if rc else None)
 
 
 def steady(records: list[dict], warmup: int) -> list[dict]:

@@ -12,21 +12,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import torch
 import torch.distributed as dist
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--context-parallel-size", type=int, default=1)
     p.add_argument("--model", default="tiny")
     p.add_argument("--tiles", type=int, default=8)
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--sample", type=int, default=256)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     from megatron.training import cpu_compat
-    from megatron.training.initialize import initialize_distributed, set_seeds
+    from megatron.training.initialize import destroy, initialize_distributed, set_seeds
     from megatron.training.memory import ActivationMeter
     from megatron.training.profiling import synthetic_batch
     from megatron.vlm.parallel.context_parallel import split_batch
@@ -61,9 +62,9 @@ def main() -> None:
         measured = meter.per_microbatch[0]
         print(json.dumps({"cp": cp, "rank": dist.get_rank(), "measured_bytes": measured, "predicted_bytes": predicted,
                           "error": predicted / measured - 1}), flush=True)
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+        destroy()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -15,6 +15,50 @@ STATS_DIR = ROOT / "data" / "omnibal_stats"
 STATS_FILES = sorted(STATS_DIR.glob("*.json.gz"))
 
 
+import canonical  # noqa: E402  (tests/ on the path first)
+import pool  # noqa: E402
+import tiers  # noqa: E402
+
+CLOCK = pytest.StashKey[tiers.TierClock]()  # each tier's time in this run
+POOL_STATS = pytest.StashKey[dict]()  # pool.stats() at the end of the session, before the pools stop
+
+
+def pytest_configure(config):
+    config.stash[CLOCK] = tiers.TierClock(pool.live_pids)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    with item.config.stash[CLOCK].measure(tiers.tier_of(item)):
+        yield
+
+
+def pytest_sessionfinish(session, exitstatus):
+    session.config.stash[POOL_STATS] = pool.stats()
+    pool.shutdown()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    terminalreporter.section("time per tier (tests/tiers.py)")
+    for line in config.stash[CLOCK].lines():
+        terminalreporter.write_line(line)
+    stats = config.stash.get(POOL_STATS, {})
+    if stats:
+        terminalreporter.write_line("worker pools (ranks: starts, cases): " + ", ".join(
+            f"{n}: {starts}, {cases}" for n, (starts, cases) in stats.items()))
+
+
+@pytest.fixture
+def pooled_benchlib(monkeypatch):
+    """benchlib (scripts/benchlib.py) with its trainer runs in the worker pools (``launch.run_trainer``): a benchmark's
+    ``main`` called in this process trains in the pools instead of fresh processes. Returns the module."""
+    import benchlib
+    import launch
+
+    monkeypatch.setattr(benchlib, "run_trainer", launch.run_trainer)
+    return benchlib
+
+
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory):
     """One folder for the built-in digits dataset, shared by every training run of the session."""
@@ -47,8 +91,8 @@ def megatron_world():
 class SharedRuns:
     """Trainer launches shared by the tests of a session: ``run(nproc, flags)`` launches ``flags`` once (in
     ``folder``, named run0, run1, ...) and returns (iteration records, output, path of its JSON log) to every
-    test asking for the same nproc and flags: a launch is deterministic in them.  Flags that write (--save)
-    point under ``folder``, so the same flags mean the same run."""
+    test asking for the same nproc and flags (in any order: ``canonical.parse_flags``): a launch is deterministic in
+    them. Flags that write (--save) point under ``folder``, so the same flags mean the same run."""
 
     def __init__(self, folder: Path):
         self.folder = folder
@@ -57,7 +101,7 @@ class SharedRuns:
     def run(self, nproc: int, flags: list[str]) -> tuple[list[dict], str, Path]:
         from launch import run_training
 
-        key = (nproc, *flags)
+        key = (nproc, *sorted(canonical.parse_flags(flags), key=lambda pair: pair[0]))
         if key not in self._runs:
             name = f"run{len(self._runs)}"
             records, out = run_training(nproc, list(flags), self.folder, name)
@@ -72,7 +116,14 @@ def shared_runs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def serial_run(shared_runs):
-    """``serial_run(flags)``: the iteration records of the single-process run of ``flags``, launched once per
-    session (shared_runs): the tests comparing parallel runs with the same serial flags share it."""
-    return lambda flags: shared_runs.run(1, flags)[0]
+def canonical_runs(shared_runs):
+    """``canonical_runs.records(nproc, flags)``: the iteration records of ``flags`` on ``nproc`` ranks, from the
+    session's canonical runs (tests/canonical.py: neutral flags ignored, shorter runs served as prefixes)."""
+    return canonical.CanonicalRuns(shared_runs)
+
+
+@pytest.fixture(scope="session")
+def serial_run(canonical_runs):
+    """``serial_run(flags)``: the iteration records of the single-process run of ``flags``, from the session's
+    canonical runs: the tests comparing parallel runs with the same serial flags share it."""
+    return lambda flags: canonical_runs.records(1, flags)

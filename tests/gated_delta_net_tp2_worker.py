@@ -44,21 +44,21 @@ def run(sequence_parallel: bool) -> dict:
             "saved_bytes": meter.per_microbatch[0]}
 
 
-def main(folder: str) -> None:
+def main(argv: list[str]) -> int:
+    """``argv``: the folder rank 0 writes ``tp2.pt`` to."""
     from megatron.training import cpu_compat
-    from megatron.training.initialize import initialize_distributed, set_seeds
+    from megatron.training.initialize import destroy, initialize_distributed, set_seeds
 
+    folder = argv[0]
     with cpu_compat.patched():
         initialize_distributed(torch.device("cpu"), 2, 1)
         set_seeds(0)
         result = {sp: run(sp) for sp in (False, True)}
         if torch.distributed.get_rank() == 0:
             torch.save(result, f"{folder}/tp2.pt")
-        from megatron.core import parallel_state
-
-        parallel_state.destroy_model_parallel()
-        torch.distributed.destroy_process_group()
+        destroy()
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    sys.exit(main(sys.argv[1:]))

@@ -1,13 +1,12 @@
 """The checks every Hugging Face family's tests make against transformers, written once:
 
-* ``torchrun_logits``: our logits of tiny HF folders from ``scripts/hf_logits.py`` under torchrun, several
-  (folder, layout) cases in ONE launch (``tests/hf_logits_worker.py``; ``logits_by_layout``: one folder at named
-  layouts, one launch per world size); the caller compares them with its own oracle (transformers' logits) at its
-  own tolerance;
+* ``torchrun_logits``: our logits of tiny HF folders from ``scripts/hf_logits.py``'s ``main``, each (folder, layout)
+  case in the worker pool of its world size (``tests/pool.py``; ``logits_by_layout``: one folder at named layouts);
+  the caller compares them with its own oracle (transformers' logits) at its own tolerance;
 * ``import_export`` / ``assert_same_tensors`` / ``assert_transformers_loads_the_same``: the import -> export
-  round trip bit-identical, and transformers loading the export to the source model's logits (in a fresh process: the
-  CPU patches of ``megatron.training.cpu_compat`` spoil the rotary buffers transformers recomputes in
-  ``from_pretrained``);
+  round trip bit-identical, and transformers loading the export to the source model's logits (in a worker-pool case,
+  outside this process: the CPU patches of ``megatron.training.cpu_compat`` spoil the rotary buffers transformers
+  recomputes in ``from_pretrained``, and a pool's case runs without them);
 * ``untied_and_tied``: a module fixture's two tiny checkpoints;
 * ``eager``: transformers' eager attention in a Qwen-style model (the reference for 1e-5 comparisons);
 * ``write_char_tokenizer`` / ``write_qwen_preprocessor``: a tiny folder's tokenizer and image processor files.
@@ -15,8 +14,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,13 +21,6 @@ import torch
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
-
-
-def _benchlib():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import benchlib
-
-    return benchlib
 
 
 def untied_and_tied(tmp_path_factory, make_tiny, seeds: tuple[int, int] = (0, 1)) -> dict:
@@ -48,37 +38,31 @@ def torchrun_logits(cases: Sequence[tuple[Path | str, Sequence[str]]], batch: di
                     nproc: int = 2, timeout: int = 600) -> list[torch.Tensor]:
     """Our float32 logits ``[s, real vocabulary]`` on ``batch`` (transformers' inputs, see scripts/hf_logits.py; or
     one batch per case) of each case ``(HF folder, hf_logits.py flags)`` (``--tensor-model-parallel-size 2``,
-    ``--pipeline-layout ...``), in order: scripts/hf_logits.py's ``main`` for every case in one torchrun world of
-    ``nproc`` ranks (asserting the launch succeeds). ``workdir``: where the inputs, the case list and the outputs
-    are written."""
-    benchlib = _benchlib()
+    ``--pipeline-layout ...``), in order: scripts/hf_logits.py's ``main`` for every case in the worker pool of
+    ``nproc`` ranks (asserting each succeeds). ``workdir``: where the inputs and the outputs are written."""
+    import pool
+
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     batches = [batch] * len(cases) if isinstance(batch, dict) else list(batch)
     assert len(batches) == len(cases), (len(batches), len(cases))
-    for k, one in enumerate(batches):
+    out = []
+    for k, ((folder, flags), one) in enumerate(zip(cases, batches)):
         torch.save(one, workdir / f"in{k}.pt")
-    argvs = [["--hf-checkpoint", str(folder), "--inputs", str(workdir / f"in{k}.pt"), "--out",
-              str(workdir / f"out{k}.pt"), *flags] for k, (folder, flags) in enumerate(cases)]
-    (workdir / "cases.json").write_text(json.dumps(argvs))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(benchlib.free_port()), str(TESTS / "hf_logits_worker.py"), str(workdir / "cases.json")]
-    run = subprocess.run(cmd, env=benchlib.trainer_env(), capture_output=True, text=True, timeout=timeout)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return [torch.load(workdir / f"out{k}.pt") for k in range(len(cases))]
+        argv = ["--hf-checkpoint", str(folder), "--inputs", str(workdir / f"in{k}.pt"), "--out",
+                str(workdir / f"out{k}.pt"), *flags]
+        run = pool.run_case("hf_logits:main", argv, nproc, workdir, timeout=timeout)
+        assert run.returncode == 0, f"hf_logits {' '.join(argv)}:\n{run.output[-6000:]}"
+        out.append(torch.load(workdir / f"out{k}.pt"))
+    return out
 
 
 def logits_by_layout(folder: Path | str, batch: dict, workdir: Path,
                      layouts: dict[str, tuple[int, Sequence[str]]]) -> dict[str, torch.Tensor]:
-    """``torchrun_logits`` of one HF ``folder`` at each of ``layouts`` (name: (world size, hf_logits.py flags)): one
-    launch per world size; returns the logits by layout name."""
-    out = {}
-    for nproc in sorted({n for n, _ in layouts.values()}):
-        names = [name for name, (n, _) in layouts.items() if n == nproc]
-        got = torchrun_logits([(folder, layouts[name][1]) for name in names], batch, Path(workdir) / f"world{nproc}",
-                              nproc)
-        out.update(zip(names, got))
-    return out
+    """``torchrun_logits`` of one HF ``folder`` at each of ``layouts`` (name: (world size, hf_logits.py flags)), each in
+    the pool of its world size; returns the logits by layout name."""
+    return {name: torchrun_logits([(folder, flags)], batch, Path(workdir) / name, nproc)[0]
+            for name, (nproc, flags) in layouts.items()}
 
 
 def import_export(folder: Path | str, workdir: Path) -> Path:
@@ -123,20 +107,29 @@ def config_of(folder: Path | str) -> dict:
 def assert_transformers_loads_the_same(model_class: str, pairs: Sequence[tuple[Path | str, Path | str]],
                                        batch: dict, workdir: Path, timeout: int = 300) -> None:
     """transformers' ``model_class`` (a name in ``transformers``) loads both folders of each pair (eager attention)
-    and gives bit-identical logits on ``batch``; in a fresh process (module docstring)."""
+    and gives bit-identical logits on ``batch``; a case of the worker pool of one rank (``loads_the_same``: outside
+    the CPU patches, see the module docstring)."""
+    import pool
+
     torch.save(batch, Path(workdir) / "loads_in.pt")
-    script = (
-        "import sys, torch, transformers\n"
-        f"M = getattr(transformers, {model_class!r})\n"
-        f"batch = torch.load({str(Path(workdir) / 'loads_in.pt')!r})\n"
-        "for a, b in zip(sys.argv[1::2], sys.argv[2::2]):\n"
-        "    x, y = (M.from_pretrained(f, attn_implementation='eager').eval() for f in (a, b))\n"
-        "    with torch.no_grad():\n"
-        "        assert torch.equal(x(**batch).logits, y(**batch).logits), b\n"
-        "print('same')\n")
     folders = [str(f) for pair in pairs for f in pair]
-    run = subprocess.run([sys.executable, "-c", script, *folders], capture_output=True, text=True, timeout=timeout)
-    assert run.returncode == 0 and "same" in run.stdout, run.stderr[-3000:]
+    run = pool.run_case("hf_check:loads_the_same", [model_class, str(Path(workdir) / "loads_in.pt"), *folders], 1,
+                        workdir, timeout=timeout)
+    assert run.returncode == 0 and "same" in run.output, run.output[-3000:]
+
+
+def loads_the_same(argv: list[str]) -> int:
+    """``MODEL_CLASS BATCH.pt SOURCE EXPORT [SOURCE EXPORT ...]``: transformers' logits of each pair's folders on the
+    batch are bit-identical (an AssertionError naming the export otherwise); prints "same"."""
+    import transformers
+
+    model_class, batch = getattr(transformers, argv[0]), torch.load(argv[1])
+    for a, b in zip(argv[2::2], argv[3::2]):
+        x, y = (model_class.from_pretrained(f, attn_implementation="eager").eval() for f in (a, b))
+        with torch.no_grad():
+            assert torch.equal(x(**batch).logits, y(**batch).logits), b
+    print("same", flush=True)
+    return 0
 
 
 def eager(model):

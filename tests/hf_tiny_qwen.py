@@ -166,3 +166,24 @@ def training_flags(tmp_path, data_cache, seed=3) -> list[str]:
     make_tiny_with_tokenizer(hf, seed)
     return ["--hf-checkpoint", str(hf), "--data-path", write_messages_data(tmp_path), "--max-pixels",
             str(28 * 28 * 12), "--eval-interval", "0", "--seq-length", "256", "--data-cache-dir", str(data_cache)]
+
+
+def transformers_vit_fields(grids, spec) -> dict:
+    """The ViT fields of a Qwen2.5-VL micro-batch of images ``grids`` ((t, h, w) patches each) as transformers' own
+    vision model derives them from ``grid_thw`` (``transformers.vision_utils``: the window order of the merged
+    tokens, the window and image boundaries, the (h, w) rotary positions), in the form our batcher carries them:
+    the patch order (each merged token's patches in a row), its inverse over merged tokens, the rotary positions in
+    that order, and the boundaries with their largest segment."""
+    from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
+
+    v = spec.vision
+    grid_thw = torch.tensor(grids, dtype=torch.int64).reshape(-1, 3)
+    unit = v.spatial_merge_size ** 2
+    window_index, cu_windows = get_vision_window_index(grid_thw, v.spatial_merge_size, v.window_size, v.patch_size)
+    patch_index = (window_index[:, None] * unit + torch.arange(unit)).reshape(-1)
+    cu_images = get_vision_cu_seqlens(grid_thw)
+    return {"image_grid_thw": grid_thw, "vision_patch_index": patch_index,
+            "vision_merged_inverse": torch.argsort(window_index),
+            "vision_rotary_ids": get_vision_position_ids(grid_thw, v.spatial_merge_size)[patch_index],
+            "vision_cu_window_seqlens": cu_windows, "vision_max_window_seqlen": int(cu_windows.diff().max()),
+            "vision_cu_seqlens": cu_images, "vision_max_seqlen": int(cu_images.diff().max())}

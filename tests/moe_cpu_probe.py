@@ -2,6 +2,7 @@
 the world, under ``cpu_compat.patched()``: its output and gradients against a plain-torch MoE computed from all
 ranks' weights (tests/test_cpu_compat.py launches it).  argv: dispatcher (alltoall | allgather)."""
 import json
+import os
 import sys
 
 import torch
@@ -27,9 +28,13 @@ def reference(x, router_w, fc1, fc2):
     return out
 
 
-def main(dispatcher: str) -> None:
+def main(argv: list[str]) -> int:
+    """``argv``: the token dispatcher (alltoall, allgather)."""
+    from megatron.training.initialize import destroy, initialize_distributed
+
+    dispatcher = argv[0]
     with cpu_compat.patched():
-        dist.init_process_group("gloo")
+        initialize_distributed(torch.device("cpu"), 1, 1, ep=int(os.environ["WORLD_SIZE"]))
         from megatron.core import parallel_state
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -37,7 +42,7 @@ def main(dispatcher: str) -> None:
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         ep, rank = dist.get_world_size(), dist.get_rank()
-        parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
+        assert parallel_state.get_expert_model_parallel_world_size() == ep
         torch.manual_seed(0)
         model_parallel_cuda_manual_seed(0)
         config = TransformerConfig(
@@ -82,9 +87,9 @@ def main(dispatcher: str) -> None:
             "fc2_grad": max(rel(m.linear_fc2.weight.grad, ref_fc2.grad[first + j]) for j, m in enumerate(mine)),
         }
         print("MOE_REPORT " + json.dumps(report), flush=True)
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+        destroy()
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    sys.exit(main(sys.argv[1:]))

@@ -39,7 +39,9 @@ def moment_tensors(optimizer) -> dict:
     return out
 
 
-def main(out_dir: Path, argv: list[str]) -> None:
+def main(argv: list[str]) -> int:
+    """``argv``: the folder each rank writes its ``rank<R>.json`` to, then the trainer's flags."""
+    out_dir, argv = Path(argv[0]), argv[1:]
     from megatron.core import parallel_state
     from megatron.training import cpu_compat, setup, training
     from megatron.training.arguments import parse_config
@@ -80,7 +82,8 @@ def main(out_dir: Path, argv: list[str]) -> None:
                "moment_tensors": moment_tensors(optimizer)}
         (out_dir / f"rank{rank}.json").write_text(json.dumps(row))
         destroy()
+    return 0
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2:])
+    sys.exit(main(sys.argv[1:]))

@@ -1,23 +1,22 @@
-"""scripts/bench_checkpoint.py --quick: the JSON contract (tiny model, one round, both formats)."""
+"""scripts/bench_checkpoint.py --quick: the JSON contract (tiny model, one round, both formats), its ``main`` a case of
+the worker pool of one rank."""
 import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT
+import pool
 
 TIMES = ["ours_save_save_s", "base_save_save_s", "ours_load_load_s", "ours_load_verify_s", "base_load_load_s",
          "first_save_s", "ours_save_dist_save_s", "ours_save_manifest_s"]
 RATIOS = ["save_ratio", "load_ratio", "bytes_ratio"]
 
 
-@pytest.mark.slow
+@pytest.mark.bench
 def test_bench_checkpoint_quick(tmp_path):
     out = tmp_path / "ckpt.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_checkpoint.py"), "--quick", "--json", str(out),
-                           "--workdir", str(tmp_path / "work")], capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = pool.run_case("bench_checkpoint:main", ["--quick", "--json", str(out), "--workdir", str(tmp_path / "work")],
+                         1, tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.output[-6000:]
     res = json.loads(out.read_text())
     assert res["quick"] and res["repeats"] == 1
     [row] = res["cases"]
@@ -31,5 +30,5 @@ def test_bench_checkpoint_quick(tmp_path):
     for k in RATIOS:
         assert row[k] > 0, k
     assert sum(row["params"].values()) > 0
-    assert res["targets"] and "save ours" in proc.stdout  # the printed table
+    assert res["targets"] and "save ours" in proc.output  # the printed table
     assert not (tmp_path / "work" / "tiny_adam_ours").exists()  # checkpoints removed after each round

@@ -1,20 +1,16 @@
-"""scripts/bench_data.py --quick: the JSON contract (loader, TP decode, scan and trainer rows), not speed."""
+"""scripts/bench_data.py --quick: the JSON contract (loader, TP decode, scan and trainer rows), not speed (its
+``main`` here, its trainer runs in the worker pools)."""
 import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT
 
+@pytest.mark.bench
+def test_bench_data_quick(tmp_path, pooled_benchlib, capsys):
+    import bench_data
 
-@pytest.mark.slow
-def test_bench_data_quick(tmp_path):
     out = tmp_path / "data.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_data.py"), "--quick", "--json", str(out),
-                           "--out", str(tmp_path / "runs")], capture_output=True, text=True, timeout=900,
-                          cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    bench_data.main(["--quick", "--json", str(out), "--out", str(tmp_path / "runs")])
     res = json.loads(out.read_text())
     assert res["config"]["quick"] and res["config"]["samples"] == 24
     assert [(r["stage"], r["workers"]) for r in res["loader"]] == [
@@ -29,4 +25,4 @@ def test_bench_data_quick(tmp_path):
     for r in rows:
         assert r["iterations"] == 3 and r["ms_per_iter"] > 0 and 0 <= r["data_wait_share"] < 1
     assert rows[0]["losses"] == rows[1]["losses"]  # the same batches whatever the workers
-    assert "data wait" in proc.stdout
+    assert "data wait" in capsys.readouterr().out

@@ -1,7 +1,7 @@
-"""scripts/bench_e2e.py --quick: the four rows are produced and each trained the same tokens; --repeats: the rows
-run again alternating, with the first run's layout and plan, and each row's speed pools its runs."""
+"""scripts/bench_e2e.py --quick: the four rows are produced and each trained the same tokens (its ``main`` here, its
+runs in the worker pools); --repeats: the rows run again alternating, with the first run's layout and plan, and each
+row's speed pools its runs."""
 import json
-import subprocess
 import sys
 
 import pytest
@@ -11,13 +11,12 @@ from conftest import ROOT
 KEYS = {"name", "ms_per_iter", "samples_per_s", "tokens_per_s", "speedup", "predicted_ms_per_iter", "tokens_seen"}
 
 
-@pytest.mark.slow
-def test_bench_e2e_quick(tmp_path):
+@pytest.mark.bench
+def test_bench_e2e_quick(tmp_path, pooled_benchlib):
+    import bench_e2e
+
     out = tmp_path / "e2e.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--quick", "--repeats", "1",
-                           "--json", str(out), "--out", str(tmp_path / "runs")],
-                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    bench_e2e.main(["--quick", "--repeats", "1", "--json", str(out), "--out", str(tmp_path / "runs")])
     res = json.loads(out.read_text())
     rows = res["rows"]
     assert [r["name"] for r in rows] == ["baseline", "+data", "+model", "+memory"]

@@ -2,7 +2,6 @@
 the balancing flags per config (each refused or accepted by the trainer's parser as the brief says), and its
 --quick path end to end (4 configs x 2 iterations at EP2: slow)."""
 import json
-import subprocess
 import sys
 
 import pytest
@@ -51,11 +50,9 @@ def test_config_flags_parse(config):
     assert moe.score_function == ("sigmoid" if config == "bias" else "softmax")
 
 
-@pytest.mark.slow
-def test_quick_run_writes_table_json_and_plot(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_moe.py"), "--quick", "--out", str(tmp_path),
-                           "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+@pytest.mark.bench
+def test_quick_run_writes_table_json_and_plot(tmp_path, pooled_benchlib):
+    assert bm.main(["--quick", "--out", str(tmp_path), "--work", str(tmp_path / "work")]) == 0  # runs in the pools
     res = json.loads((tmp_path / "moe_balance.json").read_text())
     assert [r["config"] for r in res["rows"]] == list(bm.CONFIGS) and res["iterations"] == 2
     for config, s in res["series"].items():

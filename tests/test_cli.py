@@ -276,24 +276,27 @@ def test_isf_reads_an_internvl_meta_json(tmp_path, capsys):
 
 def test_profile_at_an_explicit_shape_reports_against_the_model(tmp_path):
     """`omnibal profile --tiles --llm-tokens --sample-tokens` profiles without data, records that shape,
-    and prints the measured-vs-analytic table; a half-given shape is refused before any work."""
+    and prints the measured-vs-analytic table; a half-given shape is refused before any work (the real command line's
+    exit status)."""
     import subprocess
     import sys
 
+    import pool
     from omnibal_ext.model.costs import CostTable
 
     out = tmp_path / "p.json"
-    cmd = [sys.executable, "-m", "omnibal_cli", "profile", "--json", str(out), "--device", "cpu",
+    cmd = ["profile", "--json", str(out), "--device", "cpu",
            "--tiles", "2", "--llm-tokens", "96", "--sample-tokens", "24", "--compare-device", "cpu"]
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
+    run = pool.run_case("omnibal_cli:main", cmd, 1, ROOT, timeout=300)  # a world of one in the pool
+    assert run.returncode == 0, run.output[-2000:]
     table = CostTable.load(str(out))
     assert table.meta["shape"] == {"vision_items": 2, "llm_tokens": 96, "dtype_bytes": 4, "llm_attn_tokens_sq": 96 * 24.0}
     assert table.meta["attention"] == "flash"
     assert [u.name for u in table.units] == [u.name for u in build_units(get_preset("tiny"))]
-    lines = run.stdout.splitlines()
+    lines = "".join(run.stdout).splitlines()
     assert any(line.startswith("vit_layer") for line in lines) and any(line.startswith("llm_layer") for line in lines)
-    bad = subprocess.run(cmd[:-8] + ["--tiles", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    bad = subprocess.run([sys.executable, "-m", "omnibal_cli", *cmd[:-8], "--tiles", "2"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--tiles and --llm-tokens go together" in bad.stderr
 
 

@@ -121,11 +121,22 @@ def test_collate_pads_segments_not_the_row_under_cp_and_sp():
     by the split instead)."""
     from megatron.vlm.stage.batches import Collate, StageInputs
 
-    whole = collate_packed(samples(), PAD)
     got = Collate(PAD, True, StageInputs.everything(), None, pad_to_multiple=2, cp=2, cp_rank=1)(samples())
-    want = split_batch(whole, 2, 1, PAD, None, sp_tp=2)
-    assert got.packing.cu_seqlens.tolist() == want["cu_seqlens"].tolist() == [0, 8, 16, 24]
-    assert torch.equal(got.text.tokens, want["tokens"]) and torch.equal(got.text.labels, want["labels"])
+    assert got.packing.cu_seqlens.tolist() == [0, 8, 16, 24]  # 7, 3 and 5 tokens each padded to 2 x CP x TP = 8
+
+    def rank_part(values, fill, cp=2, rank=1, multiple=8):
+        """By hand: each sample padded to ``multiple`` with ``fill``, cut into 2 x CP chunks, the rank's chunks
+        ``rank`` and ``2 CP - 1 - rank`` (the load-balanced split), the samples in a row."""
+        out = []
+        for v in values:
+            v = v + [fill] * (-len(v) % multiple)
+            c = len(v) // (2 * cp)
+            out += v[rank * c:(rank + 1) * c] + v[(2 * cp - 1 - rank) * c:(2 * cp - rank) * c]
+        return out
+
+    ids = [s["input_ids"].tolist() for s in samples()]
+    assert got.text.tokens[0].tolist() == rank_part(ids, PAD) == [9, 2, 3, 4, 8, 0, 0, 0, 11, 12, 13, 0]
+    assert got.text.labels[0].tolist() == rank_part([[i + 100 for i in x] for x in ids], -100)
 
 
 @pytest.mark.parametrize("cp,sp_tp", [(2, 1), (3, 1), (4, 1), (2, 2), (2, 4)])

@@ -3,27 +3,18 @@ tiny model as one stage, fp32, 8 tiles and 1024 LLM tokens in samples of 256) ag
 (``MicroBatchShape.cp``) on the CPU's kernels."""
 import json
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import benchlib  # noqa: E402
+import pool
 
 
 def _check(tmp_path, cp: int) -> list[dict]:
-    script = str(ROOT / "scripts" / "check_cp_memory.py")
-    cmd = [sys.executable, script] if cp == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cp), "--master-addr", "127.0.0.1",
-         "--master-port", str(benchlib.free_port()), script, "--context-parallel-size", str(cp)]
-    run = subprocess.run(cmd, cwd=tmp_path, env=benchlib.trainer_env(), capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-4000:]
-    # the ranks print one JSON object each; two may share a line of the merged output
-    rows = [json.loads(obj) for obj in re.findall(r"\{[^{}]*\}", run.stdout)]
+    """scripts/check_cp_memory.py's ``main`` on ``cp`` ranks (the worker pool of that size)."""
+    run = pool.run_case("check_cp_memory:main", ["--context-parallel-size", str(cp)], cp, tmp_path, timeout=300)
+    assert run.returncode == 0, run.output[-4000:]
+    # the ranks print one JSON object each
+    rows = [json.loads(obj) for obj in re.findall(r"\{[^{}]*\}", "".join(run.stdout))]
     assert sorted(r["rank"] for r in rows) == list(range(cp)), run.stdout
     return rows
 

@@ -71,18 +71,15 @@ def test_an_exception_inside_still_restores():
 def test_moe_layer_at_expert_parallel_2_equals_a_plain_torch_moe(dispatcher, tmp_path):
     """megatron-core's MoELayer (SequentialMLP, top-2 softmax) at EP2 on gloo, inside the patches: each rank's output
     and its input's and experts' gradients equal a plain-torch MoE over both ranks' tokens and weights
-    (tests/moe_cpu_probe.py). Without the MoE patches the alltoall dispatcher fails (cuda streams, split sizes) and
-    the router raises NameError (te_general_gemm)."""
+    (tests/moe_cpu_probe.py, a case of the worker pool of 2). Without the MoE patches the alltoall dispatcher fails
+    (cuda streams, split sizes) and the router raises NameError (te_general_gemm)."""
     import json
-    import os
-    import sys
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from benchlib import launch_ranks
+    import pool
 
-    rc, out = launch_ranks([str(ROOT / "tests" / "moe_cpu_probe.py"), dispatcher], 2, tmp_path,
-                           {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, timeout=180)
-    assert rc == 0, out[-3000:]
+    run = pool.run_case("moe_cpu_probe:main", [dispatcher], 2, tmp_path, timeout=180)
+    assert run.returncode == 0, run.output[-3000:]
+    out = "".join(run.stdout)
     reports = [json.loads(line.split("MOE_REPORT ", 1)[1]) for line in out.splitlines() if "MOE_REPORT " in line]
     assert len(reports) == 2
     for r in reports:  # relative to the reference's largest magnitude

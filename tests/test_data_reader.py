@@ -10,6 +10,8 @@ from PIL import Image
 from megatron.vlm.data import (ByteTokenizer, DataValidationError, RecordDataset, TileImages, build_digits_dataset,
                                count_tiles, write_stats)
 
+from omnibal_ext.errors import UserError
+
 TOK = ByteTokenizer()
 SIZE, TPT = 32, 4
 
@@ -298,8 +300,8 @@ def test_an_image_damaged_after_the_scan_is_named_when_loaded(tmp_path):
     ds = dataset(meta)
     data = (tmp_path / "noise.png").read_bytes()
     (tmp_path / "noise.png").write_bytes(data[: len(data) // 2])
-    with pytest.raises(DataValidationError, match=rf"{ann}:2: image {tmp_path / 'noise.png'} does not decode any "
-                                                  r"more \(image file is truncated"):
+    with pytest.raises(UserError, match=rf"{ann}:2: cannot decode image {tmp_path / 'noise.png'} "
+                                        r"\(image file is truncated"):
         ds[1]
 
 

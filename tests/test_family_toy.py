@@ -150,22 +150,3 @@ def test_toy_family_converts_to_hf_and_back(megatron_world, toy_family, tmp_path
     back = to_hf(src.spec, src.info, src.global_tensors())
     assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
 
-
-@pytest.mark.slow
-def test_toy_family_trains_at_pp2_with_isf(tmp_path, data_cache):
-    """The trainer imports the plugin (``--family-module toy_family``) on every rank and trains its preset at PP2
-    with ISF: the loss falls."""
-    import os
-
-    from launch import run_training
-
-    tests = os.path.dirname(os.path.abspath(__file__))
-    flags = ["--family-module", "toy_family", "--model", "toy-tiny", "--pipeline-model-parallel-size", "2",
-             "--omnibal-isf", "--train-iters", "12", "--micro-batch-size", "4", "--global-batch-size", "8",
-             "--lr", "3e-3", "--lr-warmup-iters", "1", "--eval-interval", "0", "--data-cache-dir", str(data_cache),
-             "--seed", "5"]
-    records, out = run_training(2, flags, tmp_path, "toy", env={"PYTHONPATH": tests + os.pathsep + os.environ.get(
-        "PYTHONPATH", "")})
-    losses = [r["lm loss"] for r in records]
-    assert len(losses) == 12
-    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses

@@ -1,31 +1,21 @@
-"""Our Gated DeltaNet at TP 2 (two gloo ranks under torchrun), without and with sequence parallelism, against
+"""Our Gated DeltaNet at TP 2 (two gloo ranks: the worker pool of 2), without and with sequence parallelism, against
 TP 1 in this process: outputs, input gradients and every weight gradient (norm weight: summed over TP); the
 bytes a rank saves against the closed form; the checkpoint's global tensors (sharded_state_dict) equal TP 1's."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import gdn_cases
-from launch import benchlib
+import pool
 
 pytestmark = pytest.mark.slow
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_tp2_and_sequence_parallel_equal_tp1(megatron_world, tmp_path):
     from megatron.vlm.families.qwen3_5.gated_delta_net_hf import OUR_NAMES, ours_to_hf
     from omnibal_ext.model.linear_attention import LinearAttentionShape, linear_attention_act_bytes
 
-    env = benchlib.trainer_env()
-    env["PYTHONPATH"] = HERE + os.pathsep + env["PYTHONPATH"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(benchlib.free_port()), os.path.join(HERE, "gated_delta_net_tp2_worker.py"),
-           str(tmp_path)]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    run = pool.run_case("gated_delta_net_tp2_worker:main", [str(tmp_path)], 2, tmp_path)
+    assert run.returncode == 0, run.output[-6000:]
     tp2 = torch.load(tmp_path / "tp2.pt", weights_only=False)
 
     layer = gdn_cases.our_layer(gdn_cases.hf_tensors(gdn_cases.hf_layer(seed=2)), chunk_size=5)

@@ -1,26 +1,46 @@
 """scripts/gpu_check.py without CUDA: exits 0, says so, writes every check, the CUDA ones (fp32 parity included: its
 CPU halves compare with the CUDA ones) skipped with reasons, the CPU parts (THD vs the dense mask, CP2 vs serial on
-gloo) run and checked."""
+gloo) run and checked.
+
+Its ``main`` runs here with each check in this process (``_child``, what its child process runs) rather than a child
+process per check, THD's (which starts a megatron world) in the worker pool of one rank, and its trainer runs served by
+the session's canonical runs (the serial one) and the pool of two (CP2) instead of fresh processes."""
 import json
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from launch import ROOT, benchlib
+import pool
+from launch import ROOT
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine-without-CUDA path")
-def test_gpu_check_cpu_path(tmp_path):
+def test_gpu_check_cpu_path(tmp_path, monkeypatch, canonical_runs, data_cache, capsys):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check
+
+    def run_check(name: str, work, timeout: float) -> dict:
+        out = work / f"{name}.result.json"
+        if name == "thd_vs_dense":
+            argv = ["--child", name, "--child-out", str(out), "--work", str(work), "--timeout", str(timeout)]
+            run = pool.run_case("gpu_check:main", argv, 1, work, timeout=timeout)
+            assert run.returncode == 0, run.output[-3000:]
+        else:
+            gpu_check._child(name, out, work, timeout)
+        return json.loads(out.read_text())
+
+    def run_trainer(work, name, flags, timeout, nproc=1):
+        return canonical_runs.records(nproc, [*flags, "--data-cache-dir", str(data_cache)]), [], ""
+
+    monkeypatch.setattr(gpu_check, "run_check", run_check)
+    monkeypatch.setattr(gpu_check, "run_trainer", run_trainer)
     out = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--out", str(out),
-                           "--work", str(tmp_path / "work")], env=benchlib.trainer_env(), capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "no CUDA device" in proc.stdout
+    assert gpu_check.main(["--out", str(out), "--work", str(tmp_path / "work")]) == 0
+    stdout = capsys.readouterr().out
+    assert "no CUDA device" in stdout
     report = json.loads(out.read_text())
     checks = report["checks"]
     assert list(checks) == ["fp32_parity", "bf16_learns", "te_vs_local", "thd_vs_dense", "cp_attention",
@@ -35,11 +55,10 @@ def test_gpu_check_cpu_path(tmp_path):
     assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(cp["cp2_losses"], cp["serial_losses"]))
     assert cp["serial_losses"][4] < cp["serial_losses"][0]  # the serial reference learns
     for line in ("fp32_parity", "thd_vs_dense", "cp_attention"):
-        assert line in proc.stdout  # the printed table
+        assert line in stdout  # the printed table
 
 
 def test_cp_check_picks_cuda_only_with_a_device_per_rank():
-    sys.path.insert(0, str(ROOT / "scripts"))
     from gpu_check import cp_check_device
 
     assert cp_check_device(True, 2)[0] == "cuda" and cp_check_device(True, 8)[0] == "cuda"

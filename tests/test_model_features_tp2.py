@@ -1,18 +1,13 @@
-"""TP 2 (two gloo ranks under torchrun) against TP 1 in this process: qk-norm over padded ViT heads
+"""TP 2 (two gloo ranks: the worker pool of 2) against TP 1 in this process: qk-norm over padded ViT heads
 (3 heads -> 4), a Qwen3 decoder layer (per-head q/k norm: output, input and norm-weight gradients) and the
 vocabulary-padded loss."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from launch import benchlib
+import pool
 from test_model_features import copy_real_rows, digits_batch
 
 pytestmark = pytest.mark.slow
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_tp2_qk_norm_with_padded_heads_and_vocab_padding_equal_tp1(megatron_world, tmp_path):  # noqa: F811
@@ -22,12 +17,8 @@ def test_tp2_qk_norm_with_padded_heads_and_vocab_padding_equal_tp1(megatron_worl
 
     batch, real = digits_batch(tmp_path, get_preset("tiny"))
     torch.save(batch, tmp_path / "batch.pt")
-    env = benchlib.trainer_env()
-    env["PYTHONPATH"] = HERE + os.pathsep + env["PYTHONPATH"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(benchlib.free_port()), os.path.join(HERE, "tp2_features_worker.py"), str(tmp_path)]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    run = pool.run_case("tp2_features_worker:main", [str(tmp_path)], 2, tmp_path)
+    assert run.returncode == 0, run.output[-6000:]
     tp2 = torch.load(tmp_path / "tp2.pt", weights_only=False)
 
     layer, x, seed, _ = tp2_cases.vit_layer_and_input(tp=1)

@@ -5,11 +5,10 @@ and TP2 + SP. Losses, gradient norms, the logged aux loss and expert load within
 import pytest
 import torch
 
+from canonical import TINY_MOE
+
 # test_moe_training.py's flags: its serial reference is shared in a session
-BASE = ["--train-iters", "6", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr-warmup-iters", "0",
-        "--lr", "2e-3", "--log-interval", "1", "--seed", "7", "--eval-interval", "0",
-        "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "96", "--moe-layer-freq", "[1,0,1,1]",
-        "--moe-aux-loss-coeff", "0.01"]
+BASE = TINY_MOE + ["--train-iters", "6"]
 
 
 def assert_close(got, want, rel):

@@ -6,12 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from canonical import TINY_MOE
+
 pytestmark = pytest.mark.slow
 
-BASE = ["--train-iters", "6", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr-warmup-iters", "0",
-        "--lr", "2e-3", "--log-interval", "1", "--seed", "7", "--eval-interval", "0",
-        "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "96", "--moe-layer-freq", "[1,0,1,1]",
-        "--moe-aux-loss-coeff", "0.01"]
+BASE = TINY_MOE + ["--train-iters", "6"]
 ISF = ["--omnibal-isf", "--omnibal-isf-qv", "8", "--omnibal-isf-qt", "240"]
 
 

@@ -241,9 +241,21 @@ def test_plan_tiny_chooses_sizes(tmp_path):
     plan = make_plan(stats, PlanConfig("tiny", 4, 1 * GIB, global_batch_size=32, sim_iterations=2, isf_max_candidates=4))
     check_plan(plan, "tiny", 4, budget)
     assert plan.tp in (1, 2)  # tiny's 2 key/value groups rule out TP 4
-    tried = [c for c in plan.configs_tried if "estimated_seconds_per_sample" in c]
-    chosen = min(tried, key=lambda c: c["estimated_seconds_per_sample"])
-    assert (chosen["tp"], chosen["pp"]) == (plan.tp, plan.pp)
+    # brute force: the whole plan (ISF, partition, recompute, simulated iterations) at every (TP, PP) of 4 GPUs, each
+    # given as fixed sizes; the chosen sizes are those whose balanced plan simulates the fewest GPU-days
+    simulated = {}
+    for tp, pp in itertools.product((1, 2, 4), repeat=2):
+        if 4 % (tp * pp):
+            continue
+        try:
+            fixed = make_plan(stats, PlanConfig("tiny", 4, 1 * GIB, tp=tp, pp=pp, global_batch_size=32,
+                                                sim_iterations=2, isf_max_candidates=4))
+        except PlanError as e:
+            assert tp == 4 and "TP 4" in str(e), (tp, pp, e)  # the 2 key/value groups
+            continue
+        simulated[tp, pp] = {r.setting: r for r in fixed.rows}["+memory"].gpu_days
+    assert len(simulated) == 5
+    assert min(simulated, key=simulated.get) == (plan.tp, plan.pp), simulated
     assert any("TP 4" in c.get("reason", "") for c in plan.configs_tried)
 
 

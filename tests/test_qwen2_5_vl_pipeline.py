@@ -1,7 +1,8 @@
 """Qwen2.5-VL's training data pipeline against transformers: the reader (``messages`` and InternVL records, photos,
 the folder's tokenizer, chat template and ``preprocessor_config.json``) gives the token ids, pixel rows and grids of
 ``Qwen2_5_VLProcessor`` on the template's text; labels cover the answers only; a packed micro-batch carries each
-sample's ``get_rope_index`` ids and the ViT fields of its images; every stage gets what its units read; the scan
+sample's ``get_rope_index`` ids and the ViT fields of its images (window order, boundaries, rotary positions: as
+transformers' vision model derives them from the grids); every stage gets what its units read; the scan
 refuses an aspect ratio over 200 and video with ``file:line``."""
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ from megatron.vlm.stage.batches import StageInputs  # noqa: E402
 from megatron.vlm.data.records import DataValidationError, RecordDataset  # noqa: E402
 from megatron.vlm.data.tokenizer import build_tokenizer  # noqa: E402
 from megatron.vlm.lineages.qwen.data import IMAGE_TOKENS, QWEN_DATA, QwenBatcher, image_rule  # noqa: E402
-from megatron.vlm.lineages.qwen.batch import vision_fields  # noqa: E402
 from omnibal_ext.model.units import get_preset as model_preset  # noqa: E402
 
 MAX_PIXELS = 28 * 28 * 24
@@ -131,10 +131,11 @@ def test_reader_matches_processor_and_labels_answers(tmp_path):
         grids += [] if grid is None else grid.tolist()
         start += n
     assert batch["tokens"].shape[1] % 8 == 0 and int(batch["cu_seqlens"][-2]) == start
-    expected = vision_fields(grids, spec)
+    expected = hf_tiny_qwen.transformers_vit_fields(grids, spec)  # transformers' vision model's own derivation
+    assert set(expected) <= set(batch)
     for key in expected:
         got, want = batch[key], expected[key]
-        assert (torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want), key
+        assert (torch.equal(got.long(), want.long()) if isinstance(want, torch.Tensor) else got == want), key
     assert torch.equal(batch["pixel_values"], torch.cat([s["pixel_values"] for s in samples]))
     # padded (one sample per row): each row's ids restart; a stage gets the fields its units read
     rows = batcher.make(samples[:2], tokenizer.pad_id, packed=False)

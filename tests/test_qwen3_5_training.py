@@ -5,7 +5,7 @@ losses and gradient norms within 1e-5 at
 
 * TP2 + SP: linear key/value heads, attention heads and the Gated DeltaNet's conv channels split, the replicated
   gated-norm and per-head q/k-norm weights' gradients summed over TP, the pad segment of its own; its checkpoint
-  saves (the gated norm weight a replica per TP rank);
+  saves (the gated norm weight a replica per TP rank: what this file adds to the conformance suite's TP2 + SP run);
 * interleaved V = 2 (``Iv*2PEt|t|t|t*2L``: chunks end at a linear -> full, a full -> full and a full -> linear
   boundary);
 * PP2 with the boundary between a full and a linear layer (``Iv*2PEt*3|t*2L``: after layer 2) and

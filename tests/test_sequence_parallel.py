@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from act_bounds import act_ratio_range
+from canonical import TINY
 from launch import run_training
 
 pytestmark = pytest.mark.slow
 
-BASE = ["--train-iters", "8", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr-warmup-iters", "0",
-        "--lr", "2e-3", "--log-interval", "1", "--seed", "7", "--eval-interval", "0"]
+BASE = TINY + ["--train-iters", "8"]
 SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 
 

@@ -1,30 +1,21 @@
 """Measured static bytes (megatron-core's allocations) equal the memory model's prediction.
 
-tests/static_probe.py builds the stage model and megatron-core's optimizer on CPU (bf16 parameters:
+tests/static_probe.py (a case of the worker pool of 1 or 2 ranks) builds the stage model and megatron-core's optimizer on CPU (bf16 parameters:
 Float16OptimizerWithFloat16Params or DistributedOptimizer inside a ChainedOptimizer), runs one optimizer step
 (so torch allocates Adam's moments) and prints static_bytes' breakdown, measured after that step, beside
 omnibal_ext.memory.memory_model's static bytes; the breakdown before the step (moments not yet allocated,
 counted as they will be) must equal it.
 """
 import json
-import subprocess
-import sys
 
 import pytest
 
-from launch import ROOT, benchlib
-
-PROBE = str(ROOT / "tests" / "static_probe.py")
+import pool
 
 
 def probe(flags, out_dir, nproc=1):
-    if nproc == 1:
-        cmd = [sys.executable, PROBE, str(out_dir), *flags]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(benchlib.free_port()), PROBE, str(out_dir), *flags]
-    out = subprocess.run(cmd, env=benchlib.trainer_env(), capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run = pool.run_case("static_probe:main", [str(out_dir), *flags], nproc, out_dir, timeout=300)
+    assert run.returncode == 0, run.output[-6000:]
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 

@@ -10,13 +10,12 @@ import json
 import pytest
 
 from act_bounds import act_ratio_range
+from canonical import TINY
 from launch import run_training
 
 pytestmark = pytest.mark.slow
 
-BASE = ["--train-iters", "8", "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--lr-warmup-iters", "0", "--lr", "2e-3", "--log-interval", "1", "--seed", "7", "--eval-interval", "0",
-        "--log-activation-memory"]
+BASE = TINY + ["--train-iters", "8", "--log-activation-memory"]
 
 
 # the serial run groups as CP2 does: each sample's tokens counted padded to 2 x CP = 4 (the CP2 run's default)

@@ -52,7 +52,7 @@ def test_bad_flags_are_named(tmp_path, flags, expect):
 
 
 def test_bad_flag_exits_2_with_one_line_and_no_traceback(tmp_path):
-    proc = run_single(["--log-interval", "0"], tmp_path)
+    proc = run_single(["--log-interval", "0"], tmp_path, fresh=True)  # the real command line's exit status
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert lines == ["error: --log-interval 0: must be >= 1"], proc.stderr[-3000:]

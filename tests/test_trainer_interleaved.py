@@ -12,12 +12,12 @@ import json
 
 import pytest
 
+from canonical import TINY
 from launch import checkpoint_tensors, run_training
 
 pytestmark = pytest.mark.slow
 
-BASE = ["--train-iters", "8", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr-warmup-iters", "0",
-        "--lr", "2e-3", "--log-interval", "1", "--seed", "7", "--eval-interval", "0"]
+BASE = TINY + ["--train-iters", "8"]
 LAYOUT = "Iv*2|v*2PE|t*2|t*2L"
 INTERLEAVED = ["--pipeline-model-parallel-size", "2", "--pipeline-layout", LAYOUT]
 PLAIN = ["--pipeline-model-parallel-size", "2", "--pipeline-layout", "Iv*2|v*2PEt*4L"]

@@ -5,10 +5,10 @@ import argparse
 import pytest
 import torch
 
+from canonical import TINY
 from launch import run_training
 
-BASE = ["--train-iters", "5", "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--lr-warmup-iters", "0", "--lr", "2e-3", "--log-interval", "1", "--seed", "7", "--eval-interval", "0"]
+BASE = TINY + ["--train-iters", "5"]
 
 
 def _args(**kw):

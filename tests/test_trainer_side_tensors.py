@@ -1,8 +1,8 @@
 """DeepStack-like side tensors through the trainer against the serial run of the same model (the oracle): the toy
 family of ``toy_deepstack.py`` (defined outside megatron/ and omnibal_ext/, loaded by the launched ranks with
 --family-module), whose ViT layers 1 and 2 feed mergers whose features are added to LLM layers 0 and 2 (units 2 -> 7,
-3 -> 9). Only what tests/test_qwen3_vl_training.py (the real DeepStack family, the same crossings at PP2, interleaved
-V = 2, CP2 x PP2 and --freeze-vit) does not check:
+3 -> 9). Only what tests/test_qwen3_vl_training.py and the conformance suite (the real DeepStack family, the same
+crossings at PP2, interleaved V = 2, CP2 x PP2 and --freeze-vit) do not check:
 
 * PP2 with full recompute, ``Iv*2|v*2PEt*4L``: feature 0 crosses ViT -> ViT and is read past the boundary, the
   layers recomputed;

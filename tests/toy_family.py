@@ -70,8 +70,8 @@ class LinearProjector(MegatronModule):
 class LinearProjectorUnit(RuntimeComponent):
     attr = "projector"
 
-    def build(self):
-        return LinearProjector(self.spec, self.ctx.language_config)
+    def build(self):  # its input is the ViT's whole output: never sequence parallel (as InternVL's projector)
+        return LinearProjector(self.spec, dataclasses.replace(self.ctx.language_config, sequence_parallel=False))
 
     def forward(self, module, x, batch, cache):
         return module(x)

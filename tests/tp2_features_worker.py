@@ -1,6 +1,6 @@
-"""Run by tests/test_model_features_tp2.py under torchrun (2 ranks, TP 2, gloo): the ViT layer with
+"""Run by tests/test_model_features_tp2.py in the worker pool of 2 ranks (``tp2_features_worker:main``; TP 2, gloo): the ViT layer with
 qk-norm over padded heads (3 heads -> 4), a Qwen3 LLM layer (per-head q/k norm) and the tiny model's loss with a padded vocabulary, at TP 2.
-Rank 0 writes what it computed to ``argv[1]/tp2.pt``; the test compares it with TP 1."""
+Rank 0 writes what it computed to ``argv[0]/tp2.pt``; the test compares it with TP 1."""
 import sys
 
 import torch
@@ -24,10 +24,11 @@ def vit_case():
     return {"out": out.detach(), "x_grad": x.grad.detach(), "q_grad": grads[0], "k_grad": grads[1], "rank": rank}
 
 
-def main(folder: str) -> None:
+def main(argv: list[str]) -> int:
     from megatron.training import cpu_compat
-    from megatron.training.initialize import initialize_distributed, set_seeds
+    from megatron.training.initialize import destroy, initialize_distributed, set_seeds
 
+    folder = argv[0]
     with cpu_compat.patched():
         initialize_distributed(torch.device("cpu"), 2, 1)
         set_seeds(0)
@@ -45,11 +46,9 @@ def main(folder: str) -> None:
             result["loss"], result["correct"] = model(batch)
         if torch.distributed.get_rank() == 0:
             torch.save(result, f"{folder}/tp2.pt")
-        from megatron.core import parallel_state
-
-        parallel_state.destroy_model_parallel()
-        torch.distributed.destroy_process_group()
+        destroy()
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    sys.exit(main(sys.argv[1:]))

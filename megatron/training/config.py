@@ -146,6 +146,11 @@ class BalanceConfig:
     isf_params: ISFParams | None
     """Fixed ISF thresholds (--omnibal-isf-qv/-qt[-min], -iters, -vit-time/-llm-time[-min]; lower bounds 90% of
     their caps by default); None: searched."""
+    isf_buffer: int
+    """Online ISF (an Energon --data-path): look-ahead samples per data-parallel rank the groups are chosen from
+    (resolved: --omnibal-isf-buffer, else ``flags.DEFAULT_ISF_BUFFER``)."""
+    isf_stats: str | None
+    """Online ISF: per-sample stats file whose offline ISF search gives the caps and time targets; None: none."""
     isf_time_device: str
     """Cost-model device of the samples' predicted times (ISF in time, the logged Dist ratios in time)."""
     isf_token_multiple: int
@@ -245,6 +250,8 @@ class LogConfig:
     """Evaluate every N iterations (and at the end); 0: never."""
     eval_iters: int | None
     """Iterations (global batches) per evaluation; None: one pass over the validation set."""
+    log_sample_ids: bool
+    """Each iteration's sample ids, per data-parallel rank and micro-batch, in the JSON lines of ``json_log``."""
     log_activation_memory: bool
     """Measure saved-activation bytes per stage (resolved: --log-activation-memory, or --omnibal-recompute auto)."""
     log_expert_load: str | None

@@ -15,6 +15,8 @@ from omnibal_ext.model.units import PRESETS, default_model
 
 import megatron.vlm.families  # noqa: F401  importing it registers the built-in families (--model's choices)
 
+DEFAULT_ISF_BUFFER = 256  # online ISF: look-ahead samples per data-parallel rank (--omnibal-isf-buffer)
+
 
 class ArgumentError(UserError):
     """A flag value that cannot work; the message names the flag."""
@@ -170,10 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", default=None,
-                   help="meta JSON, or one annotation JSONL (conversations or messages records); default: "
-                        "the built-in digits dataset, made on first run")
+                   help="meta JSON, or one annotation JSONL (conversations or messages records), or an Energon dataset "
+                        "(a folder with .nv-meta/ in Megatron-Bridge's layout or `omnibal data to-energon`'s, or a "
+                        "MetadatasetV2 YAML; its 'train' split, read with Energon's savable loader per data-parallel "
+                        "rank, nothing scanned); default: the built-in digits dataset, made on first run")
     g.add_argument("--valid-data-path", default=None,
-                   help="meta JSON or annotation JSONL for evaluation (default: the built-in dataset's held-out split)")
+                   help="meta JSON or annotation JSONL for evaluation, or an Energon dataset (its 'val' split) with an "
+                        "Energon --data-path (default: the built-in dataset's held-out split)")
     g.add_argument("--data-cache-dir", default="data_cache",
                    help="where the built-in dataset is written and the validation scans of datasets are kept "
                         "(scans/: a restart of the same data reads its scan instead of decoding every image again)")
@@ -246,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int, default=None, help="save every N iterations (and at the end of training; 0: only at the end)")
     g.add_argument("--exit-interval", type=int, default=None, help="stop (after saving) at this iteration (0: run all --train-iters)")
     g.add_argument("--json-log", default=None, help="write per-iteration metrics as JSON lines here")
+    g.add_argument("--log-sample-ids", action="store_true",
+                   help="with --json-log: each iteration's sample ids, per data-parallel rank and micro-batch, in the "
+                        "JSON lines (dataset indices; an Energon sample's id is a hash of its shard and key)")
     g.add_argument("--log-activation-memory", action="store_true",
                    help="measure saved-activation bytes per stage (on with --omnibal-recompute auto)")
 
@@ -271,6 +279,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="in time: lower bound of a kept group's ViT time, ns (default 90%% of the cap)")
     g.add_argument("--omnibal-isf-llm-time-min", type=int, default=None, metavar="NS",
                    help="in time: lower bound of a kept group's LLM time, ns (default 90%% of the cap)")
+    g.add_argument("--omnibal-isf-buffer", type=int, default=None, metavar="N",
+                   help="online ISF (an Energon --data-path): look-ahead samples per data-parallel rank the groups "
+                        f"are chosen from (default {DEFAULT_ISF_BUFFER})")
+    g.add_argument("--omnibal-isf-stats", default=None, metavar="FILE",
+                   help="online ISF (an Energon --data-path): per-sample stats of the data (`omnibal isf stats --write` "
+                        "with this model) whose offline ISF search gives the caps and time targets (instead of "
+                        "--omnibal-isf-qv/-qt/-vit-time/-llm-time or what the ranks have seen)")
     g.add_argument("--omnibal-isf-time-device", choices=sorted(DEVICES), default=ISF_TIME_DEVICE,
                    help="cost-model device of the samples' predicted times (ISF in time, the logged Dist ratios in "
                         f"time; default {ISF_TIME_DEVICE}; `omnibal plan` writes its --device)")

@@ -1,6 +1,7 @@
 """Process groups, device choice and seeds."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import random
@@ -9,8 +10,12 @@ import socket
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core import num_microbatches_calculator, parallel_state, rerun_state_machine
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+from megatron.core.transformer.moe import moe_utils
+
+from megatron.vlm.parallel.context_parallel import forget_own_groups
 
 from . import cpu_compat
 from .flags import ArgumentError
@@ -95,7 +100,51 @@ def set_seeds(seed: int) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
-def destroy() -> None:
+def reset_global_state() -> None:
+    """Undo what a run left in megatron-core's process-wide state, keeping the world's process group: the
+    model-parallel groups (every group but the world's is destroyed, so none leaks into the next run), the
+    model-parallel RNG tracker, the rerun state machine, the micro-batch calculator, the MoE auxiliary-loss
+    tracker (its per-layer buffers are sized by the run's layers) and the caches that hold a run's modules or groups
+    (megatron-core's rotary tables, the CP split's one-rank groups).  After it, ``main`` can run again in the same
+    processes (a test worker pool; ``initialize_distributed`` keeps an initialised world); the groups' gloo threads
+    end when the run's objects holding them are collected."""
     parallel_state.destroy_model_parallel()
+    parallel_state.destroy_global_memory_buffer()
+    # megatron-core 0.16.1's destroy_model_parallel leaves these two set: the groups (and their gloo threads) they
+    # hold would outlive the run
+    parallel_state._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP = None
+    parallel_state._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO = None
+    RotaryEmbedding.forward.cache_clear()  # megatron-core caches its tables with the module (and the module's CP group)
+    forget_own_groups()
     if dist.is_initialized():
+        world = dist.group.WORLD
+        for group in list(dist.distributed_c10d._world.pg_map):
+            if group is not world:
+                dist.destroy_process_group(group)
+    get_cuda_rng_tracker().reset()
+    rerun_state_machine.destroy_rerun_state_machine()
+    num_microbatches_calculator.destroy_num_microbatches_calculator()
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()
+
+
+_world_held = 0  # how many hold_world() contexts are open
+
+
+@contextlib.contextmanager
+def hold_world():
+    """Inside: :func:`destroy` resets the global state but keeps the world's process group, for whoever started
+    that group to run several entry points (``pretrain_vlm.cli``, ``scripts/hf_logits.py``'s ``main``, ``omnibal``
+    commands) in the same processes one after the other (a test worker pool)."""
+    global _world_held
+    _world_held += 1
+    try:
+        yield
+    finally:
+        _world_held -= 1
+
+
+def destroy() -> None:
+    """The end of a run: :func:`reset_global_state`, then the world's process group (kept inside ``hold_world``)."""
+    reset_global_state()
+    if dist.is_initialized() and not _world_held:
         dist.destroy_process_group()

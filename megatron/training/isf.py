@@ -27,6 +27,8 @@ from omnibal_ext.model.cp_split import rank_vit_budget, video_fit
 from omnibal_ext.model.sample_time import isf_sample_times
 from omnibal_ext.model.units import ModelSpec, family_of
 
+from megatron.vlm.data.energon.dataset import EnergonSource
+
 from .config import RunConfig
 from .flags import ArgumentError
 
@@ -132,6 +134,8 @@ def isf_times(config: RunConfig, dataset, spec: ModelSpec, counted_tokens: np.nd
 def run_sample_times(config: RunConfig, spec: ModelSpec, dataset) -> tuple[np.ndarray, np.ndarray] | None:
     """(ViT, LLM) predicted time of every training sample (``isf_times``, tokens as ISF counts them) for the
     per-iteration Dist ratios in time, with or without --omnibal-isf; None for a family grouped by counts."""
+    if isinstance(dataset, EnergonSource):  # no scan: each micro-batch carries its samples' times
+        return None
     timed = isf_times(config, dataset, spec, search_config(config).counted_tokens(dataset.sample_lengths()[0]))
     return None if timed is None else timed[1]
 

@@ -14,7 +14,7 @@ from megatron.core import parallel_state
 
 import numpy as np
 
-from omnibal_ext.data.metrics import random_rebatch_balance, step_balance_time
+from omnibal_ext.data.metrics import dist_ratio_one, random_rebatch_balance, step_balance_time
 
 from .config import LogConfig
 
@@ -135,6 +135,9 @@ def batch_balance(records: list[dict], balance_fn, dp_gloo, sample_times=None) -
         per_step.append(balance_fn(tokens, tiles, packed=records[j]["packed"]))
         if sample_times is not None:
             per_step[-1].update(step_balance_time([rank_records[j]["ids"] for rank_records in gathered], sample_times))
+        elif all("vit_s" in rank_records[j] for rank_records in gathered):  # the samples' own predicted times
+            per_step[-1].update(summed_time_balance([sum(r[j]["vit_s"]) for r in gathered],
+                                                    [sum(r[j]["llm_s"]) for r in gathered]))
     keys = per_step[0].keys() if per_step else []
     return {k: sum(s[k] for s in per_step) / len(per_step) for k in keys}
 
@@ -150,6 +153,17 @@ def random_batch_balance(records: list[dict], dp_gloo, rng: np.random.Generator)
     tokens = [[mb[0] for mb in rank] for rank in gathered]
     tiles = [[mb[1] for mb in rank] for rank in gathered]
     return random_rebatch_balance(tokens, tiles, rng)
+def summed_time_balance(vit_per_rank: list[float], llm_per_rank: list[float]) -> dict:
+    """{"dist_ratio_llm_time", "dist_ratio_vit_time"} of one micro-batch slot from each rank's summed predicted
+    ViT and LLM seconds (as ``step_balance_time`` computes from sample ids)."""
+    return {"dist_ratio_llm_time": dist_ratio_one(llm_per_rank), "dist_ratio_vit_time": dist_ratio_one(vit_per_rank)}
+
+
+def sample_ids(records: list[dict], dp_gloo) -> list[list[list[int]]]:
+    """This iteration's sample ids: [data-parallel rank][micro-batch][sample] (every rank of the group takes part)."""
+    gathered = [None] * parallel_state.get_data_parallel_world_size()
+    dist.all_gather_object(gathered, [r["ids"] for r in records], group=dp_gloo)
+    return gathered
 
 
 class BalanceMeans:
@@ -195,7 +209,7 @@ class MetricsLog:
                "moe z loss": "{:.6E}", "expert load imbalance": "{:.4f}", "ep load imbalance": "{:.4f}",
                "generation acc": "{:.4f}", "generation tf acc": "{:.4f}"}
         for key, value in metrics.items():
-            if value is None:
+            if value is None or isinstance(value, list):  # lists (sample ids) go to the JSON lines only
                 continue
             parts.append(f"{key}: {fmt.get(key, '{}').format(value)}")
         print(" | ".join(parts), flush=True)

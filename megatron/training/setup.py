@@ -29,10 +29,12 @@ from megatron.vlm.stage.batches import MicroBatches, StageInputs
 from megatron.vlm.stage.components import runtime_family, units_inputs
 from megatron.vlm.data.digits import FORMAT_VERSION as DIGITS_FORMAT
 from megatron.vlm.data.digits import build_digits_dataset, digits_meta_paths
+from megatron.vlm.data.energon.dataset import EnergonSource
 from megatron.vlm.data.records import DataValidationError, RecordDataset
 
 from .config import BalanceConfig, DataConfig, OptimConfig, RunConfig
 from .flags import ArgumentError
+from .energon_data import build_energon_data, energon_sources, is_energon, profiling_refused
 from .isf import MeanGroup, isf_groups, isf_regroup
 from .profiling import profile_for_training
 from .routing_profile import measure_expert_load
@@ -119,8 +121,11 @@ class SampleGroups:
     """With --omnibal-isf: the mean group (what a micro-batch costs on average); else None."""
 
 
-def build_groups(config: RunConfig, spec: ModelSpec, dataset) -> SampleGroups:
-    """The groups of the training set ``dataset``: ISF's with --omnibal-isf, else random single samples."""
+def build_groups(config: RunConfig, spec: ModelSpec, dataset) -> SampleGroups | None:
+    """The groups of the training set ``dataset``: ISF's with --omnibal-isf, else random single samples; None for an
+    Energon dataset (grouped online, per step: energon_data.py)."""
+    if isinstance(dataset, EnergonSource):
+        return None
     if config.balance.isf:
         found = isf_groups(config, spec, dataset)
         return SampleGroups(found.groups, found.order, isf_regroup(config, spec, dataset, found.params),
@@ -132,7 +137,11 @@ def build_groups(config: RunConfig, spec: ModelSpec, dataset) -> SampleGroups:
 
 
 def build_datasets(config: RunConfig, spec: ModelSpec, tokenizer) -> tuple[RecordDataset, RecordDataset | None]:
-    """(train, valid or None) datasets; validates every record first (the scan, split over all ranks)."""
+    """(train, valid or None) datasets; validates every record first (the scan, split over all ranks); an Energon
+    --data-path: its ``EnergonSource``s, checked, nothing scanned (energon_data.py)."""
+    if is_energon(config.data.data_path):
+        data_paths(config.data, spec)  # the paths exist
+        return energon_sources(config, spec)
     train_meta, valid_meta = data_paths(config.data, spec)
     train_set = build_dataset(config, spec, tokenizer, train_meta)
     eval_interval = config.log.eval_interval
@@ -171,6 +180,8 @@ def build_data(config: RunConfig, spec: ModelSpec, tokenizer, inputs: StageInput
     dp = parallel_state.get_data_parallel_world_size()
     train_set, valid_set = datasets if datasets is not None else build_datasets(config, spec, tokenizer)
     inputs = inputs or StageInputs.everything()
+    if isinstance(train_set, EnergonSource):
+        return build_energon_data(config, spec, tokenizer, (train_set, valid_set), inputs, device_type)
     data_side = runtime_family(spec).data
     per_item = train_set.config.images.tokens_per_item  # the loader's image-token check (None: the batcher's own)
     image_tokens = None if per_item is None else (tokenizer.img_context_id, per_item)
@@ -251,6 +262,8 @@ def unit_costs(config: RunConfig, spec: ModelSpec, groups: SampleGroups, dataset
 def _measured_costs(config: RunConfig, spec: ModelSpec, groups: SampleGroups, dataset, tokenizer, device) -> CostTable:
     img_context_id = tokenizer.img_context_id
     path = config.balance.profile
+    if isinstance(dataset, EnergonSource) and not (path and os.path.exists(path)):
+        raise profiling_refused(dataset)
     if path and os.path.exists(path):
         costs = CostTable.load(path)
         names = [u.name for u in build_units(spec)]

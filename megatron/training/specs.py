@@ -28,7 +28,7 @@ from megatron.vlm.layers.moe import MoERun
 
 from .config import (BalanceConfig, CheckpointConfig, DataConfig, LogConfig, ModelConfig, OptimConfig, ParallelConfig,
                      RunConfig)
-from .flags import MOE_FLAGS, ArgumentError, build_parser, given_flags
+from .flags import DEFAULT_ISF_BUFFER, MOE_FLAGS, ArgumentError, build_parser, given_flags
 
 
 def moe_spec_from_flags(flags, num_layers: int, ffn_hidden_size: int):
@@ -301,6 +301,7 @@ def run_config(flags: argparse.Namespace, world_size: int) -> RunConfig:
                       truncate_long_samples=flags.truncate_long_samples,
                       num_workers=flags.num_workers, prefetch_factor=flags.prefetch_factor)
     balance = BalanceConfig(isf=flags.omnibal_isf, isf_params=isf_params_from_flags(flags),
+                            isf_buffer=flags.omnibal_isf_buffer or DEFAULT_ISF_BUFFER, isf_stats=flags.omnibal_isf_stats,
                             isf_time_device=flags.omnibal_isf_time_device, isf_token_multiple=isf_token_multiple(flags),
                             pipeline_layout=flags.pipeline_layout, partition=flags.omnibal_partition,
                             profile=flags.omnibal_profile, recompute_granularity=flags.recompute_granularity,
@@ -318,7 +319,7 @@ def run_config(flags: argparse.Namespace, world_size: int) -> RunConfig:
                         weight_decay=flags.weight_decay, clip_grad=flags.clip_grad, adam_beta1=flags.adam_beta1,
                         adam_beta2=flags.adam_beta2, bf16=flags.bf16, loss_reduction=flags.loss_reduction)
     log = LogConfig(log_interval=flags.log_interval, tensorboard_dir=flags.tensorboard_dir, json_log=flags.json_log,
-                    eval_interval=flags.eval_interval, eval_iters=flags.eval_iters,
+                    eval_interval=flags.eval_interval, eval_iters=flags.eval_iters, log_sample_ids=flags.log_sample_ids,
                     log_activation_memory=flags.log_activation_memory or flags.omnibal_recompute == "auto",
                     log_expert_load=flags.log_expert_load, eval_generate=flags.eval_generate,
                     eval_generate_samples=flags.eval_generate_samples)

@@ -36,7 +36,7 @@ from .lr_schedule import ResumeRule, Schedule
 from .memory import ActivationMeter, one_f_one_b_peak, static_bytes
 from .moe_log import moe_log_of
 from .metrics import (BalanceMeans, DataWait, MetricGroups, MetricsLog, StepResult, batch_balance,
-                      random_batch_balance, reduce_reports, step_metrics)
+                      random_batch_balance, reduce_reports, sample_ids, step_metrics)
 from .config import OptimConfig
 from .run_plan import RunPlan
 
@@ -345,6 +345,8 @@ def train(plan: RunPlan, model, optimizer, scheduler, train_data, valid_data=Non
         if balance_fn:
             random_means.add(random_batch_balance(step.records, setup.groups.dp_gloo, random_rng))
         metrics.update({k.replace("_", " "): v for k, v in balance.items()})
+        if log_config.log_sample_ids:
+            metrics["sample ids"] = sample_ids(step.records, setup.groups.dp_gloo)
         if moe_log:  # moe aux loss, expert load imbalance (megatron/training/moe_log.py)
             metrics.update(moe_log.metrics(iteration, setup.groups.world_gloo))
         if due(log_config.log_interval, iteration, optim.train_iters):
@@ -417,7 +419,7 @@ def evaluate(plan: RunPlan, model, valid_data, forward_backward) -> dict:
         m.eval()
     reports = []
     valid_data.reset()
-    iters = plan.config.log.eval_iters or max(1, valid_data.sampler.num_groups // valid_data.sampler.block)
+    iters = plan.config.log.eval_iters or valid_data.iterations_per_pass()
     with torch.no_grad():
         for _ in range(iters):
             reports += forward_backward(

@@ -16,6 +16,7 @@ from omnibal_ext.plan import tp_problem
 
 from megatron.vlm.stage.components import runtime_family
 
+from .energon_data import check_energon_flags
 from .flags import MOE_FLAGS, ArgumentError, build_parser, dest_of, given_flags
 from .specs import batch_sizes, data_parallel_size, media_overrides, model_spec_of, virtual_pipeline_size
 
@@ -77,11 +78,12 @@ _LOWER_BOUNDS = (
     ("--omnibal-isf-token-multiple", 1), ("--omnibal-isf-iters", 1), ("--omnibal-isf-vit-time", 0),
     ("--omnibal-isf-llm-time", 1), ("--omnibal-isf-vit-time-min", 0), ("--omnibal-isf-llm-time-min", 0),
     ("--ckpt-step", 0), ("--keep-checkpoints", 1), ("--min-pixels", 1),
-    ("--max-pixels", 1),
+    ("--max-pixels", 1), ("--omnibal-isf-buffer", 1),
 )
 _ISF_VALUES = ("--omnibal-isf-qv", "--omnibal-isf-qt", "--omnibal-isf-qv-min", "--omnibal-isf-qt-min",
                "--omnibal-isf-token-multiple", "--omnibal-isf-iters", "--omnibal-isf-vit-time", "--omnibal-isf-llm-time",
-               "--omnibal-isf-vit-time-min", "--omnibal-isf-llm-time-min")
+               "--omnibal-isf-vit-time-min", "--omnibal-isf-llm-time-min", "--omnibal-isf-buffer",
+               "--omnibal-isf-stats")
 
 
 def _flag_value(flags, flag: str):
@@ -178,6 +180,8 @@ def validate_flags(flags, world_size: int) -> None:
     check_isf_flags(flags)
     check_schedule_flags(flags)
     check_run_safety_flags(flags, parser)
+    if flags.log_sample_ids and not flags.json_log:
+        raise ArgumentError("--log-sample-ids writes into the JSON lines of --json-log: give --json-log FILE")
     tp, pp = flags.tensor_model_parallel_size, flags.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         raise ArgumentError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
@@ -257,6 +261,7 @@ def validate_flags(flags, world_size: int) -> None:
     for flag, value in (("--vision-lr", flags.vision_lr), ("--projector-lr", flags.projector_lr)):
         if value is not None and value < 0:
             raise ArgumentError(f"{flag} {value}: must be >= 0")
+    check_energon_flags(flags)  # the Energon path's flags, or their refusal without it
 
 
 def check_eval_generate(flags, vpp: int) -> None:

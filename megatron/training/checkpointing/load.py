@@ -24,7 +24,8 @@ from .layout import TRACKER, Checkpoint, CheckpointError, complete_iterations, i
 from .optimizer import (adapt_optimizer_request, fresh_optimizer_entries, init_optimizer_state, keep_list_positions,
                         load_optimizer, skeleton)
 from .param_steps import per_parameter_steps, set_steps
-from .state import load_model_state, model_sharded_state_dict, rng_object, set_rng_state, sharded_state_dict, world_of
+from .state import (data_objects, load_model_state, model_sharded_state_dict, rng_object, set_rng_state,
+                    sharded_state_dict, world_of)
 
 
 def find_checkpoint(root: str, step: int | None = None) -> Checkpoint | None:
@@ -64,10 +65,11 @@ def _older_hint(root: str, iteration: int | None) -> str:
     return ". No older complete checkpoint is there"
 
 
-def load_checkpoint(ckpt: Checkpoint, plan, model, optimizer, scheduler) -> dict:
+def load_checkpoint(ckpt: Checkpoint, plan, model, optimizer, scheduler, train_data=None) -> dict:
     """Load ``ckpt`` into the model, optimizer and scheduler of the run ``plan`` (a RunPlan), whatever TP/PP/DP,
     layout, recompute and optimizer kind it was saved with; returns its common state (iteration, consumed samples,
-    data)."""
+    data).  ``train_data``: its per-data-parallel-rank position is loaded too when it keeps one (an Energon
+    stream's; ``state.data_objects``; the same data-parallel size only)."""
     parallel = plan.config.parallel
     common = dist_checkpointing.load_common_state_dict(ckpt.path)
     saved_run = common.get("run") or {}
@@ -96,6 +98,8 @@ def load_checkpoint(ckpt: Checkpoint, plan, model, optimizer, scheduler) -> dict
     fresh_params = sorted({k for part in everyone for k in part})
     if same_world:
         request["rng"] = rng_object(None)
+    data_request = _data_request(common, saved_run, plan, train_data) if with_optimizer else {}
+    request.update(data_request)
     template = skeleton(request.get("optimizer"))  # the load rewrites the request's factories in place
     if fresh:
         request["optimizer"] = keep_list_positions(request["optimizer"])
@@ -108,6 +112,8 @@ def load_checkpoint(ckpt: Checkpoint, plan, model, optimizer, scheduler) -> dict
         if "param_groups" not in str(e):
             raise
         raise CheckpointError(_other_groups(where, e)) from None
+    if data_request:
+        train_data.load_sharded_state({k: loaded[k] for k in data_request})
     loaded["model"].update(fresh_adapters)  # LoRA adapters the checkpoint lacks keep their fresh values
     load_model_state(model, loaded["model"])
     if with_optimizer:
@@ -182,6 +188,23 @@ def _resume_schedule(where: str, rule, schedule_changes: list[str], run_groups: 
     line = lr_schedule.note(rule, schedule_changes + group_changes)
     if line and dist.get_rank() == 0:
         print(line, flush=True)
+
+
+def _data_request(common: dict, saved_run: dict, plan, train_data) -> dict:
+    """The per-data-parallel-rank data position to load (``state.data_objects``), refused by name when the
+    checkpoint's data-parallel size differs (Energon restores a loader only at the same size)."""
+    request = data_objects(train_data, for_loading=True) if train_data is not None else {}
+    data = common.get("data") or {}
+    if not request or data.get("kind") != "energon":  # a JSONL position: train_data.load_state_dict refuses it
+        return {}
+    saved = data.get("dp_size", saved_run.get("dp"))
+    dp = plan.config.parallel.data_parallel_size
+    if saved is not None and saved != dp:
+        raise CheckpointError(f"the checkpoint's Energon loader positions are per data-parallel rank ({saved} "
+                              f"ranks), this run has {dp}: Energon restores a loader only with the "
+                              f"same data-parallel size; resume with data-parallel size {saved} (TP, PP and the layout "
+                              "may change)")
+    return request
 
 
 def _param_of(optimizer_key: str) -> str:

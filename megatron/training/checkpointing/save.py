@@ -25,7 +25,7 @@ from .layout import MANIFEST, TRACKER, complete_iterations, iteration_dir
 from .lineage import set_aside, to_prune
 from . import space
 from .param_steps import one_step_for_save
-from .state import rng_object, rng_state, run_description, sharded_state_dict, to_tensors
+from .state import data_objects, rng_object, rng_state, run_description, sharded_state_dict, to_tensors
 
 
 class SaveError(RunStopped):
@@ -47,6 +47,7 @@ def save_checkpoint(plan, iteration: int, consumed_samples: int, model, optimize
         sd.update({"rng": rng_object(rng_state()), "iteration": iteration, "consumed_samples": consumed_samples,
                    "scheduler": scheduler.state_dict(), "data": to_tensors(train_data.state_dict()),
                    "run": run_description(plan), "param_steps": param_steps})
+        sd.update(data_objects(train_data, for_loading=False))  # a per-data-parallel-rank position (Energon's)
         _write(sd, root, tmp, iteration)
     fault_point("save", iteration)
     _publish(root, iteration, ckpt.keep_checkpoints)

@@ -97,6 +97,13 @@ def rng_object(state) -> ShardedObject:
                          replica_id=ps.get_context_parallel_rank())  # CP ranks hold copies: the first saves
 
 
+def data_objects(train_data, for_loading: bool) -> dict:
+    """The training data's per-rank position as ShardedObjects (an Energon stream's: one per data-parallel rank,
+    ``EnergonBatches.sharded_state``), or {} for a data position held whole in the common state."""
+    sharded = getattr(train_data, "sharded_state", None)
+    return sharded(for_loading) if sharded is not None else {}
+
+
 def model_sharded_state_dict(model) -> dict:
     """The model chunks' sharded state dicts in one: the checkpoint keys are global unit names (the same for
     any number of chunks); the dict paths of an interleaved rank's chunk ``c`` start with ``chunk{c}.``."""

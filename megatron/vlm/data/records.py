@@ -65,12 +65,17 @@ from omnibal_ext.errors import UserError
 
 from . import scan_cache
 from .images import ImageRule
-from .messages import VIDEO_TAG, VideoRef, parse_messages_record
+from .record_sample import (FileMedia, ReaderConfig, RecordLayout, RecordProblems, RecordVideo, VideoPlan,
+                            image_flags, layout_record, media_entries, media_order, plan_videos, record_turns,
+                            sample_pixels, sample_text)
 from .rgb import mode_problem
-from .template import (IMAGE_PLACEHOLDER, ConversationError, Turn, add_missing_placeholder, count_placeholders,
-                       parse_conversations, plan_conversation)
-from .video import VideoRule, sampled_frames, video_seed
+from .template import plan_conversation
+from .video import VideoRule
 from .video_decode import decode_frames
+
+__all__ = ["DataValidationError", "FileMedia", "ReaderConfig", "RecordDataset", "RecordLayout", "RecordVideo",
+           "ScanResult", "SourceSpec", "VideoPlan", "media_entries", "media_order", "plan_videos", "read_meta",
+           "record_turns", "scan_annotations", "scan_media"]
 
 MAX_LISTED_ERRORS = 20
 
@@ -88,20 +93,6 @@ class SourceSpec:
     annotation: str
     repeat_time: float = 1.0
     length: int | None = None
-
-
-@dataclass(frozen=True)
-class ReaderConfig:
-    """How records become samples: the family's image rule and the text settings (lengths in tokens)."""
-
-    images: ImageRule  # the family's image rule (images.py)
-    max_seq_length: int | None = None  # None: no limit
-    truncate: bool = False
-    system: str | None = None  # system prompt for conversations without their own
-    add_bos: bool = True
-    seed: int = 0  # for fractional repeat_time
-    skip_bad: bool = False  # a record with a problem is left out (listed in ScanResult.skipped), not an error
-    videos: VideoRule | None = None  # the family's video rule (video.py); None: video records are refused
 
 
 def read_meta(meta_path: str) -> list[SourceSpec]:
@@ -142,185 +133,6 @@ def read_meta(meta_path: str) -> list[SourceSpec]:
         sources.append(SourceSpec(name, root, annotation, repeat, length))
     return sources
 
-
-def record_images(record: dict) -> list[str]:
-    """The record's image paths: ``image`` as a string, a list of strings, or absent/empty (text-only)."""
-    image = record.get("image")
-    if image is None or image == "" or image == []:
-        return []
-    if isinstance(image, str):
-        return [image]
-    if isinstance(image, list) and all(isinstance(p, str) and p for p in image):
-        return list(image)
-    raise ConversationError("'image' must be a path or a list of paths")
-
-
-@dataclass(frozen=True)
-class RecordVideo:
-    """One video of a record: ``path`` as written (a file or a frame folder), ``clip_s`` the ``(start, end)`` s
-    it is cut to (None: whole)."""
-
-    path: str
-    clip_s: tuple[float, float] | None = None
-
-
-def record_videos(record: dict) -> list[RecordVideo]:
-    """A ``conversations`` record's video: ``video`` as a path (or absent/empty), with an optional ``clip``."""
-    video = record.get("video")
-    if video is None or video == "":
-        if record.get("clip") is not None:
-            raise ConversationError("'clip' without a 'video'")
-        return []
-    if not isinstance(video, str):
-        raise ConversationError("'video' must be a path (a file or a frame folder)")
-    clip = record.get("clip")
-    if clip is not None:
-        if not (isinstance(clip, (list, tuple)) and len(clip) == 2 and all(isinstance(t, (int, float))
-                                                                            and not isinstance(t, bool) for t in clip)
-                and 0 <= clip[0] < clip[1]):
-            raise ConversationError(f"'clip' must be [start, end] in seconds with 0 <= start < end, got {clip!r}")
-        clip = (float(clip[0]), float(clip[1]))
-    return [RecordVideo(video, clip)]
-
-
-def count_video_tags(turns: list[Turn]) -> int:
-    return sum(t.text.count(VIDEO_TAG) for t in turns if t.role == "user")
-
-
-def record_turns(record) -> tuple[list[Turn], list[str], list[RecordVideo]]:
-    """(turns, image paths as written, videos) of a decoded record of either format; the turns' user text holds
-    an ``<image>`` per image and a ``<video>`` per video.  Its problems raise a ``UserError`` (the caller names
-    ``file:line``)."""
-    if not isinstance(record, dict):
-        raise ConversationError("record must be a JSON object")
-    if "messages" in record:
-        conversation = parse_messages_record(record, "")
-        return ([Turn(t.role, t.text) for t in conversation.turns], list(conversation.images),
-                [RecordVideo(p) for p in conversation.videos])
-    if "conversations" not in record:
-        raise ConversationError("missing 'conversations'")
-    images = record_images(record)
-    videos = record_videos(record)
-    turns = add_missing_placeholder(parse_conversations(record["conversations"]), len(images))
-    if any(VIDEO_TAG in t.text for t in turns if t.role != "user"):
-        raise ConversationError(f"a {VIDEO_TAG} placeholder outside a human turn")
-    if len(videos) == 1 and count_video_tags(turns) == 0:  # the format's reference code puts the missing tag first
-        first_user = next(k for k, t in enumerate(turns) if t.role == "user")
-        turns[first_user] = Turn("user", VIDEO_TAG + "\n" + turns[first_user].text)
-    placeholders = count_placeholders(turns)
-    if placeholders != len(images):
-        raise ConversationError(f"{placeholders} {IMAGE_PLACEHOLDER} placeholders but {len(images)} images")
-    if count_video_tags(turns) != len(videos):
-        raise ConversationError(f"{count_video_tags(turns)} {VIDEO_TAG} placeholder(s) but {len(videos)} video(s)")
-    return turns, images, videos
-
-
-def media_order(turns: list[Turn]) -> list[str]:
-    """``"image"``/``"video"`` for each tag of the user turns, in reading order."""
-
-    pattern = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_TAG)})")
-    return ["image" if tag == IMAGE_PLACEHOLDER else "video"
-            for t in turns if t.role == "user" for tag in pattern.findall(t.text)]
-
-
-def expand_videos(turns: list[Turn], texts: list[str]) -> list[Turn]:
-    """``turns`` with the k-th ``<video>`` tag of the user turns replaced by ``texts[k]`` (the video rule's text)."""
-    out, k = [], 0
-    for t in turns:
-        if t.role != "user" or VIDEO_TAG not in t.text:
-            out.append(t)
-            continue
-        pieces = t.text.split(VIDEO_TAG)
-        text = pieces[0]
-        for piece in pieces[1:]:
-            text += texts[k] + piece
-            k += 1
-        out.append(Turn(t.role, text))
-    return out
-
-
-@dataclass(frozen=True)
-class VideoPlan:
-    """What a record's videos become: per video its probe, frame indices, block items and temporal patches (the
-    ViT's attention segments in time, ``VideoRule.temporal_patches``), and the turns with the rule's text in place
-    of each ``<video>``."""
-
-    infos: tuple
-    indices: tuple[tuple[int, ...], ...]
-    blocks: tuple[tuple[int, ...], ...]
-    turns: tuple[Turn, ...]
-    temporal: tuple[int, ...] = ()
-
-
-def plan_videos(turns: list[Turn], videos: list[RecordVideo], root: str, rule: VideoRule | None, seed: int,
-                source: int, line: int) -> VideoPlan:
-    """Probe each video (its header), take the rule's frames and blocks, and expand the turns; a ``UserError``
-    for a video the rule or the decoder refuses, or for any video without a rule."""
-    if videos and rule is None:
-        raise ConversationError(f"{len(videos)} video(s): the model family does not read videos (it does not "
-                                "declare Capabilities.video); leave them out or pass --skip-bad-samples")
-    infos, indices, blocks, texts = [], [], [], []
-    for k, video in enumerate(videos):
-        info, taken = sampled_frames(os.path.join(root, video.path), rule, None, video_seed(seed, source, line, k),
-                                     video.clip_s)
-        infos.append(info)
-        indices.append(tuple(taken))
-        blocks.append(tuple(rule.blocks(len(taken), info.width, info.height)))
-        texts.append(rule.text(taken, info.fps))
-    return VideoPlan(tuple(infos), tuple(indices), tuple(blocks), tuple(expand_videos(turns, texts)),
-                     tuple(rule.temporal_patches(len(taken)) for taken in indices) if videos else ())
-
-
-def media_entries(turns: list[Turn], image_items: list[int], image_sizes: list[tuple[int, int]],
-                  videos: VideoPlan) -> tuple[list[int], list[tuple[int, int]], list[tuple[int, int]], list[tuple]]:
-    """(items, (width, height) px, video entry ranges, video fields): one entry per image and per video block in
-    reading order (a block has its video's frame size), each video's ``[first, end)`` entries, and per entry
-    ``(video, frames, temporal)``: 0, 0, 0 for an image; for a video's block the video's 1-based ordinal in the
-    record, its sampled frames and its temporal patches."""
-    items, sizes, ranges, fields = [], [], [], []
-    next_image = next_video = 0
-    for kind in media_order(turns):
-        if kind == "image":
-            items.append(image_items[next_image])
-            sizes.append(image_sizes[next_image])
-            fields.append((0, 0, 0))
-            next_image += 1
-        else:
-            info, blocks = videos.infos[next_video], videos.blocks[next_video]
-            ranges.append((len(items), len(items) + len(blocks)))
-            items += blocks
-            sizes += [(info.width, info.height)] * len(blocks)
-            fields += [(next_video + 1, len(videos.indices[next_video]), videos.temporal[next_video])] * len(blocks)
-            next_video += 1
-    return items, sizes, ranges, fields
-
-
-def video_fields(input_ids: np.ndarray, spans: list[tuple[int, int]], turns: list[Turn], videos: list[RecordVideo],
-                 plan: VideoPlan, rule: VideoRule, tokenizer) -> dict:
-    """A sample's video fields (``input_ids`` is changed in place): ``video_blocks`` (per kept entry, reading order:
-    None for an image, the rule's ``VideoRule.block`` for a video's block) and ``mm_token_type_ids`` int64 [n] (1 on
-    an image's context tokens, 2 on a video's, 0 elsewhere); the context tokens of a video's blocks become the rule's
-    ``context_token`` where the tokenizer has it as one token (Qwen: ``<|video_pad|>``)."""
-    video_id = None
-    if rule.context_token is not None:
-        ids = tokenizer.encode(rule.context_token)
-        video_id = ids[0] if len(ids) == 1 else None
-    types = np.zeros(len(input_ids), dtype=np.int64)
-    blocks: list = []
-    next_video = 0
-    for kind in media_order(turns):
-        if kind == "image":
-            blocks.append(None)
-        else:
-            k = next_video
-            next_video += 1
-            blocks += rule.block_info(plan.indices[k], plan.infos[k], videos[k].clip_s)
-    blocks = blocks[:len(spans)]
-    for (start, end), block in zip(spans, blocks):
-        types[start + 1:end - 1] = 1 if block is None else 2
-        if block is not None and video_id is not None:
-            input_ids[start + 1:end - 1] = video_id
-    return {"video_blocks": blocks, "mm_token_type_ids": torch.from_numpy(types)}
 
 
 @dataclass
@@ -441,7 +253,6 @@ def scan_annotations(meta_path: str, tokenizer, config: ReaderConfig, progress: 
     cache_dir: where finished scans are kept (megatron/vlm/data/scan_cache.py): a scan of the same
     annotations, configuration and tokenizer is read back instead of decoding every image again.
     """
-
     sources = read_meta(meta_path)
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
     path = cache = None
@@ -477,7 +288,6 @@ def scan_share(sources: list[SourceSpec], tokenizer, config: ReaderConfig, rank:
     """Process ``rank``'s share of the scan: every line is read (for offsets and line numbers, cheap), the
     records ``k % world == rank`` (k counting non-blank lines per annotation) are parsed, their images
     decoded and their tokens counted."""
-
     records, images, per_record, errors, nonblank = [], [], [], [], []
     num_truncated = num_without_loss = 0
     for s_idx, src in enumerate(sources):
@@ -513,7 +323,8 @@ def scan_share(sources: list[SourceSpec], tokenizer, config: ReaderConfig, rank:
 def _scan_record(raw: bytes, src: SourceSpec, tokenizer, config: ReaderConfig, source: int = 0, line: int = 0):
     """One annotation line: ``(entry sizes, ViT items per entry, video fields per entry (``media_entries``), tokens,
     entries kept, real items, truncated, truncated without an answer token)`` (an entry: an image or a video's
-    block), or its problems (a list of messages)."""
+    block), or its problems (a list of messages).  Every image and every sampled video frame is decoded once here
+    (validation); the record's layout is ``record_sample.layout_record``'s, as the Energon reader's."""
     try:
         record = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -522,11 +333,12 @@ def _scan_record(raw: bytes, src: SourceSpec, tokenizer, config: ReaderConfig, s
         turns, images, videos = record_turns(record)
     except UserError as e:
         return [str(e)]
+    media = FileMedia(src.root)
     sizes = []
     video_urls = [p for p in (url_problem("video", v.path) for v in videos) if p]
     problems = list(video_urls)
     for rel in images:
-        path = os.path.join(src.root, rel)
+        path = media.image_name(rel)
         if url_problem("image", rel):
             problems.append(url_problem("image", rel))
             continue
@@ -543,43 +355,19 @@ def _scan_record(raw: bytes, src: SourceSpec, tokenizer, config: ReaderConfig, s
     if video_urls:
         return problems
     try:
-        video_plan = plan_videos(turns, videos, src.root, config.videos, config.seed, source, line)
+        video_plan = plan_videos(turns, videos, media, config.videos, config.seed, source, line)
         for video, info, taken in zip(videos, video_plan.infos, video_plan.indices):  # decoded once, here
-            decode_frames(os.path.join(src.root, video.path), info, taken)
+            decode_frames(media.video(video.path), info, taken)
     except UserError as e:
         problems.append(str(e))
     if problems:
         return problems
-    rule = config.images
-    items = []
-    for rel, (w, h) in zip(images, sizes):
-        try:
-            items.append(rule.items(w, h, len(images)))
-        except UserError as e:
-            problems.append(f"image {os.path.join(src.root, rel)}: {e}")
-    if problems:
-        return problems
-    items, sizes, video_ranges, fields = media_entries(turns, items, sizes, video_plan)
-    try:  # a chat template can refuse a conversation: a problem of this record, named like the others
-        plan = plan_conversation(list(video_plan.turns), tokenizer, [rule.image_tokens(n) for n in items], 1,
-                                 config.system, config.add_bos)
-    except ConversationError as e:
-        return [str(e)]
-    cut, kept = plan.cut_for(config.max_seq_length)
-    for first, end in video_ranges:  # a video is kept or dropped whole
-        if first < kept < end:
-            cut, kept = plan.image_spans[first][0], first
-    truncated = without_loss = False
-    if cut < plan.length:
-        if not config.truncate:
-            return [f"sample is {plan.length} tokens ({sum(items)} {rule.unit}) > max_seq_length "
-                    f"{config.max_seq_length}; raise --seq-length, give images fewer ViT items (--max-num-tiles, "
-                    "--max-pixels, --video-max-frames), pass --truncate-long-samples (cut it at --seq-length) or "
-                    "--skip-bad-samples (leave it out)"]
-        truncated = True
-        _, labels = plan.materialize(cut)
-        without_loss = not (labels != -100).any()
-    return sizes, items, fields, cut, kept, sum(items[:kept]), truncated, without_loss
+    try:
+        layout = layout_record(turns, [media.image_name(rel) for rel in images], sizes, video_plan, tokenizer, config)
+    except RecordProblems as e:
+        return e.problems
+    return (list(layout.sizes), list(layout.items), list(layout.fields), layout.tokens, layout.kept, layout.real,
+            layout.truncated, layout.without_loss)
 
 
 def merge_shares(meta_path: str, sources: list[SourceSpec], shares: list[ScanShare], config: ReaderConfig) -> ScanResult:
@@ -689,67 +477,31 @@ class RecordDataset(torch.utils.data.Dataset):
         if not -len(self) <= index < len(self):
             raise IndexError(f"sample {index} out of range for {len(self)} samples")
         s, cfg = self.scan, self.config
-        rule = cfg.images
         r = int(s.order[index])
         src = s.sources[s.rec_source[r]]
         with open(src.annotation, "rb") as f:
             f.seek(int(s.rec_offset[r]))
             record = json.loads(f.readline())
         turns, images, videos = record_turns(record)
-        lo, hi = int(s.img_ptr[r]), int(s.img_ptr[r + 1])
-        items = [int(n) for n in s.img_items[lo:hi]]
-        kept = int(s.rec_images_kept[r])
-        video_plan = plan_videos(turns, videos, src.root, cfg.videos, cfg.seed, int(s.rec_source[r]),
-                                 int(s.rec_line[r]))
-        if sum(map(len, video_plan.blocks)) + len(images) != len(items):
+        media = FileMedia(src.root)
+        video_plan = plan_videos(turns, videos, media, cfg.videos, cfg.seed, int(s.rec_source[r]), int(s.rec_line[r]))
+        layout = self.layout(r, video_plan)
+        if sum(map(len, video_plan.blocks)) + len(images) != len(layout.items):
             raise DataValidationError(f"{s.where(r)}: its videos changed since validation")
-        plan = plan_conversation(list(video_plan.turns), self.tokenizer, [rule.image_tokens(n) for n in items], 1,
-                                 cfg.system, cfg.add_bos)
-        input_ids, labels = plan.materialize(int(s.rec_tokens[r]))
-        sizes = torch.from_numpy(np.stack([s.img_width[lo:lo + kept], s.img_height[lo:lo + kept]], axis=1))
-        text = {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels), "image_sizes": sizes}
-        if videos:
-            text.update(video_fields(input_ids, plan.image_spans[:kept], turns, videos, video_plan, cfg.videos,
-                                     self.tokenizer))
-        real = int(s.rec_real_items[r])
+        text = sample_text(layout, turns, videos, video_plan, cfg, self.tokenizer)
         if not decode_images:
-            flags = torch.ones(real, dtype=torch.int64) if real else torch.zeros(rule.dummy_items, dtype=torch.int64)
-            return {**text, "image_flags": flags}
-        pixels = []
-        entry = next_image = next_video = 0
-        for kind in media_order(turns):
-            if kind == "image":
-                k = next_image
-                next_image += 1
-                entry += 1
-                if entry > kept:
-                    break
-                path = os.path.join(src.root, images[k])
-                try:
-                    with Image.open(path) as im:
-                        if im.size != (int(s.img_width[lo + entry - 1]), int(s.img_height[lo + entry - 1])):
-                            raise DataValidationError(f"{s.where(r)}: image {path} changed size since validation")
-                        pixels.append(rule.pixels(im, len(images)))
-                except (OSError, SyntaxError) as e:  # PIL's errors for a truncated or corrupt file
-                    raise DataValidationError(f"{s.where(r)}: image {path} does not decode any more ({e}): it changed "
-                                              "after the pre-training scan (a scan kept in --data-cache-dir/scans is "
-                                              "not redone for changed images: delete it)") from None
-            else:
-                k = next_video
-                next_video += 1
-                entry += len(video_plan.blocks[k])
-                if entry > kept:
-                    break
-                path = os.path.join(src.root, videos[k].path)
-                frames = decode_frames(path, video_plan.infos[k], video_plan.indices[k], s.where(r)).frames
-                pixels.append(cfg.videos.pixels(frames))
-        made = sum(len(p) for p in pixels)
-        if made != real:  # cannot happen unless the rule's pixels and its counts disagree
-            raise RuntimeError(f"{s.where(r)}: made {made} ViT items, validation counted {real}")
-        if pixels:
-            pixel_values = torch.cat(pixels)
-            image_flags = torch.ones(len(pixel_values), dtype=torch.int64)
-        else:
-            pixel_values = rule.dummy_pixels()
-            image_flags = torch.zeros(len(pixel_values), dtype=torch.int64)
-        return {**text, "pixel_values": pixel_values, "image_flags": image_flags}
+            return {**text, "image_flags": image_flags(layout, cfg.images)}
+        return {**text, **sample_pixels(layout, turns, images, videos, video_plan, media, cfg, s.where(r))}
+
+    def layout(self, record: int, video_plan: VideoPlan) -> RecordLayout:
+        """The ``RecordLayout`` of record ``record`` from the scan's counts (no image opened)."""
+        s, rule = self.scan, self.config.images
+        lo, hi = int(s.img_ptr[record]), int(s.img_ptr[record + 1])
+        items = [int(n) for n in s.img_items[lo:hi]]
+        sizes = tuple((int(w), int(h)) for w, h in zip(s.img_width[lo:hi], s.img_height[lo:hi]))
+        fields = tuple((int(v), int(f), int(t)) for v, f, t in zip(s.img_video[lo:hi], s.img_frames[lo:hi],
+                                                                     s.img_temporal[lo:hi]))
+        plan = plan_conversation(list(video_plan.turns), self.tokenizer, [rule.image_tokens(n) for n in items], 1,
+                                 self.config.system, self.config.add_bos)
+        return RecordLayout(tuple(items), sizes, fields, plan, int(s.rec_tokens[record]),
+                            int(s.rec_images_kept[record]), int(s.rec_real_items[record]))

@@ -3,7 +3,8 @@
 A video is read in two steps, so that the sampler can choose frames from the metadata alone:
 
 1. ``probe_video(path)`` -> ``VideoInfo``: frame rate, frame count, duration and size, from the container's
-   header (nothing is decoded).  A *frame folder* (a directory of images, one per frame, in name order) has no
+   header (nothing is decoded; a header without a frame count, as mkv and webm write them: the stream's packets
+   are counted, still without decoding).  A *frame folder* (a directory of images, one per frame, in name order) has no
    frame rate: it is given one (``folder_fps``, 24 by default, the rate transformers assumes).
 2. ``decode_frames(path, info, indices)`` -> ``DecodedFrames``: only the frames asked for, as RGB uint8.
 
@@ -13,6 +14,9 @@ decoded frame, as transformers counts them.  Decoding seeks to the keyframe at o
 decodes forward and stops after the last wanted one; when the next wanted frame is more than ``reseek_gap_s``
 seconds ahead, it seeks again.  An 8-s clip of a long file thus decodes about 8 s plus one keyframe interval.
 Only the first video stream is read; audio and every other stream are ignored (not even demuxed).
+
+A video is a file path, a frame folder, or ``VideoBytes``: a file's bytes held in memory (an Energon sample's
+member), named in errors by its ``name``.
 
 Bad input raises ``VideoError`` (a ``UserError``) naming the file, after ``where`` (a record's ``file:line``)
 when the caller gives it: a missing or unreadable file, no video stream, a file that ends (or breaks) before
@@ -80,59 +84,85 @@ class DecodedFrames:
     decoded: int
 
 
-def _name(path: str, where: str | None) -> str:
+@dataclass(frozen=True)
+class VideoBytes:
+    """A video file's bytes held in memory (an Energon sample's member); ``name`` names it in errors (e.g.
+    ``shard-000.tar/key.video.mp4``)."""
+
+    name: str
+    data: bytes
+
+    def __str__(self) -> str:
+        return self.name
+
+
+VideoPath = str | VideoBytes  # a file, a frame folder, or a file's bytes
+
+
+def _name(path: VideoPath, where: str | None) -> str:
     return f"{where}: video {path}" if where else f"video {path}"
 
 
-def is_frame_folder(path: str) -> bool:
+def is_frame_folder(path: VideoPath) -> bool:
     """Whether ``path`` is a frame folder (a directory) rather than a video file."""
-    return os.path.isdir(path)
+    return isinstance(path, str) and os.path.isdir(path)
+
+
+def _open(path: VideoPath):
+    """The PyAV container of a file or of a file's bytes."""
+    import io
+
+    import av
+
+    return av.open(io.BytesIO(path.data) if isinstance(path, VideoBytes) else path)
+
+
+def count_packets(container, stream) -> int:
+    """Packets of ``stream`` (one per frame in the containers that omit the count), demuxed without decoding;
+    the empty packets that flush the demuxer are not frames."""
+    return sum(1 for packet in container.demux(stream) if packet.size)
 
 
 # ---------------------------------------------------------------------------------------------------- probing
 
-def probe_video(path: str, folder_fps: float = DEFAULT_FOLDER_FPS, where: str | None = None) -> VideoInfo:
-    """The ``VideoInfo`` of a video file or frame folder; refuses (``VideoError``) what cannot be read."""
+def probe_video(path: VideoPath, folder_fps: float = DEFAULT_FOLDER_FPS, where: str | None = None) -> VideoInfo:
+    """The ``VideoInfo`` of a video file (or its bytes) or frame folder; refuses (``VideoError``) what cannot be
+    read."""
     if is_frame_folder(path):
         return _probe_folder(path, folder_fps, where)
-    if not os.path.isfile(path):
+    if not isinstance(path, VideoBytes) and not os.path.isfile(path):
         raise VideoError(f"{_name(path, where)}: no such file or directory")
     import av  # PyAV: a slow import, only when a video is read
 
     try:
-        with av.open(path) as container:
+        with _open(path) as container:
             stream = _video_stream(container, path, where)
             fps = _stream_fps(stream, path, where)
             num_frames = int(stream.frames or 0)
-            if num_frames <= 0:  # containers without a frame count (mkv, webm): from the duration
-                if stream.duration is not None and stream.time_base is not None:
-                    seconds = float(stream.duration * stream.time_base)
-                elif container.duration is not None:
-                    seconds = container.duration / 1_000_000  # av.time_base: microseconds
-                else:
-                    seconds = 0.0
-                num_frames = int(round(seconds * fps))
             width, height = int(stream.codec_context.width), int(stream.codec_context.height)
+            if num_frames <= 0:  # containers without a frame count (mkv, webm): its packets, none decoded
+                num_frames = count_packets(container, stream)
     except av.FFmpegError as e:
         raise VideoError(f"{_name(path, where)}: unreadable ({_reason(e)})") from None
     if num_frames <= 0:
-        raise VideoError(f"{_name(path, where)}: no frames (its header gives neither a frame count nor a duration)")
+        raise VideoError(f"{_name(path, where)}: no frames (its header gives no frame count and its video stream "
+                         "holds no packet)")
     if width <= 0 or height <= 0:
         raise VideoError(f"{_name(path, where)}: its video stream has no frame size ({width}x{height} px)")
-    return VideoInfo(path=path, fps=fps, num_frames=num_frames, width=width, height=height)
+    return VideoInfo(path=str(path), fps=fps, num_frames=num_frames, width=width, height=height)
 
 
 def _reason(error: Exception) -> str:
     return " ".join(str(getattr(error, "strerror", None) or error).split())
 
 
-def _video_stream(container, path: str, where: str | None):
+def _video_stream(container, path: VideoPath, where: str | None):
     if not container.streams.video:
         raise VideoError(f"{_name(path, where)}: has no video stream")
     return container.streams.video[0]
 
 
-def _stream_fps(stream, path: str, where: str | None) -> float:
+def _stream_fps(stream, path: VideoPath, where: str | None) -> float:
     rate = stream.average_rate or stream.guessed_rate  # transformers reads average_rate
     if not rate or float(rate) <= 0:
         raise VideoError(f"{_name(path, where)}: its video stream has no frame rate")
@@ -174,7 +204,7 @@ def _open_image(file: str, folder: str, where: str | None) -> Image.Image:
 
 # --------------------------------------------------------------------------------------------------- decoding
 
-def decode_frames(path: str, info: VideoInfo, indices: Sequence[int], where: str | None = None, *,
+def decode_frames(path: VideoPath, info: VideoInfo, indices: Sequence[int], where: str | None = None, *,
                   seek: bool = True, reseek_gap_s: float = DEFAULT_RESEEK_GAP_S, threads: int = 1) -> DecodedFrames:
     """The frames ``indices`` (``0 <= i < info.num_frames``, any order, repeats allowed) of the video probed as
     ``info``.  ``seek=False`` decodes from the start (for comparison); ``threads``: decoder threads (1 in a
@@ -213,14 +243,14 @@ def _decode_folder(path: str, wanted: list[int], where: str | None) -> tuple[dic
     return got, len(wanted)
 
 
-def _decode_file(path: str, info: VideoInfo, wanted: list[int], where: str | None, seek: bool,
+def _decode_file(path: VideoPath, info: VideoInfo, wanted: list[int], where: str | None, seek: bool,
                  reseek_gap_s: float, threads: int) -> tuple[dict[int, np.ndarray], int]:
     import av  # PyAV: a slow import, only when a video is read
 
     got: dict[int, np.ndarray] = {}
     decoded = 0
     try:
-        with av.open(path) as container:
+        with _open(path) as container:
             stream = _video_stream(container, path, where)
             stream.thread_count = max(1, int(threads))
             time_base = stream.time_base or Fraction(1, 1)

@@ -213,7 +213,7 @@ def vision_process_groups():
 
 def own_rank_group():
     """Under CP, a process group of this rank alone, for megatron-core parts that would otherwise slice what they
-    compute by the CP group (made once per process); None without CP."""
+    compute by the CP group (made once per CP group: per run, see ``forget_own_groups``); None without CP."""
     group = context_parallel_group()
     return None if group is None else _own_group(group)
 
@@ -221,3 +221,9 @@ def own_rank_group():
 @functools.cache
 def _own_group(cp_group):
     return dist.new_group([dist.get_rank()], use_local_synchronization=True)
+
+
+def forget_own_groups() -> None:
+    """Drop the one-rank groups made for the run's CP groups (``initialize.reset_global_state``: the run is over, its
+    groups are destroyed)."""
+    _own_group.cache_clear()

@@ -106,7 +106,31 @@ def worker_message(error: BaseException) -> str:
     return text[text.rfind(marker) + len(marker):].strip()
 
 
-class MicroBatches:
+class BatchRecords:
+    """What the step metrics read of the micro-batches served between ``start_recording`` and ``stop_recording``:
+    per micro-batch its samples' tokens, ViT items and ids, whether it is packed, and the caller's extra fields."""
+
+    _records: list | None = None
+
+    def start_recording(self) -> None:
+        self._records = []
+
+    def stop_recording(self) -> list[dict]:
+        records, self._records = self._records or [], None
+        return records
+
+    @property
+    def recording(self) -> bool:
+        return self._records is not None
+
+    def record(self, batch: MicroBatch, packed: bool, **extra) -> None:
+        if self._records is not None:
+            info = batch.samples
+            self._records.append({"tokens": info.sample_tokens.tolist(), "tiles": info.sample_tiles.tolist(),
+                                  "ids": info.sample_ids.tolist(), "packed": packed, **extra})
+
+
+class MicroBatches(BatchRecords):
     """Endless iterator of collated micro-batches; records the sample sizes it served.
 
     inputs: what this stage reads (default: everything).  num_workers, prefetch_factor,
@@ -133,7 +157,6 @@ class MicroBatches:
         self.num_workers = num_workers
         self.tp_group, self.tp_src = tp_group, tp_src
         self.collate = Collate(pad_id, packed, self.inputs, image_tokens, pad_to_multiple, cp, cp_rank, batcher)
-        self._records = None
         self.iteration = 0  # the training iteration the served micro-batches belong to (set by the trainer)
         self._loads = tp_group is None or dist.get_rank() == tp_src
         self.loader = None
@@ -160,10 +183,7 @@ class MicroBatches:
             batch = broadcast_micro_batch(batch, self.tp_src, self.tp_group)
         self._consumed += 1
         batch = dataclasses.replace(batch, iteration=self.iteration)  # the drop path's key (megatron/vlm/layers/drop_path.py)
-        if self._records is not None:
-            info = batch.samples
-            self._records.append({"tokens": info.sample_tokens.tolist(), "tiles": info.sample_tiles.tolist(),
-                                  "ids": info.sample_ids.tolist(), "packed": self.packed})
+        self.record(batch, self.packed)
         return batch
 
     def _next_loaded(self) -> MicroBatch:
@@ -171,13 +191,6 @@ class MicroBatches:
             return next(self._it)
         except UserError as e:  # from a worker, the DataLoader re-raises it with the worker's traceback in its text
             raise type(e)(worker_message(e)) from None
-
-    def start_recording(self) -> None:
-        self._records = []
-
-    def stop_recording(self) -> list[dict]:
-        records, self._records = self._records or [], None
-        return records
 
     def reset(self) -> None:
         """Back to the first step (evaluation sees the same batches each time)."""
@@ -194,5 +207,17 @@ class MicroBatches:
             self.sampler.step = ahead
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("kind") == "energon":
+            raise UserError("the checkpoint's data position is an Energon stream's (per data-parallel rank), this run "
+                            "reads a meta JSON/JSONL dataset: resume with the same --data-path, or start from scratch")
         self.sampler.load_state_dict(state)
         self._restart()
+
+    @property
+    def resumed(self) -> str | None:
+        """How ``load_state_dict`` continued (the sampler's ``resumed``)."""
+        return self.sampler.resumed
+
+    def iterations_per_pass(self) -> int:
+        """Iterations of one pass over the groups (evaluation's default), at least 1."""
+        return max(1, self.sampler.num_groups // self.sampler.block)

@@ -1,0 +1,208 @@
+"""One rank of a test worker pool (``tests/pool.py``): imports the trainer once, joins the pool's world, then runs
+cases one after the other in this same process until its standard input closes.
+
+    python -u tests/pool_worker.py serve POOL_DIR    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set by the pool)
+    python tests/pool_worker.py call MODULE:FUNCTION ARG...     (one case in a fresh process: its exit status)
+
+A case is one JSON line on standard input: ``{"id": N, "target": "module:function", "argv": [...], "cwd": DIR,
+"env": {...}}``. The rank runs ``function(argv)`` (an int exit status or None, as a command's ``main`` returns;
+``SystemExit`` counts as its code, any other exception prints its traceback and counts as 1) with its file
+descriptors 1 and 2 in ``POOL_DIR/case<N>.rank<R>.out`` and ``.err``, and writes ``{"returncode": rc}`` to
+``POOL_DIR/case<N>.rank<R>.json`` when done. Around every case it puts the process back as it found it
+(``CaseState``): megatron-core's global state (``initialize.reset_global_state``), torch's seeds, default dtype,
+threads and grad mode, the registered families, the modules a case imported from outside the installed packages
+(plugin families), the environment, ``sys.path``, ``sys.argv`` and the working directory. The world's process group
+lives as long as the rank (``initialize.hold_world``: the entry points' teardown keeps it).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import json
+import os
+import random
+import sys
+import sysconfig
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+for path in (str(TESTS), str(ROOT / "scripts"), str(ROOT)):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+# what the entry points import lazily, imported once here (the 6-7 s every fresh trainer process pays)
+WARM = ("pretrain_vlm", "megatron.training.arguments", "megatron.training.training", "megatron.training.setup",
+        "megatron.training.checkpointing", "megatron.training.profiling", "megatron.training.isf",
+        "megatron.training.tokenizer_setup", "megatron.training.hf_checkpoints", "megatron.vlm.families",
+        "megatron.vlm.hf.convert", "megatron.vlm.hf.load", "megatron.vlm.hf.logits", "hf_logits", "omnibal_cli")
+# modules a case may import and that stay: the installed packages, the standard library and the project's own
+KEPT_ROOTS = tuple(str(Path(p).resolve()) for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+                                                     sysconfig.get_paths()["stdlib"]})
+PROJECT_PACKAGES = ("megatron", "omnibal_ext", "pretrain_vlm", "omnibal_cli", "benchlib", "hf_logits")
+
+
+@dataclass(frozen=True)
+class CaseState:
+    """What a case may change in the process, taken before it and put back after it."""
+
+    environ: dict
+    cwd: str
+    path: list
+    argv: list
+    modules: frozenset
+    families: object  # family_registry.snapshot()
+    dtype: object
+    threads: int
+    grad: bool
+
+    @classmethod
+    def take(cls) -> "CaseState":
+        import torch
+
+        import family_registry
+
+        return cls(dict(os.environ), os.getcwd(), list(sys.path), list(sys.argv), frozenset(sys.modules),
+                   family_registry.snapshot(), torch.get_default_dtype(), torch.get_num_threads(),
+                   torch.is_grad_enabled())
+
+    def restore(self) -> None:
+        import numpy as np
+        import torch
+
+        import family_registry
+        from megatron.training import cpu_compat, initialize
+
+        initialize.reset_global_state()
+        gc.collect()  # the case's model, optimizer and groups (reference cycles): their gloo threads end with them
+        if cpu_compat.active():  # a case that left its patches on (an exception between enter and exit)
+            raise RuntimeError("a case left megatron.training.cpu_compat's patches in place")
+        family_registry.restore(self.families)
+        for name in set(sys.modules) - self.modules:
+            if not _kept(name):
+                del sys.modules[name]
+        importlib.invalidate_caches()
+        os.chdir(self.cwd)
+        os.environ.clear()
+        os.environ.update(self.environ)
+        sys.path[:] = self.path
+        sys.argv[:] = self.argv
+        torch.set_default_dtype(self.dtype)
+        torch.set_num_threads(self.threads)
+        torch.set_grad_enabled(self.grad)
+        torch.manual_seed(0)
+        random.seed(0)
+        np.random.seed(0)
+
+
+def _kept(module: str) -> bool:
+    """Whether a module a case imported stays for the next cases: the project's and installed packages do (their
+    import is what the pool saves); a plugin module (``--family-module``, a test's own module) goes, so that the next
+    case naming it imports it again and registers its family again."""
+    if module.split(".")[0] in PROJECT_PACKAGES:
+        return True
+    file = getattr(sys.modules.get(module), "__file__", None)
+    return file is None or str(Path(file).resolve()).startswith(KEPT_ROOTS)
+
+
+@contextlib.contextmanager
+def output_to(out: Path, err: Path):
+    """File descriptors 1 and 2 (and Python's sys.stdout/stderr over them) written to ``out`` and ``err``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(out, "w") as fo, open(err, "w") as fe:
+        os.dup2(fo.fileno(), 1)
+        os.dup2(fe.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+def call(target: str, argv: list[str]) -> int:
+    """``module:function`` called on ``argv``: its exit status (an int it returns; anything else: 0; SystemExit: its
+    code; an exception: its traceback printed, 1)."""
+    module, function = target.split(":")
+    try:
+        result = getattr(importlib.import_module(module), function)(list(argv))
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # the case's failure is reported to its test, the rank serves the next case
+        traceback.print_exc()
+        return 1
+    return result if isinstance(result, int) else 0  # a main that returns its results (a dict) succeeded
+
+
+def run(case: dict, pool_dir: Path, rank: int) -> int:
+    """One case, the process put back as it was afterwards."""
+    state, code = CaseState.take(), 1
+    name = f"case{case['id']}.rank{rank}"
+    with output_to(pool_dir / f"{name}.out", pool_dir / f"{name}.err"):
+        try:
+            os.environ.update(case["env"])
+            sys.path[:0] = [p for p in case["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+            os.chdir(case["cwd"])
+            sys.argv[:] = [case["target"], *case["argv"]]
+            code = call(case["target"], case["argv"])
+        finally:
+            try:
+                state.restore()
+            except BaseException:
+                traceback.print_exc()
+                code = code or 1
+    return code
+
+
+def die_with_parent() -> None:
+    """On Linux, have the kernel kill this rank when the process that started the pool dies (a test session killed
+    mid-case leaves no ranks behind); elsewhere the closed standard input ends the rank after its case."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the call
+        os._exit(1)
+
+
+def serve(pool_dir: str) -> int:
+    die_with_parent()
+    import torch
+    import torch.distributed as dist
+
+    from megatron.training import initialize
+
+    pool_dir = Path(pool_dir)
+    rank = int(os.environ["RANK"])
+    for module in WARM:
+        importlib.import_module(module)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gloo", timeout=initialize.DEFAULT_TIMEOUT)
+    (pool_dir / f"ready.rank{rank}").write_text("")
+    with initialize.hold_world():
+        for line in sys.stdin:
+            case = json.loads(line)
+            code = run(case, pool_dir, rank)
+            done = pool_dir / f"case{case['id']}.rank{rank}.json"
+            done.with_suffix(".tmp").write_text(json.dumps({"returncode": code}))
+            done.with_suffix(".tmp").rename(done)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "serve":
+        sys.exit(serve(sys.argv[2]))
+    sys.exit(call(sys.argv[2], sys.argv[3:]))
