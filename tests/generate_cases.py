@@ -286,9 +286,7 @@ def torchrun_generate(cases: list[Case], workdir: Path, nproc: int = 2, timeout:
     import subprocess
     import sys
 
-    from hf_check import _benchlib
-
-    benchlib = _benchlib()
+    import benchlib  # scripts/benchlib.py (on the tests' path)
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     specs = []

@@ -168,3 +168,94 @@ def test_isf_token_multiple_is_what_context_parallelism_pads_to():
         assert run_config(parse_flags(argv, world), world).balance.isf_token_multiple == want, argv
     with pytest.raises(ArgumentError, match="--omnibal-isf-token-multiple given without --omnibal-isf"):
         parse_flags(["--omnibal-isf-token-multiple", "4"], 1)
+
+
+# The typed configuration (megatron/training/config.py): every flag lands in it, typed, and nothing below the
+# entry point reads the parsed flags.
+# flags that become one typed value (a config field of another name) rather than a field of their own
+CONSUMED = {
+    "model.spec": {"model", "vision_num_layers", "vision_hidden_size", "vision_num_attention_heads",
+                   "vision_ffn_hidden_size", "image_size", "patch_size", "num_layers", "hidden_size",
+                   "num_attention_heads", "num_query_groups", "ffn_hidden_size", "init_method_std",
+                   "vision_normalization", "vision_norm_eps", "vision_qkv_bias", "vision_qk_norm",
+                   "vision_layer_scale_init", "vision_feature_layer", "qkv_bias", "head_dim", "norm_epsilon",
+                   "rotary_base", "tie_word_embeddings", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+                   "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+                   "moe_router_score_function", "moe_router_pre_softmax", "moe_router_load_balancing_type",
+                   "moe_expert_capacity_factor"},
+    "model.moe_run": {"moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_enable_expert_bias",
+                      "moe_router_bias_update_rate", "moe_token_drop_policy", "moe_token_dispatcher_type"},
+    "model.trainable": {"freeze_vit", "freeze_projector", "freeze_llm", "unfreeze_vit_layers", "unfreeze_lm_head"},
+    "model.lora": {"lora_rank", "lora_alpha", "lora_dropout", "lora_targets"},
+    "parallel.virtual_pipeline_size": {"virtual_pipeline_model_parallel_size"},
+    "data.media": {"max_num_tiles", "min_num_tiles", "min_pixels", "max_pixels", "video_fps", "video_min_frames",
+                   "video_max_frames", "video_max_pixels", "video_total_pixels", "video_folder_fps"},
+    "balance.isf_fixed_params": {"omnibal_isf_qv", "omnibal_isf_qt", "omnibal_isf_qv_min", "omnibal_isf_qt_min",
+                                 "omnibal_isf_iters", "omnibal_isf_vit_time", "omnibal_isf_llm_time",
+                                 "omnibal_isf_vit_time_min", "omnibal_isf_llm_time_min"},
+    "balance.memory_budget_gib": {"omnibal_memory_budget"},
+    "the parse itself": {"family_module", "omnibal_plan"},  # modules imported, a plan's flags read first
+}
+
+
+def test_every_flag_lands_in_the_typed_config():
+    """Each flag is a field of one RunConfig section of its own name (``--omnibal-X``: ``balance.X``) or one of the
+    typed values listed in CONSUMED: a new flag must be given its place."""
+    import dataclasses
+
+    from megatron.training import config as c
+    from megatron.training.flags import build_parser
+
+    sections = {"model": c.ModelConfig, "parallel": c.ParallelConfig, "data": c.DataConfig,
+                "balance": c.BalanceConfig, "optim": c.OptimConfig, "log": c.LogConfig,
+                "checkpoint": c.CheckpointConfig}
+    assert [f.name for f in dataclasses.fields(c.RunConfig)] == list(sections)
+    fields = {f.name for section in sections.values() for f in dataclasses.fields(section)}
+    consumed = set().union(*CONSUMED.values())
+    for holder in CONSUMED:
+        if "." in holder:
+            section, name = holder.split(".")
+            assert name in {f.name for f in dataclasses.fields(sections[section])}, holder
+    placeless = []
+    for action in build_parser()._actions:
+        dest = action.dest
+        own = dest[len("omnibal_"):] if dest.startswith("omnibal_") else dest
+        if dest != "help" and own not in fields and dest not in consumed:
+            placeless.append(dest)
+    assert placeless == []
+
+
+def test_the_typed_config_holds_the_flags_and_what_follows_from_them():
+    """Given and derived values, recounted by hand: 8 processes at TP 2 are DP 4; 3 samples per micro-batch make a
+    global batch of 4 x 3 x 4 = 48 (4 micro-batches per rank); --omnibal-recompute auto measures activations; CP 2
+    under sequence parallelism at TP 2 counts ISF tokens to 2 x 2 x 2 = 8; ETP defaults to TP."""
+    from megatron.training.arguments import parse_config
+
+    config = parse_config(["--tensor-model-parallel-size", "2", "--micro-batch-size", "3", "--omnibal-recompute",
+                           "auto", "--lr", "2e-3", "--max-num-tiles", "4", "--omnibal-isf", "--omnibal-isf-qv", "40",
+                           "--omnibal-isf-qt", "900", "--save", "ck", "--json-log", "log.jsonl"], world_size=8)
+    assert (config.parallel.data_parallel_size, config.optim.global_batch_size, config.optim.num_microbatches) == \
+        (4, 48, 4)
+    assert config.log.log_activation_memory and config.balance.recompute == "auto"
+    assert config.optim.lr == 2e-3 and config.data.media.max_num_tiles == 4 and config.checkpoint.save == "ck"
+    assert (config.balance.isf_fixed_params.qv, config.balance.isf_fixed_params.qt) == (40, 900)
+    assert (config.balance.isf_fixed_params.qv_min, config.balance.isf_fixed_params.qt_min) == (36, 810)  # 90%
+    assert config.parallel.expert_tensor_parallel_size == 2 and config.log.json_log == "log.jsonl"
+    cp = parse_config(["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                      world_size=4)
+    assert cp.balance.isf_token_multiple == 8 and cp.parallel.data_parallel_size == 1
+    import dataclasses
+
+    with pytest.raises(dataclasses.FrozenInstanceError):  # what follows from the flags is the RunPlan, not an edit
+        config.optim.lr = 1.0
+
+
+def test_nothing_below_the_entry_point_reads_parsed_flags():
+    """No module under megatron/ names a parsed ``args`` namespace: the flags are read as ``flags`` by the parse
+    (flags.py, validation.py, specs.py) and everything else takes the typed configuration."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "megatron"
+    readers = [f"{path.relative_to(root.parent)}:{i}" for path in sorted(root.rglob("*.py"))
+               for i, line in enumerate(path.read_text().splitlines(), 1) if re.search(r"\bargs\.", line)]
+    assert readers == []

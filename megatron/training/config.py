@@ -143,7 +143,7 @@ class BalanceConfig:
 
     isf: bool
     """--omnibal-isf: ISF data balancing, one packed group per micro-batch (else random batches)."""
-    isf_params: ISFParams | None
+    isf_fixed_params: ISFParams | None
     """Fixed ISF thresholds (--omnibal-isf-qv/-qt[-min], -iters, -vit-time/-llm-time[-min]; lower bounds 90% of
     their caps by default); None: searched."""
     isf_buffer: int

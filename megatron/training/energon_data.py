@@ -170,7 +170,7 @@ def online_config(config: RunConfig, spec: ModelSpec):
     if balance.isf_stats:  # with neither caps nor time targets (validation.validate_flags)
         return OnlineISFConfig.from_isf_params(stats_params(config, spec), TIME_UNIT_S, **common)
     ns = 1e-9
-    caps = balance.isf_params  # None: no cap given
+    caps = balance.isf_fixed_params  # None: no cap given
     vit_time = None if caps is None else caps.vit_time
     llm_time = None if caps is None else caps.llm_time
     return OnlineISFConfig(

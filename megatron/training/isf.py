@@ -69,7 +69,7 @@ def check_samples_fit_caps(config: RunConfig, spec: ModelSpec, dataset) -> None:
     """Refuse fixed ISF caps below a single sample, naming the sample's ``file:line``, its size and the flag
     to raise (ISF itself would stop with sample indices only, on rank 0 alone), and under CP a video over one
     rank's share of --omnibal-isf-qv (``check_videos_fit_cp_ranks``).  Runs on every rank."""
-    fixed = config.balance.isf_params
+    fixed = config.balance.isf_fixed_params
     if fixed is None:
         return  # searched caps hold the largest sample
     qv, qt = fixed.qv, fixed.qt
@@ -148,7 +148,7 @@ def search_isf(config: RunConfig, spec: ModelSpec, dataset) -> IsfResult:
     cfg = search_config(config)
     tokens = cfg.counted_tokens(tokens)
     timed = isf_times(config, dataset, spec, tokens)
-    fixed = config.balance.isf_params
+    fixed = config.balance.isf_fixed_params
     if timed is None:
         if fixed is not None and fixed.timed:
             raise ArgumentError(f"--omnibal-isf-vit-time/--omnibal-isf-llm-time: {spec.name}'s ViT items "

@@ -43,14 +43,20 @@ from .run_plan import RunPlan, resolve_overlap
 DEFAULT_DATASET_SAMPLES = 6000
 
 
-def data_paths(data: DataConfig, spec: ModelSpec) -> tuple[str, str | None]:
-    """(train meta, validation meta or None): meta JSONs or annotation JSONLs; builds the default digits data
-    (images for ``spec``) on first use."""
+def check_data_paths(data: DataConfig, folders: bool) -> None:
+    """--data-path and --valid-data-path exist; ``folders``: they may be folders (an Energon dataset), else they
+    must be files (a meta JSON or an annotation JSONL)."""
     for flag, path in (("--data-path", data.data_path), ("--valid-data-path", data.valid_data_path)):
         if path and not os.path.exists(path):
             raise ArgumentError(f"{flag} {path}: no such file")
-        if path and os.path.isdir(path):
+        if path and not folders and os.path.isdir(path):
             raise ArgumentError(f"{flag} {path} is a folder: give a meta JSON or an annotation JSONL file")
+
+
+def data_paths(data: DataConfig, spec: ModelSpec) -> tuple[str, str | None]:
+    """(train meta, validation meta or None): meta JSONs or annotation JSONLs; builds the default digits data
+    (images for ``spec``) on first use."""
+    check_data_paths(data, folders=False)
     if data.data_path:
         return data.data_path, data.valid_data_path
     px = runtime_family(spec).data.default_image_px(spec)
@@ -140,7 +146,7 @@ def build_datasets(config: RunConfig, spec: ModelSpec, tokenizer) -> tuple[Recor
     """(train, valid or None) datasets; validates every record first (the scan, split over all ranks); an Energon
     --data-path: its ``EnergonSource``s, checked, nothing scanned (energon_data.py)."""
     if is_energon(config.data.data_path):
-        data_paths(config.data, spec)  # the paths exist
+        check_data_paths(config.data, folders=True)
         return energon_sources(config, spec)
     train_meta, valid_meta = data_paths(config.data, spec)
     train_set = build_dataset(config, spec, tokenizer, train_meta)

@@ -300,7 +300,7 @@ def run_config(flags: argparse.Namespace, world_size: int) -> RunConfig:
                       skip_bad_samples=flags.skip_bad_samples, max_skipped_fraction=flags.max_skipped_fraction,
                       truncate_long_samples=flags.truncate_long_samples,
                       num_workers=flags.num_workers, prefetch_factor=flags.prefetch_factor)
-    balance = BalanceConfig(isf=flags.omnibal_isf, isf_params=isf_params_from_flags(flags),
+    balance = BalanceConfig(isf=flags.omnibal_isf, isf_fixed_params=isf_params_from_flags(flags),
                             isf_buffer=flags.omnibal_isf_buffer or DEFAULT_ISF_BUFFER, isf_stats=flags.omnibal_isf_stats,
                             isf_time_device=flags.omnibal_isf_time_device, isf_token_multiple=isf_token_multiple(flags),
                             pipeline_layout=flags.pipeline_layout, partition=flags.omnibal_partition,
