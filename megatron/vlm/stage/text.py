@@ -59,9 +59,9 @@ class TextEmbedding(MegatronModule):
         feats = feats.index_select(0, image_tile_index).reshape(-1, emb.shape[-1])
         if feature_index is not None:
             feats = feats.index_select(0, feature_index)
-        if feats.shape[0] == 0:  # no image: every token is text (a generation's decode step may emit the context id)
-            return emb.transpose(0, 1).contiguous()
         slots = (tokens == self.img_context_id).reshape(1, -1, 1)
+        if feats.shape[0] == 0:  # no image: every token is text (a generation's decode step may emit the context id)
+            slots = torch.zeros_like(slots)  # the (empty) features stay in the graph: the ViT's backward still runs
         emb = emb.masked_scatter(slots, feats.to(emb.dtype))
         return emb.transpose(0, 1).contiguous()  # [t, 1, H]
 
