@@ -17,7 +17,7 @@ It sits above both the planners (``omnibal_ext``, which imports nothing of the t
 * ``omnibal data to-energon``        a meta JSON or annotation JSONL into Energon shards
                                      (``megatron.vlm.data.energon.convert``).
 
-Bad input prints one line ``omnibal <command>: error: ...`` on stderr and exits with status 2.
+Bad input prints one line ``omnibal <command>: error: ...`` on stderr and exits with status 1 (argparse's own usage errors: 2).
 """
 from __future__ import annotations
 

@@ -132,8 +132,8 @@ def run(config: RunConfig, device) -> dict:
 
 def cli(argv=None) -> int:
     """Run :func:`main` on ``argv`` (default: the command line); a user's mistake (``UserError``) becomes one line
-    ``error: ...`` on stderr and exit status 2, a run that stopped itself (``RunStopped``: NaN/Inf, a --save folder
-    held by another run, a full disk) one line and exit status 1; every other exception keeps its traceback."""
+    ``error: ...`` on stderr and exit status 1, as does a run that stopped itself (``RunStopped``: NaN/Inf, a
+    --save folder held by another run, a full disk); every other exception keeps its traceback."""
     try:
         with cpu_compat.patched_for(choose_device(requested_device(argv))):  # a CPU run, teardown included
             try:

@@ -11,7 +11,7 @@ Hugging Face config reader (``omnibal plan --hf-checkpoint``) as hooks, and adds
 ``omnibal hf import|export``.  This package imports nothing of the trainer.
 
 Bad input (a missing or malformed file, a flag that cannot work, a model that fits no
-configuration) prints one line ``omnibal <command>: error: ...`` on stderr and exits with status 2.
+configuration) prints one line ``omnibal <command>: error: ...`` on stderr and exits with status 1 (argparse's own usage errors: 2).
 """
 from __future__ import annotations
 
@@ -362,6 +362,6 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
         args.command, args.command)
     try:
         result = args.func(args)
-    except UserError as e:  # StatsError, PlanError, LayoutError, MemoryBudgetError, ...: one line, exit 2
+    except UserError as e:  # StatsError, PlanError, LayoutError, MemoryBudgetError, ...: one line, exit 1
         return report(e, f"omnibal {command}: ")
     return result if isinstance(result, int) else 0

@@ -1,10 +1,11 @@
 """The project's own error classes: mistakes in a user's flags, files or data.
 
-``pretrain_vlm.py`` and ``omnibal`` turn exactly these into one line on stderr and an exit status: 2 for a
-mistake in the flags or inputs (argparse's own status for a bad command line), 1 for a :class:`RunStopped`
-(the run stopped itself to protect its work: a NaN, a checkpoint folder held by another run, a full disk);
-every other exception is a bug (ours or a library's) and keeps its traceback (Python's status 1). Subclasses
-derive from ``ValueError`` too, so callers that caught ``ValueError`` before keep working.
+``pretrain_vlm.py`` and ``omnibal`` turn exactly these into one line on stderr and exit status 1, as Megatron-LM's
+refusals exit: a mistake in the flags or inputs, or a :class:`RunStopped` (the run stopped itself to protect its work:
+a NaN, a checkpoint folder held by another run, a full disk). Every other exception is a bug (ours or a library's) and
+keeps its traceback (Python's status, also 1: the traceback tells the two apart). A command line argparse cannot
+parse (an unknown flag, a missing value) keeps argparse's status 2. Subclasses derive from ``ValueError`` too, so
+callers that caught ``ValueError`` before keep working.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import sys
 class UserError(ValueError):
     """A user's mistake, described in one paragraph that names the flag, file, record or tensor."""
 
-    exit_status = 2  # fix the command line or the inputs and run again
+    exit_status = 1  # fix the command line or the inputs and run again
 
 
 class RunStopped(UserError):
@@ -35,8 +36,7 @@ def one_line(error: BaseException) -> str:
 
 
 def report(error: UserError, prefix: str = "") -> int:
-    """Print ``{prefix}error: message`` as one line on stderr; returns the error's exit status (2, or 1 for a
-    :class:`RunStopped`)."""
+    """Print ``{prefix}error: message`` as one line on stderr; returns the error's exit status (1)."""
 
     message = one_line(error)
     if prefix and message.startswith(prefix):

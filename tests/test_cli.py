@@ -68,7 +68,7 @@ def test_plan_command_writes_plan_and_figures(tmp_path, capsys):
     assert "GPU-days" in printed and doc["trainer_args"] in printed
     # --min-pp reaches the planner: a pipeline of 1 stage is then refused, with the reason
     assert main(["plan", "--data", f, "--model", "tiny", "--gpus", "4", "--gpu-memory", "1", "--pp", "1",
-                 "--min-pp", "2", "--json", str(tmp_path / "deep.json")]) == 2
+                 "--min-pp", "2", "--json", str(tmp_path / "deep.json")]) == 1
     assert "below the 2 stages" in one_error_line(capsys, "plan")
 
 
@@ -172,24 +172,24 @@ def test_plan_reads_folders_and_meta_jsons(tmp_path):
 def test_plan_errors_are_one_line_exit_2(tmp_path, capsys):
     json_out = str(tmp_path / "p.json")
     base = ["--model", "tiny", "--gpus", "2", "--gpu-memory", "1", "--json", json_out]
-    assert main(["plan", "--data", str(tmp_path / "missing.json")] + base) == 2
+    assert main(["plan", "--data", str(tmp_path / "missing.json")] + base) == 1
     assert "missing.json" in one_error_line(capsys, "plan")
     meta = tmp_path / "meta.json"
     meta.write_text(json.dumps({"ai2d": {"root": "x", "annotation": "y.jsonl"}}))
-    assert main(["plan", "--data", str(meta)] + base) == 2
+    assert main(["plan", "--data", str(meta)] + base) == 1
     assert "entry 'ai2d': annotation file not found" in one_error_line(capsys, "plan")
     (tmp_path / "empty").mkdir()
-    assert main(["plan", "--data", str(tmp_path / "empty")] + base) == 2
+    assert main(["plan", "--data", str(tmp_path / "empty")] + base) == 1
     assert "empty: no *.json or *.json.gz files in this folder" in one_error_line(capsys, "plan")
     f = stats_file(tmp_path / "s.json", 200, 3, tokens_per_tile=256)
     assert main(["plan", "--data", f, "--model", "internvl-6b-34b", "--gpus", "2", "--gpu-memory", "80",
-                 "--global-batch-size", "16", "--sim-iterations", "1", "--json", json_out]) == 2
+                 "--global-batch-size", "16", "--sim-iterations", "1", "--json", json_out]) == 1
     line = one_error_line(capsys, "plan")
     assert "does not fit 2 GPUs" in line and "pipeline stage" in line and "budget of 72.0 GiB" in line
-    assert main(["plan", "--data", f] + base + ["--tp", "1", "--pp", "1", "--dp", "1"]) == 2
+    assert main(["plan", "--data", f] + base + ["--tp", "1", "--pp", "1", "--dp", "1"]) == 1
     assert "--gpus is 2" in one_error_line(capsys, "plan")
     assert main(["memory", "--model", "tiny", "--pp", "2", "--micro-batches", "2", "--budget-gib", "1",
-                 "--layout", "Q*3", "--json", json_out]) == 2
+                 "--layout", "Q*3", "--json", json_out]) == 1
     assert "--layout" in one_error_line(capsys, "memory")
     with pytest.raises(SystemExit) as e:  # argparse's own usage errors keep status 2
         main(["plan", "--data", f])
@@ -297,7 +297,7 @@ def test_profile_at_an_explicit_shape_reports_against_the_model(tmp_path):
     assert any(line.startswith("vit_layer") for line in lines) and any(line.startswith("llm_layer") for line in lines)
     bad = subprocess.run([sys.executable, "-m", "omnibal_cli", *cmd[:-8], "--tiles", "2"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "--tiles and --llm-tokens go together" in bad.stderr
+    assert bad.returncode == 1 and "--tiles and --llm-tokens go together" in bad.stderr
 
 
 def test_reproduce_paper_sweep_covers_the_configurations_that_can_fit(tmp_path):

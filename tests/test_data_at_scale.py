@@ -137,7 +137,7 @@ def test_load_of_a_file_is_an_error(tmp_path):
     f = tmp_path / "latest_checkpointed_iteration.txt"
     f.write_text("4")
     run = run_single(["--load", str(f), "--train-iters", "1"], tmp_path)
-    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.returncode == 1, run.stderr[-2000:]
     assert run.stderr.strip().splitlines()[-1] == (
         f"error: --load {f} is a file: give the checkpoint folder (the one holding "
         "latest_checkpointed_iteration.txt and iter_N/)")

@@ -68,8 +68,8 @@ def test_eval_refusals(tmp_path, task, server, capsys):
         read_task(str(bad))
     with pytest.raises(EvalTaskError, match=r"nothing.jsonl: cannot read it"):
         read_task(str(tmp_path / "nothing.jsonl"))
-    assert omnibal(["eval", "--task", str(task_path), "--backend", "lmms-eval"]) == 2
-    assert omnibal(["eval", "--task", str(task_path), "--server", "http://127.0.0.1:9"]) == 2
+    assert omnibal(["eval", "--task", str(task_path), "--backend", "lmms-eval"]) == 1
+    assert omnibal(["eval", "--task", str(task_path), "--server", "http://127.0.0.1:9"]) == 1
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("omnibal eval: error: --backend lmms-eval needs --lmms-eval-python")
     assert err[1].startswith("omnibal eval: error: --server http://127.0.0.1:9: no server answers there")

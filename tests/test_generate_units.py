@@ -253,27 +253,27 @@ def test_bad_requests_are_named_before_any_work(tmp_path):
 
 def test_generate_command_refuses_bad_input_in_one_line(tmp_path, capsys):
     """``omnibal generate``: a bad sampling flag, a missing input, and a bad line (named file:line, before the model
-    is built) exit 2 with one line."""
+    is built) exit 1 with one line."""
     import omnibal_cli
 
     bad = tmp_path / "in.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n')
-    assert omnibal_cli.main(["generate", "--input", str(bad), "--top-p", "2"]) == 2
+    assert omnibal_cli.main(["generate", "--input", str(bad), "--top-p", "2"]) == 1
     assert "--top-p: must be in (0, 1]" in capsys.readouterr().err
-    assert omnibal_cli.main(["generate", "--input", str(tmp_path / "none.jsonl")]) == 2
+    assert omnibal_cli.main(["generate", "--input", str(tmp_path / "none.jsonl")]) == 1
     assert "no such file" in capsys.readouterr().err
-    assert omnibal_cli.main(["generate", "--input", str(bad), "--model", "tiny", "--load", str(tmp_path / "c")]) == 2
+    assert omnibal_cli.main(["generate", "--input", str(bad), "--model", "tiny", "--load", str(tmp_path / "c")]) == 1
     assert "--load" in capsys.readouterr().err
     err_line = None
     assert omnibal_cli.main(["generate", "--input", str(bad), "--model", "tiny", "--hf-checkpoint",
-                             str(tmp_path / "nohf")]) == 2
+                             str(tmp_path / "nohf")]) == 1
     err_line = capsys.readouterr().err.strip().splitlines()
     assert len(err_line) == 1 and err_line[0].startswith("omnibal generate: error:")
 
 
 def test_generate_command_names_a_bad_line_before_building_the_model(tmp_path, capsys):
     """A tiny InternVL folder, an input whose second line is not JSON and third misses its image: one line naming
-    both ``file:line``, exit 2 (the world of one the command started torn down)."""
+    both ``file:line``, exit 1 (the world of one the command started torn down)."""
     import hf_tiny
     import omnibal_cli
 
@@ -282,11 +282,11 @@ def test_generate_command_names_a_bad_line_before_building_the_model(tmp_path, c
     bad = tmp_path / "in.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{oops\n'
                    '{"messages": [{"role": "user", "content": "<image>x"}], "images": ["gone.png"]}\n')
-    assert omnibal_cli.main(["generate", "--hf-checkpoint", str(tmp_path / "hf"), "--input", str(bad)]) == 2
+    assert omnibal_cli.main(["generate", "--hf-checkpoint", str(tmp_path / "hf"), "--input", str(bad)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{bad}:2: not valid JSON" in err[0]
     bad.write_text('{"messages": [{"role": "user", "content": "<image>x"}], "images": ["gone.png"]}\n')
-    assert omnibal_cli.main(["generate", "--hf-checkpoint", str(tmp_path / "hf"), "--input", str(bad)]) == 2
+    assert omnibal_cli.main(["generate", "--hf-checkpoint", str(tmp_path / "hf"), "--input", str(bad)]) == 1
     assert f"{bad}:1: image file not found" in capsys.readouterr().err
 
 

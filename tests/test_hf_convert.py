@@ -103,15 +103,15 @@ def test_a_truncated_safetensors_file_is_named(tiny, tmp_path, cut):
 
 
 def test_export_to_a_file_is_refused_before_reading(tmp_path, capsys):
-    """`omnibal hf export --out FILE`: one line, exit 2, before the checkpoint is read (there is none here)."""
+    """`omnibal hf export --out FILE`: one line, exit 1, before the checkpoint is read (there is none here)."""
     from omnibal_cli import main as omnibal
 
     out = tmp_path / "exported"
     out.write_text("x")
-    assert omnibal(["hf", "export", "--load", str(tmp_path / "none"), "--out", str(out)]) == 2
+    assert omnibal(["hf", "export", "--load", str(tmp_path / "none"), "--out", str(out)]) == 1
     assert capsys.readouterr().err == (f"omnibal hf export: error: --out {out}: {out} is a file, not a folder: give a "
                                        "folder to write the Hugging Face model into\n")
-    assert omnibal(["hf", "export", "--load", str(tmp_path / "none"), "--out", str(out / "sub")]) == 2
+    assert omnibal(["hf", "export", "--load", str(tmp_path / "none"), "--out", str(out / "sub")]) == 1
     assert f"--out {out / 'sub'}: {out} is a file" in capsys.readouterr().err
 
 

@@ -30,7 +30,7 @@ def test_one_kv_head_at_tp2_refused_before_any_work(tmp_path, monkeypatch, capsy
                            "--out", str(tmp_path / "out.pt"), "--tensor-model-parallel-size", "2"])
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("hf_logits: error:")]
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err  # one line, no traceback
+    assert code == 1 and len(lines) == 1 and "Traceback" not in err, err  # one line, no traceback
     assert "--tensor-model-parallel-size 2" in lines[0] and "--num-query-groups 1 (LLM key/value groups)" in lines[0], \
         lines[0]  # issue 33 item 21: the one group is named by its own flag
     assert not (tmp_path / "out.pt").exists()

@@ -86,7 +86,7 @@ def test_pack_roundtrip_feeds_the_sampler(tmp_path, suffix):
 def test_bad_stats_file_is_a_clear_error(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"vit_num": 1, "token_num": 3}, {"token_num": 3}]))
-    assert main(["isf", "stats", "--stats", str(bad)]) == 2
+    assert main(["isf", "stats", "--stats", str(bad)]) == 1
     err = capsys.readouterr().err
     assert str(bad) in err and "record 1" in err
 

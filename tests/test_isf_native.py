@@ -194,4 +194,4 @@ def test_cli_search_and_pack_in_time(tmp_path):
     assert sorted(np.concatenate(plan.groups).tolist()) == list(range(len(stats)))
     plain = tmp_path / "plain.json"
     plain.write_text(json.dumps([{"vit_num": 1, "token_num": 300}]))
-    assert main(["isf", "search", "--stats", str(plain), "--model", "qwen2.5-vl-7b"]) == 2  # no images: refused
+    assert main(["isf", "search", "--stats", str(plain), "--model", "qwen2.5-vl-7b"]) == 1  # no images: refused

@@ -114,9 +114,9 @@ def test_plan_on_a_video_meta_equals_the_written_stats_and_brute_force(meta, tmp
 
     capsys.readouterr()
     assert run(build_parser(), ["plan", "--data", str(meta), "--json", str(tmp_path / "x.json"), "--video-fps", "2"]
-               + common[:1] + ["internvl3-1b"] + common[2:]) == 2  # InternVL's frames-as-tiles rule has no fps
+               + common[:1] + ["internvl3-1b"] + common[2:]) == 1  # InternVL's frames-as-tiles rule has no fps
     err = capsys.readouterr().err
     assert "--video-fps" in err and "internvl" in err
     assert run(build_parser(), ["plan", "--data", str(written), "--json", str(tmp_path / "x.json"),
-                                "--video-max-frames", "4"] + common) == 2
+                                "--video-max-frames", "4"] + common) == 1
     assert "--video-max-frames" in capsys.readouterr().err

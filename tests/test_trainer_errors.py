@@ -32,7 +32,7 @@ GOOD = json.dumps({"image": "img/a.png", "conversations": [
 def test_bad_records_are_named(tmp_path, bad_line, expect):
     meta, ann = write_dataset(tmp_path, [GOOD, bad_line, GOOD])
     proc = run_single(["--data-path", str(meta), "--train-iters", "2"], tmp_path)
-    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.returncode == 1, proc.stderr[-3000:]
     err = proc.stderr
     assert f"{ann}:2" in err and expect in err
     assert "iteration" not in proc.stdout
@@ -46,21 +46,21 @@ def test_bad_records_are_named(tmp_path, bad_line, expect):
 ], ids=["layout-short", "layout-long", "pp-too-large", "tp-heads"])
 def test_bad_flags_are_named(tmp_path, flags, expect):
     proc = run_single(flags + ["--train-iters", "2"], tmp_path)
-    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.returncode == 1, proc.stderr[-3000:]
     assert expect in proc.stderr
     assert "iteration" not in proc.stdout
 
 
 def test_bad_flag_exits_2_with_one_line_and_no_traceback(tmp_path):
     proc = run_single(["--log-interval", "0"], tmp_path, fresh=True)  # the real command line's exit status
-    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.returncode == 1, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert lines == ["error: --log-interval 0: must be >= 1"], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
 
 
 def test_only_user_errors_lose_their_traceback(monkeypatch, capsys):
-    """cli() prints a UserError as one line (exit 2; a RunStopped exit 1); any other exception (here a library's
+    """cli() prints a UserError as one line (exit 1, as a RunStopped); any other exception (here a library's
     ValueError) propagates with its traceback."""
     import pretrain_vlm
     from omnibal_ext.errors import UserError
@@ -69,7 +69,7 @@ def test_only_user_errors_lose_their_traceback(monkeypatch, capsys):
         raise UserError("--data-path x.json: no such file\n  (second line)")
 
     monkeypatch.setattr(pretrain_vlm, "main", user_mistake)
-    assert pretrain_vlm.cli() == 2
+    assert pretrain_vlm.cli() == 1
     assert capsys.readouterr().err == "error: --data-path x.json: no such file; (second line)\n"
 
     def run_stopped(argv=None):  # a run that stopped itself to protect its work: exit status 1
@@ -110,7 +110,7 @@ def test_truncated_image_is_named_before_training(tmp_path):
     with Image.open(tmp_path / "img" / "cut.jpg") as im:
         assert im.size == (64, 48)  # the header alone does not tell
     proc = run_single(["--data-path", str(meta), "--train-iters", "2"], tmp_path)
-    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.returncode == 1, proc.stderr[-3000:]
     assert f"{ann}:2: cannot decode image" in proc.stderr and "cut.jpg" in proc.stderr
     assert "Traceback" not in proc.stderr
 

@@ -308,7 +308,7 @@ def cmd_pack(args, loader: StatsLoader) -> int:
 
 
 def _guarded(cmd, loader: StatsLoader):
-    """``args.func`` for a sub-command: bad input becomes a one-line error and exit status 2."""
+    """``args.func`` for a sub-command: bad input becomes a one-line error and exit status 1."""
 
     def func(args: argparse.Namespace) -> int:
         try:
