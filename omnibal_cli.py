@@ -54,7 +54,7 @@ def data_reader(spec, hf_folder: str | None, args: argparse.Namespace):
     or OMNIBAL_TOKENIZER."""
     import os
 
-    from megatron.vlm.data.images import TileImages
+    from megatron.vlm.data.images import MediaOverrides, TileImages
     from megatron.vlm.data.records import ReaderConfig
     from megatron.vlm.data.tokenizer import build_tokenizer
     from megatron.vlm.data.video_sampling import VideoOverrides
@@ -62,16 +62,18 @@ def data_reader(spec, hf_folder: str | None, args: argparse.Namespace):
     from megatron.vlm.hf.convert import has_tokenizer
     from omnibal_ext.model.units import family_of
 
-    video_flags = VideoOverrides.from_args(args).given()
+    media = MediaOverrides(max_num_tiles=args.max_num_tiles, min_num_tiles=args.min_num_tiles,
+                           min_pixels=args.min_pixels, max_pixels=args.max_pixels, video=VideoOverrides.from_args(args))
+    video_flags = media.video.given()
     videos = None
     if spec is None:
         images, image_tokens = TileImages(**dict(PUBLISHED_TILES, max_num_tiles=args.max_num_tiles),
                                           min_num_tiles=args.min_num_tiles), None
     else:
         data = runtime_family(spec).data
-        images, image_tokens = data.image_rule(args, spec, hf_folder), data.image_tokens
+        images, image_tokens = data.image_rule(media, spec, hf_folder), data.image_tokens
         if family_of(spec).capabilities.video and data.video_rule is not None:
-            videos = data.video_rule(args, spec, hf_folder)
+            videos = data.video_rule(media, spec, hf_folder)
     if videos is None and video_flags:
         who = "no model (--model or --hf-checkpoint)" if spec is None else f"model family {spec.family}"
         raise UserError(f"{', '.join(video_flags)}: {who} reads no videos; drop the flag")

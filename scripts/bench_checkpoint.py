@@ -98,7 +98,6 @@ class _DataStub:
 
 @dataclasses.dataclass
 class Built:
-    args: object
     plan: object  # megatron.training.run_plan.RunPlan
     model: list
     optimizer: object
@@ -107,27 +106,23 @@ class Built:
 
 def build(case: str, vocab: int, distributed_optimizer: bool, world: int) -> Built:
     from megatron.training import setup, training
-    from megatron.training.arguments import parse_args
-    from megatron.training.run_plan import plan_run
+    from megatron.training.arguments import parse_config
     flags = ["--device", "cpu", *CASES[case], "--pipeline-model-parallel-size", str(world)]
     if distributed_optimizer:
         flags.append("--use-distributed-optimizer")
-    args = parse_args(flags, world)
-    plan = plan_run(args, world, torch.device("cpu"))
+    config = parse_config(flags, world)
+    spec = config.model.spec
     if case != "tiny":
-        spec = plan.model_spec
-        plan = dataclasses.replace(plan, model_spec=spec.replace(
-            language=dataclasses.replace(spec.language, vocab_size=vocab, real_vocab_size=None)))
-    plan = dataclasses.replace(plan, layout=setup.choose_layout(args, plan))
-    plan = dataclasses.replace(plan, recompute=setup.recompute_settings(args, plan))
-    model = training.build_model(args, plan, 5, torch.device("cpu"))
-    optimizer, scheduler = training.build_optimizer(args, plan, model)
+        spec = spec.replace(language=dataclasses.replace(spec.language, vocab_size=vocab, real_vocab_size=None))
+    plan = setup.build_run_plan(config, spec, torch.device("cpu"))
+    model = training.build_model(plan, 5, torch.device("cpu"))
+    optimizer, scheduler = training.build_optimizer(plan, model)
     # Adam's state exists after a first step (zero gradients: the moments stay zero, the step count is 1)
     model[0].zero_grad_buffer()
     optimizer.zero_grad()
     optimizer.step()
-    scheduler.step(increment=plan.global_batch_size)
-    return Built(args, plan, model, optimizer, scheduler)
+    scheduler.step(increment=config.optim.global_batch_size)
+    return Built(plan, model, optimizer, scheduler)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -185,14 +180,16 @@ def ours_save(b: Built, root: str, iteration: int) -> dict:
     from megatron.training.checkpointing import save as ck_save
 
     split = _Split()
-    args = argparse.Namespace(**{**vars(b.args), "save": root})  # the parsed flags stay as parsed
+    config = b.plan.config
+    plan = dataclasses.replace(b.plan, config=dataclasses.replace(
+        config, checkpoint=dataclasses.replace(config.checkpoint, save=root)))
     _barrier()
     t0 = time.perf_counter()
     # dist save: PyTorch DCP's planning, the write of this rank's file and its fsync, the metadata
     with split.wrapped(ck_save, "sharded_state_dict", "state_dict_s"), \
             split.wrapped(ck_save.dist_checkpointing, "save", "dist_save_s"), \
             split.wrapped(ck_save, "hash_files", "manifest_s"):
-        ck.save_checkpoint(args, b.plan, iteration, 0, b.model, b.optimizer, b.scheduler, _DataStub())
+        ck.save_checkpoint(plan, iteration, 0, b.model, b.optimizer, b.scheduler, _DataStub())
     total = time.perf_counter() - t0
     outer = sum(v for k, v in split.s.items() if k in ("state_dict_s", "dist_save_s", "manifest_s"))
     return {"save_s": total, **split.s, "other_s": total - outer}
@@ -205,7 +202,7 @@ def ours_load(b: Built, root: str) -> dict:
     t0 = time.perf_counter()
     ckpt = ck.find_checkpoint(root)
     t1 = time.perf_counter()
-    ck.load_checkpoint(ckpt, b.args, b.plan, b.model, b.optimizer, b.scheduler)
+    ck.load_checkpoint(ckpt, b.plan, b.model, b.optimizer, b.scheduler)
     t2 = time.perf_counter()
     gc.collect()
     return {"load_s": t2 - t0, "verify_s": t1 - t0, "restore_s": t2 - t1}
@@ -413,11 +410,11 @@ def main(argv=None) -> dict | None:
 
 
 def _params(case: str, vocab: int) -> dict:
-    from megatron.training.arguments import model_spec_of, parse_args
+    from megatron.training.arguments import parse_config
     from omnibal_ext.model.cost_model import unit_param_counts
     from omnibal_ext.model.units import build_units
 
-    spec = model_spec_of(parse_args(["--device", "cpu", *CASES[case]], 1))
+    spec = parse_config(["--device", "cpu", *CASES[case]], 1).model.spec
     if case != "tiny":
         spec = spec.replace(language=dataclasses.replace(spec.language, vocab_size=vocab, real_vocab_size=None))
     counts = unit_param_counts(spec, 1)

@@ -123,15 +123,16 @@ MODELS = {
 
 def spec_of(model: BenchModel):
     """The ModelSpec of ``model``'s flags (the trainer's own flag handling)."""
-    from megatron.training.arguments import build_parser, model_spec_from_args
+    from megatron.training.flags import build_parser
+    from megatron.training.specs import model_spec_from_flags
 
-    return model_spec_from_args(build_parser().parse_args(bl.trainer_argv(model.flags)))
+    return model_spec_from_flags(build_parser().parse_args(bl.trainer_argv(model.flags)))
 
 
 def isf_group_count(spec, model: BenchModel, tokens: np.ndarray, images: np.ndarray, dp: int, k: int, tp: int,
                     seed: int) -> int:
     """Groups the trainer's ISF makes of samples of ``tokens`` LLM tokens and ``images`` square images each
-    (megatron/training/isf.py ``plan_data`` with no caps given): by counts for a family whose ViT items cost alike,
+    (megatron/training/isf.py ``search_isf`` with no caps given): by counts for a family whose ViT items cost alike,
     else in predicted time (``isf_sample_times`` on the trainer's default --omnibal-isf-time-device at TP ``tp``;
     each image ``items_per_image`` patches in a square grid, as the image rule keeps the bench's images)."""
     import math

@@ -72,9 +72,10 @@ def planner_inputs():
 
 def hetero_spec():
     """The ModelSpec of HETERO_MODEL (the trainer's own flag handling)."""
-    from megatron.training.arguments import build_parser, model_spec_from_args
+    from megatron.training.flags import build_parser
+    from megatron.training.specs import model_spec_from_flags
 
-    return model_spec_from_args(build_parser().parse_args(trainer_argv(HETERO_MODEL)))
+    return model_spec_from_flags(build_parser().parse_args(trainer_argv(HETERO_MODEL)))
 
 
 def stats_files(stats_dir: str | os.PathLike | None = None) -> list[str]:
@@ -478,21 +479,17 @@ def trainer_isf_data(flags: list[str], world: int) -> tuple[np.ndarray, np.ndarr
     native-resolution family), run in this process without a process group.  The segment sums
     {"vit_full_sq", "vit_window_sq", "videos"}: the whole set's squared full-attention and window segment lengths
     (patches^2; a video one segment per temporal patch, ``sample_time.sample_work``) and its video count."""
-    import torch
-
     from megatron.training import isf, setup
-    from megatron.training.arguments import parse_args
-    from megatron.training.run_plan import plan_run
+    from megatron.training.arguments import parse_config
     from megatron.training.tokenizer_setup import setup_tokenizer
     from omnibal_ext.model.sample_time import sample_work
 
-    args = parse_args(flags, world)
-    plan = plan_run(args, world, torch.device("cpu"))
-    tokenizer, plan = setup_tokenizer(args, plan)
-    dataset = setup.build_dataset(args, plan, tokenizer, args.data_path)
+    config = parse_config(flags, world)
+    tokenizer, spec = setup_tokenizer(config)
+    dataset = setup.build_dataset(config, spec, tokenizer, config.data.data_path)
     tokens, items = dataset.sample_lengths()
     stats = dataset.sample_stats()
-    work = sample_work(stats, plan.model_spec, grids=dataset.image_grids())
+    work = sample_work(stats, spec, grids=dataset.image_grids())
     sums = {"vit_full_sq": float(work.vit_full_sq.sum()), "vit_window_sq": float(work.vit_window_sq.sum()),
             "videos": 0 if stats.videos is None else int(len(stats.videos.patches))}
-    return tokens, items, len(isf.plan_data(args, plan, dataset).grouping), sums
+    return tokens, items, len(isf.search_isf(config, spec, dataset).grouping), sums

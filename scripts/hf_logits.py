@@ -17,7 +17,7 @@ logits ``[s, real vocabulary]`` of our model (fp32 on CPU), written by the last 
 only its own units and TP slices of the safetensors (an MoE layer: its EP rank's experts, their ETP slices). MoE
 layers under TP > 1 run sequence parallel (megatron-core's MoELayer needs it): the input is then padded at its end to
 a multiple of TP with text tokens, and their logits dropped (causal attention: no real token sees them). The flags go
-through the trainer's own parse-time checks first (``megatron.training.arguments.parse_args``: TP against the heads
+through the trainer's own parse-time checks first (``megatron.training.arguments.parse_flags``: TP against the heads
 and key/value groups, the expert grid, the layout), so a size the trainer refuses is refused here before any weight
 is read, naming the flag. Compare with
 ``<Model>ForConditionalGeneration.from_pretrained(DIR)(**inputs).logits[0]`` (Qwen2.5-VL: pass mm_token_type_ids,
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from megatron.training import cpu_compat
-    from megatron.training.arguments import parse_args
+    from megatron.training.arguments import parse_flags
     from megatron.training.initialize import destroy, initialize_distributed, set_seeds
     from megatron.vlm.hf.convert import HFSource
     from megatron.vlm.hf.logits import pipeline_logits
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
         with cpu_compat.patched():
             try:
                 src = HFSource.open(args.hf_checkpoint)
-                parse_args(trainer_argv(args, sequence_parallel=src.spec.language.moe is not None and tp > 1),
+                parse_flags(trainer_argv(args, sequence_parallel=src.spec.language.moe is not None and tp > 1),
                            world_size=int(os.environ.get("WORLD_SIZE", "1")))
                 layout = parse_layout(args.pipeline_layout, src.spec, pp) if args.pipeline_layout else \
                     default_layout(src.spec, pp)
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
 
 
 def trainer_argv(args, sequence_parallel: bool) -> list[str]:
-    """The trainer's flags for this model and layout (what ``parse_args`` checks), from this script's ``args``."""
+    """The trainer's flags for this model and layout (what ``parse_flags`` checks), from this script's ``args``."""
     argv = ["--hf-checkpoint", args.hf_checkpoint,
             "--tensor-model-parallel-size", str(args.tensor_model_parallel_size),
             "--pipeline-model-parallel-size", str(args.pipeline_model_parallel_size),

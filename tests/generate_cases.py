@@ -108,12 +108,19 @@ def write_requests(folder: Path) -> Path:
     return path
 
 
-def reader_args(**kw) -> SimpleNamespace:
-    """The trainer's image and video flags at their defaults (InternVL: 4 frames per video)."""
+def reader_args(**kw):
+    """The trainer's image and video flags (``MediaOverrides``) at their defaults but 2 tiles per image, with ``kw``
+    (``video_max_frames=4``: ``--video-max-frames 4``)."""
+    from megatron.vlm.data.images import MediaOverrides
+    from megatron.vlm.data.video_sampling import VideoOverrides
+
     base = dict(min_pixels=None, max_pixels=None, max_num_tiles=2, min_num_tiles=1, video_fps=None,
                 video_min_frames=None, video_max_frames=None, video_max_pixels=None, video_total_pixels=None,
                 video_folder_fps=None)
-    return SimpleNamespace(**{**base, **kw})
+    flags = SimpleNamespace(**{**base, **kw})
+    return MediaOverrides(max_num_tiles=flags.max_num_tiles, min_num_tiles=flags.min_num_tiles,
+                          min_pixels=flags.min_pixels, max_pixels=flags.max_pixels,
+                          video=VideoOverrides.from_args(flags))
 
 
 def trainer_flags(name: str) -> list[str]:
@@ -121,7 +128,7 @@ def trainer_flags(name: str) -> list[str]:
     return ["--video-max-frames", "4", "--max-num-tiles", "2"] if name.startswith("internvl") else []
 
 
-def family_reader_args(name: str) -> SimpleNamespace:
+def family_reader_args(name: str):
     from megatron.vlm.data.video_sampling import DEFAULT_FOLDER_FPS
 
     if name.startswith("internvl"):
@@ -279,9 +286,7 @@ def torchrun_generate(cases: list[Case], workdir: Path, nproc: int = 2, timeout:
     import subprocess
     import sys
 
-    from hf_check import _benchlib
-
-    benchlib = _benchlib()
+    import benchlib  # scripts/benchlib.py (on the tests' path)
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     specs = []

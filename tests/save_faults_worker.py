@@ -47,14 +47,14 @@ def main(folder: str) -> None:
         set_seeds(0)
         rank = dist.get_rank()
         save = os.path.join(folder, "ckpt")
-        args, plan, model, optimizer, scheduler = trainer_parts.build(
+        plan, model, optimizer, scheduler = trainer_parts.build(
             ["--save", save, "--micro-batch-size", "2", "--global-batch-size", "8"], world_size=2)
-        save_checkpoint(args, plan, 1, 8, model, optimizer, scheduler, trainer_parts.NoData())
+        save_checkpoint(plan, 1, 8, model, optimizer, scheduler, trainer_parts.NoData())
         out = {}
         for case, (strikes, *where) in cases.items():
             put_back = replaced_on(strikes, *where, full)
             try:
-                save_checkpoint(args, plan, 2, 16, model, optimizer, scheduler, trainer_parts.NoData())
+                save_checkpoint(plan, 2, 16, model, optimizer, scheduler, trainer_parts.NoData())
                 out[case] = "saved"
             except UserError as e:
                 out[case] = str(e)

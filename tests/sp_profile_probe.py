@@ -9,9 +9,10 @@ import sys
 import torch
 
 from megatron.training import cpu_compat
-from megatron.training.arguments import build_parser
+from megatron.training.flags import build_parser
 from megatron.training.initialize import destroy, initialize_distributed, set_seeds
 from megatron.training.profiling import profile_units
+from megatron.training.specs import run_config
 from omnibal_ext.model.cost_model import MicroBatchShape
 from omnibal_ext.model.units import get_preset
 
@@ -29,7 +30,7 @@ def main(argv: list[str]) -> int:
         for sp in (False, True):
             args = build_parser().parse_args(["--tensor-model-parallel-size", "2", "--seed", "1", "--transformer-impl",
                                               "local"] + (["--sequence-parallel"] if sp else []))
-            table = profile_units(args, spec, shape, 263, torch.device("cpu"), warmup=0, repeats=1)
+            table = profile_units(run_config(args, 1), spec, shape, 263, torch.device("cpu"), warmup=0, repeats=1)
             out["sp" if sp else "tp"] = {u.kind: {"act_bytes": u.act_bytes, "act_bytes_full": u.act_bytes_full,
                                                    "act_bytes_selective": u.act_bytes_selective}
                                          for u in table.units}

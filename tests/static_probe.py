@@ -44,33 +44,31 @@ def main(argv: list[str]) -> int:
     out_dir, argv = Path(argv[0]), argv[1:]
     from megatron.core import parallel_state
     from megatron.training import cpu_compat, setup, training
-    from megatron.training.arguments import parse_args
+    from megatron.training.arguments import parse_config
     from megatron.training.initialize import destroy, initialize_distributed, set_seeds, world_size_from_env
     from megatron.training.memory import static_bytes
-    from megatron.training.run_plan import plan_run
     from omnibal_ext.memory import memory_model
     from omnibal_ext.model.cost_model import MicroBatchShape, analytic_costs, unit_param_counts
 
     with cpu_compat.patched():
-        args = parse_args(["--device", "cpu", *argv], world_size_from_env())
+        config = parse_config(["--device", "cpu", *argv], world_size_from_env())
+        parallel = config.parallel
         device = torch.device("cpu")
-        initialize_distributed(device, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
-        set_seeds(args.seed)
-        plan = plan_run(args, world_size_from_env(), device)
-        plan = dataclasses.replace(plan, layout=setup.choose_layout(args, plan))
-        plan = dataclasses.replace(plan, recompute=setup.recompute_settings(args, plan))
-        model = training.build_model(args, plan, 5, device)
-        optimizer, _ = training.build_optimizer(args, plan, model)
+        initialize_distributed(device, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size)
+        set_seeds(config.optim.seed)
+        plan = setup.build_run_plan(config, config.model.spec, device)
+        model = training.build_model(plan, 5, device)
+        optimizer, _ = training.build_optimizer(plan, model)
         stage = parallel_state.get_pipeline_model_parallel_rank()
-        counts = unit_param_counts(plan.model_spec, args.tensor_model_parallel_size)
+        counts = unit_param_counts(plan.model_spec, parallel.tensor_model_parallel_size)
         params = sum(counts[i] for i in plan.layout.stage_range(stage))
-        # the memory model's static bytes of this stage, frozen units (plan.trainable) holding weights only
-        costs = analytic_costs(plan.model_spec, MicroBatchShape(1, 64), tp=args.tensor_model_parallel_size)
-        if plan.trainable is not None:
-            costs = plan.trainable.apply(costs)
+        # the memory model's static bytes of this stage, frozen units (config.model.trainable) holding weights only
+        costs = analytic_costs(plan.model_spec, MicroBatchShape(1, 64), tp=parallel.tensor_model_parallel_size)
+        costs = config.model.trainable.apply(costs)
         predicted = memory_model.stage_memory(
-            costs, plan.layout, None, args.pipeline_model_parallel_size, args.tensor_model_parallel_size,
-            plan.data_parallel_size, 1, args.use_distributed_optimizer, setup.precision_of(args))[stage].static_bytes
+            costs, plan.layout, None, parallel.pipeline_model_parallel_size, parallel.tensor_model_parallel_size,
+            parallel.data_parallel_size, 1, parallel.use_distributed_optimizer,
+            setup.precision_of(config.optim))[stage].static_bytes
         rank = torch.distributed.get_rank()
         trained = sum(p.numel() for p in model[0].parameters() if p.requires_grad)
         before = static_bytes(model, optimizer, breakdown=True)

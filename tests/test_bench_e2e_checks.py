@@ -1,4 +1,4 @@
-"""scripts/bench_e2e.py's own checks: its ISF group count is the trainer's (megatron/training/isf.py plan_data on the
+"""scripts/bench_e2e.py's own checks: its ISF group count is the trainer's (megatron/training/isf.py search_isf on the
 dataset the bench writes, read by the family's reader: in predicted time for Qwen, by counts for the tiled model),
 and "each level adds speed" is judged against the rows' run-to-run spread (PASS within the tolerance, FAIL beyond,
 NOISY when the runs spread too much to tell)."""
@@ -15,12 +15,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 def test_isf_group_count_is_the_trainers(tmp_path, name):
     import bench_e2e
     import benchlib as bl
-    import torch
-
-    from megatron.training.arguments import build_parser
-    from megatron.training.isf import plan_data
-    from megatron.training.run_plan import plan_run
+    from megatron.training.flags import build_parser
+    from megatron.training.isf import search_isf
     from megatron.training.setup import build_dataset
+    from megatron.training.specs import run_config
     from megatron.training.tokenizer_setup import setup_tokenizer
     from megatron.vlm.data.synthetic import LengthRule, sample_plan
 
@@ -33,11 +31,11 @@ def test_isf_group_count_is_the_trainers(tmp_path, name):
                                                       "--seq-length": data.seq_length, "--micro-batch-size": k,
                                                       "--global-batch-size": k, "--omnibal-isf": True,
                                                       "--data-cache-dir": str(tmp_path / "cache")}))
-    plan = plan_run(args, 1, torch.device("cpu"))
-    tokenizer, plan = setup_tokenizer(args, plan)
-    dataset = build_dataset(args, plan, tokenizer, data.meta)
+    config = run_config(args, 1)
+    tokenizer, spec = setup_tokenizer(config)
+    dataset = build_dataset(config, spec, tokenizer, data.meta)
     assert dataset.sample_lengths()[0].tolist() == planned["tokens"].tolist()  # the bench's lengths are the reader's
-    want = len(plan_data(args, plan, dataset).grouping)
+    want = len(search_isf(config, spec, dataset).grouping)
     spec = bench_e2e.spec_of(model)
     assert bench_e2e.isf_group_count(spec, model, planned["tokens"], rule.tiles(planned["vit_num"]), 1, k, 1,
                                      seed) == want

@@ -39,9 +39,10 @@ def test_plot_writes_png(tmp_path):
 @pytest.mark.parametrize("config", bm.CONFIGS)
 def test_config_flags_parse(config):
     """Each config's flags are accepted by the trainer's parser at EP2 on 2 ranks, with the balancing it names."""
-    from megatron.training.arguments import model_spec_of, moe_run_of, parse_args
+    from megatron.training.arguments import parse_flags
+    from megatron.training.specs import model_spec_of, moe_run_of
 
-    args = parse_args(bm.run_flags(config, 3, 7, ROOT, 0.01, 0.01), world_size=2)
+    args = parse_flags(bm.run_flags(config, 3, 7, ROOT, 0.01, 0.01), world_size=2)
     moe, run = model_spec_of(args).language.moe, moe_run_of(args)
     assert (moe.num_experts, moe.topk, run.ep) == (8, 2, 2)
     assert moe.load_balancing_type == (config if config in ("aux_loss", "seq_aux_loss") else "none")

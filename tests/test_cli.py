@@ -102,8 +102,9 @@ def test_plan_launches_the_trainer_with_the_memory_it_planned(tmp_path, device):
     """The plan's flags, applied with --omnibal-plan, give the trainer the optimizer and precision the
     plan's memory assumed: distributed optimizer always, bf16 on a GPU and fp32 on CPU (where the
     trainer cannot run bf16), so the trainer's own memory model sees the same static bytes."""
-    from megatron.training.arguments import parse_args
+    from megatron.training.arguments import parse_flags
     from megatron.training.setup import precision_of
+    from megatron.training.specs import run_config
     from omnibal_ext.model.cost_model import get_device
     from omnibal_ext.plan import training_precision
 
@@ -111,17 +112,18 @@ def test_plan_launches_the_trainer_with_the_memory_it_planned(tmp_path, device):
     out = tmp_path / "plan.json"
     assert main(["plan", "--data", f, "--model", "tiny", "--gpus", "4", "--gpu-memory", "1", "--device", device,
                  "--global-batch-size", "32", "--sim-iterations", "1", "--json", str(out)]) == 0
-    args = parse_args(["--omnibal-plan", str(out)], world_size=4)
+    args = parse_flags(["--omnibal-plan", str(out)], world_size=4)
     assert args.use_distributed_optimizer and args.bf16 == (device != "cpu")
-    assert precision_of(args) == training_precision(get_device(device))
-    assert precision_of(args).bytes_per_param(4, True) == (2 + 4 + 12 / 4 if device != "cpu" else 4 + 4 + 8 / 4)
+    optim = run_config(args, 4).optim
+    assert precision_of(optim) == training_precision(get_device(device))
+    assert precision_of(optim).bytes_per_param(4, True) == (2 + 4 + 12 / 4 if device != "cpu" else 4 + 4 + 8 / 4)
 
 
 @pytest.mark.parametrize("sizes", [["--tp", "4", "--pp", "4", "--dp", "8"], []])
 def test_plan_6b_20b_on_128_gpus_runs_sequence_parallel_and_the_trainer_takes_its_flags(tmp_path, capsys, sizes):
     """`omnibal plan --model internvl-6b-20b --gpus 128 --gpu-memory 80` (sizes given: the authors' TP4 PP4 DP8,
     or chosen): --sequence-parallel exactly when TP > 1, and the trainer parses the plan's flags, V included."""
-    from megatron.training.arguments import parse_args
+    from megatron.training.arguments import parse_flags
 
     f = stats_file(tmp_path / "s.json", 600, 6, tokens_per_tile=256)
     out = tmp_path / "plan.json"
@@ -138,7 +140,7 @@ def test_plan_6b_20b_on_128_gpus_runs_sequence_parallel_and_the_trainer_takes_it
     layout = parse_layout(flags["--pipeline-layout"], spec, doc["pp"], vpp=v)
     assert layout.num_stages == v * doc["pp"]
     assert len(parse_recompute_plan(flags["--recompute-plan"], layout.num_stages)) == layout.num_stages
-    args = parse_args(["--omnibal-plan", str(out)], world_size=128)
+    args = parse_flags(["--omnibal-plan", str(out)], world_size=128)
     assert args.sequence_parallel == (doc["tp"] > 1) and args.pipeline_model_parallel_size == doc["pp"]
     assert (args.virtual_pipeline_model_parallel_size or 1) == v
     assert f"TP={doc['tp']} PP={doc['pp']} DP={doc['dp']}" in capsys.readouterr().out

@@ -1,7 +1,6 @@
 """Data at scale: --skip-bad-samples (bad records left out, listed with file:line and reason, counted in the
 log; the default stays: stop), --truncate-long-samples, and --load of a file refused."""
 import os
-import types
 
 import pytest
 
@@ -17,21 +16,16 @@ def bad_data(tmp_path):
     return make_data(tmp_path, lines)
 
 
-def args_for(tmp_path, **flags):
-    from megatron.training.arguments import build_parser
+def config_for(tmp_path, **flags):
+    """The run configuration of the tiny model at SIZE px tiles (4 px patches) with ``flags``."""
+    from megatron.training.flags import build_parser
+    from megatron.training.specs import run_config
 
-    args = build_parser().parse_args(["--data-cache-dir", str(tmp_path / "cache"), "--seq-length", "200",
-                                      "--image-size", str(SIZE), *sum(([f"--{k}"] if v is True else [f"--{k}", str(v)]
-                                                                      for k, v in flags.items()), [])])
-    return args
-
-
-def plan_for():
-    from omnibal_ext.model.units import get_preset
-
-    spec = get_preset("tiny")
-    return types.SimpleNamespace(model_spec=spec.replace(vision=__import__("dataclasses").replace(
-        spec.vision, image_size=SIZE, patch_size=4)))
+    flags = build_parser().parse_args(["--data-cache-dir", str(tmp_path / "cache"), "--seq-length", "200",
+                                       "--image-size", str(SIZE), "--patch-size", "4",
+                                       *sum(([f"--{k}"] if v is True else [f"--{k}", str(v)]
+                                             for k, v in flags.items()), [])])
+    return run_config(flags, 1)
 
 
 def test_default_still_stops_on_bad_records(tmp_path):
@@ -46,11 +40,11 @@ def test_skip_bad_samples_leaves_them_out_and_reports_them(tmp_path, capsys):
     from megatron.training.setup import build_dataset, skipped_report_path
 
     meta, ann = bad_data(tmp_path)
-    args = args_for(tmp_path, **{"skip-bad-samples": True, "max-skipped-fraction": 0.5})
-    ds = build_dataset(args, plan_for(), TOK, meta)
+    config = config_for(tmp_path, **{"skip-bad-samples": True, "max-skipped-fraction": 0.5})
+    ds = build_dataset(config, config.model.spec, TOK, meta)
     assert len(ds) == 3
     assert [int(line) for line in ds.scan.rec_line] == [1, 2, 6]  # the good records, in file order
-    report = skipped_report_path(args, meta)
+    report = skipped_report_path(config.data, meta)
     lines = open(report).read().splitlines()
     assert len(lines) == 3
     assert lines[0].startswith(f"{ann}:3: not valid JSON")
@@ -60,12 +54,12 @@ def test_skip_bad_samples_leaves_them_out_and_reports_them(tmp_path, capsys):
     assert f"> data: 3 bad record(s) of {meta} skipped" in out and report in out
     # the scan cache keeps the list: a restart reports the same records without scanning again
     os.remove(report)
-    again = build_dataset(args, plan_for(), TOK, meta)
+    again = build_dataset(config, config.model.spec, TOK, meta)
     assert len(again) == 3 and open(report).read().splitlines() == lines
     assert "is read from" in capsys.readouterr().out
     # ... and a run without the flag does not take that cached scan: it stops
     with pytest.raises(DataValidationError):
-        build_dataset(args_for(tmp_path), plan_for(), TOK, meta)
+        build_dataset(config_for(tmp_path), config.model.spec, TOK, meta)
 
 
 def test_skipping_more_than_the_threshold_stops_before_training(tmp_path):
@@ -74,28 +68,28 @@ def test_skipping_more_than_the_threshold_stops_before_training(tmp_path):
     from megatron.training.setup import build_dataset, skipped_report_path
 
     meta, ann = make_data(tmp_path, [qa(image="elsewhere/a.png")] * 5 + [qa(image=None, q="Hi?")])
-    args = args_for(tmp_path, **{"skip-bad-samples": True})
+    config = config_for(tmp_path, **{"skip-bad-samples": True})
     with pytest.raises(DataValidationError) as e:
-        build_dataset(args, plan_for(), TOK, meta)
+        build_dataset(config, config.model.spec, TOK, meta)
     assert str(e.value) == (
         f"--skip-bad-samples: 5 of the 6 records of {meta} fail the scan (83%), more than --max-skipped-fraction 0.1: "
         f"the data is more likely wrong (an image root?) than a few records bad; the first: {ann}:1: image file not "
-        f"found: {tmp_path / 'elsewhere' / 'a.png'} (all in {skipped_report_path(args, meta)})")
-    kept = build_dataset(args_for(tmp_path, **{"skip-bad-samples": True, "max-skipped-fraction": 0.9}), plan_for(),
-                         TOK, meta)
+        f"found: {tmp_path / 'elsewhere' / 'a.png'} (all in {skipped_report_path(config.data, meta)})")
+    lenient = config_for(tmp_path, **{"skip-bad-samples": True, "max-skipped-fraction": 0.9})
+    kept = build_dataset(lenient, lenient.model.spec, TOK, meta)
     assert len(kept) == 1
 
 
 def test_skip_lists_of_two_files_of_one_name_are_kept_apart(tmp_path):
     from megatron.training.setup import build_dataset, skipped_report_path
 
-    args = args_for(tmp_path, **{"skip-bad-samples": True, "max-skipped-fraction": 0.5})
+    config = config_for(tmp_path, **{"skip-bad-samples": True, "max-skipped-fraction": 0.5})
     metas = [make_data(tmp_path / part, [qa(), "not json", qa(a=part)])[0] for part in ("train", "valid")]
     assert os.path.basename(metas[0]) == os.path.basename(metas[1])
-    reports = [skipped_report_path(args, meta) for meta in metas]
+    reports = [skipped_report_path(config.data, meta) for meta in metas]
     assert reports[0] != reports[1]
     for meta in metas:
-        build_dataset(args, plan_for(), TOK, meta)
+        build_dataset(config, config.model.spec, TOK, meta)
     for meta, report in zip(metas, reports):
         assert open(report).read().startswith(f"{os.path.dirname(meta)}/ann.jsonl:2: not valid JSON")
 
@@ -104,20 +98,21 @@ def test_data_path_without_a_validation_set_says_there_is_no_evaluation(tmp_path
     from megatron.training.setup import build_datasets
 
     meta, _ = make_data(tmp_path, [qa()])
-    args = args_for(tmp_path, **{"data-path": meta})
-    train, valid = build_datasets(args, plan_for(), TOK)
+    config = config_for(tmp_path, **{"data-path": meta})
+    train, valid = build_datasets(config, config.model.spec, TOK)
     assert valid is None and len(train) == 1
     assert (f"> no evaluation: --eval-interval 200 needs --valid-data-path (--data-path {meta} has no held-out "
             "split)") in capsys.readouterr().out
 
 
 def test_a_data_path_that_is_a_folder_is_named(tmp_path):
-    from megatron.training.arguments import ArgumentError
+    from megatron.training.flags import ArgumentError
     from megatron.training.setup import data_paths
 
     with pytest.raises(ArgumentError, match=f"--data-path {tmp_path} is a folder: give a meta JSON or an annotation "
                                             "JSONL file"):
-        data_paths(args_for(tmp_path, **{"data-path": str(tmp_path)}), plan_for())
+        config = config_for(tmp_path, **{"data-path": str(tmp_path)})
+        data_paths(config.data, config.model.spec)
 
 
 def test_skip_bad_samples_with_nothing_left_is_an_error(tmp_path):
@@ -131,8 +126,8 @@ def test_truncate_long_samples_flag(tmp_path):
     from megatron.training.setup import build_dataset
 
     meta, ann = bad_data(tmp_path)
-    args = args_for(tmp_path, **{"truncate-long-samples": True, "skip-bad-samples": True, "max-skipped-fraction": 0.5})
-    ds = build_dataset(args, plan_for(), TOK, meta)
+    config = config_for(tmp_path, **{"truncate-long-samples": True, "skip-bad-samples": True, "max-skipped-fraction": 0.5})
+    ds = build_dataset(config, config.model.spec, TOK, meta)
     assert len(ds) == 4  # the long record is cut, not left out
     tokens, _ = ds.sample_lengths()
     assert tokens.max() == 200 and ds.scan.num_truncated == 1

@@ -133,7 +133,9 @@ def test_online_isf_balances_dp_ranks_and_a_killed_run_resumes_exactly(tmp_path)
     for r in online:
         assert resumed[r["iteration"]]["sample ids"] == r["sample ids"]
         assert resumed[r["iteration"]]["lm loss"] == r["lm loss"], r["iteration"]
-    dp1 = online_flags + ["--load", str(tmp_path / "again"), "--save", str(tmp_path / "dp1"), "--train-iters", "12"]
+    # the checkpoint's LR schedule kept (--train-iters 12 changes it, which is refused first otherwise)
+    dp1 = online_flags + ["--load", str(tmp_path / "again"), "--save", str(tmp_path / "dp1"), "--train-iters", "12",
+                          "--use-checkpoint-opt_param-scheduler"]
     _, out = run_training(2, dp1, tmp_path, "dp1", expect_ok=False)
     assert "Energon restores a loader only with the same data-parallel size" in out and "Traceback" not in out
 

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from megatron.training.arguments import ArgumentError, parse_args
+from megatron.training.arguments import parse_flags
+from megatron.training.flags import ArgumentError
 
 
 @pytest.mark.slow
@@ -34,4 +35,4 @@ def test_generation_accuracy_equals_teacher_forced_on_the_default_run(tmp_path, 
                                          (["--eval-generate-samples", "0"], "--eval-generate-samples")])
 def test_flags_it_cannot_run_with_are_refused(extra, match):
     with pytest.raises(ArgumentError, match=match):
-        parse_args(["--eval-generate", *extra])
+        parse_flags(["--eval-generate", *extra])

@@ -9,8 +9,9 @@ import dataclasses
 
 import pytest
 
-from megatron.training.arguments import (CAPABILITY_FLAGS, IMAGE_FLAGS, UNFLAGGED_CAPABILITIES, ArgumentError,
-                                         parse_args)
+from megatron.training.arguments import parse_flags
+from megatron.training.flags import ArgumentError
+from megatron.training.validation import CAPABILITY_FLAGS, IMAGE_FLAGS, UNFLAGGED_CAPABILITIES
 from omnibal_ext.model import families as planning
 from omnibal_ext.model.families import Capabilities
 from omnibal_ext.model.units import get_preset
@@ -53,7 +54,7 @@ def test_undeclared_capability_is_refused_naming_family_and_flag(bare, field):
     flag = CAPABILITY_FLAGS[field][0] if field in CAPABILITY_FLAGS else "--lora-targets"
     flag = "--video-max-frames" if field == "video" else flag
     with pytest.raises(ArgumentError) as e:
-        parse_args(["--model", bare] + argv, world_size=world)
+        parse_flags(["--model", bare] + argv, world_size=world)
     assert flag in str(e.value) and BARE in str(e.value)
 
 
@@ -64,10 +65,10 @@ def test_image_flags_are_read_or_refused(flag):
         family = planning.FAMILIES[get_preset(model).family]
         argv = ["--model", model, flag, IMAGE_VALUES[flag]]
         if flag in family.capabilities.image_flags:
-            parse_args(argv)
+            parse_flags(argv)
         else:
             with pytest.raises(ArgumentError, match=f"{flag}: model family {family.name}"):
-                parse_args(argv)
+                parse_flags(argv)
 
 
 @pytest.mark.parametrize("field", sorted(ASKING))
@@ -78,29 +79,29 @@ def test_declared_capability_is_accepted(field):
     assert declaring
     for family in declaring:
         tiny = next(name for name, spec in family.presets.items() if spec.vision.num_layers <= 4)
-        parse_args(["--model", tiny] + argv, world_size=world)
+        parse_flags(["--model", tiny] + argv, world_size=world)
 
 
 def test_vit_setting_the_family_lacks_is_refused():
     with pytest.raises(ArgumentError, match="--vision-qk-norm: model family qwen2_5_vl's ViT"):
-        parse_args(["--model", "qwen2.5-vl-tiny", "--vision-qk-norm"])
+        parse_flags(["--model", "qwen2.5-vl-tiny", "--vision-qk-norm"])
 
 
 def test_video_flags_a_family_does_not_implement_are_refused_at_parse_time(bare):
     """A family declaring video refuses the video flags its processor does not implement, naming the flag; a
     family not declaring video refuses every video flag."""
     with pytest.raises(ArgumentError, match="--video-fps is not implemented for internvl"):
-        parse_args(["--model", "tiny", "--video-fps", "1"])
+        parse_flags(["--model", "tiny", "--video-fps", "1"])
     with pytest.raises(ArgumentError, match="--video-total-pixels is not implemented for internvl"):
-        parse_args(["--model", "tiny", "--video-total-pixels", "100000"])
+        parse_flags(["--model", "tiny", "--video-total-pixels", "100000"])
     with pytest.raises(ArgumentError, match="min_frames 9 > max_frames 8"):
-        parse_args(["--model", "tiny", "--video-min-frames", "9", "--video-max-frames", "8"])
-    parse_args(["--model", "tiny", "--video-min-frames", "2", "--video-max-frames", "4", "--video-folder-fps", "10"])
+        parse_flags(["--model", "tiny", "--video-min-frames", "9", "--video-max-frames", "8"])
+    parse_flags(["--model", "tiny", "--video-min-frames", "2", "--video-max-frames", "4", "--video-folder-fps", "10"])
     with pytest.raises(ArgumentError, match=f"--video-folder-fps: model family {BARE} does not implement it"):
-        parse_args(["--model", bare, "--video-folder-fps", "10"])
+        parse_flags(["--model", bare, "--video-folder-fps", "10"])
     with pytest.raises(ArgumentError, match="--video-total-pixels is not implemented for qwen2_vl"):
-        parse_args(["--model", "qwen2.5-vl-tiny", "--video-total-pixels", "100000"])
+        parse_flags(["--model", "qwen2.5-vl-tiny", "--video-total-pixels", "100000"])
     with pytest.raises(ArgumentError, match="--video-max-pixels is not implemented for qwen3_vl"):
-        parse_args(["--model", "qwen3-vl-tiny", "--video-max-pixels", "100000"])
+        parse_flags(["--model", "qwen3-vl-tiny", "--video-max-pixels", "100000"])
     with pytest.raises(ArgumentError, match="--video-max-pixels is not implemented for qwen3_vl"):  # its processor
-        parse_args(["--model", "qwen3.5-0.8b", "--video-max-pixels", "100000"])
+        parse_flags(["--model", "qwen3.5-0.8b", "--video-max-pixels", "100000"])

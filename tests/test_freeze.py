@@ -109,16 +109,16 @@ def test_partition_cli_takes_the_freeze_flags(tmp_path):
 
 
 def test_trainer_flags_and_aliases():
-    from megatron.training.arguments import parse_args
-    from megatron.training.run_plan import plan_run
+    from megatron.training.arguments import parse_flags
+    from megatron.training.specs import run_config
 
-    args = parse_args(["--freeze-ViT", "--freeze-LM", "--unfreeze-lm-head", "--unfreeze-vit-layers", "-1"])
+    args = parse_flags(["--freeze-ViT", "--freeze-LM", "--unfreeze-lm-head", "--unfreeze-vit-layers", "-1"])
     assert (args.freeze_vit, args.freeze_llm, args.unfreeze_vit_layers, args.unfreeze_lm_head) == (True, True, -1, True)
-    plan = plan_run(args, 1, torch.device("cpu"))
-    assert "".join("x" if t else "." for t in plan.trainable.trains) == "....xx.....x"
+    config = run_config(args, 1)
+    assert "".join("x" if t else "." for t in config.model.trainable.trains) == "....xx.....x"
     for bad in (["--unfreeze-lm-head"], ["--freeze-vit", "--freeze-projector", "--freeze-llm"], ["--vision-lr", "-1"]):
         with pytest.raises(UserError):
-            parse_args(bad)
+            parse_flags(bad)
 
 
 def _schedule_lr(peak, low, it, warmup, decay, style):
@@ -139,17 +139,14 @@ def test_per_module_lr_follows_the_schedule(megatron_world, style):
     every group follows the schedule (checked at several iterations against the formula, by the parameters'
     roles); frozen units are in no group."""
     from megatron.training import setup, training
-    from megatron.training.arguments import parse_args
-    from megatron.training.run_plan import plan_run
+    from megatron.training.arguments import parse_config
 
-    args = parse_args(["--lr", "1e-3", "--min-lr", "1e-4", "--vision-lr", "2e-4", "--projector-lr", "5e-3",
-                       "--lr-decay-style", style, "--lr-warmup-iters", "3", "--train-iters", "10",
-                       "--freeze-vit", "--unfreeze-vit-layers", "-2"])
-    plan = plan_run(args, 1, torch.device("cpu"))
-    plan = dataclasses.replace(plan, layout=setup.choose_layout(args, plan))
-    plan = dataclasses.replace(plan, recompute=setup.recompute_settings(args, plan))
-    model = training.build_model(args, plan, 5, torch.device("cpu"))
-    optimizer, scheduler = training.build_optimizer(args, plan, model)
+    config = parse_config(["--lr", "1e-3", "--min-lr", "1e-4", "--vision-lr", "2e-4", "--projector-lr", "5e-3",
+                           "--lr-decay-style", style, "--lr-warmup-iters", "3", "--train-iters", "10",
+                           "--freeze-vit", "--unfreeze-vit-layers", "-2"])
+    plan = setup.build_run_plan(config, config.model.spec, torch.device("cpu"))
+    model = training.build_model(plan, 5, torch.device("cpu"))
+    optimizer, scheduler = training.build_optimizer(plan, model)
     stage = model[0].module
     trained = {id(p): p for p in stage.parameters() if p.requires_grad}
     in_groups = {id(p) for g in optimizer.param_groups for p in g["params"]}
@@ -157,7 +154,8 @@ def test_per_module_lr_follows_the_schedule(megatron_world, style):
     frozen_vit = [p for name, p in stage.named_parameters() if not p.requires_grad]
     assert frozen_vit and all(p.vlm_role in "Iv" for p in frozen_vit)
     peaks = {"I": 2e-4, "v": 2e-4, "P": 5e-3}
-    gbs, warmup, decay = plan.global_batch_size, 3 * plan.global_batch_size, 10 * plan.global_batch_size
+    gbs = config.optim.global_batch_size
+    warmup, decay = 3 * gbs, 10 * gbs
     for it in range(1, 11):
         scheduler.step(increment=gbs)
         for g in optimizer.param_groups:

@@ -247,17 +247,19 @@ def test_original_layout_gives_the_native_logits(megatron_world, tmp_path, vit, 
 # --hf-checkpoint at launch and in `omnibal plan`: the model comes from config.json
 # --------------------------------------------------------------------------------------------------
 def test_hf_checkpoint_flag_gives_the_model_and_refuses_conflicts(tiny):
-    from megatron.training.arguments import ArgumentError, build_parser, model_spec_of, validate_args
+    from megatron.training.flags import ArgumentError, build_parser
+    from megatron.training.specs import model_spec_of
+    from megatron.training.validation import validate_flags
     from megatron.vlm.hf.configs import read_config, spec_from_config
 
     folder = str(tiny[("rms-qknorm", "llama")][0])
     want, _ = spec_from_config(read_config(folder), "x")
     args = build_parser().parse_args(["--hf-checkpoint", folder, "--hidden-size", "32", "--head-dim", "12"])
-    validate_args(args, 1)  # flags that agree are fine
+    validate_flags(args, 1)  # flags that agree are fine
     assert model_spec_of(args).replace(name="x") == want
     for bad in (["--hidden-size", "64"], ["--model", "internvl3-1b"], ["--no-tie-word-embeddings"]):
         with pytest.raises(ArgumentError, match="--hf-checkpoint|--model"):
-            validate_args(build_parser().parse_args(["--hf-checkpoint", folder, *bad]), 1)
+            validate_flags(build_parser().parse_args(["--hf-checkpoint", folder, *bad]), 1)
 
 
 def test_plan_takes_the_model_from_hf_checkpoint(tiny, tmp_path):

@@ -3,9 +3,9 @@ the loader fanned out to chunks, the activation peak in the interleaved order.""
 import pytest
 import torch
 
-from megatron.training.arguments import parse_args
+from megatron.training.arguments import parse_flags
+from megatron.training.specs import run_config
 from megatron.training.interleaved import chunk_data, interleaved_peak
-from megatron.training.run_plan import plan_run
 from omnibal_ext.errors import UserError
 from omnibal_ext.model.layout import parse_layout
 from omnibal_ext.model.simulate import schedule_order
@@ -15,17 +15,17 @@ LAYOUT = "Iv*2|v*2PE|t*2|t*2L"
 
 
 def test_v_follows_the_layout_and_the_flag_is_checked_against_it():
-    args = parse_args(["--pipeline-model-parallel-size", "2", "--pipeline-layout", LAYOUT], world_size=2)
-    plan = plan_run(args, 2, torch.device("cpu"))
-    assert plan.virtual_pipeline_size == 2
+    args = parse_flags(["--pipeline-model-parallel-size", "2", "--pipeline-layout", LAYOUT], world_size=2)
+    plan = run_config(args, 2)
+    assert plan.parallel.virtual_pipeline_size == 2
     layout = parse_layout(LAYOUT, get_preset("tiny"), 2, vpp=None)
     assert [layout.rank_stages(r, 2) for r in range(2)] == [[0, 2], [1, 3]]
-    args = parse_args(["--pipeline-model-parallel-size", "2", "--pipeline-layout", LAYOUT,
+    args = parse_flags(["--pipeline-model-parallel-size", "2", "--pipeline-layout", LAYOUT,
                        "--virtual-pipeline-model-parallel-size", "2"], world_size=2)
-    assert plan_run(args, 2, torch.device("cpu")).virtual_pipeline_size == 2
+    assert run_config(args, 2).parallel.virtual_pipeline_size == 2
     # no layout: Megatron's default over V x PP stages
-    args = parse_args(["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"], world_size=2)
-    assert plan_run(args, 2, torch.device("cpu")).virtual_pipeline_size == 2
+    args = parse_flags(["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"], world_size=2)
+    assert run_config(args, 2).parallel.virtual_pipeline_size == 2
 
 
 @pytest.mark.parametrize("argv,world,match", [
@@ -44,7 +44,7 @@ def test_v_follows_the_layout_and_the_flag_is_checked_against_it():
         "recompute-auto"])
 def test_interleaving_errors_are_one_line(argv, world, match):
     with pytest.raises(UserError, match=match):
-        parse_args(argv, world_size=world)
+        parse_flags(argv, world_size=world)
 
 
 def test_chunk_data_serves_every_chunk_every_micro_batch_once():

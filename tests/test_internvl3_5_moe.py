@@ -215,10 +215,12 @@ def test_hf_logits_refuses_an_expert_grid_naming_the_flag(tiny, tmp_path):
 # the trainer's flags with --hf-checkpoint
 # --------------------------------------------------------------------------------------------------
 def test_hf_checkpoint_fixes_the_experts_and_takes_the_run_flags(tiny, tmp_path):
-    from megatron.training.arguments import ArgumentError, model_spec_of, moe_run_of, parse_args
+    from megatron.training.arguments import parse_flags
+    from megatron.training.flags import ArgumentError
+    from megatron.training.specs import model_spec_of, moe_run_of
 
     folder = str(tiny["topk-raw"][0])
-    args = parse_args(["--hf-checkpoint", folder, "--expert-model-parallel-size", "2", "--moe-aux-loss-coeff", "0.01",
+    args = parse_flags(["--hf-checkpoint", folder, "--expert-model-parallel-size", "2", "--moe-aux-loss-coeff", "0.01",
                        "--num-experts", "6", "--moe-layer-freq", "[1,0,1]"], world_size=2)  # agreeing flags pass
     spec = model_spec_of(args)
     run = moe_run_of(args, spec)
@@ -230,10 +232,10 @@ def test_hf_checkpoint_fixes_the_experts_and_takes_the_run_flags(tiny, tmp_path)
                          (["--moe-router-score-function", "sigmoid"], "--moe-router-score-function sigmoid"),
                          (["--moe-ffn-hidden-size", "8"], "--moe-ffn-hidden-size 8")):
         with pytest.raises(ArgumentError, match=named):
-            parse_args(["--hf-checkpoint", folder, *flags])
+            parse_flags(["--hf-checkpoint", folder, *flags])
     with pytest.raises(ArgumentError, match="--expert-model-parallel-size"):  # 6 experts over EP 4
-        parse_args(["--hf-checkpoint", folder, "--expert-model-parallel-size", "4"], world_size=4)
+        parse_flags(["--hf-checkpoint", folder, "--expert-model-parallel-size", "4"], world_size=4)
     dense = tmp_path / "dense"
     hf_tiny.make_tiny(dense, seed=1, text="qwen3", vit_heads=3)
     with pytest.raises(ArgumentError, match="--expert-model-parallel-size.*dense"):
-        parse_args(["--hf-checkpoint", str(dense), "--expert-model-parallel-size", "2"], world_size=2)
+        parse_flags(["--hf-checkpoint", str(dense), "--expert-model-parallel-size", "2"], world_size=2)

@@ -48,14 +48,15 @@ def test_flags_and_what_trains():
 
 
 def test_trainer_refuses_bad_lora_flags():
-    from megatron.training.arguments import ArgumentError, parse_args
+    from megatron.training.arguments import parse_flags
+    from megatron.training.flags import ArgumentError
 
     internvit = ["--model", "internvl-6b-20b", "--tensor-model-parallel-size", "2"]  # 25 ViT heads: padded at TP2
     with pytest.raises(ArgumentError, match="vit.qkv.*padded"):
-        parse_args(internvit + ["--lora-rank", "4", "--lora-targets", "vit.qkv"], world_size=2)
-    parse_args(internvit + ["--lora-rank", "4", "--lora-targets", "vit.fc1"], world_size=2)
+        parse_flags(internvit + ["--lora-rank", "4", "--lora-targets", "vit.qkv"], world_size=2)
+    parse_flags(internvit + ["--lora-rank", "4", "--lora-targets", "vit.fc1"], world_size=2)
     with pytest.raises(ArgumentError, match="transformer_engine"):
-        parse_args(["--lora-rank", "4", "--transformer-impl", "transformer_engine"])
+        parse_flags(["--lora-rank", "4", "--transformer-impl", "transformer_engine"])
 
 
 def _adapter_params_by_hand(rank: int, tp: int) -> tuple[float, float]:

@@ -320,7 +320,8 @@ def test_spec_round_trip_and_presets():
 
 
 def test_vision_feature_layer_mapping_and_flags():
-    from megatron.training.arguments import ArgumentError, build_parser, model_spec_from_args
+    from megatron.training.flags import ArgumentError, build_parser
+    from megatron.training.specs import model_spec_from_flags
 
     assert vit_layers_for_feature_layer(45, -1) == 45
     assert vit_layers_for_feature_layer(48, -4) == 45
@@ -331,12 +332,12 @@ def test_vision_feature_layer_mapping_and_flags():
         "--vision-feature-layer", "-2", "--vision-normalization", "RMSNorm", "--no-vision-qkv-bias",
         "--vision-qk-norm", "--vision-layer-scale-init", "1.0", "--qkv-bias", "--head-dim", "32",
         "--norm-epsilon", "1e-6", "--rotary-base", "1000000", "--tie-word-embeddings"])
-    spec = model_spec_from_args(args)
+    spec = model_spec_from_flags(args)
     v, lang = spec.vision, spec.language
     assert (v.num_layers, v.normalization, v.qkv_bias, v.qk_norm, v.layer_scale_init) == (3, "RMSNorm", False, True, 1.0)
     assert (lang.qkv_bias, lang.head_dim, lang.norm_eps, lang.rotary_base, lang.tie_word_embeddings) == \
         (True, 32, 1e-6, 1000000, True)
-    assert model_spec_from_args(build_parser().parse_args([])) == get_preset("tiny")
+    assert model_spec_from_flags(build_parser().parse_args([])) == get_preset("tiny")
     with pytest.raises(ArgumentError, match="--vision-layer-scale-init"):
-        model_spec_from_args(build_parser().parse_args(["--vision-layer-scale-init", "big"]))
+        model_spec_from_flags(build_parser().parse_args(["--vision-layer-scale-init", "big"]))
 

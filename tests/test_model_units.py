@@ -4,7 +4,8 @@ import dataclasses
 import pytest
 import torch
 
-from megatron.training.arguments import build_parser
+from megatron.training.flags import build_parser
+from megatron.training.specs import run_config
 from omnibal_ext.model.cost_model import MicroBatchShape
 from omnibal_ext.model.units import build_units, get_preset
 
@@ -111,7 +112,7 @@ def test_profile_orders_vit_and_llm_layers_by_size(megatron_world):
 
     def layer_fwd(spec, attention_backend="unfused"):
         args = build_parser().parse_args(["--seed", "1", "--attention-backend", attention_backend])
-        costs = profile_units(args, spec, shape, 263, torch.device("cpu"), warmup=1, repeats=3)
+        costs = profile_units(run_config(args, 1), spec, shape, 263, torch.device("cpu"), warmup=1, repeats=3)
         by_kind = {u.kind: u for u in costs.units}
         assert [u.name for u in costs.units] == [u.name for u in build_units(spec)]
         for u in costs.units:
@@ -147,7 +148,7 @@ def test_profile_activation_bytes_match_a_hand_count(megatron_world):
 
     spec = get_preset("tiny")
     args = build_parser().parse_args(["--seed", "1"])
-    costs = profile_units(args, spec, MicroBatchShape(vision_items=3, llm_tokens=40, dtype_bytes=4), 263, torch.device("cpu"),
+    costs = profile_units(run_config(args, 1), spec, MicroBatchShape(vision_items=3, llm_tokens=40, dtype_bytes=4), 263, torch.device("cpu"),
                           warmup=0, repeats=1)
     by_kind = {u.kind: u for u in costs.units}
     v = spec.vision

@@ -4,14 +4,16 @@ routing written out in torch (HF's norm_topk_prob both ways)."""
 import pytest
 import torch
 
-from megatron.training.arguments import ArgumentError, model_spec_of, moe_run_of, parse_args
+from megatron.training.arguments import parse_flags
+from megatron.training.flags import ArgumentError
+from megatron.training.specs import model_spec_of, moe_run_of
 from omnibal_ext.model.units import build_units
 
 MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "96"]
 
 
 def test_flags_make_the_spec_and_the_run():
-    args = parse_args(MOE + ["--moe-layer-freq", "[1,0,1,1]", "--expert-model-parallel-size", "2",
+    args = parse_flags(MOE + ["--moe-layer-freq", "[1,0,1,1]", "--expert-model-parallel-size", "2",
                              "--moe-aux-loss-coeff", "0.01"], world_size=2)
     moe = model_spec_of(args).language.moe
     assert (moe.num_experts, moe.topk, moe.ffn_hidden_size, moe.layer_freq) == (4, 2, 96, (1, 0, 1, 1))
@@ -20,9 +22,9 @@ def test_flags_make_the_spec_and_the_run():
     assert kinds == ["llm_moe_layer", "llm_layer", "llm_moe_layer", "llm_moe_layer"]
     run = moe_run_of(args)
     assert (run.ep, run.etp, run.aux_loss_coeff, run.dispatcher) == (2, 1, 0.01, "alltoall")
-    every_other = model_spec_of(parse_args(MOE + ["--moe-layer-freq", "2"])).language.moe.layer_freq
+    every_other = model_spec_of(parse_flags(MOE + ["--moe-layer-freq", "2"])).language.moe.layer_freq
     assert every_other == (1, 0, 1, 0)  # megatron-core's integer form: layer i when i % N == 0
-    assert model_spec_of(parse_args([])).language.moe is None and moe_run_of(parse_args([])) is None
+    assert model_spec_of(parse_flags([])).language.moe is None and moe_run_of(parse_flags([])) is None
 
 
 @pytest.mark.parametrize("argv,world,flag", [
@@ -38,7 +40,7 @@ def test_flags_make_the_spec_and_the_run():
 ])
 def test_refused_naming_the_flag(argv, world, flag):
     with pytest.raises(ArgumentError, match=flag):
-        parse_args(argv, world_size=world)
+        parse_flags(argv, world_size=world)
 
 
 @pytest.mark.parametrize("argv,world,ep", [
@@ -47,7 +49,7 @@ def test_refused_naming_the_flag(argv, world, flag):
     (MOE + ["--context-parallel-size", "2", "--expert-model-parallel-size", "4"], 4, 4),
 ])
 def test_context_parallel_accepted(argv, world, ep):
-    assert moe_run_of(parse_args(argv, world_size=world)).ep == ep
+    assert moe_run_of(parse_flags(argv, world_size=world)).ep == ep
 
 
 @pytest.mark.parametrize("world,tp,pp,experts", [(2, 1, 1, 4), (4, 1, 2, 4), (4, 2, 1, 4), (8, 1, 1, 6), (4, 1, 1, 6)])
@@ -62,10 +64,10 @@ def test_expert_grid_against_its_definition(world, tp, pp, experts):
                     "--pipeline-model-parallel-size", str(pp), "--global-batch-size", str(4 * 4 * world)]
             argv += ["--sequence-parallel"] if tp > 1 else []
             if ok:
-                parse_args(argv, world_size=world)
+                parse_flags(argv, world_size=world)
             else:
                 with pytest.raises(ArgumentError, match="--expert-(model|tensor)-parallel-size"):
-                    parse_args(argv, world_size=world)
+                    parse_flags(argv, world_size=world)
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from megatron.training.arguments import ArgumentError, parse_args
+from megatron.training.arguments import parse_config, parse_flags
+from megatron.training.flags import ArgumentError
 
 from test_moe_training import BASE, assert_close, column
 
@@ -16,14 +17,11 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", 
 
 def test_freeze_llm_freezes_experts_and_router(megatron_world):
     from megatron.training import setup, training
-    from megatron.training.run_plan import plan_run
 
-    args = parse_args(MOE + ["--freeze-llm", "--train-iters", "2"])
-    plan = plan_run(args, 1, torch.device("cpu"))
-    plan = dataclasses.replace(plan, layout=setup.choose_layout(args, plan))
-    plan = dataclasses.replace(plan, recompute=setup.recompute_settings(args, plan))
-    model = training.build_model(args, plan, 5, torch.device("cpu"))
-    optimizer, _ = training.build_optimizer(args, plan, model)
+    config = parse_config(MOE + ["--freeze-llm", "--train-iters", "2"])
+    plan = setup.build_run_plan(config, config.model.spec, torch.device("cpu"))
+    model = training.build_model(plan, 5, torch.device("cpu"))
+    optimizer, _ = training.build_optimizer(plan, model)
     named = dict(model[0].module.named_parameters())
     experts = [n for n in named if ".mlp.experts." in n]
     routers = [n for n in named if ".mlp.router." in n]
@@ -38,7 +36,7 @@ def test_freeze_llm_freezes_experts_and_router(megatron_world):
 
 def test_expert_bias_with_a_frozen_llm_is_refused():
     with pytest.raises(ArgumentError, match="--moe-router-enable-expert-bias with --freeze-llm"):
-        parse_args(MOE + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+        parse_flags(MOE + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
                           "--freeze-llm"])
 
 

@@ -187,11 +187,11 @@ def check_plan(plan, spec_name: str, gpus: int, budget: float):
         assert f in flags and f in d["trainer_args"]
     assert flags["--omnibal-isf-qv"] == d["isf"]["params"]["qv"] and flags["--omnibal-isf-qt"] == d["isf"]["params"]["qt"]
     # the trainer groups with the plan's thresholds and pass count T exactly (it never re-plans)
-    from megatron.training.arguments import build_parser
-    from megatron.training.isf import isf_params_from_args
+    from megatron.training.flags import build_parser
+    from megatron.training.specs import isf_params_from_flags
 
     trainer = build_parser().parse_args(shlex.split(d["trainer_args"]))
-    assert isf_params_from_args(trainer) == ISFParams(**d["isf"]["params"])
+    assert isf_params_from_flags(trainer) == ISFParams(**d["isf"]["params"])
     v = flags.get("--virtual-pipeline-model-parallel-size") or 1  # left out (None) at V = 1
     assert v == plan.vpp == d["vpp"] and ("--virtual-pipeline-model-parallel-size" in d["trainer_args"]) == (v > 1)
     layout = parse_layout(flags["--pipeline-layout"], spec, flags["--pipeline-model-parallel-size"], vpp=v)

@@ -159,8 +159,10 @@ def test_plan_groups_native_data_in_predicted_time():
 
 
 def test_omnibal_plan_cli_writes_time_thresholds_the_trainer_reads(tmp_path):
-    from megatron.training.arguments import build_parser, check_isf_flags, plan_flags
-    from megatron.training.isf import isf_params_from_args
+    from megatron.training.arguments import plan_flags
+    from megatron.training.flags import build_parser
+    from megatron.training.validation import check_isf_flags
+    from megatron.training.specs import isf_params_from_flags
     from omnibal_cli import main
 
     rng = np.random.default_rng(2)
@@ -177,7 +179,7 @@ def test_omnibal_plan_cli_writes_time_thresholds_the_trainer_reads(tmp_path):
     assert doc["isf"]["metrics"]["dist_ratio_time"] < doc["random"]["dist_ratio_time"]
     args = build_parser().parse_args(plan_flags(str(out)))  # what --omnibal-plan applies
     check_isf_flags(args)
-    assert isf_params_from_args(args) == ISFParams(**p) and args.omnibal_isf_time_device == "h200-141g"
+    assert isf_params_from_flags(args) == ISFParams(**p) and args.omnibal_isf_time_device == "h200-141g"
 
 
 @pytest.mark.parametrize("patches", [3000, 3001])

@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from megatron.training.arguments import build_parser
+from megatron.training.flags import build_parser
+from megatron.training.specs import run_config
 from omnibal_ext.model.cost_model import MicroBatchShape, analytic_costs
 from omnibal_ext.model.units import build_units, get_preset
 
@@ -18,7 +19,7 @@ def _profile(shape):
     from megatron.training.profiling import profile_units
 
     args = build_parser().parse_args(["--seed", "1"])
-    return profile_units(args, SPEC, shape, 250, torch.device("cpu"), warmup=0, repeats=1)
+    return profile_units(run_config(args, 1), SPEC, shape, 250, torch.device("cpu"), warmup=0, repeats=1)
 
 
 def test_profile_batch_has_the_shape():

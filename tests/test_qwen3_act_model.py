@@ -6,7 +6,8 @@ kept beside their concatenation). Exact: each term of the model is a tensor the 
 import pytest
 import torch
 
-from megatron.training.arguments import build_parser
+from megatron.training.flags import build_parser
+from megatron.training.specs import run_config
 from omnibal_ext.model.cost_model import DEVICES, MicroBatchShape, analytic_costs
 from omnibal_ext.model.units import get_preset
 
@@ -22,7 +23,7 @@ def test_llm_layers_keep_what_the_memory_model_counts(megatron_world, name):
 
     spec = get_preset(name)
     args = build_parser().parse_args(["--seed", "1"])
-    measured = {u.kind: u for u in profile_units(args, spec, SHAPE, 250, torch.device("cpu"), warmup=0,
+    measured = {u.kind: u for u in profile_units(run_config(args, 1), spec, SHAPE, 250, torch.device("cpu"), warmup=0,
                                                  repeats=1).units}
     model = {u.kind: u for u in analytic_costs(spec, SHAPE, 1, DEVICES["cpu"], attention="flash").units}
     for kind in CASES[name]:

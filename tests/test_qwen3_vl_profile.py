@@ -6,7 +6,8 @@ ViT layer kinds in every recompute mode (a DeepStack merger runs outside its lay
 import pytest
 import torch
 
-from megatron.training.arguments import build_parser
+from megatron.training.flags import build_parser
+from megatron.training.specs import run_config
 from omnibal_ext.model.cost_model import DEVICES, MicroBatchShape, analytic_costs
 from omnibal_ext.model.families import family_of
 from omnibal_ext.model.units import build_units, get_preset
@@ -27,7 +28,7 @@ def test_profile_prices_qwen3_units_as_the_memory_model(megatron_world):
 
     shape = MicroBatchShape(vision_items=96, llm_tokens=120, dtype_bytes=4, vision_attn_tokens_sq=96.0 ** 2)
     args = build_parser().parse_args(["--seed", "1"])
-    costs = profile_units(args, SPEC, shape, 250, torch.device("cpu"), warmup=0, repeats=1)
+    costs = profile_units(run_config(args, 1), SPEC, shape, 250, torch.device("cpu"), warmup=0, repeats=1)
     assert [u.name for u in costs.units] == [u.name for u in build_units(SPEC)]
     assert all(u.fwd_s > 0 and u.bwd_s > 0 for u in costs.units)
     model = {u.kind: u for u in analytic_costs(SPEC, shape, 1, DEVICES["cpu"], attention="flash").units}

@@ -18,7 +18,8 @@ import hf_tiny_qwen3_vl as q3  # noqa: E402
 
 from megatron.vlm.data import RecordDataset  # noqa: E402
 from megatron.vlm.data.tokenizer import build_tokenizer  # noqa: E402
-from megatron.vlm.data.video_sampling import DEFAULT_FOLDER_FPS  # noqa: E402
+from megatron.vlm.data.images import MediaOverrides  # noqa: E402
+from megatron.vlm.data.video_sampling import DEFAULT_FOLDER_FPS, VideoOverrides  # noqa: E402
 from megatron.vlm.data.video_synthetic import write_coded_video  # noqa: E402
 
 FRAMES, FPS = 7, 6  # Qwen2.5-VL takes every frame: 7 -> padded to 8, t = 4; Qwen3-VL samples 2 fps (min 4 frames)
@@ -26,9 +27,10 @@ WIDTH, HEIGHT = 64, 48
 
 
 def args(**kw):
-    base = dict(min_pixels=None, max_pixels=None, video_fps=None, video_min_frames=None, video_max_frames=None,
+    """The image and video flags the families' rules read (``MediaOverrides``), the video ones from ``kw``."""
+    base = dict(video_fps=None, video_min_frames=None, video_max_frames=None,
                 video_max_pixels=None, video_total_pixels=None, video_folder_fps=DEFAULT_FOLDER_FPS)
-    return argparse.Namespace(**{**base, **kw})
+    return MediaOverrides(video=VideoOverrides.from_args(argparse.Namespace(**{**base, **kw})))
 
 
 def record_data(folder):

@@ -73,27 +73,27 @@ def test_unfrozen_on_resume_steps_like_a_fresh_adamw(tmp_path, extra, capsys):
     from megatron.training.checkpointing import find_checkpoint, load_checkpoint, save_checkpoint
 
     refs = {}
-    args, plan, model, optimizer, scheduler = _build(extra + ["--freeze-vit", "--save", str(tmp_path / "a")])
+    plan, model, optimizer, scheduler = _build(extra + ["--freeze-vit", "--save", str(tmp_path / "a")])
     for it in range(1, 4):
         _step(model, optimizer, scheduler, refs, it)
     _check(model, refs, "before the resume")
     vit = {n for n, p in _named(model).items() if p.vlm_role in "Iv"}  # the ViT's (I: its patch embedding)
     assert vit and not vit & set(refs)
-    save_checkpoint(args, plan, 3, 48, model, optimizer, scheduler, NoData())
+    save_checkpoint(plan, 3, 48, model, optimizer, scheduler, NoData())
 
     # resumed with the ViT trained: its parameters' AdamW starts fresh here, the others' continue at step 4
-    args, plan, model, optimizer, scheduler = _build(extra + ["--load", str(tmp_path / "a"),
+    plan, model, optimizer, scheduler = _build(extra + ["--load", str(tmp_path / "a"),
                                                               "--save", str(tmp_path / "b")])
-    load_checkpoint(find_checkpoint(str(tmp_path / "a")), args, plan, model, optimizer, scheduler)
+    load_checkpoint(find_checkpoint(str(tmp_path / "a")), plan, model, optimizer, scheduler)
     _step(model, optimizer, scheduler, refs, 4)
     assert vit <= set(refs)
     _check(model, refs, "first step after the resume")
     assert "fresh optimizer state (Adam moments 0, step 0)" in capsys.readouterr().out
-    save_checkpoint(args, plan, 4, 64, model, optimizer, scheduler, NoData())  # steps differ per parameter now
+    save_checkpoint(plan, 4, 64, model, optimizer, scheduler, NoData())  # steps differ per parameter now
 
     # resumed again under the same flags: every parameter keeps its own step (ViT 1, the others 4)
-    args, plan, model, optimizer, scheduler = _build(extra + ["--load", str(tmp_path / "b")])
-    load_checkpoint(find_checkpoint(str(tmp_path / "b")), args, plan, model, optimizer, scheduler)
+    plan, model, optimizer, scheduler = _build(extra + ["--load", str(tmp_path / "b")])
+    load_checkpoint(find_checkpoint(str(tmp_path / "b")), plan, model, optimizer, scheduler)
     _step(model, optimizer, scheduler, refs, 5)
     _check(model, refs, "after a second resume")
 
@@ -135,14 +135,14 @@ def test_bf16_optimizers_keep_per_parameter_steps(tmp_path, extra):
             assert optimizer.step()[0]
             scheduler.step(increment=16)
 
-    args, plan, model, optimizer, scheduler = _build(extra + ["--freeze-vit", "--save", str(tmp_path / "a")])
+    plan, model, optimizer, scheduler = _build(extra + ["--freeze-vit", "--save", str(tmp_path / "a")])
     steps(model, optimizer, scheduler, 2)
     trained_roles = {p.vlm_role for p in _named(model).values() if p.requires_grad}
     assert _steps_by_role(model, optimizer) == {r: {2.0} for r in trained_roles}
-    save_checkpoint(args, plan, 2, 32, model, optimizer, scheduler, NoData())
+    save_checkpoint(plan, 2, 32, model, optimizer, scheduler, NoData())
     mains = _main_params(model, optimizer)
-    args, plan, model, optimizer, scheduler = _build(extra + ["--load", str(tmp_path / "a"), "--save", str(tmp_path / "b")])
-    load_checkpoint(find_checkpoint(str(tmp_path / "a")), args, plan, model, optimizer, scheduler)
+    plan, model, optimizer, scheduler = _build(extra + ["--load", str(tmp_path / "a"), "--save", str(tmp_path / "b")])
+    load_checkpoint(find_checkpoint(str(tmp_path / "a")), plan, model, optimizer, scheduler)
     # fp32 main copies: the saved ones, and for the unfrozen ViT its loaded bf16 weights
     loaded = _main_params(model, optimizer)
     weights = {n: p.detach().float().reshape(-1) for n, p in _named(model).items()}
@@ -152,8 +152,8 @@ def test_bf16_optimizers_keep_per_parameter_steps(tmp_path, extra):
     steps(model, optimizer, scheduler, 1)
     want = {r: {3.0} for r in trained_roles} | {"I": {1.0}, "v": {1.0}}
     assert _steps_by_role(model, optimizer) == want
-    save_checkpoint(args, plan, 3, 48, model, optimizer, scheduler, NoData())
+    save_checkpoint(plan, 3, 48, model, optimizer, scheduler, NoData())
     assert _steps_by_role(model, optimizer) == want  # put back after the save
-    args, plan, model, optimizer, scheduler = _build(extra + ["--load", str(tmp_path / "b")])
-    load_checkpoint(find_checkpoint(str(tmp_path / "b")), args, plan, model, optimizer, scheduler)
+    plan, model, optimizer, scheduler = _build(extra + ["--load", str(tmp_path / "b")])
+    load_checkpoint(find_checkpoint(str(tmp_path / "b")), plan, model, optimizer, scheduler)
     assert _steps_by_role(model, optimizer) == want

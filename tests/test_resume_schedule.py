@@ -34,22 +34,22 @@ def saved(tmp_path_factory):
     from megatron.training.checkpointing import save_checkpoint
 
     folder = tmp_path_factory.mktemp("schedule") / "ckpt"
-    args, plan, model, optimizer, scheduler = trainer_parts.build(
+    plan, model, optimizer, scheduler = trainer_parts.build(
         BASE + ["--lr", "2e-3", "--vision-lr", "4e-3", "--train-iters", "10", "--save", str(folder)])
     for _ in range(3):
         for p in model[0].parameters():
             p.main_grad.fill_(1e-3)
         assert optimizer.step()[0]
         scheduler.step(increment=GBS)
-    save_checkpoint(args, plan, 3, 3 * GBS, model, optimizer, scheduler, NoData())
+    save_checkpoint(plan, 3, 3 * GBS, model, optimizer, scheduler, NoData())
     return folder
 
 
 def resume(saved, flags):
     from megatron.training.checkpointing import find_checkpoint, load_checkpoint
 
-    args, plan, model, optimizer, scheduler = trainer_parts.build(BASE + flags + ["--load", str(saved)])
-    load_checkpoint(find_checkpoint(str(saved)), args, plan, model, optimizer, scheduler)
+    plan, model, optimizer, scheduler = trainer_parts.build(BASE + flags + ["--load", str(saved)])
+    load_checkpoint(find_checkpoint(str(saved)), plan, model, optimizer, scheduler)
     return optimizer, scheduler
 
 
@@ -125,7 +125,7 @@ def test_the_logged_lr_is_the_one_the_step_applies():
     """Iteration 1 of a warm-up from 0 applies LR 0 (megatron-core's init_lr), iteration 2 a half of the peak."""
     from megatron.training.training import applied_lr
 
-    _, _, _, optimizer, scheduler = trainer_parts.build(BASE + ["--lr", "2e-3", "--train-iters", "10"])
+    _, _, optimizer, scheduler = trainer_parts.build(BASE + ["--lr", "2e-3", "--train-iters", "10"])
     assert applied_lr(optimizer) == 0.0
     scheduler.step(increment=GBS)
     assert applied_lr(optimizer) == pytest.approx(cosine_lr(1, 2e-3, 1e-4, 2, 10), rel=1e-12) == 1e-3

@@ -169,14 +169,14 @@ def test_the_estimate_is_a_saved_checkpoints_size(tmp_path):
 
     for flags in ([], ["--freeze-vit"]):
         folder = tmp_path / f"c{len(flags)}"
-        args, plan, model, optimizer, scheduler = trainer_parts.build(flags + ["--save", str(folder)])
+        plan, model, optimizer, scheduler = trainer_parts.build(flags + ["--save", str(folder)])
         for p in model[0].parameters():
             if p.requires_grad:
                 p.main_grad.fill_(1e-3)
         optimizer.step()  # Adam's moments exist
-        save_checkpoint(args, plan, 1, 16, model, optimizer, scheduler, NoData())
+        save_checkpoint(plan, 1, 16, model, optimizer, scheduler, NoData())
         written = sum(f.stat().st_size for f in (folder / "iter_0000001").iterdir())
-        trains = None if plan.trainable is None else plan.trainable.trains
+        trains = plan.config.model.trainable.trains
         estimate = checkpoint_bytes(plan.model_spec, trains, bf16=False)
         assert 1.0 <= estimate / written < 1.1, (flags, estimate, written)  # never below: the warning comes early
 
@@ -198,8 +198,8 @@ def test_a_full_disk_stops_with_one_line_and_keeps_the_previous_checkpoint(tmp_p
     from megatron.training.checkpointing import find_checkpoint, save_checkpoint
 
     folder = tmp_path / "ckpt"
-    args, plan, model, optimizer, scheduler = trainer_parts.build(["--save", str(folder)])
-    save_checkpoint(args, plan, 1, 16, model, optimizer, scheduler, NoData())
+    plan, model, optimizer, scheduler = trainer_parts.build(["--save", str(folder)])
+    save_checkpoint(plan, 1, 16, model, optimizer, scheduler, NoData())
     target, error = FAULTS[where]
 
     def full(*a, **k):
@@ -208,7 +208,7 @@ def test_a_full_disk_stops_with_one_line_and_keeps_the_previous_checkpoint(tmp_p
     monkeypatch.setattr(target, full)
     monkeypatch.setattr(space, "free_bytes", lambda folder: 0)  # the disk is full
     with pytest.raises(RunStopped) as e:
-        save_checkpoint(args, plan, 2, 32, model, optimizer, scheduler, NoData())
+        save_checkpoint(plan, 2, 32, model, optimizer, scheduler, NoData())
     assert str(e.value) == (f"no space left on device: the checkpoint of iteration 2 could not be written to --save "
                             f"{folder} (rank 0; 0.0 MiB free there now); its partial folder {folder}/iter_0000002.tmp "
                             f"was removed; the checkpoint of iteration 1 (the tracker's) is intact: make room, or give "
@@ -221,7 +221,7 @@ def test_a_full_disk_stops_with_one_line_and_keeps_the_previous_checkpoint(tmp_p
 def test_a_bug_in_a_save_keeps_its_traceback(tmp_path, monkeypatch):
     from megatron.training.checkpointing import save_checkpoint
 
-    args, plan, model, optimizer, scheduler = trainer_parts.build(["--save", str(tmp_path / "ckpt")])
+    plan, model, optimizer, scheduler = trainer_parts.build(["--save", str(tmp_path / "ckpt")])
 
     def bug(*a, **k):
         raise KeyError("a bug")
@@ -230,7 +230,7 @@ def test_a_bug_in_a_save_keeps_its_traceback(tmp_path, monkeypatch):
     from torch.distributed.checkpoint.api import CheckpointException
 
     with pytest.raises(CheckpointException, match="KeyError: 'a bug'"):  # PyTorch DCP's, raised on every rank
-        save_checkpoint(args, plan, 1, 16, model, optimizer, scheduler, NoData())
+        save_checkpoint(plan, 1, 16, model, optimizer, scheduler, NoData())
     assert not (tmp_path / "ckpt" / "iter_0000001.tmp").exists()
 
 

@@ -10,11 +10,12 @@ from omnibal_ext.model.units import get_preset
                                    ["--sequence-parallel", "--tensor-model-parallel-size", "2",
                                     "--attention-backend", "unfused"]], ids=["tp1", "unfused"])
 def test_flag_needs_tp_and_the_torch_layers(flags):
-    from megatron.training.arguments import ArgumentError, parse_args
+    from megatron.training.arguments import parse_flags
+    from megatron.training.flags import ArgumentError
 
     with pytest.raises(ArgumentError, match="--sequence-parallel needs --tensor-model-parallel-size > 1"):
-        parse_args(flags, 2)
-    assert parse_args(["--sequence-parallel", "--tensor-model-parallel-size", "2"], 2).sequence_parallel
+        parse_flags(flags, 2)
+    assert parse_flags(["--sequence-parallel", "--tensor-model-parallel-size", "2"], 2).sequence_parallel
 
 
 def test_collate_pads_rows_to_a_multiple_of_tp():

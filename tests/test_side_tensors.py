@@ -156,15 +156,15 @@ def test_frozen_vit_trains_its_mergers(toy):
 def test_profiler_runs_a_side_tensor_family(toy):
     """The trainer's profiler (a model of one layer of each kind: no DeepStack feature in it) measures the toy and
     adds the features' boundary bytes from the whole spec."""
-    import argparse
 
+    from megatron.training.flags import build_parser
     from megatron.training.profiling import profile_units
+    from megatron.training.specs import run_config
     from omnibal_ext.model.cost_model import MicroBatchShape
     from omnibal_ext.model.side_bytes import boundary_side_bytes
 
     spec, shape = toy.toy_spec(), MicroBatchShape(2, 64, 4)
-    args = argparse.Namespace(tensor_model_parallel_size=1, bf16=False, seed=3, sequence_parallel=False,
-                              transformer_impl="local", attention_backend="auto")
-    table = profile_units(args, spec, shape, 263, torch.device("cpu"), warmup=0, repeats=1)
+    config = run_config(build_parser().parse_args(["--seed", "3", "--transformer-impl", "local"]), 1)
+    table = profile_units(config, spec, shape, 263, torch.device("cpu"), warmup=0, repeats=1)
     assert [u.side_send_bytes for u in table.units] == boundary_side_bytes(spec, shape)
     assert table.units[3].side_send_bytes == 2 * 2 * 4 * 64 * 4  # both features, 2 tiles x 4 tokens, fp32

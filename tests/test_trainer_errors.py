@@ -92,13 +92,12 @@ def test_only_user_errors_lose_their_traceback(monkeypatch, capsys):
 def tiny_dataset(meta):
     import torch
 
-    from megatron.training.arguments import parse_args
-    from megatron.training.run_plan import plan_run
+    from megatron.training.arguments import parse_config
     from megatron.training.setup import build_dataset
     from megatron.vlm.data.tokenizer import build_tokenizer
 
-    args = parse_args(["--data-cache-dir", str(meta.parent / "data_cache")])
-    return build_dataset(args, plan_run(args, 1, torch.device("cpu")), build_tokenizer(None), str(meta))
+    config = parse_config(["--data-cache-dir", str(meta.parent / "data_cache")])
+    return build_dataset(config, config.model.spec, build_tokenizer(None), str(meta))
 
 
 def test_truncated_image_is_named_before_training(tmp_path):
@@ -127,9 +126,9 @@ def test_empty_annotation_file_is_named(tmp_path):
 
 
 def test_isf_cap_below_one_sample_names_it_and_the_flag(tmp_path):
-    from megatron.training.arguments import ArgumentError, parse_args
+    from megatron.training.arguments import parse_config
+    from megatron.training.flags import ArgumentError
     from megatron.training.isf import check_samples_fit_caps
-    from megatron.training.run_plan import plan_run
 
     long_answer = json.dumps({"image": "img/a.png", "conversations": [
         {"from": "human", "value": "<image>\nWhat colour?"}, {"from": "gpt", "value": "red " * 40}]})
@@ -137,18 +136,18 @@ def test_isf_cap_below_one_sample_names_it_and_the_flag(tmp_path):
     dataset = tiny_dataset(meta)
     tokens, tiles = dataset.sample_lengths()
     cap = int(tokens[0])  # the short samples fit, the long one does not
-    args = parse_args(["--omnibal-isf", "--omnibal-isf-qv", "100", "--omnibal-isf-qt", str(cap)])
+    config = parse_config(["--omnibal-isf", "--omnibal-isf-qv", "100", "--omnibal-isf-qt", str(cap)])
     with pytest.raises(ArgumentError) as e:
-        check_samples_fit_caps(args, plan_run(args, 1, torch.device("cpu")), dataset)
+        check_samples_fit_caps(config, config.model.spec, dataset)
     message = str(e.value)
     assert f"--omnibal-isf-qt {cap} is below a single sample: {ann}:2 has {int(tokens[1])} tokens" in message
     assert f"raise --omnibal-isf-qt to at least {int(tokens[1])}" in message
     # counted to a multiple (context parallelism's padding): the cap holds the padded tokens
     m = int(tokens[1]) + 1
-    args = parse_args(["--omnibal-isf", "--omnibal-isf-qv", "100", "--omnibal-isf-qt", str(int(tokens[1])),
-                       "--omnibal-isf-token-multiple", str(m)])
+    config = parse_config(["--omnibal-isf", "--omnibal-isf-qv", "100", "--omnibal-isf-qt", str(int(tokens[1])),
+                           "--omnibal-isf-token-multiple", str(m)])
     with pytest.raises(ArgumentError, match=f"has {m} tokens padded to a multiple of {m}"):
-        check_samples_fit_caps(args, plan_run(args, 1, torch.device("cpu")), dataset)
-    args = parse_args(["--omnibal-isf", "--omnibal-isf-qv", str(int(tiles.max()) - 1), "--omnibal-isf-qt", "100000"])
+        check_samples_fit_caps(config, config.model.spec, dataset)
+    config = parse_config(["--omnibal-isf", "--omnibal-isf-qv", str(int(tiles.max()) - 1), "--omnibal-isf-qt", "100000"])
     with pytest.raises(ArgumentError, match="--omnibal-isf-qv .* tiles"):
-        check_samples_fit_caps(args, plan_run(args, 1, torch.device("cpu")), dataset)
+        check_samples_fit_caps(config, config.model.spec, dataset)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,8 +19,9 @@ pytest.importorskip("sklearn")
 import hf_tiny_qwen  # noqa: E402
 from isf_reference import dist_ratio, reference_isf  # noqa: E402
 
-from megatron.training.arguments import ArgumentError  # noqa: E402
+from megatron.training.flags import ArgumentError, build_parser  # noqa: E402
 from megatron.training.isf import isf_groups, isf_subset_groups, isf_times  # noqa: E402
+from megatron.training.specs import run_config  # noqa: E402
 from megatron.vlm.data import RecordDataset, TileImages  # noqa: E402
 from megatron.vlm.data.tokenizer import build_tokenizer  # noqa: E402
 from megatron.vlm.lineages.qwen.data import IMAGE_TOKENS, image_rule  # noqa: E402
@@ -44,19 +44,20 @@ def world(tmp_path):
     dist.destroy_process_group()
 
 
-def args_for(**kw):
-    return SimpleNamespace(micro_batch_size=K, seed=SEED, omnibal_isf_qv=None, omnibal_isf_qt=None,
-                           omnibal_isf_qv_min=None, omnibal_isf_qt_min=None, omnibal_isf_iters=None,
-                           omnibal_isf_vit_time=None, omnibal_isf_llm_time=None, omnibal_isf_vit_time_min=None,
-                           omnibal_isf_llm_time_min=None, omnibal_isf_time_device=ISF_TIME_DEVICE,
-                           tensor_model_parallel_size=1, min_pixels=None, max_pixels=None, **kw)
+def config_for(token_multiple: int = 1, **flags):
+    """The run configuration ISF reads: DP ranks, K samples per group, seed SEED, tokens counted to
+    ``token_multiple``, with the flags ``flags`` (``omnibal_isf_qv=8``: ``--omnibal-isf-qv 8``)."""
+    argv = ["--micro-batch-size", str(K), "--seed", str(SEED), "--omnibal-isf",
+            "--omnibal-isf-token-multiple", str(token_multiple)]
+    for name, value in flags.items():
+        argv += [f"--{name.replace('_', '-')}", str(value)]
+    return run_config(build_parser().parse_args(argv), DP)
 
 
-
-def stand_in_plan(spec, isf_token_multiple):
-    """The RunPlan fields ISF reads (one CP rank)."""
-    return SimpleNamespace(model_spec=spec, data_parallel_size=DP, context_parallel_size=1,
-                           isf_token_multiple=isf_token_multiple)
+def isf_of(config, spec, dataset):
+    """The trainer's ISF groups (``isf_groups``) as (groups, order, params as a dict, mean group)."""
+    found = isf_groups(config, spec, dataset)
+    return found.groups, found.order, found.params.to_dict(), found.mean_group
 
 def qwen_data(tmp_path):
     """A tiny Hugging Face folder (config, tokenizer, image limits) and a messages JSONL of photos of several
@@ -88,11 +89,10 @@ def test_qwen_isf_groups_in_time_as_omnibal_ext_does(tmp_path, world, capsys):
 
     folder, data = qwen_data(tmp_path)
     spec = model_from_hf(str(folder))
-    args = args_for()
+    args = config_for()
     dataset = RecordDataset(str(data), build_tokenizer(str(folder), image_tokens=IMAGE_TOKENS),
-                            image_rule(args, spec, str(folder)))
-    plan = stand_in_plan(spec, 1)
-    groups, order, params, _ = isf_groups(args, plan, dataset)
+                            image_rule(args.data.media, spec, str(folder)))
+    groups, order, params, _ = isf_of(args, spec, dataset)
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("> ISF:")][0]
 
     # independently: the written stats, each image's grid recovered from its size and patch count
@@ -106,8 +106,7 @@ def test_qwen_isf_groups_in_time_as_omnibal_ext_does(tmp_path, world, capsys):
     assert [g.tolist() for g in groups] == reference_isf(stats.patches, stats.tokens, params, SEED, times)
     assert sorted(order.tolist()) == list(range(len(groups)))
     # under CP ISF counts every sample padded to the multiple (2 x CP): its tokens and LLM times
-    cp_plan = stand_in_plan(spec, 4)
-    groups_cp, _, params_cp, _ = isf_groups(args, cp_plan, dataset)
+    groups_cp, _, params_cp, _ = isf_of(config_for(token_multiple=4), spec, dataset)
     padded = -(-stats.tokens // 4) * 4
     assert not np.array_equal(padded, stats.tokens)
     times_cp = sample_time_units(dataclasses.replace(stats, tokens=padded), spec, get_device(ISF_TIME_DEVICE))
@@ -127,9 +126,8 @@ def test_qwen_isf_groups_in_time_as_omnibal_ext_does(tmp_path, world, capsys):
 
     # fixed caps (as `omnibal plan` prints them): hard count caps, the time thresholds searched under them
     qv, qt = int(stats.patches.max()) + 8, int(stats.tokens.max()) + 40
-    fixed = args_for()
-    fixed.omnibal_isf_qv, fixed.omnibal_isf_qt = qv, qt
-    groups_fixed, _, params_fixed, _ = isf_groups(fixed, plan, dataset)
+    fixed = config_for(omnibal_isf_qv=qv, omnibal_isf_qt=qt)
+    groups_fixed, _, params_fixed, _ = isf_of(fixed, spec, dataset)
     assert [g.tolist() for g in groups_fixed] == reference_isf(stats.patches, stats.tokens, params_fixed, SEED, times)
     assert params_fixed["qv"] <= qv and params_fixed["qt"] <= qt and params_fixed["vit_time"] is not None
     assert max(int(stats.tokens[g].sum()) for g in groups_fixed) <= qt < params["qt"]
@@ -150,7 +148,8 @@ def test_qwen_isf_applies_a_plans_time_thresholds_without_a_search(tmp_path, wor
     """`omnibal plan` on the data's stats; the trainer given its flags (what --omnibal-plan applies) groups with the
     plan's thresholds as given, the groups the plan made, and searches nothing."""
     import omnibal_ext.data.search_time as search_time
-    from megatron.training.arguments import build_parser, check_isf_flags
+    from megatron.training.flags import build_parser
+    from megatron.training.validation import check_isf_flags
     from omnibal_cli import main as omnibal
     from omnibal_cli import model_from_hf
     from omnibal_ext.plan import PlanConfig, make_plan
@@ -160,7 +159,7 @@ def test_qwen_isf_applies_a_plans_time_thresholds_without_a_search(tmp_path, wor
     folder, data = qwen_data(tmp_path)
     spec = model_from_hf(str(folder))
     dataset = RecordDataset(str(data), build_tokenizer(str(folder), image_tokens=IMAGE_TOKENS),
-                            image_rule(args_for(), spec, str(folder)))
+                            image_rule(config_for().data.media, spec, str(folder)))
     out = tmp_path / "stats.json"
     assert omnibal(["isf", "stats", "--stats", str(data), "--hf-checkpoint", str(folder), "--write", str(out)]) == 0
     stats = load_stats([str(out)])
@@ -181,7 +180,7 @@ def test_qwen_isf_applies_a_plans_time_thresholds_without_a_search(tmp_path, wor
     def no_search(*a, **k):
         raise AssertionError("the trainer searched thresholds although the plan gives them")
     monkeypatch.setattr(search_time, "search_params_time", no_search)
-    groups, order, got, _ = isf_groups(args, stand_in_plan(spec, 1), dataset)
+    groups, order, got, _ = isf_of(run_config(args, DP), spec, dataset)
     assert got == params.to_dict()
     assert [g.tolist() for g in groups] == want == [g.tolist() for g in planned]
     assert sorted(order.tolist()) == list(range(len(groups)))
@@ -189,7 +188,7 @@ def test_qwen_isf_applies_a_plans_time_thresholds_without_a_search(tmp_path, wor
     searched = build_parser().parse_args(trainer_argv({k: v for k, v in flags.items()
                                                        if "time" not in k and "iters" not in k}))
     with pytest.raises(AssertionError, match="searched thresholds"):
-        isf_groups(searched, stand_in_plan(spec, 1), dataset)
+        isf_groups(run_config(searched, DP), spec, dataset)
 
 
 def test_internvl_isf_groups_stay_by_counts(tmp_path, world, capsys):
@@ -198,19 +197,18 @@ def test_internvl_isf_groups_stay_by_counts(tmp_path, world, capsys):
     meta = build_digits_dataset(str(tmp_path / "digits"), num_samples=80, seed=0, tile_size=32)
     dataset = RecordDataset(meta, build_tokenizer(None), TileImages(image_size=32, tokens_per_tile=4, max_num_tiles=6))
     spec = get_preset("tiny")
-    args = args_for()
-    plan = stand_in_plan(spec, 1)
+    args = config_for()
     assert isf_times(args, dataset, spec, dataset.sample_lengths()[0]) is None
-    groups, order, params, _ = isf_groups(args, plan, dataset)
+    groups, order, params, _ = isf_of(args, spec, dataset)
     tokens, tiles = dataset.sample_lengths()
     assert "vit_time" not in params and len(np.unique(tiles)) > 3
     assert [g.tolist() for g in groups] == reference_isf(tiles, tokens, params, SEED)  # by counts
     assert sorted(order.tolist()) == list(range(len(groups)))
     assert "in time" not in capsys.readouterr().out
-    timed = args_for()  # time thresholds (a plan in time) for a family grouped by counts: refused, naming the flags
-    timed.omnibal_isf_qv, timed.omnibal_isf_qt, timed.omnibal_isf_vit_time, timed.omnibal_isf_llm_time = 99, 9999, 5, 5
+    # time thresholds (a plan in time) for a family grouped by counts: refused, naming the flags
+    timed = config_for(omnibal_isf_qv=99, omnibal_isf_qt=9999, omnibal_isf_vit_time=5, omnibal_isf_llm_time=5)
     with pytest.raises(ArgumentError, match="--omnibal-isf-vit-time/--omnibal-isf-llm-time: tiny's ViT items cost"):
-        isf_groups(timed, plan, dataset)
+        isf_groups(timed, spec, dataset)
 
 
 def test_step_balance_time_sums_each_rank_samples_times():
@@ -236,10 +234,10 @@ def test_qwen_dp2_isf_trains_the_time_plan_and_logs_its_balance(tmp_path, world,
     hf_tiny_qwen.set_token_ids(model, hf_tiny_qwen.write_tokenizer(folder))
     model.save_pretrained(str(folder))
     spec = model_from_hf(str(folder))
-    args = args_for()
+    args = config_for()
     dataset = RecordDataset(str(data), build_tokenizer(str(folder), image_tokens=IMAGE_TOKENS),
-                            image_rule(args, spec, str(folder)))
-    groups, order, _, _ = isf_groups(args, stand_in_plan(spec, 1), dataset)
+                            image_rule(args.data.media, spec, str(folder)))
+    groups, order, _, _ = isf_of(args, spec, dataset)
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("> ISF:")][0]
     times = isf_times(args, dataset, spec, dataset.sample_lengths()[0])[1]
 
@@ -284,11 +282,11 @@ def test_qwen_isf_in_time_counts_videos(tmp_path, world, capsys):
                                "videos": [f"v{k}.mp4"]})
     data.write_text("\n".join(lines) + "\n")
     spec = model_from_hf(str(folder))
-    args = args_for(video_fps=None, video_min_frames=None, video_max_frames=None, video_max_pixels=None,
-                    video_total_pixels=None, video_folder_fps=24.0)
+    args = config_for(video_folder_fps=24.0)
+    media = args.data.media
     dataset = RecordDataset(str(data), build_tokenizer(str(folder), image_tokens=IMAGE_TOKENS),
-                            image_rule(args, spec, str(folder)), videos=video_rule(args, spec, str(folder)))
-    groups, _, params, _ = isf_groups(args, stand_in_plan(spec, 1), dataset)
+                            image_rule(media, spec, str(folder)), videos=video_rule(media, spec, str(folder)))
+    groups, _, params, _ = isf_of(args, spec, dataset)
     capsys.readouterr()
 
     out = tmp_path / "stats.json"

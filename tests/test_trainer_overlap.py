@@ -17,7 +17,8 @@ def _args(**kw):
 
 
 def test_overlap_defaults_on_for_cuda_off_for_cpu():
-    from megatron.training.arguments import ArgumentError, parse_args
+    from megatron.training.arguments import parse_flags
+    from megatron.training.flags import ArgumentError
     from megatron.training.run_plan import resolve_overlap
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
@@ -27,10 +28,10 @@ def test_overlap_defaults_on_for_cuda_off_for_cpu():
     assert resolve_overlap(_args(use_distributed_optimizer=True, overlap_param_gather=False), cuda) == (True, False)
     assert resolve_overlap(_args(overlap_grad_reduce=True), cpu) == (True, False)
     assert resolve_overlap(_args(overlap_grad_reduce=False), cuda) == (False, False)
-    args = parse_args(["--no-overlap-grad-reduce", "--use-distributed-optimizer", "--overlap-param-gather"])
+    args = parse_flags(["--no-overlap-grad-reduce", "--use-distributed-optimizer", "--overlap-param-gather"])
     assert (args.overlap_grad_reduce, args.overlap_param_gather) == (False, True)
     with pytest.raises(ArgumentError, match="needs --use-distributed-optimizer"):
-        parse_args(["--overlap-param-gather"])
+        parse_flags(["--overlap-param-gather"])
 
 
 @pytest.mark.slow

@@ -164,23 +164,21 @@ def test_a_video_over_a_cp_rank_budget_is_refused_with_flags_that_fit(media):
     """--omnibal-isf-qv 1600 at CP 2 gives each rank 800 patches; at --video-fps 2 v.mp4 has 2 and w.mp4 3 temporal
     patches of 560: refused naming the largest's file:line and the flags; the --video-max-frames it names, applied
     by the rule, fits."""
-    from types import SimpleNamespace
-
-    from megatron.training.arguments import ArgumentError
+    from megatron.training.flags import ArgumentError
     from megatron.training.isf import check_videos_fit_cp_ranks
 
-    plan = SimpleNamespace(context_parallel_size=2, model_spec=get_preset("qwen2.5-vl-7b"))
+    spec = get_preset("qwen2.5-vl-7b")
     ds = qwen_dataset(media, fps=2.0)
-    check_videos_fit_cp_ranks(SimpleNamespace(context_parallel_size=1, model_spec=plan.model_spec), ds, 1600)
+    check_videos_fit_cp_ranks(1, spec, ds, 1600)
     with pytest.raises(ArgumentError) as e:
-        check_videos_fit_cp_ranks(plan, ds, 1600)
+        check_videos_fit_cp_ranks(2, spec, ds, 1600)
     msg = str(e.value)
     assert f"{media / 'd.jsonl'}:2: a video of 6 frames" in msg and "800 patches" in msg
     assert "--video-max-frames 2" in msg
     assert "--video-max-pixels" not in msg  # 400 patches a frame is below the rule's min_pixels
     fitted = qwen_dataset(media, fps=2.0, max_frames=2).sample_stats().videos
     assert fitted.patches.max() <= 800
-    check_videos_fit_cp_ranks(plan, qwen_dataset(media, fps=2.0, max_frames=2), 1600)
+    check_videos_fit_cp_ranks(2, spec, qwen_dataset(media, fps=2.0, max_frames=2), 1600)
 
 
 def video_mix_records(n=120, seed=0):

@@ -1,7 +1,5 @@
 """The trainer's parts built in-process from flags (model, optimizer, LR scheduler), for tests that step, save and
 load without data: inside ``megatron_world`` (a world of one) or a worker's process group."""
-import dataclasses
-
 import torch
 
 
@@ -13,15 +11,12 @@ class NoData:
 
 
 def build(argv: list[str], world_size: int = 1):
-    """(args, plan, model, optimizer, scheduler) of a CPU run with flags ``argv`` (layout and recompute from them)."""
+    """(plan, model, optimizer, scheduler) of a CPU run with flags ``argv`` (layout and recompute from them)."""
     from megatron.training import setup, training
-    from megatron.training.arguments import parse_args
-    from megatron.training.run_plan import plan_run
+    from megatron.training.arguments import parse_config
 
-    args = parse_args(argv, world_size)
-    plan = plan_run(args, world_size, torch.device("cpu"))
-    plan = dataclasses.replace(plan, layout=setup.choose_layout(args, plan))
-    plan = dataclasses.replace(plan, recompute=setup.recompute_settings(args, plan))
-    model = training.build_model(args, plan, 5, torch.device("cpu"))
-    optimizer, scheduler = training.build_optimizer(args, plan, model)
-    return args, plan, model, optimizer, scheduler
+    config = parse_config(argv, world_size)
+    plan = setup.build_run_plan(config, config.model.spec, torch.device("cpu"))
+    model = training.build_model(plan, 5, torch.device("cpu"))
+    optimizer, scheduler = training.build_optimizer(plan, model)
+    return plan, model, optimizer, scheduler

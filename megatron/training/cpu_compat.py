@@ -18,6 +18,15 @@ import contextlib
 import functools
 
 import torch
+import torch.distributed as dist
+from megatron.core.optimizer import clip_grads, optimizer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+from megatron.core.tensor_parallel import mappings
+from megatron.core.tensor_parallel import random as tp_random
+from megatron.core.transformer.attention import Attention
+from megatron.core.transformer.moe import moe_utils, token_dispatcher
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 _MISSING = object()  # an attribute the owner inherited rather than held: deleted again on restore
 _depth = 0  # how many patched() contexts are open
@@ -134,8 +143,6 @@ def _uneven_gather_along_first_dim(original):
     def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
         if output_split_sizes is None or group.size() == 1:
             return original(input_, group, output_split_sizes, use_global_buffer)
-        import torch.distributed as dist
-
         sizes = [int(n) for n in output_split_sizes]
         longest = max(sizes)
         padded = input_.new_zeros((longest, *input_.shape[1:]))
@@ -155,8 +162,6 @@ def _uneven_reduce_scatter_along_first_dim(original):
     def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
         if input_split_sizes is None or group.size() == 1:
             return original(input_, group, input_split_sizes, use_global_buffer)
-        import torch.distributed as dist
-
         total = input_.contiguous().clone()
         dist.all_reduce(total, group=group)
         sizes = [int(n) for n in input_split_sizes]
@@ -182,10 +187,6 @@ def _moe_patches() -> list[tuple[object, str, object]]:
       ETP group (``tensor_parallel.mappings``), which gloo cannot: ``_uneven_gather_along_first_dim`` and
       ``_uneven_reduce_scatter_along_first_dim``.
     """
-    from megatron.core.tensor_parallel import mappings
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
-
     patches = [
         (mappings, "_gather_along_first_dim", _uneven_gather_along_first_dim(mappings._gather_along_first_dim)),
         (mappings, "_reduce_scatter_along_first_dim",
@@ -209,8 +210,6 @@ def _eager_fused_functions() -> list[tuple[object, str, object]]:
     (rows past the first off by ~4; tests/test_lora.py's export test after the gated-attention model tests). On the
     host the fusion gains nothing, and compiling costs seconds.
     """
-    from megatron.core.transformer.attention import Attention
-
     patches = []
     for owner, name in ((Attention, "_apply_output_gate"),):
         compiled = vars(owner)[name]
@@ -222,11 +221,6 @@ def _eager_fused_functions() -> list[tuple[object, str, object]]:
 
 def _patches() -> list[tuple[object, str, object]]:
     """(owner, attribute, replacement) of every CPU patch."""
-    from megatron.core.optimizer import clip_grads, optimizer
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
-    from megatron.core.tensor_parallel import random as tp_random
-
     return [*_moe_patches(), *_eager_fused_functions(),
         # device=torch.cuda.current_device() in tensor_parallel (gather buffers), DDP grad buffers
         # (distributed/param_and_grad_buffer.py), p2p receive buffers, RoPE.

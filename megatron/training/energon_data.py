@@ -29,7 +29,7 @@ from omnibal_ext.data.stats import load_stats
 from omnibal_ext.errors import UserError
 from omnibal_ext.model.cost_model import get_device
 from omnibal_ext.model.sample_time import TIME_UNIT_S, isf_sample_times, time_coefficients
-from omnibal_ext.model.units import family_of
+from omnibal_ext.model.units import ModelSpec, family_of
 
 from megatron.vlm.data.energon.balancing import all_gather_exchange
 from megatron.vlm.data.energon.costs import CostModel
@@ -42,9 +42,9 @@ from megatron.vlm.stage.batches import Collate, StageInputs
 from megatron.vlm.stage.components import runtime_family
 from megatron.vlm.stage.energon_batches import EnergonBatches, FixedGroups, OnlineGroups
 
-from .arguments import DEFAULT_ISF_BUFFER, ArgumentError
+from .config import DataConfig, RunConfig
+from .flags import ArgumentError
 from .isf import search_config
-from .run_plan import RunPlan
 
 TRAIN_SPLIT, VALID_SPLIT = "train", "val"
 
@@ -82,158 +82,172 @@ def check_source(path: str, split: str) -> None:
         check_prepared(folder, split)
 
 
-def reader_config(args, plan: RunPlan) -> ReaderConfig:
-    """The reader's settings of this run: the family's image and video rules, the text settings (as the JSONL path's
-    ``setup.build_dataset``)."""
-    spec = plan.model_spec
-    data = runtime_family(spec).data
-    videos = data.video_rule(args, spec, args.hf_checkpoint) if family_of(spec).capabilities.video else None
-    return ReaderConfig(images=data.image_rule(args, spec, args.hf_checkpoint), max_seq_length=args.seq_length,
-                        truncate=args.truncate_long_samples, seed=args.seed, skip_bad=args.skip_bad_samples,
+def reader_config(config: RunConfig, spec: ModelSpec) -> ReaderConfig:
+    """The reader's settings of this run of ``spec``: the family's image and video rules, the text settings (as the
+    JSONL path's ``setup.build_dataset``)."""
+    data, hf = config.data, config.model.hf_checkpoint
+    side = runtime_family(spec).data
+    videos = side.video_rule(data.media, spec, hf) if family_of(spec).capabilities.video else None
+    return ReaderConfig(images=side.image_rule(data.media, spec, hf), max_seq_length=data.seq_length,
+                        truncate=data.truncate_long_samples, seed=config.optim.seed, skip_bad=data.skip_bad_samples,
                         videos=videos)
 
 
-def check_flags(args) -> None:
-    """Flags the Energon path does not implement are refused by name (never ignored)."""
-    if args.omnibal_isf_iters is not None or args.omnibal_isf_qv_min is not None or \
-            args.omnibal_isf_qt_min is not None or args.omnibal_isf_vit_time_min is not None or \
-            args.omnibal_isf_llm_time_min is not None:
+def check_energon_flags(flags) -> None:
+    """With an Energon --data-path (the parsed ``flags``), the flags its path does not implement are refused by name
+    (never ignored); without one, online ISF's flags are (``validation.validate_flags``)."""
+    if not is_energon(flags.data_path):
+        for flag, value in (("--omnibal-isf-buffer", flags.omnibal_isf_buffer),
+                            ("--omnibal-isf-stats", flags.omnibal_isf_stats)):
+            if value is not None:
+                raise ArgumentError(f"{flag} is online ISF's, with an Energon --data-path; ISF over a meta JSON/JSONL "
+                                    "groups the whole dataset offline from its own scan: drop it")
+        return
+    if flags.omnibal_isf_iters is not None or flags.omnibal_isf_qv_min is not None or \
+            flags.omnibal_isf_qt_min is not None or flags.omnibal_isf_vit_time_min is not None or \
+            flags.omnibal_isf_llm_time_min is not None:
         raise ArgumentError("--omnibal-isf-iters and the lower bounds --omnibal-isf-*-min are offline ISF's (passes "
                             "over the whole dataset); online ISF with an Energon --data-path takes the caps "
                             "--omnibal-isf-qv/-qt and the time targets --omnibal-isf-vit-time/-llm-time")
-    if args.valid_data_path and not is_energon(args.valid_data_path):
-        raise ArgumentError(f"--valid-data-path {args.valid_data_path}: with an Energon --data-path give an Energon "
+    if flags.valid_data_path and not is_energon(flags.valid_data_path):
+        raise ArgumentError(f"--valid-data-path {flags.valid_data_path}: with an Energon --data-path give an Energon "
                             f"dataset (its {VALID_SPLIT!r} split) too")
+    if flags.omnibal_isf_stats and (flags.omnibal_isf_qv is not None or flags.omnibal_isf_vit_time is not None):
+        raise ArgumentError("--omnibal-isf-stats gives the caps and time targets: drop --omnibal-isf-qv/-qt and "
+                            "--omnibal-isf-vit-time/-llm-time, or the stats file")
 
 
-def energon_sources(args, plan: RunPlan) -> tuple[EnergonSource, EnergonSource | None]:
-    """(train, valid or None) Energon sources of the run, checked before training."""
-    check_flags(args)
-    config = reader_config(args, plan)
-    check_source(args.data_path, TRAIN_SPLIT)
+def energon_sources(config: RunConfig, spec: ModelSpec) -> tuple[EnergonSource, EnergonSource | None]:
+    """(train, valid or None) Energon sources of the run of ``spec``, checked before training."""
+    data = config.data
+    reader = reader_config(config, spec)
+    check_source(data.data_path, TRAIN_SPLIT)
     valid = None
-    if args.valid_data_path and args.eval_interval:
-        check_source(args.valid_data_path, VALID_SPLIT)
-        valid = EnergonSource(args.valid_data_path, VALID_SPLIT, config)
-    return EnergonSource(args.data_path, TRAIN_SPLIT, config), valid
+    if data.valid_data_path and config.log.eval_interval:
+        check_source(data.valid_data_path, VALID_SPLIT)
+        valid = EnergonSource(data.valid_data_path, VALID_SPLIT, reader)
+    return EnergonSource(data.data_path, TRAIN_SPLIT, reader), valid
 
 
-def skipped_report(args, path: str) -> str:
+def skipped_report(data: DataConfig, path: str) -> str:
     """Where --skip-bad-samples lists the samples it left out of ``path``."""
     name = os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
-    return os.path.join(args.data_cache_dir, "skipped", f"{name}.txt")
+    return os.path.join(data.data_cache_dir, "skipped", f"{name}.txt")
 
 
-def cost_model(args, plan: RunPlan) -> CostModel:
+def cost_model(config: RunConfig, spec: ModelSpec) -> CostModel:
     """Each sample's cost as online ISF and the log's DistRatio in time count it."""
-    coefficients = time_coefficients(plan.model_spec, get_device(args.omnibal_isf_time_device),
-                                     args.tensor_model_parallel_size)
-    return CostModel(plan.model_spec, coefficients, plan.isf_token_multiple)
+    coefficients = time_coefficients(spec, get_device(config.balance.isf_time_device),
+                                     config.parallel.tensor_model_parallel_size)
+    return CostModel(spec, coefficients, config.balance.isf_token_multiple)
 
 
-def stats_params(args, plan: RunPlan) -> ISFParams:
+def stats_params(config: RunConfig, spec: ModelSpec) -> ISFParams:
     """The caps (and, grouped in time, the time thresholds) offline ISF finds on ``--omnibal-isf-stats`` for this run
-    (its search, as over a scanned JSONL: ``isf.plan_data``'s); rank 0 searches and broadcasts."""
+    (its search, as over a scanned JSONL: ``isf.search_isf``'s); rank 0 searches and broadcasts."""
     box = [None]
     if dist.get_rank() == 0:
-        stats = load_stats([args.omnibal_isf_stats])
-        cfg = search_config(args, plan)
+        stats = load_stats([config.balance.isf_stats])
+        cfg = search_config(config)
         tokens = cfg.counted_tokens(stats.tokens)
-        timed = isf_sample_times(dataclasses.replace(stats, tokens=tokens), plan.model_spec,
-                                 get_device(args.omnibal_isf_time_device), tp=args.tensor_model_parallel_size)
+        timed = isf_sample_times(dataclasses.replace(stats, tokens=tokens), spec,
+                                 get_device(config.balance.isf_time_device),
+                                 tp=config.parallel.tensor_model_parallel_size)
         found = run_isf(stats.vit, tokens, cfg) if timed is None else run_isf_in_time(timed[0], tokens, timed[1], cfg)
         box = [found.params.to_dict()]
     dist.broadcast_object_list(box, src=0)
     return ISFParams(**box[0])
 
 
-def online_config(args, plan: RunPlan):
+def online_config(config: RunConfig, spec: ModelSpec):
     """The online ISF's settings: the hard count caps ``--omnibal-isf-qv/-qt`` (else set from what the ranks have
     seen), the nominal group time ``--omnibal-isf-vit-time/-llm-time`` (ns; else ``--micro-batch-size`` mean
     samples), or both from ``--omnibal-isf-stats``."""
-    common = dict(ranks=plan.data_parallel_size, groups_per_step=plan.num_microbatches,
-                  buffer_size=args.omnibal_isf_buffer or DEFAULT_ISF_BUFFER,
-                  samples_per_group=float(args.micro_batch_size), cp=plan.context_parallel_size)
-    if args.omnibal_isf_stats:
-        if args.omnibal_isf_qv is not None or args.omnibal_isf_vit_time is not None:
-            raise ArgumentError("--omnibal-isf-stats gives the caps and time targets: drop --omnibal-isf-qv/-qt and "
-                                "--omnibal-isf-vit-time/-llm-time, or the stats file")
-        return OnlineISFConfig.from_isf_params(stats_params(args, plan), TIME_UNIT_S, **common)
+    balance, optim = config.balance, config.optim
+    common = dict(ranks=config.parallel.data_parallel_size, groups_per_step=optim.num_microbatches,
+                  buffer_size=balance.isf_buffer, samples_per_group=float(optim.micro_batch_size),
+                  cp=config.parallel.context_parallel_size)
+    if balance.isf_stats:  # with neither caps nor time targets (validation.validate_flags)
+        return OnlineISFConfig.from_isf_params(stats_params(config, spec), TIME_UNIT_S, **common)
     ns = 1e-9
+    caps = balance.isf_fixed_params  # None: no cap given
+    vit_time = None if caps is None else caps.vit_time
+    llm_time = None if caps is None else caps.llm_time
     return OnlineISFConfig(
-        max_vit_items=args.omnibal_isf_qv, max_tokens=args.omnibal_isf_qt,
-        vit_time_s=None if args.omnibal_isf_vit_time is None else args.omnibal_isf_vit_time * ns,
-        llm_time_s=None if args.omnibal_isf_llm_time is None else args.omnibal_isf_llm_time * ns, **common)
+        max_vit_items=None if caps is None else caps.qv, max_tokens=None if caps is None else caps.qt,
+        vit_time_s=None if vit_time is None else vit_time * ns,
+        llm_time_s=None if llm_time is None else llm_time * ns, **common)
 
 
-def online_grouping(args, plan: RunPlan) -> OnlineGroups:
+def online_grouping(config: RunConfig, spec: ModelSpec) -> OnlineGroups:
     """Online ISF over this rank's buffer (``online_config``), exchanging over the data-parallel group (gloo)."""
-    config = online_config(args, plan)
-    buffer = config.buffer_size
+    isf = online_config(config, spec)
+    buffer = isf.buffer_size
 
     def name_error(error, sample) -> UserError:
-        return UserError(f"{sample.name}: {error} (the caps: ViT items {config.max_vit_items}, tokens "
-                         f"{config.max_tokens}; raise --omnibal-isf-qv/-qt, or leave the sample out)")
+        return UserError(f"{sample.name}: {error} (the caps: ViT items {isf.max_vit_items}, tokens "
+                         f"{isf.max_tokens}; raise --omnibal-isf-qv/-qt, or leave the sample out)")
 
-    return OnlineGroups(OnlineISF(config), all_gather_exchange(parallel_state.get_data_parallel_group_gloo()),
-                        buffer, plan.num_microbatches, SampleCost,
-                        samples_per_group=args.micro_batch_size, name_error=name_error)
+    return OnlineGroups(OnlineISF(isf), all_gather_exchange(parallel_state.get_data_parallel_group_gloo()),
+                        buffer, config.optim.num_microbatches, SampleCost,
+                        samples_per_group=config.optim.micro_batch_size, name_error=name_error)
 
 
-def build_energon_data(args, plan: RunPlan, tokenizer, sources, inputs: StageInputs, device_type: str):
+def build_energon_data(config: RunConfig, spec: ModelSpec, tokenizer, sources, inputs: StageInputs,
+                       device_type: str):
     """(train, valid or None) ``EnergonBatches`` of this rank's stage and data-parallel rank (see the module
     docstring); the same role as ``setup.build_data``'s ``MicroBatches``."""
+    data, optim = config.data, config.optim
     train_source, valid_source = sources
     ps = parallel_state
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-    tp = args.tensor_model_parallel_size
+    tp = config.parallel.tensor_model_parallel_size
     loads = tp == 1 or not inputs.pixels or ps.get_tensor_model_parallel_rank() == 0
     main_copy = ps.get_pipeline_model_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0 and cp_rank == 0
-    config = train_source.config
-    data_side = runtime_family(plan.model_spec).data
-    per_item = config.images.tokens_per_item
+    reader = train_source.config
+    data_side = runtime_family(spec).data
+    per_item = reader.images.tokens_per_item
     image_tokens = None if per_item is None else (tokenizer.img_context_id, per_item)
-    batcher = data_side.batcher(plan.model_spec, tokenizer.img_context_id, config.images)
-    costs = cost_model(args, plan)
-    settings = EncoderSettings(config, tokenizer, costs, keep_media=inputs.pixels, verify=args.skip_bad_samples)
+    batcher = data_side.batcher(spec, tokenizer.img_context_id, reader.images)
+    costs = cost_model(config, spec)
+    settings = EncoderSettings(reader, tokenizer, costs, keep_media=inputs.pixels, verify=data.skip_bad_samples)
     tp_kw = {}
     if inputs.pixels and tp > 1:
         tp_kw = dict(tp_group=ps.get_tensor_model_parallel_group(), tp_src=ps.get_tensor_model_parallel_src_rank())
 
     def collate(packed: bool) -> Collate:
-        return Collate(tokenizer.pad_id, packed, inputs, image_tokens,
-                       tp if args.sequence_parallel else 1, cp, cp_rank, batcher)
+        return Collate(tokenizer.pad_id, packed, inputs, image_tokens, config.parallel.sequence_parallel_tp, cp,
+                       cp_rank, batcher)
 
     def make_stream(source: EnergonSource, training: bool):
         loader = LoaderSettings(source.path, source.split, training, dp_rank, dp,
-                                args.num_workers, args.seed, args.prefetch_factor)
-        policy = SkipPolicy(args.skip_bad_samples, skipped_report(args, source.path) if main_copy else None,
+                                data.num_workers, optim.seed, data.prefetch_factor)
+        policy = SkipPolicy(data.skip_bad_samples, skipped_report(data, source.path) if main_copy else None,
                             announce=main_copy)
         return lambda: SampleStream(loader, ChatTaskEncoder(settings), policy)
 
     new_train = make_stream(train_source, True)
     stream = new_train() if loads else None
-    if args.omnibal_isf:
-        grouping = online_grouping(args, plan)
+    if config.balance.isf:
+        grouping = online_grouping(config, spec)
     else:
-        grouping = FixedGroups(args.micro_batch_size, plan.num_microbatches)
-    common = dict(microbatches=plan.num_microbatches, decode_threads=max(1, args.num_workers), dp_rank=dp_rank,
+        grouping = FixedGroups(optim.micro_batch_size, optim.num_microbatches)
+    common = dict(microbatches=optim.num_microbatches, decode_threads=max(1, data.num_workers), dp_rank=dp_rank,
                   dp_size=dp, main_copy=main_copy, **tp_kw)
-    train = EnergonBatches(stream, grouping, config, collate(grouping.packed), **common)
+    train = EnergonBatches(stream, grouping, reader, collate(grouping.packed), **common)
     valid = None
     if valid_source is not None:
         new_valid = make_stream(valid_source, False)
-        valid = EnergonBatches(new_valid() if loads else None, FixedGroups(args.micro_batch_size,
-                                                                           plan.num_microbatches),
-                               config, collate(False), make_stream=new_valid,
+        valid = EnergonBatches(new_valid() if loads else None, FixedGroups(optim.micro_batch_size,
+                                                                           optim.num_microbatches),
+                               reader, collate(False), make_stream=new_valid,
                                samples_per_pass=_samples_per_rank(valid_source, dp), **common)
     if dist.get_rank() == 0:
-        how = (f"online ISF (buffer {args.omnibal_isf_buffer or DEFAULT_ISF_BUFFER} samples per rank)"
-               if args.omnibal_isf
-               else f"{args.micro_batch_size} samples per micro-batch in stream order")
+        how = (f"online ISF (buffer {config.balance.isf_buffer} samples per rank)" if config.balance.isf
+               else f"{optim.micro_batch_size} samples per micro-batch in stream order")
         print(f"> data: Energon {train_source.path} (split {train_source.split!r}), one savable loader per "
-              f"data-parallel rank ({dp}) with {args.num_workers} worker(s); {how}", flush=True)
+              f"data-parallel rank ({dp}) with {data.num_workers} worker(s); {how}", flush=True)
     return train, valid
 
 

@@ -28,6 +28,8 @@ from megatron.vlm.inference.build import engine_for_stage
 from megatron.vlm.inference.prompts import Prompt, answer_prompts
 from megatron.vlm.inference.requests import SamplingParams
 
+from .run_plan import RunPlan
+
 TAU = 1e-4  # a top-1 / top-2 gap below this is a near-tie
 
 
@@ -53,15 +55,17 @@ class GenerationEval:
         self.engine, self.dataset, self.dp_group, self.limit = engine, dataset, dp_group, limit
 
     @classmethod
-    def build(cls, args, plan, model, valid_data, dp_group) -> "GenerationEval":
+    def build(cls, plan: RunPlan, model, valid_data, dp_group) -> "GenerationEval":
+        """On the training ``model`` of the run ``plan``, generating the samples of ``valid_data``."""
         if len(model) > 1:
             raise ValueError("--eval-generate: one stage per pipeline rank (checked with the flags)")
+        config = plan.config
         stage = unwrap_model(model[0])
         dataset = valid_data.dataset
-        pad = args.tensor_model_parallel_size if stage.build_args.sequence_parallel else 1
+        pad = config.parallel.tensor_model_parallel_size if stage.stage_build.sequence_parallel else 1
         engine = engine_for_stage(stage, dataset.tokenizer, dataset.config, pad,
-                                  args.hf_checkpoint or plan.tokenizer_model)
-        return cls(engine, dataset, dp_group, args.eval_generate_samples)
+                                  config.model.hf_checkpoint or plan.tokenizer_model)
+        return cls(engine, dataset, dp_group, config.log.eval_generate_samples)
 
     def evaluate(self, records: list[dict]) -> dict:
         """Generate the answers of the samples of ``records`` (``MicroBatches``' records of the evaluation just run,

@@ -108,7 +108,7 @@ def tokenizer_image_token_id(spec: ModelSpec, load: str, *folders) -> int:
     tokenizer of the first of ``folders`` that holds one (the training's, then the imported folder), for a config.json
     that needs ``image_token_id`` where the imported one named none; refused, naming what is missing, when no folder
     holds a tokenizer, its vocabulary lacks the token, or the id is past the model's vocabulary."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # optional: the hf extra
 
     token = runtime_family(spec).data.image_tokens[2]
     folder = next((f for f in folders if f and os.path.isdir(f) and has_tokenizer(f)), None)
@@ -140,7 +140,7 @@ def merge_adapters(path: str, tensors: dict[str, torch.Tensor], scaling: float) 
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], out: str, max_shard_bytes: int) -> list[str]:
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # optional (the hf extra): only HF folders need it
 
     for old in glob.glob(os.path.join(out, "*.safetensors")) + glob.glob(os.path.join(out, "*.safetensors.index.json")):
         os.remove(old)

@@ -5,12 +5,20 @@ import contextlib
 import datetime
 import os
 import random
+import socket
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import num_microbatches_calculator, parallel_state, rerun_state_machine
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+from megatron.core.transformer.moe import moe_utils
 
-from .arguments import ArgumentError
+from megatron.vlm.parallel.context_parallel import forget_own_groups
+
+from . import cpu_compat
+from .flags import ArgumentError
 
 
 def choose_device(requested: str) -> torch.device:
@@ -28,17 +36,12 @@ def world_size_from_env() -> int:
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)  # --distributed-timeout-minutes' default
 
 
-def distributed_timeout(args) -> datetime.timedelta:
-    """--distributed-timeout-minutes as the timeout every process group of the run is made with."""
-    return datetime.timedelta(minutes=args.distributed_timeout_minutes)
-
-
 def initialize_distributed(device: torch.device, tp: int, pp: int, cp: int = 1, vpp: int = 1, ep: int = 1,
                            etp: int | None = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
     """Start torch.distributed (gloo on CPU, NCCL on GPU) and megatron's model-parallel groups.
 
     ``timeout``: how long any collective or p2p transfer of those groups (and the rendezvous) waits for the
-    other ranks before it raises; groups made later take it from :func:`distributed_timeout`.
+    other ranks before it raises; groups made later take it from ``ParallelConfig.timeout``.
 
     A plain ``python pretrain_vlm.py`` (no torchrun) runs as a world of one.  On CPU the caller has
     entered ``cpu_compat.patched()`` for the whole run (teardown included).  ``vpp`` > 1: model chunks per
@@ -46,8 +49,6 @@ def initialize_distributed(device: torch.device, tp: int, pp: int, cp: int = 1, 
     the MoE experts' expert-parallel and expert-tensor-parallel sizes (megatron-core's expert grid; ETP None: TP).
     """
     if device.type == "cpu":
-        from . import cpu_compat
-
         if not cpu_compat.active():
             raise RuntimeError("initialize_distributed on CPU outside cpu_compat.patched(): enter it around "
                                "the whole run (pretrain_vlm.cli and omnibal profile do)")
@@ -62,8 +63,6 @@ def initialize_distributed(device: torch.device, tp: int, pp: int, cp: int = 1, 
         where = dict(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])) if store else {}
         dist.init_process_group(backend="gloo" if device.type == "cpu" else "nccl",
                                 timeout=timeout, **where)
-    from megatron.core import parallel_state
-
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
@@ -88,8 +87,6 @@ def _restart_store(timeout: datetime.timedelta):
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -97,8 +94,6 @@ def _free_port() -> int:
 
 def set_seeds(seed: int) -> None:
     """Same seed on every rank: data order and weights do not depend on the parallel layout."""
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -113,12 +108,6 @@ def reset_global_state() -> None:
     (megatron-core's rotary tables, the CP split's one-rank groups).  After it, ``main`` can run again in the same
     processes (a test worker pool; ``initialize_distributed`` keeps an initialised world); the groups' gloo threads
     end when the run's objects holding them are collected."""
-    from megatron.core import num_microbatches_calculator, parallel_state, rerun_state_machine
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-    from megatron.core.transformer.moe import moe_utils
-    from megatron.vlm.parallel.context_parallel import forget_own_groups
-
     parallel_state.destroy_model_parallel()
     parallel_state.destroy_global_memory_buffer()
     # megatron-core 0.16.1's destroy_model_parallel leaves these two set: the groups (and their gloo threads) they

@@ -10,6 +10,10 @@ micro-batch once, each loaded once.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.process_groups_config import ProcessGroupCollection
 
 from omnibal_ext.model.simulate import schedule_order
 
@@ -101,8 +105,6 @@ def interleaved_peak(bytes_in_forward_order: list[int], rank: int, pp: int, vpp:
 
 
 def _shape_ordered_communicator():
-    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-
     class ShapeOrderedP2P(P2PCommunicator):
         """megatron-core's P2PCommunicator with the shape exchange of variable-shape p2p posted in a fixed order,
         and its sends completed after the tensors', not before.
@@ -132,8 +134,6 @@ def _shape_ordered_communicator():
             self._shape_sends: list = []  # (request, shape tensor kept alive until sent) of this call
 
         def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
-            import torch.distributed as dist
-
             device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
             received = {"prev": None, "next": None}
             for tensor, peer in ((tensor_send_next, self.next_rank), (tensor_send_prev, self.prev_rank)):
@@ -163,9 +163,6 @@ def _shape_ordered_communicator():
 def schedule_groups(config) -> dict:
     """The ``p2p_communicator`` and ``pg_collection`` arguments of megatron-core's interleaved schedule: its
     default process groups and a communicator whose shape exchange works when one rank is both neighbours."""
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
     pgs = ProcessGroupCollection()
     pgs.tp = parallel_state.get_tensor_model_parallel_group()
     pgs.cp = parallel_state.get_context_parallel_group()

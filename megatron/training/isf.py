@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch.distributed as dist
@@ -24,53 +25,57 @@ from omnibal_ext.data.search_time import run_isf_in_time, sample_bound
 from omnibal_ext.model.cost_model import get_device
 from omnibal_ext.model.cp_split import rank_vit_budget, video_fit
 from omnibal_ext.model.sample_time import isf_sample_times
-from omnibal_ext.model.units import family_of
+from omnibal_ext.model.units import ModelSpec, family_of
 
 from megatron.vlm.data.energon.dataset import EnergonSource
 
-from .arguments import ArgumentError
-from .run_plan import RunPlan
+from .config import RunConfig
+from .flags import ArgumentError
 
 
-def isf_params_from_args(args) -> ISFParams | None:
-    """Fixed thresholds from --omnibal-isf-qv/-qt[-min], --omnibal-isf-iters and the time thresholds
-    --omnibal-isf-vit-time/-llm-time[-min] (lower bounds default to 90% of their caps), or None."""
-    qv, qt = args.omnibal_isf_qv, args.omnibal_isf_qt
-    if qv is None and qt is None:
-        return None
-    if qv is None or qt is None:
-        raise ArgumentError("--omnibal-isf-qv and --omnibal-isf-qt go together (or give neither to search them)")
+@dataclass(frozen=True)
+class MeanGroup:
+    """The mean ISF group of a run: what a micro-batch costs on average (tokens as ISF counts them)."""
 
-    def low(value, cap):
-        return int(0.9 * cap) if value is None else value
-
-    vt, lt = args.omnibal_isf_vit_time, args.omnibal_isf_llm_time
-    timed = {} if vt is None else {"vit_time": vt, "llm_time": lt, "vit_time_min": low(args.omnibal_isf_vit_time_min, vt),
-                                   "llm_time_min": low(args.omnibal_isf_llm_time_min, lt)}
-    iters = {} if args.omnibal_isf_iters is None else {"iters": args.omnibal_isf_iters}
-    try:
-        return ISFParams(qv=qv, qt=qt, qv_min=low(args.omnibal_isf_qv_min, qv), qt_min=low(args.omnibal_isf_qt_min, qt),
-                         **iters, **timed)
-    except ValueError as e:
-        raise ArgumentError(f"--omnibal-isf-*: {e}") from None
+    tiles: float
+    """ViT items per group (tiles, or patches at native resolution)."""
+    tokens: float
+    """LLM tokens per group."""
+    attn_tokens_sq: float
+    """Sum of the squared sample lengths per group, tokens^2 (packed attention's cost)."""
 
 
-def search_config(args, plan: RunPlan) -> SearchConfig:
-    """The ISF search's settings of this run (tokens counted to ``plan.isf_token_multiple``)."""
-    return SearchConfig(dp_size=plan.data_parallel_size, samples_per_group=args.micro_batch_size,
-                        seed=args.seed, time_budget_s=math.inf, token_multiple=plan.isf_token_multiple)
+@dataclass(frozen=True)
+class IsfGroups:
+    """The training set grouped by ISF (``isf_groups``): one group per micro-batch."""
+
+    groups: list[np.ndarray]
+    """Sample indices of each group."""
+    order: np.ndarray
+    """The balanced step order of the groups."""
+    params: ISFParams
+    """The caps the groups keep (given or searched; memory is planned for them)."""
+    mean_group: MeanGroup
 
 
-def check_samples_fit_caps(args, plan: RunPlan, dataset) -> None:
+def search_config(config: RunConfig) -> SearchConfig:
+    """The ISF search's settings of this run (tokens counted to ``balance.isf_token_multiple``)."""
+    return SearchConfig(dp_size=config.parallel.data_parallel_size, samples_per_group=config.optim.micro_batch_size,
+                        seed=config.optim.seed, time_budget_s=math.inf,
+                        token_multiple=config.balance.isf_token_multiple)
+
+
+def check_samples_fit_caps(config: RunConfig, spec: ModelSpec, dataset) -> None:
     """Refuse fixed ISF caps below a single sample, naming the sample's ``file:line``, its size and the flag
     to raise (ISF itself would stop with sample indices only, on rank 0 alone), and under CP a video over one
     rank's share of --omnibal-isf-qv (``check_videos_fit_cp_ranks``).  Runs on every rank."""
-    qv, qt = args.omnibal_isf_qv, args.omnibal_isf_qt
-    if qv is None and qt is None:
+    fixed = config.balance.isf_fixed_params
+    if fixed is None:
         return  # searched caps hold the largest sample
+    qv, qt = fixed.qv, fixed.qt
     tokens, tiles = dataset.sample_lengths()
-    m = plan.isf_token_multiple
-    counted, token_unit = search_config(args, plan).counted_tokens(tokens), \
+    m = config.balance.isf_token_multiple
+    counted, token_unit = search_config(config).counted_tokens(tokens), \
         "tokens" if m == 1 else f"tokens padded to a multiple of {m}"
     for flag, cap, sizes, unit in (("--omnibal-isf-qt", qt, counted, token_unit),
                                    ("--omnibal-isf-qv", qv, tiles, dataset.config.images.unit)):
@@ -81,20 +86,19 @@ def check_samples_fit_caps(args, plan: RunPlan, dataset) -> None:
                 f"{flag} {cap} is below a single sample: {dataset.where(i)} has {int(sizes[i])} {unit} "
                 f"({len(over)} sample(s) over the cap, largest {int(sizes[i])}); raise {flag} to at least "
                 f"{int(sizes[i])}")
-    if qv is not None:  # a cap memory was planned for (a searched one holds the largest sample)
-        check_videos_fit_cp_ranks(plan, dataset, qv)
+    # a cap memory was planned for (a searched one holds the largest sample)
+    check_videos_fit_cp_ranks(config.parallel.context_parallel_size, spec, dataset, qv)
 
 
-def check_videos_fit_cp_ranks(plan: RunPlan, dataset, vit_cap: int) -> None:
-    """Under context parallelism a family whose images and videos go whole to the CP ranks
+def check_videos_fit_cp_ranks(cp: int, spec: ModelSpec, dataset, vit_cap: int) -> None:
+    """Under context parallelism (``cp`` ranks) a family whose images and videos go whole to the CP ranks
     (``Family.native_resolution``) gives each rank its share of a micro-batch's ViT cap (``cp_split.rank_vit_budget``):
     a video over it is refused, naming its ``file:line``, its size and the ``--video-max-frames`` /
     ``--video-max-pixels`` values that would fit it (``cp_split.video_fit``).  Runs on every rank (the same data, the
     same answer)."""
-    cp = plan.context_parallel_size
     stats = dataset.sample_stats()
     videos = stats.videos
-    if cp == 1 or videos is None or not len(videos.patches) or not family_of(plan.model_spec).native_resolution:
+    if cp == 1 or videos is None or not len(videos.patches) or not family_of(spec).native_resolution:
         return
     budget = rank_vit_budget(vit_cap, cp)
     over = np.flatnonzero(videos.patches > budget)
@@ -116,44 +120,44 @@ def check_videos_fit_cp_ranks(plan: RunPlan, dataset, vit_cap: int) -> None:
         f"or raise --omnibal-isf-qv to at least {patches * cp}")
 
 
-def isf_times(args, dataset, spec, counted_tokens: np.ndarray) -> tuple[np.ndarray, tuple] | None:
+def isf_times(config: RunConfig, dataset, spec: ModelSpec, counted_tokens: np.ndarray) -> tuple[np.ndarray, tuple] | None:
     """(ViT items int64 [N], (ViT, LLM) predicted time int64 [N] each, ``sample_time.TIME_UNIT_S`` units) of every
     sample for ISF in time (``sample_time.isf_sample_times`` on --omnibal-isf-time-device at the run's TP; LLM time
     of ``counted_tokens``: ISF's count of each sample), or None for a family whose ViT items cost alike (grouped by
     counts)."""
     stats = dataclasses.replace(dataset.sample_stats(), tokens=counted_tokens)
-    return isf_sample_times(stats, spec, get_device(args.omnibal_isf_time_device), tp=args.tensor_model_parallel_size,
+    return isf_sample_times(stats, spec, get_device(config.balance.isf_time_device),
+                            tp=config.parallel.tensor_model_parallel_size,
                             grids=dataset.image_grids())
 
 
-def run_sample_times(args, plan: RunPlan, dataset) -> tuple[np.ndarray, np.ndarray] | None:
+def run_sample_times(config: RunConfig, spec: ModelSpec, dataset) -> tuple[np.ndarray, np.ndarray] | None:
     """(ViT, LLM) predicted time of every training sample (``isf_times``, tokens as ISF counts them) for the
     per-iteration Dist ratios in time, with or without --omnibal-isf; None for a family grouped by counts."""
     if isinstance(dataset, EnergonSource):  # no scan: each micro-batch carries its samples' times
         return None
-    timed = isf_times(args, dataset, plan.model_spec,
-                      search_config(args, plan).counted_tokens(dataset.sample_lengths()[0]))
+    timed = isf_times(config, dataset, spec, search_config(config).counted_tokens(dataset.sample_lengths()[0]))
     return None if timed is None else timed[1]
 
 
-def plan_data(args, plan: RunPlan, dataset) -> IsfResult:
-    """The run's ISF data plan (thresholds searched unless fixed, groups, balanced step order, metrics): in predicted
+def search_isf(config: RunConfig, spec: ModelSpec, dataset) -> IsfResult:
+    """The run's ISF result (thresholds searched unless fixed, groups, balanced step order, metrics): in predicted
     time for a family with ``isf_times``, with --omnibal-isf-qv/-qt as the hard count caps and the time thresholds
     as given when the flags give them (a plan's: nothing searched); else by counts."""
     tokens, tiles = dataset.sample_lengths()
-    cfg = search_config(args, plan)
+    cfg = search_config(config)
     tokens = cfg.counted_tokens(tokens)
-    timed = isf_times(args, dataset, plan.model_spec, tokens)
-    fixed = isf_params_from_args(args)
+    timed = isf_times(config, dataset, spec, tokens)
+    fixed = config.balance.isf_fixed_params
     if timed is None:
         if fixed is not None and fixed.timed:
-            raise ArgumentError(f"--omnibal-isf-vit-time/--omnibal-isf-llm-time: {plan.model_spec.name}'s ViT items "
+            raise ArgumentError(f"--omnibal-isf-vit-time/--omnibal-isf-llm-time: {spec.name}'s ViT items "
                                 "cost alike, so ISF groups by counts; drop the time thresholds")
         return run_isf(tiles, tokens, cfg, fixed)
     if fixed is not None and fixed.timed:
         return run_isf_in_time(timed[0], tokens, timed[1], cfg, fixed)
-    if args.omnibal_isf_qv is not None:
-        cfg = dataclasses.replace(cfg, vit_cap=args.omnibal_isf_qv, max_seq_len=args.omnibal_isf_qt)
+    if fixed is not None:
+        cfg = dataclasses.replace(cfg, vit_cap=fixed.qv, max_seq_len=fixed.qt)
     return run_isf_in_time(timed[0], tokens, timed[1], cfg)
 
 
@@ -169,37 +173,35 @@ def report_line(num_samples: int, num_groups: int, params: dict, m: dict) -> str
     return line + f"{m['samples_per_group']:.2f} samples/group"
 
 
-def isf_groups(args, plan: RunPlan, dataset) -> tuple[list[np.ndarray], np.ndarray, dict, dict]:
-    """(groups of sample indices, balanced step order, caps, mean group) for the training set.
+def isf_groups(config: RunConfig, spec: ModelSpec, dataset) -> IsfGroups:
+    """The training set (``dataset``, of the model ``spec``) grouped by ISF, in a balanced step order.
 
-    Rank 0 plans (threshold search, grouping, step assembly) and broadcasts the result, so every
+    Rank 0 searches (thresholds, grouping, step assembly) and broadcasts the result, so every
     rank trains the same groups whatever its speed (the search is bounded by a candidate count,
     not by time, and is deterministic for a seed anyway).  Nothing is dropped or duplicated
-    (checked).  The caps {"qv", "qt", "qv_min", "qt_min"} (memory is planned for them) and the mean group
-    {"tiles", "tokens", "attn_tokens_sq"} (sum of squared sample lengths per group: what a micro-batch costs on
-    average) are RunPlan's ``isf_params`` and ``isf_mean_group``.
+    (checked).
     """
-    check_samples_fit_caps(args, plan, dataset)
+    check_samples_fit_caps(config, spec, dataset)
     box = [None]
     if dist.get_rank() == 0:
-        data_plan = plan_data(args, plan, dataset)
-        tokens = search_config(args, plan).counted_tokens(dataset.sample_lengths()[0])
-        check_partition(data_plan.grouping, len(dataset))
-        g = data_plan.grouping
-        times = run_sample_times(args, plan, dataset) if g.vit_time is not None else None
-        box = [{"groups": g.groups(), "order": data_plan.assembly.order, "params": data_plan.params.to_dict(),
-                "mean_group": {"tiles": float(g.tiles.mean()), "tokens": float(g.tokens.mean()),
-                               "attn_tokens_sq": float((tokens.astype(float) ** 2).sum() / len(g))},
-                "metrics": data_plan.metrics,
-                "bound": None if times is None else sample_bound(times, g, plan.data_parallel_size)}]
+        result = search_isf(config, spec, dataset)
+        tokens = search_config(config).counted_tokens(dataset.sample_lengths()[0])
+        check_partition(result.grouping, len(dataset))
+        g = result.grouping
+        times = run_sample_times(config, spec, dataset) if g.vit_time is not None else None
+        box = [{"groups": g.groups(), "order": result.assembly.order, "params": result.params,
+                "mean_group": MeanGroup(tiles=float(g.tiles.mean()), tokens=float(g.tokens.mean()),
+                                        attn_tokens_sq=float((tokens.astype(float) ** 2).sum() / len(g))),
+                "metrics": result.metrics,
+                "bound": None if times is None else sample_bound(times, g, config.parallel.data_parallel_size)}]
     dist.broadcast_object_list(box, src=0)
-    result = box[0]
+    found = box[0]
     if dist.get_rank() == 0:
-        print(report_line(len(dataset), len(result["groups"]), result["params"], result["metrics"]), flush=True)
-        if result["bound"] is not None:
-            print(f"> ISF {bound_line(result['bound'], describe_sample(dataset, result['bound']['sample']))}",
+        print(report_line(len(dataset), len(found["groups"]), found["params"].to_dict(), found["metrics"]), flush=True)
+        if found["bound"] is not None:
+            print(f"> ISF {bound_line(found['bound'], describe_sample(dataset, found['bound']['sample']))}",
                   flush=True)
-    return result["groups"], result["order"], result["params"], result["mean_group"]
+    return IsfGroups(found["groups"], found["order"], found["params"], found["mean_group"])
 
 
 def describe_sample(dataset, index: int) -> str:
@@ -233,23 +235,24 @@ def isf_subset_groups(tokens: np.ndarray, tiles: np.ndarray, sample_ids: np.ndar
     return grouping.groups(), assembly.order
 
 
-def isf_regroup(args, plan: RunPlan, dataset):
-    """``regroup(sample_ids) -> (groups, order)`` for the sampler: ISF on a subset with this run's caps.
+def isf_regroup(config: RunConfig, spec: ModelSpec, dataset, params: ISFParams):
+    """``regroup(sample_ids) -> (groups, order)`` for the sampler: ISF on a subset with this run's caps ``params``
+    (``isf_groups``').
 
     Used when a checkpoint's epoch is continued under another data-parallel size: its unserved
     samples are grouped for this run.  Collective: rank 0 groups and broadcasts, every rank must call
-    it (``load_state_dict`` runs on every rank).  ``plan.isf_params``: the caps ``isf_groups`` found.
+    it (``load_state_dict`` runs on every rank).
     """
     def regroup(sample_ids: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
         box = [None]
         if dist.get_rank() == 0:
             tokens, tiles = dataset.sample_lengths()
-            tokens = search_config(args, plan).counted_tokens(tokens)
-            timed = isf_times(args, dataset, plan.model_spec, tokens)
+            tokens = search_config(config).counted_tokens(tokens)
+            timed = isf_times(config, dataset, spec, tokens)
             if timed is not None:
                 tiles, times = timed
-            box = [isf_subset_groups(tokens, tiles, sample_ids, ISFParams(**plan.isf_params),
-                                     plan.data_parallel_size, args.seed, None if timed is None else times)]
+            box = [isf_subset_groups(tokens, tiles, sample_ids, params, config.parallel.data_parallel_size,
+                                     config.optim.seed, None if timed is None else times)]
         dist.broadcast_object_list(box, src=0)
         return box[0]
     return regroup

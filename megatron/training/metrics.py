@@ -16,6 +16,8 @@ import numpy as np
 
 from omnibal_ext.data.metrics import dist_ratio_one, random_rebatch_balance, step_balance_time
 
+from .config import LogConfig
+
 
 class DataWait:
     """Seconds this rank waited for data during one step: the loop makes one per step and reads ``seconds``
@@ -183,17 +185,17 @@ class BalanceMeans:
 class MetricsLog:
     """Megatron-style log lines, optional TensorBoard and JSON lines, from the logging rank."""
 
-    def __init__(self, args):
+    def __init__(self, log: LogConfig):
         self.is_logger = dist.get_rank() == dist.get_world_size() - 1  # a last-stage rank
         self.writer = None
         self.json = None
-        if self.is_logger and args.tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
+        if self.is_logger and log.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter  # optional: needs the tensorboard package
 
-            self.writer = SummaryWriter(args.tensorboard_dir)
-        if self.is_logger and args.json_log:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json_log)), exist_ok=True)
-            self.json = open(args.json_log, "a")
+            self.writer = SummaryWriter(log.tensorboard_dir)
+        if self.is_logger and log.json_log:
+            os.makedirs(os.path.dirname(os.path.abspath(log.json_log)), exist_ok=True)
+            self.json = open(log.json_log, "a")
 
     def log(self, iteration: int, total: int, metrics: dict, prefix: str = "") -> None:
         if not self.is_logger:

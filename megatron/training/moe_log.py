@@ -14,9 +14,12 @@ import os
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.transformer.moe import moe_utils
 
 from megatron.vlm.layers.moe import ExpertLoad, load_metrics
+
+from .run_plan import RunPlan
 
 # megatron-core's tracker names (router.py): the load-balancing losses and the z-loss
 TRACKED = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss", "z_loss")
@@ -49,8 +52,6 @@ as ``moe aux loss`` / ``moe z loss``); device: where the routers' losses are (th
 
     def metrics(self, iteration: int, group=None) -> dict:
         """This iteration's metrics (every rank calls it: collectives over ``group``, default the world)."""
-        from megatron.core import parallel_state
-
         tracker = moe_utils.get_moe_layer_wise_logging_tracker()
         values = torch.stack([tracker[n]["values"].detach().to("cpu", torch.float64) for n in TRACKED])
         dist.all_reduce(values, group=group)  # each layer's values live on its stage; ranks hold parts of a loss
@@ -83,13 +84,13 @@ as ``moe aux loss`` / ``moe z loss``); device: where the routers' losses are (th
             self.file.close()
 
 
-def moe_log_of(args, plan, modules, device) -> MoELog | None:
+def moe_log_of(plan: RunPlan, modules, device) -> MoELog | None:
     """The MoE log of a run (None for a dense model): ``modules`` its unwrapped model chunks."""
     moe = plan.model_spec.language.moe
     if moe is None:
         return None
-    run = plan.moe_run
-    return MoELog(modules, plan.model_spec.language.num_layers, moe.num_experts, run.ep, args.log_expert_load,
-                  dist.get_rank() == dist.get_world_size() - 1, plan.num_microbatches,
+    run = plan.config.model.moe_run
+    return MoELog(modules, plan.model_spec.language.num_layers, moe.num_experts, run.ep, plan.config.log.log_expert_load,
+                  dist.get_rank() == dist.get_world_size() - 1, plan.config.optim.num_microbatches,
                   aux_loss=moe.load_balancing_type != "none" and run.aux_loss_coeff > 0,
                   z_loss=bool(run.z_loss_coeff), device=device)

@@ -17,6 +17,7 @@ so every rank plans from the same numbers.
 from __future__ import annotations
 
 import dataclasses
+import platform
 
 import numpy as np
 import torch
@@ -33,12 +34,21 @@ from omnibal_ext.model.units import build_units, unit_components
 from megatron.vlm.data.collate import packing
 from megatron.vlm.stage.components import runtime_family
 from megatron.vlm.layers.layer_impl import resolve_layer_impl
+from megatron.vlm.layers.moe import MoERun
 from megatron.vlm.stage.micro_batch import MicroBatch
 from megatron.vlm.stage.side import StageCache
 from megatron.vlm.stage.build import StageBuild, VLMStage, build_stage
 from omnibal_ext.memory.recompute import StageRecompute
 
-from .arguments import moe_run_of
+from megatron.core.transformer.moe import moe_utils
+
+from omnibal_ext.model.side_bytes import with_side_bytes
+
+from .arguments import parse_config
+from .config import RunConfig
+from .initialize import choose_device, initialize_distributed, set_seeds
+from .moe_log import TRACKED
+from .tokenizer_setup import setup_tokenizer
 
 
 def _layers_of_every_kind(spec, code: str) -> int:
@@ -107,21 +117,27 @@ def _detached(x):
     return x.detach().requires_grad_(x.is_floating_point())
 
 
-def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, device: torch.device,
+def profile_units(config: RunConfig, spec, shape: MicroBatchShape, img_context_id: int, device: torch.device,
                   warmup: int = 2, repeats: int = 5) -> CostTable:
     """Measured costs of every unit of the model ``spec`` at ``shape`` (one micro-batch, this TP)."""
-    tp = args.tensor_model_parallel_size
+    parallel = config.parallel
+    tp = parallel.tensor_model_parallel_size
     mini = family_of(spec).few_layers(spec, vision_layers_of_every_kind(spec), llm_layers_of_every_kind(spec))
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    dtype = torch.bfloat16 if config.optim.bf16 else torch.float32
     on_cpu = device.type == "cpu"
     mini_units = build_units(mini)
-    sp = args.sequence_parallel and tp > 1
-    impl = resolve_layer_impl(args.transformer_impl, args.attention_backend, device, torch_layers_only=sp)
+    sp = parallel.sequence_parallel and tp > 1
+    impl = resolve_layer_impl(config.model.transformer_impl, config.model.attention_backend, device,
+                              torch_layers_only=sp)
+    moe_run = None
+    if mini.language.moe is not None:  # the run's (the flags' defaults for a spec given apart from its flags)
+        moe_run = config.model.moe_run or MoERun(ep=parallel.expert_model_parallel_size,
+                                                 etp=parallel.expert_tensor_parallel_size)
 
     def stage(recompute):
-        m = build_stage(StageBuild(mini, range(len(mini_units)), tp=tp, dtype=dtype, impl=impl, seed=args.seed,
+        m = build_stage(StageBuild(mini, range(len(mini_units)), tp=tp, dtype=dtype, impl=impl, seed=config.optim.seed,
                                    recompute=recompute, img_context_id=img_context_id, on_cpu=on_cpu,
-                                   sequence_parallel=sp, moe_run=moe_run_of(args, mini)))
+                                   sequence_parallel=sp, moe_run=moe_run))
         return m.to(device=device, dtype=dtype).train()
 
     plain = stage(StageRecompute())
@@ -187,9 +203,7 @@ def profile_units(args, spec, shape: MicroBatchShape, img_context_id: int, devic
             # SegmentAttention keeps no scores, as FlashAttention; "unfused" keeps megatron-core's
             "attention": "unfused" if impl.dense_mask else "flash"}
     if spec.language.moe is not None:  # the expert grid the MoE units ran under (cost_model.profile_expert_run)
-        meta.update(ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size or tp)
-    from omnibal_ext.model.side_bytes import with_side_bytes
-
+        meta.update(ep=parallel.expert_model_parallel_size, etp=parallel.expert_tensor_parallel_size)
     # the side tensors' bytes at each boundary (DeepStack features: the few-layer model runs none) from the spec
     table = with_side_bytes(CostTable(tuple(units), source="profile", meta=meta), spec, shape)
     return broadcast_table(table)
@@ -199,10 +213,6 @@ def _track_aux_losses(num_layers: int, device) -> None:
     """megatron-core's aux-loss tracker made for the copy's ``num_layers`` decoder layers (it would size its
     tensors by the first router's block, which may hold fewer layers than the router's layer number), as the
     trainer's ``MoELog`` makes it."""
-    from megatron.core.transformer.moe import moe_utils
-
-    from .moe_log import TRACKED
-
     tracker = moe_utils.get_moe_layer_wise_logging_tracker()
     for name in TRACKED:
         tracker.setdefault(name, {"values": torch.zeros(num_layers, device=device), "reduce_group": None,
@@ -213,8 +223,6 @@ def _forget_aux_losses() -> None:
     """megatron-core's process-wide aux-loss state left by the copy's routers: their logged losses (by the copy's
     layers, none training's) and the aux-loss gradient scale (a scalar where training's schedule sets a [1] tensor),
     so training starts from none."""
-    from megatron.core.transformer.moe import moe_utils
-
     moe_utils.get_moe_layer_wise_logging_tracker().clear()
     moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
@@ -229,8 +237,6 @@ def _core_attention_share(component, shape: MicroBatchShape, tp: int) -> float:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    import platform
-
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
@@ -243,24 +249,23 @@ def broadcast_table(table: CostTable) -> CostTable:
     return CostTable.from_dict(box[0])
 
 
-def profile_shapes(args, plan, dataset) -> tuple[MicroBatchShape, MicroBatchShape]:
-    """(timing shape, memory shape) of the micro-batches training will run.
+def profile_shapes(config: RunConfig, groups, dataset) -> tuple[MicroBatchShape, MicroBatchShape]:
+    """(timing shape, memory shape) of the micro-batches training will run (``groups``: ``setup.build_groups``'
+    ``SampleGroups`` of the training set ``dataset``).
 
     ISF: the mean group (what a micro-batch costs on average) and the caps Qv/Qt (the most any
     micro-batch holds, which memory must fit).  Random batching: K samples padded to the longest,
     on average and at the 99th percentile of micro-batches.
     """
-    dtype_bytes = 2 if args.bf16 else 4
-    if args.omnibal_isf:
-        if not plan.isf_params:
-            raise RuntimeError("profile_shapes under --omnibal-isf needs the ISF plan (setup.build_groups) first")
-        mean, caps = plan.isf_mean_group, plan.isf_params
-        tokens = max(2, round(mean["tokens"]))
-        return (MicroBatchShape(max(1, round(mean["tiles"])), tokens, dtype_bytes,
-                                llm_attn_tokens_sq=min(float(tokens) ** 2, mean.get("attn_tokens_sq", tokens**2))),
-                MicroBatchShape(int(caps["qv"]), int(caps["qt"]), dtype_bytes))
+    dtype_bytes = 2 if config.optim.bf16 else 4
+    if config.balance.isf:
+        mean, caps = groups.mean_group, groups.isf_params
+        tokens = max(2, round(mean.tokens))
+        return (MicroBatchShape(max(1, round(mean.tiles)), tokens, dtype_bytes,
+                                llm_attn_tokens_sq=min(float(tokens) ** 2, mean.attn_tokens_sq)),
+                MicroBatchShape(int(caps.qv), int(caps.qt), dtype_bytes))
     tokens, tiles = dataset.sample_lengths()
-    k = args.micro_batch_size
+    k = config.optim.micro_batch_size
     n = len(tokens) // k * k
     longest = tokens[:n].reshape(-1, k).max(axis=1).astype(float)
     padded = longest * k
@@ -271,13 +276,15 @@ def profile_shapes(args, plan, dataset) -> tuple[MicroBatchShape, MicroBatchShap
             MicroBatchShape(int(np.percentile(mb_tiles, 99)), int(np.percentile(padded, 99)), dtype_bytes))
 
 
-def profile_for_training(args, plan, dataset, img_context_id: int, device: torch.device) -> CostTable:
-    """Times at the mean micro-batch, activation and send bytes at the largest one (``plan``: RunPlan)."""
-    timing, memory = profile_shapes(args, plan, dataset)
-    times = profile_units(args, plan.model_spec, timing, img_context_id, device)
+def profile_for_training(config: RunConfig, spec, groups, dataset, img_context_id: int,
+                         device: torch.device) -> CostTable:
+    """Times at the mean micro-batch, activation and send bytes at the largest one (``spec``: the run's model,
+    ``groups``: ``setup.build_groups``' of the training set ``dataset``)."""
+    timing, memory = profile_shapes(config, groups, dataset)
+    times = profile_units(config, spec, timing, img_context_id, device)
     if memory == timing:
         return times
-    sizes = profile_units(args, plan.model_spec, memory, img_context_id, device, warmup=0, repeats=1)
+    sizes = profile_units(config, spec, memory, img_context_id, device, warmup=0, repeats=1)
     byte_fields = ("act_bytes", "act_bytes_full", "act_bytes_selective", "send_bytes", "side_send_bytes")
     units = tuple(dataclasses.replace(t, **{f: getattr(m, f) for f in byte_fields})
                   for t, m in zip(times.units, sizes.units))
@@ -292,17 +299,12 @@ def profile_at_shape(argv: list[str], shape: MicroBatchShape, path: str | None =
     each kind) is measured at the group shape a plan will use. Runs as a world of one; writes the
     profile JSON to ``path`` when given.
     """
-    from .arguments import parse_args
-    from .initialize import choose_device, initialize_distributed, set_seeds
-    from .run_plan import plan_run
-    from .tokenizer_setup import setup_tokenizer
-
-    args = parse_args(argv, 1)
-    device = choose_device(args.device)
-    initialize_distributed(device, args.tensor_model_parallel_size, 1)
-    set_seeds(args.seed)
-    tokenizer, plan = setup_tokenizer(args, plan_run(args, 1, device))
-    table = profile_units(args, plan.model_spec, dataclasses.replace(shape, dtype_bytes=2 if args.bf16 else 4),
+    config = parse_config(argv, 1)
+    device = choose_device(config.parallel.device)
+    initialize_distributed(device, config.parallel.tensor_model_parallel_size, 1)
+    set_seeds(config.optim.seed)
+    tokenizer, spec = setup_tokenizer(config)
+    table = profile_units(config, spec, dataclasses.replace(shape, dtype_bytes=2 if config.optim.bf16 else 4),
                           tokenizer.img_context_id, device)
     if path:
         table.save(path)

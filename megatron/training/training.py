@@ -12,7 +12,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.utils import unwrap_model
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import (OptimizerConfig, ParamKey, ParamPredicate, get_megatron_optimizer,
+                                     get_standard_config_overrides)
 from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -21,13 +22,14 @@ from omnibal_ext.model.units import build_units
 
 from megatron.vlm.layers.head import HeadOutput
 from megatron.vlm.layers.layer_impl import resolve_layer_impl
+from megatron.vlm.parallel.tied import build_tied_embedding_group
 from megatron.vlm.stage.micro_batch import MicroBatch
 from megatron.vlm.stage.build import StageBuild, build_stage
-from omnibal_ext.model.spec import TEXT_EMBED
+from omnibal_ext.model.spec import PROJECTOR, TEXT_EMBED, VISION_EMBED, VISION_LAYER
 
 from . import checkpointing
-from .initialize import distributed_timeout
 from .interleaved import chunk_data, interleaved_peak, schedule_groups, sum_tied_grads
+from .eval_generate import GenerationEval
 from .finite_check import grad_buffers, local_flags, stop_if_nonfinite
 from .loss_reduction import prefetch, weight
 from .lr_schedule import ResumeRule, Schedule
@@ -35,31 +37,29 @@ from .memory import ActivationMeter, one_f_one_b_peak, static_bytes
 from .moe_log import moe_log_of
 from .metrics import (BalanceMeans, DataWait, MetricGroups, MetricsLog, StepResult, batch_balance,
                       random_batch_balance, reduce_reports, sample_ids, step_metrics)
+from .config import OptimConfig
 from .run_plan import RunPlan
 
 
-def dtype_of(args) -> torch.dtype:
-    return torch.bfloat16 if args.bf16 else torch.float32
-
-
-def build_model(args, plan: RunPlan, img_context_id: int, device: torch.device):
+def build_model(plan: RunPlan, img_context_id: int, device: torch.device):
     """This rank's pipeline stages of ``plan.layout``, one per model chunk (interleaved pipeline: layout stages
     rank, rank + PP, ...), each with its ``plan.recompute`` and wrapped in megatron's DistributedDataParallel."""
-    spec, tp, pp = plan.model_spec, args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    layout, vpp = plan.layout, plan.virtual_pipeline_size
+    model, parallel = plan.config.model, plan.config.parallel
+    spec, tp, pp = plan.model_spec, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    layout, vpp, cp = plan.layout, parallel.virtual_pipeline_size, parallel.context_parallel_size
     on_cpu = device.type == "cpu"
-    dtype = dtype_of(args)
+    dtype = plan.config.optim.params_dtype
     rank = parallel_state.get_pipeline_model_parallel_rank()
-    impl = resolve_layer_impl(args.transformer_impl, args.attention_backend, device, plan.context_parallel_size,
-                              torch_layers_only=args.sequence_parallel or plan.lora.on)
+    impl = resolve_layer_impl(model.transformer_impl, model.attention_backend, device, cp,
+                              torch_layers_only=parallel.sequence_parallel or model.lora.on)
     modules = []
     for stage in plan.rank_stages(rank, pp):
         module = build_stage(StageBuild(
             spec, layout.stage_range(stage), tp=tp, pp=pp, dtype=dtype,
-            impl=impl, seed=args.seed, recompute=plan.recompute[stage],
-            img_context_id=img_context_id, on_cpu=on_cpu, sequence_parallel=args.sequence_parallel,
-            cp=plan.context_parallel_size, trainable=None if plan.trainable is None else plan.trainable.trains,
-            vision_drop_path_rate=args.vision_drop_path_rate, lora=plan.lora, moe_run=plan.moe_run))
+            impl=impl, seed=plan.config.optim.seed, recompute=plan.recompute[stage],
+            img_context_id=img_context_id, on_cpu=on_cpu, sequence_parallel=parallel.sequence_parallel,
+            cp=cp, trainable=model.trainable.trains,
+            vision_drop_path_rate=model.vision_drop_path_rate, lora=model.lora, moe_run=model.moe_run))
         if vpp > 1:  # read by megatron-core's interleaved schedule and p2p communicator (model[0]'s config)
             module.config.virtual_pipeline_model_parallel_size = vpp
         module.to(device=device, dtype=dtype)
@@ -69,9 +69,7 @@ def build_model(args, plan: RunPlan, img_context_id: int, device: torch.device):
         embed_index = next(u.index for u in units if u.code == TEXT_EMBED)
         embed_rank = next(s for s in range(layout.num_stages) if embed_index in layout.stage_range(s)) % pp
         if embed_rank != pp - 1:  # every rank takes part in making the groups
-            from megatron.vlm.parallel.tied import build_tied_embedding_group
-
-            group = build_tied_embedding_group(embed_rank, pp - 1, timeout=distributed_timeout(args))
+            group = build_tied_embedding_group(embed_rank, pp - 1, timeout=parallel.timeout)
             for module in modules:
                 module.tied_group = group
     # bucket_size left at megatron-core's default (40M parameters or 1M x DP, one bucket without overlap);
@@ -80,7 +78,7 @@ def build_model(args, plan: RunPlan, img_context_id: int, device: torch.device):
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=plan.overlap_grad_reduce,
         overlap_param_gather=plan.overlap_param_gather,
-        use_distributed_optimizer=args.use_distributed_optimizer)
+        use_distributed_optimizer=parallel.use_distributed_optimizer)
     return [DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module) for module in modules]
 
 
@@ -94,7 +92,7 @@ def finalize_grads(model, num_tokens=None, **kwargs):
 GROUP_TAGS = {"vision_lr": 2.0, "projector_lr": 3.0}  # the lr_mult of the groups of their own LR (lr_overrides)
 
 
-def lr_overrides(args, config: OptimizerConfig) -> dict:
+def lr_overrides(optim: OptimConfig, config: OptimizerConfig) -> dict:
     """megatron-core's param-group overrides: its standard ones (no weight decay on biases and norms) plus the
     peak (``max_lr``) and minimum (``min_lr``, scaled by the same ratio to --lr) of the ViT's (--vision-lr)
     and the projector's (--projector-lr) parameters, matched by the role the stage tags them with
@@ -104,31 +102,32 @@ def lr_overrides(args, config: OptimizerConfig) -> dict:
     only to match a checkpoint's parameter groups to this run's (with ``wd_mult``, ``is_expert_parallel`` and
     ``is_decoupled_lr``); with megatron-core's default 1.0 the ViT's groups and the --lr groups matched each other
     and a resume failed."""
-    from megatron.core.optimizer import ParamKey, ParamPredicate, get_standard_config_overrides
-
-    from omnibal_ext.model.spec import PROJECTOR, VISION_EMBED, VISION_LAYER
-
     overrides = get_standard_config_overrides(config)
-    for name, lr, roles in (("vision_lr", args.vision_lr, (VISION_EMBED, VISION_LAYER)),
-                            ("projector_lr", args.projector_lr, (PROJECTOR,))):
+    for name, lr, roles in (("vision_lr", optim.vision_lr, (VISION_EMBED, VISION_LAYER)),
+                            ("projector_lr", optim.projector_lr, (PROJECTOR,))):
         if lr is None:
             continue
-        min_lr = args.min_lr * lr / args.lr if args.lr else args.min_lr
+        min_lr = optim.min_lr * lr / optim.lr if optim.lr else optim.min_lr
         key = ParamKey(predicate=ParamPredicate(name=name, fn=lambda p, roles=roles: getattr(p, "vlm_role", None) in roles))
         overrides[key] = {"max_lr": lr, "min_lr": min_lr, "lr_mult": GROUP_TAGS[name]}
     return overrides
 
 
-def build_optimizer(args, plan: RunPlan, model):
+def build_optimizer(plan: RunPlan, model):
+    """megatron-core's Adam over ``model``'s chunks (--lr, --vision-lr, --projector-lr, --weight-decay, --clip-grad,
+    --adam-beta*) and its LR schedule (--lr-warmup-iters, --lr-decay-style over --train-iters, in samples)."""
+    optim = plan.config.optim
     config = OptimizerConfig(
-        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
-        bf16=args.bf16, params_dtype=dtype_of(args), use_distributed_optimizer=args.use_distributed_optimizer,
+        optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, clip_grad=optim.clip_grad,
+        bf16=optim.bf16, params_dtype=optim.params_dtype,
+        use_distributed_optimizer=plan.config.parallel.use_distributed_optimizer,
         overlap_param_gather=plan.overlap_param_gather)
-    optimizer = get_megatron_optimizer(config, model, config_overrides=lr_overrides(args, config))
-    schedule = Schedule.from_flags(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters or args.train_iters,
-                                   args.lr_decay_style, args.weight_decay, plan.global_batch_size)
-    rule = ResumeRule.of(args.override_opt_param_scheduler, args.use_checkpoint_opt_param_scheduler)
+    optimizer = get_megatron_optimizer(config, model, config_overrides=lr_overrides(optim, config))
+    schedule = Schedule.from_flags(optim.lr, optim.min_lr, optim.lr_warmup_iters,
+                                   optim.lr_decay_iters or optim.train_iters, optim.lr_decay_style,
+                                   optim.weight_decay, optim.global_batch_size)
+    rule = ResumeRule.of(optim.override_opt_param_scheduler, optim.use_checkpoint_opt_param_scheduler)
     return optimizer, schedule.scheduler(optimizer, rule)
 
 
@@ -231,7 +230,7 @@ class StepSetup:
     check_finite: bool
 
     @classmethod
-    def build(cls, args, plan: RunPlan, model) -> "StepSetup":
+    def build(cls, plan: RunPlan, model) -> "StepSetup":
         """Also points the model's config at our DDP no-sync and gradient finalisation (read by the schedule)."""
         config = unwrap_model(model[0]).config
         config.no_sync_func = model[0].no_sync if len(model) == 1 else [m.no_sync for m in model]
@@ -240,9 +239,9 @@ class StepSetup:
         if len(model) > 1:  # interleaved: megatron-core's schedule with our p2p shape exchange (interleaved.py)
             forward_backward = partial(forward_backward, **schedule_groups(config))
         meter = ActivationMeter(torch.nn.ModuleList([unwrap_model(m) for m in model])) \
-            if plan.log_activation_memory else None
-        return cls(forward_backward, meter, MetricGroups.build(distributed_timeout(args)),
-                   parallel_state.is_pipeline_last_stage(), args.check_for_nan_in_loss_and_grad)
+            if plan.config.log.log_activation_memory else None
+        return cls(forward_backward, meter, MetricGroups.build(plan.config.parallel.timeout),
+                   parallel_state.is_pipeline_last_stage(), plan.config.optim.check_for_nan_in_loss_and_grad)
 
 
 def activation_peak(meter: ActivationMeter, chunks: int, pp: int) -> int:
@@ -252,7 +251,7 @@ def activation_peak(meter: ActivationMeter, chunks: int, pp: int) -> int:
         interleaved_peak(meter.per_microbatch, rank, pp, chunks)
 
 
-def train_step(args, plan: RunPlan, setup: StepSetup, model, optimizer, scheduler, train_data,
+def train_step(plan: RunPlan, setup: StepSetup, model, optimizer, scheduler, train_data,
                iteration: int) -> StepResult:
     """Iteration ``iteration``: the global batch's micro-batches through the schedule, the optimizer and
     LR-scheduler steps."""
@@ -266,26 +265,28 @@ def train_step(args, plan: RunPlan, setup: StepSetup, model, optimizer, schedule
     train_data.iteration = iteration  # the drop path's key
     wait = DataWait()
     data_iterator, scale = wait.timed(train_data), None
-    reduction = args.loss_reduction
+    optim = plan.config.optim
+    reduction = optim.loss_reduction
     if setup.is_last and reduction != "token":  # the global batch's normaliser before the step (loss_reduction.py)
         with wait.timing():
-            batches, norm = prefetch(train_data, plan.num_microbatches, reduction, setup.groups.dp_gloo)
+            batches, norm = prefetch(train_data, optim.num_microbatches, reduction, setup.groups.dp_gloo)
         data_iterator = wait.timed(iter(batches))
         # the ranks whose loss counts finalize_model_grads sums (context-parallel ranks share their samples)
         dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-        scale = plan.num_microbatches * dp_cp / max(norm, 1e-30)
+        scale = optim.num_microbatches * dp_cp / max(norm, 1e-30)
     reports = setup.forward_backward(
         forward_step_func=partial(forward_step, meter=setup.meter, reduction=reduction, scale=scale),
         data_iterator=chunk_data(data_iterator, len(model)), model=model,
-        num_microbatches=plan.num_microbatches, seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size, forward_only=False)
+        num_microbatches=optim.num_microbatches, seq_length=plan.config.data.seq_length,
+        micro_batch_size=optim.micro_batch_size, forward_only=False)
     if setup.check_finite:  # before the step: megatron-core's grad norm is computed inside it (finite_check.py)
         stop_if_nonfinite(iteration, *local_flags(reports, grad_buffers(model)), setup.groups.world_gloo)
     learning_rate = applied_lr(optimizer)
     _, grad_norm, _ = optimizer.step()
     records = train_data.stop_recording()
-    peak = activation_peak(setup.meter, len(model), args.pipeline_model_parallel_size) if setup.meter else 0
-    scheduler.step(increment=plan.global_batch_size)  # the next iteration's LR
+    pp = plan.config.parallel.pipeline_model_parallel_size
+    peak = activation_peak(setup.meter, len(model), pp) if setup.meter else 0
+    scheduler.step(increment=optim.global_batch_size)  # the next iteration's LR
     return StepResult(reports=reports, grad_norm=None if grad_norm is None else float(grad_norm),
                       learning_rate=learning_rate, records=records, data_wait_s=wait.seconds,
                       elapsed_s=time.perf_counter() - start, act_peak_bytes=peak)
@@ -304,38 +305,37 @@ def due(interval: int | None, iteration: int, last: int) -> bool:
     return bool(interval) and (iteration % interval == 0 or iteration == last)
 
 
-def save(args, plan: RunPlan, iteration: int, consumed_samples: int, model, optimizer, scheduler, train_data) -> None:
+def save(plan: RunPlan, iteration: int, consumed_samples: int, model, optimizer, scheduler, train_data) -> None:
     """The checkpoint of ``iteration``, the parameters gathered first (--overlap-param-gather)."""
     sync_params(model)
-    checkpointing.save_checkpoint(args, plan, iteration, consumed_samples, model, optimizer, scheduler, train_data)
+    checkpointing.save_checkpoint(plan, iteration, consumed_samples, model, optimizer, scheduler, train_data)
 
 
-def train(args, plan: RunPlan, model, optimizer, scheduler, train_data, valid_data=None, start_iteration: int = 0,
+def train(plan: RunPlan, model, optimizer, scheduler, train_data, valid_data=None, start_iteration: int = 0,
           consumed_samples: int = 0, balance_fn=step_balance, sample_times=None) -> dict:
     """Run iterations start_iteration+1 .. train_iters; returns a summary for the caller.
 
     sample_times: (ViT, LLM) predicted time of every training sample (``isf.run_sample_times``), or None: the
     logged Dist ratios in time too."""
-    setup = StepSetup.build(args, plan, model)
-    log = MetricsLog(args)
+    optim, log_config, ckpt = plan.config.optim, plan.config.log, plan.config.checkpoint
+    setup = StepSetup.build(plan, model)
+    log = MetricsLog(log_config)
     generation = None  # --eval-generate (megatron/training/eval_generate.py)
-    if args.eval_generate and valid_data is not None:
-        from .eval_generate import GenerationEval
-
-        generation = GenerationEval.build(args, plan, model, valid_data, setup.groups.dp_gloo)
-    moe_log = moe_log_of(args, plan, [unwrap_model(m) for m in model], next(model[0].parameters()).device)
+    if log_config.eval_generate and valid_data is not None:
+        generation = GenerationEval.build(plan, model, valid_data, setup.groups.dp_gloo)
+    moe_log = moe_log_of(plan, [unwrap_model(m) for m in model], next(model[0].parameters()).device)
     history, balance_means, peak_act = [], BalanceMeans(), 0
-    random_means, random_rng = BalanceMeans(), np.random.default_rng(args.seed)  # Megatron's batching, same samples
+    random_means, random_rng = BalanceMeans(), np.random.default_rng(optim.seed)  # Megatron's batching, same samples
     iteration, saved = start_iteration, None
-    if start_iteration >= args.train_iters and dist.get_rank() == 0:
+    if start_iteration >= optim.train_iters and dist.get_rank() == 0:
         print(f"> nothing to train: the run starts at iteration {start_iteration} and --train-iters is "
-              f"{args.train_iters}" + (f" (the checkpoint is saved to --save {args.save} as it is)" if args.save else ""),
-              flush=True)
-    while iteration < args.train_iters:
+              f"{optim.train_iters}" + (f" (the checkpoint is saved to --save {ckpt.save} as it is)" if ckpt.save
+                                        else ""), flush=True)
+    while iteration < optim.train_iters:
         checkpointing.fault_point("train", iteration + 1)
         if moe_log:
             moe_log.start_iteration()
-        step = train_step(args, plan, setup, model, optimizer, scheduler, train_data, iteration + 1)
+        step = train_step(plan, setup, model, optimizer, scheduler, train_data, iteration + 1)
         iteration += 1
         peak_act = max(peak_act, step.act_peak_bytes)
         metrics = step_metrics(step, setup.groups, consumed_samples, setup.is_last)
@@ -345,40 +345,40 @@ def train(args, plan: RunPlan, model, optimizer, scheduler, train_data, valid_da
         if balance_fn:
             random_means.add(random_batch_balance(step.records, setup.groups.dp_gloo, random_rng))
         metrics.update({k.replace("_", " "): v for k, v in balance.items()})
-        if args.log_sample_ids:
+        if log_config.log_sample_ids:
             metrics["sample ids"] = sample_ids(step.records, setup.groups.dp_gloo)
         if moe_log:  # moe aux loss, expert load imbalance (megatron/training/moe_log.py)
             metrics.update(moe_log.metrics(iteration, setup.groups.world_gloo))
-        if due(args.log_interval, iteration, args.train_iters):
-            log.log(iteration, args.train_iters, metrics)
-        if valid_data is not None and due(args.eval_interval, iteration, args.train_iters):
+        if due(log_config.log_interval, iteration, optim.train_iters):
+            log.log(iteration, optim.train_iters, metrics)
+        if valid_data is not None and due(log_config.eval_interval, iteration, optim.train_iters):
             sync_params(model)
             if generation is not None:
                 valid_data.start_recording()
-            ev = evaluate(args, plan, model, valid_data, setup.forward_backward)
+            ev = evaluate(plan, model, valid_data, setup.forward_backward)
             if generation is not None:
                 ev.update(generation.evaluate(valid_data.stop_recording()))
             if ev:
-                log.log(iteration, args.train_iters, ev, prefix="validation ")
+                log.log(iteration, optim.train_iters, ev, prefix="validation ")
                 metrics.update({f"validation {k}": v for k, v in ev.items()})
         history.append(metrics)
-        if args.save and args.save_interval and iteration % args.save_interval == 0:
-            save(args, plan, iteration, consumed_samples, model, optimizer, scheduler, train_data)
+        if ckpt.save and ckpt.save_interval and iteration % ckpt.save_interval == 0:
+            save(plan, iteration, consumed_samples, model, optimizer, scheduler, train_data)
             saved = iteration
-        if args.exit_interval and iteration == args.exit_interval:
+        if optim.exit_interval and iteration == optim.exit_interval:
             break
     sync_params(model)
-    if args.save and saved != iteration:  # the end of training (or a resume with nothing left: a resharded copy)
-        save(args, plan, iteration, consumed_samples, model, optimizer, scheduler, train_data)
+    if ckpt.save and saved != iteration:  # the end of training (or a resume with nothing left: a resharded copy)
+        save(plan, iteration, consumed_samples, model, optimizer, scheduler, train_data)
     summary = {"iterations": iteration, "consumed_samples": consumed_samples, "history": history}
     if setup.meter:
-        summary["memory"] = stage_memory_report(args, plan, model, optimizer, peak_act)
-        log.log(iteration, args.train_iters, summary["memory"], prefix="memory ")
+        summary["memory"] = stage_memory_report(plan, model, optimizer, peak_act)
+        log.log(iteration, optim.train_iters, summary["memory"], prefix="memory ")
     balance = balance_means.means()
     if balance:
         summary["balance"] = balance
         summary["balance_random"] = random_means.means()
-        log.log(iteration, args.train_iters, {k.replace("_", " "): v for k, v in balance.items()},
+        log.log(iteration, optim.train_iters, {k.replace("_", " "): v for k, v in balance.items()},
                 prefix="balance over the run, ")
     log.close()
     if moe_log:
@@ -386,7 +386,7 @@ def train(args, plan: RunPlan, model, optimizer, scheduler, train_data, valid_da
     return summary
 
 
-def stage_memory_report(args, plan: RunPlan, model, optimizer, peak_act: int) -> dict:
+def stage_memory_report(plan: RunPlan, model, optimizer, peak_act: int) -> dict:
     """Measured per-stage memory (the largest over the stage's ranks), and the plan's prediction."""
     device = next(unwrap_model(model[0]).parameters()).device
     allocated = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
@@ -394,7 +394,7 @@ def stage_memory_report(args, plan: RunPlan, model, optimizer, peak_act: int) ->
             [u.name for m in model for u in unwrap_model(m).units])
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    pp = args.pipeline_model_parallel_size
+    pp = plan.config.parallel.pipeline_model_parallel_size
     act = [max(e[1] for e in everyone if e[0] == stage) for stage in range(pp)]
     static = [max(e[2] for e in everyone if e[0] == stage) for stage in range(pp)]
     report = {"peak_act_bytes_per_stage": act, "static_bytes_per_stage": static}
@@ -403,7 +403,7 @@ def stage_memory_report(args, plan: RunPlan, model, optimizer, peak_act: int) ->
         report["units_per_rank"] = [next(e[4] for e in everyone if e[0] == stage) for stage in range(pp)]
     if allocated is not None:  # torch.cuda.max_memory_allocated over the run (CUDA only)
         report["max_allocated_bytes_per_stage"] = [max(e[3] for e in everyone if e[0] == stage) for stage in range(pp)]
-    predicted = plan.recompute_plan
+    predicted = plan.adaptive_recompute
     if predicted is not None:
         report["predicted_peak_bytes_per_stage"] = list(predicted.stage_peak_bytes)
         report["predicted_static_bytes_per_stage"] = list(predicted.stage_static_bytes)
@@ -411,19 +411,22 @@ def stage_memory_report(args, plan: RunPlan, model, optimizer, peak_act: int) ->
     return report
 
 
-def evaluate(args, plan: RunPlan, model, valid_data, forward_backward) -> dict:
+def evaluate(plan: RunPlan, model, valid_data, forward_backward) -> dict:
+    """The validation loss, token-mean loss and answer accuracy over --eval-iters global batches of ``valid_data``
+    (default: one pass), on the last pipeline stage (others: {})."""
+    optim = plan.config.optim
     for m in model:
         m.eval()
     reports = []
     valid_data.reset()
-    iters = args.eval_iters or valid_data.iterations_per_pass()
+    iters = plan.config.log.eval_iters or valid_data.iterations_per_pass()
     with torch.no_grad():
         for _ in range(iters):
             reports += forward_backward(
-                forward_step_func=partial(forward_step, reduction=args.loss_reduction),
+                forward_step_func=partial(forward_step, reduction=optim.loss_reduction),
                 data_iterator=chunk_data(valid_data, len(model)), model=model,
-                num_microbatches=plan.num_microbatches, seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size, forward_only=True)
+                num_microbatches=optim.num_microbatches, seq_length=plan.config.data.seq_length,
+                micro_batch_size=optim.micro_batch_size, forward_only=True)
     for m in model:
         m.train()
     if not parallel_state.is_pipeline_last_stage():

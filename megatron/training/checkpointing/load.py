@@ -7,13 +7,18 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import load as dcp_load
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
+from omnibal_ext.model.units import spec_from_dict
+
 from megatron.vlm.layers.lora import is_adapter
 
 from .. import lr_schedule
+from ..initialize import set_seeds
 from .files import check_files, sizes_problems
 from .layout import TRACKER, Checkpoint, CheckpointError, complete_iterations, iteration_dir
 from .optimizer import (adapt_optimizer_request, fresh_optimizer_entries, init_optimizer_state, keep_list_positions,
@@ -60,11 +65,12 @@ def _older_hint(root: str, iteration: int | None) -> str:
     return ". No older complete checkpoint is there"
 
 
-def load_checkpoint(ckpt: Checkpoint, args, plan, model, optimizer, scheduler, train_data=None) -> dict:
-    """Load ``ckpt`` into this run's model, optimizer and scheduler, whatever TP/PP/DP, layout, recompute plan
-    and optimizer kind it was saved with; returns its common state (iteration, consumed samples, data).
-    ``train_data``: its per-data-parallel-rank position is loaded too when it keeps one (an Energon stream's;
-    ``state.data_objects``; the same data-parallel size only)."""
+def load_checkpoint(ckpt: Checkpoint, plan, model, optimizer, scheduler, train_data=None) -> dict:
+    """Load ``ckpt`` into the model, optimizer and scheduler of the run ``plan`` (a RunPlan), whatever TP/PP/DP,
+    layout, recompute and optimizer kind it was saved with; returns its common state (iteration, consumed samples,
+    data).  ``train_data``: its per-data-parallel-rank position is loaded too when it keeps one (an Energon
+    stream's; ``state.data_objects``; the same data-parallel size only)."""
+    parallel = plan.config.parallel
     common = dist_checkpointing.load_common_state_dict(ckpt.path)
     saved_run = common.get("run") or {}
     _check_model(ckpt, saved_run, plan.model_spec)
@@ -79,11 +85,12 @@ def load_checkpoint(ckpt: Checkpoint, args, plan, model, optimizer, scheduler, t
         run_groups = lr_schedule.group_settings(optimizer)
         init_optimizer_state(optimizer)
     request = sharded_state_dict(model, optimizer, with_optimizer, is_loading=True)
-    same_world = saved_run and world_of(saved_run) == (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                                     plan.data_parallel_size, plan.context_parallel_size)
+    same_world = saved_run and world_of(saved_run) == (parallel.tensor_model_parallel_size,
+                                                     parallel.pipeline_model_parallel_size,
+                                                     parallel.data_parallel_size, parallel.context_parallel_size)
     fresh = []
     if with_optimizer:
-        adapt_optimizer_request(request["optimizer"], saved_run, args)
+        adapt_optimizer_request(request["optimizer"], saved_run, plan)
         # parameters that train now but were frozen when saved: fresh state (other freeze flags on resume)
         fresh = fresh_optimizer_entries(request["optimizer"], saved_keys)
     everyone = [None] * dist.get_world_size()
@@ -112,7 +119,7 @@ def load_checkpoint(ckpt: Checkpoint, args, plan, model, optimizer, scheduler, t
     if with_optimizer:
         weights = {keys[path]: tensor for path, tensor in loaded["model"].items()}
         try:
-            load_optimizer(optimizer, loaded["optimizer"], template, weights, saved_run, args, rebuild=bool(fresh))
+            load_optimizer(optimizer, loaded["optimizer"], template, weights, saved_run, plan, rebuild=bool(fresh))
         except ValueError as e:  # megatron-core's and torch's refusals of other parameter groups
             if "parameter group" not in str(e):
                 raise
@@ -125,9 +132,7 @@ def load_checkpoint(ckpt: Checkpoint, args, plan, model, optimizer, scheduler, t
     if same_world:
         set_rng_state(loaded["rng"])
     else:
-        from ..initialize import set_seeds
-
-        set_seeds(args.seed + int(common.get("iteration", 0)))
+        set_seeds(plan.config.optim.seed + int(common.get("iteration", 0)))
     if dist.get_rank() == 0:
         print(f"> loaded checkpoint of iteration {ckpt.iteration} from {ckpt.path}"
               + ("" if same_world or not saved_run else
@@ -183,6 +188,8 @@ def _resume_schedule(where: str, rule, schedule_changes: list[str], run_groups: 
     line = lr_schedule.note(rule, schedule_changes + group_changes)
     if line and dist.get_rank() == 0:
         print(line, flush=True)
+
+
 def _data_request(common: dict, saved_run: dict, plan, train_data) -> dict:
     """The per-data-parallel-rank data position to load (``state.data_objects``), refused by name when the
     checkpoint's data-parallel size differs (Energon restores a loader only at the same size)."""
@@ -191,9 +198,10 @@ def _data_request(common: dict, saved_run: dict, plan, train_data) -> dict:
     if not request or data.get("kind") != "energon":  # a JSONL position: train_data.load_state_dict refuses it
         return {}
     saved = data.get("dp_size", saved_run.get("dp"))
-    if saved is not None and saved != plan.data_parallel_size:
+    dp = plan.config.parallel.data_parallel_size
+    if saved is not None and saved != dp:
         raise CheckpointError(f"the checkpoint's Energon loader positions are per data-parallel rank ({saved} "
-                              f"ranks), this run has {plan.data_parallel_size}: Energon restores a loader only with the "
+                              f"ranks), this run has {dp}: Energon restores a loader only with the "
                               f"same data-parallel size; resume with data-parallel size {saved} (TP, PP and the layout "
                               "may change)")
     return request
@@ -208,8 +216,6 @@ def _param_of(optimizer_key: str) -> str:
 
 def _check_model(ckpt: Checkpoint, saved_run: dict, spec) -> None:
     """The checkpoint's model sizes must be this run's (a clear message rather than a tensor shape)."""
-    from omnibal_ext.model.units import spec_from_dict
-
     if saved_run.get("model") is None:
         return
     saved = spec_from_dict(saved_run["model"]).to_dict()  # fields added since: their defaults
@@ -257,9 +263,6 @@ def _check_tensors(ckpt: Checkpoint, model) -> set:
 def read_global_tensors(path: str, keys) -> dict:
     """The global tensors ``keys`` of the checkpoint folder ``path`` (an ``iter_N``), however it was sharded
     (any TP/PP/DP, layout): read in this process with PyTorch DCP, only those tensors."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint import load as dcp_load
-
     reader = FileSystemReader(path)
     meta = reader.read_metadata().state_dict_metadata
     missing = sorted(k for k in keys if k not in meta)

@@ -37,15 +37,16 @@ def _optimizer_kind(run: dict) -> str:
     return "distributed" if run.get("distributed_optimizer") else "mixed" if run.get("bf16") else "fp32"
 
 
-def _own_kind(args) -> str:
-    """The optimizer kind of this run's flags."""
-    return _optimizer_kind({"distributed_optimizer": args.use_distributed_optimizer, "bf16": args.bf16})
+def _own_kind(plan) -> str:
+    """The optimizer kind of the run ``plan`` (a RunPlan)."""
+    return _optimizer_kind({"distributed_optimizer": plan.config.parallel.use_distributed_optimizer,
+                            "bf16": plan.config.optim.bf16})
 
 
-def adapt_optimizer_request(request: dict, saved_run: dict, args) -> None:
+def adapt_optimizer_request(request: dict, saved_run: dict, plan) -> None:
     """Point the requested fp32 main parameters at what the saved optimizer kind stored them under
     (the model's own weights when it trained in fp32). Adam's moments are keyed alike in every kind."""
-    saved, mine = _optimizer_kind(saved_run), _own_kind(args)
+    saved, mine = _optimizer_kind(saved_run), _own_kind(plan)
     if saved == mine or mine not in _MAIN_PARAM:
         return
     old = _MAIN_PARAM[mine]
@@ -109,7 +110,7 @@ class _FromModel:
     key: str
 
 
-def load_optimizer(optimizer, state: dict, template: dict, model_weights: dict, saved_run: dict, args,
+def load_optimizer(optimizer, state: dict, template: dict, model_weights: dict, saved_run: dict, plan,
                    rebuild: bool = False) -> None:
     """Load the optimizer state; ``template`` is the skeleton of the request it was loaded with (this
     optimizer's own structure). Saved by another optimizer kind, the loaded common part (param groups,
@@ -118,7 +119,7 @@ def load_optimizer(optimizer, state: dict, template: dict, model_weights: dict, 
     saved apart); so is a state saved by another chain of optimizers (``_other_chain``: another EP size).
     ``rebuild``: rebuild on the template whatever the kinds (some state is fresh: the checkpoint was saved under
     other freeze flags, with other parameter groups)."""
-    if rebuild or _optimizer_kind(saved_run) != _own_kind(args) or _other_chain(template, state):
+    if rebuild or _optimizer_kind(saved_run) != _own_kind(plan) or _other_chain(template, state):
         state = _rebuilt(template, state, torch.tensor(_saved_step(state)), model_weights)
     with contextlib.ExitStack() as stack:
         for opt in getattr(optimizer, "chained_optimizers", [optimizer]):

@@ -17,6 +17,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core import optimizer as mcore_optimizer
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
 from .state import model_sharded_state_dict
@@ -24,8 +25,6 @@ from .state import model_sharded_state_dict
 
 def per_parameter_steps() -> bool:
     """Whether megatron-core's Adam is torch's, which counts steps per parameter (not TE/apex's fused one)."""
-    from megatron.core import optimizer as mcore_optimizer
-
     return bool(mcore_optimizer.USING_PYTORCH_OPTIMIZER)
 
 

@@ -12,7 +12,10 @@ import time
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
-from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from megatron.core.dist_checkpointing.strategies.torch import (MCoreSavePlanner, TorchDistSaveShardedStrategy,
+                                                               _replace_state_dict_keys_with_sharded_keys,
+                                                               mcore_to_pyt_state_dict)
+from torch.distributed import checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from omnibal_ext.errors import RunStopped
@@ -33,19 +36,21 @@ class _PeerFailed(Exception):
     """Raised on the ranks that wait for a rank whose part of a save failed first."""
 
 
-def save_checkpoint(args, plan, iteration: int, consumed_samples: int, model, optimizer, scheduler, train_data) -> None:
-    """Save iteration ``iteration`` under ``args.save`` atomically (see the module docstring); every rank calls it."""
-    root = args.save
+def save_checkpoint(plan, iteration: int, consumed_samples: int, model, optimizer, scheduler, train_data) -> None:
+    """Save iteration ``iteration`` of the run ``plan`` (a RunPlan) under its --save folder atomically (see the
+    module docstring); every rank calls it."""
+    ckpt = plan.config.checkpoint
+    root = ckpt.save
     tmp = _fresh_folder(root, iteration)
     with one_step_for_save(model, optimizer) as param_steps:  # megatron-core saves one Adam step for all
         sd = sharded_state_dict(model, optimizer, with_optimizer=True, is_loading=False)
         sd.update({"rng": rng_object(rng_state()), "iteration": iteration, "consumed_samples": consumed_samples,
                    "scheduler": scheduler.state_dict(), "data": to_tensors(train_data.state_dict()),
-                   "run": run_description(args, plan), "param_steps": param_steps})
+                   "run": run_description(plan), "param_steps": param_steps})
         sd.update(data_objects(train_data, for_loading=False))  # a per-data-parallel-rank position (Energon's)
         _write(sd, root, tmp, iteration)
     fault_point("save", iteration)
-    _publish(root, iteration, args.keep_checkpoints)
+    _publish(root, iteration, ckpt.keep_checkpoints)
 
 
 def _write(sd: dict, root: str, tmp: str, iteration: int) -> None:
@@ -183,10 +188,6 @@ class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
     stage = "common"  # then "shards" (in this strategy's save), then "written"
 
     def save(self, sharded_state_dict, checkpoint_dir) -> None:
-        from megatron.core.dist_checkpointing.strategies.torch import (
-            MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
-        from torch.distributed import checkpoint as dcp
-
         self.stage = "shards"
         failed = [None] * dist.get_world_size()
         dist.all_gather_object(failed, None)  # where a rank whose common state failed meets the others

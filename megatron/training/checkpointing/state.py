@@ -7,6 +7,7 @@ import numpy as np
 import torch
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.utils import unwrap_model
 
 from .layout import FORMAT
@@ -29,12 +30,13 @@ def describe_run(spec, tp: int = 1, pp: int = 1, dp: int = 1, layout: str | None
             "tokenizer": tokenizer, "hf": hf}
 
 
-def run_description(args, plan) -> dict:
-    """:func:`describe_run` of this run: its flags ``args`` and its RunPlan ``plan``."""
-    run = describe_run(plan.model_spec, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                       plan.data_parallel_size, plan.layout_flag, args.use_distributed_optimizer,
-                       args.bf16, args.seed, plan.tokenizer_model, plan.hf_meta)
-    return {**run, "cp": plan.context_parallel_size, "lora": plan.lora.to_dict() if plan.lora.on else None}
+def run_description(plan) -> dict:
+    """:func:`describe_run` of the run ``plan`` (a RunPlan)."""
+    parallel, lora = plan.config.parallel, plan.config.model.lora
+    run = describe_run(plan.model_spec, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                       parallel.data_parallel_size, plan.layout_flag, parallel.use_distributed_optimizer,
+                       plan.config.optim.bf16, plan.config.optim.seed, plan.tokenizer_model, plan.hf_meta)
+    return {**run, "cp": parallel.context_parallel_size, "lora": lora.to_dict() if lora.on else None}
 
 
 def world_of(run: dict) -> tuple:
@@ -68,8 +70,6 @@ def to_arrays(tree):
 
 
 def rng_state() -> dict:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
     state = {"python": random.getstate(), "numpy": to_tensors(np.random.get_state()), "torch": torch.get_rng_state(),
              "tracker": get_cuda_rng_tracker().get_states()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -78,8 +78,6 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
     random.setstate(state["python"])
     np.random.set_state(to_arrays(state["numpy"]))
     torch.set_rng_state(state["torch"])

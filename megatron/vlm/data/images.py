@@ -19,6 +19,25 @@ from PIL import Image
 from omnibal_ext.errors import UserError
 
 from .tiling import black_tile_tensor, count_tiles, dynamic_tiles, tiles_to_tensor
+from .video_sampling import VideoOverrides
+
+
+@dataclass(frozen=True)
+class MediaOverrides:
+    """The image and video flags of a run, as the families' rules read them (``DataSide.image_rule`` /
+    ``video_rule``); None: not given (the folder's processor file, else the family's default).
+
+    ``max_num_tiles`` / ``min_num_tiles``: tiles per image of a tiled family, thumbnail excluded
+    (``--max-num-tiles`` / ``--min-num-tiles``); ``min_pixels`` / ``max_pixels``: the area (px, height x width)
+    a native-resolution image is resized within (``--min-pixels`` / ``--max-pixels``); ``video``: the
+    ``--video-*`` flags.
+    """
+
+    max_num_tiles: int = 6
+    min_num_tiles: int = 1
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    video: VideoOverrides = VideoOverrides()
 
 
 class ImageRule:

@@ -46,11 +46,11 @@ class VideoOverrides:
     folder_fps: float = DEFAULT_FOLDER_FPS
 
     @classmethod
-    def from_args(cls, args) -> "VideoOverrides":
-        """The flags of a parsed ``pretrain_vlm.py`` namespace (see ``--video-*`` in ``arguments.py``)."""
-        return cls(fps=args.video_fps, min_frames=args.video_min_frames, max_frames=args.video_max_frames,
-                   max_pixels=args.video_max_pixels, total_pixels=args.video_total_pixels,
-                   folder_fps=args.video_folder_fps)
+    def from_args(cls, flags) -> "VideoOverrides":
+        """The flags of a parsed ``pretrain_vlm.py`` namespace (see ``--video-*`` in ``megatron/training/flags.py``)."""
+        return cls(fps=flags.video_fps, min_frames=flags.video_min_frames, max_frames=flags.video_max_frames,
+                   max_pixels=flags.video_max_pixels, total_pixels=flags.video_total_pixels,
+                   folder_fps=flags.video_folder_fps)
 
     def given(self) -> tuple[str, ...]:
         """The flags given (``--video-folder-fps`` when not its default)."""

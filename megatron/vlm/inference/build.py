@@ -27,11 +27,14 @@ from omnibal_ext.errors import UserError
 from omnibal_ext.model.units import family_of
 
 from megatron.training import checkpointing, setup
-from megatron.training.arguments import ArgumentError, parse_args, virtual_pipeline_size
-from megatron.training.initialize import (choose_device, distributed_timeout, initialize_distributed, set_seeds,
-                                          world_size_from_env)
-from megatron.training.run_plan import plan_run
-from megatron.training.tokenizer_setup import setup_tokenizer
+from megatron.training.arguments import parse_config
+from megatron.training.checkpointing import Checkpoint
+from megatron.training.config import RunConfig
+from megatron.training.flags import ArgumentError
+from megatron.training.initialize import choose_device, initialize_distributed, set_seeds, world_size_from_env
+from megatron.training.run_plan import RunPlan
+from megatron.training.tokenizer_setup import setup_tokenizer, tokenizer_folder
+from megatron.vlm.data.images import MediaOverrides
 from megatron.vlm.data.records import ReaderConfig
 from megatron.vlm.hf.convert import HFSource
 from megatron.vlm.hf.load import load_hf_into_stage
@@ -58,12 +61,12 @@ def generation_config_eos(folder: str | None) -> tuple[int, ...]:
     return tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]))
 
 
-def reader_config(args, spec, hf_folder: str | None) -> ReaderConfig:
+def reader_config(media: MediaOverrides, spec, hf_folder: str | None) -> ReaderConfig:
     """The trainer's reader settings for the model (its family's image rule, its video rule where it declares video,
-    with the image and ``--video-*`` flags of ``args``)."""
+    with the image and ``--video-*`` flags ``media``)."""
     data = runtime_family(spec).data
-    videos = data.video_rule(args, spec, hf_folder) if family_of(spec).capabilities.video and data.video_rule else None
-    return ReaderConfig(images=data.image_rule(args, spec, hf_folder), videos=videos)
+    videos = data.video_rule(media, spec, hf_folder) if family_of(spec).capabilities.video and data.video_rule else None
+    return ReaderConfig(images=data.image_rule(media, spec, hf_folder), videos=videos)
 
 
 def engine_for_stage(stage, tokenizer, config: ReaderConfig, pad_to_multiple: int, hf_folder: str | None = None,
@@ -91,87 +94,89 @@ def check_stage(stage) -> None:
                             f"local, --attention-backend auto); this model's LLM attention is {type(core).__name__}")
 
 
-def check_flags(args) -> None:
+def check_config(config: RunConfig) -> None:
     """The trainer's flags generation refuses (module docstring), naming them."""
-    if args.context_parallel_size > 1:
-        raise ArgumentError(f"--context-parallel-size {args.context_parallel_size}: generation runs without context "
-                            "parallelism (a decode step is one token per sequence)")
-    if virtual_pipeline_size(args) > 1:
+    parallel, model = config.parallel, config.model
+    if parallel.context_parallel_size > 1:
+        raise ArgumentError(f"--context-parallel-size {parallel.context_parallel_size}: generation runs without "
+                            "context parallelism (a decode step is one token per sequence)")
+    if parallel.virtual_pipeline_size > 1:
         raise ArgumentError("generation runs one stage per pipeline rank: drop --virtual-pipeline-model-parallel-size "
                             "(or give a --pipeline-layout of PP stages)")
-    if args.transformer_impl == "transformer_engine":
+    if model.transformer_impl == "transformer_engine":
         raise ArgumentError("--transformer-impl transformer_engine: generation keeps its KV cache in the packed-"
                             "sequence attention of megatron-core's torch layers (--transformer-impl local or auto)")
-    if args.attention_backend == "unfused":
+    if model.attention_backend == "unfused":
         raise ArgumentError("--attention-backend unfused: generation keeps its KV cache in the packed-sequence "
                             "attention (--attention-backend auto)")
-    if args.omnibal_partition == "auto":
+    if config.balance.partition == "auto":
         raise ArgumentError("--omnibal-partition auto profiles a training run: give the layout (--pipeline-layout)")
-    if not args.load and not args.hf_checkpoint:
+    if not config.checkpoint.load and not model.hf_checkpoint:
         raise ArgumentError("generation needs weights: give --hf-checkpoint DIR or --load CKPT")
 
 
 @dataclasses.dataclass(frozen=True)
 class GenerationSetup:
-    """What the flags give before the model is built: the checked ``args``, the run plan (model with its padded
-    vocabulary, layout, MoE settings), the tokenizer and the reader's settings (requests can be read and checked
-    now, before any weight is loaded), the device, the checkpoint to load (None: ``--hf-checkpoint``'s weights)."""
+    """What the flags give before the model is built: the run plan (the checked flags typed, the model with its
+    padded vocabulary, the layout), the tokenizer and the reader's settings (requests can be read and checked now,
+    before any weight is loaded), the device, the checkpoint to load (None: ``--hf-checkpoint``'s weights)."""
 
-    args: object
-    plan: object
+    plan: RunPlan
     tokenizer: object
     reader: ReaderConfig
     device: torch.device
-    resume: object = None
+    resume: Checkpoint | None = None
 
 
 def prepare(argv: list[str], world_size: int | None = None) -> GenerationSetup:
     """Parse and check the trainer flags ``argv`` (module docstring), start the process groups (torchrun's world;
     inside ``cpu_compat.patched`` on CPU), make the plan, the tokenizer and the reader's settings."""
     world_size = world_size or world_size_from_env()
-    args = parse_args(argv, world_size)
-    check_flags(args)
-    device = choose_device(args.device)
-    initialize_distributed(device, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                           ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
-                           timeout=distributed_timeout(args))
-    set_seeds(args.seed)
-    plan = plan_run(args, world_size, device)
-    resume = checkpointing.find_checkpoint(args.load, args.ckpt_step) if args.load else None
-    if args.load and resume is None:
-        raise UserError(f"--load {args.load}: no checkpoint there")
-    tokenizer, plan = setup_tokenizer(args, plan)
-    plan = dataclasses.replace(plan, layout=setup.choose_layout(args, plan))
-    return GenerationSetup(args, plan, tokenizer, reader_config(args, plan.model_spec, args.hf_checkpoint), device,
+    config = parse_config(argv, world_size)
+    check_config(config)
+    parallel, ckpt = config.parallel, config.checkpoint
+    device = choose_device(parallel.device)
+    initialize_distributed(device, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                           ep=parallel.expert_model_parallel_size, etp=parallel.expert_tensor_parallel_size,
+                           timeout=parallel.timeout)
+    set_seeds(config.optim.seed)
+    resume = checkpointing.find_checkpoint(ckpt.load, ckpt.ckpt_step) if ckpt.load else None
+    if ckpt.load and resume is None:
+        raise UserError(f"--load {ckpt.load}: no checkpoint there")
+    tokenizer, spec = setup_tokenizer(config)
+    plan = setup.build_run_plan(config, spec, device, tokenizer_model=tokenizer_folder(config))
+    return GenerationSetup(plan, tokenizer, reader_config(config.data.media, spec, config.model.hf_checkpoint), device,
                            resume)
 
 
 def build_engine(setup: GenerationSetup) -> GenerationEngine:
     """This rank's stage of the setup's layout, its weights loaded, and its engine (module docstring)."""
-    args, plan, device = setup.args, setup.plan, setup.device
-    spec, tp, pp = plan.model_spec, args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    sequence_parallel = args.sequence_parallel or (spec.language.moe is not None and tp > 1)
+    plan, device = setup.plan, setup.device
+    config = plan.config
+    parallel, model = config.parallel, config.model
+    spec, tp, pp = plan.model_spec, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    sequence_parallel = parallel.sequence_parallel or (spec.language.moe is not None and tp > 1)
     impl = resolve_layer_impl("local", "auto", device, 1, torch_layers_only=True)
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    dtype = config.optim.params_dtype
     stage = build_stage(StageBuild(spec, plan.layout.stage_range(parallel_state.get_pipeline_model_parallel_rank()),
-                                   tp=tp, pp=pp, dtype=dtype, impl=impl, seed=args.seed,
+                                   tp=tp, pp=pp, dtype=dtype, impl=impl, seed=config.optim.seed,
                                    img_context_id=setup.tokenizer.img_context_id, on_cpu=device.type == "cpu",
                                    output="logits", initialize=False, sequence_parallel=sequence_parallel,
-                                   lora=plan.lora, moe_run=plan.moe_run))
+                                   lora=model.lora, moe_run=model.moe_run))
     stage.to(device=device, dtype=dtype)
     if setup.resume is not None:
         checkpointing.load_weights(setup.resume, plan, [stage])
-        source = f"--load {args.load}"
+        source = f"--load {config.checkpoint.load}"
     else:
-        hf_source = HFSource.open(args.hf_checkpoint)
+        hf_source = HFSource.open(model.hf_checkpoint)
         hf_source.spec = spec  # the vocabulary may be padded further for TP
         load_hf_into_stage(stage, hf_source)
-        source = f"--hf-checkpoint {args.hf_checkpoint}"
+        source = f"--hf-checkpoint {model.hf_checkpoint}"
     if dist.get_rank() == 0:
-        print(f"> generation: model {spec.name} from {source}, TP={tp} PP={pp} EP={args.expert_model_parallel_size}, "
-              f"layout {plan.layout_flag}", flush=True)
+        print(f"> generation: model {spec.name} from {source}, TP={tp} PP={pp} "
+              f"EP={parallel.expert_model_parallel_size}, layout {plan.layout_flag}", flush=True)
     return engine_for_stage(stage, setup.tokenizer, setup.reader, tp if sequence_parallel else 1,
-                            args.hf_checkpoint or plan.tokenizer_model)
+                            model.hf_checkpoint or plan.tokenizer_model)
 
 
 def generator_from_args(argv: list[str], world_size: int | None = None) -> GenerationEngine:

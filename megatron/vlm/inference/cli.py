@@ -48,11 +48,11 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def sampling_of(args) -> SamplingParams:
+def sampling_of(opts) -> SamplingParams:
     """The command's sampling flags (a ``UserError`` naming the flag when one is out of range)."""
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.sampling_seed, stop=tuple(args.stop),
-                            stop_token_ids=tuple(args.stop_token_id), ignore_eos=args.ignore_eos)
+    params = SamplingParams(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_p=opts.top_p,
+                            top_k=opts.top_k, seed=opts.sampling_seed, stop=tuple(opts.stop),
+                            stop_token_ids=tuple(opts.stop_token_id), ignore_eos=opts.ignore_eos)
     try:
         params.check()
     except ValueError as e:
@@ -62,43 +62,43 @@ def sampling_of(args) -> SamplingParams:
     return params
 
 
-def request_lines(args) -> tuple[list[str], str, list[str]]:
+def request_lines(opts) -> tuple[list[str], str, list[str]]:
     """(JSONL lines, the folder their media paths are relative to, each line's name in errors)."""
-    if (args.input is None) == (args.prompt is None):
+    if (opts.input is None) == (opts.prompt is None):
         raise UserError("give --input IN.jsonl or --prompt TEXT (one of them)")
-    if args.input is not None:
-        if args.image or args.video or args.system:
+    if opts.input is not None:
+        if opts.image or opts.video or opts.system:
             raise UserError("--image, --video and --system go with --prompt; --input's records name their own media")
-        if not os.path.isfile(args.input):
-            raise UserError(f"--input {args.input}: no such file")
-        with open(args.input) as f:
+        if not os.path.isfile(opts.input):
+            raise UserError(f"--input {opts.input}: no such file")
+        with open(opts.input) as f:
             lines = f.read().splitlines()
-        return lines, os.path.dirname(os.path.abspath(args.input)), [f"{args.input}:{i + 1}" for i in range(len(lines))]
-    text = args.prompt
-    tags = "".join("<image>" for _ in args.image if "<image>" not in text) + \
-        "".join("<video>" for _ in args.video if "<video>" not in text)
-    messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+        return lines, os.path.dirname(os.path.abspath(opts.input)), [f"{opts.input}:{i + 1}" for i in range(len(lines))]
+    text = opts.prompt
+    tags = "".join("<image>" for _ in opts.image if "<image>" not in text) + \
+        "".join("<video>" for _ in opts.video if "<video>" not in text)
+    messages = ([{"role": "system", "content": opts.system}] if opts.system else []) + \
         [{"role": "user", "content": tags + text}]
     record = {"messages": messages}
-    if args.image:
-        record["images"] = [os.path.abspath(p) for p in args.image]
-    if args.video:
-        record["videos"] = [os.path.abspath(p) for p in args.video]
+    if opts.image:
+        record["images"] = [os.path.abspath(p) for p in opts.image]
+    if opts.video:
+        record["videos"] = [os.path.abspath(p) for p in opts.video]
     return [json.dumps(record)], os.getcwd(), ["--prompt"]
 
 
-def run_generate(args) -> int:
+def run_generate(opts) -> int:
     # the trainer loads here, not when `omnibal` starts (its planner commands are torch-free)
     from megatron.training import cpu_compat
     from megatron.training.arguments import requested_device
     from megatron.training.initialize import choose_device, destroy
 
-    params = sampling_of(args)
-    lines, root, names = request_lines(args)
-    flags = list(args.trainer_flags)
+    params = sampling_of(opts)
+    lines, root, names = request_lines(opts)
+    flags = list(opts.trainer_flags)
     with cpu_compat.patched_for(choose_device(requested_device(flags))):  # a CPU run: teardown included
         try:
-            return _generate(flags, lines, root, names, params, args.output)
+            return _generate(flags, lines, root, names, params, opts.output)
         finally:
             destroy()
 

@@ -37,27 +37,27 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def run_serve(opts: argparse.Namespace) -> int:
     # the server stack and the trainer load here, not when `omnibal` starts (its planner commands need neither)
     from megatron.training import cpu_compat
     from megatron.training.arguments import requested_device
     from megatron.training.initialize import choose_device, destroy
     from megatron.vlm.inference.server import ServerConfig, bind_listener
 
-    for flag, value in (("--max-batch-size", args.max_batch_size), ("--max-waiting", args.max_waiting),
-                        ("--default-max-new-tokens", args.default_max_new_tokens)):
+    for flag, value in (("--max-batch-size", opts.max_batch_size), ("--max-waiting", opts.max_waiting),
+                        ("--default-max-new-tokens", opts.default_max_new_tokens)):
         if value < 1:
             raise UserError(f"{flag} must be >= 1, got {value}")
-    if not 0 <= args.port <= 65535:
-        raise UserError(f"--port must be in [0, 65535], got {args.port}")
-    config = ServerConfig(args.host, args.port, args.max_batch_size, args.max_waiting, args.media_dir)
-    flags = list(args.trainer_flags)
+    if not 0 <= opts.port <= 65535:
+        raise UserError(f"--port must be in [0, 65535], got {opts.port}")
+    config = ServerConfig(opts.host, opts.port, opts.max_batch_size, opts.max_waiting, opts.media_dir)
+    flags = list(opts.trainer_flags)
     # rank 0 takes its port before the model loads: a port in use is refused before minutes of loading
-    listener = bind_listener(args.host, args.port) if int(os.environ.get("RANK", "0")) == 0 else None
+    listener = bind_listener(opts.host, opts.port) if int(os.environ.get("RANK", "0")) == 0 else None
     try:
         with cpu_compat.patched_for(choose_device(requested_device(flags))):  # a CPU run: teardown included
             try:
-                _serve(flags, config, listener, args.served_model_name, args.default_max_new_tokens)
+                _serve(flags, config, listener, opts.served_model_name, opts.default_max_new_tokens)
             finally:
                 destroy()
     finally:
@@ -71,8 +71,8 @@ def _serve(flags: list[str], config, listener, name: str | None, default_max_new
     from megatron.vlm.inference.server import serve_layout
 
     setup = prepare(flags)  # the trainer's checks and generation's refusals, before the model is built
-    hf = setup.args.hf_checkpoint
-    name = name or (os.path.basename(os.path.normpath(hf)) if hf else setup.args.model)
+    hf = setup.plan.config.model.hf_checkpoint
+    name = name or (os.path.basename(os.path.normpath(hf)) if hf else setup.plan.config.model.spec.name)
     model = served_model(setup, name, default_max_new_tokens)
     engine = build_engine(setup)
     serve_layout(engine, model, config, listener=listener, on_listening=lambda url: print(
@@ -94,7 +94,7 @@ def served_model(setup, name: str, default_max_new_tokens: int):
     def count_prompt_tokens(request) -> int:
         return read_prompts([json.dumps(request.record())], "/", tokenizer, setup.reader, ["the request"])[0].length
 
-    return ServedModel(name, setup.args.seq_length, count_prompt_tokens, default_max_new_tokens)
+    return ServedModel(name, setup.plan.config.data.seq_length, count_prompt_tokens, default_max_new_tokens)
 
 
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:
@@ -130,31 +130,31 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def run_eval(args: argparse.Namespace) -> int:
+def run_eval(opts: argparse.Namespace) -> int:
     from megatron.vlm.inference.eval_task import read_task
     from megatron.vlm.inference.evaluate import evaluate_with_client, served_model_of, write_report
 
-    if args.max_new_tokens < 1 or args.concurrency < 1 or (args.limit is not None and args.limit < 1):
+    if opts.max_new_tokens < 1 or opts.concurrency < 1 or (opts.limit is not None and opts.limit < 1):
         raise UserError("--max-new-tokens, --concurrency and --limit must be >= 1")
-    lmms = args.backend == "lmms-eval"
-    if not lmms and (args.lmms_eval_python or args.work_dir):
+    lmms = opts.backend == "lmms-eval"
+    if not lmms and (opts.lmms_eval_python or opts.work_dir):
         raise UserError("--lmms-eval-python and --work-dir go with --backend lmms-eval")
-    if lmms and args.lmms_eval_python is None:
+    if lmms and opts.lmms_eval_python is None:
         raise UserError("--backend lmms-eval needs --lmms-eval-python VENV/bin/python (lmms-eval's own environment)")
-    samples = read_task(args.task, args.limit)
+    samples = read_task(opts.task, opts.limit)
     if lmms:
         from megatron.vlm.inference.lmms_eval_task import LmmsEvalRun, run_lmms_eval
 
-        work_dir = args.work_dir or tempfile.mkdtemp(prefix="omnibal-lmms-eval-")
-        run = LmmsEvalRun(args.lmms_eval_python, work_dir, args.concurrency)
-        model = args.served_model or served_model_of(args.server)
-        report = run_lmms_eval(samples, args.task, args.server, model, run, args.max_new_tokens)
+        work_dir = opts.work_dir or tempfile.mkdtemp(prefix="omnibal-lmms-eval-")
+        run = LmmsEvalRun(opts.lmms_eval_python, work_dir, opts.concurrency)
+        model = opts.served_model or served_model_of(opts.server)
+        report = run_lmms_eval(samples, opts.task, opts.server, model, run, opts.max_new_tokens)
         print(f"lmms-eval's task, log and results: {os.path.abspath(work_dir)}")
     else:
-        report = evaluate_with_client(samples, args.server, args.task, args.served_model, args.max_new_tokens,
-                                      args.concurrency, args.media)
+        report = evaluate_with_client(samples, opts.server, opts.task, opts.served_model, opts.max_new_tokens,
+                                      opts.concurrency, opts.media)
     print(report.summary())
-    if args.output:
-        write_report(report, args.output)
-        print(f"report written to {args.output}")
+    if opts.output:
+        write_report(report, opts.output)
+        print(f"report written to {opts.output}")
     return 0

@@ -128,7 +128,7 @@ class VLMStage(MegatronModule):
         spec = build.spec
         units = build_units(spec)
         unit_range = build.unit_range
-        self.build_args = build
+        self.stage_build = build
         self.spec = spec
         self.model_type = ModelType.encoder_or_decoder
         # Read by megatron's finalize_model_grads: its embedding group (first and last stage) cannot say
@@ -209,7 +209,7 @@ class VLMStage(MegatronModule):
                         p.requires_grad_(False)
         if trains is None:
             return 0, False, -1
-        lora = self.build_args.lora
+        lora = self.stage_build.lora
         first_trained = next((u.index for u in self.ctx.units if trains[u.index] or lora.linears(u.code)),
                              len(trains))
         if role_trains.get(PROJECTOR, False):  # a side tensor's producer holds a merger of the projector's role
@@ -312,7 +312,7 @@ class VLMStage(MegatronModule):
         """Rows of side tensor ``side`` in ``batch`` on this rank (host ints only: ``DataSide.side_rows``)."""
         if side.rows != "image_tokens":
             raise ValueError(f"side tensor {side.name!r}: rows {side.rows!r} unknown (\"image_tokens\")")
-        cp = self.build_args.cp
+        cp = self.stage_build.cp
         if cp > 1:
 
             return self.side_rows(self.spec, batch, cp, parallel_state.get_context_parallel_rank())

@@ -5,11 +5,11 @@ Every family reads the same formats (``records.py``: meta JSON or an annotation 
 
 * ``image_tokens``: the strings of its image start, end and context (placeholder) tokens, which the tokenizer
   must know (``megatron.vlm.data.tokenizer.build_tokenizer``);
-* ``image_rule(args, spec, hf_folder)``: its ``ImageRule`` (``images.py``), how the reader turns an image into
+* ``image_rule(media, spec, hf_folder)``: its ``ImageRule`` (``images.py``), how the reader turns an image into
   ViT items and LLM image tokens; the rule's ``tokens_per_item`` serves the loader's image-token check (None:
   the batcher checks itself);
-* ``video_rule(args, spec, hf_folder)``: its ``VideoRule`` (``video.py``: the frames it takes of a video, the text
-  and image blocks they become, their pixels), from the ``--video-*`` flags (``VideoOverrides.from_args``) over the
+* ``video_rule(media, spec, hf_folder)``: its ``VideoRule`` (``video.py``: the frames it takes of a video, the text
+  and image blocks they become, their pixels), from the ``--video-*`` flags (``media.video``) over the
   folder's video processor file; None (the default): no video rule, and the reader refuses video records.  Used
   only where the family declares ``Capabilities.video``;
 * ``batcher(spec, image_token_id, rule)``: the picklable maker of micro-batches, a ``Batcher`` (its ``make``
@@ -28,7 +28,6 @@ Every family reads the same formats (``records.py``: meta JSON or an annotation 
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,7 +39,7 @@ from megatron.vlm.parallel.context_parallel import split_batch, tile_ranges
 from megatron.vlm.stage.micro_batch import MicroBatch, TileVision
 
 from megatron.vlm.data.collate import collate_packed, collate_padded
-from megatron.vlm.data.images import ImageRule, TileImages
+from megatron.vlm.data.images import ImageRule, MediaOverrides, TileImages
 from megatron.vlm.data.video import VideoRule
 from megatron.vlm.data.tokenizer import IMG_CONTEXT, IMG_END, IMG_START
 
@@ -70,10 +69,10 @@ class Batcher:
         return split_batch(batch, cp, rank, pad_id, img_context_id, sp_tp)
 
 
-def tiled_images(args, spec, hf_folder: str | None) -> TileImages:
+def tiled_images(media: MediaOverrides, spec, hf_folder: str | None) -> TileImages:
     """Dynamic tiles of the ViT's image size, ``spec.tokens_per_tile`` tokens each, --min/--max-num-tiles per image."""
     return TileImages(image_size=spec.vision.image_size, tokens_per_tile=spec.tokens_per_tile,
-                      max_num_tiles=args.max_num_tiles, min_num_tiles=args.min_num_tiles)
+                      max_num_tiles=media.max_num_tiles, min_num_tiles=media.min_num_tiles)
 
 
 def tiled_side_rows(spec, batch: MicroBatch, cp: int, cp_rank: int) -> int:
@@ -97,12 +96,12 @@ def vit_image_px(spec: ModelSpec) -> int:
 
 
 class ImageRuleOf(Protocol):
-    def __call__(self, args: argparse.Namespace, spec: ModelSpec, hf_folder: str | None) -> ImageRule:
+    def __call__(self, media: MediaOverrides, spec: ModelSpec, hf_folder: str | None) -> ImageRule:
         """The reader's image rule for ``spec`` (the folder's processor settings under the run's flags)."""
 
 
 class VideoRuleOf(Protocol):
-    def __call__(self, args: argparse.Namespace, spec: ModelSpec, hf_folder: str | None) -> VideoRule:
+    def __call__(self, media: MediaOverrides, spec: ModelSpec, hf_folder: str | None) -> VideoRule:
         """The reader's video rule for ``spec`` (the folder's video processor settings under the --video-* flags)."""
 
 

@@ -26,6 +26,7 @@ from PIL import Image
 
 from megatron.vlm.data.template import IMAGE_PLACEHOLDER
 from megatron.vlm.data.tiling import tiles_to_tensor
+from megatron.vlm.data.images import MediaOverrides
 from megatron.vlm.data.video import VideoRule
 from megatron.vlm.data.video_sampling import DEFAULT_VIDEO_FPS, VideoOverrides, VideoSettings, video_settings
 
@@ -91,7 +92,7 @@ class FramesAsTiles(VideoRule):
         return tiles_to_tensor([Image.fromarray(f).resize((size, size), Image.Resampling.BICUBIC) for f in frames])
 
 
-def video_rule(args, spec, hf_folder) -> FramesAsTiles:
+def video_rule(media: MediaOverrides, spec, hf_folder) -> FramesAsTiles:
     """The reader's video rule (``DataSide.video_rule``): frames as tiles of the ViT's image size, the frame
     flags over the fine-tuning defaults."""
-    return FramesAsTiles(settings(VideoOverrides.from_args(args)), spec.vision.image_size)
+    return FramesAsTiles(settings(media.video), spec.vision.image_size)

@@ -34,8 +34,7 @@ from .batch import IMAGE, VIDEO, QwenVision, vision_fields
 from .image_processing import ImageProcessorConfig, preprocess_image, resized_grid
 from .positions import mrope_position_ids, video_time_step
 from .video import QwenFrames, check_geometry as check_video_geometry, settings as video_settings
-from megatron.vlm.data.images import ImageRule
-from megatron.vlm.data.video_sampling import VideoOverrides
+from megatron.vlm.data.images import ImageRule, MediaOverrides
 from megatron.vlm.layers.drop_path import image_patch_keys
 from megatron.vlm.parallel.context_parallel import padded_layout, split_tokens
 from megatron.vlm.stage.data_side import Batcher, DataSide
@@ -73,25 +72,25 @@ class PatchImages(ImageRule):
         return torch.zeros(0, self.processor.patch_dim)
 
 
-def processor_config(args, hf_folder: str | None) -> ImageProcessorConfig:
+def processor_config(media: MediaOverrides, hf_folder: str | None) -> ImageProcessorConfig:
     """The folder's image processor settings (else transformers' defaults) with --min-pixels/--max-pixels."""
-    return with_pixel_flags(args, ImageProcessorConfig.from_folder(hf_folder) if hf_folder else ImageProcessorConfig())
+    return with_pixel_flags(media, ImageProcessorConfig.from_folder(hf_folder) if hf_folder else ImageProcessorConfig())
 
 
-def with_pixel_flags(args, config: ImageProcessorConfig) -> ImageProcessorConfig:
+def with_pixel_flags(media: MediaOverrides, config: ImageProcessorConfig) -> ImageProcessorConfig:
     """``config`` with the pixel budget of --min-pixels/--max-pixels where given (px)."""
 
-    given = {k: v for k, v in (("min_pixels", getattr(args, "min_pixels", None)),
-                               ("max_pixels", getattr(args, "max_pixels", None))) if v is not None}
+    given = {k: v for k, v in (("min_pixels", media.min_pixels),
+                               ("max_pixels", media.max_pixels)) if v is not None}
     try:
         return dataclasses.replace(config, **given)
     except UserError as e:
         raise UserError(f"--min-pixels/--max-pixels: {e}") from None
 
 
-def image_rule(args, spec, hf_folder) -> PatchImages:
+def image_rule(media: MediaOverrides, spec, hf_folder) -> PatchImages:
     """The reader's image rule (``DataSide.image_rule``): patches by the folder's processor settings."""
-    return PatchImages(processor_config(args, hf_folder))
+    return PatchImages(processor_config(media, hf_folder))
 
 
 class QwenBatcher(Batcher):
@@ -286,11 +285,11 @@ def profile_batch(spec, shape, image_token_id: int, device, pad_to_multiple: int
     return maker.micro_batch(maker.make(samples, 0, True, pad_to_multiple)).to(device)
 
 
-def video_rule(args, spec, hf_folder) -> QwenFrames:
+def video_rule(media: MediaOverrides, spec, hf_folder) -> QwenFrames:
     """The reader's video rule (``DataSide.video_rule``): the folder's video processor settings with the
     ``--video-*`` flags, pixel values as its image processor (``preprocessor_config.json``) makes them."""
-    return QwenFrames(check_video_geometry(video_settings(hf_folder, VideoOverrides.from_args(args)), spec, hf_folder),
-                      processor_config(args, hf_folder))
+    return QwenFrames(check_video_geometry(video_settings(hf_folder, media.video), spec, hf_folder),
+                      processor_config(media, hf_folder))
 
 
 def digits_image_px(spec) -> int:

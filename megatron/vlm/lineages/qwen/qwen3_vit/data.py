@@ -36,7 +36,7 @@ from omnibal_ext.errors import UserError
 from .batch import Qwen3Vision, vision_fields
 from .image_processing import PUBLISHED, folder_config
 from .video import Qwen3Frames, settings as video_settings
-from megatron.vlm.data.video_sampling import VideoOverrides
+from megatron.vlm.data.images import MediaOverrides
 from megatron.vlm.lineages.qwen.data import (IMAGE_TOKENS, PatchImages, QwenBatcher,
                                              profile_batch as qwen_profile_batch, with_pixel_flags)
 from megatron.vlm.lineages.qwen.image_processing import ImageProcessorConfig
@@ -60,7 +60,7 @@ def check_geometry(config: ImageProcessorConfig, spec, where: str) -> None:
             raise UserError(f"{where}: {name} {ours}, but the model's ViT ({spec.name}) has {model}")
 
 
-def processor_config(args, spec, hf_folder: str | None) -> ImageProcessorConfig:
+def processor_config(media: MediaOverrides, spec, hf_folder: str | None) -> ImageProcessorConfig:
     """The folder's image processor settings (required), or the published ones without a folder (said on rank 0),
     with --min-pixels/--max-pixels."""
     if hf_folder:
@@ -72,12 +72,12 @@ def processor_config(args, spec, hf_folder: str | None) -> ImageProcessorConfig:
                   f"mean/std {config.image_mean[0]}/{config.image_std[0]}, {config.min_pixels}..{config.max_pixels} "
                   "px per image (--min-pixels/--max-pixels change the budget)", flush=True)
     check_geometry(config, spec, where)
-    return with_pixel_flags(args, config)
+    return with_pixel_flags(media, config)
 
 
-def image_rule(args, spec, hf_folder) -> PatchImages:
+def image_rule(media: MediaOverrides, spec, hf_folder) -> PatchImages:
     """The reader's image rule (``DataSide.image_rule``): patches by ``processor_config``."""
-    return PatchImages(processor_config(args, spec, hf_folder))
+    return PatchImages(processor_config(media, spec, hf_folder))
 
 
 class Qwen3Batcher(QwenBatcher):
@@ -110,11 +110,11 @@ def side_rows(spec, batch: MicroBatch, cp: int, cp_rank: int) -> int:
 profile_batch = functools.partial(qwen_profile_batch, batcher=Qwen3Batcher)
 """The trainer profiler's micro-batch (``qwen2_5_vl.data.profile_batch``) made by ``Qwen3Batcher``."""
 
-def video_rule(args, spec, hf_folder) -> Qwen3Frames:
+def video_rule(media: MediaOverrides, spec, hf_folder) -> Qwen3Frames:
     """The reader's video rule (``DataSide.video_rule``): the folder's video processor settings with the
     ``--video-*`` flags, pixel values as its image processor makes them."""
-    return Qwen3Frames(check_video_geometry(video_settings(hf_folder, VideoOverrides.from_args(args)), spec, hf_folder),
-                       processor_config(args, spec, hf_folder))
+    return Qwen3Frames(check_video_geometry(video_settings(hf_folder, media.video), spec, hf_folder),
+                       processor_config(media, spec, hf_folder))
 
 
 def digits_image_px(spec) -> int:
