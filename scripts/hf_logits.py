@@ -66,7 +66,7 @@ def main(argv=None) -> int:
             try:
                 src = HFSource.open(args.hf_checkpoint)
                 parse_flags(trainer_argv(args, sequence_parallel=src.spec.language.moe is not None and tp > 1),
-                           world_size=int(os.environ.get("WORLD_SIZE", "1")))
+                            world_size=int(os.environ.get("WORLD_SIZE", "1")))
                 layout = parse_layout(args.pipeline_layout, src.spec, pp) if args.pipeline_layout else \
                     default_layout(src.spec, pp)
                 initialize_distributed(torch.device("cpu"), tp, pp, ep=ep, etp=etp)

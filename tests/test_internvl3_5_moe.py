@@ -6,6 +6,7 @@ within 1e-5 of transformers (fp32, eager) at every pipeline cut in one process, 
 to matter, import -> export bit-identical and loaded by transformers; EP2, TP2, PP2 and EP2 x TP2 through
 ``scripts/hf_logits.py`` under torchrun (slow)."""
 import json
+import re
 import shutil
 import sys
 
@@ -201,14 +202,17 @@ def test_hf_logits_script_under_torchrun(tiny, tmp_path):
         assert (got - want).abs().max() <= TOL, parallel
 
 
-def test_hf_logits_refuses_an_expert_grid_naming_the_flag(tiny, tmp_path):
+def test_hf_logits_refuses_an_expert_grid_naming_the_flag(tiny, tmp_path, monkeypatch, capsys):
+    """EP 4 over 6 experts: the trainer's parse-time check, before any weight is read or process group started."""
     sys.path.insert(0, str(hf_tiny.__file__).rsplit("/tests/", 1)[0] + "/scripts")
     import hf_logits
-    from megatron.vlm.hf.configs import read_config, spec_from_config
 
-    spec, _ = spec_from_config(read_config(str(tiny["topk-raw"][0])))
-    with pytest.raises(UserError, match="--expert-model-parallel-size 4.*does not divide the 6 experts"):
-        hf_logits.check_experts(spec, 1, 1, 4, 1)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    code = hf_logits.main(["--hf-checkpoint", str(tiny["topk-raw"][0]), "--inputs", str(tmp_path / "absent.pt"),
+                           "--out", str(tmp_path / "out.pt"), "--expert-model-parallel-size", "4"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hf_logits: error:")]
+    assert code == 1 and len(err) == 1, err
+    assert re.search(r"--expert-model-parallel-size.*4.*6 experts", err[0]), err[0]
 
 
 # --------------------------------------------------------------------------------------------------

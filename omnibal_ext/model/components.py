@@ -19,14 +19,10 @@ scattered (its backward all-gathers).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ..errors import UserError
 from .shape import MicroBatchShape
 from .spec import LanguageSpec, ModelSpec
-
-if TYPE_CHECKING:  # a kind declares its cost class (unit_kind imports this module)
-    from .unit_kind import UnitKind
 
 
 @dataclass(frozen=True)
@@ -81,7 +77,7 @@ class CostComponent:
     efficiency: float = 0.5
     memory_bound: bool = False
 
-    def __init__(self, spec: ModelSpec, unit_kind: UnitKind):
+    def __init__(self, spec: ModelSpec, unit_kind: "UnitKind"):  # noqa: F821 (unit_kind imports this module)
         self.spec = spec
         self.unit_kind = unit_kind
 
