@@ -111,3 +111,15 @@ def test_data_line_says_what_each_side_measured():
     assert "ISF groups: pad ratio 0.000, Dist ratio LLM 0.010 / ViT 0.020" in line
     assert "random batches of the same samples: 0.200, 0.300 / 0.400" in line
     assert "no step logged" in level_summary.data_line(level_summary.DataLevel(False, None, None))
+
+
+def test_model_level_without_a_default_layout_at_the_split():
+    """Four virtual stages but two LLM layers: Megatron's default split does not exist; the given layout is kept."""
+    from megatron.training import level_summary
+    from omnibal_ext.model.layout import parse_layout
+
+    spec, costs = _reference()
+    layout = parse_layout("Iv*4PEt|t*3L", spec, 2)
+    level = level_summary.model_level(spec, layout, 2, 8, costs, searched=False)
+    assert level.default is None and level.chosen.stage_times_s == pytest.approx(_stage_sums(costs, (8, 4)))
+    assert "(none at this split)" in level_summary.model_line(level)

@@ -19,7 +19,7 @@ from typing import Mapping
 
 from omnibal_ext.memory.recompute import RecomputePlan, evaluate_plan, full_recompute_plan
 from omnibal_ext.model.costs import CostTable
-from omnibal_ext.model.layout import PipelineLayout, default_layout
+from omnibal_ext.model.layout import LayoutError, PipelineLayout, default_layout
 from omnibal_ext.model.partition import PartitionReport, evaluate_layout
 from omnibal_ext.model.units import build_units
 
@@ -77,7 +77,9 @@ def data_line(level: DataLevel) -> str:
 def model_line(level: ModelLevel) -> str:
     how = "searched layout" if level.searched else "off (the given or default layout)"
     if level.chosen is None or level.default is None:
-        return f"model:  {how} {level.layout_flag}; no unit costs to predict its stage times"
+        why = "no unit costs to predict its stage times" if level.chosen is None else \
+            f"Megatron's default layout {level.default_flag}"
+        return f"model:  {how} {level.layout_flag}; {why}"
     c, d = level.chosen, level.default
     return (f"model:  {how} {level.layout_flag}: predicted bottleneck {_ms(max(c.stage_times_s))} per micro-batch, "
             f"bottleneck/mean {c.bottleneck_over_mean:.3f}; Megatron's default layout {level.default_flag}: "
@@ -106,10 +108,13 @@ def model_level(spec, layout: PipelineLayout, pp: int, vpp: int, costs: CostTabl
     """The model level of a run of ``spec`` at ``pp`` pipeline ranks (``vpp`` chunks each) trained on ``layout``;
     ``costs``: its unit costs (None: none measured)."""
     units = build_units(spec)
-    default = default_layout(spec, pp * vpp)
-    flags = (layout.to_flag(units), default.to_flag(units))
-    if costs is None:
-        return ModelLevel(searched, *flags, None, None)
+    try:
+        default = default_layout(spec, pp * vpp)
+    except LayoutError:  # too few LLM layers for Megatron's split at this many stages: a given layout only
+        default = None
+    flags = (layout.to_flag(units), default.to_flag(units) if default else "(none at this split)")
+    if costs is None or default is None:
+        return ModelLevel(searched, *flags, evaluate_layout(costs, layout, pp) if costs else None, None)
     return ModelLevel(searched, *flags, evaluate_layout(costs, layout, pp), evaluate_layout(costs, default, pp))
 
 
