@@ -63,12 +63,12 @@ def main(argv=None) -> int:
     ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size  # ETP None: TP
     try:
         with cpu_compat.patched():
+            src = HFSource.open(args.hf_checkpoint)  # the checks first: no process group yet to tear down
+            parse_flags(trainer_argv(args, sequence_parallel=src.spec.language.moe is not None and tp > 1),
+                        world_size=int(os.environ.get("WORLD_SIZE", "1")))
+            layout = parse_layout(args.pipeline_layout, src.spec, pp) if args.pipeline_layout else \
+                default_layout(src.spec, pp)
             try:
-                src = HFSource.open(args.hf_checkpoint)
-                parse_flags(trainer_argv(args, sequence_parallel=src.spec.language.moe is not None and tp > 1),
-                            world_size=int(os.environ.get("WORLD_SIZE", "1")))
-                layout = parse_layout(args.pipeline_layout, src.spec, pp) if args.pipeline_layout else \
-                    default_layout(src.spec, pp)
                 initialize_distributed(torch.device("cpu"), tp, pp, ep=ep, etp=etp)
                 set_seeds(0)  # megatron-core's model-parallel RNG (its blocks fork it under sequence parallelism)
                 inputs = torch.load(args.inputs, weights_only=True)

@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
         for sp in (False, True):
             args = build_parser().parse_args(["--tensor-model-parallel-size", "2", "--seed", "1", "--transformer-impl",
                                               "local"] + (["--sequence-parallel"] if sp else []))
-            table = profile_units(run_config(args, 1), spec, shape, 263, torch.device("cpu"), warmup=0, repeats=1)
+            table = profile_units(run_config(args, 2), spec, shape, 263, torch.device("cpu"), warmup=0, repeats=1)
             out["sp" if sp else "tp"] = {u.kind: {"act_bytes": u.act_bytes, "act_bytes_full": u.act_bytes_full,
                                                    "act_bytes_selective": u.act_bytes_selective}
                                          for u in table.units}
