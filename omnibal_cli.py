@@ -24,7 +24,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron.vlm.inference.commands import add_eval_parser, add_serve_parser
+from megatron.training import known_warnings
+
+known_warnings.silence()  # first: the imports below load megatron-core, which warns as it loads
+
+from megatron.vlm.inference.commands import add_eval_parser, add_serve_parser  # noqa: E402
 from omnibal_ext import cli as planner_cli
 from omnibal_ext.errors import UserError
 

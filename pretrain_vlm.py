@@ -8,14 +8,10 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 
-warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
-warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
-warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")  # megatron-core's own default
-warnings.filterwarnings("ignore", message=".*'pin_memory' argument is set as true but no accelerator.*")  # Energon's
+from megatron.training import known_warnings
 
-# the filters first: these imports load megatron-core, which warns as it loads
+known_warnings.silence()  # first: the imports below load megatron-core, which warns as it loads
 import torch.distributed as dist  # noqa: E402
 from megatron.core.utils import unwrap_model  # noqa: E402
 

@@ -8,8 +8,9 @@ CASES.json: a list of cases, each ``{"flags": the trainer's flags (--hf-checkpoi
 "out": a .pt}``, all for the same world size. Each case builds the engine (``megatron.vlm.inference.build``), runs
 the requests (and, with ``forced``, teacher-forced with those tokens, keeping each step's logits) and the rank that
 broadcasts the tokens (the last stage's TP rank 0 of data-parallel replica 0) writes ``{"tokens", "texts",
-"argmax", "gaps", "forced_argmax", "forced_logits", "prompt_ids"}``. Between cases megatron's model-parallel groups
-are torn down; the process group and the CPU patches stay.
+"argmax", "gaps", "forced_argmax", "forced_logits", "prompt_ids"}``. Between cases megatron-core's global state is
+reset (``initialize.reset_global_state``: every group but the world's destroyed, so that no case's gloo threads
+outlive it); the world's process group and the CPU patches stay.
 """
 from __future__ import annotations
 
@@ -52,9 +53,8 @@ def run_case(case: dict) -> None:
 
 
 def main(cases_file: str) -> int:
-    from megatron.core import parallel_state
     from megatron.training import cpu_compat
-    from megatron.training.initialize import destroy
+    from megatron.training.initialize import destroy, reset_global_state
 
     cases = json.loads(Path(cases_file).read_text())
     with cpu_compat.patched():
@@ -65,7 +65,7 @@ def main(cases_file: str) -> int:
                 except Exception:
                     print(f"generate_worker: case {k} ({' '.join(case['flags'])}) failed", flush=True)
                     raise
-                parallel_state.destroy_model_parallel()
+                reset_global_state()
         finally:
             destroy()
     return 0

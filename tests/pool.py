@@ -9,6 +9,10 @@ returns for a fresh launch). Between cases each rank puts its process back as it
 A case that fails returns its status and output (a traceback, or the ``error: ...`` line of a ``UserError``). A rank
 that dies, or a failed rank whose peers do not finish within ``GRACE_S`` (they wait in a collective), takes the pool
 down: it restarts for the next case. A case past its timeout kills the pool and raises ``subprocess.TimeoutExpired``.
+A case after which a rank holds more than ``MAX_THREADS`` OS threads also stops the pool (it restarts for the next
+case): megatron-core 0.16.1's MoE layers leave their last forward's router tensors, and through their autograd graph
+the run's model and process groups, alive after a run (about 48 idle gloo threads per MoE case on two ranks;
+docs/testing.md), and a thousand such threads slow every later case and fresh launch on a 2-core machine.
 
 The pools start when first asked for and stop at the end of the session (``shutdown``, from conftest.py).
 ``OMNIBAL_TEST_POOLS=0`` runs every case in fresh processes instead (``fresh_run``), to tell a pool problem from a
@@ -38,6 +42,7 @@ SIZES = (1, 2, 4)  # the pools' world sizes
 START_TIMEOUT_S = 600  # a rank's imports and rendezvous (minutes on a loaded machine)
 GRACE_S = 10  # how long the other ranks of a failed case may take to finish before the pool is taken down
 POLL_S = 0.02
+MAX_THREADS = 300  # OS threads a rank may hold after a case before the pool is restarted (a fresh rank: 4 to 9)
 
 
 @dataclass(frozen=True)
@@ -141,11 +146,13 @@ class WorkerPool:
             p.stdin.write(line)
             p.stdin.flush()
         done = [self.folder / f"case{case_id}.rank{r}.json" for r in range(self.nproc)]
-        deadline, failed_at, codes = time.monotonic() + timeout, None, {}
+        deadline, failed_at, codes, threads = time.monotonic() + timeout, None, {}, {}
         while len(codes) < self.nproc:
             for r, f in enumerate(done):
                 if r not in codes and f.exists():
-                    codes[r] = json.loads(f.read_text())["returncode"]
+                    done_r = json.loads(f.read_text())
+                    codes[r] = done_r["returncode"]
+                    threads[r] = done_r.get("threads", 0)
             if len(codes) == self.nproc:
                 break
             if failed_at is None and any(codes.values()):
@@ -166,7 +173,10 @@ class WorkerPool:
                                                 "".join(err))
             time.sleep(POLL_S)
         code = next((codes[r] for r in range(self.nproc) if codes[r]), 0)
-        return CaseRun(code, *self._output(case_id), time.perf_counter() - t0, True)
+        result = CaseRun(code, *self._output(case_id), time.perf_counter() - t0, True)
+        if max(threads.values()) > MAX_THREADS:  # leaked groups' gloo threads (module docstring)
+            self.stop()
+        return result
 
     def _output(self, case_id: int) -> tuple[list[str], list[str]]:
         """(standard output, standard error) of each rank in case ``case_id``."""

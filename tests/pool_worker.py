@@ -7,12 +7,13 @@ cases one after the other in this same process until its standard input closes.
 A case is one JSON line on standard input: ``{"id": N, "target": "module:function", "argv": [...], "cwd": DIR,
 "env": {...}}``. The rank runs ``function(argv)`` (an int exit status or None, as a command's ``main`` returns;
 ``SystemExit`` counts as its code, any other exception prints its traceback and counts as 1) with its file
-descriptors 1 and 2 in ``POOL_DIR/case<N>.rank<R>.out`` and ``.err``, and writes ``{"returncode": rc}`` to
-``POOL_DIR/case<N>.rank<R>.json`` when done. Around every case it puts the process back as it found it
-(``CaseState``): megatron-core's global state (``initialize.reset_global_state``), torch's seeds, default dtype,
-threads and grad mode, the registered families, the modules a case imported from outside the installed packages
-(plugin families), the environment, ``sys.path``, ``sys.argv`` and the working directory. The world's process group
-lives as long as the rank (``initialize.hold_world``: the entry points' teardown keeps it).
+descriptors 1 and 2 in ``POOL_DIR/case<N>.rank<R>.out`` and ``.err``, and writes ``{"returncode": rc, "threads":
+the OS threads it holds after the case}`` to ``POOL_DIR/case<N>.rank<R>.json`` when done. Around every case it puts
+the process back as it found it (``CaseState``): megatron-core's global state (``initialize.reset_global_state``),
+torch's seeds, default dtype, threads and grad mode, the registered families, the modules a case imported from
+outside the installed packages (plugin families), the environment, ``sys.path``, ``sys.argv`` and the working
+directory. The world's process group lives as long as the rank (``initialize.hold_world``: the entry points' teardown
+keeps it).
 """
 from __future__ import annotations
 
@@ -196,7 +197,8 @@ def serve(pool_dir: str) -> int:
             case = json.loads(line)
             code = run(case, pool_dir, rank)
             done = pool_dir / f"case{case['id']}.rank{rank}.json"
-            done.with_suffix(".tmp").write_text(json.dumps({"returncode": code}))
+            threads = len(os.listdir(f"/proc/{os.getpid()}/task")) if os.path.isdir("/proc/self/task") else 0
+            done.with_suffix(".tmp").write_text(json.dumps({"returncode": code, "threads": threads}))
             done.with_suffix(".tmp").rename(done)
     dist.destroy_process_group()
     return 0
