@@ -152,7 +152,7 @@ class WorkerPool:
                 if r not in codes and f.exists():
                     done_r = json.loads(f.read_text())
                     codes[r] = done_r["returncode"]
-                    threads[r] = done_r.get("threads", 0)
+                    threads[r] = done_r["threads"]
             if len(codes) == self.nproc:
                 break
             if failed_at is None and any(codes.values()):

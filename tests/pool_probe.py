@@ -15,6 +15,8 @@ import json
 import os
 import sys
 
+import pool_worker
+
 
 def main(argv: list[str]) -> int:
     import torch
@@ -52,7 +54,7 @@ def main(argv: list[str]) -> int:
                  "model_parallel": parallel_state.model_parallel_is_initialized(),
                  "rng_states": sorted(get_cuda_rng_tracker().get_states()),
                  "groups": len(dist.distributed_c10d._world.pg_map),
-                 "os_threads": len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None}
+                 "os_threads": pool_worker.os_threads()}
         if rank == 0:
             with open(argv[1], "w") as f:
                 json.dump(state, f)

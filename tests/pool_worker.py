@@ -163,6 +163,11 @@ def run(case: dict, pool_dir: Path, rank: int) -> int:
     return code
 
 
+def os_threads() -> int:
+    """The OS threads of this process (0 where there is no /proc to count them in)."""
+    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
+
+
 def die_with_parent() -> None:
     """On Linux, have the kernel kill this rank when the process that started the pool dies (a test session killed
     mid-case leaves no ranks behind); elsewhere the closed standard input ends the rank after its case."""
@@ -197,8 +202,7 @@ def serve(pool_dir: str) -> int:
             case = json.loads(line)
             code = run(case, pool_dir, rank)
             done = pool_dir / f"case{case['id']}.rank{rank}.json"
-            threads = len(os.listdir(f"/proc/{os.getpid()}/task")) if os.path.isdir("/proc/self/task") else 0
-            done.with_suffix(".tmp").write_text(json.dumps({"returncode": code, "threads": threads}))
+            done.with_suffix(".tmp").write_text(json.dumps({"returncode": code, "threads": os_threads()}))
             done.with_suffix(".tmp").rename(done)
     dist.destroy_process_group()
     return 0
