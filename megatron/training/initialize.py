@@ -107,7 +107,8 @@ def reset_global_state() -> None:
     tracker (its per-layer buffers are sized by the run's layers) and the caches that hold a run's modules or groups
     (megatron-core's rotary tables, the CP split's one-rank groups).  After it, ``main`` can run again in the same
     processes (a test worker pool; ``initialize_distributed`` keeps an initialised world); the groups' gloo threads
-    end when the run's objects holding them are collected."""
+    end when the run's objects holding them are collected (not after a MoE run of megatron-core 0.16.1, whose MoE
+    layers stay alive with the groups they hold: docs/testing.md)."""
     parallel_state.destroy_model_parallel()
     parallel_state.destroy_global_memory_buffer()
     # megatron-core 0.16.1's destroy_model_parallel leaves these two set: the groups (and their gloo threads) they
