@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -29,13 +30,15 @@ def pytest_configure(config):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    with item.config.stash[CLOCK].measure(tiers.tier_of(item)):
+    with item.config.stash[CLOCK].measure(tiers.tier_of(item), item.nodeid):
         yield
 
 
 def pytest_sessionfinish(session, exitstatus):
     session.config.stash[POOL_STATS] = pool.stats()
     pool.shutdown()
+    if os.environ.get("OMNIBAL_TEST_TIMES"):
+        session.config.stash[CLOCK].write_json(os.environ["OMNIBAL_TEST_TIMES"])
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

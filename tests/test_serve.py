@@ -4,9 +4,12 @@ so a right answer proves the request reached the generator intact)."""
 from __future__ import annotations
 
 import base64
+import concurrent.futures
+import http.client
 import os
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -50,6 +53,34 @@ def server(generator):
     config = ServerConfig(host="127.0.0.1", port=0, max_batch_size=MAX_BATCH, max_waiting=16)
     with serving_in_background(standin.served(), generator.generate, config) as url:
         yield url
+
+
+IDLE_S = 5.5  # longer than httpx's (so openai's) idle expiry and uvicorn's default keep-alive, both 5 s
+
+
+def two_requests_on_one_idle_connection(url: str) -> list[int]:
+    """The statuses of GET /health twice on one HTTP/1.1 connection, ``IDLE_S`` idle between them (raises where the
+    server closed it meanwhile)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    statuses = []
+    try:
+        for idle_s in (0.0, IDLE_S):
+            time.sleep(idle_s)
+            connection.request("GET", "/health")
+            response = connection.getresponse()
+            response.read()
+            statuses.append(response.status)
+    finally:
+        connection.close()
+    return statuses
+
+
+@pytest.fixture(scope="module", autouse=True)
+def idle_connection(server):
+    """``two_requests_on_one_idle_connection`` in the background while the module's other tests run (a future)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        yield pool.submit(two_requests_on_one_idle_connection, server)
 
 
 @pytest.fixture(scope="module")
@@ -243,14 +274,16 @@ def test_serve_command_refusals(capsys):
     port = taken.getsockname()[1]
     try:
         assert omnibal(["serve", "--max-batch-size", "0"]) == 1
+        assert omnibal(["serve", "--keep-alive-s", "0"]) == 1
         assert omnibal(["serve", "--port", str(port)]) == 1
         assert omnibal(["serve", "--port", "0"]) == 1
     finally:
         taken.close()
     err = capsys.readouterr().err.splitlines()
     assert err[0] == "omnibal serve: error: --max-batch-size must be >= 1, got 0"
-    assert err[1].startswith(f"omnibal serve: error: --host 127.0.0.1 --port {port}: cannot listen there")
-    assert "generation needs weights: give --hf-checkpoint DIR or --load CKPT" in err[2]
+    assert err[1] == "omnibal serve: error: --keep-alive-s must be >= 1, got 0"
+    assert err[2].startswith(f"omnibal serve: error: --host 127.0.0.1 --port {port}: cannot listen there")
+    assert "generation needs weights: give --hf-checkpoint DIR or --load CKPT" in err[3]
 
 
 def test_batch_parcel_carries_media_across_hosts(tmp_path, media):
@@ -290,3 +323,10 @@ def test_failures_are_500_and_the_server_goes_on(client):
     with pytest.raises(openai.APIError, match="a bug in the middle of a batch"):
         list(ask(client, standin.FAIL_TEXT, stream=True))
     assert ask(client, "fine").choices[0].message.content == "enif"
+
+
+def test_an_idle_connection_outlives_the_clients_own_expiry(idle_connection):
+    """The server keeps an idle connection open longer than clients do (``ServerConfig.keep_alive_s``), so a
+    client never reuses one that the server is closing at that moment (that race dropped a request as "Server
+    disconnected without sending a response")."""
+    assert idle_connection.result(timeout=60) == [200, 200]

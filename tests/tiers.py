@@ -12,6 +12,7 @@ CPU times much less (compare those).
 """
 from __future__ import annotations
 
+import json
 import os
 import resource
 import time
@@ -61,9 +62,10 @@ class TierClock:
     def __init__(self, live_pids):
         self.live_pids = live_pids  # () -> the pids of the live pool ranks
         self.times = {tier: TierTime() for tier in TIERS}
+        self.per_test: list[dict] = []  # {"test", "tier", "wall_s", "cpu_s"} in the order run
 
-    def measure(self, tier: str):
-        """A context manager adding its block's wall and CPU time to ``tier``."""
+    def measure(self, tier: str, test: str):
+        """A context manager adding its block's wall and CPU time to ``tier`` (and to ``per_test`` as ``test``)."""
         clock = self
 
         class _Span:
@@ -72,12 +74,19 @@ class TierClock:
 
             def __exit__(self, *exc):
                 # a rank reaped meanwhile moved its time into the children's; one started meanwhile is live now
+                wall, cpu = time.perf_counter() - self.wall, cpu_s(clock.live_pids()) - self.cpu
                 t = clock.times[tier]
                 t.tests += 1
-                t.wall_s += time.perf_counter() - self.wall
-                t.cpu_s += cpu_s(clock.live_pids()) - self.cpu
+                t.wall_s += wall
+                t.cpu_s += cpu
+                clock.per_test.append({"test": test, "tier": tier, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2)})
 
         return _Span()
+
+    def write_json(self, path: str) -> None:
+        """Each test's wall and CPU seconds, slowest first (``OMNIBAL_TEST_TIMES=<path>``: where a run's time went)."""
+        with open(path, "w") as f:
+            json.dump(sorted(self.per_test, key=lambda t: -t["wall_s"]), f, indent=0)
 
     def lines(self) -> list[str]:
         """The summary table: each tier's tests, wall and CPU seconds against its budget."""

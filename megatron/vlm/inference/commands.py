@@ -33,6 +33,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--media-dir", default=None, metavar="DIR",
                    help="where data-URL media are written while their request runs (default: the system's "
                         "temporary folder)")
+    p.add_argument("--keep-alive-s", type=int, default=75, metavar="S",
+                   help="seconds an idle connection stays open; keep it above the clients' and any load balancer's "
+                        "own idle timeout, so that they close first (default: %(default)s)")
     p.set_defaults(func=run_serve, accepts_trainer_flags=True)
     return p
 
@@ -45,12 +48,13 @@ def run_serve(opts: argparse.Namespace) -> int:
     from megatron.vlm.inference.server import ServerConfig, bind_listener
 
     for flag, value in (("--max-batch-size", opts.max_batch_size), ("--max-waiting", opts.max_waiting),
-                        ("--default-max-new-tokens", opts.default_max_new_tokens)):
+                        ("--default-max-new-tokens", opts.default_max_new_tokens), ("--keep-alive-s", opts.keep_alive_s)):
         if value < 1:
             raise UserError(f"{flag} must be >= 1, got {value}")
     if not 0 <= opts.port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {opts.port}")
-    config = ServerConfig(opts.host, opts.port, opts.max_batch_size, opts.max_waiting, opts.media_dir)
+    config = ServerConfig(opts.host, opts.port, opts.max_batch_size, opts.max_waiting, opts.media_dir,
+                          opts.keep_alive_s)
     flags = list(opts.trainer_flags)
     # rank 0 takes its port before the model loads: a port in use is refused before minutes of loading
     listener = bind_listener(opts.host, opts.port) if int(os.environ.get("RANK", "0")) == 0 else None

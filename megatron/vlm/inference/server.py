@@ -56,13 +56,17 @@ class ServedModel:
 class ServerConfig:
     """``host`` and ``port`` to listen on (port 0: any free one); ``max_batch_size`` requests per batch;
     ``max_waiting`` requests waiting beyond it (then 429); ``media_dir``: where data URLs are written (None: the
-    system's temporary folder)."""
+    system's temporary folder); ``keep_alive_s``: seconds an idle connection stays open. It must outlast the
+    clients' own idle expiry (httpx, so ``openai``: 5 s; load balancers: often 60 s) so that the client always
+    closes first: a server that closes an idle connection just as the client reuses it drops that request
+    ("Server disconnected without sending a response")."""
 
     host: str = "127.0.0.1"
     port: int = 8000
     max_batch_size: int = 8
     max_waiting: int = 64
     media_dir: str | None = None
+    keep_alive_s: int = 75
 
 
 def checked_request(body, model: ServedModel, media: RequestMedia) -> tuple[ChatCall, GenerationRequest]:
@@ -214,10 +218,11 @@ def bind_listener(host: str, port: int) -> socket.socket:
 class HttpThread:
     """uvicorn serving ``app`` on its own thread, on ``listener`` (``bind_listener``)."""
 
-    def __init__(self, app: FastAPI, listener: socket.socket):
+    def __init__(self, app: FastAPI, listener: socket.socket, keep_alive_s: int):
         self._socket = listener
         self.host, self.port = listener.getsockname()[:2]
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                                     timeout_keep_alive=keep_alive_s))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
                                         name="omnibal-serve-http", daemon=True)
 
@@ -246,7 +251,7 @@ def serve(model: ServedModel, generate: GenerateFn, config: ServerConfig, stop: 
     and port), batches generated on this one."""
     batches = BatchQueue(config.max_batch_size, config.max_waiting)
     listener = listener or bind_listener(config.host, config.port)
-    http = HttpThread(build_app(model, batches, config.media_dir), listener)
+    http = HttpThread(build_app(model, batches, config.media_dir), listener, config.keep_alive_s)
     http.start()
     try:
         on_listening(http.url)
