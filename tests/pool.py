@@ -10,9 +10,9 @@ A case that fails returns its status and output (a traceback, or the ``error: ..
 that dies, or a failed rank whose peers do not finish within ``GRACE_S`` (they wait in a collective), takes the pool
 down: it restarts for the next case. A case past its timeout kills the pool and raises ``subprocess.TimeoutExpired``.
 A case after which a rank holds more than ``MAX_THREADS`` OS threads also stops the pool (it restarts for the next
-case): megatron-core 0.16.1's MoE layers leave their last forward's router tensors, and through their autograd graph
-the run's model and process groups, alive after a run (about 48 idle gloo threads per MoE case on two ranks;
-docs/testing.md), and a thousand such threads slow every later case and fresh launch on a 2-core machine.
+case): a run whose objects outlive it keeps its process groups' gloo threads, and a thousand such threads slow every
+later case and fresh launch on a 2-core machine. The one such leak known, megatron-core 0.16.1's MoE layers, is
+mended by the rank itself (``pool_worker.empty_leaked_modules``; docs/testing.md); the limit guards against others.
 
 The pools start when first asked for and stop at the end of the session (``shutdown``, from conftest.py).
 ``OMNIBAL_TEST_POOLS=0`` runs every case in fresh processes instead (``fresh_run``), to tell a pool problem from a

@@ -3,8 +3,8 @@
 * ``dirty``: leaves behind what a careless case could: an environment variable, another working directory, float64
   as the default dtype, two threads, grad mode off, a plugin family registered, megatron's model-parallel groups
   (TP2) and its RNG tracker seeded, a process group of its own;
-* ``inspect OUT``: writes what the process holds of those (JSON, rank 0), and its thread count (a process group
-  that outlives its run keeps its gloo threads);
+* ``inspect OUT``: writes what the process holds of those (JSON, rank 0), and its threads' count and names (a
+  process group that outlives its run keeps its gloo threads);
 * ``fail RANK``: raises on that rank only, the others wait in a barrier (a bug on one rank);
 * ``user-error``: a ``UserError`` on every rank;
 * ``die RANK``: that rank exits at once (os._exit), the others wait in a barrier.
@@ -54,7 +54,7 @@ def main(argv: list[str]) -> int:
                  "model_parallel": parallel_state.model_parallel_is_initialized(),
                  "rng_states": sorted(get_cuda_rng_tracker().get_states()),
                  "groups": len(dist.distributed_c10d._world.pg_map),
-                 "os_threads": pool_worker.os_threads()}
+                 "os_threads": pool_worker.os_threads(), "os_thread_names": pool_worker.os_thread_names()}
         if rank == 0:
             with open(argv[1], "w") as f:
                 json.dump(state, f)
