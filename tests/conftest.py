@@ -47,8 +47,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(line)
     stats = config.stash.get(POOL_STATS, {})
     if stats:
-        terminalreporter.write_line("worker pools (ranks: starts, cases): " + ", ".join(
-            f"{n}: {starts}, {cases}" for n, (starts, cases) in stats.items()))
+        terminalreporter.write_line("worker pools (ranks: starts, cases, most threads after a case): " + ", ".join(
+            f"{n}: {starts}, {cases}, {threads}" for n, (starts, cases, threads) in stats.items()))
 
 
 @pytest.fixture

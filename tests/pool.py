@@ -77,6 +77,7 @@ class WorkerPool:
         self.logs: list = []  # the ranks' own output files (outside cases)
         self.cases = 0  # cases run (ids of the case files)
         self.starts = 0  # how many times the ranks were started
+        self.most_threads = 0  # the most OS threads a rank held after a case
 
     @property
     def alive(self) -> bool:
@@ -174,6 +175,7 @@ class WorkerPool:
             time.sleep(POLL_S)
         code = next((codes[r] for r in range(self.nproc) if codes[r]), 0)
         result = CaseRun(code, *self._output(case_id), time.perf_counter() - t0, True)
+        self.most_threads = max(self.most_threads, *threads.values())
         if max(threads.values()) > MAX_THREADS:  # leaked groups' gloo threads (module docstring)
             self.stop()
         return result
@@ -235,9 +237,9 @@ def run_case(target: str, argv: list[str], nproc: int, cwd: str | os.PathLike, e
     return pool(nproc).run(target, argv, cwd, env, timeout)
 
 
-def stats() -> dict[int, tuple[int, int]]:
-    """{world size: (starts, cases)} of the session's pools."""
-    return {n: (p.starts, p.cases) for n, p in sorted(_POOLS.items())}
+def stats() -> dict[int, tuple[int, int, int]]:
+    """{world size: (starts, cases, the most OS threads a rank held after a case)} of the session's pools."""
+    return {n: (p.starts, p.cases, p.most_threads) for n, p in sorted(_POOLS.items())}
 
 
 def live_pids() -> list[int]:

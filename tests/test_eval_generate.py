@@ -6,17 +6,16 @@ import json
 
 import pytest
 
+from launch import run_trainer
 from megatron.training.arguments import parse_flags
 from megatron.training.flags import ArgumentError
 
 
 @pytest.mark.slow
 def test_generation_accuracy_equals_teacher_forced_on_the_default_run(tmp_path, data_cache):
-    from launch import benchlib
-
     flags = ["--pipeline-model-parallel-size", "2", "--train-iters", "200", "--eval-interval", "200",
              "--eval-generate", "--log-interval", "100", "--data-cache-dir", str(data_cache)]
-    benchlib.run_trainer(flags, tmp_path, "evalgen", nproc=2, timeout=1800)
+    run_trainer(flags, tmp_path, "evalgen", nproc=2, timeout=1800)
     lines = [json.loads(x) for x in (tmp_path / "evalgen.jsonl").read_text().splitlines()]
     val = [r for r in lines if r.get("prefix") == "validation "][-1]
     print({k: v for k, v in val.items() if "acc" in k or "generation" in k or k == "answers"})

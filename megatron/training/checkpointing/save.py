@@ -212,12 +212,15 @@ class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
 def fault_point(where: str, iteration: int) -> None:
     """Test hook: ``OMNIBAL_FAULT=save:N`` (inside the save of iteration N, after the shards are written and
     before the manifest) or ``train:N`` (before iteration N) SIGKILLs rank ``OMNIBAL_FAULT_RANK`` (default 1)
-    of the first attempt of a torchrun job; with ``OMNIBAL_FAULT_STALL=S`` that rank sleeps S seconds there
-    instead (a rank that never joins the next collective)."""
-    fault = os.environ.get("OMNIBAL_FAULT")
-    if not fault or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    of the first attempt of a torchrun job; a comma-separated list gives attempt k the k-th fault
+    (``save:4,train:5``: the first attempt dies inside the save of 4, the restarted one before iteration 5). With
+    ``OMNIBAL_FAULT_STALL=S`` that rank sleeps S seconds there instead (a rank that never joins the next
+    collective)."""
+    faults = os.environ.get("OMNIBAL_FAULT", "").split(",")
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt >= len(faults):
         return
-    if fault == f"{where}:{iteration}" and dist.get_rank() == int(os.environ.get("OMNIBAL_FAULT_RANK", "1")):
+    if faults[attempt] == f"{where}:{iteration}" and dist.get_rank() == int(os.environ.get("OMNIBAL_FAULT_RANK", "1")):
         stall = os.environ.get("OMNIBAL_FAULT_STALL")
         if stall:
             print(f"> fault: rank {dist.get_rank()} stalls {stall} s at {where}:{iteration}", flush=True)
