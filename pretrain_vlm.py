@@ -108,8 +108,13 @@ def run(config: RunConfig, device) -> dict:
                  if parallel.virtual_pipeline_size > 1 else "")
               + f"{config.optim.num_microbatches} micro-batches per iteration", flush=True)
     sample_times = isf.run_sample_times(config, spec, datasets[0])  # the Dist ratios in time (None: counts only)
-    summary = training.train(plan, model, optimizer, scheduler, train_data, valid_data, start, consumed,
-                             sample_times=sample_times)
+    try:
+        summary = training.train(plan, model, optimizer, scheduler, train_data, valid_data, start, consumed,
+                                 sample_times=sample_times)
+    finally:  # the loaders' worker processes stop now (megatron/vlm/data/loader_workers.py)
+        for data in (train_data, valid_data):
+            if data is not None:
+                data.close()
     summary["layout"] = list(plan.layout.stage_units)
     if dist.get_rank() == 0:  # what each level did, against Megatron's default (megatron/training/level_summary.py)
         balance = config.balance

@@ -17,6 +17,7 @@ STATS_FILES = sorted(STATS_DIR.glob("*.json.gz"))
 
 
 import canonical  # noqa: E402  (tests/ on the path first)
+import frozen_heap  # noqa: E402
 import pool  # noqa: E402
 import tiers  # noqa: E402
 
@@ -32,6 +33,12 @@ def pytest_configure(config):
 def pytest_runtest_protocol(item, nextitem):
     with item.config.stash[CLOCK].measure(tiers.tier_of(item), item.nodeid):
         yield
+    if nextitem is None or nextitem.module is not item.module:
+        frozen_heap.freeze_survivors()  # the module's own fixtures are torn down: what they made is collected first
+
+
+frozen_heap.keep_frozen_through_energon()
+frozen_heap.freeze_survivors()  # the imports above
 
 
 def pytest_sessionfinish(session, exitstatus):

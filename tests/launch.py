@@ -25,11 +25,13 @@ def needs_fresh(torchrun_flags=(), env: dict | None = None) -> bool:
 
 def run_trainer(flags: list[str], workdir: str | os.PathLike, name: str, nproc: int = 2, timeout: int = 3600,
                 check: bool = True, threads: int = 1, torchrun_flags: tuple[str, ...] = (),
-                env: dict | None = None) -> benchlib.RunResult:
+                env: dict | None = None, kill_in_pool: bool = False) -> benchlib.RunResult:
     """``benchlib.run_trainer``'s contract (``pretrain_vlm.py --json-log workdir/name.jsonl *flags`` on ``nproc``
     ranks in ``workdir``), in the worker pool of ``nproc`` ranks unless the launch needs fresh processes
-    (``needs_fresh``, or more than one thread per rank). The benchmarks' tests put it in benchlib's place."""
-    if needs_fresh(torchrun_flags, env) or threads != 1:
+    (``needs_fresh``, or more than one thread per rank). ``kill_in_pool``: an ``OMNIBAL_FAULT`` kill runs in the pool
+    all the same (the killed rank takes the pool down, which restarts for the next case: a crashed run and its
+    resume without torchrun's restart, half the process starts). The benchmarks' tests put it in benchlib's place."""
+    if (needs_fresh(torchrun_flags, env) and not (kill_in_pool and not torchrun_flags)) or threads != 1:
         return benchlib.run_trainer(flags, workdir, name, nproc, timeout, check, threads, torchrun_flags, env)
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -45,7 +47,7 @@ def run_trainer(flags: list[str], workdir: str | os.PathLike, name: str, nproc: 
 def run_training(nproc: int, flags: list[str], workdir: Path, name: str, timeout: int = 600,
                  expect_ok: bool = True, **launch) -> tuple[list[dict], str]:
     """``run_trainer`` of ``flags`` on ``nproc`` ranks; returns (JSON log records of training iterations, output).
-    ``launch``: ``torchrun_flags`` and ``env`` (extra environment variables)."""
+    ``launch``: ``torchrun_flags``, ``env`` (extra environment variables) and ``kill_in_pool``."""
     run = run_trainer(flags, workdir, name, nproc, timeout, check=False, **launch)
     if expect_ok and not run.ok:
         raise AssertionError(f"{name} failed ({run.returncode}):\n{run.error_tail(6000)}")

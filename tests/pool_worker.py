@@ -222,6 +222,7 @@ def serve(pool_dir: str) -> int:
     import torch
     import torch.distributed as dist
 
+    import frozen_heap
     from megatron.training import initialize
 
     pool_dir = Path(pool_dir)
@@ -230,6 +231,8 @@ def serve(pool_dir: str) -> int:
         importlib.import_module(module)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo", timeout=initialize.DEFAULT_TIMEOUT)
+    frozen_heap.keep_frozen_through_energon()
+    frozen_heap.freeze_survivors()  # the imports: each collection after a case scans only what cases made
     (pool_dir / f"ready.rank{rank}").write_text("")
     with initialize.hold_world():
         for line in sys.stdin:

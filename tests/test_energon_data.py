@@ -55,11 +55,25 @@ def config(min_frames=2, max_frames=6, skip_bad=False) -> ReaderConfig:
     return ReaderConfig(images=TileImages(448, 4, 2), max_seq_length=4096, videos=videos, skip_bad=skip_bad)
 
 
+OPEN_STREAMS: list[SampleStream] = []  # this test's streams, closed after it (``close_streams``)
+
+
+@pytest.fixture(autouse=True)
+def close_streams():
+    """Each test's streams stop their loader workers when it ends (a dropped one would stop them when a collection
+    finds it, 5 s per worker: megatron/vlm/data/loader_workers.py)."""
+    yield
+    while OPEN_STREAMS:
+        OPEN_STREAMS.pop().close()
+
+
 def stream(path, cfg=None, workers=0, rank=0, world=1, skip=False, report=None, verify=False, pixels=True):
     cfg = cfg or config()
     encoder = ChatTaskEncoder(EncoderSettings(cfg, TOK, COSTS, keep_media=pixels, verify=verify))
-    return SampleStream(LoaderSettings(str(path), "train", True, rank, world, workers, seed=1), encoder,
+    made = SampleStream(LoaderSettings(str(path), "train", True, rank, world, workers, seed=1), encoder,
                         SkipPolicy(skip, report, announce=False))
+    OPEN_STREAMS.append(made)
+    return made
 
 
 def epoch(s: SampleStream) -> list:

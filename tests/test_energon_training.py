@@ -1,9 +1,9 @@
 """Training from Energon datasets (slow): photos (JPEG/PNG crops of real photographs) and H.264 clips converted by
 ``omnibal data to-energon`` train every family at PP2 with online ISF, and from the JSONL at PP2 with offline ISF,
 every sample once per epoch in each form (sample ids counted in the JSON log); at PP2 x DP2 online ISF's per-step
-DistRatio in predicted time is within max(2 x offline ISF's, 0.02) on the same data as JSONL, and a run resumed from
-a mid-run checkpoint (samples in the ISF buffer) trains the uninterrupted run's samples with its losses; a bad
-sample stops the run naming its shard and key, and --skip-bad-samples trains on the rest."""
+DistRatio in predicted time is within max(2 x offline ISF's, 0.02) on the same data as JSONL, and a run killed with
+SIGKILL resumes with the uninterrupted run's samples and losses; a bad sample stops the run naming its shard and
+key, and --skip-bad-samples trains on the rest."""
 from __future__ import annotations
 
 import json
@@ -95,11 +95,12 @@ def test_family_trains_from_jsonl_and_energon_at_pp2_with_isf(family, tmp_path):
     each_once_per_epoch(records, n)
 
 
-def test_online_isf_balances_dp_ranks_and_a_resumed_run_trains_the_same(tmp_path):
+def test_online_isf_balances_dp_ranks_and_a_killed_run_resumes_exactly(tmp_path):
     """Qwen2.5-VL at PP2 x DP2 (4 processes) on the same photos and clips: offline ISF over the JSONL, online ISF over
     its Energon conversion (loader workers); the online DistRatio in predicted time within max(2 x offline's,
-    0.02); each sample once per epoch; resumed from iteration 6's checkpoint (samples in the ISF buffer), the run
-    trains the same samples with the same losses; the checkpoint at data-parallel size 1 is refused by name."""
+    0.02); each sample once per epoch; SIGKILL before iteration 7, then a resume from the last checkpoint (6's, with
+    samples in the ISF buffer): the same samples with the same losses; the checkpoint at data-parallel size 1 is
+    refused by name."""
     q25.make_tiny_with_tokenizer(tmp_path / "hf", seed=3)
     data = energon_media.write_data(tmp_path / "media", shapes=((0, 0, 640, 427), (100, 50, 420, 410),
                                                                 (0, 200, 640, 300), (300, 0, 380, 427)))
@@ -125,13 +126,16 @@ def test_online_isf_balances_dp_ranks_and_a_resumed_run_trains_the_same(tmp_path
     for key in ("dist ratio vit time", "dist ratio llm time"):
         assert mean(online, key) <= max(2 * mean(offline, key), 0.02), (key, mean(online, key), mean(offline, key))
     each_once_per_epoch(online, n)
-    # resumed from iteration 6's checkpoint, with samples in the ISF buffer (a killed run's restart resumes from its
-    # last complete checkpoint: tests/test_checkpoint_faults.py)
-    resumed, out = run_training(4, online_flags + ["--load", str(tmp_path / "ckpt"), "--ckpt-step", "6", "--save",
-                                                   str(tmp_path / "again")], tmp_path, "resumed")
+    # SIGKILL of rank 1 before iteration 7, then a resume from the last checkpoint (6's, with samples in the ISF
+    # buffer); the kill takes the 4-rank pool down and the resume starts it again
+    again = ["--save", str(tmp_path / "again"), "--load", str(tmp_path / "again")]
+    killed, out = run_training(4, online_flags + again, tmp_path, "killed", expect_ok=False, kill_in_pool=True,
+                               env={"OMNIBAL_FAULT": "train:7"})
+    assert "died" in out and [r["iteration"] for r in killed] == [1, 2, 3, 4, 5, 6], out[-3000:]
+    resumed, out = run_training(4, online_flags + again, tmp_path, "resumed")
     assert "loaded checkpoint of iteration 6" in out
     assert [r["iteration"] for r in resumed] == [7, 8, 9, 10]
-    for r, want in zip(resumed, online[6:]):
+    for r, want in zip(killed + resumed, online):
         assert r["sample ids"] == want["sample ids"], r["iteration"]
         assert r["lm loss"] == want["lm loss"], r["iteration"]
     # the checkpoint's LR schedule kept (--train-iters 12 changes it, which is refused first otherwise)

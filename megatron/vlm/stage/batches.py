@@ -35,6 +35,7 @@ from omnibal_ext.data.sampler import GroupBatchSampler
 from omnibal_ext.errors import UserError
 
 from megatron.vlm.data.collate import check_image_tokens
+from megatron.vlm.data.loader_workers import stop_workers
 from megatron.vlm.stage.data_side import Batcher
 from megatron.vlm.stage.micro_batch import StageInputs  # noqa: F401  (callers take it from here)
 from megatron.vlm.stage.micro_batch import MicroBatch, broadcast_micro_batch
@@ -123,6 +124,9 @@ class BatchRecords:
     def recording(self) -> bool:
         return self._records is not None
 
+    def close(self) -> None:
+        """The run is done with these batches: stop what loads them (worker processes) now."""
+
     def record(self, batch: MicroBatch, packed: bool, **extra) -> None:
         if self._records is not None:
             info = batch.samples
@@ -196,6 +200,10 @@ class MicroBatches(BatchRecords):
         """Back to the first step (evaluation sees the same batches each time)."""
         self.sampler.seek(0)
         self._restart()
+
+    def close(self) -> None:
+        self._it = None
+        stop_workers(self.loader)
 
     def state_dict(self) -> dict:
         """The sampler's state at the step training has consumed (not where the loader prefetched to)."""

@@ -193,7 +193,14 @@ class EnergonBatches(BatchRecords):
         """Back to the start of a pass (evaluation sees the same batches each time): a fresh stream."""
         self._step = []
         if self.stream is not None and self.make_stream is not None:
+            self.stream.close()
             self.stream = self.make_stream()
+
+    def close(self) -> None:
+        """The run is done with these batches: the stream's loader workers and the decoding threads stop now."""
+        if self.stream is not None:
+            self.stream.close()
+            self._pool.shutdown(cancel_futures=True)
 
     def iterations_per_pass(self) -> int:
         """Iterations of one pass over this rank's share (evaluation's default), at least 1."""

@@ -31,6 +31,8 @@ from megatron.energon.metadataset.loader_interface import DatasetBlendMode
 
 from omnibal_ext.errors import UserError
 
+from megatron.vlm.data.loader_workers import stop_workers
+
 from .dataset import load_datasets
 from .encoder import ChatTaskEncoder, EncodedChat
 from .layout import EnergonDataError
@@ -194,8 +196,14 @@ class SampleStream:
         as a resumed run's do (Energon keeps a restored loader's worker rotation into its later epochs, so a run and
         its resumed copy would otherwise interleave the workers of the next epoch differently)."""
         state = self.loader.save_state_rank()
+        stop_workers(self.loader)
         self.loader = build_loader(self.settings, self._encoder, self.policy)[0]
         self.loader.restore_state_rank(state)
+
+    def close(self) -> None:
+        """Stop the loader's worker processes now (``loader_workers``): the stream is done with."""
+        self._it = None
+        stop_workers(self.loader)
 
     def fill(self, size: int) -> None:
         """Pull until ``size`` samples are buffered or the current epoch ends (``exhausted``)."""
