@@ -199,6 +199,27 @@ def test_metadataset_blends(data, tmp_path):
     assert len(s.buffer) == 4 * n and not s.exhausted
 
 
+def test_close_stops_the_loader_workers_at_once(data, tmp_path):
+    """A closed stream's worker processes have exited when ``close`` returns (dropped inside a garbage collection
+    instead, each would wait out torch's 5 s join: megatron/vlm/data/loader_workers.py), and the closed stream is not
+    used again; a stream renewed at an epoch's end stops the old loader's workers the same way."""
+    to_energon(data, str(tmp_path / "en"), samples_per_shard=2)
+    s = stream(tmp_path / "en", workers=2, pixels=False)
+    s.next_sample()
+    workers = list(s.loader._iterator._workers)
+    assert len(workers) == 2 and all(w.is_alive() for w in workers)
+    s.close()
+    assert [w.exitcode for w in workers] == [0, 0]
+    with pytest.raises(RuntimeError, match="used after close"):
+        s.state_dict()
+    s = stream(tmp_path / "en", workers=2, pixels=False)
+    s.next_sample()
+    old = list(s.loader._iterator._workers)
+    epoch(s)  # to the epoch's end, where the loader is renewed
+    assert [w.exitcode for w in old] == [0, 0]
+    assert s.next_sample() is not None and all(w.is_alive() for w in s.loader._iterator._workers)
+
+
 def test_position_survives_a_restore_with_a_buffer(data, tmp_path):
     """Samples pulled into the look-ahead buffer but not served are fetched again by their restore keys: a fresh
     stream loaded from the saved state serves what the first one goes on to serve (workers); another data-parallel

@@ -162,6 +162,7 @@ class SampleStream:
         self.exhausted = False  # the loader's current epoch has ended (epoch by epoch only)
         self.epoch = 0
         self.skipped = 0
+        self.closed = False  # ``close``: its loader's workers are stopped
         self._it = None
 
     # ------------------------------------------------------------------ reading
@@ -169,7 +170,7 @@ class SampleStream:
         """The next readable sample of the loader's current epoch, or None at its end."""
         while True:
             if self._it is None:
-                self._it = iter(self.loader)
+                self._it = iter(self._open_loader())
             try:
                 sample = next(self._it)
             except StopIteration:
@@ -195,15 +196,22 @@ class SampleStream:
         """A fresh loader at the end of an epoch, restored from the old one's state: the next epoch's workers start
         as a resumed run's do (Energon keeps a restored loader's worker rotation into its later epochs, so a run and
         its resumed copy would otherwise interleave the workers of the next epoch differently)."""
-        state = self.loader.save_state_rank()
+        state = self._open_loader().save_state_rank()
         stop_workers(self.loader)
         self.loader = build_loader(self.settings, self._encoder, self.policy)[0]
         self.loader.restore_state_rank(state)
 
     def close(self) -> None:
-        """Stop the loader's worker processes now (``loader_workers``): the stream is done with."""
+        """Stop the loader's worker processes now (``loader_workers``): the stream is done with (its workers would
+        not answer a later state request: using it again is an error)."""
         self._it = None
         stop_workers(self.loader)
+        self.closed = True
+
+    def _open_loader(self):
+        if self.closed:
+            raise RuntimeError("SampleStream: used after close()")
+        return self.loader
 
     def fill(self, size: int) -> None:
         """Pull until ``size`` samples are buffered or the current epoch ends (``exhausted``)."""
@@ -251,7 +259,7 @@ class SampleStream:
     def state_dict(self) -> dict:
         """The position (see the module docstring); picklable."""
         return {"dp_size": self.settings.dp_size, "num_workers": self.settings.num_workers,
-                "loader": self.loader.save_state_rank(), "buffer": [s.__restore_key__ for s in self.buffer],
+                "loader": self._open_loader().save_state_rank(), "buffer": [s.__restore_key__ for s in self.buffer],
                 "exhausted": self.exhausted, "epoch": self.epoch, "skipped": self.skipped}
 
     def load_state_dict(self, state: dict) -> None:
@@ -263,7 +271,7 @@ class SampleStream:
                 raise UserError(f"the checkpoint's Energon loader state was saved with {flag} {saved}, this run has "
                                 f"{now}: Energon restores a loader only with the same data-parallel size and worker "
                                 f"count; resume with {flag} {saved}")
-        self.loader.restore_state_rank(state["loader"])
+        self._open_loader().restore_state_rank(state["loader"])
         self._it = None
         self.buffer = [self.loader.restore_sample(tuple(key)) for key in state["buffer"]]
         self.exhausted, self.epoch, self.skipped = bool(state["exhausted"]), int(state["epoch"]), int(state["skipped"])
