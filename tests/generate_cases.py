@@ -27,6 +27,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+import pool
+
 NEW_TOKENS = 32
 VARY = 2.5  # the LLM's q/k projections (and norms) and the token embedding are scaled by this (varied continuations)
 FRAMES, FPS, VIDEO_W, VIDEO_H = 6, 4, 64, 48
@@ -280,13 +282,9 @@ class Case:
     forced: list[list[int]] | None = None
 
 
-def torchrun_generate(cases: list[Case], workdir: Path, nproc: int = 2, timeout: int = 1200) -> dict[str, dict]:
-    """Every case in one torchrun world of ``nproc`` ranks (asserting the launch succeeds); the worker's outputs by
-    case name."""
-    import subprocess
-    import sys
-
-    import benchlib  # scripts/benchlib.py (on the tests' path)
+def generate_in_pool(cases: list[Case], workdir: Path, nproc: int = 2, timeout: int = 1200) -> dict[str, dict]:
+    """Every case in one run of ``tests/generate_worker.py`` on the worker pool of ``nproc`` ranks (asserting it
+    succeeds); the worker's outputs by case name."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     specs = []
@@ -298,9 +296,6 @@ def torchrun_generate(cases: list[Case], workdir: Path, nproc: int = 2, timeout:
         specs.append({"flags": list(case.flags), "requests": str(case.requests), "sampling": case.sampling,
                       "forced": forced, "out": str(workdir / f"out{k}.pt")})
     (workdir / "cases.json").write_text(json.dumps(specs))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(benchlib.free_port()), str(Path(__file__).resolve().parent / "generate_worker.py"),
-           str(workdir / "cases.json")]
-    run = subprocess.run(cmd, env=benchlib.trainer_env(), capture_output=True, text=True, timeout=timeout)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    run = pool.run_case("generate_worker:main", [str(workdir / "cases.json")], nproc, workdir, timeout=timeout)
+    assert run.returncode == 0, run.output[-8000:]
     return {case.name: torch.load(workdir / f"out{k}.pt") for k, case in enumerate(cases)}

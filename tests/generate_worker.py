@@ -1,5 +1,5 @@
-"""Generation cases in one torchrun world (``generate_check.torchrun_generate``): the pattern of
-``tests/hf_logits_worker.py``.
+"""Generation cases in one world (``generate_cases.generate_in_pool``: a case of the worker pool of N ranks, or
+under torchrun):
 
     torchrun --nproc-per-node N tests/generate_worker.py CASES.json
 
@@ -52,11 +52,12 @@ def run_case(case: dict) -> None:
         torch.save(out, case["out"])
 
 
-def main(cases_file: str) -> int:
+def main(argv: list[str]) -> int:
+    """``argv``: [CASES.json] (a worker pool's case calls it so; the command line too)."""
     from megatron.training import cpu_compat
     from megatron.training.initialize import destroy, reset_global_state
 
-    cases = json.loads(Path(cases_file).read_text())
+    cases = json.loads(Path(argv[0]).read_text())
     with cpu_compat.patched():
         try:
             for k, case in enumerate(cases):
@@ -72,4 +73,4 @@ def main(cases_file: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1:]))

@@ -47,8 +47,9 @@ MAX_THREADS = 300  # OS threads a rank may hold after a case before the pool is 
 
 @dataclass(frozen=True)
 class CaseRun:
-    """One case: the first nonzero exit status of its ranks (or 0), their standard output and error (each in rank
-    order), its wall time (s) and whether it ran in a pool."""
+    """One case: the first nonzero exit status of its ranks (or 0; a rank that died comes first: the others fail in
+    its wake), their standard output and error (each in rank order), its wall time (s) and whether it ran in a
+    pool."""
 
     returncode: int
     stdout: list[str]
@@ -165,7 +166,8 @@ class WorkerPool:
                 why = f"rank(s) {sorted(died)} died ({died})" if died else "the other ranks did not finish"
                 err[-1] += f"{self._worker_logs()}\n[pool of {self.nproc}: {why}; it restarts for the next case]\n"
                 self.kill()
-                code = next((c for c in codes.values() if c), 0) or next((c for c in died.values() if c), 1)
+                # a rank's death is the cause (the others fail in its wake, at a time that varies): its status first
+                code = next((c for c in died.values() if c), 0) or next((c for c in codes.values() if c), 1)
                 return CaseRun(code, out, err, time.perf_counter() - t0, True)
             if time.monotonic() > deadline:
                 out, err = self._output(case_id)

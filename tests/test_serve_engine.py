@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import base64
 import json
-import subprocess
-import sys
 import threading
 import urllib.request
 from pathlib import Path
@@ -17,7 +15,8 @@ import pytest
 from PIL import Image
 
 import hf_tiny_qwen
-from launch import ROOT, benchlib
+import pool
+from launch import benchlib
 from megatron.vlm.data.video_synthetic import write_coded_video
 
 pytestmark = pytest.mark.slow
@@ -45,11 +44,10 @@ def case(tmp_path_factory):
                 *[asked(([{"type": "image", "image": str(image)}] if k % 2 else []) +
                         [{"type": "text", "text": q}]) for k, q in enumerate(QUESTIONS)]]
     (folder / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
-    done = subprocess.run([sys.executable, str(ROOT / "omnibal_cli.py"), "generate", "--input",
-                           str(folder / "requests.jsonl"), "--output", str(folder / "answers.jsonl"),
-                           "--max-new-tokens", str(MAX_TOKENS), *flags], cwd=folder, env=benchlib.trainer_env(),
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = pool.run_case("omnibal_cli:main", ["generate", "--input", str(folder / "requests.jsonl"), "--output",
+                                              str(folder / "answers.jsonl"), "--max-new-tokens", str(MAX_TOKENS),
+                                              *flags], 1, folder, timeout=600)  # a world of one, in the pool
+    assert done.returncode == 0, done.output[-6000:]
     answers = [json.loads(line) for line in (folder / "answers.jsonl").read_text().splitlines()]
     return {"image": image, "video": video, "flags": flags, "answers": answers}
 
