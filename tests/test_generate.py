@@ -8,7 +8,8 @@ its first near-tie (top-1 / top-2 gap below tau = max(1e-4, 4 x the max |delta l
 teacher-forced with its tokens our argmax equal to its token wherever the gap is at least tau; each case's first
 near-tie is printed, and most reach 32 tokens without one. At TP1 (run as DP 2), TP2, PP2 with the ViT split over the
 stages and EP2 for the MoE models, and from ``--load`` (the Qwen3.5 folder imported as a checkpoint, resharded to TP2),
-all in one case of the 2-rank worker pool; sampling with a fixed seed gives the same tokens at TP1 and TP2. The prompts are our reader's (``omnibal generate``'s path); the image prompts equal what transformers'
+all in one case of the 2-rank worker pool; sampling with a fixed seed gives the same tokens at TP1 and TP2. The
+prompts are our reader's (``omnibal generate``'s path); the image prompts equal what transformers'
 processor makes of the same request (the tokenizer's chat template and ``Qwen2VLImageProcessorPil``), and its inputs
 are transformers' own for those; the videos' inputs are the reader's rows and grids (transformers' video processors
 need torchvision; the reader's video rows are compared with the per-frame image processor in

@@ -48,7 +48,8 @@ def run_serve(opts: argparse.Namespace) -> int:
     from megatron.vlm.inference.server import ServerConfig, bind_listener
 
     for flag, value in (("--max-batch-size", opts.max_batch_size), ("--max-waiting", opts.max_waiting),
-                        ("--default-max-new-tokens", opts.default_max_new_tokens), ("--keep-alive-s", opts.keep_alive_s)):
+                        ("--default-max-new-tokens", opts.default_max_new_tokens),
+                        ("--keep-alive-s", opts.keep_alive_s)):
         if value < 1:
             raise UserError(f"{flag} must be >= 1, got {value}")
     if not 0 <= opts.port <= 65535:

@@ -209,6 +209,7 @@ class SampleStream:
         self.closed = True
 
     def _open_loader(self):
+        """The loader, refused after ``close`` (its stopped workers would leave a state request waiting forever)."""
         if self.closed:
             raise RuntimeError("SampleStream: used after close()")
         return self.loader
