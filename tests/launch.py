@@ -31,7 +31,8 @@ def run_trainer(flags: list[str], workdir: str | os.PathLike, name: str, nproc: 
     (``needs_fresh``, or more than one thread per rank). ``kill_in_pool``: an ``OMNIBAL_FAULT`` kill runs in the pool
     all the same (the killed rank takes the pool down, which restarts for the next case: a crashed run and its
     resume without torchrun's restart, half the process starts). The benchmarks' tests put it in benchlib's place."""
-    if (needs_fresh(torchrun_flags, env) and not (kill_in_pool and not torchrun_flags)) or threads != 1:
+    fault_outside_pool = needs_fresh(env=env) and not kill_in_pool
+    if torchrun_flags or fault_outside_pool or threads != 1:
         return benchlib.run_trainer(flags, workdir, name, nproc, timeout, check, threads, torchrun_flags, env)
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)

@@ -49,23 +49,25 @@ def cpu_s(live_pids=()) -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + sum(map(_process_cpu_s, live_pids))
 
 
-@dataclass
-class TierTime:
-    tests: int = 0
-    wall_s: float = 0.0
-    cpu_s: float = 0.0
+@dataclass(frozen=True)
+class TestTime:
+    """One test's wall and CPU seconds (setup, call and teardown)."""
+
+    test: str
+    tier: str
+    wall_s: float
+    cpu_s: float
 
 
 class TierClock:
-    """Wall and CPU time per tier over a run."""
+    """Wall and CPU time of each test over a run, summed per tier."""
 
     def __init__(self, live_pids):
         self.live_pids = live_pids  # () -> the pids of the live pool ranks
-        self.times = {tier: TierTime() for tier in TIERS}
-        self.per_test: list[dict] = []  # {"test", "tier", "wall_s", "cpu_s"} in the order run
+        self.per_test: list[TestTime] = []  # in the order run
 
     def measure(self, tier: str, test: str):
-        """A context manager adding its block's wall and CPU time to ``tier`` (and to ``per_test`` as ``test``)."""
+        """A context manager recording its block's wall and CPU time as ``test``'s, in ``tier``."""
         clock = self
 
         class _Span:
@@ -74,28 +76,26 @@ class TierClock:
 
             def __exit__(self, *exc):
                 # a rank reaped meanwhile moved its time into the children's; one started meanwhile is live now
-                wall, cpu = time.perf_counter() - self.wall, cpu_s(clock.live_pids()) - self.cpu
-                t = clock.times[tier]
-                t.tests += 1
-                t.wall_s += wall
-                t.cpu_s += cpu
-                clock.per_test.append({"test": test, "tier": tier, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2)})
+                clock.per_test.append(TestTime(test, tier, time.perf_counter() - self.wall,
+                                               cpu_s(clock.live_pids()) - self.cpu))
 
         return _Span()
 
     def write_json(self, path: str) -> None:
         """Each test's wall and CPU seconds, slowest first (``OMNIBAL_TEST_TIMES=<path>``: where a run's time went)."""
+        rows = [{"test": t.test, "tier": t.tier, "wall_s": round(t.wall_s, 2), "cpu_s": round(t.cpu_s, 2)}
+                for t in sorted(self.per_test, key=lambda t: -t.wall_s)]
         with open(path, "w") as f:
-            json.dump(sorted(self.per_test, key=lambda t: -t["wall_s"]), f, indent=0)
+            json.dump(rows, f, indent=0)
 
     def lines(self) -> list[str]:
         """The summary table: each tier's tests, wall and CPU seconds against its budget."""
+        def row(name: str, times: list[TestTime], budget_s: int, flag: bool) -> str:
+            wall = sum(t.wall_s for t in times)
+            over = "  OVER BUDGET" if flag and wall > budget_s else ""
+            return f"{name:6} {len(times):6d} {wall:8.1f} {sum(t.cpu_s for t in times):8.1f} {budget_s:9d}{over}"
+
         out = [f"{'tier':6} {'tests':>6} {'wall s':>8} {'cpu s':>8} {'budget s':>9}"]
-        for tier in TIERS:
-            t = self.times[tier]
-            over = "  OVER BUDGET" if t.wall_s > BUDGET_S[tier] else ""
-            out.append(f"{tier:6} {t.tests:6d} {t.wall_s:8.1f} {t.cpu_s:8.1f} {BUDGET_S[tier]:9d}{over}")
-        total = TierTime(sum(t.tests for t in self.times.values()), sum(t.wall_s for t in self.times.values()),
-                         sum(t.cpu_s for t in self.times.values()))
-        out.append(f"{'all':6} {total.tests:6d} {total.wall_s:8.1f} {total.cpu_s:8.1f} {sum(BUDGET_S.values()):9d}")
+        out += [row(tier, [t for t in self.per_test if t.tier == tier], BUDGET_S[tier], True) for tier in TIERS]
+        out.append(row("all", self.per_test, sum(BUDGET_S.values()), False))
         return out
