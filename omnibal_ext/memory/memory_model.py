@@ -78,6 +78,7 @@ workspaces — leave room for them in the budget.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -192,44 +193,24 @@ def unit_modes(costs: CostTable, layout: PipelineLayout, plan: Sequence[StageRec
     return modes
 
 
-def _unit_arrays(costs: CostTable) -> dict[str, np.ndarray]:
-    u = costs.units
-    return {
-        "fwd": np.array([x.fwd_s for x in u], dtype=np.float64),
-        "bwd": np.array([x.bwd_s for x in u], dtype=np.float64),
-        "act": np.array([x.act_bytes for x in u], dtype=np.float64),
-        "act_full": np.array([x.act_bytes_full for x in u], dtype=np.float64),
-        "act_sel": np.array([x.act_bytes_selective for x in u], dtype=np.float64),
-        "sel_s": np.array([x.selective_recompute_s for x in u], dtype=np.float64),
-        "params": np.array([x.param_count for x in u], dtype=np.float64),
-        "frozen": np.array([bool(x.frozen) for x in u], dtype=bool),
-        "lora": np.array([x.lora_params for x in u], dtype=np.float64),
-        "lora_replicated": np.array([x.lora_replicated for x in u], dtype=np.float64),
-        "experts": np.array([x.expert_params for x in u], dtype=np.float64),
-        "expert_split": np.array([x.expert_split for x in u], dtype=np.float64),
-        # 1: ViT layer, 2: LLM layer, 0: any other unit (never recomputed)
-        "block": np.array([1 if x.code == VISION_LAYER else 2 if x.code == TEXT_LAYER else 0 for x in u]),
-    }
-
-
 def unit_activation_bytes(costs: CostTable, modes: np.ndarray) -> np.ndarray:
     """Bytes each unit keeps per micro-batch under ``modes``."""
-    a = _unit_arrays(costs)
-    return np.select([modes == MODE_FULL, modes == MODE_SELECTIVE], [a["act_full"], a["act_sel"]], a["act"])
+    a = costs.arrays
+    return np.select([modes == MODE_FULL, modes == MODE_SELECTIVE], [a.act_bytes_full, a.act_bytes_selective], a.act_bytes)
 
 
 def unit_transient_bytes(costs: CostTable, modes: np.ndarray) -> np.ndarray:
     """Bytes a unit re-creates while it is recomputed in backward (0 when not recomputed)."""
-    a = _unit_arrays(costs)
-    t = np.select([modes == MODE_FULL, modes == MODE_SELECTIVE], [a["act"] - a["act_full"], a["act"] - a["act_sel"]], 0.0)
+    a = costs.arrays
+    t = np.select([modes == MODE_FULL, modes == MODE_SELECTIVE], [a.act_bytes - a.act_bytes_full, a.act_bytes - a.act_bytes_selective], 0.0)
     return np.maximum(t, 0.0)
 
 
 def unit_time_s(costs: CostTable, modes: np.ndarray) -> np.ndarray:
     """Seconds per micro-batch of each unit: forward + backward + recompute under ``modes``."""
-    a = _unit_arrays(costs)
-    extra = np.select([modes == MODE_FULL, modes == MODE_SELECTIVE], [a["fwd"], a["sel_s"]], 0.0)
-    return a["fwd"] + a["bwd"] + extra
+    a = costs.arrays
+    extra = np.select([modes == MODE_FULL, modes == MODE_SELECTIVE], [a.fwd_s, a.selective_recompute_s], 0.0)
+    return a.fwd_s + a.bwd_s + extra
 
 
 def stage_time_s(costs: CostTable, layout: PipelineLayout, plan: Sequence[StageRecompute] | None) -> np.ndarray:
@@ -249,10 +230,10 @@ def unit_static_bytes(costs: CostTable, tp: int, dp: int, distributed_optimizer:
     """Static bytes of each unit on one rank: a frozen unit (``UnitCost.frozen``) holds its weights only (no
     gradient buffer, no optimizer state), the others ``precision.bytes_per_param`` per parameter; LoRA
     adapters (trained) ``precision.bytes_per_param`` each."""
-    a = _unit_arrays(costs)
+    a = costs.arrays
     trained = precision.bytes_per_param(dp, distributed_optimizer)
-    per = np.where(a["frozen"], precision.param_bytes, trained)
-    dense = (a["params"] - a["experts"]) / tp * per + lora_rank_params(costs, tp) * trained
+    per = np.where(a.frozen, precision.param_bytes, trained)
+    dense = (a.param_count - a.expert_params) / tp * per + lora_rank_params(costs, tp) * trained
     return dense + expert_static_bytes(costs, tp, dp, distributed_optimizer, precision)
 
 
@@ -262,23 +243,23 @@ def expert_static_bytes(costs: CostTable, tp: int, dp: int, distributed_optimize
     ``expert_params / (EP x ETP)`` (``UnitCost.expert_split``) with their gradients; the distributed optimizer shards
     their state over expert DP = TP x DP / (EP x ETP) (``dp``: the ranks holding one copy of the dense part, DP x CP),
     so a rank holds ``expert_params / (TP x DP)`` of it, as of the dense part. Frozen experts: weights only."""
-    a = _unit_arrays(costs)
-    local = a["experts"] / a["expert_split"]
-    opt = a["experts"] / (tp * dp) if distributed_optimizer else local
+    a = costs.arrays
+    local = a.expert_params / a.expert_split
+    opt = a.expert_params / (tp * dp) if distributed_optimizer else local
     trained = local * (precision.param_bytes + precision.grad_bytes) + opt * precision.optimizer_bytes
-    return np.where(a["frozen"], local * precision.param_bytes, trained)
+    return np.where(a.frozen, local * precision.param_bytes, trained)
 
 
 def rank_param_counts(costs: CostTable, tp: int) -> np.ndarray:
     """Parameters of each unit on one rank: the dense part / TP, the routed experts / (EP x ETP), LoRA adapters."""
-    a = _unit_arrays(costs)
-    return (a["params"] - a["experts"]) / tp + a["experts"] / a["expert_split"] + lora_rank_params(costs, tp)
+    a = costs.arrays
+    return (a.param_count - a.expert_params) / tp + a.expert_params / a.expert_split + lora_rank_params(costs, tp)
 
 
 def lora_rank_params(costs: CostTable, tp: int) -> np.ndarray:
     """LoRA adapter parameters of each unit on one TP rank: the split part / tp plus the replicated part."""
-    a = _unit_arrays(costs)
-    return (a["lora"] - a["lora_replicated"]) / tp + a["lora_replicated"]
+    a = costs.arrays
+    return (a.lora_params - a.lora_replicated) / tp + a.lora_replicated
 
 
 def in_flight_1f1b(pp: int, num_microbatches: int) -> np.ndarray:
@@ -286,10 +267,12 @@ def in_flight_1f1b(pp: int, num_microbatches: int) -> np.ndarray:
     return np.minimum(pp - np.arange(pp), num_microbatches)
 
 
+@functools.lru_cache(maxsize=4096)
 def interleaved_live_counts(pp: int, virtual_stages: int, num_microbatches: int, rank: int) -> np.ndarray:
     """Micro-batches alive per model chunk on ``rank`` after each forward of the interleaved schedule.
 
-    Returns an int array of shape (forwards, virtual_stages); see the module docstring for the order.
+    Returns a read-only int array of shape (forwards, virtual_stages) (kept: the planner asks for the same schedules
+    many times); see the module docstring for the order.
     """
     p, v, m = pp, virtual_stages, num_microbatches
     total = m * v
@@ -308,7 +291,9 @@ def interleaved_live_counts(pp: int, virtual_stages: int, num_microbatches: int,
     bwd_done = np.cumsum(bwd_done, axis=0)  # row i: backwards 0..i-1 done
     # Forward j runs after backwards 0..(j - warmup - 1) in the steady phase (none during warm-up).
     bwd_before = np.clip(k - warmup, 0, total)
-    return fwd_done - bwd_done[bwd_before]
+    live = fwd_done - bwd_done[bwd_before]
+    live.flags.writeable = False
+    return live
 
 
 def stage_memory(costs: CostTable, layout: PipelineLayout, plan: Sequence[StageRecompute] | None,
@@ -327,7 +312,7 @@ def stage_memory(costs: CostTable, layout: PipelineLayout, plan: Sequence[StageR
     params = rank_param_counts(costs, tp)
     stat_u = unit_static_bytes(costs, tp, dp, distributed_optimizer, precision)
     slices = [list(r) for r in layout.stage_slices()]
-    side = np.array([u.side_send_bytes for u in costs.units], dtype=np.float64)
+    side = costs.arrays.side_send_bytes
     st_act = np.array([act[s].sum() + (side[s[0] - 1] if s[0] > 0 else 0.0) for s in slices])
     st_trans = np.array([trans[s].max() for s in slices])
     st_params = np.array([params[s].sum() for s in slices])

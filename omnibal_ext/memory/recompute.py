@@ -36,12 +36,12 @@ import numpy as np
 
 from ..errors import UserError
 from ..model import partition  # lazy: the model level is not needed for the memory model itself
-from ..model.costs import CostTable
+from ..model.costs import CostTable, UnitArrays
 from ..model.layout import PipelineLayout
 from ..model.spec import LAYER_ROLES, TEXT_LAYER, VISION_LAYER
 from ..model.units import Unit
 from .memory_model import (GIB, MIXED_BF16_ADAM, MODE_FULL, MODE_NONE, MODE_SELECTIVE, MemoryModelError, Precision,
-                           _check_layout, _check_parallel, _unit_arrays, in_flight_1f1b, stage_memory, stage_time_s,
+                           _check_layout, _check_parallel, in_flight_1f1b, stage_memory, stage_time_s,
                            unit_modes, unit_static_bytes)
 from .stage_recompute import RecomputeFlagError, StageRecompute
 
@@ -142,10 +142,11 @@ class StageChoice:
     static_bytes: float
 
 
-def _block_options(a: dict[str, np.ndarray], idx: np.ndarray, allow_selective: bool):
+def _block_options(a: UnitArrays, idx: np.ndarray, allow_selective: bool):
     """All (full-prefix k, selective) options of one block: k, sel, act bytes, extra s, transient bytes."""
     n = len(idx)
-    act, full, sel_b, fwd, sel_s = (a[k][idx] for k in ("act", "act_full", "act_sel", "fwd", "sel_s"))
+    act, full, sel_b, fwd, sel_s = (a.act_bytes[idx], a.act_bytes_full[idx], a.act_bytes_selective[idx], a.fwd_s[idx],
+                                    a.selective_recompute_s[idx])
     zero = np.zeros(1)
     pre_full = np.concatenate([zero, np.cumsum(full)])  # [k]: sum of act_full over layers < k
     pre_fwd = np.concatenate([zero, np.cumsum(fwd)])
@@ -167,19 +168,18 @@ def _block_options(a: dict[str, np.ndarray], idx: np.ndarray, allow_selective: b
 
 
 def best_stage_plan(costs: CostTable, unit_range: range, in_flight: int, static: float, budget_bytes: float,
-                    allow_selective: bool = True, arrays: dict | None = None,
-                    block_cache: dict | None = None) -> StageChoice:
+                    allow_selective: bool = True, block_cache: dict | None = None) -> StageChoice:
     """The fastest plan of the stage holding ``unit_range`` whose peak fits ``budget_bytes``.
 
-    ``arrays`` (memory_model._unit_arrays of ``costs``) and ``block_cache`` (a dict kept by the caller,
-    for one cost table) save work when many ranges of one table are asked.
+    ``block_cache`` (a dict kept by the caller, for one cost table) saves work when many ranges of one table are
+    asked.
     """
-    a = arrays if arrays is not None else _unit_arrays(costs)
+    a = costs.arrays
     idx = np.arange(unit_range.start, unit_range.stop)
-    block = a["block"][idx]
+    block = a.block[idx]
     vit, llm, other = idx[block == 1], idx[block == 2], idx[block == 0]
-    base_act = a["act"][other].sum()
-    base_time = (a["fwd"][idx] + a["bwd"][idx]).sum()
+    base_act = a.act_bytes[other].sum()
+    base_time = (a.fwd_s[idx] + a.bwd_s[idx]).sum()
     def options(layers):
         if block_cache is None:
             return _block_options(a, layers, allow_selective)
@@ -223,12 +223,11 @@ def plan_recompute(costs: CostTable, layout: PipelineLayout, budget_bytes: float
     _check_parallel(pp, tp, dp, num_microbatches)
     _check_layout(costs, layout, pp)
     budgets = _budgets(budget_bytes, pp)
-    a = _unit_arrays(costs)
     in_flight = in_flight_1f1b(pp, num_microbatches)
     choices = []
     for s, rng in enumerate(layout.stage_slices()):
         stat = float(unit_static_bytes(costs, tp, dp, distributed_optimizer, precision)[rng.start:rng.stop].sum())
-        ch = best_stage_plan(costs, rng, int(in_flight[s]), stat, budgets[s], allow_selective, a)
+        ch = best_stage_plan(costs, rng, int(in_flight[s]), stat, budgets[s], allow_selective)
         if ch.plan is None:
             raise MemoryBudgetError(s, ch.min_peak_bytes, budgets[s],
                                     f" (static {stat / GIB:.2f} GiB, {int(in_flight[s])} micro-batches in flight)")
@@ -434,7 +433,6 @@ class _StageCache:
         self.costs, self.budgets, self.tp, self.dp = costs, _budgets(budget_bytes, pp), tp, dp
         self.opt, self.precision, self.sel = distributed_optimizer, precision, allow_selective
         self.in_flight = in_flight_1f1b(pp, m)
-        self.arrays = _unit_arrays(costs)
         self.static = unit_static_bytes(costs, tp, dp, distributed_optimizer, precision)
         self.memo: dict = {}
         self.blocks: dict = {}
@@ -444,5 +442,5 @@ class _StageCache:
         if key not in self.memo:
             stat = float(self.static[rng.start:rng.stop].sum())
             self.memo[key] = best_stage_plan(self.costs, range(rng.start, rng.stop), int(self.in_flight[stage]),
-                                             stat, self.budgets[stage], self.sel, self.arrays, self.blocks)
+                                             stat, self.budgets[stage], self.sel, self.blocks)
         return self.memo[key]

@@ -6,10 +6,14 @@ large for the machine at hand).  All values are for ONE micro-batch on ONE tenso
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..errors import UserError
+from .spec import TEXT_LAYER, VISION_LAYER
 from .units import role_of_kind
 
 
@@ -42,12 +46,50 @@ class UnitCost:
 
 
 @dataclass(frozen=True)
+class UnitArrays:
+    """The units' numeric fields as float64 arrays in pipeline order (``frozen``: bool), read-only: what the memory
+    model and the recompute planner compute with, built once per table (``CostTable.arrays``)."""
+
+    fwd_s: np.ndarray
+    bwd_s: np.ndarray
+    act_bytes: np.ndarray
+    act_bytes_full: np.ndarray
+    act_bytes_selective: np.ndarray
+    selective_recompute_s: np.ndarray
+    param_count: np.ndarray
+    frozen: np.ndarray
+    lora_params: np.ndarray
+    lora_replicated: np.ndarray
+    expert_params: np.ndarray
+    expert_split: np.ndarray
+    side_send_bytes: np.ndarray
+    block: np.ndarray  # int: 1 a ViT layer, 2 an LLM layer, 0 any other unit (never recomputed)
+
+    @classmethod
+    def of(cls, units: tuple[UnitCost, ...]) -> "UnitArrays":
+        def column(name: str) -> np.ndarray:
+            if name == "block":
+                values = np.array([1 if u.code == VISION_LAYER else 2 if u.code == TEXT_LAYER else 0 for u in units])
+            else:
+                values = np.array([getattr(u, name) for u in units], dtype=bool if name == "frozen" else np.float64)
+            values.flags.writeable = False
+            return values
+
+        return cls(**{f.name: column(f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
 class CostTable:
     """Unit costs in pipeline order plus where they came from."""
 
     units: tuple[UnitCost, ...]
     source: str = "analytic"  # "analytic", "profile", "calibrated"
     meta: dict = field(default_factory=dict)  # device, dtype, shapes, versions
+
+    @functools.cached_property
+    def arrays(self) -> UnitArrays:
+        """The units' fields as arrays (computed on first use; the table is frozen)."""
+        return UnitArrays.of(self.units)
 
     def to_dict(self) -> dict:
         return {"source": self.source, "meta": self.meta, "units": [dataclasses.asdict(u) for u in self.units]}
