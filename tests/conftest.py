@@ -1,7 +1,10 @@
+import hashlib
+import json
 import os
 import sys
 from pathlib import Path
 
+import filelock
 import pytest
 import torch
 
@@ -21,18 +24,38 @@ import frozen_heap  # noqa: E402
 import pool  # noqa: E402
 import tiers  # noqa: E402
 
-CLOCK = pytest.StashKey[tiers.TierClock]()  # each tier's time in this run
-POOL_STATS = pytest.StashKey[dict]()  # pool.stats() at the end of the session, before the pools stop
+CLOCK = pytest.StashKey[tiers.TierClock]()  # each tier's time in this run (in the process that prints the summary)
+SPAN = pytest.StashKey[tiers.Span]()  # the running test's clock, from its setup to its teardown
+POOL_STATS = pytest.StashKey[dict]()  # pool.stats() of each process that ran tests, at its end
+
+
+def _is_xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")  # pytest-xdist's worker processes (-n N); the controller runs no test
 
 
 def pytest_configure(config):
-    config.stash[CLOCK] = tiers.TierClock(pool.live_pids)
+    config.stash[CLOCK] = tiers.TierClock()
+    config.stash[POOL_STATS] = {}
+    if not _is_xdist_worker(config):  # the tests' times arrive with their reports (from the workers under -n)
+        config.pluginmanager.register(tiers.ReportedTimes(config.stash[CLOCK]), "omnibal-tier-times")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[SPAN] = tiers.Span.start(pool.live_pids())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if call.when == "teardown" and SPAN in item.stash:  # the test's time travels with its last report
+        outcome.get_result().user_properties.append(
+            (tiers.PROPERTY, item.stash[SPAN].stop(tiers.tier_of(item), item.nodeid, pool.live_pids())))
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    with item.config.stash[CLOCK].measure(tiers.tier_of(item), item.nodeid):
-        yield
+    yield
     if nextitem is None or nextitem.module is not item.module:
         frozen_heap.freeze_survivors()  # the module's own fixtures are torn down: what they made is collected first
 
@@ -42,20 +65,32 @@ frozen_heap.freeze_survivors()  # the imports above
 
 
 def pytest_sessionfinish(session, exitstatus):
-    session.config.stash[POOL_STATS] = pool.stats()
+    config = session.config
+    stats = pool.stats()
     pool.shutdown()
+    if _is_xdist_worker(config):
+        config.workeroutput["pool_stats"] = json.dumps(stats)  # read by the controller (pytest_testnodedown)
+        return
+    tiers.merge_pool_stats(config.stash[POOL_STATS], stats)
     if os.environ.get("OMNIBAL_TEST_TIMES"):
-        session.config.stash[CLOCK].write_json(os.environ["OMNIBAL_TEST_TIMES"])
+        config.stash[CLOCK].write_json(os.environ["OMNIBAL_TEST_TIMES"])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist: a worker's pool counts, added to the controller's."""
+    stats = json.loads(getattr(node, "workeroutput", {}).get("pool_stats", "{}"))
+    tiers.merge_pool_stats(node.config.stash[POOL_STATS], {int(k): v for k, v in stats.items()})
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.section("time per tier (tests/tiers.py)")
     for line in config.stash[CLOCK].lines():
         terminalreporter.write_line(line)
-    stats = config.stash.get(POOL_STATS, {})
+    stats = config.stash[POOL_STATS]
     if stats:
         terminalreporter.write_line("worker pools (ranks: starts, cases, most threads after a case): " + ", ".join(
-            f"{n}: {starts}, {cases}, {threads}" for n, (starts, cases, threads) in stats.items()))
+            f"{n}: {starts}, {cases}, {threads}" for n, (starts, cases, threads) in sorted(stats.items())))
 
 
 @pytest.fixture
@@ -100,29 +135,37 @@ def megatron_world():
 
 class SharedRuns:
     """Trainer launches shared by the tests of a session: ``run(nproc, flags)`` launches ``flags`` once (in
-    ``folder``, named run0, run1, ...) and returns (iteration records, output, path of its JSON log) to every
-    test asking for the same nproc and flags (in any order: ``canonical.parse_flags``): a launch is deterministic in
-    them. Flags that write (--save) point under ``folder``, so the same flags mean the same run."""
+    ``folder``, named by the run's key) and returns (iteration records, output, path of its JSON log) to every test
+    asking for the same nproc and flags (in any order: ``canonical.parse_flags``): a launch is deterministic in them.
+    Flags that write (--save) point under ``folder``, so the same flags mean the same run.
+
+    ``folder`` is shared by the pytest-xdist workers of a session: a run is kept there as a JSON file, and the
+    first worker to ask for it launches it while a file lock holds the others until it is there."""
 
     def __init__(self, folder: Path):
         self.folder = folder
-        self._runs: dict[tuple, tuple[list[dict], str, Path]] = {}
+        self.folder.mkdir(parents=True, exist_ok=True)
 
     def run(self, nproc: int, flags: list[str]) -> tuple[list[dict], str, Path]:
         from launch import run_training
 
         key = (nproc, *sorted(canonical.parse_flags(flags), key=lambda pair: pair[0]))
-        if key not in self._runs:
-            name = f"run{len(self._runs)}"
-            records, out = run_training(nproc, list(flags), self.folder, name)
-            self._runs[key] = (records, out, self.folder / f"{name}.jsonl")
-        records, out, log = self._runs[key]
-        return [dict(r) for r in records], out, log
+        name = "run-" + hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+        kept = self.folder / f"{name}.json"
+        with filelock.FileLock(str(self.folder / f"{name}.lock")):
+            if not kept.exists():
+                records, out = run_training(nproc, list(flags), self.folder, name)
+                kept.with_suffix(".tmp").write_text(json.dumps({"records": records, "output": out}))
+                kept.with_suffix(".tmp").rename(kept)
+        run = json.loads(kept.read_text())
+        return run["records"], run["output"], self.folder / f"{name}.jsonl"
 
 
 @pytest.fixture(scope="session")
-def shared_runs(tmp_path_factory):
-    return SharedRuns(tmp_path_factory.mktemp("shared_runs"))
+def shared_runs(tmp_path_factory, worker_id):
+    """The session's SharedRuns, in a folder every pytest-xdist worker of the session shares."""
+    base = tmp_path_factory.getbasetemp()
+    return SharedRuns((base.parent if worker_id != "master" else base) / "shared_runs")
 
 
 @pytest.fixture(scope="session")
