@@ -68,7 +68,7 @@ import benchlib as bl  # noqa: E402  (puts the repository on the path)
 
 from omnibal_ext.data.metrics import dist_ratio_matrix  # noqa: E402
 from omnibal_ext.data.native import derive_native_stats  # noqa: E402
-from omnibal_ext.data.online_isf import CostTable, OnlineISFConfig  # noqa: E402
+from omnibal_ext.data.online_isf import BufferCosts, OnlineISFConfig  # noqa: E402
 from omnibal_ext.data.online_sim import simulate  # noqa: E402
 from omnibal_ext.data.search import SearchConfig  # noqa: E402
 from omnibal_ext.data.search_time import run_isf_in_time  # noqa: E402
@@ -88,7 +88,7 @@ class Costed:
     """A dataset costed in predicted time: ``table`` (ViT items, tokens, ViT and LLM seconds per sample) and the
     cost model's rates ``coeffs`` (for padding)."""
 
-    def __init__(self, name: str, table: CostTable, coeffs: TimeCoefficients, model: str):
+    def __init__(self, name: str, table: BufferCosts, coeffs: TimeCoefficients, model: str):
         self.name, self.table, self.coeffs, self.model = name, table, coeffs, model
 
     def llm_s(self, tokens: np.ndarray) -> np.ndarray:
@@ -106,7 +106,7 @@ def costed(name: str, stats: SampleStats, model: str, device: str, tokens: np.nd
         work = with_tokens(work, tokens)
     coeffs = time_coefficients(spec, dev)
     vit, llm = time_units(work, coeffs)
-    table = CostTable(stats.vit.astype(np.int64), np.asarray(counted, dtype=np.int64), vit * TIME_UNIT_S,
+    table = BufferCosts(stats.vit.astype(np.int64), np.asarray(counted, dtype=np.int64), vit * TIME_UNIT_S,
                       llm * TIME_UNIT_S)  # ViT items: tiles of the InternVL stats, patches of the video mix
     return Costed(name, table, coeffs, model)
 

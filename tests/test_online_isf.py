@@ -11,28 +11,28 @@ import pytest
 
 from omnibal_ext.data.isf import ISFParams
 from omnibal_ext.data.metrics import dist_ratio_matrix, dist_ratio_one
-from omnibal_ext.data.online_isf import (Caps, CostTable, Frame, Level, OnlineISF, OnlineISFConfig,
+from omnibal_ext.data.online_isf import (Caps, BufferCosts, Frame, Level, OnlineISF, OnlineISFConfig,
                                          OnlineOversizeError, SampleCost, common_level, complete_pair,
                                          exact_completion, fill_best)
 from omnibal_ext.data.online_sim import simulate
 from omnibal_ext.errors import UserError
 
 
-def random_table(rng: np.random.Generator, n: int, text_only: float = 0.1) -> CostTable:
+def random_table(rng: np.random.Generator, n: int, text_only: float = 0.1) -> BufferCosts:
     """Samples like an SFT mix: 1-6 tiles (some text-only), tokens of the text plus 256 per tile; ViT time per tile,
     LLM time per token plus a quadratic attention term (seconds)."""
     tiles = np.where(rng.random(n) < text_only, 0, rng.integers(1, 7, n))
     tokens = rng.integers(50, 1500, n) + 256 * tiles
-    return CostTable(tiles.astype(np.int64), tokens.astype(np.int64), 0.02 * tiles + 1e-3 * rng.random(n),
+    return BufferCosts(tiles.astype(np.int64), tokens.astype(np.int64), 0.02 * tiles + 1e-3 * rng.random(n),
                      tokens * 4e-5 + tokens.astype(np.float64) ** 2 * 2e-9)
 
 
-def streams_of(table: CostTable, ranks: int, seed: int = 0) -> list[CostTable]:
+def streams_of(table: BufferCosts, ranks: int, seed: int = 0) -> list[BufferCosts]:
     perm = np.random.default_rng(seed).permutation(len(table))
     return [table.take(p) for p in np.array_split(perm, ranks)]
 
 
-def slot_times(run, streams: list[CostTable]) -> tuple[np.ndarray, np.ndarray]:
+def slot_times(run, streams: list[BufferCosts]) -> tuple[np.ndarray, np.ndarray]:
     """(ViT, LLM) seconds of every group, recounted from the streams: [step x slot, rank] matrices of the steps
     in which every rank served every slot."""
     vit, llm = [], []
@@ -71,7 +71,7 @@ def test_complete_pair_against_all_pairs(seed):
 def test_exact_completion_is_the_best_subset(total):
     rng = np.random.default_rng(int(total))
     n = 9
-    table = CostTable(rng.integers(0, 5, n), rng.integers(10, 100, n), rng.random(n) * 0.4, rng.random(n) * 0.4)
+    table = BufferCosts(rng.integers(0, 5, n), rng.integers(10, 100, n), rng.random(n) * 0.4, rng.random(n) * 0.4)
     frame = Frame.of(table, Level(1.0, 1.0), total)
     got = exact_completion(frame, table.vit_items, table.tokens, np.arange(n), 0.9, 0.1 if total else 0.8, 0.01,
                            10, 300)
@@ -175,7 +175,7 @@ def test_a_heavy_image_shard_keeps_the_total_balanced_and_the_level():
     def shard(n, lo, hi):
         tiles = rng.integers(lo, hi + 1, n)
         tokens = rng.integers(50, 1500, n) + 256 * tiles
-        return CostTable(tiles, tokens, 0.02 * tiles + 1e-3 * rng.random(n), tokens * 4e-5 + tokens ** 2 * 2e-9)
+        return BufferCosts(tiles, tokens, 0.02 * tiles + 1e-3 * rng.random(n), tokens * 4e-5 + tokens ** 2 * 2e-9)
 
     streams = [shard(1000, 0, 3), shard(1000, 0, 3), shard(1000, 4, 6)]
     run = simulate(streams, OnlineISFConfig(ranks=3, buffer_size=256), max_steps=60)
@@ -288,7 +288,7 @@ def test_tiny_buffers_against_every_assignment(seed):
 
     rng = np.random.default_rng(seed)
     tol, n = 0.01, 8
-    tables = [CostTable(np.ones(n, np.int64), np.full(n, 10, np.int64), rng.uniform(0.05, 0.5, n),
+    tables = [BufferCosts(np.ones(n, np.int64), np.full(n, 10, np.int64), rng.uniform(0.05, 0.5, n),
                         rng.uniform(0.05, 0.5, n)) for _ in range(2)]
     cfg = OnlineISFConfig(ranks=2, buffer_size=n, vit_time_s=1.0, llm_time_s=1.0, max_vit_items=100,
                           max_tokens=1000, tolerance=tol)

@@ -15,7 +15,7 @@ numpy only (no torch, no megatron).  Modules:
 """
 from .assign import PackPlan, StepAssembly, assemble_steps, load_pack, save_pack, sp_runs
 from .isf import Grouping, ISFParams, OversizeError, check_partition, isf_group, isf_multi
-from .online_isf import CostTable, OnlineISF, OnlineISFConfig, OnlineOversizeError, SampleCost
+from .online_isf import BufferCosts, OnlineISF, OnlineISFConfig, OnlineOversizeError, SampleCost
 from .metrics import dist_ratio_matrix, dist_ratio_one, fill, pad_ratio, step_balance
 from .sampler import GroupBatchSampler, random_groups
 from .search import IsfResult, SearchConfig, SearchResult, run_isf, run_isf_by_source, random_baseline, search_params
@@ -24,7 +24,7 @@ from .stats import SampleStats, StatsError, from_arrays, load_stats, resample
 __all__ = [
     "PackPlan", "StepAssembly", "assemble_steps", "load_pack", "save_pack", "sp_runs",
     "Grouping", "ISFParams", "OversizeError", "check_partition", "isf_group", "isf_multi",
-    "CostTable", "OnlineISF", "OnlineISFConfig", "OnlineOversizeError", "SampleCost",
+    "BufferCosts", "OnlineISF", "OnlineISFConfig", "OnlineOversizeError", "SampleCost",
     "dist_ratio_matrix", "dist_ratio_one", "fill", "pad_ratio", "step_balance",
     "GroupBatchSampler", "random_groups",
     "IsfResult", "SearchConfig", "SearchResult", "run_isf", "run_isf_by_source", "random_baseline", "search_params",

@@ -172,7 +172,7 @@ class OnlineISFConfig:
 
 
 @dataclass(frozen=True)
-class CostTable:
+class BufferCosts:
     """Costs of a buffer as arrays (one entry per sample, oldest first): what the packer reads.
 
     vit_items, tokens: int64 (n,); vit_s, llm_s: float64 (n,) seconds.
@@ -184,7 +184,7 @@ class CostTable:
     llm_s: np.ndarray
 
     @classmethod
-    def from_costs(cls, costs: Sequence[SampleCost]) -> "CostTable":
+    def from_costs(cls, costs: Sequence[SampleCost]) -> "BufferCosts":
         n = len(costs)
         return cls(np.fromiter((c.vit_items for c in costs), np.int64, n),
                    np.fromiter((c.tokens for c in costs), np.int64, n),
@@ -192,19 +192,19 @@ class CostTable:
                    np.fromiter((c.llm_s for c in costs), np.float64, n))
 
     @classmethod
-    def of(cls, buffer) -> "CostTable":
+    def of(cls, buffer) -> "BufferCosts":
         """``buffer`` itself when it is a table, else the table of a sequence of ``SampleCost``."""
-        return buffer if isinstance(buffer, CostTable) else cls.from_costs(buffer)
+        return buffer if isinstance(buffer, BufferCosts) else cls.from_costs(buffer)
 
     def __len__(self) -> int:
         return len(self.vit_s)
 
-    def take(self, positions: np.ndarray) -> "CostTable":
-        return CostTable(self.vit_items[positions], self.tokens[positions], self.vit_s[positions],
+    def take(self, positions: np.ndarray) -> "BufferCosts":
+        return BufferCosts(self.vit_items[positions], self.tokens[positions], self.vit_s[positions],
                          self.llm_s[positions])
 
-    def concat(self, other: "CostTable") -> "CostTable":
-        return CostTable(*(np.concatenate([getattr(self, f.name), getattr(other, f.name)]) for f in fields(self)))
+    def concat(self, other: "BufferCosts") -> "BufferCosts":
+        return BufferCosts(*(np.concatenate([getattr(self, f.name), getattr(other, f.name)]) for f in fields(self)))
 
 
 @dataclass(frozen=True)
@@ -306,7 +306,7 @@ class Frame:
     target: Level
 
     @classmethod
-    def of(cls, table: CostTable, target: Level, total: bool) -> "Frame":
+    def of(cls, table: BufferCosts, target: Level, total: bool) -> "Frame":
         x = table.vit_s / target.vit_s if target.vit_s > 0 else np.zeros(len(table))
         y = table.llm_s / target.llm_s
         if total:
@@ -396,7 +396,7 @@ def exact_completion(frame: Frame, items: np.ndarray, tokens: np.ndarray, cand: 
     return [int(q) for q in cand[bits[int(np.argmin(s))] > 0]]
 
 
-def fill_group(table: CostTable, frame: Frame, free: np.ndarray, anchor: int, caps: Caps, tol: float,
+def fill_group(table: BufferCosts, frame: Frame, free: np.ndarray, anchor: int, caps: Caps, tol: float,
                detour: int = 0) -> list[int]:
     """One group: ``anchor`` plus samples of ``free`` (bool mask, updated) filled toward the target of ``frame``
     within the count ``caps``; positions in the table, anchor first.  See the module docstring (step 2).
@@ -458,7 +458,7 @@ def _top_two(values: np.ndarray) -> float:
     return float(np.partition(values, len(values) - 2)[-2:].sum())
 
 
-def _complete(frame: Frame, table: CostTable, cand: np.ndarray, rp: float, rq: float, tol: float,
+def _complete(frame: Frame, table: BufferCosts, cand: np.ndarray, rp: float, rq: float, tol: float,
               left: tuple[int, int], single_p: float, single_q: float, single: int, last: bool, add) -> bool:
     """Completes the group by a pair (``complete_pair``) or the best single sample where one reaches the target:
     within ``4 tol`` in (x, y), the pair closest in q among those nearest in p; the total within ``tol`` and the mix
@@ -493,7 +493,7 @@ def is_skewed(total: Frame) -> bool:
     return off > MIX_SKEW * total.mean_p and off > 3.0 * float(total.q.std()) / math.sqrt(n)
 
 
-def repair(table: CostTable, frame: Frame, free: np.ndarray, members: list[int], caps: Caps, tol: float
+def repair(table: BufferCosts, frame: Frame, free: np.ndarray, members: list[int], caps: Caps, tol: float
            ) -> list[int]:
     """A group that misses its target, improved by exchanging one of its samples (not the anchor, ``members[0]``)
     for one sample of ``free`` (every member tried), else for two (``complete_pair``): the exchange that brings it
@@ -533,7 +533,7 @@ def repair(table: CostTable, frame: Frame, free: np.ndarray, members: list[int],
     return best
 
 
-def fill_best(table: CostTable, target: Level, free: np.ndarray, anchor: int, caps: Caps, tol: float,
+def fill_best(table: BufferCosts, target: Level, free: np.ndarray, anchor: int, caps: Caps, tol: float,
               frames: tuple[Frame, Frame] | None = None) -> list[int]:
     """The group of ``anchor``: ``fill_group`` in (x, y) and, where it misses, ``repair``; tried again with other
     first picks (``detour``) while it misses; where the best try still misses by more than ``4 tol`` and the
@@ -593,7 +593,7 @@ class _Proposal:
     """A step between ``propose`` and ``settle``: the buffer's table, the groups packed, the caps and target used,
     the steps each buffered sample has waited."""
 
-    table: CostTable
+    table: BufferCosts
     groups: list
     caps: Caps
     target: Level
@@ -638,7 +638,7 @@ class OnlineISF:
         """The hard count caps (None until configured or set at the first step)."""
         return self._caps
 
-    def observe(self, costs: CostTable) -> None:
+    def observe(self, costs: BufferCosts) -> None:
         """Count samples entering the buffer in the online statistics (``next_step_groups`` calls it on the
         buffer's new entries)."""
         if not len(costs):
@@ -646,7 +646,7 @@ class OnlineISF:
         self._seen += [len(costs), costs.vit_s.sum(), costs.llm_s.sum(), costs.vit_items.sum(), costs.tokens.sum()]
         self._seen_max = np.maximum(self._seen_max, [costs.vit_items.max(), costs.tokens.max()])
 
-    def next_step_groups(self, buffer: Sequence[SampleCost] | CostTable, exchange: Exchange, final: bool = False
+    def next_step_groups(self, buffer: Sequence[SampleCost] | BufferCosts, exchange: Exchange, final: bool = False
                          ) -> list[list[int]]:
         """This rank's groups for the next step, each a list of positions in ``buffer`` (this rank's look-ahead,
         oldest first). Every rank calls it once per step with its own buffer; ``final``: the stream has ended,
@@ -657,12 +657,12 @@ class OnlineISF:
         only at the end of a stream.  The same as ``propose``, the exchange, then ``settle``."""
         return self.settle(exchange(self.propose(buffer, final)))
 
-    def propose(self, buffer: Sequence[SampleCost] | CostTable, final: bool = False) -> np.ndarray:
+    def propose(self, buffer: Sequence[SampleCost] | BufferCosts, final: bool = False) -> np.ndarray:
         """The first half of a step: pack toward the agreed target; returns this rank's summary vector (what
         ``next_step_groups`` all-gathers; ``settle`` takes the gathered matrix)."""
         if self._proposal is not None:
             raise RuntimeError("online ISF: propose called twice without settle")
-        table = CostTable.of(buffer)
+        table = BufferCosts.of(buffer)
         n = len(table)
         kept = len(self._ages)
         if n < kept:
@@ -729,7 +729,7 @@ class OnlineISF:
         self._done = bool(state["done"])
 
     # -- steps --------------------------------------------------------------------------------------------
-    def _pack(self, table: CostTable, free: np.ndarray, target: Level, caps: Caps, ages: np.ndarray,
+    def _pack(self, table: BufferCosts, free: np.ndarray, target: Level, caps: Caps, ages: np.ndarray,
               missed: np.ndarray) -> list[list[int]]:
         """Up to ``groups_per_step`` groups of ``free`` positions (updated) toward ``target`` (``_compose``);
         oversize samples (``solo``) form their own groups."""
@@ -746,7 +746,7 @@ class OnlineISF:
             groups.append(self._compose(table, free, over, target, caps, ages, missed))
         return groups
 
-    def _compose(self, table: CostTable, free: np.ndarray, over: np.ndarray, target: Level, caps: Caps,
+    def _compose(self, table: BufferCosts, free: np.ndarray, over: np.ndarray, target: Level, caps: Caps,
                  ages: np.ndarray, missed: np.ndarray, first: int | None = None) -> list[int]:
         """One group toward ``target`` (``_group``).  Under CP, ``cp`` parts toward ``target / cp`` each, within
         ``ceil(ViT items cap / cp)`` items each, one after the other: the trainer's contiguous split of the group's
@@ -770,7 +770,7 @@ class OnlineISF:
             first = None
         return group
 
-    def _group(self, table: CostTable, free: np.ndarray, over: np.ndarray, frames: tuple[Frame, Frame], caps: Caps,
+    def _group(self, table: BufferCosts, free: np.ndarray, over: np.ndarray, frames: tuple[Frame, Frame], caps: Caps,
                ages: np.ndarray, missed: np.ndarray, first: int | None = None) -> list[int]:
         """One group of ``free`` positions (updated; ``over``: oversize, left out) toward the target of ``frames``.
         It starts from the oldest free sample (``ages``: steps each has waited; ``first``: this one before the
@@ -804,7 +804,7 @@ class OnlineISF:
         cfg = self.config
         return cfg.max_wait_steps if cfg.max_wait_steps is not None else max(1, cfg.buffer_size // cfg.groups_per_step)
 
-    def _level_off(self, table: CostTable, groups: list[list[int]], rows: Summaries, caps: Caps, target: Level,
+    def _level_off(self, table: BufferCosts, groups: list[list[int]], rows: Summaries, caps: Caps, target: Level,
                    ages: np.ndarray, missed: np.ndarray) -> list[list[int]]:
         """Step 3 of the module docstring: this rank's groups more than 2 x tolerance above the common level
         (``common_level`` of each time apart) are repacked toward it, from the same anchor; returns the step's
@@ -885,10 +885,10 @@ class OnlineISF:
                          for f in ("seen", "seen_vit_s", "seen_llm_s", "seen_vit_items", "seen_tokens")])
         return seen, np.array([rows.column("max_vit_items").max(), rows.column("max_tokens").max()])
 
-    def _over(self, table: CostTable, caps: Caps) -> np.ndarray:
+    def _over(self, table: BufferCosts, caps: Caps) -> np.ndarray:
         return (table.vit_items > caps.vit_items) | (table.tokens > caps.tokens)
 
-    def _check_oversize(self, table: CostTable, caps: Caps) -> None:
+    def _check_oversize(self, table: BufferCosts, caps: Caps) -> None:
         if self.config.oversize != "error" or not len(table):
             return
         over = np.flatnonzero(self._over(table, caps))
@@ -900,10 +900,10 @@ class OnlineISF:
                 f"oversize='solo'", p)
 
     @staticmethod
-    def _times(table: CostTable, group: list[int]) -> tuple[float, float]:
+    def _times(table: BufferCosts, group: list[int]) -> tuple[float, float]:
         return float(table.vit_s[group].sum()), float(table.llm_s[group].sum())
 
-    def _summary(self, table: CostTable, groups: list[list[int]], final: bool, skewed: bool) -> StepSummary:
+    def _summary(self, table: BufferCosts, groups: list[list[int]], final: bool, skewed: bool) -> StepSummary:
         times = np.array([self._times(table, g) for g in groups]).reshape(-1, 2)
         lo = times.min(axis=0) if len(times) else np.full(2, math.inf)
         return StepSummary(

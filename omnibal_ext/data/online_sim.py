@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .online_isf import CostTable, OnlineISF, OnlineISFConfig
+from .online_isf import BufferCosts, OnlineISF, OnlineISFConfig
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class SimulatedRun:
         return len(self.groups)
 
 
-def simulate(streams: list[CostTable], config: OnlineISFConfig, max_steps: int | None = None,
+def simulate(streams: list[BufferCosts], config: OnlineISFConfig, max_steps: int | None = None,
              stop_at_first_end: bool = False) -> SimulatedRun:
     """Run ``config.ranks`` online ISF ranks over their ``streams`` (rank r reads ``streams[r]`` in order, keeping
     its buffer ``config.buffer_size`` full while the stream lasts).  Stops when every rank has served its whole

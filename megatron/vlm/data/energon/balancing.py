@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from omnibal_ext.data.online_isf import CostTable, OnlineISF, OnlineISFConfig, OnlineOversizeError, SampleCost
+from omnibal_ext.data.online_isf import BufferCosts, OnlineISF, OnlineISFConfig, OnlineOversizeError, SampleCost
 from omnibal_ext.errors import UserError
 
 from .task_encoder import CostedSample, sample_where
@@ -84,7 +84,7 @@ class OnlineISFLoader:
         self._exchange = all_gather_exchange(group)
         self._pool = ThreadPoolExecutor(decode_threads) if decode_threads > 0 else None
         self._buffer: list[CostedSample] = []
-        self._costs = CostTable.from_costs([])
+        self._costs = BufferCosts.from_costs([])
         self._iterator: Iterator | None = None
         self._ended = False
 
@@ -139,7 +139,7 @@ class OnlineISFLoader:
             new.append(sample)
         if new:
             self._buffer += new
-            self._costs = self._costs.concat(CostTable.from_costs([s.cost for s in new]))
+            self._costs = self._costs.concat(BufferCosts.from_costs([s.cost for s in new]))
 
     def _postencode(self, samples: list[CostedSample]) -> list[Any]:
         encode = self.task_encoder.postencode_sample
@@ -171,7 +171,7 @@ class OnlineISFLoader:
         self.loader.restore_state_rank(state["loader"])
         self.isf.load_state_dict(state["isf"])
         self._buffer = [self.loader.restore_sample(restore_key(key)) for key in state["buffer"]]
-        self._costs = CostTable.from_costs([s.cost for s in self._buffer])
+        self._costs = BufferCosts.from_costs([s.cost for s in self._buffer])
         self._ended = bool(state["ended"])
 
     @property
