@@ -1,8 +1,8 @@
 """Persistent worker pools of 1, 2 and 4 ranks: multi-process test cases without a new process per case.
 
 A fresh ``torchrun pretrain_vlm.py`` pays about 6.6 s per rank importing the trainer before it trains a few
-iterations. A pool starts its ranks once (``tests/pool_worker.py``: the imports, then one gloo world) and runs each
-case in them: ``pool(nproc).run("pretrain_vlm:cli", argv, cwd)`` calls the entry point in every rank, as torchrun
+iterations. A pool starts its ranks once (``tests/pool_worker.py``: forked from the session's ``Zygote``, which did
+those imports once, then one gloo world) and runs each case in them: ``pool(nproc).run("pretrain_vlm:cli", argv, cwd)`` calls the entry point in every rank, as torchrun
 would start it, and returns its exit status and the ranks' output in rank order (what ``benchlib.launch_ranks``
 returns for a fresh launch). Between cases each rank puts its process back as it found it (``pool_worker.CaseState``).
 
@@ -22,9 +22,12 @@ exit path) calls ``benchlib`` directly.
 from __future__ import annotations
 
 import atexit
+import errno
+import fcntl
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -67,6 +70,108 @@ class PoolDown(RuntimeError):
     """A rank of the pool died (or had to be killed) during a case."""
 
 
+class ForkedRank:
+    """A rank forked by the session's ``Zygote``, with the part of ``subprocess.Popen``'s interface the pool uses:
+    ``pid``, ``stdin`` (the write end of its cases' named pipe), ``poll``, ``wait``, ``kill``, ``returncode``."""
+
+    def __init__(self, pid: int, cases: Path, exit_file: Path, zygote: "Zygote"):
+        self.pid, self.exit_file, self.zygote = pid, exit_file, zygote
+        self.returncode: int | None = None
+        self.stdin = self._open_cases(cases)
+
+    def _open_cases(self, cases: Path):
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:  # the rank opens its end first; until then a non-blocking open finds no reader (ENXIO)
+            try:
+                fd = os.open(cases, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError as e:
+                if e.errno != errno.ENXIO or self.poll() is not None or time.monotonic() > deadline:
+                    raise PoolDown(f"rank {self.pid} never read its cases ({e}; exit status {self.returncode})")
+                time.sleep(POLL_S / 4)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        return os.fdopen(fd, "w")
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            if self.exit_file.exists():
+                self.returncode = int(self.exit_file.read_text())
+            elif not self.zygote.alive and not _exists(self.pid):  # nobody left to write its status
+                self.returncode = -signal.SIGKILL
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pool rank {self.pid}", timeout)
+            time.sleep(POLL_S)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+class Zygote:
+    """The session's rank maker (``pool_worker.zygote``): a process that imported what a rank imports once, and forks
+    a rank on request in milliseconds. Without it every rank of every pool start and restart paid the 6-7 s of those
+    imports (22 rank starts in a run of the suite on two pytest-xdist workers)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.proc: subprocess.Popen | None = None
+        self.spawned = 0
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def spawn(self, env: dict, cwd: Path, log: Path, pool_dir: Path) -> ForkedRank:
+        """A rank with environment ``env`` (the whole of it), working directory ``cwd``, its output in ``log``, serving
+        the pool in ``pool_dir``."""
+        if not self.alive:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with open(self.folder / "zygote.log", "a") as out:
+                self.proc = subprocess.Popen([sys.executable, "-u", str(TESTS / "pool_worker.py"), "zygote"],
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=out, text=True,
+                                             cwd=self.folder, env=benchlib.trainer_env())
+        name = f"rank{self.spawned}"
+        self.spawned += 1
+        cases, exit_file = self.folder / f"{name}.cases", self.folder / f"{name}.exit"
+        os.mkfifo(cases)
+        request = {"env": env, "cwd": str(cwd), "log": str(log), "cases": str(cases), "pool_dir": str(pool_dir),
+                   "exit": str(exit_file)}
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            pid = int(self.proc.stdout.readline())
+        except (OSError, ValueError):
+            raise PoolDown(f"the pools' zygote failed:\n{(self.folder / 'zygote.log').read_text()[-4000:]}") from None
+        return ForkedRank(pid, cases, exit_file, self)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+
 class WorkerPool:
     """``nproc`` ranks of ``pool_worker.py`` in one gloo world, serving cases one at a time."""
 
@@ -74,8 +179,7 @@ class WorkerPool:
         self.nproc = nproc
         self.folder = Path(folder)
         self.threads = threads
-        self.procs: list[subprocess.Popen] = []
-        self.logs: list = []  # the ranks' own output files (outside cases)
+        self.procs: list[ForkedRank] = []
         self.cases = 0  # cases run (ids of the case files)
         self.starts = 0  # how many times the ranks were started
         self.most_threads = 0  # the most OS threads a rank held after a case
@@ -91,13 +195,11 @@ class WorkerPool:
             ready.unlink()
         env = benchlib.trainer_env(self.threads)
         port = str(benchlib.free_port())
-        self.logs = [open(self.folder / f"worker{self.starts}.rank{r}.log", "w") for r in range(self.nproc)]
-        self.procs = [subprocess.Popen(
-            [sys.executable, "-u", str(TESTS / "pool_worker.py"), "serve", str(self.folder)], stdin=subprocess.PIPE,
-            stdout=self.logs[r], stderr=subprocess.STDOUT, text=True,
-            cwd=self.folder, env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(self.nproc),
-                                  "LOCAL_WORLD_SIZE": str(self.nproc), "MASTER_ADDR": "127.0.0.1",
-                                  "MASTER_PORT": port}) for r in range(self.nproc)]
+        self.procs = [_zygote().spawn({**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(self.nproc),
+                                       "LOCAL_WORLD_SIZE": str(self.nproc), "MASTER_ADDR": "127.0.0.1",
+                                       "MASTER_PORT": port},
+                                      self.folder, self.folder / f"worker{self.starts}.rank{r}.log", self.folder)
+                      for r in range(self.nproc)]
         self.starts += 1
         deadline = time.monotonic() + START_TIMEOUT_S
         while not all((self.folder / f"ready.rank{r}").exists() for r in range(self.nproc)):
@@ -122,9 +224,7 @@ class WorkerPool:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        for log in self.logs:
-            log.close()
-        self.procs, self.logs = [], []
+        self.procs = []
 
     def kill(self) -> None:
         for p in self.procs:
@@ -197,6 +297,7 @@ class WorkerPool:
 
 _POOLS: dict[int, WorkerPool] = {}
 _FOLDER: list[Path] = []
+_ZYGOTE: list[Zygote] = []
 
 
 def enabled() -> bool:
@@ -204,12 +305,24 @@ def enabled() -> bool:
     return os.environ.get("OMNIBAL_TEST_POOLS", "1") != "0"
 
 
+def _folder() -> Path:
+    if not _FOLDER:
+        _FOLDER.append(Path(tempfile.mkdtemp(prefix="omnibal-pools-")))
+    return _FOLDER[0]
+
+
+def _zygote() -> Zygote:
+    """The session's rank maker (started with the first rank)."""
+    if not _ZYGOTE:
+        _ZYGOTE.append(Zygote(_folder() / "zygote"))
+    return _ZYGOTE[0]
+
+
 def pool(nproc: int) -> WorkerPool:
     """The session's pool of ``nproc`` ranks (started by its first case)."""
     if nproc not in SIZES:
         raise ValueError(f"no pool of {nproc} ranks (pools: {SIZES})")
-    if not _FOLDER:
-        _FOLDER.append(Path(tempfile.mkdtemp(prefix="omnibal-pools-")))
+    _folder()
     if nproc not in _POOLS:
         _POOLS[nproc] = WorkerPool(nproc, _FOLDER[0] / f"pool{nproc}")
     return _POOLS[nproc]
@@ -245,8 +358,10 @@ def stats() -> dict[int, tuple[int, int, int]]:
 
 
 def live_pids() -> list[int]:
-    """The process ids of the live pool ranks (their CPU time, while they run)."""
-    return [p.pid for w in _POOLS.values() for p in w.procs if p.poll() is None]
+    """The process ids of the live pool ranks and of the zygote, whose children they are (their CPU time: a rank's
+    moves into the zygote's when it ends)."""
+    zygote = [z.proc.pid for z in _ZYGOTE if z.alive]
+    return zygote + [p.pid for w in _POOLS.values() for p in w.procs if p.poll() is None]
 
 
 def shutdown() -> None:
@@ -254,6 +369,8 @@ def shutdown() -> None:
     for p in _POOLS.values():
         p.stop()
     _POOLS.clear()
+    while _ZYGOTE:
+        _ZYGOTE.pop().stop()
     while _FOLDER:
         shutil.rmtree(_FOLDER.pop(), ignore_errors=True)
 

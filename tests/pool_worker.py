@@ -2,6 +2,7 @@
 cases one after the other in this same process until its standard input closes.
 
     python -u tests/pool_worker.py serve POOL_DIR    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set by the pool)
+    python -u tests/pool_worker.py zygote            (forks such ranks on request, its imports done once: ``zygote``)
     python tests/pool_worker.py call MODULE:FUNCTION ARG...     (one case in a fresh process: its exit status)
 
 A case is one JSON line on standard input: ``{"id": N, "target": "module:function", "argv": [...], "cwd": DIR,
@@ -100,9 +101,9 @@ class CaseState:
         np.random.seed(0)
 
 
-def empty_leaked_modules(module_type: type) -> int:
+def empty_leaked_modules(module_type: type) -> None:
     """Empty the megatron modules (instances of ``module_type``) still alive after a case's collection, and collect
-    again; returns how many there were.
+    again.
 
     megatron-core 0.16.1's MoE layers outlive their run: the token dispatcher keeps the last forward's ``probs``,
     whose autograd graph (C++, out of the collector's sight) reaches the DDP model's gradient-accumulator hooks,
@@ -115,7 +116,6 @@ def empty_leaked_modules(module_type: type) -> int:
         module.__dict__.clear()
     if leaked:
         gc.collect()
-    return len(leaked)
 
 
 def _kept(module: str) -> bool:
@@ -217,7 +217,17 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+def import_warm() -> None:
+    """The modules every case needs, imported once (no thread is started: a zygote may fork after them)."""
+    for module in WARM:
+        importlib.import_module(module)
+    import family_registry  # noqa: F401  (CaseState's)
+    import frozen_heap  # noqa: F401
+
+
 def serve(pool_dir: str) -> int:
+    """Join the pool's world (``RANK`` ... from the environment) and run the cases read from the standard input until
+    it closes."""
     die_with_parent()
     import torch
     import torch.distributed as dist
@@ -227,8 +237,7 @@ def serve(pool_dir: str) -> int:
 
     pool_dir = Path(pool_dir)
     rank = int(os.environ["RANK"])
-    for module in WARM:
-        importlib.import_module(module)
+    import_warm()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo", timeout=initialize.DEFAULT_TIMEOUT)
     frozen_heap.keep_frozen_through_energon()
@@ -245,7 +254,80 @@ def serve(pool_dir: str) -> int:
     return 0
 
 
+def zygote() -> int:
+    """Start ranks by forking this process, which has imported what a rank imports (``import_warm``): a rank then
+    starts in milliseconds instead of the 6-7 s of its imports (tests/pool.py: ``Zygote``).
+
+    Reads one JSON request per line on its standard input, ``{"env": {...}, "cwd": DIR, "log": FILE, "cases": FIFO,
+    "pool_dir": DIR, "exit": FILE}``, forks, and writes the child's pid as a line on its standard output. The child
+    takes ``env`` as its whole environment, writes its output to ``log``, has the named pipe ``cases`` as its
+    standard input and serves the cases (``serve``). When a child ends, its exit status (a negative signal number when killed,
+    as ``subprocess`` reports it) is written to its ``exit`` file. Ends when its standard input closes; the kernel
+    kills it and its children when the process that started it dies."""
+    import signal
+
+    die_with_parent()
+    import_warm()
+    gc.collect()
+    gc.freeze()  # the imports' objects stay shared with the children (a collection would write to their pages)
+    if os_threads() > 1:
+        raise RuntimeError(f"zygote: {os_thread_names()} threads after the imports; forking would copy a lock held")
+    exits: dict[int, str] = {}
+
+    def reap(signum, frame):
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            path = exits.pop(pid, None)
+            if path:
+                Path(path + ".tmp").write_text(str(code))
+                os.replace(path + ".tmp", path)
+
+    signal.signal(signal.SIGCHLD, reap)
+    requests = os.fdopen(os.dup(0), "r")  # unbuffered reads would not matter: children never read it
+    for line in requests:
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])  # the pid is recorded before its end is reaped
+        pid = os.fork()
+        if pid == 0:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
+            code = 1
+            try:
+                requests.close()
+                os.environ.clear()
+                os.environ.update(request["env"])
+                os.chdir(request["cwd"])
+                log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(log, 1)
+                os.dup2(log, 2)
+                os.close(log)
+                cases = os.open(request["cases"], os.O_RDONLY)  # a named pipe: waits for the pool to open its end
+                os.dup2(cases, 0)  # sys.stdin reads it (the zygote never read from its own sys.stdin: nothing buffered)
+                os.close(cases)
+                code = serve(request["pool_dir"])
+            except BaseException:  # noqa: BLE001 - the rank's failure goes to its log, its status to the pool
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        exits[pid] = request["exit"]
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
+        print(pid, flush=True)
+    return 0
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "serve":
         sys.exit(serve(sys.argv[2]))
+    if sys.argv[1] == "zygote":
+        sys.exit(zygote())
     sys.exit(call(sys.argv[2], sys.argv[3:]))

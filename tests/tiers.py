@@ -38,13 +38,13 @@ def tier_of(item) -> str:
 
 
 def _process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a live process (0 once it is gone)."""
+    """User + system CPU seconds of a live process and of its children it has reaped (0 once it is gone)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime (fields 14 and 15 of stat)
+    return sum(map(int, fields[11:15])) * _TICK_S  # utime, stime, cutime, cstime (fields 14 to 17 of stat)
 
 
 def cpu_s(live_pids=()) -> float:
