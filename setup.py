@@ -27,8 +27,9 @@ setup(
         "tensorboard": ["tensorboard==2.21.0"],
         # transformers is the reference implementation the Hugging Face tests compare against
         # the `openai` client is the reference client of `omnibal serve`'s tests
-        "test": ["pytest==9.0.3", "pytest-xdist==3.8.0", "hypothesis==6.155.2", "transformers==5.23.0", "openai==3.57.0",
-                 "fastapi==0.165.0", "uvicorn==0.55.0"],
+        # pytest-xdist: the suite runs in two test processes (pytest.ini, docs/testing.md)
+        "test": ["pytest==9.0.3", "pytest-xdist==3.8.0", "hypothesis==6.155.2", "transformers==5.23.0",
+                 "openai==3.57.0", "fastapi==0.165.0", "uvicorn==0.55.0"],
         # `omnibal serve`: the OpenAI-compatible HTTP server (docs/generation.md#serving says why these)
         "serve": ["fastapi==0.165.0", "uvicorn==0.55.0"],
         # GPU extras are installed by the user from NVIDIA's channels (transformer-engine, NVIDIA apex

@@ -2,9 +2,10 @@
 
 A fresh ``torchrun pretrain_vlm.py`` pays about 6.6 s per rank importing the trainer before it trains a few
 iterations. A pool starts its ranks once (``tests/pool_worker.py``: forked from the session's ``Zygote``, which did
-those imports once, then one gloo world) and runs each case in them: ``pool(nproc).run("pretrain_vlm:cli", argv, cwd)`` calls the entry point in every rank, as torchrun
-would start it, and returns its exit status and the ranks' output in rank order (what ``benchlib.launch_ranks``
-returns for a fresh launch). Between cases each rank puts its process back as it found it (``pool_worker.CaseState``).
+those imports once, then one gloo world) and runs each case in them: ``pool(nproc).run("pretrain_vlm:cli", argv,
+cwd)`` calls the entry point in every rank, as torchrun would start it, and returns its exit status and the ranks'
+output in rank order (what ``benchlib.launch_ranks`` returns for a fresh launch). Between cases each rank puts its
+process back as it found it (``pool_worker.CaseState``).
 
 A case that fails returns its status and output (a traceback, or the ``error: ...`` line of a ``UserError``). A rank
 that dies, or a failed rank whose peers do not finish within ``GRACE_S`` (they wait in a collective), takes the pool

@@ -24,6 +24,7 @@ import importlib
 import json
 import os
 import random
+import signal
 import sys
 import sysconfig
 import traceback
@@ -206,7 +207,6 @@ def die_with_parent() -> None:
     """On Linux, have the kernel kill this rank when the process that started the pool dies (a test session killed
     mid-case leaves no ranks behind); elsewhere the closed standard input ends the rank after its case."""
     import ctypes
-    import signal
 
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -261,11 +261,9 @@ def zygote() -> int:
     Reads one JSON request per line on its standard input, ``{"env": {...}, "cwd": DIR, "log": FILE, "cases": FIFO,
     "pool_dir": DIR, "exit": FILE}``, forks, and writes the child's pid as a line on its standard output. The child
     takes ``env`` as its whole environment, writes its output to ``log``, has the named pipe ``cases`` as its
-    standard input and serves the cases (``serve``). When a child ends, its exit status (a negative signal number when killed,
-    as ``subprocess`` reports it) is written to its ``exit`` file. Ends when its standard input closes; the kernel
-    kills it and its children when the process that started it dies."""
-    import signal
-
+    standard input and serves the cases (``serve``). When a child ends, its exit status (a negative signal number
+    when killed, as ``subprocess`` reports it) is written to its ``exit`` file. Ends when its standard input closes;
+    the kernel kills it and its children when the process that started it dies."""
     die_with_parent()
     import_warm()
     gc.collect()

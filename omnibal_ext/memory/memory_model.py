@@ -196,13 +196,15 @@ def unit_modes(costs: CostTable, layout: PipelineLayout, plan: Sequence[StageRec
 def unit_activation_bytes(costs: CostTable, modes: np.ndarray) -> np.ndarray:
     """Bytes each unit keeps per micro-batch under ``modes``."""
     a = costs.arrays
-    return np.select([modes == MODE_FULL, modes == MODE_SELECTIVE], [a.act_bytes_full, a.act_bytes_selective], a.act_bytes)
+    return np.select([modes == MODE_FULL, modes == MODE_SELECTIVE], [a.act_bytes_full, a.act_bytes_selective],
+                     a.act_bytes)
 
 
 def unit_transient_bytes(costs: CostTable, modes: np.ndarray) -> np.ndarray:
     """Bytes a unit re-creates while it is recomputed in backward (0 when not recomputed)."""
     a = costs.arrays
-    t = np.select([modes == MODE_FULL, modes == MODE_SELECTIVE], [a.act_bytes - a.act_bytes_full, a.act_bytes - a.act_bytes_selective], 0.0)
+    t = np.select([modes == MODE_FULL, modes == MODE_SELECTIVE],
+                  [a.act_bytes - a.act_bytes_full, a.act_bytes - a.act_bytes_selective], 0.0)
     return np.maximum(t, 0.0)
 
 
