@@ -79,7 +79,7 @@ from omnibal_ext.model.sample_time import (TIME_UNIT_S, TimeCoefficients, sample
                                            time_units, with_tokens)
 from omnibal_ext.model.units import get_preset  # noqa: E402
 
-BENCH_DATE = "2026-12-03"
+BENCH_DATE = "2026-12-04"
 METHODS = ("random", "energon-ffd", "knapsack-vt", "offline-isf")
 
 
