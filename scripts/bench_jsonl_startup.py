@@ -4,15 +4,16 @@
 The trainer scans every record of a meta JSON / JSONL dataset before the first step (each image decoded, the
 text tokenized: ``megatron/vlm/data/records.py``) and keeps the scan in ``--data-cache-dir``
 (``scan_cache.py``); a relaunch of the same data reads it back.  Per dataset size (``--sizes`` records), two
-launches of ``pretrain_vlm.py`` (one process, the tiny model, one iteration): ``cold`` with an empty cache folder,
-``cached`` with the folder the first one filled.  Reported: the launch's wall time (start to exit after the first
+launches of ``pretrain_vlm.py`` (``--nproc`` data-parallel ranks, default one, which split the scan; the tiny model,
+one iteration): ``cold`` with an empty cache folder, ``cached`` with the folder the first one filled.  Reported: the launch's wall time (start to exit after the first
 step) and the seconds per record of the cold scan.
 
 The records reuse a pool of ``--pool`` image files (``--image-px`` a side, JPEG quality 90), so that a million
 records hold little disk: each record names one of them (the scan still decodes one image per record).
 
     python scripts/bench_jsonl_startup.py --sizes 1000 10000 --json results/bench_jsonl_startup.json
-    python scripts/bench_jsonl_startup.py --sizes 1000000 --image-px 320 1920     # the issue's size, hours cold
+    python scripts/bench_jsonl_startup.py --sizes 1000000 --json results/bench_jsonl_startup.json   # the issue's size
+    python scripts/bench_jsonl_startup.py --sizes 1000000 --nproc 8   # 8 ranks split the cold scan
 """
 from __future__ import annotations
 
@@ -29,10 +30,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl  # noqa: E402
 
-BENCH_DATE = "2026-12-03"
+BENCH_DATE = "2026-12-04"
 WORDS = "the a photo of cat dog street car tree river house red green blue small large left right".split()
 MODEL_FLAGS = ["--image-size", "448", "--patch-size", "28", "--max-num-tiles", "4", "--seq-length", "1024",
-               "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "1", "--lr-warmup-iters", "0",
+               "--micro-batch-size", "2", "--train-iters", "1", "--lr-warmup-iters", "0",
                "--eval-interval", "0", "--seed", "3"]
 
 
@@ -66,10 +67,11 @@ def make_records(folder: Path, records: int, pool: list[str], seed: int) -> Path
     return meta
 
 
-def launch(meta: Path, cache: Path, workdir: Path, name: str, timeout: int) -> dict:
-    """One trainer launch of one iteration: its wall seconds, iterations run, and whether it read a cached scan."""
-    run = bl.run_trainer(["--data-path", str(meta), "--data-cache-dir", str(cache), *MODEL_FLAGS], workdir, name,
-                         nproc=1, timeout=timeout)
+def launch(meta: Path, cache: Path, workdir: Path, name: str, timeout: int, nproc: int = 1) -> dict:
+    """One trainer launch of one iteration on ``nproc`` ranks (data parallel, so they split the scan): its wall
+    seconds, iterations run, and whether it read a cached scan."""
+    run = bl.run_trainer(["--data-path", str(meta), "--data-cache-dir", str(cache), *MODEL_FLAGS,
+                          "--global-batch-size", str(2 * nproc)], workdir, name, nproc=nproc, timeout=timeout)
     return {"wall_s": run.wall_s, "iterations": len(run.records), "read_cache": "is read from" in run.output}
 
 
@@ -82,6 +84,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--json")
     ap.add_argument("--timeout", type=int, default=36000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--nproc", type=int, default=1,
+                    help="ranks of each launch (data parallel): the scan is split between them")
     args = ap.parse_args(argv)
     out_dir = Path(args.out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -92,8 +96,8 @@ def main(argv=None) -> dict:
         cache = out_dir / f"cache_{n}"
         shutil.rmtree(cache, ignore_errors=True)
         load = os.getloadavg()[0]
-        cold = launch(meta, cache, out_dir, f"cold_{n}", args.timeout)
-        cached = launch(meta, cache, out_dir, f"cached_{n}", args.timeout)
+        cold = launch(meta, cache, out_dir, f"cold_{n}", args.timeout, args.nproc)
+        cached = launch(meta, cache, out_dir, f"cached_{n}", args.timeout, args.nproc)
         row = {"records": n, "cold_s": cold["wall_s"], "cached_s": cached["wall_s"],
                "cold_read_cache": cold["read_cache"], "cached_read_cache": cached["read_cache"],
                "cold_over_cached": cold["wall_s"] / cached["wall_s"],
@@ -101,6 +105,7 @@ def main(argv=None) -> dict:
         rows.append(row)
         print(bl.format_table([row], COLUMNS), flush=True)
     result = {"date": BENCH_DATE, "pool": args.pool, "image_px": args.image_px, "cpus": os.cpu_count(),
+              "nproc": args.nproc,
               "rows": rows}
     if args.json:
         bl.write_json(args.json, result)

@@ -33,7 +33,8 @@ time and their sum; PadRatio in predicted time (LLM time of pad tokens over all 
 time over the target: K mean samples, the online target; offline ISF's own fill is of its time caps); the buffer's
 memory per rank (the planner's arrays, and the encoded media a real buffer holds: the measured mean encoded
 sample of ``--loader-samples`` photo-sized JPEG samples times the buffer); per-step planning CPU time per rank
-(mean and 99th percentile; the machine's load average is recorded beside it).
+(mean and 99th percentile; the machine's load average is recorded beside it).  For the online rows also the
+DistRatio of ViT and LLM time per ``--window`` steps (``windows``): whether the balance holds over the run.
 
 CP 2 row (``video_mix``, DP 8): tokens padded to a multiple of 2 x CP as the trainer pads them; each micro-batch's
 ViT work split over the 2 CP ranks in the contiguous runs of whole samples the trainer's ``cp_split.image_runs``
@@ -79,7 +80,7 @@ from omnibal_ext.model.sample_time import (TIME_UNIT_S, TimeCoefficients, sample
                                            time_units, with_tokens)
 from omnibal_ext.model.units import get_preset  # noqa: E402
 
-BENCH_DATE = "2026-12-03"
+BENCH_DATE = "2026-12-04"
 METHODS = ("random", "energon-ffd", "knapsack-vt", "offline-isf")
 
 
@@ -233,13 +234,25 @@ def offline_isf(data: Costed, dp: int, k: float, seed: int, token_multiple: int 
             "plan_cpu_s": time.process_time() - t0, "groups": len(found.grouping)}
 
 
+def window_metrics(data: Costed, slots: list[list[np.ndarray]], window: int) -> list[dict]:
+    """DistRatio of ViT and LLM seconds per run of ``window`` consecutive steps (does the balance hold over the
+    run, or drift?)."""
+    t = data.table
+    vit = np.array([[t.vit_s[g].sum() for g in slot] for slot in slots])
+    llm = np.array([[t.llm_s[g].sum() for g in slot] for slot in slots])
+    return [{"first_step": j, "steps": len(vit[j:j + window]),
+             "dist_ratio_vit_time": dist_ratio_matrix(vit[j:j + window]),
+             "dist_ratio_llm_time": dist_ratio_matrix(llm[j:j + window])} for j in range(0, len(slots), window)]
+
+
 def online_isf(data: Costed, streams: list[np.ndarray], dp: int, buffer: int, k: float, steps: int, target,
-               cp: int = 1) -> dict:
+               cp: int = 1, window: int = 50) -> dict:
     tables = [data.table.take(s) for s in streams]
     run = simulate(tables, OnlineISFConfig(ranks=dp, buffer_size=buffer, samples_per_group=k, cp=cp),
                    max_steps=steps, stop_at_first_end=True)
     slots = [[streams[r][g[0]] for r, g in enumerate(step)] for step in run.groups if all(len(g) == 1 for g in step)]
     m = slot_metrics(data, slots, target)
+    m["windows"] = window_metrics(data, slots, window)
     m.update({"plan_ms_mean": float(run.plan_s.mean() * 1e3),
               "plan_ms_p99": float(np.percentile(run.plan_s, 99) * 1e3),
               "steps": run.steps, "buffer_peak": run.max_buffered,
@@ -345,7 +358,10 @@ def bench_dataset(args, data: Costed, dp: int, encoded_bytes: float) -> list[dic
     add("knapsack-vt", knapsack_vt(data, dp, cap, target, args.steps, args.seed))
     add("offline-isf", offline_isf(data, dp, args.samples_per_group, args.seed))
     for b in args.buffers:
-        add(f"online-isf-{b}", online_isf(data, streams, dp, b, args.samples_per_group, args.steps, target), b)
+        add(f"online-isf-{b}", online_isf(data, streams, dp, b, args.samples_per_group, args.steps, target,
+                                          window=args.window), b)
+        print("    DR ViT / LLM time per " + f"{args.window} steps: " + ", ".join(
+            f"{w['dist_ratio_vit_time']:.4f}/{w['dist_ratio_llm_time']:.4f}" for w in rows[-1]["windows"]), flush=True)
     return rows
 
 
@@ -378,6 +394,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dp", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--buffers", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--steps", type=int, default=400, help="steps simulated (micro-batch slots per rank)")
+    ap.add_argument("--window", type=int, default=50, help="steps per window of the online rows' DistRatio over time")
     ap.add_argument("--samples-per-group", type=float, default=4.0)
     ap.add_argument("--ffd-buffer", type=int, default=1024, help="Energon packing buffer of the FFD baseline")
     ap.add_argument("--cp", type=int, default=2, help="CP of the CP row (video mix, the first DP size)")

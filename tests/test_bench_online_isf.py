@@ -23,6 +23,8 @@ def test_bench_online_isf_quick(tmp_path):
         assert [r["method"] for r in rows] == ["random", "energon-ffd", "knapsack-vt", "offline-isf", "online-isf-16"]
         by = {r["method"]: r for r in rows}
         assert by["online-isf-16"]["plan_ms_mean"] > 0 and by["online-isf-16"]["pad_ratio_time"] == 0.0
+        windows = by["online-isf-16"]["windows"]  # the balance over time, per window of steps
+        assert windows[0]["first_step"] == 0 and sum(w["steps"] for w in windows) == by["online-isf-16"]["slots"]
         # packed, coordinated groups against independent random micro-batches of the same data
         assert by["online-isf-16"]["dist_ratio_time"] < by["random"]["dist_ratio_time"]
         assert by["random"]["pad_ratio_time"] > 0

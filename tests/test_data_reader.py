@@ -322,3 +322,31 @@ def test_a_worker_error_keeps_its_one_line():
     assert "Traceback" in str(e.value)
     assert worker_message(e.value) == "ann.jsonl:2: image a.png does not decode any more"
     assert worker_message(DataValidationError("plain: one line")) == "plain: one line"
+
+
+def test_a_cut_or_corrupt_jpeg_is_refused_by_the_scan(tmp_path):
+    """The scan decodes JPEGs at 1/8 scale (draft mode), which still reads the whole compressed stream: a JPEG cut
+    in half and one whose entropy-coded data holds a stray marker, both with a header that reads fine, are refused
+    naming record and file; a good JPEG's size is its full size, not the draft's."""
+    import io
+    buf = io.BytesIO()
+    Image.effect_noise((320, 240), 60).convert("RGB").save(buf, "JPEG", quality=90)
+    data = buf.getvalue()
+    scan = data.index(b"\xff\xda")  # start of scan: the entropy-coded data follows
+    mid = scan + (len(data) - scan) // 2
+    (tmp_path / "good.jpg").write_bytes(data)
+    (tmp_path / "cut.jpg").write_bytes(data[: mid])
+    (tmp_path / "corrupt.jpg").write_bytes(data[:mid] + b"\xff\xc0" + data[mid + 2:])
+    for name in ("cut.jpg", "corrupt.jpg"):
+        with Image.open(tmp_path / name) as im:
+            assert im.size == (320, 240)  # the header alone does not tell
+    meta, ann = make_data(tmp_path, [qa(image="good.jpg"), qa(image="cut.jpg"), qa(image="corrupt.jpg")])
+    with pytest.raises(DataValidationError) as e:
+        dataset(meta)
+    lines = [line.strip() for line in str(e.value).splitlines()[1:]]
+    assert len(lines) == 2
+    assert lines[0].startswith(f"{ann}:2: cannot decode image {tmp_path / 'cut.jpg'}: image file is truncated")
+    assert lines[1] == f"{ann}:3: cannot decode image {tmp_path / 'corrupt.jpg'}: broken data stream when reading image file"
+    meta, _ = make_data(tmp_path / "ok", [qa(image="../good.jpg")])
+    scan = dataset(meta).scan
+    assert (scan.img_width.tolist(), scan.img_height.tolist()) == ([320], [240])
