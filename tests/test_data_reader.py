@@ -346,7 +346,8 @@ def test_a_cut_or_corrupt_jpeg_is_refused_by_the_scan(tmp_path):
     lines = [line.strip() for line in str(e.value).splitlines()[1:]]
     assert len(lines) == 2
     assert lines[0].startswith(f"{ann}:2: cannot decode image {tmp_path / 'cut.jpg'}: image file is truncated")
-    assert lines[1] == f"{ann}:3: cannot decode image {tmp_path / 'corrupt.jpg'}: broken data stream when reading image file"
+    assert lines[1] == (f"{ann}:3: cannot decode image {tmp_path / 'corrupt.jpg'}: "
+                        "broken data stream when reading image file")
     meta, _ = make_data(tmp_path / "ok", [qa(image="../good.jpg")])
     scan = dataset(meta).scan
     assert (scan.img_width.tolist(), scan.img_height.tolist()) == ([320], [240])
