@@ -13,7 +13,7 @@ from omnibal_ext.data.isf import ISFParams
 from omnibal_ext.data.metrics import dist_ratio_matrix, dist_ratio_one
 from omnibal_ext.data.online_isf import (Caps, BufferCosts, Frame, Level, OnlineISF, OnlineISFConfig,
                                          OnlineOversizeError, SampleCost, common_level, complete_pair,
-                                         exact_completion, fill_best)
+                                         exact_completion, fill_best, fill_group, repair)
 from omnibal_ext.data.online_sim import simulate
 from omnibal_ext.errors import UserError
 
@@ -97,6 +97,31 @@ def test_fill_best_keeps_its_anchor_and_the_caps():
         assert table.vit_items[group].sum() <= caps.vit_items and table.tokens[group].sum() <= caps.tokens
         err = max(abs(table.vit_s[group].sum() / target.vit_s - 1), abs(table.llm_s[group].sum() / target.llm_s - 1))
         assert err <= 0.0025 * 4
+
+
+def test_fill_best_finds_the_group_a_greedy_pick_dead_ends_on_a_tile_lattice():
+    """InternVL-like buffer: ViT time a lattice of tiles (1, 3 or 5 per image, the target 16), the LLM time of a
+    5-tile sample at least 0.286 of the target's.  From a 5-tile anchor of low LLM time, the typical-remainder pick
+    takes the rare 3-tile samples and ends 2 tiles short, which no exchange of one sample for one or two mends
+    (checked: the greedy fill and its repair miss by 1/8); one sample then a pair (1 tile, then two 5-tile ones)
+    reaches the target, recounted here from the table."""
+    rng = np.random.default_rng(0)
+    tiles = np.concatenate([[5], np.full(300, 5), np.full(80, 1), np.full(6, 3)]).astype(np.int64)
+    llm = np.concatenate([[0.289], 0.286 + rng.gamma(1.0, 0.02, 300), 0.063 + rng.gamma(1.0, 0.004, 80),
+                          0.25 + 0.1 * rng.random(6)])
+    tile_s = 0.0678
+    table = BufferCosts(tiles, 256 * tiles + (2000 * llm).astype(np.int64), tile_s * tiles, llm)
+    target, caps, tol = Level(16 * tile_s, 1.0), Caps(41, 9000), 0.0025
+    dims = Frame.of(table, target, False)
+    greedy = fill_group(table, dims, np.ones(len(table), dtype=bool), 0, caps, tol)
+    greedy = repair(table, dims, np.ones(len(table), dtype=bool), greedy, caps, tol)
+    assert abs(int(tiles[greedy].sum()) - 16) == 2
+
+    group = fill_best(table, target, np.ones(len(table), dtype=bool), 0, caps, tol)
+    assert group[0] == 0 and len(set(group)) == len(group)
+    assert int(tiles[group].sum()) == 16
+    assert abs(float(llm[group].sum()) - 1.0) <= 2 * tol
+    assert int(table.tokens[group].sum()) <= caps.tokens
 
 
 def test_common_level_closed_form():

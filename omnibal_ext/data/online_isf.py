@@ -18,7 +18,8 @@ One step on one rank (``OnlineISF.next_step_groups`` = ``propose``, the all-gath
    sample that leaves the most typical remainder; then the single sample, else the pair (``complete_pair``: a
    sorted-bucket search over all pairs in O(n log n)), that completes the group within ``tolerance``
    (``4 tolerance`` for a pair); a group that misses is ``repair``-ed (one sample exchanged for one or two) and
-   tried again with another first pick (``fill_best``), then from the next oldest anchors (``ANCHOR_TRIES``).  A
+   tried again with another first pick and a look-ahead (``fill_best``, ``_look_ahead``: one sample then a pair,
+   where greedy picks dead-end on a lattice of tile times), then from the next oldest anchors (``ANCHOR_TRIES``).  A
    sample that missed as an anchor is not tried as one for ``ANCHOR_COOLDOWN`` steps (it may still fill others'
    groups); one that has waited ``max_wait_steps`` starts the next group whatever.  A rank whose buffer's mix is
    off the target's (``is_skewed``: a skewed shard) and cannot reach it packs to the total time instead
@@ -71,6 +72,8 @@ Exchange = Callable[[np.ndarray], np.ndarray]
 TARGET_PULL = 0.02  # share of the way from the step's mean group to the nominal target taken each step
 PROBE_EVERY = 16  # every so many steps the target is the nominal one (module docstring, step 4)
 MISSING_FOR_PAIR = 3.5  # a group this many mean samples short or less is completed by one sample or a pair
+MISSING_FOR_TRIPLE = 5.0  # one this short or less, where no pair completes it, tries a sample then a pair (look-ahead)
+LOOKAHEAD = 8  # first samples the look-ahead tries, the best of each p bucket (distinct ViT sizes on a lattice)
 EXACT_MAX = 12  # a group with at most this many candidates left is completed by an exhaustive subset search
 LEVEL_FLOOR = 0.9  # a rank whose stream goes on pulls the common level down to this share of the target at most
 SKEW_MIN_SAMPLES = 32  # a buffer this small is not judged skewed (its mean mix is mostly chance)
@@ -397,11 +400,12 @@ def exact_completion(frame: Frame, items: np.ndarray, tokens: np.ndarray, cand: 
 
 
 def fill_group(table: BufferCosts, frame: Frame, free: np.ndarray, anchor: int, caps: Caps, tol: float,
-               detour: int = 0) -> list[int]:
+               detour: int = 0, look_ahead: bool = False) -> list[int]:
     """One group: ``anchor`` plus samples of ``free`` (bool mask, updated) filled toward the target of ``frame``
     within the count ``caps``; positions in the table, anchor first.  See the module docstring (step 2).
     detour: the first pick before the completion is the ``detour``-th best instead of the best (another try after
-    a miss)."""
+    a miss); look_ahead: once the group is ``MISSING_FOR_TRIPLE`` mean samples short or less and no pair completes
+    it, try one sample then a pair (``_look_ahead``) before a greedy pick."""
     p, q = frame.p, frame.q
     items, tokens = table.vit_items, table.tokens
     mean_p = frame.mean_p or tol
@@ -409,6 +413,7 @@ def fill_group(table: BufferCosts, frame: Frame, free: np.ndarray, anchor: int, 
     members = [anchor]
     free[anchor] = False
     sp, sq, si, st = float(p[anchor]), float(q[anchor]), int(items[anchor]), int(tokens[anchor])
+    looked = False
 
     def add(*qs: int) -> None:
         nonlocal sp, sq, si, st
@@ -446,6 +451,10 @@ def fill_group(table: BufferCosts, frame: Frame, free: np.ndarray, anchor: int, 
             continue
         m = max(1.0, round(missing) - 1.0)  # leave about m mean samples, of the buffer's mix, to complete
         keep = np.maximum(np.abs(rp - p[cand] - m * mean_p), np.abs(rq - q[cand] - m * frame.mean_q))
+        if look_ahead and not frame.total and not looked and missing <= MISSING_FOR_TRIPLE:
+            looked = True  # once per group: where it finds nothing, a greedy pick comes next
+            if _look_ahead(frame, table, cand, keep, rp, rq, tol, (left_items, left_tokens), add):
+                break
         if detour and len(members) == 1 and len(cand) > detour:
             add(int(cand[np.argpartition(keep, detour)[detour]]))
         else:
@@ -456,6 +465,37 @@ def fill_group(table: BufferCosts, frame: Frame, free: np.ndarray, anchor: int, 
 def _top_two(values: np.ndarray) -> float:
     """The sum of the two largest ``values`` (at least two)."""
     return float(np.partition(values, len(values) - 2)[-2:].sum())
+
+
+def _look_ahead(frame: Frame, table: BufferCosts, cand: np.ndarray, keep: np.ndarray, rp: float, rq: float,
+                tol: float, left: tuple[int, int], add) -> bool:
+    """Completes a group in (x, y) by one sample and then a pair (``complete_pair``), where no pair alone does: the
+    first sample is tried among the best (least ``keep``) of each bucket of ``p`` (width ``4 tol``), ``LOOKAHEAD``
+    buckets at most, and the completion with the least larger error within ``4 tol`` is taken.  Greedy picks alone
+    dead-end on a lattice of ViT times (InternVL's tiles): a 3-tile sample picked where a 1-tile one leaves a pair
+    of 5-tile ones.  Returns whether it completed."""
+    p, q, items, tokens = frame.p, frame.q, table.vit_items, table.tokens
+    order = cand[np.argsort(keep, kind="stable")]
+    _, first = np.unique(np.floor(p[order] / (4 * tol)), return_index=True)
+    firsts = order[np.sort(first)[:LOOKAHEAD]]
+    best, best_err = None, 4 * tol
+    for i in firsts:
+        rp_i, rq_i = rp - float(p[i]), rq - float(q[i])
+        left_items, left_tokens = left[0] - int(items[i]), left[1] - int(tokens[i])
+        rest = cand[(cand != i) & (p[cand] <= rp_i + 4 * tol) & (q[cand] <= rq_i + 4 * tol)
+                    & (items[cand] <= left_items) & (tokens[cand] <= left_tokens)]
+        if len(rest) < 2 or _top_two(p[rest]) < rp_i - 4 * tol:
+            continue
+        ep, eq, j, k = complete_pair(p, q, rest, rp_i, rq_i, 4 * tol, (items, tokens, left_items, left_tokens),
+                                     chebyshev=True)
+        if max(ep, eq) < best_err:
+            best, best_err = (int(i), j, k), max(ep, eq)
+            if best_err <= GOOD_ENOUGH * tol:
+                break
+    if best is None:
+        return False
+    add(*best)
+    return True
 
 
 def _complete(frame: Frame, table: BufferCosts, cand: np.ndarray, rp: float, rq: float, tol: float,
@@ -536,7 +576,7 @@ def repair(table: BufferCosts, frame: Frame, free: np.ndarray, members: list[int
 def fill_best(table: BufferCosts, target: Level, free: np.ndarray, anchor: int, caps: Caps, tol: float,
               frames: tuple[Frame, Frame] | None = None) -> list[int]:
     """The group of ``anchor``: ``fill_group`` in (x, y) and, where it misses, ``repair``; tried again with other
-    first picks (``detour``) while it misses; where the best try still misses by more than ``4 tol`` and the
+    first picks (``detour``) and the look-ahead (``_look_ahead``) while it misses; where the best try still misses by more than ``4 tol`` and the
     buffer's mix is off the target's (``is_skewed``: a skewed shard, not a lattice of tile times; then after one
     try), in (u, v) too, and the better in total time wins.  ``free`` is updated for the group returned;
     ``frames``: the two frames of ``target`` when the caller holds them."""
@@ -545,7 +585,7 @@ def fill_best(table: BufferCosts, target: Level, free: np.ndarray, anchor: int, 
     best, best_score = None, math.inf
     for detour in range(1 if skewed else RETRIES + 1):
         trial = free.copy()
-        members = fill_group(table, dims, trial, anchor, caps, tol, detour)
+        members = fill_group(table, dims, trial, anchor, caps, tol, detour, look_ahead=detour > 0)
         if max(dims.errors(members)) > GOOD_ENOUGH * tol:
             members = repair(table, dims, trial, members, caps, tol)
         err = max(dims.errors(members))
