@@ -13,6 +13,7 @@ import json
 import os
 import pickle
 import tarfile
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -30,12 +31,14 @@ from megatron.vlm.data.energon.convert import ConvertError, prepare, to_energon 
 from megatron.vlm.data.energon.costs import CostModel  # noqa: E402
 from megatron.vlm.data.energon.encoder import ChatTaskEncoder, EncoderSettings  # noqa: E402
 from megatron.vlm.data.energon.layout import EnergonDataError  # noqa: E402
+from megatron.vlm.data.energon.look_ahead import LookAhead  # noqa: E402
 from megatron.vlm.data.energon.stream import (EnergonSampleError, LoaderSettings, SampleStream,  # noqa: E402
                                               SkipPolicy)
 from megatron.vlm.data.record_sample import ReaderConfig  # noqa: E402
 from megatron.vlm.data.tokenizer import build_tokenizer  # noqa: E402
 from megatron.vlm.data.video_sampling import VideoOverrides  # noqa: E402
 from megatron.vlm.families.internvl import video as internvl  # noqa: E402
+from omnibal_ext.data.online_isf import SampleCost  # noqa: E402
 from omnibal_ext.errors import UserError  # noqa: E402
 from omnibal_ext.model.cost_model import get_device  # noqa: E402
 from omnibal_ext.model.sample_time import time_coefficients  # noqa: E402
@@ -82,7 +85,7 @@ def epoch(s: SampleStream) -> list:
     while True:
         s.fill(len(s.buffer) + 1)
         if s.exhausted:
-            out += s.take(list(range(len(s.buffer))))
+            out += s.buffer.take(list(range(len(s.buffer))))
             return out
 
 
@@ -228,7 +231,7 @@ def test_position_survives_a_restore_with_a_buffer(data, tmp_path):
     first = stream(tmp_path / "en", workers=2, pixels=False)
     served = [first.next_sample().name for _ in range(3)]
     first.fill(4)
-    first.take([2, 0])
+    first.buffer.take([2, 0])
     state = pickle.loads(pickle.dumps(first.state_dict()))
     rest = [first.next_sample().name for _ in range(6)]
     second = stream(tmp_path / "en", workers=2, pixels=False)
@@ -394,3 +397,30 @@ def test_video_bytes_and_a_header_without_a_frame_count(tmp_path):
     a = decode_frames(str(path), info, [0, 6]).frames
     b = decode_frames(VideoBytes("x", path.read_bytes()), in_memory, [0, 6]).frames
     assert np.array_equal(a, b)
+
+
+def test_look_ahead_keeps_its_cost_table_with_its_samples():
+    """Samples appended and taken in any order: the buffer's cost arrays stay those of its samples, in their order,
+    and ``take`` serves the positions asked in that order (recounted from the samples themselves)."""
+    rng = np.random.default_rng(0)
+    made = [SimpleNamespace(cost=SampleCost(int(k), int(10 * k), 0.1 * k, 0.2 * k), __restore_key__=("k", k))
+            for k in range(200)]
+    buffer, expected, served = LookAhead(made[:10]), list(made[:10]), []
+    nxt = 10
+    for _ in range(30):
+        add = int(rng.integers(0, 8))
+        buffer.append(made[nxt:nxt + add])
+        expected += made[nxt:nxt + add]
+        nxt += add
+        positions = rng.permutation(len(expected))[:int(rng.integers(0, min(5, len(expected)) + 1))].tolist()
+        taken = buffer.take(positions)
+        assert taken == [expected[p] for p in positions]
+        served += taken
+        expected = [s for p, s in enumerate(expected) if p not in set(positions)]
+        assert buffer.samples == expected
+        assert buffer.costs.tokens.tolist() == [s.cost.tokens for s in expected]
+        assert buffer.costs.llm_s.tolist() == [s.cost.llm_s for s in expected]
+        assert buffer.restore_keys() == [s.__restore_key__ for s in expected]
+    assert sorted(id(s) for s in served + expected) == sorted(id(s) for s in made[:nxt])
+    with pytest.raises(ValueError, match="not distinct positions"):
+        buffer.take([0, 0])

@@ -22,11 +22,10 @@ from megatron.energon.epathlib import EPath
 from megatron.energon.flavors.webdataset.metadata import WebdatasetMeta
 
 from omnibal_ext.data.isf import ISFParams
-from omnibal_ext.data.online_isf import OnlineISF, OnlineISFConfig, SampleCost
+from omnibal_ext.data.online_isf import OnlineISF, OnlineISFConfig
 from omnibal_ext.data.search import run_isf
 from omnibal_ext.data.search_time import run_isf_in_time
 from omnibal_ext.data.stats import load_stats
-from omnibal_ext.errors import UserError
 from omnibal_ext.model.cost_model import get_device
 from omnibal_ext.model.sample_time import TIME_UNIT_S, isf_sample_times, time_coefficients
 from omnibal_ext.model.units import ModelSpec, family_of
@@ -184,13 +183,11 @@ def online_grouping(config: RunConfig, spec: ModelSpec) -> OnlineGroups:
     isf = online_config(config, spec)
     buffer = isf.buffer_size
 
-    def name_error(error, sample) -> UserError:
-        return UserError(f"{sample.name}: {error} (the caps: ViT items {isf.max_vit_items}, tokens "
-                         f"{isf.max_tokens}; raise --omnibal-isf-qv/-qt, or leave the sample out)")
-
+    hint = (f" (the caps: ViT items {isf.max_vit_items}, tokens {isf.max_tokens}; raise --omnibal-isf-qv/-qt, or "
+            f"leave the sample out)")
     return OnlineGroups(OnlineISF(isf), all_gather_exchange(parallel_state.get_data_parallel_group_gloo()),
-                        buffer, config.optim.num_microbatches, SampleCost,
-                        samples_per_group=config.optim.micro_batch_size, name_error=name_error)
+                        buffer, config.optim.num_microbatches, samples_per_group=config.optim.micro_batch_size,
+                        oversize_hint=hint)
 
 
 def build_energon_data(config: RunConfig, spec: ModelSpec, tokenizer, sources, inputs: StageInputs,

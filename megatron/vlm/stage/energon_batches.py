@@ -25,10 +25,11 @@ import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from omnibal_ext.data.online_isf import Exchange
+from omnibal_ext.data.online_isf import Exchange, OnlineISF
 from omnibal_ext.errors import UserError
 
 from megatron.vlm.data.energon.encoder import EncodedChat
+from megatron.vlm.data.energon.look_ahead import balanced_step
 from megatron.vlm.data.energon.stream import SampleStream, pack_state, unpack_state
 from megatron.vlm.data.record_sample import ReaderConfig
 from megatron.vlm.stage.batches import BatchRecords, Collate, StageInputs
@@ -73,46 +74,31 @@ class FixedGroups:
 
 @dataclasses.dataclass
 class OnlineGroups:
-    """One online ISF group per micro-batch: ``isf`` (an ``OnlineISF``: ``next_step_groups(costs, exchange, final)``
-    -> this rank's groups as positions of its look-ahead buffer) over a buffer of ``buffer_size`` samples;
-    ``exchange`` all-gathers its summaries across the data-parallel ranks; ``cost_type`` makes the algorithm's
-    per-sample cost from ``costs.Cost`` fields; ``name_error`` turns the algorithm's error about a buffer position
-    into one naming the sample.
+    """One online ISF group per micro-batch: ``isf`` packs this rank's groups out of its stream's look-ahead buffer
+    of ``buffer_size`` samples (``look_ahead.balanced_step``), ``exchange`` all-gathering its summaries across the
+    data-parallel ranks; a sample over a count cap is refused by its name, with ``oversize_hint`` after the reason.
 
     Epochs: when this rank's loader ends an epoch (``stream.exhausted``) the buffer drains (``final``), so the rank
     serves its whole share of an epoch before any sample of the next.  A step the drain cannot fill (the algorithm
     returns fewer groups than micro-batches) takes its remaining groups from the next epoch in stream order,
     ``samples_per_group`` samples each, unbalanced: at most one such step per epoch of a rank."""
 
-    isf: object
+    isf: OnlineISF
     exchange: Exchange
     buffer_size: int
     microbatches: int
-    cost_type: Callable
     samples_per_group: int = 1
-    name_error: Callable | None = None
+    oversize_hint: str = ""
     packed: bool = True
 
     def step_groups(self, stream: SampleStream) -> list[list[EncodedChat]]:
         stream.fill(self.buffer_size)
-        costs = [self.cost_type(vit_items=s.cost.vit_items, tokens=s.cost.tokens, vit_s=s.cost.vit_s,
-                                llm_s=s.cost.llm_s) for s in stream.buffer]
-        try:
-            groups = self.isf.next_step_groups(costs, self.exchange, final=stream.exhausted)
-        except UserError as e:
-            position = getattr(e, "position", None)
-            if position is None or self.name_error is None:
-                raise
-            raise self.name_error(e, stream.buffer[position]) from None
-        if len(groups) > self.microbatches or any(not g for g in groups) or (len(groups) < self.microbatches
-                                                                             and not stream.exhausted):
-            raise RuntimeError(f"online ISF gave {len(groups)} group(s) (sizes {[len(g) for g in groups]}) for a step "
+        out = balanced_step(self.isf, stream.buffer, self.exchange, stream.exhausted, lambda s: s.name,
+                            self.oversize_hint)
+        if len(out) > self.microbatches or any(not g for g in out) or (len(out) < self.microbatches
+                                                                       and not stream.exhausted):
+            raise RuntimeError(f"online ISF gave {len(out)} group(s) (sizes {[len(g) for g in out]}) for a step "
                                f"of {self.microbatches} micro-batches")
-        chosen = stream.take([p for g in groups for p in g])
-        out, start = [], 0
-        for g in groups:
-            out.append(chosen[start:start + len(g)])
-            start += len(g)
         while len(out) < self.microbatches:  # the epoch's end: the rest of the step from the next epoch, in order
             out.append([stream.next_sample() for _ in range(self.samples_per_group)])
         return out

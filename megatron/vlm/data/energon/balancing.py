@@ -6,8 +6,8 @@ what the loader yields:
 
 * the loader yields ``CostedSample``s (``task_encoder.OnlineISFTaskEncoderMixin``: each sample's cost from cheap
   metadata, media not decoded);
-* ``OnlineISFLoader`` keeps a look-ahead buffer of them, and every step asks ``OnlineISF`` (``omnibal_ext``) for this
-  rank's groups, all ranks exchanging one small vector over ``torch.distributed`` (an all-gather of
+* ``OnlineISFLoader`` keeps a look-ahead buffer of them (``look_ahead.LookAhead``, as the trainer's stream does),
+  and every step asks ``OnlineISF`` (``omnibal_ext``) for this rank's groups (``look_ahead.balanced_step``), all ranks exchanging one small vector over ``torch.distributed`` (an all-gather of
   ``SUMMARY_FIELDS`` float64 numbers per rank, never samples);
 * it post-encodes the selected samples (the task encoder's ``postencode_sample``: pixels are decoded only now, in
   ``decode_threads`` threads), groups them (``collate``, default a list) and yields a ``BalancedStep``.
@@ -31,9 +31,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from omnibal_ext.data.online_isf import BufferCosts, OnlineISF, OnlineISFConfig, OnlineOversizeError, SampleCost
+from omnibal_ext.data.online_isf import OnlineISF, OnlineISFConfig, SampleCost
 from omnibal_ext.errors import UserError
 
+from .look_ahead import LookAhead, balanced_step
 from .task_encoder import CostedSample, sample_where
 
 STATE_FORMAT = "omnibal-online-isf-loader"
@@ -83,8 +84,7 @@ class OnlineISFLoader:
         self.collate = collate or list
         self._exchange = all_gather_exchange(group)
         self._pool = ThreadPoolExecutor(decode_threads) if decode_threads > 0 else None
-        self._buffer: list[CostedSample] = []
-        self._costs = BufferCosts.from_costs([])
+        self._buffer = LookAhead()
         self._iterator: Iterator | None = None
         self._ended = False
 
@@ -102,18 +102,9 @@ class OnlineISFLoader:
         if self.isf.done:
             return None
         self._fill()
-        try:
-            positions = self.isf.next_step_groups(self._costs, self._exchange, final=self._ended)
-        except OnlineOversizeError as e:
-            raise UserError(f"{sample_where(self._buffer[e.position])}: {e}") from None
-        if self.isf.done and not positions:
+        chosen = balanced_step(self.isf, self._buffer, self._exchange, self._ended, sample_where)
+        if self.isf.done and not chosen:
             return None
-        chosen = [[self._buffer[p] for p in g] for g in positions]
-        served = np.zeros(len(self._buffer), dtype=bool)
-        for g in positions:
-            served[g] = True
-        self._buffer = [s for s, out in zip(self._buffer, served) if not out]
-        self._costs = self._costs.take(np.flatnonzero(~served))
         encoded = self._postencode([s for g in chosen for s in g])
         groups, k = [], 0
         for g in chosen:
@@ -137,9 +128,7 @@ class OnlineISFLoader:
                                 f"build its dataset with a task encoder that mixes in OnlineISFTaskEncoderMixin "
                                 f"and batch_size=None")
             new.append(sample)
-        if new:
-            self._buffer += new
-            self._costs = self._costs.concat(BufferCosts.from_costs([s.cost for s in new]))
+        self._buffer.append(new)
 
     def _postencode(self, samples: list[CostedSample]) -> list[Any]:
         encode = self.task_encoder.postencode_sample
@@ -152,7 +141,7 @@ class OnlineISFLoader:
         """This rank's state between two steps: Energon's loader state, the online ISF's (JSON-able) and the restore
         keys of the buffered samples, oldest first (picklable, for ``torch.save``)."""
         return {"format": STATE_FORMAT, "loader": self.loader.save_state_rank(), "isf": self.isf.state_dict(),
-                "buffer": [s.__restore_key__ for s in self._buffer], "ended": self._ended,
+                "buffer": self._buffer.restore_keys(), "ended": self._ended,
                 "ranks": self.isf.config.ranks, "num_workers": self.loader.worker_config.num_workers}
 
     def restore_state(self, state: dict) -> None:
@@ -170,8 +159,7 @@ class OnlineISFLoader:
                                 f"resumes only at the same one")
         self.loader.restore_state_rank(state["loader"])
         self.isf.load_state_dict(state["isf"])
-        self._buffer = [self.loader.restore_sample(restore_key(key)) for key in state["buffer"]]
-        self._costs = BufferCosts.from_costs([s.cost for s in self._buffer])
+        self._buffer = LookAhead.restored(self.loader, state["buffer"])
         self._ended = bool(state["ended"])
 
     @property
@@ -188,14 +176,10 @@ class OnlineISFLoader:
     def buffer_bytes(self) -> int:
         """Bytes the buffered samples hold in encoded media (the files' bytes: what the buffer costs in memory)."""
         total = 0
-        for s in self._buffer:
+        for s in self._buffer.samples:
             inner = s.sample
             fields = inner.values() if isinstance(inner, dict) else (
                 getattr(inner, name, None) for name in getattr(inner, "__dataclass_fields__", {}))
             total += sum(len(v) for v in fields if isinstance(v, (bytes, bytearray)))
         return total
 
-
-def restore_key(key) -> tuple:
-    """A restore key as Energon takes it (nested tuples), from one a JSON round trip turned into lists."""
-    return tuple(restore_key(k) if isinstance(k, list) else k for k in key)

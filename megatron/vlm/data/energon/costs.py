@@ -12,22 +12,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from omnibal_ext.data.online_isf import SampleCost
 from omnibal_ext.data.stats import ImageStats, SampleStats, VideoStats
 from omnibal_ext.model.sample_time import TimeCoefficients, sample_times, sample_work, with_tokens
 
 from ..images import ImageRule
 from ..record_sample import RecordLayout
-
-
-@dataclass(frozen=True)
-class Cost:
-    """One sample's cost: ``vit_items`` (the ViT items it feeds, dummy ones included), ``tokens`` (LLM tokens as ISF
-    counts them), ``vit_s`` / ``llm_s`` (predicted ViT-side / LLM-side seconds, forward + backward)."""
-
-    vit_items: int
-    tokens: int
-    vit_s: float
-    llm_s: float
 
 
 def layout_stats(layout: RecordLayout, rule: ImageRule) -> SampleStats:
@@ -61,7 +51,9 @@ class CostModel:
     coefficients: TimeCoefficients
     token_multiple: int = 1
 
-    def __call__(self, layout: RecordLayout, rule: ImageRule) -> Cost:
+    def __call__(self, layout: RecordLayout, rule: ImageRule) -> SampleCost:
+        """The sample's ``SampleCost``: the ViT items it feeds (dummy ones included), its tokens as ISF counts them,
+        its predicted ViT-side and LLM-side seconds (forward + backward)."""
         stats = layout_stats(layout, rule)
         grids = [rule.grid(int(w), int(h)) for w, h in zip(stats.images.width, stats.images.height)]
         rows_cols = None
@@ -71,4 +63,4 @@ class CostModel:
         tokens = -(-layout.tokens // m) * m
         work = with_tokens(sample_work(stats, self.spec, rows_cols), np.array([tokens]))
         vit, llm = sample_times(work, self.coefficients)
-        return Cost(int(layout.items_fed(rule)), int(tokens), float(vit[0]), float(llm[0]))
+        return SampleCost(int(layout.items_fed(rule)), int(tokens), float(vit[0]), float(llm[0]))

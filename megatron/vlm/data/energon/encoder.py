@@ -27,12 +27,13 @@ from typing import Any, Optional
 from megatron.energon import Sample, TaskEncoder, edataclass
 from megatron.energon.task_encoder.base import stateless
 
+from omnibal_ext.data.online_isf import SampleCost
 from omnibal_ext.errors import UserError
 
 from ..record_sample import (ReaderConfig, RecordLayout, VideoPlan, image_flags, layout_record, plan_videos,
                              record_turns, sample_pixels, sample_text)
 from ..video_decode import decode_frames
-from .costs import Cost, CostModel
+from .costs import CostModel
 from .samples import MemberMedia, record_of, sample_name
 
 ORIGIN_KEY = "omnibal_origin"  # [source, line] of the JSONL record a converted sample comes from
@@ -62,7 +63,7 @@ class EncodedChat(Sample):
     sample_id: int
     problem: Optional[str] = None
     text: Optional[dict] = None
-    cost: Optional[Cost] = None
+    cost: Optional[SampleCost] = None
     layout: Optional[RecordLayout] = None
     turns: Optional[list] = None
     images: Optional[list] = None

@@ -7,8 +7,8 @@ its own with the same rank, so they read the same stream; its workers run ``enco
 dataset or an epochized blend is read epoch by epoch (Energon's ``repeat=False``: each sample once per epoch, the end
 of an epoch seen); a weighted blend is one endless stream that samples by weight, as Energon defines it.
 
-``SampleStream`` keeps a look-ahead ``buffer`` of samples pulled from the loader (oldest first) for the grouping to
-choose from.  Its state (``state_dict``) is the loader's (``save_state_rank``: the position after the last sample
+``SampleStream`` keeps a look-ahead ``buffer`` of samples pulled from the loader (``look_ahead.LookAhead``: oldest
+first, with their costs' table) for the grouping to choose from.  Its state (``state_dict``) is the loader's (``save_state_rank``: the position after the last sample
 pulled) plus the restore keys of the buffered samples, which ``load_state_dict`` fetches again
 (``SavableDataLoader.restore_sample``): a resume serves the same samples in the same order.  Energon restores a
 loader only with the same data-parallel size and worker count; the state records both and a change is refused by
@@ -36,6 +36,7 @@ from megatron.vlm.data.loader_workers import stop_workers
 from .dataset import load_datasets
 from .encoder import ChatTaskEncoder, EncodedChat
 from .layout import EnergonDataError
+from .look_ahead import LookAhead
 
 
 _LISTED: set[str] = set()  # the left-out samples this process has listed
@@ -158,7 +159,7 @@ class SampleStream:
     def __init__(self, settings: LoaderSettings, encoder: ChatTaskEncoder, policy: SkipPolicy):
         self.settings, self.policy, self._encoder = settings, policy, encoder
         self.loader, self.epochs = build_loader(settings, encoder, policy)
-        self.buffer: list[EncodedChat] = []
+        self.buffer = LookAhead()
         self.exhausted = False  # the loader's current epoch has ended (epoch by epoch only)
         self.epoch = 0
         self.skipped = 0
@@ -216,22 +217,14 @@ class SampleStream:
 
     def fill(self, size: int) -> None:
         """Pull until ``size`` samples are buffered or the current epoch ends (``exhausted``)."""
-        while len(self.buffer) < size and not self.exhausted:
+        new: list[EncodedChat] = []
+        while len(self.buffer) + len(new) < size and not self.exhausted:
             sample = self._pull()
             if sample is None:
                 self.exhausted = True
             else:
-                self.buffer.append(sample)
-
-    def take(self, positions: list[int]) -> list[EncodedChat]:
-        """Serve the buffered samples at ``positions`` (in that order); they leave the buffer."""
-        if len(set(positions)) != len(positions) or any(not 0 <= p < len(self.buffer) for p in positions):
-            raise ValueError(f"SampleStream.take: positions {positions} are not distinct positions of a buffer of "
-                             f"{len(self.buffer)}")
-        chosen = [self.buffer[p] for p in positions]
-        drop = set(positions)
-        self.buffer = [s for p, s in enumerate(self.buffer) if p not in drop]
-        return chosen
+                new.append(sample)
+        self.buffer.append(new)
 
     def next_sample(self) -> EncodedChat:
         """The oldest unserved sample, starting the next epoch when this one is over."""
@@ -242,7 +235,7 @@ class SampleStream:
             if not self.buffer:
                 raise EnergonDataError(f"{self.settings.path}: split {self.settings.split!r} gives data-parallel "
                                        f"rank {self.settings.dp_rank} no sample")
-        return self.take([0])[0]
+        return self.buffer.take([0])[0]
 
     def next_epoch(self) -> None:
         """Start the loader's next epoch (the buffer must be served first)."""
@@ -254,13 +247,13 @@ class SampleStream:
     def restart(self) -> None:
         """Back to the start of a fresh pass (evaluation: the same samples each time)."""
         self._it = None
-        self.buffer, self.exhausted = [], False
+        self.buffer, self.exhausted = LookAhead(), False
 
     # ------------------------------------------------------------------ position
     def state_dict(self) -> dict:
         """The position (see the module docstring); picklable."""
         return {"dp_size": self.settings.dp_size, "num_workers": self.settings.num_workers,
-                "loader": self._open_loader().save_state_rank(), "buffer": [s.__restore_key__ for s in self.buffer],
+                "loader": self._open_loader().save_state_rank(), "buffer": self.buffer.restore_keys(),
                 "exhausted": self.exhausted, "epoch": self.epoch, "skipped": self.skipped}
 
     def load_state_dict(self, state: dict) -> None:
@@ -274,7 +267,7 @@ class SampleStream:
                                 f"count; resume with {flag} {saved}")
         self._open_loader().restore_state_rank(state["loader"])
         self._it = None
-        self.buffer = [self.loader.restore_sample(tuple(key)) for key in state["buffer"]]
+        self.buffer = LookAhead.restored(self.loader, state["buffer"])
         self.exhausted, self.epoch, self.skipped = bool(state["exhausted"]), int(state["epoch"]), int(state["skipped"])
 
 
