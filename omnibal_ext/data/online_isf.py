@@ -471,7 +471,8 @@ def _look_ahead(frame: Frame, table: BufferCosts, cand: np.ndarray, keep: np.nda
                 tol: float, left: tuple[int, int], add) -> bool:
     """Completes a group in (x, y) by one sample and then a pair (``complete_pair``), where no pair alone does: the
     first sample is tried among the best (least ``keep``) of each bucket of ``p`` (width ``4 tol``), ``LOOKAHEAD``
-    buckets at most, and the completion with the least larger error within ``4 tol`` is taken.  Greedy picks alone
+    buckets at most, in that order: the first completion within ``GOOD_ENOUGH`` tolerances is taken, else the one
+    with the least larger error within ``4 tol``.  Greedy picks alone
     dead-end on a lattice of ViT times (InternVL's tiles): a 3-tile sample picked where a 1-tile one leaves a pair
     of 5-tile ones.  Returns whether it completed."""
     p, q, items, tokens = frame.p, frame.q, table.vit_items, table.tokens
@@ -576,10 +577,10 @@ def repair(table: BufferCosts, frame: Frame, free: np.ndarray, members: list[int
 def fill_best(table: BufferCosts, target: Level, free: np.ndarray, anchor: int, caps: Caps, tol: float,
               frames: tuple[Frame, Frame] | None = None) -> list[int]:
     """The group of ``anchor``: ``fill_group`` in (x, y) and, where it misses, ``repair``; tried again with other
-    first picks (``detour``) and the look-ahead (``_look_ahead``) while it misses; where the best try still misses by more than ``4 tol`` and the
-    buffer's mix is off the target's (``is_skewed``: a skewed shard, not a lattice of tile times; then after one
-    try), in (u, v) too, and the better in total time wins.  ``free`` is updated for the group returned;
-    ``frames``: the two frames of ``target`` when the caller holds them."""
+    first picks (``detour``) and the look-ahead (``_look_ahead``) while it misses; where the best try still misses
+    by more than ``4 tol`` and the buffer's mix is off the target's (``is_skewed``: a skewed shard, not a lattice of
+    tile times; then after one try), in (u, v) too, and the better in total time wins.  ``free`` is updated for the
+    group returned; ``frames``: the two frames of ``target`` when the caller holds them."""
     dims, total = frames or (Frame.of(table, target, False), Frame.of(table, target, True))
     skewed = is_skewed(total)
     best, best_score = None, math.inf

@@ -7,8 +7,9 @@ what the loader yields:
 * the loader yields ``CostedSample``s (``task_encoder.OnlineISFTaskEncoderMixin``: each sample's cost from cheap
   metadata, media not decoded);
 * ``OnlineISFLoader`` keeps a look-ahead buffer of them (``look_ahead.LookAhead``, as the trainer's stream does),
-  and every step asks ``OnlineISF`` (``omnibal_ext``) for this rank's groups (``look_ahead.balanced_step``), all ranks exchanging one small vector over ``torch.distributed`` (an all-gather of
-  ``SUMMARY_FIELDS`` float64 numbers per rank, never samples);
+  and every step asks ``OnlineISF`` (``omnibal_ext``) for this rank's groups (``look_ahead.balanced_step``), all
+  ranks exchanging one small vector over ``torch.distributed`` (an all-gather of ``SUMMARY_FIELDS`` float64
+  numbers per rank, never samples);
 * it post-encodes the selected samples (the task encoder's ``postencode_sample``: pixels are decoded only now, in
   ``decode_threads`` threads), groups them (``collate``, default a list) and yields a ``BalancedStep``.
 
@@ -182,4 +183,3 @@ class OnlineISFLoader:
                 getattr(inner, name, None) for name in getattr(inner, "__dataclass_fields__", {}))
             total += sum(len(v) for v in fields if isinstance(v, (bytes, bytearray)))
         return total
-

@@ -8,11 +8,11 @@ dataset or an epochized blend is read epoch by epoch (Energon's ``repeat=False``
 of an epoch seen); a weighted blend is one endless stream that samples by weight, as Energon defines it.
 
 ``SampleStream`` keeps a look-ahead ``buffer`` of samples pulled from the loader (``look_ahead.LookAhead``: oldest
-first, with their costs' table) for the grouping to choose from.  Its state (``state_dict``) is the loader's (``save_state_rank``: the position after the last sample
-pulled) plus the restore keys of the buffered samples, which ``load_state_dict`` fetches again
-(``SavableDataLoader.restore_sample``): a resume serves the same samples in the same order.  Energon restores a
-loader only with the same data-parallel size and worker count; the state records both and a change is refused by
-name.
+first, with their costs' table) for the grouping to choose from.  Its state (``state_dict``) is the loader's
+(``save_state_rank``: the position after the last sample pulled) plus the restore keys of the buffered samples, which
+``load_state_dict`` fetches again (``SavableDataLoader.restore_sample``): a resume serves the same samples in the
+same order.  Energon restores a loader only with the same data-parallel size and worker count; the state records both
+and a change is refused by name.
 
 A sample that cannot be read (``EncodedChat.problem``, or an error Energon meets reading its shard) stops the run
 with one line naming it, or, with ``skip_bad``, is left out, printed and appended to the skipped-samples file.
