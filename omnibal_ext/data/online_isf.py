@@ -472,9 +472,9 @@ def _look_ahead(frame: Frame, table: BufferCosts, cand: np.ndarray, keep: np.nda
     """Completes a group in (x, y) by one sample and then a pair (``complete_pair``), where no pair alone does: the
     first sample is tried among the best (least ``keep``) of each bucket of ``p`` (width ``4 tol``), ``LOOKAHEAD``
     buckets at most, in that order: the first completion within ``GOOD_ENOUGH`` tolerances is taken, else the one
-    with the least larger error within ``4 tol``.  Greedy picks alone
-    dead-end on a lattice of ViT times (InternVL's tiles): a 3-tile sample picked where a 1-tile one leaves a pair
-    of 5-tile ones.  Returns whether it completed."""
+    with the least larger error within ``4 tol``.  Greedy picks alone dead-end on a lattice of ViT times (whole
+    tiles per image): a 3-tile sample picked where a 1-tile one leaves a pair of 5-tile ones.  Returns whether it
+    completed."""
     p, q, items, tokens = frame.p, frame.q, table.vit_items, table.tokens
     order = cand[np.argsort(keep, kind="stable")]
     _, first = np.unique(np.floor(p[order] / (4 * tol)), return_index=True)
