@@ -10,7 +10,7 @@ import pytest
 
 import pool
 from canonical import TINY, TINY_MOE, RunKey, Schedule, parse_flags
-from launch import run_trainer
+from launch import TRAINER, run_trainer
 
 
 # ------------------------------------------------------------------------------------------------ the key (unit)
@@ -122,3 +122,26 @@ def test_pool_puts_every_rank_back_reports_failures_and_restarts(tmp_path):
     assert fresh.pop("os_threads") <= os_threads  # a restarted pool holds no more than the old one did
     fresh.pop("os_thread_names")
     assert fresh == state
+
+
+@pytest.mark.slow
+def test_an_energon_run_leaves_no_gloo_thread_in_a_pool_of_one(tmp_path):
+    """Energon's loader collects and freezes the heap at an iterator's start (``GcDataset``); in the suite's processes
+    the freeze must not keep a run's objects: two Energon runs in the pool of one rank leave no gloo thread behind
+    (each used to leave its ~16 groups' threads: tests/frozen_heap.py)."""
+    from megatron.vlm.data.energon.convert import to_energon
+    from test_energon_data import small_data
+
+    to_energon(small_data(tmp_path / "media", 6), str(tmp_path / "en"), samples_per_shard=3)
+    flags = ["--data-path", str(tmp_path / "en"), "--train-iters", "2", "--micro-batch-size", "2",
+             "--global-batch-size", "2", "--eval-interval", "0", "--seq-length", "512"]
+
+    def gloo_threads(name: str) -> list[str]:
+        assert pool.run_case("pool_probe:main", ["inspect", str(tmp_path / name)], 1, tmp_path).returncode == 0
+        return [t for t in json.loads((tmp_path / name).read_text())["os_thread_names"] if "gloo" in t]
+
+    before = gloo_threads("before.json")
+    for _ in range(2):
+        run = pool.run_case(TRAINER, flags, 1, tmp_path)
+        assert run.returncode == 0, run.output
+    assert gloo_threads("after.json") == before
