@@ -2,11 +2,11 @@
 """The JSONL data path's startup at scale: time to the first training step, with and without a cached scan.
 
 The trainer scans every record of a meta JSON / JSONL dataset before the first step (each image decoded, JPEGs at
-1/8 scale; the text tokenized: ``megatron/vlm/data/records.py``) and keeps the scan in ``--data-cache-dir`` (``scan_cache.py``); a
-relaunch of the same data reads it back. Per dataset size (``--sizes`` records), two launches of ``pretrain_vlm.py``
-(``--nproc`` data-parallel ranks, default one, which split the scan; the tiny model, one iteration): ``cold`` with
-an empty cache folder, ``cached`` with the folder the first one filled. Reported: the launch's wall time (start to
-exit after the first step) and the seconds per record of the cold scan.
+1/8 scale; the text tokenized: ``megatron/vlm/data/records.py``) and keeps the scan in ``--data-cache-dir``
+(``scan_cache.py``); a relaunch of the same data reads it back. Per dataset size (``--sizes`` records), two
+launches of ``pretrain_vlm.py`` (``--nproc`` data-parallel ranks, default one, which split the scan; the tiny model,
+one iteration): ``cold`` with an empty cache folder, ``cached`` with the folder the first one filled. Reported: the
+launch's wall time (start to exit after the first step) and the seconds per record of the cold scan.
 
 The records reuse a pool of ``--pool`` image files (``--image-px`` a side, JPEG quality 90), so that a million
 records hold little disk: each record names one of them (the scan still decodes one image per record).

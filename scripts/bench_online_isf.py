@@ -108,7 +108,7 @@ def costed(name: str, stats: SampleStats, model: str, device: str, tokens: np.nd
     coeffs = time_coefficients(spec, dev)
     vit, llm = time_units(work, coeffs)
     table = BufferCosts(stats.vit.astype(np.int64), np.asarray(counted, dtype=np.int64), vit * TIME_UNIT_S,
-                      llm * TIME_UNIT_S)  # ViT items: tiles of the InternVL stats, patches of the video mix
+                        llm * TIME_UNIT_S)  # ViT items: tiles of the InternVL stats, patches of the video mix
     return Costed(name, table, coeffs, model)
 
 

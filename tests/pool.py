@@ -323,9 +323,8 @@ def pool(nproc: int) -> WorkerPool:
     """The session's pool of ``nproc`` ranks (started by its first case)."""
     if nproc not in SIZES:
         raise ValueError(f"no pool of {nproc} ranks (pools: {SIZES})")
-    _folder()
     if nproc not in _POOLS:
-        _POOLS[nproc] = WorkerPool(nproc, _FOLDER[0] / f"pool{nproc}")
+        _POOLS[nproc] = WorkerPool(nproc, _folder() / f"pool{nproc}")
     return _POOLS[nproc]
 
 
