@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -87,10 +88,30 @@ def stats_files(stats_dir: str | os.PathLike | None = None) -> list[str]:
     return files
 
 
+def _ephemeral_ports() -> range:
+    """The ports the kernel hands to outgoing connections and to ``bind(0)`` (Linux's default where unreadable)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now on 127.0.0.1, for a rendezvous the caller's processes bind soon after.
+
+    Drawn at random below the ephemeral range: a port from ``bind(0)`` is ephemeral, so the many gloo connections
+    of other runs on the machine can take it between this check and the bind (EADDRINUSE); these cannot."""
+    ephemeral = _ephemeral_ports()
+    candidates = [p for p in range(20000, 32768) if p not in ephemeral] or list(range(20000, 32768))
+    for port in random.SystemRandom().sample(candidates, 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port among 64 drawn in 20000-32767")
 
 
 # set by an in-process process group (a test, a notebook); a child must pick its own

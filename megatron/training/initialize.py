@@ -5,7 +5,6 @@ import contextlib
 import datetime
 import os
 import random
-import socket
 
 import numpy as np
 import torch
@@ -43,10 +42,13 @@ def initialize_distributed(device: torch.device, tp: int, pp: int, cp: int = 1, 
     ``timeout``: how long any collective or p2p transfer of those groups (and the rendezvous) waits for the
     other ranks before it raises; groups made later take it from ``ParallelConfig.timeout``.
 
-    A plain ``python pretrain_vlm.py`` (no torchrun) runs as a world of one.  On CPU the caller has
-    entered ``cpu_compat.patched()`` for the whole run (teardown included).  ``vpp`` > 1: model chunks per
-    pipeline rank (megatron's virtual pipeline size, which selects the interleaved schedule).  ``ep`` / ``etp``:
-    the MoE experts' expert-parallel and expert-tensor-parallel sizes (megatron-core's expert grid; ETP None: TP).
+    A plain ``python pretrain_vlm.py`` (no torchrun: no MASTER_PORT, WORLD_SIZE unset or 1) runs as a world of
+    one over an in-memory store, so it binds no port (one picked free can be taken by another process before it
+    is bound).  On CPU the caller has entered ``cpu_compat.patched()`` for the whole run (teardown included).
+
+    ``vpp`` > 1: model chunks per pipeline rank (megatron's virtual pipeline size, which selects the interleaved
+    schedule).  ``ep`` / ``etp``: the MoE experts' expert-parallel and expert-tensor-parallel sizes (megatron-core's
+    expert grid; ETP None: TP).
     """
     if device.type == "cpu":
         if not cpu_compat.active():
@@ -55,12 +57,12 @@ def initialize_distributed(device: torch.device, tp: int, pp: int, cp: int = 1, 
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        alone = os.environ.get("WORLD_SIZE", "1") == "1" and "MASTER_PORT" not in os.environ
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
-        store = _restart_store(timeout)
-        where = dict(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])) if store else {}
+        store = dist.HashStore() if alone else _restart_store(timeout)
+        where = {} if store is None else dict(store=store, rank=int(os.environ["RANK"]),
+                                              world_size=int(os.environ["WORLD_SIZE"]))
         dist.init_process_group(backend="gloo" if device.type == "cpu" else "nccl",
                                 timeout=timeout, **where)
     if not parallel_state.model_parallel_is_initialized():
@@ -84,12 +86,6 @@ def _restart_store(timeout: datetime.timedelta):
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timeout)
     return dist.PrefixStore(f"omnibal/attempt_{attempt}/", store)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def set_seeds(seed: int) -> None:
