@@ -81,11 +81,7 @@ def _broadcast(rank, world, port):
 
 @pytest.mark.slow
 def test_broadcast_over_two_ranks():
-    import socket
-
     import torch.multiprocessing as mp
+    from launch import benchlib
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_broadcast, args=(2, port), nprocs=2)
+    mp.spawn(_broadcast, args=(2, benchlib.free_port()), nprocs=2)
